@@ -1,0 +1,544 @@
+"""Typed configuration shared by every stage.
+
+Each stage declares one dataclass tree built from the sections below; YAML files map onto it 1:1
+(with ``!include`` for shared sections) and dotted CLI flags override the YAML::
+
+    python stages/sft.py --config configs/sft.yaml --train.max_steps 20 --lora.r 8
+
+Parsing is draccus (what Levanter uses): it gives typed decoding, ``!include`` and ``--help``
+built from the field docstrings. We add one thing it lacks: every unknown key in the YAML and on
+the command line is reported together, with its full key path and a "did you mean" suggestion,
+before anything is decoded. Semantic checks (``problems()``) are likewise collected, never raised
+one by one, so a user fixes a config in one pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence, TypeVar, Union
+
+import draccus
+import yaml
+from draccus.parsers.yaml_loader import SafeLoaderWithInclusion
+
+T = TypeVar("T")
+
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+FINETUNING = ("full", "lora", "qlora")
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
+SCHEDULES = ("constant", "linear", "cosine", "inv_sqrt", "inv")
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems; ``problems`` lists every one of them."""
+
+    def __init__(self, problems: Sequence[str], source: str = "config"):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in {source}:\n{lines}")
+
+
+def _choice(problems: list[str], key: str, value: Any, allowed: Sequence[Any]) -> None:
+    if value not in allowed:
+        problems.append(f"{key}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def _positive(problems: list[str], key: str, value: Optional[float], allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        problems.append(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Shared sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    path: str = "embedded"
+    """Base model: a Hugging Face folder, a hub id (when reachable), or 'embedded' (the bundled
+    SmolLM2-135M-Instruct). Empty means 'embedded'."""
+    finetuning: str = "lora"
+    """How weights are trained: 'full', 'lora', or 'qlora' (4-bit nf4 base + LoRA)."""
+    dtype: str = "auto"
+    """Dtype the weights are loaded in: auto|fp32|bf16|fp16. 'auto' is bf16 on a GPU that supports
+    it, fp32 otherwise."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel: sdpa (default), eager, or flash_attention_2 (CUDA with flash-attn)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    trust_remote_code: bool = False
+    """Allow model code from the model folder to run. Off unless you trust the folder."""
+    revision: Optional[str] = None
+    """Hub revision (branch, tag or commit) when `path` is a hub id."""
+
+    def problems(self, key: str = "model") -> list[str]:
+        out: list[str] = []
+        _choice(out, f"{key}.finetuning", self.finetuning, FINETUNING)
+        _choice(out, f"{key}.dtype", self.dtype, DTYPES)
+        _choice(out, f"{key}.attn_implementation", self.attn_implementation, ATTENTION)
+        return out
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    """LoRA rank."""
+    alpha: int = 32
+    """LoRA scaling numerator (the update is scaled by alpha / r)."""
+    dropout: float = 0.05
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names to adapt; ['all-linear'] adapts every linear layer except the output head."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full and saved with the adapter (the reward stage adds its 'score' head)."""
+    quant_type: str = "nf4"
+    """QLoRA 4-bit quantisation type: nf4 or fp4."""
+    double_quant: bool = True
+    """QLoRA: also quantise the quantisation constants."""
+
+    def problems(self, key: str = "lora") -> list[str]:
+        out: list[str] = []
+        _positive(out, f"{key}.r", self.r)
+        _positive(out, f"{key}.alpha", self.alpha)
+        if not 0 <= self.dropout < 1:
+            out.append(f"{key}.dropout: must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules:
+            out.append(f"{key}.target_modules: must name at least one module (or 'all-linear')")
+        _choice(out, f"{key}.quant_type", self.quant_type, ("nf4", "fp4"))
+        return out
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    """Optimizer steps to run."""
+    learning_rate: float = 2e-4
+    """Peak learning rate."""
+    batch_size: int = 4
+    """Samples (or packed rows) per device per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step. Global batch = batch_size * grad_accum * world size."""
+    seq_length: int = 512
+    """Maximum tokens per sample (or per packed row)."""
+    seed: int = 42
+    """Seed for model init, data order, dropout and sampling."""
+    precision: str = "auto"
+    """Autocast precision: auto|fp32|bf16|fp16. 'auto' is bf16 on a GPU that supports it, fp32 on CPU."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    epsilon: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    lr_schedule: str = "cosine"
+    """Decay shape: constant, linear, cosine, inv_sqrt or inv (Levanter's schedules)."""
+    warmup: float = 0.01
+    """Warmup: a fraction of a cycle (< 1) or a number of steps (>= 1)."""
+    decay: Optional[float] = None
+    """Decay length: fraction of a cycle or steps. None: everything after warmup decays."""
+    min_lr_ratio: float = 0.1
+    """The LR decays to min_lr_ratio * learning_rate at the end of each cycle."""
+    rewarmup: float = 0.0
+    """Re-warmup at the start of each later cycle: fraction of a cycle or steps."""
+    cycles: Optional[list[int]] = None
+    """Number of cycles as [n], or the steps at which cycles end, e.g. [1000, 2500]."""
+    cycle_length: Optional[list[float]] = None
+    """Cycle length as [steps] or [fraction], or a list of cycle lengths. Not with `cycles`."""
+    log_steps: int = 1
+    """Log training metrics every this many steps."""
+    eval_steps: int = 50
+    """Evaluate on the held-out split every this many steps (0 disables)."""
+    eval_batches: Optional[int] = None
+    """Evaluate on at most this many batches (None: the whole split)."""
+    early_stopping_stall_num: int = 0
+    """Stop after this many evaluations without a new best eval loss (0 disables; MFTCoder)."""
+
+    def problems(self, key: str = "train") -> list[str]:
+        out: list[str] = []
+        for name in ("max_steps", "batch_size", "grad_accum", "seq_length", "log_steps"):
+            _positive(out, f"{key}.{name}", getattr(self, name))
+        _positive(out, f"{key}.learning_rate", self.learning_rate, allow_zero=True)
+        _positive(out, f"{key}.eval_steps", self.eval_steps, allow_zero=True)
+        _positive(out, f"{key}.early_stopping_stall_num", self.early_stopping_stall_num, allow_zero=True)
+        _positive(out, f"{key}.max_grad_norm", self.max_grad_norm, allow_zero=True)
+        _choice(out, f"{key}.precision", self.precision, DTYPES)
+        _choice(out, f"{key}.lr_schedule", self.lr_schedule, SCHEDULES)
+        if not 0 <= self.min_lr_ratio <= 1:
+            out.append(f"{key}.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.cycles is not None and self.cycle_length is not None:
+            out.append(f"{key}: set cycles or cycle_length, not both (Levanter's rule)")
+        return out
+
+
+@dataclass
+class KeepPolicy:
+    every: int = 10000
+    """Keep a permanent checkpoint every this many steps..."""
+    until: Optional[int] = None
+    """...up to this step (None: for the rest of the run)."""
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
+
+
+def parse_duration(text: Union[str, float, int]) -> float:
+    """Seconds in a duration such as '90s', '15m', '1.5h', '2d' or a bare number of seconds.
+
+    Raises:
+        ValueError: the text is not a duration.
+    """
+    if isinstance(text, (int, float)):
+        return float(text)
+    match = _DURATION.match(str(text))
+    if not match:
+        raise ValueError(f"{text!r} is not a duration like '30s', '15m' or '1h'")
+    scale = {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2) or "s"]
+    return float(match.group(1)) * scale
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: str = "15m"
+    """Temporary checkpoint every this long (e.g. '30s', '15m'); the previous temporary one is
+    deleted once the new one is complete."""
+    keep: list[KeepPolicy] = field(default_factory=lambda: [KeepPolicy(every=10000)])
+    """Permanent step-based checkpoints: a list of {every, until} rules (Levanter's keep policy)."""
+    resume: Union[bool, str] = True
+    """true: resume from the newest complete checkpoint in <output_dir>/checkpoints if any;
+    false: start fresh; a path: resume from that checkpoint."""
+
+    def problems(self, key: str = "checkpoint") -> list[str]:
+        out: list[str] = []
+        try:
+            parse_duration(self.save_interval)
+        except ValueError as err:
+            out.append(f"{key}.save_interval: {err}")
+        for i, rule in enumerate(self.keep):
+            _positive(out, f"{key}.keep[{i}].every", rule.every)
+        return out
+
+
+@dataclass
+class TrackingConfig:
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Where curves go: any of tensorboard (<output_dir>/runs/), wandb. Several at once is fine."""
+    project: str = "relay"
+    """Project name for trackers that have one (W&B)."""
+    run_name: Optional[str] = None
+    """Run name; default is the stage name and a timestamp."""
+    entity: Optional[str] = None
+    """W&B entity (team or user)."""
+
+    def problems(self, key: str = "tracking") -> list[str]:
+        out: list[str] = []
+        for name in self.trackers:
+            _choice(out, f"{key}.trackers", name, ("tensorboard", "wandb"))
+        return out
+
+
+@dataclass
+class DistributedConfig:
+    engine: str = "ddp"
+    """Data-parallel engine (all through accelerate): ddp, deepspeed or fsdp."""
+    deepspeed_config: Optional[str] = None
+    """DeepSpeed JSON (see deepspeed_configs/); required when engine is deepspeed."""
+    fsdp_sharding: str = "FULL_SHARD"
+    """FSDP sharding strategy: FULL_SHARD, SHARD_GRAD_OP or NO_SHARD."""
+
+    def problems(self, key: str = "distributed") -> list[str]:
+        out: list[str] = []
+        _choice(out, f"{key}.engine", self.engine, ("ddp", "deepspeed", "fsdp"))
+        if self.engine == "deepspeed":
+            if not self.deepspeed_config:
+                out.append(f"{key}.deepspeed_config: required when {key}.engine is deepspeed")
+            elif not Path(self.deepspeed_config).is_file():
+                out.append(f"{key}.deepspeed_config: no such file {self.deepspeed_config!r}")
+        _choice(out, f"{key}.fsdp_sharding", self.fsdp_sharding, ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Data sections (one per kind of data; the stage picks the one it reads)
+# --------------------------------------------------------------------------------------------
+
+DEFAULT_ROLE_MARKERS = {"system": "<s>system\n", "user": "<s>human\n", "assistant": "<s>bot\n"}
+
+
+@dataclass
+class DataConfig:
+    train: list[str] = field(default_factory=list)
+    """Training data: files, folders, globs or dataset names. Each entry is a task in SFT."""
+    eval: list[str] = field(default_factory=list)
+    """Held-out data, same forms as `train`."""
+    eval_fraction: float = 0.0
+    """Carve this fraction off the training data for evaluation when `eval` is empty."""
+    format: str = "auto"
+    """Record format; 'auto' detects it per file."""
+    on_error: str = "strict"
+    """Bad records: 'strict' refuses to train and lists them; 'skip' drops exactly those and logs why."""
+    max_samples: Optional[int] = None
+    """Use at most this many training records (debugging)."""
+
+    def problems(self, key: str = "data") -> list[str]:
+        out: list[str] = []
+        _choice(out, f"{key}.on_error", self.on_error, ("strict", "skip"))
+        if not 0 <= self.eval_fraction < 1:
+            out.append(f"{key}.eval_fraction: must be in [0, 1), got {self.eval_fraction!r}")
+        if not self.train:
+            out.append(f"{key}.train: no training data given")
+        return out
+
+
+@dataclass
+class TextDataConfig(DataConfig):
+    """Raw text for continued pretraining."""
+
+    text_field: str = "text"
+    """Field holding the document in JSON/JSONL/Parquet records."""
+    streaming: bool = False
+    """Stream the corpus instead of loading it into memory."""
+
+
+@dataclass
+class ChatDataConfig(DataConfig):
+    """Conversations rendered with a chat template (SFT, and the base for RM and PPO data)."""
+
+    template: str = "chat_template"
+    """'chat_template' (the tokenizer's Jinja template) or 'role_markers' (MFTCoder's format)."""
+    role_markers: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLE_MARKERS))
+    """Markers that open each role's turn in role_markers mode (MFTCoder's default)."""
+    system_prompt: Optional[str] = None
+    """System turn added to conversations that have none (None: add nothing)."""
+    padding_mode: str = "padding"
+    """'padding' (pad to the longest sample in the batch) or 'pack' (several samples per row)."""
+    group_by_length: bool = False
+    """With padding: batch samples of similar length together."""
+    truncation: str = "drop"
+    """Overlong samples: 'drop' them, or 'truncate' keeping whole early turns."""
+    task_sampling_weights: dict[str, float] = field(default_factory=dict)
+    """Optional per-task sampling weights, by task name."""
+
+    def problems(self, key: str = "data") -> list[str]:
+        out = super().problems(key)
+        _choice(out, f"{key}.template", self.template, ("chat_template", "role_markers"))
+        _choice(out, f"{key}.padding_mode", self.padding_mode, ("padding", "pack"))
+        _choice(out, f"{key}.truncation", self.truncation, ("drop", "truncate"))
+        missing = {"system", "user", "assistant"} - set(self.role_markers)
+        if self.template == "role_markers" and missing:
+            out.append(f"{key}.role_markers: missing marker(s) for {', '.join(sorted(missing))}")
+        return out
+
+
+@dataclass
+class PreferenceDataConfig(ChatDataConfig):
+    """Preference pairs for the reward model."""
+
+    margin_field: Optional[str] = None
+    """Optional per-pair margin column used in -logsigmoid(r_c - r_r - margin)."""
+
+
+@dataclass
+class PromptDataConfig(ChatDataConfig):
+    """Prompts for PPO rollouts."""
+
+    max_prompt_length: int = 256
+    """Prompts longer than this many tokens are handled by `truncation`."""
+
+
+# --------------------------------------------------------------------------------------------
+# The common stage config
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StageConfig:
+    """Keys every stage has. A stage subclasses this and adds its `data` section and its own."""
+
+    output_dir: str = "outputs/run"
+    """Everything goes here: checkpoints/, runs/ (TensorBoard), merged/ (with manifest.json)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def problems(self) -> list[str]:
+        """Every problem in every section (sections with a `problems` method)."""
+        out: list[str] = []
+        if not self.output_dir:
+            out.append("output_dir: must not be empty")
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "problems"):
+                out.extend(section.problems(f.name))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: YAML (+ !include) -> unknown-key check -> draccus decode -> CLI overrides
+# --------------------------------------------------------------------------------------------
+
+
+def _dataclass_of(tp: Any) -> Optional[type]:
+    """The dataclass inside a type hint (Optional[X] -> X), or None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _list_item_dataclass(tp: Any) -> Optional[type]:
+    if typing.get_origin(tp) in (list, Sequence, typing.Sequence):
+        args = typing.get_args(tp)
+        if args and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return None
+
+
+def unknown_keys(cls: type, data: Any, prefix: str = "") -> list[str]:
+    """Every key in `data` that `cls` does not have, with its path and a suggestion.
+
+    Walks nested dataclasses and lists of dataclasses; free-form dict fields are not checked.
+    """
+    if not isinstance(data, dict):
+        return []
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    out: list[str] = []
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
+            out.append(f"{path}: unknown key{hint}")
+            continue
+        sub = _dataclass_of(hints[key])
+        if sub is not None:
+            out.extend(unknown_keys(sub, value, f"{path}."))
+        item = _list_item_dataclass(hints[key])
+        if item is not None and isinstance(value, list):
+            for i, entry in enumerate(value):
+                out.extend(unknown_keys(item, entry, f"{path}[{i}]."))
+    return out
+
+
+def _split_args(argv: Sequence[str]) -> tuple[Optional[str], list[str], list[str]]:
+    """(config path, dotted override keys, remaining args for draccus)."""
+    config: Optional[str] = None
+    rest: list[str] = []
+    keys: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--config", "--config_path"):
+            if i + 1 >= len(argv):
+                raise ConfigError([f"{arg}: needs a YAML file"], "command line")
+            config = argv[i + 1]
+            i += 2
+            continue
+        if arg.startswith(("--config=", "--config_path=")):
+            config = arg.split("=", 1)[1]
+            i += 1
+            continue
+        if arg.startswith("--") and arg not in ("--help", "-h"):
+            keys.append(arg[2:].split("=", 1)[0])
+        rest.append(arg)
+        i += 1
+    return config, keys, rest
+
+
+def _unknown_override(cls: type, dotted: str) -> Optional[str]:
+    parts = dotted.split(".")
+    current: Any = cls
+    for depth, part in enumerate(parts):
+        sub = _dataclass_of(current)
+        if sub is None:
+            return None  # inside a free-form field: draccus decides
+        names = [f.name for f in dataclasses.fields(sub)]
+        if part not in names:
+            prefix = ".".join(parts[:depth])
+            close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
+            full = f"{prefix}.{close[0]}" if prefix and close else (close[0] if close else "")
+            hint = f"; did you mean '--{full}'?" if close else f"; known keys here: {', '.join(names)}"
+            return f"--{dotted}: unknown option{hint}"
+        current = typing.get_type_hints(sub)[part]
+    return None
+
+
+def read_yaml(path: Union[str, Path]) -> dict:
+    """A YAML config with `!include` resolved relative to the including file.
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or is not a mapping.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"{path}: no such config file"])
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.load(fh, Loader=SafeLoaderWithInclusion)
+    except (yaml.YAMLError, OSError) as err:
+        raise ConfigError([f"{path}: {err}"]) from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: the top level must be a mapping of keys, got {type(data).__name__}"])
+    return data
+
+
+def load_config(cls: type[T], argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> T:
+    """Build `cls` from `--config FILE.yaml` plus dotted overrides in `argv`.
+
+    Unknown keys in the YAML or on the command line, and every semantic problem from
+    `cfg.problems()`, are reported together in one ConfigError.
+
+    Raises:
+        ConfigError: any problem; its `problems` list has every one.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path, override_keys, rest = _split_args(argv)
+    problems: list[str] = []
+    if config_path is not None:
+        problems += [f"{config_path}: {p}" for p in unknown_keys(cls, read_yaml(config_path))]
+    problems += [p for p in (_unknown_override(cls, k) for k in override_keys) if p]
+    if problems:
+        raise ConfigError(problems)
+    try:
+        cfg = draccus.parse(config_class=cls, config_path=config_path, args=rest, prog=prog, exit_on_error=False)
+    except SystemExit:
+        raise
+    except Exception as err:  # draccus raises several types for values it cannot decode
+        raise ConfigError([f"{type(err).__name__}: {err}"]) from err
+    if hasattr(cfg, "problems"):
+        found = cfg.problems()
+        if found:
+            raise ConfigError(found)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain data (what manifests record and what `--config` would read back)."""
+    return draccus.encode(cfg)
+
+
+def save_config(cfg: Any, path: Union[str, Path]) -> None:
+    """Write the resolved config as YAML."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(to_dict(cfg), fh, sort_keys=False)

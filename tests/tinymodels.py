@@ -1,0 +1,57 @@
+"""Tiny random-init models for logic tests (2 layers, d=64) with the embedded model's tokenizer.
+
+The tokenizer is the real one, so chat templates, EOS handling and masks are realistic, while a
+forward pass costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+from pipeline.embedded import materialize
+from pipeline.manifest import write_manifest
+
+
+def tiny_config(vocab_size: int, pad_token_id: int, **overrides) -> LlamaConfig:
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=pad_token_id,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def make_tiny_model(path: str | Path, seed: int = 0, num_labels: int | None = None, **overrides) -> Path:
+    """Save a tiny Llama (causal LM, or sequence classifier when `num_labels`) with the embedded
+    tokenizer into `path`, with a manifest; return the path."""
+    path = Path(path)
+    if path.exists():
+        shutil.rmtree(path)
+    source = materialize()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    torch.manual_seed(seed)
+    config = tiny_config(len(tokenizer), tokenizer.pad_token_id, **overrides)
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    if num_labels is None:
+        model = LlamaForCausalLM(config)
+    else:
+        config.num_labels = num_labels
+        model = LlamaForSequenceClassification(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    write_manifest(path, stage="tiny-random", parent=None, config={"seed": seed, "num_labels": num_labels})
+    return path
