@@ -49,8 +49,9 @@ def make_tiny_model(path: str | Path, seed: int = 0, num_labels: int | None = No
     else:
         config.num_labels = num_labels
         model = LlamaForSequenceClassification(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    if num_labels is None:  # transformers 5: sequence classifiers have no generation_config
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     write_manifest(path, stage="tiny-random", parent=None, config={"seed": seed, "num_labels": num_labels})

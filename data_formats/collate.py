@@ -1,0 +1,194 @@
+"""Batches: dynamic padding, or packing several samples per row without contamination.
+
+Batch layout (ARCHITECTURE.md): input_ids, labels, position_ids, task_ids [B, T]; attention_mask
+[B, T] when padding, [B, 1, T, T] block-causal when packing on sdpa/eager, absent when packing on
+flash_attention_2 (HF's FA2 path finds the sample boundaries from position_ids restarting at 0;
+written, not testable without a GPU).
+
+Why a 4D block-causal mask: with sdpa or eager, position_ids alone do not stop a token from
+attending to earlier samples in its row (the default causal mask spans the whole row), which we
+measured: sample B's logits change when sample A changes. transformers passes a 4D mask through
+unchanged (masking_utils: "If the mask is already 4D, simply return as-is"); sdpa takes a boolean
+mask (True = attend), eager adds the mask to the scores, so it gets an additive float mask.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+IGNORE_INDEX = -100
+PADDING_MODES = ("padding", "pack")
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
+
+
+def _segments(sample: dict) -> list[int]:
+    lengths = sample.get("lengths")
+    return list(lengths) if lengths else [len(sample["input_ids"])]
+
+
+def _token_tasks(sample: dict) -> list[int]:
+    if "task_ids" in sample:
+        return list(sample["task_ids"])
+    return [int(sample.get("task_id", 0))] * len(sample["input_ids"])
+
+
+def pack(samples: list[dict], seq_length: int) -> list[dict]:
+    """Greedy in-order packing: samples go into the current row until the next one does not fit.
+
+    Each row has input_ids, labels (the first token of every sample set to -100, since nothing in
+    its own sample precedes it), task_ids per token, and `lengths` (the samples' lengths).
+
+    Raises:
+        ValueError: a sample is longer than `seq_length` or empty.
+    """
+    rows: list[dict] = []
+    current: Optional[dict] = None
+    for i, sample in enumerate(samples):
+        n = len(sample["input_ids"])
+        if n == 0 or n > seq_length:
+            raise ValueError(f"sample {i} has {n} tokens; packing needs 1..{seq_length}")
+        if current is None or sum(current["lengths"]) + n > seq_length:
+            current = {"input_ids": [], "labels": [], "task_ids": [], "lengths": []}
+            rows.append(current)
+        labels = list(sample.get("labels", sample["input_ids"]))
+        labels[0] = IGNORE_INDEX
+        current["input_ids"] += list(sample["input_ids"])
+        current["labels"] += labels
+        current["task_ids"] += _token_tasks(sample)
+        current["lengths"].append(n)
+    return rows
+
+
+def packing_efficiency(rows: list[dict], seq_length: int) -> float:
+    """Real tokens / token slots over packed rows of `seq_length` (1.0 = no padding)."""
+    if not rows:
+        return 0.0
+    return sum(len(r["input_ids"]) for r in rows) / (len(rows) * seq_length)
+
+
+def segment_ids(lengths: list[int], total: int) -> tuple[list[int], list[int]]:
+    """(segment id, position) per slot of a row of `total` slots holding `lengths`; the padding
+    tail is its own segment (so no real token attends to it, and it never has an empty row)."""
+    seg, pos = [], []
+    for k, n in enumerate(lengths):
+        seg += [k] * n
+        pos += list(range(n))
+    tail = total - len(seg)
+    seg += [len(lengths)] * tail
+    pos += list(range(tail))
+    return seg, pos
+
+
+def block_causal_mask(segments: torch.Tensor, attn_implementation: str = "sdpa") -> torch.Tensor:
+    """[B, 1, T, T] mask letting each token attend to itself and earlier tokens of its own segment.
+
+    sdpa gets a boolean mask (True = attend); eager an additive float32 mask (0 or the float32
+    minimum), which promotes correctly when added to bf16/fp16 scores.
+
+    Raises:
+        ValueError: flash_attention_2 (it takes no 4D mask; use position_ids) or unknown kind.
+    """
+    t = segments.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()
+    allowed = (segments[:, :, None] == segments[:, None, :]) & causal
+    allowed = allowed[:, None]
+    if attn_implementation == "sdpa":
+        return allowed
+    if attn_implementation == "eager":
+        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=segments.device)
+        return mask.masked_fill(~allowed, torch.finfo(torch.float32).min)
+    raise ValueError(f"no 4D mask for attn_implementation {attn_implementation!r} (sdpa or eager)")
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (input_ids, attention_mask) for generation or reward scoring at the last token.
+
+    Raises:
+        ValueError: no sequences, or an empty one.
+    """
+    if not seqs or any(len(s) == 0 for s in seqs):
+        raise ValueError("left_pad needs at least one sequence and no empty ones")
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+class Collator:
+    """Turns a list of samples into a batch (see the module docstring).
+
+    padding: samples (dicts with input_ids, optional labels and task_id) are right-padded to the
+    longest in the batch. pack: rows from `pack` (with `lengths`) are padded to `seq_length`; plain
+    samples given in pack mode are first packed greedily, so a batch may have fewer rows than
+    samples.
+    """
+
+    def __init__(self, pad_token_id: int, padding_mode: str = "padding", seq_length: Optional[int] = None,
+                 attn_implementation: str = "sdpa", pad_to_multiple_of: Optional[int] = None):
+        """Raises:
+            ValueError: unknown mode or attention kind; pack mode without seq_length.
+        """
+        if padding_mode not in PADDING_MODES:
+            raise ValueError(f"padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
+        if attn_implementation not in ATTENTION:
+            raise ValueError(f"attn_implementation must be one of {ATTENTION}, got {attn_implementation!r}")
+        if padding_mode == "pack" and not seq_length:
+            raise ValueError("padding_mode='pack' needs seq_length")
+        self.pad_token_id = pad_token_id
+        self.padding_mode = padding_mode
+        self.seq_length = seq_length
+        self.attn_implementation = attn_implementation
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        """Raises:
+            ValueError: empty batch; a packed row in padding mode; a row longer than seq_length.
+        """
+        if not samples:
+            raise ValueError("cannot collate an empty batch")
+        if self.padding_mode == "pack":
+            return self._packed(samples)
+        if any(len(_segments(s)) > 1 for s in samples):
+            raise ValueError("packed rows (several samples per row) need padding_mode='pack'")
+        width = max(len(s["input_ids"]) for s in samples)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        return self._tensors(samples, width, packed=False)
+
+    def _packed(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        rows = [s for s in samples if "lengths" in s]
+        plain = [s for s in samples if "lengths" not in s]
+        rows += pack(plain, self.seq_length) if plain else []
+        for row in rows:
+            if len(row["input_ids"]) > self.seq_length:
+                raise ValueError(f"packed row of {len(row['input_ids'])} tokens > seq_length {self.seq_length}")
+        return self._tensors(rows, self.seq_length, packed=True)
+
+    def _tensors(self, rows: list[dict], width: int, packed: bool) -> dict[str, torch.Tensor]:
+        b = len(rows)
+        input_ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((b, width), IGNORE_INDEX, dtype=torch.long)
+        task_ids = torch.full((b, width), -1, dtype=torch.long)
+        position_ids = torch.zeros((b, width), dtype=torch.long)
+        segments = torch.zeros((b, width), dtype=torch.long)
+        attention = torch.zeros((b, width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            n = len(row["input_ids"])
+            input_ids[i, :n] = torch.tensor(row["input_ids"], dtype=torch.long)
+            labels[i, :n] = torch.tensor(row.get("labels", row["input_ids"]), dtype=torch.long)
+            task_ids[i, :n] = torch.tensor(_token_tasks(row), dtype=torch.long)
+            attention[i, :n] = 1
+            seg, pos = segment_ids(_segments(row), width)
+            segments[i] = torch.tensor(seg, dtype=torch.long)
+            position_ids[i] = torch.tensor(pos, dtype=torch.long)
+        batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "task_ids": task_ids}
+        if not packed:
+            batch["attention_mask"] = attention
+        elif self.attn_implementation != "flash_attention_2":
+            batch["attention_mask"] = block_causal_mask(segments, self.attn_implementation)
+        return batch

@@ -1,0 +1,253 @@
+"""Building training data for each stage: read -> validate -> split -> render/tokenize -> samples.
+
+Task naming rule (multitask SFT): a record's `data_name` when present, else the name of the data
+path entry it came from (file stem, folder name, glob folder, or dataset name). Task ids index the
+sorted task names; pass `tasks=train.tasks` when building eval so ids agree across splits.
+
+Splits: 'train' reads cfg.train; 'eval' reads cfg.eval, or, when that is empty and
+cfg.eval_fraction > 0, the training records whose content hash falls below the fraction (and
+those are then removed from train). The hash is of the record's text, so the split does not
+depend on any RNG or on file order, and duplicate records land on the same side.
+
+Overlong samples follow cfg.truncation: 'drop' drops them; 'truncate' keeps the longest run of
+whole early turns that ends with an assistant turn and fits. Samples left with no supervised
+token are dropped. Every drop is counted, logged, and reported in the returned stats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from tqdm.auto import tqdm
+
+from data_formats.collate import IGNORE_INDEX
+from data_formats.conversation import Conversation
+from data_formats.render import Template, render, render_prompt
+from data_formats.sources import Problem
+from data_formats.validate import Parsed, apply_policy, read_and_parse
+
+log = logging.getLogger(__name__)
+SPLITS = ("train", "eval")
+
+
+@dataclass
+class SFTData:
+    samples: list[dict]
+    """dict(input_ids, labels, task_id, source) per sample."""
+    tasks: list[str]
+    """Task names; a sample's task_id indexes this list."""
+    stats: dict = field(default_factory=dict)
+    """Counts: records, samples, truncated, dropped_overlong, dropped_no_target, skipped_bad."""
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def in_eval_fraction(raw: str, fraction: float) -> bool:
+    """Whether a record (by its text) belongs to the carved-off eval fraction."""
+    if fraction <= 0:
+        return False
+    value = int.from_bytes(hashlib.sha256(raw.encode("utf-8")).digest()[:8], "big") / 2**64
+    return value < fraction
+
+
+def split_records(cfg, kind: str, split: str, **parse_kwargs) -> list[Parsed]:
+    """The validated records of one split (see the module docstring); bad records follow
+    cfg.on_error.
+
+    Raises:
+        ValueError: unknown split.
+        DataError: bad records with on_error='strict'.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    carve = not cfg.eval and cfg.eval_fraction > 0
+    if split == "eval" and not cfg.eval and not carve:
+        return []
+    entries = cfg.eval if split == "eval" and cfg.eval else cfg.train
+    good, problems = read_and_parse(entries, kind, fmt=cfg.format, **parse_kwargs)
+    apply_policy(problems, cfg.on_error, f"{kind} {split} data")
+    if carve:
+        good = [r for r in good if in_eval_fraction(r.raw, cfg.eval_fraction) == (split == "eval")]
+    if split == "train" and cfg.max_samples is not None:
+        good = good[: cfg.max_samples]
+    return good
+
+
+def _fit(conv: Conversation, tokenizer, template: Template, seq_length: int,
+         truncation: str) -> tuple[Optional[tuple[list[int], list[int]]], str]:
+    """(ids, labels) or None, and what happened: 'ok', 'truncated', 'dropped_overlong'."""
+    ids, labels = render(conv, tokenizer, template)
+    if len(ids) <= seq_length:
+        return (ids, labels), "ok"
+    if truncation == "truncate":
+        ends = [i for i, t in enumerate(conv.turns) if t.role == "assistant"]
+        for end in reversed(ends[:-1]):
+            shorter = Conversation(conv.turns[: end + 1], conv.task, conv.source)
+            ids, labels = render(shorter, tokenizer, template)
+            if len(ids) <= seq_length:
+                return (ids, labels), "truncated"
+    return None, "dropped_overlong"
+
+
+def _log_stats(what: str, stats: dict) -> None:
+    log.info("%s: %s", what, ", ".join(f"{k}={v}" for k, v in stats.items()))
+    for key in ("dropped_overlong", "dropped_no_target", "skipped_bad"):
+        if stats.get(key):
+            log.warning("%s: %d sample(s) %s", what, stats[key], key.replace("_", " "))
+
+
+def build_sft_data(cfg, tokenizer, template: Template, seq_length: int, split: str,
+                   tasks: Optional[list[str]] = None) -> SFTData:
+    """Tokenized SFT samples of one split, with per-sample task ids.
+
+    Raises:
+        DataError: bad records (or conversations the template cannot render) with on_error='strict'.
+        ValueError: unknown split or truncation policy.
+    """
+    if cfg.truncation not in ("drop", "truncate"):
+        raise ValueError(f"truncation must be 'drop' or 'truncate', got {cfg.truncation!r}")
+    records = split_records(cfg, "sft", split, system_prompt=cfg.system_prompt)
+    names = list(tasks) if tasks is not None else []
+    names += sorted({r.task for r in records} - set(names))
+    index = {name: i for i, name in enumerate(names)}
+    stats = {"records": len(records), "samples": 0, "truncated": 0, "dropped_overlong": 0,
+             "dropped_no_target": 0, "skipped_bad": 0}
+    samples, problems = [], []
+    for record in tqdm(records, desc=f"tokenizing sft {split}", disable=len(records) < 1000):
+        try:
+            fitted, outcome = _fit(record.value, tokenizer, template, seq_length, cfg.truncation)
+        except ValueError as err:
+            problems.append(Problem(record.file, record.line, str(err)))
+            continue
+        if fitted is None:
+            stats[outcome] += 1
+            continue
+        stats["truncated"] += outcome == "truncated"
+        ids, labels = fitted
+        if all(label == IGNORE_INDEX for label in labels):
+            stats["dropped_no_target"] += 1
+            continue
+        samples.append({"input_ids": ids, "labels": labels, "task_id": index[record.task], "source": record.source})
+    apply_policy(problems, cfg.on_error, f"sft {split} data")
+    stats["skipped_bad"] = len(problems)
+    stats["samples"] = len(samples)
+    _log_stats(f"sft {split} data", stats)
+    return SFTData(samples, names, stats)
+
+
+def chunk_documents(docs: Iterable[list[int]], eos_id: int, seq_length: int) -> list[dict]:
+    """Concatenate documents (each followed by EOS) and cut the stream into rows of `seq_length`
+    (the last row may be shorter). Each row records its document pieces in `lengths`, so the
+    collator keeps attention inside each document; the first token of every piece has label -100.
+    """
+    rows, current, lengths = [], [], []
+    for doc in docs:
+        tokens = list(doc) + [eos_id]
+        while tokens:
+            room = seq_length - len(current)
+            piece, tokens = tokens[:room], tokens[room:]
+            current += piece
+            lengths.append(len(piece))
+            if len(current) == seq_length:
+                rows.append((current, lengths))
+                current, lengths = [], []
+    if current:
+        rows.append((current, lengths))
+    out = []
+    for ids, lens in rows:
+        labels = list(ids)
+        start = 0
+        for n in lens:
+            labels[start] = IGNORE_INDEX
+            start += n
+        out.append({"input_ids": ids, "labels": labels, "lengths": lens, "task_ids": [0] * len(ids)})
+    return out
+
+
+def build_pt_data(cfg, tokenizer, seq_length: int, split: str) -> list[dict]:
+    """Packed PT rows (input_ids, labels, lengths, task_ids): documents joined with EOS, no
+    attention across documents. Collate them with Collator(padding_mode='pack').
+
+    Raises:
+        DataError: bad records with on_error='strict'.
+        ValueError: unknown split; streaming requested (not supported: the corpus is tokenized
+            in memory); the tokenizer has no eos token.
+    """
+    if getattr(cfg, "streaming", False):
+        raise ValueError("data.streaming is not supported by build_pt_data; set it to false")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos token to separate documents")
+    records = split_records(cfg, "pt", split, text_field=cfg.text_field)
+    texts = [r.value for r in records]
+    docs = []
+    for start in tqdm(range(0, len(texts), 1000), desc=f"tokenizing pt {split}", disable=len(texts) < 1000):
+        docs += tokenizer(texts[start:start + 1000], add_special_tokens=False)["input_ids"]
+    rows = chunk_documents(docs, tokenizer.eos_token_id, seq_length)
+    log.info("pt %s data: %d document(s), %d token(s), %d row(s) of %d", split, len(docs),
+             sum(len(r["input_ids"]) for r in rows), len(rows), seq_length)
+    return rows
+
+
+def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, split: str) -> list[dict]:
+    """Pairs dict(chosen_input_ids, rejected_input_ids, margin, source). Overlong pairs are
+    dropped (truncation='drop') or cut to their first `seq_length` tokens (truncation='truncate');
+    pairs whose two sides become identical are dropped. Counts are logged.
+
+    Raises:
+        DataError: bad records with on_error='strict'.
+        ValueError: unknown split.
+    """
+    records = split_records(cfg, "rm", split, system_prompt=cfg.system_prompt,
+                            margin_field=getattr(cfg, "margin_field", None))
+    out, dropped, truncated, identical = [], 0, 0, 0
+    for record in tqdm(records, desc=f"tokenizing rm {split}", disable=len(records) < 1000):
+        chosen, rejected, margin = record.value
+        c = render(chosen, tokenizer, template)[0]
+        r = render(rejected, tokenizer, template)[0]
+        if max(len(c), len(r)) > seq_length:
+            if cfg.truncation == "drop":
+                dropped += 1
+                continue
+            c, r = c[:seq_length], r[:seq_length]
+            truncated += 1
+        if c == r:
+            identical += 1
+            continue
+        out.append({"chosen_input_ids": c, "rejected_input_ids": r, "margin": margin, "source": record.source})
+    log.info("rm %s data: %d pair(s), %d truncated, %d dropped overlong, %d dropped identical after truncation",
+             split, len(out), truncated, dropped, identical)
+    return out
+
+
+def build_prompt_data(cfg, tokenizer, template: Template, split: str) -> list[dict]:
+    """PPO prompts dict(prompt_ids, text, source): the rendered history plus the assistant opener.
+    Prompts over cfg.max_prompt_length tokens are dropped (truncation='drop') or lose their oldest
+    user/assistant exchanges, keeping any system turn (truncation='truncate').
+
+    Raises:
+        DataError: bad records with on_error='strict'.
+        ValueError: unknown split.
+    """
+    records = split_records(cfg, "prompts", split, system_prompt=cfg.system_prompt)
+    limit = cfg.max_prompt_length
+    out, dropped, truncated = [], 0, 0
+    for record in records:
+        conv = record.value
+        ids = render_prompt(conv, tokenizer, template)
+        if len(ids) > limit and cfg.truncation == "truncate":
+            system = conv.turns[:1] if conv.turns[0].role == "system" else []
+            body = conv.turns[len(system):]
+            while len(ids) > limit and len(body) > 1:
+                body = body[2:]
+                ids = render_prompt(Conversation(system + body, conv.task, conv.source), tokenizer, template)
+            truncated += len(ids) <= limit
+        if len(ids) > limit:
+            dropped += 1
+            continue
+        out.append({"prompt_ids": ids, "text": tokenizer.decode(ids), "source": record.source})
+    log.info("prompt %s data: %d prompt(s), %d truncated, %d dropped overlong", split, len(out), truncated, dropped)
+    return out

@@ -1,0 +1,59 @@
+"""Print conversations with the trained tokens highlighted (ANSI colours).
+
+    python -m data_formats.show FILE [--template role_markers|chat_template] [--model embedded] [-n 2]
+
+Green background: trained (label = token id); plain: not trained. Each token is shown by its own
+decoded text, with '|' between tokens when --boundaries is given, so boundary effects are visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from data_formats.render import IGNORE_INDEX, Template, make_template, render
+
+TRAINED = "\033[42;30m"
+RESET = "\033[0m"
+
+
+def colour_tokens(ids: list[int], labels: list[int], tokenizer, boundaries: bool = False) -> str:
+    """The decoded sample with trained tokens wrapped in ANSI colour codes."""
+    out = []
+    for token, label in zip(ids, labels):
+        text = tokenizer.decode([token])
+        if boundaries:
+            text += "|"
+        out.append(f"{TRAINED}{text}{RESET}" if label != IGNORE_INDEX else text)
+    return "".join(out)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The show command; returns the exit status (1 when the file has bad records)."""
+    from pipeline.config import ChatDataConfig
+    from pipeline.models import load_tokenizer, resolve_model_path
+    from data_formats.validate import read_and_parse
+
+    parser = argparse.ArgumentParser(prog="python -m data_formats.show", description=__doc__.split("\n\n")[0])
+    parser.add_argument("file")
+    parser.add_argument("--template", default="chat_template", choices=("chat_template", "role_markers"))
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("-n", type=int, default=2, help="how many conversations to show")
+    parser.add_argument("--boundaries", action="store_true", help="mark token boundaries with '|'")
+    args = parser.parse_args(argv)
+    tokenizer = load_tokenizer(resolve_model_path(args.model))
+    template: Template = make_template(ChatDataConfig(template=args.template), tokenizer)
+    good, problems = read_and_parse([args.file], "sft")
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    for record in good[: args.n]:
+        ids, labels = render(record.value, tokenizer, template)
+        trained = sum(label != IGNORE_INDEX for label in labels)
+        print(f"--- {record.source} (task {record.task}): {len(ids)} tokens, {trained} trained")
+        print(colour_tokens(ids, labels, tokenizer, args.boundaries))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Check every record before training; print `FILE:LINE: reason` for each problem.
+
+    python -m data_formats.validate --kind sft data/sft/*.jsonl
+    python -m data_formats.validate --kind sft --model embedded --seq-length 512 data/sft/
+
+Exit status 1 when any problem is found, 0 otherwise; the last line gives the counts. Stages run
+the same checks (`parse_records`) at start-up: `on_error=strict` raises one DataError listing every
+problem, `on_error=skip` drops exactly those records and logs how many and why.
+
+With `--seq-length`, samples longer than that (in tokens, rendered with `--template`) are reported
+too, since the stage would drop them (truncation=drop) or could not keep any supervised token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import numbers
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from data_formats.conversation import (
+    CONVERSATION_FORMATS,
+    FORMATS,
+    RecordError,
+    check_order,
+    detect_format,
+    parse_conversation,
+    parse_preference,
+    parse_text,
+    parse_turns,
+    task_of,
+    Conversation,
+)
+from data_formats.sources import DataError, Problem, RawRecord, read_entry
+
+log = logging.getLogger(__name__)
+KINDS = ("sft", "pt", "rm", "prompts")
+# Formats each kind accepts (auto-detection must land in one of these).
+KIND_FORMATS = {
+    "sft": CONVERSATION_FORMATS,
+    "prompts": CONVERSATION_FORMATS + ("prompt",),
+    "rm": ("preference",),
+    "pt": ("text",),
+}
+
+
+@dataclass
+class Parsed:
+    """A record that passed validation, with where it came from."""
+
+    file: str
+    line: int
+    task: str
+    raw: str
+    value: Any
+    """Conversation (sft, prompts), (chosen, rejected) Conversations plus margin (rm), str (pt)."""
+
+    @property
+    def source(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def _prompt_conversation(record: Any, fmt: str, task: str, source: str, system_prompt: Optional[str]) -> Conversation:
+    """A PPO prompt: a conversation ending with the user's turn, or the prompt part of a
+    single-turn record (its response, if any, is not part of the prompt)."""
+    if fmt in CONVERSATION_FORMATS[:3]:
+        return parse_conversation(record, fmt, last="user", task=task, source=source, system_prompt=system_prompt)
+    turns = parse_turns(record, fmt, require_response=False)[:1]
+    check_order(turns, "user")
+    conv = Conversation(turns, task=task_of(record, task), source=source)
+    if system_prompt is not None:
+        conv.turns.insert(0, type(turns[0])("system", system_prompt))
+    return conv
+
+
+def _margin(record: dict, margin_field: Optional[str]) -> float:
+    if margin_field is None:
+        return 0.0
+    if margin_field not in record:
+        raise RecordError(f"missing field '{margin_field}' (data.margin_field)")
+    value = record[margin_field]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RecordError(f"field '{margin_field}' must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def parse_record(raw: RawRecord, kind: str, fmt: str, *, text_field: str = "text",
+                 system_prompt: Optional[str] = None, margin_field: Optional[str] = None) -> Any:
+    """The parsed value of one record for `kind` (see `Parsed.value`).
+
+    Raises:
+        RecordError: the record is bad; the message is the reason.
+    """
+    source = f"{raw.file}:{raw.line}"
+    if kind == "pt":
+        return parse_text(raw.record, text_field)
+    if kind == "rm":
+        chosen, rejected = parse_preference(raw.record, task=raw.task, source=source, system_prompt=system_prompt)
+        return chosen, rejected, _margin(raw.record, margin_field)
+    if kind == "prompts":
+        return _prompt_conversation(raw.record, fmt, raw.task, source, system_prompt)
+    return parse_conversation(raw.record, fmt, last="assistant", task=raw.task, source=source, system_prompt=system_prompt)
+
+
+def _file_format(raw: RawRecord, kind: str, fmt: str) -> str:
+    """The format of the record's file: the configured one, or detected from this record."""
+    if fmt != "auto":
+        return fmt
+    if kind == "pt":
+        return "text"
+    found = detect_format(raw.record)
+    if found not in KIND_FORMATS[kind]:
+        raise RecordError(f"record looks like '{found}' data, which is not usable for --kind {kind} "
+                          f"(expected one of: {', '.join(KIND_FORMATS[kind])})")
+    return found
+
+
+def parse_records(records: Iterable[RawRecord], kind: str, *, fmt: str = "auto", text_field: str = "text",
+                  system_prompt: Optional[str] = None, margin_field: Optional[str] = None
+                  ) -> tuple[list[Parsed], list[Problem]]:
+    """Validate raw records: (good records, one Problem per bad record or file).
+
+    The format is detected once per file, from its first record that matches a known format.
+
+    Raises:
+        ValueError: unknown `kind` or `fmt`.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if fmt != "auto" and fmt not in FORMATS:
+        raise ValueError(f"format must be 'auto' or one of {', '.join(FORMATS)}, got {fmt!r}")
+    good: list[Parsed] = []
+    problems: list[Problem] = []
+    formats: dict[str, str] = {}
+    for raw in records:
+        if raw.error is not None:
+            problems.append(Problem(raw.file, raw.line, raw.error))
+            continue
+        try:
+            if raw.file not in formats:
+                formats[raw.file] = _file_format(raw, kind, fmt)
+            value = parse_record(raw, kind, formats[raw.file], text_field=text_field,
+                                 system_prompt=system_prompt, margin_field=margin_field)
+        except RecordError as err:
+            problems.append(Problem(raw.file, raw.line, str(err)))
+            continue
+        task = task_of(raw.record, raw.task)
+        good.append(Parsed(raw.file, raw.line, task, raw.raw, value))
+    return good, problems
+
+
+def read_and_parse(entries: Iterable[str], kind: str, **kwargs) -> tuple[list[Parsed], list[Problem]]:
+    """`parse_records` over every record of every data path entry."""
+    def records():
+        for entry in entries:
+            yield from read_entry(entry)
+
+    return parse_records(records(), kind, **kwargs)
+
+
+def apply_policy(problems: list[Problem], on_error: str, what: str = "data") -> None:
+    """strict: raise DataError listing every problem; skip: log how many records were dropped and why.
+
+    Raises:
+        DataError: `on_error` is 'strict' and there is at least one problem.
+        ValueError: unknown `on_error`.
+    """
+    if on_error not in ("strict", "skip"):
+        raise ValueError(f"on_error must be 'strict' or 'skip', got {on_error!r}")
+    if not problems:
+        return
+    if on_error == "strict":
+        raise DataError(problems)
+    reasons = Counter(p.reason.split(":")[0] for p in problems)
+    log.warning("%s: skipping %d bad record(s): %s", what, len(problems),
+                "; ".join(f"{n} x {r}" for r, n in reasons.most_common()))
+    for problem in problems:
+        log.info("skipped %s", problem)
+
+
+def _overlong(good: list[Parsed], kind: str, args) -> list[Problem]:
+    """Samples longer than --seq-length once rendered (needs --model)."""
+    from data_formats.render import make_template, render, render_prompt
+    from pipeline.config import ChatDataConfig
+    from pipeline.models import load_tokenizer, resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(args.model))
+    template = make_template(ChatDataConfig(template=args.template), tokenizer)
+    out = []
+    for item in good:
+        if kind == "pt":
+            n = len(tokenizer(item.value, add_special_tokens=False)["input_ids"])
+        elif kind == "rm":
+            n = max(len(render(conv, tokenizer, template)[0]) for conv in item.value[:2])
+        elif kind == "prompts":
+            n = len(render_prompt(item.value, tokenizer, template))
+        else:
+            n = len(render(item.value, tokenizer, template)[0])
+        if n > args.seq_length and kind != "pt":
+            out.append(Problem(item.file, item.line, f"overlong: {n} tokens > seq_length {args.seq_length}"))
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The validate command; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m data_formats.validate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="+", help="files, folders, globs or dataset names")
+    parser.add_argument("--kind", choices=KINDS, default="sft")
+    parser.add_argument("--format", default="auto", choices=("auto",) + FORMATS)
+    parser.add_argument("--text-field", default="text", help="document field for --kind pt")
+    parser.add_argument("--seq-length", type=int, default=None, help="also report samples longer than this")
+    parser.add_argument("--model", default="embedded", help="tokenizer for --seq-length")
+    parser.add_argument("--template", default="chat_template", choices=("chat_template", "role_markers"))
+    args = parser.parse_args(argv)
+    good, problems = read_and_parse(args.files, args.kind, fmt=args.format, text_field=args.text_field)
+    if args.seq_length is not None:
+        problems += _overlong(good, args.kind, args)
+    for problem in problems:
+        print(problem)
+    files = len({p.file for p in problems})
+    print(f"{len(good)} record(s) passed the record checks; {len(problems)} problem(s) in {files} file(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Chat with any stage's merged model, using the chat template it was trained with.
+
+    python -m pipeline.chat --model outputs/demo/ppo/merged                    # interactive, streamed
+    python -m pipeline.chat --model embedded --prompt "What is the capital of France?"
+    python -m pipeline.chat --model embedded --compare outputs/demo/ppo/merged --prompt "..."
+
+The prompt is rendered by the folder's own chat template (for an SFT run in role_markers mode that
+is the Jinja the stage saved into merged/), so the model sees the format it was trained on.
+Decoding is greedy unless --temperature > 0. In interactive mode, /reset clears the history and
+/exit (or Ctrl-D) quits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+class ChatError(RuntimeError):
+    """The model folder cannot be chatted with (e.g. its tokenizer has no chat template)."""
+
+
+@dataclass
+class Generation:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+
+    def kwargs(self) -> dict:
+        """generate() arguments: greedy at temperature 0, sampling otherwise."""
+        out = {"max_new_tokens": self.max_new_tokens, "repetition_penalty": self.repetition_penalty}
+        if self.temperature > 0:
+            out.update(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or None)
+        else:
+            out.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        return out
+
+
+@dataclass
+class ChatModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+
+
+def load_chat_model(path: str, dtype: str = "fp32") -> ChatModel:
+    """A merged folder (or 'embedded') ready for generation, through pipeline.models' loader.
+
+    Raises:
+        ChatError: the folder's tokenizer has no chat template.
+        OSError: no model or tokenizer at `path` (transformers' error names it).
+    """
+    from pipeline.config import ModelConfig
+    from pipeline.models import load_model, load_tokenizer, resolve_model_path
+
+    folder = resolve_model_path(path)
+    tokenizer = load_tokenizer(folder)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatError(f"{folder}: the tokenizer has no chat template, so there is no chat format to prompt it with")
+    model = load_model(ModelConfig(path=folder, finetuning="full", dtype=dtype), None, kind="causal", tokenizer=tokenizer)
+    model.eval()
+    model.requires_grad_(False)
+    return ChatModel(name=path, model=model, tokenizer=tokenizer)
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the conversation so far plus the assistant opener (the generation prompt)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # The template already writes any BOS it wants; adding special tokens again would double it.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def reply(chat: ChatModel, messages: list[dict], gen: Generation, stream: bool = False) -> str:
+    """The model's next assistant turn (printed token by token when `stream`)."""
+    from transformers import TextStreamer
+
+    ids = torch.tensor([prompt_ids(chat.tokenizer, messages)])
+    streamer = TextStreamer(chat.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    with torch.no_grad():
+        out = chat.model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pad_token_id=chat.tokenizer.pad_token_id,
+            streamer=streamer,
+            **gen.kwargs(),
+        )
+    return chat.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def side_by_side(left_title: str, left: str, right_title: str, right: str, width: int = 100) -> str:
+    """Two texts in two wrapped columns under their titles (pure)."""
+    col = max(20, (width - 3) // 2)
+
+    def wrap(text: str) -> list[str]:
+        return [line for para in text.splitlines() or [""] for line in (textwrap.wrap(para, col) or [""])]
+
+    a, b = [left_title[:col], "-" * min(col, len(left_title))] + wrap(left), [right_title[:col], "-" * min(col, len(right_title))] + wrap(right)
+    rows = max(len(a), len(b))
+    a, b = a + [""] * (rows - len(a)), b + [""] * (rows - len(b))
+    return "\n".join(f"{x:<{col}} | {y}".rstrip() for x, y in zip(a, b))
+
+
+def start_messages(system: Optional[str]) -> list[dict]:
+    return [{"role": "system", "content": system}] if system else []
+
+
+def one_shot(models: list[ChatModel], prompt: str, gen: Generation, system: Optional[str] = None) -> str:
+    """Answer one prompt with one model (streamed) or two (side by side); return what was printed."""
+    messages = start_messages(system) + [{"role": "user", "content": prompt}]
+    if len(models) == 1:
+        answer = reply(models[0], messages, gen, stream=True)
+        return answer
+    answers = [reply(m, messages, gen) for m in models]
+    text = side_by_side(models[0].name, answers[0], models[1].name, answers[1], shutil.get_terminal_size((100, 20)).columns)
+    print(text)
+    return text
+
+
+def interactive(models: list[ChatModel], gen: Generation, system: Optional[str] = None, read: Callable[[str], str] = input) -> list[list[dict]]:
+    """Multi-turn chat until /exit or end of input; each model keeps its own history. Returns them."""
+    histories = [start_messages(system) for _ in models]
+    print("Chatting with " + " and ".join(m.name for m in models) + ". /reset clears the history, /exit quits.")
+    while True:
+        try:
+            line = read("you> ").strip()
+        except EOFError:
+            print()
+            return histories
+        if line == "/exit":
+            return histories
+        if line == "/reset":
+            histories = [start_messages(system) for _ in models]
+            continue
+        if not line:
+            continue
+        for history in histories:
+            history.append({"role": "user", "content": line})
+        if len(models) == 1:
+            print("bot> ", end="", flush=True)
+            answers = [reply(models[0], histories[0], gen, stream=True)]
+        else:
+            answers = [reply(m, h, gen) for m, h in zip(models, histories)]
+            print(side_by_side(models[0].name, answers[0], models[1].name, answers[1], shutil.get_terminal_size((100, 20)).columns))
+        for history, answer in zip(histories, answers):
+            history.append({"role": "assistant", "content": answer})
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="relay chat", description="Chat with a merged model (any stage) or 'embedded'.")
+    parser.add_argument("--model", required=True, help="merged model folder, or 'embedded'")
+    parser.add_argument("--compare", help="a second model; answers are shown side by side")
+    parser.add_argument("--prompt", help="answer this one prompt and exit (default: interactive)")
+    parser.add_argument("--system", help="system turn to start the conversation with")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--dtype", default="fp32", choices=("auto", "fp32", "bf16", "fp16"))
+    parser.add_argument("--seed", type=int, default=0, help="seed for sampling")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    gen = Generation(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty)
+    try:
+        models = [load_chat_model(p, args.dtype) for p in [args.model] + ([args.compare] if args.compare else [])]
+    except (ChatError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if args.prompt is not None:
+        one_shot(models, args.prompt, gen, args.system)
+    else:
+        interactive(models, gen, args.system)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

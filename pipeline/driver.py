@@ -1,0 +1,523 @@
+"""The pipeline driver's Python half: config, stage plan, done-ness, cross-stage checks, summary.
+
+    bash run_scripts/run_pipeline.sh configs/pipeline.yaml [--from sft] [--only rm] [--dotted.keys v]
+
+The bash script owns the loop and the launches (torchrun per stage); for each stage it asks this
+module, through small subcommands, what to do:
+
+    python -m pipeline.driver stages    CONFIG [selection/overrides]   # stage names to visit
+    python -m pipeline.driver prepare   CONFIG STAGE [...]             # 'skip' or the stage's argv
+    python -m pipeline.driver finish    CONFIG STAGE [...]             # check the new merged folder
+    python -m pipeline.driver summarize CONFIG [...]                   # summary.json + verdict
+    python -m pipeline.driver report-dir CONFIG [...]                  # where to write the report
+
+Chain: PT -> SFT -> RM (on the SFT model) -> PPO (policy = SFT model, reward = RM). A disabled
+stage drops out of the chain (its successor starts from the stage before it). A stage is done when
+`merged/manifest.json` exists, the weights on disk hash to what it records, and its parent hash is
+the current parent's: re-running the driver after a crash resumes at the first unfinished stage.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from pipeline.config import ConfigError, load_config
+from pipeline.manifest import chat_template_of, read_manifest, text_hash, tokenizer_hash, vocab_size_of, weights_hash
+
+STAGE_ORDER = ("pt", "sft", "rm", "ppo")
+STAGE_SCRIPTS = {"pt": "stages/pretrain.py", "sft": "stages/sft.py", "rm": "stages/reward.py", "ppo": "stages/ppo.py"}
+CHECKED_KEYS = ("tokenizer_hash", "chat_template_hash", "vocab_size")
+LOG_NAME = "driver.log"
+
+
+class DriverError(RuntimeError):
+    """The pipeline cannot go on (a failed check, a stale or missing stage output)."""
+
+
+@dataclass
+class StageEntry:
+    enabled: bool = True
+    """Run this stage. A disabled stage drops out of the chain."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The stage's own config, usually `!include pt.yaml` (same keys as the stage's --config YAML)."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Keys merged into the stage's `data` section (train/eval files, format, ...)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Nested keys merged over `config` last, e.g. {train: {max_steps: 20}}."""
+    script: Optional[str] = None
+    """Stage script; default stages/{pretrain,sft,reward,ppo}.py."""
+
+
+@dataclass
+class Stages:
+    pt: StageEntry = field(default_factory=StageEntry)
+    sft: StageEntry = field(default_factory=StageEntry)
+    rm: StageEntry = field(default_factory=StageEntry)
+    ppo: StageEntry = field(default_factory=StageEntry)
+
+
+@dataclass
+class VerdictConfig:
+    rm_min_eval_accuracy: float = 0.7
+    """The RM's held-out accuracy must reach this for a PASS verdict (chance is 0.5)."""
+    ppo_min_reward_gain: float = 0.0
+    """PPO's mean reward must rise by more than this (last minus first) for a PASS verdict."""
+
+
+@dataclass
+class PipelineConfig:
+    base_model: str = "embedded"
+    """The model PT starts from: a local Hugging Face folder or 'embedded'."""
+    output_root: str = "outputs/pipeline"
+    """One folder per stage goes here (pt/, sft/, rm/, ppo/), plus summary.json and report.md."""
+    finetuning: Optional[str] = None
+    """full|lora|qlora for every stage (sets model.finetuning); None keeps each stage's setting."""
+    all_stages: dict[str, Any] = field(default_factory=dict)
+    """Nested keys merged into every stage's config (e.g. {train: {precision: bf16}})."""
+    reward_model: Optional[str] = None
+    """PPO's reward model when the rm stage is disabled (a merged RM folder)."""
+    stages: Stages = field(default_factory=Stages)
+    verdict: VerdictConfig = field(default_factory=VerdictConfig)
+    report: bool = True
+    """Write report.md and plots at the end (python -m pipeline.report)."""
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.finetuning not in (None, "full", "lora", "qlora"):
+            out.append(f"finetuning: {self.finetuning!r} is not one of None, 'full', 'lora', 'qlora'")
+        if not self.output_root:
+            out.append("output_root: must not be empty")
+        if not any(entry(self, s).enabled for s in STAGE_ORDER):
+            out.append("stages: every stage is disabled")
+        if entry(self, "ppo").enabled and not entry(self, "rm").enabled and not self.reward_model:
+            out.append("reward_model: PPO needs a reward model; enable stages.rm or set reward_model")
+        return out
+
+
+@dataclass
+class Selection:
+    start: Optional[str] = None
+    only: Optional[str] = None
+
+
+def entry(cfg: PipelineConfig, stage: str) -> StageEntry:
+    return getattr(cfg.stages, stage)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config and selection
+# ---------------------------------------------------------------------------------------------
+
+
+def split_selection(argv: Sequence[str]) -> tuple[Selection, list[str]]:
+    """Take `--from STAGE` / `--only STAGE` out of argv; the rest goes to the config loader.
+
+    Raises:
+        ConfigError: a flag without a value or naming an unknown stage, or both flags at once.
+    """
+    selection, rest, problems = Selection(), [], []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        flag = args[i].split("=", 1)[0]
+        if flag in ("--from", "--only"):
+            value = args[i].split("=", 1)[1] if "=" in args[i] else (args[i + 1] if i + 1 < len(args) else None)
+            i += 1 if "=" in args[i] else 2
+            if value not in STAGE_ORDER:
+                problems.append(f"{flag}: {value!r} is not a stage ({', '.join(STAGE_ORDER)})")
+            setattr(selection, "start" if flag == "--from" else "only", value)
+            continue
+        rest.append(args[i])
+        i += 1
+    if selection.start and selection.only:
+        problems.append("--from and --only: give one of them")
+    if problems:
+        raise ConfigError(problems, "command line")
+    return selection, rest
+
+
+def load_pipeline(config_path: str, argv: Sequence[str]) -> tuple[PipelineConfig, Selection]:
+    """The pipeline config from YAML + dotted overrides, and the stage selection.
+
+    Raises:
+        ConfigError: every problem in the YAML, the overrides or the selection.
+    """
+    selection, rest = split_selection(argv)
+    cfg = load_config(PipelineConfig, ["--config", config_path, *rest], prog="run_pipeline")
+    for name in (selection.start, selection.only):
+        if name and not entry(cfg, name).enabled:
+            raise ConfigError([f"{name}: selected on the command line but disabled in {config_path}"], "command line")
+    return cfg, selection
+
+
+def planned_stages(cfg: PipelineConfig, selection: Selection) -> list[str]:
+    """The enabled stages the selection asks for, in pipeline order."""
+    enabled = [s for s in STAGE_ORDER if entry(cfg, s).enabled]
+    if selection.only:
+        return [selection.only]
+    if selection.start:
+        return enabled[enabled.index(selection.start) :]
+    return enabled
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths and chain
+# ---------------------------------------------------------------------------------------------
+
+
+def stage_dir(cfg: PipelineConfig, stage: str) -> Path:
+    return Path(cfg.output_root) / stage
+
+
+def merged_dir(cfg: PipelineConfig, stage: str) -> Path:
+    return stage_dir(cfg, stage) / "merged"
+
+
+def resolve_base(path: str) -> Path:
+    """The base model's folder ('embedded' is converted once and cached).
+
+    Raises:
+        DriverError: the path is not a local folder (the driver checks manifests, so it needs one).
+    """
+    from pipeline.embedded import is_embedded, materialize
+
+    folder = materialize() if is_embedded(path) else Path(path)
+    if not folder.is_dir():
+        raise DriverError(f"base_model: {path!r} is not a local model folder")
+    return folder.resolve()
+
+
+def parent_stage(cfg: PipelineConfig, stage: str) -> Optional[str]:
+    """The enabled stage whose merged model `stage` starts from (None: the base model).
+
+    RM and PPO both start from the SFT model, so neither takes the RM as its parent.
+    """
+    candidates = {"pt": (), "sft": ("pt",), "rm": ("sft", "pt"), "ppo": ("sft", "pt")}[stage]
+    return next((c for c in candidates if entry(cfg, c).enabled), None)
+
+
+def parent_path(cfg: PipelineConfig, stage: str) -> Path:
+    parent = parent_stage(cfg, stage)
+    return resolve_base(cfg.base_model) if parent is None else merged_dir(cfg, parent).resolve()
+
+
+def reward_path(cfg: PipelineConfig) -> Path:
+    return merged_dir(cfg, "rm").resolve() if entry(cfg, "rm").enabled else Path(cfg.reward_model).resolve()
+
+
+# ---------------------------------------------------------------------------------------------
+# Done-ness and cross-stage checks
+# ---------------------------------------------------------------------------------------------
+
+
+def folder_facts(folder: Path) -> dict[str, Any]:
+    """What a model folder holds now, in manifest terms (tokenizer/template hashes, vocab size)."""
+    return {
+        "tokenizer_hash": tokenizer_hash(folder),
+        "chat_template_hash": text_hash(chat_template_of(folder)),
+        "vocab_size": vocab_size_of(folder),
+    }
+
+
+def compare(name_a: str, facts_a: dict, name_b: str, facts_b: dict, keys: Sequence[str] = CHECKED_KEYS) -> list[str]:
+    """One line per key whose values differ, showing both values (pure)."""
+    return [
+        f"{key} differs: {name_a} has {facts_a.get(key)!r}, {name_b} has {facts_b.get(key)!r}"
+        for key in keys
+        if facts_a.get(key) != facts_b.get(key)
+    ]
+
+
+def stage_status(cfg: PipelineConfig, stage: str) -> str:
+    """'done' when the stage's merged output is complete and built on the current parent, else 'todo'.
+
+    Raises:
+        DriverError: the output exists but is stale (built on another parent) or its weights no
+            longer match its manifest; both values are in the message. Nothing is deleted: the
+            user decides.
+    """
+    folder = merged_dir(cfg, stage)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return "todo"
+    actual = weights_hash(folder)
+    if manifest.get("weights_hash") != actual:
+        raise DriverError(f"{folder}: weights hash {actual} does not match its manifest's {manifest.get('weights_hash')}; delete {stage_dir(cfg, stage)} to rebuild it")
+    parent = parent_path(cfg, stage)
+    expected = weights_hash(parent)
+    if manifest.get("parent_hash") != expected:
+        raise DriverError(
+            f"{folder} is stale: built on parent weights {manifest.get('parent_hash')} ({manifest.get('parent_path')}), "
+            f"but its parent {parent} now has {expected}; delete {stage_dir(cfg, stage)} to rebuild it"
+        )
+    return "done"
+
+
+def check_folder_against_manifest(folder: Path) -> list[str]:
+    """The folder's tokenizer/template/vocab still match what its manifest recorded."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return [f"{folder}: no manifest.json (not produced by Relay; cannot check what it inherits)"]
+    recorded = {k: manifest.get(k) for k in CHECKED_KEYS}
+    return compare(f"{folder} (manifest)", recorded, f"{folder} (files)", folder_facts(folder))
+
+
+def check_link(child_stage: str, child: Path, parent: Path) -> list[str]:
+    """Tokenizer and vocab (and, except across SFT, chat template) agree between two folders.
+
+    Only SFT may bring a new chat template: in role_markers mode it saves its own Jinja.
+
+    Uses pipeline.models.check_parent_compatible where it lands, and our own comparison, which
+    always names both values.
+    """
+    keys = [k for k in CHECKED_KEYS if not (k == "chat_template_hash" and child_stage == "sft")]
+    problems = compare(str(child), folder_facts(child), str(parent), folder_facts(parent), keys)
+    return problems + [p for p in _library_check(parent, child) if p not in problems]
+
+
+def _library_check(parent: Path, child: Path) -> list[str]:
+    try:
+        from pipeline.manifest import check_parent_compatible
+    except ImportError:
+        return []
+    # The library check covers the chat template too; our own comparison handles the SFT exception.
+    return [p for p in check_parent_compatible(parent, child) if "template" not in p.lower()]
+
+
+def checks_before(cfg: PipelineConfig, stage: str) -> list[str]:
+    """Cross-stage checks before `stage` starts: its parent is intact and agrees with its own
+    parent; for PPO, the reward model and the policy share tokenizer, template and vocab."""
+    parent = parent_path(cfg, stage)
+    problems = check_folder_against_manifest(parent)
+    grand = (read_manifest(parent) or {}).get("parent_path")
+    if parent_stage(cfg, stage) is not None and grand and Path(grand).is_dir():
+        problems += check_link(parent_stage(cfg, stage), parent, Path(grand))
+    if stage == "ppo":
+        rm = reward_path(cfg)
+        if read_manifest(rm) is None:
+            problems.append(f"{rm}: the reward model has no manifest.json (has the rm stage finished?)")
+        else:
+            problems += check_folder_against_manifest(rm)
+            problems += compare(f"reward model {rm}", folder_facts(rm), f"policy {parent}", folder_facts(parent))
+    return problems
+
+
+def checks_after(cfg: PipelineConfig, stage: str) -> list[str]:
+    """The new merged folder exists, records its parent (path and hash), and agrees with it."""
+    folder, parent = merged_dir(cfg, stage), parent_path(cfg, stage)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return [f"{folder}: the stage finished without writing merged/manifest.json"]
+    problems = []
+    if manifest.get("parent_path") != str(parent):
+        problems.append(f"{folder}/manifest.json: parent_path is {manifest.get('parent_path')!r}, expected {str(parent)!r}")
+    if manifest.get("parent_hash") != weights_hash(parent):
+        problems.append(f"{folder}/manifest.json: parent_hash is {manifest.get('parent_hash')!r}, expected {weights_hash(parent)!r}")
+    return problems + check_folder_against_manifest(folder) + check_link(stage, folder, parent)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage command
+# ---------------------------------------------------------------------------------------------
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    """`extra` over `base`, recursing into mappings; lists and scalars are replaced (pure)."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def stage_config(cfg: PipelineConfig, stage: str) -> dict:
+    """The stage's config: its YAML, then all_stages, data, finetuning, then its overrides (pure)."""
+    item = entry(cfg, stage)
+    merged = deep_merge(item.config, cfg.all_stages)
+    if item.data:
+        merged = deep_merge(merged, {"data": item.data})
+    if cfg.finetuning:
+        merged = deep_merge(merged, {"model": {"finetuning": cfg.finetuning}})
+    return deep_merge(merged, item.overrides)
+
+
+def stage_argv(cfg: PipelineConfig, stage: str) -> list[str]:
+    """Write the stage's resolved YAML under output_root/configs/ and return its argv (script first).
+
+    output_dir, model.path and reward_model.path go on the command line, so the log shows them.
+    """
+    config_file = Path(cfg.output_root) / "configs" / f"{stage}.yaml"
+    config_file.parent.mkdir(parents=True, exist_ok=True)
+    config_file.write_text(yaml.safe_dump(stage_config(cfg, stage), sort_keys=False), encoding="utf-8")
+    argv = [entry(cfg, stage).script or STAGE_SCRIPTS[stage], "--config", str(config_file), "--output_dir", str(stage_dir(cfg, stage)), "--model.path", str(parent_path(cfg, stage))]
+    if stage == "ppo":
+        argv += ["--reward_model.path", str(reward_path(cfg))]
+    return argv
+
+
+# ---------------------------------------------------------------------------------------------
+# Summary
+# ---------------------------------------------------------------------------------------------
+
+FIGURES = {
+    "pt": ("train_loss_first", "train_loss_last", "eval_loss_first", "eval_loss_last"),
+    "sft": ("train_loss_first", "train_loss_last", "eval_loss_first", "eval_loss_last"),
+    "rm": ("train_loss_first", "train_loss_last", "eval_loss_first", "eval_loss_last", "eval_accuracy", "eval_margin"),
+    "ppo": ("reward_first", "reward_last", "kl_last", "eval_reward_first", "eval_reward_last"),
+}
+
+
+def read_json(path: Path) -> Optional[dict]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def verdict(figures: dict, cfg: VerdictConfig) -> list[str]:
+    """Reasons the run did not show learning (empty: PASS). Pure."""
+    out = []
+    accuracy = figures.get("rm_eval_accuracy")
+    if accuracy is None:
+        out.append("the RM reported no eval_accuracy")
+    elif accuracy < cfg.rm_min_eval_accuracy:
+        out.append(f"RM held-out accuracy {accuracy:.3f} is below {cfg.rm_min_eval_accuracy}")
+    first, last = figures.get("ppo_reward_first"), figures.get("ppo_reward_last")
+    if first is None or last is None:
+        out.append("PPO reported no reward_first/reward_last")
+    elif last - first <= cfg.ppo_min_reward_gain:
+        out.append(f"PPO mean reward did not rise: {first:.4f} -> {last:.4f}")
+    return out
+
+
+def summarize(cfg: PipelineConfig) -> dict:
+    """Collect every stage's summary.json into output_root/summary.json (flat `<stage>_<key>`
+    figures plus each stage's full summary) with a verdict; return it."""
+    root = Path(cfg.output_root)
+    figures: dict[str, Any] = {}
+    stages: dict[str, Any] = {}
+    for stage in STAGE_ORDER:
+        summary = read_json(stage_dir(cfg, stage) / "summary.json")
+        if not entry(cfg, stage).enabled or summary is None:
+            continue
+        stages[stage] = summary
+        figures.update({f"{stage}_{k}": summary[k] for k in FIGURES[stage] if k in summary})
+        figures[f"{stage}_wall_seconds"] = summary.get("wall_seconds")
+    final = next((s for s in reversed(STAGE_ORDER) if s != "rm" and s in stages), None)
+    reasons = verdict(figures, cfg.verdict) if "rm" in stages and "ppo" in stages else ["RM or PPO did not run"]
+    out = {
+        **figures,
+        "final_model": str(merged_dir(cfg, final).resolve()) if final else None,
+        "reward_model": str(reward_path(cfg)) if "ppo" in stages else None,
+        "tensorboard": f"tensorboard --logdir {root}",
+        "verdict": "PASS" if not reasons else "WARNING",
+        "verdict_reasons": reasons,
+        "stages": stages,
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "summary.json").write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def format_summary(summary: dict) -> str:
+    """The human-readable summary the demo prints."""
+
+    def num(value: Any) -> str:
+        return "n/a" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
+
+    lines = ["", "=== Relay pipeline summary ==="]
+    for stage in ("pt", "sft", "rm"):
+        if stage in summary["stages"]:
+            g = lambda k: num(summary.get(f"{stage}_{k}"))  # noqa: E731
+            lines.append(f"{stage:>3}: train loss {g('train_loss_first')} -> {g('train_loss_last')}, eval loss {g('eval_loss_first')} -> {g('eval_loss_last')}  ({g('wall_seconds')} s)")
+    if "rm" in summary["stages"]:
+        lines.append(f" rm: held-out accuracy {num(summary.get('rm_eval_accuracy'))}, margin {num(summary.get('rm_eval_margin'))}")
+    if "ppo" in summary["stages"]:
+        g = lambda k: num(summary.get(f"ppo_{k}"))  # noqa: E731
+        lines.append(f"ppo: mean reward {g('reward_first')} -> {g('reward_last')}, eval reward {g('eval_reward_first')} -> {g('eval_reward_last')}, final KL {g('kl_last')}  ({g('wall_seconds')} s)")
+    lines += [f"final model: {summary['final_model']}", f"curves: {summary['tensorboard']}"]
+    lines.append(f"verdict: {summary['verdict']}" + "".join(f"\nWARNING: {r}" for r in summary["verdict_reasons"]))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Subcommands (what run_pipeline.sh calls)
+# ---------------------------------------------------------------------------------------------
+
+
+def log(cfg: PipelineConfig, message: str) -> None:
+    """To stderr (stdout carries answers to the bash script) and to output_root/driver.log."""
+    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}"
+    print(f"[driver] {message}", file=sys.stderr, flush=True)
+    root = Path(cfg.output_root)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / LOG_NAME, "a", encoding="utf-8") as fh:
+        fh.write(line + "\n")
+
+
+def cmd_prepare(cfg: PipelineConfig, stage: str) -> list[str]:
+    """['skip'] for a finished stage, else the stage's argv after the cross-stage checks pass.
+
+    Raises:
+        DriverError: a check failed or the stage's output is stale.
+    """
+    if stage_status(cfg, stage) == "done":
+        log(cfg, f"{stage}: skipped, already complete ({merged_dir(cfg, stage)}/manifest.json)")
+        return ["skip"]
+    problems = checks_before(cfg, stage)
+    if problems:
+        raise DriverError(f"{stage}: cross-stage checks failed:\n" + "\n".join(f"  - {p}" for p in problems))
+    argv = stage_argv(cfg, stage)
+    log(cfg, f"{stage}: running {' '.join(argv)}")
+    return argv
+
+
+def cmd_finish(cfg: PipelineConfig, stage: str) -> None:
+    """Raises DriverError when the new merged folder fails its checks."""
+    problems = checks_after(cfg, stage)
+    if problems:
+        raise DriverError(f"{stage}: output checks failed:\n" + "\n".join(f"  - {p}" for p in problems))
+    log(cfg, f"{stage}: finished, {merged_dir(cfg, stage)} checked against its parent {parent_path(cfg, stage)}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: python -m pipeline.driver {stages,prepare,finish,summarize,report-dir} CONFIG [STAGE] [--from S|--only S] [--key value ...]"
+    if len(args) < 2 or args[0] not in ("stages", "prepare", "finish", "summarize", "report-dir"):
+        print(usage, file=sys.stderr)
+        return 2
+    command, config_path, rest = args[0], args[1], args[2:]
+    stage = None
+    if command in ("prepare", "finish"):
+        if not rest or rest[0] not in STAGE_ORDER:
+            print(f"{command}: needs a stage ({', '.join(STAGE_ORDER)})\n{usage}", file=sys.stderr)
+            return 2
+        stage, rest = rest[0], rest[1:]
+    try:
+        cfg, selection = load_pipeline(config_path, rest)
+        if command == "stages":
+            print("\n".join(planned_stages(cfg, selection)))
+        elif command == "prepare":
+            print("\n".join(cmd_prepare(cfg, stage)))
+        elif command == "finish":
+            cmd_finish(cfg, stage)
+        elif command == "report-dir":
+            print(cfg.output_root if cfg.report else "")
+        else:
+            summary = summarize(cfg)
+            log(cfg, f"summary written to {Path(cfg.output_root) / 'summary.json'} (verdict {summary['verdict']})")
+            print(format_summary(summary))
+    except (ConfigError, DriverError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

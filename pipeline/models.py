@@ -1,0 +1,319 @@
+"""The one model loader every stage uses: causal LMs and reward/value models, full, LoRA or QLoRA.
+
+    from pipeline.models import load_model, load_tokenizer
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
+    model = load_model(cfg.model, cfg.lora, kind="causal", tokenizer=tokenizer)
+
+Everything goes through transformers' ``from_pretrained`` and peft's ``get_peft_model``; this module
+only decides their arguments (dtype, attention kernel, quantisation, LoRA targets) and refuses the
+combinations that would otherwise degrade silently (flash-attention without CUDA, QLoRA without a
+LoRA config, a pad token equal to the trained end-of-turn token).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    PreTrainedTokenizerBase,
+)
+
+from pipeline.config import LoraConfig, ModelConfig
+from pipeline.embedded import is_embedded, materialize
+
+log = logging.getLogger(__name__)
+
+KINDS = ("causal", "reward")
+DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ALL_LINEAR = "all-linear"
+# The reward / value head of AutoModelForSequenceClassification for Llama-like models.
+SCORE_HEAD = "score"
+# Tried in order when a tokenizer has no usable pad token: special tokens that a chat template
+# never emits, so using one as padding does not collide with a trained token.
+PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
+ADDED_PAD_TOKEN = "<|relay_pad|>"
+
+
+def resolve_model_path(path: Optional[str]) -> str:
+    """The folder (or hub id) to load: 'embedded', '' and None mean the embedded SmolLM2 folder.
+
+    Raises:
+        FileNotFoundError: the embedded model's package is missing (see pipeline.embedded).
+    """
+    if is_embedded(path):
+        return str(materialize())
+    return str(path)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """torch dtype for 'fp32' | 'bf16' | 'fp16' | 'auto' ('auto': bf16 on a CUDA GPU that has it,
+    else fp32, because bf16 matmuls on CPU are slow and fp16 training needs loss scaling).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == "auto":
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype {name!r} is not one of 'auto', {', '.join(map(repr, DTYPE_NAMES))}")
+    return DTYPE_NAMES[name]
+
+
+def check_attn_implementation(name: str) -> str:
+    """Return `name` when it can run here.
+
+    Raises:
+        ValueError: an unknown name, or flash_attention_2 without CUDA or without the flash-attn
+            package (transformers would otherwise fail late or the user would believe they run
+            flash-attention when they do not).
+    """
+    if name in ("sdpa", "eager"):
+        return name
+    if name != "flash_attention_2":
+        raise ValueError(f"attn_implementation {name!r} is not one of 'sdpa', 'eager', 'flash_attention_2'")
+    if not torch.cuda.is_available():
+        raise ValueError("attn_implementation 'flash_attention_2' needs a CUDA GPU; none is visible. Use 'sdpa'.")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("attn_implementation 'flash_attention_2' needs the flash-attn package: pip install flash-attn")
+    return name
+
+
+def _pick_pad_token(tokenizer: PreTrainedTokenizerBase) -> Optional[str]:
+    """An existing special token that is safe to pad with (not EOS, not BOS), or None."""
+    vocab = tokenizer.get_vocab()
+    trained = {tokenizer.eos_token, tokenizer.bos_token}
+    candidates = [tokenizer.unk_token, *PAD_CANDIDATES]
+    for token in candidates:
+        if token and token in vocab and token not in trained:
+            return token
+    return None
+
+
+def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Give `tokenizer` a pad token distinct from EOS/BOS; return True when a token was *added*
+    (the model's embeddings must then be resized, which load_model does).
+
+    A pad equal to EOS is replaced too: SFT trains on EOS, and the reward model locates the last
+    real token by the first pad, so padding with EOS would mis-read rewards. Every change is
+    logged; nothing happens when the pad token is already distinct.
+    """
+    pad = tokenizer.pad_token
+    if pad is not None and pad not in (tokenizer.eos_token, tokenizer.bos_token):
+        return False
+    reason = "has no pad token" if pad is None else f"pads with {pad!r}, a token it trains on"
+    choice = _pick_pad_token(tokenizer)
+    if choice is not None:
+        tokenizer.pad_token = choice
+        log.warning("tokenizer %s; padding with the existing unused token %r (id %d)", reason, choice, tokenizer.pad_token_id)
+        return False
+    tokenizer.add_special_tokens({"pad_token": ADDED_PAD_TOKEN})
+    log.warning(
+        "tokenizer %s and no unused special token exists; added %r (id %d): the model's embeddings are resized",
+        reason, ADDED_PAD_TOKEN, tokenizer.pad_token_id,
+    )
+    return True
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, revision: Optional[str] = None) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a folder / hub id / 'embedded', with a safe pad token (ensure_pad_token).
+
+    Raises:
+        OSError: the folder has no tokenizer (transformers' error, naming the path).
+    """
+    path = resolve_model_path(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+    ensure_pad_token(tokenizer)
+    return tokenizer
+
+
+def _quantization_config(lora_cfg: LoraConfig, compute_dtype: torch.dtype) -> BitsAndBytesConfig:
+    """bitsandbytes 4-bit config for QLoRA (nf4 + double quant by default; runs on CPU too)."""
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=lora_cfg.quant_type,
+        bnb_4bit_use_double_quant=lora_cfg.double_quant,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=compute_dtype,
+    )
+
+
+def from_pretrained_kwargs(model_cfg: ModelConfig, lora_cfg: Optional[LoraConfig] = None) -> dict[str, Any]:
+    """The keyword arguments load_model passes to ``from_pretrained`` (pure apart from device checks).
+
+    Raises:
+        ValueError: bad dtype / attention name (see resolve_dtype, check_attn_implementation), or
+            finetuning 'qlora' without a LoRA config.
+    """
+    dtype = resolve_dtype(model_cfg.dtype)
+    kwargs: dict[str, Any] = {
+        "dtype": dtype,
+        "attn_implementation": check_attn_implementation(model_cfg.attn_implementation),
+        "trust_remote_code": bool(model_cfg.trust_remote_code),
+        "use_safetensors": True,
+        "revision": model_cfg.revision,
+    }
+    if model_cfg.finetuning == "qlora":
+        if lora_cfg is None:
+            raise ValueError("model.finetuning is 'qlora' but no LoRA config was given: QLoRA trains LoRA adapters")
+        kwargs["quantization_config"] = _quantization_config(lora_cfg, dtype)
+        # bitsandbytes quantises while placing weights; without a device map nothing is placed.
+        kwargs["device_map"] = {"": torch.cuda.current_device()} if torch.cuda.is_available() else {"": "cpu"}
+    return kwargs
+
+
+def _from_pretrained(path: str, kind: str, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """Instantiate the right Auto class; log a newly initialised reward head."""
+    if kind == "causal":
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, output_loading_info=True, **kwargs
+    )
+    fresh = [k for k in info.get("missing_keys", []) if k.split(".")[0] == SCORE_HEAD]
+    others = [k for k in info.get("missing_keys", []) if k not in fresh]
+    if fresh:
+        log.info("%s has no reward head: the '%s' head is newly initialised (expected when loading a causal LM as a reward model)", path, SCORE_HEAD)
+    if others:
+        raise ValueError(f"{path}: weights missing when loading as a reward model: {others[:8]}")
+    return model
+
+
+def _set_pad(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Resize embeddings for added tokens and write the pad id into the model's configs."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        log.warning("resizing embeddings from %d to %d rows for tokens added to the tokenizer", rows, len(tokenizer))
+        model.resize_token_embeddings(len(tokenizer))
+    # HF sequence classifiers find each row's last real token through config.pad_token_id.
+    model.config.pad_token_id = tokenizer.pad_token_id
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.pad_token_id = tokenizer.pad_token_id
+
+
+def load_model(
+    model_cfg: ModelConfig,
+    lora_cfg: Optional[LoraConfig] = None,
+    *,
+    kind: str = "causal",
+    tokenizer: Optional[PreTrainedTokenizerBase] = None,
+) -> torch.nn.Module:
+    """Load a causal LM (kind='causal') or a one-output sequence classifier (kind='reward').
+
+    `model_cfg.finetuning`: 'full' returns the plain model with every parameter trainable; 'lora'
+    wraps it in a PeftModel (apply_lora); 'qlora' loads the base in 4-bit through bitsandbytes,
+    prepares it for k-bit training and adds LoRA. `lora_cfg` None with 'lora' also returns the
+    plain model (for inference: reference / reward models). `tokenizer` (default: the folder's,
+    via load_tokenizer) sets the pad id and, if tokens were added, the embedding size.
+
+    Raises:
+        ValueError: unknown kind, bad dtype/attention (flash-attention where it cannot run),
+            'qlora' without lora_cfg, weights missing for a reward model.
+        OSError: transformers could not find the model or its safetensors weights.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {KINDS}")
+    path = resolve_model_path(model_cfg.path)
+    kwargs = from_pretrained_kwargs(model_cfg, lora_cfg)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path, model_cfg.trust_remote_code, model_cfg.revision)
+    model = _from_pretrained(path, kind, kwargs)
+    _set_pad(model, tokenizer)
+    quantized = model_cfg.finetuning == "qlora"
+    if quantized:
+        from peft import prepare_model_for_kbit_training
+
+        # Casts norms/head to fp32 and freezes the 4-bit base; checkpointing is enabled below.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if model_cfg.gradient_checkpointing:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    use_lora = lora_cfg is not None and model_cfg.finetuning in ("lora", "qlora")
+    if not use_lora:
+        for param in model.parameters():
+            param.requires_grad_(True)
+        return model
+    if model_cfg.gradient_checkpointing:
+        # With a frozen base the embeddings' outputs need no grad, and checkpointed blocks would
+        # then get inputs without grad and the LoRA weights inside them none at all.
+        model.enable_input_require_grads()
+    return apply_lora(model, lora_cfg, kind=kind)
+
+
+def peft_lora_config(lora_cfg: LoraConfig, kind: str = "causal"):
+    """peft.LoraConfig from ours: 'all-linear' shorthand, and the reward head in modules_to_save.
+
+    Raises:
+        ValueError: unknown kind.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import TaskType
+
+    if kind not in KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {KINDS}")
+    targets: Any = list(lora_cfg.target_modules)
+    if ALL_LINEAR in targets:
+        # peft accepts the shorthand only as a plain string; it then skips the output head.
+        if len(targets) > 1:
+            raise ValueError(f"lora.target_modules: {ALL_LINEAR!r} cannot be combined with other names: {targets}")
+        targets = ALL_LINEAR
+    to_save = list(lora_cfg.modules_to_save)
+    if kind == "reward" and SCORE_HEAD not in to_save:
+        to_save.append(SCORE_HEAD)
+    return PeftLoraConfig(
+        r=lora_cfg.r,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=targets,
+        modules_to_save=to_save or None,
+        task_type=TaskType.CAUSAL_LM if kind == "causal" else TaskType.SEQ_CLS,
+        bias="none",
+    )
+
+
+def apply_lora(model: torch.nn.Module, lora_cfg: LoraConfig, *, kind: str = "causal", adapter_name: str = "default"):
+    """Add a LoRA adapter named `adapter_name` (a PeftModel gets one more adapter, made active).
+
+    For kind='reward' the `score` head is in modules_to_save, so it is trained and saved with the
+    adapter, while ``with model.disable_adapter():`` runs the untouched base and its original head
+    (PPO uses this for the reference policy and the frozen reward model).
+
+    Raises:
+        ValueError: unknown kind, a bad target list, or an adapter name already in use.
+    """
+    from peft import PeftModel, get_peft_model
+
+    config = peft_lora_config(lora_cfg, kind)
+    if isinstance(model, PeftModel):
+        if adapter_name in model.peft_config:
+            raise ValueError(f"the model already has an adapter named {adapter_name!r}")
+        model.add_adapter(adapter_name, config)
+        model.set_adapter(adapter_name)
+        return model
+    return get_peft_model(model, config, adapter_name=adapter_name)
+
+
+def trainable_parameter_names(model: torch.nn.Module) -> list[str]:
+    """Names of parameters with requires_grad (what the optimizer will update)."""
+    return [name for name, param in model.named_parameters() if param.requires_grad]
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts, for the stage's startup log."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+def is_local_folder(path: str) -> bool:
+    """True when `path` names an existing folder (rather than a hub id)."""
+    return Path(path).is_dir()

@@ -1,0 +1,227 @@
+"""Task-weighted SFT losses (MFTCoder): none, case3, and CoBa (self-paced convergence balancing).
+
+Definitions, for per-token losses l_i of task t(i), N_t supervised tokens of task t in the
+(accumulated, all-rank) batch, N = sum N_t, and P the tasks present (N_t > 0):
+- none:  L = sum_i l_i / N                                  (token mean, tasks ignored)
+- case3: L = sum_{t in P} w_t * mean_t / sum_{t in P} w_t     (mean_t = sum_{t(i)=t} l_i / N_t)
+         with w_t the configured task weights (default 1: MFTCoder's plain average over tasks)
+- coba:  as case3, with w_t = the CoBa weights (updated from validation-loss trends).
+Both reduce to a weight per token, w_{t(i)} / (N_t * sum_P w), which is what makes gradient
+accumulation exact: counts are taken over every micro-batch and rank before any backward.
+
+CoBa (Gong et al. 2024, "CoBa: Convergence Balancer for Multitask Finetuning of LLMs"), as
+MFTCoder computes it; our own implementation of its formulas:
+- each validation measurement is divided by the first one per task (relative loss);
+- slope_t: least-squares slope of task t's relative loss over the last `history_length` points;
+- RCS (relative convergence): softmax_t(K * slope_t / sum_t |slope_t|), K tasks;
+- ACS (absolute convergence): for each task, its slope history s_t,1..M normalised to
+  -M * s_t,j / sum_j |s_t,j|; softmax over tasks of the latest value;
+- DF (divergence factor): over the history of slopes of the max-over-tasks relative loss,
+  min(1, M * softmax_j(tau * (-M * s_j / sum_j |s_j|))[last]);
+- weights = softmax_t(K * (DF * RCS_t + (1 - DF) * ACS_t)); if any weight is under the floor
+  f (default 1 / (5K)), all become w * (1 - K f) + f;
+- before `warmup_steps` measurements the weights are uniform.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+MODES = ("none", "case3", "coba", "self-paced")
+
+
+@dataclass
+class MultitaskConfig:
+    weighted_loss_mode: str = "none"
+    """none (token mean), case3 (mean of per-task token means, MFTCoder) or coba / self-paced
+    (case3 with weights adapted from each task's validation-loss trend)."""
+    task_weights: dict[str, float] = field(default_factory=dict)
+    """case3: optional weight per task name (missing tasks weigh 1)."""
+    coba_warmup_steps: int = 10
+    """CoBa: validation measurements before weights start to adapt (uniform until then)."""
+    coba_history_length: int = 20
+    """CoBa: measurements in the slope-fitting window."""
+    coba_tau: float = 5.0
+    """CoBa: temperature of the divergence factor."""
+    coba_min_weight: Optional[float] = None
+    """CoBa: floor weight per task (None: 1 / (5 * number of tasks))."""
+    coba_update_interval: int = 1
+    """CoBa: measure the validation loss per task every this many steps."""
+    coba_valid_batches: int = 1
+    """CoBa: validation batches per measurement."""
+
+    def problems(self, key: str = "multitask") -> list[str]:
+        out = []
+        if self.weighted_loss_mode not in MODES:
+            out.append(f"{key}.weighted_loss_mode: {self.weighted_loss_mode!r} is not one of {', '.join(MODES)}")
+        for name, value in self.task_weights.items():
+            if not value >= 0:
+                out.append(f"{key}.task_weights[{name!r}]: must be >= 0, got {value!r}")
+        for name in ("coba_warmup_steps", "coba_history_length", "coba_update_interval", "coba_valid_batches"):
+            if getattr(self, name) < 1:
+                out.append(f"{key}.{name}: must be >= 1, got {getattr(self, name)!r}")
+        if self.coba_history_length < 2:
+            out.append(f"{key}.coba_history_length: needs >= 2 points to fit a slope")
+        return out
+
+
+def canonical_mode(mode: str) -> str:
+    """'self-paced' is MFTCoder's name for CoBa.
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"weighted_loss_mode {mode!r} is not one of {', '.join(MODES)}")
+    return "coba" if mode == "self-paced" else mode
+
+
+def token_weights(counts: torch.Tensor, mode: str, task_weights: Optional[Sequence[float]] = None) -> torch.Tensor:
+    """[num_tasks] weight of one supervised token of each task, from per-task token counts.
+
+    Raises:
+        ValueError: unknown mode, or task_weights of the wrong length / summing to 0 over present tasks.
+    """
+    mode = canonical_mode(mode)
+    counts = counts.double()
+    present = counts > 0
+    if mode == "none":
+        total = counts.sum()
+        return torch.where(present, 1.0 / total.clamp(min=1), torch.zeros_like(counts))
+    w = torch.ones_like(counts) if task_weights is None else torch.as_tensor(list(task_weights), dtype=torch.float64)
+    if w.shape != counts.shape:
+        raise ValueError(f"task_weights has {w.numel()} entries for {counts.numel()} tasks")
+    norm = w[present].sum()
+    if present.any() and norm <= 0:
+        raise ValueError("task weights of the tasks present in the batch sum to 0")
+    return torch.where(present, w / (counts.clamp(min=1) * norm), torch.zeros_like(counts))
+
+
+def task_weighted_loss(
+    token_losses: torch.Tensor, task_ids: torch.Tensor, mode: str, task_weights: Optional[Sequence[float]] = None,
+    num_tasks: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weighted loss of one batch and each task's token-mean loss (nan for absent tasks).
+
+    `token_losses` and `task_ids` have the same shape; tokens with task_id < 0 are not supervised.
+
+    Raises:
+        ValueError: shape mismatch, unknown mode, bad task weights.
+    """
+    if token_losses.shape != task_ids.shape:
+        raise ValueError(f"token_losses {tuple(token_losses.shape)} and task_ids {tuple(task_ids.shape)} differ in shape")
+    valid = task_ids >= 0
+    k = num_tasks or (len(task_weights) if task_weights is not None else int(task_ids.max().clamp(min=0)) + 1)
+    ids = task_ids[valid]
+    losses = token_losses[valid]
+    counts = torch.bincount(ids, minlength=k).double()
+    sums = torch.zeros(k, dtype=losses.dtype, device=losses.device).index_add_(0, ids, losses)
+    weights = token_weights(counts, mode, task_weights).to(losses.device, losses.dtype)
+    loss = (losses * weights[ids]).sum()
+    means = torch.where(counts.to(sums.device) > 0, sums / counts.to(sums.device).clamp(min=1), torch.full_like(sums, float("nan")))
+    return loss, means
+
+
+def fit_slope(values: Sequence[float]) -> float:
+    """Least-squares slope of values against 0, 1, 2, ... (0 with fewer than two points)."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean_x = (n - 1) / 2
+    mean_y = sum(values) / n
+    num = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(values))
+    den = sum((i - mean_x) ** 2 for i in range(n))
+    return num / den
+
+
+def _softmax(xs: Sequence[float]) -> list[float]:
+    top = max(xs)
+    exps = [math.exp(x - top) for x in xs]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def _normalised(xs: Sequence[float], scale: float) -> list[float]:
+    """scale * x / sum|x| (zeros stay zeros when every x is 0)."""
+    total = sum(abs(x) for x in xs)
+    return [0.0 for _ in xs] if total == 0 else [scale * x / total for x in xs]
+
+
+class CoBa:
+    """CoBa task weights from per-task validation losses (formulas in the module docstring)."""
+
+    def __init__(self, num_tasks: int, *, warmup_steps: int = 10, history_length: int = 20, tau: float = 5.0,
+                 min_weight: Optional[float] = None):
+        """Raises: ValueError: num_tasks < 1 or a floor that K tasks cannot all have."""
+        if num_tasks < 1:
+            raise ValueError("CoBa needs at least one task")
+        self.k = num_tasks
+        self.warmup_steps = warmup_steps
+        self.history_length = history_length
+        self.tau = tau
+        self.min_weight = 1.0 / (5 * num_tasks) if min_weight is None else min_weight
+        if self.min_weight * num_tasks > 1:
+            raise ValueError(f"CoBa floor {self.min_weight} x {num_tasks} tasks exceeds 1")
+        self.first: Optional[list[float]] = None
+        self.history: list[list[float]] = []
+        self.task_slopes: list[list[float]] = []
+        self.total_slopes: list[float] = []
+        self._weights = [1.0 / num_tasks] * num_tasks
+
+    def update(self, valid_losses_per_task: Sequence[float]) -> None:
+        """Record one validation measurement (one loss per task) and recompute the weights.
+
+        Raises:
+            ValueError: wrong number of losses, or a non-finite / non-positive loss.
+        """
+        losses = [float(x) for x in valid_losses_per_task]
+        if len(losses) != self.k:
+            raise ValueError(f"CoBa.update: {len(losses)} losses for {self.k} tasks")
+        if not all(math.isfinite(x) and x > 0 for x in losses):
+            raise ValueError(f"CoBa.update: validation losses must be finite and > 0, got {losses}")
+        if self.first is None:
+            self.first = losses
+        self.history.append([x / f for x, f in zip(losses, self.first)])
+        if len(self.history) < self.warmup_steps:
+            return
+        window = self.history[-self.history_length:]
+        slopes = [fit_slope([row[t] for row in window]) for t in range(self.k)]
+        self.task_slopes.append(slopes)
+        self.total_slopes.append(fit_slope([max(row) for row in window]))
+        self._weights = self._compute(slopes)
+
+    def _compute(self, slopes: list[float]) -> list[float]:
+        k = self.k
+        rcs = _softmax(_normalised(slopes, k))
+        m = len(self.task_slopes)
+        latest = []
+        for t in range(k):
+            series = [row[t] for row in self.task_slopes]
+            latest.append(_normalised(series, -m)[-1])
+        acs = _softmax(latest)
+        div_logits = [self.tau * x for x in _normalised(self.total_slopes, -m)]
+        df = min(1.0, m * _softmax(div_logits)[-1])
+        weights = _softmax([k * (df * r + (1 - df) * a) for r, a in zip(rcs, acs)])
+        if min(weights) < self.min_weight:
+            weights = [w * (1 - k * self.min_weight) + self.min_weight for w in weights]
+        return weights
+
+    def weights(self) -> list[float]:
+        """Current weight per task (they sum to 1)."""
+        return list(self._weights)
+
+    def state_dict(self) -> dict:
+        return {"first": self.first, "history": self.history, "task_slopes": self.task_slopes,
+                "total_slopes": self.total_slopes, "weights": self._weights}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Raises: KeyError: a field is missing."""
+        self.first = state["first"]
+        self.history = [list(r) for r in state["history"]]
+        self.task_slopes = [list(r) for r in state["task_slopes"]]
+        self.total_slopes = list(state["total_slopes"])
+        self._weights = list(state["weights"])

@@ -1,0 +1,204 @@
+"""Run report: curves from every stage's TensorBoard events into report.md and PNG plots.
+
+    python -m pipeline.report RUN_DIR        # writes RUN_DIR/report.md and RUN_DIR/plots/*.png
+
+RUN_DIR is a pipeline output root (one folder per stage: pt/, sft/, rm/, ppo/) or a single stage's
+output folder. Events are read with tensorboard's EventAccumulator; a stage that was resumed has
+several event files, whose curves are joined by step (the later write wins for a repeated step,
+as it is the one the resumed run kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+STAGES = ("pt", "sft", "rm", "ppo")
+Curve = list[tuple[int, float]]
+
+
+class ReportError(RuntimeError):
+    """Nothing to report (no stage folder with TensorBoard events)."""
+
+
+def event_dirs(stage_folder: Path) -> list[Path]:
+    """Folders under `stage_folder/runs` holding TensorBoard event files, sorted."""
+    runs = stage_folder / "runs"
+    return sorted({p.parent for p in runs.rglob("events.out.tfevents.*")}) if runs.is_dir() else []
+
+
+def read_scalars(stage_folder: Path) -> dict[str, Curve]:
+    """Every scalar tag of a stage as a step-sorted curve, joined over all its event folders."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    points: dict[str, dict[int, tuple[float, float]]] = {}
+    for folder in event_dirs(stage_folder):
+        acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            for event in acc.Scalars(tag):
+                seen = points.setdefault(tag, {}).get(event.step)
+                if seen is None or event.wall_time >= seen[0]:
+                    points[tag][event.step] = (event.wall_time, event.value)
+    return {tag: sorted((step, value) for step, (_, value) in steps.items()) for tag, steps in points.items()}
+
+
+def stage_folders(run_dir: Path) -> dict[str, Path]:
+    """{stage name: folder} for a pipeline root, or {folder name: folder} for one stage's folder.
+
+    Raises:
+        ReportError: no folder with TensorBoard events.
+    """
+    found = {s: run_dir / s for s in STAGES if event_dirs(run_dir / s)}
+    if not found and event_dirs(run_dir):
+        found = {run_dir.name: run_dir}
+    if not found:
+        raise ReportError(f"{run_dir}: no TensorBoard events in {', '.join(f'{s}/runs' for s in STAGES)} or runs/")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------
+
+
+def _plot_panels(path: Path, title: str, panels: list[tuple[str, str, dict[str, Curve]]]) -> Optional[Path]:
+    """One row of panels (panel title, y label, {legend label: curve}); None when all are empty."""
+    panels = [p for p in panels if any(p[2].values())]
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (panel_title, ylabel, curves) in zip(axes[0], panels):
+        for label, curve in curves.items():
+            if curve:
+                steps, values = zip(*curve)
+                ax.plot(steps, values, marker="o" if len(curve) < 12 else None, markersize=3, label=label)
+        ax.set_title(panel_title)
+        ax.set_xlabel("optimizer step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _prefixed(scalars: dict[str, Curve], prefix: str) -> dict[str, Curve]:
+    return {tag[len(prefix) :]: curve for tag, curve in sorted(scalars.items()) if tag.startswith(prefix)}
+
+
+def make_plots(curves: dict[str, dict[str, Curve]], out: Path) -> dict[str, Path]:
+    """Write the standard plots; return {name: png path} for those that had data."""
+    loss_panels = [
+        (f"{stage}: loss", "loss", {"train": scalars.get("train/loss", []), "eval": scalars.get("eval/loss", [])})
+        for stage, scalars in curves.items()
+        if stage != "ppo"
+    ]
+    sft = curves.get("sft", {})
+    rm = curves.get("rm", {})
+    ppo = curves.get("ppo", {})
+    plots = {
+        "losses": _plot_panels(out / "losses.png", "Training and eval loss per stage", loss_panels),
+        "sft_tasks": _plot_panels(
+            out / "sft_tasks.png",
+            "SFT loss per task",
+            [("train loss per task", "loss", _prefixed(sft, "train/loss_task/")), ("eval loss per task", "loss", _prefixed(sft, "eval/loss_task/"))],
+        ),
+        "rm": _plot_panels(
+            out / "rm.png",
+            "Reward model",
+            [
+                ("pairwise accuracy", "accuracy (chosen > rejected)", {"train": rm.get("train/accuracy", []), "eval": rm.get("eval/accuracy", [])}),
+                ("eval margin", "mean r(chosen) - r(rejected)", {"eval": rm.get("eval/margin", [])}),
+            ],
+        ),
+        "ppo": _plot_panels(
+            out / "ppo.png",
+            "PPO",
+            [
+                ("reward", "mean RM score", {"train (raw)": ppo.get("ppo/reward_raw", []), "eval": ppo.get("eval/reward", [])}),
+                ("KL to the reference", "KL (nats)", {"train": ppo.get("ppo/kl", []), "eval": ppo.get("eval/kl", [])}),
+            ],
+        ),
+    }
+    return {name: path for name, path in plots.items() if path is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def curve_row(stage: str, tag: str, curve: Curve) -> str:
+    """A table row: tag, points, first -> last, min (pure)."""
+    values = [v for _, v in curve]
+    return f"| {stage} | `{tag}` | {len(curve)} | {_fmt(values[0])} | {_fmt(values[-1])} | {_fmt(min(values))} | {_fmt(max(values))} |"
+
+
+HEADLINE_TAGS = ("train/loss", "eval/loss", "train/accuracy", "eval/accuracy", "eval/margin", "ppo/reward_raw", "ppo/kl", "eval/reward", "eval/kl")
+
+
+def render_markdown(run_dir: Path, curves: dict[str, dict[str, Curve]], plots: dict[str, Path], summary: Optional[dict]) -> str:
+    """report.md's text (pure)."""
+    lines = [f"# Relay run report: `{run_dir}`", ""]
+    if summary:
+        lines += [f"Verdict: **{summary.get('verdict', 'n/a')}**"]
+        lines += [f"- WARNING: {reason}" for reason in summary.get("verdict_reasons", [])]
+        lines += ["", f"Final model: `{summary.get('final_model')}`", ""]
+    lines += ["## Curves (first -> last)", "", "| stage | tag | points | first | last | min | max |", "|---|---|---|---|---|---|---|"]
+    for stage, scalars in curves.items():
+        tags = [t for t in HEADLINE_TAGS if t in scalars] + sorted(t for t in scalars if "/loss_task/" in t)
+        lines += [curve_row(stage, tag, scalars[tag]) for tag in tags if scalars[tag]]
+    lines += ["", "## Plots", ""]
+    lines += [f"![{name}]({path.relative_to(run_dir)})" for name, path in plots.items()]
+    lines += ["", f"All curves: `tensorboard --logdir {run_dir}`", ""]
+    return "\n".join(lines)
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Read every stage's events, write plots/*.png and report.md; return report.md's path.
+
+    Raises:
+        ReportError: no TensorBoard events under run_dir.
+    """
+    run_dir = Path(run_dir)
+    curves = {stage: read_scalars(folder) for stage, folder in stage_folders(run_dir).items()}
+    plots = make_plots(curves, run_dir / "plots")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else None
+    report = run_dir / "report.md"
+    report.write_text(render_markdown(run_dir, curves, plots, summary), encoding="utf-8")
+    return report
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="relay report", description="Write RUN_DIR/report.md and plots from TensorBoard events.")
+    parser.add_argument("run_dir", help="pipeline output root (pt/ sft/ rm/ ppo/) or one stage's output folder")
+    args = parser.parse_args(argv)
+    try:
+        print(write_report(args.run_dir))
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,197 @@
+"""Rollout helpers for PPO: generation behind a small `Generator` protocol, turning generated ids
+into padded batches with response masks, and the two-backbone actor-critic.
+
+Memory design (LoRA/QLoRA): the policy is a LoRA on the SFT model and the reference policy is the
+same backbone with the adapter disabled; the critic is a LoRA plus a copy of the RM's `score`
+head on the RM backbone, and the reward is the same backbone with the adapter (and so the head
+copy) disabled. Two backbones instead of four. With full fine-tuning the reference and reward are
+separate frozen copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+import torch
+
+from data_formats.collate import left_pad
+from pipeline.rl import logprobs_from_logits
+
+
+class Generator(Protocol):
+    """Anything that samples responses for tokenised prompts (HF `generate` today; a faster
+    engine such as vLLM can implement the same call)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Raw response ids per prompt (no prompt, no padding; may stop at EOS or run to the limit)."""
+        ...
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting only attended tokens (0 at each row's first real token), as `generate`
+    uses with left padding; the training forward must use the same ones to reproduce its log-probs."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@dataclass
+class HFGenerator:
+    """Batched sampling with the model's KV cache through `transformers` `generate`."""
+
+    model: torch.nn.Module
+    pad_id: int
+    eos_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        input_ids, attention_mask = left_pad(prompts, self.pad_id)
+        device = next(self.model.parameters()).device
+        out = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            do_sample=True,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k or None,
+            top_p=self.top_p,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            use_cache=True,
+        )
+        return [row.tolist() for row in out[:, input_ids.shape[1]:].cpu()]
+
+
+def cut_at_eos(response: Sequence[int], eos_ids: Sequence[int]) -> tuple[list[int], bool]:
+    """The response up to and including its first EOS, and whether it had one (finished).
+
+    `generate` keeps emitting padding after a row finishes; everything after the first EOS is
+    dropped here so padding can never be mistaken for content.
+    """
+    for i, token in enumerate(response):
+        if token in eos_ids:
+            return list(response[: i + 1]), True
+    return list(response), False
+
+
+@dataclass
+class Rollout:
+    """One batch of prompts and sampled responses, laid out as [left-padded prompt | right-padded
+    response] so every response starts at column `prompt_width`."""
+
+    input_ids: torch.Tensor  # [B, P + R]
+    attention_mask: torch.Tensor  # [B, P + R]
+    response_mask: torch.Tensor  # [B, R]: 1 on response tokens (EOS included)
+    prompt_width: int
+    finished: torch.Tensor  # [B] bool: the response ended with EOS
+    responses: list[list[int]]
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        return self.input_ids[:, self.prompt_width:]
+
+
+def assemble(prompts: Sequence[Sequence[int]], raw_responses: Sequence[Sequence[int]], pad_id: int, eos_ids: Sequence[int]) -> Rollout:
+    """Build a Rollout from prompts and raw generated ids (cut at the first EOS).
+
+    Raises:
+        ValueError: counts differ, or a response is empty.
+    """
+    if len(prompts) != len(raw_responses):
+        raise ValueError(f"assemble: {len(prompts)} prompts but {len(raw_responses)} responses")
+    cut = [cut_at_eos(r, eos_ids) for r in raw_responses]
+    responses = [ids for ids, _ in cut]
+    if any(not r for r in responses):
+        raise ValueError("assemble: a generated response is empty (max_new_tokens must be >= 1)")
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    width = max(len(r) for r in responses)
+    resp = torch.full((len(responses), width), pad_id, dtype=torch.long)
+    resp_mask = torch.zeros((len(responses), width), dtype=torch.long)
+    for row, ids in enumerate(responses):
+        resp[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        resp_mask[row, : len(ids)] = 1
+    return Rollout(
+        input_ids=torch.cat([prompt_ids, resp], 1),
+        attention_mask=torch.cat([prompt_mask, resp_mask], 1),
+        response_mask=resp_mask,
+        prompt_width=prompt_ids.shape[1],
+        finished=torch.tensor([f for _, f in cut], dtype=torch.bool),
+        responses=responses,
+    )
+
+
+def _peft_disabled(model: torch.nn.Module):
+    """`model.disable_adapter()` for a PeftModel, a no-op context otherwise."""
+    from peft import PeftModel
+
+    return model.disable_adapter() if isinstance(model, PeftModel) else contextlib.nullcontext()
+
+
+def _classifier_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(backbone, score head) of a HF sequence classifier, possibly inside a PeftModel.
+
+    Raises:
+        ValueError: the model has no `score` head.
+    """
+    from peft import PeftModel
+
+    hf = model.get_base_model() if isinstance(model, PeftModel) else model
+    head = getattr(hf, "score", None)
+    if head is None:
+        raise ValueError(f"{type(hf).__name__} has no 'score' head; the reward model must be a sequence classifier")
+    return getattr(hf, hf.base_model_prefix), head
+
+
+def token_scores(classifier: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The score head applied at every position ([B, T]): per-token values for the critic; the
+    reward is the value at a sequence's last token, exactly what the classifier's own forward
+    pools (tested against AutoModelForSequenceClassification)."""
+    backbone, head = _classifier_parts(classifier)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    return head(hidden).squeeze(-1).float()
+
+
+class ActorCritic(torch.nn.Module):
+    """Policy and critic as one module, so accelerate/DDP wrap (and sync) both in one forward.
+
+    `reference`/`reward` None means "the same backbone with its adapter disabled" (LoRA modes).
+    """
+
+    def __init__(self, policy: torch.nn.Module, critic: torch.nn.Module, reference: Optional[torch.nn.Module] = None,
+                 reward: Optional[torch.nn.Module] = None):
+        super().__init__()
+        self.policy, self.critic = policy, critic
+        # Plain attributes, not submodules: frozen copies must stay out of parameters(),
+        # state_dict() and the optimizer.
+        self.__dict__["reference"] = reference
+        self.__dict__["reward"] = reward
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, R, V], values [B, R]) for the R response tokens: position t-1 predicts token t."""
+        logits = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).logits
+        values = token_scores(self.critic, input_ids, attention_mask)
+        return logits[:, prompt_width - 1 : -1], values[:, prompt_width - 1 : -1]
+
+    @torch.no_grad()
+    def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, temperature: float) -> torch.Tensor:
+        """log p_ref of each response token ([B, R])."""
+        model = self.reference if self.reference is not None else self.policy
+        ctx = contextlib.nullcontext() if self.reference is not None else _peft_disabled(self.policy)
+        with ctx:
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).logits
+        logits = logits[:, prompt_width - 1 : -1] / temperature
+        return logprobs_from_logits(logits, input_ids[:, prompt_width:])
+
+    @torch.no_grad()
+    def reward_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The reward model's score of each whole sequence ([B]), read at its last real token."""
+        model = self.reward if self.reward is not None else self.critic
+        ctx = contextlib.nullcontext() if self.reward is not None else _peft_disabled(self.critic)
+        with ctx:
+            scores = token_scores(model, input_ids, attention_mask)
+        last = attention_mask.shape[1] - 1 - attention_mask.flip(1).long().argmax(1)
+        return scores[torch.arange(scores.shape[0]), last]

@@ -1,0 +1,181 @@
+"""Learning-rate schedules as in Levanter's guide: {[(re)warmup] -> [stable] -> [decay]} x cycles.
+
+`lr_at(step, total_steps, cfg)` is a pure function giving the absolute LR of optimizer step
+`step` (0-based: step 0 is the first update). `build_scheduler` wraps it in a LambdaLR so the
+optimizer sees exactly those values and the scheduler state round-trips through checkpoints.
+
+Definitions (all lengths are "a fraction of the cycle when < 1, else a number of steps"):
+- cycles: `cycles=[n]` splits the run into n equal cycles; `cycles=[a, b, ...]` lists the steps
+  where cycles end (the run's last step ends the last cycle); `cycle_length=[L]` (steps, or a
+  fraction of the run when < 1) repeats cycles of length L; `cycle_length=[L1, L2, ...]` lists
+  the cycle lengths (a remainder after them becomes one more cycle).
+- within a cycle of length C: warmup W (the first cycle uses `warmup`, later ones `rewarmup`),
+  decay D (`decay`, or everything after the warmup), stable = C - W - D at the peak LR.
+- warmup goes linearly from the previous cycle's final LR (0 for the first cycle) to the peak;
+  with W == 0 the LR jumps straight to the peak (Levanter's default for rewarmup).
+- decay shapes go from the peak to `min_lr_ratio * peak` at the end of the cycle, with p the
+  progress through the decay (0 at its first step, 1 at the cycle's end):
+  constant: peak; linear: peak + (min - peak) p; cosine: min + (peak - min)(1 + cos(pi p)) / 2;
+  inv: peak / (1 + (1/r - 1) p); inv_sqrt: peak / sqrt(1 + (1/r^2 - 1) p), r = min_lr_ratio
+  (both reach exactly min at p = 1, which is why they need r > 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """One cycle: [start, end) in steps, its warmup/stable/decay lengths."""
+
+    start: int
+    end: int
+    warmup: int
+    stable: int
+    decay: int
+
+
+def _steps(value: float, length: int, name: str) -> int:
+    """A fraction of `length` (value < 1) or a step count (value >= 1), as whole steps.
+
+    Raises:
+        ValueError: the value is negative.
+    """
+    if value < 0:
+        raise ValueError(f"train.{name}: must be >= 0, got {value!r}")
+    return int(value * length) if value < 1 else int(value)
+
+
+def cycle_ends(total_steps: int, cfg: TrainConfig) -> list[int]:
+    """The (exclusive) end step of every cycle; the last one is `total_steps`.
+
+    Raises:
+        ValueError: cycles and cycle_length both set, or ends that are not increasing inside the run.
+    """
+    if cfg.cycles is not None and cfg.cycle_length is not None:
+        raise ValueError("train: set cycles or cycle_length, not both (Levanter's rule)")
+    if cfg.cycles is not None and len(cfg.cycles) == 1:
+        n = int(cfg.cycles[0])
+        if n < 1:
+            raise ValueError(f"train.cycles: need at least one cycle, got {n}")
+        ends = [round(total_steps * (i + 1) / n) for i in range(n)]
+    elif cfg.cycles is not None:
+        ends = [int(c) for c in cfg.cycles if int(c) < total_steps] + [total_steps]
+    elif cfg.cycle_length is not None:
+        lengths = [_steps(x, total_steps, "cycle_length") for x in cfg.cycle_length]
+        if len(lengths) == 1:
+            if lengths[0] < 1:
+                raise ValueError(f"train.cycle_length: {cfg.cycle_length[0]!r} gives cycles shorter than a step")
+            ends = list(range(lengths[0], total_steps, lengths[0])) + [total_steps]
+        else:
+            ends, acc = [], 0
+            for length in lengths:
+                acc += length
+                if acc < total_steps:
+                    ends.append(acc)
+            ends.append(total_steps)
+    else:
+        ends = [total_steps]
+    for prev, cur in zip([0] + ends[:-1], ends):
+        if cur <= prev:
+            raise ValueError(f"train.cycles: cycle ends must increase inside (0, {total_steps}], got {ends}")
+    return ends
+
+
+def cycles_of(total_steps: int, cfg: TrainConfig) -> list[Cycle]:
+    """Every cycle of a `total_steps` run with its phase lengths.
+
+    Raises:
+        ValueError: bad cycle settings, or warmup + decay longer than a cycle.
+    """
+    out = []
+    start = 0
+    for index, end in enumerate(cycle_ends(total_steps, cfg)):
+        length = end - start
+        warmup = _steps(cfg.warmup if index == 0 else cfg.rewarmup, length, "warmup" if index == 0 else "rewarmup")
+        decay = length - warmup if cfg.decay is None else _steps(cfg.decay, length, "decay")
+        stable = length - warmup - decay
+        if stable < 0:
+            raise ValueError(
+                f"train: cycle {index} has {length} steps, fewer than warmup ({warmup}) + decay ({decay})"
+            )
+        out.append(Cycle(start, end, warmup, stable, decay))
+        start = end
+    return out
+
+
+def decay_value(shape: str, peak: float, min_ratio: float, progress: float) -> float:
+    """The LR `progress` (0..1) of the way through a decay of `shape`.
+
+    Raises:
+        ValueError: unknown shape, or inv/inv_sqrt with min_ratio == 0 (they never reach 0).
+    """
+    p = min(max(progress, 0.0), 1.0)
+    low = peak * min_ratio
+    if shape == "constant":
+        return peak
+    if shape == "linear":
+        return peak + (low - peak) * p
+    if shape == "cosine":
+        return low + (peak - low) * 0.5 * (1.0 + math.cos(math.pi * p))
+    if shape in ("inv", "inv_sqrt"):
+        if min_ratio <= 0:
+            raise ValueError(f"train.lr_schedule: {shape} needs min_lr_ratio > 0")
+        if shape == "inv":
+            return peak / (1.0 + (1.0 / min_ratio - 1.0) * p)
+        return peak / math.sqrt(1.0 + (1.0 / min_ratio**2 - 1.0) * p)
+    raise ValueError(f"train.lr_schedule: unknown shape {shape!r}")
+
+
+def _lr_in_cycle(step: int, cycle: Cycle, start_lr: float, cfg: TrainConfig) -> float:
+    peak = cfg.learning_rate
+    t = step - cycle.start
+    if t < cycle.warmup:
+        return start_lr + (peak - start_lr) * t / cycle.warmup
+    if t < cycle.warmup + cycle.stable:
+        return peak
+    # The decay's last step (t == length - 1) lands on min: progress counts steps up to it.
+    progress = (t - cycle.warmup - cycle.stable) / max(cycle.decay - 1, 1)
+    return decay_value(cfg.lr_schedule, peak, cfg.min_lr_ratio, progress)
+
+
+def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
+    """Absolute learning rate of optimizer step `step` (0-based) in a run of `total_steps`.
+
+    Steps at or past the end keep the final LR.
+
+    Raises:
+        ValueError: step < 0, total_steps < 1, or bad schedule settings.
+    """
+    if step < 0 or total_steps < 1:
+        raise ValueError(f"lr_at: need step >= 0 and total_steps >= 1, got {step}, {total_steps}")
+    step = min(step, total_steps - 1)
+    start_lr = 0.0
+    for cycle in cycles_of(total_steps, cfg):
+        if step < cycle.end:
+            return _lr_in_cycle(step, cycle, start_lr, cfg)
+        start_lr = _lr_in_cycle(cycle.end - 1, cycle, start_lr, cfg)
+    raise AssertionError("unreachable: the last cycle ends at total_steps")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR whose LR at step s is `lr_at(s, cfg.max_steps, cfg)`.
+
+    The optimizer's initial LR must be `cfg.learning_rate` (build_optimizer sets it), because
+    LambdaLR multiplies it by the returned factor.
+
+    Raises:
+        ValueError: bad schedule settings (checked once here, not at step 1000).
+    """
+    total = cfg.max_steps
+    cycles_of(total, cfg)
+    peak = cfg.learning_rate
+    if peak == 0:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.0)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, total, cfg) / peak)

@@ -1,0 +1,90 @@
+"""Experiment trackers: TensorBoard (default, `<output_dir>/runs/`) and W&B, several at once.
+
+Only rank 0 should build an enabled Tracker; other ranks pass `enabled=False` and every call
+becomes a no-op, so stage code never branches on the rank to log.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from pipeline.config import TrackingConfig
+
+
+class TrackerError(RuntimeError):
+    """A tracker named in the config cannot be used (e.g. wandb is not installed)."""
+
+
+def default_run_name(stage: str) -> str:
+    return f"{stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+class Tracker:
+    """Logs scalars and text to every tracker in `cfg.trackers`."""
+
+    def __init__(self, cfg: TrackingConfig, output_dir: str | Path, run_name: Optional[str], config: dict, enabled: bool = True):
+        """Open every tracker.
+
+        Raises:
+            TrackerError: 'wandb' requested but not installed, or an unknown tracker name.
+        """
+        self.enabled = enabled
+        self.writers: list[tuple[str, Any]] = []
+        if not enabled:
+            return
+        name = cfg.run_name or run_name or default_run_name("relay")
+        for kind in cfg.trackers:
+            if kind == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writers.append((kind, SummaryWriter(log_dir=str(Path(output_dir) / "runs" / name))))
+            elif kind == "wandb":
+                try:
+                    import wandb
+                except ImportError as err:
+                    raise TrackerError("tracking.trackers has 'wandb' but wandb is not installed: pip install wandb") from err
+                run = wandb.init(project=cfg.project, entity=cfg.entity, name=name, config=config, dir=str(output_dir))
+                self.writers.append((kind, run))
+            else:
+                raise TrackerError(f"tracking.trackers: unknown tracker {kind!r} (tensorboard, wandb)")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Log scalars at `step`; None and non-numbers are skipped, NaN/inf are logged as they are."""
+        if not self.enabled:
+            return
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for kind, writer in self.writers:
+            if kind == "tensorboard":
+                for key, value in clean.items():
+                    writer.add_scalar(key, value, step)
+            else:
+                writer.log(clean, step=step)
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        if not self.enabled:
+            return
+        for kind, writer in self.writers:
+            if kind == "tensorboard":
+                writer.add_text(tag, text, step)
+            else:
+                writer.log({tag: text}, step=step)
+
+    def close(self) -> None:
+        for kind, writer in self.writers:
+            if kind == "tensorboard":
+                writer.flush()
+                writer.close()
+            else:
+                writer.finish()
+        self.writers = []
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf instead of an overflow error for huge losses."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Runs PT -> SFT -> RM -> PPO, each stage's merged model the next one's base.
+#   bash run_scripts/run_pipeline.sh [configs/pipeline.yaml] [--from sft | --only rm] [--dotted.key value ...]
+#
+# Launch: NPROC processes per node (default 1) with torchrun; multi-node through NNODES,
+# NODE_RANK, MASTER_ADDR, MASTER_PORT (output_root must then be on a shared filesystem). With
+# NPROC=1 and NNODES unset a stage runs as plain python, which saves torchrun's start-up time and
+# behaves the same (one process, no process group). Set TORCHRUN_ALWAYS=1 to use torchrun anyway.
+# A stage whose merged/manifest.json is complete is skipped, so re-running after a crash resumes
+# at the first unfinished stage (and inside it, from the stage's own checkpoints).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+CONFIG=configs/pipeline.yaml
+if [[ $# -gt 0 && $1 != --* ]]; then CONFIG=$1; shift; fi
+
+driver() { "$PY" -m pipeline.driver "$@"; }
+
+launch() {
+  if [[ ${NPROC:-1} == 1 && -z ${NNODES:-} && -z ${TORCHRUN_ALWAYS:-} ]]; then
+    "$PY" "$@"
+  else
+    "$PY" -m torch.distributed.run --nproc_per_node "${NPROC:-1}" --nnodes "${NNODES:-1}" \
+      --node_rank "${NODE_RANK:-0}" --master_addr "${MASTER_ADDR:-127.0.0.1}" \
+      --master_port "${MASTER_PORT:-29500}" "$@"
+  fi
+}
+
+stages=$(driver stages "$CONFIG" "$@")
+for stage in $stages; do
+  plan=$(driver prepare "$CONFIG" "$stage" "$@")
+  mapfile -t argv <<< "$plan"
+  if [[ ${argv[0]} == skip ]]; then
+    continue
+  fi
+  echo "=== $stage ==="
+  launch "${argv[@]}"
+  driver finish "$CONFIG" "$stage" "$@"
+done
+driver summarize "$CONFIG" "$@"
+report_dir=$(driver report-dir "$CONFIG" "$@")
+if [[ -n $report_dir ]]; then
+  "$PY" -m pipeline.report "$report_dir"
+fi

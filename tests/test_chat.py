@@ -1,0 +1,75 @@
+"""The chat CLI: one-shot answers, side-by-side comparison, multi-turn history, template errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from pipeline.chat import ChatError, Generation, interactive, load_chat_model, main, prompt_ids, side_by_side
+
+
+def test_one_shot_embedded_knows_paris(capsys):
+    assert main(["--model", "embedded", "--prompt", "What is the capital of France?", "--max-new-tokens", "16"]) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_prompt_ends_with_assistant_opener(tiny_model_dir):
+    chat = load_chat_model(str(tiny_model_dir))
+    ids = prompt_ids(chat.tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    text = chat.tokenizer.decode(ids)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_compare_prints_both_models_side_by_side(tiny_model_dir, capsys):
+    assert main(["--model", str(tiny_model_dir), "--compare", str(tiny_model_dir), "--prompt", "Hello", "--max-new-tokens", "4"]) == 0
+    first, rule = capsys.readouterr().out.splitlines()[:2]
+    title = str(tiny_model_dir)[:48]
+    assert first.startswith(title) and first.count(" | ") == 1 and first.endswith(title)
+    assert rule.count(" | ") == 1 and set(rule.replace(" | ", "").replace(" ", "")) == {"-"}
+
+
+def test_interactive_keeps_history_and_resets(tiny_model_dir):
+    chat = load_chat_model(str(tiny_model_dir))
+    lines = iter(["first question", "second question", "/reset", "after reset", "/exit", "never read"])
+    histories = interactive([chat], Generation(max_new_tokens=3), system="Sys", read=lambda _: next(lines))
+    (history,) = histories
+    assert [m["role"] for m in history] == ["system", "user", "assistant"]
+    assert history[1]["content"] == "after reset"
+    assert next(lines) == "never read"
+
+
+def test_greedy_is_deterministic(tiny_model_dir):
+    chat = load_chat_model(str(tiny_model_dir))
+    from pipeline.chat import reply
+
+    messages = [{"role": "user", "content": "Count"}]
+    assert reply(chat, messages, Generation(max_new_tokens=6)) == reply(chat, messages, Generation(max_new_tokens=6))
+
+
+def test_folder_without_chat_template_is_refused(tiny_model_dir, tmp_path):
+    folder = tmp_path / "nochat"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ChatError, match="no chat template"):
+        load_chat_model(str(folder))
+
+
+def test_side_by_side_wraps_columns():
+    text = side_by_side("base", "one two three four five six", "final", "short", width=43)
+    assert text.splitlines() == [
+        "base                 | final",
+        "----                 | -----",
+        "one two three four   | short",
+        "five six             |",
+    ]
+
+
+def test_generation_kwargs():
+    assert Generation().kwargs()["do_sample"] is False
+    sampled = Generation(temperature=0.7, top_p=0.9).kwargs()
+    assert sampled["do_sample"] is True and sampled["temperature"] == 0.7 and sampled["top_p"] == 0.9

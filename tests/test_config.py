@@ -1,0 +1,97 @@
+"""The config loader: unknown keys with suggestions, !include, CLI precedence, all problems at once."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from pipeline.config import (
+    ChatDataConfig,
+    ConfigError,
+    StageConfig,
+    load_config,
+    parse_duration,
+    save_config,
+)
+
+
+
+@dataclass
+class ToyData(ChatDataConfig):
+    train: list[str] = field(default_factory=lambda: ["data/toy.jsonl"])
+
+
+@dataclass
+class ToyStage(StageConfig):
+    data: ToyData = field(default_factory=ToyData)
+
+
+def write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_defaults_load_without_config():
+    cfg = load_config(ToyStage, [])
+    assert cfg.model.path == "embedded" and cfg.model.trust_remote_code is False
+    assert cfg.data.train == ["data/toy.jsonl"]
+
+
+def test_typo_keys_fail_with_suggestions_all_at_once(tmp_path):
+    cfg = write(tmp_path / "c.yaml", "train:\n  max_step: 3\n  learning_rat: 0.1\nmodle:\n  path: x\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(ToyStage, ["--config", str(cfg), "--lora.rank", "4"])
+    problems = err.value.problems
+    assert len(problems) == 4
+    assert any("train.max_step" in p and "did you mean 'train.max_steps'" in p for p in problems)
+    assert any("train.learning_rat" in p and "'train.learning_rate'" in p for p in problems)
+    assert any(p.endswith("modle: unknown key; did you mean 'model'?") for p in problems)
+    assert any("--lora.rank" in p and "--lora.r" in p for p in problems)
+
+
+def test_typo_inside_list_of_sections(tmp_path):
+    cfg = write(tmp_path / "c.yaml", "checkpoint:\n  keep:\n    - every: 5\n      untill: 10\n")
+    with pytest.raises(ConfigError, match=r"checkpoint.keep\[0\].untill: unknown key; did you mean 'checkpoint.keep\[0\].until'"):
+        load_config(ToyStage, ["--config", str(cfg)])
+
+
+def test_include_and_cli_override_precedence(tmp_path):
+    write(tmp_path / "lora.yaml", "r: 8\nalpha: 16\n")
+    cfg_file = write(
+        tmp_path / "run.yaml",
+        "output_dir: out/x\nlora: !include lora.yaml\ntrain:\n  max_steps: 7\n  learning_rate: 0.001\n",
+    )
+    cfg = load_config(ToyStage, ["--config", str(cfg_file), "--train.max_steps", "9", "--lora.alpha=4"])
+    assert cfg.lora.r == 8  # from the included file
+    assert cfg.lora.alpha == 4  # CLI beats the included YAML
+    assert cfg.train.max_steps == 9  # CLI beats YAML
+    assert cfg.train.learning_rate == pytest.approx(0.001)  # YAML beats the default
+    assert cfg.output_dir == "out/x"
+
+
+def test_semantic_problems_reported_together():
+    with pytest.raises(ConfigError) as err:
+        load_config(ToyStage, ["--model.finetuning", "qlorra", "--train.max_steps", "0", "--data.padding_mode", "packed"])
+    text = str(err.value)
+    assert "model.finetuning: 'qlorra'" in text
+    assert "train.max_steps: must be > 0" in text
+    assert "data.padding_mode: 'packed'" in text
+    assert len(err.value.problems) == 3
+
+
+def test_resume_accepts_bool_or_path():
+    assert load_config(ToyStage, ["--checkpoint.resume", "false"]).checkpoint.resume is False
+    assert load_config(ToyStage, ["--checkpoint.resume", "/x/step-5"]).checkpoint.resume == "/x/step-5"
+
+
+def test_round_trip_through_saved_yaml(tmp_path):
+    cfg = load_config(ToyStage, ["--train.max_steps", "11", "--lora.target_modules", "[q_proj,v_proj]"])
+    save_config(cfg, tmp_path / "saved.yaml")
+    again = load_config(ToyStage, ["--config", str(tmp_path / "saved.yaml")])
+    assert again == cfg
+
+
+def test_durations():
+    assert parse_duration("90s") == 90 and parse_duration("15m") == 900 and parse_duration("1.5h") == 5400
+    assert parse_duration(30) == 30
+    with pytest.raises(ValueError):
+        parse_duration("soon")

@@ -1,0 +1,176 @@
+"""Record formats, task naming, splits, truncation policy, multitask sampling, and the PT, RM and
+PPO builders."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from data_formats.collate import Collator
+from data_formats.conversation import Turn
+from data_formats.datasets import (build_preference_data, build_prompt_data, build_pt_data, build_sft_data,
+                                   in_eval_fraction)
+from data_formats.render import IGNORE_INDEX, make_template, render
+from data_formats.sampling import length_grouped_order, task_sampling_order
+from data_formats.validate import read_and_parse
+from pipeline.config import ChatDataConfig, PreferenceDataConfig, PromptDataConfig, TextDataConfig
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _write(path: Path, records) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return str(path)
+
+
+def _chat(i, turns=1, data_name=None):
+    rounds = []
+    for k in range(turns):
+        rounds += [{"role": "user", "content": f"question {i}.{k}"}, {"role": "assistant", "content": f"answer {i}.{k}"}]
+    record = {"messages": rounds}
+    if data_name:
+        record["data_name"] = data_name
+    return record
+
+
+@pytest.mark.parametrize("record", [
+    {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]},
+    {"chat_rounds": [{"role": "human", "content": "Q"}, {"role": "bot", "content": "A"}]},
+    {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]},
+    {"prompt": "Q", "response": "A"},
+    {"question": "Q", "answer": "A"},
+    {"input": "Q", "output": "A"},
+    {"instruction": "Q", "output": "A"},
+])
+def test_every_conversation_format(tmp_path, record):
+    good, problems = read_and_parse([_write(tmp_path / "f.jsonl", [record])], "sft")
+    assert problems == [] and good[0].value.turns == [Turn("user", "Q"), Turn("assistant", "A")]
+
+
+def test_task_naming_and_task_ids_through_collation(tmp_path, tok):
+    a = _write(tmp_path / "alpha.jsonl", [_chat(0), _chat(1, data_name="named")])
+    folder = tmp_path / "beta_dir"
+    _write(folder / "part.jsonl", [_chat(2)])
+    cfg = ChatDataConfig(train=[a, str(folder)])
+    data = build_sft_data(cfg, tok, make_template(cfg, tok), 256, "train")
+    assert data.tasks == ["alpha", "beta_dir", "named"]
+    assert [data.tasks[s["task_id"]] for s in data.samples] == ["alpha", "named", "beta_dir"]
+    batch = Collator(tok.pad_token_id)(data.samples)
+    for row, sample in enumerate(data.samples):
+        n = len(sample["input_ids"])
+        assert batch["task_ids"][row, :n].tolist() == [sample["task_id"]] * n
+        assert (batch["task_ids"][row, n:] == -1).all()
+    evaluated = build_sft_data(ChatDataConfig(train=[a], eval=[str(folder)]), tok, make_template(cfg, tok), 256,
+                               "eval", tasks=data.tasks)
+    assert evaluated.tasks == data.tasks and evaluated.samples[0]["task_id"] == 1
+
+
+def test_eval_fraction_split_is_deterministic_and_disjoint(tmp_path, tok):
+    path = _write(tmp_path / "t.jsonl", [_chat(i) for i in range(40)])
+    cfg = ChatDataConfig(train=[path], eval_fraction=0.25)
+    template = make_template(cfg, tok)
+    train = [s["source"] for s in build_sft_data(cfg, tok, template, 256, "train").samples]
+    held = [s["source"] for s in build_sft_data(cfg, tok, template, 256, "eval").samples]
+    assert set(train).isdisjoint(held) and len(train) + len(held) == 40 and held
+    lines = Path(path).read_text().splitlines()
+    assert held == [f"{path}:{i + 1}" for i, line in enumerate(lines) if in_eval_fraction(line, 0.25)]
+    assert build_sft_data(ChatDataConfig(train=[path]), tok, template, 256, "eval").samples == []
+    capped = build_sft_data(ChatDataConfig(train=[path], max_samples=3), tok, template, 256, "train")
+    assert [s["source"] for s in capped.samples] == [f"{path}:{i}" for i in (1, 2, 3)]
+
+
+def test_truncation_policies(tmp_path, tok, caplog):
+    path = _write(tmp_path / "t.jsonl", [_chat(0, turns=3), _chat(1, turns=1)])
+    cfg = ChatDataConfig(train=[path], template="role_markers")
+    template = make_template(cfg, tok)
+    conv = read_and_parse([path], "sft")[0][0].value
+    one_turn = render(type(conv)(conv.turns[:2]), tok, template)[0]
+    two_turns = render(type(conv)(conv.turns[:4]), tok, template)[0]
+    full = render(conv, tok, template)[0]
+    limit = len(two_turns) + 1
+    assert len(full) > limit
+    dropped = build_sft_data(cfg, tok, template, limit, "train")
+    assert dropped.stats["dropped_overlong"] == 1 and [s["source"] for s in dropped.samples] == [f"{path}:2"]
+    cfg.truncation = "truncate"
+    kept = build_sft_data(cfg, tok, template, limit, "train")
+    assert kept.stats["truncated"] == 1 and kept.samples[0]["input_ids"] == two_turns
+    assert tok.decode([x for x in kept.samples[0]["labels"] if x != IGNORE_INDEX]) == "answer 0.0<|im_end|>answer 0.1<|im_end|>"
+    tiny = build_sft_data(cfg, tok, template, len(one_turn) - 1, "train")
+    assert tiny.stats["dropped_overlong"] == 2 and tiny.samples == []
+
+
+def test_task_sampling_order():
+    task_ids = [0] * 10 + [1] * 2
+    order = task_sampling_order(task_ids, {0: 1.0, 1: 1.0}, seed=3, num_samples=400)
+    assert order == task_sampling_order(task_ids, {0: 1.0, 1: 1.0}, seed=3, num_samples=400)
+    counts = Counter(task_ids[i] for i in order)
+    assert 160 < counts[1] < 240  # equal task weights despite 5x fewer samples
+    draws_of_1 = [i for i in order if task_ids[i] == 1]
+    # Within a task, every sample is used once before any repeats (reshuffled per pass).
+    assert all(sorted(draws_of_1[k:k + 2]) == [10, 11] for k in range(0, len(draws_of_1) - 1, 2))
+    uniform = Counter(task_ids[i] for i in task_sampling_order(task_ids, {}, seed=0, num_samples=400))
+    assert 160 < uniform[1] < 240  # no weights: uniform over tasks
+    skewed = Counter(task_ids[i] for i in task_sampling_order(task_ids, {0: 3.0, 1: 1.0}, seed=0, num_samples=400))
+    assert 70 < skewed[1] < 130
+    only0 = task_sampling_order(task_ids, {0: 1.0}, seed=0, num_samples=10)
+    assert sorted(only0) == list(range(10))  # a full pass over task 0 before any repeat
+    with pytest.raises(ValueError, match="no samples"):
+        task_sampling_order(task_ids, {5: 1.0}, seed=0)
+    with pytest.raises(ValueError, match=">= 0"):
+        task_sampling_order(task_ids, {0: -1.0, 1: 1.0}, seed=0)
+
+
+def test_length_grouped_order():
+    lengths = [5, 50, 6, 49, 7, 48, 8, 47]
+    order = length_grouped_order(lengths, batch_size=2, seed=1, mega=4)
+    assert sorted(order) == list(range(8)) and order == length_grouped_order(lengths, 2, 1, 4)
+    batches = [sorted(lengths[i] for i in order[k:k + 2]) for k in range(0, 8, 2)]
+    assert all(b[1] - b[0] <= 3 for b in batches)
+
+
+def test_pt_data_from_txt_and_jsonl(tmp_path, tok):
+    (tmp_path / "a.txt").write_text("first document", encoding="utf-8")
+    jl = _write(tmp_path / "b.jsonl", [{"text": "second one"}, {"body": "third"}])
+    cfg = TextDataConfig(train=[str(tmp_path / "a.txt"), jl])
+    from data_formats.sources import DataError
+
+    with pytest.raises(DataError, match="b.jsonl:2: missing field 'text'"):
+        build_pt_data(cfg, tok, 8, "train")
+    cfg.on_error = "skip"
+    rows = build_pt_data(cfg, tok, 8, "train")
+    stream = sum((r["input_ids"] for r in rows), [])
+    expected = (tok("first document", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                + tok("second one", add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+    assert stream == expected and all(len(r["input_ids"]) <= 8 for r in rows)
+
+
+def test_preference_and_prompt_data(tmp_path, tok):
+    path = _write(tmp_path / "p.jsonl", [
+        {"question": "Q1", "response_chosen": "good", "response_rejected": "bad", "m": 0.5},
+        {"prompt": [{"role": "user", "content": "Q2"}], "chosen": [{"role": "assistant", "content": "yes"}],
+         "rejected": [{"role": "assistant", "content": "no"}], "m": 1},
+    ])
+    cfg = PreferenceDataConfig(train=[path], template="role_markers", margin_field="m")
+    pairs = build_preference_data(cfg, tok, make_template(cfg, tok), 64, "train")
+    assert tok.decode(pairs[0]["chosen_input_ids"]) == "<s>human\nQ1<s>bot\ngood<|im_end|>\n"
+    assert tok.decode(pairs[1]["rejected_input_ids"]) == "<s>human\nQ2<s>bot\nno<|im_end|>\n"
+    assert [p["margin"] for p in pairs] == [0.5, 1.0]
+    # The format is detected per file, so the two prompt formats live in two files.
+    simple = _write(tmp_path / "q1.jsonl", [{"prompt": "Hello"}])
+    prompts = _write(tmp_path / "q2.jsonl", [
+        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "old " * 30},
+                      {"role": "assistant", "content": "reply"}, {"role": "user", "content": "new"}]},
+    ])
+    pcfg = PromptDataConfig(train=[simple, prompts], template="role_markers", max_prompt_length=20, truncation="truncate")
+    out = build_prompt_data(pcfg, tok, make_template(pcfg, tok), "train")
+    assert [p["text"] for p in out] == ["<s>human\nHello<s>bot\n", "<s>system\nS\n<s>human\nnew<s>bot\n"]
+    pcfg.truncation = "drop"
+    assert len(build_prompt_data(pcfg, tok, make_template(pcfg, tok), "train")) == 1

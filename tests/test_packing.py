@@ -1,0 +1,120 @@
+"""Packing is contamination-free (block-causal 4D mask + restarting positions) on sdpa and eager,
+padding does not change per-sample loss, and PT rows keep documents apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from data_formats.collate import Collator, block_causal_mask, left_pad, pack, packing_efficiency
+from data_formats.datasets import chunk_documents
+
+SEQ = 24
+A = {"input_ids": [5, 17, 99, 230, 41, 8, 77], "labels": [-100, -100, -100, 230, 41, 8, 77], "task_id": 0}
+B = {"input_ids": [64, 12, 300, 88, 19, 45, 61, 9, 2], "labels": [-100, -100, -100, -100, 19, 45, 61, 9, 2], "task_id": 1}
+C = {"input_ids": [7, 8, 9, 10], "labels": [-100, 8, 9, 10], "task_id": 0}
+
+
+def _model(path, attn):
+    model = LlamaForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=torch.float32)
+    return model.eval()
+
+
+def _per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the supervised positions of one sequence."""
+    return torch.nn.functional.cross_entropy(logits[:-1], labels[1:], ignore_index=-100)
+
+
+def _forward(model, batch):
+    keys = ("input_ids", "attention_mask", "position_ids")
+    with torch.no_grad():
+        return model(**{k: batch[k] for k in keys if k in batch}).logits
+
+
+def test_pack_layout():
+    rows = pack([A, B, C, A], SEQ)
+    assert [r["lengths"] for r in rows] == [[7, 9, 4], [7]]
+    assert rows[0]["labels"][7] == -100 and rows[0]["labels"][16] == -100  # first token of B, C
+    batch = Collator(0, "pack", SEQ)(rows)
+    assert batch["input_ids"].shape == (2, SEQ) and batch["attention_mask"].shape == (2, 1, SEQ, SEQ)
+    assert batch["position_ids"][0].tolist() == list(range(7)) + list(range(9)) + list(range(4)) + list(range(4))
+    assert batch["task_ids"][0].tolist() == [0] * 7 + [1] * 9 + [0] * 4 + [-1] * 4
+    assert batch["labels"][0, 20:].tolist() == [-100] * 4
+    assert packing_efficiency(rows, SEQ) == pytest.approx(27 / 48)
+    mask = batch["attention_mask"][0, 0]
+    assert mask[8].tolist() == [False] * 7 + [True, True] + [False] * 15  # B's 2nd token: B's first two only
+    fa2 = Collator(0, "pack", SEQ, attn_implementation="flash_attention_2")(rows)
+    assert "attention_mask" not in fa2 and torch.equal(fa2["position_ids"], batch["position_ids"])
+    with pytest.raises(ValueError, match="packing needs"):
+        pack([{"input_ids": list(range(SEQ + 1))}], SEQ)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_rows_are_contamination_free(tiny_model_dir, attn):
+    model = _model(tiny_model_dir, attn)
+    collate = Collator(0, "pack", SEQ, attn_implementation=attn)
+    packed = collate(pack([A, B], SEQ))
+    a_changed = dict(A, input_ids=[1000 + x for x in A["input_ids"]])
+    perturbed = collate(pack([a_changed, B], SEQ))
+    logits, logits_p = _forward(model, packed), _forward(model, perturbed)
+    b = slice(7, 16)
+    assert not torch.equal(logits[0, :7], logits_p[0, :7])  # A's change is visible to A
+    assert torch.equal(logits[0, b], logits_p[0, b])  # ...but bitwise invisible to B
+    for sample, span in ((A, slice(0, 7)), (B, b)):
+        alone = _forward(model, {"input_ids": torch.tensor([sample["input_ids"]])})[0]
+        packed_loss = _per_sample_loss(logits[0, span], packed["labels"][0, span])
+        alone_loss = _per_sample_loss(alone, torch.tensor(sample["labels"]))
+        assert abs(packed_loss.item() - alone_loss.item()) < 1e-5
+
+
+def test_position_ids_alone_leak_on_sdpa(tiny_model_dir):
+    """Negative control: without the block mask, B sees A (so the test above can fail)."""
+    model = _model(tiny_model_dir, "sdpa")
+    collate = Collator(0, "pack", SEQ)
+    packed = collate(pack([A, B], SEQ))
+    perturbed = collate(pack([dict(A, input_ids=[1000 + x for x in A["input_ids"]]), B], SEQ))
+    for batch in (packed, perturbed):
+        del batch["attention_mask"]
+    assert not torch.equal(_forward(model, packed)[0, 7:16], _forward(model, perturbed)[0, 7:16])
+
+
+def test_right_padding_keeps_per_sample_loss(tiny_model_dir):
+    model = _model(tiny_model_dir, "sdpa")
+    batch = Collator(0, "padding")([A, B, C])
+    assert batch["attention_mask"].sum(1).tolist() == [7, 9, 4]
+    assert batch["task_ids"][2].tolist() == [0] * 4 + [-1] * 5
+    logits = _forward(model, batch)
+    for i, sample in enumerate((A, B, C)):
+        n = len(sample["input_ids"])
+        alone = _forward(model, {"input_ids": torch.tensor([sample["input_ids"]])})[0]
+        padded = _per_sample_loss(logits[i, :n], batch["labels"][i, :n])
+        assert abs(padded.item() - _per_sample_loss(alone, torch.tensor(sample["labels"])).item()) < 1e-5
+        assert _per_sample_loss(logits[i], batch["labels"][i]).item() == pytest.approx(padded.item(), abs=1e-5)
+
+
+def test_pt_rows_keep_documents_apart(tiny_model_dir):
+    docs = [[11, 12, 13, 14, 15], [21, 22, 23], [31, 32, 33, 34, 35, 36, 37, 38, 39, 40]]
+    rows = chunk_documents(docs, eos_id=2, seq_length=8)
+    assert [r["input_ids"] for r in rows] == [[11, 12, 13, 14, 15, 2, 21, 22], [23, 2, 31, 32, 33, 34, 35, 36],
+                                               [37, 38, 39, 40, 2]]
+    assert [r["lengths"] for r in rows] == [[6, 2], [2, 6], [5]]
+    assert rows[1]["labels"] == [-100, 2, -100, 32, 33, 34, 35, 36]
+    model = _model(tiny_model_dir, "sdpa")
+    collate = Collator(0, "pack", 8)
+    base = _forward(model, collate(rows[:2]))
+    other = [dict(rows[0], input_ids=[100] * 6 + [21, 22])] + rows[1:2]
+    changed = _forward(model, collate(other))
+    assert torch.equal(base[0, 6:], changed[0, 6:]) and not torch.equal(base[0, :6], changed[0, :6])
+
+
+def test_left_pad_and_mask_kinds():
+    ids, mask = left_pad([[4, 5, 6], [7]], pad_id=0)
+    assert ids.tolist() == [[4, 5, 6], [0, 0, 7]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    segments = torch.tensor([[0, 0, 1]])
+    eager = block_causal_mask(segments, "eager")[0, 0]
+    assert eager.dtype == torch.float32 and eager[2, 1].item() == torch.finfo(torch.float32).min and eager[1, 0] == 0
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        block_causal_mask(segments, "flash_attention_2")
+    with pytest.raises(ValueError, match="need padding_mode='pack'"):
+        Collator(0, "padding")(pack([A, C], SEQ))

@@ -1,0 +1,182 @@
+"""Golden rendering and exact loss masks (role_markers and chat_template), the saved-template
+round trip, and the start-up refusal of non-prefix-preserving templates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from data_formats.conversation import Conversation, Turn
+from data_formats.render import IGNORE_INDEX, make_template, render, render_prompt, render_text, template_jinja
+from data_formats.validate import read_and_parse
+from pipeline.config import ChatDataConfig
+
+GOOD = Path(__file__).parent / "data" / "good"
+CHATML = Conversation([
+    Turn("system", "You are a coding assistant."),
+    Turn("user", "Write hello world in Python."),
+    Turn("assistant", "print('hello world')"),
+    Turn("user", "And in C?"),
+    Turn("assistant", 'puts("hello world");'),
+])
+TRAINED_TEXT = "print('hello world')<|im_end|>puts(\"hello world\");<|im_end|>"
+# Trained ids of CHATML with the SmolLM2 tokenizer (both modes train the same spans).
+TRAINED_IDS = [3272, 1305, 28120, 905, 1465, 2, 1078, 99, 1470, 28120, 905, 21646, 2]
+SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+@pytest.fixture(scope="module")
+def tok(embedded_path):
+    return AutoTokenizer.from_pretrained(embedded_path)
+
+
+def _trained(labels):
+    return [x for x in labels if x != IGNORE_INDEX]
+
+
+def _records(name):
+    good, problems = read_and_parse([str(GOOD / name)], "sft")
+    assert problems == []
+    return good
+
+
+def test_chatml_file_parses_to_expected_conversation():
+    record = _records("chatml.jsonl")[0]
+    assert record.value.turns == CHATML.turns
+    assert record.task == "code-helper" and record.source.endswith("chatml.jsonl:1")
+
+
+def test_role_markers_golden_string_and_mask(tok):
+    template = make_template(ChatDataConfig(template="role_markers"), tok)
+    conv = _records("chatml.jsonl")[0].value
+    text = render_text(conv, tok, template)
+    assert text == ("<s>system\nYou are a coding assistant.\n"
+                    "<s>human\nWrite hello world in Python.<s>bot\nprint('hello world')<|im_end|>\n"
+                    "<s>human\nAnd in C?<s>bot\nputs(\"hello world\");<|im_end|>\n")
+    ids, labels = render(conv, tok, template)
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert _trained(labels) == TRAINED_IDS
+    assert tok.decode(_trained(labels)) == TRAINED_TEXT
+    # Trained tokens are exactly the two contiguous assistant spans; the "\n" after EOS is not.
+    trained_at = [i for i, x in enumerate(labels) if x != IGNORE_INDEX]
+    assert ids[trained_at[5] + 1] == tok("\n", add_special_tokens=False)["input_ids"][0]
+    assert labels[trained_at[5] + 1] == IGNORE_INDEX and labels[-1] == IGNORE_INDEX
+
+
+def test_chat_template_golden_string_and_mask(tok):
+    template = make_template(ChatDataConfig(), tok)
+    conv = _records("chatml.jsonl")[0].value
+    text = render_text(conv, tok, template)
+    assert text == ("<|im_start|>system\nYou are a coding assistant.<|im_end|>\n"
+                    "<|im_start|>user\nWrite hello world in Python.<|im_end|>\n"
+                    "<|im_start|>assistant\nprint('hello world')<|im_end|>\n"
+                    "<|im_start|>user\nAnd in C?<|im_end|>\n"
+                    "<|im_start|>assistant\nputs(\"hello world\");<|im_end|>\n")
+    assert text == tok.apply_chat_template([{"role": t.role, "content": t.content} for t in conv.turns], tokenize=False)
+    ids, labels = render(conv, tok, template)
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert _trained(labels) == TRAINED_IDS
+    assert tok.decode(_trained(labels)) == TRAINED_TEXT
+
+
+def test_chat_template_injected_system_is_not_trained(tok):
+    """SmolLM2 injects a default system turn when there is none; prefix rendering copes."""
+    template = make_template(ChatDataConfig(), tok)
+    conv = _records("sharegpt.jsonl")[0].value
+    assert render_text(conv, tok, template) == (
+        SMOL_SYSTEM + "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\nBlue.<|im_end|>\n")
+    ids, labels = render(conv, tok, template)
+    assert tok.decode(_trained(labels)) == "Blue.<|im_end|>"
+    assert _trained(labels) == tok("Blue.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
+@pytest.mark.parametrize("mode", ["role_markers", "chat_template"])
+def test_sharegpt_and_alpaca_masks(tok, mode):
+    template = make_template(ChatDataConfig(template=mode), tok)
+    share = _records("sharegpt.jsonl")[0].value
+    alpaca = _records("alpaca.json")
+    assert share.turns == [Turn("user", "Name a colour."), Turn("assistant", "Blue.")]
+    assert alpaca[0].value.turns == [Turn("user", "Translate to French.\n\nGood morning"), Turn("assistant", "Bonjour")]
+    assert alpaca[1].value.turns == [Turn("user", "Say yes."), Turn("assistant", "Yes.")]
+    assert [r.line for r in alpaca] == [2, 3]
+    expected = {"Blue.<|im_end|>": share, "Bonjour<|im_end|>": alpaca[0].value, "Yes.<|im_end|>": alpaca[1].value}
+    for text, conv in expected.items():
+        ids, labels = render(conv, tok, template)
+        assert tok.decode(_trained(labels)) == text
+        assert ids == tok(render_text(conv, tok, template), add_special_tokens=False)["input_ids"]
+    if mode == "role_markers":
+        assert render_text(alpaca[0].value, tok, template) == (
+            "<s>human\nTranslate to French.\n\nGood morning<s>bot\nBonjour<|im_end|>\n")
+
+
+def test_custom_markers(tok):
+    markers = {"system": "### System:\n", "user": "### Instruction:\n", "assistant": "### Response:\n"}
+    template = make_template(ChatDataConfig(template="role_markers", role_markers=markers), tok)
+    conv = Conversation([Turn("user", "Hi"), Turn("assistant", "Hello")])
+    assert render_text(conv, tok, template) == "### Instruction:\nHi### Response:\nHello<|im_end|>\n"
+    assert tok.decode(render_prompt(Conversation([Turn("user", "Hi")]), tok, template)) == "### Instruction:\nHi### Response:\n"
+
+
+@pytest.mark.parametrize("system_prompt", [None, "Be terse."])
+def test_role_markers_jinja_round_trip(tok, system_prompt):
+    """The template saved into merged/ renders exactly what training saw (and the same prompt)."""
+    template = make_template(ChatDataConfig(template="role_markers", system_prompt=system_prompt), tok)
+    jinja = template_jinja(template, tok)
+    for record in _records("chatml.jsonl"):
+        conv = record.value
+        messages = [{"role": t.role, "content": t.content} for t in conv.turns]
+        if system_prompt is not None and conv.turns[0].role != "system":
+            # Training saw the configured system turn (added at parse time); the saved template adds it.
+            conv = Conversation([Turn("system", system_prompt)] + conv.turns)
+        saved = tok.apply_chat_template(messages, chat_template=jinja, tokenize=False)
+        assert saved == render_text(conv, tok, template)
+        prompt = tok.apply_chat_template(messages[:-1], chat_template=jinja, tokenize=False, add_generation_prompt=True)
+        assert tok(prompt, add_special_tokens=False)["input_ids"] == render_prompt(
+            Conversation(conv.turns[:-1]), tok, template)
+    assert template_jinja(make_template(ChatDataConfig(), tok), tok) is None
+
+
+def test_chat_template_prompt_matches_tokenizer(tok):
+    template = make_template(ChatDataConfig(), tok)
+    conv = Conversation([Turn("user", "Hi")])
+    expected = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert render_prompt(conv, tok, template) == tok(expected, add_special_tokens=False)["input_ids"]
+
+
+def test_non_prefix_preserving_template_refused(tok, tmp_path):
+    """A template that drops earlier assistant turns (like reasoning-stripping templates) cannot
+    locate spans by prefix rendering: make_template must refuse at start-up."""
+    tok = AutoTokenizer.from_pretrained(tok.name_or_path)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+                         "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    with pytest.raises(ValueError, match="not prefix-preserving"):
+        make_template(ChatDataConfig(), tok)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        make_template(ChatDataConfig(), tok)
+
+
+def test_boundary_straddling_token_follows_start_rule(tok):
+    """Boundary cases. Content "\nYes": its newline is its own token and is trained. Content
+    "  Yes": the opener's "\n" and the first space merge into one token that starts in the opener,
+    so it is not trained (the documented start-offset rule). Either way ids equal the one-shot
+    tokenization of the full text."""
+    template = make_template(ChatDataConfig(), tok)
+    for content, trained in (("\nYes", "\nYes<|im_end|>"), ("  Yes", " Yes<|im_end|>")):
+        conv = Conversation([Turn("user", "Hi"), Turn("assistant", content)])
+        ids, labels = render(conv, tok, template)
+        assert ids == tok(render_text(conv, tok, template), add_special_tokens=False)["input_ids"]
+        assert tok.decode(_trained(labels)) == trained
+
+
+def test_show_colours_exactly_the_trained_tokens(tok):
+    from data_formats.show import RESET, TRAINED, colour_tokens
+
+    template = make_template(ChatDataConfig(template="role_markers"), tok)
+    conv = Conversation([Turn("user", "Hi"), Turn("assistant", "Yes.")])
+    ids, labels = render(conv, tok, template)
+    shown = colour_tokens(ids, labels, tok)
+    assert shown == f"<s>human\nHi<s>bot\n{TRAINED}Yes{RESET}{TRAINED}.{RESET}{TRAINED}<|im_end|>{RESET}\n"

@@ -1,0 +1,77 @@
+"""The run report: TensorBoard events -> curves (joined across resumed runs), plots, report.md."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+from pipeline.report import ReportError, curve_row, read_scalars, stage_folders, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_events(folder: Path, scalars: dict[str, list[tuple[int, float]]]) -> None:
+    writer = SummaryWriter(log_dir=str(folder))
+    for tag, points in scalars.items():
+        for step, value in points:
+            writer.add_scalar(tag, value, step)
+    writer.flush()
+    writer.close()
+
+
+def fake_run(root: Path) -> Path:
+    """A pipeline root with the four stages' usual tags (SFT resumed once: two event folders)."""
+    write_events(root / "pt/runs/pt-1", {"train/loss": [(1, 4.0), (2, 3.5), (3, 3.0)], "eval/loss": [(3, 3.2)]})
+    write_events(root / "sft/runs/sft-1", {"train/loss": [(1, 2.0), (2, 1.8)], "train/loss_task/atlas_qa": [(1, 2.1), (2, 1.9)]})
+    time.sleep(0.01)  # the resumed run's events are written later; the later value wins for step 2
+    write_events(
+        root / "sft/runs/sft-2",
+        {"train/loss": [(2, 1.7), (3, 1.5)], "train/loss_task/coin_math": [(3, 1.2)], "eval/loss_task/atlas_qa": [(3, 1.6)]},
+    )
+    write_events(root / "rm/runs/rm-1", {"train/loss": [(1, 0.69), (2, 0.5)], "train/accuracy": [(1, 0.5), (2, 0.75)], "eval/accuracy": [(2, 0.875)], "eval/margin": [(2, 1.25)]})
+    write_events(root / "ppo/runs/ppo-1", {"ppo/reward_raw": [(1, -0.5), (2, 0.25)], "ppo/kl": [(1, 0.0), (2, 0.125)], "eval/reward": [(2, 0.5)]})
+    (root / "summary.json").write_text(json.dumps({"verdict": "WARNING", "verdict_reasons": ["PPO mean reward did not rise"], "final_model": "/x/ppo/merged"}))
+    return root
+
+
+def test_read_scalars_joins_resumed_runs(tmp_path):
+    root = fake_run(tmp_path)
+    curves = read_scalars(root / "sft")
+    assert curves["train/loss"] == [(1, pytest.approx(2.0)), (2, pytest.approx(1.7)), (3, pytest.approx(1.5))]
+    assert [s for s, _ in curves["train/loss_task/atlas_qa"]] == [1, 2]
+    assert set(curves) == {"train/loss", "train/loss_task/atlas_qa", "train/loss_task/coin_math", "eval/loss_task/atlas_qa"}
+
+
+def test_report_writes_markdown_and_plots(tmp_path):
+    root = fake_run(tmp_path)
+    report = write_report(root)
+    text = report.read_text()
+    assert "| pt | `train/loss` | 3 | 4.0000 | 3.0000 | 3.0000 | 4.0000 |" in text
+    assert "| rm | `eval/accuracy` | 1 | 0.8750 | 0.8750 | 0.8750 | 0.8750 |" in text
+    assert "| sft | `train/loss_task/coin_math` | 1 | 1.2000 |" in text
+    assert "Verdict: **WARNING**" in text and "- WARNING: PPO mean reward did not rise" in text
+    for name in ("losses", "sft_tasks", "rm", "ppo"):
+        png = root / "plots" / f"{name}.png"
+        assert f"![{name}](plots/{name}.png)" in text
+        assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+
+
+def test_report_skips_plots_without_data(tmp_path):
+    write_events(tmp_path / "pt/runs/a", {"train/loss": [(1, 1.0)]})
+    write_report(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["losses.png"]
+
+
+def test_single_stage_folder_and_empty_run(tmp_path):
+    write_events(tmp_path / "one/runs/a", {"train/loss": [(1, 1.0)]})
+    assert stage_folders(tmp_path / "one") == {"one": tmp_path / "one"}
+    with pytest.raises(ReportError, match="no TensorBoard events"):
+        stage_folders(tmp_path / "empty")
+
+
+def test_curve_row():
+    assert curve_row("rm", "eval/accuracy", [(1, 0.5), (2, 0.25), (3, 0.75)]) == "| rm | `eval/accuracy` | 3 | 0.5000 | 0.7500 | 0.2500 | 0.7500 |"

@@ -1,0 +1,101 @@
+"""Every malformed record in tests/data/bad/ is reported with its file and line; the validate CLI's
+exit codes; strict refuses, skip drops exactly the bad records."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from data_formats import validate
+from data_formats.datasets import build_sft_data
+from data_formats.render import make_template
+from data_formats.sources import DataError
+from pipeline.config import ChatDataConfig
+
+DATA = Path(__file__).parent / "data"
+BAD = DATA / "bad"
+SFT_BAD = str(BAD / "sft_bad.jsonl")
+EXPECTED = {
+    ("sft_bad.jsonl", 2): "invalid JSON",
+    ("sft_bad.jsonl", 3): "missing field 'chat_rounds'",
+    ("sft_bad.jsonl", 4): "unknown role 'robot'",
+    ("sft_bad.jsonl", 5): "empty content",
+    ("sft_bad.jsonl", 6): "content must be a string",
+    ("sft_bad.jsonl", 7): "must start with a user turn",
+    ("sft_bad.jsonl", 8): "two user turns in a row",
+    ("sft_bad.jsonl", 9): "system turn must come first",
+    ("sft_bad.jsonl", 10): "blank line",
+    ("sft_bad.jsonl", 11): "last turn must be the assistant's",
+    ("sft_bad.jsonl", 12): "has no turns",
+    ("sft_bad.jsonl", 13): "no user turn",
+    ("sft_bad.jsonl", 14): "must be a JSON object",
+    ("empty.jsonl", 0): "empty file",
+    ("undecodable.jsonl", 2): "undecodable bytes",
+    ("array_bad.json", 3): "missing field 'output'",
+    ("array_bad.json", 4): "field 'instruction' is empty",
+}
+
+
+def _found(problems):
+    return {(Path(p.file).name, p.line): p.reason for p in problems}
+
+
+def test_every_bad_line_reported_with_file_and_line():
+    files = [str(BAD / n) for n in ("sft_bad.jsonl", "empty.jsonl", "undecodable.jsonl", "array_bad.json")]
+    good, problems = validate.read_and_parse(files, "sft")
+    found = _found(problems)
+    assert set(found) == set(EXPECTED)
+    for key, reason in EXPECTED.items():
+        assert reason in found[key], (key, found[key])
+    assert sorted((Path(r.file).name, r.line) for r in good) == [
+        ("array_bad.json", 2), ("sft_bad.jsonl", 1), ("sft_bad.jsonl", 15), ("undecodable.jsonl", 1)]
+
+
+def test_preference_problems():
+    good, problems = validate.read_and_parse([str(BAD / "prefs_bad.jsonl")], "rm")
+    assert _found(problems) == {("prefs_bad.jsonl", 2): "chosen and rejected are identical",
+                                ("prefs_bad.jsonl", 3): "missing field 'response_rejected'"}
+    assert [r.line for r in good] == [1, 4]
+
+
+def test_wrong_kind_is_reported():
+    _, problems = validate.read_and_parse([str(BAD / "prefs_bad.jsonl")], "sft")
+    assert (("prefs_bad.jsonl", 1) in _found(problems)) and "not usable for --kind sft" in _found(problems)[("prefs_bad.jsonl", 1)]
+
+
+def test_cli_exit_codes(capsys):
+    assert validate.main([SFT_BAD]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{SFT_BAD}:2: invalid JSON: Expecting ',' delimiter (column 60)"
+    assert len(out) == 14 and out[-1].startswith("2 record(s) passed")
+    assert validate.main([str(DATA / "good")]) == 0
+    assert capsys.readouterr().out.strip().endswith("0 problem(s) in 0 file(s)")
+    assert validate.main(["--kind", "rm", str(BAD / "prefs_bad.jsonl")]) == 1
+    assert validate.main([str(BAD / "no_such_file.jsonl")]) == 1
+    assert "no_such_file.jsonl:0: no such file" in capsys.readouterr().out
+
+
+def test_cli_reports_overlong(capsys):
+    good = str(DATA / "good" / "chatml.jsonl")
+    assert validate.main(["--seq-length", "40", "--template", "role_markers", good]) == 1
+    assert capsys.readouterr().out.splitlines()[0] == f"{good}:1: overlong: 55 tokens > seq_length 40"
+    assert validate.main(["--seq-length", "55", "--template", "role_markers", good]) == 0
+
+
+def test_strict_refuses_and_skip_drops_exactly_bad(tiny_model_dir, caplog):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = ChatDataConfig(train=[SFT_BAD], template="role_markers")
+    template = make_template(cfg, tok)
+    with pytest.raises(DataError) as err:
+        build_sft_data(cfg, tok, template, 512, "train")
+    assert len(err.value.problems) == 13
+    assert f"{SFT_BAD}:9: turn 1: system turn must come first" in str(err.value)
+    cfg.on_error = "skip"
+    with caplog.at_level(logging.WARNING):
+        data = build_sft_data(cfg, tok, template, 512, "train")
+    assert [s["source"] for s in data.samples] == [f"{SFT_BAD}:1", f"{SFT_BAD}:15"]
+    assert "skipping 13 bad record(s)" in caplog.text
