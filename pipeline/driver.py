@@ -29,12 +29,13 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from pipeline.config import ConfigError, load_config
-from pipeline.manifest import chat_template_of, read_manifest, text_hash, tokenizer_hash, vocab_size_of, weights_hash
+from pipeline.manifest import chat_template_of, check_parent_compatible, read_manifest, text_hash, tokenizer_hash, vocab_size_of, weights_hash
 
 STAGE_ORDER = ("pt", "sft", "rm", "ppo")
 STAGE_SCRIPTS = {"pt": "stages/pretrain.py", "sft": "stages/sft.py", "rm": "stages/reward.py", "ppo": "stages/ppo.py"}
 CHECKED_KEYS = ("tokenizer_hash", "chat_template_hash", "vocab_size")
 LOG_NAME = "driver.log"
+TIMINGS_NAME = "timings.json"
 
 
 class DriverError(RuntimeError):
@@ -262,43 +263,31 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
 
 def check_folder_against_manifest(folder: Path) -> list[str]:
     """The folder's tokenizer/template/vocab still match what its manifest recorded."""
-    manifest = read_manifest(folder)
-    if manifest is None:
+    if read_manifest(folder) is None:
         return [f"{folder}: no manifest.json (not produced by Relay; cannot check what it inherits)"]
-    recorded = {k: manifest.get(k) for k in CHECKED_KEYS}
-    return compare(f"{folder} (manifest)", recorded, f"{folder} (files)", folder_facts(folder))
+    return check_parent_compatible(folder, folder)
 
 
 def check_link(child_stage: str, child: Path, parent: Path) -> list[str]:
-    """Tokenizer and vocab (and, except across SFT, chat template) agree between two folders.
+    """Tokenizer and vocab (and, except across SFT, chat template) agree between parent and child.
 
     Only SFT may bring a new chat template: in role_markers mode it saves its own Jinja.
-
-    Uses pipeline.models.check_parent_compatible where it lands, and our own comparison, which
-    always names both values.
     """
-    keys = [k for k in CHECKED_KEYS if not (k == "chat_template_hash" and child_stage == "sft")]
-    problems = compare(str(child), folder_facts(child), str(parent), folder_facts(parent), keys)
-    return problems + [p for p in _library_check(parent, child) if p not in problems]
-
-
-def _library_check(parent: Path, child: Path) -> list[str]:
-    try:
-        from pipeline.manifest import check_parent_compatible
-    except ImportError:
-        return []
-    # The library check covers the chat template too; our own comparison handles the SFT exception.
-    return [p for p in check_parent_compatible(parent, child) if "template" not in p.lower()]
+    problems = check_parent_compatible(parent, child)
+    if child_stage == "sft":
+        problems = [p for p in problems if not p.startswith("chat template")]
+    return problems
 
 
 def checks_before(cfg: PipelineConfig, stage: str) -> list[str]:
     """Cross-stage checks before `stage` starts: its parent is intact and agrees with its own
     parent; for PPO, the reward model and the policy share tokenizer, template and vocab."""
-    parent = parent_path(cfg, stage)
-    problems = check_folder_against_manifest(parent)
+    parent, previous = parent_path(cfg, stage), parent_stage(cfg, stage)
+    # A base model from elsewhere may have no manifest; a stage's output must have one.
+    problems = check_folder_against_manifest(parent) if previous or read_manifest(parent) else []
     grand = (read_manifest(parent) or {}).get("parent_path")
-    if parent_stage(cfg, stage) is not None and grand and Path(grand).is_dir():
-        problems += check_link(parent_stage(cfg, stage), parent, Path(grand))
+    if previous is not None and grand and Path(grand).is_dir():
+        problems += check_link(previous, parent, Path(grand))
     if stage == "ppo":
         rm = reward_path(cfg)
         if read_manifest(rm) is None:
@@ -396,6 +385,24 @@ def verdict(figures: dict, cfg: VerdictConfig) -> list[str]:
     return out
 
 
+def record_time(cfg: PipelineConfig, stage: str, event: str) -> None:
+    """Note when a stage started/finished in output_root/timings.json (the driver's wall clock,
+    which, unlike the stage's own wall_seconds, includes process start, loading and merging)."""
+    path = Path(cfg.output_root) / TIMINGS_NAME
+    timings = read_json(path) or {}
+    timings.setdefault(stage, {})[event] = time.time()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(timings, indent=2) + "\n", encoding="utf-8")
+
+
+def wall_seconds(cfg: PipelineConfig, stage: str, summary: dict) -> Optional[float]:
+    """Driver-measured seconds for the stage's last run, else the stage's own figure."""
+    times = (read_json(Path(cfg.output_root) / TIMINGS_NAME) or {}).get(stage, {})
+    if "started" in times and "finished" in times and times["finished"] >= times["started"]:
+        return round(times["finished"] - times["started"], 1)
+    return summary.get("wall_seconds")
+
+
 def summarize(cfg: PipelineConfig) -> dict:
     """Collect every stage's summary.json into output_root/summary.json (flat `<stage>_<key>`
     figures plus each stage's full summary) with a verdict; return it."""
@@ -408,7 +415,7 @@ def summarize(cfg: PipelineConfig) -> dict:
             continue
         stages[stage] = summary
         figures.update({f"{stage}_{k}": summary[k] for k in FIGURES[stage] if k in summary})
-        figures[f"{stage}_wall_seconds"] = summary.get("wall_seconds")
+        figures[f"{stage}_wall_seconds"] = wall_seconds(cfg, stage, summary)
     final = next((s for s in reversed(STAGE_ORDER) if s != "rm" and s in stages), None)
     reasons = verdict(figures, cfg.verdict) if "rm" in stages and "ppo" in stages else ["RM or PPO did not run"]
     out = {
@@ -428,20 +435,21 @@ def summarize(cfg: PipelineConfig) -> dict:
 def format_summary(summary: dict) -> str:
     """The human-readable summary the demo prints."""
 
-    def num(value: Any) -> str:
-        return "n/a" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
+    def num(value: Any, digits: int = 4) -> str:
+        return "n/a" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
     lines = ["", "=== Relay pipeline summary ==="]
     for stage in ("pt", "sft", "rm"):
         if stage in summary["stages"]:
             g = lambda k: num(summary.get(f"{stage}_{k}"))  # noqa: E731
-            lines.append(f"{stage:>3}: train loss {g('train_loss_first')} -> {g('train_loss_last')}, eval loss {g('eval_loss_first')} -> {g('eval_loss_last')}  ({g('wall_seconds')} s)")
+            lines.append(f"{stage:>3}: train loss {g('train_loss_first')} -> {g('train_loss_last')}, eval loss {g('eval_loss_first')} -> {g('eval_loss_last')}  ({num(summary.get(f'{stage}_wall_seconds'), 0)} s)")
     if "rm" in summary["stages"]:
         lines.append(f" rm: held-out accuracy {num(summary.get('rm_eval_accuracy'))}, margin {num(summary.get('rm_eval_margin'))}")
     if "ppo" in summary["stages"]:
         g = lambda k: num(summary.get(f"ppo_{k}"))  # noqa: E731
-        lines.append(f"ppo: mean reward {g('reward_first')} -> {g('reward_last')}, eval reward {g('eval_reward_first')} -> {g('eval_reward_last')}, final KL {g('kl_last')}  ({g('wall_seconds')} s)")
-    lines += [f"final model: {summary['final_model']}", f"curves: {summary['tensorboard']}"]
+        lines.append(f"ppo: mean reward {g('reward_first')} -> {g('reward_last')}, eval reward {g('eval_reward_first')} -> {g('eval_reward_last')}, final KL {g('kl_last')}  ({num(summary.get('ppo_wall_seconds'), 0)} s)")
+    total = sum(v for k, v in summary.items() if k.endswith("_wall_seconds") and isinstance(v, (int, float)))
+    lines += [f"stage wall time: {total:.0f} s", f"final model: {summary['final_model']}", f"curves: {summary['tensorboard']}"]
     lines.append(f"verdict: {summary['verdict']}" + "".join(f"\nWARNING: {r}" for r in summary["verdict_reasons"]))
     return "\n".join(lines)
 
@@ -474,6 +482,7 @@ def cmd_prepare(cfg: PipelineConfig, stage: str) -> list[str]:
     if problems:
         raise DriverError(f"{stage}: cross-stage checks failed:\n" + "\n".join(f"  - {p}" for p in problems))
     argv = stage_argv(cfg, stage)
+    record_time(cfg, stage, "started")
     log(cfg, f"{stage}: running {' '.join(argv)}")
     return argv
 
@@ -483,6 +492,7 @@ def cmd_finish(cfg: PipelineConfig, stage: str) -> None:
     problems = checks_after(cfg, stage)
     if problems:
         raise DriverError(f"{stage}: output checks failed:\n" + "\n".join(f"  - {p}" for p in problems))
+    record_time(cfg, stage, "finished")
     log(cfg, f"{stage}: finished, {merged_dir(cfg, stage)} checked against its parent {parent_path(cfg, stage)}")
 
 

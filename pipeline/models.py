@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -151,13 +150,16 @@ def from_pretrained_kwargs(model_cfg: ModelConfig, lora_cfg: Optional[LoraConfig
     """The keyword arguments load_model passes to ``from_pretrained`` (pure apart from device checks).
 
     Raises:
-        ValueError: bad dtype / attention name (see resolve_dtype, check_attn_implementation), or
-            finetuning 'qlora' without a LoRA config.
+        ValueError: bad dtype / attention name (see resolve_dtype, check_attn_implementation),
+            flash_attention_2 in fp32, or finetuning 'qlora' without a LoRA config.
     """
     dtype = resolve_dtype(model_cfg.dtype)
+    attn = check_attn_implementation(model_cfg.attn_implementation)
+    if attn == "flash_attention_2" and dtype == torch.float32:
+        raise ValueError("attn_implementation 'flash_attention_2' runs in bf16/fp16 only; set model.dtype to bf16, fp16 or auto")
     kwargs: dict[str, Any] = {
         "dtype": dtype,
-        "attn_implementation": check_attn_implementation(model_cfg.attn_implementation),
+        "attn_implementation": attn,
         "trust_remote_code": bool(model_cfg.trust_remote_code),
         "use_safetensors": True,
         "revision": model_cfg.revision,
@@ -200,6 +202,16 @@ def _set_pad(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None
         generation.pad_token_id = tokenizer.pad_token_id
 
 
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute activations in backward, non-reentrant (works with frozen inputs and DDP)."""
+    kwargs = {"use_reentrant": False}
+    # transformers 5 renamed the method; the old name still works but warns.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def load_model(
     model_cfg: ModelConfig,
     lora_cfg: Optional[LoraConfig] = None,
@@ -236,7 +248,7 @@ def load_model(
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if model_cfg.gradient_checkpointing:
         model.config.use_cache = False
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     use_lora = lora_cfg is not None and model_cfg.finetuning in ("lora", "qlora")
     if not use_lora:
         for param in model.parameters():
@@ -313,7 +325,3 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     return trainable, total
 
-
-def is_local_folder(path: str) -> bool:
-    """True when `path` names an existing folder (rather than a hub id)."""
-    return Path(path).is_dir()

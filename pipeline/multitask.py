@@ -20,7 +20,8 @@ MFTCoder computes it; our own implementation of its formulas:
   min(1, M * softmax_j(tau * (-M * s_j / sum_j |s_j|))[last]);
 - weights = softmax_t(K * (DF * RCS_t + (1 - DF) * ACS_t)); if any weight is under the floor
   f (default 1 / (5K)), all become w * (1 - K f) + f;
-- before `warmup_steps` measurements the weights are uniform.
+- before `warmup_steps` measurements the weights are uniform; a task missing from a measurement
+  repeats its previous relative loss.
 """
 
 from __future__ import annotations
@@ -175,17 +176,21 @@ class CoBa:
     def update(self, valid_losses_per_task: Sequence[float]) -> None:
         """Record one validation measurement (one loss per task) and recompute the weights.
 
+        A NaN marks a task absent from this measurement (no validation tokens in the sampled
+        batches): its previous relative loss is repeated. The first measurement needs every task.
+
         Raises:
-            ValueError: wrong number of losses, or a non-finite / non-positive loss.
+            ValueError: wrong number of losses; inf or a loss <= 0; NaN in the first measurement.
         """
         losses = [float(x) for x in valid_losses_per_task]
         if len(losses) != self.k:
             raise ValueError(f"CoBa.update: {len(losses)} losses for {self.k} tasks")
-        if not all(math.isfinite(x) and x > 0 for x in losses):
-            raise ValueError(f"CoBa.update: validation losses must be finite and > 0, got {losses}")
+        if any(math.isinf(x) or x <= 0 for x in losses) or (self.first is None and any(math.isnan(x) for x in losses)):
+            raise ValueError(f"CoBa.update: validation losses must be finite and > 0 (the first for every task), got {losses}")
         if self.first is None:
             self.first = losses
-        self.history.append([x / f for x, f in zip(losses, self.first)])
+        previous = self.history[-1] if self.history else None
+        self.history.append([previous[t] if math.isnan(x) else x / self.first[t] for t, x in enumerate(losses)])
         if len(self.history) < self.warmup_steps:
             return
         window = self.history[-self.history_length:]

@@ -18,6 +18,7 @@ import torch
 
 from data_formats.collate import left_pad
 from pipeline.rl import logprobs_from_logits
+from pipeline.scoring import last_token_index, position_ids_from_mask, token_scores
 
 
 class Generator(Protocol):
@@ -27,12 +28,6 @@ class Generator(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         """Raw response ids per prompt (no prompt, no padding; may stop at EOS or run to the limit)."""
         ...
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counting only attended tokens (0 at each row's first real token), as `generate`
-    uses with left padding; the training forward must use the same ones to reproduce its log-probs."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 @dataclass
@@ -131,28 +126,15 @@ def _peft_disabled(model: torch.nn.Module):
     return model.disable_adapter() if isinstance(model, PeftModel) else contextlib.nullcontext()
 
 
-def _classifier_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(backbone, score head) of a HF sequence classifier, possibly inside a PeftModel.
+def policy_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    """Logits predicting each response token ([B, R, V]); position t-1 predicts token t.
 
-    Raises:
-        ValueError: the model has no `score` head.
+    `logits_to_keep` makes the LM head skip the prompt positions: with a 49k vocabulary the
+    head's [B, T, V] output is most of a small model's compute and memory.
     """
-    from peft import PeftModel
-
-    hf = model.get_base_model() if isinstance(model, PeftModel) else model
-    head = getattr(hf, "score", None)
-    if head is None:
-        raise ValueError(f"{type(hf).__name__} has no 'score' head; the reward model must be a sequence classifier")
-    return getattr(hf, hf.base_model_prefix), head
-
-
-def token_scores(classifier: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The score head applied at every position ([B, T]): per-token values for the critic; the
-    reward is the value at a sequence's last token, exactly what the classifier's own forward
-    pools (tested against AutoModelForSequenceClassification)."""
-    backbone, head = _classifier_parts(classifier)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
-    return head(hidden).squeeze(-1).float()
+    keep = input_ids.shape[1] - prompt_width + 1
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), logits_to_keep=keep)
+    return out.logits[:, :-1]
 
 
 class ActorCritic(torch.nn.Module):
@@ -172,9 +154,9 @@ class ActorCritic(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [B, R, V], values [B, R]) for the R response tokens: position t-1 predicts token t."""
-        logits = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).logits
+        logits = policy_logits(self.policy, input_ids, attention_mask, prompt_width)
         values = token_scores(self.critic, input_ids, attention_mask)
-        return logits[:, prompt_width - 1 : -1], values[:, prompt_width - 1 : -1]
+        return logits, values[:, prompt_width - 1 : -1]
 
     @torch.no_grad()
     def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, temperature: float) -> torch.Tensor:
@@ -182,8 +164,8 @@ class ActorCritic(torch.nn.Module):
         model = self.reference if self.reference is not None else self.policy
         ctx = contextlib.nullcontext() if self.reference is not None else _peft_disabled(self.policy)
         with ctx:
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).logits
-        logits = logits[:, prompt_width - 1 : -1] / temperature
+            logits = policy_logits(model, input_ids, attention_mask, prompt_width)
+        logits = logits / temperature
         return logprobs_from_logits(logits, input_ids[:, prompt_width:])
 
     @torch.no_grad()
@@ -193,5 +175,4 @@ class ActorCritic(torch.nn.Module):
         ctx = contextlib.nullcontext() if self.reward is not None else _peft_disabled(self.critic)
         with ctx:
             scores = token_scores(model, input_ids, attention_mask)
-        last = attention_mask.shape[1] - 1 - attention_mask.flip(1).long().argmax(1)
-        return scores[torch.arange(scores.shape[0]), last]
+        return scores[torch.arange(scores.shape[0]), last_token_index(attention_mask)]

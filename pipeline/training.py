@@ -82,6 +82,11 @@ def setup_accelerator(cfg: StageConfig):
     kwargs: dict[str, Any] = {"mixed_precision": mixed, "step_scheduler_with_optimizer": False,
                               "cpu": not torch.cuda.is_available()}
     if engine == "deepspeed":
+        if not torch.cuda.is_available():
+            # Measured with accelerate 1.15 / deepspeed 0.19: with cpu=True accelerate drops the
+            # DeepSpeed plugin silently (plain gloo DDP); with cpu=False it starts DeepSpeed but
+            # reports one process per rank, so every rank would train on the same batches.
+            raise ValueError("distributed.engine deepspeed needs a GPU (accelerate cannot run DeepSpeed on CPU); use ddp or fsdp")
         if not cfg.distributed.deepspeed_config:
             raise ValueError("distributed.deepspeed_config: required when distributed.engine is deepspeed")
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
@@ -93,12 +98,21 @@ def setup_accelerator(cfg: StageConfig):
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
             sharding_strategy=cfg.distributed.fsdp_sharding,
             use_orig_params=True,
-            sync_module_states=True,
+            # Broadcasting rank 0's weights needs a GPU in accelerate; every rank loads the same
+            # files and seeds LoRA's init identically, so CPU runs start identical without it.
+            sync_module_states=torch.cuda.is_available(),
             state_dict_type="FULL_STATE_DICT",
         )
     elif engine != "ddp":
         raise ValueError(f"distributed.engine: {engine!r} is not one of ddp, deepspeed, fsdp")
-    return Accelerator(**kwargs)
+    accelerator = Accelerator(**kwargs)
+    if engine == "deepspeed":
+        # accelerate fills the "auto" batch size from a DataLoader; we batch ourselves (exact resume).
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
+        ds["gradient_accumulation_steps"] = cfg.train.grad_accum
+        ds["train_batch_size"] = cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes
+    return accelerator
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -507,6 +521,8 @@ class Run:
     last_saved: int = -1
     batch_ids: list = field(default_factory=list)
     """Sample indices of every step's micro-batches on this rank (the resume tests compare them)."""
+    model_kind: str = "causal"
+    """'causal' or 'reward' (the RM stage): how the model is loaded and merged."""
 
     @property
     def is_main(self) -> bool:
@@ -514,7 +530,8 @@ class Run:
 
 
 def build_run(cfg, stage: str, *, tokenizer, collator, train_samples: list, eval_samples: list, tasks: list,
-              chat_template: Optional[str] = None, extra: Optional[dict] = None, accelerator=None) -> Run:
+              chat_template: Optional[str] = None, extra: Optional[dict] = None, accelerator=None,
+              model_kind: str = "causal") -> Run:
     """Load the model (full / LoRA / QLoRA), optimizer and scheduler, wrap them with accelerate,
     open trackers and resume from a checkpoint when cfg.checkpoint says so.
 
@@ -532,7 +549,7 @@ def build_run(cfg, stage: str, *, tokenizer, collator, train_samples: list, eval
     accelerator = accelerator or setup_accelerator(cfg)
     set_seed(cfg.train.seed)
     model_path = resolve_model_path(cfg.model.path)
-    model = load_model(cfg.model, cfg.lora, kind="causal", tokenizer=tokenizer)
+    model = load_model(cfg.model, cfg.lora, kind=model_kind, tokenizer=tokenizer)
     optimizer = build_optimizer(model, cfg.train)
     model, optimizer = accelerator.prepare(model, optimizer)
     # The scheduler is not prepared: accelerate would step it once per process per step.
@@ -542,7 +559,7 @@ def build_run(cfg, stage: str, *, tokenizer, collator, train_samples: list, eval
                                 world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone)
     tracker = Tracker(cfg.tracking, out, default_run_name(stage), to_dict(cfg), enabled=accelerator.is_main_process)
     run = Run(cfg, stage, accelerator, model, optimizer, scheduler, tokenizer, collator, train_samples, eval_samples,
-              tasks, checkpointer, tracker, model_path, chat_template, extra=extra or {})
+              tasks, checkpointer, tracker, model_path, chat_template, extra=extra or {}, model_kind=model_kind)
     run.early.patience = cfg.train.early_stopping_stall_num
     path = checkpointer.resume_path()
     if path is not None:
@@ -643,7 +660,7 @@ def run_eval(run: Run) -> Optional[dict]:
     if not run.eval_samples:
         return None
     result = evaluate(run.model, eval_batches(run, run.cfg.train.eval_batches), run.accelerator, len(run.tasks))
-    run.history.evals.append({"step": run.step, "loss": result["loss"]})
+    run.history.evals.append({"step": run.step, "loss": result["loss"], "task_losses": result["task_losses"]})
     metrics = {"eval/loss": result["loss"], "eval/ppl": result["ppl"]}
     if len(run.tasks) > 1:
         metrics.update({f"eval/loss_task/{n}": v for n, v in zip(run.tasks, result["task_losses"]) if math.isfinite(v)})
@@ -692,7 +709,7 @@ def finish(run: Run, extra_manifest: Optional[dict] = None) -> Optional[Path]:
         else:
             unwrapped.save_pretrained(out / "adapter", safe_serialization=True)
             run.tokenizer.save_pretrained(out / "adapter")
-            merged = merge_adapter(run.model_path, str(out / "adapter"), str(out / "merged"), stage=run.stage,
+            merged = merge_adapter(run.model_path, str(out / "adapter"), str(out / "merged"), kind=run.model_kind, stage=run.stage,
                                    config=to_dict(run.cfg), extra_manifest=extras, chat_template=run.chat_template,
                                    overwrite=True)
         write_summary(out, summary)

@@ -354,7 +354,7 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg: PPOConfig, s
                 if first:
                     stats["ratio_dev_first"].append(float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()))
                     first = False
-                total += float(loss) / accum
+                total += float(loss.detach()) / accum
                 stats["policy_loss"].append(float(pol.loss))
                 stats["value_loss"].append(float(vloss))
                 stats["clipfrac_policy"].append(float(pol.clipfrac))

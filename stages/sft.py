@@ -198,9 +198,12 @@ def update_coba(run: Run, mt: MultitaskConfig) -> None:
     """Measure per-task validation losses on a few eval batches (rotating through the split) and
     feed them to CoBa."""
     measurement = run.step // mt.coba_update_interval
-    batches = eval_batches(run, mt.coba_valid_batches, offset=measurement * mt.coba_valid_batches)
+    coba = run.extra["coba"]
+    # The first measurement is CoBa's reference for every task, so it uses the whole split.
+    limit = None if coba.first is None else mt.coba_valid_batches
+    batches = eval_batches(run, limit, offset=measurement * mt.coba_valid_batches)
     result = evaluate(run.model, batches, run.accelerator, len(run.tasks))
-    run.extra["coba"].update(result["task_losses"])
+    coba.update(result["task_losses"])
 
 
 # ------------------------------------------------------------------------------------------

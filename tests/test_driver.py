@@ -80,6 +80,7 @@ FAKE_STAGE = textwrap.dedent(
     '''
 )
 SCRIPT_NAMES = {"pt": "pretrain", "sft": "sft", "rm": "reward", "ppo": "ppo"}
+STAGE_SCRIPTS_REAL = [f"stages/{n}.py" for n in SCRIPT_NAMES.values()]
 
 
 def write_fake_config(tmp: Path, base: Path, report: bool = True) -> tuple[Path, Path, Path]:
@@ -150,7 +151,7 @@ def test_fake_pipeline_chains_stages_and_reports(completed, tiny_model_dir):
     assert written == {"train": {"max_steps": 3, "seed": 7}, "model": {"finetuning": "lora"}}
     summary = json.loads((root / "summary.json").read_text())
     assert summary["rm_eval_accuracy"] == 0.9 and summary["ppo_reward_first"] == -0.25 and summary["ppo_reward_last"] == 0.5
-    assert summary["ppo_kl_last"] == 0.0625 and summary["pt_wall_seconds"] == 0.5 and summary["verdict"] == "PASS"
+    assert summary["ppo_kl_last"] == 0.0625 and summary["pt_wall_seconds"] > 0 and summary["verdict"] == "PASS"
     assert summary["final_model"] == str((root / "ppo/merged").resolve())
     assert "verdict: PASS" in result.stdout and "ppo: mean reward -0.2500 -> 0.5000" in result.stdout
     assert (root / "report.md").is_file() and {p.name for p in (root / "plots").iterdir()} == {"losses.png", "ppo.png"}
@@ -177,7 +178,8 @@ def test_selection_crash_and_resume(tmp_path, tiny_model_dir):
     pt_hash = weights_hash(root / "pt/merged")
     crashed = run_driver(config, fake_log, FAIL_STAGE="reward")
     assert crashed.returncode == 3 and ran(fake_log) == ["pretrain", "sft", "reward"]
-    assert not (root / "rm/merged").exists() and not (root / "summary.json").exists()
+    assert not (root / "rm/merged").exists()
+    assert json.loads((root / "summary.json").read_text())["verdict_reasons"] == ["RM or PPO did not run"]  # from --only pt
     resumed = run_driver(config, fake_log, "--from", "rm")
     assert resumed.returncode == 0, resumed.stderr
     assert ran(fake_log) == ["pretrain", "sft", "reward", "reward", "ppo"]
@@ -209,7 +211,7 @@ def test_edited_parent_tokenizer_is_refused(completed_copy):
     refused = run_driver(config, fake_log, "--only", "sft")
     assert refused.returncode == 1
     pt = (root / "pt/merged").resolve()
-    assert f"tokenizer_hash differs: {pt} (manifest) has '{recorded}', {pt} (files) has '{tokenizer_hash(pt)}'" in refused.stderr
+    assert f"tokenizer hash: parent {pt} has {recorded}, {pt} has {tokenizer_hash(pt)}" in refused.stderr
     assert ran(fake_log) == []
 
 
@@ -280,3 +282,64 @@ def test_compare_and_verdict():
         "RM held-out accuracy 0.600 is below 0.7",
         "PPO mean reward did not rise: 0.1000 -> 0.1000",
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: the real stages on tiny models
+# ---------------------------------------------------------------------------------------------
+
+TINY_TRAIN = {"max_steps": 2, "batch_size": 2, "grad_accum": 1, "seq_length": 128, "eval_steps": 2, "eval_batches": 1, "precision": "fp32", "warmup": 0}
+
+
+def tiny_data(tmp: Path) -> dict[str, dict]:
+    """The first records of every sample file, in the sample's layout (both SFT tasks kept)."""
+    sample = ROOT / "data" / "sample"
+    for path in sample.rglob("*.jsonl"):
+        target = tmp / "data" / path.relative_to(sample)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("".join(path.read_text().splitlines(keepends=True)[:4]))
+    d = tmp / "data"
+    return {
+        "pt": {"train": [str(d / "pt/train.jsonl")], "eval": [str(d / "pt/valid.jsonl")]},
+        "sft": {"train": [str(d / "sft/train")], "eval": [str(d / "sft/valid")]},
+        "rm": {"train": [str(d / "rm/train.jsonl")], "eval": [str(d / "rm/valid.jsonl")]},
+        "ppo": {"train": [str(d / "ppo/train.jsonl")], "eval": [str(d / "ppo/valid.jsonl")]},
+    }
+
+
+@pytest.mark.skipif(not all((ROOT / s).is_file() for s in STAGE_SCRIPTS_REAL) or not all((ROOT / "configs" / f"{s}.yaml").is_file() for s in STAGES), reason="the stage scripts and YAMLs have not all landed")
+def test_real_stages_end_to_end_on_tiny_models(tmp_path, tiny_model_dir):
+    from pipeline.config import read_yaml
+
+    data = tiny_data(tmp_path)
+    root = tmp_path / "out"
+    stage_overrides = {"ppo": {"generation": {"max_new_tokens": 6}, "train": {"batch_size": 2}}}
+    config = {
+        "base_model": str(tiny_model_dir),
+        "output_root": str(root),
+        "finetuning": "lora",
+        "all_stages": {"train": TINY_TRAIN, "lora": {"r": 4, "alpha": 8}, "model": {"dtype": "fp32"}},
+        "stages": {s: {"config": read_yaml(ROOT / "configs" / f"{s}.yaml"), "data": data[s], "overrides": stage_overrides.get(s, {})} for s in STAGES},
+    }
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = run_driver(path, tmp_path / "unused.log")
+    assert result.returncode == 0, result.stderr[-4000:]
+    chain = {"pt": Path(tiny_model_dir).resolve(), "sft": root / "pt/merged", "rm": root / "sft/merged", "ppo": root / "sft/merged"}
+    for stage, parent in chain.items():
+        manifest = read_manifest(root / stage / "merged")
+        assert manifest["parent_path"] == str(parent.resolve()) and manifest["parent_hash"] == weights_hash(parent), stage
+        assert manifest["weights_hash"] == weights_hash(root / stage / "merged")
+        assert manifest["tokenizer_hash"] == tokenizer_hash(tiny_model_dir)
+    summary = json.loads((root / "summary.json").read_text())
+    for key in ("pt_train_loss_first", "sft_eval_loss_last", "rm_eval_accuracy", "ppo_reward_first", "ppo_reward_last", "ppo_kl_last", "ppo_wall_seconds"):
+        assert isinstance(summary[key], (int, float)), key
+    assert summary["final_model"] == str((root / "ppo/merged").resolve())
+    assert {p.name for p in (root / "plots").iterdir()} >= {"losses.png", "rm.png", "ppo.png"}
+    assert "| sft | `train/loss` |" in (root / "report.md").read_text()
+
+    before = {s: ((root / s / "merged/manifest.json").stat().st_mtime_ns, weights_hash(root / s / "merged")) for s in STAGES}
+    again = run_driver(path, tmp_path / "unused.log", "--report", "false")
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert {s: ((root / s / "merged/manifest.json").stat().st_mtime_ns, weights_hash(root / s / "merged")) for s in STAGES} == before
+    assert sum("skipped, already complete" in line for line in (root / "driver.log").read_text().splitlines()) == 4

@@ -21,6 +21,16 @@ from pipeline.models import (
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on the shared, busy 2-core machine two threads thrash (a QLoRA step
+    and an embedded-model forward both ran 10-25x slower with 2), and tiny models gain nothing."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _lora(**kw) -> LoraConfig:
     return LoraConfig(**{"r": 4, "alpha": 8, "dropout": 0.0, **kw})
 

@@ -84,4 +84,8 @@ def test_coba_floor():
     raw = sm(*[2 * r for r in sm(-2.0, 0.0)])
     assert coba.weights() == pytest.approx([w * (1 - 0.6) + 0.3 for w in raw], abs=1e-12)
     with pytest.raises(ValueError, match="finite"):
-        coba.update([float("nan"), 1.0])
+        coba.update([float("inf"), 1.0])
+    coba.update([float("nan"), 4.0])  # task 0 absent: its previous relative loss (0.5) repeats
+    assert coba.history[-1] == [0.5, 1.0]
+    with pytest.raises(ValueError, match="first"):
+        CoBa(2).update([float("nan"), 1.0])

@@ -18,6 +18,16 @@ TEXT = "<|im_start|>user\nName a prime number.<|im_end|>\n<|im_start|>assistant\
 STEPS = 12
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on the shared, busy 2-core machine two threads thrash (a QLoRA step
+    and an embedded-model forward both ran 10-25x slower with 2), and tiny models gain nothing."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, tmp_path_factory):
     """(model, batch, losses, adapter folder) after STEPS AdamW steps of QLoRA on one batch."""

@@ -75,3 +75,13 @@ def test_single_stage_folder_and_empty_run(tmp_path):
 
 def test_curve_row():
     assert curve_row("rm", "eval/accuracy", [(1, 0.5), (2, 0.25), (3, 0.75)]) == "| rm | `eval/accuracy` | 3 | 0.5000 | 0.7500 | 0.2500 | 0.7500 |"
+
+
+def test_relay_cli_dispatches_report(tmp_path, capsys):
+    from pipeline.cli import main
+
+    root = fake_run(tmp_path)
+    assert main(["report", str(root)]) == 0
+    assert capsys.readouterr().out.strip() == str(root / "report.md")
+    assert main(["report", str(tmp_path / "nothing")]) == 1 and "no TensorBoard events" in capsys.readouterr().err
+    assert main(["nonsense"]) == 2 and "unknown command 'nonsense'" in capsys.readouterr().err

@@ -1,0 +1,143 @@
+"""Shared loop pieces: token-normalised accumulation (1x8 == 8x1 == 2x4, none and case3), the
+non-finite stop, data order and evaluation sharding."""
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from data_formats.collate import Collator
+from pipeline.multitask import task_weighted_loss
+from pipeline.training import (
+    DataCursor,
+    EarlyStopping,
+    NonFiniteError,
+    epoch_order,
+    eval_shards,
+    next_micro_batches,
+    token_losses,
+    train_step,
+)
+
+
+class Capture:
+    """An optimizer stand-in that records the gradients it is asked to step on."""
+
+    def __init__(self, model):
+        self.model = model
+        self.grads = None
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+        self.grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).train()
+
+
+def samples():
+    """Eight samples of two tasks with different lengths and supervised spans."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(8):
+        n = 5 + (i * 3) % 7
+        ids = torch.randint(10, 4000, (n,), generator=g).tolist()
+        labels = [-100] * (n // 2) + ids[n // 2:]
+        out.append({"input_ids": ids, "labels": labels, "task_id": 0 if i < 6 else 1})
+    return out
+
+
+def step(model, split, mode, weights=None):
+    collate = Collator(0, "padding", 64)
+    data = samples()
+    batches = []
+    start = 0
+    for size in split:
+        batches.append(collate(data[start:start + size]))
+        start += size
+    opt = Capture(model)
+    result = train_step(model, opt, batches, None, step=1, num_tasks=2, mode=mode, task_weights=weights)
+    return result, opt.grads
+
+
+@pytest.mark.parametrize("mode,weights", [("none", None), ("case3", [1.0, 3.0])])
+def test_accumulation_is_invariant_to_the_split(model, mode, weights):
+    whole, g_whole = step(model, [8], mode, weights)
+    for split in ([1] * 8, [3, 5]):
+        part, g_part = step(model, split, mode, weights)
+        assert part.loss == pytest.approx(whole.loss, rel=1e-6)
+        for name, grad in g_whole.items():
+            torch.testing.assert_close(g_part[name], grad, rtol=1e-4, atol=1e-6)
+    # The loss is the one-batch definition of the mode...
+    with torch.no_grad():
+        losses, tasks = token_losses(model, Collator(0, "padding", 64)(samples()))
+    direct, _ = task_weighted_loss(losses, tasks, mode, weights, num_tasks=2)
+    assert whole.loss == pytest.approx(direct.item(), rel=1e-6)
+    # ...and a naive mean of per-micro-batch losses (the negative control) is not.
+    naive = []
+    for s in samples():
+        with torch.no_grad():
+            l, t = token_losses(model, Collator(0, "padding", 64)([s]))
+        naive.append(task_weighted_loss(l, t, mode, weights, num_tasks=2)[0].item())
+    assert abs(sum(naive) / len(naive) - whole.loss) > 1e-3
+
+
+def test_case3_differs_from_token_mean(model):
+    none, _ = step(model, [8], "none")
+    case3, _ = step(model, [8], "case3")
+    assert none.task_tokens == case3.task_tokens
+    mean_of_tasks = sum(case3.task_losses) / 2
+    assert case3.loss == pytest.approx(mean_of_tasks, rel=1e-6)
+    assert abs(none.loss - case3.loss) > 1e-4
+
+
+def test_non_finite_stops_before_the_optimizer_steps(tiny_model_dir):
+    bad = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        bad.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    before = copy.deepcopy(bad.state_dict())
+    opt = Capture(bad)
+    with pytest.raises(NonFiniteError, match="step 7"):
+        train_step(bad, opt, [Collator(0, "padding", 64)(samples()[:2])], None, step=7)
+    assert opt.steps == 0
+    for name, value in bad.state_dict().items():
+        assert torch.equal(value, before[name]) or torch.isnan(value).any()
+
+
+def test_batch_order_is_a_function_of_seed_and_epoch_and_the_split():
+    assert epoch_order(10, 1, 0) == epoch_order(10, 1, 0)
+    assert epoch_order(10, 1, 0) != epoch_order(10, 1, 1)
+    one, cur1 = next_micro_batches(10, DataCursor(), seed=1, batch_size=4, grad_accum=2)
+    r0, cur2 = next_micro_batches(10, DataCursor(), seed=1, batch_size=2, grad_accum=2, world_size=2, rank=0)
+    r1, _ = next_micro_batches(10, DataCursor(), seed=1, batch_size=2, grad_accum=2, world_size=2, rank=1)
+    assert sorted(sum(one, [])) == sorted(sum(r0 + r1, []))
+    assert cur1 == cur2 == DataCursor(0, 2)
+    # The epoch rolls over: 10 samples give two global micro-batches of 4, then epoch 1 starts.
+    three, cur = next_micro_batches(10, DataCursor(0, 2), seed=1, batch_size=4, grad_accum=1)
+    assert cur == DataCursor(1, 1) and three[0] == epoch_order(10, 1, 1)[:4]
+    with pytest.raises(ValueError, match="cannot fill"):
+        next_micro_batches(3, DataCursor(), seed=1, batch_size=2, grad_accum=1, world_size=2)
+
+
+def test_eval_shards_count_every_sample_once_with_equal_batches_per_rank():
+    shards = [eval_shards(5, 2, 2, r) for r in range(2)]
+    assert len(shards[0]) == len(shards[1]) == 2
+    counted = [i for rank in shards for idx, counts in rank if counts for i in idx]
+    assert sorted(counted) == [0, 1, 2, 3, 4]
+
+
+def test_early_stopping():
+    early = EarlyStopping(patience=2)
+    assert [early.update(x) for x in (3.0, 2.0, 2.5, 2.1)] == [False, False, False, True]
+    clone = EarlyStopping(patience=2)
+    clone.load_state_dict(early.state_dict())
+    assert clone.best == 2.0 and clone.stalls == 2 and not math.isinf(clone.best)
