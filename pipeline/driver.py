@@ -240,7 +240,8 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
     """'done' when the stage's merged output is complete and built on the current parent, else 'todo'.
 
     Raises:
-        DriverError: the output exists but is stale (built on another parent) or its weights no
+        DriverError: the output exists but is stale (built on another parent or with another
+            config than the pipeline config now gives it) or its weights no
             longer match its manifest; both values are in the message. Nothing is deleted: the
             user decides.
     """
@@ -251,6 +252,12 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
     actual = weights_hash(folder)
     if manifest.get("weights_hash") != actual:
         raise DriverError(f"{folder}: weights hash {actual} does not match its manifest's {manifest.get('weights_hash')}; delete {stage_dir(cfg, stage)} to rebuild it")
+    saved, wanted = config_file(cfg, stage), render_stage_config(cfg, stage)
+    if saved.is_file() and saved.read_text(encoding="utf-8") != wanted:
+        raise DriverError(
+            f"{folder} was built with the config in {saved}, which differs from what the pipeline config "
+            f"now gives this stage:\n{wanted}delete {stage_dir(cfg, stage)} to rebuild it"
+        )
     parent = parent_path(cfg, stage)
     expected = weights_hash(parent)
     if manifest.get("parent_hash") != expected:
@@ -339,15 +346,24 @@ def stage_config(cfg: PipelineConfig, stage: str) -> dict:
     return deep_merge(merged, item.overrides)
 
 
+def config_file(cfg: PipelineConfig, stage: str) -> Path:
+    """Where the driver writes the stage's resolved config (also the record of what it ran with)."""
+    return Path(cfg.output_root) / "configs" / f"{stage}.yaml"
+
+
+def render_stage_config(cfg: PipelineConfig, stage: str) -> str:
+    return yaml.safe_dump(stage_config(cfg, stage), sort_keys=False)
+
+
 def stage_argv(cfg: PipelineConfig, stage: str) -> list[str]:
     """Write the stage's resolved YAML under output_root/configs/ and return its argv (script first).
 
     output_dir, model.path and reward_model.path go on the command line, so the log shows them.
     """
-    config_file = Path(cfg.output_root) / "configs" / f"{stage}.yaml"
-    config_file.parent.mkdir(parents=True, exist_ok=True)
-    config_file.write_text(yaml.safe_dump(stage_config(cfg, stage), sort_keys=False), encoding="utf-8")
-    argv = [entry(cfg, stage).script or STAGE_SCRIPTS[stage], "--config", str(config_file), "--output_dir", str(stage_dir(cfg, stage)), "--model.path", str(parent_path(cfg, stage))]
+    path = config_file(cfg, stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_stage_config(cfg, stage), encoding="utf-8")
+    argv = [entry(cfg, stage).script or STAGE_SCRIPTS[stage], "--config", str(path), "--output_dir", str(stage_dir(cfg, stage)), "--model.path", str(parent_path(cfg, stage))]
     if stage == "ppo":
         argv += ["--reward_model.path", str(reward_path(cfg))]
     return argv

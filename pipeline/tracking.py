@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -88,3 +89,51 @@ def perplexity(loss: float) -> float:
         return math.exp(loss)
     except OverflowError:
         return float("inf")
+
+
+@dataclass
+class EarlyStopping:
+    """MFTCoder's early stopping: stop after `patience` evaluations without a new best loss."""
+
+    patience: int = 0
+    best: float = float("inf")
+    stalls: int = 0
+
+    def update(self, loss: float) -> bool:
+        """Record an eval loss; True when training should stop."""
+        if loss < self.best:
+            self.best, self.stalls = loss, 0
+        else:
+            self.stalls += 1
+        return self.patience > 0 and self.stalls >= self.patience
+
+    def state_dict(self) -> dict:
+        return {"best": self.best if math.isfinite(self.best) else None, "stalls": self.stalls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best = float("inf") if state.get("best") is None else float(state["best"])
+        self.stalls = int(state["stalls"])
+
+
+@dataclass
+class History:
+    """Per-step records of a run (rank 0), the source of summary.json."""
+
+    steps: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+    tokens: int = 0
+
+    def summary(self) -> dict:
+        wall = time.time() - self.started
+        losses = [r["loss"] for r in self.steps]
+        evals = [r["loss"] for r in self.evals]
+        return {
+            "train_loss_first": losses[0] if losses else None,
+            "train_loss_last": losses[-1] if losses else None,
+            "eval_loss_first": evals[0] if evals else None,
+            "eval_loss_last": evals[-1] if evals else None,
+            "steps": self.steps[-1]["step"] if self.steps else 0,
+            "wall_seconds": wall,
+            "tokens_per_s": self.tokens / wall if wall > 0 else 0.0,
+        }

@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from pipeline.config import StageConfig, TrainConfig
 from pipeline.checkpoint import load_trainable_state, trainable_state  # noqa: F401 (re-exported)
 from pipeline.multitask import token_weights
+from pipeline.tracking import EarlyStopping, History
 
 log = logging.getLogger(__name__)
 
@@ -336,11 +336,11 @@ def train_step(
             else:
                 (loss * scale).backward()
         objective += loss.detach().double().cpu()
-        loss_sums += torch.zeros(num_tasks, dtype=torch.float64).index_add_(0, tasks[valid].cpu(), losses[valid].detach().double().cpu())
-        tokens += int(batch["attention_mask"].sum()) if batch.get("attention_mask") is not None and batch["attention_mask"].dim() == 2 else batch["input_ids"].numel()
-    objective = all_reduce_sum(objective, accelerator)
-    loss_sums = all_reduce_sum(loss_sums, accelerator)
-    tokens = int(all_reduce_sum(torch.tensor(float(tokens)), accelerator))
+        loss_sums.index_add_(0, tasks[valid].cpu(), losses[valid].detach().double().cpu())
+        tokens += int((batch["task_ids"] >= 0).sum()) if "task_ids" in batch else batch["input_ids"].numel()
+    # One all-reduce for every figure: [objective, per-task loss sums..., real tokens].
+    totals = all_reduce_sum(torch.cat([objective.view(1), loss_sums, torch.tensor([float(tokens)], dtype=torch.float64)]), accelerator)
+    objective, loss_sums, tokens = totals[0], totals[1:-1], int(totals[-1])
     grad_norm = clip_gradients(model, accelerator, max_grad_norm)
     check_finite(objective, model, step)
     if not math.isfinite(grad_norm):
@@ -411,59 +411,6 @@ def eval_shards(n: int, batch_size: int, world_size: int, rank: int, max_batches
         chunk = mine[b * batch_size : (b + 1) * batch_size]
         out.append((chunk, True) if chunk else (list(range(min(batch_size, n))), False))
     return out
-
-
-# ------------------------------------------------------------------------------------------
-# Checkpoint state, early stopping
-# ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class EarlyStopping:
-    """MFTCoder's early stopping: stop after `patience` evaluations without a new best loss."""
-
-    patience: int = 0
-    best: float = float("inf")
-    stalls: int = 0
-
-    def update(self, loss: float) -> bool:
-        """Record an eval loss; True when training should stop."""
-        if loss < self.best:
-            self.best, self.stalls = loss, 0
-        else:
-            self.stalls += 1
-        return self.patience > 0 and self.stalls >= self.patience
-
-    def state_dict(self) -> dict:
-        return {"best": self.best if math.isfinite(self.best) else None, "stalls": self.stalls}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.best = float("inf") if state.get("best") is None else float(state["best"])
-        self.stalls = int(state["stalls"])
-
-
-@dataclass
-class History:
-    """Per-step records of a run (rank 0), the source of summary.json."""
-
-    steps: list[dict] = field(default_factory=list)
-    evals: list[dict] = field(default_factory=list)
-    started: float = field(default_factory=time.time)
-    tokens: int = 0
-
-    def summary(self) -> dict:
-        wall = time.time() - self.started
-        losses = [r["loss"] for r in self.steps]
-        evals = [r["loss"] for r in self.evals]
-        return {
-            "train_loss_first": losses[0] if losses else None,
-            "train_loss_last": losses[-1] if losses else None,
-            "eval_loss_first": evals[0] if evals else None,
-            "eval_loss_last": evals[-1] if evals else None,
-            "steps": self.steps[-1]["step"] if self.steps else 0,
-            "wall_seconds": wall,
-            "tokens_per_s": self.tokens / wall if wall > 0 else 0.0,
-        }
 
 
 # ------------------------------------------------------------------------------------------
@@ -699,6 +646,14 @@ def finish(run: Run, extra_manifest: Optional[dict] = None) -> Optional[Path]:
     summary = run.history.summary()
     full = run.cfg.model.finetuning == "full"
     unwrapped = acc.unwrap_model(run.model)
+    if full and acc.num_processes > 1 and acc.distributed_type.name in ("FSDP", "DEEPSPEED"):
+        # Sharded weights: gather the full state (every rank takes part) into a fresh copy on rank 0.
+        state = acc.get_state_dict(run.model)
+        if acc.is_main_process:
+            from pipeline.models import load_model
+
+            unwrapped = load_model(run.cfg.model, None, tokenizer=run.tokenizer)
+            unwrapped.load_state_dict(state)
     merged = None
     if acc.is_main_process:
         extras = {"tasks": run.tasks, "summary": summary, **(extra_manifest or {})}

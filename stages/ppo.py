@@ -355,8 +355,8 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg: PPOConfig, s
                     stats["ratio_dev_first"].append(float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()))
                     first = False
                 total += float(loss.detach()) / accum
-                stats["policy_loss"].append(float(pol.loss))
-                stats["value_loss"].append(float(vloss))
+                stats["policy_loss"].append(float(pol.loss.detach()))
+                stats["value_loss"].append(float(vloss.detach()))
                 stats["clipfrac_policy"].append(float(pol.clipfrac))
                 stats["clipfrac_value"].append(float(vclip))
                 stats["approx_kl"].append(float(pol.approx_kl))

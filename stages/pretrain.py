@@ -169,7 +169,8 @@ def train(run: Run) -> bool:
             stop = bool((run_eval(run) or {}).get("stop"))
         maybe_checkpoint(run)
         if stop_at is not None and run.step == stop_at:
-            save_checkpoint(run, "temporary")
+            if run.last_saved != run.step:
+                save_checkpoint(run, "temporary")
             log.warning("RELAY_STOP_AFTER_STEP=%d: saved and stopping", stop_at)
             return False
         if stop:

@@ -237,9 +237,9 @@ def evaluate(run: Run) -> Optional[dict]:
     chosen, rejected = score_pairs(run, run.eval_samples, run.cfg.train.eval_batches)
     if was_training:
         model.train()
-    margin = torch.tensor([float(run.eval_samples[i].get("margin") or 0.0) for i in range(len(chosen))]) if False else None
+    # eval/loss is the plain pairwise loss (no margin column, no centring), comparable across runs
     result = {"accuracy": float((chosen > rejected).float().mean()), "margin": float((chosen - rejected).mean()),
-              "loss": float(pairwise_loss(chosen, rejected, margin))}
+              "loss": float(pairwise_loss(chosen, rejected))}
     run.history.evals.append({"step": run.step, **result})
     run.tracker.log({f"eval/{k}": v for k, v in result.items()}, run.step)
     return result

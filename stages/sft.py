@@ -133,7 +133,7 @@ def validate(cfg: SFTConfig) -> Prepared:
     from data_formats.sources import DataError
     from pipeline.models import load_tokenizer, resolve_model_path
 
-    problems = cfg.problems() + cfg.multitask.problems() + _sft_config_problems(cfg)
+    problems = cfg.problems() + _sft_config_problems(cfg)
     problems += data_problems(cfg.data.train, "data.train") + data_problems(cfg.data.eval, "data.eval")
     model_path = resolve_model_path(cfg.model.path)
     problems += parent_problems(model_path)
@@ -241,7 +241,8 @@ def train(run: Run) -> bool:
             stop = bool((run_eval(run) or {}).get("stop"))
         maybe_checkpoint(run)
         if stop_at is not None and run.step == stop_at:
-            save_checkpoint(run, "temporary")
+            if run.last_saved != run.step:
+                save_checkpoint(run, "temporary")
             log.warning("RELAY_STOP_AFTER_STEP=%d: saved and stopping", stop_at)
             return False
         if stop:

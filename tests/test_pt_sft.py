@@ -100,7 +100,7 @@ def test_case3_trains_the_small_task_at_least_as_fast(tiny_model_dir, tmp_path):
     train, valid = write_sft(tmp_path / "data", 14, 2, valid=3)
     drops = {}
     for mode in ("none", "case3"):
-        run = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / mode, "--train.max_steps", "8", "--train.eval_steps", "8",
+        run = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / mode, "--train.max_steps", "6", "--train.eval_steps", "6",
                                "--multitask.weighted_loss_mode", mode, "--lora.dropout", "0", "--train.lr_schedule", "constant"))
         small = run.tasks.index("small")
         first = json.loads((tmp_path / mode / "merged" / "manifest.json").read_text())
@@ -151,8 +151,8 @@ def test_embedded_lora_bf16_learns_the_answer_format(embedded_path, tmp_path):
         for q, a in zip(questions, answers):
             f.write(json.dumps(chat(q, f"ANSWER: {a}", "fmt")) + "\n")
     out = tmp_path / "sft"
-    run = run_sft(["--data.train", f"[{data}]", "--data.eval", "[]", "--output_dir", str(out), "--train.max_steps", "12",
-                   "--train.seq_length", "64", "--train.batch_size", "3", "--train.grad_accum", "1", "--train.learning_rate", "3e-3",
+    run = run_sft(["--data.train", f"[{data}]", "--data.eval", "[]", "--output_dir", str(out), "--train.max_steps", "8",
+                   "--train.seq_length", "64", "--train.batch_size", "3", "--train.grad_accum", "1", "--train.learning_rate", "5e-3",
                    "--train.warmup", "0", "--train.precision", "bf16", "--train.eval_steps", "0", "--lora.r", "8",
                    "--lora.dropout", "0", "--checkpoint.save_interval", "1000h"])
     losses = [r["loss"] for r in run.history.steps]
