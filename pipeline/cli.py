@@ -43,7 +43,7 @@ def run_pipeline(args: Sequence[str]) -> int:
     if not script.is_file():
         print(f"error: {script} not found; `relay pipeline` needs the Relay source tree", file=sys.stderr)
         return 2
-    return subprocess.call(["bash", str(script), *args], env=None)
+    return subprocess.call(["bash", str(script), *args])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

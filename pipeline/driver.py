@@ -33,6 +33,7 @@ from pipeline.manifest import chat_template_of, check_parent_compatible, read_ma
 
 STAGE_ORDER = ("pt", "sft", "rm", "ppo")
 STAGE_SCRIPTS = {"pt": "stages/pretrain.py", "sft": "stages/sft.py", "rm": "stages/reward.py", "ppo": "stages/ppo.py"}
+STAGE_CLASSES = {"pt": "stages.pretrain:PTConfig", "sft": "stages.sft:SFTConfig", "rm": "stages.reward:RMConfig", "ppo": "stages.ppo:PPOConfig"}
 CHECKED_KEYS = ("tokenizer_hash", "chat_template_hash", "vocab_size")
 LOG_NAME = "driver.log"
 TIMINGS_NAME = "timings.json"
@@ -369,6 +370,32 @@ def stage_argv(cfg: PipelineConfig, stage: str) -> list[str]:
     return argv
 
 
+def stage_config_problems(cfg: PipelineConfig, stages: Sequence[str]) -> list[str]:
+    """Every problem in the resolved configs of `stages`, found before the first stage starts
+    (a typo in PPO's overrides should not wait for PT, SFT and RM to finish). Each is checked with
+    its stage's own config class; stages with a custom `script` are left to that script.
+    """
+    import importlib
+    import tempfile
+
+    problems = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for stage in stages:
+            if entry(cfg, stage).script:
+                continue
+            module, name = STAGE_CLASSES[stage].split(":")
+            path = Path(tmp) / f"{stage}.yaml"
+            path.write_text(render_stage_config(cfg, stage), encoding="utf-8")
+            # The parent does not exist yet; 'embedded' stands in for it while the config is checked.
+            argv = ["--config", str(path), "--output_dir", str(stage_dir(cfg, stage)), "--model.path", "embedded"]
+            argv += ["--reward_model.path", "embedded"] if stage == "ppo" else []
+            try:
+                load_config(getattr(importlib.import_module(module), name), argv)
+            except ConfigError as err:
+                problems += [f"stages.{stage}: {p.removeprefix(f'{path}: ')}" for p in err.problems]
+    return problems
+
+
 # ---------------------------------------------------------------------------------------------
 # Summary
 # ---------------------------------------------------------------------------------------------
@@ -528,7 +555,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg, selection = load_pipeline(config_path, rest)
         if command == "stages":
-            print("\n".join(planned_stages(cfg, selection)))
+            planned = planned_stages(cfg, selection)
+            problems = stage_config_problems(cfg, planned)
+            if problems:
+                raise ConfigError(problems, config_path)
+            print("\n".join(planned))
         elif command == "prepare":
             print("\n".join(cmd_prepare(cfg, stage)))
         elif command == "finish":

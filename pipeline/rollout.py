@@ -11,13 +11,14 @@ separate frozen copies.
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
 import torch
 
 from data_formats.collate import left_pad
-from pipeline.rl import logprobs_from_logits
+from pipeline.rl import entropy_from_logits, logprobs_from_logits
 from pipeline.scoring import last_token_index, position_ids_from_mask, token_scores
 
 
@@ -176,3 +177,43 @@ class ActorCritic(torch.nn.Module):
         with ctx:
             scores = token_scores(model, input_ids, attention_mask)
         return scores[torch.arange(scores.shape[0]), last_token_index(attention_mask)]
+
+
+@dataclass
+class Experience:
+    """A scored rollout with everything the PPO update needs ([B, R] tensors unless noted)."""
+
+    rollout: Rollout
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    kl: torch.Tensor
+    raw_scores: torch.Tensor  # [B]
+    scores: torch.Tensor  # [B], after normalisation, clipping and the EOS penalty
+    entropy: torch.Tensor  # [B, R] entropy of the rollout policy
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+@torch.no_grad()
+def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperature: float, autocast) -> dict[str, torch.Tensor]:
+    """Rollout log-probs, reference log-probs, values, entropy and RM scores, in micro-batches of
+    the size the update uses (so the first update reproduces the rollout log-probs exactly)."""
+    device = next(model.parameters()).device
+    out = defaultdict(list)
+    P = rollout.prompt_width
+    for rows in _chunks(rollout.input_ids.shape[0], micro):
+        ids, mask = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
+        with autocast():
+            logits, values = model(ids, mask, P)
+            logits = logits.float() / temperature
+            out["old"].append(logprobs_from_logits(logits, ids[:, P:]).cpu())
+            out["entropy"].append(entropy_from_logits(logits).cpu())
+            out["values"].append(values.float().cpu())
+            out["ref"].append(model.reference_logprobs(ids, mask, P, temperature).cpu())
+            out["rm"].append(model.reward_scores(ids, mask).float().cpu())
+    return {k: torch.cat(v) for k, v in out.items()}

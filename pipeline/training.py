@@ -342,8 +342,10 @@ def train_step(
     totals = all_reduce_sum(torch.cat([objective.view(1), loss_sums, torch.tensor([float(tokens)], dtype=torch.float64)]), accelerator)
     objective, loss_sums, tokens = totals[0], totals[1:-1], int(totals[-1])
     grad_norm = clip_gradients(model, accelerator, max_grad_norm)
-    check_finite(objective, model, step)
-    if not math.isfinite(grad_norm):
+    if not (math.isfinite(float(objective)) and math.isfinite(grad_norm)):
+        # The global norm is non-finite iff some gradient is, so the per-parameter scan that
+        # names the culprit runs only then.
+        check_finite(objective, model, step)
         raise NonFiniteError(f"step {step}: gradient norm is {grad_norm}; stopping before the optimizer step")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -354,9 +356,10 @@ def train_step(
 def clip_gradients(model: torch.nn.Module, accelerator, max_norm: float) -> float:
     """Clip the global gradient norm to `max_norm` (0: only measure it); return the norm before clipping."""
     if _is_deepspeed(accelerator):
-        # The engine clips inside its step (gradient_clipping in the plugin); report its norm.
+        # The engine clips and steps inside accelerator.backward (gradient_clipping in the plugin),
+        # so under DeepSpeed the non-finite guard cannot run before its step; report its norm.
         norm = model.get_global_grad_norm() if hasattr(model, "get_global_grad_norm") else None
-        return float(norm) if norm is not None else float("nan")
+        return float(norm) if norm is not None else 0.0
     params = [p for p in model.parameters() if p.grad is not None]
     limit = max_norm if max_norm and max_norm > 0 else float("inf")
     if accelerator is not None:
@@ -371,7 +374,8 @@ def evaluate(model: torch.nn.Module, batches: Sequence[dict], accelerator, num_t
     """Token-mean loss over `batches` (this rank's share) reduced over ranks, per task too.
 
     Every rank must pass the same number of batches (see `eval_shards`), because sharded engines
-    (FSDP, ZeRO-3) need all ranks in every forward.
+    (FSDP, ZeRO-3) need all ranks in every forward; a batch may carry a [B] bool `eval_weight`
+    whose False rows run but are not counted (the padding batches of a short rank).
 
     Returns {'loss', 'ppl', 'task_losses' (nan where a task has no tokens), 'tokens'}.
     """
@@ -428,6 +432,11 @@ def data_problems(entries: Sequence[str], key: str) -> list[str]:
         if dataset is None and (not files or not all(f.is_file() for f in files)):
             out.append(f"{key}: {entry!r} names no data file")
     return out
+
+
+def launched_world_size() -> int:
+    """Processes torchrun started (WORLD_SIZE), known before the accelerator exists (validation)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def parent_problems(model_path: str) -> list[str]:
@@ -631,7 +640,8 @@ def maybe_checkpoint(run: Run) -> None:
 
 
 def finish(run: Run, extra_manifest: Optional[dict] = None) -> Optional[Path]:
-    """Final checkpoint, adapter + merged model (or full export), summary.json; returns merged/.
+    """Final checkpoint, adapter + merged model (or full export), summary.json; returns merged/
+    on rank 0 (None on the other ranks). Every rank must call it.
 
     Raises:
         MergeError / FileExistsError: from the merge module.
@@ -652,7 +662,7 @@ def finish(run: Run, extra_manifest: Optional[dict] = None) -> Optional[Path]:
         if acc.is_main_process:
             from pipeline.models import load_model
 
-            unwrapped = load_model(run.cfg.model, None, tokenizer=run.tokenizer)
+            unwrapped = load_model(run.cfg.model, None, kind=run.model_kind, tokenizer=run.tokenizer)
             unwrapped.load_state_dict(state)
     merged = None
     if acc.is_main_process:

@@ -9,10 +9,12 @@
 # A stage whose merged/manifest.json is complete is skipped, so re-running after a crash resumes
 # at the first unfinished stage (and inside it, from the stage's own checkpoints).
 set -euo pipefail
+# A config path is taken relative to where the script is called from; everything else (stage
+# scripts, data paths in the YAMLs, output_root) relative to the repository root.
+CONFIG=configs/pipeline.yaml
+if [[ $# -gt 0 && $1 != --* ]]; then CONFIG=$(realpath "$1"); shift; fi
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-CONFIG=configs/pipeline.yaml
-if [[ $# -gt 0 && $1 != --* ]]; then CONFIG=$1; shift; fi
 
 driver() { "$PY" -m pipeline.driver "$@"; }
 

@@ -34,8 +34,8 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline import rl
-from pipeline.config import ModelConfig, PromptDataConfig, StageConfig, load_config, save_config, to_dict
-from pipeline.rollout import ActorCritic, Generator, HFGenerator, Rollout, assemble
+from pipeline.config import ConfigError, ModelConfig, PromptDataConfig, StageConfig, load_config, save_config, to_dict
+from pipeline.rollout import ActorCritic, Experience, Generator, HFGenerator, assemble, score_rollout
 
 log = logging.getLogger("relay.ppo")
 
@@ -158,9 +158,11 @@ def validate(cfg: PPOConfig) -> None:
     Raises:
         ConfigError: listing each problem.
     """
-    from pipeline.config import ConfigError
+    from pipeline.models import resolve_model_path
+    from pipeline.training import data_problems, parent_problems
 
-    found = cfg.problems()
+    found = cfg.problems() + data_problems(cfg.data.train, "data.train") + data_problems(cfg.data.eval, "data.eval")
+    found += parent_problems(resolve_model_path(cfg.model.path))
     if found:
         raise ConfigError(found)
 
@@ -232,46 +234,6 @@ def make_normaliser(cfg: PPOConfig, reward_path: str) -> rl.RunningMoments:
 # ------------------------------------------------------------------------------------------
 # Rollout and experience
 # ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Experience:
-    """A scored rollout with everything the PPO update needs ([B, R] tensors unless noted)."""
-
-    rollout: Rollout
-    old_logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    values: torch.Tensor
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    kl: torch.Tensor
-    raw_scores: torch.Tensor  # [B]
-    scores: torch.Tensor  # [B], after normalisation, clipping and the EOS penalty
-    entropy: torch.Tensor  # [B, R] entropy of the rollout policy
-
-
-def _chunks(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-@torch.no_grad()
-def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperature: float, autocast) -> dict[str, torch.Tensor]:
-    """Rollout log-probs, reference log-probs, values, entropy and RM scores, in micro-batches of
-    the size the update uses (so the first update reproduces the rollout log-probs exactly)."""
-    device = next(model.parameters()).device
-    out = defaultdict(list)
-    P = rollout.prompt_width
-    for rows in _chunks(rollout.input_ids.shape[0], micro):
-        ids, mask = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
-        with autocast():
-            logits, values = model(ids, mask, P)
-            logits = logits.float() / temperature
-            out["old"].append(rl.logprobs_from_logits(logits, ids[:, P:]).cpu())
-            out["entropy"].append(rl.entropy_from_logits(logits).cpu())
-            out["values"].append(values.float().cpu())
-            out["ref"].append(model.reference_logprobs(ids, mask, P, temperature).cpu())
-            out["rm"].append(model.reward_scores(ids, mask).float().cpu())
-    return {k: torch.cat(v) for k, v in out.items()}
 
 
 def shape_scores(raw: torch.Tensor, finished: torch.Tensor, normaliser: rl.RunningMoments, cfg: PPOConfig, gathered: torch.Tensor) -> torch.Tensor:
@@ -721,8 +683,12 @@ def train(cfg: PPOConfig, *, reward_fn: Optional[RewardFn] = None,
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=os.environ.get("RELAY_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load_config(PPOConfig, argv, prog="stages/ppo.py")
-    summary = train(cfg)
+    try:
+        cfg = load_config(PPOConfig, argv, prog="stages/ppo.py")
+        summary = train(cfg)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=2))
     return 0
 

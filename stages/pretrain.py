@@ -32,6 +32,7 @@ from pipeline.training import (
     Run,
     build_run,
     data_problems,
+    launched_world_size,
     finish,
     log_step,
     maybe_checkpoint,
@@ -82,12 +83,6 @@ class Prepared:
 # ------------------------------------------------------------------------------------------
 
 
-def _world_size() -> int:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def validate(cfg: PTConfig) -> Prepared:
     """Check config, data files, records (in data.on_error mode) and the parent manifest; tokenize
     and pack the corpus. Nothing heavy loads before this passes.
@@ -113,7 +108,7 @@ def validate(cfg: PTConfig) -> Prepared:
         evaluation = build_pt_data(cfg.data, tokenizer, cfg.train.seq_length, "eval") if has_eval else []
     except (DataError, ValueError) as err:
         raise ConfigError([str(err)]) from err
-    world = _world_size()
+    world = launched_world_size()
     if len(train) < cfg.train.batch_size * world:
         raise ConfigError([f"data.train: {len(train)} packed row(s) of {cfg.train.seq_length} tokens cannot fill one "
                            f"micro-batch of {cfg.train.batch_size} x {world} rank(s)"])

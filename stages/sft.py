@@ -35,6 +35,7 @@ from pipeline.training import (
     Run,
     build_run,
     data_problems,
+    launched_world_size,
     eval_batches,
     evaluate,
     finish,
@@ -106,19 +107,13 @@ def _data_and_task_problems(cfg: SFTConfig, prepared: Prepared) -> list[str]:
     unknown = sorted(set(cfg.multitask.task_weights) - set(tasks))
     if unknown:
         out.append(f"multitask.task_weights: unknown task(s) {unknown}; tasks are {tasks}")
-    world = _world_size()
+    world = launched_world_size()
     if len(prepared.train) < cfg.train.batch_size * world:
         out.append(f"data.train: {len(prepared.train)} sample(s) cannot fill one micro-batch of {cfg.train.batch_size} x {world} rank(s)")
     extra = sorted(set(prepared.eval.tasks) - set(tasks)) if prepared.eval is not None else []
     if extra:
         out.append(f"data.eval: task(s) {extra} do not appear in the training data")
     return out
-
-
-def _world_size() -> int:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def validate(cfg: SFTConfig) -> Prepared:
@@ -189,7 +184,7 @@ def task_weights(run: Run, mt: MultitaskConfig) -> Optional[list[float]]:
     mode = canonical_mode(mt.weighted_loss_mode)
     if mode == "coba":
         return run.extra["coba"].weights()
-    if mode == "case3" and mt.task_weights:
+    if mode == "case3":
         return [float(mt.task_weights.get(name, 1.0)) for name in run.tasks]
     return None
 

@@ -20,7 +20,6 @@ import yaml
 
 from pipeline.config import ConfigError
 from pipeline.driver import (
-    DriverError,
     PipelineConfig,
     Selection,
     compare,
@@ -273,6 +272,18 @@ def test_shipped_pipeline_configs_load():
         assert all(stage_config(cfg, s) for s in STAGES)
 
 
+def test_stage_configs_are_checked_before_any_stage_runs():
+    from pipeline.driver import stage_config_problems
+
+    cfg, _ = load_pipeline(str(ROOT / "configs" / "demo.yaml"), ["--stages.ppo.overrides", "{ppo: {kl_cof: 1}}", "--stages.sft.overrides", "{data: {template: nope}}"])
+    assert stage_config_problems(cfg, list(STAGES)) == [
+        "stages.sft: data.template: 'nope' is not one of 'chat_template', 'role_markers'",
+        "stages.ppo: ppo.kl_cof: unknown key; did you mean 'ppo.kl_coef'?",
+    ]
+    shipped, _ = load_pipeline(str(ROOT / "configs" / "pipeline.yaml"), [])
+    assert stage_config_problems(shipped, list(STAGES)) == []
+
+
 def test_stage_config_merge_order():
     cfg = PipelineConfig(finetuning="full", all_stages={"train": {"precision": "bf16", "seed": 1}})
     cfg.stages.sft.config = {"train": {"seed": 2, "max_steps": 5}, "data": {"train": ["a"], "format": "auto"}}
@@ -327,7 +338,7 @@ def stage_yaml(stage: str) -> dict:
 def test_real_stages_end_to_end_on_tiny_models(tmp_path, tiny_model_dir):
     data = tiny_data(tmp_path)
     root = tmp_path / "out"
-    stage_overrides = {"ppo": {"generation": {"max_new_tokens": 6}, "train": {"batch_size": 2}}}
+    stage_overrides = {"ppo": {"generation": {"max_new_tokens": 6}, "train": {"batch_size": 2}, "ppo": {"mini_batch_size": 2}}}
     config = {
         "base_model": str(tiny_model_dir),
         "output_root": str(root),

@@ -38,6 +38,15 @@ class Capture:
         self.model.zero_grad(set_to_none=set_to_none)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread (see test_pt_sft.fresh_accelerate_state for why)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     torch.manual_seed(0)
