@@ -53,7 +53,8 @@ class HFGenerator:
             do_sample=True,
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
-            top_k=self.top_k or None,
+            # 0 must reach generate: None would fall back to the model's generation_config (often 50)
+            top_k=self.top_k,
             top_p=self.top_p,
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,

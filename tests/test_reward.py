@@ -145,13 +145,14 @@ def test_end_to_end_embedded_rm_then_ppo(tmp_path, embedded_path, pair_files):
     from stages import ppo
 
     rm_cfg = make_cfg(tmp_path / "rm", embedded_path, pair_files, max_steps=2, eval_steps=0)
-    rm_cfg.data.eval, rm_cfg.reward.stats_max_pairs = [], 2
+    # a short system turn replaces SmolLM2's ~30-token default one: shorter sequences, same code paths
+    rm_cfg.data.eval, rm_cfg.reward.stats_max_pairs, rm_cfg.data.system_prompt = [], 2, "Be brief."
     rm.run_stage(rm_cfg)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q, _, _ in PAIRS[:4]))
     cfg = ppo.PPOConfig(output_dir=str(tmp_path / "ppo"))
     cfg.model.path, cfg.reward_model.path = str(embedded_path), str(tmp_path / "rm" / "merged")
-    cfg.data.train, cfg.data.eval = [str(prompts)], []
+    cfg.data.train, cfg.data.eval, cfg.data.system_prompt = [str(prompts)], [], "Be brief."
     cfg.train.max_steps, cfg.train.batch_size, cfg.train.eval_steps = 2, 2, 0
     cfg.generation.max_new_tokens = 8
     cfg.ppo.reward_norm, cfg.ppo.epochs = "stored", 1
