@@ -139,33 +139,51 @@ def build_sft_data(cfg, tokenizer, template: Template, seq_length: int, split: s
     return SFTData(samples, names, stats)
 
 
-def chunk_documents(docs: Iterable[list[int]], eos_id: int, seq_length: int) -> list[dict]:
-    """Concatenate documents (each followed by EOS) and cut the stream into rows of `seq_length`
-    (the last row may be shorter). Each row records its document pieces in `lengths`, so the
+class DocumentPacker:
+    """Packs documents (each followed by EOS) into rows of `seq_length`, a document continuing in
+    the next row when it does not fit. Each row records its document pieces in `lengths`, so the
     collator keeps attention inside each document; the first token of every piece has label -100.
+    Incremental (one document at a time) so a streamed corpus packs exactly as an in-memory one.
     """
-    rows, current, lengths = [], [], []
-    for doc in docs:
-        tokens = list(doc) + [eos_id]
+
+    def __init__(self, eos_id: int, seq_length: int):
+        self.eos_id, self.seq_length = eos_id, seq_length
+        self.current: list[int] = []
+        self.lengths: list[int] = []
+
+    def add(self, doc: Iterable[int]) -> list[dict]:
+        """Add one document; return the rows it completed (possibly none)."""
+        rows = []
+        tokens = list(doc) + [self.eos_id]
         while tokens:
-            room = seq_length - len(current)
+            room = self.seq_length - len(self.current)
             piece, tokens = tokens[:room], tokens[room:]
-            current += piece
-            lengths.append(len(piece))
-            if len(current) == seq_length:
-                rows.append((current, lengths))
-                current, lengths = [], []
-    if current:
-        rows.append((current, lengths))
-    out = []
-    for ids, lens in rows:
+            self.current += piece
+            self.lengths.append(len(piece))
+            if len(self.current) == self.seq_length:
+                rows.append(self._row())
+        return rows
+
+    def flush(self) -> list[dict]:
+        """The last, shorter row (if any tokens are left)."""
+        return [self._row()] if self.current else []
+
+    def _row(self) -> dict:
+        ids, lengths = self.current, self.lengths
+        self.current, self.lengths = [], []
         labels = list(ids)
         start = 0
-        for n in lens:
+        for n in lengths:
             labels[start] = IGNORE_INDEX
             start += n
-        out.append({"input_ids": ids, "labels": labels, "lengths": lens, "task_ids": [0] * len(ids)})
-    return out
+        return {"input_ids": ids, "labels": labels, "lengths": lengths, "task_ids": [0] * len(ids)}
+
+
+def chunk_documents(docs: Iterable[list[int]], eos_id: int, seq_length: int) -> list[dict]:
+    """All packed rows of `docs` (see DocumentPacker; the last row may be shorter)."""
+    packer = DocumentPacker(eos_id, seq_length)
+    rows = [row for doc in docs for row in packer.add(doc)]
+    return rows + packer.flush()
 
 
 def build_pt_data(cfg, tokenizer, seq_length: int, split: str) -> list[dict]:
@@ -174,11 +192,8 @@ def build_pt_data(cfg, tokenizer, seq_length: int, split: str) -> list[dict]:
 
     Raises:
         DataError: bad records with on_error='strict'.
-        ValueError: unknown split; streaming requested (not supported: the corpus is tokenized
-            in memory); the tokenizer has no eos token.
+        ValueError: unknown split; the tokenizer has no eos token.
     """
-    if getattr(cfg, "streaming", False):
-        raise ValueError("data.streaming is not supported by build_pt_data; set it to false")
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos token to separate documents")
     records = split_records(cfg, "pt", split, text_field=cfg.text_field)

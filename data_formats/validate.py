@@ -19,7 +19,7 @@ import numbers
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from data_formats.conversation import (
     CONVERSATION_FORMATS,
@@ -118,10 +118,9 @@ def _file_format(raw: RawRecord, kind: str, fmt: str) -> str:
     return found
 
 
-def parse_records(records: Iterable[RawRecord], kind: str, *, fmt: str = "auto", text_field: str = "text",
-                  system_prompt: Optional[str] = None, margin_field: Optional[str] = None
-                  ) -> tuple[list[Parsed], list[Problem]]:
-    """Validate raw records: (good records, one Problem per bad record or file).
+def iter_parsed(records: Iterable[RawRecord], kind: str, *, fmt: str = "auto", text_field: str = "text",
+                system_prompt: Optional[str] = None, margin_field: Optional[str] = None) -> Iterator[Parsed | Problem]:
+    """Validate raw records lazily: one Parsed (good) or Problem (bad record or file) per record.
 
     The format is detected once per file, from its first record that matches a known format.
 
@@ -132,12 +131,10 @@ def parse_records(records: Iterable[RawRecord], kind: str, *, fmt: str = "auto",
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if fmt != "auto" and fmt not in FORMATS:
         raise ValueError(f"format must be 'auto' or one of {', '.join(FORMATS)}, got {fmt!r}")
-    good: list[Parsed] = []
-    problems: list[Problem] = []
     formats: dict[str, str] = {}
     for raw in records:
         if raw.error is not None:
-            problems.append(Problem(raw.file, raw.line, raw.error))
+            yield Problem(raw.file, raw.line, raw.error)
             continue
         try:
             if raw.file not in formats:
@@ -145,20 +142,33 @@ def parse_records(records: Iterable[RawRecord], kind: str, *, fmt: str = "auto",
             value = parse_record(raw, kind, formats[raw.file], text_field=text_field,
                                  system_prompt=system_prompt, margin_field=margin_field)
         except RecordError as err:
-            problems.append(Problem(raw.file, raw.line, str(err)))
+            yield Problem(raw.file, raw.line, str(err))
             continue
-        task = task_of(raw.record, raw.task)
-        good.append(Parsed(raw.file, raw.line, task, raw.raw, value))
+        yield Parsed(raw.file, raw.line, task_of(raw.record, raw.task), raw.raw, value)
+
+
+def parse_records(records: Iterable[RawRecord], kind: str, **kwargs) -> tuple[list[Parsed], list[Problem]]:
+    """`iter_parsed` collected: (good records, one Problem per bad record or file).
+
+    Raises:
+        ValueError: unknown `kind` or `fmt`.
+    """
+    good: list[Parsed] = []
+    problems: list[Problem] = []
+    for item in iter_parsed(records, kind, **kwargs):
+        (problems if isinstance(item, Problem) else good).append(item)
     return good, problems
+
+
+def entry_records(entries: Iterable[str]) -> Iterator[RawRecord]:
+    """Every raw record of every data path entry, in order."""
+    for entry in entries:
+        yield from read_entry(entry)
 
 
 def read_and_parse(entries: Iterable[str], kind: str, **kwargs) -> tuple[list[Parsed], list[Problem]]:
     """`parse_records` over every record of every data path entry."""
-    def records():
-        for entry in entries:
-            yield from read_entry(entry)
-
-    return parse_records(records(), kind, **kwargs)
+    return parse_records(entry_records(entries), kind, **kwargs)
 
 
 def apply_policy(problems: list[Problem], on_error: str, what: str = "data") -> None:

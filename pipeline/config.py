@@ -309,7 +309,9 @@ class TextDataConfig(DataConfig):
     text_field: str = "text"
     """Field holding the document in JSON/JSONL/Parquet records."""
     streaming: bool = False
-    """Stream the corpus instead of loading it into memory."""
+    """Read the training corpus lazily, in file order, instead of tokenizing it into memory and
+    shuffling it (for corpora that do not fit in memory); resume restores the stream position.
+    Eval data is still loaded into memory."""
 
 
 @dataclass

@@ -154,11 +154,15 @@ class ActorCritic(torch.nn.Module):
         self.__dict__["reference"] = reference
         self.__dict__["reward"] = reward
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, R, V], values [B, R]) for the R response tokens: position t-1 predicts token t."""
-        logits = policy_logits(self.policy, input_ids, attention_mask, prompt_width)
-        values = token_scores(self.critic, input_ids, attention_mask)
-        return logits, values[:, prompt_width - 1 : -1]
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
+                part: str = "both") -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(logits [B, R, V], values [B, R]) for the R response tokens: position t-1 predicts token t.
+
+        `part` "policy" or "critic" runs only that model (the other result is None).
+        """
+        logits = policy_logits(self.policy, input_ids, attention_mask, prompt_width) if part != "critic" else None
+        values = token_scores(self.critic, input_ids, attention_mask)[:, prompt_width - 1 : -1] if part != "policy" else None
+        return logits, values
 
     @torch.no_grad()
     def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, temperature: float) -> torch.Tensor:

@@ -22,7 +22,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -575,6 +575,19 @@ def next_batches(run: Run) -> list[dict]:
     return [{k: v.to(acc.device) for k, v in run.collator([run.train_samples[i] for i in g]).items()} for g in groups]
 
 
+def next_stream_batches(run: Run, stream) -> list[dict]:
+    """This rank's micro-batches for the next optimizer step from a streamed source (anything with
+    `next_row()`): every rank reads the same stream and keeps every world_size-th row from its own
+    rank on, so the global batch is the same whatever the number of processes."""
+    t, acc = run.cfg.train, run.accelerator
+    batches = []
+    for _ in range(t.grad_accum):
+        rows = [stream.next_row() for _ in range(t.batch_size * acc.num_processes)]
+        mine = rows[acc.process_index :: acc.num_processes]
+        batches.append({k: v.to(acc.device) for k, v in run.collator(mine).items()})
+    return batches
+
+
 def log_step(run: Run, result: StepResult, lr: float, seconds: float, batches: Sequence[dict],
              task_weights: Optional[Sequence[float]] = None) -> None:
     """Record the step in the history and, every log_steps, in the trackers (ARCHITECTURE.md tags).
@@ -637,6 +650,27 @@ def maybe_checkpoint(run: Run) -> None:
     kind = run.checkpointer.due(run.step)
     if kind is not None:
         save_checkpoint(run, kind)
+
+
+def end_of_step(run: Run, stop_at: Optional[int], evaluate_fn: Callable[[], bool]) -> Optional[str]:
+    """The bookkeeping after every optimizer step, the same in every stage: evaluate every
+    `eval_steps` (`evaluate_fn` returns True when early stopping says stop), checkpoint by the keep
+    policy, and honour RELAY_STOP_AFTER_STEP (saved, so a restart resumes here).
+
+    Returns "interrupted", "early_stop" or None (go on).
+    """
+    t = run.cfg.train
+    stop = bool(t.eval_steps and run.step % t.eval_steps == 0 and evaluate_fn())
+    maybe_checkpoint(run)
+    if stop_at is not None and run.step == stop_at:
+        if run.last_saved != run.step:
+            save_checkpoint(run, "temporary")
+        log.warning("RELAY_STOP_AFTER_STEP=%d: saved and stopping", stop_at)
+        return "interrupted"
+    if stop:
+        log.info("early stopping at step %d (no better eval loss in %d evaluations)", run.step, t.early_stopping_stall_num)
+        return "early_stop"
+    return None
 
 
 def finish(run: Run, extra_manifest: Optional[dict] = None) -> Optional[Path]:

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from pipeline import rl
 from pipeline.config import ConfigError, ModelConfig, PromptDataConfig, StageConfig, load_config, save_config, to_dict
-from pipeline.rollout import ActorCritic, Experience, Generator, HFGenerator, assemble, score_rollout
+from pipeline.rollout import ActorCritic, Experience, Generator, HFGenerator, Rollout, assemble, score_rollout
 
 log = logging.getLogger("relay.ppo")
 
@@ -271,6 +271,55 @@ def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str
 # ------------------------------------------------------------------------------------------
 
 
+def micro_batch_backward(model, exp: Experience, idx: torch.Tensor, cfg: PPOConfig, accelerator, scale: float,
+                         separate: bool) -> dict[str, float]:
+    """Forward and backward of one micro-batch: `scale * (policy loss + vf_coef * value loss)`.
+
+    `separate` gives the policy and the critic a forward and backward each, so only one model's
+    activations are alive at a time (about half the peak memory of the joint pass, the same
+    gradients: the two models share no parameters). The joint pass is for wrapped engines (DDP,
+    DeepSpeed, FSDP), which expect one forward per backward over the whole module.
+    Returns the micro-batch's statistics (`ratio_dev`: max |ratio - 1| over its response tokens).
+    """
+    device = accelerator.device
+    P = exp.rollout.prompt_width
+    ids, attn = exp.rollout.input_ids[idx].to(device), exp.rollout.attention_mask[idx].to(device)
+    mask, old = exp.rollout.response_mask[idx].to(device), exp.old_logprobs[idx].to(device)
+
+    def policy_part(logits):
+        logp = rl.logprobs_from_logits(logits.float() / cfg.generation.temperature, ids[:, P:])
+        return logp, rl.policy_loss(logp, old, exp.advantages[idx].to(device), mask, cfg.ppo.cliprange)
+
+    def value_part(values):
+        return rl.value_loss(values.float(), exp.values[idx].to(device), exp.returns[idx].to(device), mask, cfg.ppo.cliprange_value)
+
+    if separate:
+        with accelerator.autocast():
+            logits, _ = model(ids, attn, P, part="policy")
+        logp, pol = policy_part(logits)
+        accelerator.backward(pol.loss * scale)
+        del logits
+        with accelerator.autocast():
+            _, values = model(ids, attn, P, part="critic")
+        vloss, vclip = value_part(values)
+        accelerator.backward(cfg.ppo.vf_coef * vloss * scale)
+    else:
+        with accelerator.autocast():
+            logits, values = model(ids, attn, P)
+        logp, pol = policy_part(logits)
+        vloss, vclip = value_part(values)
+        accelerator.backward((pol.loss + cfg.ppo.vf_coef * vloss) * scale)
+    return {
+        "loss": float(pol.loss.detach()) + cfg.ppo.vf_coef * float(vloss.detach()),
+        "policy_loss": float(pol.loss.detach()),
+        "value_loss": float(vloss.detach()),
+        "clipfrac_policy": float(pol.clipfrac),
+        "clipfrac_value": float(vclip),
+        "approx_kl": float(pol.approx_kl),
+        "ratio_dev": float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()),
+    }
+
+
 def ppo_update(model, optimizer, exp: Experience, accelerator, cfg: PPOConfig, step: int) -> dict[str, float]:
     """`ppo.epochs` passes over the rollout in shuffled mini-batches, one optimizer step each.
 
@@ -280,6 +329,8 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg: PPOConfig, s
     Raises:
         NonFiniteError: a non-finite loss or gradient (before the optimizer steps).
     """
+    from accelerate.utils import DistributedType
+
     from pipeline.training import _is_deepspeed, check_finite, clip_gradients
 
     B = exp.old_logprobs.shape[0]
@@ -288,11 +339,9 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg: PPOConfig, s
     micro = mini // accum
     # DeepSpeed divides each backward by its own accumulation count; elsewhere we average here.
     scale = 1.0 if _is_deepspeed(accelerator) else 1.0 / accum
-    device = accelerator.device
-    P = exp.rollout.prompt_width
+    separate = accelerator.distributed_type == DistributedType.NO
     order_gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step)
     stats: dict[str, list[float]] = defaultdict(list)
-    first = True
     for epoch in range(cfg.ppo.epochs):
         # The first pass keeps rollout order so its micro-batches are exactly those of the rollout.
         order = torch.arange(B) if epoch == 0 else torch.randperm(B, generator=order_gen)
@@ -300,28 +349,15 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg: PPOConfig, s
             rows = order[start : start + mini]
             total = 0.0
             for k in range(accum):
-                idx = rows[k * micro : (k + 1) * micro]
                 sync = contextlib.nullcontext() if k == accum - 1 else accelerator.no_sync(model)
                 with sync:
-                    ids = exp.rollout.input_ids[idx].to(device)
-                    mask = exp.rollout.response_mask[idx].to(device)
-                    with accelerator.autocast():
-                        logits, values = model(ids, exp.rollout.attention_mask[idx].to(device), P)
-                    logp = rl.logprobs_from_logits(logits.float() / cfg.generation.temperature, ids[:, P:])
-                    old = exp.old_logprobs[idx].to(device)
-                    pol = rl.policy_loss(logp, old, exp.advantages[idx].to(device), mask, cfg.ppo.cliprange)
-                    vloss, vclip = rl.value_loss(values.float(), exp.values[idx].to(device), exp.returns[idx].to(device), mask, cfg.ppo.cliprange_value)
-                    loss = pol.loss + cfg.ppo.vf_coef * vloss
-                    accelerator.backward(loss * scale)
-                if first:
-                    stats["ratio_dev_first"].append(float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()))
-                    first = False
-                total += float(loss.detach()) / accum
-                stats["policy_loss"].append(float(pol.loss.detach()))
-                stats["value_loss"].append(float(vloss.detach()))
-                stats["clipfrac_policy"].append(float(pol.clipfrac))
-                stats["clipfrac_value"].append(float(vclip))
-                stats["approx_kl"].append(float(pol.approx_kl))
+                    micro_stats = micro_batch_backward(model, exp, rows[k * micro : (k + 1) * micro], cfg, accelerator, scale, separate)
+                if not stats["ratio_dev_first"]:
+                    stats["ratio_dev_first"].append(micro_stats["ratio_dev"])
+                total += micro_stats.pop("loss") / accum
+                micro_stats.pop("ratio_dev")
+                for key, value in micro_stats.items():
+                    stats[key].append(value)
             grad_norm = clip_gradients(model, accelerator, cfg.train.max_grad_norm)
             check_finite(total, model, step)
             optimizer.step()

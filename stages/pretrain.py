@@ -6,6 +6,8 @@
 Documents are tokenized, each followed by EOS, and cut into `train.seq_length` rows; a row's
 attention stays inside each document (block-causal mask, or position_ids under flash-attention:
 data_formats/collate.py). Every token is trained except the first of each document piece.
+With `data.streaming: true` the training corpus is read lazily in file order (data_formats/streaming.py)
+instead of being tokenized into memory and shuffled; resume restores the stream position.
 Loss normalisation, accumulation, checkpoints, resume, trackers and the final merge are the
 shared ones in pipeline/training.py (the SFT stage uses the same pieces).
 
@@ -35,11 +37,11 @@ from pipeline.training import (
     launched_world_size,
     finish,
     log_step,
-    maybe_checkpoint,
     next_batches,
+    next_stream_batches,
     parent_problems,
     run_eval,
-    save_checkpoint,
+    end_of_step,
     stop_after_step,
     train_step,
 )
@@ -74,7 +76,8 @@ class Prepared:
     """What validation built and setup reuses."""
 
     tokenizer: object
-    train: list
+    train: object
+    """Packed rows (a list), or a PackedTextStream with data.streaming."""
     eval: list
 
 
@@ -95,24 +98,41 @@ def validate(cfg: PTConfig) -> Prepared:
     from pipeline.models import load_tokenizer, resolve_model_path
 
     problems = cfg.problems() + data_problems(cfg.data.train, "data.train") + data_problems(cfg.data.eval, "data.eval")
-    if cfg.data.streaming:
-        problems.append("data.streaming: not supported yet (the corpus is tokenized in memory); set it to false")
+    if cfg.data.streaming and cfg.data.max_samples is not None:
+        problems.append("data.max_samples: not used with data.streaming (the stream runs until train.max_steps)")
     model_path = resolve_model_path(cfg.model.path)
     problems += parent_problems(model_path)
     if problems:
         raise ConfigError(problems)
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code, cfg.model.revision)
     try:
-        train = build_pt_data(cfg.data, tokenizer, cfg.train.seq_length, "train")
+        train = stream_train(cfg, tokenizer) if cfg.data.streaming else build_pt_data(cfg.data, tokenizer, cfg.train.seq_length, "train")
         has_eval = bool(cfg.data.eval) or cfg.data.eval_fraction > 0
         evaluation = build_pt_data(cfg.data, tokenizer, cfg.train.seq_length, "eval") if has_eval else []
     except (DataError, ValueError) as err:
         raise ConfigError([str(err)]) from err
     world = launched_world_size()
-    if len(train) < cfg.train.batch_size * world:
+    if not cfg.data.streaming and len(train) < cfg.train.batch_size * world:
         raise ConfigError([f"data.train: {len(train)} packed row(s) of {cfg.train.seq_length} tokens cannot fill one "
                            f"micro-batch of {cfg.train.batch_size} x {world} rank(s)"])
     return Prepared(tokenizer, train, evaluation)
+
+
+def stream_train(cfg: PTConfig, tokenizer):
+    """The streamed training corpus, after one pass that reads (without keeping) every record so
+    bad ones are reported together before training, as for an in-memory corpus.
+
+    Raises:
+        DataError: bad records with on_error='strict'.
+    """
+    from data_formats.streaming import PackedTextStream, stream_problems
+    from data_formats.validate import apply_policy
+
+    apply_policy(stream_problems(cfg.data.train, fmt=cfg.data.format, text_field=cfg.data.text_field), cfg.data.on_error,
+                 "pt train data (streamed)")
+    eval_fraction = 0.0 if cfg.data.eval else cfg.data.eval_fraction
+    return PackedTextStream(cfg.data.train, tokenizer, cfg.train.seq_length, fmt=cfg.data.format, text_field=cfg.data.text_field,
+                            eval_fraction=eval_fraction, on_error=cfg.data.on_error)
 
 
 # ------------------------------------------------------------------------------------------
@@ -125,12 +145,14 @@ def setup(cfg: PTConfig, prepared: Prepared) -> Run:
     from data_formats.collate import Collator
 
     collator = Collator(prepared.tokenizer.pad_token_id, "pack", cfg.train.seq_length, cfg.model.attn_implementation)
-    run = build_run(cfg, STAGE, tokenizer=prepared.tokenizer, collator=collator, train_samples=prepared.train,
-                    eval_samples=prepared.eval, tasks=TASKS)
+    streamed = cfg.data.streaming
+    run = build_run(cfg, STAGE, tokenizer=prepared.tokenizer, collator=collator, train_samples=[] if streamed else prepared.train,
+                    eval_samples=prepared.eval, tasks=TASKS, extra={"stream": prepared.train} if streamed else None)
     if run.is_main:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         save_config(cfg, Path(cfg.output_dir) / "config.yaml")
-        log.info("pt: %d training row(s), %d eval row(s) of %d tokens", len(prepared.train), len(prepared.eval), cfg.train.seq_length)
+        rows = "streamed training rows" if streamed else f"{len(prepared.train)} training row(s)"
+        log.info("pt: %s, %d eval row(s) of %d tokens", rows, len(prepared.eval), cfg.train.seq_length)
     return run
 
 
@@ -149,7 +171,7 @@ def train(run: Run) -> bool:
     stop_at = stop_after_step()
     bar = tqdm(total=t.max_steps, initial=run.step, desc=STAGE, disable=not run.is_main)
     while run.step < t.max_steps:
-        batches = next_batches(run)
+        batches = next_stream_batches(run, run.extra["stream"]) if "stream" in run.extra else next_batches(run)
         lr = run.scheduler.get_last_lr()[0]
         started = time.perf_counter()
         result = train_step(run.model, run.optimizer, batches, run.accelerator, step=run.step + 1,
@@ -159,17 +181,10 @@ def train(run: Run) -> bool:
         log_step(run, result, lr, time.perf_counter() - started, batches)
         bar.update(1)
         bar.set_postfix(loss=f"{result.loss:.4f}")
-        stop = False
-        if t.eval_steps and run.step % t.eval_steps == 0:
-            stop = bool((run_eval(run) or {}).get("stop"))
-        maybe_checkpoint(run)
-        if stop_at is not None and run.step == stop_at:
-            if run.last_saved != run.step:
-                save_checkpoint(run, "temporary")
-            log.warning("RELAY_STOP_AFTER_STEP=%d: saved and stopping", stop_at)
+        outcome = end_of_step(run, stop_at, lambda: bool((run_eval(run) or {}).get("stop")))
+        if outcome == "interrupted":
             return False
-        if stop:
-            log.info("early stopping at step %d (no better eval loss in %d evaluations)", run.step, t.early_stopping_stall_num)
+        if outcome == "early_stop":
             break
     bar.close()
     if not run.history.evals or run.history.evals[-1]["step"] != run.step:

@@ -46,10 +46,9 @@ from pipeline.training import (
     data_problems,
     eval_shards,
     finish,
-    maybe_checkpoint,
     next_batches,
     parent_problems,
-    save_checkpoint,
+    end_of_step,
     stop_after_step,
     write_summary,
 )
@@ -245,6 +244,11 @@ def evaluate(run: Run) -> Optional[dict]:
     return result
 
 
+def evaluate_and_check(run: Run) -> bool:
+    """Evaluate; True when early stopping says stop (no eval data never stops)."""
+    return run.early.update((evaluate(run) or {"loss": math.inf})["loss"])
+
+
 def reward_stats(run: Run, max_pairs: Optional[int]) -> dict:
     """Mean and std of the trained model's scores over the training responses (both sides)."""
     pairs = run.train_samples[:max_pairs] if max_pairs else run.train_samples
@@ -307,17 +311,10 @@ def train(run: Run) -> bool:
                              "train/grad_norm": result["grad_norm"]}, run.step)
         bar.update(1)
         bar.set_postfix(loss=f"{result['loss']:.4f}", acc=f"{result['accuracy']:.2f}")
-        stop = False
-        if t.eval_steps and run.step % t.eval_steps == 0:
-            stop = run.early.update((evaluate(run) or {"loss": math.inf})["loss"])
-            run.model.train()
-        maybe_checkpoint(run)
-        if stop_at is not None and run.step == stop_at:
-            save_checkpoint(run, "temporary")
-            log.warning("RELAY_STOP_AFTER_STEP=%d: saved and stopping", stop_at)
+        outcome = end_of_step(run, stop_at, lambda: evaluate_and_check(run))
+        if outcome == "interrupted":
             return False
-        if stop:
-            log.info("early stopping at step %d", run.step)
+        if outcome == "early_stop":
             break
     bar.close()
     if run.eval_samples and (not run.history.evals or run.history.evals[-1]["step"] != run.step):
@@ -335,7 +332,7 @@ def summarize(run: Run, stats: dict, wall: float) -> dict:
         "train_accuracy_last": steps[-1]["accuracy"] if steps else None,
         "eval_accuracy": last.get("accuracy"),
         "eval_margin": last.get("margin"),
-        "eval_loss": last.get("loss"),
+        "eval_loss_last": last.get("loss"),
         "eval_loss_first": evals[0]["loss"] if evals else None,
         "reward_stats": stats,
         "steps": run.step,

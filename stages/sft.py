@@ -40,11 +40,10 @@ from pipeline.training import (
     evaluate,
     finish,
     log_step,
-    maybe_checkpoint,
     next_batches,
     parent_problems,
     run_eval,
-    save_checkpoint,
+    end_of_step,
     stop_after_step,
     train_step,
 )
@@ -231,17 +230,10 @@ def train(run: Run) -> bool:
         bar.set_postfix(loss=f"{result.loss:.4f}")
         if "coba" in run.extra and run.step % mt.coba_update_interval == 0:
             update_coba(run, mt)
-        stop = False
-        if t.eval_steps and run.step % t.eval_steps == 0:
-            stop = bool((run_eval(run) or {}).get("stop"))
-        maybe_checkpoint(run)
-        if stop_at is not None and run.step == stop_at:
-            if run.last_saved != run.step:
-                save_checkpoint(run, "temporary")
-            log.warning("RELAY_STOP_AFTER_STEP=%d: saved and stopping", stop_at)
+        outcome = end_of_step(run, stop_at, lambda: bool((run_eval(run) or {}).get("stop")))
+        if outcome == "interrupted":
             return False
-        if stop:
-            log.info("early stopping at step %d (no better eval loss in %d evaluations)", run.step, t.early_stopping_stall_num)
+        if outcome == "early_stop":
             break
     bar.close()
     if not run.history.evals or run.history.evals[-1]["step"] != run.step:

@@ -1,5 +1,6 @@
 """Two processes on CPU (torchrun, gloo): the loss curve equals the one-process curve with the same
-global batch, for DDP and FSDP. DeepSpeed needs a GPU through accelerate (see setup_accelerator)."""
+global batch, for DDP and FSDP; PPO's joint policy/critic pass runs under DDP. DeepSpeed needs a
+GPU through accelerate (see setup_accelerator)."""
 
 import json
 import os
@@ -29,9 +30,9 @@ def args(model, train, valid, out, batch_size):
                     "--multitask.weighted_loss_mode", "case3")
 
 
-def torchrun(argv, tmp_path):
+def torchrun(argv, tmp_path, stage="sft.py"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "stages" / "sft.py"), *argv]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "stages" / stage), *argv]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -92,3 +93,23 @@ def test_deepspeed_configs_are_valid_json_with_auto_values():
         assert data["zero_optimization"]["stage"] == (2 if name == "zero2.json" else 3)
     offload = json.loads((ROOT / "deepspeed_configs" / "zero3_offload.json").read_text())["zero_optimization"]
     assert offload["offload_optimizer"]["device"] == offload["offload_param"]["device"] == "cpu"
+
+
+def test_ppo_under_ddp_is_on_policy_then_learns(tiny_model_dir, tiny_reward_dir, tmp_path):
+    """Two ranks, two prompts each: the joint forward DDP needs, reward statistics gathered over
+    ranks, every rank's RNG in the checkpoint; the first update is exactly on-policy."""
+    from pipeline.report import read_scalars
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question number {i}?"}) + "\n" for i in range(8)))
+    out = tmp_path / "ppo"
+    torchrun(["--model.path", str(tiny_model_dir), "--reward_model.path", str(tiny_reward_dir), "--data.train", f"[{prompts}]",
+              "--data.eval", "[]", "--output_dir", str(out), "--train.eval_steps", "0", "--train.batch_size", "2",
+              "--train.max_steps", "2", "--train.learning_rate", "1e-2", "--train.lr_schedule", "constant", "--train.warmup", "0",
+              "--train.log_steps", "1", "--lora.r", "4", "--generation.max_new_tokens", "6", "--ppo.mini_batch_size", "2",
+              "--checkpoint.keep", "[{every: 2}]"], tmp_path, stage="ppo.py")
+    scalars = read_scalars(out)
+    assert dict(scalars["ppo/ratio_dev_first"])[1] == 0.0 and dict(scalars["ppo/kl"])[1] == 0.0
+    assert dict(scalars["ppo/kl"])[2] != 0.0  # negative control: the update moved the policy
+    assert (out / "merged" / "manifest.json").is_file() and (out / "summary.json").is_file()
+    assert sorted(p.name for p in (out / "checkpoints" / "step-0000002").glob("rng-rank*.json")) == ["rng-rank0.json", "rng-rank1.json"]

@@ -100,7 +100,7 @@ def test_rm_stage_head_survives_merge_and_stats_recorded(tmp_path, tiny_model_di
     rm.run_stage(cfg)
     out = tmp_path / "out"
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("train_loss_first", "train_loss_last", "eval_accuracy", "eval_margin", "eval_loss", "steps", "wall_seconds"):
+    for key in ("train_loss_first", "train_loss_last", "eval_accuracy", "eval_margin", "eval_loss_last", "steps", "wall_seconds"):
         assert summary[key] is not None, key
     assert summary["steps"] == 3
     merged = AutoModelForSequenceClassification.from_pretrained(out / "merged").eval()

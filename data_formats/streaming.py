@@ -1,0 +1,109 @@
+"""Streamed PT data (`data.streaming: true`): packed rows from a corpus read lazily, for corpora
+that do not fit in memory.
+
+Rows are exactly those `build_pt_data` would build from the same documents (the same
+`DocumentPacker`), in corpus order: a streamed corpus is not shuffled, its order is the training
+order. When the corpus runs out the stream starts over (the next epoch). Memory stays at one
+document plus one row whatever the corpus size.
+
+Why our own reader (data_formats.sources) rather than `datasets.load_dataset(..., streaming=True)`:
+a bad record must be reported as FILE:LINE, which the datasets JSON reader cannot do, and resume
+must be exact; with our reader the whole resume state is the number of records read this epoch
+plus the unfinished row, which `state_dict` returns as plain JSON. Resuming re-reads (without
+tokenizing) the records already consumed this epoch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Iterator, Optional, Sequence
+
+from data_formats.datasets import DocumentPacker, in_eval_fraction
+from data_formats.sources import Problem
+from data_formats.validate import Parsed, apply_policy, entry_records, iter_parsed
+
+log = logging.getLogger(__name__)
+
+
+def stream_problems(entries: Sequence[str], *, fmt: str = "auto", text_field: str = "text") -> list[Problem]:
+    """Every bad record of a corpus, read once without keeping it (the pre-training check)."""
+    return [item for item in iter_parsed(entry_records(entries), "pt", fmt=fmt, text_field=text_field) if isinstance(item, Problem)]
+
+
+class PackedTextStream:
+    """An endless source of packed PT rows over `entries` (files, folders, globs, datasets).
+
+    Bad records are dropped when `on_error` is 'skip' (the pre-training check has already counted
+    and logged them) and raise DataError when 'strict' (the corpus changed since the check).
+    With `eval_fraction` > 0 the records whose text hash falls in the eval fraction are left out,
+    as `build_pt_data` leaves them out of train.
+    """
+
+    def __init__(self, entries: Sequence[str], tokenizer, seq_length: int, *, fmt: str = "auto", text_field: str = "text",
+                 eval_fraction: float = 0.0, on_error: str = "strict"):
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos token to separate documents")
+        self.entries, self.tokenizer = list(entries), tokenizer
+        self.fmt, self.text_field, self.eval_fraction, self.on_error = fmt, text_field, eval_fraction, on_error
+        self.packer = DocumentPacker(tokenizer.eos_token_id, seq_length)
+        self.epoch = 0
+        self.records_read = 0
+        self.ready: list[dict] = []
+        self._items: Optional[Iterator] = None
+        self._documents_this_epoch = 0
+
+    def _open(self) -> Iterator:
+        items = iter_parsed(entry_records(self.entries), "pt", fmt=self.fmt, text_field=self.text_field)
+        return itertools.islice(items, self.records_read, None)
+
+    def _next_document(self) -> Optional[list[int]]:
+        """The next training document's token ids, or None at the end of the corpus."""
+        if self._items is None:
+            self._items = self._open()
+        for item in self._items:
+            self.records_read += 1
+            if isinstance(item, Problem):
+                apply_policy([item], self.on_error, "pt train data (streamed)")
+                continue
+            assert isinstance(item, Parsed)
+            if in_eval_fraction(item.raw, self.eval_fraction):
+                continue
+            self._documents_this_epoch += 1
+            return self.tokenizer(item.value, add_special_tokens=False)["input_ids"]
+        return None
+
+    def next_row(self) -> dict:
+        """The next packed row (dict of input_ids, labels, lengths, task_ids).
+
+        Raises:
+            DataError: a bad record with on_error='strict'.
+            ValueError: the corpus holds no training document.
+        """
+        while not self.ready:
+            doc = self._next_document()
+            if doc is not None:
+                self.ready += self.packer.add(doc)
+                continue
+            self.ready += self.packer.flush()
+            if self._documents_this_epoch == 0 and not self.ready:
+                raise ValueError(f"the streamed corpus {self.entries} holds no training document")
+            self.epoch, self.records_read, self._items, self._documents_this_epoch = self.epoch + 1, 0, None, 0
+            log.info("streamed pt data: starting epoch %d", self.epoch)
+        return self.ready.pop(0)
+
+    def state_dict(self) -> dict:
+        """Where the stream stands (JSON-serialisable)."""
+        return {"epoch": self.epoch, "records_read": self.records_read, "ready": self.ready,
+                "current": self.packer.current, "lengths": self.packer.lengths,
+                "documents_this_epoch": self._documents_this_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where `state` was taken (re-reads, without tokenizing, the records
+        already consumed this epoch)."""
+        self.epoch, self.records_read = int(state["epoch"]), int(state["records_read"])
+        self.ready = [dict(row) for row in state["ready"]]
+        self.packer.current, self.packer.lengths = list(state["current"]), list(state["lengths"])
+        self._documents_this_epoch = int(state["documents_this_epoch"])
+        self._items = None
+
