@@ -1,4 +1,5 @@
-"""Sampling orders: per-task weighted sampling (multitask SFT) and length grouping (padding).
+"""Sampling orders: the epoch order and cursor every stage draws batches by, per-task weighted
+sampling (multitask SFT) and length grouping (padding).
 
 Both are pure functions of their inputs and a seed (numpy's Generator, never the global RNG), so a
 resumed run can rebuild the exact order and skip the steps already done.
@@ -6,9 +7,11 @@ resumed run can rebuild the exact order and skip the steps already done.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
+import torch
 
 
 def task_sampling_order(task_ids: Sequence[int], weights: Mapping[int, float], seed: int,
@@ -65,3 +68,61 @@ def length_grouped_order(lengths: Sequence[int], batch_size: int, seed: int, meg
         chunk = sorted(order[start:start + size], key=lambda i: -lengths[i])
         grouped += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
     return [i for k in rng.permutation(len(grouped)).tolist() for i in grouped[k]]
+
+
+# ------------------------------------------------------------------------------------------
+# Data order: a pure function of (seed, epoch) plus a cursor, so a resumed run sees the same batches
+# ------------------------------------------------------------------------------------------
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The sample order of `epoch`: a permutation of range(n) that depends only on seed and epoch."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=generator).tolist()
+
+
+@dataclass
+class DataCursor:
+    """Where the data stream stands: `position` global micro-batches consumed in `epoch`."""
+
+    epoch: int = 0
+    position: int = 0
+
+
+def next_micro_batches(
+    n: int, cursor: DataCursor, *, seed: int, batch_size: int, grad_accum: int, world_size: int = 1, rank: int = 0
+) -> tuple[list[list[int]], DataCursor]:
+    """Sample indices of this rank's `grad_accum` micro-batches for one optimizer step, and the
+    cursor after them.
+
+    A global micro-batch is `batch_size * world_size` consecutive samples of the epoch order; rank
+    r takes its r-th slice. So one optimizer step covers the same samples for any split of the
+    global batch into ranks x micro-batches x batch size. An epoch's tail shorter than a global
+    micro-batch is not used (logged once per epoch by the caller through `epoch_tail`).
+
+    Hand-written rather than a DataLoader + DistributedSampler because exact resume needs the
+    order to be a pure function of (seed, epoch, position).
+
+    Raises:
+        ValueError: fewer samples than one global micro-batch.
+    """
+    per_global = batch_size * world_size
+    if n < per_global:
+        raise ValueError(f"{n} training samples cannot fill one global micro-batch of {per_global} (batch_size x ranks)")
+    per_epoch = n // per_global
+    epoch, position = cursor.epoch, cursor.position
+    order = epoch_order(n, seed, epoch)
+    out = []
+    for _ in range(grad_accum):
+        if position >= per_epoch:
+            epoch, position = epoch + 1, 0
+            order = epoch_order(n, seed, epoch)
+        start = position * per_global + rank * batch_size
+        out.append(order[start : start + batch_size])
+        position += 1
+    return out, DataCursor(epoch, position)
+
+
+def epoch_tail(n: int, batch_size: int, world_size: int) -> int:
+    """How many samples per epoch `next_micro_batches` leaves unused."""
+    return n % (batch_size * world_size)

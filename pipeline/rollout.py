@@ -1,5 +1,6 @@
 """Rollout helpers for PPO: generation behind a small `Generator` protocol, turning generated ids
-into padded batches with response masks, and the two-backbone actor-critic.
+into padded batches with response masks, the two-backbone actor-critic and its micro-batch
+forward/backward (`actor_critic_backward`).
 
 Memory design (LoRA/QLoRA): the policy is a LoRA on the SFT model and the reference policy is the
 same backbone with the adapter disabled; the critic is a LoRA plus a copy of the RM's `score`
@@ -18,7 +19,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from data_formats.collate import left_pad
-from pipeline.rl import entropy_from_logits, logprobs_from_logits
+from pipeline.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
 from pipeline.scoring import last_token_index, position_ids_from_mask, token_scores
 
 
@@ -222,3 +223,52 @@ def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperatu
             out["ref"].append(model.reference_logprobs(ids, mask, P, temperature).cpu())
             out["rm"].append(model.reward_scores(ids, mask).float().cpu())
     return {k: torch.cat(v) for k, v in out.items()}
+
+
+def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator, *, scale: float, separate: bool,
+                          temperature: float, cliprange: float, cliprange_value: float, vf_coef: float) -> dict[str, float]:
+    """Forward and backward of one micro-batch: `scale * (policy loss + vf_coef * value loss)`.
+
+    `separate` gives the policy and the critic a forward and backward each, so only one model's
+    activations are alive at a time (about half the peak memory of the joint pass, the same
+    gradients: the two models share no parameters). The joint pass is for wrapped engines (DDP,
+    DeepSpeed, FSDP), which expect one forward per backward over the whole module.
+    Returns the micro-batch's statistics (`ratio_dev`: max |ratio - 1| over its response tokens).
+    """
+    device = accelerator.device
+    P = exp.rollout.prompt_width
+    ids, attn = exp.rollout.input_ids[idx].to(device), exp.rollout.attention_mask[idx].to(device)
+    mask, old = exp.rollout.response_mask[idx].to(device), exp.old_logprobs[idx].to(device)
+
+    def policy_part(logits):
+        logp = logprobs_from_logits(logits.float() / temperature, ids[:, P:])
+        return logp, policy_loss(logp, old, exp.advantages[idx].to(device), mask, cliprange)
+
+    def value_part(values):
+        return value_loss(values.float(), exp.values[idx].to(device), exp.returns[idx].to(device), mask, cliprange_value)
+
+    if separate:
+        with accelerator.autocast():
+            logits, _ = model(ids, attn, P, part="policy")
+        logp, pol = policy_part(logits)
+        accelerator.backward(pol.loss * scale)
+        del logits
+        with accelerator.autocast():
+            _, values = model(ids, attn, P, part="critic")
+        vloss, vclip = value_part(values)
+        accelerator.backward(vf_coef * vloss * scale)
+    else:
+        with accelerator.autocast():
+            logits, values = model(ids, attn, P)
+        logp, pol = policy_part(logits)
+        vloss, vclip = value_part(values)
+        accelerator.backward((pol.loss + vf_coef * vloss) * scale)
+    return {
+        "loss": float(pol.loss.detach()) + vf_coef * float(vloss.detach()),
+        "policy_loss": float(pol.loss.detach()),
+        "value_loss": float(vloss.detach()),
+        "clipfrac_policy": float(pol.clipfrac),
+        "clipfrac_value": float(vclip),
+        "approx_kl": float(pol.approx_kl),
+        "ratio_dev": float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()),
+    }

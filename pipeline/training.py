@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from pipeline.config import StageConfig, TrainConfig
 from pipeline.checkpoint import load_trainable_state, trainable_state  # noqa: F401 (re-exported)
+from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
 from pipeline.multitask import token_weights
 from pipeline.tracking import EarlyStopping, History
 
@@ -167,64 +168,6 @@ def stop_after_step() -> Optional[int]:
         return int(text)
     except ValueError as err:
         raise ValueError(f"{STOP_ENV}={text!r} is not a step number") from err
-
-
-# ------------------------------------------------------------------------------------------
-# Data order: a pure function of (seed, epoch) plus a cursor, so a resumed run sees the same batches
-# ------------------------------------------------------------------------------------------
-
-
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """The sample order of `epoch`: a permutation of range(n) that depends only on seed and epoch."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=generator).tolist()
-
-
-@dataclass
-class DataCursor:
-    """Where the data stream stands: `position` global micro-batches consumed in `epoch`."""
-
-    epoch: int = 0
-    position: int = 0
-
-
-def next_micro_batches(
-    n: int, cursor: DataCursor, *, seed: int, batch_size: int, grad_accum: int, world_size: int = 1, rank: int = 0
-) -> tuple[list[list[int]], DataCursor]:
-    """Sample indices of this rank's `grad_accum` micro-batches for one optimizer step, and the
-    cursor after them.
-
-    A global micro-batch is `batch_size * world_size` consecutive samples of the epoch order; rank
-    r takes its r-th slice. So one optimizer step covers the same samples for any split of the
-    global batch into ranks x micro-batches x batch size. An epoch's tail shorter than a global
-    micro-batch is not used (logged once per epoch by the caller through `epoch_tail`).
-
-    Hand-written rather than a DataLoader + DistributedSampler because exact resume needs the
-    order to be a pure function of (seed, epoch, position).
-
-    Raises:
-        ValueError: fewer samples than one global micro-batch.
-    """
-    per_global = batch_size * world_size
-    if n < per_global:
-        raise ValueError(f"{n} training samples cannot fill one global micro-batch of {per_global} (batch_size x ranks)")
-    per_epoch = n // per_global
-    epoch, position = cursor.epoch, cursor.position
-    order = epoch_order(n, seed, epoch)
-    out = []
-    for _ in range(grad_accum):
-        if position >= per_epoch:
-            epoch, position = epoch + 1, 0
-            order = epoch_order(n, seed, epoch)
-        start = position * per_global + rank * batch_size
-        out.append(order[start : start + batch_size])
-        position += 1
-    return out, DataCursor(epoch, position)
-
-
-def epoch_tail(n: int, batch_size: int, world_size: int) -> int:
-    """How many samples per epoch `next_micro_batches` leaves unused."""
-    return n % (batch_size * world_size)
 
 
 # ------------------------------------------------------------------------------------------
@@ -517,6 +460,10 @@ def build_run(cfg, stage: str, *, tokenizer, collator, train_samples: list, eval
     run = Run(cfg, stage, accelerator, model, optimizer, scheduler, tokenizer, collator, train_samples, eval_samples,
               tasks, checkpointer, tracker, model_path, chat_template, extra=extra or {}, model_kind=model_kind)
     run.early.patience = cfg.train.early_stopping_stall_num
+    tail = epoch_tail(len(train_samples), cfg.train.batch_size, accelerator.num_processes) if train_samples else 0
+    if tail:
+        log.info("%d training sample(s) per epoch do not fill a global micro-batch and sit out that epoch "
+                 "(each epoch reshuffles, so a different %d)", tail, tail)
     path = checkpointer.resume_path()
     if path is not None:
         restore(run, checkpointer.load(path))

@@ -33,9 +33,10 @@ if __package__ in (None, ""):
 import torch
 from tqdm.auto import tqdm
 
+from data_formats.sampling import DataCursor, next_micro_batches
 from pipeline import rl
 from pipeline.config import ConfigError, ModelConfig, PromptDataConfig, StageConfig, load_config, save_config, to_dict
-from pipeline.rollout import ActorCritic, Experience, Generator, HFGenerator, Rollout, assemble, score_rollout
+from pipeline.rollout import ActorCritic, Experience, Generator, HFGenerator, Rollout, actor_critic_backward, assemble, score_rollout
 
 log = logging.getLogger("relay.ppo")
 
@@ -271,55 +272,6 @@ def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str
 # ------------------------------------------------------------------------------------------
 
 
-def micro_batch_backward(model, exp: Experience, idx: torch.Tensor, cfg: PPOConfig, accelerator, scale: float,
-                         separate: bool) -> dict[str, float]:
-    """Forward and backward of one micro-batch: `scale * (policy loss + vf_coef * value loss)`.
-
-    `separate` gives the policy and the critic a forward and backward each, so only one model's
-    activations are alive at a time (about half the peak memory of the joint pass, the same
-    gradients: the two models share no parameters). The joint pass is for wrapped engines (DDP,
-    DeepSpeed, FSDP), which expect one forward per backward over the whole module.
-    Returns the micro-batch's statistics (`ratio_dev`: max |ratio - 1| over its response tokens).
-    """
-    device = accelerator.device
-    P = exp.rollout.prompt_width
-    ids, attn = exp.rollout.input_ids[idx].to(device), exp.rollout.attention_mask[idx].to(device)
-    mask, old = exp.rollout.response_mask[idx].to(device), exp.old_logprobs[idx].to(device)
-
-    def policy_part(logits):
-        logp = rl.logprobs_from_logits(logits.float() / cfg.generation.temperature, ids[:, P:])
-        return logp, rl.policy_loss(logp, old, exp.advantages[idx].to(device), mask, cfg.ppo.cliprange)
-
-    def value_part(values):
-        return rl.value_loss(values.float(), exp.values[idx].to(device), exp.returns[idx].to(device), mask, cfg.ppo.cliprange_value)
-
-    if separate:
-        with accelerator.autocast():
-            logits, _ = model(ids, attn, P, part="policy")
-        logp, pol = policy_part(logits)
-        accelerator.backward(pol.loss * scale)
-        del logits
-        with accelerator.autocast():
-            _, values = model(ids, attn, P, part="critic")
-        vloss, vclip = value_part(values)
-        accelerator.backward(cfg.ppo.vf_coef * vloss * scale)
-    else:
-        with accelerator.autocast():
-            logits, values = model(ids, attn, P)
-        logp, pol = policy_part(logits)
-        vloss, vclip = value_part(values)
-        accelerator.backward((pol.loss + cfg.ppo.vf_coef * vloss) * scale)
-    return {
-        "loss": float(pol.loss.detach()) + cfg.ppo.vf_coef * float(vloss.detach()),
-        "policy_loss": float(pol.loss.detach()),
-        "value_loss": float(vloss.detach()),
-        "clipfrac_policy": float(pol.clipfrac),
-        "clipfrac_value": float(vclip),
-        "approx_kl": float(pol.approx_kl),
-        "ratio_dev": float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()),
-    }
-
-
 def ppo_update(model, optimizer, exp: Experience, accelerator, cfg: PPOConfig, step: int) -> dict[str, float]:
     """`ppo.epochs` passes over the rollout in shuffled mini-batches, one optimizer step each.
 
@@ -351,7 +303,9 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg: PPOConfig, s
             for k in range(accum):
                 sync = contextlib.nullcontext() if k == accum - 1 else accelerator.no_sync(model)
                 with sync:
-                    micro_stats = micro_batch_backward(model, exp, rows[k * micro : (k + 1) * micro], cfg, accelerator, scale, separate)
+                    micro_stats = actor_critic_backward(model, exp, rows[k * micro : (k + 1) * micro], accelerator, scale=scale, separate=separate,
+                                                        temperature=cfg.generation.temperature, cliprange=cfg.ppo.cliprange,
+                                                        cliprange_value=cfg.ppo.cliprange_value, vf_coef=cfg.ppo.vf_coef)
                 if not stats["ratio_dev_first"]:
                     stats["ratio_dev_first"].append(micro_stats["ratio_dev"])
                 total += micro_stats.pop("loss") / accum
@@ -440,7 +394,7 @@ class RunState:
     """What the loop carries between steps besides the model and optimizer."""
 
     step: int
-    cursor: "DataCursor"  # noqa: F821 (pipeline.training, imported lazily)
+    cursor: DataCursor
     kl_controller: "rl.FixedKLController | rl.AdaptiveKLController"
     normaliser: rl.RunningMoments
     history: dict
@@ -468,7 +422,7 @@ def restore_state(state: dict, model, optimizer, scheduler, accelerator, run: Ru
         KeyError: the checkpoint's weights do not match the model.
     """
     from pipeline.checkpoint import set_rng_state
-    from pipeline.training import DataCursor, load_trainable_state
+    from pipeline.training import load_trainable_state
 
     load_trainable_state(model, state["model"], accelerator)
     optimizer.load_state_dict(state["optimizer"])
@@ -607,8 +561,6 @@ def setup(cfg: PPOConfig, generator_factory: Optional[Callable[[torch.nn.Module]
 
 def new_run_state(cfg: PPOConfig, reward_path: str) -> RunState:
     """The loop state of a fresh run."""
-    from pipeline.training import DataCursor
-
     history = {"reward": [], "kl": [], "eval_reward": [], "eval_kl": [], "wall_before": 0.0}
     controller = rl.make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
     return RunState(0, DataCursor(), controller, make_normaliser(cfg, reward_path), history)
@@ -619,8 +571,6 @@ def ppo_step(s: Setup, run: RunState, cfg: PPOConfig, reward_fn: Optional[Reward
 
     Returns (metrics, experience, prompt texts).
     """
-    from pipeline.training import next_micro_batches
-
     acc = s.accelerator
     step = run.step + 1
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.rollout import assemble, cut_at_eos
+from pipeline.rollout import actor_critic_backward, assemble, cut_at_eos
 from stages import ppo
 from tinymodels import make_tiny_model
 
@@ -130,7 +130,9 @@ def test_separate_passes_give_the_joint_gradients(tmp_path, tiny_model_dir, tiny
     grads, stats = {}, {}
     for separate in (True, False):
         s.optimizer.zero_grad(set_to_none=True)
-        stats[separate] = ppo.micro_batch_backward(s.model, exp, torch.arange(4), cfg, s.accelerator, 0.5, separate)
+        stats[separate] = actor_critic_backward(s.model, exp, torch.arange(4), s.accelerator, scale=0.5, separate=separate,
+                                                  temperature=cfg.generation.temperature, cliprange=cfg.ppo.cliprange,
+                                                  cliprange_value=cfg.ppo.cliprange_value, vf_coef=cfg.ppo.vf_coef)
         grads[separate] = {n: p.grad.clone() for n, p in s.inner.named_parameters() if p.grad is not None}
     assert grads[True].keys() == grads[False].keys()
     assert any(n.startswith("policy.") for n in grads[True]) and any(n.startswith("critic.") for n in grads[True])

@@ -93,3 +93,16 @@ def test_streamed_pt_run_resumes_bit_for_bit(tiny_model_dir, corpus, tmp_path, m
     assert full.history.steps[3]["loss"] != full.history.steps[0]["loss"]
     assert resumed.extra["stream"].state_dict() == full.extra["stream"].state_dict()
     assert (tmp_path / "cut" / "merged" / "manifest.json").is_file()
+
+
+def test_two_processes_stream_the_same_global_batches(tiny_model_dir, corpus, tmp_path):
+    """Each rank reads the stream and keeps its share: 2 ranks x batch 2 give the 1 x batch 4 curve."""
+    from test_distributed import torchrun
+
+    one = run_stage(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "one", "--train.batch_size", "4",
+                                                  "--lora.dropout", "0")))
+    torchrun(pt_args(tiny_model_dir, corpus, tmp_path / "two", "--lora.dropout", "0"), tmp_path, stage="pretrain.py")
+    trainer = json.loads((tmp_path / "two" / "checkpoints" / "step-0000006" / "trainer.json").read_text())
+    two = [r["loss"] for r in trainer["history"]["steps"]]
+    assert two == pytest.approx([r["loss"] for r in one.history.steps], rel=1e-5)
+    assert two[-1] != two[0]

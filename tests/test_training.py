@@ -9,14 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from data_formats.collate import Collator
+from data_formats.sampling import DataCursor, epoch_order, next_micro_batches
 from pipeline.multitask import task_weighted_loss
 from pipeline.training import (
-    DataCursor,
     EarlyStopping,
     NonFiniteError,
-    epoch_order,
     eval_shards,
-    next_micro_batches,
     token_losses,
     train_step,
 )
