@@ -19,7 +19,7 @@ import itertools
 import logging
 from typing import Iterator, Optional, Sequence
 
-from data_formats.datasets import DocumentPacker, in_eval_fraction
+from data_formats.datasets import DocumentPacker
 from data_formats.sources import Problem
 from data_formats.validate import Parsed, apply_policy, entry_records, iter_parsed
 
@@ -36,16 +36,14 @@ class PackedTextStream:
 
     Bad records are dropped when `on_error` is 'skip' (the pre-training check has already counted
     and logged them) and raise DataError when 'strict' (the corpus changed since the check).
-    With `eval_fraction` > 0 the records whose text hash falls in the eval fraction are left out,
-    as `build_pt_data` leaves them out of train.
     """
 
     def __init__(self, entries: Sequence[str], tokenizer, seq_length: int, *, fmt: str = "auto", text_field: str = "text",
-                 eval_fraction: float = 0.0, on_error: str = "strict"):
+                 on_error: str = "strict"):
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos token to separate documents")
         self.entries, self.tokenizer = list(entries), tokenizer
-        self.fmt, self.text_field, self.eval_fraction, self.on_error = fmt, text_field, eval_fraction, on_error
+        self.fmt, self.text_field, self.on_error = fmt, text_field, on_error
         self.packer = DocumentPacker(tokenizer.eos_token_id, seq_length)
         self.epoch = 0
         self.records_read = 0
@@ -67,8 +65,6 @@ class PackedTextStream:
                 apply_policy([item], self.on_error, "pt train data (streamed)")
                 continue
             assert isinstance(item, Parsed)
-            if in_eval_fraction(item.raw, self.eval_fraction):
-                continue
             self._documents_this_epoch += 1
             return self.tokenizer(item.value, add_special_tokens=False)["input_ids"]
         return None

@@ -100,6 +100,9 @@ def validate(cfg: PTConfig) -> Prepared:
     problems = cfg.problems() + data_problems(cfg.data.train, "data.train") + data_problems(cfg.data.eval, "data.eval")
     if cfg.data.streaming and cfg.data.max_samples is not None:
         problems.append("data.max_samples: not used with data.streaming (the stream runs until train.max_steps)")
+    if cfg.data.streaming and not cfg.data.eval and cfg.data.eval_fraction > 0:
+        problems.append("data.eval_fraction: carving an eval split reads the whole corpus into memory, which "
+                        "data.streaming exists to avoid; give held-out files in data.eval")
     model_path = resolve_model_path(cfg.model.path)
     problems += parent_problems(model_path)
     if problems:
@@ -130,9 +133,8 @@ def stream_train(cfg: PTConfig, tokenizer):
 
     apply_policy(stream_problems(cfg.data.train, fmt=cfg.data.format, text_field=cfg.data.text_field), cfg.data.on_error,
                  "pt train data (streamed)")
-    eval_fraction = 0.0 if cfg.data.eval else cfg.data.eval_fraction
     return PackedTextStream(cfg.data.train, tokenizer, cfg.train.seq_length, fmt=cfg.data.format, text_field=cfg.data.text_field,
-                            eval_fraction=eval_fraction, on_error=cfg.data.on_error)
+                            on_error=cfg.data.on_error)
 
 
 # ------------------------------------------------------------------------------------------

@@ -54,14 +54,6 @@ def test_stream_state_resumes_exactly_through_json(corpus, tok):
     assert take(fresh, 30) != want  # negative control: without the state the rows differ
 
 
-def test_eval_fraction_is_left_out_of_the_stream(corpus, tok):
-    cfg = PTData(train=[str(corpus)], eval=[], eval_fraction=0.3)
-    rows = build_pt_data(cfg, tok, SEQ, "train")
-    assert rows != build_pt_data(PTData(train=[str(corpus)], eval=[]), tok, SEQ, "train")
-    stream = PackedTextStream([str(corpus)], tok, SEQ, eval_fraction=0.3)
-    assert take(stream, len(rows)) == rows
-
-
 def pt_args(model, data, out, *extra):
     return ["--model.path", str(model), "--data.train", f"[{data}]", "--data.eval", "[]", "--data.streaming", "true",
             "--output_dir", str(out), "--train.seq_length", str(SEQ), "--train.batch_size", "2", "--train.grad_accum", "2",
@@ -74,6 +66,9 @@ def test_bad_records_are_reported_together_before_training(tiny_model_dir, corpu
     with pytest.raises(ConfigError) as err:
         validate(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "o")))
     assert "c.jsonl:2:" in str(err.value) and "c.jsonl:3:" in str(err.value)
+    carve = pt_args(tiny_model_dir, corpus, tmp_path / "o", "--data.eval_fraction", "0.1", "--data.on_error", "skip")
+    with pytest.raises(ConfigError, match="data.eval_fraction: carving an eval split reads the whole corpus"):
+        validate(load_config(PTConfig, carve))
     prepared = validate(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "o", "--data.on_error", "skip")))
     clean = PackedTextStream([str(corpus)], prepared.tokenizer, SEQ, on_error="skip")
     (corpus / "c.jsonl").write_text(json.dumps({"text": "fine"}) + "\n")
