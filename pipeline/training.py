@@ -622,7 +622,8 @@ def end_of_step(run: Run, stop_at: Optional[int], evaluate_fn: Callable[[], bool
 
 def finish(run: Run, extra_manifest: Optional[dict] = None) -> Optional[Path]:
     """Final checkpoint, adapter + merged model (or full export), summary.json; returns merged/
-    on rank 0 (None on the other ranks). Every rank must call it.
+    on rank 0 (None on the other ranks). Every rank must call it. The run's model, optimizer and
+    scheduler are released (None) afterwards.
 
     Raises:
         MergeError / FileExistsError: from the merge module.
@@ -646,15 +647,20 @@ def finish(run: Run, extra_manifest: Optional[dict] = None) -> Optional[Path]:
             unwrapped = load_model(run.cfg.model, None, kind=run.model_kind, tokenizer=run.tokenizer)
             unwrapped.load_state_dict(state)
     merged = None
+    extras = {"tasks": run.tasks, "summary": summary, **(extra_manifest or {})}
+    if acc.is_main_process and full:
+        merged = export_full_model(unwrapped, run.tokenizer, str(out / "merged"), parent=run.model_path, stage=run.stage,
+                                   config=to_dict(run.cfg), extra_manifest=extras, chat_template=run.chat_template,
+                                   overwrite=True)
+    elif acc.is_main_process:
+        unwrapped.save_pretrained(out / "adapter", safe_serialization=True)
+        run.tokenizer.save_pretrained(out / "adapter")
+    # Everything trained is on disk now: drop it before the merge loads the base again, so the
+    # stage's peak memory is not the training model plus the merge's copies.
+    unwrapped = None
+    run.model, run.optimizer, run.scheduler = acc.free_memory(run.model, run.optimizer, run.scheduler)
     if acc.is_main_process:
-        extras = {"tasks": run.tasks, "summary": summary, **(extra_manifest or {})}
-        if full:
-            merged = export_full_model(unwrapped, run.tokenizer, str(out / "merged"), parent=run.model_path, stage=run.stage,
-                                       config=to_dict(run.cfg), extra_manifest=extras, chat_template=run.chat_template,
-                                       overwrite=True)
-        else:
-            unwrapped.save_pretrained(out / "adapter", safe_serialization=True)
-            run.tokenizer.save_pretrained(out / "adapter")
+        if not full:
             merged = merge_adapter(run.model_path, str(out / "adapter"), str(out / "merged"), kind=run.model_kind, stage=run.stage,
                                    config=to_dict(run.cfg), extra_manifest=extras, chat_template=run.chat_template,
                                    overwrite=True)

@@ -439,27 +439,30 @@ def restore_state(state: dict, model, optimizer, scheduler, accelerator, run: Ru
         log.warning("the checkpoint has no RNG state for this rank: rollouts will differ from an unbroken run")
 
 
-def export_policy(model, tokenizer, cfg: PPOConfig, accelerator, policy_path: str, chat_template: Optional[str]) -> Path:
+def export_policy(s: "Setup", cfg: PPOConfig, chat_template: Optional[str]) -> Path:
     """Save the adapters and merge the policy into <output_dir>/merged (the pipeline's final model).
+    The models, optimizer and scheduler in `s` are released before the merge loads the base again.
 
     Raises:
         MergeError: the merged folder does not reproduce base + adapter.
     """
     from pipeline.merge import export_full_model, merge_adapter
 
-    out = Path(cfg.output_dir)
+    acc, out = s.accelerator, Path(cfg.output_dir)
     merged = out / "merged"
-    inner = accelerator.unwrap_model(model)
-    if accelerator.is_main_process:
-        if cfg.model.finetuning == "full":
-            export_full_model(inner.policy, tokenizer, str(merged), parent=policy_path, stage="ppo", config=to_dict(cfg),
-                              chat_template=chat_template, overwrite=True)
-        else:
-            inner.policy.save_pretrained(out / "adapter")
-            inner.critic.save_pretrained(out / "critic_adapter")
-            merge_adapter(policy_path, str(out / "adapter"), str(merged), kind="causal", stage="ppo", config=to_dict(cfg),
+    full = cfg.model.finetuning == "full"
+    if acc.is_main_process and full:
+        export_full_model(s.inner.policy, s.tokenizer, str(merged), parent=s.policy_path, stage="ppo", config=to_dict(cfg),
                           chat_template=chat_template, overwrite=True)
-    accelerator.wait_for_everyone()
+    elif acc.is_main_process:
+        s.inner.policy.save_pretrained(out / "adapter")
+        s.inner.critic.save_pretrained(out / "critic_adapter")
+    s.inner = s.generator = None
+    s.model, s.optimizer, s.scheduler = acc.free_memory(s.model, s.optimizer, s.scheduler)
+    if acc.is_main_process and not full:
+        merge_adapter(s.policy_path, str(out / "adapter"), str(merged), kind="causal", stage="ppo", config=to_dict(cfg),
+                      chat_template=chat_template, overwrite=True)
+    acc.wait_for_everyone()
     return merged
 
 
@@ -501,7 +504,8 @@ def setup_data(cfg: PPOConfig, tokenizer):
 
 @dataclass
 class Setup:
-    """Everything the loop needs, built once by `setup`."""
+    """Everything the loop needs, built once by `setup` (export_policy releases the models,
+    optimizer and scheduler: None afterwards)."""
 
     accelerator: object
     model: torch.nn.Module  # the accelerate-prepared ActorCritic
@@ -660,7 +664,7 @@ def train(cfg: PPOConfig, *, reward_fn: Optional[RewardFn] = None,
             return {"stopped_at": step}
     bar.close()
     tracker.close()
-    export_policy(s.model, s.tokenizer, cfg, acc, s.policy_path, template_jinja(s.template, s.tokenizer))
+    export_policy(s, cfg, template_jinja(s.template, s.tokenizer))
     summary = summarize(run.history, run.step, time.time() - started)
     if acc.is_main_process:
         write_summary(out, summary)
