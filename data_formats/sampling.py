@@ -1,8 +1,8 @@
 """Sampling orders: the epoch order and cursor every stage draws batches by, per-task weighted
 sampling (multitask SFT) and length grouping (padding).
 
-Both are pure functions of their inputs and a seed (numpy's Generator, never the global RNG), so a
-resumed run can rebuild the exact order and skip the steps already done.
+All are pure functions of their inputs and a seed (their own numpy or torch Generator, never the
+global RNG), so a resumed run can rebuild the exact order and skip the steps already done.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def next_micro_batches(
     A global micro-batch is `batch_size * world_size` consecutive samples of the epoch order; rank
     r takes its r-th slice. So one optimizer step covers the same samples for any split of the
     global batch into ranks x micro-batches x batch size. An epoch's tail shorter than a global
-    micro-batch is not used (logged once per epoch by the caller through `epoch_tail`).
+    micro-batch is not used (build_run logs how many through `epoch_tail`).
 
     Hand-written rather than a DataLoader + DistributedSampler because exact resume needs the
     order to be a pure function of (seed, epoch, position).

@@ -4,7 +4,7 @@ that do not fit in memory.
 Rows are exactly those `build_pt_data` would build from the same documents (the same
 `DocumentPacker`), in corpus order: a streamed corpus is not shuffled, its order is the training
 order. When the corpus runs out the stream starts over (the next epoch). Memory stays at one
-document plus one row whatever the corpus size.
+document and the rows it fills, whatever the corpus size.
 
 Why our own reader (data_formats.sources) rather than `datasets.load_dataset(..., streaming=True)`:
 a bad record must be reported as FILE:LINE, which the datasets JSON reader cannot do, and resume
@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Sequence
 
 from data_formats.datasets import DocumentPacker
 from data_formats.sources import Problem
-from data_formats.validate import Parsed, apply_policy, entry_records, iter_parsed
+from data_formats.validate import apply_policy, entry_records, iter_parsed
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ class PackedTextStream:
             if isinstance(item, Problem):
                 apply_policy([item], self.on_error, "pt train data (streamed)")
                 continue
-            assert isinstance(item, Parsed)
             self._documents_this_epoch += 1
             return self.tokenizer(item.value, add_special_tokens=False)["input_ids"]
         return None
@@ -102,4 +101,3 @@ class PackedTextStream:
         self.packer.current, self.packer.lengths = list(state["current"]), list(state["lengths"])
         self._documents_this_epoch = int(state["documents_this_epoch"])
         self._items = None
-

@@ -439,7 +439,7 @@ def restore_state(state: dict, model, optimizer, scheduler, accelerator, run: Ru
         log.warning("the checkpoint has no RNG state for this rank: rollouts will differ from an unbroken run")
 
 
-def export_policy(s: "Setup", cfg: PPOConfig, chat_template: Optional[str]) -> Path:
+def export_policy(s: Setup, cfg: PPOConfig, chat_template: Optional[str]) -> Path:
     """Save the adapters and merge the policy into <output_dir>/merged (the pipeline's final model).
     The models, optimizer and scheduler in `s` are released before the merge loads the base again.
 

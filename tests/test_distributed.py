@@ -95,7 +95,7 @@ def test_deepspeed_configs_are_valid_json_with_auto_values():
     assert offload["offload_optimizer"]["device"] == offload["offload_param"]["device"] == "cpu"
 
 
-def test_ppo_under_ddp_is_on_policy_then_learns(tiny_model_dir, tiny_reward_dir, tmp_path):
+def test_ppo_under_ddp_is_on_policy_then_moves(tiny_model_dir, tiny_reward_dir, tmp_path):
     """Two ranks, two prompts each: the joint forward DDP needs, reward statistics gathered over
     ranks, every rank's RNG in the checkpoint; the first update is exactly on-policy."""
     from pipeline.report import read_scalars

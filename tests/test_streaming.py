@@ -2,11 +2,13 @@
 the stream, bad records reported before training, and a PT run that resumes bit for bit."""
 
 import json
+import shutil
 
 import pytest
 from transformers import AutoTokenizer
 
 from data_formats.datasets import build_pt_data
+from data_formats.sources import DataError
 from data_formats.streaming import PackedTextStream
 from pipeline.config import ConfigError, load_config
 from stages.pretrain import PTConfig, PTData, run_stage, validate
@@ -70,9 +72,14 @@ def test_bad_records_are_reported_together_before_training(tiny_model_dir, corpu
     with pytest.raises(ConfigError, match="data.eval_fraction: carving an eval split reads the whole corpus"):
         validate(load_config(PTConfig, carve))
     prepared = validate(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "o", "--data.on_error", "skip")))
-    clean = PackedTextStream([str(corpus)], prepared.tokenizer, SEQ, on_error="skip")
-    (corpus / "c.jsonl").write_text(json.dumps({"text": "fine"}) + "\n")
-    assert take(prepared.train, 20) == take(clean, 20)  # exactly the two bad records dropped
+    clean = shutil.copytree(corpus, tmp_path / "clean")
+    (clean / "c.jsonl").write_text(json.dumps({"text": "fine"}) + "\n")
+    rows = take(prepared.train, 20)
+    assert rows == take(PackedTextStream([str(clean)], prepared.tokenizer, SEQ), 20)  # exactly the two bad records dropped
+    (clean / "c.jsonl").unlink()
+    assert rows != take(PackedTextStream([str(clean)], prepared.tokenizer, SEQ), 20)  # the good record of c.jsonl is kept
+    with pytest.raises(DataError, match="c.jsonl:2:"):  # strict mode meeting a bad record mid-stream
+        take(PackedTextStream([str(corpus)], prepared.tokenizer, SEQ), 40)
 
 
 def test_streamed_pt_run_resumes_bit_for_bit(tiny_model_dir, corpus, tmp_path, monkeypatch):
