@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from data_formats.collate import IGNORE_INDEX
 from data_formats.conversation import Conversation
-from data_formats.render import Template, render, render_prompt
+from data_formats.render import Template, render, render_prompt, render_scored
 from data_formats.sources import Problem
 from data_formats.validate import Parsed, apply_policy, read_and_parse
 
@@ -207,10 +207,28 @@ def build_pt_data(cfg, tokenizer, seq_length: int, split: str) -> list[dict]:
     return rows
 
 
+def fit_pair(prompts: tuple[list[int], list[int]], responses: tuple[list[int], list[int]],
+             seq_length: int) -> Optional[tuple[list[int], list[int], int]]:
+    """The two sides of a pair as (prompt + response) ids within `seq_length`, cutting the oldest
+    prompt tokens (from the left, the same number kept on both sides) so that the responses and
+    their end-of-turn read-out tokens stay whole, as preference trainers do. Returns (chosen ids,
+    rejected ids, prompt tokens cut from the longer side), or None when a response alone does
+    not leave room for one prompt token."""
+    keep = seq_length - max(len(r) for r in responses)
+    if keep < 1:
+        return None
+    cut = max(0, max(len(p) for p in prompts) - keep)
+    chosen, rejected = (p[max(0, len(p) - keep):] + r for p, r in zip(prompts, responses))
+    return chosen, rejected, cut
+
+
 def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, split: str) -> list[dict]:
-    """Pairs dict(chosen_input_ids, rejected_input_ids, margin, source). Overlong pairs are
-    dropped (truncation='drop') or cut to their first `seq_length` tokens (truncation='truncate');
-    pairs whose two sides become identical are dropped. Counts are logged.
+    """Pairs dict(chosen_input_ids, rejected_input_ids, margin, source). Each side is the rendered
+    prompt followed by its answer, ending at the answer's end-of-turn token (`render_scored`: the
+    token a reward is read at, the same one PPO reads). Overlong pairs are dropped
+    (truncation='drop') or lose their oldest prompt tokens (truncation='truncate', `fit_pair`);
+    pairs whose answer alone is too long, or whose two sides are identical, are dropped. What was
+    cut and dropped is logged.
 
     Raises:
         DataError: bad records with on_error='strict'.
@@ -218,23 +236,31 @@ def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, s
     """
     records = split_records(cfg, "rm", split, system_prompt=cfg.system_prompt,
                             margin_field=getattr(cfg, "margin_field", None))
-    out, dropped, truncated, identical = [], 0, 0, 0
+    out: list[dict] = []
+    counts = {"dropped_overlong": 0, "truncated": 0, "prompt_tokens_cut": 0, "max_prompt_cut": 0, "identical": 0}
     for record in tqdm(records, desc=f"tokenizing rm {split}", disable=len(records) < 1000):
         chosen, rejected, margin = record.value
-        c = render(chosen, tokenizer, template)[0]
-        r = render(rejected, tokenizer, template)[0]
+        (cp, cr), (rp, rr) = render_scored(chosen, tokenizer, template), render_scored(rejected, tokenizer, template)
+        c, r = cp + cr, rp + rr
         if max(len(c), len(r)) > seq_length:
-            if cfg.truncation == "drop":
-                dropped += 1
+            fitted = fit_pair((cp, rp), (cr, rr), seq_length) if cfg.truncation == "truncate" else None
+            if fitted is None:
+                counts["dropped_overlong"] += 1
                 continue
-            c, r = c[:seq_length], r[:seq_length]
-            truncated += 1
+            c, r, cut = fitted
+            counts["truncated"] += 1
+            counts["prompt_tokens_cut"] += cut
+            counts["max_prompt_cut"] = max(counts["max_prompt_cut"], cut)
         if c == r:
-            identical += 1
+            counts["identical"] += 1
             continue
         out.append({"chosen_input_ids": c, "rejected_input_ids": r, "margin": margin, "source": record.source})
-    log.info("rm %s data: %d pair(s), %d truncated, %d dropped overlong, %d dropped identical after truncation",
-             split, len(out), truncated, dropped, identical)
+    log.info("rm %s data: %d pair(s), %d dropped overlong, %d dropped identical", split, len(out),
+             counts["dropped_overlong"], counts["identical"])
+    if counts["truncated"]:
+        log.warning("rm %s data: %d pair(s) lost their oldest prompt tokens to fit seq_length %d (%d token(s) in all, "
+                    "at most %d from one pair); every response and its end-of-turn token kept", split, counts["truncated"],
+                    seq_length, counts["prompt_tokens_cut"], counts["max_prompt_cut"])
     return out
 
 

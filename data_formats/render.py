@@ -2,17 +2,22 @@
 
 Two template modes:
 
-`role_markers` (MFTCoder's format, seed section 3.1), with markers from the config. The exact
-string, with S/U/A the system/user/assistant markers and EOS the tokenizer's eos token::
+`role_markers` (MFTCoder's chatML, seed section 3.1), with markers from the config and one of two
+layouts (`data.role_layout`). With S/U/A the system/user/assistant markers and EOS the tokenizer's
+eos token:
 
-    S + system + "\\n"                 (optional system turn, first only)
-    U + user                           (no newline: the assistant marker follows directly)
-    A + assistant + EOS + "\\n"
+    readme (default)             code
+    S + system + "\\n"           S + system + "\\n"
+    U + user                     U + user + "\\n"
+    A + [assistant + EOS] + "\\n"  A + [assistant + "\\n" + EOS] + "\\n"
 
-i.e. with the default markers
-``<s>system\\n{system}\\n<s>human\\n{u1}<s>bot\\n{a1}{EOS}\\n<s>human\\n{u2}<s>bot\\n{a2}{EOS}\\n``.
-Trained: every assistant content and its EOS; not the markers, not the "\\n" after EOS (like the
-"\\n" after <|im_end|> in chat_template mode). The generation prompt is the history + A.
+Brackets mark what is trained. `readme` is the string in MFTCoder's README (the seed document,
+so Relay's default): ``<s>human\\n{u}<s>bot\\n{a}{EOS}\\n``. `code` is what MFTCoder's code
+writes (preprocess_data.py `content_format`, chat_template.py and its inference script): every
+content followed by "\\n", and the "\\n" before EOS inside the loss, ``<s>human\\n{u}\\n<s>bot\\n
+{a}\\n{EOS}\\n``: pick it to continue a CodeFuse model byte for byte. Neither trains the markers
+or the "\\n" after EOS (like the "\\n" after <|im_end|> in chat_template mode). The generation
+prompt is the history + A.
 
 `chat_template` (the tokenizer's own Jinja). Assistant spans are found by rendering prefixes:
 for assistant turn i, P = render(turns[:i], add_generation_prompt=True) and
@@ -21,11 +26,20 @@ preserving), and the trained span is F[len(P):] up to and including the first EO
 content. Templates that inject a default system turn (SmolLM2) do so in every prefix, so this
 holds. A template that is not prefix-preserving is refused by `make_template` at start-up.
 
-Tokenization: the whole rendered string is tokenized once, and each token is labelled by where it
-starts (fast tokenizer offsets). So input_ids == tokenizer(full_text) ids by construction, with no
-boundary artefacts; a token that straddles a span boundary is trained iff it starts inside an
-assistant span (with the supported templates none straddles: markers end in "\\n" and EOS is a
-special token).
+Tokenization (MFTCoder's rule: prompt part and answer part tokenized separately, ids
+concatenated): every trained span (an answer and its end-of-turn) is tokenized on its own, and
+so is every run of untrained text between two spans. A token can therefore never straddle the
+prompt/answer boundary: an answer that starts with spaces ("    return a + b") is trained as the
+model must produce it after a prompt that ends in a lone "\\n", which is how the generation prompt
+ends at inference. `render_prompt` tokenizes the same way, so the ids before each assistant span
+are exactly the generation prompt for that turn (tested). Where the text is not split at a
+boundary (no leading whitespace), the ids equal the one-shot tokenization of the whole string.
+
+Scored sequences (the reward model's and PPO's): a conversation scored by a reward model ends at
+the end-of-turn token that closes its last answer (`render_scored`: the prompt ids, then the
+answer ids ending with EOS; nothing after). The reward is read at that token
+(`pipeline.scoring.reward_readout_index`), in RM training, RM evaluation, the reward statistics
+and PPO, where a response is cut at its first EOS.
 """
 
 from __future__ import annotations
@@ -56,18 +70,24 @@ class Template:
     """chat_template mode: the Jinja template used."""
     system_prompt: Optional[str] = None
     """System turn the data adds when a conversation has none (kept for the saved template)."""
+    layout: str = "readme"
+    """role_markers mode: 'readme' or 'code' (see the module docstring)."""
+
+
+ROLE_LAYOUTS = ("readme", "code")
 
 
 def _segments_role_markers(conv: Conversation, template: Template, generation_prompt: bool) -> list[tuple[str, bool]]:
     markers = template.markers
+    after = "\n" if template.layout == "code" else ""
     out: list[tuple[str, bool]] = []
     for turn in conv.turns:
         if turn.role == "system":
             out.append((markers["system"] + turn.content + "\n", False))
         elif turn.role == "user":
-            out.append((markers["user"] + turn.content, False))
+            out.append((markers["user"] + turn.content + after, False))
         else:
-            out += [(markers["assistant"], False), (turn.content + template.eos, True), ("\n", False)]
+            out += [(markers["assistant"], False), (turn.content + after + template.eos, True), ("\n", False)]
     if generation_prompt:
         out.append((markers["assistant"], False))
     return out
@@ -79,7 +99,7 @@ def _apply(tokenizer, template: Template, turns: list[Turn], generation_prompt: 
                                          add_generation_prompt=generation_prompt)
 
 
-def _segments_chat_template(conv: Conversation, tokenizer, template: Template) -> list[tuple[str, bool]]:
+def _segments_chat_template(conv: Conversation, tokenizer, template: Template, generation_prompt: bool) -> list[tuple[str, bool]]:
     """Segments of the tokenizer template's rendering (see the module docstring).
 
     Raises:
@@ -104,7 +124,7 @@ def _segments_chat_template(conv: Conversation, tokenizer, template: Template) -
         end += len(template.eos)
         out += [(prompt[len(done):], False), (body[:end], True), (body[end:], False)]
         done = full
-    whole = _apply(tokenizer, template, conv.turns, False)
+    whole = _apply(tokenizer, template, conv.turns, generation_prompt)
     if not whole.startswith(done):
         raise ValueError(f"chat template is not prefix-preserving for {conv.source or 'a conversation'}")
     out.append((whole[len(done):], False))
@@ -117,30 +137,38 @@ def render_segments(conv: Conversation, tokenizer, template: Template) -> list[t
     Raises:
         ValueError: see `_segments_chat_template`; unknown template mode.
     """
+    return _segments(conv, tokenizer, template, False)
+
+
+def _segments(conv: Conversation, tokenizer, template: Template, generation_prompt: bool) -> list[tuple[str, bool]]:
     if template.mode == "role_markers":
-        return _segments_role_markers(conv, template, False)
+        return _segments_role_markers(conv, template, generation_prompt)
     if template.mode == "chat_template":
-        return _segments_chat_template(conv, tokenizer, template)
+        return _segments_chat_template(conv, tokenizer, template, generation_prompt)
     raise ValueError(f"unknown template mode {template.mode!r}")
 
 
+def _pieces(segments: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    """The units tokenized on their own: each trained segment, and each run of untrained ones."""
+    out: list[tuple[str, bool]] = []
+    for text, trained in segments:
+        if out and not trained and not out[-1][1]:
+            out[-1] = (out[-1][0] + text, False)
+        elif text:
+            out.append((text, trained))
+    return out
+
+
 def tokenize_segments(segments: list[tuple[str, bool]], tokenizer) -> tuple[list[int], list[int]]:
-    """Tokenize the joined text once; label each token whose first character lies in a trained
-    segment with its own id, every other token with -100."""
-    text = "".join(s for s, _ in segments)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    spans, pos = [], 0
-    for piece, trained in segments:
-        if trained:
-            spans.append((pos, pos + len(piece)))
-        pos += len(piece)
-    labels, k = [], 0
-    for token, (start, _end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
-        while k < len(spans) and spans[k][1] <= start:
-            k += 1
-        inside = k < len(spans) and spans[k][0] <= start < spans[k][1]
-        labels.append(token if inside else IGNORE_INDEX)
-    return list(encoded["input_ids"]), labels
+    """Tokenize each piece (`_pieces`) on its own and concatenate: trained pieces are labelled with
+    their own ids, everything else with -100 (see the module docstring)."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, trained in _pieces(segments):
+        piece = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids += piece
+        labels += piece if trained else [IGNORE_INDEX] * len(piece)
+    return ids, labels
 
 
 def render(conv: Conversation, tokenizer, template: Template) -> tuple[list[int], list[int]]:
@@ -159,12 +187,29 @@ def render_text(conv: Conversation, tokenizer, template: Template) -> str:
 
 
 def render_prompt(conv: Conversation, tokenizer, template: Template) -> list[int]:
-    """Token ids of the history plus the assistant opener (the generation prompt), for PPO and chat."""
-    if template.mode == "role_markers":
-        text = "".join(s for s, _ in _segments_role_markers(conv, template, True))
-    else:
-        text = _apply(tokenizer, template, conv.turns, True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """Token ids of the history plus the assistant opener (the generation prompt), for PPO and chat.
+
+    Raises:
+        ValueError: see `render_segments`.
+    """
+    return tokenize_segments(_segments(conv, tokenizer, template, True), tokenizer)[0]
+
+
+def render_scored(conv: Conversation, tokenizer, template: Template) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids) of a conversation a reward model scores: the response is its last
+    answer up to and including the end-of-turn token (where the reward is read); the prompt is
+    everything before it, equal to `render_prompt` of the conversation without that answer.
+
+    Raises:
+        ValueError: the conversation has no trained span; see `render_segments`.
+    """
+    segments = render_segments(conv, tokenizer, template)
+    last = max((i for i, (_, trained) in enumerate(segments) if trained), default=None)
+    if last is None:
+        raise ValueError(f"{conv.source or 'a conversation'}: no assistant answer to score")
+    prompt = tokenize_segments(segments[:last], tokenizer)[0]
+    response = tokenize_segments(segments[last:last + 1], tokenizer)[0]
+    return prompt, response
 
 
 def make_template(data_cfg, tokenizer) -> "Template":
@@ -185,7 +230,10 @@ def make_template(data_cfg, tokenizer) -> "Template":
         missing = {"system", "user", "assistant"} - set(data_cfg.role_markers)
         if missing:
             raise ValueError(f"role_markers is missing marker(s) for {', '.join(sorted(missing))}")
-        return Template("role_markers", eos, markers=dict(data_cfg.role_markers), system_prompt=system_prompt)
+        layout = getattr(data_cfg, "role_layout", "readme")
+        if layout not in ROLE_LAYOUTS:
+            raise ValueError(f"role_layout must be one of {ROLE_LAYOUTS}, got {layout!r}")
+        return Template("role_markers", eos, markers=dict(data_cfg.role_markers), system_prompt=system_prompt, layout=layout)
     if data_cfg.template != "chat_template":
         raise ValueError(f"template must be 'chat_template' or 'role_markers', got {data_cfg.template!r}")
     if not tokenizer.chat_template:
@@ -211,6 +259,7 @@ def template_jinja(template: Template, tokenizer) -> Optional[str]:
         return None
     m = {k: _jinja_string(v) for k, v in template.markers.items()}
     eos = _jinja_string(template.eos)
+    after = " + '\\n'" if template.layout == "code" else ""
     default_system = ""
     if template.system_prompt is not None:
         default_system = ("{%- if messages and messages[0]['role'] != 'system' -%}"
@@ -220,8 +269,8 @@ def template_jinja(template: Template, tokenizer) -> Optional[str]:
         default_system
         + "{%- for message in messages -%}"
         + f"{{%- if message['role'] == 'system' -%}}{{{{ {m['system']} + message['content'] + '\\n' }}}}"
-        + f"{{%- elif message['role'] == 'user' -%}}{{{{ {m['user']} + message['content'] }}}}"
-        + f"{{%- elif message['role'] == 'assistant' -%}}{{{{ {m['assistant']} + message['content'] + {eos} + '\\n' }}}}"
+        + f"{{%- elif message['role'] == 'user' -%}}{{{{ {m['user']} + message['content']{after} }}}}"
+        + f"{{%- elif message['role'] == 'assistant' -%}}{{{{ {m['assistant']} + message['content']{after} + {eos} + '\\n' }}}}"
         + "{%- else -%}{{ raise_exception('unknown role: ' + message['role']) }}"
         + "{%- endif -%}{%- endfor -%}"
         + f"{{%- if add_generation_prompt -%}}{{{{ {m['assistant']} }}}}{{%- endif -%}}"

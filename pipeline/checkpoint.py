@@ -18,6 +18,7 @@ run's completed checkpoints are never deleted silently, they are moved aside to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -84,6 +85,20 @@ def rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
+
+
+@contextlib.contextmanager
+def seeded_fork(seed: int):
+    """Run the body on RNG streams seeded with `seed`, then give every stream back its state.
+
+    `torch.manual_seed` seeds the CPU generator and every CUDA device's, so every one of them is
+    forked (`fork_rng(devices=[])` forks only the CPU's, and a seeded evaluation would reset
+    training's CUDA sampling stream).
+    """
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def set_rng_state(state: dict) -> None:

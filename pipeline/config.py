@@ -322,6 +322,10 @@ class ChatDataConfig(DataConfig):
     """'chat_template' (the tokenizer's Jinja template) or 'role_markers' (MFTCoder's format)."""
     role_markers: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLE_MARKERS))
     """Markers that open each role's turn in role_markers mode (MFTCoder's default)."""
+    role_layout: str = "readme"
+    """role_markers mode: 'readme' (MFTCoder's README string, `<s>human\\n{u}<s>bot\\n{a}{EOS}\\n`; the
+    seed's format, so the default) or 'code' (what MFTCoder's code writes: every content followed by
+    "\\n", `<s>human\\n{u}\\n<s>bot\\n{a}\\n{EOS}\\n`, for continuing a CodeFuse model byte for byte)."""
     system_prompt: Optional[str] = None
     """System turn added to conversations that have none (None: add nothing)."""
     padding_mode: str = "padding"
@@ -336,6 +340,7 @@ class ChatDataConfig(DataConfig):
     def problems(self, key: str = "data") -> list[str]:
         out = super().problems(key)
         _choice(out, f"{key}.template", self.template, ("chat_template", "role_markers"))
+        _choice(out, f"{key}.role_layout", self.role_layout, ("readme", "code"))
         _choice(out, f"{key}.padding_mode", self.padding_mode, ("padding", "pack"))
         _choice(out, f"{key}.truncation", self.truncation, ("drop", "truncate"))
         missing = {"system", "user", "assistant"} - set(self.role_markers)

@@ -12,6 +12,7 @@ LoRA config, a pad token equal to the trained end-of-turn token).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 from typing import Any, Optional
@@ -325,3 +326,37 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     return trainable, total
 
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Run the body with every module in eval mode, then give each module back its own mode.
+
+    `model.train(was_training)` would not do: it sets one flag on every submodule, so a model
+    whose parts were in different modes (a PPO policy with dropout modules switched off) would
+    come back changed.
+    """
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def train_without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Train mode (so gradient checkpointing recomputes layers) with every dropout off: each
+    `nn.Dropout` (LoRA's included) in eval mode and every functional attention-dropout rate 0.
+
+    RL needs the update's forward to reproduce the rollout's log-probs exactly (the first PPO
+    ratio is 1), as OpenRLHF and TRL do by disabling dropout. Eval mode would do that too, but
+    transformers only checkpoints a layer whose `training` flag is set.
+    """
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.eval()
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model

@@ -9,19 +9,35 @@ Definitions, for per-token losses l_i of task t(i), N_t supervised tokens of tas
 Both reduce to a weight per token, w_{t(i)} / (N_t * sum_P w), which is what makes gradient
 accumulation exact: counts are taken over every micro-batch and rank before any backward.
 
-CoBa (Gong et al. 2024, "CoBa: Convergence Balancer for Multitask Finetuning of LLMs"), as
-MFTCoder computes it; our own implementation of its formulas:
-- each validation measurement is divided by the first one per task (relative loss);
-- slope_t: least-squares slope of task t's relative loss over the last `history_length` points;
-- RCS (relative convergence): softmax_t(K * slope_t / sum_t |slope_t|), K tasks;
-- ACS (absolute convergence): for each task, its slope history s_t,1..M normalised to
-  -M * s_t,j / sum_j |s_t,j|; softmax over tasks of the latest value;
-- DF (divergence factor): over the history of slopes of the max-over-tasks relative loss,
-  min(1, M * softmax_j(tau * (-M * s_j / sum_j |s_j|))[last]);
+CoBa (Gong et al. 2024, "CoBa: Convergence Balancer for Multitask Finetuning of LLMs"): our own
+implementation of what MFTCoder's code computes (codefuse-ai/MFTCoder commit 8ba13f44e203,
+mftcoder_accelerate/src/utils/loss_utils.py `CoBaStatus.compute_per_task_weight` and
+`fit_window_slope`, called from src/pefts/mft_trainer.py); tests/test_multitask.py pins weights
+derived from that code. With u the number of measurements so far (u = 1 is the reference;
+MFTCoder's `completed_steps`), K tasks, H = history_length, W = warmup_steps:
+- measurement 1 is the reference r_t (MFTCoder: the full evaluation before training); it is not
+  a history point. Measurement u >= 2 adds the relative loss l_t / r_t to the history.
+- weights stay uniform while u < W; from u = W on every measurement recomputes them.
+- window: the last H history points, all u - 1 while there are fewer (MFTCoder's
+  `start_step = max(0, u - H)`).
+- slope_t: least-squares slope of task t's relative losses in the window against 0, 1, 2, ...;
+  a point where the task was absent (NaN; MFTCoder's 0) is dropped and the remaining points are
+  refitted as consecutive (MFTCoder's `y = y[y != 0]; x = x[:len(y)]`); 0 with < 2 points.
+  slope_total: the same fit of the per-point max over the tasks present.
+  Both are appended to slope lists s_t,j and S_j that start at u = W.
+- RCS (relative convergence): softmax_t(K * slope_t / sum_t |slope_t|).
+- ACS (absolute convergence): over the slope list from index start = max(0, u - H) on (MFTCoder
+  indexes its list, which begins at u = W, with that same start_step), M entries:
+  a_t = -M * s_t,last / sum_j |s_t,j|; ACS = softmax_t(a_t).
+- DF (divergence factor), over the whole list S_1..S_N (not windowed):
+  DF = N * softmax_j(tau * (-N * S_j / sum_j |S_j|))[last]. Not clamped: it can exceed 1 (then
+  (1 - DF) < 0 pushes the weights away from ACS); `clamp_divergence` caps it at 1.
 - weights = softmax_t(K * (DF * RCS_t + (1 - DF) * ACS_t)); if any weight is under the floor
-  f (default 1 / (5K)), all become w * (1 - K f) + f;
-- before `warmup_steps` measurements the weights are uniform; a task missing from a measurement
-  repeats its previous relative loss.
+  f (default 1 / (10K), MFTCoder's `minimum_weight`), all become w * (1 - K f) + f.
+Deliberate differences: a normalisation over all-zero slopes (0 / 0) gives 0 here, NaN weights
+in MFTCoder (e.g. u = W = 2, a one-point window); u counts measurements, so with
+coba_update_interval > 1 the window is H measurements (MFTCoder mixes steps and measurements
+in `start_step` and needs W to be a multiple of the interval).
 """
 
 from __future__ import annotations
@@ -43,13 +59,17 @@ class MultitaskConfig:
     task_weights: dict[str, float] = field(default_factory=dict)
     """case3: optional weight per task name (missing tasks weigh 1)."""
     coba_warmup_steps: int = 10
-    """CoBa: validation measurements before weights start to adapt (uniform until then)."""
+    """CoBa: weights adapt from the coba_warmup_steps-th validation measurement on (the first is
+    the reference; uniform until then). MFTCoder's default is 100 (steps)."""
     coba_history_length: int = 20
-    """CoBa: measurements in the slope-fitting window."""
+    """CoBa: measurements in the slope-fitting window (MFTCoder's default: 200)."""
     coba_tau: float = 5.0
     """CoBa: temperature of the divergence factor."""
     coba_min_weight: Optional[float] = None
-    """CoBa: floor weight per task (None: 1 / (5 * number of tasks))."""
+    """CoBa: floor weight per task (None: MFTCoder's 1 / (10 * number of tasks))."""
+    coba_clamp_divergence: bool = False
+    """CoBa: cap the divergence factor at 1 (Relay's earlier rule; MFTCoder leaves it unclamped,
+    so a long plateau followed by a drop can push the weights past the RCS/ACS mix). Off: MFTCoder's weights."""
     coba_update_interval: int = 1
     """CoBa: measure the validation loss per task every this many steps."""
     coba_valid_batches: int = 1
@@ -147,16 +167,33 @@ def _softmax(xs: Sequence[float]) -> list[float]:
 
 
 def _normalised(xs: Sequence[float], scale: float) -> list[float]:
-    """scale * x / sum|x| (zeros stay zeros when every x is 0)."""
+    """scale * x / sum|x| (zeros stay zeros when every x is 0, where MFTCoder would give NaN)."""
     total = sum(abs(x) for x in xs)
     return [0.0 for _ in xs] if total == 0 else [scale * x / total for x in xs]
 
 
+def _present(xs: Sequence[float]) -> list[float]:
+    """The values that are not NaN, in order (MFTCoder's `y[y != 0]` in fit_window_slope)."""
+    return [x for x in xs if not math.isnan(x)]
+
+
+def _row_max(row: Sequence[float]) -> float:
+    """Max over the tasks present in one measurement (NaN when none is)."""
+    present = _present(row)
+    return max(present) if present else math.nan
+
+
 class CoBa:
-    """CoBa task weights from per-task validation losses (formulas in the module docstring)."""
+    """CoBa task weights from per-task validation losses (formulas in the module docstring).
+
+    Measurement u = 1 is the reference; from measurement u >= warmup_steps on, every update
+    recomputes the weights (MFTCoder's `compute_per_task_weight(completed_steps=u)`).
+    """
+
+    STATE_VERSION = 2
 
     def __init__(self, num_tasks: int, *, warmup_steps: int = 10, history_length: int = 20, tau: float = 5.0,
-                 min_weight: Optional[float] = None):
+                 min_weight: Optional[float] = None, clamp_divergence: bool = False):
         """Raises: ValueError: num_tasks < 1 or a floor that K tasks cannot all have."""
         if num_tasks < 1:
             raise ValueError("CoBa needs at least one task")
@@ -164,20 +201,27 @@ class CoBa:
         self.warmup_steps = warmup_steps
         self.history_length = history_length
         self.tau = tau
-        self.min_weight = 1.0 / (5 * num_tasks) if min_weight is None else min_weight
+        self.min_weight = 1.0 / (10 * num_tasks) if min_weight is None else min_weight
+        self.clamp_divergence = clamp_divergence
         if self.min_weight * num_tasks > 1:
             raise ValueError(f"CoBa floor {self.min_weight} x {num_tasks} tasks exceeds 1")
         self.first: Optional[list[float]] = None
+        """The reference losses (measurement 1), which later measurements are divided by."""
         self.history: list[list[float]] = []
+        """Relative losses of measurements 2, 3, ... (NaN: the task was absent)."""
         self.task_slopes: list[list[float]] = []
         self.total_slopes: list[float] = []
+        self.divergence = 1.0
+        """The last divergence factor (for logging)."""
         self._weights = [1.0 / num_tasks] * num_tasks
 
     def update(self, valid_losses_per_task: Sequence[float]) -> None:
         """Record one validation measurement (one loss per task) and recompute the weights.
 
-        A NaN marks a task absent from this measurement (no validation tokens in the sampled
-        batches): its previous relative loss is repeated. The first measurement needs every task.
+        The first call is the reference (MFTCoder: the full evaluation before training); it is
+        not a point of the history. A NaN marks a task absent from a later measurement (no
+        validation tokens in the sampled batches): that point is left out of the task's slope
+        fit, as MFTCoder drops its zero entries.
 
         Raises:
             ValueError: wrong number of losses; inf or a loss <= 0; NaN in the first measurement.
@@ -189,27 +233,30 @@ class CoBa:
             raise ValueError(f"CoBa.update: validation losses must be finite and > 0 (the first for every task), got {losses}")
         if self.first is None:
             self.first = losses
-        previous = self.history[-1] if self.history else None
-        self.history.append([previous[t] if math.isnan(x) else x / self.first[t] for t, x in enumerate(losses)])
-        if len(self.history) < self.warmup_steps:
+        else:
+            self.history.append([x / self.first[t] for t, x in enumerate(losses)])  # NaN stays NaN
+        u = len(self.history) + 1  # measurements so far, the reference included: MFTCoder's completed_steps
+        if u < self.warmup_steps:
             return
-        window = self.history[-self.history_length:]
-        slopes = [fit_slope([row[t] for row in window]) for t in range(self.k)]
+        start = max(0, u - self.history_length)
+        window = self.history[-(u - start):]
+        slopes = [fit_slope(_present([row[t] for row in window])) for t in range(self.k)]
         self.task_slopes.append(slopes)
-        self.total_slopes.append(fit_slope([max(row) for row in window]))
-        self._weights = self._compute(slopes)
+        self.total_slopes.append(fit_slope(_present([_row_max(row) for row in window])))
+        self._weights = self._compute(slopes, start)
 
-    def _compute(self, slopes: list[float]) -> list[float]:
+    def _compute(self, slopes: list[float], start: int) -> list[float]:
         k = self.k
         rcs = _softmax(_normalised(slopes, k))
-        m = len(self.task_slopes)
-        latest = []
-        for t in range(k):
-            series = [row[t] for row in self.task_slopes]
-            latest.append(_normalised(series, -m)[-1])
+        recent = self.task_slopes[start:]  # MFTCoder slices its slope list from start_step
+        m = len(recent)
+        latest = [_normalised([row[t] for row in recent], -m)[-1] if m else 0.0 for t in range(k)]
         acs = _softmax(latest)
-        div_logits = [self.tau * x for x in _normalised(self.total_slopes, -m)]
-        df = min(1.0, m * _softmax(div_logits)[-1])
+        n = len(self.total_slopes)
+        df = n * _softmax([self.tau * x for x in _normalised(self.total_slopes, -n)])[-1]
+        if self.clamp_divergence:
+            df = min(1.0, df)
+        self.divergence = df
         weights = _softmax([k * (df * r + (1 - df) * a) for r, a in zip(rcs, acs)])
         if min(weights) < self.min_weight:
             weights = [w * (1 - k * self.min_weight) + self.min_weight for w in weights]
@@ -220,13 +267,21 @@ class CoBa:
         return list(self._weights)
 
     def state_dict(self) -> dict:
-        return {"first": self.first, "history": self.history, "task_slopes": self.task_slopes,
-                "total_slopes": self.total_slopes, "weights": self._weights}
+        return {"version": self.STATE_VERSION, "first": self.first,
+                "history": [[None if math.isnan(x) else x for x in row] for row in self.history],
+                "task_slopes": self.task_slopes, "total_slopes": self.total_slopes, "weights": self._weights,
+                "divergence": self.divergence}
 
     def load_state_dict(self, state: dict) -> None:
-        """Raises: KeyError: a field is missing."""
+        """Also loads the state of Relay before version 2 (whose history began with the reference
+        row of 1s: it is dropped).
+
+        Raises: KeyError: a field is missing.
+        """
         self.first = state["first"]
-        self.history = [list(r) for r in state["history"]]
+        history = [[math.nan if x is None else float(x) for x in row] for row in state["history"]]
+        self.history = history if state.get("version", 1) >= 2 else history[1:]
         self.task_slopes = [list(r) for r in state["task_slopes"]]
         self.total_slopes = list(state["total_slopes"])
         self._weights = list(state["weights"])
+        self.divergence = float(state.get("divergence", 1.0))

@@ -233,7 +233,18 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 class RunningMoments:
     """Running mean and std of every reward seen (Chan et al.'s parallel update), so rewards are
     normalised by statistics of the whole run rather than one noisy batch. Resumable through
-    `state_dict`."""
+    `state_dict`.
+
+    Variance: the population one, var = sum (x - mean)^2 / N, and std = sqrt(var) (no Bessel
+    correction). This matches the RM stage's stored stats (stages/reward.py `reward_stats`:
+    `std(unbiased=False)`), so `RunningMoments(mean, std, n)` built from them continues exactly
+    as if those n scores had been seen here. TRL's RunningMoments (trl/trainer/utils.py up to
+    0.11, e.g. huggingface/trl v0.11.4 = 1f8ba929, later trl/experimental/bco/bco_trainer.py)
+    keeps the same population `var`, but the `std` it scales PPO scores by (PPOTrainer's
+    use_score_scaling) is Bessel-corrected, sqrt(var * N / (N - 1)), and it starts from count
+    1e-24 with var 1. For N rewards our std is TRL's times sqrt((N - 1) / N) (0.9995 at
+    N = 1000). Pinned in tests/test_rl.py.
+    """
 
     def __init__(self, mean: float = 0.0, std: float = 1.0, count: float = 0.0):
         self.mean, self.var, self.count = float(mean), float(std) ** 2, float(count)

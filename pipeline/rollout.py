@@ -20,7 +20,7 @@ import torch
 
 from data_formats.collate import left_pad
 from pipeline.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
-from pipeline.scoring import last_token_index, position_ids_from_mask, token_scores
+from pipeline.scoring import reward_readout_index, position_ids_from_mask, token_scores
 
 
 class Generator(Protocol):
@@ -32,35 +32,58 @@ class Generator(Protocol):
         ...
 
 
+def sampling_config(max_new_tokens: int, temperature: float, pad_id: int, eos_ids: Sequence[int]):
+    """A GenerationConfig that samples from exactly softmax(logits / temperature), the
+    distribution PPO scores: no top-k/top-p truncation, no repetition penalty, no suppressed or
+    forced tokens, no minimum length."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(do_sample=True, num_beams=1, temperature=temperature, top_k=0, top_p=1.0, typical_p=1.0,
+                            epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
+                            no_repeat_ngram_size=0, min_length=0, max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids),
+                            pad_token_id=pad_id, use_cache=True)
+
+
+@contextlib.contextmanager
+def own_generation_config(model: torch.nn.Module, config):
+    """Make `config` the model's generation_config for the body. transformers fills every field a
+    passed config leaves unset from `model.generation_config` (a checkpoint's shipped
+    `repetition_penalty`, `suppress_tokens`, ...), so swapping it is the only way to be sure
+    nothing else shapes the distribution."""
+    from peft import PeftModel
+
+    hf = model.get_base_model() if isinstance(model, PeftModel) else model
+    saved = hf.generation_config
+    hf.generation_config = config
+    try:
+        yield
+    finally:
+        hf.generation_config = saved
+
+
 @dataclass
 class HFGenerator:
-    """Batched sampling with the model's KV cache through `transformers` `generate`."""
+    """Batched sampling with the model's KV cache through `transformers` `generate`, from exactly
+    the distribution the PPO update scores (`sampling_config`), in eval mode (the policy trains
+    without dropout, so eval mode changes no number; it only lets generate use its KV cache under
+    gradient checkpointing)."""
 
     model: torch.nn.Module
     pad_id: int
     eos_ids: list[int]
     max_new_tokens: int
     temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        from pipeline.models import eval_mode
+
         input_ids, attention_mask = left_pad(prompts, self.pad_id)
         device = next(self.model.parameters()).device
-        out = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            do_sample=True,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            # 0 must reach generate: None would fall back to the model's generation_config (often 50)
-            top_k=self.top_k,
-            top_p=self.top_p,
-            eos_token_id=self.eos_ids,
-            pad_token_id=self.pad_id,
-            use_cache=True,
-        )
+        config = sampling_config(self.max_new_tokens, self.temperature, self.pad_id, self.eos_ids)
+        with eval_mode(self.model), own_generation_config(self.model, config):
+            out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                      generation_config=config)
         return [row.tolist() for row in out[:, input_ids.shape[1]:].cpu()]
 
 
@@ -182,7 +205,7 @@ class ActorCritic(torch.nn.Module):
         ctx = contextlib.nullcontext() if self.reward is not None else _peft_disabled(self.critic)
         with ctx:
             scores = token_scores(model, input_ids, attention_mask)
-        return scores[torch.arange(scores.shape[0]), last_token_index(attention_mask)]
+        return scores[torch.arange(scores.shape[0]), reward_readout_index(attention_mask)]
 
 
 @dataclass

@@ -1,9 +1,12 @@
 """Scores from a one-output sequence classifier (the reward model), shared by the RM and PPO stages.
 
-The score of a sequence is the `score` head at its last real token. `sequence_scores` uses the
-classifier's own forward, which finds that token through `config.pad_token_id` exactly as a plain
-`AutoModelForSequenceClassification` consumer does; `token_scores` applies the head at every
-position (PPO's critic needs per-token values) and is tested to agree at the last token.
+Where a reward is read is defined once, by `reward_readout_index`: each row's last attended
+token. Every sequence Relay scores ends at the end-of-turn token that closes its response (RM pairs
+by construction, `data_formats.render.render_scored`; PPO cuts a response at its first EOS), so RM
+training, RM evaluation, the stored reward statistics and PPO all read the same token.
+`sequence_scores` runs the classifier's own forward (so DDP/FSDP wrappers see it) and checks that
+HF's pooling, which finds the last token through `config.pad_token_id`, lands on that index;
+`token_scores` applies the head at every position (PPO's critic needs per-token values).
 Positions are counted over attended tokens only, so left and right padding give the same scores.
 """
 
@@ -18,14 +21,15 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index of each row's last attended token, for left or right padding ([B, T] -> [B]).
+def reward_readout_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The position a reward is read at: each row's last attended token, for left or right
+    padding ([B, T] -> [B]). See the module docstring.
 
     Raises:
         ValueError: a row attends to nothing.
     """
     if (attention_mask.sum(1) == 0).any():
-        raise ValueError("last_token_index: a row of the attention mask is all zeros")
+        raise ValueError("reward_readout_index: a row of the attention mask is all zeros")
     width = attention_mask.shape[1]
     return width - 1 - attention_mask.flip(1).long().argmax(1)
 
@@ -37,8 +41,15 @@ def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
         ValueError: the model's config has no pad_token_id (HF could not find the last token).
     """
     config = getattr(model, "config", None)
-    if config is not None and getattr(config, "pad_token_id", 0) is None:
+    pad = getattr(config, "pad_token_id", 0) if config is not None else None
+    if config is not None and pad is None:
         raise ValueError("the reward model's config.pad_token_id is None: its last token cannot be found")
+    if pad is not None:
+        # HF pools at the rightmost token that is not the pad id; it must be Relay's read-out.
+        pooled = (torch.arange(input_ids.shape[1], device=input_ids.device) * (input_ids != pad)).argmax(-1)
+        if not torch.equal(pooled, reward_readout_index(attention_mask).to(pooled.device)):
+            raise ValueError("sequence_scores: the classifier would pool at another token than the reward read-out "
+                             "(a sequence ends with the pad id, or the batch is not padded with it)")
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask))
     return out.logits[:, 0].float()
 

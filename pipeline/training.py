@@ -322,21 +322,20 @@ def evaluate(model: torch.nn.Module, batches: Sequence[dict], accelerator, num_t
 
     Returns {'loss', 'ppl', 'task_losses' (nan where a task has no tokens), 'tokens'}.
     """
-    was_training = model.training
-    model.eval()
+    from pipeline.models import eval_mode
+
     sums = torch.zeros(num_tasks, dtype=torch.float64)
     counts = torch.zeros(num_tasks, dtype=torch.float64)
-    for batch in batches:
-        autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
-        with autocast:
-            losses, tasks = token_losses(model, batch)
-        valid = (tasks >= 0) & batch.get("eval_weight", torch.ones(1, dtype=torch.bool)).to(tasks.device).view(-1, 1).bool()
-        sums.index_add_(0, tasks[valid].cpu(), losses[valid].double().cpu())
-        counts.index_add_(0, tasks[valid].cpu(), torch.ones(int(valid.sum()), dtype=torch.float64))
+    with eval_mode(model):
+        for batch in batches:
+            autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+            with autocast:
+                losses, tasks = token_losses(model, batch)
+            valid = (tasks >= 0) & batch.get("eval_weight", torch.ones(1, dtype=torch.bool)).to(tasks.device).view(-1, 1).bool()
+            sums.index_add_(0, tasks[valid].cpu(), losses[valid].double().cpu())
+            counts.index_add_(0, tasks[valid].cpu(), torch.ones(int(valid.sum()), dtype=torch.float64))
     sums = all_reduce_sum(sums, accelerator)
     counts = all_reduce_sum(counts, accelerator)
-    if was_training:
-        model.train()
     total = float(counts.sum())
     loss = float(sums.sum() / total) if total > 0 else float("nan")
     per_task = [float(sums[t] / counts[t]) if counts[t] > 0 else float("nan") for t in range(num_tasks)]
@@ -451,6 +450,9 @@ def build_run(cfg, stage: str, *, tokenizer, collator, train_samples: list, eval
     model = load_model(cfg.model, cfg.lora, kind=model_kind, tokenizer=tokenizer)
     optimizer = build_optimizer(model, cfg.train)
     model, optimizer = accelerator.prepare(model, optimizer)
+    # from_pretrained returns a model in eval mode: without this, dropout never runs and
+    # transformers never checkpoints a layer (it does so only when `training` is set).
+    model.train()
     # The scheduler is not prepared: accelerate would step it once per process per step.
     scheduler = build_scheduler(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer, cfg.train)
     out = Path(cfg.output_dir)

@@ -61,7 +61,8 @@ class PPOData(PromptDataConfig):
 class RewardModelConfig(ModelConfig):
     """The reward model: a merged RM folder (sequence classifier with one output). 'embedded'
     loads the embedded model with a fresh random head, only sensible for smoke runs. Its
-    `finetuning` is ignored: the critic follows `model.finetuning`."""
+    `finetuning` and `gradient_checkpointing` are ignored: the critic trained on it follows
+    `model.finetuning` and `model.gradient_checkpointing`."""
 
 
 @dataclass
@@ -71,9 +72,10 @@ class GenerationConfig:
     temperature: float = 1.0
     """Sampling temperature (log-probs for the PPO ratio use the same temperature)."""
     top_k: int = 0
-    """Sample among the k most likely tokens (0: all)."""
+    """Must stay 0: truncating the distribution would make the sampled tokens' log-probs differ
+    from the ones the PPO ratio scores (kept as a key so a config that sets it gets that reason)."""
     top_p: float = 1.0
-    """Nucleus sampling mass."""
+    """Must stay 1.0, for the same reason as top_k."""
     missing_eos_penalty: Optional[float] = 1.0
     """Subtracted from the (normalised) score of a response that hits max_new_tokens without EOS."""
 
@@ -150,6 +152,9 @@ class PPOConfig(StageConfig):
             out.append("generation.max_new_tokens: must be >= 1")
         if self.generation.temperature <= 0:
             out.append("generation.temperature: must be > 0")
+        if self.generation.top_k != 0 or self.generation.top_p != 1.0:
+            out.append("generation.top_k/top_p: PPO samples from the full distribution (top_k 0, top_p 1.0), because the "
+                       "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling")
         return out
 
 
@@ -202,18 +207,19 @@ def build_models(cfg: PPOConfig, tokenizer) -> ActorCritic:
     Raises:
         ValueError / OSError: from pipeline.models.load_model.
     """
-    from pipeline.models import load_model
+    from pipeline.models import load_model, train_without_dropout
 
-    rm_cfg = dataclasses.replace(cfg.reward_model, finetuning=cfg.model.finetuning)
+    rm_cfg = dataclasses.replace(cfg.reward_model, finetuning=cfg.model.finetuning,
+                                 gradient_checkpointing=cfg.model.gradient_checkpointing)
     policy = load_model(cfg.model, cfg.lora, kind="causal", tokenizer=tokenizer)
     critic = load_model(rm_cfg, cfg.lora, kind="reward", tokenizer=tokenizer)
     reference = reward = None
     if cfg.model.finetuning == "full":
         reference = _frozen(load_model(cfg.model, None, kind="causal", tokenizer=tokenizer))
         reward = _frozen(load_model(rm_cfg, None, kind="reward", tokenizer=tokenizer))
-    # PPO needs the log-probs of the rollout to be reproducible by the update's forward: dropout
-    # would make the first ratio differ from 1, so every module runs in eval mode (grads still flow).
-    return ActorCritic(policy.eval(), critic.eval(), reference, reward)
+    # The update's forward must reproduce the rollout's log-probs (the first ratio is 1), so no
+    # dropout anywhere; train mode stays on so gradient checkpointing runs.
+    return ActorCritic(train_without_dropout(policy), train_without_dropout(critic), reference, reward)
 
 
 def make_normaliser(cfg: PPOConfig, reward_path: str) -> rl.RunningMoments:
@@ -363,12 +369,12 @@ def evaluate(model: ActorCritic, generator: Generator, prompts: list[dict], cfg:
     Sampling runs under a forked RNG seeded the same way at every evaluation, so evaluations see
     the same random numbers (less noise between them) and training's RNG stream is untouched.
     """
+    from pipeline.checkpoint import seeded_fork
     from pipeline.training import eval_shards
 
     rewards, kls, weights = [], [], []
     shards = eval_shards(len(prompts), cfg.train.batch_size, accelerator.num_processes, accelerator.process_index, cfg.train.eval_batches)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.train.seed + 1)
+    with seeded_fork(cfg.train.seed + 1):
         for indices, counts in shards:
             batch = [prompts[i] for i in indices]
             rollout = assemble([p["prompt_ids"] for p in batch], generator.generate([p["prompt_ids"] for p in batch]), pad_id, eos_ids)
@@ -446,14 +452,17 @@ def export_policy(s: Setup, cfg: PPOConfig, chat_template: Optional[str]) -> Pat
     Raises:
         MergeError: the merged folder does not reproduce base + adapter.
     """
+    from pipeline.manifest import weights_hash
     from pipeline.merge import export_full_model, merge_adapter
 
     acc, out = s.accelerator, Path(cfg.output_dir)
     merged = out / "merged"
     full = cfg.model.finetuning == "full"
+    # The reward model the policy was optimised against: the driver re-runs PPO when it changes.
+    extra = {"reward_model": {"path": s.reward_path, "weights_hash": weights_hash(s.reward_path)}}
     if acc.is_main_process and full:
         export_full_model(s.inner.policy, s.tokenizer, str(merged), parent=s.policy_path, stage="ppo", config=to_dict(cfg),
-                          chat_template=chat_template, overwrite=True)
+                          chat_template=chat_template, overwrite=True, extra_manifest=extra)
     elif acc.is_main_process:
         s.inner.policy.save_pretrained(out / "adapter")
         s.inner.critic.save_pretrained(out / "critic_adapter")
@@ -461,7 +470,7 @@ def export_policy(s: Setup, cfg: PPOConfig, chat_template: Optional[str]) -> Pat
     s.model, s.optimizer, s.scheduler = acc.free_memory(s.model, s.optimizer, s.scheduler)
     if acc.is_main_process and not full:
         merge_adapter(s.policy_path, str(out / "adapter"), str(merged), kind="causal", stage="ppo", config=to_dict(cfg),
-                      chat_template=chat_template, overwrite=True)
+                      chat_template=chat_template, overwrite=True, extra_manifest=extra)
     acc.wait_for_everyone()
     return merged
 
@@ -559,7 +568,7 @@ def setup(cfg: PPOConfig, generator_factory: Optional[Callable[[torch.nn.Module]
     inner = accelerator.unwrap_model(prepared)
     gen = cfg.generation
     generator = generator_factory(inner.policy) if generator_factory else HFGenerator(
-        inner.policy, tokenizer.pad_token_id, [tokenizer.eos_token_id], gen.max_new_tokens, gen.temperature, gen.top_k, gen.top_p)
+        inner.policy, tokenizer.pad_token_id, [tokenizer.eos_token_id], gen.max_new_tokens, gen.temperature)
     return Setup(accelerator, prepared, inner, optimizer, scheduler, tokenizer, template, train_prompts, eval_prompts, generator, policy_path, rm_path)
 
 

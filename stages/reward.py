@@ -4,7 +4,9 @@
     python stages/reward.py                                 # one process, bundled sample data
 
 A sequence classifier with one output (`score` head) on the SFT model; chosen and rejected
-answers are rendered with the SFT chat template and scored at their last real token. Loss:
+answers are rendered with the SFT chat template, each side ending at the end-of-turn token that
+closes its answer, and scored there (`pipeline.scoring.reward_readout_index`, the token PPO reads).
+`data.truncation: truncate` cuts the oldest prompt tokens, never the answer. Loss:
 -logsigmoid(r_chosen - r_rejected - margin) (+ `reward.center_rewards_coefficient` *
 mean((r_chosen + r_rejected)^2), InstructGPT/TRL's centring). With LoRA the head is trained in
 full (modules_to_save) and survives the merge.
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from pipeline.config import ConfigError, PreferenceDataConfig, StageConfig, load_config, save_config
+from pipeline.models import eval_mode
 from pipeline.scoring import sequence_scores
 from pipeline.training import (
     Run,
@@ -230,12 +233,8 @@ def evaluate(run: Run) -> Optional[dict]:
     """eval/accuracy, eval/margin (mean r_c - r_r), eval/loss on the held-out pairs; None without any."""
     if not run.eval_samples:
         return None
-    model = run.accelerator.unwrap_model(run.model)
-    was_training = model.training
-    model.eval()
-    chosen, rejected = score_pairs(run, run.eval_samples, run.cfg.train.eval_batches)
-    if was_training:
-        model.train()
+    with eval_mode(run.model):
+        chosen, rejected = score_pairs(run, run.eval_samples, run.cfg.train.eval_batches)
     # eval/loss is the plain pairwise loss (no margin column, no centring), comparable across runs
     result = {"accuracy": float((chosen > rejected).float().mean()), "margin": float((chosen - rejected).mean()),
               "loss": float(pairwise_loss(chosen, rejected))}
@@ -252,9 +251,8 @@ def evaluate_and_check(run: Run) -> bool:
 def reward_stats(run: Run, max_pairs: Optional[int]) -> dict:
     """Mean and std of the trained model's scores over the training responses (both sides)."""
     pairs = run.train_samples[:max_pairs] if max_pairs else run.train_samples
-    model = run.accelerator.unwrap_model(run.model)
-    model.eval()
-    chosen, rejected = score_pairs(run, pairs)
+    with eval_mode(run.model):
+        chosen, rejected = score_pairs(run, pairs)
     scores = torch.cat([chosen, rejected]).double()
     return {"mean": float(scores.mean()), "std": float(scores.std(unbiased=False)), "n": int(scores.numel())}
 
@@ -298,7 +296,6 @@ def train(run: Run) -> bool:
     t = run.cfg.train
     stop_at = stop_after_step()
     bar = tqdm(total=t.max_steps, initial=run.step, desc=STAGE, disable=not run.is_main)
-    run.model.train()
     while run.step < t.max_steps:
         batches = next_batches(run)
         lr = run.scheduler.get_last_lr()[0]

@@ -167,7 +167,7 @@ def setup(cfg: SFTConfig, prepared: Prepared) -> Run:
     mt = cfg.multitask
     if canonical_mode(mt.weighted_loss_mode) == "coba":
         extra["coba"] = CoBa(len(tasks), warmup_steps=mt.coba_warmup_steps, history_length=mt.coba_history_length,
-                             tau=mt.coba_tau, min_weight=mt.coba_min_weight)
+                             tau=mt.coba_tau, min_weight=mt.coba_min_weight, clamp_divergence=mt.coba_clamp_divergence)
     run = build_run(cfg, STAGE, tokenizer=prepared.tokenizer, collator=collator, train_samples=prepared.train.samples,
                     eval_samples=eval_samples, tasks=tasks, chat_template=template_jinja(prepared.template, prepared.tokenizer),
                     extra=extra)

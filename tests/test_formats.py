@@ -160,8 +160,9 @@ def test_preference_and_prompt_data(tmp_path, tok):
     ])
     cfg = PreferenceDataConfig(train=[path], template="role_markers", margin_field="m")
     pairs = build_preference_data(cfg, tok, make_template(cfg, tok), 64, "train")
-    assert tok.decode(pairs[0]["chosen_input_ids"]) == "<s>human\nQ1<s>bot\ngood<|im_end|>\n"
-    assert tok.decode(pairs[1]["rejected_input_ids"]) == "<s>human\nQ2<s>bot\nno<|im_end|>\n"
+    # Each side ends at the answer's end-of-turn token, where the reward is read (not the "\n" after it).
+    assert tok.decode(pairs[0]["chosen_input_ids"]) == "<s>human\nQ1<s>bot\ngood<|im_end|>"
+    assert tok.decode(pairs[1]["rejected_input_ids"]) == "<s>human\nQ2<s>bot\nno<|im_end|>"
     assert [p["margin"] for p in pairs] == [0.5, 1.0]
     # The format is detected per file, so the two prompt formats live in two files.
     simple = _write(tmp_path / "q1.jsonl", [{"prompt": "Hello"}])

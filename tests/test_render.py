@@ -159,17 +159,46 @@ def test_non_prefix_preserving_template_refused(tok, tmp_path):
         make_template(ChatDataConfig(), tok)
 
 
-def test_boundary_straddling_token_follows_start_rule(tok):
-    """Boundary cases. Content "\nYes": its newline is its own token and is trained. Content
-    "  Yes": the opener's "\n" and the first space merge into one token that starts in the opener,
-    so it is not trained (the documented start-offset rule). Either way ids equal the one-shot
-    tokenization of the full text."""
-    template = make_template(ChatDataConfig(), tok)
-    for content, trained in (("\nYes", "\nYes<|im_end|>"), ("  Yes", " Yes<|im_end|>")):
-        conv = Conversation([Turn("user", "Hi"), Turn("assistant", content)])
-        ids, labels = render(conv, tok, template)
-        assert ids == tok(render_text(conv, tok, template), add_special_tokens=False)["input_ids"]
-        assert tok.decode(_trained(labels)) == trained
+BOUNDARY_ANSWERS = ("    return a + b", "\nYes", "\tindented", "  Yes", "é accent first", "日本語の答え", " one space")
+
+
+def _spans(labels):
+    """[start, end) of every run of trained positions."""
+    out, start = [], None
+    for i, x in enumerate(labels + [IGNORE_INDEX]):
+        if x != IGNORE_INDEX and start is None:
+            start = i
+        elif x == IGNORE_INDEX and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+@pytest.mark.parametrize("mode,layout", [("chat_template", "readme"), ("role_markers", "readme"), ("role_markers", "code")])
+def test_no_token_straddles_the_prompt_answer_boundary(tok, mode, layout):
+    """Answers that open with spaces, a newline, a tab or non-ASCII text: the ids before each
+    assistant span are exactly the generation prompt for that turn (what inference feeds the
+    model), and the labels are exactly the answer's own tokens plus end-of-turn. (Before the fix
+    the opener's "\n" merged with the answer's leading whitespace into one untrained token, and
+    the model was trained on a tokenization the generation prompt never produces.)"""
+    template = make_template(ChatDataConfig(template=mode, role_layout=layout), tok)
+    eos_part = ("\n" if layout == "code" and mode == "role_markers" else "") + tok.eos_token
+    for answer in BOUNDARY_ANSWERS:
+        turns = [Turn("system", "Be brief."), Turn("user", "Q1?"), Turn("assistant", answer),
+                 Turn("user", "  Q2 with leading spaces"), Turn("assistant", answer + " again")]
+        ids, labels = render(Conversation(turns), tok, template)
+        spans = _spans(labels)
+        assert len(spans) == 2, answer
+        for (start, end), i in zip(spans, (2, 4)):
+            assert ids[:start] == render_prompt(Conversation(turns[:i]), tok, template), (answer, i)
+            want = tok(turns[i].content + eos_part, add_special_tokens=False)["input_ids"]
+            assert labels[start:end] == ids[start:end] == want, (answer, i)
+        if mode == "chat_template":
+            # The generation prompt equals a plain one-shot tokenization of the tokenizer's template
+            # (special end-of-turn tokens split the string there anyway).
+            first = tok.apply_chat_template([{"role": t.role, "content": t.content} for t in turns[:2]],
+                                            tokenize=False, add_generation_prompt=True)
+            assert ids[:spans[0][0]] == tok(first, add_special_tokens=False)["input_ids"]
 
 
 def test_show_colours_exactly_the_trained_tokens(tok):

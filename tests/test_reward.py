@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from data_formats.collate import left_pad
 from pipeline.manifest import read_manifest
-from pipeline.scoring import last_token_index, sequence_scores, token_scores
+from pipeline.scoring import reward_readout_index, sequence_scores, token_scores
 from stages import reward as rm
 
 PAIRS = [
@@ -85,7 +85,7 @@ def test_scores_equal_under_left_and_right_padding(tiny_reward_dir):
     torch.testing.assert_close(left, right, rtol=0, atol=1e-5)
     torch.testing.assert_close(left, alone, rtol=0, atol=1e-5)
     # PPO's per-token path reads the same score at the last token
-    torch.testing.assert_close(per_token[torch.arange(3), last_token_index(left_mask)], left, rtol=0, atol=1e-5)
+    torch.testing.assert_close(per_token[torch.arange(3), reward_readout_index(left_mask)], left, rtol=0, atol=1e-5)
     assert len(set(left.tolist())) == 3  # the three sequences really score differently
 
 

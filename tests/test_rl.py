@@ -144,3 +144,49 @@ def test_running_moments_equal_whole_data_statistics_and_resume():
     assert out.item() == pytest.approx(3.0)
     with pytest.raises(ValueError, match="empty"):
         rm.update(torch.tensor([]))
+
+
+def test_running_moments_use_the_population_variance():
+    """[1, 2, 3, 4] then [10]: mean 4, squared deviations 9+4+1+0+36 = 50 over N = 5, so var = 10
+    and std = sqrt(10) = 3.16228 (Bessel's 50 / 4 = 12.5 would give 3.53553)."""
+    rm = rl.RunningMoments()
+    rm.update(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert (rm.mean, rm.var) == pytest.approx((2.5, 1.25), abs=1e-12)  # 5 / 4, not 5 / 3
+    rm.update(torch.tensor([10.0]))
+    assert (rm.mean, rm.var, rm.count) == pytest.approx((4.0, 10.0, 5.0), abs=1e-12)
+    assert rm.std == pytest.approx(math.sqrt(10.0), abs=1e-12)
+    assert rm.normalise(torch.tensor([10.0])).item() == pytest.approx(6 / math.sqrt(10.0), abs=1e-6)
+    # The RM stage stores std(unbiased=False) of its n scores; starting from it continues exactly.
+    stored = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)  # reward_stats works in float64
+    resumed = rl.RunningMoments(stored.mean().item(), stored.std(unbiased=False).item(), stored.numel())
+    resumed.update(torch.tensor([10.0]))
+    assert (resumed.mean, resumed.var) == pytest.approx((4.0, 10.0), abs=1e-12)
+
+
+def _trl_running_moments():
+    import importlib
+
+    for module in ("trl.trainer.utils", "trl.experimental.bco.bco_trainer"):
+        try:
+            return importlib.import_module(module).RunningMoments
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def test_running_moments_against_trl_when_installed():
+    """TRL's RunningMoments (trl <= 0.11 trl/trainer/utils.py; later trl/experimental/bco) keeps the same
+    population `var` but its `std` is Bessel-corrected: sqrt(var * N / (N - 1)) = sqrt(12.5) here. Read from
+    huggingface/trl v0.11.4 (1f8ba929fbb6962249386f7dce20155da8a26cda) trl/trainer/utils.py RunningMoments.update;
+    on this data it gives mean 4.0, var 10.0, std 3.5355339. trl 1.x no longer ships it, hence the skip."""
+    trl_cls = _trl_running_moments()
+    if trl_cls is None:
+        pytest.skip("the installed trl has no RunningMoments (removed from trl 1.x's stable API)")
+    from types import SimpleNamespace
+
+    theirs = trl_cls(SimpleNamespace(use_distributed=False))
+    ours = rl.RunningMoments()
+    for batch in ([1.0, 2.0, 3.0, 4.0], [10.0]):
+        theirs.update(torch.tensor(batch)), ours.update(torch.tensor(batch))
+    assert theirs.mean == pytest.approx(ours.mean, abs=1e-5) and theirs.var == pytest.approx(ours.var, abs=1e-5)
+    assert theirs.std == pytest.approx(math.sqrt(12.5), abs=1e-5) and ours.std == pytest.approx(math.sqrt(10.0))

@@ -52,7 +52,7 @@ def test_zero_rewarmup_jumps_back_to_peak():
 
 
 def test_cycle_boundaries():
-    assert cycle_ends(10, cfg(cycle_length=[4])) == [4, 8, 10]
+    assert cycle_ends(10, cfg(cycle_length=[4])) == [4, 10]  # Levanter: the remainder joins the last cycle
     assert cycle_ends(10, cfg(cycle_length=[0.5])) == [5, 10]
     assert cycle_ends(10, cfg(cycles=[3, 7])) == [3, 7, 10]
     assert cycle_ends(10, cfg(cycle_length=[3, 3])) == [3, 6, 10]
@@ -89,3 +89,56 @@ def test_scheduler_gives_the_optimizer_lr_at():
         opt.step()
         sched.step()
     assert seen == pytest.approx(lrs(c), rel=1e-12, abs=1e-15)
+
+
+# Golden values derived by reading stanford-crfm/levanter commit 9263f81e8b453241332c2c0b2d2001bfb2d2241c,
+# src/levanter/optim/config.py (OptimizerConfig.lr_scheduler, _get_cycle_minima, _convert_frac_or_steps),
+# with optax's linear_schedule / cosine_decay_schedule / join_schedules (google-deepmind/optax
+# optax/schedules/_schedule.py, _join.py). Only points where Relay's documented decay-endpoint difference
+# does not apply (warmup, peak, rewarmup from the previous minimum) are LR goldens.
+
+
+def test_levanter_cycles_n_ends():
+    assert cycle_ends(100, cfg(cycles=[3], max_steps=100)) == [33, 66, 100]  # int(100 / 3 * 2) = 66, not round() = 67
+    assert cycle_ends(10, cfg(cycles=[4])) == [2, 5, 7, 10]
+    assert cycle_ends(100, cfg(cycles=[1], max_steps=100)) == [100]
+
+
+def test_levanter_cycle_length_ends():
+    assert cycle_ends(100, cfg(cycle_length=[30], max_steps=100)) == [30, 60, 100]  # last cycle 40 steps
+    assert cycle_ends(100, cfg(cycle_length=[0.3], max_steps=100)) == [30, 60, 100]
+    assert cycle_ends(100, cfg(cycle_length=[25], max_steps=100)) == [25, 50, 75, 100]
+    assert cycle_ends(100, cfg(cycle_length=[150], max_steps=100)) == [100]
+    assert cycle_ends(100, cfg(cycle_length=[20, 30], max_steps=100)) == [20, 50, 100]
+    assert cycle_ends(100, cfg(cycle_length=[40, 60], max_steps=100)) == [40, 100]
+    with pytest.raises(ValueError, match="add up to 110"):
+        cycle_ends(100, cfg(cycle_length=[60, 50], max_steps=100))
+
+
+def test_levanter_lr_three_cycles_with_rewarmup():
+    c = cfg(max_steps=100, cycles=[3], warmup=0.1, rewarmup=0.2, lr_schedule="linear", min_lr_ratio=0.1)
+    assert [(x.start, x.end, x.warmup, x.stable, x.decay) for x in cycles_of(100, c)] == [
+        (0, 33, 3, 0, 30), (33, 66, 6, 0, 27), (66, 100, 6, 0, 28)]
+    golden = {0: 0.0, 1: 1 / 3, 2: 2 / 3, 3: 1.0, 33: 0.1, 36: 0.55, 39: 1.0, 66: 0.1, 67: 0.25, 69: 0.55, 72: 1.0}
+    assert {s: lr_at(s, 100, c) for s in golden} == pytest.approx(golden, abs=1e-12)
+    # The documented difference: Levanter's last decay step is min + (peak - min) / D = 0.13; Relay's is min.
+    assert lr_at(32, 100, c) == pytest.approx(0.1, abs=1e-12)
+
+
+def test_levanter_lr_cycle_length_remainder_and_cosine():
+    c = cfg(max_steps=100, cycle_length=[30], warmup=0, rewarmup=0.25, lr_schedule="cosine", min_lr_ratio=0.1)
+    assert [(x.start, x.end, x.warmup) for x in cycles_of(100, c)] == [(0, 30, 0), (30, 60, 7), (60, 100, 10)]
+    golden = {0: 1.0, 30: 0.1, 33: 0.1 + 0.9 * 3 / 7, 37: 1.0, 60: 0.1, 65: 0.55, 70: 1.0}
+    assert {s: lr_at(s, 100, c) for s in golden} == pytest.approx(golden, abs=1e-12)
+
+
+def test_levanter_warmup_fractions():
+    # int(0.29 * 100) == 28 in floating point, in both implementations.
+    c = cfg(max_steps=100, warmup=0.29, lr_schedule="linear")
+    assert cycles_of(100, c)[0].warmup == 28
+    assert lr_at(27, 100, c) == pytest.approx(27 / 28, abs=1e-12) and lr_at(28, 100, c) == 1.0
+    assert cycles_of(100, cfg(max_steps=100, warmup=0.05))[0].warmup == 5
+    # Deliberate difference: exactly 1 is one step here; Levanter reads 1 / 1.0 as 100% of the cycle.
+    assert cycles_of(10, cfg(warmup=1))[0].warmup == 1
+    with pytest.raises(ValueError, match="whole number"):
+        cycles_of(10, cfg(warmup=2.5))  # Levanter refuses non-whole step counts too

@@ -41,7 +41,7 @@ def make_tiny_model(path: str | Path, seed: int = 0, num_labels: int | None = No
     source = materialize()
     tokenizer = AutoTokenizer.from_pretrained(source)
     torch.manual_seed(seed)
-    config = tiny_config(len(tokenizer), tokenizer.pad_token_id, **overrides)
+    config = tiny_config(overrides.pop("vocab_size", len(tokenizer)), tokenizer.pad_token_id, **overrides)
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
     if num_labels is None:
