@@ -54,7 +54,7 @@ def run_relay(args) -> dict:
     cfg.checkpoint.resume = False
     cfg.tracking.trackers = []
     marks, rss = [time.perf_counter()], []
-    ppo.train(cfg, on_step=lambda step, m, e: (marks.append(time.perf_counter()), rss.append(peak_rss_mb())))
+    ppo.PPOStage(cfg).run(on_step=lambda stage, record: (marks.append(time.perf_counter()), rss.append(peak_rss_mb())))
     return {"step_seconds": [b - a for a, b in zip(marks, marks[1:])], "peak_rss_mb": rss[-1]}
 
 

@@ -129,7 +129,7 @@ class Collator:
     """
 
     def __init__(self, pad_token_id: int, padding_mode: str = "padding", seq_length: Optional[int] = None,
-                 attn_implementation: str = "sdpa", pad_to_multiple_of: Optional[int] = None):
+                 attn_implementation: str = "sdpa"):
         """Raises:
             ValueError: unknown mode or attention kind; pack mode without seq_length.
         """
@@ -143,7 +143,6 @@ class Collator:
         self.padding_mode = padding_mode
         self.seq_length = seq_length
         self.attn_implementation = attn_implementation
-        self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         """Raises:
@@ -156,8 +155,6 @@ class Collator:
         if any(len(_segments(s)) > 1 for s in samples):
             raise ValueError("packed rows (several samples per row) need padding_mode='pack'")
         width = max(len(s["input_ids"]) for s in samples)
-        if self.pad_to_multiple_of:
-            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         return self._tensors(samples, width, packed=False)
 
     def _packed(self, samples: list[dict]) -> dict[str, torch.Tensor]:

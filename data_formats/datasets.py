@@ -264,17 +264,17 @@ def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, s
     return out
 
 
-def build_prompt_data(cfg, tokenizer, template: Template, split: str) -> list[dict]:
+def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length: Optional[int] = None) -> list[dict]:
     """PPO prompts dict(prompt_ids, text, source): the rendered history plus the assistant opener.
-    Prompts over cfg.max_prompt_length tokens are dropped (truncation='drop') or lose their oldest
-    user/assistant exchanges, keeping any system turn (truncation='truncate').
+    Prompts over `max_length` tokens (default cfg.max_prompt_length) are dropped (truncation='drop')
+    or lose their oldest user/assistant exchanges, keeping any system turn (truncation='truncate').
 
     Raises:
         DataError: bad records with on_error='strict'.
         ValueError: unknown split.
     """
     records = split_records(cfg, "prompts", split, system_prompt=cfg.system_prompt)
-    limit = cfg.max_prompt_length
+    limit = cfg.max_prompt_length if max_length is None else max_length
     out, dropped, truncated = [], 0, 0
     for record in records:
         conv = record.value

@@ -330,12 +330,8 @@ class ChatDataConfig(DataConfig):
     """System turn added to conversations that have none (None: add nothing)."""
     padding_mode: str = "padding"
     """'padding' (pad to the longest sample in the batch) or 'pack' (several samples per row)."""
-    group_by_length: bool = False
-    """With padding: batch samples of similar length together."""
     truncation: str = "drop"
     """Overlong samples: 'drop' them, or 'truncate' keeping whole early turns."""
-    task_sampling_weights: dict[str, float] = field(default_factory=dict)
-    """Optional per-task sampling weights, by task name."""
 
     def problems(self, key: str = "data") -> list[str]:
         out = super().problems(key)
@@ -362,7 +358,7 @@ class PromptDataConfig(ChatDataConfig):
     """Prompts for PPO rollouts."""
 
     max_prompt_length: int = 256
-    """Prompts longer than this many tokens are handled by `truncation`."""
+    """Prompts longer than this many tokens (or than train.seq_length - generation.max_new_tokens) are handled by `truncation`."""
 
 
 # --------------------------------------------------------------------------------------------

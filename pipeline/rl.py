@@ -34,19 +34,17 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """Mean of `x` where `mask` is 1 (over everything, or along `dim`).
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `x` where `mask` is 1.
 
     Raises:
         ValueError: the mask selects nothing (the mean is undefined).
     """
     mask = mask.to(x.dtype)
-    if dim is None:
-        total = mask.sum()
-        if total.item() == 0:
-            raise ValueError("masked_mean: the mask selects no element")
-        return (x * mask).sum() / total
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+    total = mask.sum()
+    if total.item() == 0:
+        raise ValueError("masked_mean: the mask selects no element")
+    return (x * mask).sum() / total
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:

@@ -248,9 +248,10 @@ def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperatu
     return {k: torch.cat(v) for k, v in out.items()}
 
 
-def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator, *, scale: float, separate: bool,
+def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator, *, separate: bool,
                           temperature: float, cliprange: float, cliprange_value: float, vf_coef: float) -> dict[str, float]:
-    """Forward and backward of one micro-batch: `scale * (policy loss + vf_coef * value loss)`.
+    """Forward and backward of one micro-batch: `policy loss + vf_coef * value loss` (inside
+    `micro_step`, so accelerate divides it by the number of micro-batches of the step).
 
     `separate` gives the policy and the critic a forward and backward each, so only one model's
     activations are alive at a time (about half the peak memory of the joint pass, the same
@@ -274,18 +275,18 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
         with accelerator.autocast():
             logits, _ = model(ids, attn, P, part="policy")
         logp, pol = policy_part(logits)
-        accelerator.backward(pol.loss * scale)
+        accelerator.backward(pol.loss)
         del logits
         with accelerator.autocast():
             _, values = model(ids, attn, P, part="critic")
         vloss, vclip = value_part(values)
-        accelerator.backward(vf_coef * vloss * scale)
+        accelerator.backward(vf_coef * vloss)
     else:
         with accelerator.autocast():
             logits, values = model(ids, attn, P)
         logp, pol = policy_part(logits)
         vloss, vclip = value_part(values)
-        accelerator.backward((pol.loss + vf_coef * vloss) * scale)
+        accelerator.backward(pol.loss + vf_coef * vloss)
     return {
         "loss": float(pol.loss.detach()) + vf_coef * float(vloss.detach()),
         "policy_loss": float(pol.loss.detach()),

@@ -117,17 +117,29 @@ class EarlyStopping:
 
 @dataclass
 class History:
-    """Per-step records of a run (rank 0), the source of summary.json."""
+    """Every step's and every evaluation's figures (dicts keyed by tracker tag, plus "step"): the
+    source of summary.json. It rides in every checkpoint, so a resumed run's summary covers the
+    whole run, its wall time included."""
 
     steps: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
-    started: float = field(default_factory=time.time)
     tokens: int = 0
+    """Real (non-padding) tokens trained on."""
+    wall_before: float = 0.0
+    """Seconds spent in this run before the process that resumed it started."""
+    started: float = field(default_factory=time.time)
+
+    def wall_seconds(self) -> float:
+        return self.wall_before + time.time() - self.started
+
+    def values(self, tag: str, evals: bool = False) -> list[float]:
+        """Every recorded value of `tag`, in step order."""
+        return [r[tag] for r in (self.evals if evals else self.steps) if tag in r]
 
     def summary(self) -> dict:
-        wall = time.time() - self.started
-        losses = [r["loss"] for r in self.steps]
-        evals = [r["loss"] for r in self.evals]
+        """The headline figures of a loss-trained stage (first and last losses, speed)."""
+        losses, evals = self.values("train/loss"), self.values("eval/loss", evals=True)
+        wall = self.wall_seconds()
         return {
             "train_loss_first": losses[0] if losses else None,
             "train_loss_last": losses[-1] if losses else None,
@@ -137,3 +149,11 @@ class History:
             "wall_seconds": wall,
             "tokens_per_s": self.tokens / wall if wall > 0 else 0.0,
         }
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "evals": self.evals, "tokens": self.tokens, "wall_seconds": self.wall_seconds()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Raises: KeyError: a field is missing."""
+        self.steps, self.evals, self.tokens = list(state["steps"]), list(state["evals"]), int(state["tokens"])
+        self.wall_before, self.started = float(state["wall_seconds"]), time.time()

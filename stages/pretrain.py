@@ -8,8 +8,8 @@ attention stays inside each document (block-causal mask, or position_ids under f
 data_formats/collate.py). Every token is trained except the first of each document piece.
 With `data.streaming: true` the training corpus is read lazily in file order (data_formats/streaming.py)
 instead of being tokenized into memory and shuffled; resume restores the stream position.
-Loss normalisation, accumulation, checkpoints, resume, trackers and the final merge are the
-shared ones in pipeline/training.py (the SFT stage uses the same pieces).
+The flow, loss normalisation, accumulation, checkpoints, resume, trackers and the final merge are
+the engine's (pipeline/engine/), shared with SFT through `LanguageModelStage`.
 
 Outputs (ARCHITECTURE.md): <output_dir>/{config.yaml, checkpoints/, runs/, adapter/, merged/,
 summary.json}; merged/ is the SFT stage's base. RELAY_STOP_AFTER_STEP=k saves and exits after step k.
@@ -19,36 +19,17 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tqdm.auto import tqdm
-
-from pipeline.config import ConfigError, StageConfig, TextDataConfig, load_config, save_config
-from pipeline.training import (
-    Run,
-    build_run,
-    data_problems,
-    launched_world_size,
-    finish,
-    log_step,
-    next_batches,
-    next_stream_batches,
-    parent_problems,
-    run_eval,
-    end_of_step,
-    stop_after_step,
-    train_step,
-)
+from pipeline.config import StageConfig, TextDataConfig
+from pipeline.engine.language_modeling import LanguageModelStage
+from pipeline.engine.stage import launched_world_size, main
 
 log = logging.getLogger("relay.pretrain")
-STAGE = "pt"
-TASKS = ["pt"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -71,54 +52,70 @@ class PTConfig(StageConfig):
     data: PTData = field(default_factory=PTData)
 
 
-@dataclass
-class Prepared:
-    """What validation built and setup reuses."""
-
-    tokenizer: object
-    train: object
-    """Packed rows (a list), or a PackedTextStream with data.streaming."""
-    eval: list
-
-
 # ------------------------------------------------------------------------------------------
-# Validate
+# The stage
 # ------------------------------------------------------------------------------------------
 
 
-def validate(cfg: PTConfig) -> Prepared:
-    """Check config, data files, records (in data.on_error mode) and the parent manifest; tokenize
-    and pack the corpus. Nothing heavy loads before this passes.
+class PTStage(LanguageModelStage):
+    name = "pt"
+    config_class = PTConfig
 
-    Raises:
-        ConfigError: listing every problem found.
-    """
-    from data_formats.datasets import build_pt_data
-    from data_formats.sources import DataError
-    from pipeline.models import load_tokenizer, resolve_model_path
+    def __init__(self, cfg: PTConfig):
+        super().__init__(cfg)
+        self.tasks = ["pt"]
+        self.stream = None
+        """The streamed training corpus (data.streaming), else None."""
 
-    problems = cfg.problems() + data_problems(cfg.data.train, "data.train") + data_problems(cfg.data.eval, "data.eval")
-    if cfg.data.streaming and cfg.data.max_samples is not None:
-        problems.append("data.max_samples: not used with data.streaming (the stream runs until train.max_steps)")
-    if cfg.data.streaming and not cfg.data.eval and cfg.data.eval_fraction > 0:
-        problems.append("data.eval_fraction: carving an eval split reads the whole corpus into memory, which "
-                        "data.streaming exists to avoid; give held-out files in data.eval")
-    model_path = resolve_model_path(cfg.model.path)
-    problems += parent_problems(model_path)
-    if problems:
-        raise ConfigError(problems)
-    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code, cfg.model.revision)
-    try:
-        train = stream_train(cfg, tokenizer) if cfg.data.streaming else build_pt_data(cfg.data, tokenizer, cfg.train.seq_length, "train")
-        has_eval = bool(cfg.data.eval) or cfg.data.eval_fraction > 0
-        evaluation = build_pt_data(cfg.data, tokenizer, cfg.train.seq_length, "eval") if has_eval else []
-    except (DataError, ValueError) as err:
-        raise ConfigError([str(err)]) from err
-    world = launched_world_size()
-    if not cfg.data.streaming and len(train) < cfg.train.batch_size * world:
-        raise ConfigError([f"data.train: {len(train)} packed row(s) of {cfg.train.seq_length} tokens cannot fill one "
-                           f"micro-batch of {cfg.train.batch_size} x {world} rank(s)"])
-    return Prepared(tokenizer, train, evaluation)
+    def problems(self) -> list[str]:
+        data, out = self.cfg.data, []
+        if data.streaming and data.max_samples is not None:
+            out.append("data.max_samples: not used with data.streaming (the stream runs until train.max_steps)")
+        if data.streaming and not data.eval and data.eval_fraction > 0:
+            out.append("data.eval_fraction: carving an eval split reads the whole corpus into memory, which "
+                       "data.streaming exists to avoid; give held-out files in data.eval")
+        return out
+
+    def build_data(self) -> list[str]:
+        """Tokenize and pack the corpus (or open its stream after a validation pass)."""
+        from data_formats.collate import Collator
+        from data_formats.datasets import build_pt_data
+
+        cfg, tok = self.cfg, self.tokenizer
+        seq = cfg.train.seq_length
+        if cfg.data.streaming:
+            self.stream = stream_train(cfg, tok)
+        else:
+            self.train_samples = build_pt_data(cfg.data, tok, seq, "train")
+        if cfg.data.eval or cfg.data.eval_fraction > 0:
+            self.eval_samples = build_pt_data(cfg.data, tok, seq, "eval")
+        self.collator = Collator(tok.pad_token_id, "pack", seq, cfg.model.attn_implementation)
+        world = launched_world_size()
+        if not cfg.data.streaming and len(self.train_samples) < cfg.train.batch_size * world:
+            return [f"data.train: {len(self.train_samples)} packed row(s) of {seq} tokens cannot fill one "
+                    f"micro-batch of {cfg.train.batch_size} x {world} rank(s)"]
+        rows = "streamed training rows" if cfg.data.streaming else f"{len(self.train_samples)} training row(s)"
+        log.info("pt: %s, %d eval row(s) of %d tokens", rows, len(self.eval_samples), seq)
+        return []
+
+    def micro_batches(self) -> list[dict]:
+        """From the stream: every rank reads the same rows and keeps every world_size-th from its
+        own rank on, so the global batch is the same whatever the number of processes."""
+        if self.stream is None:
+            return super().micro_batches()
+        t, acc = self.cfg.train, self.accelerator
+        batches = []
+        for _ in range(t.grad_accum):
+            rows = [self.stream.next_row() for _ in range(t.batch_size * acc.num_processes)]
+            batches.append(self.collate(self.collator, rows[acc.process_index :: acc.num_processes], range(t.batch_size)))
+        return batches
+
+    def state_dict(self) -> dict:
+        return {"stream": self.stream.state_dict()} if self.stream is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.stream is not None:
+            self.stream.load_state_dict(state["stream"])
 
 
 def stream_train(cfg: PTConfig, tokenizer):
@@ -137,87 +134,5 @@ def stream_train(cfg: PTConfig, tokenizer):
                             on_error=cfg.data.on_error)
 
 
-# ------------------------------------------------------------------------------------------
-# Setup
-# ------------------------------------------------------------------------------------------
-
-
-def setup(cfg: PTConfig, prepared: Prepared) -> Run:
-    """Accelerator, model (full/LoRA/QLoRA), optimizer, scheduler, trackers; resume if due."""
-    from data_formats.collate import Collator
-
-    collator = Collator(prepared.tokenizer.pad_token_id, "pack", cfg.train.seq_length, cfg.model.attn_implementation)
-    streamed = cfg.data.streaming
-    run = build_run(cfg, STAGE, tokenizer=prepared.tokenizer, collator=collator, train_samples=[] if streamed else prepared.train,
-                    eval_samples=prepared.eval, tasks=TASKS, extra={"stream": prepared.train} if streamed else None)
-    if run.is_main:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        save_config(cfg, Path(cfg.output_dir) / "config.yaml")
-        rows = "streamed training rows" if streamed else f"{len(prepared.train)} training row(s)"
-        log.info("pt: %s, %d eval row(s) of %d tokens", rows, len(prepared.eval), cfg.train.seq_length)
-    return run
-
-
-# ------------------------------------------------------------------------------------------
-# Train
-# ------------------------------------------------------------------------------------------
-
-
-def train(run: Run) -> bool:
-    """The training loop; returns False when stopped early by RELAY_STOP_AFTER_STEP.
-
-    Raises:
-        NonFiniteError: a NaN/inf loss or gradient (before the optimizer steps on it).
-    """
-    t = run.cfg.train
-    stop_at = stop_after_step()
-    bar = tqdm(total=t.max_steps, initial=run.step, desc=STAGE, disable=not run.is_main)
-    while run.step < t.max_steps:
-        batches = next_stream_batches(run, run.extra["stream"]) if "stream" in run.extra else next_batches(run)
-        lr = run.scheduler.get_last_lr()[0]
-        started = time.perf_counter()
-        result = train_step(run.model, run.optimizer, batches, run.accelerator, step=run.step + 1,
-                            max_grad_norm=t.max_grad_norm)
-        run.scheduler.step()
-        run.step += 1
-        log_step(run, result, lr, time.perf_counter() - started, batches)
-        bar.update(1)
-        bar.set_postfix(loss=f"{result.loss:.4f}")
-        outcome = end_of_step(run, stop_at, lambda: bool((run_eval(run) or {}).get("stop")))
-        if outcome == "interrupted":
-            return False
-        if outcome == "early_stop":
-            break
-    bar.close()
-    if not run.history.evals or run.history.evals[-1]["step"] != run.step:
-        run_eval(run)
-    return True
-
-
-# ------------------------------------------------------------------------------------------
-# Entry points
-# ------------------------------------------------------------------------------------------
-
-
-def run_stage(cfg: PTConfig) -> Run:
-    """validate -> setup -> train -> save (merged/ on completion). Returns the run."""
-    prepared = validate(cfg)
-    run = setup(cfg, prepared)
-    if train(run):
-        finish(run)
-    return run
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = load_config(PTConfig, argv, prog="stages/pretrain.py")
-        run_stage(cfg)
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(PTStage))

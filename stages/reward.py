@@ -15,8 +15,8 @@ merged/ is a plain `AutoModelForSequenceClassification` folder; its manifest.jso
 and config.json (`relay_reward_stats`) record the mean/std of its scores over the training
 responses, so PPO can normalise rewards without recomputing them.
 
-Checkpoint/resume, trackers and RELAY_STOP_AFTER_STEP=k behave as in the SFT stage (the shared
-`pipeline.training.Run`).
+The flow, checkpoint/resume, trackers and RELAY_STOP_AFTER_STEP=k are the engine's
+(pipeline/engine/stage.py), as in every stage.
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -37,27 +35,14 @@ if __package__ in (None, ""):
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from pipeline.config import ConfigError, PreferenceDataConfig, StageConfig, load_config, save_config
+from pipeline.config import PreferenceDataConfig, StageConfig
+from pipeline.engine.stage import Stage, launched_world_size, main
+from pipeline.engine.steps import check_finite, clip_gradients, eval_shards, micro_step
 from pipeline.models import eval_mode
 from pipeline.scoring import sequence_scores
-from pipeline.training import (
-    Run,
-    build_run,
-    clip_gradients,
-    data_problems,
-    eval_shards,
-    finish,
-    next_batches,
-    parent_problems,
-    end_of_step,
-    stop_after_step,
-    write_summary,
-)
 
 log = logging.getLogger("relay.rm")
-STAGE = "rm"
 REWARD_STATS_KEY = "relay_reward_stats"
 
 
@@ -90,50 +75,8 @@ class RMConfig(StageConfig):
     reward: RewardSection = field(default_factory=RewardSection)
 
 
-@dataclass
-class Prepared:
-    tokenizer: object
-    template: object
-    train: list
-    eval: list
-
-
-def validate(cfg: RMConfig) -> Prepared:
-    """Check config, data and the parent model's manifest; build the tokenised pairs.
-
-    Raises:
-        ConfigError: listing every problem found.
-    """
-    from data_formats.datasets import build_preference_data
-    from data_formats.render import make_template
-    from data_formats.sources import DataError
-    from pipeline.models import load_tokenizer, resolve_model_path
-
-    problems = cfg.problems() + data_problems(cfg.data.train, "data.train") + data_problems(cfg.data.eval, "data.eval")
-    if cfg.data.padding_mode != "padding":
-        problems.append("data.padding_mode: the RM stage pads pairs ('padding'); packing is not supported")
-    if cfg.reward.center_rewards_coefficient is not None and cfg.reward.center_rewards_coefficient < 0:
-        problems.append("reward.center_rewards_coefficient: must be >= 0")
-    model_path = resolve_model_path(cfg.model.path)
-    problems += parent_problems(model_path)
-    if problems:
-        raise ConfigError(problems)
-    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code, cfg.model.revision)
-    try:
-        template = make_template(cfg.data, tokenizer)
-        train = build_preference_data(cfg.data, tokenizer, template, cfg.train.seq_length, "train")
-        has_eval = bool(cfg.data.eval) or cfg.data.eval_fraction > 0
-        evaluation = build_preference_data(cfg.data, tokenizer, template, cfg.train.seq_length, "eval") if has_eval else []
-    except (DataError, ValueError) as err:
-        raise ConfigError([str(err)]) from err
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if len(train) < cfg.train.batch_size * world:
-        raise ConfigError([f"data.train: {len(train)} pair(s) cannot fill one micro-batch of {cfg.train.batch_size} x {world} rank(s)"])
-    return Prepared(tokenizer, template, train, evaluation)
-
-
 # ------------------------------------------------------------------------------------------
-# Pieces: batching, loss
+# Pieces: batching, loss, scores
 # ------------------------------------------------------------------------------------------
 
 
@@ -183,77 +126,9 @@ def _reduce_mean(values: dict[str, float], accelerator) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
-def rm_step(run: Run, batches: list[dict], step: int) -> dict[str, float]:
-    """One optimizer step over this rank's micro-batches (equal-sized, so the mean of per-batch
-    means is the pair mean). Returns loss, accuracy and grad_norm averaged over ranks.
-
-    Raises:
-        NonFiniteError: loss or gradients not finite (the optimizer has not stepped).
-    """
-    from pipeline.training import _is_deepspeed, check_finite
-
-    acc, coef = run.accelerator, run.cfg.reward.center_rewards_coefficient
-    scale = 1.0 if _is_deepspeed(acc) else 1.0 / len(batches)
-    loss_total, correct = 0.0, 0.0
-    for index, batch in enumerate(batches):
-        sync = contextlib.nullcontext() if index == len(batches) - 1 else acc.no_sync(run.model)
-        with sync:
-            chosen, rejected = pair_scores(run.model, batch, acc)
-            loss = pairwise_loss(chosen, rejected, batch["margin"], coef)
-            acc.backward(loss * scale)
-        loss_total += float(loss.detach()) / len(batches)
-        correct += float((chosen > rejected).float().mean()) / len(batches)
-    grad_norm = clip_gradients(run.model, acc, run.cfg.train.max_grad_norm)
-    check_finite(loss_total, run.model, step)
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    return {**_reduce_mean({"loss": loss_total, "accuracy": correct}, acc), "grad_norm": grad_norm}
-
-
-@torch.no_grad()
-def score_pairs(run: Run, pairs: list, max_batches: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) scores of `pairs`, gathered from every rank (padding batches excluded)."""
-    acc = run.accelerator
-    chosen, rejected = [], []
-    collator = PairCollator(run.tokenizer.pad_token_id)
-    for indices, counts in eval_shards(len(pairs), run.cfg.train.batch_size, acc.num_processes, acc.process_index, max_batches):
-        batch = {k: v.to(acc.device) for k, v in collator([pairs[i] for i in indices]).items()}
-        c, r = pair_scores(run.model, batch, acc)
-        keep = torch.full_like(c, 1.0 if counts else float("nan"))
-        chosen.append(c * keep)
-        rejected.append(r * keep)
-    c, r = torch.cat(chosen), torch.cat(rejected)
-    if acc.num_processes > 1:
-        c, r = acc.gather_for_metrics(c), acc.gather_for_metrics(r)
-    ok = ~torch.isnan(c)
-    return c[ok].cpu(), r[ok].cpu()
-
-
-def evaluate(run: Run) -> Optional[dict]:
-    """eval/accuracy, eval/margin (mean r_c - r_r), eval/loss on the held-out pairs; None without any."""
-    if not run.eval_samples:
-        return None
-    with eval_mode(run.model):
-        chosen, rejected = score_pairs(run, run.eval_samples, run.cfg.train.eval_batches)
-    # eval/loss is the plain pairwise loss (no margin column, no centring), comparable across runs
-    result = {"accuracy": float((chosen > rejected).float().mean()), "margin": float((chosen - rejected).mean()),
-              "loss": float(pairwise_loss(chosen, rejected))}
-    run.history.evals.append({"step": run.step, **result})
-    run.tracker.log({f"eval/{k}": v for k, v in result.items()}, run.step)
-    return result
-
-
-def evaluate_and_check(run: Run) -> bool:
-    """Evaluate; True when early stopping says stop (no eval data never stops)."""
-    return run.early.update((evaluate(run) or {"loss": math.inf})["loss"])
-
-
-def reward_stats(run: Run, max_pairs: Optional[int]) -> dict:
-    """Mean and std of the trained model's scores over the training responses (both sides)."""
-    pairs = run.train_samples[:max_pairs] if max_pairs else run.train_samples
-    with eval_mode(run.model):
-        chosen, rejected = score_pairs(run, pairs)
-    scores = torch.cat([chosen, rejected]).double()
+def stats_of(scores: torch.Tensor) -> dict:
+    """The stored reward statistics: mean and population std (the variance PPO's normaliser uses)."""
+    scores = scores.double()
     return {"mean": float(scores.mean()), "std": float(scores.std(unbiased=False)), "n": int(scores.numel())}
 
 
@@ -268,102 +143,133 @@ def record_stats_in_config(merged: Path, stats: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# Setup, train, finish
+# The stage
 # ------------------------------------------------------------------------------------------
 
 
-def setup(cfg: RMConfig, prepared: Prepared) -> Run:
-    """Accelerator, reward model (num_labels=1 head; LoRA adds it to modules_to_save), optimizer,
-    scheduler, trackers; resume if due."""
-    from data_formats.render import template_jinja
+class RMStage(Stage):
+    name = "rm"
+    config_class = RMConfig
+    model_kind = "reward"
 
-    run = build_run(cfg, STAGE, tokenizer=prepared.tokenizer, collator=PairCollator(prepared.tokenizer.pad_token_id),
-                    train_samples=prepared.train, eval_samples=prepared.eval, tasks=["default"],
-                    chat_template=template_jinja(prepared.template, prepared.tokenizer), model_kind="reward")
-    if run.is_main:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        save_config(cfg, Path(cfg.output_dir) / "config.yaml")
-        log.info("rm: %d training pair(s), %d eval pair(s)", len(prepared.train), len(prepared.eval))
-    return run
+    def __init__(self, cfg: RMConfig):
+        super().__init__(cfg)
+        self.reward_stats: Optional[dict] = None
+        """Mean/std of the trained model's scores over the training responses (set before export)."""
 
+    def problems(self) -> list[str]:
+        out = []
+        if self.cfg.data.padding_mode != "padding":
+            out.append("data.padding_mode: the RM stage pads pairs ('padding'); packing is not supported")
+        coef = self.cfg.reward.center_rewards_coefficient
+        if coef is not None and coef < 0:
+            out.append("reward.center_rewards_coefficient: must be >= 0")
+        return out
 
-def train(run: Run) -> bool:
-    """The training loop; False when stopped early by RELAY_STOP_AFTER_STEP.
+    def build_data(self) -> list[str]:
+        """The tokenised pairs, each side ending at its answer's end-of-turn token."""
+        from data_formats.datasets import build_preference_data
+        from data_formats.render import make_template, template_jinja
 
-    Raises:
-        NonFiniteError: a NaN/inf loss or gradient.
-    """
-    t = run.cfg.train
-    stop_at = stop_after_step()
-    bar = tqdm(total=t.max_steps, initial=run.step, desc=STAGE, disable=not run.is_main)
-    while run.step < t.max_steps:
-        batches = next_batches(run)
-        lr = run.scheduler.get_last_lr()[0]
-        result = rm_step(run, batches, run.step + 1)
-        run.scheduler.step()
-        run.step += 1
-        run.history.steps.append({"step": run.step, "lr": lr, **result})
-        if run.step % t.log_steps == 0 or run.step == t.max_steps:
-            run.tracker.log({"train/loss": result["loss"], "train/accuracy": result["accuracy"], "train/lr": lr,
-                             "train/grad_norm": result["grad_norm"]}, run.step)
-        bar.update(1)
-        bar.set_postfix(loss=f"{result['loss']:.4f}", acc=f"{result['accuracy']:.2f}")
-        outcome = end_of_step(run, stop_at, lambda: evaluate_and_check(run))
-        if outcome == "interrupted":
-            return False
-        if outcome == "early_stop":
-            break
-    bar.close()
-    if run.eval_samples and (not run.history.evals or run.history.evals[-1]["step"] != run.step):
-        evaluate(run)
-    return True
+        cfg, tok = self.cfg, self.tokenizer
+        template = make_template(cfg.data, tok)
+        self.chat_template = template_jinja(template, tok)
+        self.train_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "train")
+        if cfg.data.eval or cfg.data.eval_fraction > 0:
+            self.eval_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "eval")
+        self.collator = PairCollator(tok.pad_token_id)
+        log.info("rm: %d training pair(s), %d eval pair(s)", len(self.train_samples), len(self.eval_samples))
+        world = launched_world_size()
+        if len(self.train_samples) < cfg.train.batch_size * world:
+            return [f"data.train: {len(self.train_samples)} pair(s) cannot fill one micro-batch of {cfg.train.batch_size} x {world} rank(s)"]
+        return []
 
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over this rank's equal-sized micro-batches (so the mean of per-batch
+        means is the pair mean); loss, accuracy and grad_norm averaged over ranks.
 
-def summarize(run: Run, stats: dict, wall: float) -> dict:
-    """summary.json's figures."""
-    steps, evals = run.history.steps, run.history.evals
-    last = evals[-1] if evals else {}
-    return {
-        "train_loss_first": steps[0]["loss"] if steps else None,
-        "train_loss_last": steps[-1]["loss"] if steps else None,
-        "train_accuracy_last": steps[-1]["accuracy"] if steps else None,
-        "eval_accuracy": last.get("accuracy"),
-        "eval_margin": last.get("margin"),
-        "eval_loss_last": last.get("loss"),
-        "eval_loss_first": evals[0]["loss"] if evals else None,
-        "reward_stats": stats,
-        "steps": run.step,
-        "wall_seconds": wall,
-    }
+        Raises:
+            NonFiniteError: loss or gradients not finite (the optimizer has not stepped).
+        """
+        acc, coef = self.accelerator, self.cfg.reward.center_rewards_coefficient
+        groups = self.next_sample_indices()
+        loss_total, correct = 0.0, 0.0
+        for index, group in enumerate(groups):
+            batch = self.collate(self.collator, self.train_samples, group)
+            with micro_step(acc, self.model, index, len(groups)):
+                chosen, rejected = pair_scores(self.model, batch, acc)
+                loss = pairwise_loss(chosen, rejected, batch["margin"], coef)
+                acc.backward(loss)
+            loss_total += float(loss.detach()) / len(groups)
+            correct += float((chosen > rejected).float().mean()) / len(groups)
+        grad_norm = clip_gradients(self.model, acc, self.cfg.train.max_grad_norm)
+        check_finite(loss_total, self.model, self.step + 1)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        figures = _reduce_mean({"loss": loss_total, "accuracy": correct}, acc)
+        return {"train/loss": figures["loss"], "train/accuracy": figures["accuracy"], "train/grad_norm": grad_norm}
 
+    @torch.no_grad()
+    def score_pairs(self, pairs: list, max_batches: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) scores of `pairs`, gathered from every rank (padding batches excluded)."""
+        acc = self.accelerator
+        chosen, rejected = [], []
+        with eval_mode(self.model):
+            for indices, counts in eval_shards(len(pairs), self.cfg.train.batch_size, acc.num_processes, acc.process_index, max_batches):
+                c, r = pair_scores(self.model, self.collate(self.collator, pairs, indices), acc)
+                keep = torch.full_like(c, 1.0 if counts else float("nan"))
+                chosen.append(c * keep)
+                rejected.append(r * keep)
+        c, r = torch.cat(chosen), torch.cat(rejected)
+        if acc.num_processes > 1:
+            c, r = acc.gather_for_metrics(c), acc.gather_for_metrics(r)
+        ok = ~torch.isnan(c)
+        return c[ok].cpu(), r[ok].cpu()
 
-def run_stage(cfg: RMConfig) -> Run:
-    """validate -> setup -> train -> reward stats -> merge (merged/ with reward_stats) -> summary."""
-    started = time.time()
-    prepared = validate(cfg)
-    run = setup(cfg, prepared)
-    if not train(run):
-        return run
-    stats = reward_stats(run, cfg.reward.stats_max_pairs)
-    log.info("reward statistics over the training responses: %s", stats)
-    merged = finish(run, extra_manifest={"reward_stats": stats})
-    if run.is_main:
-        record_stats_in_config(Path(merged), stats)
-        write_summary(cfg.output_dir, summarize(run, stats, time.time() - started))
-    run.accelerator.wait_for_everyone()
-    return run
+    def evaluate(self) -> Optional[dict[str, float]]:
+        """eval/accuracy, eval/margin (mean r_c - r_r) and eval/loss on the held-out pairs."""
+        if not self.eval_samples:
+            return None
+        chosen, rejected = self.score_pairs(self.eval_samples, self.cfg.train.eval_batches)
+        # eval/loss is the plain pairwise loss (no margin column, no centring), comparable across runs
+        return {"eval/accuracy": float((chosen > rejected).float().mean()), "eval/margin": float((chosen - rejected).mean()),
+                "eval/loss": float(pairwise_loss(chosen, rejected))}
 
+    def before_export(self) -> None:
+        """The reward statistics over the training responses (both sides), for PPO's normaliser."""
+        limit = self.cfg.reward.stats_max_pairs
+        chosen, rejected = self.score_pairs(self.train_samples[:limit] if limit else self.train_samples)
+        self.reward_stats = stats_of(torch.cat([chosen, rejected]))
+        log.info("reward statistics over the training responses: %s", self.reward_stats)
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = load_config(RMConfig, argv, prog="stages/reward.py")
-        run_stage(cfg)
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
-    return 0
+    def manifest_extras(self) -> dict:
+        return {"reward_stats": self.reward_stats}
+
+    def export(self, summary: dict) -> Optional[Path]:
+        merged = super().export(summary)
+        if merged is not None:
+            record_stats_in_config(Path(merged), self.reward_stats)
+        return merged
+
+    def progress(self, figures: dict[str, float]) -> dict[str, str]:
+        return {"loss": f"{figures['train/loss']:.4f}", "acc": f"{figures['train/accuracy']:.2f}"}
+
+    def summary(self) -> dict:
+        steps, evals = self.history.steps, self.history.evals
+        last = evals[-1] if evals else {}
+        return {
+            "train_loss_first": steps[0]["train/loss"] if steps else None,
+            "train_loss_last": steps[-1]["train/loss"] if steps else None,
+            "train_accuracy_last": steps[-1]["train/accuracy"] if steps else None,
+            "eval_accuracy": last.get("eval/accuracy"),
+            "eval_margin": last.get("eval/margin"),
+            "eval_loss_last": last.get("eval/loss"),
+            "eval_loss_first": evals[0]["eval/loss"] if evals else None,
+            "reward_stats": self.reward_stats,
+            "steps": self.step,
+            "wall_seconds": self.history.wall_seconds(),
+        }
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(RMStage))

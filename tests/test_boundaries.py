@@ -28,6 +28,7 @@ from pipeline.models import load_tokenizer
 from pipeline.rollout import ActorCritic, HFGenerator, assemble
 from pipeline.scoring import reward_readout_index, sequence_scores
 from stages.reward import PairCollator
+from stagerun import run_stage
 from tinymodels import make_tiny_model
 
 QUESTION = "What is the capital of Oru?"
@@ -148,28 +149,29 @@ def _run_stage(stage, tmp_path, model, finetuning, checkpointing, reward_dir):
     out = tmp_path / f"{stage}-{finetuning}-{checkpointing}"
     argv = _common(out, model, finetuning, checkpointing)
     if stage == "pt":
-        from stages.pretrain import PTConfig, run_stage
+        from stages.pretrain import PTStage as stage_class
 
         docs = _jsonl(tmp_path / "docs.jsonl", [{"text": f"Document {i} about the islands and their harbours."} for i in range(6)])
-        run_stage(load_config(PTConfig, argv + ["--data.train", f"[{docs}]", "--data.eval", "[]", "--train.seq_length", "16"]))
+        argv += ["--data.train", f"[{docs}]", "--data.eval", "[]", "--train.seq_length", "16"]
     elif stage == "sft":
-        from stages.sft import SFTConfig, run_stage
+        from stages.sft import SFTStage as stage_class
 
         chats = _jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"Q{i}?"},
                                                                {"role": "assistant", "content": f"A{i}."}]} for i in range(4)])
-        run_stage(load_config(SFTConfig, argv + ["--data.train", f"[{chats}]", "--data.eval", "[]"]))
+        argv += ["--data.train", f"[{chats}]", "--data.eval", "[]"]
     elif stage == "rm":
-        from stages.reward import RMConfig, run_stage
+        from stages.reward import RMStage as stage_class
 
         pairs = _jsonl(tmp_path / "pairs.jsonl", [{"question": f"Q{i}?", "response_chosen": "Yes.", "response_rejected": "No."}
                                                  for i in range(4)])
-        run_stage(load_config(RMConfig, argv + ["--data.train", f"[{pairs}]", "--data.eval", "[]"]))
+        argv += ["--data.train", f"[{pairs}]", "--data.eval", "[]"]
     else:
-        from stages.ppo import PPOConfig, train
+        from stages.ppo import PPOStage as stage_class
 
         prompts = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Question {i}?"} for i in range(4)])
-        train(load_config(PPOConfig, argv + ["--data.train", f"[{prompts}]", "--data.eval", "[]", "--reward_model.path",
-                                             str(reward_dir), "--generation.max_new_tokens", "3", "--ppo.epochs", "1"]))
+        argv += ["--data.train", f"[{prompts}]", "--data.eval", "[]", "--reward_model.path", str(reward_dir),
+                 "--generation.max_new_tokens", "3", "--ppo.epochs", "1"]
+    run_stage(stage_class, argv)
     return out
 
 
@@ -202,7 +204,7 @@ def test_evaluation_gives_every_module_back_its_mode(tiny_model_dir):
     back exactly as it was. Before, `model.train()` afterwards switched every module to train."""
     from pipeline.config import LoraConfig, ModelConfig
     from pipeline.models import load_model, train_without_dropout
-    from pipeline.training import evaluate
+    from pipeline.engine.steps import heldout_token_loss as evaluate
 
     model = load_model(ModelConfig(path=str(tiny_model_dir), finetuning="lora"), LoraConfig(r=4, dropout=0.1), kind="causal")
     train_without_dropout(model)

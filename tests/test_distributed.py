@@ -21,7 +21,7 @@ STEPS = 3
 def curve(out: Path) -> list[float]:
     """Per-step losses recorded in the final checkpoint."""
     trainer = json.loads((out / "checkpoints" / f"step-{STEPS:07d}" / "trainer.json").read_text())
-    return [r["loss"] for r in trainer["history"]["steps"]]
+    return [r["train/loss"] for r in trainer["history"]["steps"]]
 
 
 def args(model, train, valid, out, batch_size):
@@ -42,12 +42,13 @@ def one_process_curve(tiny_model_dir, tmp_path_factory):
     """One process, batch 4 x accumulation 2: the reference for 2 ranks x batch 2 x accumulation 2."""
     from accelerate.state import AcceleratorState
 
-    from stages.sft import SFTConfig, run_stage
+    from stages.sft import SFTStage
+    from stagerun import run_stage
 
     tmp = tmp_path_factory.mktemp("dist")
     train, valid = write_sft(tmp / "data", 12, 4)
     AcceleratorState._reset_state(True)
-    run_stage(load_config(SFTConfig, args(tiny_model_dir, train, valid, tmp / "one", 4)))
+    run_stage(SFTStage, args(tiny_model_dir, train, valid, tmp / "one", 4))
     AcceleratorState._reset_state(True)
     return tmp, train, valid, curve(tmp / "one")
 
@@ -69,7 +70,7 @@ def test_two_processes_match_one(engine, one_process_curve, tiny_model_dir):
 def test_deepspeed_is_refused_clearly_on_cpu(tiny_model_dir, tmp_path):
     from stages.sft import SFTConfig
 
-    from pipeline.training import setup_accelerator
+    from pipeline.engine.accelerator import setup_accelerator
 
     cfg = load_config(SFTConfig, ["--model.path", str(tiny_model_dir), "--distributed.engine", "deepspeed",
                                   "--distributed.deepspeed_config", str(ROOT / "deepspeed_configs" / "zero2.json")])

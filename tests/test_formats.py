@@ -4,7 +4,7 @@ PPO builders."""
 from __future__ import annotations
 
 import json
-from collections import Counter
+
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,6 @@ from data_formats.conversation import Turn
 from data_formats.datasets import (build_preference_data, build_prompt_data, build_pt_data, build_sft_data,
                                    in_eval_fraction)
 from data_formats.render import IGNORE_INDEX, make_template, render
-from data_formats.sampling import length_grouped_order, task_sampling_order
 from data_formats.validate import read_and_parse
 from pipeline.config import ChatDataConfig, PreferenceDataConfig, PromptDataConfig, TextDataConfig
 
@@ -105,35 +104,6 @@ def test_truncation_policies(tmp_path, tok, caplog):
     assert tok.decode([x for x in kept.samples[0]["labels"] if x != IGNORE_INDEX]) == "answer 0.0<|im_end|>answer 0.1<|im_end|>"
     tiny = build_sft_data(cfg, tok, template, len(one_turn) - 1, "train")
     assert tiny.stats["dropped_overlong"] == 2 and tiny.samples == []
-
-
-def test_task_sampling_order():
-    task_ids = [0] * 10 + [1] * 2
-    order = task_sampling_order(task_ids, {0: 1.0, 1: 1.0}, seed=3, num_samples=400)
-    assert order == task_sampling_order(task_ids, {0: 1.0, 1: 1.0}, seed=3, num_samples=400)
-    counts = Counter(task_ids[i] for i in order)
-    assert 160 < counts[1] < 240  # equal task weights despite 5x fewer samples
-    draws_of_1 = [i for i in order if task_ids[i] == 1]
-    # Within a task, every sample is used once before any repeats (reshuffled per pass).
-    assert all(sorted(draws_of_1[k:k + 2]) == [10, 11] for k in range(0, len(draws_of_1) - 1, 2))
-    uniform = Counter(task_ids[i] for i in task_sampling_order(task_ids, {}, seed=0, num_samples=400))
-    assert 160 < uniform[1] < 240  # no weights: uniform over tasks
-    skewed = Counter(task_ids[i] for i in task_sampling_order(task_ids, {0: 3.0, 1: 1.0}, seed=0, num_samples=400))
-    assert 70 < skewed[1] < 130
-    only0 = task_sampling_order(task_ids, {0: 1.0}, seed=0, num_samples=10)
-    assert sorted(only0) == list(range(10))  # a full pass over task 0 before any repeat
-    with pytest.raises(ValueError, match="no samples"):
-        task_sampling_order(task_ids, {5: 1.0}, seed=0)
-    with pytest.raises(ValueError, match=">= 0"):
-        task_sampling_order(task_ids, {0: -1.0, 1: 1.0}, seed=0)
-
-
-def test_length_grouped_order():
-    lengths = [5, 50, 6, 49, 7, 48, 8, 47]
-    order = length_grouped_order(lengths, batch_size=2, seed=1, mega=4)
-    assert sorted(order) == list(range(8)) and order == length_grouped_order(lengths, 2, 1, 4)
-    batches = [sorted(lengths[i] for i in order[k:k + 2]) for k in range(0, 8, 2)]
-    assert all(b[1] - b[0] <= 3 for b in batches)
 
 
 def test_pt_data_from_txt_and_jsonl(tmp_path, tok):

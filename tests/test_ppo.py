@@ -5,13 +5,17 @@ an unbroken run."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipeline.config import ConfigError
+from pipeline.experience import make_experience
 from pipeline.rollout import actor_critic_backward, assemble, cut_at_eos
+from stagerun import run_stage
 from stages import ppo
 from tinymodels import make_tiny_model
 
@@ -42,6 +46,14 @@ def make_cfg(out, policy, reward, prompts, **train) -> ppo.PPOConfig:
     return cfg
 
 
+def built(cfg) -> ppo.PPOStage:
+    """A PPO stage validated and built (models, optimizer), ready for train_step."""
+    stage = ppo.PPOStage(cfg)
+    stage.validate()
+    stage.build()
+    return stage
+
+
 def test_cut_at_eos_and_assemble_layout():
     assert cut_at_eos([5, 6, EOS, PAD, PAD], [EOS]) == ([5, 6, EOS], True)
     assert cut_at_eos([5, 6, 7], [EOS]) == ([5, 6, 7], False)
@@ -59,9 +71,12 @@ def test_tokenizer_mismatch_is_refused(tmp_path, tiny_model_dir, tiny_reward_dir
     shutil.copytree(tiny_reward_dir, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "vocab_size": 49160}))
-    ppo.check_shared_tokenizer(str(tiny_model_dir), str(tiny_reward_dir))  # same tokenizer: fine
-    with pytest.raises(ValueError, match="vocab size: policy .* has 49152, reward model .* has 49160"):
-        ppo.check_shared_tokenizer(str(tiny_model_dir), str(other))
+    assert ppo.tokenizer_problems(str(tiny_model_dir), str(tiny_reward_dir)) == []  # same tokenizer: fine
+    (problem,) = ppo.tokenizer_problems(str(tiny_model_dir), str(other))
+    assert re.search("vocab size: policy .* has 49152, reward model .* has 49160", problem)
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, other, tmp_path / "none.jsonl")
+    with pytest.raises(ConfigError, match="do not share a tokenizer"):  # refused before anything loads
+        ppo.PPOStage(cfg).validate()
 
 
 def test_config_problems_reported_together():
@@ -77,7 +92,7 @@ def test_first_step_is_exactly_on_policy(tmp_path, tiny_model_dir, tiny_reward_d
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=2, learning_rate=1e-2)
     cfg.ppo.mini_batch_size, cfg.train.grad_accum = 2, 2
     seen = {}
-    ppo.train(cfg, on_step=lambda step, metrics, exp: seen.__setitem__(step, (metrics, exp)))
+    run_stage(ppo.PPOStage, cfg, on_step=lambda stage, metrics: seen.__setitem__(stage.step, (metrics, stage.last_experience)))
     metrics, exp = seen[1]
     # before any update the adapter is zero: policy == reference bit for bit, so KL is exactly 0
     assert torch.equal(exp.old_logprobs, exp.ref_logprobs)
@@ -94,7 +109,7 @@ def test_first_step_is_exactly_on_policy(tmp_path, tiny_model_dir, tiny_reward_d
 def test_reference_and_reward_weights_unchanged(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file, finetuning):
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=2, learning_rate=1e-2)
     cfg.model.finetuning = finetuning
-    s = ppo.setup(cfg)
+    s = built(cfg)
     if finetuning == "full":
         frozen = {f"ref.{n}": p for n, p in s.inner.reference.named_parameters()}
         frozen.update({f"rm.{n}": p for n, p in s.inner.reward.named_parameters()})
@@ -103,12 +118,11 @@ def test_reference_and_reward_weights_unchanged(tmp_path, tiny_model_dir, tiny_r
         assert any("score.original_module" in n for n in frozen)  # the RM head is among them
     before = {n: p.detach().clone() for n, p in frozen.items()}
     trained_before = {n: p.detach().clone() for n, p in s.inner.named_parameters() if p.requires_grad}
-    probe = assemble([s.train_prompts[0]["prompt_ids"]], [[11, 12, 13, EOS]], PAD, [EOS])
+    probe = assemble([s.train_samples[0]["prompt_ids"]], [[11, 12, 13, EOS]], PAD, [EOS])
     ref_before = s.inner.reference_logprobs(probe.input_ids, probe.attention_mask, probe.prompt_width, 1.0)
     rm_before = s.inner.reward_scores(probe.input_ids, probe.attention_mask)
-    run = ppo.new_run_state(cfg, s.reward_path)
     for _ in range(2):
-        ppo.ppo_step(s, run, cfg)
+        s.train_step()
     assert all(torch.equal(before[n], p) for n, p in frozen.items())
     changed = [n for n, p in s.inner.named_parameters() if p.requires_grad and not torch.equal(trained_before[n], p)]
     assert changed  # negative control: the trainable weights did move
@@ -120,17 +134,15 @@ def test_separate_passes_give_the_joint_gradients(tmp_path, tiny_model_dir, tiny
     """One process runs the policy and the critic one after the other (half the activation
     memory); the gradients must be exactly those of the joint pass that DDP/DeepSpeed use."""
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=1, learning_rate=1e-2)
-    s = ppo.setup(cfg)
-    run = ppo.new_run_state(cfg, s.reward_path)
-    ppo.ppo_step(s, run, cfg)  # move the adapters off zero, so both losses have non-trivial gradients
-    batch = s.train_prompts[:4]
-    rollout = assemble([p["prompt_ids"] for p in batch], s.generator.generate([p["prompt_ids"] for p in batch]), PAD, [EOS])
-    exp = ppo.make_experience(s.inner, rollout, [p["text"] for p in batch], cfg=cfg, kl_coef=0.05, normaliser=run.normaliser,
-                              reward_fn=None, accelerator=s.accelerator)
+    s = built(cfg)
+    s.train_step()  # move the adapters off zero, so both losses have non-trivial gradients
+    batch = s.train_samples[:4]
+    exp = make_experience(s.inner, s.rollout(batch), [p["text"] for p in batch], cfg=cfg, kl_coef=0.05, normaliser=s.normaliser,
+                          reward_fn=None, accelerator=s.accelerator)
     grads, stats = {}, {}
     for separate in (True, False):
         s.optimizer.zero_grad(set_to_none=True)
-        stats[separate] = actor_critic_backward(s.model, exp, torch.arange(4), s.accelerator, scale=0.5, separate=separate,
+        stats[separate] = actor_critic_backward(s.model, exp, torch.arange(4), s.accelerator, separate=separate,
                                                   temperature=cfg.generation.temperature, cliprange=cfg.ppo.cliprange,
                                                   cliprange_value=cfg.ppo.cliprange_value, vf_coef=cfg.ppo.vf_coef)
         grads[separate] = {n: p.grad.clone() for n, p in s.inner.named_parameters() if p.grad is not None}
@@ -169,10 +181,11 @@ def test_learning_raises_reward_and_lr0_does_not(tmp_path, peaked_policy, tiny_r
         def reward_fn(texts, responses):
             return torch.tensor([sum(t == target for t in r) / len(r) for r in responses])
 
-        s_prompts = ppo.setup_data(cfg, __import__("pipeline.models", fromlist=["x"]).load_tokenizer(str(peaked_policy)))[1]
-        target = _target_token(peaked_policy, s_prompts)
+        probe = ppo.PPOStage(cfg)
+        probe.validate()
+        target = _target_token(peaked_policy, probe.train_samples)
         rewards = []
-        ppo.train(cfg, reward_fn=reward_fn, on_step=lambda step, m, e: rewards.append(m["ppo/reward_raw"]))
+        run_stage(ppo.PPOStage, cfg, reward_fn=reward_fn, on_step=lambda stage, m: rewards.append(m["ppo/reward_raw"]))
         curves[lr] = rewards
     learned, frozen = curves[2e-3], curves[0.0]
     assert learned[0] == frozen[0]  # same seed, same first rollout
@@ -190,14 +203,15 @@ def test_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, tiny_reward_di
         else:
             monkeypatch.setenv("RELAY_STOP_AFTER_STEP", str(stop))
         steps = {}
-        result = ppo.train(cfg, on_step=lambda step, m, e: steps.__setitem__(step, (m, e.rollout.responses)))
-        return result, steps
+        stage = run_stage(ppo.PPOStage, cfg, on_step=lambda st, m: steps.__setitem__(st.step, (m, st.last_experience.rollout.responses)))
+        return stage, steps
 
     _, unbroken = run(tmp_path / "a")
     first, before = run(tmp_path / "b", stop=2)
-    assert first == {"stopped_at": 2} and sorted(before) == [1, 2]
+    assert first.step == 2 and first.final_summary is None and sorted(before) == [1, 2]
     assert not (tmp_path / "b" / "merged").exists()
-    summary, after = run(tmp_path / "b", resume=True)
+    resumed, after = run(tmp_path / "b", resume=True)
+    summary = resumed.final_summary
     assert sorted(after) == [3]
     for step, (metrics, responses) in {**before, **after}.items():
         assert responses == unbroken[step][1], step

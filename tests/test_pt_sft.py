@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, load_config
+from stagerun import recording, run_stage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,9 +55,9 @@ def sft_args(model, train, valid, out, *extra):
 
 
 def run_sft(argv):
-    from stages.sft import SFTConfig, run_stage
+    from stages.sft import SFTStage
 
-    return run_stage(load_config(SFTConfig, argv))
+    return run_stage(recording(SFTStage), argv)
 
 
 def test_sft_resume_is_exact_and_ignores_a_torn_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
@@ -74,16 +75,16 @@ def test_sft_resume_is_exact_and_ignores_a_torn_checkpoint(tiny_model_dir, tmp_p
     second = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "cut", *common))
     assert [r["step"] for r in second.history.steps] == list(range(1, 7))
     for want, got in zip(full.history.steps[3:], second.history.steps[3:]):
-        assert (got["loss"], got["lr"], got["grad_norm"]) == (want["loss"], want["lr"], want["grad_norm"])
+        assert (got["train/loss"], got["train/lr"], got["train/grad_norm"]) == (want["train/loss"], want["train/lr"], want["train/grad_norm"])
     assert second.batch_ids == full.batch_ids[3:]
-    assert second.extra["coba"].weights() == full.extra["coba"].weights() != [0.5, 0.5]
+    assert second.coba.weights() == full.coba.weights() != [0.5, 0.5]
     assert (tmp_path / "cut" / "merged" / "manifest.json").is_file()
     summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["train_loss_first"] == full.history.steps[0]["loss"]
+    assert summary["steps"] == 6 and summary["train_loss_first"] == full.history.steps[0]["train/loss"]
 
 
 def test_validate_reports_every_problem_before_loading_a_model(tiny_model_dir, tmp_path):
-    from stages.sft import SFTConfig, validate
+    from stages.sft import SFTConfig, SFTStage
 
     train, valid = write_sft(tmp_path / "data", 4, 2)
     cfg = load_config(SFTConfig, sft_args(tiny_model_dir, train, valid, tmp_path / "o"))
@@ -91,7 +92,7 @@ def test_validate_reports_every_problem_before_loading_a_model(tiny_model_dir, t
     cfg.multitask.weighted_loss_mode = "case9"
     cfg.train.lr_schedule = "zigzag"
     with pytest.raises(ConfigError) as err:
-        validate(cfg)
+        SFTStage(cfg).validate()
     text = str(err.value)
     assert "missing.jsonl" in text and "case9" in text and "zigzag" in text
     bad = tmp_path / "bad"
@@ -99,7 +100,7 @@ def test_validate_reports_every_problem_before_loading_a_model(tiny_model_dir, t
     (bad / "t.jsonl").write_text(json.dumps(chat("q", "a", "t")) + "\n{not json\n")
     cfg = load_config(SFTConfig, sft_args(tiny_model_dir, bad, valid, tmp_path / "o"))
     with pytest.raises(ConfigError, match=r"t.jsonl:2"):
-        validate(cfg)
+        SFTStage(cfg).validate()
 
 
 def test_case3_trains_the_small_task_at_least_as_fast(tiny_model_dir, tmp_path):
@@ -108,10 +109,9 @@ def test_case3_trains_the_small_task_at_least_as_fast(tiny_model_dir, tmp_path):
     for mode in ("none", "case3"):
         run = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / mode, "--train.max_steps", "6", "--train.eval_steps", "6",
                                "--multitask.weighted_loss_mode", mode, "--lora.dropout", "0", "--train.lr_schedule", "constant"))
-        small = run.tasks.index("small")
         first = json.loads((tmp_path / mode / "merged" / "manifest.json").read_text())
         assert first["tasks"] == ["big", "small"]
-        small_loss[mode] = run.history.evals[-1]["task_losses"][small]
+        small_loss[mode] = run.history.evals[-1]["eval/loss_task/small"]
     # Both runs start from the same weights (LoRA's B is zero), so a lower final loss is a faster fall.
     print("small-task eval loss after 6 steps:", small_loss)
     assert small_loss["case3"] <= small_loss["none"]
@@ -125,7 +125,7 @@ def test_case3_trains_the_small_task_at_least_as_fast(tiny_model_dir, tmp_path):
 
 
 def test_pt_packs_documents_and_merges(tiny_model_dir, tmp_path):
-    from stages.pretrain import PTConfig, run_stage
+    from stages.pretrain import PTConfig, PTStage
 
     docs = tmp_path / "pt.jsonl"
     docs.write_text("".join(json.dumps({"text": f"document {i} " + "lorem ipsum " * (i % 5 + 1)}) + "\n" for i in range(40)))
@@ -133,7 +133,7 @@ def test_pt_packs_documents_and_merges(tiny_model_dir, tmp_path):
                                  "--data.eval_fraction", "0.2", "--output_dir", str(tmp_path / "pt"), "--train.max_steps", "3",
                                  "--train.seq_length", "32", "--train.batch_size", "2", "--train.learning_rate", "1e-2",
                                  "--train.eval_steps", "0", "--checkpoint.save_interval", "1000h"])
-    run = run_stage(cfg)
+    run = run_stage(PTStage, cfg)
     assert len(run.history.steps) == 3 and run.history.evals  # the final evaluation on the carved-off split
     batch = run.collator([run.train_samples[0]])
     assert batch["attention_mask"].shape == (1, 1, 32, 32)  # block-causal: no attention across documents
@@ -170,7 +170,7 @@ def test_embedded_lora_bf16_learns_the_answer_format(embedded_path, tmp_path):
                    "--train.seq_length", "64", "--train.batch_size", "3", "--train.grad_accum", "1", "--train.learning_rate", "5e-3",
                    "--train.warmup", "0", "--train.precision", "bf16", "--train.eval_steps", "0", "--lora.r", "8",
                    "--lora.dropout", "0", "--checkpoint.save_interval", "1000h"])
-    losses = [r["loss"] for r in run.history.steps]
+    losses = [r["train/loss"] for r in run.history.steps]
     assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3
     tok = AutoTokenizer.from_pretrained(out / "merged")
     model = AutoModelForCausalLM.from_pretrained(out / "merged", torch_dtype=torch.float32).eval()
@@ -182,7 +182,7 @@ def test_embedded_lora_bf16_learns_the_answer_format(embedded_path, tmp_path):
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
-    import pipeline.training as training
+    import pipeline.engine.steps as training
     from pipeline.checkpoint import complete_checkpoints
 
     real = training.token_losses

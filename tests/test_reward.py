@@ -16,6 +16,7 @@ from data_formats.collate import left_pad
 from pipeline.manifest import read_manifest
 from pipeline.scoring import reward_readout_index, sequence_scores, token_scores
 from stages import reward as rm
+from stagerun import recording, run_stage
 
 PAIRS = [
     ("What colour is the sky?", "The sky is blue.", "I do not know."),
@@ -97,7 +98,7 @@ def test_rm_stage_head_survives_merge_and_stats_recorded(tmp_path, tiny_model_di
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, pair_files)
     set_seed(cfg.train.seed)  # the stage seeds the same way before creating the fresh head
     initial_head = load_model(cfg.model, None, kind="reward").score.weight.detach().clone()
-    rm.run_stage(cfg)
+    run_stage(rm.RMStage, cfg)
     out = tmp_path / "out"
     summary = json.loads((out / "summary.json").read_text())
     for key in ("train_loss_first", "train_loss_last", "eval_accuracy", "eval_margin", "eval_loss_last", "steps", "wall_seconds"):
@@ -112,8 +113,9 @@ def test_rm_stage_head_survives_merge_and_stats_recorded(tmp_path, tiny_model_di
     # reward_stats: the merged model's own scores over the training responses
     stats = read_manifest(out / "merged")["reward_stats"]
     assert json.loads((out / "merged" / "config.json").read_text())[rm.REWARD_STATS_KEY] == stats
-    prepared = rm.validate(cfg)
-    seqs = [p["chosen_input_ids"] for p in prepared.train] + [p["rejected_input_ids"] for p in prepared.train]
+    prepared = rm.RMStage(cfg)
+    prepared.validate()
+    seqs = [p["chosen_input_ids"] for p in prepared.train_samples] + [p["rejected_input_ids"] for p in prepared.train_samples]
     ids, mask = left_pad(seqs, prepared.tokenizer.pad_token_id)
     with torch.no_grad():
         scores = sequence_scores(merged, ids, mask).double()
@@ -125,16 +127,16 @@ def test_rm_stage_head_survives_merge_and_stats_recorded(tmp_path, tiny_model_di
 def test_rm_resume_equals_continuous(tmp_path, tiny_reward_dir, pair_files, monkeypatch):
     cfg = make_cfg(tmp_path / "a", tiny_reward_dir, pair_files, eval_steps=0)
     monkeypatch.delenv("RELAY_STOP_AFTER_STEP", raising=False)
-    continuous = rm.run_stage(cfg)
+    continuous = run_stage(recording(rm.RMStage), cfg)
     cfg_b = make_cfg(tmp_path / "b", tiny_reward_dir, pair_files, eval_steps=0)
     monkeypatch.setenv("RELAY_STOP_AFTER_STEP", "2")
-    stopped = rm.run_stage(cfg_b)
+    stopped = run_stage(recording(rm.RMStage), cfg_b)
     assert stopped.step == 2 and not (tmp_path / "b" / "merged").exists()
     monkeypatch.delenv("RELAY_STOP_AFTER_STEP")
     cfg_b.checkpoint.resume = True
-    resumed = rm.run_stage(cfg_b)
+    resumed = run_stage(recording(rm.RMStage), cfg_b)
     assert resumed.batch_ids == continuous.batch_ids[2:]
-    assert [s["loss"] for s in resumed.history.steps] == [s["loss"] for s in continuous.history.steps]
+    assert [s["train/loss"] for s in resumed.history.steps] == [s["train/loss"] for s in continuous.history.steps]
     a = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -147,7 +149,7 @@ def test_end_to_end_embedded_rm_then_ppo(tmp_path, embedded_path, pair_files):
     rm_cfg = make_cfg(tmp_path / "rm", embedded_path, pair_files, max_steps=2, eval_steps=0)
     # a short system turn replaces SmolLM2's ~30-token default one: shorter sequences, same code paths
     rm_cfg.data.eval, rm_cfg.reward.stats_max_pairs, rm_cfg.data.system_prompt = [], 2, "Be brief."
-    rm.run_stage(rm_cfg)
+    run_stage(rm.RMStage, rm_cfg)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q, _, _ in PAIRS[:4]))
     cfg = ppo.PPOConfig(output_dir=str(tmp_path / "ppo"))
@@ -158,7 +160,7 @@ def test_end_to_end_embedded_rm_then_ppo(tmp_path, embedded_path, pair_files):
     cfg.ppo.reward_norm, cfg.ppo.epochs = "stored", 1
     cfg.lora.r = 4
     cfg.checkpoint.resume = False
-    summary = ppo.train(cfg)
+    summary = run_stage(ppo.PPOStage, cfg).final_summary
     for key in ("reward_first", "reward_last", "kl_last", "steps", "wall_seconds"):
         assert summary[key] is not None, key
     assert summary["eval_reward_first"] is None and summary["steps"] == 2  # evaluation is off here

@@ -11,7 +11,8 @@ from data_formats.datasets import build_pt_data
 from data_formats.sources import DataError
 from data_formats.streaming import PackedTextStream
 from pipeline.config import ConfigError, load_config
-from stages.pretrain import PTConfig, PTData, run_stage, validate
+from stages.pretrain import PTConfig, PTData, PTStage
+from stagerun import run_stage
 from test_pt_sft import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 
 SEQ = 16
@@ -66,15 +67,16 @@ def pt_args(model, data, out, *extra):
 def test_bad_records_are_reported_together_before_training(tiny_model_dir, corpus, tmp_path):
     (corpus / "c.jsonl").write_text(json.dumps({"text": "fine"}) + "\n{broken\n" + json.dumps({"txt": "no text field"}) + "\n")
     with pytest.raises(ConfigError) as err:
-        validate(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "o")))
+        PTStage(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "o"))).validate()
     assert "c.jsonl:2:" in str(err.value) and "c.jsonl:3:" in str(err.value)
     carve = pt_args(tiny_model_dir, corpus, tmp_path / "o", "--data.eval_fraction", "0.1", "--data.on_error", "skip")
     with pytest.raises(ConfigError, match="data.eval_fraction: carving an eval split reads the whole corpus"):
-        validate(load_config(PTConfig, carve))
-    prepared = validate(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "o", "--data.on_error", "skip")))
+        PTStage(load_config(PTConfig, carve)).validate()
+    prepared = PTStage(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "o", "--data.on_error", "skip")))
+    prepared.validate()
     clean = shutil.copytree(corpus, tmp_path / "clean")
     (clean / "c.jsonl").write_text(json.dumps({"text": "fine"}) + "\n")
-    rows = take(prepared.train, 20)
+    rows = take(prepared.stream, 20)
     assert rows == take(PackedTextStream([str(clean)], prepared.tokenizer, SEQ), 20)  # exactly the two bad records dropped
     (clean / "c.jsonl").unlink()
     assert rows != take(PackedTextStream([str(clean)], prepared.tokenizer, SEQ), 20)  # the good record of c.jsonl is kept
@@ -83,17 +85,17 @@ def test_bad_records_are_reported_together_before_training(tiny_model_dir, corpu
 
 
 def test_streamed_pt_run_resumes_bit_for_bit(tiny_model_dir, corpus, tmp_path, monkeypatch):
-    full = run_stage(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "full")))
+    full = run_stage(PTStage, pt_args(tiny_model_dir, corpus, tmp_path / "full"))
     monkeypatch.setenv("RELAY_STOP_AFTER_STEP", "3")
-    cut = run_stage(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "cut")))
+    cut = run_stage(PTStage, pt_args(tiny_model_dir, corpus, tmp_path / "cut"))
     assert cut.step == 3 and not (tmp_path / "cut" / "merged").exists()
     monkeypatch.delenv("RELAY_STOP_AFTER_STEP")
-    resumed = run_stage(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "cut")))
+    resumed = run_stage(PTStage, pt_args(tiny_model_dir, corpus, tmp_path / "cut"))
     assert [r["step"] for r in resumed.history.steps] == list(range(1, 7))
     for want, got in zip(full.history.steps[3:], resumed.history.steps[3:]):
-        assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"])
-    assert full.history.steps[3]["loss"] != full.history.steps[0]["loss"]
-    assert resumed.extra["stream"].state_dict() == full.extra["stream"].state_dict()
+        assert (got["train/loss"], got["train/grad_norm"]) == (want["train/loss"], want["train/grad_norm"])
+    assert full.history.steps[3]["train/loss"] != full.history.steps[0]["train/loss"]
+    assert resumed.stream.state_dict() == full.stream.state_dict()
     assert (tmp_path / "cut" / "merged" / "manifest.json").is_file()
 
 
@@ -101,10 +103,9 @@ def test_two_processes_stream_the_same_global_batches(tiny_model_dir, corpus, tm
     """Each rank reads the stream and keeps its share: 2 ranks x batch 2 give the 1 x batch 4 curve."""
     from test_distributed import torchrun
 
-    one = run_stage(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "one", "--train.batch_size", "4",
-                                                  "--lora.dropout", "0")))
+    one = run_stage(PTStage, pt_args(tiny_model_dir, corpus, tmp_path / "one", "--train.batch_size", "4", "--lora.dropout", "0"))
     torchrun(pt_args(tiny_model_dir, corpus, tmp_path / "two", "--lora.dropout", "0"), tmp_path, stage="pretrain.py")
     trainer = json.loads((tmp_path / "two" / "checkpoints" / "step-0000006" / "trainer.json").read_text())
-    two = [r["loss"] for r in trainer["history"]["steps"]]
-    assert two == pytest.approx([r["loss"] for r in one.history.steps], rel=1e-5)
+    two = [r["train/loss"] for r in trainer["history"]["steps"]]
+    assert two == pytest.approx([r["train/loss"] for r in one.history.steps], rel=1e-5)
     assert two[-1] != two[0]

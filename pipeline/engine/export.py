@@ -1,0 +1,46 @@
+"""Exporting a trained stage: the adapter (LoRA/QLoRA) and merged/ with its manifest, or the full
+model (full fine-tuning, gathered from the shards under FSDP/ZeRO). The trained model, optimizer
+and scheduler are released before the merge loads the base again, so a stage's peak memory is
+not the training copies plus the merge's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+
+def export_trained(stage, extras: dict) -> Optional[Path]:
+    """Save `stage`'s trained weights and merged/ (every rank calls this; rank 0 returns merged/,
+    the others None). `stage.model`, `.optimizer`, `.scheduler` are None afterwards.
+
+    Raises:
+        MergeError / FileExistsError: from pipeline.merge.
+    """
+    from pipeline.config import to_dict
+    from pipeline.merge import export_full_model, merge_adapter
+
+    acc, cfg = stage.accelerator, stage.cfg
+    out = Path(cfg.output_dir)
+    full = cfg.model.finetuning == "full"
+    trained = acc.unwrap_model(stage.model)
+    if full and acc.num_processes > 1 and acc.distributed_type.name in ("FSDP", "DEEPSPEED"):
+        # Sharded weights: gather the full state (every rank takes part) into a fresh copy on rank 0.
+        state = acc.get_state_dict(stage.model)
+        if acc.is_main_process:
+            from pipeline.models import load_model
+
+            trained = load_model(cfg.model, None, kind=stage.model_kind, tokenizer=stage.tokenizer)
+            trained.load_state_dict(state)
+    common = dict(stage=stage.name, config=to_dict(cfg), extra_manifest=extras, chat_template=stage.chat_template, overwrite=True)
+    merged = None
+    if acc.is_main_process and full:
+        merged = export_full_model(trained, stage.tokenizer, str(out / "merged"), parent=stage.model_path, **common)
+    elif acc.is_main_process:
+        trained.save_pretrained(out / "adapter", safe_serialization=True)
+        stage.tokenizer.save_pretrained(out / "adapter")
+    trained = None
+    stage.model, stage.optimizer, stage.scheduler = acc.free_memory(stage.model, stage.optimizer, stage.scheduler)
+    if acc.is_main_process and not full:
+        merged = merge_adapter(stage.model_path, str(out / "adapter"), str(out / "merged"), kind=stage.model_kind, **common)
+    acc.wait_for_everyone()
+    return merged

@@ -1,0 +1,250 @@
+"""One optimizer step, the same in every stage: accumulation over micro-batches on accelerate's
+own mechanism (`micro_step`), token-normalised language-modelling losses (`lm_train_step`),
+gradient clipping, the non-finite guard, and held-out token losses.
+
+Loss normalisation (the contract `lm_train_step` keeps for PT and SFT): every supervised token
+gets a weight computed from token counts over the *whole* accumulated batch on *every* rank
+(all-reduced before the first backward), so the gradient of one optimizer step is the same
+whether its samples arrive as 1 x 8, 8 x 1 or 2 ranks x 4 micro-batches. In mode 'none' the
+weight is 1 / N_total (the token mean); in 'case3'/'coba' it is w_t / (N_t * sum of w over the
+tasks present), see pipeline.multitask.token_weights. Stages whose loss is a mean per micro-batch
+(RM, PPO) pass it to `accelerator.backward` as it is: accelerate divides it by the number of
+micro-batches and DDP averages over ranks, which is the mean they want.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from data_formats.collate import IGNORE_INDEX
+from pipeline.multitask import token_weights
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient became NaN/inf; raised before the optimizer steps on it."""
+
+
+def check_finite(loss: torch.Tensor | float, model: torch.nn.Module, step: int) -> None:
+    """Refuse a non-finite loss or gradient before the optimizer steps on it.
+
+    Raises:
+        NonFiniteError: naming the step and the first offending parameter.
+    """
+    value = float(loss)
+    if not math.isfinite(value):
+        raise NonFiniteError(f"step {step}: loss is {value}; stopping before the optimizer step (last complete checkpoint kept)")
+    for name, param in model.named_parameters():
+        if param.grad is not None and not torch.isfinite(param.grad).all():
+            raise NonFiniteError(f"step {step}: gradient of {name} is not finite; stopping before the optimizer step")
+
+
+@contextlib.contextmanager
+def micro_step(accelerator, model: torch.nn.Module, index: int, count: int):
+    """Micro-batch `index` of the `count` that make one optimizer step, inside accelerate's
+    `accumulate`: `accelerator.sync_gradients` is True only for the last one, so DDP and FSDP
+    reduce gradients once per step and DeepSpeed's engine steps once per step (outside
+    `accumulate` it is always True, and DeepSpeed would step after every micro-batch).
+    `accelerator.backward` divides each loss by `count` (DeepSpeed's engine does the same).
+    No accelerator: a plain context.
+
+    Raises:
+        ValueError: `count` is not the accelerator's gradient_accumulation_steps.
+    """
+    if accelerator is None:
+        yield
+        return
+    if accelerator.gradient_accumulation_steps != count:
+        raise ValueError(f"micro_step: {count} micro-batches per step, but the accelerator accumulates "
+                         f"{accelerator.gradient_accumulation_steps}")
+    # accelerate counts micro-batches since the start; pinning the count keeps it aligned with
+    # this optimizer step whatever ran before (an interrupted step, an evaluation).
+    accelerator.step = index
+    with accelerator.accumulate(model):
+        yield
+
+
+def is_deepspeed(accelerator) -> bool:
+    """Whether DeepSpeed's engine runs the step (it clips and steps inside `accelerator.backward`)."""
+    return accelerator is not None and getattr(accelerator.state, "deepspeed_plugin", None) is not None
+
+
+def clip_gradients(model: torch.nn.Module, accelerator, max_norm: float) -> float:
+    """Clip the global gradient norm to `max_norm` (0: only measure it); return the norm before clipping."""
+    if is_deepspeed(accelerator):
+        # The engine clips and steps inside accelerator.backward (gradient_clipping in the plugin),
+        # so under DeepSpeed the non-finite guard cannot run before its step; report its norm.
+        norm = model.get_global_grad_norm() if hasattr(model, "get_global_grad_norm") else None
+        return float(norm) if norm is not None else 0.0
+    params = [p for p in model.parameters() if p.grad is not None]
+    limit = max_norm if max_norm and max_norm > 0 else float("inf")
+    if accelerator is not None:
+        norm = accelerator.clip_grad_norm_(params, limit)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
+    return float(norm)
+
+
+def model_inputs(batch: dict) -> dict:
+    """The keys of a batch the model's forward takes."""
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+
+
+def token_losses(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cross-entropy (fp32) and the task index of each predicted token.
+
+    Returns ([B, T-1] losses, 0 where unsupervised; [B, T-1] task ids, -1 where unsupervised).
+    A batch without `task_ids` is one task (0).
+    """
+    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1, :]
+    labels = batch["labels"][:, 1:]
+    mask = labels != IGNORE_INDEX
+    losses = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).clamp(min=0), reduction="none"
+    ).view(labels.shape)
+    losses = torch.where(mask, losses, torch.zeros_like(losses))
+    tasks = batch.get("task_ids")
+    tasks = torch.zeros_like(labels) if tasks is None else tasks[:, 1:].to(labels.device)
+    tasks = torch.where(mask, tasks, torch.full_like(tasks, -1))
+    return losses, tasks
+
+
+def supervised_counts(batches: Sequence[dict], num_tasks: int) -> torch.Tensor:
+    """[num_tasks] supervised-token counts per task over `batches` (float64 for exact sums)."""
+    counts = torch.zeros(num_tasks, dtype=torch.float64)
+    for batch in batches:
+        labels = batch["labels"][:, 1:]
+        tasks = batch.get("task_ids")
+        tasks = torch.zeros_like(labels) if tasks is None else tasks[:, 1:]
+        valid = (labels != IGNORE_INDEX) & (tasks >= 0)
+        counts += torch.bincount(tasks[valid].cpu(), minlength=num_tasks)[:num_tasks].double()
+    return counts
+
+
+def all_reduce_sum(tensor: torch.Tensor, accelerator) -> torch.Tensor:
+    """Sum of `tensor` over ranks (itself on one process)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return tensor
+    return accelerator.reduce(tensor.to(accelerator.device), reduction="sum").cpu()
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step measured (already reduced over ranks)."""
+
+    loss: float
+    task_losses: list[float]
+    task_tokens: list[float]
+    grad_norm: float
+    tokens: int
+
+
+def lm_train_step(
+    model: torch.nn.Module,
+    optimizer,
+    micro_batches: Sequence[dict],
+    accelerator,
+    *,
+    step: int,
+    num_tasks: int = 1,
+    mode: str = "none",
+    task_weights: Optional[Sequence[float]] = None,
+    max_grad_norm: float = 0.0,
+) -> StepResult:
+    """One optimizer step over this rank's micro-batches with token-normalised accumulation.
+
+    Backward runs per micro-batch (memory stays one micro-batch) inside `micro_step`. Gradients are clipped to `max_grad_norm` (0: measured, not clipped), checked finite,
+    then the optimizer steps. The caller steps the scheduler.
+
+    Raises:
+        NonFiniteError: loss or gradients not finite (the optimizer has not stepped).
+    """
+    counts = all_reduce_sum(supervised_counts(micro_batches, num_tasks), accelerator)
+    weights = token_weights(counts, mode, task_weights)
+    world = accelerator.num_processes if accelerator is not None else 1
+    # The weights already normalise over the whole step: undo accelerate's division by the number
+    # of micro-batches and DDP's average over ranks.
+    scale = float(world * len(micro_batches)) if accelerator is not None else 1.0
+    loss_sums = torch.zeros(num_tasks, dtype=torch.float64)
+    objective = torch.zeros((), dtype=torch.float64)
+    tokens = 0
+    for index, batch in enumerate(micro_batches):
+        with micro_step(accelerator, model, index, len(micro_batches)):
+            autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+            with autocast:
+                losses, tasks = token_losses(model, batch)
+            valid = tasks >= 0
+            per_token = torch.where(valid, weights.to(losses.device, torch.float32)[tasks.clamp(min=0)], torch.zeros_like(losses))
+            loss = (losses * per_token).sum()
+            if accelerator is not None:
+                accelerator.backward(loss * scale)
+            else:
+                (loss * scale).backward()
+        objective += loss.detach().double().cpu()
+        loss_sums.index_add_(0, tasks[valid].cpu(), losses[valid].detach().double().cpu())
+        tokens += int((batch["task_ids"] >= 0).sum()) if "task_ids" in batch else batch["input_ids"].numel()
+    # One all-reduce for every figure: [objective, per-task loss sums..., real tokens].
+    totals = all_reduce_sum(torch.cat([objective.view(1), loss_sums, torch.tensor([float(tokens)], dtype=torch.float64)]), accelerator)
+    objective, loss_sums, tokens = totals[0], totals[1:-1], int(totals[-1])
+    grad_norm = clip_gradients(model, accelerator, max_grad_norm)
+    if not (math.isfinite(float(objective)) and math.isfinite(grad_norm)):
+        # The global norm is non-finite iff some gradient is, so the per-parameter scan that
+        # names the culprit runs only then.
+        check_finite(objective, model, step)
+        raise NonFiniteError(f"step {step}: gradient norm is {grad_norm}; stopping before the optimizer step")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    task_losses = [float(loss_sums[t] / counts[t]) if counts[t] > 0 else float("nan") for t in range(num_tasks)]
+    return StepResult(float(objective), task_losses, counts.tolist(), grad_norm, tokens)
+
+
+@torch.no_grad()
+def heldout_token_loss(model: torch.nn.Module, batches: Sequence[dict], accelerator, num_tasks: int = 1) -> dict:
+    """Token-mean loss over `batches` (this rank's share) reduced over ranks, per task too.
+
+    Every rank must pass the same number of batches (see `eval_shards`), because sharded engines
+    (FSDP, ZeRO-3) need all ranks in every forward; a batch may carry a [B] bool `eval_weight`
+    whose False rows run but are not counted (the padding batches of a short rank).
+
+    Returns {'loss', 'ppl', 'task_losses' (nan where a task has no tokens), 'tokens'}.
+    """
+    from pipeline.models import eval_mode
+
+    sums = torch.zeros(num_tasks, dtype=torch.float64)
+    counts = torch.zeros(num_tasks, dtype=torch.float64)
+    with eval_mode(model):
+        for batch in batches:
+            autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+            with autocast:
+                losses, tasks = token_losses(model, batch)
+            valid = (tasks >= 0) & batch.get("eval_weight", torch.ones(1, dtype=torch.bool)).to(tasks.device).view(-1, 1).bool()
+            sums.index_add_(0, tasks[valid].cpu(), losses[valid].double().cpu())
+            counts.index_add_(0, tasks[valid].cpu(), torch.ones(int(valid.sum()), dtype=torch.float64))
+    sums = all_reduce_sum(sums, accelerator)
+    counts = all_reduce_sum(counts, accelerator)
+    total = float(counts.sum())
+    loss = float(sums.sum() / total) if total > 0 else float("nan")
+    per_task = [float(sums[t] / counts[t]) if counts[t] > 0 else float("nan") for t in range(num_tasks)]
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan"), "task_losses": per_task, "tokens": total}
+
+
+def eval_shards(n: int, batch_size: int, world_size: int, rank: int, max_batches: Optional[int] = None) -> list[tuple[list[int], bool]]:
+    """This rank's evaluation batches as (sample indices, counts?) pairs, the same number on every rank.
+
+    Samples are dealt round-robin; a rank whose share runs out repeats its first batch with
+    counts=False (the forward runs, its losses are not counted), so no sample is counted twice.
+    """
+    mine = list(range(rank, n, world_size))
+    per_rank = math.ceil(math.ceil(n / world_size) / batch_size) if n else 0
+    if max_batches is not None:
+        per_rank = min(per_rank, max_batches)
+    out = []
+    for b in range(per_rank):
+        chunk = mine[b * batch_size : (b + 1) * batch_size]
+        out.append((chunk, True) if chunk else (list(range(min(batch_size, n))), False))
+    return out

@@ -1,0 +1,121 @@
+"""PPO's experience and update (the algorithm; the stage is stages/ppo.py): turning a scored
+rollout into shaped rewards, advantages and returns, and `ppo.epochs` passes of clipped policy and
+value updates over mini-batches, each mini-batch one optimizer step accumulated over
+`train.grad_accum` micro-batches (`pipeline.engine.steps.micro_step`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Optional
+
+import torch
+
+from pipeline import rl
+from pipeline.engine.steps import check_finite, clip_gradients, micro_step
+from pipeline.rollout import ActorCritic, Experience, Rollout, actor_critic_backward, score_rollout
+
+RewardFn = Callable[[list[str], list[list[int]]], torch.Tensor]
+"""reward_fn(prompt_texts, response_ids) -> [B] rewards, in place of the reward model's score."""
+
+
+def shape_scores(raw: torch.Tensor, finished: torch.Tensor, normaliser: rl.RunningMoments, cfg, gathered: torch.Tensor) -> torch.Tensor:
+    """Normalise (updating running statistics with every rank's raw scores), clip, then subtract
+    the missing-EOS penalty."""
+    if cfg.ppo.reward_norm == "running":
+        normaliser.update(gathered)
+    scores = normaliser.normalise(raw) if cfg.ppo.reward_norm != "none" else raw.clone()
+    if cfg.ppo.reward_clip:
+        scores = scores.clamp(-cfg.ppo.reward_clip, cfg.ppo.reward_clip)
+    if cfg.generation.missing_eos_penalty:
+        scores = scores - cfg.generation.missing_eos_penalty * (~finished).to(scores.dtype)
+    return scores
+
+
+def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str], *, cfg, kl_coef: float,
+                    normaliser: rl.RunningMoments, reward_fn: Optional[RewardFn], accelerator) -> Experience:
+    """Score a rollout and turn it into advantages and returns."""
+    micro = (cfg.ppo.mini_batch_size or cfg.train.batch_size) // cfg.train.grad_accum
+    s = score_rollout(model, rollout, micro=micro, temperature=cfg.generation.temperature, autocast=accelerator.autocast)
+    raw = s["rm"] if reward_fn is None else reward_fn(prompts_text, rollout.responses).detach().float().cpu()
+    gathered = accelerator.gather(raw.to(accelerator.device)).cpu()
+    scores = shape_scores(raw, rollout.finished, normaliser, cfg, gathered)
+    mask = rollout.response_mask
+    kl = rl.kl_per_token(s["old"], s["ref"], cfg.ppo.kl_estimator) * mask
+    rewards = rl.token_rewards(scores, kl, mask, kl_coef)
+    advantages, returns = rl.gae(rewards, s["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
+    if cfg.ppo.whiten_advantages and mask.sum() > 1:
+        advantages = rl.masked_whiten(advantages, mask)
+    return Experience(rollout, s["old"], s["ref"], s["values"] * mask, advantages, returns, kl, raw, scores, s["entropy"])
+
+
+def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -> dict[str, float]:
+    """`ppo.epochs` passes over the rollout in shuffled mini-batches, one optimizer step each.
+
+    Also reports `ratio_dev_first`: max |ratio - 1| on the first micro-batch before any update
+    (0 when the update reproduces the rollout log-probs, as it must).
+
+    Raises:
+        NonFiniteError: a non-finite loss or gradient (before the optimizer steps).
+    """
+    from accelerate.utils import DistributedType
+
+    B = exp.old_logprobs.shape[0]
+    mini = cfg.ppo.mini_batch_size or cfg.train.batch_size
+    accum = cfg.train.grad_accum
+    micro = mini // accum
+    separate = accelerator.distributed_type == DistributedType.NO
+    order_gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step)
+    stats: dict[str, list[float]] = defaultdict(list)
+    for epoch in range(cfg.ppo.epochs):
+        # The first pass keeps rollout order so its micro-batches are exactly those of the rollout.
+        order = torch.arange(B) if epoch == 0 else torch.randperm(B, generator=order_gen)
+        for start in range(0, B, mini):
+            rows = order[start : start + mini]
+            total = 0.0
+            for k in range(accum):
+                with micro_step(accelerator, model, k, accum):
+                    micro_stats = actor_critic_backward(model, exp, rows[k * micro : (k + 1) * micro], accelerator, separate=separate,
+                                                        temperature=cfg.generation.temperature, cliprange=cfg.ppo.cliprange,
+                                                        cliprange_value=cfg.ppo.cliprange_value, vf_coef=cfg.ppo.vf_coef)
+                if not stats["ratio_dev_first"]:
+                    stats["ratio_dev_first"].append(micro_stats["ratio_dev"])
+                total += micro_stats.pop("loss") / accum
+                micro_stats.pop("ratio_dev")
+                for key, value in micro_stats.items():
+                    stats[key].append(value)
+            grad_norm = clip_gradients(model, accelerator, cfg.train.max_grad_norm)
+            check_finite(total, model, step)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            stats["grad_norm"].append(grad_norm)
+    return {k: sum(v) / len(v) for k, v in stats.items()}
+
+
+def _mean_over_ranks(value: float, accelerator) -> float:
+    return float(accelerator.reduce(torch.tensor(value, device=accelerator.device), reduction="mean"))
+
+
+def step_metrics(exp: Experience, update: dict, accelerator, *, kl_coef: float, gen_frac: float) -> dict[str, float]:
+    """The ppo/* scalars of one step (rollout statistics averaged over ranks)."""
+    mask = exp.rollout.response_mask
+    seq_kl = exp.kl.sum(1)
+    local = {
+        "ppo/reward_raw": float(exp.raw_scores.mean()),
+        "ppo/reward_norm": float(exp.scores.mean()),
+        "ppo/kl": float(seq_kl.mean()),
+        "ppo/entropy": float(rl.masked_mean(exp.entropy, mask)),
+        "ppo/response_length": float(mask.sum(1).float().mean()),
+    }
+    out = {k: _mean_over_ranks(v, accelerator) for k, v in local.items()}
+    out.update({f"ppo/{k}": _mean_over_ranks(v, accelerator) for k, v in update.items() if k != "grad_norm"})
+    out.update({"ppo/kl_coef": kl_coef, "ppo/gen_time_frac": gen_frac, "train/grad_norm": update.get("grad_norm", float("nan"))})
+    return out
+
+
+def sample_text(tokenizer, prompts_text: list[str], exp: Experience, n: int) -> str:
+    """A few prompt / response / reward triples as markdown, for the tracker."""
+    parts = []
+    for i in range(min(n, len(prompts_text))):
+        response = tokenizer.decode(exp.rollout.responses[i], skip_special_tokens=False)
+        parts.append(f"**prompt**: {prompts_text[i]}\n\n**response**: {response}\n\n**reward**: {float(exp.raw_scores[i]):.4f}")
+    return "\n\n---\n\n".join(parts)
