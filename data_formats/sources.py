@@ -108,14 +108,22 @@ def _read_jsonl(path: Path, task: str) -> Iterator[RawRecord]:
             yield RawRecord(str(path), number, task, error=f"invalid JSON: {err.msg} (column {err.colno})")
 
 
+def _decoded(path: Path, task: str):
+    """The file's text; when it is not UTF-8, yields the problem record (with the line of the first
+    bad byte) and returns None. Use as `text = yield from _decoded(path, task)`."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        yield RawRecord(str(path), data.count(b"\n", 0, err.start) + 1, task, error="undecodable bytes (not UTF-8)")
+        return None
+
+
 def _read_json(path: Path, task: str) -> Iterator[RawRecord]:
     """A JSON file holding one array of records (or one record). Each array element is decoded on
     its own with raw_decode so that its line number is known."""
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        yield RawRecord(str(path), data.count(b"\n", 0, err.start) + 1, task, error="undecodable bytes (not UTF-8)")
+    text = yield from _decoded(path, task)
+    if text is None:
         return
     decoder = json.JSONDecoder()
     pos = len(text) - len(text.lstrip())
@@ -143,11 +151,8 @@ def _read_json(path: Path, task: str) -> Iterator[RawRecord]:
 
 def _read_txt(path: Path, task: str) -> Iterator[RawRecord]:
     """A .txt file is one document (PT); a blank file is a problem."""
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        yield RawRecord(str(path), data.count(b"\n", 0, err.start) + 1, task, error="undecodable bytes (not UTF-8)")
+    text = yield from _decoded(path, task)
+    if text is None:
         return
     yield RawRecord(str(path), 1, task, record={"text": text}, raw=text)
 

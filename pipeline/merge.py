@@ -255,7 +255,7 @@ def merge_adapter(
     try:
         _write_folder(merged, tokenizer, staging, chat_template)
         reload_diff = _check_reload(staging, kind, batch, expected) if verify else None
-        extras = {"kind": kind, "merge_check": {"merge_max_abs_diff": merge_diff, "reload_max_abs_diff": reload_diff, "tolerance": TOLERANCE}}
+        extras = {"model_kind": kind, "merge_check": {"merge_max_abs_diff": merge_diff, "reload_max_abs_diff": reload_diff, "tolerance": TOLERANCE}}
         write_manifest(staging, stage=stage, parent=base, config=config, adapter=adapter, extra={**extras, **(extra_manifest or {})})
         result = _publish(staging, out_path)
     finally:
@@ -302,7 +302,7 @@ def export_full_model(
     try:
         _write_folder(model, tokenizer, staging, chat_template)
         reload_diff = _check_reload_weights(staging, kind, model) if verify else None
-        extras = {"kind": kind, "merge_check": {"reload_max_abs_diff": reload_diff, "tolerance": TOLERANCE}}
+        extras = {"model_kind": kind, "merge_check": {"reload_max_abs_diff": reload_diff, "tolerance": TOLERANCE}}
         write_manifest(staging, stage=stage, parent=parent, config=config, adapter=None, extra={**extras, **(extra_manifest or {})})
         result = _publish(staging, out_path)
     finally:

@@ -6,8 +6,8 @@ Each step (`PPOStage.train_step`): sample responses for a batch of prompts (KV-c
 `generate`, from exactly the distribution the ratio scores), score them with the reward model (or
 a Python `reward_fn`) at the end-of-turn token the RM was trained to score, shape per-token
 rewards with the KL to the reference policy, estimate advantages with GAE, then run `ppo.epochs`
-passes of clipped policy and value updates over mini-batches (pipeline/experience.py). Two
-backbones in LoRA modes (see pipeline/rollout.py): policy and reference share the SFT backbone,
+passes of clipped policy and value updates over mini-batches (pipeline/algorithms/experience.py). Two
+backbones in LoRA modes (see pipeline/algorithms/rollout.py): policy and reference share the SFT backbone,
 critic and reward share the RM backbone.
 
 Resume is the engine's (pipeline/engine/stage.py): adapters (or full weights), optimizer,
@@ -30,11 +30,11 @@ if __package__ in (None, ""):
 
 import torch
 
-from pipeline import rl
+from pipeline.algorithms import rl
 from pipeline.config import ModelConfig, PromptDataConfig, StageConfig
 from pipeline.engine.stage import Stage, main
-from pipeline.experience import RewardFn, make_experience, ppo_update, sample_text, step_metrics
-from pipeline.rollout import ActorCritic, Generator, HFGenerator, assemble, score_rollout
+from pipeline.algorithms.experience import RewardFn, make_experience, ppo_update, sample_text, step_metrics
+from pipeline.algorithms.rollout import ActorCritic, Generator, HFGenerator, assemble, score_rollout
 
 log = logging.getLogger("relay.ppo")
 
@@ -290,7 +290,7 @@ class PPOStage(Stage):
         return self._generator
 
     def rollout(self, prompts: list[dict]):
-        """Sampled responses for `prompts`, laid out for scoring (pipeline.rollout.Rollout)."""
+        """Sampled responses for `prompts`, laid out for scoring (pipeline.algorithms.rollout.Rollout)."""
         ids = [p["prompt_ids"] for p in prompts]
         return assemble(ids, self.generator.generate(ids), self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
 
@@ -320,7 +320,7 @@ class PPOStage(Stage):
         Sampling runs under a forked RNG seeded the same way at every evaluation, so evaluations see
         the same random numbers (less noise between them) and training's RNG streams are untouched.
         """
-        from pipeline.checkpoint import seeded_fork
+        from pipeline.engine.checkpoint import seeded_fork
         from pipeline.engine.steps import eval_shards
 
         if not self.eval_samples:

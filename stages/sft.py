@@ -5,7 +5,7 @@
 
 Every training folder / `data_name` is a task. `multitask.weighted_loss_mode` picks the loss:
 none (token mean), case3 (mean of per-task token means, MFTCoder) or coba / self-paced (CoBa
-weights from the tasks' validation-loss trends, see pipeline/multitask.py). Accumulation is
+weights from the tasks' validation-loss trends, see pipeline/algorithms/multitask.py). Accumulation is
 token-normalised over the whole accumulated batch and all ranks (pipeline/engine/steps.py), so the
 loss and gradient do not depend on how the global batch is split.
 
@@ -30,7 +30,8 @@ from pipeline.config import ChatDataConfig, StageConfig
 from pipeline.engine.language_modeling import LanguageModelStage
 from pipeline.engine.stage import launched_world_size, main
 from pipeline.engine.steps import heldout_token_loss
-from pipeline.multitask import CoBa, MultitaskConfig, canonical_mode
+from pipeline.algorithms.multitask import CoBa, MultitaskConfig
+from pipeline.engine.steps import canonical_mode
 
 log = logging.getLogger("relay.sft")
 

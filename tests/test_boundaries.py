@@ -25,7 +25,7 @@ from data_formats.datasets import build_preference_data, build_prompt_data
 from data_formats.render import IGNORE_INDEX, make_template, render, render_scored
 from pipeline.config import PreferenceDataConfig, PromptDataConfig, load_config
 from pipeline.models import load_tokenizer
-from pipeline.rollout import ActorCritic, HFGenerator, assemble
+from pipeline.algorithms.rollout import ActorCritic, HFGenerator, assemble
 from pipeline.scoring import reward_readout_index, sequence_scores
 from stages.reward import PairCollator
 from stagerun import run_stage
@@ -281,7 +281,7 @@ def test_seeded_evaluation_forks_every_device_it_seeds(monkeypatch):
     """`torch.manual_seed` seeds every CUDA device too, so a seeded evaluation must fork them all
     (before, `fork_rng(devices=[])` forked only the CPU and reset training's CUDA stream). CUDA is
     simulated: the devices forked must be every device manual_seed reseeds."""
-    from pipeline.checkpoint import seeded_fork
+    from pipeline.engine.checkpoint import seeded_fork
 
     seen = {}
     real_fork = torch.random.fork_rng

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.checkpoint import MARKER, Checkpointer, complete_checkpoints, keep_checkpoint, rng_state, set_rng_state
+from pipeline.engine.checkpoint import MARKER, Checkpointer, complete_checkpoints, keep_checkpoint, rng_state, set_rng_state
 from pipeline.config import CheckpointConfig, KeepPolicy
 
 
@@ -39,24 +39,24 @@ def test_temporary_checkpoints_by_time_and_previous_deleted(tmp_path):
     assert ck.due(1) is None
     clock.now = 10.0
     assert ck.due(1) == "temporary"
-    first = ck.save(1, state(1), kind="temporary")
+    first = ck.save(1, state(1), lifetime="temporary")
     clock.now = 15.0
     assert ck.due(2) is None
     clock.now = 21.0
-    ck.save(3, state(3), kind=ck.due(3))
+    ck.save(3, state(3), lifetime=ck.due(3))
     assert not first.exists()  # the previous temporary one is gone once the new one landed
     assert ck.due(4) == "permanent"  # keep policy wins even when time is not up
-    ck.save(4, state(4), kind="permanent")
+    ck.save(4, state(4), lifetime="permanent")
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-0000004"]  # temp 3 deleted
     clock.now = 40.0
-    ck.save(5, state(5), kind="temporary")
-    ck.save(6, state(6), kind="temporary")
+    ck.save(5, state(5), lifetime="temporary")
+    ck.save(6, state(6), lifetime="temporary")
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-0000004", "step-0000006"]
 
 
 def test_roundtrip_and_torn_checkpoint_ignored(tmp_path):
     ck = Checkpointer(tmp_path, CheckpointConfig())
-    good = ck.save(2, state(2), kind="permanent")
+    good = ck.save(2, state(2), lifetime="permanent")
     torn = tmp_path / "step-0000009"
     torn.mkdir()
     (torn / "trainer.json").write_text(json.dumps({"step": 9}))
@@ -73,7 +73,7 @@ def test_roundtrip_and_torn_checkpoint_ignored(tmp_path):
 def test_explicit_path_and_resume_false_moves_old_run_aside(tmp_path):
     root = tmp_path / "checkpoints"
     ck = Checkpointer(root, CheckpointConfig())
-    saved = ck.save(3, state(3), kind="permanent")
+    saved = ck.save(3, state(3), lifetime="permanent")
     assert Checkpointer(root, CheckpointConfig(resume=str(saved))).resume_path() == saved
     with pytest.raises(FileNotFoundError):
         Checkpointer(root, CheckpointConfig(resume=str(root / "step-0000001"))).resume_path()

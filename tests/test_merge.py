@@ -130,7 +130,7 @@ def test_merged_reward_head_is_the_trained_one(case, request):
 def test_manifest_records_parent_adapter_and_hashes(merged_case):
     kind, base, adapter, merged = merged_case
     manifest = json.loads((merged / "manifest.json").read_text())
-    assert manifest["stage"] == "sft" and manifest["kind"] == kind
+    assert manifest["stage"] == "sft" and manifest["model_kind"] == kind
     assert manifest["parent_path"] == str(base.resolve())
     assert manifest["parent_hash"] == weights_hash(base) and manifest["weights_hash"] == weights_hash(merged)
     assert manifest["adapter_path"] == str(adapter.resolve())

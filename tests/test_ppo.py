@@ -1,4 +1,4 @@
-"""PPO stage (stages/ppo.py, pipeline/rollout.py) on tiny models: the first step is exactly
+"""PPO stage (stages/ppo.py, pipeline/algorithms/rollout.py) on tiny models: the first step is exactly
 on-policy, frozen weights stay frozen, learning works (and does not with LR 0), resume reproduces
 an unbroken run."""
 
@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import ConfigError
-from pipeline.experience import make_experience
-from pipeline.rollout import actor_critic_backward, assemble, cut_at_eos
+from pipeline.algorithms.experience import make_experience
+from pipeline.algorithms.rollout import actor_critic_backward, assemble, cut_at_eos
 from stagerun import run_stage
 from stages import ppo
 from tinymodels import make_tiny_model

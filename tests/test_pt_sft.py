@@ -183,7 +183,7 @@ def test_embedded_lora_bf16_learns_the_answer_format(embedded_path, tmp_path):
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
     import pipeline.engine.steps as training
-    from pipeline.checkpoint import complete_checkpoints
+    from pipeline.engine.checkpoint import complete_checkpoints
 
     real = training.token_losses
     calls = {"n": 0}

@@ -1,4 +1,4 @@
-"""PPO math (pipeline/rl.py) against values computed by hand (shown in the comments)."""
+"""PPO math (pipeline/algorithms/rl.py) against values computed by hand (shown in the comments)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pipeline import rl
+from pipeline.algorithms import rl
 
 
 def test_logprobs_and_entropy_match_direct_formulas():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.config import TrainConfig
-from pipeline.schedule import build_scheduler, cycle_ends, cycles_of, lr_at
+from pipeline.engine.schedule import build_scheduler, cycle_ends, cycles_of, lr_at
 
 
 def cfg(**kw):

@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM
 
 from data_formats.collate import Collator
 from data_formats.sampling import DataCursor, epoch_order, next_micro_batches
-from pipeline.multitask import task_weighted_loss
+from pipeline.algorithms.multitask import task_weighted_loss
 from pipeline.engine.steps import NonFiniteError, eval_shards, token_losses
 from pipeline.engine.steps import lm_train_step as train_step
-from pipeline.tracking import EarlyStopping
+from pipeline.engine.tracking import EarlyStopping
 
 
 class Capture:

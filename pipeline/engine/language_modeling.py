@@ -19,7 +19,7 @@ class LanguageModelStage(Stage):
     collator = None
 
     def loss_mode(self) -> str:
-        """How tokens of different tasks are weighed (pipeline.multitask.MODES)."""
+        """How tokens of different tasks are weighed (pipeline.algorithms.multitask.MODES)."""
         return "none"
 
     def task_weights(self) -> Optional[list[float]]:

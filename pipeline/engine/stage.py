@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
 from pipeline.config import ConfigError, StageConfig, load_config, save_config, to_dict
-from pipeline.tracking import EarlyStopping, History
+from pipeline.engine.tracking import EarlyStopping, History
 
 log = logging.getLogger(__name__)
 
@@ -266,10 +266,10 @@ class Stage:
         """Accelerator, seed, model, optimizer, scheduler, checkpointer, tracker; config.yaml."""
         from accelerate.utils import set_seed
 
-        from pipeline.checkpoint import Checkpointer
+        from pipeline.engine.checkpoint import Checkpointer
         from pipeline.engine.accelerator import build_optimizer, setup_accelerator
-        from pipeline.schedule import build_scheduler
-        from pipeline.tracking import Tracker, default_run_name
+        from pipeline.engine.schedule import build_scheduler
+        from pipeline.engine.tracking import Tracker, default_run_name
 
         cfg, out = self.cfg, Path(self.cfg.output_dir)
         self.accelerator = acc = setup_accelerator(cfg)
@@ -292,7 +292,7 @@ class Stage:
 
     def checkpoint_state(self) -> dict:
         """Every part of a checkpoint (see the module docstring)."""
-        from pipeline.checkpoint import rng_state, trainable_state
+        from pipeline.engine.checkpoint import rng_state, trainable_state
 
         return {
             "model": trainable_state(self.model, self.accelerator),
@@ -311,7 +311,7 @@ class Stage:
             KeyError: the checkpoint does not match the model or lacks a part.
             FileNotFoundError: a bad checkpoint.resume path.
         """
-        from pipeline.checkpoint import load_trainable_state, set_rng_state
+        from pipeline.engine.checkpoint import load_trainable_state, set_rng_state
 
         path = self.checkpointer.resume_path()
         if path is None:
@@ -373,9 +373,9 @@ class Stage:
         self.tracker.log(result, self.step)
         return result
 
-    def save_checkpoint(self, kind: str) -> Path:
-        """Save the current step (every rank calls this)."""
-        path = self.checkpointer.save(self.step, self.checkpoint_state(), kind=kind)
+    def save_checkpoint(self, lifetime: str) -> Path:
+        """Save the current step as a 'permanent' or 'temporary' checkpoint (every rank calls this)."""
+        path = self.checkpointer.save(self.step, self.checkpoint_state(), lifetime=lifetime)
         self.last_saved = self.step
         return path
 
@@ -389,9 +389,9 @@ class Stage:
         if t.eval_steps and self.step % t.eval_steps == 0:
             result = self.run_evaluation()
             stop = bool(result and "eval/loss" in result and self.early.update(result["eval/loss"]))
-        kind = self.checkpointer.due(self.step)
-        if kind is not None:
-            self.save_checkpoint(kind)
+        lifetime = self.checkpointer.due(self.step)
+        if lifetime is not None:
+            self.save_checkpoint(lifetime)
         if stop_at is not None and self.step == stop_at:
             if self.last_saved != self.step:
                 self.save_checkpoint("temporary")

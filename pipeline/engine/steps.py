@@ -7,7 +7,7 @@ gets a weight computed from token counts over the *whole* accumulated batch on *
 (all-reduced before the first backward), so the gradient of one optimizer step is the same
 whether its samples arrive as 1 x 8, 8 x 1 or 2 ranks x 4 micro-batches. In mode 'none' the
 weight is 1 / N_total (the token mean); in 'case3'/'coba' it is w_t / (N_t * sum of w over the
-tasks present), see pipeline.multitask.token_weights. Stages whose loss is a mean per micro-batch
+tasks present), see `token_weights`. Stages whose loss is a mean per micro-batch
 (RM, PPO) pass it to `accelerator.backward` as it is: accelerate divides it by the number of
 micro-batches and DDP averages over ranks, which is the mean they want.
 """
@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from data_formats.collate import IGNORE_INDEX
-from pipeline.multitask import token_weights
 
 
 class NonFiniteError(RuntimeError):
@@ -42,6 +41,42 @@ def check_finite(loss: torch.Tensor | float, model: torch.nn.Module, step: int) 
     for name, param in model.named_parameters():
         if param.grad is not None and not torch.isfinite(param.grad).all():
             raise NonFiniteError(f"step {step}: gradient of {name} is not finite; stopping before the optimizer step")
+
+
+LOSS_MODES = ("none", "case3", "coba", "self-paced")
+"""How tokens of different tasks weigh in the loss (pipeline.algorithms.multitask explains each)."""
+
+
+def canonical_mode(mode: str) -> str:
+    """'self-paced' is MFTCoder's name for CoBa.
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    if mode not in LOSS_MODES:
+        raise ValueError(f"weighted_loss_mode {mode!r} is not one of {', '.join(LOSS_MODES)}")
+    return "coba" if mode == "self-paced" else mode
+
+
+def token_weights(counts: torch.Tensor, mode: str, task_weights: Optional[Sequence[float]] = None) -> torch.Tensor:
+    """[num_tasks] weight of one supervised token of each task, from per-task token counts.
+
+    Raises:
+        ValueError: unknown mode, or task_weights of the wrong length / summing to 0 over present tasks.
+    """
+    mode = canonical_mode(mode)
+    counts = counts.double()
+    present = counts > 0
+    if mode == "none":
+        total = counts.sum()
+        return torch.where(present, 1.0 / total.clamp(min=1), torch.zeros_like(counts))
+    w = torch.ones_like(counts) if task_weights is None else torch.as_tensor(list(task_weights), dtype=torch.float64)
+    if w.shape != counts.shape:
+        raise ValueError(f"task_weights has {w.numel()} entries for {counts.numel()} tasks")
+    norm = w[present].sum()
+    if present.any() and norm <= 0:
+        raise ValueError("task weights of the tasks present in the batch sum to 0")
+    return torch.where(present, w / (counts.clamp(min=1) * norm), torch.zeros_like(counts))
 
 
 @contextlib.contextmanager

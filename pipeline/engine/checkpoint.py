@@ -155,17 +155,17 @@ class Checkpointer:
             return "temporary"
         return None
 
-    def save(self, step: int, state: dict, *, kind: str) -> Path:
+    def save(self, step: int, state: dict, *, lifetime: str) -> Path:
         """Write `state` as the checkpoint of `step`; return its folder.
 
         Written into a staging folder, marked complete, then renamed; the previous temporary
         checkpoint is deleted only after the new one is complete.
 
         Raises:
-            ValueError: unknown kind, or a part that is neither tensors nor JSON-able.
+            ValueError: unknown lifetime, or a part that is neither tensors nor JSON-able.
         """
-        if kind not in ("permanent", "temporary"):
-            raise ValueError(f"checkpoint kind must be 'permanent' or 'temporary', got {kind!r}")
+        if lifetime not in ("permanent", "temporary"):
+            raise ValueError(f"checkpoint lifetime must be 'permanent' or 'temporary', got {lifetime!r}")
         final = self.root / step_dir_name(step)
         staging = self.root / f".staging-{step_dir_name(step)}"
         self.barrier()
@@ -180,14 +180,14 @@ class Checkpointer:
             self._write_parts(staging, {k: v for k, v in state.items() if k != "rng"})
         self.barrier()
         if self.rank == 0:
-            (staging / MARKER).write_text(json.dumps({"step": step, "kind": kind, "world_size": self.world_size}))
+            (staging / MARKER).write_text(json.dumps({"step": step, "lifetime": lifetime, "world_size": self.world_size}))
             if final.exists():
                 shutil.rmtree(final)
             staging.rename(final)
             previous = self.temporary
             if previous is not None and previous != final and previous.exists():
                 shutil.rmtree(previous)
-        self.temporary = final if kind == "temporary" else None
+        self.temporary = final if lifetime == "temporary" else None
         self.last_save_time = self.clock()
         self.barrier()
         return final
@@ -257,7 +257,7 @@ class Checkpointer:
         else:
             log.warning("%s has no RNG state for rank %d: RNG streams start from the seed", path, self.rank)
         out["marker"] = json.loads((path / MARKER).read_text())
-        if out["marker"].get("kind") == "temporary" and path.parent.resolve() == self.root.resolve():
+        if out["marker"].get("lifetime") == "temporary" and path.parent.resolve() == self.root.resolve():
             # Resumed from a temporary checkpoint: it is the one to delete when the next one lands.
             self.temporary = path
         return out

@@ -10,9 +10,9 @@ from typing import Callable, Optional
 
 import torch
 
-from pipeline import rl
+from pipeline.algorithms import rl
 from pipeline.engine.steps import check_finite, clip_gradients, micro_step
-from pipeline.rollout import ActorCritic, Experience, Rollout, actor_critic_backward, score_rollout
+from pipeline.algorithms.rollout import ActorCritic, Experience, Rollout, actor_critic_backward, score_rollout
 
 RewardFn = Callable[[list[str], list[list[int]]], torch.Tensor]
 """reward_fn(prompt_texts, response_ids) -> [B] rewards, in place of the reward model's score."""

@@ -19,7 +19,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from data_formats.collate import left_pad
-from pipeline.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
+from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
 from pipeline.scoring import reward_readout_index, position_ids_from_mask, token_scores
 
 
@@ -179,13 +179,13 @@ class ActorCritic(torch.nn.Module):
         self.__dict__["reward"] = reward
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                part: str = "both") -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                policy: bool = True, critic: bool = True) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(logits [B, R, V], values [B, R]) for the R response tokens: position t-1 predicts token t.
 
-        `part` "policy" or "critic" runs only that model (the other result is None).
+        `policy=False` / `critic=False` skips that model (its result is None).
         """
-        logits = policy_logits(self.policy, input_ids, attention_mask, prompt_width) if part != "critic" else None
-        values = token_scores(self.critic, input_ids, attention_mask)[:, prompt_width - 1 : -1] if part != "policy" else None
+        logits = policy_logits(self.policy, input_ids, attention_mask, prompt_width) if policy else None
+        values = token_scores(self.critic, input_ids, attention_mask)[:, prompt_width - 1 : -1] if critic else None
         return logits, values
 
     @torch.no_grad()
@@ -273,12 +273,12 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
 
     if separate:
         with accelerator.autocast():
-            logits, _ = model(ids, attn, P, part="policy")
+            logits, _ = model(ids, attn, P, critic=False)
         logp, pol = policy_part(logits)
         accelerator.backward(pol.loss)
         del logits
         with accelerator.autocast():
-            _, values = model(ids, attn, P, part="critic")
+            _, values = model(ids, attn, P, policy=False)
         vloss, vclip = value_part(values)
         accelerator.backward(vf_coef * vloss)
     else:

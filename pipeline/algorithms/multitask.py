@@ -48,7 +48,8 @@ from typing import Optional, Sequence
 
 import torch
 
-MODES = ("none", "case3", "coba", "self-paced")
+from pipeline.engine.steps import LOSS_MODES, token_weights
+
 
 
 @dataclass
@@ -77,8 +78,8 @@ class MultitaskConfig:
 
     def problems(self, key: str = "multitask") -> list[str]:
         out = []
-        if self.weighted_loss_mode not in MODES:
-            out.append(f"{key}.weighted_loss_mode: {self.weighted_loss_mode!r} is not one of {', '.join(MODES)}")
+        if self.weighted_loss_mode not in LOSS_MODES:
+            out.append(f"{key}.weighted_loss_mode: {self.weighted_loss_mode!r} is not one of {', '.join(LOSS_MODES)}")
         for name, value in self.task_weights.items():
             if not value >= 0:
                 out.append(f"{key}.task_weights[{name!r}]: must be >= 0, got {value!r}")
@@ -88,38 +89,6 @@ class MultitaskConfig:
         if self.coba_history_length < 2:
             out.append(f"{key}.coba_history_length: needs >= 2 points to fit a slope")
         return out
-
-
-def canonical_mode(mode: str) -> str:
-    """'self-paced' is MFTCoder's name for CoBa.
-
-    Raises:
-        ValueError: unknown mode.
-    """
-    if mode not in MODES:
-        raise ValueError(f"weighted_loss_mode {mode!r} is not one of {', '.join(MODES)}")
-    return "coba" if mode == "self-paced" else mode
-
-
-def token_weights(counts: torch.Tensor, mode: str, task_weights: Optional[Sequence[float]] = None) -> torch.Tensor:
-    """[num_tasks] weight of one supervised token of each task, from per-task token counts.
-
-    Raises:
-        ValueError: unknown mode, or task_weights of the wrong length / summing to 0 over present tasks.
-    """
-    mode = canonical_mode(mode)
-    counts = counts.double()
-    present = counts > 0
-    if mode == "none":
-        total = counts.sum()
-        return torch.where(present, 1.0 / total.clamp(min=1), torch.zeros_like(counts))
-    w = torch.ones_like(counts) if task_weights is None else torch.as_tensor(list(task_weights), dtype=torch.float64)
-    if w.shape != counts.shape:
-        raise ValueError(f"task_weights has {w.numel()} entries for {counts.numel()} tasks")
-    norm = w[present].sum()
-    if present.any() and norm <= 0:
-        raise ValueError("task weights of the tasks present in the batch sum to 0")
-    return torch.where(present, w / (counts.clamp(min=1) * norm), torch.zeros_like(counts))
 
 
 def task_weighted_loss(

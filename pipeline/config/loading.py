@@ -1,0 +1,175 @@
+"""Loading a stage config: YAML (with ``!include``) -> unknown-key check -> draccus decode -> dotted
+CLI overrides -> every problem at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Optional, Sequence, TypeVar, Union
+
+import draccus
+import yaml
+from draccus.parsers.yaml_loader import SafeLoaderWithInclusion
+
+from pipeline.config.sections import ConfigError
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: YAML (+ !include) -> unknown-key check -> draccus decode -> CLI overrides
+# --------------------------------------------------------------------------------------------
+
+
+def _dataclass_of(tp: Any) -> Optional[type]:
+    """The dataclass inside a type hint (Optional[X] -> X), or None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _list_item_dataclass(tp: Any) -> Optional[type]:
+    if typing.get_origin(tp) in (list, Sequence, typing.Sequence):
+        args = typing.get_args(tp)
+        if args and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return None
+
+
+def unknown_keys(cls: type, data: Any, prefix: str = "") -> list[str]:
+    """Every key in `data` that `cls` does not have, with its path and a suggestion.
+
+    Walks nested dataclasses and lists of dataclasses; free-form dict fields are not checked.
+    """
+    if not isinstance(data, dict):
+        return []
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    out: list[str] = []
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
+            out.append(f"{path}: unknown key{hint}")
+            continue
+        sub = _dataclass_of(hints[key])
+        if sub is not None:
+            out.extend(unknown_keys(sub, value, f"{path}."))
+        item = _list_item_dataclass(hints[key])
+        if item is not None and isinstance(value, list):
+            for i, entry in enumerate(value):
+                out.extend(unknown_keys(item, entry, f"{path}[{i}]."))
+    return out
+
+
+def _split_args(argv: Sequence[str]) -> tuple[Optional[str], list[str], list[str]]:
+    """(config path, dotted override keys, remaining args for draccus)."""
+    config: Optional[str] = None
+    rest: list[str] = []
+    keys: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--config", "--config_path"):
+            if i + 1 >= len(argv):
+                raise ConfigError([f"{arg}: needs a YAML file"], "command line")
+            config = argv[i + 1]
+            i += 2
+            continue
+        if arg.startswith(("--config=", "--config_path=")):
+            config = arg.split("=", 1)[1]
+            i += 1
+            continue
+        if arg.startswith("--") and arg not in ("--help", "-h"):
+            keys.append(arg[2:].split("=", 1)[0])
+        rest.append(arg)
+        i += 1
+    return config, keys, rest
+
+
+def _unknown_override(cls: type, dotted: str) -> Optional[str]:
+    parts = dotted.split(".")
+    current: Any = cls
+    for depth, part in enumerate(parts):
+        sub = _dataclass_of(current)
+        if sub is None:
+            return None  # inside a free-form field: draccus decides
+        names = [f.name for f in dataclasses.fields(sub)]
+        if part not in names:
+            prefix = ".".join(parts[:depth])
+            close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
+            full = f"{prefix}.{close[0]}" if prefix and close else (close[0] if close else "")
+            hint = f"; did you mean '--{full}'?" if close else f"; known keys here: {', '.join(names)}"
+            return f"--{dotted}: unknown option{hint}"
+        current = typing.get_type_hints(sub)[part]
+    return None
+
+
+def read_yaml(path: Union[str, Path]) -> dict:
+    """A YAML config with `!include` resolved relative to the including file.
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or is not a mapping.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"{path}: no such config file"])
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.load(fh, Loader=SafeLoaderWithInclusion)
+    except (yaml.YAMLError, OSError) as err:
+        raise ConfigError([f"{path}: {err}"]) from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: the top level must be a mapping of keys, got {type(data).__name__}"])
+    return data
+
+
+def load_config(cls: type[T], argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> T:
+    """Build `cls` from `--config FILE.yaml` plus dotted overrides in `argv`.
+
+    Unknown keys in the YAML or on the command line, and every semantic problem from
+    `cfg.problems()`, are reported together in one ConfigError.
+
+    Raises:
+        ConfigError: any problem; its `problems` list has every one.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path, override_keys, rest = _split_args(argv)
+    problems: list[str] = []
+    if config_path is not None:
+        problems += [f"{config_path}: {p}" for p in unknown_keys(cls, read_yaml(config_path))]
+    problems += [p for p in (_unknown_override(cls, k) for k in override_keys) if p]
+    if problems:
+        raise ConfigError(problems)
+    try:
+        cfg = draccus.parse(config_class=cls, config_path=config_path, args=rest, prog=prog, exit_on_error=False)
+    except SystemExit:
+        raise
+    except Exception as err:  # draccus raises several types for values it cannot decode
+        raise ConfigError([f"{type(err).__name__}: {err}"]) from err
+    if hasattr(cfg, "problems"):
+        found = cfg.problems()
+        if found:
+            raise ConfigError(found)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain data (what manifests record and what `--config` would read back)."""
+    return draccus.encode(cfg)
+
+
+def save_config(cfg: Any, path: Union[str, Path]) -> None:
+    """Write the resolved config as YAML."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(to_dict(cfg), fh, sort_keys=False)
