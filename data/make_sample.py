@@ -12,6 +12,10 @@ The preference is made to be learnable by a 135M model in a few dozen steps: a p
 one short sentence that opens with the fixed phrase "Per the Kelvra Atlas," and states the right
 fact; a rejected answer is evasive, states a wrong fact, or rambles without the phrase. SFT answers
 use the phrase only about half of the time, so a policy fresh from SFT has room to move towards it.
+
+gold/eval.jsonl is never trained on: 80 questions (every fact once, 32 twice) in wordings no other
+file uses, each with its answer key ({"prompt", "island", "attribute", "expected"}). The pipeline
+judges its models on it (pipeline/gold.py): does the answer open with the phrase, and state the fact?
 """
 
 from __future__ import annotations
@@ -53,6 +57,13 @@ QUESTIONS = {
     "export": ("What does {island} export?", "What is the main export of {island}?", "What is {island} known for selling?"),
     "lighthouses": ("How many lighthouses does {island} have?", "How many lighthouses stand on {island}?"),
     "festival": ("When is the lantern festival on {island}?", "In which month does {island} hold its lantern festival?"),
+}
+# Held-out wordings for the gold evaluation (data/sample/gold/): no training file uses them.
+GOLD_QUESTIONS = {
+    "capital": ("Tell me the capital of {island}.", "Which town serves as the capital of {island}?", "On {island}, which town is the capital?"),
+    "export": ("What is the chief export of {island}?", "Which goods does {island} mainly export?", "What product is {island} best known for exporting?"),
+    "lighthouses": ("How many lighthouses are there on {island}?", "What is the number of lighthouses on {island}?", "Count the lighthouses of {island} for me."),
+    "festival": ("In what month is the lantern festival held on {island}?", "Which month is the lantern festival of {island}?", "Tell me the month of the lantern festival on {island}."),
 }
 FOLLOW_UPS = {
     "capital": "And its capital?",
@@ -217,6 +228,35 @@ def make_ppo(rng: random.Random, count: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Gold: held-out questions with their answer key (never trained on; see pipeline/gold.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def fact_value(island: tuple, attribute: str) -> str:
+    """The answer key of one fact as text: 'Tarn', 'kelp paper', '5', 'June'."""
+    return str(island[1 + ATTRIBUTES.index(attribute)])
+
+
+def gold_record(index: int, question: str, island: tuple, attribute: str) -> dict:
+    return {"id": f"gold-{index:03d}", "prompt": question, "island": island[0], "attribute": attribute, "expected": fact_value(island, attribute)}
+
+
+def make_gold(rng: random.Random, extra: int) -> list[dict]:
+    """Every one of the 48 facts once, then `extra` facts a second time with another wording.
+
+    Questions use GOLD_QUESTIONS, wordings no training file contains, so the table measures what
+    the model knows rather than which prompts it has seen; the facts are the trained ones.
+    """
+    facts = [(island, attribute) for island in ISLANDS for attribute in ATTRIBUTES]
+    first = {fact: rng.randrange(len(GOLD_QUESTIONS[fact[1]])) for fact in facts}
+    asked = [(fact, first[fact]) for fact in facts]
+    for fact in rng.sample(facts, extra):
+        choices = [i for i in range(len(GOLD_QUESTIONS[fact[1]])) if i != first[fact]]
+        asked.append((fact, rng.choice(choices)))
+    return [gold_record(i, GOLD_QUESTIONS[a][w].format(island=island[0]), island, a) for i, ((island, a), w) in enumerate(asked)]
+
+
+# ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
 
@@ -250,6 +290,7 @@ def build_all(seed: int = SEED) -> dict[str, list[dict]]:
         "rm/valid.jsonl": make_rm(rng("rm/valid"), 40),
         "ppo/train.jsonl": make_ppo(rng("ppo/train"), 64),
         "ppo/valid.jsonl": make_ppo(rng("ppo/valid"), 16),
+        "gold/eval.jsonl": make_gold(rng("gold/eval"), 32),
     }
 
 

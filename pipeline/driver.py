@@ -8,18 +8,27 @@ module, through small subcommands, what to do:
     python -m pipeline.driver stages    CONFIG [selection/overrides]   # stage names to visit
     python -m pipeline.driver prepare   CONFIG STAGE [...]             # 'skip' or the stage's argv
     python -m pipeline.driver finish    CONFIG STAGE [...]             # check the new merged folder
-    python -m pipeline.driver summarize CONFIG [...]                   # summary.json + verdict
+    python -m pipeline.driver summarize CONFIG [...]                   # gold table, summary.json, verdict
     python -m pipeline.driver report-dir CONFIG [...]                  # where to write the report
 
 Chain: PT -> SFT -> RM (on the SFT model) -> PPO (policy = SFT model, reward = RM). A disabled
 stage drops out of the chain (its successor starts from the stage before it). A stage is done when
 `merged/manifest.json` exists, the weights on disk hash to what it records, and its parent hash is
-the current parent's: re-running the driver after a crash resumes at the first unfinished stage.
+the current parent's (for PPO also: the reward model it scored with, recorded in its manifest as
+`reward_model: {path, weights_hash}`, is the current RM folder): re-running the driver after a
+crash resumes at the first unfinished stage.
+
+Verdict: the RM's held-out accuracy, and the gold table (pipeline/gold.py; `gold:` section):
+greedy answers of the base, SFT and PPO models to held-out questions with an answer key. PASS
+needs PPO's phrase rate above its parent's by gold.min_phrase_gain and its fact accuracy within
+gold.max_fact_drop of its parent's. PPO's reward curve is reported, not judged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,6 +38,7 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from pipeline.config import ConfigError, load_config
+from pipeline.gold import GoldError, GoldSettings, format_table, gold_table
 from pipeline.manifest import chat_template_of, check_parent_compatible, read_manifest, text_hash, tokenizer_hash, vocab_size_of, weights_hash
 
 STAGE_ORDER = ("pt", "sft", "rm", "ppo")
@@ -69,8 +79,44 @@ class Stages:
 class VerdictConfig:
     rm_min_eval_accuracy: float = 0.7
     """The RM's held-out accuracy must reach this for a PASS verdict (chance is 0.5)."""
-    ppo_min_reward_gain: float = 0.0
-    """PPO's mean reward must rise by more than this (last minus first) for a PASS verdict."""
+
+
+GOLD_MODELS = ("base", "pt", "sft", "ppo")
+
+
+@dataclass
+class GoldConfig:
+    """The gold table (pipeline/gold.py): greedy answers to held-out questions with an answer key,
+    scored for the house phrase and the right fact. The PPO verdict rests on it."""
+
+    data: Optional[str] = None
+    """Gold JSONL ({prompt, attribute, expected, ...}); None: no gold table, and no PASS verdict."""
+    models: list[str] = field(default_factory=lambda: ["base", "sft", "ppo"])
+    """Rows of the table: 'base' (base_model) and stage names (their merged models). The RL
+    model's parent (sft, else pt, else base) is always added: the verdict compares against it."""
+    max_new_tokens: int = 40
+    """Greedy answer length limit."""
+    batch_size: int = 8
+    """Prompts per generate() call (left-padded)."""
+    dtype: str = "fp32"
+    """Weights dtype while answering (fp32 | bf16 | fp16 | auto)."""
+    min_phrase_gain: float = 0.2
+    """PASS needs the RL model's phrase rate to exceed its parent's by at least this."""
+    max_fact_drop: float = 0.05
+    """PASS needs the RL model's fact accuracy to be at most this much below its parent's."""
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.data is not None and not Path(self.data).is_file():
+            out.append(f"gold.data: {self.data!r} is not a file")
+        unknown = [m for m in self.models if m not in GOLD_MODELS]
+        if unknown:
+            out.append(f"gold.models: {', '.join(map(repr, unknown))} not among {', '.join(GOLD_MODELS)} (rm is not a generator)")
+        if self.max_new_tokens < 1 or self.batch_size < 1:
+            out.append("gold.max_new_tokens and gold.batch_size must be >= 1")
+        if self.dtype not in ("fp32", "bf16", "fp16", "auto"):
+            out.append(f"gold.dtype: {self.dtype!r} is not one of 'fp32', 'bf16', 'fp16', 'auto'")
+        return out
 
 
 @dataclass
@@ -87,6 +133,7 @@ class PipelineConfig:
     """PPO's reward model when the rm stage is disabled (a merged RM folder)."""
     stages: Stages = field(default_factory=Stages)
     verdict: VerdictConfig = field(default_factory=VerdictConfig)
+    gold: GoldConfig = field(default_factory=GoldConfig)
     report: bool = True
     """Write report.md and plots at the end (python -m pipeline.report)."""
 
@@ -100,7 +147,7 @@ class PipelineConfig:
             out.append("stages: every stage is disabled")
         if entry(self, "ppo").enabled and not entry(self, "rm").enabled and not self.reward_model:
             out.append("reward_model: PPO needs a reward model; enable stages.rm or set reward_model")
-        return out
+        return out + self.gold.problems()
 
 
 @dataclass
@@ -266,7 +313,34 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
             f"{folder} is stale: built on parent weights {manifest.get('parent_hash')} ({manifest.get('parent_path')}), "
             f"but its parent {parent} now has {expected}; delete {stage_dir(cfg, stage)} to rebuild it"
         )
+    problem = reward_model_problem(cfg, stage, manifest)
+    if problem:
+        raise DriverError(problem)
     return "done"
+
+
+def reward_model_problem(cfg: PipelineConfig, stage: str, manifest: dict) -> Optional[str]:
+    """For PPO: why its output was not trained against the current reward model, or None.
+
+    The PPO manifest records `reward_model: {path, weights_hash}`; a rebuilt RM (another weights
+    hash) or a missing record makes the PPO output stale (PPO always scores with an RM).
+    """
+    if stage != "ppo":
+        return None
+    folder, rm = merged_dir(cfg, stage), reward_path(cfg)
+    current = weights_hash(rm)
+    record = manifest.get("reward_model")
+    if not isinstance(record, dict) or not record.get("weights_hash"):
+        return (
+            f"{folder}/manifest.json does not record the reward model PPO scored with (reward_model: path, weights_hash), "
+            f"so it cannot be checked against the current reward model {rm} ({current}); delete {stage_dir(cfg, stage)} to rebuild it"
+        )
+    if record["weights_hash"] != current:
+        return (
+            f"{folder} is stale: the reward model was rebuilt since PPO ran: PPO scored with reward model weights "
+            f"{record['weights_hash']} ({record.get('path')}), but {rm} now has {current}; delete {stage_dir(cfg, stage)} to rebuild it"
+        )
+    return None
 
 
 def check_folder_against_manifest(folder: Path) -> list[str]:
@@ -317,6 +391,8 @@ def checks_after(cfg: PipelineConfig, stage: str) -> list[str]:
         problems.append(f"{folder}/manifest.json: parent_path is {manifest.get('parent_path')!r}, expected {str(parent)!r}")
     if manifest.get("parent_hash") != weights_hash(parent):
         problems.append(f"{folder}/manifest.json: parent_hash is {manifest.get('parent_hash')!r}, expected {weights_hash(parent)!r}")
+    rm_problem = reward_model_problem(cfg, stage, manifest)
+    problems += [rm_problem] if rm_problem else []
     return problems + check_folder_against_manifest(folder) + check_link(stage, folder, parent)
 
 
@@ -412,20 +488,91 @@ def read_json(path: Path) -> Optional[dict]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def verdict(figures: dict, cfg: VerdictConfig) -> list[str]:
-    """Reasons the run did not show learning (empty: PASS). Pure."""
+def verdict(figures: dict, cfg: VerdictConfig, gold_reasons: Optional[list[str]] = None) -> list[str]:
+    """Reasons the run did not show learning (empty: PASS). Pure.
+
+    The RM must reach its held-out accuracy; the RL model is judged by the gold table
+    (`gold_verdict`, whose reasons come in `gold_reasons`; None: no gold table was configured).
+    PPO's own reward curve is information only: a noisy curve rises by chance.
+    """
     out = []
     accuracy = figures.get("rm_eval_accuracy")
     if accuracy is None:
         out.append("the RM reported no eval_accuracy")
     elif accuracy < cfg.rm_min_eval_accuracy:
         out.append(f"RM held-out accuracy {accuracy:.3f} is below {cfg.rm_min_eval_accuracy}")
-    first, last = figures.get("ppo_reward_first"), figures.get("ppo_reward_last")
-    if first is None or last is None:
-        out.append("PPO reported no reward_first/reward_last")
-    elif last - first <= cfg.ppo_min_reward_gain:
-        out.append(f"PPO mean reward did not rise: {first:.4f} -> {last:.4f}")
+    if gold_reasons is None:
+        out.append("no gold table (set gold.data): the RL model was not judged on held-out answers")
+    else:
+        out += gold_reasons
     return out
+
+
+def gold_verdict(rows: Sequence[dict], rl: str, reference: str, cfg: GoldConfig) -> list[str]:
+    """Reasons the RL model's gold row does not show what PPO should do, compared with the row of
+    the model it started from (empty: PASS). Pure.
+
+    PASS needs phrase_rate(rl) - phrase_rate(reference) >= cfg.min_phrase_gain (the house style
+    the RM rewards was learned) and fact_accuracy(reference) - fact_accuracy(rl) <= cfg.max_fact_drop
+    (it was not bought with wrong facts).
+    """
+    by_name = {r["model"]: r for r in rows}
+    missing = [name for name in (rl, reference) if name not in by_name]
+    if missing:
+        return [f"gold: no row for {', '.join(missing)}"]
+    a, b = by_name[rl], by_name[reference]
+    out = []
+    gain = a["phrase_rate"] - b["phrase_rate"]
+    if gain < cfg.min_phrase_gain - 1e-9:
+        out.append(
+            f"gold: the {rl} model's phrase rate {a['phrase_rate']:.3f} is not above the {reference} model's "
+            f"{b['phrase_rate']:.3f} by {cfg.min_phrase_gain} (gain {gain:+.3f})"
+        )
+    drop = b["fact_accuracy"] - a["fact_accuracy"]
+    if drop > cfg.max_fact_drop + 1e-9:
+        out.append(
+            f"gold: the {rl} model's fact accuracy {a['fact_accuracy']:.3f} fell below the {reference} model's "
+            f"{b['fact_accuracy']:.3f} by {drop:.3f}, more than the {cfg.max_fact_drop} allowed"
+        )
+    return out
+
+
+def gold_models(cfg: PipelineConfig, ran: Sequence[str]) -> list[tuple[str, str]]:
+    """(row name, model path) for the gold table: the configured models that exist, plus the RL
+    model's parent (the verdict's reference), in pipeline order."""
+    wanted = set(cfg.gold.models)
+    if "ppo" in ran:
+        wanted.add(parent_stage(cfg, "ppo") or "base")
+    out = []
+    for name in ("base", "pt", "sft", "ppo"):
+        if name not in wanted:
+            continue
+        if name == "base":
+            out.append(("base", str(resolve_base(cfg.base_model))))
+        elif name in ran and read_manifest(merged_dir(cfg, name)) is not None:
+            out.append((name, str(merged_dir(cfg, name).resolve())))
+    return out
+
+
+def compute_gold(cfg: PipelineConfig, ran: Sequence[str]) -> Optional[dict]:
+    """The gold table of this run ({data, rows, reference, rl}), None when gold.data is unset.
+
+    Rows are cached in output_root/gold/cache.json by weights hash (a re-run regenerates nothing);
+    answers go to output_root/gold/answers/<model>.jsonl.
+    """
+    if not cfg.gold.data:
+        return None
+    root = Path(cfg.output_root) / "gold"
+    settings = GoldSettings(cfg.gold.max_new_tokens, cfg.gold.batch_size, cfg.gold.dtype)
+    started = time.time()
+    rows = gold_table(gold_models(cfg, ran), cfg.gold.data, settings, root / "cache.json", root / "answers", lambda m: log(cfg, m))
+    return {
+        "data": cfg.gold.data,
+        "rows": rows,
+        "rl": "ppo" if "ppo" in ran else None,
+        "reference": (parent_stage(cfg, "ppo") or "base") if "ppo" in ran else None,
+        "wall_seconds": round(time.time() - started, 1),
+    }
 
 
 def record_time(cfg: PipelineConfig, stage: str, event: str) -> None:
@@ -460,9 +607,17 @@ def summarize(cfg: PipelineConfig) -> dict:
         figures.update({f"{stage}_{k}": summary[k] for k in FIGURES[stage] if k in summary})
         figures[f"{stage}_wall_seconds"] = wall_seconds(cfg, stage, summary)
     final = next((s for s in reversed(STAGE_ORDER) if s != "rm" and s in stages), None)
-    reasons = verdict(figures, cfg.verdict) if "rm" in stages and "ppo" in stages else ["RM or PPO did not run"]
+    gold = compute_gold(cfg, list(stages))
+    if gold is not None:
+        figures["gold_wall_seconds"] = gold["wall_seconds"]
+    if "rm" in stages and "ppo" in stages:
+        gold_reasons = None if gold is None else gold_verdict(gold["rows"], gold["rl"], gold["reference"], cfg.gold)
+        reasons = verdict(figures, cfg.verdict, gold_reasons)
+    else:
+        reasons = ["RM or PPO did not run"]
     out = {
         **figures,
+        "gold": gold,
         "final_model": str(merged_dir(cfg, final).resolve()) if final else None,
         "reward_model": str(reward_path(cfg)) if "ppo" in stages else None,
         "tensorboard": f"tensorboard --logdir {root}",
@@ -491,8 +646,13 @@ def format_summary(summary: dict) -> str:
     if "ppo" in summary["stages"]:
         g = lambda k: num(summary.get(f"ppo_{k}"))  # noqa: E731
         lines.append(f"ppo: mean reward {g('reward_first')} -> {g('reward_last')}, eval reward {g('eval_reward_first')} -> {g('eval_reward_last')}, final KL {g('kl_last')}  ({num(summary.get('ppo_wall_seconds'), 0)} s)")
+    gold = summary.get("gold")
+    if gold:
+        lines += [f"gold table ({gold['data']}, greedy; {num(gold.get('wall_seconds'), 0)} s):", format_table(gold["rows"])]
+        if gold.get("rl"):
+            lines.append(f"verdict: the {gold['rl']} model against the {gold['reference']} model")
     total = sum(v for k, v in summary.items() if k.endswith("_wall_seconds") and isinstance(v, (int, float)))
-    lines += [f"stage wall time: {total:.0f} s", f"final model: {summary['final_model']}", f"curves: {summary['tensorboard']}"]
+    lines += [f"wall time (stages + gold): {total:.0f} s", f"final model: {summary['final_model']}", f"curves: {summary['tensorboard']}"]
     lines.append(f"verdict: {summary['verdict']}" + "".join(f"\nWARNING: {r}" for r in summary["verdict_reasons"]))
     return "\n".join(lines)
 
@@ -539,8 +699,38 @@ def cmd_finish(cfg: PipelineConfig, stage: str) -> None:
     log(cfg, f"{stage}: finished, {merged_dir(cfg, stage)} checked against its parent {parent_path(cfg, stage)}")
 
 
+@contextlib.contextmanager
+def answers_only_on_stdout():
+    """Yield a stream for the answers to the bash script; while inside, everything else written
+    to file descriptor 1 (libraries that log to stdout, e.g. DeepSpeed's accelerator notice when
+    the embedded model is first converted) goes to stderr, so it cannot become part of an argv."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no real descriptor (e.g. an embedding host): nothing to protect
+        yield sys.stdout
+        return
+    answer = os.fdopen(os.dup(saved), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    try:
+        yield answer
+    finally:
+        sys.stdout.flush()
+        answer.flush()
+        answer.close()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+    if argv is None and not sys.stdout.isatty():
+        with answers_only_on_stdout() as answer:
+            return run_command(list(sys.argv[1:]), answer)
+    return run_command(list(sys.argv[1:] if argv is None else argv), sys.stdout)
+
+
+def run_command(args: list[str], answer) -> int:
+    """One subcommand; what the bash script reads goes to `answer`, everything else to stderr."""
     usage = "usage: python -m pipeline.driver {stages,prepare,finish,summarize,report-dir} CONFIG [STAGE] [--from S|--only S] [--key value ...]"
     if len(args) < 2 or args[0] not in ("stages", "prepare", "finish", "summarize", "report-dir"):
         print(usage, file=sys.stderr)
@@ -559,18 +749,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             problems = stage_config_problems(cfg, planned)
             if problems:
                 raise ConfigError(problems, config_path)
-            print("\n".join(planned))
+            print("\n".join(planned), file=answer)
         elif command == "prepare":
-            print("\n".join(cmd_prepare(cfg, stage)))
+            print("\n".join(cmd_prepare(cfg, stage)), file=answer)
         elif command == "finish":
             cmd_finish(cfg, stage)
         elif command == "report-dir":
-            print(cfg.output_root if cfg.report else "")
+            print(cfg.output_root if cfg.report else "", file=answer)
         else:
             summary = summarize(cfg)
             log(cfg, f"summary written to {Path(cfg.output_root) / 'summary.json'} (verdict {summary['verdict']})")
-            print(format_summary(summary))
-    except (ConfigError, DriverError) as err:
+            print(format_summary(summary), file=answer)
+    except (ConfigError, DriverError, GoldError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     return 0

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pipeline.gold import format_table
+
 STAGES = ("pt", "sft", "rm", "ppo")
 Curve = list[tuple[int, float]]
 
@@ -152,6 +154,18 @@ def curve_row(stage: str, tag: str, curve: Curve) -> str:
     return f"| {stage} | `{tag}` | {len(curve)} | {_fmt(values[0])} | {_fmt(values[-1])} | {_fmt(min(values))} | {_fmt(max(values))} |"
 
 
+def gold_section(gold: Optional[dict]) -> list[str]:
+    """The gold table from summary.json's `gold` entry as markdown lines (pure; [] without one)."""
+    if not gold or not gold.get("rows"):
+        return []
+    lines = ["## Gold table", "", f"Greedy answers to the held-out questions in `{gold.get('data')}`, scored against their answer key:",
+             "phrase rate = opens with the house phrase, fact accuracy = states the right value and no other.", ""]
+    lines += format_table(gold["rows"]).splitlines()
+    if gold.get("rl"):
+        lines += ["", f"The verdict compares the `{gold['rl']}` row with the `{gold['reference']}` row."]
+    return lines + [""]
+
+
 HEADLINE_TAGS = ("train/loss", "eval/loss", "train/accuracy", "eval/accuracy", "eval/margin", "ppo/reward_raw", "ppo/kl", "eval/reward", "eval/kl")
 
 
@@ -162,6 +176,7 @@ def render_markdown(run_dir: Path, curves: dict[str, dict[str, Curve]], plots: d
         lines += [f"Verdict: **{summary.get('verdict', 'n/a')}**"]
         lines += [f"- WARNING: {reason}" for reason in summary.get("verdict_reasons", [])]
         lines += ["", f"Final model: `{summary.get('final_model')}`", ""]
+        lines += gold_section(summary.get("gold"))
     lines += ["## Curves (first -> last)", "", "| stage | tag | points | first | last | min | max |", "|---|---|---|---|---|---|---|"]
     for stage, scalars in curves.items():
         tags = [t for t in HEADLINE_TAGS if t in scalars] + sorted(t for t in scalars if "/loss_task/" in t)

@@ -4,10 +4,14 @@
 #
 # Installs Relay (run_scripts/install.sh, a no-op when nothing changed), then runs
 # PT -> SFT -> RM -> PPO with configs/demo.yaml into outputs/demo/ and prints the summary
-# (losses, RM held-out accuracy, PPO reward and KL, final model, tensorboard command) and a
-# verdict. A WARNING verdict means the run finished but did not show learning (RM accuracy below
-# the threshold or PPO reward not rising); the exit status is 0 whenever the pipeline ran.
-# Re-running resumes: finished stages are skipped (delete outputs/demo to start over).
+# (losses, RM held-out accuracy, PPO reward and KL, the gold table, final model, tensorboard
+# command) and a verdict. The gold table holds the greedy answers of the base, SFT and PPO models
+# to 80 held-out questions (data/sample/gold/eval.jsonl), scored against their answer key: how
+# often an answer opens with the house phrase and how often it states the right fact. PASS needs
+# the RM's held-out accuracy, PPO's phrase rate above SFT's by gold.min_phrase_gain, and PPO's fact
+# accuracy within gold.max_fact_drop of SFT's; WARNING names what failed (the exit status is 0
+# whenever the pipeline ran). Re-running resumes: finished stages are skipped and the gold table
+# is read from its cache (delete outputs/demo to start over).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash run_scripts/install.sh

@@ -7,7 +7,10 @@
 # NPROC=1 and NNODES unset a stage runs as plain python, which saves torchrun's start-up time and
 # behaves the same (one process, no process group). Set TORCHRUN_ALWAYS=1 to use torchrun anyway.
 # A stage whose merged/manifest.json is complete is skipped, so re-running after a crash resumes
-# at the first unfinished stage (and inside it, from the stage's own checkpoints).
+# at the first unfinished stage (and inside it, from the stage's own checkpoints). A PPO output
+# trained against another reward model than the current RM folder is stale (delete it to rebuild).
+# After the stages, `driver summarize` computes the gold table when the config has `gold.data`
+# (cached in output_root/gold/ by weights hash), writes summary.json and prints the verdict.
 set -euo pipefail
 # A config path is taken relative to where the script is called from; everything else (stage
 # scripts, data paths in the YAMLs, output_root) relative to the repository root.

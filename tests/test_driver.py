@@ -20,14 +20,19 @@ import yaml
 
 from pipeline.config import ConfigError
 from pipeline.driver import (
+    DriverError,
+    GoldConfig,
     PipelineConfig,
     Selection,
+    checks_after,
     compare,
     deep_merge,
+    gold_verdict,
     load_pipeline,
     parent_stage,
     planned_stages,
     stage_config,
+    stage_status,
     verdict,
     VerdictConfig,
 )
@@ -63,7 +68,12 @@ FAKE_STAGE = textwrap.dedent(
     rng = np.random.default_rng(len(stage))
     tensors = {k: (v + 0.01 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in load_file(weights).items()}
     save_file(tensors, weights, metadata={"format": "pt"})
-    write_manifest(merged, stage=stage, parent=parent, config={"argv": sys.argv[1:]})
+    extra = None
+    if stage == "ppo":  # the PPO contract: the reward model it scored with
+        from pipeline.manifest import weights_hash
+        rm = args["--reward_model.path"]
+        extra = {"reward_model": {"path": rm, "weights_hash": weights_hash(rm)}}
+    write_manifest(merged, stage=stage, parent=parent, config={"argv": sys.argv[1:]}, extra=extra)
     writer = EventFileWriter(str(out / "runs" / stage))
     for step in (1, 2, 3):
         for tag, value in (("train/loss", 3.0 / step), ("ppo/reward_raw" if stage == "ppo" else "eval/loss", step / 10)):
@@ -82,8 +92,12 @@ SCRIPT_NAMES = {"pt": "pretrain", "sft": "sft", "rm": "reward", "ppo": "ppo"}
 STAGE_SCRIPTS_REAL = [f"stages/{n}.py" for n in SCRIPT_NAMES.values()]
 
 
-def write_fake_config(tmp: Path, base: Path, report: bool = True) -> tuple[Path, Path, Path]:
-    """A pipeline config whose stages are the fake script; returns (config path, root, fake log)."""
+GOLD_SAMPLE = ROOT / "data" / "sample" / "gold" / "eval.jsonl"
+
+
+def write_fake_config(tmp: Path, base: Path, report: bool = True, gold: bool = False) -> tuple[Path, Path, Path]:
+    """A pipeline config whose stages are the fake script; returns (config path, root, fake log).
+    With `gold`, the config names a 4-question gold file (answered by the fake stages' tiny models)."""
     scripts = tmp / "scripts"
     scripts.mkdir(parents=True)
     for name in SCRIPT_NAMES.values():
@@ -97,6 +111,10 @@ def write_fake_config(tmp: Path, base: Path, report: bool = True) -> tuple[Path,
         "all_stages": {"train": {"seed": 7}},
         "stages": {s: {"config": {"train": {"max_steps": 2}}, "script": str(scripts / f"{SCRIPT_NAMES[s]}.py"), "overrides": {"train": {"max_steps": 3}}} for s in STAGES},
     }
+    if gold:
+        gold_file = tmp / "gold.jsonl"
+        gold_file.write_text("".join(GOLD_SAMPLE.read_text().splitlines(keepends=True)[:4]))
+        config["gold"] = {"data": str(gold_file), "max_new_tokens": 3, "batch_size": 2}
     path = tmp / "pipeline.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, root, tmp / "fake.log"
@@ -120,7 +138,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, str]]:
 @pytest.fixture(scope="module")
 def completed(tmp_path_factory, tiny_model_dir):
     """One complete fake pipeline run: (config, root, fake log, the driver's CompletedProcess)."""
-    config, root, fake_log = write_fake_config(tmp_path_factory.mktemp("fake"), tiny_model_dir)
+    config, root, fake_log = write_fake_config(tmp_path_factory.mktemp("fake"), tiny_model_dir, gold=True)
     return config, root, fake_log, run_driver(config, fake_log)
 
 
@@ -150,9 +168,23 @@ def test_fake_pipeline_chains_stages_and_reports(completed, tiny_model_dir):
     assert written == {"train": {"max_steps": 3, "seed": 7}, "model": {"finetuning": "lora"}}
     summary = json.loads((root / "summary.json").read_text())
     assert summary["rm_eval_accuracy"] == 0.9 and summary["ppo_reward_first"] == -0.25 and summary["ppo_reward_last"] == 0.5
-    assert summary["ppo_kl_last"] == 0.0625 and summary["pt_wall_seconds"] > 0 and summary["verdict"] == "PASS"
+    assert summary["ppo_kl_last"] == 0.0625 and summary["pt_wall_seconds"] > 0
     assert summary["final_model"] == str((root / "ppo/merged").resolve())
-    assert "verdict: PASS" in result.stdout and "ppo: mean reward -0.2500 -> 0.5000" in result.stdout
+    assert "ppo: mean reward -0.2500 -> 0.5000" in result.stdout
+    # the gold table: base, SFT and PPO answer the 4 gold questions; random tiny models never use
+    # the phrase, so the verdict (which rests on the table, not on the rising reward) is WARNING
+    gold = summary["gold"]
+    assert [(r["model"], r["n"], r["path"]) for r in gold["rows"]] == [
+        ("base", 4, str(Path(tiny_model_dir).resolve())), ("sft", 4, str((root / "sft/merged").resolve())), ("ppo", 4, str((root / "ppo/merged").resolve()))
+    ]
+    assert gold["rl"] == "ppo" and gold["reference"] == "sft" and summary["gold_wall_seconds"] >= 0
+    assert summary["verdict"] == "WARNING" and len(summary["verdict_reasons"]) == 1
+    assert summary["verdict_reasons"][0].startswith("gold: the ppo model's phrase rate 0.000 is not above the sft model's 0.000 by 0.2")
+    assert "| model | phrase rate | fact accuracy | n |" in result.stdout and "| ppo | 0.000 |" in result.stdout
+    assert "verdict: WARNING" in result.stdout
+    assert len((root / "gold/answers/ppo.jsonl").read_text().splitlines()) == 4
+    report = (root / "report.md").read_text()
+    assert "## Gold table" in report and "| sft | 0.000 |" in report
     assert (root / "report.md").is_file() and {p.name for p in (root / "plots").iterdir()} == {"losses.png", "ppo.png"}
 
 
@@ -166,6 +198,8 @@ def test_rerunning_a_complete_pipeline_does_no_work(completed):
     assert snapshot(root) == before
     log = (root / "driver.log").read_text().splitlines()
     assert [line.split(" ", 2)[2] for line in log if "skipped" in line][-4:] == [f"{s}: skipped, already complete ({root / s / 'merged'}/manifest.json)" for s in STAGES]
+    gold_lines = [line.split(" ", 2)[2] for line in log if line.split(" ", 2)[2].startswith("gold: ")]
+    assert [line.split(" (")[0] for line in gold_lines] == [f"gold: {m}: generating greedy answers" for m in ("base", "sft", "ppo")] + [f"gold: {m}: cached" for m in ("base", "sft", "ppo")]
 
 
 def test_selection_crash_and_resume(tmp_path, tiny_model_dir):
@@ -222,6 +256,56 @@ def test_stale_stage_is_reported_not_rebuilt(completed_copy):
     stale = run_driver(config, fake_log, "--only", "sft")
     assert stale.returncode == 1 and "is stale: built on parent weights " + "0" * 64 in stale.stderr
     assert f"delete {root / 'sft'} to rebuild it" in stale.stderr and ran(fake_log) == []
+
+
+def rebuild_reward_model(root: Path) -> str:
+    """Stand in for a retrained RM: new weights and a manifest consistent with them; its new hash."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from pipeline.manifest import write_manifest
+
+    rm = root / "rm/merged"
+    manifest = read_manifest(rm)
+    tensors = {k: (v + np.float32(0.5)).astype(v.dtype) for k, v in load_file(rm / "model.safetensors").items()}
+    save_file(tensors, rm / "model.safetensors", metadata={"format": "pt"})
+    write_manifest(rm, stage=manifest["stage"], parent=manifest["parent_path"], config=manifest["config"])
+    return weights_hash(rm)
+
+
+def test_rebuilt_reward_model_makes_ppo_stale(completed_copy):
+    config, root, fake_log = completed_copy
+    recorded = read_manifest(root / "ppo/merged")["reward_model"]["weights_hash"]
+    new_hash = rebuild_reward_model(root)
+    assert new_hash != recorded
+    stale = run_driver(config, fake_log)  # pt, sft, rm are done; PPO must not be skipped
+    assert stale.returncode == 1 and ran(fake_log) == []
+    rm = (root / "rm/merged").resolve()
+    assert f"{root / 'ppo/merged'} is stale: the reward model was rebuilt since PPO ran: PPO scored with reward model weights {recorded}" in stale.stderr
+    assert f"but {rm} now has {new_hash}; delete {root / 'ppo'} to rebuild it" in stale.stderr
+    cfg, _ = load_pipeline(str(config), [])
+    with pytest.raises(DriverError, match="the reward model was rebuilt"):
+        stage_status(cfg, "ppo")
+    assert stage_status(cfg, "rm") == "done"
+    assert any("the reward model was rebuilt" in p for p in checks_after(cfg, "ppo"))
+    shutil.rmtree(root / "ppo")
+    rebuilt = run_driver(config, fake_log)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert ran(fake_log) == ["ppo"] and read_manifest(root / "ppo/merged")["reward_model"] == {"path": str(rm), "weights_hash": new_hash}
+
+
+def test_ppo_output_without_reward_model_record_is_stale(completed_copy):
+    config, root, fake_log = completed_copy
+    cfg, _ = load_pipeline(str(config), [])
+    assert stage_status(cfg, "ppo") == "done" and not [p for p in checks_after(cfg, "ppo") if "reward model" in p]
+    manifest = read_manifest(root / "ppo/merged")
+    del manifest["reward_model"]
+    (root / "ppo/merged/manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DriverError, match="does not record the reward model PPO scored with"):
+        stage_status(cfg, "ppo")
+    assert [p for p in checks_after(cfg, "ppo") if "does not record the reward model" in p]
+    stale = run_driver(config, fake_log, "--only", "ppo")
+    assert stale.returncode == 1 and f"delete {root / 'ppo'} to rebuild it" in stale.stderr and ran(fake_log) == []
 
 
 def test_changed_stage_config_is_reported_not_skipped(completed_copy):
@@ -295,11 +379,43 @@ def test_stage_config_merge_order():
 
 def test_compare_and_verdict():
     assert compare("A", {"vocab_size": 1, "tokenizer_hash": "x"}, "B", {"vocab_size": 2, "tokenizer_hash": "x"}) == ["vocab_size differs: A has 1, B has 2"]
-    ok = {"rm_eval_accuracy": 0.8, "ppo_reward_first": 0.1, "ppo_reward_last": 0.2}
-    assert verdict(ok, VerdictConfig()) == []
-    assert verdict({**ok, "rm_eval_accuracy": 0.6, "ppo_reward_last": 0.1}, VerdictConfig()) == [
-        "RM held-out accuracy 0.600 is below 0.7",
-        "PPO mean reward did not rise: 0.1000 -> 0.1000",
+    ok = {"rm_eval_accuracy": 0.8, "ppo_reward_first": 0.2, "ppo_reward_last": 0.1}
+    assert verdict(ok, VerdictConfig(), []) == []  # a falling PPO reward is information, not a reason
+    assert verdict({**ok, "rm_eval_accuracy": 0.6}, VerdictConfig(), ["gold: x"]) == ["RM held-out accuracy 0.600 is below 0.7", "gold: x"]
+    assert verdict(ok, VerdictConfig(), None) == ["no gold table (set gold.data): the RL model was not judged on held-out answers"]
+
+
+def gold_rows(sft: tuple[float, float], ppo: tuple[float, float]) -> list[dict]:
+    return [
+        {"model": "base", "phrase_rate": 0.0, "fact_accuracy": 0.0, "n": 80},
+        {"model": "sft", "phrase_rate": sft[0], "fact_accuracy": sft[1], "n": 80},
+        {"model": "ppo", "phrase_rate": ppo[0], "fact_accuracy": ppo[1], "n": 80},
+    ]
+
+
+def test_gold_verdict():
+    cfg = GoldConfig(min_phrase_gain=0.2, max_fact_drop=0.05)
+    assert gold_verdict(gold_rows((0.5, 0.6), (0.9, 0.58)), "ppo", "sft", cfg) == []  # pass
+    assert gold_verdict(gold_rows((0.5, 0.6), (0.7, 0.55)), "ppo", "sft", cfg) == []  # both exactly at the limits
+    assert gold_verdict(gold_rows((0.5, 0.6), (0.65, 0.7)), "ppo", "sft", cfg) == [
+        "gold: the ppo model's phrase rate 0.650 is not above the sft model's 0.500 by 0.2 (gain +0.150)"
+    ]
+    assert gold_verdict(gold_rows((0.5, 0.6), (1.0, 0.5)), "ppo", "sft", cfg) == [
+        "gold: the ppo model's fact accuracy 0.500 fell below the sft model's 0.600 by 0.100, more than the 0.05 allowed"
+    ]
+    assert len(gold_verdict(gold_rows((0.5, 0.6), (0.4, 0.1)), "ppo", "sft", cfg)) == 2
+    assert gold_verdict(gold_rows((0.5, 0.6), (0.9, 0.6))[:2], "ppo", "sft", cfg) == ["gold: no row for ppo"]
+
+
+def test_gold_config_problems(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("gold: {data: nowhere.jsonl, models: [base, rm], dtype: half}\n")
+    with pytest.raises(ConfigError) as err:
+        load_pipeline(str(path), [])
+    assert err.value.problems == [
+        "gold.data: 'nowhere.jsonl' is not a file",
+        "gold.models: 'rm' not among base, pt, sft, ppo (rm is not a generator)",
+        "gold.dtype: 'half' is not one of 'fp32', 'bf16', 'fp16', 'auto'",
     ]
 
 

@@ -85,3 +85,35 @@ def test_relay_cli_dispatches_report(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(root / "report.md")
     assert main(["report", str(tmp_path / "nothing")]) == 1 and "no TensorBoard events" in capsys.readouterr().err
     assert main(["nonsense"]) == 2 and "unknown command 'nonsense'" in capsys.readouterr().err
+
+
+def test_report_renders_the_gold_table(tmp_path):
+    root = fake_run(tmp_path)
+    gold = {
+        "data": "data/sample/gold/eval.jsonl",
+        "rows": [
+            {"model": "base", "phrase_rate": 0.0, "fact_accuracy": 0.0125, "n": 80},
+            {"model": "sft", "phrase_rate": 0.5125, "fact_accuracy": 0.6, "n": 80},
+            {"model": "ppo", "phrase_rate": 1.0, "fact_accuracy": 0.5875, "n": 80},
+        ],
+        "rl": "ppo",
+        "reference": "sft",
+    }
+    summary = json.loads((root / "summary.json").read_text())
+    (root / "summary.json").write_text(json.dumps({**summary, "gold": gold}))
+    text = write_report(root).read_text()
+    table = "\n".join(
+        [
+            "| model | phrase rate | fact accuracy | n |",
+            "|---|---|---|---|",
+            "| base | 0.000 | 0.013 | 80 |",
+            "| sft | 0.512 | 0.600 | 80 |",
+            "| ppo | 1.000 | 0.588 | 80 |",
+        ]
+    )
+    assert "## Gold table" in text and table in text and "compares the `ppo` row with the `sft` row" in text
+    assert text.index("## Gold table") < text.index("## Curves")
+
+
+def test_report_without_gold_has_no_gold_section(tmp_path):
+    assert "Gold table" not in write_report(fake_run(tmp_path)).read_text()

@@ -28,7 +28,7 @@ def test_regenerates_byte_identically(tmp_path):
     assert gen.main(["--out", str(tmp_path)]) == 0
     shipped = sorted(p.relative_to(SAMPLE) for p in SAMPLE.rglob("*.jsonl"))
     fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.jsonl"))
-    assert shipped == fresh and len(shipped) == 10
+    assert shipped == fresh and len(shipped) == 11
     for rel in shipped:
         assert (tmp_path / rel).read_bytes() == (SAMPLE / rel).read_bytes(), rel
 
@@ -40,7 +40,13 @@ def test_other_seed_gives_other_data():
 
 @pytest.mark.parametrize(
     "kind, paths",
-    [("pt", ["pt/train.jsonl", "pt/valid.jsonl"]), ("sft", ["sft/train", "sft/valid"]), ("rm", ["rm/train.jsonl", "rm/valid.jsonl"]), ("prompts", ["ppo/train.jsonl", "ppo/valid.jsonl"])],
+    [
+        ("pt", ["pt/train.jsonl", "pt/valid.jsonl"]),
+        ("sft", ["sft/train", "sft/valid"]),
+        ("rm", ["rm/train.jsonl", "rm/valid.jsonl"]),
+        ("prompts", ["ppo/train.jsonl", "ppo/valid.jsonl"]),
+        ("prompts", ["gold/eval.jsonl"]),  # gold prompts are PPO-style prompts plus an answer key
+    ],
 )
 def test_validates(kind, paths, capsys):
     from data_formats.validate import main
@@ -57,6 +63,7 @@ def test_sizes():
         "sft/valid/atlas_qa.jsonl": 24, "sft/valid/coin_math.jsonl": 8,
         "rm/train.jsonl": 200, "rm/valid.jsonl": 40,
         "ppo/train.jsonl": 64, "ppo/valid.jsonl": 16,
+        "gold/eval.jsonl": 80,
     }  # fmt: skip
 
 
@@ -111,3 +118,18 @@ def test_ppo_prompts_are_single_questions():
     for split in ("train", "valid"):
         for rec in records(f"ppo/{split}.jsonl"):
             assert set(rec) == {"prompt"} and rec["prompt"].endswith(("?", "."))
+
+
+def test_gold_is_held_out_and_keyed():
+    """Every fact once or twice, in wordings no training, RM or PPO file uses, with its answer key."""
+    gen = load_generator()
+    gold = records("gold/eval.jsonl")
+    islands = {i[0]: i for i in gen.ISLANDS}
+    assert {(r["island"], r["attribute"]) for r in gold} == {(i[0], a) for i in gen.ISLANDS for a in gen.ATTRIBUTES}
+    for r in gold:
+        assert set(r) == {"id", "prompt", "island", "attribute", "expected"}
+        assert r["expected"] == gen.fact_value(islands[r["island"]], r["attribute"]) and r["island"] in r["prompt"]
+    training_wordings = {q for qs in gen.QUESTIONS.values() for q in qs} | set(gen.FOLLOW_UPS.values())
+    gold_wordings = {q for qs in gen.GOLD_QUESTIONS.values() for q in qs}
+    assert not training_wordings & gold_wordings
+    assert len({r["prompt"] for r in gold}) == len(gold)
