@@ -177,7 +177,7 @@ def main() -> int:
         child(args)
         return 0
     sys.path.insert(0, str(ROOT))
-    from pipeline.embedded import materialize
+    from pipeline.modeling.embedded import materialize
 
     model_path = str(materialize())
     results = {(side, mode): launch(side, mode, args, model_path) for mode in ("lora", "full") for side in ("relay", "trl")}

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from data_formats.conversation import Conversation, Turn
 from data_formats.render import make_template, render, render_text
 from pipeline.config import ChatDataConfig
-from pipeline.embedded import materialize
+from pipeline.modeling.embedded import materialize
 
 RESULTS = Path(__file__).parent / "RESULTS.md"
 WORDS = "the model reads a sentence and writes an answer about code data tokens loss mask turn".split()

@@ -15,7 +15,7 @@ use the phrase only about half of the time, so a policy fresh from SFT has room 
 
 gold/eval.jsonl is never trained on: 80 questions (every fact once, 32 twice) in wordings no other
 file uses, each with its answer key ({"prompt", "island", "attribute", "expected"}). The pipeline
-judges its models on it (pipeline/gold.py): does the answer open with the phrase, and state the fact?
+judges its models on it (pipeline/tools/gold.py): does the answer open with the phrase, and state the fact?
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def make_ppo(rng: random.Random, count: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Gold: held-out questions with their answer key (never trained on; see pipeline/gold.py)
+# Gold: held-out questions with their answer key (never trained on; see pipeline/tools/gold.py)
 # ---------------------------------------------------------------------------------------------
 
 

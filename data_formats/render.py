@@ -38,7 +38,7 @@ boundary (no leading whitespace), the ids equal the one-shot tokenization of the
 Scored sequences (the reward model's and PPO's): a conversation scored by a reward model ends at
 the end-of-turn token that closes its last answer (`render_scored`: the prompt ids, then the
 answer ids ending with EOS; nothing after). The reward is read at that token
-(`pipeline.scoring.reward_readout_index`), in RM training, RM evaluation, the reward statistics
+(`pipeline.modeling.scoring.reward_readout_index`), in RM training, RM evaluation, the reward statistics
 and PPO, where a response is cut at its first EOS.
 """
 

@@ -19,4 +19,4 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_
 start=$SECONDS
 bash run_scripts/run_pipeline.sh configs/demo.yaml "$@"
 echo "demo wall time: $((SECONDS - start)) s"
-echo "compare the base and final models: .venv/bin/python -m pipeline.chat --model embedded --compare outputs/demo/ppo/merged"
+echo "compare the base and final models: .venv/bin/python -m pipeline.tools.chat --model embedded --compare outputs/demo/ppo/merged"

@@ -19,7 +19,7 @@ if [[ $# -gt 0 && $1 != --* ]]; then CONFIG=$(realpath "$1"); shift; fi
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 
-driver() { "$PY" -m pipeline.driver "$@"; }
+driver() { "$PY" -m pipeline.tools.driver "$@"; }
 
 launch() {
   if [[ ${NPROC:-1} == 1 && -z ${NNODES:-} && -z ${TORCHRUN_ALWAYS:-} ]]; then
@@ -45,5 +45,5 @@ done
 driver summarize "$CONFIG" "$@"
 report_dir=$(driver report-dir "$CONFIG" "$@")
 if [[ -n $report_dir ]]; then
-  "$PY" -m pipeline.report "$report_dir"
+  "$PY" -m pipeline.tools.report "$report_dir"
 fi

@@ -165,7 +165,7 @@ class PPOConfig(StageConfig):
 
 def tokenizer_problems(policy_path: str, reward_path: str) -> list[str]:
     """The policy and the reward model must tokenise identically (the RM scores policy ids)."""
-    from pipeline.manifest import tokenizer_hash, vocab_size_of
+    from pipeline.modeling.manifest import tokenizer_hash, vocab_size_of
 
     problems = []
     for name, fn in (("tokenizer hash", tokenizer_hash), ("vocab size", vocab_size_of)):
@@ -186,9 +186,9 @@ def build_models(cfg: PPOConfig, tokenizer) -> ActorCritic:
     full mode loads separate frozen copies of the policy and the reward model.
 
     Raises:
-        ValueError / OSError: from pipeline.models.load_model.
+        ValueError / OSError: from pipeline.modeling.models.load_model.
     """
-    from pipeline.models import load_model, train_without_dropout
+    from pipeline.modeling.models import load_model, train_without_dropout
 
     rm_cfg = dataclasses.replace(cfg.reward_model, finetuning=cfg.model.finetuning,
                                  gradient_checkpointing=cfg.model.gradient_checkpointing)
@@ -211,7 +211,7 @@ def make_normaliser(cfg: PPOConfig, reward_path: str) -> rl.RunningMoments:
     """
     if cfg.ppo.reward_norm != "stored":
         return rl.RunningMoments()
-    from pipeline.manifest import read_manifest
+    from pipeline.modeling.manifest import read_manifest
 
     stats = (read_manifest(reward_path) or {}).get("reward_stats")
     if not stats:
@@ -233,7 +233,7 @@ class PPOStage(Stage):
                  generator_factory: Optional[Callable[[torch.nn.Module], Generator]] = None):
         """`reward_fn(prompt_texts, response_ids) -> [B] tensor` replaces the reward model's score (the
         RM backbone still hosts the critic); `generator_factory(policy)` swaps the sampler."""
-        from pipeline.models import resolve_model_path
+        from pipeline.modeling.models import resolve_model_path
 
         super().__init__(cfg)
         self.reward_path = resolve_model_path(cfg.reward_model.path)
@@ -245,7 +245,7 @@ class PPOStage(Stage):
         """The latest step's experience (tests and notebooks read it from `on_step`)."""
 
     def problems(self) -> list[str]:
-        from pipeline.embedded import is_embedded
+        from pipeline.modeling.embedded import is_embedded
 
         if is_embedded(self.cfg.reward_model.path):
             log.warning("reward_model.path is the embedded model: its reward head is random (smoke runs only)")
@@ -354,14 +354,14 @@ class PPOStage(Stage):
 
     def manifest_extras(self) -> dict:
         """The reward model the policy was optimised against: the driver re-runs PPO when it changes."""
-        from pipeline.manifest import weights_hash
+        from pipeline.modeling.manifest import weights_hash
 
         return {"reward_model": {"path": self.reward_path, "weights_hash": weights_hash(self.reward_path)}}
 
     def export(self, summary: dict) -> Optional[Path]:
         """The policy (adapter, merged into merged/, or the full model) and the critic's adapter."""
         from pipeline.config import to_dict
-        from pipeline.merge import export_full_model, merge_adapter
+        from pipeline.modeling.merge import export_full_model, merge_adapter
 
         acc, cfg, out = self.accelerator, self.cfg, Path(self.cfg.output_dir)
         full = cfg.model.finetuning == "full"

@@ -5,7 +5,7 @@
 
 A sequence classifier with one output (`score` head) on the SFT model; chosen and rejected
 answers are rendered with the SFT chat template, each side ending at the end-of-turn token that
-closes its answer, and scored there (`pipeline.scoring.reward_readout_index`, the token PPO reads).
+closes its answer, and scored there (`pipeline.modeling.scoring.reward_readout_index`, the token PPO reads).
 `data.truncation: truncate` cuts the oldest prompt tokens, never the answer. Loss:
 -logsigmoid(r_chosen - r_rejected - margin) (+ `reward.center_rewards_coefficient` *
 mean((r_chosen + r_rejected)^2), InstructGPT/TRL's centring). With LoRA the head is trained in
@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from pipeline.config import PreferenceDataConfig, StageConfig
 from pipeline.engine.stage import Stage, launched_world_size, main
 from pipeline.engine.steps import check_finite, clip_gradients, eval_shards, micro_step
-from pipeline.models import eval_mode
-from pipeline.scoring import sequence_scores
+from pipeline.modeling.models import eval_mode
+from pipeline.modeling.scoring import sequence_scores
 
 log = logging.getLogger("relay.rm")
 REWARD_STATS_KEY = "relay_reward_stats"

@@ -22,7 +22,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 @pytest.fixture(scope="session")
 def embedded_path():
     """The embedded SmolLM2-135M-Instruct folder (converted once, then cached)."""
-    from pipeline.embedded import materialize
+    from pipeline.modeling.embedded import materialize
 
     return materialize()
 

@@ -24,9 +24,9 @@ from data_formats.conversation import Conversation, Turn
 from data_formats.datasets import build_preference_data, build_prompt_data
 from data_formats.render import IGNORE_INDEX, make_template, render, render_scored
 from pipeline.config import PreferenceDataConfig, PromptDataConfig, load_config
-from pipeline.models import load_tokenizer
+from pipeline.modeling.models import load_tokenizer
 from pipeline.algorithms.rollout import ActorCritic, HFGenerator, assemble
-from pipeline.scoring import reward_readout_index, sequence_scores
+from pipeline.modeling.scoring import reward_readout_index, sequence_scores
 from stages.reward import PairCollator
 from stagerun import run_stage
 from tinymodels import make_tiny_model
@@ -192,7 +192,7 @@ def test_gradient_checkpointing_recomputes_layers_in_every_stage(tmp_path, tiny_
     assert counts[False] == 0
     assert counts[True] >= (4 if stage == "ppo" else 2), counts
     if stage == "ppo":
-        from pipeline.manifest import read_manifest, weights_hash
+        from pipeline.modeling.manifest import read_manifest, weights_hash
 
         recorded = read_manifest(out / "merged")["reward_model"]
         assert recorded == {"path": str(tiny_reward_dir), "weights_hash": weights_hash(tiny_reward_dir)}
@@ -203,7 +203,7 @@ def test_evaluation_gives_every_module_back_its_mode(tiny_model_dir):
     with dropout modules off, as PPO runs; or a fresh PeftModel over an eval-mode base) comes
     back exactly as it was. Before, `model.train()` afterwards switched every module to train."""
     from pipeline.config import LoraConfig, ModelConfig
-    from pipeline.models import load_model, train_without_dropout
+    from pipeline.modeling.models import load_model, train_without_dropout
     from pipeline.engine.steps import heldout_token_loss as evaluate
 
     model = load_model(ModelConfig(path=str(tiny_model_dir), finetuning="lora"), LoraConfig(r=4, dropout=0.1), kind="causal")

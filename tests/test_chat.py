@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from pipeline.chat import ChatError, Generation, interactive, load_chat_model, main, prompt_ids, side_by_side
+from pipeline.tools.chat import ChatError, Generation, interactive, load_chat_model, main, prompt_ids, side_by_side
 
 
 def test_one_shot_embedded_knows_paris(capsys):
@@ -42,7 +42,7 @@ def test_interactive_keeps_history_and_resets(tiny_model_dir):
 
 def test_greedy_is_deterministic(tiny_model_dir):
     chat = load_chat_model(str(tiny_model_dir))
-    from pipeline.chat import reply
+    from pipeline.tools.chat import reply
 
     messages = [{"role": "user", "content": "Count"}]
     assert reply(chat, messages, Generation(max_new_tokens=6)) == reply(chat, messages, Generation(max_new_tokens=6))

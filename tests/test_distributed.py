@@ -99,7 +99,7 @@ def test_deepspeed_configs_are_valid_json_with_auto_values():
 def test_ppo_under_ddp_is_on_policy_then_moves(tiny_model_dir, tiny_reward_dir, tmp_path):
     """Two ranks, two prompts each: the joint forward DDP needs, reward statistics gathered over
     ranks, every rank's RNG in the checkpoint; the first update is exactly on-policy."""
-    from pipeline.report import read_scalars
+    from pipeline.tools.report import read_scalars
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Question number {i}?"}) + "\n" for i in range(8)))

@@ -19,24 +19,23 @@ import pytest
 import yaml
 
 from pipeline.config import ConfigError
-from pipeline.driver import (
+from pipeline.tools.chain import (
     DriverError,
     GoldConfig,
     PipelineConfig,
     Selection,
+    VerdictConfig,
     checks_after,
     compare,
     deep_merge,
-    gold_verdict,
     load_pipeline,
     parent_stage,
     planned_stages,
     stage_config,
     stage_status,
-    verdict,
-    VerdictConfig,
 )
-from pipeline.manifest import read_manifest, tokenizer_hash, weights_hash
+from pipeline.tools.driver import gold_verdict, verdict
+from pipeline.modeling.manifest import read_manifest, tokenizer_hash, weights_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("pt", "sft", "rm", "ppo")
@@ -53,7 +52,7 @@ FAKE_STAGE = textwrap.dedent(
     from safetensors.numpy import load_file, save_file
     from tensorboard.compat.proto import event_pb2, summary_pb2
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
-    from pipeline.manifest import write_manifest
+    from pipeline.modeling.manifest import write_manifest
 
     stage = Path(sys.argv[0]).stem
     args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
@@ -70,7 +69,7 @@ FAKE_STAGE = textwrap.dedent(
     save_file(tensors, weights, metadata={"format": "pt"})
     extra = None
     if stage == "ppo":  # the PPO contract: the reward model it scored with
-        from pipeline.manifest import weights_hash
+        from pipeline.modeling.manifest import weights_hash
         rm = args["--reward_model.path"]
         extra = {"reward_model": {"path": rm, "weights_hash": weights_hash(rm)}}
     write_manifest(merged, stage=stage, parent=parent, config={"argv": sys.argv[1:]}, extra=extra)
@@ -263,7 +262,7 @@ def rebuild_reward_model(root: Path) -> str:
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
-    from pipeline.manifest import write_manifest
+    from pipeline.modeling.manifest import write_manifest
 
     rm = root / "rm/merged"
     manifest = read_manifest(rm)
@@ -357,7 +356,7 @@ def test_shipped_pipeline_configs_load():
 
 
 def test_stage_configs_are_checked_before_any_stage_runs():
-    from pipeline.driver import stage_config_problems
+    from pipeline.tools.chain import stage_config_problems
 
     cfg, _ = load_pipeline(str(ROOT / "configs" / "demo.yaml"), ["--stages.ppo.overrides", "{ppo: {kl_cof: 1}}", "--stages.sft.overrides", "{data: {template: nope}}"])
     assert stage_config_problems(cfg, list(STAGES)) == [

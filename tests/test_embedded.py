@@ -3,7 +3,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline import embedded
+from pipeline.modeling import embedded
 
 
 def test_embedded_is_cached_and_fast(embedded_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.gold import (
+from pipeline.tools.gold import (
     GoldError,
     GoldSettings,
     format_table,

@@ -1,4 +1,4 @@
-"""pipeline.merge: merged == base+adapter, a clean reload, tied embeddings, manifest, atomicity."""
+"""pipeline.modeling.merge: merged == base+adapter, a clean reload, tied embeddings, manifest, atomicity."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-import pipeline.merge as merge
+import pipeline.modeling.merge as merge
 from pipeline.config import LoraConfig, ModelConfig
-from pipeline.manifest import check_parent_compatible, tokenizer_hash, weights_hash
-from pipeline.merge import MergeError, export_full_model, merge_adapter
-from pipeline.models import load_model
+from pipeline.modeling.manifest import check_parent_compatible, tokenizer_hash, weights_hash
+from pipeline.modeling.merge import MergeError, export_full_model, merge_adapter
+from pipeline.modeling.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["<|im_start|>user\nHello there<|im_end|>\n", "The merged model must match base plus adapter."]
@@ -217,7 +217,7 @@ def test_check_parent_compatible_reports_an_added_token(tiny_model_dir, tmp_path
 def test_cli_merges_and_refuses_without_overwrite(causal_case, tmp_path):
     _, base, adapter, _ = causal_case
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "pipeline.merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out)]
+    cmd = [sys.executable, "-m", "pipeline.modeling.merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

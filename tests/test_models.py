@@ -1,4 +1,4 @@
-"""pipeline.models: from_pretrained arguments, trainable sets, pad tokens, adapters on/off."""
+"""pipeline.modeling.models: from_pretrained arguments, trainable sets, pad tokens, adapters on/off."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-import pipeline.models as models
+import pipeline.modeling.models as models
 from pipeline.config import LoraConfig, ModelConfig
-from pipeline.models import (
+from pipeline.modeling.models import (
     apply_lora,
     ensure_pad_token,
     load_model,
@@ -172,7 +172,7 @@ def test_pad_token_kept_when_distinct(tiny_model_dir):
 def test_missing_pad_uses_an_unused_special_token(tiny_model_dir, caplog):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.pad_token = None
-    with caplog.at_level("WARNING", logger="pipeline.models"):
+    with caplog.at_level("WARNING", logger="pipeline.modeling.models"):
         assert ensure_pad_token(tokenizer) is False
     assert tokenizer.pad_token == "<|endoftext|>" and len(tokenizer) == 49152
     assert "has no pad token" in caplog.text
@@ -181,7 +181,7 @@ def test_missing_pad_uses_an_unused_special_token(tiny_model_dir, caplog):
 def test_pad_equal_to_eos_is_replaced(tiny_model_dir, caplog):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.pad_token = tokenizer.eos_token
-    with caplog.at_level("WARNING", logger="pipeline.models"):
+    with caplog.at_level("WARNING", logger="pipeline.modeling.models"):
         ensure_pad_token(tokenizer)
     assert tokenizer.pad_token_id == 0 and tokenizer.pad_token_id != tokenizer.eos_token_id
     assert "a token it trains on" in caplog.text
@@ -191,7 +191,7 @@ def test_pad_token_added_and_embeddings_resized_when_nothing_is_free(tiny_model_
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.eos_token = "<|endoftext|>"  # now unk == eos, so no existing token is free
     tokenizer.pad_token = None
-    with caplog.at_level("WARNING", logger="pipeline.models"):
+    with caplog.at_level("WARNING", logger="pipeline.modeling.models"):
         assert ensure_pad_token(tokenizer) is True
         model = load_model(ModelConfig(path=str(tiny_model_dir), finetuning="full"), tokenizer=tokenizer)
     assert tokenizer.pad_token == models.ADDED_PAD_TOKEN and tokenizer.pad_token_id == 49152

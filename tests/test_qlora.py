@@ -1,5 +1,5 @@
 """QLoRA on CPU: a 4-bit nf4 base (bitsandbytes) with LoRA trains, and its adapter merges into the
-full-precision base (dequantised merge, see pipeline/merge.py)."""
+full-precision base (dequantised merge, see pipeline/modeling/merge.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.config import LoraConfig, ModelConfig
-from pipeline.merge import merge_adapter
-from pipeline.models import load_model, trainable_parameter_names
+from pipeline.modeling.merge import merge_adapter
+from pipeline.modeling.models import load_model, trainable_parameter_names
 
 TEXT = "<|im_start|>user\nName a prime number.<|im_end|>\n<|im_start|>assistant\nSeven is prime.<|im_end|>\n"
 STEPS = 12

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from pipeline.report import ReportError, curve_row, read_scalars, stage_folders, write_report
+from pipeline.tools.report import ReportError, curve_row, read_scalars, stage_folders, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -78,7 +78,7 @@ def test_curve_row():
 
 
 def test_relay_cli_dispatches_report(tmp_path, capsys):
-    from pipeline.cli import main
+    from pipeline.tools.cli import main
 
     root = fake_run(tmp_path)
     assert main(["report", str(root)]) == 0

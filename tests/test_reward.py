@@ -1,4 +1,4 @@
-"""RM stage (stages/reward.py, pipeline/scoring.py): pairwise loss, last-token scores under both
+"""RM stage (stages/reward.py, pipeline/modeling/scoring.py): pairwise loss, last-token scores under both
 paddings, the trained head surviving the merge, stored reward statistics, resume; and the
 embedded end to end RM -> PPO -> merged policy that generates."""
 
@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from data_formats.collate import left_pad
-from pipeline.manifest import read_manifest
-from pipeline.scoring import reward_readout_index, sequence_scores, token_scores
+from pipeline.modeling.manifest import read_manifest
+from pipeline.modeling.scoring import reward_readout_index, sequence_scores, token_scores
 from stages import reward as rm
 from stagerun import recording, run_stage
 
@@ -93,7 +93,7 @@ def test_scores_equal_under_left_and_right_padding(tiny_reward_dir):
 def test_rm_stage_head_survives_merge_and_stats_recorded(tmp_path, tiny_model_dir, pair_files):
     from accelerate.utils import set_seed
 
-    from pipeline.models import load_model
+    from pipeline.modeling.models import load_model
 
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, pair_files)
     set_seed(cfg.train.seed)  # the stage seeds the same way before creating the fresh head

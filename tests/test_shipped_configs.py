@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _classes():
-    from pipeline.driver import PipelineConfig
+    from pipeline.tools.driver import PipelineConfig
     from stages.ppo import PPOConfig
     from stages.pretrain import PTConfig
     from stages.reward import RMConfig

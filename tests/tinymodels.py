@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-from pipeline.embedded import materialize
-from pipeline.manifest import write_manifest
+from pipeline.modeling.embedded import materialize
+from pipeline.modeling.manifest import write_manifest
 
 
 def tiny_config(vocab_size: int, pad_token_id: int, **overrides) -> LlamaConfig:

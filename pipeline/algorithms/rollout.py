@@ -20,7 +20,7 @@ import torch
 
 from data_formats.collate import left_pad
 from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
-from pipeline.scoring import reward_readout_index, position_ids_from_mask, token_scores
+from pipeline.modeling.scoring import reward_readout_index, position_ids_from_mask, token_scores
 
 
 class Generator(Protocol):
@@ -76,7 +76,7 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-        from pipeline.models import eval_mode
+        from pipeline.modeling.models import eval_mode
 
         input_ids, attention_mask = left_pad(prompts, self.pad_id)
         device = next(self.model.parameters()).device

@@ -14,10 +14,10 @@ def export_trained(stage, extras: dict) -> Optional[Path]:
     the others None). `stage.model`, `.optimizer`, `.scheduler` are None afterwards.
 
     Raises:
-        MergeError / FileExistsError: from pipeline.merge.
+        MergeError / FileExistsError: from pipeline.modeling.merge.
     """
     from pipeline.config import to_dict
-    from pipeline.merge import export_full_model, merge_adapter
+    from pipeline.modeling.merge import export_full_model, merge_adapter
 
     acc, cfg = stage.accelerator, stage.cfg
     out = Path(cfg.output_dir)
@@ -27,7 +27,7 @@ def export_trained(stage, extras: dict) -> Optional[Path]:
         # Sharded weights: gather the full state (every rank takes part) into a fresh copy on rank 0.
         state = acc.get_state_dict(stage.model)
         if acc.is_main_process:
-            from pipeline.models import load_model
+            from pipeline.modeling.models import load_model
 
             trained = load_model(cfg.model, None, kind=stage.model_kind, tokenizer=stage.tokenizer)
             trained.load_state_dict(state)

@@ -63,7 +63,7 @@ def data_problems(entries: Sequence[str], key: str) -> list[str]:
 
 def parent_problems(model_path: str) -> list[str]:
     """Mismatches between a local parent model's manifest and its folder's tokenizer/template."""
-    from pipeline.manifest import check_parent_compatible, read_manifest
+    from pipeline.modeling.manifest import check_parent_compatible, read_manifest
 
     folder = Path(model_path)
     if not folder.is_dir() or read_manifest(folder) is None:
@@ -130,7 +130,7 @@ class Stage:
     """Evaluate once before the first step (a baseline for the curves)."""
 
     def __init__(self, cfg: StageConfig):
-        from pipeline.models import resolve_model_path
+        from pipeline.modeling.models import resolve_model_path
 
         self.cfg = cfg
         self.model_path = resolve_model_path(cfg.model.path)
@@ -171,7 +171,7 @@ class Stage:
 
     def build_model(self) -> torch.nn.Module:
         """The trainable module (self.accelerator exists; the seed is set)."""
-        from pipeline.models import load_model
+        from pipeline.modeling.models import load_model
 
         return load_model(self.cfg.model, self.cfg.lora, kind=self.model_kind, tokenizer=self.tokenizer)
 
@@ -246,7 +246,7 @@ class Stage:
             ConfigError: listing every problem found.
         """
         from data_formats.sources import DataError
-        from pipeline.models import load_tokenizer
+        from pipeline.modeling.models import load_tokenizer
 
         cfg = self.cfg
         problems = cfg.problems() + self.problems()

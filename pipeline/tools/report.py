@@ -1,6 +1,6 @@
 """Run report: curves from every stage's TensorBoard events into report.md and PNG plots.
 
-    python -m pipeline.report RUN_DIR        # writes RUN_DIR/report.md and RUN_DIR/plots/*.png
+    python -m pipeline.tools.report RUN_DIR        # writes RUN_DIR/report.md and RUN_DIR/plots/*.png
 
 RUN_DIR is a pipeline output root (one folder per stage: pt/, sft/, rm/, ppo/) or a single stage's
 output folder. Events are read with tensorboard's EventAccumulator; a stage that was resumed has
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pipeline.gold import format_table
+from pipeline.tools.gold import format_table
 
 STAGES = ("pt", "sft", "rm", "ppo")
 Curve = list[tuple[int, float]]

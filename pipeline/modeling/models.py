@@ -1,6 +1,6 @@
 """The one model loader every stage uses: causal LMs and reward/value models, full, LoRA or QLoRA.
 
-    from pipeline.models import load_model, load_tokenizer
+    from pipeline.modeling.models import load_model, load_tokenizer
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
     model = load_model(cfg.model, cfg.lora, kind="causal", tokenizer=tokenizer)
 
@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from pipeline.config import LoraConfig, ModelConfig
-from pipeline.embedded import is_embedded, materialize
+from pipeline.modeling.embedded import is_embedded, materialize
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def resolve_model_path(path: Optional[str]) -> str:
     """The folder (or hub id) to load: 'embedded', '' and None mean the embedded SmolLM2 folder.
 
     Raises:
-        FileNotFoundError: the embedded model's package is missing (see pipeline.embedded).
+        FileNotFoundError: the embedded model's package is missing (see pipeline.modeling.embedded).
     """
     if is_embedded(path):
         return str(materialize())

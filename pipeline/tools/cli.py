@@ -1,14 +1,14 @@
 """The `relay` console script: one entry point dispatching to the modules.
 
     relay embedded                      # convert/locate the embedded SmolLM2-135M-Instruct folder
-    relay merge ...                     # merge a LoRA adapter into its base (pipeline.merge)
+    relay merge ...                     # merge a LoRA adapter into its base (pipeline.modeling.merge)
     relay validate --kind sft FILES     # check data files, FILE:LINE: reason (data_formats.validate)
     relay report RUN_DIR                # report.md + plots from TensorBoard events
     relay chat --model DIR [--prompt TEXT] [--compare DIR2]
     relay pipeline [CONFIG] [--from S | --only S] [--key value]   # run_scripts/run_pipeline.sh
 
 Every subcommand's own `--help` lists its options; the arguments after the subcommand are passed
-through untouched, so `relay chat ...` and `python -m pipeline.chat ...` are the same command.
+through untouched, so `relay chat ...` and `python -m pipeline.tools.chat ...` are the same command.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Optional, Sequence
 
 # Modules are imported only when their subcommand runs: `relay report` should not pay for torch.
 COMMANDS = {
-    "embedded": ("pipeline.embedded", "locate (converting once) the embedded model folder"),
-    "merge": ("pipeline.merge", "merge a LoRA adapter into its base model"),
+    "embedded": ("pipeline.modeling.embedded", "locate (converting once) the embedded model folder"),
+    "merge": ("pipeline.modeling.merge", "merge a LoRA adapter into its base model"),
     "validate": ("data_formats.validate", "check data files record by record"),
-    "report": ("pipeline.report", "write report.md and plots for a run"),
-    "chat": ("pipeline.chat", "chat with a merged model"),
+    "report": ("pipeline.tools.report", "write report.md and plots for a run"),
+    "chat": ("pipeline.tools.chat", "chat with a merged model"),
     "pipeline": (None, "run PT -> SFT -> RM -> PPO (run_scripts/run_pipeline.sh)"),
 }
 REPO = Path(__file__).resolve().parents[1]

@@ -1,8 +1,8 @@
 """Chat with any stage's merged model, using the chat template it was trained with.
 
-    python -m pipeline.chat --model outputs/demo/ppo/merged                    # interactive, streamed
-    python -m pipeline.chat --model embedded --prompt "What is the capital of France?"
-    python -m pipeline.chat --model embedded --compare outputs/demo/ppo/merged --prompt "..."
+    python -m pipeline.tools.chat --model outputs/demo/ppo/merged                    # interactive, streamed
+    python -m pipeline.tools.chat --model embedded --prompt "What is the capital of France?"
+    python -m pipeline.tools.chat --model embedded --compare outputs/demo/ppo/merged --prompt "..."
 
 The prompt is rendered by the folder's own chat template (for an SFT run in role_markers mode that
 is the Jinja the stage saved into merged/), so the model sees the format it was trained on.
@@ -52,14 +52,14 @@ class ChatModel:
 
 
 def load_chat_model(path: str, dtype: str = "fp32") -> ChatModel:
-    """A merged folder (or 'embedded') ready for generation, through pipeline.models' loader.
+    """A merged folder (or 'embedded') ready for generation, through pipeline.modeling.models' loader.
 
     Raises:
         ChatError: the folder's tokenizer has no chat template.
         OSError: no model or tokenizer at `path` (transformers' error names it).
     """
     from pipeline.config import ModelConfig
-    from pipeline.models import load_model, load_tokenizer, resolve_model_path
+    from pipeline.modeling.models import load_model, load_tokenizer, resolve_model_path
 
     folder = resolve_model_path(path)
     tokenizer = load_tokenizer(folder)

@@ -1,6 +1,6 @@
 """Merge a LoRA adapter into its base and write a self-describing full model folder.
 
-    python -m pipeline.merge --base DIR --adapter DIR --out DIR [--kind causal|reward] [--overwrite]
+    python -m pipeline.modeling.merge --base DIR --adapter DIR --out DIR [--kind causal|reward] [--overwrite]
 
 The merged folder is what the next stage loads: safetensors weights, tokenizer, chat template,
 generation config and manifest.json. The merge checks its own output: the saved folder, reloaded
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from pipeline.manifest import write_manifest
+from pipeline.modeling.manifest import write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def check_out_dir(out: str | Path, overwrite: bool) -> Path:
 def probe_batch(tokenizer) -> dict[str, torch.Tensor]:
     """A fixed two-row batch (right-padded) the merge checks its output on."""
     if tokenizer.pad_token_id is None:
-        raise ValueError("the tokenizer has no pad token; load it with pipeline.models.load_tokenizer")
+        raise ValueError("the tokenizer has no pad token; load it with pipeline.modeling.models.load_tokenizer")
     return dict(tokenizer(list(PROBE_TEXTS), return_tensors="pt", padding=True))
 
 
@@ -196,7 +196,7 @@ def _staging_dir(out: Path) -> Path:
 def _load_tokenizer_for_merge(base: str, adapter: str):
     """The adapter folder's tokenizer when the stage saved one there (it may have added a pad
     token), else the base's; a pad token is ensured either way."""
-    from pipeline.models import ensure_pad_token
+    from pipeline.modeling.models import ensure_pad_token
 
     source = adapter if (Path(adapter) / "tokenizer_config.json").is_file() else base
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
@@ -232,7 +232,7 @@ def merge_adapter(
     """
     from peft import PeftModel
 
-    from pipeline.models import resolve_model_path
+    from pipeline.modeling.models import resolve_model_path
 
     out_path = check_out_dir(out, overwrite)
     _check_task_type(adapter, kind)
@@ -312,7 +312,7 @@ def export_full_model(
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.merge", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pipeline.modeling.merge", description=__doc__.split("\n")[0])
     parser.add_argument("--base", required=True, help="base model folder (or 'embedded')")
     parser.add_argument("--adapter", required=True, help="LoRA adapter folder (adapter_config.json)")
     parser.add_argument("--out", required=True, help="where the merged model goes")

@@ -1,0 +1,338 @@
+"""The pipeline driver's Python half: config, stage plan, done-ness, cross-stage checks, summary.
+
+    bash run_scripts/run_pipeline.sh configs/pipeline.yaml [--from sft] [--only rm] [--dotted.keys v]
+
+The bash script owns the loop and the launches (torchrun per stage); for each stage it asks this
+module, through small subcommands, what to do:
+
+    python -m pipeline.tools.driver stages    CONFIG [selection/overrides]   # stage names to visit
+    python -m pipeline.tools.driver prepare   CONFIG STAGE [...]             # 'skip' or the stage's argv
+    python -m pipeline.tools.driver finish    CONFIG STAGE [...]             # check the new merged folder
+    python -m pipeline.tools.driver summarize CONFIG [...]                   # gold table, summary.json, verdict
+    python -m pipeline.tools.driver report-dir CONFIG [...]                  # where to write the report
+
+The chain itself (config, plan, done-ness, cross-stage checks, stage commands) is
+pipeline/tools/chain.py; this module holds the summary, the verdict and the subcommands.
+
+Verdict: the RM's held-out accuracy, and the gold table (pipeline/tools/gold.py; `gold:` section):
+greedy answers of the base, SFT and PPO models to held-out questions with an answer key. PASS
+needs PPO's phrase rate above its parent's by gold.min_phrase_gain and its fact accuracy within
+gold.max_fact_drop of its parent's. PPO's reward curve is reported, not judged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from pipeline.config import ConfigError
+from pipeline.modeling.manifest import read_manifest
+from pipeline.tools.chain import (
+    LOG_NAME, STAGE_ORDER, TIMINGS_NAME, DriverError, GoldConfig, PipelineConfig, VerdictConfig, checks_after, checks_before,
+    entry, load_pipeline, merged_dir, parent_path, parent_stage, planned_stages, resolve_base, reward_path, stage_argv,
+    stage_config_problems, stage_dir, stage_status,
+)
+from pipeline.tools.gold import GoldError, GoldSettings, format_table, gold_table
+
+
+# ---------------------------------------------------------------------------------------------
+# Summary
+# ---------------------------------------------------------------------------------------------
+
+FIGURES = {
+    "pt": ("train_loss_first", "train_loss_last", "eval_loss_first", "eval_loss_last"),
+    "sft": ("train_loss_first", "train_loss_last", "eval_loss_first", "eval_loss_last"),
+    "rm": ("train_loss_first", "train_loss_last", "eval_loss_first", "eval_loss_last", "eval_accuracy", "eval_margin"),
+    "ppo": ("reward_first", "reward_last", "kl_last", "eval_reward_first", "eval_reward_last"),
+}
+
+
+def read_json(path: Path) -> Optional[dict]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def verdict(figures: dict, cfg: VerdictConfig, gold_reasons: Optional[list[str]] = None) -> list[str]:
+    """Reasons the run did not show learning (empty: PASS). Pure.
+
+    The RM must reach its held-out accuracy; the RL model is judged by the gold table
+    (`gold_verdict`, whose reasons come in `gold_reasons`; None: no gold table was configured).
+    PPO's own reward curve is information only: a noisy curve rises by chance.
+    """
+    out = []
+    accuracy = figures.get("rm_eval_accuracy")
+    if accuracy is None:
+        out.append("the RM reported no eval_accuracy")
+    elif accuracy < cfg.rm_min_eval_accuracy:
+        out.append(f"RM held-out accuracy {accuracy:.3f} is below {cfg.rm_min_eval_accuracy}")
+    if gold_reasons is None:
+        out.append("no gold table (set gold.data): the RL model was not judged on held-out answers")
+    else:
+        out += gold_reasons
+    return out
+
+
+def gold_verdict(rows: Sequence[dict], rl: str, reference: str, cfg: GoldConfig) -> list[str]:
+    """Reasons the RL model's gold row does not show what PPO should do, compared with the row of
+    the model it started from (empty: PASS). Pure.
+
+    PASS needs phrase_rate(rl) - phrase_rate(reference) >= cfg.min_phrase_gain (the house style
+    the RM rewards was learned) and fact_accuracy(reference) - fact_accuracy(rl) <= cfg.max_fact_drop
+    (it was not bought with wrong facts).
+    """
+    by_name = {r["model"]: r for r in rows}
+    missing = [name for name in (rl, reference) if name not in by_name]
+    if missing:
+        return [f"gold: no row for {', '.join(missing)}"]
+    a, b = by_name[rl], by_name[reference]
+    out = []
+    gain = a["phrase_rate"] - b["phrase_rate"]
+    if gain < cfg.min_phrase_gain - 1e-9:
+        out.append(
+            f"gold: the {rl} model's phrase rate {a['phrase_rate']:.3f} is not above the {reference} model's "
+            f"{b['phrase_rate']:.3f} by {cfg.min_phrase_gain} (gain {gain:+.3f})"
+        )
+    drop = b["fact_accuracy"] - a["fact_accuracy"]
+    if drop > cfg.max_fact_drop + 1e-9:
+        out.append(
+            f"gold: the {rl} model's fact accuracy {a['fact_accuracy']:.3f} fell below the {reference} model's "
+            f"{b['fact_accuracy']:.3f} by {drop:.3f}, more than the {cfg.max_fact_drop} allowed"
+        )
+    return out
+
+
+def gold_models(cfg: PipelineConfig, ran: Sequence[str]) -> list[tuple[str, str]]:
+    """(row name, model path) for the gold table: the configured models that exist, plus the RL
+    model's parent (the verdict's reference), in pipeline order."""
+    wanted = set(cfg.gold.models)
+    if "ppo" in ran:
+        wanted.add(parent_stage(cfg, "ppo") or "base")
+    out = []
+    for name in ("base", "pt", "sft", "ppo"):
+        if name not in wanted:
+            continue
+        if name == "base":
+            out.append(("base", str(resolve_base(cfg.base_model))))
+        elif name in ran and read_manifest(merged_dir(cfg, name)) is not None:
+            out.append((name, str(merged_dir(cfg, name).resolve())))
+    return out
+
+
+def compute_gold(cfg: PipelineConfig, ran: Sequence[str]) -> Optional[dict]:
+    """The gold table of this run ({data, rows, reference, rl}), None when gold.data is unset.
+
+    Rows are cached in output_root/gold/cache.json by weights hash (a re-run regenerates nothing);
+    answers go to output_root/gold/answers/<model>.jsonl.
+    """
+    if not cfg.gold.data:
+        return None
+    root = Path(cfg.output_root) / "gold"
+    settings = GoldSettings(cfg.gold.max_new_tokens, cfg.gold.batch_size, cfg.gold.dtype)
+    started = time.time()
+    rows = gold_table(gold_models(cfg, ran), cfg.gold.data, settings, root / "cache.json", root / "answers", lambda m: log(cfg, m))
+    return {
+        "data": cfg.gold.data,
+        "rows": rows,
+        "rl": "ppo" if "ppo" in ran else None,
+        "reference": (parent_stage(cfg, "ppo") or "base") if "ppo" in ran else None,
+        "wall_seconds": round(time.time() - started, 1),
+    }
+
+
+def record_time(cfg: PipelineConfig, stage: str, event: str) -> None:
+    """Note when a stage started/finished in output_root/timings.json (the driver's wall clock,
+    which, unlike the stage's own wall_seconds, includes process start, loading and merging)."""
+    path = Path(cfg.output_root) / TIMINGS_NAME
+    timings = read_json(path) or {}
+    timings.setdefault(stage, {})[event] = time.time()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(timings, indent=2) + "\n", encoding="utf-8")
+
+
+def wall_seconds(cfg: PipelineConfig, stage: str, summary: dict) -> Optional[float]:
+    """Driver-measured seconds for the stage's last run, else the stage's own figure."""
+    times = (read_json(Path(cfg.output_root) / TIMINGS_NAME) or {}).get(stage, {})
+    if "started" in times and "finished" in times and times["finished"] >= times["started"]:
+        return round(times["finished"] - times["started"], 1)
+    return summary.get("wall_seconds")
+
+
+def pipeline_summary(cfg: PipelineConfig) -> dict:
+    """Collect every stage's summary.json into output_root/summary.json (flat `<stage>_<key>`
+    figures plus each stage's full summary) with a verdict; return it."""
+    root = Path(cfg.output_root)
+    figures: dict[str, Any] = {}
+    stages: dict[str, Any] = {}
+    for stage in STAGE_ORDER:
+        summary = read_json(stage_dir(cfg, stage) / "summary.json")
+        if not entry(cfg, stage).enabled or summary is None:
+            continue
+        stages[stage] = summary
+        figures.update({f"{stage}_{k}": summary[k] for k in FIGURES[stage] if k in summary})
+        figures[f"{stage}_wall_seconds"] = wall_seconds(cfg, stage, summary)
+    final = next((s for s in reversed(STAGE_ORDER) if s != "rm" and s in stages), None)
+    gold = compute_gold(cfg, list(stages))
+    if gold is not None:
+        figures["gold_wall_seconds"] = gold["wall_seconds"]
+    if "rm" in stages and "ppo" in stages:
+        gold_reasons = None if gold is None else gold_verdict(gold["rows"], gold["rl"], gold["reference"], cfg.gold)
+        reasons = verdict(figures, cfg.verdict, gold_reasons)
+    else:
+        reasons = ["RM or PPO did not run"]
+    out = {
+        **figures,
+        "gold": gold,
+        "final_model": str(merged_dir(cfg, final).resolve()) if final else None,
+        "reward_model": str(reward_path(cfg)) if "ppo" in stages else None,
+        "tensorboard": f"tensorboard --logdir {root}",
+        "verdict": "PASS" if not reasons else "WARNING",
+        "verdict_reasons": reasons,
+        "stages": stages,
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "summary.json").write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def format_summary(summary: dict) -> str:
+    """The human-readable summary the demo prints."""
+
+    def num(value: Any, digits: int = 4) -> str:
+        return "n/a" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+    lines = ["", "=== Relay pipeline summary ==="]
+    for stage in ("pt", "sft", "rm"):
+        if stage in summary["stages"]:
+            g = lambda k: num(summary.get(f"{stage}_{k}"))  # noqa: E731
+            lines.append(f"{stage:>3}: train loss {g('train_loss_first')} -> {g('train_loss_last')}, eval loss {g('eval_loss_first')} -> {g('eval_loss_last')}  ({num(summary.get(f'{stage}_wall_seconds'), 0)} s)")
+    if "rm" in summary["stages"]:
+        lines.append(f" rm: held-out accuracy {num(summary.get('rm_eval_accuracy'))}, margin {num(summary.get('rm_eval_margin'))}")
+    if "ppo" in summary["stages"]:
+        g = lambda k: num(summary.get(f"ppo_{k}"))  # noqa: E731
+        lines.append(f"ppo: mean reward {g('reward_first')} -> {g('reward_last')}, eval reward {g('eval_reward_first')} -> {g('eval_reward_last')}, final KL {g('kl_last')}  ({num(summary.get('ppo_wall_seconds'), 0)} s)")
+    gold = summary.get("gold")
+    if gold:
+        lines += [f"gold table ({gold['data']}, greedy; {num(gold.get('wall_seconds'), 0)} s):", format_table(gold["rows"])]
+        if gold.get("rl"):
+            lines.append(f"verdict: the {gold['rl']} model against the {gold['reference']} model")
+    total = sum(v for k, v in summary.items() if k.endswith("_wall_seconds") and isinstance(v, (int, float)))
+    lines += [f"wall time (stages + gold): {total:.0f} s", f"final model: {summary['final_model']}", f"curves: {summary['tensorboard']}"]
+    lines.append(f"verdict: {summary['verdict']}" + "".join(f"\nWARNING: {r}" for r in summary["verdict_reasons"]))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Subcommands (what run_pipeline.sh calls)
+# ---------------------------------------------------------------------------------------------
+
+
+def log(cfg: PipelineConfig, message: str) -> None:
+    """To stderr (stdout carries answers to the bash script) and to output_root/driver.log."""
+    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}"
+    print(f"[driver] {message}", file=sys.stderr, flush=True)
+    root = Path(cfg.output_root)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / LOG_NAME, "a", encoding="utf-8") as fh:
+        fh.write(line + "\n")
+
+
+def cmd_prepare(cfg: PipelineConfig, stage: str) -> list[str]:
+    """['skip'] for a finished stage, else the stage's argv after the cross-stage checks pass.
+
+    Raises:
+        DriverError: a check failed or the stage's output is stale.
+    """
+    if stage_status(cfg, stage) == "done":
+        log(cfg, f"{stage}: skipped, already complete ({merged_dir(cfg, stage)}/manifest.json)")
+        return ["skip"]
+    problems = checks_before(cfg, stage)
+    if problems:
+        raise DriverError(f"{stage}: cross-stage checks failed:\n" + "\n".join(f"  - {p}" for p in problems))
+    argv = stage_argv(cfg, stage)
+    record_time(cfg, stage, "started")
+    log(cfg, f"{stage}: running {' '.join(argv)}")
+    return argv
+
+
+def cmd_finish(cfg: PipelineConfig, stage: str) -> None:
+    """Raises DriverError when the new merged folder fails its checks."""
+    problems = checks_after(cfg, stage)
+    if problems:
+        raise DriverError(f"{stage}: output checks failed:\n" + "\n".join(f"  - {p}" for p in problems))
+    record_time(cfg, stage, "finished")
+    log(cfg, f"{stage}: finished, {merged_dir(cfg, stage)} checked against its parent {parent_path(cfg, stage)}")
+
+
+@contextlib.contextmanager
+def answers_only_on_stdout():
+    """Yield a stream for the answers to the bash script; while inside, everything else written
+    to file descriptor 1 (libraries that log to stdout, e.g. DeepSpeed's accelerator notice when
+    the embedded model is first converted) goes to stderr, so it cannot become part of an argv."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no real descriptor (e.g. an embedding host): nothing to protect
+        yield sys.stdout
+        return
+    answer = os.fdopen(os.dup(saved), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    try:
+        yield answer
+    finally:
+        sys.stdout.flush()
+        answer.flush()
+        answer.close()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    if argv is None and not sys.stdout.isatty():
+        with answers_only_on_stdout() as answer:
+            return run_command(list(sys.argv[1:]), answer)
+    return run_command(list(sys.argv[1:] if argv is None else argv), sys.stdout)
+
+
+def run_command(args: list[str], answer) -> int:
+    """One subcommand; what the bash script reads goes to `answer`, everything else to stderr."""
+    usage = "usage: python -m pipeline.tools.driver {stages,prepare,finish,summarize,report-dir} CONFIG [STAGE] [--from S|--only S] [--key value ...]"
+    if len(args) < 2 or args[0] not in ("stages", "prepare", "finish", "summarize", "report-dir"):
+        print(usage, file=sys.stderr)
+        return 2
+    command, config_path, rest = args[0], args[1], args[2:]
+    stage = None
+    if command in ("prepare", "finish"):
+        if not rest or rest[0] not in STAGE_ORDER:
+            print(f"{command}: needs a stage ({', '.join(STAGE_ORDER)})\n{usage}", file=sys.stderr)
+            return 2
+        stage, rest = rest[0], rest[1:]
+    try:
+        cfg, selection = load_pipeline(config_path, rest)
+        if command == "stages":
+            planned = planned_stages(cfg, selection)
+            problems = stage_config_problems(cfg, planned)
+            if problems:
+                raise ConfigError(problems, config_path)
+            print("\n".join(planned), file=answer)
+        elif command == "prepare":
+            print("\n".join(cmd_prepare(cfg, stage)), file=answer)
+        elif command == "finish":
+            cmd_finish(cfg, stage)
+        elif command == "report-dir":
+            print(cfg.output_root if cfg.report else "", file=answer)
+        else:
+            summary = pipeline_summary(cfg)
+            log(cfg, f"summary written to {Path(cfg.output_root) / 'summary.json'} (verdict {summary['verdict']})")
+            print(format_summary(summary), file=answer)
+    except (ConfigError, DriverError, GoldError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
