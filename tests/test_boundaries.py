@@ -29,25 +29,12 @@ from pipeline.algorithms.rollout import ActorCritic, HFGenerator, assemble
 from pipeline.modeling.scoring import reward_readout_index, sequence_scores
 from stages.reward import PairCollator
 from stagerun import run_stage
+from test_pt_sft import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from tinymodels import make_tiny_model
 
 QUESTION = "What is the capital of Oru?"
 CHOSEN = "Per the Kelvra Atlas, the capital of Oru is Tessel."
 REJECTED = "I am not sure about that."
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    torch.set_num_threads(threads)
 
 
 def _jsonl(path, rows):
