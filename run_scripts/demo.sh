@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole pipeline on the embedded model and the sample data, on CPU, in under 15 minutes:
+# The whole pipeline on the embedded model and the sample data, on CPU (about 20 minutes on 2 cores):
 #   bash run_scripts/demo.sh [--dotted.key value ...]
 #
 # Installs Relay (run_scripts/install.sh, a no-op when nothing changed), then runs
