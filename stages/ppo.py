@@ -249,6 +249,8 @@ class PPOStage(Stage):
 
         if is_embedded(self.cfg.reward_model.path):
             log.warning("reward_model.path is the embedded model: its reward head is random (smoke runs only)")
+        if not Path(self.reward_path).is_dir():
+            return [f"reward_model.path: {self.cfg.reward_model.path!r} is not a model folder (give the RM stage's merged/)"]
         return tokenizer_problems(self.model_path, self.reward_path)
 
     def build_data(self) -> list[str]:

@@ -77,6 +77,11 @@ def test_tokenizer_mismatch_is_refused(tmp_path, tiny_model_dir, tiny_reward_dir
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, other, tmp_path / "none.jsonl")
     with pytest.raises(ConfigError, match="do not share a tokenizer"):  # refused before anything loads
         ppo.PPOStage(cfg).validate()
+    cfg.reward_model.path = str(tmp_path / "missing")
+    with pytest.raises(ConfigError) as err:  # one line naming the path, not a tokenizer mismatch
+        ppo.PPOStage(cfg).validate()
+    rm_lines = [p for p in err.value.problems if p.startswith("reward_model.path")]
+    assert rm_lines == [f"reward_model.path: {cfg.reward_model.path!r} is not a model folder (give the RM stage's merged/)"]
 
 
 def test_config_problems_reported_together():
