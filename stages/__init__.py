@@ -1,21 +1,106 @@
-"""The stage registry: every stage's name, script and class. The driver and the `relay` command
-read this table, never the stage modules themselves (importing a stage loads torch and its
-models; the table costs nothing). A new stage adds one line here (ARCHITECTURE.md)."""
+"""The stage registry: every stage's name, script, class, and what the driver needs to know about
+it. The driver, the report, the gold table and the `relay` command read this table, never the stage
+modules themselves (importing a stage loads torch and its models; the table costs nothing). A new
+stage adds one `StageInfo` line here (ARCHITECTURE.md, "What a new stage provides").
+"""
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 
-STAGES = {
-    "pt": "pretrain:PTStage",
-    "sft": "sft:SFTStage",
-    "rm": "reward:RMStage",
-    "ppo": "ppo:PPOStage",
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel of a stage's plot in the run report: curves by legend label, each a TensorBoard
+    tag, or (with `prefix`) one curve per tag under that prefix, labelled by the rest of the tag."""
+
+    title: str
+    ylabel: str
+    tags: dict[str, str] = field(default_factory=dict)
+    prefix: str = ""
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What the pipeline driver, the report and the gold table know of a stage without importing it."""
+
+    target: str
+    """"module:Class" under stages/."""
+    parents: tuple[str, ...] = ()
+    """The stages whose merged model it may start from, preferred first; the first one enabled in
+    the pipeline's chain is its parent, none: the base model. A chain must list a stage after
+    every one of its parents that it lists."""
+    model_kind: str = "causal"
+    """'causal' (a generator: a row of the gold table, a final model) or 'reward' (a reward model
+    for the stages that read one)."""
+    reward_model: str = "none"
+    """'required' | 'optional' | 'none': the stage reads a reward model (`--reward_model.path`):
+    the chain's reward stage, else the pipeline's `reward_model`."""
+    judged: bool = False
+    """An RL/preference stage: the gold verdict compares its model with its parent's."""
+    data_kind: str = "chat"
+    """The data it reads: 'text' (PT), 'chat' (SFT), 'preference' (RM, DPO), 'prompt' (PPO, GRPO)."""
+    summary_keys: tuple[str, ...] = ()
+    """Keys of its summary.json the pipeline summary copies as `<stage>_<key>`."""
+    loss_curve: bool = True
+    """Its train/loss and eval/loss go into the report's loss plot."""
+    plot: tuple[str, str, tuple[Panel, ...]] = ("", "", ())
+    """(file name, title, panels) of its own plot in the run report; no panels: none."""
+    verdict_figures: dict[str, str] = field(default_factory=dict)
+    """{summary key: the VerdictConfig field holding its minimum} the verdict checks when the stage ran."""
+
+
+LOSSES = ("train_loss_first", "train_loss_last", "eval_loss_first", "eval_loss_last")
+
+STAGES: dict[str, StageInfo] = {
+    "pt": StageInfo("pretrain:PTStage", data_kind="text", summary_keys=LOSSES),
+    "sft": StageInfo(
+        "sft:SFTStage",
+        parents=("pt",),
+        summary_keys=LOSSES,
+        plot=("sft_tasks", "SFT loss per task", (Panel("train loss per task", "loss", prefix="train/loss_task/"), Panel("eval loss per task", "loss", prefix="eval/loss_task/"))),
+    ),
+    "rm": StageInfo(
+        "reward:RMStage",
+        parents=("sft", "pt"),
+        model_kind="reward",
+        data_kind="preference",
+        summary_keys=(*LOSSES, "eval_accuracy", "eval_margin"),
+        plot=("rm", "Reward model", (
+            Panel("pairwise accuracy", "accuracy (chosen > rejected)", {"train": "train/accuracy", "eval": "eval/accuracy"}),
+            Panel("eval margin", "mean r(chosen) - r(rejected)", {"eval": "eval/margin"}),
+        )),
+        verdict_figures={"eval_accuracy": "rm_min_eval_accuracy"},
+    ),
+    "ppo": StageInfo(
+        "ppo:PPOStage",
+        parents=("sft", "pt"),
+        reward_model="required",
+        judged=True,
+        data_kind="prompt",
+        summary_keys=("reward_first", "reward_last", "kl_last", "eval_reward_first", "eval_reward_last"),
+        loss_curve=False,
+        plot=("ppo", "PPO", (
+            Panel("reward", "mean RM score", {"train (raw)": "ppo/reward_raw", "eval": "eval/reward"}),
+            Panel("KL to the reference", "KL (nats)", {"train": "ppo/kl", "eval": "eval/kl"}),
+        )),
+    ),
 }
-"""name -> "module:class" under stages/."""
+"""name -> StageInfo, in the order stages are listed by default (the default chain is
+pt -> sft -> rm -> ppo; a pipeline config's `chain` picks any other)."""
+
+
+def info(name: str) -> StageInfo:
+    """The stage's StageInfo.
+
+    Raises:
+        KeyError: no such stage.
+    """
+    return STAGES[name]
 
 
 def script(name: str) -> Path:
@@ -24,7 +109,7 @@ def script(name: str) -> Path:
     Raises:
         KeyError: no such stage.
     """
-    return ROOT / f"{STAGES[name].split(':')[0]}.py"
+    return ROOT / f"{STAGES[name].target.split(':')[0]}.py"
 
 
 def stage_class(name: str):
@@ -33,7 +118,7 @@ def stage_class(name: str):
     Raises:
         KeyError: no such stage.
     """
-    module, cls = STAGES[name].split(":")
+    module, cls = STAGES[name].target.split(":")
     return getattr(importlib.import_module(f"stages.{module}"), cls)
 
 

@@ -483,3 +483,132 @@ def test_real_stages_end_to_end_on_tiny_models(tmp_path, tiny_model_dir):
     assert again.returncode == 0, again.stderr[-4000:]
     assert {s: ((root / s / "merged/manifest.json").stat().st_mtime_ns, weights_hash(root / s / "merged")) for s in STAGES} == before
     assert sum("skipped, already complete" in line for line in (root / "driver.log").read_text().splitlines()) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Any chain of registered stages (the registry's StageInfo, not stage names in the driver)
+# ---------------------------------------------------------------------------------------------
+
+EXTRA_STAGES = {
+    "dpo2": dict(parents=("sft", "pt"), judged=True, data_kind="preference", summary_keys=("train_loss_first", "eval_accuracy")),
+    "grpo2": dict(parents=("sft", "pt"), reward_model="optional", judged=True, data_kind="prompt", summary_keys=("reward_first",)),
+}
+
+
+@pytest.fixture
+def extra_registry(monkeypatch):
+    """The registry with two more stages (a DPO-like and a GRPO-like one) and a pipeline config
+    factory whose `stages` section has their entries: what registering a stage gives the driver."""
+    import dataclasses
+
+    import stages as registry
+    from pipeline.tools.chain import StageEntry
+
+    monkeypatch.setattr(registry, "STAGES", {**registry.STAGES, **{n: registry.StageInfo(f"{n}:X", **kw) for n, kw in EXTRA_STAGES.items()}})
+    names = list(registry.STAGES)
+    cls = dataclasses.make_dataclass("Stages", [(n, StageEntry, dataclasses.field(default_factory=StageEntry)) for n in names])
+
+    def make(chain, **kw):
+        cfg = PipelineConfig(chain=list(chain), **kw)
+        cfg.stages = cls()
+        return cfg
+
+    return make
+
+
+def test_any_chain_plans_parents_and_reward_models(extra_registry, tmp_path):
+    from pipeline.tools.chain import stage_argv, stage_reward_path
+
+    cfg = extra_registry(["pt", "sft", "dpo2"], output_root=str(tmp_path))
+    assert planned_stages(cfg, Selection()) == ["pt", "sft", "dpo2"] and cfg.problems() == []
+    assert [parent_stage(cfg, s) for s in cfg.chain] == [None, "pt", "sft"]
+    assert planned_stages(cfg, Selection(start="sft")) == ["sft", "dpo2"]
+    cfg.stages.sft.enabled = False
+    assert parent_stage(cfg, "dpo2") == "pt"
+    # an optional reward model: the chain's RM when there is one, else none (no --reward_model.path)
+    grpo = extra_registry(["pt", "sft", "grpo2"], output_root=str(tmp_path))
+    assert grpo.problems() == [] and stage_reward_path(grpo, "grpo2") is None
+    (tmp_path / "pt" / "merged").mkdir(parents=True)
+    argv = stage_argv(grpo, "grpo2")
+    assert "--reward_model.path" not in argv and argv[argv.index("--model.path") + 1] == str((tmp_path / "sft/merged").resolve())
+    with_rm = extra_registry(["pt", "sft", "rm", "grpo2"], output_root=str(tmp_path))
+    assert stage_reward_path(with_rm, "grpo2") == (tmp_path / "rm/merged").resolve() and parent_stage(with_rm, "grpo2") == "sft"
+    assert stage_argv(with_rm, "grpo2")[-2:] == ["--reward_model.path", str((tmp_path / "rm/merged").resolve())]
+    assert stage_reward_path(with_rm, "dpo2") is None  # DPO reads no reward model
+
+
+def test_chain_problems(extra_registry):
+    from pipeline.tools.chain import chain_order_problems
+
+    assert chain_order_problems(["pt", "sft", "rm", "ppo"]) == []
+    assert chain_order_problems(["pt", "dpo2", "sft"]) == ["chain: dpo2 comes before sft, which it builds on"]
+    assert chain_order_problems(["pt", "grpo2", "rm"]) == ["chain: grpo2 comes before rm, which it builds on"]
+    assert chain_order_problems(["pt", "nope", "pt"]) == [
+        "chain: 'nope' is not a registered stage (pt, sft, rm, ppo, dpo2, grpo2)", "chain: pt listed more than once"]
+    assert chain_order_problems([]) == ["chain: names no stage"]
+    cfg = extra_registry(["pt", "sft", "ppo"])
+    cfg.stages.dpo2.overrides = {"train": {"max_steps": 1}}  # configured, but the chain does not run it
+    assert cfg.problems() == [
+        "stages.dpo2: configured but not in chain (pt, sft, ppo); add it to chain or remove it",
+        "reward_model: PPO needs a reward model; put rm in chain before ppo or set reward_model",
+    ]
+    assert extra_registry(["pt", "sft", "ppo"], reward_model="/some/rm").problems() == []
+    gold = extra_registry(["pt", "sft", "dpo2"])
+    gold.gold.models = ["base", "ppo", "dpo2"]
+    assert gold.problems() == ["gold.models: 'ppo' not among base, pt, sft, dpo2"]
+
+
+def test_selection_outside_the_chain_is_refused(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("chain: [pt, sft]\n")
+    with pytest.raises(ConfigError) as err:
+        load_pipeline(str(path), ["--only", "rm"])
+    assert err.value.problems == [f"rm: selected on the command line but not in the chain (pt, sft) of {path}"]
+    cfg, _ = load_pipeline(str(path), [])
+    assert planned_stages(cfg, Selection()) == ["pt", "sft"]
+
+
+def test_summary_verdict_and_gold_rows_follow_the_chain(extra_registry, tmp_path, monkeypatch):
+    """A pt -> sft -> dpo-like chain: figures from the registry's summary keys, no RM check, the
+    gold table of base, sft and the judged stage, the verdict on the judged stage against SFT."""
+    from pipeline.tools import driver
+
+    cfg = extra_registry(["pt", "sft", "dpo2"], output_root=str(tmp_path), gold=GoldConfig(data=str(GOLD_SAMPLE)))
+    for stage in ("pt", "sft", "dpo2"):
+        (tmp_path / stage / "merged").mkdir(parents=True)
+        (tmp_path / stage / "merged" / "manifest.json").write_text("{}")
+        (tmp_path / stage / "summary.json").write_text(json.dumps({"train_loss_first": 2.0, "eval_accuracy": 0.75, "reward_first": 9.0}))
+    monkeypatch.setattr(driver, "resolve_base", lambda path: Path("/base"))
+    assert driver.gold_models(cfg, ["pt", "sft", "dpo2"]) == [("base", "/base"), ("sft", str((tmp_path / "sft/merged").resolve())), ("dpo2", str((tmp_path / "dpo2/merged").resolve()))]
+    cfg.gold.models = ["base", "pt", "dpo2"]  # the judged stage's parent is always added
+    assert [name for name, _ in driver.gold_models(cfg, ["pt", "sft", "dpo2"])] == ["base", "pt", "sft", "dpo2"]
+    rows = lambda models: [{"model": m, "phrase_rate": 0.9 if m == "dpo2" else 0.1, "fact_accuracy": 0.8, "n": 4, "path": "", "cached": True} for m, _ in models]  # noqa: E731
+    monkeypatch.setattr(driver, "gold_table", lambda models, *a, **k: rows(models))
+    summary = driver.pipeline_summary(cfg)
+    assert summary["verdict"] == "PASS" and summary["verdict_reasons"] == []
+    assert summary["gold"]["rl"] == "dpo2" and summary["gold"]["reference"] == "sft" and summary["reward_model"] is None
+    assert summary["dpo2_eval_accuracy"] == 0.75 and "dpo2_reward_first" not in summary and "pt_eval_accuracy" not in summary
+    assert summary["final_model"] == str((tmp_path / "dpo2/merged").resolve())
+    text = driver.format_summary(summary)
+    assert "dpo2: train loss 2.0000 -> n/a" in text and "dpo2: held-out accuracy 0.7500" in text and "verdict: the dpo2 model against the sft model" in text
+    (tmp_path / "dpo2" / "summary.json").unlink()
+    assert driver.pipeline_summary(cfg)["verdict_reasons"] == ["DPO2 did not run"]
+
+
+def test_report_plots_follow_the_registry(tmp_path, monkeypatch):
+    """A registered stage's declared panels become its plot; its tags head the curve table."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    import stages as registry
+    from pipeline.tools.report import write_report
+
+    info = registry.StageInfo("x:Y", plot=("dpo2", "DPO-like", (registry.Panel("rewards", "implicit reward", {"chosen": "dpo2/rewards_chosen"}),)))
+    monkeypatch.setattr(registry, "STAGES", {**registry.STAGES, "dpo2": info})
+    writer = SummaryWriter(log_dir=str(tmp_path / "dpo2/runs/a"))
+    for step in (1, 2):
+        writer.add_scalar("train/loss", 1.0 / step, step)
+        writer.add_scalar("dpo2/rewards_chosen", 0.1 * step, step)
+    writer.close()
+    text = write_report(tmp_path).read_text()
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["dpo2.png", "losses.png"]
+    assert "| dpo2 | `dpo2/rewards_chosen` | 2 | 0.1000 | 0.2000 |" in text

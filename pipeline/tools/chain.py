@@ -1,18 +1,22 @@
 """The pipeline's chain, for the driver (pipeline/tools/driver.py): the pipeline config, the stage
 plan, paths, done-ness, the checks across a stage boundary, and each stage's command line.
 
-Chain: PT -> SFT -> RM (on the SFT model) -> PPO (policy = SFT model, reward = RM). A disabled
-stage drops out of the chain (its successor starts from the stage before it). A stage is done when
-`merged/manifest.json` exists, the weights on disk hash to what it records, and its parent hash is
-the current parent's (for PPO also: the reward model it scored with, recorded in its manifest as
-`reward_model: {path, weights_hash}`, is the current RM folder): re-running the driver after a
-crash resumes at the first unfinished stage. Stages are found through the registry
-(stages/__init__.py), never by importing their modules.
+The chain is any list of registered stages (`chain:`, default pt -> sft -> rm -> ppo; also e.g.
+pt -> sft -> dpo or pt -> sft -> rm -> grpo). What the driver needs of a stage — the stages it
+may start from, whether it reads a reward model, its summary keys — is its `StageInfo` in the
+registry (stages/__init__.py), never its module. A stage's parent is the first of its
+`parents` enabled in the chain (none: the base model), so RM and PPO both start from the SFT
+model; a disabled stage drops out (its successor starts from the stage before it). A stage that
+reads a reward model gets the chain's reward stage (model_kind 'reward'), else `reward_model`.
+A stage is done when `merged/manifest.json` exists, the weights on disk hash to what it records,
+and its parent hash is the current parent's (for a stage that scored with a reward model also:
+the reward model recorded in its manifest as `reward_model: {path, weights_hash}` is the current
+one): re-running the driver after a crash resumes at the first unfinished stage.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -23,6 +27,8 @@ from pipeline.config import ConfigError, load_config
 from pipeline.modeling.manifest import chat_template_of, check_parent_compatible, read_manifest, text_hash, tokenizer_hash, vocab_size_of, weights_hash
 
 STAGE_ORDER = tuple(registry.STAGES)
+"""Every registered stage, in registry order."""
+DEFAULT_CHAIN = ("pt", "sft", "rm", "ppo")
 CHECKED_KEYS = ("tokenizer_hash", "chat_template_hash", "vocab_size")
 LOG_NAME = "driver.log"
 TIMINGS_NAME = "timings.json"
@@ -43,24 +49,17 @@ class StageEntry:
     overrides: dict[str, Any] = field(default_factory=dict)
     """Nested keys merged over `config` last, e.g. {train: {max_steps: 20}}."""
     script: Optional[str] = None
-    """Stage script; default stages/{pretrain,sft,reward,ppo}.py."""
+    """Stage script; default the registry's (stages/<module>.py)."""
 
 
-@dataclass
-class Stages:
-    pt: StageEntry = field(default_factory=StageEntry)
-    sft: StageEntry = field(default_factory=StageEntry)
-    rm: StageEntry = field(default_factory=StageEntry)
-    ppo: StageEntry = field(default_factory=StageEntry)
+Stages = make_dataclass("Stages", [(name, StageEntry, field(default_factory=StageEntry)) for name in STAGE_ORDER])
+Stages.__doc__ = "One entry per registered stage; only those named in the pipeline's `chain` run."
 
 
 @dataclass
 class VerdictConfig:
     rm_min_eval_accuracy: float = 0.7
     """The RM's held-out accuracy must reach this for a PASS verdict (chance is 0.5)."""
-
-
-GOLD_MODELS = ("base", "pt", "sft", "ppo")
 
 
 @dataclass
@@ -70,9 +69,10 @@ class GoldConfig:
 
     data: Optional[str] = None
     """Gold JSONL ({prompt, attribute, expected, ...}); None: no gold table, and no PASS verdict."""
-    models: list[str] = field(default_factory=lambda: ["base", "sft", "ppo"])
-    """Rows of the table: 'base' (base_model) and stage names (their merged models). The RL
-    model's parent (sft, else pt, else base) is always added: the verdict compares against it."""
+    models: Optional[list[str]] = None
+    """Rows of the table: 'base' (base_model) and generator stages of the chain (their merged
+    models). None: base, the judged stage's parent and the judged stage (base, sft, ppo for the
+    default chain). The judged stage's parent is always added: the verdict compares against it."""
     max_new_tokens: int = 40
     """Greedy answer length limit."""
     batch_size: int = 8
@@ -84,13 +84,16 @@ class GoldConfig:
     max_fact_drop: float = 0.05
     """PASS needs the RL model's fact accuracy to be at most this much below its parent's."""
 
-    def problems(self) -> list[str]:
+    def problems(self, chain: Sequence[str] = DEFAULT_CHAIN) -> list[str]:
         out = []
         if self.data is not None and not Path(self.data).is_file():
             out.append(f"gold.data: {self.data!r} is not a file")
-        unknown = [m for m in self.models if m not in GOLD_MODELS]
+        known = gold_names(chain)
+        unknown = [m for m in self.models or () if m not in known]
         if unknown:
-            out.append(f"gold.models: {', '.join(map(repr, unknown))} not among {', '.join(GOLD_MODELS)} (rm is not a generator)")
+            others = [s for s in chain if s in registry.STAGES and s not in known]
+            why = f" ({', '.join(others)} {'is' if len(others) == 1 else 'are'} not a generator)" if others else ""
+            out.append(f"gold.models: {', '.join(map(repr, unknown))} not among {', '.join(known)}{why}")
         if self.max_new_tokens < 1 or self.batch_size < 1:
             out.append("gold.max_new_tokens and gold.batch_size must be >= 1")
         if self.dtype not in ("fp32", "bf16", "fp16", "auto"):
@@ -104,12 +107,16 @@ class PipelineConfig:
     """The model PT starts from: a local Hugging Face folder or 'embedded'."""
     output_root: str = "outputs/pipeline"
     """One folder per stage goes here (pt/, sft/, rm/, ppo/), plus summary.json and report.md."""
+    chain: list[str] = field(default_factory=lambda: list(DEFAULT_CHAIN))
+    """The stages to run, in order: any registered stages (stages/__init__.py), each after the
+    stages it may start from, e.g. [pt, sft, dpo] or [pt, sft, rm, grpo]."""
     finetuning: Optional[str] = None
     """full|lora|qlora for every stage (sets model.finetuning); None keeps each stage's setting."""
     all_stages: dict[str, Any] = field(default_factory=dict)
     """Nested keys merged into every stage's config (e.g. {train: {precision: bf16}})."""
     reward_model: Optional[str] = None
-    """PPO's reward model when the rm stage is disabled (a merged RM folder)."""
+    """The reward model of the stages that read one (PPO, GRPO) when the chain has no enabled
+    reward stage (a merged RM folder)."""
     stages: Stages = field(default_factory=Stages)
     verdict: VerdictConfig = field(default_factory=VerdictConfig)
     gold: GoldConfig = field(default_factory=GoldConfig)
@@ -122,11 +129,21 @@ class PipelineConfig:
             out.append(f"finetuning: {self.finetuning!r} is not one of None, 'full', 'lora', 'qlora'")
         if not self.output_root:
             out.append("output_root: must not be empty")
-        if not any(entry(self, s).enabled for s in STAGE_ORDER):
+        chain_problems = chain_order_problems(self.chain)
+        out += chain_problems
+        if chain_problems:
+            return out + self.gold.problems([s for s in self.chain if s in registry.STAGES])
+        if not any(entry(self, s).enabled for s in self.chain):
             out.append("stages: every stage is disabled")
-        if entry(self, "ppo").enabled and not entry(self, "rm").enabled and not self.reward_model:
-            out.append("reward_model: PPO needs a reward model; enable stages.rm or set reward_model")
-        return out + self.gold.problems()
+        for name in registry.STAGES:
+            if name not in self.chain and entry(self, name) != StageEntry():
+                out.append(f"stages.{name}: configured but not in chain ({', '.join(self.chain)}); add it to chain or remove it")
+        for name in self.chain:
+            if entry(self, name).enabled and registry.info(name).reward_model == "required" and reward_stage(self) is None and not self.reward_model:
+                rm = next((s for s in registry.STAGES if registry.info(s).model_kind == "reward"), "rm")
+                how = f"enable stages.{rm}" if rm in self.chain else f"put {rm} in chain before {name}"
+                out.append(f"reward_model: {name.upper()} needs a reward model; {how} or set reward_model")
+        return out + self.gold.problems(self.chain)
 
 
 @dataclass
@@ -137,6 +154,35 @@ class Selection:
 
 def entry(cfg: PipelineConfig, stage: str) -> StageEntry:
     return getattr(cfg.stages, stage)
+
+
+def chain_order_problems(chain: Sequence[str]) -> list[str]:
+    """Why `chain` is not a runnable list of stages: unknown or repeated names, a stage before one
+    of its parents, a reward stage after a stage that reads it (pure)."""
+    out = []
+    unknown = [s for s in chain if s not in registry.STAGES]
+    if unknown:
+        out.append(f"chain: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not a registered stage ({', '.join(registry.STAGES)})")
+    repeated = sorted({s for s in chain if list(chain).count(s) > 1})
+    if repeated:
+        out.append(f"chain: {', '.join(repeated)} listed more than once")
+    if not chain:
+        out.append("chain: names no stage")
+    if out:
+        return out
+    position = {s: i for i, s in enumerate(chain)}
+    for i, name in enumerate(chain):
+        info = registry.info(name)
+        late = [p for p in info.parents if position.get(p, -1) > i]
+        if info.reward_model != "none":
+            late += [s for s in chain[i + 1 :] if registry.info(s).model_kind == "reward"]
+        out += [f"chain: {name} comes before {p}, which it builds on" for p in late]
+    return out
+
+
+def gold_names(chain: Sequence[str]) -> list[str]:
+    """'base' and the generator stages of `chain`: what the gold table may have rows for (pure)."""
+    return ["base"] + [s for s in chain if s in registry.STAGES and registry.info(s).model_kind == "causal"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,14 +226,16 @@ def load_pipeline(config_path: str, argv: Sequence[str]) -> tuple[PipelineConfig
     selection, rest = split_selection(argv)
     cfg = load_config(PipelineConfig, ["--config", config_path, *rest], prog="run_pipeline")
     for name in (selection.start, selection.only):
+        if name and name not in cfg.chain:
+            raise ConfigError([f"{name}: selected on the command line but not in the chain ({', '.join(cfg.chain)}) of {config_path}"], "command line")
         if name and not entry(cfg, name).enabled:
             raise ConfigError([f"{name}: selected on the command line but disabled in {config_path}"], "command line")
     return cfg, selection
 
 
 def planned_stages(cfg: PipelineConfig, selection: Selection) -> list[str]:
-    """The enabled stages the selection asks for, in pipeline order."""
-    enabled = [s for s in STAGE_ORDER if entry(cfg, s).enabled]
+    """The enabled stages the selection asks for, in chain order."""
+    enabled = [s for s in cfg.chain if entry(cfg, s).enabled]
     if selection.only:
         return [selection.only]
     if selection.start:
@@ -223,12 +271,10 @@ def resolve_base(path: str) -> Path:
 
 
 def parent_stage(cfg: PipelineConfig, stage: str) -> Optional[str]:
-    """The enabled stage whose merged model `stage` starts from (None: the base model).
-
-    RM and PPO both start from the SFT model, so neither takes the RM as its parent.
-    """
-    candidates = {"pt": (), "sft": ("pt",), "rm": ("sft", "pt"), "ppo": ("sft", "pt")}[stage]
-    return next((c for c in candidates if entry(cfg, c).enabled), None)
+    """The stage whose merged model `stage` starts from: the first of its registry `parents`
+    enabled in the chain (None: the base model). RM and PPO both start from the SFT model, so
+    neither takes the RM as its parent."""
+    return next((c for c in registry.info(stage).parents if c in cfg.chain and entry(cfg, c).enabled), None)
 
 
 def parent_path(cfg: PipelineConfig, stage: str) -> Path:
@@ -236,8 +282,22 @@ def parent_path(cfg: PipelineConfig, stage: str) -> Path:
     return resolve_base(cfg.base_model) if parent is None else merged_dir(cfg, parent).resolve()
 
 
-def reward_path(cfg: PipelineConfig) -> Path:
-    return merged_dir(cfg, "rm").resolve() if entry(cfg, "rm").enabled else Path(cfg.reward_model).resolve()
+def reward_stage(cfg: PipelineConfig) -> Optional[str]:
+    """The chain's enabled reward-model stage (model_kind 'reward'), or None."""
+    return next((s for s in cfg.chain if registry.info(s).model_kind == "reward" and entry(cfg, s).enabled), None)
+
+
+def reward_path(cfg: PipelineConfig) -> Optional[Path]:
+    """The reward model of the chain: its reward stage's merged folder, else `reward_model`, else None."""
+    rm = reward_stage(cfg)
+    if rm is not None:
+        return merged_dir(cfg, rm).resolve()
+    return Path(cfg.reward_model).resolve() if cfg.reward_model else None
+
+
+def stage_reward_path(cfg: PipelineConfig, stage: str) -> Optional[Path]:
+    """The reward model `stage` reads (None: it reads none, or an optional one that is not there)."""
+    return None if registry.info(stage).reward_model == "none" else reward_path(cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,24 +359,30 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
 
 
 def reward_model_problem(cfg: PipelineConfig, stage: str, manifest: dict) -> Optional[str]:
-    """For PPO: why its output was not trained against the current reward model, or None.
+    """For a stage that reads a reward model: why its output was not trained against the current
+    reward model, or None.
 
-    The PPO manifest records `reward_model: {path, weights_hash}`; a rebuilt RM (another weights
-    hash) or a missing record makes the PPO output stale (PPO always scores with an RM).
+    Such a stage's manifest records `reward_model: {path, weights_hash}`; a rebuilt RM (another
+    weights hash) or a missing record makes its output stale. A stage whose reward model is
+    optional and absent now must not record one either.
     """
-    if stage != "ppo":
+    if registry.info(stage).reward_model == "none":
         return None
-    folder, rm = merged_dir(cfg, stage), reward_path(cfg)
-    current = weights_hash(rm)
+    folder, rm, name = merged_dir(cfg, stage), stage_reward_path(cfg, stage), stage.upper()
     record = manifest.get("reward_model")
+    if rm is None:
+        if isinstance(record, dict) and record:
+            return f"{folder} is stale: {name} scored with reward model {record.get('path')}, but the pipeline now gives it none; delete {stage_dir(cfg, stage)} to rebuild it"
+        return None
+    current = weights_hash(rm)
     if not isinstance(record, dict) or not record.get("weights_hash"):
         return (
-            f"{folder}/manifest.json does not record the reward model PPO scored with (reward_model: path, weights_hash), "
+            f"{folder}/manifest.json does not record the reward model {name} scored with (reward_model: path, weights_hash), "
             f"so it cannot be checked against the current reward model {rm} ({current}); delete {stage_dir(cfg, stage)} to rebuild it"
         )
     if record["weights_hash"] != current:
         return (
-            f"{folder} is stale: the reward model was rebuilt since PPO ran: PPO scored with reward model weights "
+            f"{folder} is stale: the reward model was rebuilt since {name} ran: {name} scored with reward model weights "
             f"{record['weights_hash']} ({record.get('path')}), but {rm} now has {current}; delete {stage_dir(cfg, stage)} to rebuild it"
         )
     return None
@@ -342,15 +408,16 @@ def check_link(child_stage: str, child: Path, parent: Path) -> list[str]:
 
 def checks_before(cfg: PipelineConfig, stage: str) -> list[str]:
     """Cross-stage checks before `stage` starts: its parent is intact and agrees with its own
-    parent; for PPO, the reward model and the policy share tokenizer, template and vocab."""
+    parent; for a stage reading a reward model, the reward model and the policy share tokenizer,
+    template and vocab."""
     parent, previous = parent_path(cfg, stage), parent_stage(cfg, stage)
     # A base model from elsewhere may have no manifest; a stage's output must have one.
     problems = check_folder_against_manifest(parent) if previous or read_manifest(parent) else []
     grand = (read_manifest(parent) or {}).get("parent_path")
     if previous is not None and grand and Path(grand).is_dir():
         problems += check_link(previous, parent, Path(grand))
-    if stage == "ppo":
-        rm = reward_path(cfg)
+    rm = stage_reward_path(cfg, stage)
+    if rm is not None:
         if read_manifest(rm) is None:
             problems.append(f"{rm}: the reward model has no manifest.json (has the rm stage finished?)")
         else:
@@ -414,14 +481,16 @@ def render_stage_config(cfg: PipelineConfig, stage: str) -> str:
 def stage_argv(cfg: PipelineConfig, stage: str) -> list[str]:
     """Write the stage's resolved YAML under output_root/configs/ and return its argv (script first).
 
-    output_dir, model.path and reward_model.path go on the command line, so the log shows them.
+    output_dir, model.path and (for a stage reading one) reward_model.path go on the command
+    line, so the log shows them.
     """
     path = config_file(cfg, stage)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_stage_config(cfg, stage), encoding="utf-8")
     argv = [entry(cfg, stage).script or f"stages/{registry.script(stage).name}", "--config", str(path), "--output_dir", str(stage_dir(cfg, stage)), "--model.path", str(parent_path(cfg, stage))]
-    if stage == "ppo":
-        argv += ["--reward_model.path", str(reward_path(cfg))]
+    rm = stage_reward_path(cfg, stage)
+    if rm is not None:
+        argv += ["--reward_model.path", str(rm)]
     return argv
 
 
@@ -441,7 +510,7 @@ def stage_config_problems(cfg: PipelineConfig, stages: Sequence[str]) -> list[st
             path.write_text(render_stage_config(cfg, stage), encoding="utf-8")
             # The parent does not exist yet; 'embedded' stands in for it while the config is checked.
             argv = ["--config", str(path), "--output_dir", str(stage_dir(cfg, stage)), "--model.path", "embedded"]
-            argv += ["--reward_model.path", "embedded"] if stage == "ppo" else []
+            argv += ["--reward_model.path", "embedded"] if stage_reward_path(cfg, stage) is not None else []
             try:
                 load_config(registry.config_class(stage), argv)
             except ConfigError as err:

@@ -14,10 +14,12 @@ module, through small subcommands, what to do:
 The chain itself (config, plan, done-ness, cross-stage checks, stage commands) is
 pipeline/tools/chain.py; this module holds the summary, the verdict and the subcommands.
 
-Verdict: the RM's held-out accuracy, and the gold table (pipeline/tools/gold.py; `gold:` section):
-greedy answers of the base, SFT and PPO models to held-out questions with an answer key. PASS
-needs PPO's phrase rate above its parent's by gold.min_phrase_gain and its fact accuracy within
-gold.max_fact_drop of its parent's. PPO's reward curve is reported, not judged.
+Verdict: the figures a stage's StageInfo names (the RM's held-out accuracy) for the stages that
+ran, and the gold table (pipeline/tools/gold.py; `gold:` section): greedy answers of the base
+model, the judged stage (PPO, DPO, GRPO: the chain's last `judged` stage) and its parent to
+held-out questions with an answer key. PASS needs the judged model's phrase rate above its
+parent's by gold.min_phrase_gain and its fact accuracy within gold.max_fact_drop of its parent's.
+Reward curves are reported, not judged.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import stages as registry
 from pipeline.config import ConfigError
 from pipeline.modeling.manifest import read_manifest
 from pipeline.tools.chain import (
     LOG_NAME, STAGE_ORDER, TIMINGS_NAME, DriverError, GoldConfig, PipelineConfig, VerdictConfig, checks_after, checks_before,
-    entry, load_pipeline, merged_dir, parent_path, parent_stage, planned_stages, resolve_base, reward_path, stage_argv,
-    stage_config_problems, stage_dir, stage_status,
+    entry, gold_names, load_pipeline, merged_dir, parent_path, parent_stage, planned_stages, resolve_base, stage_argv,
+    stage_config_problems, stage_dir, stage_reward_path, stage_status,
 )
 from pipeline.tools.gold import GoldError, GoldSettings, format_table, gold_table
 
@@ -44,31 +47,26 @@ from pipeline.tools.gold import GoldError, GoldSettings, format_table, gold_tabl
 # Summary
 # ---------------------------------------------------------------------------------------------
 
-FIGURES = {
-    "pt": ("train_loss_first", "train_loss_last", "eval_loss_first", "eval_loss_last"),
-    "sft": ("train_loss_first", "train_loss_last", "eval_loss_first", "eval_loss_last"),
-    "rm": ("train_loss_first", "train_loss_last", "eval_loss_first", "eval_loss_last", "eval_accuracy", "eval_margin"),
-    "ppo": ("reward_first", "reward_last", "kl_last", "eval_reward_first", "eval_reward_last"),
-}
-
-
 def read_json(path: Path) -> Optional[dict]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def verdict(figures: dict, cfg: VerdictConfig, gold_reasons: Optional[list[str]] = None) -> list[str]:
+def verdict(figures: dict, cfg: VerdictConfig, gold_reasons: Optional[list[str]] = None, checked: Sequence[str] = ("rm",)) -> list[str]:
     """Reasons the run did not show learning (empty: PASS). Pure.
 
-    The RM must reach its held-out accuracy; the RL model is judged by the gold table
+    Every stage in `checked` must reach the minimum of each of its registry `verdict_figures`
+    (the RM its held-out accuracy); the RL/preference model is judged by the gold table
     (`gold_verdict`, whose reasons come in `gold_reasons`; None: no gold table was configured).
-    PPO's own reward curve is information only: a noisy curve rises by chance.
+    Reward curves are information only: a noisy curve rises by chance.
     """
     out = []
-    accuracy = figures.get("rm_eval_accuracy")
-    if accuracy is None:
-        out.append("the RM reported no eval_accuracy")
-    elif accuracy < cfg.rm_min_eval_accuracy:
-        out.append(f"RM held-out accuracy {accuracy:.3f} is below {cfg.rm_min_eval_accuracy}")
+    for stage in checked:
+        for key, limit_field in registry.info(stage).verdict_figures.items():
+            value, limit = figures.get(f"{stage}_{key}"), getattr(cfg, limit_field)
+            if value is None:
+                out.append(f"the {stage.upper()} reported no {key}")
+            elif value < limit:
+                out.append(f"{stage.upper()} held-out {key.removeprefix('eval_')} {value:.3f} is below {limit}")
     if gold_reasons is None:
         out.append("no gold table (set gold.data): the RL model was not judged on held-out answers")
     else:
@@ -105,14 +103,26 @@ def gold_verdict(rows: Sequence[dict], rl: str, reference: str, cfg: GoldConfig)
     return out
 
 
+def judged_stage(cfg: PipelineConfig, ran: Sequence[str]) -> Optional[str]:
+    """The stage the gold verdict judges: the chain's last `judged` stage (PPO, DPO, GRPO) that ran."""
+    return next((s for s in reversed(cfg.chain) if s in ran and registry.info(s).judged), None)
+
+
 def gold_models(cfg: PipelineConfig, ran: Sequence[str]) -> list[tuple[str, str]]:
-    """(row name, model path) for the gold table: the configured models that exist, plus the RL
-    model's parent (the verdict's reference), in pipeline order."""
-    wanted = set(cfg.gold.models)
-    if "ppo" in ran:
-        wanted.add(parent_stage(cfg, "ppo") or "base")
+    """(row name, model path) for the gold table: the configured models that exist, plus the judged
+    model's parent (the verdict's reference), in chain order (base first). Without gold.models:
+    base, the judged stage's parent and the judged stage (else the chain's last generator)."""
+    judged = judged_stage(cfg, ran)
+    if cfg.gold.models is not None:
+        wanted = set(cfg.gold.models)
+    elif judged is not None:
+        wanted = {"base", judged}
+    else:
+        wanted = {"base", *[s for s in gold_names(cfg.chain)[1:] if s in ran][-1:]}
+    if judged is not None:
+        wanted.add(parent_stage(cfg, judged) or "base")
     out = []
-    for name in ("base", "pt", "sft", "ppo"):
+    for name in gold_names(cfg.chain):
         if name not in wanted:
             continue
         if name == "base":
@@ -134,11 +144,12 @@ def compute_gold(cfg: PipelineConfig, ran: Sequence[str]) -> Optional[dict]:
     settings = GoldSettings(cfg.gold.max_new_tokens, cfg.gold.batch_size, cfg.gold.dtype)
     started = time.time()
     rows = gold_table(gold_models(cfg, ran), cfg.gold.data, settings, root / "cache.json", root / "answers", lambda m: log(cfg, m))
+    judged = judged_stage(cfg, ran)
     return {
         "data": cfg.gold.data,
         "rows": rows,
-        "rl": "ppo" if "ppo" in ran else None,
-        "reference": (parent_stage(cfg, "ppo") or "base") if "ppo" in ran else None,
+        "rl": judged,
+        "reference": (parent_stage(cfg, judged) or "base") if judged else None,
         "wall_seconds": round(time.time() - started, 1),
     }
 
@@ -167,27 +178,32 @@ def pipeline_summary(cfg: PipelineConfig) -> dict:
     root = Path(cfg.output_root)
     figures: dict[str, Any] = {}
     stages: dict[str, Any] = {}
-    for stage in STAGE_ORDER:
+    for stage in cfg.chain:
         summary = read_json(stage_dir(cfg, stage) / "summary.json")
         if not entry(cfg, stage).enabled or summary is None:
             continue
         stages[stage] = summary
-        figures.update({f"{stage}_{k}": summary[k] for k in FIGURES[stage] if k in summary})
+        figures.update({f"{stage}_{k}": summary[k] for k in registry.info(stage).summary_keys if k in summary})
         figures[f"{stage}_wall_seconds"] = wall_seconds(cfg, stage, summary)
-    final = next((s for s in reversed(STAGE_ORDER) if s != "rm" and s in stages), None)
+    final = next((s for s in reversed(cfg.chain) if registry.info(s).model_kind == "causal" and s in stages), None)
     gold = compute_gold(cfg, list(stages))
     if gold is not None:
         figures["gold_wall_seconds"] = gold["wall_seconds"]
-    if "rm" in stages and "ppo" in stages:
+    # The verdict needs every enabled stage it judges (the judged stages, those with verdict figures).
+    needed = [s for s in cfg.chain if entry(cfg, s).enabled and (registry.info(s).judged or registry.info(s).verdict_figures)]
+    missing = [s for s in needed if s not in stages]
+    if needed and not missing:
         gold_reasons = None if gold is None else gold_verdict(gold["rows"], gold["rl"], gold["reference"], cfg.gold)
-        reasons = verdict(figures, cfg.verdict, gold_reasons)
+        reasons = verdict(figures, cfg.verdict, gold_reasons, checked=[s for s in needed if registry.info(s).verdict_figures])
     else:
-        reasons = ["RM or PPO did not run"]
+        reasons = [f"{' or '.join(s.upper() for s in (needed or cfg.chain[-1:]))} did not run"]
+    judged = gold["rl"] if gold else next((s for s in reversed(cfg.chain) if s in stages and registry.info(s).judged), None)
+    reward = stage_reward_path(cfg, judged) if judged else None
     out = {
         **figures,
         "gold": gold,
         "final_model": str(merged_dir(cfg, final).resolve()) if final else None,
-        "reward_model": str(reward_path(cfg)) if "ppo" in stages else None,
+        "reward_model": str(reward) if reward else None,
         "tensorboard": f"tensorboard --logdir {root}",
         "verdict": "PASS" if not reasons else "WARNING",
         "verdict_reasons": reasons,
@@ -205,15 +221,18 @@ def format_summary(summary: dict) -> str:
         return "n/a" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
     lines = ["", "=== Relay pipeline summary ==="]
-    for stage in ("pt", "sft", "rm"):
-        if stage in summary["stages"]:
-            g = lambda k: num(summary.get(f"{stage}_{k}"))  # noqa: E731
-            lines.append(f"{stage:>3}: train loss {g('train_loss_first')} -> {g('train_loss_last')}, eval loss {g('eval_loss_first')} -> {g('eval_loss_last')}  ({num(summary.get(f'{stage}_wall_seconds'), 0)} s)")
-    if "rm" in summary["stages"]:
-        lines.append(f" rm: held-out accuracy {num(summary.get('rm_eval_accuracy'))}, margin {num(summary.get('rm_eval_margin'))}")
-    if "ppo" in summary["stages"]:
-        g = lambda k: num(summary.get(f"ppo_{k}"))  # noqa: E731
-        lines.append(f"ppo: mean reward {g('reward_first')} -> {g('reward_last')}, eval reward {g('eval_reward_first')} -> {g('eval_reward_last')}, final KL {g('kl_last')}  ({num(summary.get('ppo_wall_seconds'), 0)} s)")
+    # One line per kind of figure a stage reports (losses; pairwise accuracy; RL reward), in
+    # stage order, so any chain reads the same way.
+    for stage in summary["stages"]:
+        g = lambda k: num(summary.get(f"{stage}_{k}"))  # noqa: E731
+        seconds = f"  ({num(summary.get(f'{stage}_wall_seconds'), 0)} s)"
+        if f"{stage}_train_loss_first" in summary:
+            lines.append(f"{stage:>3}: train loss {g('train_loss_first')} -> {g('train_loss_last')}, eval loss {g('eval_loss_first')} -> {g('eval_loss_last')}{seconds}")
+            seconds = ""
+        if f"{stage}_eval_accuracy" in summary:
+            lines.append(f"{stage:>3}: held-out accuracy {g('eval_accuracy')}, margin {g('eval_margin')}")
+        if f"{stage}_reward_first" in summary:
+            lines.append(f"{stage:>3}: mean reward {g('reward_first')} -> {g('reward_last')}, eval reward {g('eval_reward_first')} -> {g('eval_reward_last')}, final KL {g('kl_last')}{seconds}")
     gold = summary.get("gold")
     if gold:
         lines += [f"gold table ({gold['data']}, greedy; {num(gold.get('wall_seconds'), 0)} s):", format_table(gold["rows"])]

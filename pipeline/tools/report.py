@@ -2,8 +2,9 @@
 
     python -m pipeline.tools.report RUN_DIR        # writes RUN_DIR/report.md and RUN_DIR/plots/*.png
 
-RUN_DIR is a pipeline output root (one folder per stage: pt/, sft/, rm/, ppo/) or a single stage's
-output folder. Events are read with tensorboard's EventAccumulator; a stage that was resumed has
+RUN_DIR is a pipeline output root (one folder per registered stage that ran: pt/, sft/, rm/, ppo/,
+dpo/, ...) or a single stage's output folder. Each stage's plot is the one its registry entry
+declares (stages/__init__.py `StageInfo.plot`), so a new stage brings its own panels. Events are read with tensorboard's EventAccumulator; a stage that was resumed has
 several event files, whose curves are joined by step (the later write wins for a repeated step,
 as it is the one the resumed run kept).
 """
@@ -16,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+import stages as registry
 from pipeline.tools.gold import format_table
 
-STAGES = ("pt", "sft", "rm", "ppo")
 Curve = list[tuple[int, float]]
 
 
@@ -54,11 +55,11 @@ def stage_folders(run_dir: Path) -> dict[str, Path]:
     Raises:
         ReportError: no folder with TensorBoard events.
     """
-    found = {s: run_dir / s for s in STAGES if event_dirs(run_dir / s)}
+    found = {s: run_dir / s for s in registry.STAGES if event_dirs(run_dir / s)}
     if not found and event_dirs(run_dir):
         found = {run_dir.name: run_dir}
     if not found:
-        raise ReportError(f"{run_dir}: no TensorBoard events in {', '.join(f'{s}/runs' for s in STAGES)} or runs/")
+        raise ReportError(f"{run_dir}: no TensorBoard events in {', '.join(f'{s}/runs' for s in registry.STAGES)} or runs/")
     return found
 
 
@@ -102,40 +103,27 @@ def _prefixed(scalars: dict[str, Curve], prefix: str) -> dict[str, Curve]:
     return {tag[len(prefix) :]: curve for tag, curve in sorted(scalars.items()) if tag.startswith(prefix)}
 
 
+def panel_curves(panel: registry.Panel, scalars: dict[str, Curve]) -> dict[str, Curve]:
+    """{legend label: curve} of one registry panel (pure)."""
+    if panel.prefix:
+        return _prefixed(scalars, panel.prefix)
+    return {label: scalars.get(tag, []) for label, tag in panel.tags.items()}
+
+
 def make_plots(curves: dict[str, dict[str, Curve]], out: Path) -> dict[str, Path]:
-    """Write the standard plots; return {name: png path} for those that had data."""
+    """Write the loss plot (every stage whose registry entry has `loss_curve`; a folder that is no
+    registered stage counts as one) and each stage's own plot; return {name: png path} for those
+    that had data."""
     loss_panels = [
         (f"{stage}: loss", "loss", {"train": scalars.get("train/loss", []), "eval": scalars.get("eval/loss", [])})
         for stage, scalars in curves.items()
-        if stage != "ppo"
+        if stage not in registry.STAGES or registry.info(stage).loss_curve
     ]
-    sft = curves.get("sft", {})
-    rm = curves.get("rm", {})
-    ppo = curves.get("ppo", {})
-    plots = {
-        "losses": _plot_panels(out / "losses.png", "Training and eval loss per stage", loss_panels),
-        "sft_tasks": _plot_panels(
-            out / "sft_tasks.png",
-            "SFT loss per task",
-            [("train loss per task", "loss", _prefixed(sft, "train/loss_task/")), ("eval loss per task", "loss", _prefixed(sft, "eval/loss_task/"))],
-        ),
-        "rm": _plot_panels(
-            out / "rm.png",
-            "Reward model",
-            [
-                ("pairwise accuracy", "accuracy (chosen > rejected)", {"train": rm.get("train/accuracy", []), "eval": rm.get("eval/accuracy", [])}),
-                ("eval margin", "mean r(chosen) - r(rejected)", {"eval": rm.get("eval/margin", [])}),
-            ],
-        ),
-        "ppo": _plot_panels(
-            out / "ppo.png",
-            "PPO",
-            [
-                ("reward", "mean RM score", {"train (raw)": ppo.get("ppo/reward_raw", []), "eval": ppo.get("eval/reward", [])}),
-                ("KL to the reference", "KL (nats)", {"train": ppo.get("ppo/kl", []), "eval": ppo.get("eval/kl", [])}),
-            ],
-        ),
-    }
+    plots = {"losses": _plot_panels(out / "losses.png", "Training and eval loss per stage", loss_panels)}
+    for stage, scalars in curves.items():
+        name, title, panels = registry.info(stage).plot if stage in registry.STAGES else ("", "", ())
+        if panels:
+            plots[name] = _plot_panels(out / f"{name}.png", title, [(p.title, p.ylabel, panel_curves(p, scalars)) for p in panels])
     return {name: path for name, path in plots.items() if path is not None}
 
 
@@ -166,7 +154,10 @@ def gold_section(gold: Optional[dict]) -> list[str]:
     return lines + [""]
 
 
-HEADLINE_TAGS = ("train/loss", "eval/loss", "train/accuracy", "eval/accuracy", "eval/margin", "ppo/reward_raw", "ppo/kl", "eval/reward", "eval/kl")
+def headline_tags() -> tuple[str, ...]:
+    """The loss tags, then every tag a registered stage plots (prefix panels' tags come after them)."""
+    plotted = (tag for info in registry.STAGES.values() for panel in info.plot[2] for tag in panel.tags.values())
+    return ("train/loss", "eval/loss", *dict.fromkeys(t for t in plotted if t not in ("train/loss", "eval/loss")))
 
 
 def render_markdown(run_dir: Path, curves: dict[str, dict[str, Curve]], plots: dict[str, Path], summary: Optional[dict]) -> str:
@@ -179,7 +170,8 @@ def render_markdown(run_dir: Path, curves: dict[str, dict[str, Curve]], plots: d
         lines += gold_section(summary.get("gold"))
     lines += ["## Curves (first -> last)", "", "| stage | tag | points | first | last | min | max |", "|---|---|---|---|---|---|---|"]
     for stage, scalars in curves.items():
-        tags = [t for t in HEADLINE_TAGS if t in scalars] + sorted(t for t in scalars if "/loss_task/" in t)
+        prefixes = [p.prefix for p in registry.info(stage).plot[2] if p.prefix] if stage in registry.STAGES else []
+        tags = [t for t in headline_tags() if t in scalars] + sorted(t for t in scalars if "/loss_task/" in t or any(t.startswith(p) for p in prefixes))
         lines += [curve_row(stage, tag, scalars[tag]) for tag in tags if scalars[tag]]
     lines += ["", "## Plots", ""]
     lines += [f"![{name}]({path.relative_to(run_dir)})" for name, path in plots.items()]
@@ -205,7 +197,7 @@ def write_report(run_dir: str | Path) -> Path:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="relay report", description="Write RUN_DIR/report.md and plots from TensorBoard events.")
-    parser.add_argument("run_dir", help="pipeline output root (pt/ sft/ rm/ ppo/) or one stage's output folder")
+    parser.add_argument("run_dir", help="pipeline output root (one folder per stage: pt/ sft/ ...) or one stage's output folder")
     args = parser.parse_args(argv)
     try:
         print(write_report(args.run_dir))
