@@ -194,6 +194,19 @@ class PolicyLossOut:
     approx_kl: torch.Tensor
 
 
+def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float,
+                      clip_high: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate loss max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) with
+    r = exp(logp - old_logp) (clip_high None: clip_low, the symmetric PPO clip; DAPO raises it),
+    and where the clipped term won (r below 1 - clip_low with A < 0, or above 1 + clip_high with
+    A > 0). `advantages` broadcasts against `logp` ([B, T], or [B, 1] for one per sequence)."""
+    ratio = torch.exp(logp - old_logp)
+    high = clip_low if clip_high is None else clip_high
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip: float) -> PolicyLossOut:
     """PPO's clipped surrogate: mean over tokens of max(-A r, -A clip(r, 1-eps, 1+eps)), with
     r = exp(logp - old_logp). Also the share of tokens where clipping was active and the k3
@@ -203,11 +216,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         ValueError: the mask selects nothing.
     """
     log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
-    clipfrac = masked_mean((clipped > unclipped).float(), mask)
+    per_token, was_clipped = clipped_surrogate(logp, old_logp, advantages, clip)
+    loss = masked_mean(per_token, mask)
+    clipfrac = masked_mean(was_clipped.float(), mask)
     # Samples come from the old policy, so k3 of KL(old || new) is (r - 1) - log r.
     approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
     return PolicyLossOut(loss, clipfrac.detach(), approx_kl.detach())

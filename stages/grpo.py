@@ -1,0 +1,361 @@
+"""GRPO stage: tune the SFT policy with group-relative advantages, no critic.
+
+    torchrun --nproc_per_node 1 stages/grpo.py --config configs/grpo.yaml [--train.max_steps 20]
+
+Each step (`GRPOStage.train_step`): sample `grpo.num_generations` (G) completions for each of a
+batch of prompts (PPO's prompt data and sampler: pipeline/algorithms/rollout.py), reward each
+with the reward functions the config names (`grpo.reward_funcs`, "module:function" of the project
+or an installed package, pipeline/algorithms/rewards.py) and/or a trained reward model
+(`reward_model.path`, read out as PPO does), take each completion's reward against its group's
+(A = (r - mean) / (std + eps), or without the std: `grpo.scale_rewards: false`), then run
+`grpo.num_iterations` clipped-ratio optimizer steps over the batch with token-level
+normalisation and, when `grpo.beta` > 0, a k3 KL term to the reference (pipeline/algorithms/grpo.py).
+The reference is the policy with its adapter disabled (LoRA/QLoRA) or a frozen copy (full
+fine-tuning); with beta 0 none is loaded and no reference forward runs.
+
+Resume is the engine's (pipeline/engine/stage.py): adapters (or full weights), optimizer,
+scheduler, RNG and prompt position, so a restarted run samples the same completions as an
+unbroken one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from pipeline.algorithms import grpo as algo
+from pipeline.algorithms import rewards as rw
+from pipeline.algorithms.rollout import ActorCritic, Generator, HFGenerator, _chunks, assemble
+from pipeline.config import PromptDataConfig, StageConfig
+from pipeline.engine.stage import Stage, main
+from stages.ppo import GenerationConfig, RewardModelConfig, tokenizer_problems
+
+log = logging.getLogger("relay.grpo")
+
+
+# ------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GRPOData(PromptDataConfig):
+    train: list[str] = field(default_factory=lambda: ["data/sample/ppo/train.jsonl"])
+    """Prompt files (`{"prompt": ...}` or chat records whose last turn is the user's), as PPO's."""
+    eval: list[str] = field(default_factory=lambda: ["data/sample/ppo/valid.jsonl"])
+    """Held-out prompts for `eval/reward` (one sampled completion each)."""
+
+
+@dataclass
+class GRPORewardModel(RewardModelConfig):
+    """An optional reward model: a merged RM folder (the RM stage's merged/), scored at the
+    end-of-turn token as PPO reads it, loaded frozen."""
+
+    path: Optional[str] = None
+    """The RM folder; null: rewards come from grpo.reward_funcs only."""
+    weight: float = 1.0
+    """Weight of the RM's score in the summed reward."""
+
+
+@dataclass
+class GRPOSection:
+    num_generations: int = 4
+    """Completions sampled per prompt (G, >= 2): the group a completion's reward is compared with."""
+    num_iterations: int = 1
+    """Optimizer steps per generation batch (mu); the rollout's log-probs are the old policy's."""
+    epsilon: float = 0.2
+    """Ratio clip below 1 (and above, unless epsilon_high is set)."""
+    epsilon_high: Optional[float] = None
+    """Ratio clip above 1 (DAPO's clip-higher, e.g. 0.28); null: epsilon."""
+    beta: float = 0.0
+    """Weight of the k3 KL(policy || reference) loss term; 0: no KL, no reference forward."""
+    scale_rewards: bool = True
+    """Divide advantages by the group's reward std (false: Dr. GRPO, mean-centred only)."""
+    loss_type: str = "dapo"
+    """dapo: token mean over every completion token of the step (TRL's default); grpo: the mean
+    over completions of each one's token mean (see pipeline/algorithms/grpo.py)."""
+    reward_funcs: list[str] = field(default_factory=list)
+    """Reward functions "module:function" (project or installed package), each
+    function(prompts, completions) -> list[float]."""
+    reward_weights: Optional[list[float]] = None
+    """One weight per reward function (null: 1 each)."""
+    samples_logged: int = 2
+    """Prompt/completion/reward samples written to the tracker each logged step."""
+
+    def problems(self, key: str = "grpo") -> list[str]:
+        out: list[str] = []
+        if self.num_generations < 2:
+            out.append(f"{key}.num_generations: must be >= 2 (a group of one has no baseline), got {self.num_generations}")
+        if self.num_iterations < 1:
+            out.append(f"{key}.num_iterations: must be >= 1, got {self.num_iterations}")
+        if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
+            out.append(f"{key}.epsilon/epsilon_high: must be > 0")
+        if self.beta < 0:
+            out.append(f"{key}.beta: must be >= 0, got {self.beta}")
+        if self.loss_type not in algo.LOSS_TYPES:
+            out.append(f"{key}.loss_type: {self.loss_type!r} is not one of {algo.LOSS_TYPES}")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            out.append(f"{key}.reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward functions")
+        out += [f"{key}.reward_funcs: {p}" for p in filter(None, map(rw.reward_func_problem, self.reward_funcs))]
+        return out
+
+
+@dataclass
+class GRPOConfig(StageConfig):
+    output_dir: str = "outputs/grpo"
+    """Everything goes here: checkpoints/, runs/, adapter/, merged/ (the final policy), summary.json."""
+    data: GRPOData = field(default_factory=GRPOData)
+    reward_model: GRPORewardModel = field(default_factory=GRPORewardModel)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        rows = self.train.batch_size * self.grpo.num_generations
+        if rows % self.train.grad_accum:
+            out.append(f"train.grad_accum: {self.train.grad_accum} does not divide the {rows} completions of a step "
+                       f"(train.batch_size x grpo.num_generations)")
+        if not self.grpo.reward_funcs and not self.reward_model.path:
+            out.append("grpo.reward_funcs / reward_model.path: no reward (name a reward function or a reward model)")
+        gen = self.generation
+        if gen.max_new_tokens < 1:
+            out.append("generation.max_new_tokens: must be >= 1")
+        elif self.train.seq_length <= gen.max_new_tokens:
+            out.append(f"train.seq_length: {self.train.seq_length} leaves no room for a prompt before "
+                       f"generation.max_new_tokens {gen.max_new_tokens}")
+        if gen.temperature <= 0:
+            out.append("generation.temperature: must be > 0")
+        if gen.top_k != 0 or gen.top_p != 1.0:
+            out.append("generation.top_k/top_p: GRPO samples from the full distribution (top_k 0, top_p 1.0), because the "
+                       "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling")
+        return out
+
+
+# ------------------------------------------------------------------------------------------
+# The stage
+# ------------------------------------------------------------------------------------------
+
+
+def _frozen(model: torch.nn.Module) -> torch.nn.Module:
+    model.requires_grad_(False)
+    return model.eval()
+
+
+class GRPOStage(Stage):
+    name = "grpo"
+    config_class = GRPOConfig
+    evaluates_at_start = True
+
+    def __init__(self, cfg: GRPOConfig, *, generator_factory=None):
+        """`generator_factory(policy)` swaps the sampler (as PPO's)."""
+        from pipeline.modeling.models import resolve_model_path
+
+        super().__init__(cfg)
+        self.reward_path = resolve_model_path(cfg.reward_model.path) if cfg.reward_model.path else None
+        self.generator_factory = generator_factory
+        self._generator: Optional[Generator] = None
+        self.funcs: list = []
+        self.last_rollout = None
+        """The latest step's rollout, rewards and advantages (tests read it from `on_step`)."""
+
+    def problems(self) -> list[str]:
+        if self.reward_path is None:
+            return []
+        if not Path(self.reward_path).is_dir():
+            return [f"reward_model.path: {self.cfg.reward_model.path!r} is not a model folder (give the RM stage's merged/)"]
+        return tokenizer_problems(self.model_path, self.reward_path)
+
+    def build_data(self) -> list[str]:
+        """Prompts (eval prompts only when evaluation is on) and the reward functions."""
+        from data_formats.datasets import build_prompt_data
+        from data_formats.render import make_template, template_jinja
+
+        cfg, tok = self.cfg, self.tokenizer
+        template = make_template(cfg.data, tok)
+        self.chat_template = template_jinja(template, tok)
+        limit = min(cfg.data.max_prompt_length, cfg.train.seq_length - cfg.generation.max_new_tokens)
+        self.train_samples = build_prompt_data(cfg.data, tok, template, "train", limit)
+        if cfg.train.eval_steps > 0 and (cfg.data.eval or cfg.data.eval_fraction > 0):
+            self.eval_samples = build_prompt_data(cfg.data, tok, template, "eval", limit)
+        self.funcs = [rw.load_reward_func(spec) for spec in cfg.grpo.reward_funcs]
+        return []
+
+    def build_model(self) -> torch.nn.Module:
+        """The policy, its reference (full fine-tuning with beta > 0: a frozen copy; LoRA: the
+        adapter-disabled policy) and the frozen reward model, as one module without a critic."""
+        from pipeline.modeling.models import load_model, train_without_dropout
+
+        cfg = self.cfg
+        policy = load_model(cfg.model, cfg.lora, kind="causal", tokenizer=self.tokenizer)
+        reference = reward = None
+        if cfg.model.finetuning == "full" and cfg.grpo.beta > 0:
+            reference = _frozen(load_model(cfg.model, None, kind="causal", tokenizer=self.tokenizer))
+        if self.reward_path is not None:
+            rm_cfg = dataclasses.replace(cfg.reward_model, finetuning="full", gradient_checkpointing=False)
+            reward = _frozen(load_model(rm_cfg, None, kind="reward", tokenizer=self.tokenizer))
+        for frozen in (reference, reward):
+            if frozen is not None:
+                frozen.to(self.accelerator.device)
+        # The update's forward must reproduce the rollout's log-probs (the first ratio is 1).
+        return ActorCritic(train_without_dropout(policy), None, reference, reward)
+
+    def train_mode(self) -> None:
+        """build_model left the policy in train mode with dropout off; keep it so."""
+
+    @property
+    def inner(self) -> ActorCritic:
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def generator(self) -> Generator:
+        if self._generator is None:
+            policy, gen, tok = self.inner.policy, self.cfg.generation, self.tokenizer
+            self._generator = self.generator_factory(policy) if self.generator_factory else HFGenerator(
+                policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens, gen.temperature)
+        return self._generator
+
+    def rollout(self, prompts: list[dict], copies: int):
+        """`copies` sampled completions of each prompt, consecutive (a group per prompt)."""
+        ids = [p["prompt_ids"] for p in prompts for _ in range(copies)]
+        return assemble(ids, self.generator.generate(ids), self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
+
+    def rewards(self, prompts: list[str], rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The summed reward of each completion ([N]) and each source's own ([N] by name: the
+        reward functions' names, 'rm'), less generation.missing_eos_penalty for an unfinished one.
+
+        Raises:
+            ValueError: a reward function returned the wrong number of values or a non-number.
+        """
+        cfg = self.cfg
+        completions = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
+        parts: dict[str, torch.Tensor] = {}
+        total = torch.zeros(len(completions))
+        weights = cfg.grpo.reward_weights or [1.0] * len(self.funcs)
+        for spec, func, weight in zip(cfg.grpo.reward_funcs, self.funcs, weights):
+            parts[rw.func_name(spec)] = values = torch.tensor(rw.call_reward(func, spec, prompts, completions))
+            total += weight * values
+        if self.reward_path is not None:
+            device = self.accelerator.device
+            scores = [self.inner.reward_scores(rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)).float().cpu()
+                      for rows in _chunks(len(completions), self.cfg.train.batch_size)]
+            parts["rm"] = torch.cat(scores)
+            total += cfg.reward_model.weight * parts["rm"]
+        if cfg.generation.missing_eos_penalty:
+            total -= cfg.generation.missing_eos_penalty * (~rollout.finished).float()
+        return total, parts
+
+    def train_step(self) -> dict[str, float]:
+        """Rollout (G per prompt), rewards, group advantages, `num_iterations` updates."""
+        cfg, acc, G = self.cfg, self.accelerator, self.cfg.grpo.num_generations
+        started = time.perf_counter()
+        (indices,) = self.next_sample_indices(grad_accum=1)
+        batch = [self.train_samples[i] for i in indices]
+        rollout = self.rollout(batch, G)
+        gen_time = time.perf_counter() - started
+        texts = [p["text"] for p in batch for _ in range(G)]
+        total, parts = self.rewards(texts, rollout)
+        advantages = algo.group_advantages(total, G, cfg.grpo.scale_rewards)
+        scored = algo.score_rollout(self.inner, rollout, micro=rollout.input_ids.shape[0] // cfg.train.grad_accum,
+                                    temperature=cfg.generation.temperature, autocast=acc.autocast,
+                                    old=cfg.grpo.num_iterations > 1, reference=cfg.grpo.beta > 0)
+        update = algo.grpo_update(self.model, self.optimizer, rollout, advantages, scored, acc, cfg, self.step + 1)
+        group_std = total.view(-1, G).std(1)
+        local = {"grpo/reward": float(total.mean()), "grpo/reward_std": float(group_std.mean()),
+                 "grpo/frac_reward_zero_std": float((group_std == 0).float().mean()),
+                 "grpo/completion_length": float(rollout.response_mask.sum(1).float().mean()),
+                 **{f"grpo/reward/{name}": float(v.mean()) for name, v in parts.items()}}
+        figures = {k: self._mean_over_ranks(v) for k, v in local.items()}
+        figures.update({"train/loss": update["loss"], "train/grad_norm": update["grad_norm"],
+                        "grpo/clipfrac": self._mean_over_ranks(update["clipfrac"]),
+                        "grpo/ratio_dev_first": update["ratio_dev_first"],
+                        "grpo/gen_time_frac": gen_time / (time.perf_counter() - started)})
+        if "kl" in update:
+            figures["grpo/kl"] = self._mean_over_ranks(update["kl"])
+        if (self.step + 1) % cfg.train.log_steps == 0:
+            self.tracker.log_text("grpo/samples", self.sample_text(texts, rollout, total), self.step + 1)
+        self.last_rollout = {"rollout": rollout, "rewards": total, "advantages": advantages, "parts": parts}
+        return figures
+
+    def _mean_over_ranks(self, value: float) -> float:
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return value
+        return float(acc.reduce(torch.tensor(value, device=acc.device), reduction="mean"))
+
+    def sample_text(self, prompts: list[str], rollout, rewards: torch.Tensor) -> str:
+        """A few prompt / completion / reward triples as markdown, for the tracker."""
+        parts = []
+        for i in range(min(self.cfg.grpo.samples_logged, len(prompts))):
+            completion = self.tokenizer.decode(rollout.responses[i], skip_special_tokens=False)
+            parts.append(f"**prompt**: {prompts[i]}\n\n**completion**: {completion}\n\n**reward**: {float(rewards[i]):.4f}")
+        return "\n\n---\n\n".join(parts)
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[dict[str, float]]:
+        """eval/reward (mean summed reward) and eval/reward/<source> of one sampled completion per
+        held-out prompt, under a forked RNG seeded the same way at every evaluation (as PPO's)."""
+        from pipeline.engine.checkpoint import seeded_fork
+        from pipeline.engine.steps import eval_shards
+
+        if not self.eval_samples:
+            return None
+        cfg, acc = self.cfg, self.accelerator
+        sums: dict[str, torch.Tensor] = {}
+        with seeded_fork(cfg.train.seed + 1):
+            for indices, counts in eval_shards(len(self.eval_samples), cfg.train.batch_size, acc.num_processes,
+                                               acc.process_index, cfg.train.eval_batches):
+                batch = [self.eval_samples[i] for i in indices]
+                rollout = self.rollout(batch, 1)
+                total, parts = self.rewards([p["text"] for p in batch], rollout)
+                for name, values in {"eval/reward": total, **{f"eval/reward/{k}": v for k, v in parts.items()}, "n": torch.ones(len(batch))}.items():
+                    sums[name] = sums.get(name, torch.tensor(0.0)) + values.sum() * counts
+        names = list(sums)
+        totals = torch.stack([sums[k] for k in names])
+        if acc.num_processes > 1:
+            totals = acc.reduce(totals.to(acc.device), reduction="sum").cpu()
+        n = float(totals[names.index("n")]) or float("nan")
+        return {k: float(v) / n for k, v in zip(names, totals) if k != "n"}
+
+    def manifest_extras(self) -> dict:
+        """The rewards the policy was optimised for (the RM's path and weights hash, if any)."""
+        from pipeline.modeling.manifest import weights_hash
+
+        extras: dict = {"reward_funcs": list(self.cfg.grpo.reward_funcs)}
+        if self.reward_path is not None:
+            extras["reward_model"] = {"path": self.reward_path, "weights_hash": weights_hash(self.reward_path)}
+        return extras
+
+    def export(self, summary: dict) -> Optional[Path]:
+        """The policy alone (the engine's export), without the reference and reward copies."""
+        self._generator = self.last_rollout = None
+        self.model = self.inner.policy
+        return super().export(summary)
+
+    def progress(self, figures: dict[str, float]) -> dict[str, str]:
+        return {"reward": f"{figures['grpo/reward']:.3f}", "loss": f"{figures['train/loss']:.4f}"}
+
+    def summary(self) -> dict:
+        rewards = self.history.values("grpo/reward")
+        evals = self.history.values("eval/reward", evals=True)
+        return {
+            "reward_first": rewards[0] if rewards else None,
+            "reward_last": rewards[-1] if rewards else None,
+            "eval_reward_first": evals[0] if evals else None,
+            "eval_reward_last": evals[-1] if evals else None,
+            "steps": self.step,
+            "wall_seconds": self.history.wall_seconds(),
+        }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(GRPOStage))
