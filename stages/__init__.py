@@ -89,6 +89,20 @@ STAGES: dict[str, StageInfo] = {
             Panel("KL to the reference", "KL (nats)", {"train": "ppo/kl", "eval": "eval/kl"}),
         )),
     ),
+    "grpo": StageInfo(
+        "grpo:GRPOStage",
+        parents=("sft", "pt"),
+        reward_model="optional",
+        judged=True,
+        data_kind="prompt",
+        summary_keys=("reward_first", "reward_last", "eval_reward_first", "eval_reward_last"),
+        loss_curve=False,
+        plot=("grpo", "GRPO", (
+            Panel("reward", "mean summed reward", {"train": "grpo/reward", "eval": "eval/reward"}),
+            Panel("reward per source (train)", "mean reward", prefix="grpo/reward/"),
+            Panel("completion length", "tokens", {"train": "grpo/completion_length"}),
+        )),
+    ),
 }
 """name -> StageInfo, in the order stages are listed by default (the default chain is
 pt -> sft -> rm -> ppo; a pipeline config's `chain` picks any other)."""

@@ -10,13 +10,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _classes():
+    """configs/<stage>.yaml: the registered stage's config; pipeline*.yaml and demo.yaml: the driver's."""
+    import stages
     from pipeline.tools.driver import PipelineConfig
-    from stages.ppo import PPOConfig
-    from stages.pretrain import PTConfig
-    from stages.reward import RMConfig
-    from stages.sft import SFTConfig
 
-    return {"pt": PTConfig, "sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig, "pipeline": PipelineConfig, "demo": PipelineConfig}
+    pipelines = {p.stem: PipelineConfig for p in SHIPPED if p.stem.startswith("pipeline")}
+    return {name: stages.config_class(name) for name in stages.STAGES} | pipelines | {"demo": PipelineConfig}
 
 
 SHIPPED = sorted(p for p in (ROOT / "configs").glob("*.yaml"))
