@@ -68,7 +68,7 @@ def split_records(cfg, kind: str, split: str, **parse_kwargs) -> list[Parsed]:
     if split == "eval" and not cfg.eval and not carve:
         return []
     entries = cfg.eval if split == "eval" and cfg.eval else cfg.train
-    good, problems = read_and_parse(entries, kind, fmt=cfg.format, **parse_kwargs)
+    good, problems = read_and_parse(entries, kind, fmt=cfg.format, max_record_bytes=cfg.max_record_bytes, **parse_kwargs)
     apply_policy(problems, cfg.on_error, f"{kind} {split} data")
     if carve:
         good = [r for r in good if in_eval_fraction(r.raw, cfg.eval_fraction) == (split == "eval")]
@@ -144,6 +144,8 @@ class DocumentPacker:
     the next row when it does not fit. Each row records its document pieces in `lengths`, so the
     collator keeps attention inside each document; the first token of every piece has label -100.
     Incremental (one document at a time) so a streamed corpus packs exactly as an in-memory one.
+    Linear in the document's length: each token is copied once, into its row (a document of n
+    tokens costs O(n), however many rows it fills).
     """
 
     def __init__(self, eos_id: int, seq_length: int):
@@ -154,12 +156,15 @@ class DocumentPacker:
     def add(self, doc: Iterable[int]) -> list[dict]:
         """Add one document; return the rows it completed (possibly none)."""
         rows = []
-        tokens = list(doc) + [self.eos_id]
-        while tokens:
-            room = self.seq_length - len(self.current)
-            piece, tokens = tokens[:room], tokens[room:]
-            self.current += piece
-            self.lengths.append(len(piece))
+        tokens = doc if isinstance(doc, list) else list(doc)
+        start, total = 0, len(tokens) + 1  # the document, then its EOS
+        while start < total:
+            stop = min(start + self.seq_length - len(self.current), total)
+            self.current += tokens[start:min(stop, len(tokens))]
+            if stop == total:
+                self.current.append(self.eos_id)
+            self.lengths.append(stop - start)
+            start = stop
             if len(self.current) == self.seq_length:
                 rows.append(self._row())
         return rows
@@ -231,16 +236,21 @@ def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, s
     cut and dropped is logged.
 
     Raises:
-        DataError: bad records with on_error='strict'.
+        DataError: bad records (or pairs the template cannot render) with on_error='strict'.
         ValueError: unknown split.
     """
     records = split_records(cfg, "rm", split, system_prompt=cfg.system_prompt,
                             margin_field=getattr(cfg, "margin_field", None))
     out: list[dict] = []
+    problems: list[Problem] = []
     counts = {"dropped_overlong": 0, "truncated": 0, "prompt_tokens_cut": 0, "max_prompt_cut": 0, "identical": 0}
     for record in tqdm(records, desc=f"tokenizing rm {split}", disable=len(records) < 1000):
         chosen, rejected, margin = record.value
-        (cp, cr), (rp, rr) = render_scored(chosen, tokenizer, template), render_scored(rejected, tokenizer, template)
+        try:
+            (cp, cr), (rp, rr) = render_scored(chosen, tokenizer, template), render_scored(rejected, tokenizer, template)
+        except ValueError as err:  # the template cannot render this pair
+            problems.append(Problem(record.file, record.line, str(err)))
+            continue
         c, r = cp + cr, rp + rr
         if max(len(c), len(r)) > seq_length:
             fitted = fit_pair((cp, rp), (cr, rr), seq_length) if cfg.truncation == "truncate" else None
@@ -255,6 +265,7 @@ def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, s
             counts["identical"] += 1
             continue
         out.append({"chosen_input_ids": c, "rejected_input_ids": r, "margin": margin, "source": record.source})
+    apply_policy(problems, cfg.on_error, f"rm {split} data")
     log.info("rm %s data: %d pair(s), %d dropped overlong, %d dropped identical", split, len(out),
              counts["dropped_overlong"], counts["identical"])
     if counts["truncated"]:
@@ -270,15 +281,20 @@ def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length
     or lose their oldest user/assistant exchanges, keeping any system turn (truncation='truncate').
 
     Raises:
-        DataError: bad records with on_error='strict'.
+        DataError: bad records (or prompts the template cannot render) with on_error='strict'.
         ValueError: unknown split.
     """
     records = split_records(cfg, "prompts", split, system_prompt=cfg.system_prompt)
     limit = cfg.max_prompt_length if max_length is None else max_length
     out, dropped, truncated = [], 0, 0
+    problems: list[Problem] = []
     for record in records:
         conv = record.value
-        ids = render_prompt(conv, tokenizer, template)
+        try:
+            ids = render_prompt(conv, tokenizer, template)
+        except ValueError as err:  # the template cannot render this prompt
+            problems.append(Problem(record.file, record.line, str(err)))
+            continue
         if len(ids) > limit and cfg.truncation == "truncate":
             system = conv.turns[:1] if conv.turns[0].role == "system" else []
             body = conv.turns[len(system):]
@@ -290,5 +306,6 @@ def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length
             dropped += 1
             continue
         out.append({"prompt_ids": ids, "text": tokenizer.decode(ids), "source": record.source})
+    apply_policy(problems, cfg.on_error, f"prompt {split} data")
     log.info("prompt %s data: %d prompt(s), %d truncated, %d dropped overlong", split, len(out), truncated, dropped)
     return out

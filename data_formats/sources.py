@@ -6,7 +6,16 @@ validator must name the file and line of every bad record, and the datasets JSON
 reports line numbers nor keeps going after a bad line. Parquet files and hub datasets go through
 `datasets`, and their "line" is the 1-based row number.
 
-Line 0 means the problem concerns the whole file (missing, empty, unreadable).
+Line 0 means the problem concerns the whole file (missing, empty, unreadable, an unsupported
+kind of file).
+
+Files are UTF-8; a leading byte-order mark is skipped and CRLF line ends are read like LF (what
+Windows editors write). A record longer than `max_bytes` (default `MAX_RECORD_BYTES`, the data
+section's `max_record_bytes`) is refused by its byte length, with its FILE:LINE, before it is
+decoded or parsed: a JSONL line is measured while it is read and never kept, a .txt file by its
+size, a Parquet or dataset row by its JSON text. A .json file is one JSON value, so it is read and
+decoded whole and an over-long element of its array is refused after decoding but before any
+rendering or tokenizing.
 """
 
 from __future__ import annotations
@@ -15,10 +24,16 @@ import glob as globlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 _GLOB_CHARS = "*?["
+MAX_RECORD_BYTES = 8 * 1024 * 1024
+"""Default bound on one record's size in bytes (8 MiB, the data section's `max_record_bytes`):
+far above any training sample (a 4k-token sample is ~16 KB), far below what a broken export
+(a whole corpus on one line) costs to parse and render."""
+_BOM = b"\xef\xbb\xbf"
+_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -33,12 +48,42 @@ class Problem:
         return f"{self.file}:{self.line}: {self.reason}"
 
 
+def _line_ranges(lines: list[int], shown: int = 6) -> str:
+    """'1-200' or '3, 7, 9-12' (the first `shown` runs, then '...')."""
+    runs: list[list[int]] = []
+    for line in sorted(set(lines)):
+        if runs and line == runs[-1][1] + 1:
+            runs[-1][1] = line
+        else:
+            runs.append([line, line])
+    text = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs[:shown])
+    return text + (", ..." if len(runs) > shown else "")
+
+
+def summarize(problems: Iterable[Problem]) -> list[str]:
+    """The lines that report `problems`: one per distinct (file, reason), in order of first
+    appearance; `FILE:LINE: reason` for one record, `FILE:LINE: N records: reason (lines ...)` when
+    several records of a file share the reason (a file of another kind's data gives one line, not
+    one per record)."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for p in problems:
+        groups.setdefault((p.file, p.reason), []).append(p.line)
+    out = []
+    for (file, reason), lines in groups.items():
+        if len(lines) == 1:
+            out.append(f"{file}:{lines[0]}: {reason}")
+        else:
+            out.append(f"{file}:{min(lines)}: {len(lines)} records: {reason} (lines {_line_ranges(lines)})")
+    return out
+
+
 class DataError(ValueError):
-    """Data problems found before training; `problems` lists every one, and so does the message."""
+    """Data problems found before training; `problems` lists every one, the message summarizes
+    them (see `summarize`: one line per distinct reason in a file)."""
 
     def __init__(self, problems: list[Problem]):
         self.problems = list(problems)
-        lines = "\n".join(f"  {p}" for p in self.problems)
+        lines = "\n".join(f"  {line}" for line in summarize(self.problems))
         super().__init__(f"{len(self.problems)} data problem(s) (fix them, or set data.on_error=skip):\n{lines}")
 
 
@@ -71,7 +116,8 @@ def entry_task_name(entry: str) -> str:
 def expand_entry(entry: str) -> tuple[list[Path], Optional[str]]:
     """The files a data path entry names, or ([], dataset name) when it is not a local path.
 
-    Globs and folders expand to their supported files, sorted, so the order is reproducible.
+    Folders expand to their supported files, globs to every file they match (an unsupported one
+    is then reported by `read_file`), sorted, so the order is reproducible.
     """
     if any(c in entry for c in _GLOB_CHARS):
         return sorted(Path(p) for p in globlib.glob(entry, recursive=True) if Path(p).is_file()), None
@@ -91,12 +137,44 @@ def _decode(data: bytes) -> tuple[Optional[str], Optional[str]]:
         return None, f"undecodable bytes (not UTF-8) at byte {err.start}"
 
 
-def _read_jsonl(path: Path, task: str) -> Iterator[RawRecord]:
-    lines = path.read_bytes().split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    for number, data in enumerate(lines, start=1):
-        text, error = _decode(data.rstrip(b"\r"))
+def too_long(size: int, max_bytes: int) -> str:
+    """The reason a record of `size` bytes is refused."""
+    return (f"record is {size:,} bytes, over the limit of {max_bytes:,} (data.max_record_bytes); "
+            "not parsed (a whole file on one line?)")
+
+
+def _lines(path: Path, max_bytes: int) -> Iterator[tuple[int, Optional[bytes], int]]:
+    """(line number, the line's bytes without its line end, size) per line; the bytes are None when
+    the line is longer than `max_bytes`: such a line is read in chunks and never kept whole."""
+    with path.open("rb") as f:
+        number = 0
+        while True:
+            data = f.readline(max_bytes + 2)  # the bound, plus a CRLF line end
+            if not data:
+                return
+            number += 1
+            size = len(data)
+            while not data.endswith(b"\n") and size > max_bytes:
+                data = f.readline(_CHUNK)
+                if not data:
+                    break
+                size += len(data)
+            line_end = 2 if data.endswith(b"\r\n") else 1 if data.endswith(b"\n") else 0
+            if size - line_end > max_bytes:
+                yield number, None, size - line_end
+                continue
+            line = data[: len(data) - line_end]
+            if number == 1 and line.startswith(_BOM):
+                line = line[len(_BOM):]
+            yield number, line, len(line)
+
+
+def _read_jsonl(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
+    for number, data, size in _lines(path, max_bytes):
+        if data is None:
+            yield RawRecord(str(path), number, task, error=too_long(size, max_bytes))
+            continue
+        text, error = _decode(data)
         if error is None and not text.strip():
             error = "blank line"
         if error is not None:
@@ -109,17 +187,23 @@ def _read_jsonl(path: Path, task: str) -> Iterator[RawRecord]:
 
 
 def _decoded(path: Path, task: str):
-    """The file's text; when it is not UTF-8, yields the problem record (with the line of the first
-    bad byte) and returns None. Use as `text = yield from _decoded(path, task)`."""
+    """The file's text (a leading byte-order mark removed); when it is not UTF-8, yields the problem
+    record (with the line of the first bad byte) and returns None. Use as
+    `text = yield from _decoded(path, task)`."""
     data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as err:
         yield RawRecord(str(path), data.count(b"\n", 0, err.start) + 1, task, error="undecodable bytes (not UTF-8)")
         return None
 
 
-def _read_json(path: Path, task: str) -> Iterator[RawRecord]:
+def _utf8_size(text: str, max_bytes: int) -> int:
+    """len(text.encode()), computed only when it could exceed `max_bytes` (else len(text))."""
+    return len(text.encode("utf-8")) if 4 * len(text) > max_bytes else len(text)
+
+
+def _read_json(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
     """A JSON file holding one array of records (or one record). Each array element is decoded on
     its own with raw_decode so that its line number is known."""
     text = yield from _decoded(path, task)
@@ -128,8 +212,12 @@ def _read_json(path: Path, task: str) -> Iterator[RawRecord]:
     decoder = json.JSONDecoder()
     pos = len(text) - len(text.lstrip())
     if not text.startswith("[", pos):
+        line = text.count("\n", 0, pos) + 1
+        if _utf8_size(text, max_bytes) > max_bytes:
+            yield RawRecord(str(path), line, task, error=too_long(len(text.encode("utf-8")), max_bytes))
+            return
         try:
-            yield RawRecord(str(path), text.count("\n", 0, pos) + 1, task, record=json.loads(text), raw=text)
+            yield RawRecord(str(path), line, task, record=json.loads(text), raw=text)
         except json.JSONDecodeError as err:
             yield RawRecord(str(path), err.lineno, task, error=f"invalid JSON: {err.msg} (column {err.colno})")
         return
@@ -145,27 +233,53 @@ def _read_json(path: Path, task: str) -> Iterator[RawRecord]:
         except json.JSONDecodeError as err:
             yield RawRecord(str(path), err.lineno, task, error=f"invalid JSON: {err.msg} (column {err.colno}); rest of file not read")
             return
-        yield RawRecord(str(path), line, task, record=value, raw=text[pos:end])
+        size = _utf8_size(text[pos:end], max_bytes)
+        if size > max_bytes:
+            yield RawRecord(str(path), line, task, error=too_long(size, max_bytes))
+        else:
+            yield RawRecord(str(path), line, task, record=value, raw=text[pos:end])
         pos = end
 
 
-def _read_txt(path: Path, task: str) -> Iterator[RawRecord]:
-    """A .txt file is one document (PT); a blank file is a problem."""
+def _read_txt(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
+    """A .txt file is one document (PT), its CRLF line ends read as LF; a blank file is a problem."""
+    size = path.stat().st_size
+    if size > max_bytes:
+        yield RawRecord(str(path), 1, task, error=too_long(size, max_bytes))
+        return
     text = yield from _decoded(path, task)
     if text is None:
         return
+    text = text.replace("\r\n", "\n")
     yield RawRecord(str(path), 1, task, record={"text": text}, raw=text)
 
 
-def _read_rows(rows, name: str, task: str) -> Iterator[RawRecord]:
+def _read_rows(rows, name: str, task: str, max_bytes: int) -> Iterator[RawRecord]:
     for number, row in enumerate(rows, start=1):
-        yield RawRecord(name, number, task, record=dict(row), raw=json.dumps(row, sort_keys=True, default=str))
+        raw = json.dumps(row, sort_keys=True, default=str)
+        size = _utf8_size(raw, max_bytes)
+        if size > max_bytes:
+            yield RawRecord(name, number, task, error=too_long(size, max_bytes))
+            continue
+        yield RawRecord(name, number, task, record=dict(row), raw=raw)
 
 
-def read_file(path: Path, task: str) -> Iterator[RawRecord]:
-    """Raw records of one file, in order; unreadable pieces come back with `error` set."""
+def unsupported(path: Path) -> Optional[str]:
+    """Why a file's kind cannot be read (its suffix), or None when it can."""
+    if path.suffix in SUFFIXES:
+        return None
+    kind = f"{path.suffix} files are" if path.suffix else "a file without a suffix is"
+    return f"{kind} not supported; use {', '.join(SUFFIXES)} (JSON Lines, a JSON array, Parquet, plain text)"
+
+
+def read_file(path: Path, task: str, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[RawRecord]:
+    """Raw records of one file, in order; unreadable pieces come back with `error` set, and so
+    does every record over `max_bytes` (see the module docstring)."""
     if not path.is_file():
         yield RawRecord(str(path), 0, task, error="no such file")
+        return
+    if unsupported(path):
+        yield RawRecord(str(path), 0, task, error=unsupported(path))
         return
     if path.stat().st_size == 0:
         yield RawRecord(str(path), 0, task, error="empty file")
@@ -173,29 +287,29 @@ def read_file(path: Path, task: str) -> Iterator[RawRecord]:
     if path.suffix == ".parquet":
         import datasets
 
-        yield from _read_rows(datasets.load_dataset("parquet", data_files=str(path), split="train"), str(path), task)
+        yield from _read_rows(datasets.load_dataset("parquet", data_files=str(path), split="train"), str(path), task, max_bytes)
     elif path.suffix == ".json":
-        yield from _read_json(path, task)
+        yield from _read_json(path, task, max_bytes)
     elif path.suffix == ".txt":
-        yield from _read_txt(path, task)
+        yield from _read_txt(path, task, max_bytes)
     else:
-        yield from _read_jsonl(path, task)
+        yield from _read_jsonl(path, task, max_bytes)
 
 
-def read_entry(entry: str) -> Iterator[RawRecord]:
+def read_entry(entry: str, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[RawRecord]:
     """Raw records of one data path entry (file, folder, glob or dataset name)."""
     task = entry_task_name(entry)
     files, dataset = expand_entry(entry)
     if dataset is not None:
-        yield from _read_dataset(dataset, task)
+        yield from _read_dataset(dataset, task, max_bytes)
         return
     if not files:
         yield RawRecord(entry, 0, task, error="no files match")
     for path in files:
-        yield from read_file(path, task)
+        yield from read_file(path, task, max_bytes)
 
 
-def _read_dataset(name: str, task: str) -> Iterator[RawRecord]:
+def _read_dataset(name: str, task: str, max_bytes: int) -> Iterator[RawRecord]:
     """A Hugging Face dataset by name (`name` or `name:split`, default split 'train')."""
     import datasets
 
@@ -205,4 +319,4 @@ def _read_dataset(name: str, task: str) -> Iterator[RawRecord]:
     except Exception as err:  # datasets raises many types for "not found / offline"
         yield RawRecord(name, 0, task, error=f"no such file or folder, and not a loadable dataset: {type(err).__name__}: {err}")
         return
-    yield from _read_rows(rows, name, task)
+    yield from _read_rows(rows, name, task, max_bytes)

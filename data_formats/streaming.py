@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from typing import Iterator, Optional, Sequence
 
 from data_formats.datasets import DocumentPacker
-from data_formats.sources import Problem
+from data_formats.sources import MAX_RECORD_BYTES, Problem
 from data_formats.validate import apply_policy, entry_records, iter_parsed
 
 log = logging.getLogger(__name__)
 
 
-def stream_problems(entries: Sequence[str], *, fmt: str = "auto", text_field: str = "text") -> list[Problem]:
+def stream_problems(entries: Sequence[str], *, fmt: str = "auto", text_field: str = "text",
+                    max_record_bytes: int = MAX_RECORD_BYTES) -> list[Problem]:
     """Every bad record of a corpus, read once without keeping it (the pre-training check)."""
-    return [item for item in iter_parsed(entry_records(entries), "pt", fmt=fmt, text_field=text_field) if isinstance(item, Problem)]
+    items = iter_parsed(entry_records(entries, max_record_bytes), "pt", fmt=fmt, text_field=text_field)
+    return [item for item in items if isinstance(item, Problem)]
 
 
 class PackedTextStream:
@@ -39,20 +42,21 @@ class PackedTextStream:
     """
 
     def __init__(self, entries: Sequence[str], tokenizer, seq_length: int, *, fmt: str = "auto", text_field: str = "text",
-                 on_error: str = "strict"):
+                 on_error: str = "strict", max_record_bytes: int = MAX_RECORD_BYTES):
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos token to separate documents")
         self.entries, self.tokenizer = list(entries), tokenizer
         self.fmt, self.text_field, self.on_error = fmt, text_field, on_error
+        self.max_record_bytes = max_record_bytes
         self.packer = DocumentPacker(tokenizer.eos_token_id, seq_length)
         self.epoch = 0
         self.records_read = 0
-        self.ready: list[dict] = []
+        self.ready: deque[dict] = deque()  # a long document fills many rows: popleft is O(1)
         self._items: Optional[Iterator] = None
         self._documents_this_epoch = 0
 
     def _open(self) -> Iterator:
-        items = iter_parsed(entry_records(self.entries), "pt", fmt=self.fmt, text_field=self.text_field)
+        items = iter_parsed(entry_records(self.entries, self.max_record_bytes), "pt", fmt=self.fmt, text_field=self.text_field)
         return itertools.islice(items, self.records_read, None)
 
     def _next_document(self) -> Optional[list[int]]:
@@ -85,11 +89,11 @@ class PackedTextStream:
                 raise ValueError(f"the streamed corpus {self.entries} holds no training document")
             self.epoch, self.records_read, self._items, self._documents_this_epoch = self.epoch + 1, 0, None, 0
             log.info("streamed pt data: starting epoch %d", self.epoch)
-        return self.ready.pop(0)
+        return self.ready.popleft()
 
     def state_dict(self) -> dict:
         """Where the stream stands (JSON-serialisable)."""
-        return {"epoch": self.epoch, "records_read": self.records_read, "ready": self.ready,
+        return {"epoch": self.epoch, "records_read": self.records_read, "ready": list(self.ready),
                 "current": self.packer.current, "lengths": self.packer.lengths,
                 "documents_this_epoch": self._documents_this_epoch}
 
@@ -97,7 +101,7 @@ class PackedTextStream:
         """Continue exactly where `state` was taken (re-reads, without tokenizing, the records
         already consumed this epoch)."""
         self.epoch, self.records_read = int(state["epoch"]), int(state["records_read"])
-        self.ready = [dict(row) for row in state["ready"]]
+        self.ready = deque(dict(row) for row in state["ready"])
         self.packer.current, self.packer.lengths = list(state["current"]), list(state["lengths"])
         self._documents_this_epoch = int(state["documents_this_epoch"])
         self._items = None

@@ -9,6 +9,9 @@ problem, `on_error=skip` drops exactly those records and logs how many and why.
 
 With `--seq-length`, samples longer than that (in tokens, rendered with `--template`) are reported
 too, since the stage would drop them (truncation=drop) or could not keep any supervised token.
+Records over `--max-record-bytes` (the data section's `max_record_bytes`) are refused unread.
+Problems that repeat in a file print once with their count (data_formats.sources.summarize), and
+every file's detected format is printed, so data of the wrong kind shows up as one line.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from data_formats.conversation import (
     task_of,
     Conversation,
 )
-from data_formats.sources import DataError, Problem, RawRecord, read_entry
+from data_formats.sources import MAX_RECORD_BYTES, DataError, Problem, RawRecord, read_entry, summarize
 
 log = logging.getLogger(__name__)
 KINDS = ("sft", "pt", "rm", "prompts")
@@ -44,6 +47,14 @@ KIND_FORMATS = {
     "prompts": CONVERSATION_FORMATS + ("prompt",),
     "rm": ("preference",),
     "pt": ("text",),
+}
+KIND_NAMES = {"sft": "SFT conversations", "pt": "PT text", "rm": "RM preference pairs", "prompts": "PPO prompts"}
+# What a record of each format is, and where it belongs: said when it reaches a stage that cannot use it.
+FORMAT_HINTS = {
+    "preference": ("preference data (chosen/rejected)", "use the RM stage (stages/reward.py)"),
+    "text": ("raw text (text)", "use the PT stage (stages/pretrain.py)"),
+    "prompt": ("prompts without responses", "use them as PPO prompts (stages/ppo.py)"),
+    **{fmt: (f"'{fmt}' conversations", "use the SFT stage (stages/sft.py)") for fmt in CONVERSATION_FORMATS},
 }
 
 
@@ -113,16 +124,18 @@ def _file_format(raw: RawRecord, kind: str, fmt: str) -> str:
         return "text"
     found = detect_format(raw.record)
     if found not in KIND_FORMATS[kind]:
-        raise RecordError(f"record looks like '{found}' data, which is not usable for --kind {kind} "
-                          f"(expected one of: {', '.join(KIND_FORMATS[kind])})")
+        what, advice = FORMAT_HINTS[found]
+        raise RecordError(f"looks like {what}, not {KIND_NAMES[kind]} ({', '.join(KIND_FORMATS[kind])}): {advice}")
     return found
 
 
 def iter_parsed(records: Iterable[RawRecord], kind: str, *, fmt: str = "auto", text_field: str = "text",
-                system_prompt: Optional[str] = None, margin_field: Optional[str] = None) -> Iterator[Parsed | Problem]:
+                system_prompt: Optional[str] = None, margin_field: Optional[str] = None,
+                formats: Optional[dict[str, str]] = None) -> Iterator[Parsed | Problem]:
     """Validate raw records lazily: one Parsed (good) or Problem (bad record or file) per record.
 
-    The format is detected once per file, from its first record that matches a known format.
+    The format is detected once per file, from its first record that matches a known format;
+    `formats`, when given, receives each file's format (file -> format).
 
     Raises:
         ValueError: unknown `kind` or `fmt`.
@@ -131,7 +144,7 @@ def iter_parsed(records: Iterable[RawRecord], kind: str, *, fmt: str = "auto", t
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if fmt != "auto" and fmt not in FORMATS:
         raise ValueError(f"format must be 'auto' or one of {', '.join(FORMATS)}, got {fmt!r}")
-    formats: dict[str, str] = {}
+    formats = {} if formats is None else formats
     for raw in records:
         if raw.error is not None:
             yield Problem(raw.file, raw.line, raw.error)
@@ -160,15 +173,16 @@ def parse_records(records: Iterable[RawRecord], kind: str, **kwargs) -> tuple[li
     return good, problems
 
 
-def entry_records(entries: Iterable[str]) -> Iterator[RawRecord]:
-    """Every raw record of every data path entry, in order."""
+def entry_records(entries: Iterable[str], max_bytes: int = MAX_RECORD_BYTES) -> Iterator[RawRecord]:
+    """Every raw record of every data path entry, in order (records over `max_bytes` unread)."""
     for entry in entries:
-        yield from read_entry(entry)
+        yield from read_entry(entry, max_bytes)
 
 
-def read_and_parse(entries: Iterable[str], kind: str, **kwargs) -> tuple[list[Parsed], list[Problem]]:
+def read_and_parse(entries: Iterable[str], kind: str, *, max_record_bytes: int = MAX_RECORD_BYTES,
+                   **kwargs) -> tuple[list[Parsed], list[Problem]]:
     """`parse_records` over every record of every data path entry."""
-    return parse_records(entry_records(entries), kind, **kwargs)
+    return parse_records(entry_records(entries, max_record_bytes), kind, **kwargs)
 
 
 def apply_policy(problems: list[Problem], on_error: str, what: str = "data") -> None:
@@ -187,8 +201,8 @@ def apply_policy(problems: list[Problem], on_error: str, what: str = "data") -> 
     reasons = Counter(p.reason.split(":")[0] for p in problems)
     log.warning("%s: skipping %d bad record(s): %s", what, len(problems),
                 "; ".join(f"{n} x {r}" for r, n in reasons.most_common()))
-    for problem in problems:
-        log.info("skipped %s", problem)
+    for line in summarize(problems):
+        log.info("skipped %s", line)
 
 
 def _overlong(good: list[Parsed], kind: str, args) -> list[Problem]:
@@ -214,6 +228,21 @@ def _overlong(good: list[Parsed], kind: str, args) -> list[Problem]:
     return out
 
 
+def format_lines(good: list[Parsed], problems: list[Problem], formats: dict[str, str], detected: bool = True) -> list[str]:
+    """One line per file read: its format (detected or given) and its good and bad record counts."""
+    counts: dict[str, list[int]] = {}
+    for item in good:
+        counts.setdefault(item.file, [0, 0])[0] += 1
+    for problem in problems:
+        counts.setdefault(problem.file, [0, 0])[1] += 1
+    how = "detected" if detected else "given"
+    out = []
+    for file, (n_good, n_bad) in sorted(counts.items()):
+        fmt = f"format '{formats[file]}' ({how})" if file in formats else "no usable format"
+        out.append(f"{file}: {fmt}, {n_good} good record(s), {n_bad} problem(s)")
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """The validate command; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m data_formats.validate", description=__doc__.split("\n\n")[0])
@@ -224,12 +253,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seq-length", type=int, default=None, help="also report samples longer than this")
     parser.add_argument("--model", default="embedded", help="tokenizer for --seq-length")
     parser.add_argument("--template", default="chat_template", choices=("chat_template", "role_markers"))
+    parser.add_argument("--max-record-bytes", type=int, default=MAX_RECORD_BYTES,
+                        help="refuse records longer than this, unread (data.max_record_bytes)")
     args = parser.parse_args(argv)
-    good, problems = read_and_parse(args.files, args.kind, fmt=args.format, text_field=args.text_field)
+    formats: dict[str, str] = {}
+    good, problems = read_and_parse(args.files, args.kind, fmt=args.format, text_field=args.text_field,
+                                    max_record_bytes=args.max_record_bytes, formats=formats)
     if args.seq_length is not None:
         problems += _overlong(good, args.kind, args)
-    for problem in problems:
-        print(problem)
+    for line in summarize(problems):
+        print(line)
+    for line in format_lines(good, problems, formats, detected=args.format == "auto"):
+        print(line)
     files = len({p.file for p in problems})
     print(f"{len(good)} record(s) passed the record checks; {len(problems)} problem(s) in {files} file(s)")
     return 1 if problems else 0

@@ -267,6 +267,12 @@ class PPOStage(Stage):
         if cfg.train.eval_steps > 0 and (cfg.data.eval or cfg.data.eval_fraction > 0):
             self.eval_samples = build_prompt_data(cfg.data, tok, template, "eval", limit)
         self.normaliser = make_normaliser(cfg, self.reward_path)
+        from pipeline.engine.stage import launched_world_size
+
+        world = launched_world_size()
+        if len(self.train_samples) < cfg.train.batch_size * world:  # all skipped, dropped overlong, or too few
+            return [f"data.train: {len(self.train_samples)} usable prompt(s) cannot fill one rollout batch of "
+                    f"{cfg.train.batch_size} x {world} rank(s)"]
         return []
 
     def build_model(self) -> torch.nn.Module:
@@ -368,7 +374,7 @@ class PPOStage(Stage):
         acc, cfg, out = self.accelerator, self.cfg, Path(self.cfg.output_dir)
         full = cfg.model.finetuning == "full"
         common = dict(stage=self.name, config=to_dict(cfg), chat_template=self.chat_template, overwrite=True,
-                      extra_manifest={"summary": summary, **self.manifest_extras()})
+                      extra_manifest={"summary": summary, **self.manifest_extras()}, trust_remote_code=cfg.model.trust_remote_code)
         merged = None
         if acc.is_main_process and full:
             merged = export_full_model(self.inner.policy, self.tokenizer, str(out / "merged"), parent=self.model_path, **common)
@@ -378,7 +384,8 @@ class PPOStage(Stage):
         self._generator = self.last_experience = None
         self.model, self.optimizer, self.scheduler = acc.free_memory(self.model, self.optimizer, self.scheduler)
         if acc.is_main_process and not full:
-            merged = merge_adapter(self.model_path, str(out / "adapter"), str(out / "merged"), kind="causal", **common)
+            merged = merge_adapter(self.model_path, str(out / "adapter"), str(out / "merged"), kind="causal",
+                                   allow_pickle=cfg.model.allow_pickle, **common)
         acc.wait_for_everyone()
         return merged
 

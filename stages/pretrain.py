@@ -128,10 +128,11 @@ def stream_train(cfg: PTConfig, tokenizer):
     from data_formats.streaming import PackedTextStream, stream_problems
     from data_formats.validate import apply_policy
 
-    apply_policy(stream_problems(cfg.data.train, fmt=cfg.data.format, text_field=cfg.data.text_field), cfg.data.on_error,
-                 "pt train data (streamed)")
-    return PackedTextStream(cfg.data.train, tokenizer, cfg.train.seq_length, fmt=cfg.data.format, text_field=cfg.data.text_field,
-                            on_error=cfg.data.on_error)
+    data = cfg.data
+    apply_policy(stream_problems(data.train, fmt=data.format, text_field=data.text_field, max_record_bytes=data.max_record_bytes),
+                 data.on_error, "pt train data (streamed)")
+    return PackedTextStream(data.train, tokenizer, cfg.train.seq_length, fmt=data.format, text_field=data.text_field,
+                            on_error=data.on_error, max_record_bytes=data.max_record_bytes)
 
 
 if __name__ == "__main__":

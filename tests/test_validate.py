@@ -62,14 +62,16 @@ def test_preference_problems():
 
 def test_wrong_kind_is_reported():
     _, problems = validate.read_and_parse([str(BAD / "prefs_bad.jsonl")], "sft")
-    assert (("prefs_bad.jsonl", 1) in _found(problems)) and "not usable for --kind sft" in _found(problems)[("prefs_bad.jsonl", 1)]
+    reason = _found(problems)[("prefs_bad.jsonl", 1)]
+    assert "not SFT conversations" in reason and "use the RM stage" in reason
 
 
 def test_cli_exit_codes(capsys):
     assert validate.main([SFT_BAD]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{SFT_BAD}:2: invalid JSON: Expecting ',' delimiter (column 60)"
-    assert len(out) == 14 and out[-1].startswith("2 record(s) passed")
+    assert len(out) == 15 and out[-1].startswith("2 record(s) passed")  # 13 problems, the file's format line, the counts
+    assert out[-2] == f"{SFT_BAD}: format 'chatml' (detected), 2 good record(s), 13 problem(s)"
     assert validate.main([str(DATA / "good")]) == 0
     assert capsys.readouterr().out.strip().endswith("0 problem(s) in 0 file(s)")
     assert validate.main(["--kind", "rm", str(BAD / "prefs_bad.jsonl")]) == 1

@@ -57,7 +57,13 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     trust_remote_code: bool = False
-    """Allow model code from the model folder to run. Off unless you trust the folder."""
+    """Allow model code from the model folder to run (its config.json `auto_map`). Off unless you
+    trust the folder; honoured by every load of it, the merge included. When off, a folder that
+    ships custom code for a model_type transformers knows loads the stock class, with a warning."""
+    allow_pickle: bool = False
+    """Load pickled weights (pytorch_model.bin / .pt) when the folder has no safetensors. Unpickling
+    a file can run code, so such a folder is refused unless you set this for a folder you trust;
+    even then it is read with torch.load(weights_only=True), which refuses anything but tensors."""
     revision: Optional[str] = None
     """Hub revision (branch, tag or commit) when `path` is a hub id."""
 
@@ -272,10 +278,18 @@ class DataConfig:
     """Bad records: 'strict' refuses to train and lists them; 'skip' drops exactly those and logs why."""
     max_samples: Optional[int] = None
     """Use at most this many training records (debugging)."""
+    max_record_bytes: int = 8 * 1024 * 1024
+    """Refuse any record (a JSONL line, a JSON array element, a .txt file, a Parquet row) longer than
+    this many bytes as `FILE:LINE: record is N bytes, over the limit`, before it is parsed or
+    tokenized (a JSONL line is never held whole). Default 8 MiB: hundreds of times a long training
+    sample, and what a broken export (a whole corpus on one line) usually exceeds. Raise it for PT
+    corpora of very large single documents."""
 
     def problems(self, key: str = "data") -> list[str]:
         out: list[str] = []
         _choice(out, f"{key}.on_error", self.on_error, ("strict", "skip"))
+        if self.max_record_bytes < 1:
+            out.append(f"{key}.max_record_bytes: must be >= 1, got {self.max_record_bytes!r}")
         if not 0 <= self.eval_fraction < 1:
             out.append(f"{key}.eval_fraction: must be in [0, 1), got {self.eval_fraction!r}")
         if not self.train:

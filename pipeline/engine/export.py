@@ -31,7 +31,8 @@ def export_trained(stage, extras: dict) -> Optional[Path]:
 
             trained = load_model(cfg.model, None, kind=stage.model_kind, tokenizer=stage.tokenizer)
             trained.load_state_dict(state)
-    common = dict(stage=stage.name, config=to_dict(cfg), extra_manifest=extras, chat_template=stage.chat_template, overwrite=True)
+    common = dict(stage=stage.name, config=to_dict(cfg), extra_manifest=extras, chat_template=stage.chat_template, overwrite=True,
+                  trust_remote_code=cfg.model.trust_remote_code)
     merged = None
     if acc.is_main_process and full:
         merged = export_full_model(trained, stage.tokenizer, str(out / "merged"), parent=stage.model_path, **common)
@@ -41,6 +42,7 @@ def export_trained(stage, extras: dict) -> Optional[Path]:
     trained = None
     stage.model, stage.optimizer, stage.scheduler = acc.free_memory(stage.model, stage.optimizer, stage.scheduler)
     if acc.is_main_process and not full:
-        merged = merge_adapter(stage.model_path, str(out / "adapter"), str(out / "merged"), kind=stage.model_kind, **common)
+        merged = merge_adapter(stage.model_path, str(out / "adapter"), str(out / "merged"), kind=stage.model_kind,
+                               allow_pickle=cfg.model.allow_pickle, **common)
     acc.wait_for_everyone()
     return merged

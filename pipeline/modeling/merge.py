@@ -8,6 +8,11 @@ with the plain Auto class, must load with no missing or unexpected keys and give
 as base+adapter (within 1e-3, fp32) on a probe batch. It is written into a staging folder beside
 `out` and renamed into place, so a crash never leaves a half-written model that looks complete.
 
+Custom code and pickles: the base and the merged folder load with the run's `trust_remote_code`
+(a model whose class lives in its folder, `auto_map`, is merged and checked as that class, and
+its code files are saved with it); a base with only pickled weights loads only with `allow_pickle`
+(torch.load(weights_only=True)). The merged folder itself is always safetensors.
+
 QLoRA adapters: the base is always loaded in full precision (fp32) here, so merging a QLoRA
 adapter dequantises the base first. The merged weights are therefore W + BA with the *original*
 W, while training saw nf4(W) + BA; the two differ by the 4-bit quantisation error of W (small but
@@ -52,11 +57,16 @@ def _auto_class(kind: str):
     raise ValueError(f"kind {kind!r} is not one of 'causal', 'reward'")
 
 
-def _load_plain(path: str | Path, kind: str):
-    """Load a full model in fp32 with the plain Auto class; return (model, loading_info)."""
+def _load_plain(path: str | Path, kind: str, trust_remote_code: bool = False, allow_pickle: bool = False):
+    """Load a full model in fp32 with the plain Auto class; return (model, loading_info).
+    `allow_pickle`: a folder without safetensors loads its pickled weights (weights_only=True)."""
+    from pipeline.modeling.models import warn_ignored_code
+
+    warn_ignored_code(path, trust_remote_code)
     extra = {"num_labels": 1} if kind == "reward" else {}
     model, info = _auto_class(kind).from_pretrained(
-        path, dtype=torch.float32, use_safetensors=True, trust_remote_code=False, output_loading_info=True, **extra
+        path, dtype=torch.float32, use_safetensors=None if allow_pickle else True, weights_only=True,
+        trust_remote_code=trust_remote_code, output_loading_info=True, **extra
     )
     return model.eval(), info
 
@@ -95,13 +105,13 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def _check_reload(folder: Path, kind: str, batch: dict, expected: torch.Tensor) -> float:
+def _check_reload(folder: Path, kind: str, batch: dict, expected: torch.Tensor, trust_remote_code: bool = False) -> float:
     """Reload `folder` with the plain Auto class; return the max logit difference from `expected`.
 
     Raises:
         MergeError: missing/unexpected keys, or logits further than TOLERANCE from `expected`.
     """
-    model, info = _load_plain(folder, kind)
+    model, info = _load_plain(folder, kind, trust_remote_code)
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if bad:
         raise MergeError(f"{folder}: the saved model does not load cleanly: {bad}")
@@ -112,13 +122,13 @@ def _check_reload(folder: Path, kind: str, batch: dict, expected: torch.Tensor) 
 
 
 @torch.no_grad()
-def _check_reload_weights(folder: Path, kind: str, model) -> float:
+def _check_reload_weights(folder: Path, kind: str, model, trust_remote_code: bool = False) -> float:
     """Reload `folder` in fp32; every tensor must equal `model`'s (upcast to fp32); return 0.0.
 
     Raises:
         MergeError: missing/unexpected keys, or any tensor that differs.
     """
-    reloaded, info = _load_plain(folder, kind)
+    reloaded, info = _load_plain(folder, kind, trust_remote_code)
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if bad:
         raise MergeError(f"{folder}: the saved model does not load cleanly: {bad}")
@@ -170,8 +180,20 @@ def _check_tied(model) -> None:
 
 
 def _write_folder(model, tokenizer, staging: Path, chat_template: Optional[str]) -> None:
-    """Save weights (safetensors), tokenizer with its chat template, and generation config."""
-    model.save_pretrained(staging, safe_serialization=True)
+    """Save weights (safetensors), tokenizer with its chat template, and generation config.
+
+    A stock transformers class loaded from a folder whose custom code was not trusted keeps that
+    folder's `auto_map` in its config; it is left out of the saved config.json, which must not
+    point at code the saved folder does not hold (and that did not produce these weights)."""
+    auto_map = getattr(model.config, "auto_map", None)
+    stock = type(model).__module__.startswith("transformers.")
+    if auto_map and stock:
+        del model.config.auto_map
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+    finally:
+        if auto_map and stock:
+            model.config.auto_map = auto_map
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(staging)
@@ -193,13 +215,13 @@ def _staging_dir(out: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out.name}-staging-", dir=out.parent))
 
 
-def _load_tokenizer_for_merge(base: str, adapter: str):
+def _load_tokenizer_for_merge(base: str, adapter: str, trust_remote_code: bool = False):
     """The adapter folder's tokenizer when the stage saved one there (it may have added a pad
     token), else the base's; a pad token is ensured either way."""
     from pipeline.modeling.models import ensure_pad_token
 
     source = adapter if (Path(adapter) / "tokenizer_config.json").is_file() else base
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     ensure_pad_token(tokenizer)
     return tokenizer
 
@@ -216,12 +238,15 @@ def merge_adapter(
     chat_template: Optional[str] = None,
     overwrite: bool = False,
     verify: bool = True,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
 ) -> Path:
     """Merge the LoRA adapter in `adapter` into `base`; write the full model to `out`; return `out`.
 
     The base loads in fp32 (a QLoRA adapter's 4-bit base is thus dequantised first, see the module
     docstring). `chat_template`, when given, becomes the merged tokenizer's template. With
-    `verify`, the written folder is reloaded and must match base+adapter within 1e-3.
+    `verify`, the written folder is reloaded and must match base+adapter within 1e-3. Pass the
+    run's `trust_remote_code` and `allow_pickle` (model section): the base and the reload honour them.
 
     Raises:
         FileExistsError: `out` is non-empty and overwrite is False.
@@ -237,8 +262,8 @@ def merge_adapter(
     out_path = check_out_dir(out, overwrite)
     _check_task_type(adapter, kind)
     base = resolve_model_path(base)
-    tokenizer = _load_tokenizer_for_merge(base, adapter)
-    model, info = _load_plain(base, kind)
+    tokenizer = _load_tokenizer_for_merge(base, adapter, trust_remote_code)
+    model, info = _load_plain(base, kind, trust_remote_code, allow_pickle)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -254,7 +279,7 @@ def merge_adapter(
     staging = _staging_dir(out_path)
     try:
         _write_folder(merged, tokenizer, staging, chat_template)
-        reload_diff = _check_reload(staging, kind, batch, expected) if verify else None
+        reload_diff = _check_reload(staging, kind, batch, expected, trust_remote_code) if verify else None
         extras = {"model_kind": kind, "merge_check": {"merge_max_abs_diff": merge_diff, "reload_max_abs_diff": reload_diff, "tolerance": TOLERANCE}}
         write_manifest(staging, stage=stage, parent=base, config=config, adapter=adapter, extra={**extras, **(extra_manifest or {})})
         result = _publish(staging, out_path)
@@ -277,12 +302,14 @@ def export_full_model(
     chat_template: Optional[str] = None,
     overwrite: bool = False,
     verify: bool = True,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Write a fully fine-tuned model like a merged one (weights, tokenizer, template, manifest).
 
     `model` is the trained transformers model (unwrap accelerate/DDP first); it is saved in its own
-    dtype and left unchanged. With `verify`, the folder is reloaded and every tensor must equal
-    `model`'s exactly (a weight comparison, so it holds for bf16 models too).
+    dtype and left unchanged. With `verify`, the folder is reloaded (with `trust_remote_code`: a
+    custom class reloads as itself) and every tensor must equal `model`'s exactly (a weight
+    comparison, so it holds for bf16 models too).
 
     Raises:
         FileExistsError: `out` is non-empty and overwrite is False.
@@ -301,7 +328,7 @@ def export_full_model(
     staging = _staging_dir(out_path)
     try:
         _write_folder(model, tokenizer, staging, chat_template)
-        reload_diff = _check_reload_weights(staging, kind, model) if verify else None
+        reload_diff = _check_reload_weights(staging, kind, model, trust_remote_code) if verify else None
         extras = {"model_kind": kind, "merge_check": {"reload_max_abs_diff": reload_diff, "tolerance": TOLERANCE}}
         write_manifest(staging, stage=stage, parent=parent, config=config, adapter=None, extra={**extras, **(extra_manifest or {})})
         result = _publish(staging, out_path)
@@ -321,6 +348,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--chat-template", default=None, help="Jinja file saved as the merged chat template")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     parser.add_argument("--no-verify", action="store_true", help="skip reloading the saved folder")
+    parser.add_argument("--trust-remote-code", action="store_true", help="run the base folder's own model code (auto_map)")
+    parser.add_argument("--allow-pickle", action="store_true", help="load a base that has only pickled weights (weights_only=True)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
@@ -328,6 +357,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         out = merge_adapter(
             args.base, args.adapter, args.out, kind=args.kind, stage=args.stage, chat_template=template,
             overwrite=args.overwrite, verify=not args.no_verify, config=vars(args),
+            trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle,
         )
     except (FileExistsError, MergeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -8,13 +8,22 @@ Everything goes through transformers' ``from_pretrained`` and peft's ``get_peft_
 only decides their arguments (dtype, attention kernel, quantisation, LoRA targets) and refuses the
 combinations that would otherwise degrade silently (flash-attention without CUDA, QLoRA without a
 LoRA config, a pad token equal to the trained end-of-turn token).
+
+Untrusted folders: weights load from safetensors only, unless `model.allow_pickle` is set for a
+folder that has nothing but pickled weights, and then through torch.load(weights_only=True).
+Code in a folder (config.json `auto_map`) runs only with `model.trust_remote_code`; without it a
+folder whose model_type transformers knows loads the stock class, with one warning that its
+custom code is ignored, and one whose model_type it does not know is refused
+(`weights_problems`, which a stage checks before anything heavy).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -40,6 +49,73 @@ SCORE_HEAD = "score"
 # never emits, so using one as padding does not collide with a trained token.
 PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
 ADDED_PAD_TOKEN = "<|relay_pad|>"
+# Weight files read with pickle (torch.load): transformers' pytorch_model*.bin, and bare .pt/.pth/.ckpt.
+PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt")
+_warned_custom_code: set[str] = set()
+
+
+def pickled_weights(folder: str | Path) -> list[str]:
+    """The pickled weight files of a local folder that has no safetensors weights ([] when it has
+    safetensors, holds no pickled weights, or is no local folder)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    if any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
+        return []
+    return [n for n in names if n.endswith(PICKLE_SUFFIXES) or (n.startswith("pytorch_model") and n.endswith(".bin"))]
+
+
+def custom_code(folder: str | Path) -> Optional[dict[str, Any]]:
+    """What a local folder's config.json asks to run: {'model_type', 'auto_map' (class names),
+    'known' (transformers has its own class for the model_type)}, or None when there is no
+    `auto_map` (or no readable config.json)."""
+    config = Path(folder) / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not data.get("auto_map"):
+        return None
+    from transformers import CONFIG_MAPPING
+
+    model_type = data.get("model_type")
+    return {"model_type": model_type, "auto_map": sorted(data["auto_map"]), "known": model_type in CONFIG_MAPPING}
+
+
+def weights_problems(model_cfg: ModelConfig, key: str = "model") -> list[str]:
+    """What in the model folder's files must be refused before anything loads, one line each:
+    only pickled weights without `{key}.allow_pickle`; custom code for a model_type transformers
+    does not know, without `{key}.trust_remote_code` (it could not load without running that code)."""
+    if is_embedded(model_cfg.path):
+        return []
+    folder, out = Path(str(model_cfg.path)), []
+    pickled = pickled_weights(folder)
+    if pickled and not model_cfg.allow_pickle:
+        out.append(f"{key}.path: {folder} has only pickled weights ({', '.join(pickled[:3])}), and unpickling can run code; "
+                   f"convert them to safetensors where you trust them (model.save_pretrained(folder, safe_serialization=True)), "
+                   f"or set {key}.allow_pickle: true to load them with torch.load(weights_only=True)")
+    code = custom_code(folder)
+    if code and not code["known"] and not model_cfg.trust_remote_code:
+        out.append(f"{key}.path: {folder} needs its own code: model_type {code['model_type']!r} is not a transformers model "
+                   f"and config.json maps {', '.join(code['auto_map'])} to code in the folder (auto_map); set "
+                   f"{key}.trust_remote_code: true if you trust the folder")
+    return out
+
+
+def warn_ignored_code(path: str | Path, trust_remote_code: bool) -> Optional[str]:
+    """Log (once per folder) that a folder's custom code is ignored, when it ships some (auto_map)
+    for a model_type transformers knows and trust_remote_code is off; return the message."""
+    code = custom_code(path)
+    if trust_remote_code or not code or not code["known"]:
+        return None
+    message = (f"{path}: config.json maps {', '.join(code['auto_map'])} to custom code in the folder (auto_map); "
+               f"trust_remote_code is false, so that code is ignored and the stock transformers class for model_type "
+               f"{code['model_type']!r} is used (set model.trust_remote_code: true if you trust the folder and need its code)")
+    if str(path) not in _warned_custom_code:
+        _warned_custom_code.add(str(path))
+        log.warning("%s", message)
+    return message
 
 
 def resolve_model_path(path: Optional[str]) -> str:
@@ -162,7 +238,9 @@ def from_pretrained_kwargs(model_cfg: ModelConfig, lora_cfg: Optional[LoraConfig
         "dtype": dtype,
         "attn_implementation": attn,
         "trust_remote_code": bool(model_cfg.trust_remote_code),
-        "use_safetensors": True,
+        # None: safetensors when the folder has them, else (allow_pickle) its pickled weights.
+        "use_safetensors": None if model_cfg.allow_pickle else True,
+        "weights_only": True,
         "revision": model_cfg.revision,
     }
     if model_cfg.finetuning == "qlora":
@@ -230,12 +308,17 @@ def load_model(
 
     Raises:
         ValueError: unknown kind, bad dtype/attention (flash-attention where it cannot run),
-            'qlora' without lora_cfg, weights missing for a reward model.
+            'qlora' without lora_cfg, weights missing for a reward model, a folder refused by
+            `weights_problems` (pickled weights, custom code that is not trusted).
         OSError: transformers could not find the model or its safetensors weights.
     """
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} is not one of {KINDS}")
+    refused = weights_problems(model_cfg)
+    if refused:
+        raise ValueError("; ".join(refused))
     path = resolve_model_path(model_cfg.path)
+    warn_ignored_code(path, model_cfg.trust_remote_code)
     kwargs = from_pretrained_kwargs(model_cfg, lora_cfg)
     if tokenizer is None:
         tokenizer = load_tokenizer(path, model_cfg.trust_remote_code, model_cfg.revision)
