@@ -12,6 +12,12 @@
 # After the stages, `driver summarize` computes the gold table when the config has `gold.data`
 # (cached in output_root/gold/ by weights hash), writes summary.json and prints the verdict.
 set -euo pipefail
+for arg in "$@"; do
+  if [[ $arg == -h || $arg == --help ]]; then
+    sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+    exit 0
+  fi
+done
 # A config path is taken relative to where the script is called from; everything else (stage
 # scripts, data paths in the YAMLs, output_root) relative to the repository root.
 CONFIG=configs/pipeline.yaml

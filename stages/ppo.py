@@ -56,10 +56,16 @@ class PPOData(PromptDataConfig):
 
 @dataclass
 class RewardModelConfig(ModelConfig):
-    """The reward model: a merged RM folder (sequence classifier with one output). 'embedded'
-    loads the embedded model with a fresh random head, only sensible for smoke runs. Its
+    """The reward model: a merged RM folder (sequence classifier with one output). Its
     `finetuning` and `gradient_checkpointing` are ignored: the critic trained on it follows
     `model.finetuning` and `model.gradient_checkpointing`."""
+
+    path: str = ""
+    """Required: the RM stage's merged/ folder (the pipeline driver sets it). 'embedded' (a
+    random reward head) only with allow_untrained."""
+    allow_untrained: bool = False
+    """Allow a reward model with an untrained head ('embedded'): PPO then optimises noise, so
+    only for smoke runs of the machinery."""
 
 
 @dataclass
@@ -246,12 +252,18 @@ class PPOStage(Stage):
 
     def problems(self) -> list[str]:
         from pipeline.modeling.embedded import is_embedded
+        from pipeline.modeling.preflight import model_problems
 
-        if is_embedded(self.cfg.reward_model.path):
+        rm = self.cfg.reward_model
+        if is_embedded(rm.path):
+            if not rm.allow_untrained:
+                return ["reward_model.path: PPO needs a trained reward model: give the RM stage's merged/ folder "
+                        "(or set reward_model.allow_untrained: true to smoke-test with a random reward head)"]
             log.warning("reward_model.path is the embedded model: its reward head is random (smoke runs only)")
         if not Path(self.reward_path).is_dir():
-            return [f"reward_model.path: {self.cfg.reward_model.path!r} is not a model folder (give the RM stage's merged/)"]
-        return tokenizer_problems(self.model_path, self.reward_path)
+            return [f"reward_model.path: {rm.path!r} is not a model folder (give the RM stage's merged/)"]
+        found = model_problems(self.reward_path, "reward_model.path", need="any" if rm.allow_untrained else "reward")
+        return found or tokenizer_problems(self.model_path, self.reward_path)
 
     def build_data(self) -> list[str]:
         """Prompts (eval prompts only when evaluation is on) and the reward normaliser."""

@@ -210,12 +210,16 @@ class RMStage(Stage):
         return {"train/loss": figures["loss"], "train/accuracy": figures["accuracy"], "train/grad_norm": grad_norm}
 
     @torch.no_grad()
-    def score_pairs(self, pairs: list, max_batches: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen, rejected) scores of `pairs`, gathered from every rank (padding batches excluded)."""
+    def score_pairs(self, pairs: list, max_batches: Optional[int] = None, desc: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) scores of `pairs`, gathered from every rank (padding batches excluded);
+        with `desc`, a progress bar of that name (long passes)."""
+        from tqdm.auto import tqdm
+
         acc = self.accelerator
         chosen, rejected = [], []
+        shards = list(eval_shards(len(pairs), self.cfg.train.batch_size, acc.num_processes, acc.process_index, max_batches))
         with eval_mode(self.model):
-            for indices, counts in eval_shards(len(pairs), self.cfg.train.batch_size, acc.num_processes, acc.process_index, max_batches):
+            for indices, counts in tqdm(shards, desc=desc, disable=desc is None or not acc.is_local_main_process, leave=False):
                 c, r = pair_scores(self.model, self.collate(self.collator, pairs, indices), acc)
                 keep = torch.full_like(c, 1.0 if counts else float("nan"))
                 chosen.append(c * keep)
@@ -238,7 +242,7 @@ class RMStage(Stage):
     def before_export(self) -> None:
         """The reward statistics over the training responses (both sides), for PPO's normaliser."""
         limit = self.cfg.reward.stats_max_pairs
-        chosen, rejected = self.score_pairs(self.train_samples[:limit] if limit else self.train_samples)
+        chosen, rejected = self.score_pairs(self.train_samples[:limit] if limit else self.train_samples, desc="reward statistics")
         self.reward_stats = stats_of(torch.cat([chosen, rejected]))
         log.info("reward statistics over the training responses: %s", self.reward_stats)
 

@@ -73,3 +73,33 @@ def test_generation_kwargs():
     assert Generation().kwargs()["do_sample"] is False
     sampled = Generation(temperature=0.7, top_p=0.9).kwargs()
     assert sampled["do_sample"] is True and sampled["temperature"] == 0.7 and sampled["top_p"] == 0.9
+
+
+def test_exit_words_and_commands_never_reach_the_model(tiny_model_dir, monkeypatch, capsys):
+    import pipeline.tools.chat as chat_module
+
+    sent = []
+    monkeypatch.setattr(chat_module, "reply", lambda chat, messages, gen, stream=False: sent.append(messages[-1]["content"]) or "ok")
+    chat = load_chat_model(str(tiny_model_dir))
+    for word in ("exit", "quit", "/quit", "/exit"):
+        lines = iter(["/help", "/frobnicate", "hello", word, "never read"])
+        interactive([chat], Generation(max_new_tokens=2), read=lambda _: next(lines))
+        assert next(lines) == "never read"
+    assert sent == ["hello"] * 4
+    out = capsys.readouterr().out
+    assert "commands: /reset clears the history" in out and "unknown command '/frobnicate'" in out
+
+
+def test_chat_refuses_a_reward_model_before_loading(tiny_reward_dir, capsys, monkeypatch):
+    import pipeline.modeling.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(models, "load_tokenizer", lambda *a, **k: pytest.fail("a tokenizer was loaded"))
+    assert main(["--model", str(tiny_reward_dir), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --model: {tiny_reward_dir} is a reward model (a sequence classifier); "
+                                               "this needs a causal language model, e.g. the SFT stage's merged/")
+
+
+def test_chat_names_a_missing_folder_in_one_line(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --model: {tmp_path / 'nope'}: no such folder"

@@ -14,6 +14,7 @@ import draccus
 import yaml
 from draccus.parsers.yaml_loader import SafeLoaderWithInclusion
 
+from pipeline.config.help import config_help, habit_hint
 from pipeline.config.sections import ConfigError
 
 T = TypeVar("T")
@@ -106,9 +107,14 @@ def _unknown_override(cls: type, dotted: str) -> Optional[str]:
             prefix = ".".join(parts[:depth])
             close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
             full = f"{prefix}.{close[0]}" if prefix and close else (close[0] if close else "")
-            hint = f"; did you mean '--{full}'?" if close else f"; known keys here: {', '.join(names)}"
+            habit = habit_hint(dotted) if depth == 0 else None
+            hint = f"; {habit}" if habit else f"; did you mean '--{full}'?" if close else f"; known keys here: {', '.join(names)}"
             return f"--{dotted}: unknown option{hint}"
         current = typing.get_type_hints(sub)[part]
+    section = None if _list_item_dataclass(current) else _dataclass_of(current)
+    if section is not None:  # `--model Qwen/...` (TRL's habit): a section takes its keys, not a value
+        first = "path" if "path" in [f.name for f in dataclasses.fields(section)] else dataclasses.fields(section)[0].name
+        return f"--{dotted}: is a section, not a value; set its keys, e.g. '--{dotted}.{first}'"
     return None
 
 
@@ -143,6 +149,9 @@ def load_config(cls: type[T], argv: Optional[Sequence[str]] = None, prog: Option
         ConfigError: any problem; its `problems` list has every one.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(config_help(cls, prog or Path(sys.argv[0]).name))
+        raise SystemExit(0)
     config_path, override_keys, rest = _split_args(argv)
     problems: list[str] = []
     if config_path is not None:

@@ -61,13 +61,17 @@ def data_problems(entries: Sequence[str], key: str) -> list[str]:
     return out
 
 
-def parent_problems(model_path: str) -> list[str]:
-    """Mismatches between a local parent model's manifest and its folder's tokenizer/template."""
+def parent_problems(model_path: str, need: str = "causal") -> list[str]:
+    """What keeps model.path from loading as a `need` model (pipeline.modeling.preflight: missing,
+    an adapter or reward-model folder, no weights/tokenizer, an unreachable hub id), then
+    mismatches between a local parent model's manifest and its folder's tokenizer/template."""
     from pipeline.modeling.manifest import check_parent_compatible, read_manifest
+    from pipeline.modeling.preflight import model_problems
 
+    found = model_problems(model_path, "model.path", need=need)
     folder = Path(model_path)
-    if not folder.is_dir() or read_manifest(folder) is None:
-        return []
+    if found or not folder.is_dir() or read_manifest(folder) is None:
+        return found
     return [f"model.path: {p}" for p in check_parent_compatible(folder, folder)]
 
 

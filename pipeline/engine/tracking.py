@@ -6,8 +6,12 @@ becomes a no-op, so stage code never branches on the rank to log.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -57,6 +61,8 @@ class Tracker:
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if any(k.startswith("eval/") for k in clean):  # every evaluation reaches the console too
+            console(format_eval(clean, step))
         for kind, writer in self.writers:
             if kind == "tensorboard":
                 for key, value in clean.items():
@@ -157,3 +163,95 @@ class History:
         """Raises: KeyError: a field is missing."""
         self.steps, self.evals, self.tokens = list(state["steps"]), list(state["evals"]), int(state["tokens"])
         self.wall_before, self.started = float(state["wall_seconds"]), time.time()
+
+
+# ------------------------------------------------------------------------------------------
+# The console: what a user reads while a stage runs
+# ------------------------------------------------------------------------------------------
+
+
+def console(line: str) -> None:
+    """Print a line above any progress bar (tqdm.write keeps the bar intact)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
+def format_eval(figures: dict[str, float], step: int) -> str:
+    """One line of an evaluation's figures: `eval @ step 20: loss 1.2345, ppl 3.44, accuracy 0.7500`."""
+    parts = [f"{k.removeprefix('eval/')} {v:.4g}" if abs(v) >= 1e4 else f"{k.removeprefix('eval/')} {v:.4f}"
+             for k, v in figures.items() if k.startswith("eval/") and "/" not in k.removeprefix("eval/")]
+    return f"eval @ step {step}: " + ", ".join(parts)
+
+
+class _ReplaceOnce(logging.Filter):
+    """Replace log records matching `match(text)` by `explanation` the first time, drop them after."""
+
+    def __init__(self, match, explanation: str):
+        super().__init__()
+        self.match, self.explanation, self.said = match, explanation, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.match(record.getMessage()):
+            return True
+        if self.said:
+            return False
+        self.said = True
+        record.msg, record.args, record.levelno, record.levelname = self.explanation, (), logging.INFO, "INFO"
+        return True
+
+
+def _only_new_reward_head(text: str) -> bool:
+    """A transformers load report whose only finding is a missing (new) `score.*` head."""
+    if "LOAD REPORT" not in text:
+        return False
+    rows = [line.split("|") for line in text.splitlines() if line.count("|") >= 2 and not line.startswith(("Key", "-"))]
+    return bool(rows) and all(r[0].strip().startswith("score.") and r[1].strip() == "MISSING" for r in rows)
+
+
+QUIETED = (
+    # (logger, match, the one line said instead)
+    ("transformers.modeling_utils", _only_new_reward_head,
+     "the reward head (score.weight) is new: it starts random and the RM stage trains it (expected)"),
+    ("bitsandbytes.backends.cpu.ops", lambda text: "pip install kernels" in text,
+     "bitsandbytes: the optional CPU kernel package is unavailable; its built-in 4-bit path is used (harmless)"),
+)
+
+
+def quiet_console() -> None:
+    """Silence what a user cannot act on: weight-loading / shard-writing progress bars, the
+    `is_gradient_checkpointing` deprecation (transformers calls it itself), and known-harmless
+    library messages, each said once in one line instead (QUIETED). RELAY_VERBOSE=1 keeps all."""
+    if os.environ.get("RELAY_VERBOSE", "").strip() not in ("", "0"):
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+    for name, match, explanation in QUIETED:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ReplaceOnce) for f in logger.filters):
+            logger.addFilter(_ReplaceOnce(match, explanation))
+
+
+def next_commands(stage: str, output_dir: str, model_kind: str) -> list[str]:
+    """What a user runs after a stage: chat with the model, or hand it to the next stage."""
+    merged = f"{output_dir}/merged"
+    if model_kind == "reward":
+        return [f"relay train configs/ppo.yaml --model.path POLICY --reward_model.path {merged}   # PPO against this RM"]
+    return [f"relay chat --model {merged}", f"relay train NEXT_STAGE.yaml --model.path {merged}   # continue from it",
+            f"relay export {output_dir} --out {output_dir}-release   # a shippable folder with a model card"]
+
+
+def format_stage_summary(stage: str, summary: dict, output_dir: str, model_kind: str = "causal") -> str:
+    """The few lines a stage ends with: its figures, its time, where merged/ is, what to run next."""
+    figures = [f"{k} {v:.4f}" for k, v in summary.items()
+               if isinstance(v, float) and k not in ("wall_seconds", "tokens_per_s") and math.isfinite(v)]
+    wall = summary.get("wall_seconds")
+    lines = [f"{stage} done" + (f" in {wall:.0f} s" if isinstance(wall, (int, float)) else "")
+             + (f" ({summary['steps']} steps)" if "steps" in summary else ""),
+             "  " + ", ".join(figures) if figures else "",
+             f"  model: {output_dir}/merged   (figures: {output_dir}/summary.json)",
+             "next:"] + [f"  {c}" for c in next_commands(stage, output_dir, model_kind)]
+    return "\n".join(line for line in lines if line)

@@ -6,8 +6,10 @@
 
 The prompt is rendered by the folder's own chat template (for an SFT run in role_markers mode that
 is the Jinja the stage saved into merged/), so the model sees the format it was trained on.
-Decoding is greedy unless --temperature > 0. In interactive mode, /reset clears the history and
-/exit (or Ctrl-D) quits.
+Decoding is greedy unless --temperature > 0. In interactive mode, /reset clears the history,
+/help lists the commands, and /exit, exit, quit (or Ctrl-D) quit; no line starting with '/' is sent
+to the model. The folder is checked first (pipeline.modeling.preflight): a reward model, a LoRA
+adapter or a missing folder is one line, not a traceback.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ import torch
 
 class ChatError(RuntimeError):
     """The model folder cannot be chatted with (e.g. its tokenizer has no chat template)."""
+
+
+EXIT_WORDS = ("/exit", "/quit", "exit", "quit")
+HELP = "commands: /reset clears the history, /help shows this, /exit (or exit, quit, Ctrl-D) quits"
 
 
 @dataclass
@@ -55,12 +61,17 @@ def load_chat_model(path: str, dtype: str = "fp32") -> ChatModel:
     """A merged folder (or 'embedded') ready for generation, through pipeline.modeling.models' loader.
 
     Raises:
-        ChatError: the folder's tokenizer has no chat template.
-        OSError: no model or tokenizer at `path` (transformers' error names it).
+        ChatError: the folder is no causal LM (preflight: missing, an adapter, a reward model, no
+            weights or tokenizer) or its tokenizer has no chat template.
+        OSError: transformers could not load what preflight let through (its error names it).
     """
     from pipeline.config import ModelConfig
     from pipeline.modeling.models import load_model, load_tokenizer, resolve_model_path
+    from pipeline.modeling.preflight import model_problems
 
+    found = model_problems(path, "--model", need="causal")
+    if found:
+        raise ChatError("; ".join(found))
     folder = resolve_model_path(path)
     tokenizer = load_tokenizer(folder)
     if not getattr(tokenizer, "chat_template", None):
@@ -127,17 +138,20 @@ def one_shot(models: list[ChatModel], prompt: str, gen: Generation, system: Opti
 def interactive(models: list[ChatModel], gen: Generation, system: Optional[str] = None, read: Callable[[str], str] = input) -> list[list[dict]]:
     """Multi-turn chat until /exit or end of input; each model keeps its own history. Returns them."""
     histories = [start_messages(system) for _ in models]
-    print("Chatting with " + " and ".join(m.name for m in models) + ". /reset clears the history, /exit quits.")
+    print("Chatting with " + " and ".join(m.name for m in models) + ". " + HELP[len("commands: "):] + ".")
     while True:
         try:
             line = read("you> ").strip()
         except EOFError:
             print()
             return histories
-        if line == "/exit":
+        if line.lower() in EXIT_WORDS:
             return histories
         if line == "/reset":
             histories = [start_messages(system) for _ in models]
+            continue
+        if line.startswith("/"):  # a command, never a prompt: /help and typos alike
+            print(HELP if line == "/help" else f"unknown command {line.split()[0]!r}; {HELP}")
             continue
         if not line:
             continue
@@ -177,7 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         models = [load_chat_model(p, args.dtype) for p in [args.model] + ([args.compare] if args.compare else [])]
     except (ChatError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2
     if args.prompt is not None:
         one_shot(models, args.prompt, gen, args.system)
     else:

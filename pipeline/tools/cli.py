@@ -1,40 +1,236 @@
-"""The `relay` console script: one entry point dispatching to the modules.
+"""`relay`: the one command a user lives in.
 
-    relay embedded                      # convert/locate the embedded SmolLM2-135M-Instruct folder
-    relay merge ...                     # merge a LoRA adapter into its base (pipeline.modeling.merge)
-    relay validate --kind sft FILES     # check data files, FILE:LINE: reason (data_formats.validate)
-    relay report RUN_DIR                # report.md + plots from TensorBoard events
+    relay train CONFIG.yaml [--stage S] [--nproc N] [--section.key value ...]   # one stage
+    relay pipeline [CONFIG.yaml] [--from S | --only S] [--section.key value ...]  # PT -> SFT -> RM -> PPO
+    relay validate CONFIG.yaml [--section.key value ...]   # every config/model/data problem, no training
+    relay validate --kind sft FILES...                      # data files record by record (FILE:LINE: reason)
+    relay show FILE [--boundaries]                          # what a conversation trains on
     relay chat --model DIR [--prompt TEXT] [--compare DIR2]
-    relay pipeline [CONFIG] [--from S | --only S] [--key value]   # run_scripts/run_pipeline.sh
+    relay report RUN_DIR                                    # report.md + plots
+    relay merge --base DIR --adapter DIR --out DIR          # LoRA adapter -> full model
+    relay export RUN_OR_MERGED_DIR --out DIR [--gguf]       # a shippable model folder + model card
+    relay serve DIR [--port 8000]                           # OpenAI-compatible /v1/chat/completions
 
-Every subcommand's own `--help` lists its options; the arguments after the subcommand are passed
-through untouched, so `relay chat ...` and `python -m pipeline.tools.chat ...` are the same command.
+The per-stage scripts (`stages/*.py`, `run_scripts/run_*.sh`) stay; `relay train` runs the same
+scripts (through torchrun when --nproc > 1). Every subcommand's `--help` lists its options.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+REPO = Path(__file__).resolve().parents[2]
 # Modules are imported only when their subcommand runs: `relay report` should not pay for torch.
 COMMANDS = {
-    "embedded": ("pipeline.modeling.embedded", "locate (converting once) the embedded model folder"),
-    "merge": ("pipeline.modeling.merge", "merge a LoRA adapter into its base model"),
-    "validate": ("data_formats.validate", "check data files record by record"),
-    "report": ("pipeline.tools.report", "write report.md and plots for a run"),
+    "train": (None, "run one stage from its YAML (the stage the config is for)"),
+    "pipeline": (None, "run PT -> SFT -> RM -> PPO, each stage's merged model the next one's base"),
+    "validate": (None, "check a config (model, data, keys) or data files, loading no model"),
+    "show": ("data_formats.show", "show what a conversation trains on (tokens, masks)"),
     "chat": ("pipeline.tools.chat", "chat with a merged model"),
-    "pipeline": (None, "run PT -> SFT -> RM -> PPO (run_scripts/run_pipeline.sh)"),
+    "report": ("pipeline.tools.report", "write report.md and plots for a run"),
+    "merge": ("pipeline.modeling.merge", "merge a LoRA adapter into its base model"),
+    "export": ("pipeline.tools.release", "write a shippable model folder with a model card (and GGUF)"),
+    "serve": ("pipeline.tools.serve", "serve a model folder on an OpenAI-compatible HTTP API"),
+    "embedded": ("pipeline.modeling.embedded", "locate (converting once) the embedded model folder"),
 }
-REPO = Path(__file__).resolve().parents[1]
+PIPELINE_KEYS = ("stages", "chain", "output_root", "base_model")
+USAGE_LINE = re.compile(r"stages/(\w+)\.py|run_scripts/run_(\w+)\.sh")
 
 
 def usage() -> str:
     lines = ["usage: relay COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
-    return "\n".join(lines + ["", "relay COMMAND --help shows a command's options."])
+    lines += ["", "relay COMMAND --help shows a command's options. Start with: bash run_scripts/demo.sh"]
+    return "\n".join(lines)
+
+
+class CLIError(ValueError):
+    """A command line that cannot run; the message is one line for the user."""
+
+
+def stage_names() -> list[str]:
+    from stages import STAGES
+
+    return list(STAGES)
+
+
+def stage_of_config(config: str, explicit: Optional[str] = None) -> str:
+    """Which stage a YAML is for: `--stage`, else the stage script its usage line names (every
+    shipped YAML opens with its command), else a stage name in the file name (`qwen_sft.yaml`).
+
+    Raises:
+        CLIError: no such file, a pipeline config, or the stage cannot be told.
+    """
+    names = stage_names()
+    if explicit is not None:
+        if explicit not in names:
+            raise CLIError(f"--stage {explicit!r} is not one of {', '.join(names)}")
+        return explicit
+    path = Path(config)
+    if not path.is_file():
+        raise CLIError(f"{config}: no such config file")
+    text = path.read_text(encoding="utf-8")
+    import yaml
+
+    try:
+        from draccus.parsers.yaml_loader import SafeLoaderWithInclusion
+
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.load(fh, Loader=SafeLoaderWithInclusion)
+    except (yaml.YAMLError, OSError) as err:
+        raise CLIError(f"{config}: {err}".replace("\n", " ")) from err
+    if isinstance(data, dict) and any(k in data for k in PIPELINE_KEYS):
+        raise CLIError(f"{config} is a pipeline config: run it with `relay pipeline {config}`")
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        match = USAGE_LINE.search(line)
+        if match:
+            found = match.group(1) or match.group(2)
+            from stages import script
+
+            by_module = {script(name).stem: name for name in names}
+            if found in names or found in by_module:
+                return found if found in names else by_module[found]
+    tokens = set(re.split(r"[^a-z0-9]+", path.stem.lower()))
+    hits = [n for n in names if n in tokens]
+    if len(hits) == 1:
+        return hits[0]
+    raise CLIError(f"cannot tell which stage {config} is for: pass --stage ({'|'.join(names)}), or name the file "
+                   "after it (e.g. my_sft.yaml)")
+
+
+def pop_option(args: list[str], name: str) -> Optional[str]:
+    """Remove `--name VALUE` / `--name=VALUE` from args; return VALUE (None when absent).
+
+    Raises:
+        CLIError: the option has no value.
+    """
+    for i, arg in enumerate(args):
+        if arg == name:
+            if i + 1 >= len(args):
+                raise CLIError(f"{name}: needs a value")
+            value = args[i + 1]
+            del args[i:i + 2]
+            return value
+        if arg.startswith(name + "="):
+            del args[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+TRAIN_USAGE = """usage: relay train CONFIG.yaml [--stage pt|sft|rm|ppo] [--nproc N] [--section.key VALUE ...]
+
+Runs the stage CONFIG is for (its usage line names the stage script, e.g. configs/sft.yaml opens
+with `stages/sft.py`; else a stage name in the file name; else --stage). --nproc N > 1 launches N
+processes with torchrun on this machine (multi-node: run_scripts/run_pipeline.sh with NNODES).
+Overrides are dotted keys: --model.path DIR --train.max_steps 50 --lora.r 8.
+
+relay train CONFIG.yaml --help lists every key of that stage."""
+
+
+def train_command(args: list[str]) -> list[str]:
+    """The process to run for `relay train` (pure: the tests read it).
+
+    Raises:
+        CLIError: no config, a bad --nproc, or an unknown stage.
+    """
+    args = list(args)
+    stage = pop_option(args, "--stage")
+    nproc_text = pop_option(args, "--nproc") or os.environ.get("NPROC", "1")
+    if not nproc_text.isdigit() or int(nproc_text) < 1:
+        raise CLIError(f"--nproc: {nproc_text!r} is not a number of processes >= 1")
+    config = pop_option(args, "--config")
+    if config is None and args and not args[0].startswith("-"):
+        config = args.pop(0)
+    if config is None:
+        if stage is None:
+            raise CLIError("relay train needs a CONFIG.yaml (or --stage NAME to run a stage on its defaults)")
+        argv = list(args)
+    else:
+        stage = stage_of_config(config, stage)
+        argv = ["--config", config, *args]
+    from stages import script
+
+    if int(nproc_text) == 1:
+        return [sys.executable, str(script(stage)), *argv]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", nproc_text,
+            str(script(stage)), *argv]
+
+
+def run_train(args: list[str]) -> int:
+    if not args or args[0] in ("-h", "--help"):
+        print(TRAIN_USAGE)
+        return 0
+    command = train_command(args)
+    return subprocess.call(command)
+
+
+VALIDATE_USAGE = """usage: relay validate CONFIG.yaml [--stage S] [--section.key VALUE ...]
+       relay validate [--kind pt|sft|rm|ppo] [--format F] FILES...
+
+With a stage or pipeline YAML: every problem a run would hit before training (unknown keys, values,
+the model folder, data files and records), loading the tokenizer but no model. With data files:
+each record is checked and every bad one reported as FILE:LINE: reason."""
+
+
+def validate_config(config: str, args: list[str]) -> int:
+    """`relay validate CONFIG.yaml`: the stage's whole validation (preflight, data) or, for a
+    pipeline YAML, every planned stage's config. Prints problems (exit 2) or what was checked."""
+    from pipeline.config import ConfigError, load_config
+
+    args = list(args)
+    explicit = pop_option(args, "--stage")
+    try:
+        try:
+            stage = stage_of_config(config, explicit)
+        except CLIError as err:
+            if "is a pipeline config" not in str(err):
+                raise
+            from pipeline.tools.chain import load_pipeline, planned_stages, stage_config_problems
+
+            cfg, selection = load_pipeline(config, args)
+            planned = planned_stages(cfg, selection)
+            problems = stage_config_problems(cfg, planned)
+            if problems:
+                raise ConfigError(problems, config)
+            print(f"{config}: pipeline config OK; stages {' -> '.join(planned)} into {cfg.output_root}")
+            return 0
+        from pipeline.engine.stage import hide_unrequested_backends
+        from stages import stage_class
+
+        cls = stage_class(stage)
+        cfg = load_config(cls.config_class, ["--config", config, *args])
+        hide_unrequested_backends(cfg)
+        runner = cls(cfg)
+        runner.validate()
+    except CLIError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    held_out = f", {len(runner.eval_samples)} held-out" if runner.eval_samples else ""
+    print(f"{config}: {stage} config OK; model {cfg.model.path}; {len(runner.train_samples)} training samples{held_out}; "
+          f"outputs to {cfg.output_dir}")
+    return 0
+
+
+def run_validate(args: list[str]) -> int:
+    if args and args[0] in ("-h", "--help"):
+        print(VALIDATE_USAGE)
+        return 0
+    if args and args[0].endswith((".yaml", ".yml")):
+        return validate_config(args[0], args[1:])
+    from data_formats.validate import main as validate_data
+
+    return int(validate_data(args) or 0)
 
 
 def run_pipeline(args: Sequence[str]) -> int:
@@ -43,7 +239,9 @@ def run_pipeline(args: Sequence[str]) -> int:
     if not script.is_file():
         print(f"error: {script} not found; `relay pipeline` needs the Relay source tree", file=sys.stderr)
         return 2
-    return subprocess.call(["bash", str(script), *args])
+    env = dict(os.environ)
+    env.setdefault("PYTHON", sys.executable)
+    return subprocess.call(["bash", str(script), *args], env=env)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -53,12 +251,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
-        print(f"error: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        import difflib
+
+        close = difflib.get_close_matches(command, list(COMMANDS), n=1)
+        hint = f"; did you mean 'relay {close[0]}'?" if close else ""
+        print(f"error: unknown command {command!r}{hint}\n\n{usage()}", file=sys.stderr)
         return 2
-    module_name = COMMANDS[command][0]
-    if module_name is None:
-        return run_pipeline(rest)
-    result = importlib.import_module(module_name).main(rest)
+    try:
+        if command == "train":
+            return run_train(rest)
+        if command == "validate":
+            return run_validate(rest)
+        if command == "pipeline":
+            return run_pipeline(rest)
+    except CLIError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    result = importlib.import_module(COMMANDS[command][0]).main(rest)
     return int(result or 0)
 
 

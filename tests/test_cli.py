@@ -1,0 +1,102 @@
+"""The `relay` front door (pipeline/tools/cli.py) and config help (pipeline/config/help.py): every
+subcommand's --help works, help lists each key once under its section, TRL/HF habits get a
+"did you mean", `relay train` finds the stage a YAML is for."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, load_config
+from pipeline.tools import cli
+from stages import script
+from stages.sft import SFTConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SUBCOMMANDS = ["train", "pipeline", "validate", "show", "chat", "report", "merge", "export", "serve", "embedded"]
+
+
+@pytest.mark.parametrize("command", [c for c in SUBCOMMANDS if c not in ("pipeline", "embedded")])
+def test_every_subcommand_help_exits_0(command, capsys):
+    try:
+        code = cli.main([command, "--help"])
+    except SystemExit as exit_:  # argparse's --help
+        code = exit_.code
+    assert code == 0
+    assert "usage" in capsys.readouterr().out.lower()
+
+
+def test_pipeline_help_exits_0():
+    for argv in (["bash", "run_scripts/run_pipeline.sh", "--help"], [sys.executable, "-m", "pipeline.tools.cli", "pipeline", "--help"]):
+        done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert "--from sft" in done.stdout
+
+
+def test_top_level_usage_lists_every_command(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {c} " in out for c in SUBCOMMANDS)
+    assert cli.main(["trian"]) == 2
+    assert "did you mean 'relay train'?" in capsys.readouterr().err
+
+
+def test_stage_help_lists_each_key_once_by_section(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load_config(SFTConfig, ["--help"], prog="relay train configs/sft.yaml")
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--config FILE.yaml" in out and "--config_path" not in out
+    assert out.count("--model.path ") == 1 and "--model str" not in out and "Config file for" not in out
+    lines = out.splitlines()
+    assert lines.index("model:") < lines.index(next(l for l in lines if l.startswith("  --model.path"))) < lines.index("lora:")
+    assert "Base model: a Hugging Face folder" in out  # the field docstring is the help text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "Qwen/Qwen2.5-0.5B"], "--model: is a section, not a value; set its keys, e.g. '--model.path'"),
+    (["--model_name_or_path", "Qwen/Qwen2.5-0.5B"], "--model_name_or_path: unknown option; did you mean '--model.path'?"),
+    (["--learning_rate", "1e-4"], "--learning_rate: unknown option; did you mean '--train.learning_rate'?"),
+    (["--per_device_train_batch_size", "4"], "--per_device_train_batch_size: unknown option; did you mean '--train.batch_size'?"),
+])
+def test_trl_habits_get_relay_keys(argv, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(SFTConfig, argv)
+    assert err.value.problems == [message]
+
+
+@pytest.mark.parametrize("name", ["pt", "sft", "rm", "ppo"])
+def test_shipped_stage_yaml_names_its_stage(name):
+    assert cli.stage_of_config(str(REPO / "configs" / f"{name}.yaml")) == name
+
+
+def test_stage_from_file_name_or_flag(tmp_path):
+    mine = tmp_path / "qwen_sft.yaml"
+    mine.write_text("output_dir: outputs/qwen\n")
+    assert cli.stage_of_config(str(mine)) == "sft"
+    other = tmp_path / "mine.yaml"
+    other.write_text("output_dir: x\n")
+    with pytest.raises(cli.CLIError, match=r"cannot tell which stage .*mine.yaml is for: pass --stage"):
+        cli.stage_of_config(str(other))
+    assert cli.stage_of_config(str(other), "rm") == "rm"
+    with pytest.raises(cli.CLIError, match="is a pipeline config: run it with `relay pipeline"):
+        cli.stage_of_config(str(REPO / "configs" / "pipeline.yaml"))
+
+
+def test_train_command_plain_and_torchrun():
+    config = str(REPO / "configs" / "sft.yaml")
+    assert cli.train_command([config, "--train.max_steps", "3"]) == [sys.executable, str(script("sft")), "--config", config, "--train.max_steps", "3"]
+    launched = cli.train_command([config, "--nproc", "2"])
+    assert launched[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    assert launched[6:] == [str(script("sft")), "--config", config]
+    with pytest.raises(cli.CLIError, match="--nproc: 'two'"):
+        cli.train_command([config, "--nproc", "two"])
+
+
+def test_validate_config_reports_a_bad_model_in_one_line(tmp_path, capsys):
+    missing = tmp_path / "Qwen2.5-0.5B-Instruct"
+    assert cli.main(["validate", str(REPO / "configs" / "sft.yaml"), "--model.path", str(missing)]) == 2
+    assert capsys.readouterr().err.splitlines()[1:] == [f"  - model.path: {missing}: no such folder"]
