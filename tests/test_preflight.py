@@ -93,9 +93,13 @@ def test_pickled_weights_and_no_tokenizer(tmp_path, capsys, no_loading, tiny_mod
     for name in ("tokenizer.json", "vocab.json"):
         (folder / name).unlink(missing_ok=True)
     lines = problems_of(SFTStage, ["--model.path", str(folder)], tmp_path, capsys)
-    assert lines[0].startswith(f"model.path: {folder} has no safetensors weights (only pickled .bin weights")
+    assert lines[0].startswith(f"model.path: {folder} has only pickled weights (pytorch_model.bin), and unpickling can run code")
+    assert lines[0].endswith("or set model.allow_pickle: true to load them with torch.load(weights_only=True)")
     assert lines[1].startswith(f"model.path: {folder} has no tokenizer (none of tokenizer.json")
     assert len(lines) == 2
+    assert preflight.model_problems(str(folder), allow_pickle=True) == [lines[1]]  # opted in: only the tokenizer is missing
+    (folder / "pytorch_model.bin").unlink()
+    assert preflight.model_problems(str(folder))[0] == f"model.path: {folder} has no weights (no *.safetensors)"
 
 
 def test_reward_model_where_a_language_model_is_needed(tmp_path, capsys, no_loading, tiny_reward_dir):

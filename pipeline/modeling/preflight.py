@@ -75,8 +75,9 @@ def kind_problem(folder: Path, key: str, need: str) -> Optional[str]:
             "(a sequence classifier)")
 
 
-def folder_problems(folder: Path, key: str, need: str = "causal") -> list[str]:
-    """What keeps an existing folder from loading as a model of kind `need`."""
+def folder_problems(folder: Path, key: str, need: str = "causal", allow_pickle: bool = False) -> list[str]:
+    """What keeps an existing folder from loading as a model of kind `need` (pickled-only
+    weights pass with `allow_pickle`: pipeline.modeling.models loads them weights_only)."""
     if (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file():
         return [f"{key}: {folder} is a LoRA adapter, not a model; {adapter_hint(folder)}"]
     if not (folder / "config.json").is_file():
@@ -84,10 +85,15 @@ def folder_problems(folder: Path, key: str, need: str = "causal") -> list[str]:
     out = []
     names = {p.name for p in folder.iterdir()}
     if not any(n.endswith(".safetensors") for n in names) and SAFETENSORS_INDEX not in names:
-        has_bin = any(n.endswith(".bin") or n.endswith(".pt") for n in names)
-        out.append(f"{key}: {folder} has no safetensors weights" + (
-            " (only pickled .bin weights, which Relay does not load: re-save them with "
-            "model.save_pretrained(folder, safe_serialization=True))" if has_bin else ""))
+        pickled = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")) and n != "training_args.bin")
+        section = key.rsplit(".", 1)[0] if "." in key else "model"
+        if not pickled:
+            out.append(f"{key}: {folder} has no weights (no *.safetensors)")
+        elif not allow_pickle:
+            out.append(f"{key}: {folder} has only pickled weights ({', '.join(pickled[:3])}), and unpickling can run code; "
+                       "convert them to safetensors where you trust them (model.save_pretrained(folder, "
+                       f"safe_serialization=True)), or set {section}.allow_pickle: true to load them with "
+                       "torch.load(weights_only=True)")
     if not names.intersection(TOKENIZER_VOCAB_FILES):
         out.append(f"{key}: {folder} has no tokenizer (none of {', '.join(TOKENIZER_VOCAB_FILES)}); copy the base "
                    "model's tokenizer files into it")
@@ -119,7 +125,8 @@ def hub_problems(repo_id: str, key: str, revision: Optional[str] = None) -> list
     return []
 
 
-def model_problems(path: Optional[str], key: str = "model.path", need: str = "causal", revision: Optional[str] = None) -> list[str]:
+def model_problems(path: Optional[str], key: str = "model.path", need: str = "causal", revision: Optional[str] = None,
+                   allow_pickle: bool = False) -> list[str]:
     """Every problem with a model path, one line each ([] when it looks loadable).
 
     `need`: 'causal' (a language model), 'reward' (a sequence classifier) or 'any'. 'embedded'
@@ -135,7 +142,7 @@ def model_problems(path: Optional[str], key: str = "model.path", need: str = "ca
     text = str(path)
     folder = Path(text).expanduser()
     if folder.is_dir():
-        return folder_problems(folder, key, need)
+        return folder_problems(folder, key, need, allow_pickle)
     if folder.exists():
         return [f"{key}: {text} is a file; give the model's folder"]
     if HUB_ID.match(text) and not text.startswith((".", "~")):
