@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,33 @@ def test_ppo_untrained_reward_model_when_asked(tiny_model_dir):
     cfg = load_config(PPOConfig, ["--model.path", str(tiny_model_dir), "--reward_model.path", "embedded",
                                   "--reward_model.allow_untrained", "true"])
     assert not [p for p in PPOStage(cfg).problems() if "allow_untrained" in p]
+
+
+def test_from_sft_on_a_fresh_root_says_pt_has_not_run(tmp_path, capsys):
+    """`relay pipeline --from sft` before PT ever ran: one line naming the stage, not "no manifest"."""
+    from pipeline.tools.driver import run_command
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "pipeline.yaml"
+    code = run_command(["prepare", str(config), "sft", "--from", "sft", "--output_root", str(tmp_path / "fresh")], sys.stdout)
+    err = capsys.readouterr().err
+    assert code != 0
+    pt_merged = (tmp_path / "fresh" / "pt" / "merged").resolve()
+    assert f"pt has not run: {pt_merged} does not exist yet; run the pipeline from pt (--from pt)" in err
+    assert "not produced by Relay" not in err
+
+
+def test_pipeline_summary_names_both_stage_times(tmp_path):
+    """summary.json's two PT times are two named figures with a note, not one name for two clocks."""
+    from pipeline.tools.chain import load_pipeline
+    from pipeline.tools.driver import pipeline_summary
+
+    root = tmp_path / "run"
+    config = Path(__file__).resolve().parents[1] / "configs" / "pipeline.yaml"
+    cfg, _ = load_pipeline(str(config), ["--output_root", str(root), "--gold.data", "null"])
+    (root / "pt").mkdir(parents=True)
+    (root / "pt" / "summary.json").write_text(json.dumps({"train_loss_first": 3.0, "wall_seconds": 10.0}))
+    (root / "timings.json").write_text(json.dumps({"pt": {"started": 100.0, "finished": 125.0}}))
+    summary = pipeline_summary(cfg)
+    assert summary["pt_wall_seconds"] == 25.0 and summary["pt_train_seconds"] == 10.0
+    assert summary["stages"]["pt"]["wall_seconds"] == 10.0
+    assert "<stage>_wall_seconds: the driver's clock" in summary["timing"]

@@ -117,3 +117,16 @@ def test_report_renders_the_gold_table(tmp_path):
 
 def test_report_without_gold_has_no_gold_section(tmp_path):
     assert "Gold table" not in write_report(fake_run(tmp_path)).read_text()
+
+
+def test_single_stage_report_names_its_merged_model(tmp_path):
+    """`relay report outputs/sft`: no pipeline verdict ("n/a") and the stage's merged/ as the final model."""
+    stage = tmp_path / "sft"
+    write_events(stage / "runs" / "sft-1", {"train/loss": [(1, 2.0), (2, 1.5)]})
+    (stage / "summary.json").write_text(json.dumps({"train_loss_first": 2.0, "train_loss_last": 1.5, "steps": 2}))
+    (stage / "merged").mkdir()
+    (stage / "merged" / "config.json").write_text("{}")
+    text = write_report(stage).read_text()
+    assert "Verdict" not in text and "n/a" not in text and "None" not in text
+    assert f"Final model: `{(stage / 'merged').resolve()}`" in text
+    assert "- train_loss_last: 1.5000" in text and "- steps: 2" in text

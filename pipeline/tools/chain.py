@@ -411,6 +411,9 @@ def checks_before(cfg: PipelineConfig, stage: str) -> list[str]:
     parent; for a stage reading a reward model, the reward model and the policy share tokenizer,
     template and vocab."""
     parent, previous = parent_path(cfg, stage), parent_stage(cfg, stage)
+    if previous is not None and not (parent / "config.json").is_file():  # e.g. --from sft on a fresh output_root
+        return [f"{previous} has not run: {parent} does not exist yet; run the pipeline from {previous} (--from {previous}), "
+                f"or point base_model at a model and leave {previous} out of the chain"]
     # A base model from elsewhere may have no manifest; a stage's output must have one.
     problems = check_folder_against_manifest(parent) if previous or read_manifest(parent) else []
     grand = (read_manifest(parent) or {}).get("parent_path")

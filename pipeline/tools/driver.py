@@ -172,6 +172,11 @@ def wall_seconds(cfg: PipelineConfig, stage: str, summary: dict) -> Optional[flo
     return summary.get("wall_seconds")
 
 
+TIMING_NOTE = ("<stage>_wall_seconds: the driver's clock for the stage's process (start-up, loading, training, merge); "
+               "<stage>_train_seconds (= stages.<stage>.wall_seconds): the stage's own training time (steps, "
+               "evaluations, checkpoints), summed over resumed runs")
+
+
 def pipeline_summary(cfg: PipelineConfig) -> dict:
     """Collect every stage's summary.json into output_root/summary.json (flat `<stage>_<key>`
     figures plus each stage's full summary) with a verdict; return it."""
@@ -185,6 +190,7 @@ def pipeline_summary(cfg: PipelineConfig) -> dict:
         stages[stage] = summary
         figures.update({f"{stage}_{k}": summary[k] for k in registry.info(stage).summary_keys if k in summary})
         figures[f"{stage}_wall_seconds"] = wall_seconds(cfg, stage, summary)
+        figures[f"{stage}_train_seconds"] = summary.get("wall_seconds")
     final = next((s for s in reversed(cfg.chain) if registry.info(s).model_kind == "causal" and s in stages), None)
     gold = compute_gold(cfg, list(stages))
     if gold is not None:
@@ -205,6 +211,7 @@ def pipeline_summary(cfg: PipelineConfig) -> dict:
         "final_model": str(merged_dir(cfg, final).resolve()) if final else None,
         "reward_model": str(reward) if reward else None,
         "tensorboard": f"tensorboard --logdir {root}",
+        "timing": TIMING_NOTE,
         "verdict": "PASS" if not reasons else "WARNING",
         "verdict_reasons": reasons,
         "stages": stages,

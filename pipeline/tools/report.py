@@ -163,7 +163,13 @@ def headline_tags() -> tuple[str, ...]:
 def render_markdown(run_dir: Path, curves: dict[str, dict[str, Curve]], plots: dict[str, Path], summary: Optional[dict]) -> str:
     """report.md's text (pure)."""
     lines = [f"# Relay run report: `{run_dir}`", ""]
-    if summary:
+    if summary and "verdict" not in summary:  # one stage's folder: its own summary.json, no pipeline verdict
+        merged = run_dir / "merged"
+        final = f"`{merged.resolve()}`" if (merged / "config.json").is_file() else "none yet (no merged/: the stage has not finished)"
+        lines += ["One stage's run: the verdict is a pipeline run's (`relay report OUTPUT_ROOT`).", "", f"Final model: {final}", ""]
+        lines += [f"- {k}: {v:.4f}" if isinstance(v, float) else f"- {k}: {v}" for k, v in summary.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)] + [""]
+    elif summary:
         lines += [f"Verdict: **{summary.get('verdict', 'n/a')}**"]
         lines += [f"- WARNING: {reason}" for reason in summary.get("verdict_reasons", [])]
         lines += ["", f"Final model: `{summary.get('final_model')}`", ""]
