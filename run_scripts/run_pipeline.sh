@@ -27,15 +27,23 @@ PY=${PYTHON:-.venv/bin/python}
 
 driver() { "$PY" -m pipeline.tools.driver "$@"; }
 
-launch() {
+launch() {  # run in the background (&): exec makes the stage itself the process the script waits for
   if [[ ${NPROC:-1} == 1 && -z ${NNODES:-} && -z ${TORCHRUN_ALWAYS:-} ]]; then
-    "$PY" "$@"
+    exec "$PY" "$@"
   else
-    "$PY" -m torch.distributed.run --nproc_per_node "${NPROC:-1}" --nnodes "${NNODES:-1}" \
+    exec "$PY" -m pipeline.engine.launch --nproc_per_node "${NPROC:-1}" --nnodes "${NNODES:-1}" \
       --node_rank "${NODE_RANK:-0}" --master_addr "${MASTER_ADDR:-127.0.0.1}" \
       --master_port "${MASTER_PORT:-29500}" "$@"
   fi
 }
+
+# A stage runs in the background and this script waits for it, so a SIGTERM sent to the script
+# (a scheduler preempting the job) reaches the stage, which saves a checkpoint and exits 143;
+# Ctrl-C reaches the stage from the terminal by itself, and the script waits for it to save.
+# driver.log then records which stage stopped and why, and the script exits with its code.
+child=
+trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null || true' TERM
+trap ':' INT
 
 stages=$(driver stages "$CONFIG" "$@")
 for stage in $stages; do
@@ -45,7 +53,17 @@ for stage in $stages; do
     continue
   fi
   echo "=== $stage ==="
-  launch "${argv[@]}"
+  launch "${argv[@]}" &
+  child=$!
+  while :; do
+    wait "$child" && rc=0 || rc=$?
+    kill -0 "$child" 2>/dev/null || break
+  done
+  child=
+  if (( rc != 0 )); then
+    driver stopped "$CONFIG" "$stage" "$rc" "$@" || true
+    exit "$rc"
+  fi
   driver finish "$CONFIG" "$stage" "$@"
 done
 driver summarize "$CONFIG" "$@"

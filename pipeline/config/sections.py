@@ -105,6 +105,31 @@ class LoraConfig:
 
 
 @dataclass
+class DivergenceConfig:
+    """When a run counts as diverged: it stops with one line, keeps its last checkpoint and
+    publishes nothing (no adapter, no merged/)."""
+
+    enabled: bool = True
+    """Check after every optimizer step."""
+    loss_ratio: float = 2.0
+    """Diverged when the mean `train/loss` of the last `window` steps exceeds this times the
+    mean of the first `window` steps (a LoRA run stuck at ln(vocab) from a start near 2.5 is 4x)."""
+    window: int = 10
+    """Steps averaged on each side of the loss comparison (it starts once 2 x window steps ran)."""
+    max_weight_abs: float = 1e4
+    """Diverged when any trainable weight's magnitude exceeds this (weights of 6e10 are not a
+    model any more; healthy fine-tuned weights stay far below)."""
+
+    def problems(self, key: str = "train.divergence") -> list[str]:
+        out: list[str] = []
+        if self.loss_ratio <= 1:
+            out.append(f"{key}.loss_ratio: must be > 1, got {self.loss_ratio!r}")
+        _positive(out, f"{key}.window", self.window)
+        _positive(out, f"{key}.max_weight_abs", self.max_weight_abs)
+        return out
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 100
     """Optimizer steps to run."""
@@ -152,12 +177,17 @@ class TrainConfig:
     """Evaluate on at most this many batches (None: the whole split)."""
     early_stopping_stall_num: int = 0
     """Stop after this many evaluations without a new best eval loss (0 disables; MFTCoder)."""
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+    """When the run is stopped as diverged."""
 
     def problems(self, key: str = "train") -> list[str]:
         out: list[str] = []
         for name in ("max_steps", "batch_size", "grad_accum", "seq_length", "log_steps"):
             _positive(out, f"{key}.{name}", getattr(self, name))
-        _positive(out, f"{key}.learning_rate", self.learning_rate, allow_zero=True)
+        _positive(out, f"{key}.learning_rate", self.learning_rate)
+        if self.seq_length == 1:
+            out.append(f"{key}.seq_length: 1 token leaves nothing to predict (a label needs a token before it); use at least 2")
+        out.extend(self.divergence.problems(f"{key}.divergence"))
         _positive(out, f"{key}.eval_steps", self.eval_steps, allow_zero=True)
         _positive(out, f"{key}.early_stopping_stall_num", self.early_stopping_stall_num, allow_zero=True)
         _positive(out, f"{key}.max_grad_norm", self.max_grad_norm, allow_zero=True)
@@ -206,6 +236,11 @@ class CheckpointConfig:
     resume: Union[bool, str] = True
     """true: resume from the newest complete checkpoint in <output_dir>/checkpoints if any;
     false: start fresh; a path: resume from that checkpoint."""
+    resume_changed: bool = False
+    """Resume although the config or the training data changed since the checkpoint (the
+    differences are listed when refused): the new values apply from the resumed step on, and the
+    manifest records them (`resume_changes`). Another stage's folder, another parent model or
+    another LoRA shape is never resumed."""
 
     def problems(self, key: str = "checkpoint") -> list[str]:
         out: list[str] = []

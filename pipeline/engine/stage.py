@@ -10,14 +10,21 @@ what is its own (ARCHITECTURE.md lists exactly what).
 - build: accelerator, seed, `build_model`, optimizer, `prepare`, scheduler, checkpointer, tracker.
 - resume: the newest complete checkpoint (or checkpoint.resume's path): trainable weights,
   optimizer, scheduler, RNG, data cursor, step, early stopping, history and the stage's own
-  `state_dict`.
-- after every optimizer step: evaluate every `train.eval_steps` (an `eval/loss` feeds early
-  stopping), checkpoint by the keep policy / save interval, and honour RELAY_STOP_AFTER_STEP=k
-  (save right after step k and stop: how the resume tests stop a run at an exact step).
+  `state_dict`. Validation has already compared the checkpoint's identity with this run's
+  (pipeline.engine.identity: another stage's folder, another model or LoRA shape, a changed
+  config or data are refused, the last two unless checkpoint.resume_changed). A checkpoint that
+  fails to load is moved aside and the previous one is used (pipeline.engine.checkpoint).
+- after every optimizer step: check divergence (pipeline.engine.divergence), evaluate every
+  `train.eval_steps` (an `eval/loss` feeds early stopping), checkpoint by the keep policy / save
+  interval, stop on SIGTERM/SIGINT at this boundary on every rank with a checkpoint
+  (pipeline.engine.interrupt), and honour RELAY_STOP_AFTER_STEP=k (save right after step k and
+  stop: how the resume tests stop a run at an exact step).
 - complete: the final evaluation, a final checkpoint, `export` (adapter + merged/ with its
   manifest), summary.json.
 
-`main(StageClass)` is every stage script's entry point.
+`main(StageClass)` is every stage script's entry point: every way a run ends early (bad config,
+a signal, divergence, a non-finite loss, a checkpoint that cannot be written) is one line on
+stderr and an exit code (2 config, 128+N signal N, 1 otherwise), never a traceback.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from tqdm.auto import tqdm
 
 from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
 from pipeline.config import ConfigError, StageConfig, load_config, save_config, to_dict
+from pipeline.engine.interrupt import StopRequest, Stopped, agreed_signal, all_ranks_ok, ranks_max, signal_name
+from pipeline.engine.steps import NonFiniteError
 from pipeline.engine.tracking import EarlyStopping, History
 
 log = logging.getLogger(__name__)
@@ -61,18 +70,28 @@ def data_problems(entries: Sequence[str], key: str) -> list[str]:
     return out
 
 
-def parent_problems(model_path: str, need: str = "causal") -> list[str]:
+def parent_problems(model_path: str, need: str = "causal", allow_pickle: bool = False) -> list[str]:
     """What keeps model.path from loading as a `need` model (pipeline.modeling.preflight: missing,
     an adapter or reward-model folder, no weights/tokenizer, an unreachable hub id), then
     mismatches between a local parent model's manifest and its folder's tokenizer/template."""
     from pipeline.modeling.manifest import check_parent_compatible, read_manifest
     from pipeline.modeling.preflight import model_problems
 
-    found = model_problems(model_path, "model.path", need=need)
+    found = model_problems(model_path, "model.path", need=need, allow_pickle=allow_pickle)
     folder = Path(model_path)
     if found or not folder.is_dir() or read_manifest(folder) is None:
         return found
     return [f"model.path: {p}" for p in check_parent_compatible(folder, folder)]
+
+
+def supervision_problems(samples: Sequence, seq_length: int) -> list[str]:
+    """A training set whose every label is masked trains nothing (its loss is 0): say so. Only
+    samples with `labels` count (PT and SFT rows; pairs and prompts have none)."""
+    labelled = [s["labels"] for s in samples if isinstance(s, dict) and "labels" in s]
+    if labelled and not any(bool(torch.as_tensor(labels).ne(-100).any()) for labels in labelled):
+        return [f"data.train: no training sample has a token to learn (every label is masked; train.seq_length "
+                f"{seq_length} may be too short for the prompts)"]
+    return []
 
 
 def launched_world_size() -> int:
@@ -132,6 +151,13 @@ class Stage:
     """How model.path is loaded and merged: 'causal' or 'reward'."""
     evaluates_at_start: ClassVar[bool] = False
     """Evaluate once before the first step (a baseline for the curves)."""
+    loss_can_diverge: ClassVar[bool] = True
+    """`train/loss` is a loss that starts positive and should fall (LM, RM, DPO), so a climb to a
+    multiple of its start means divergence (train.divergence). False for surrogate objectives
+    that hover around 0 (GRPO); the weight check applies to every stage."""
+    resume_may_change: ClassVar[tuple[str, ...]] = ()
+    """The stage's own config keys (dotted, or prefixes ending in '.') that may change on
+    resume without refusal, beside pipeline.engine.identity.MAY_CHANGE."""
 
     def __init__(self, cfg: StageConfig):
         from pipeline.modeling.models import resolve_model_path
@@ -157,6 +183,17 @@ class Stage:
         self.tracker: Any = None
         self.final_summary: Optional[dict] = None
         """summary.json's figures, once the stage completed."""
+        self.stop_request = StopRequest()
+        self.identity: Optional[dict] = None
+        """What this run's checkpoints record (pipeline.engine.identity.run_identity)."""
+        self.accepted_changes: list[str] = []
+        """Differences from the resumed checkpoint that checkpoint.resume_changed accepted."""
+        self.allowed_changes: list[str] = []
+        """Differences from the resumed checkpoint that may change without refusal (logged)."""
+        self.resume_changes: list[dict] = []
+        """Every accepted change so far ({step, changes}); rides in checkpoints, ends in the manifest."""
+        self.step_indices: list[list[int]] = []
+        """The sample indices the current step drew (named when a step fails)."""
 
     # ---- what a stage provides -----------------------------------------------------------
 
@@ -215,11 +252,18 @@ class Stage:
         and scheduler first, so the merge does not hold the training copies too."""
         from pipeline.engine.export import export_trained
 
-        return export_trained(self, {"tasks": self.tasks, "summary": summary, **self.manifest_extras()})
+        return export_trained(self, {"tasks": self.tasks, "summary": summary, **self.all_manifest_extras()})
 
     def summary(self) -> dict:
         """summary.json's figures."""
         return self.history.summary()
+
+    def all_manifest_extras(self) -> dict:
+        """`manifest_extras` plus the engine's own: the config changes accepted on resume."""
+        extras = self.manifest_extras()
+        if self.resume_changes:
+            extras["resume_changes"] = self.resume_changes
+        return extras
 
     def progress(self, figures: dict[str, float]) -> dict[str, str]:
         """What the progress bar shows after a step."""
@@ -235,12 +279,16 @@ class Stage:
         """validate -> build -> resume -> loop -> complete. False when stopped by
         RELAY_STOP_AFTER_STEP (after saving); `on_step(stage, record)` runs after every step."""
         hide_unrequested_backends(self.cfg)
-        self.validate()
-        self.build()
-        self.resume()
-        if not self.loop(on_step):
-            return False
-        self.complete()
+        self.stop_request.install()
+        try:
+            self.validate()
+            self.build()
+            self.resume()
+            if not self.loop(on_step):
+                return False
+            self.complete()
+        finally:
+            self.stop_request.uninstall()
         return True
 
     def validate(self) -> None:
@@ -252,10 +300,15 @@ class Stage:
         from data_formats.sources import DataError
         from pipeline.modeling.models import load_tokenizer
 
+        from pipeline.engine.accelerator import combination_problems
+
         cfg = self.cfg
-        problems = cfg.problems() + self.problems()
+        problems = cfg.problems() + self.problems() + combination_problems(cfg)
         problems += data_problems(cfg.data.train, "data.train") + data_problems(cfg.data.eval, "data.eval")
-        problems += parent_problems(self.model_path)
+        # A reward stage may start from a causal LM (fresh head) or from a reward model.
+        problems += parent_problems(self.model_path, "any" if self.model_kind == "reward" else "causal", cfg.model.allow_pickle)
+        if not problems:
+            problems += self.resume_problems()
         if problems:
             raise ConfigError(problems)
         self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code, cfg.model.revision)
@@ -263,8 +316,36 @@ class Stage:
             problems = self.build_data()
         except (DataError, ValueError) as err:
             raise ConfigError([str(err)]) from err
+        problems = problems or supervision_problems(self.train_samples, cfg.train.seq_length)
         if problems:
             raise ConfigError(problems)
+
+    def resume_problems(self) -> list[str]:
+        """Compare the checkpoint this run would resume with this run's identity (module
+        docstring of pipeline.engine.identity); sets `identity`, `accepted_changes` and
+        `allowed_changes`."""
+        from pipeline.engine.checkpoint import newest_identity
+        from pipeline.engine.identity import compare, run_identity
+
+        cfg = self.cfg
+        self.identity = run_identity(self.name, to_dict(cfg), model_path=self.model_path, world_size=launched_world_size(),
+                                     may_change=self.resume_may_change)
+        found = newest_identity(Path(cfg.output_dir) / "checkpoints", cfg.checkpoint)
+        if found is None:
+            return []
+        path, saved = found
+        impossible, refused, allowed = compare(saved, self.identity)
+        if impossible:
+            return [f"{path}: cannot resume it: {d}; use another output_dir, or checkpoint.resume: false to move its "
+                    f"checkpoints aside and start fresh" for d in impossible]
+        if refused and not cfg.checkpoint.resume_changed:
+            return [f"{path}: changed since this checkpoint: {d}" for d in refused] + [
+                "checkpoint.resume_changed: true resumes with the new values (recorded in the manifest); "
+                "checkpoint.resume: false starts fresh (the old checkpoints are moved aside)"]
+        for d in allowed:
+            log.info("resuming %s with a changed %s", path, d)
+        self.accepted_changes, self.allowed_changes = refused, allowed
+        return []
 
     def build(self) -> None:
         """Accelerator, seed, model, optimizer, scheduler, checkpointer, tracker; config.yaml."""
@@ -284,7 +365,8 @@ class Stage:
         # Not prepared: accelerate would step it once per process per step.
         self.scheduler = build_scheduler(getattr(self.optimizer, "optimizer", self.optimizer), cfg.train)
         self.checkpointer = Checkpointer(out / "checkpoints", cfg.checkpoint, rank=acc.process_index,
-                                         world_size=acc.num_processes, barrier=acc.wait_for_everyone)
+                                         world_size=acc.num_processes, barrier=acc.wait_for_everyone,
+                                         agree=lambda ok: all_ranks_ok(ok, acc))
         self.tracker = Tracker(cfg.tracking, out, default_run_name(self.name), to_dict(cfg), enabled=acc.is_main_process)
         if self.is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -296,45 +378,112 @@ class Stage:
 
     def checkpoint_state(self) -> dict:
         """Every part of a checkpoint (see the module docstring)."""
+        from pipeline.engine.accelerator import optimizer_state
         from pipeline.engine.checkpoint import rng_state, trainable_state
 
         return {
             "model": trainable_state(self.model, self.accelerator),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state(self.model, self.optimizer, self.accelerator),
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state(),
             "data": asdict(self.cursor),
             "trainer": {"step": self.step, "early_stopping": self.early.state_dict(), "history": self.history.state_dict(),
-                        "stage": self.state_dict()},
+                        "stage": self.state_dict(), "resume_changes": self.resume_changes,
+                        "global_micro_batch": self.cfg.train.batch_size * self.accelerator.num_processes},
         }
 
     def resume(self) -> None:
-        """Load the checkpoint to resume from, if any.
+        """Load the checkpoint to resume from, if any, falling back past ones that fail to load
+        (each moved aside with a warning); apply the config changes validation accepted.
 
         Raises:
-            KeyError: the checkpoint does not match the model or lacks a part.
+            CheckpointError: an explicit checkpoint.resume path that fails to load.
+            ConfigError: the checkpoint's weights do not fit the model.
             FileNotFoundError: a bad checkpoint.resume path.
         """
+        from pipeline.engine.checkpoint import CheckpointError, CorruptCheckpoint, resume_setting
+
+        explicit = resume_setting(self.cfg.checkpoint) not in (True, False)
+        for path in self.checkpointer.candidates():
+            try:
+                state, reason = self.checkpointer.load(path), None
+            except CorruptCheckpoint as err:
+                state, reason = None, str(err)
+            if not all_ranks_ok(state is not None, self.accelerator):
+                reason = reason or f"{path} failed to load on another rank"
+                if explicit:
+                    raise CheckpointError(reason)
+                self.checkpointer.move_aside(path, reason)
+                self.accelerator.wait_for_everyone()
+                continue
+            self.restore(state)
+            log.info("resumed from %s at step %d", path, self.step)
+            return
+
+    def restore(self, state: dict) -> None:
+        """Put a loaded checkpoint's state into the run (see `checkpoint_state`)."""
+        from pipeline.engine.accelerator import load_optimizer_state
         from pipeline.engine.checkpoint import load_trainable_state, set_rng_state
 
-        path = self.checkpointer.resume_path()
-        if path is None:
-            return
-        state = self.checkpointer.load(path)
-        load_trainable_state(self.model, state["model"], self.accelerator)
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            load_trainable_state(self.model, state["model"], self.accelerator)
+        except KeyError as err:
+            raise ConfigError([f"the checkpoint's weights do not fit the model: {err.args[0]}"]) from None
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"], self.accelerator)
         self.scheduler.load_state_dict(state["scheduler"])
-        self.cursor = DataCursor(**state["data"])
         trainer = state["trainer"]
         self.step = self.last_saved = int(trainer["step"])
+        self.cursor = self.converted_cursor(DataCursor(**state["data"]), trainer.get("global_micro_batch"))
         self.early.load_state_dict(trainer["early_stopping"])
         self.history.load_state_dict(trainer["history"])
         self.load_state_dict(trainer["stage"])
+        self.resume_changes = list(trainer.get("resume_changes", []))
         if "rng" in state:
             set_rng_state(state["rng"])
         else:
             log.warning("the checkpoint has no RNG state for this rank: sampling will differ from an unbroken run")
-        log.info("resumed from %s at step %d", path, self.step)
+        if self.accepted_changes:
+            self.resume_changes.append({"step": self.step, "changes": self.accepted_changes})
+            log.warning("resuming at step %d with changes accepted by checkpoint.resume_changed: %s",
+                        self.step, "; ".join(self.accepted_changes))
+        self.apply_schedule()
+
+    def converted_cursor(self, cursor: DataCursor, saved_micro_batch: Optional[int]) -> DataCursor:
+        """The saved data cursor in this run's global micro-batches (batch_size x ranks). The
+        cursor counts micro-batches, so a run that splits the same global batch differently
+        (2x2 -> 4x1) converts it through samples; a remainder is read again (logged)."""
+        current = self.cfg.train.batch_size * self.accelerator.num_processes
+        if not saved_micro_batch or saved_micro_batch == current:
+            return cursor
+        samples = cursor.position * saved_micro_batch
+        if samples % current:
+            log.warning("the new micro-batch of %d samples does not divide the %d samples done in this epoch: "
+                        "%d of them are read again", current, samples, samples % current)
+        return DataCursor(cursor.epoch, samples // current)
+
+    def apply_schedule(self) -> None:
+        """Make the optimizer follow this run's train settings from the current step on when the
+        resume changed them (learning rate, schedule, max_steps, AdamW's betas, eps, weight
+        decay). Without such a change the restored state is left as it is (bit-identical)."""
+        from pipeline.engine.schedule import build_scheduler
+
+        changed = [c.split(":")[0] for c in self.accepted_changes + self.allowed_changes]
+        if not any(c.startswith("train.") for c in changed):
+            return
+        t = self.cfg.train
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        groups = optimizer.param_groups
+        for g in groups:
+            g["initial_lr"], g["betas"], g["eps"] = t.learning_rate, (t.beta1, t.beta2), t.epsilon
+            if any(p.ndim >= 2 for p in g["params"]):
+                g["weight_decay"] = t.weight_decay
+        scheduler = build_scheduler(optimizer, t)
+        scheduler.last_epoch = self.step
+        lrs = [base * fn(self.step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for g, lr in zip(groups, lrs):
+            g["lr"] = lr
+        scheduler._last_lr = lrs
+        self.scheduler = scheduler
 
     def loop(self, on_step: Optional[OnStep] = None) -> bool:
         """Train until train.max_steps; False when RELAY_STOP_AFTER_STEP stopped the run."""
@@ -344,13 +493,18 @@ class Stage:
             self.run_evaluation()
         bar = tqdm(total=t.max_steps, initial=self.step, desc=self.name, disable=not self.accelerator.is_local_main_process)
         try:
+            self.check_stop_request()
             while self.step < t.max_steps:
                 lr = self.scheduler.get_last_lr()[0]
-                figures = self.train_step()
+                try:
+                    figures = self.train_step()
+                except NonFiniteError as err:
+                    raise NonFiniteError(f"{err}; the step's samples: {self.describe_step_samples()}") from None
                 self.scheduler.step()
                 self.step += 1
                 record = {"step": self.step, "train/lr": lr, **figures}
                 self.history.steps.append(record)
+                self.check_divergence()
                 if self.step % t.log_steps == 0 or self.step == t.max_steps:
                     self.tracker.log(figures | {"train/lr": lr}, self.step)
                 bar.update(1)
@@ -379,9 +533,65 @@ class Stage:
 
     def save_checkpoint(self, lifetime: str) -> Path:
         """Save the current step as a 'permanent' or 'temporary' checkpoint (every rank calls this)."""
-        path = self.checkpointer.save(self.step, self.checkpoint_state(), lifetime=lifetime)
+        path = self.checkpointer.save(self.step, self.checkpoint_state(), lifetime=lifetime, identity=self.identity)
         self.last_saved = self.step
         return path
+
+    def check_stop_request(self) -> None:
+        """At a step boundary: when any rank was signalled, every rank saves (unless this step is
+        saved already) and the run stops.
+
+        Raises:
+            Stopped: with the user's line and exit code 128 + the signal number.
+        """
+        signum = agreed_signal(self.stop_request.signum, self.accelerator)
+        if signum is None:
+            return
+        from pipeline.engine.checkpoint import complete_checkpoints
+
+        if self.last_saved != self.step and self.step > 0:
+            self.save_checkpoint("temporary")
+        saved = complete_checkpoints(self.checkpointer.root)
+        where = f"checkpoint {saved[-1]}" if saved else "no checkpoint yet (nothing was trained)"
+        raise Stopped(f"stopped by {signal_name(signum)} at step {self.step}; {where}; rerun the same command to continue",
+                      128 + signum)
+
+    def check_divergence(self) -> None:
+        """After a step: stop a run whose loss climbed far above its start or whose weights blew
+        up (train.divergence), on every rank together; nothing is saved or published.
+
+        Raises:
+            Diverged: naming the reason and the checkpoint a rerun would resume.
+        """
+        from pipeline.engine.checkpoint import complete_checkpoints
+        from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
+
+        cfg = self.cfg.train.divergence
+        if not cfg.enabled:
+            return
+        losses = [float(r["train/loss"]) for r in self.history.steps if "train/loss" in r] if self.loss_can_diverge else []
+        reason = loss_divergence(losses, cfg)
+        if reason is None:
+            params = (p for p in self.model.parameters() if p.requires_grad)
+            reason = weight_divergence(largest_weight(params), cfg)
+        if not ranks_max(int(reason is not None), self.accelerator):
+            return
+        saved = complete_checkpoints(self.checkpointer.root)
+        where = f"the last checkpoint is {saved[-1]}" if saved else "there is no checkpoint"
+        raise Diverged(f"diverged at step {self.step}: {reason or 'on another rank'}; nothing was published, {where} "
+                       f"(lower train.learning_rate and rerun with checkpoint.resume_changed: true, or set "
+                       f"train.divergence.enabled: false)")
+
+    def describe_step_samples(self, limit: int = 8) -> str:
+        """The current step's samples on this rank, by their source (file:line) where they have one."""
+        indices = [i for group in self.step_indices for i in group]
+        names = []
+        for i in indices[:limit]:
+            sample = self.train_samples[i] if i < len(self.train_samples) else None
+            source = sample.get("source") if isinstance(sample, dict) else None
+            names.append(source or f"#{i}")
+        more = f" and {len(indices) - limit} more" if len(indices) > limit else ""
+        return ", ".join(names) + more if names else "(none recorded)"
 
     def end_of_step(self, stop_at: Optional[int]) -> Optional[str]:
         """Evaluate when due, checkpoint when due, honour RELAY_STOP_AFTER_STEP.
@@ -396,6 +606,7 @@ class Stage:
         lifetime = self.checkpointer.due(self.step)
         if lifetime is not None:
             self.save_checkpoint(lifetime)
+        self.check_stop_request()
         if stop_at is not None and self.step == stop_at:
             if self.last_saved != self.step:
                 self.save_checkpoint("temporary")
@@ -430,6 +641,7 @@ class Stage:
         groups, self.cursor = next_micro_batches(len(self.train_samples), self.cursor, seed=t.seed, batch_size=t.batch_size,
                                                  grad_accum=t.grad_accum if grad_accum is None else grad_accum,
                                                  world_size=acc.num_processes, rank=acc.process_index)
+        self.step_indices = groups
         return groups
 
     def collate(self, collator, samples: Sequence, indices: Sequence[int]) -> dict[str, torch.Tensor]:
@@ -439,15 +651,34 @@ class Stage:
 
 def main(stage_class: type[Stage], argv: Optional[Sequence[str]] = None) -> int:
     """Every stage script's entry point: parse the config, run the stage, print its summary.
-    Config problems print as one list and exit 2."""
+    Every early end is one line on stderr (module docstring): config problems (a list) exit 2, a
+    signal 128 + its number, a divergence, a non-finite step or a checkpoint error 1."""
+    from pipeline.engine.checkpoint import CheckpointError
+    from pipeline.engine.divergence import Diverged
+
+    from pipeline.engine.tracking import format_stage_summary, quiet_console
+
     logging.basicConfig(level=os.environ.get("RELAY_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_console()
     prog = f"stages/{Path(inspect.getfile(stage_class)).name}"
+    stage = None
     try:
         stage = stage_class(load_config(stage_class.config_class, argv, prog=prog))
         completed = stage.run()
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    except Stopped as err:
+        if stage is None or stage.is_main:
+            print(f"{stage_class.name}: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(f"{stage_class.name}: stopped at once by a second Ctrl-C, without saving; rerun the same command to "
+              f"continue from the last checkpoint", file=sys.stderr)
+        return 130
+    except (Diverged, NonFiniteError, CheckpointError) as err:
+        print(f"{stage_class.name}: {err}", file=sys.stderr)
+        return 1
     if completed and stage.is_main:
-        print(json.dumps(stage.final_summary, indent=2, default=float))
+        print(format_stage_summary(stage.name, stage.final_summary, stage.cfg.output_dir, stage.model_kind))
     return 0

@@ -293,6 +293,17 @@ def cmd_finish(cfg: PipelineConfig, stage: str) -> None:
     log(cfg, f"{stage}: finished, {merged_dir(cfg, stage)} checked against its parent {parent_path(cfg, stage)}")
 
 
+def cmd_stopped(cfg: PipelineConfig, stage: str, exit_code: int) -> None:
+    """Record in driver.log which stage ended early, why (a signal or an error exit) and the
+    checkpoint a rerun continues from."""
+    from pipeline.engine.launch import describe
+
+    folder = merged_dir(cfg, stage).parent / "checkpoints"
+    marked = sorted(p.parent for p in folder.glob("step-*/.complete")) if folder.is_dir() else []
+    where = f"its last checkpoint is {marked[-1]}" if marked else "it has no checkpoint yet"
+    log(cfg, f"{stage}: {describe(exit_code)}; {where}; rerun the same command to continue")
+
+
 @contextlib.contextmanager
 def answers_only_on_stdout():
     """Yield a stream for the answers to the bash script; while inside, everything else written
@@ -325,13 +336,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def run_command(args: list[str], answer) -> int:
     """One subcommand; what the bash script reads goes to `answer`, everything else to stderr."""
-    usage = "usage: python -m pipeline.tools.driver {stages,prepare,finish,summarize,report-dir} CONFIG [STAGE] [--from S|--only S] [--key value ...]"
-    if len(args) < 2 or args[0] not in ("stages", "prepare", "finish", "summarize", "report-dir"):
+    usage = ("usage: python -m pipeline.tools.driver {stages,prepare,finish,stopped,summarize,report-dir} CONFIG [STAGE] "
+             "[EXIT_CODE] [--from S|--only S] [--key value ...]")
+    if len(args) < 2 or args[0] not in ("stages", "prepare", "finish", "stopped", "summarize", "report-dir"):
         print(usage, file=sys.stderr)
         return 2
     command, config_path, rest = args[0], args[1], args[2:]
     stage = None
-    if command in ("prepare", "finish"):
+    exit_code = 0
+    if command == "stopped" and len(rest) >= 2 and rest[1].lstrip("-").isdigit():
+        exit_code, rest = int(rest[1]), [rest[0], *rest[2:]]
+    if command in ("prepare", "finish", "stopped"):
         if not rest or rest[0] not in STAGE_ORDER:
             print(f"{command}: needs a stage ({', '.join(STAGE_ORDER)})\n{usage}", file=sys.stderr)
             return 2
@@ -348,6 +363,8 @@ def run_command(args: list[str], answer) -> int:
             print("\n".join(cmd_prepare(cfg, stage)), file=answer)
         elif command == "finish":
             cmd_finish(cfg, stage)
+        elif command == "stopped":
+            cmd_stopped(cfg, stage, exit_code)
         elif command == "report-dir":
             print(cfg.output_root if cfg.report else "", file=answer)
         else:

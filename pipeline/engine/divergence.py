@@ -1,0 +1,47 @@
+"""Telling a diverged run from a training one (train.divergence): a loss that climbed to a
+multiple of where it started (a LoRA run stuck at ln(vocab)), or weights that blew up. The
+engine checks after every optimizer step and stops the run without publishing it
+(`Diverged`); the non-finite guard (engine.steps.check_finite) catches NaN/inf before the step.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from pipeline.config.sections import DivergenceConfig
+
+
+class Diverged(RuntimeError):
+    """The run diverged; the message is one line for the user."""
+
+
+def loss_divergence(losses: list[float], cfg: DivergenceConfig) -> Optional[str]:
+    """Why the loss curve counts as diverged, or None: the mean of the last `window` losses is
+    more than `loss_ratio` times the mean of the first `window` (needs 2 x window losses)."""
+    w = cfg.window
+    if len(losses) < 2 * w:
+        return None
+    first, last = sum(losses[:w]) / w, sum(losses[-w:]) / w
+    if first > 0 and last > cfg.loss_ratio * first:
+        return (f"train loss {last:.3f} over the last {w} steps is {last / first:.1f}x the first {w} steps' {first:.3f} "
+                f"(train.divergence.loss_ratio {cfg.loss_ratio})")
+    return None
+
+
+def largest_weight(params: Iterable[torch.Tensor]) -> float:
+    """The largest magnitude among the given tensors (0.0 for none)."""
+    largest = 0.0
+    with torch.no_grad():
+        for p in params:
+            if p.numel():
+                largest = max(largest, float(p.detach().abs().max()))
+    return largest
+
+
+def weight_divergence(largest: float, cfg: DivergenceConfig) -> Optional[str]:
+    """Why the weights count as blown up, or None."""
+    if not largest <= cfg.max_weight_abs:  # also catches NaN
+        return f"a trainable weight reached magnitude {largest:.3g} (train.divergence.max_weight_abs {cfg.max_weight_abs:g})"
+    return None
