@@ -228,7 +228,8 @@ def fit_pair(prompts: tuple[list[int], list[int]], responses: tuple[list[int], l
 
 
 def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, split: str) -> list[dict]:
-    """Pairs dict(chosen_input_ids, rejected_input_ids, margin, source). Each side is the rendered
+    """Pairs dict(chosen_input_ids, rejected_input_ids, chosen_answer_len, rejected_answer_len,
+    margin, source). Each side is the rendered
     prompt followed by its answer, ending at the answer's end-of-turn token (`render_scored`: the
     token a reward is read at, the same one PPO reads). Overlong pairs are dropped
     (truncation='drop') or lose their oldest prompt tokens (truncation='truncate', `fit_pair`);
@@ -264,7 +265,9 @@ def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, s
         if c == r:
             counts["identical"] += 1
             continue
-        out.append({"chosen_input_ids": c, "rejected_input_ids": r, "margin": margin, "source": record.source})
+        # The answers are never cut (fit_pair cuts prompts), so each side's answer is its last tokens.
+        out.append({"chosen_input_ids": c, "rejected_input_ids": r, "chosen_answer_len": len(cr), "rejected_answer_len": len(rr),
+                    "margin": margin, "source": record.source})
     apply_policy(problems, cfg.on_error, f"rm {split} data")
     log.info("rm %s data: %d pair(s), %d dropped overlong, %d dropped identical", split, len(out),
              counts["dropped_overlong"], counts["identical"])

@@ -103,6 +103,18 @@ STAGES: dict[str, StageInfo] = {
             Panel("completion length", "tokens", {"train": "grpo/completion_length"}),
         )),
     ),
+    "dpo": StageInfo(
+        "dpo:DPOStage",
+        parents=("sft", "pt"),
+        judged=True,
+        data_kind="preference",
+        summary_keys=(*LOSSES, "eval_accuracy", "eval_margin"),
+        plot=("dpo", "DPO", (
+            Panel("implicit rewards (train)", "β·log(π/π_ref)", {"chosen": "dpo/rewards_chosen", "rejected": "dpo/rewards_rejected"}),
+            Panel("pairwise accuracy", "accuracy (chosen > rejected)", {"train": "train/accuracy", "eval": "eval/accuracy"}),
+            Panel("margin", "reward(chosen) - reward(rejected)", {"train": "train/margin", "eval": "eval/margin"}),
+        )),
+    ),
 }
 """name -> StageInfo, in the order stages are listed by default (the default chain is
 pt -> sft -> rm -> ppo; a pipeline config's `chain` picks any other)."""

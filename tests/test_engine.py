@@ -76,7 +76,7 @@ def test_the_registry_names_every_stage_and_its_script():
     import stages
     from pipeline.engine.stage import Stage
 
-    assert list(stages.STAGES) == ["pt", "sft", "rm", "ppo"]
+    assert list(stages.STAGES)[:4] == ["pt", "sft", "rm", "ppo"] and "dpo" in stages.STAGES
     for name in stages.STAGES:
         cls = stages.stage_class(name)
         assert issubclass(cls, Stage) and cls.name == name

@@ -1,0 +1,331 @@
+"""DPO stage: tune the SFT policy directly on preference pairs (DPO, IPO or ORPO), no reward model.
+
+    torchrun --nproc_per_node N stages/dpo.py --config configs/dpo.yaml [--train.max_steps 20]
+    python stages/dpo.py                                   # one process, bundled sample pairs
+
+Reads the preference data the RM stage reads, in every format it accepts ({question,
+response_chosen, response_rejected}, {prompt, chosen, rejected}, chat lists), rendered the same
+way: each side is the prompt followed by its answer up to and including the answer's end-of-turn
+token (data_formats.render.render_scored); truncation cuts the oldest prompt tokens, never an
+answer. A side's log-prob is the sum over its answer tokens (TRL's). The math (`dpo.loss_type`:
+sigmoid with label smoothing, ipo, orpo) is pipeline/algorithms/preference.py, checked against
+TRL 1.16 in tests/test_dpo.py.
+
+The reference is the policy with its adapter disabled under LoRA/QLoRA (one backbone) and a frozen
+copy of the starting model under full fine-tuning; ORPO has none. `dpo.precompute_ref_log_probs`
+computes the reference log-probs of every pair once, before the first step, in fixed batches in
+data order, and drops the full-FT copy: each step then runs the policy forward only. A resumed
+run recomputes them the same way (the reference never trains), so they are not checkpointed.
+Dropout is off in the policy (as TRL's DPOTrainer does by default) so that at step 0 the policy's
+log-probs are the reference's exactly. Pairs are padded, not packed (`data.padding_mode: pack` is
+refused).
+
+Logged: train/loss, train/accuracy (implicit reward of chosen > rejected), train/margin,
+dpo/rewards_chosen, dpo/rewards_rejected (ORPO also dpo/nll, dpo/log_odds), and the same on the
+held-out pairs as eval/loss, eval/accuracy, eval/margin, eval/rewards_chosen, eval/rewards_rejected.
+The flow, checkpoint/resume, trackers, RELAY_STOP_AFTER_STEP=k and export are the engine's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from pipeline.algorithms import preference as pref
+from pipeline.config import PreferenceDataConfig, StageConfig
+from pipeline.engine.stage import Stage, launched_world_size, main
+from pipeline.engine.steps import all_reduce_sum, check_finite, clip_gradients, eval_shards, micro_step
+from pipeline.modeling.models import eval_mode
+from stages.reward import PairCollator
+
+log = logging.getLogger("relay.dpo")
+
+
+# ------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DPOData(PreferenceDataConfig):
+    train: list[str] = field(default_factory=lambda: ["data/sample/rm/train.jsonl"])
+    """Preference pairs: {question, response_chosen, response_rejected}, {prompt, chosen, rejected} or chat lists."""
+    eval: list[str] = field(default_factory=lambda: ["data/sample/rm/valid.jsonl"])
+    """Held-out pairs for eval/loss, eval/accuracy, eval/margin and the eval rewards."""
+
+
+@dataclass
+class DPOSection:
+    loss_type: str = "sigmoid"
+    """sigmoid (DPO) | ipo | orpo (reference-free: NLL on the chosen answer + odds-ratio term)."""
+    beta: float = 0.1
+    """DPO's β (the KL strength), IPO's τ, ORPO's λ (the weight of the odds-ratio term)."""
+    label_smoothing: float = 0.0
+    """sigmoid only: the assumed share of flipped labels ε in [0, 0.5) (conservative DPO)."""
+    precompute_ref_log_probs: bool = False
+    """Compute the reference log-probs of every pair once before training (one forward per step saved)."""
+
+    def problems(self, key: str = "dpo") -> list[str]:
+        out = []
+        if self.loss_type not in pref.LOSS_TYPES:
+            out.append(f"{key}.loss_type: {self.loss_type!r} is not one of {', '.join(map(repr, pref.LOSS_TYPES))}")
+        if not self.beta > 0:
+            out.append(f"{key}.beta: must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            out.append(f"{key}.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
+        elif self.label_smoothing and self.loss_type != "sigmoid":
+            out.append(f"{key}.label_smoothing: only the sigmoid loss smooths labels (loss_type is {self.loss_type!r})")
+        if self.precompute_ref_log_probs and self.loss_type in pref.REFERENCE_FREE:
+            out.append(f"{key}.precompute_ref_log_probs: the {self.loss_type} loss has no reference model")
+        return out
+
+
+@dataclass
+class DPOConfig(StageConfig):
+    output_dir: str = "outputs/dpo"
+    """Everything goes here: checkpoints/, runs/, adapter/, merged/ (the tuned policy), summary.json."""
+    data: DPOData = field(default_factory=DPOData)
+    dpo: DPOSection = field(default_factory=DPOSection)
+
+
+# ------------------------------------------------------------------------------------------
+# Pieces: batching, log-probs
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AnswerPairCollator:
+    """Pairs -> one right-padded batch (rows [0, B) chosen, [B, 2B) rejected, as the RM's
+    PairCollator) with `labels` set on each side's answer tokens (its last `*_answer_len`
+    tokens, end-of-turn included) and -100 on the prompt and the padding."""
+
+    pad_token_id: int
+
+    def __call__(self, pairs: Sequence[dict]) -> dict[str, torch.Tensor]:
+        batch = PairCollator(self.pad_token_id)(pairs)
+        del batch["margin"]
+        labels = torch.full_like(batch["input_ids"], pref.IGNORE_INDEX)
+        sides = [(p["chosen_input_ids"], p["chosen_answer_len"]) for p in pairs] + [(p["rejected_input_ids"], p["rejected_answer_len"]) for p in pairs]
+        for row, (ids, answer) in enumerate(sides):
+            labels[row, len(ids) - answer : len(ids)] = batch["input_ids"][row, len(ids) - answer : len(ids)]
+        batch["labels"] = labels
+        return batch
+
+
+def sequence_logps(model, batch: dict, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
+    """([2B] summed answer log-probs, [2B] answer token counts) of an AnswerPairCollator batch."""
+    autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+    with autocast:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    return pref.answer_logps(logits, batch["labels"])
+
+
+def pair_losses(cfg: DPOSection, sums: torch.Tensor, counts: torch.Tensor, ref: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(scalar loss, {figure: [B] values}) of one batch from its [2B] policy sums and counts and
+    its [2B] reference sums (None for ORPO)."""
+    half = sums.shape[0] // 2
+    pc, pr, nc, nr = sums[:half], sums[half:], counts[:half], counts[half:]
+    extra: dict[str, torch.Tensor] = {}
+    if cfg.loss_type == "orpo":
+        pairs, log_odds = pref.orpo_losses(pc, pr, nc, nr, cfg.beta)
+        nll = pref.orpo_nll(pc, nc)
+        loss = nll + pairs.losses.mean()
+        extra = {"nll": nll.detach().expand(half), "log_odds": log_odds.detach()}
+    else:
+        pairs = pref.dpo_losses(pc, pr, ref[:half], ref[half:], cfg.beta, cfg.loss_type, cfg.label_smoothing, nc, nr)
+        loss = pairs.losses.mean()
+    chosen, rejected = pairs.chosen_rewards, pairs.rejected_rewards
+    figures = {"loss": pairs.losses.detach() + (extra["nll"] if "nll" in extra else 0.0), "accuracy": (chosen > rejected).float(),
+               "margin": chosen - rejected, "rewards_chosen": chosen, "rewards_rejected": rejected, **extra}
+    return loss, figures
+
+
+# ------------------------------------------------------------------------------------------
+# The stage
+# ------------------------------------------------------------------------------------------
+
+
+class DPOStage(Stage):
+    name = "dpo"
+    config_class = DPOConfig
+    evaluates_at_start = True
+
+    def __init__(self, cfg: DPOConfig):
+        super().__init__(cfg)
+        self.reference: Optional[torch.nn.Module] = None
+        """The frozen copy of the starting model (full fine-tuning, until precomputed), else None."""
+        self.precomputed: dict[str, torch.Tensor] = {}
+        """split -> [N, 2] reference log-probs (chosen, rejected) of every pair, once computed."""
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.cfg.data.padding_mode != "padding":
+            out.append("data.padding_mode: the DPO stage pads pairs ('padding'); packing is not supported")
+        if self.cfg.data.margin_field:
+            out.append("data.margin_field: DPO has no per-pair margin (a reward-model key)")
+        return out
+
+    def build_data(self) -> list[str]:
+        """The tokenised pairs (the RM's: data_formats.datasets.build_preference_data)."""
+        from data_formats.datasets import build_preference_data
+        from data_formats.render import make_template, template_jinja
+
+        cfg, tok = self.cfg, self.tokenizer
+        template = make_template(cfg.data, tok)
+        self.chat_template = template_jinja(template, tok)
+        self.train_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "train")
+        if cfg.data.eval or cfg.data.eval_fraction > 0:
+            self.eval_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "eval")
+        self.collator = AnswerPairCollator(tok.pad_token_id)
+        log.info("dpo: %d training pair(s), %d eval pair(s)", len(self.train_samples), len(self.eval_samples))
+        world = launched_world_size()
+        if len(self.train_samples) < cfg.train.batch_size * world:
+            return [f"data.train: {len(self.train_samples)} pair(s) cannot fill one micro-batch of {cfg.train.batch_size} x {world} rank(s)"]
+        return []
+
+    def build_model(self) -> torch.nn.Module:
+        """The policy; under full fine-tuning with a reference, also its frozen starting copy."""
+        from pipeline.modeling.models import load_model
+
+        cfg = self.cfg
+        if cfg.model.finetuning == "full" and cfg.dpo.loss_type not in pref.REFERENCE_FREE:
+            self.reference = load_model(cfg.model, None, kind="causal", tokenizer=self.tokenizer).requires_grad_(False).eval()
+            self.reference.to(self.accelerator.device)
+        return super().build_model()
+
+    def train_mode(self) -> None:
+        """Train mode (gradient checkpointing runs) without dropout: at step 0 the policy's
+        log-probs equal the reference's, and a step is deterministic."""
+        from pipeline.modeling.models import train_without_dropout
+
+        train_without_dropout(self.model)
+
+    # ---- the reference ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reference_logps(self, batch: dict) -> torch.Tensor:
+        """[2B] summed answer log-probs of the reference: the frozen copy, or the policy with its
+        adapter disabled (eval mode: no dropout)."""
+        from pipeline.algorithms.rollout import _peft_disabled
+
+        if self.reference is not None:
+            return sequence_logps(self.reference, batch, self.accelerator)[0]
+        policy = self.accelerator.unwrap_model(self.model)
+        with _peft_disabled(policy), eval_mode(policy):
+            return sequence_logps(policy, batch, self.accelerator)[0]
+
+    def precompute(self) -> None:
+        """Reference log-probs of every train and eval pair, in fixed batches of train.batch_size in
+        data order (so a resumed run gets the same values), then drop the full-FT copy."""
+        size = self.cfg.train.batch_size
+        for split, samples in (("train", self.train_samples), ("eval", self.eval_samples)):
+            rows = [self.reference_logps(self.collate(self.collator, samples, range(i, min(i + size, len(samples)))))
+                    for i in range(0, len(samples), size)]
+            self.precomputed[split] = torch.cat([torch.stack(r.chunk(2), dim=1) for r in rows]).cpu() if rows else torch.zeros(0, 2)
+        log.info("dpo: reference log-probs precomputed for %d train and %d eval pair(s)", len(self.train_samples), len(self.eval_samples))
+        self.reference = None
+
+    def batch_reference(self, split: str, indices: Sequence[int], batch: dict) -> Optional[torch.Tensor]:
+        """[2B] reference sums of a batch (chosen then rejected), None for a reference-free loss."""
+        if self.cfg.dpo.loss_type in pref.REFERENCE_FREE:
+            return None
+        if not self.cfg.dpo.precompute_ref_log_probs:
+            return self.reference_logps(batch)
+        if split not in self.precomputed:
+            self.precompute()
+        rows = self.precomputed[split][list(indices)].to(batch["input_ids"].device)
+        return torch.cat([rows[:, 0], rows[:, 1]])
+
+    # ---- steps -------------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over this rank's equal-sized micro-batches (the mean of per-batch
+        means is the pair mean); figures averaged over pairs and ranks.
+
+        Raises:
+            NonFiniteError: loss or gradients not finite (the optimizer has not stepped).
+        """
+        acc = self.accelerator
+        groups = self.next_sample_indices()
+        sums: dict[str, float] = {}
+        for index, group in enumerate(groups):
+            batch = self.collate(self.collator, self.train_samples, group)
+            ref = self.batch_reference("train", group, batch)
+            with micro_step(acc, self.model, index, len(groups)):
+                logps, counts = sequence_logps(self.model, batch, acc)
+                loss, figures = pair_losses(self.cfg.dpo, logps, counts, ref)
+                acc.backward(loss)
+            for key, values in figures.items():
+                sums[key] = sums.get(key, 0.0) + float(values.float().mean()) / len(groups)
+        grad_norm = clip_gradients(self.model, acc, self.cfg.train.max_grad_norm)
+        check_finite(sums["loss"], self.model, self.step + 1)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        keys = sorted(sums)
+        means = all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64), acc) / acc.num_processes
+        m = dict(zip(keys, means.tolist()))
+        out = {"train/loss": m["loss"], "train/accuracy": m["accuracy"], "train/margin": m["margin"], "train/grad_norm": grad_norm,
+               "dpo/rewards_chosen": m["rewards_chosen"], "dpo/rewards_rejected": m["rewards_rejected"]}
+        out.update({f"dpo/{k}": m[k] for k in ("nll", "log_odds") if k in m})
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[dict[str, float]]:
+        """eval/loss, eval/accuracy, eval/margin, eval/rewards_chosen, eval/rewards_rejected: means
+        over the held-out pairs of every rank (the padding batches of a short rank not counted)."""
+        if not self.eval_samples:
+            return None
+        acc, figures = self.accelerator, {}
+        with eval_mode(self.model):
+            for indices, counts in eval_shards(len(self.eval_samples), self.cfg.train.batch_size, acc.num_processes, acc.process_index,
+                                               self.cfg.train.eval_batches):
+                batch = self.collate(self.collator, self.eval_samples, indices)
+                ref = self.batch_reference("eval", indices, batch)
+                logps, tokens = sequence_logps(self.model, batch, acc)
+                for key, values in pair_losses(self.cfg.dpo, logps, tokens, ref)[1].items():
+                    figures.setdefault(key, []).append(values.float() if counts else torch.full_like(values.float(), float("nan")))
+        out = {}
+        for key, parts in figures.items():
+            values = torch.cat(parts)
+            values = acc.gather_for_metrics(values) if acc.num_processes > 1 else values
+            out[key] = float(values[~torch.isnan(values)].mean())
+        return {"eval/loss": out["loss"], "eval/accuracy": out["accuracy"], "eval/margin": out["margin"],
+                "eval/rewards_chosen": out["rewards_chosen"], "eval/rewards_rejected": out["rewards_rejected"]}
+
+    def export(self, summary: dict) -> Optional[Path]:
+        self.reference = None
+        return super().export(summary)
+
+    def progress(self, figures: dict[str, float]) -> dict[str, str]:
+        return {"loss": f"{figures['train/loss']:.4f}", "acc": f"{figures['train/accuracy']:.2f}", "margin": f"{figures['train/margin']:.3f}"}
+
+    def summary(self) -> dict:
+        steps, evals = self.history.steps, self.history.evals
+        last = evals[-1] if evals else {}
+        return {
+            "train_loss_first": steps[0]["train/loss"] if steps else None,
+            "train_loss_last": steps[-1]["train/loss"] if steps else None,
+            "train_accuracy_last": steps[-1]["train/accuracy"] if steps else None,
+            "eval_loss_first": evals[0]["eval/loss"] if evals else None,
+            "eval_loss_last": last.get("eval/loss"),
+            "eval_accuracy": last.get("eval/accuracy"),
+            "eval_margin": last.get("eval/margin"),
+            "eval_rewards_chosen": last.get("eval/rewards_chosen"),
+            "eval_rewards_rejected": last.get("eval/rewards_rejected"),
+            "loss_type": self.cfg.dpo.loss_type,
+            "steps": self.step,
+            "wall_seconds": self.history.wall_seconds(),
+        }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(DPOStage))
