@@ -157,7 +157,15 @@ def test_reward_spec_refusals(tmp_path):
         assert "outside the project and the installed packages" in rw.reward_func_problem("sneaky_reward:score")
     finally:
         sys.path.remove(str(tmp_path))
-    assert "sneaky_reward" not in sys.modules
+    (tmp_path / "sneakypkg").mkdir()
+    (tmp_path / "sneakypkg" / "__init__.py").write_text("raise SystemExit('imported!')\n")
+    (tmp_path / "sneakypkg" / "rewards.py").write_text("def score(p, c): return [1.0] * len(c)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert "outside the project and the installed packages" in rw.reward_func_problem("sneakypkg.rewards:score")
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert "sneaky_reward" not in sys.modules and "sneakypkg" not in sys.modules
 
 
 def test_config_problems_listed_together_before_loading(tmp_path):

@@ -30,6 +30,14 @@ def _allowed_roots() -> list[Path]:
     return [PROJECT_ROOT] + [Path(paths[k]).resolve() for k in ("purelib", "platlib", "stdlib") if k in paths]
 
 
+def _location(spec) -> Optional[Path]:
+    """Where a found module lives: its file, or a namespace package's first folder."""
+    if spec.origin and spec.has_location:
+        return Path(spec.origin).resolve()
+    locations = list(spec.submodule_search_locations or [])
+    return Path(locations[0]).resolve() if locations else None
+
+
 def reward_func_problem(spec: str) -> Optional[str]:
     """Why `spec` ("module:function") cannot be used, or None. Imports the module (only when it
     lies in the project or an installed package) to check the function exists and is callable."""
@@ -38,15 +46,17 @@ def reward_func_problem(spec: str) -> Optional[str]:
         return f"{spec!r} is a file path; name a function as 'module:function' of the project or an installed package"
     if not sep or not module or not name.isidentifier():
         return f"{spec!r} is not 'module:function'"
-    try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError) as err:
-        return f"{spec!r}: module {module!r} cannot be imported ({err})"
-    if found is None:
-        return f"{spec!r}: module {module!r} cannot be imported (no such module)"
-    origin = Path(found.origin).resolve() if found.origin and found.has_location else None
-    if origin is None or not any(origin.is_relative_to(root) for root in _allowed_roots()):
-        return f"{spec!r}: module {module!r} is at {found.origin}, outside the project and the installed packages"
+    # The top-level package first: finding it runs no code, finding a submodule imports its parents.
+    for name_ in dict.fromkeys((module.split(".")[0], module)):
+        try:
+            found = importlib.util.find_spec(name_)
+        except (ImportError, ValueError) as err:
+            return f"{spec!r}: module {module!r} cannot be imported ({err})"
+        if found is None:
+            return f"{spec!r}: module {module!r} cannot be imported (no such module)"
+        where = _location(found)
+        if where is None or not any(where.is_relative_to(root) for root in _allowed_roots()):
+            return f"{spec!r}: module {name_!r} is at {where}, outside the project and the installed packages"
     try:
         func = getattr(importlib.import_module(module), name, None)
     except Exception as err:  # noqa: BLE001  (any failure while importing the user's module is one line)
