@@ -9,12 +9,12 @@ only decides their arguments (dtype, attention kernel, quantisation, LoRA target
 combinations that would otherwise degrade silently (flash-attention without CUDA, QLoRA without a
 LoRA config, a pad token equal to the trained end-of-turn token).
 
-Untrusted folders: weights load from safetensors only, unless `model.allow_pickle` is set for a
-folder that has nothing but pickled weights, and then through torch.load(weights_only=True).
-Code in a folder (config.json `auto_map`) runs only with `model.trust_remote_code`; without it a
-folder whose model_type transformers knows loads the stock class, with one warning that its
-custom code is ignored, and one whose model_type it does not know is refused
-(`weights_problems`, which a stage checks before anything heavy).
+Untrusted folders: weights load from safetensors only (transformers never unpickles then), unless
+`model.allow_pickle` is set, and then through torch.load(weights_only=True); a pickle-only folder
+without it is refused before anything loads by pipeline.modeling.preflight. Code in a folder
+(config.json `auto_map`) runs only with `model.trust_remote_code`; without it a folder whose
+model_type transformers knows loads the stock class, with one warning that its custom code is
+ignored, and one whose model_type it does not know is refused (`remote_code_problems`).
 """
 
 from __future__ import annotations
@@ -49,21 +49,7 @@ SCORE_HEAD = "score"
 # never emits, so using one as padding does not collide with a trained token.
 PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
 ADDED_PAD_TOKEN = "<|relay_pad|>"
-# Weight files read with pickle (torch.load): transformers' pytorch_model*.bin, and bare .pt/.pth/.ckpt.
-PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt")
 _warned_custom_code: set[str] = set()
-
-
-def pickled_weights(folder: str | Path) -> list[str]:
-    """The pickled weight files of a local folder that has no safetensors weights ([] when it has
-    safetensors, holds no pickled weights, or is no local folder)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    names = sorted(p.name for p in folder.iterdir() if p.is_file())
-    if any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
-        return []
-    return [n for n in names if n.endswith(PICKLE_SUFFIXES) or (n.startswith("pytorch_model") and n.endswith(".bin"))]
 
 
 def custom_code(folder: str | Path) -> Optional[dict[str, Any]]:
@@ -83,24 +69,18 @@ def custom_code(folder: str | Path) -> Optional[dict[str, Any]]:
     return {"model_type": model_type, "auto_map": sorted(data["auto_map"]), "known": model_type in CONFIG_MAPPING}
 
 
-def weights_problems(model_cfg: ModelConfig, key: str = "model") -> list[str]:
-    """What in the model folder's files must be refused before anything loads, one line each:
-    only pickled weights without `{key}.allow_pickle`; custom code for a model_type transformers
-    does not know, without `{key}.trust_remote_code` (it could not load without running that code)."""
-    if is_embedded(model_cfg.path):
+def remote_code_problems(model_cfg: ModelConfig, key: str = "model") -> list[str]:
+    """A folder that cannot load without running its own code (auto_map for a model_type
+    transformers does not know) while `{key}.trust_remote_code` is off: one line, else []."""
+    if is_embedded(model_cfg.path) or model_cfg.trust_remote_code:
         return []
-    folder, out = Path(str(model_cfg.path)), []
-    pickled = pickled_weights(folder)
-    if pickled and not model_cfg.allow_pickle:
-        out.append(f"{key}.path: {folder} has only pickled weights ({', '.join(pickled[:3])}), and unpickling can run code; "
-                   f"convert them to safetensors where you trust them (model.save_pretrained(folder, safe_serialization=True)), "
-                   f"or set {key}.allow_pickle: true to load them with torch.load(weights_only=True)")
+    folder = Path(str(model_cfg.path))
     code = custom_code(folder)
-    if code and not code["known"] and not model_cfg.trust_remote_code:
-        out.append(f"{key}.path: {folder} needs its own code: model_type {code['model_type']!r} is not a transformers model "
-                   f"and config.json maps {', '.join(code['auto_map'])} to code in the folder (auto_map); set "
-                   f"{key}.trust_remote_code: true if you trust the folder")
-    return out
+    if not code or code["known"]:
+        return []
+    return [f"{key}.path: {folder} needs its own code: model_type {code['model_type']!r} is not a transformers model "
+            f"and config.json maps {', '.join(code['auto_map'])} to code in the folder (auto_map); set "
+            f"{key}.trust_remote_code: true if you trust the folder"]
 
 
 def warn_ignored_code(path: str | Path, trust_remote_code: bool) -> Optional[str]:
@@ -308,13 +288,14 @@ def load_model(
 
     Raises:
         ValueError: unknown kind, bad dtype/attention (flash-attention where it cannot run),
-            'qlora' without lora_cfg, weights missing for a reward model, a folder refused by
-            `weights_problems` (pickled weights, custom code that is not trusted).
-        OSError: transformers could not find the model or its safetensors weights.
+            'qlora' without lora_cfg, weights missing for a reward model, custom code that is
+            needed but not trusted (`remote_code_problems`).
+        OSError: transformers could not find the model or its safetensors weights (a pickle-only
+            folder without model.allow_pickle).
     """
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} is not one of {KINDS}")
-    refused = weights_problems(model_cfg)
+    refused = remote_code_problems(model_cfg)
     if refused:
         raise ValueError("; ".join(refused))
     path = resolve_model_path(model_cfg.path)

@@ -97,10 +97,10 @@ def test_trusted_custom_code_trains_and_merges(tiny_model_dir, tmp_path):
 
 def test_untrusted_custom_code_is_refused_before_loading(tiny_model_dir, tmp_path):
     folder = with_custom_code(tiny_model_dir, tmp_path / "custom", "relay_tiny")
-    (problem,) = models.weights_problems(ModelConfig(path=str(folder)))
+    (problem,) = models.remote_code_problems(ModelConfig(path=str(folder)))
     assert problem.startswith(f"model.path: {folder} needs its own code: model_type 'relay_tiny'")
     assert "set model.trust_remote_code: true" in problem
-    assert models.weights_problems(ModelConfig(path=str(folder), trust_remote_code=True)) == []
+    assert models.remote_code_problems(ModelConfig(path=str(folder), trust_remote_code=True)) == []
     with pytest.raises(ValueError, match="needs its own code"):
         models.load_model(ModelConfig(path=str(folder), finetuning="full", dtype="fp32"), None)
 
@@ -145,15 +145,15 @@ class Payload:
 
 
 def test_pickled_weights_need_opt_in_and_load_weights_only(tiny_model_dir, tmp_path):
+    from pipeline.modeling.preflight import model_problems
+
     folder = pickled_copy(tiny_model_dir, tmp_path / "pickled")
-    (problem,) = models.weights_problems(ModelConfig(path=str(folder)))
+    (problem,) = model_problems(str(folder), "model.path")
     assert problem.startswith(f"model.path: {folder} has only pickled weights (pytorch_model.bin), and unpickling can run code")
     assert "set model.allow_pickle: true" in problem
-    with pytest.raises(ValueError, match="only pickled weights"):
-        models.load_model(ModelConfig(path=str(folder), finetuning="full", dtype="fp32"), None)
+    assert model_problems(str(folder), "model.path", allow_pickle=True) == []
 
     opted = ModelConfig(path=str(folder), finetuning="full", dtype="fp32", allow_pickle=True)
-    assert models.weights_problems(opted) == []
     assert models.from_pretrained_kwargs(opted)["weights_only"] is True
     loaded = models.load_model(opted, None)
     reference = models.load_model(ModelConfig(path=str(tiny_model_dir), finetuning="full", dtype="fp32"), None)
@@ -163,9 +163,26 @@ def test_pickled_weights_need_opt_in_and_load_weights_only(tiny_model_dir, tmp_p
     marker = tmp_path / "payload-ran"
     state = torch.load(folder / "pytorch_model.bin", weights_only=True)
     torch.save({**state, "extra": Payload(marker)}, folder / "pytorch_model.bin")
+    with pytest.raises(OSError):  # not opted in: the pickle is never opened
+        models.load_model(ModelConfig(path=str(folder), finetuning="full", dtype="fp32"), None)
     with pytest.raises(Exception, match="(?i)weights_only|unpickl"):
         models.load_model(opted, None)
     assert not marker.exists()  # refused by weights_only=True, never executed
+
+
+def test_opted_in_pickled_base_trains_and_merges(tiny_model_dir, tmp_path):
+    """With model.allow_pickle the stage trains, and the merge loads the same pickled base."""
+    from safetensors.torch import load_file
+
+    from stages.sft import SFTStage
+
+    folder = pickled_copy(tiny_model_dir, tmp_path / "pickled")
+    run_stage(SFTStage, sft_args(folder, tmp_path, "--model.allow_pickle", "true"))
+    merged = tmp_path / "out" / "merged"
+    weights = load_file(merged / "model.safetensors")  # the merged folder is safetensors
+    assert not list(merged.glob("*.bin"))
+    base = load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(weights[k], base[k]) for k in base if k in weights)  # the adapter was merged in
 
 
 def test_pickled_weights_are_one_line_before_anything_heavy(tiny_model_dir, tmp_path, monkeypatch):
