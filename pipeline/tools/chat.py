@@ -184,7 +184,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from pipeline.engine.tracking import quiet_console
+
     args = parse_args(argv)
+    quiet_console()
     torch.manual_seed(args.seed)
     gen = Generation(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty)
     try:

@@ -39,6 +39,8 @@ COMMANDS = {
     "serve": ("pipeline.tools.serve", "serve a model folder on an OpenAI-compatible HTTP API"),
     "embedded": ("pipeline.modeling.embedded", "locate (converting once) the embedded model folder"),
 }
+LOADS_MODELS = ("chat", "merge", "export", "serve")
+"""Subcommands that load models: their loading bars and known-harmless warnings are silenced."""
 PIPELINE_KEYS = ("stages", "chain", "output_root", "base_model")
 USAGE_LINE = re.compile(r"stages/(\w+)\.py|run_scripts/run_(\w+)\.sh")
 
@@ -160,7 +162,7 @@ def train_command(args: list[str]) -> list[str]:
 
     if int(nproc_text) == 1:
         return [sys.executable, str(script(stage)), *argv]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", nproc_text,
+    return [sys.executable, "-m", "pipeline.engine.launch", "--standalone", "--nproc_per_node", nproc_text,
             str(script(stage)), *argv]
 
 
@@ -267,6 +269,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CLIError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if command in LOADS_MODELS and not {"-h", "--help"} & set(rest):
+        from pipeline.engine.tracking import quiet_console
+
+        quiet_console()
     result = importlib.import_module(COMMANDS[command][0]).main(rest)
     return int(result or 0)
 
