@@ -17,8 +17,9 @@ computes the reference log-probs of every pair once, before the first step, in f
 data order, and drops the full-FT copy: each step then runs the policy forward only. A resumed
 run recomputes them the same way (the reference never trains), so they are not checkpointed.
 Dropout is off in the policy (as TRL's DPOTrainer does by default) so that at step 0 the policy's
-log-probs are the reference's exactly. Pairs are padded, not packed (`data.padding_mode: pack` is
-refused).
+log-probs are the reference's exactly. `data.padding_mode: pack` packs a micro-batch's sides into
+rows of train.seq_length with the block-causal collator (no side sees another), else each side
+is a right-padded row.
 
 Logged: train/loss, train/accuracy (implicit reward of chosen > rejected), train/margin,
 dpo/rewards_chosen, dpo/rewards_rejected (ORPO also dpo/nll, dpo/log_odds), and the same on the
@@ -121,11 +122,47 @@ class AnswerPairCollator:
         return batch
 
 
+@dataclass
+class PackedPairCollator:
+    """Pairs -> packed rows (`data.padding_mode: pack`): every side is one sample labelled on its
+    answer, packed in order (the chosen sides, then the rejected ones) by data_formats.collate, whose
+    block-causal mask and restarting positions keep each side blind to the others in its row; plus
+    `sample_index` [R, T], the side each position belongs to (-1: padding), in the padded batch's
+    order (chosen 0..B-1, rejected B..2B-1)."""
+
+    pad_token_id: int
+    seq_length: int
+    attn_implementation: str = "sdpa"
+
+    def __call__(self, pairs: Sequence[dict]) -> dict[str, torch.Tensor]:
+        from data_formats.collate import Collator, pack
+
+        sides = [(p["chosen_input_ids"], p["chosen_answer_len"]) for p in pairs] + [(p["rejected_input_ids"], p["rejected_answer_len"]) for p in pairs]
+        samples = [{"input_ids": list(ids), "labels": [pref.IGNORE_INDEX] * (len(ids) - n) + list(ids[len(ids) - n :])} for ids, n in sides]
+        rows = pack(samples, self.seq_length)
+        batch = Collator(self.pad_token_id, "pack", self.seq_length, self.attn_implementation)(rows)
+        index = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
+        sample = 0
+        for r, row in enumerate(rows):
+            start = 0
+            for n in row["lengths"]:
+                index[r, start : start + n] = sample
+                sample, start = sample + 1, start + n
+        batch["sample_index"] = index
+        del batch["task_ids"]
+        return batch
+
+
 def sequence_logps(model, batch: dict, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
-    """([2B] summed answer log-probs, [2B] answer token counts) of an AnswerPairCollator batch."""
+    """([2B] summed answer log-probs, [2B] answer token counts) of an AnswerPairCollator or
+    PackedPairCollator batch."""
+    from pipeline.engine.steps import model_inputs
+
     autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
     with autocast:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = model(**model_inputs(batch), use_cache=False).logits
+    if "sample_index" in batch:
+        return pref.packed_answer_logps(logits, batch["labels"], batch["sample_index"], int(batch["sample_index"].max()) + 1)
     return pref.answer_logps(logits, batch["labels"])
 
 
@@ -168,8 +205,6 @@ class DPOStage(Stage):
 
     def problems(self) -> list[str]:
         out = []
-        if self.cfg.data.padding_mode != "padding":
-            out.append("data.padding_mode: the DPO stage pads pairs ('padding'); packing is not supported")
         if self.cfg.data.margin_field:
             out.append("data.margin_field: DPO has no per-pair margin (a reward-model key)")
         return out
@@ -185,7 +220,10 @@ class DPOStage(Stage):
         self.train_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "train")
         if cfg.data.eval or cfg.data.eval_fraction > 0:
             self.eval_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "eval")
-        self.collator = AnswerPairCollator(tok.pad_token_id)
+        if cfg.data.padding_mode == "pack":
+            self.collator = PackedPairCollator(tok.pad_token_id, cfg.train.seq_length, cfg.model.attn_implementation)
+        else:
+            self.collator = AnswerPairCollator(tok.pad_token_id)
         log.info("dpo: %d training pair(s), %d eval pair(s)", len(self.train_samples), len(self.eval_samples))
         world = launched_world_size()
         if len(self.train_samples) < cfg.train.batch_size * world:

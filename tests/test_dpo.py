@@ -297,7 +297,7 @@ def test_precomputed_reference_equals_on_the_fly(tmp_path, tiny_model_dir, pair_
     assert full.reference is None  # the frozen copy is dropped once the log-probs are computed
 
 
-@pytest.mark.parametrize("dpo_keys", [{"precompute_ref_log_probs": True}, {"loss_type": "ipo"}, {"loss_type": "orpo", "beta": 0.2}])
+@pytest.mark.parametrize("dpo_keys", [{"precompute_ref_log_probs": True, "loss_type": "ipo"}, {"loss_type": "orpo", "beta": 0.2}])
 def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir, pair_files, monkeypatch, dpo_keys):
     monkeypatch.delenv("RELAY_STOP_AFTER_STEP", raising=False)
     continuous = run_stage(recording(dpo.DPOStage), make_cfg(tmp_path / "a", tiny_model_dir, pair_files, **dpo_keys))
@@ -318,13 +318,38 @@ def test_config_problems_are_reported_together(tmp_path, tiny_model_dir, pair_fi
     from pipeline.config import ConfigError
 
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, pair_files, loss_type="orpo", precompute_ref_log_probs=True, label_smoothing=0.1, beta=0)
-    cfg.data.padding_mode, cfg.data.margin_field = "pack", "m"
+    cfg.data.margin_field = "m"
     with pytest.raises(ConfigError) as err:
         dpo.DPOStage(cfg).validate()
     assert set(err.value.problems) >= {
         "dpo.beta: must be > 0, got 0",
         "dpo.label_smoothing: only the sigmoid loss smooths labels (loss_type is 'orpo')",
         "dpo.precompute_ref_log_probs: the orpo loss has no reference model",
-        "data.padding_mode: the DPO stage pads pairs ('padding'); packing is not supported",
         "data.margin_field: DPO has no per-pair margin (a reward-model key)",
     }
+
+
+def test_packed_pairs_score_as_padded_ones(tmp_path, tiny_model_dir, pair_files):
+    """Packing the sides of a micro-batch into shared rows (block-causal mask, restarting
+    positions) gives every side the log-probs it has alone in a padded row, so a packed run's
+    losses are a padded run's."""
+    from transformers import AutoModelForCausalLM
+
+    stage = dpo.DPOStage(make_cfg(tmp_path / "x", tiny_model_dir, pair_files))
+    stage.validate()
+    pairs = stage.train_samples[:4]
+    padded = dpo.AnswerPairCollator(stage.tokenizer.pad_token_id)(pairs)
+    packed = dpo.PackedPairCollator(stage.tokenizer.pad_token_id, 128)(pairs)
+    assert packed["input_ids"].shape[0] < padded["input_ids"].shape[0]  # several sides share a row
+    assert packed["attention_mask"].dim() == 4
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        sums_padded, counts_padded = dpo.sequence_logps(model, padded, None)
+        sums_packed, counts_packed = dpo.sequence_logps(model, packed, None)
+    assert counts_packed.tolist() == counts_padded.tolist()
+    torch.testing.assert_close(sums_packed, sums_padded, rtol=0, atol=1e-4)
+    cfg = make_cfg(tmp_path / "packed", tiny_model_dir, pair_files)
+    cfg.data.padding_mode, cfg.train.max_steps = "pack", 3
+    plain = make_cfg(tmp_path / "padded", tiny_model_dir, pair_files)
+    plain.train.max_steps = 3
+    assert losses(run_stage(dpo.DPOStage, cfg)) == pytest.approx(losses(run_stage(dpo.DPOStage, plain)), abs=1e-4)

@@ -47,8 +47,8 @@ class PairLosses(NamedTuple):
     rejected_rewards: torch.Tensor
 
 
-def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """([N] summed log-probs, [N] token counts) of the labelled tokens of each row.
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N, T-1] log-prob of each labelled token, 0 elsewhere; [N, T-1] bool mask of them).
 
     `labels` is aligned with the input ids (HF convention: the logits at t-1 predict labels[t]),
     IGNORE_INDEX where nothing is scored. Log-probs are computed in at least fp32.
@@ -59,8 +59,24 @@ def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     mask = labels != IGNORE_INDEX
     picked = torch.gather(logits, 2, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     per_token = picked - torch.logsumexp(logits, dim=-1)
-    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
+    return torch.where(mask, per_token, torch.zeros_like(per_token)), mask
+
+
+def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N] summed log-probs, [N] token counts) of the labelled tokens of each row (`token_logps`)."""
+    per_token, mask = token_logps(logits, labels)
     return per_token.sum(-1), mask.sum(-1)
+
+
+def packed_answer_logps(logits: torch.Tensor, labels: torch.Tensor, sample_index: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([count] summed log-probs, [count] token counts) per sample of packed rows, where
+    `sample_index` [R, T] names the sample each position belongs to (-1: padding)."""
+    per_token, mask = token_logps(logits, labels)
+    owner = sample_index[:, 1:]
+    keep = mask & (owner >= 0)
+    sums = torch.zeros(count, dtype=per_token.dtype, device=per_token.device).index_add(0, owner[keep], per_token[keep])
+    counts = torch.zeros(count, dtype=torch.long, device=per_token.device).index_add(0, owner[keep], torch.ones_like(owner[keep]))
+    return sums, counts
 
 
 def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
