@@ -135,13 +135,14 @@ def state_bytes(value: Any) -> int:
 
 def is_disk_full(err: BaseException) -> bool:
     """Whether `err` (or what caused it) is the disk being full. torch.save reports a short write
-    as a RuntimeError ("unexpected pos ..."), so that counts too."""
+    as a RuntimeError ("unexpected pos ...") and safetensors as its own error ("os error 28"), so
+    those count too."""
     seen = 0
     while err is not None and seen < 8:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if isinstance(err, RuntimeError) and ("unexpected pos" in str(err) or "No space left" in str(err)):
-            return True
+        if any(text in str(err) for text in ("unexpected pos", "No space left", "os error 28")):
+            return True  # torch's zip writer and safetensors' Rust writer wrap the OS error in their own
         err, seen = err.__cause__ or err.__context__, seen + 1
     return False
 
@@ -268,7 +269,9 @@ class Checkpointer:
                 self._write_file(staging / f"rng-rank{self.rank}.json", json.dumps(state["rng"]).encode())
             if self.rank == 0:
                 self._write_parts(staging, {k: v for k, v in state.items() if k != "rng"})
-        except (OSError, RuntimeError) as err:
+        except ValueError:
+            raise  # a part that cannot be serialised is a bug, not a disk problem
+        except Exception as err:  # every writer's failure (OS, torch's zip writer, safetensors) ends the same way
             error = err
         self._check_all(error, step, staging, needed)
         try:

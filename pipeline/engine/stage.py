@@ -298,15 +298,15 @@ class Stage:
             ConfigError: listing every problem found.
         """
         from data_formats.sources import DataError
-        from pipeline.modeling.models import load_tokenizer
-
         from pipeline.engine.accelerator import combination_problems
+        from pipeline.modeling.models import load_tokenizer, remote_code_problems
 
         cfg = self.cfg
         problems = cfg.problems() + self.problems() + combination_problems(cfg)
         problems += data_problems(cfg.data.train, "data.train") + data_problems(cfg.data.eval, "data.eval")
         # A reward stage may start from a causal LM (fresh head) or from a reward model.
         problems += parent_problems(self.model_path, "any" if self.model_kind == "reward" else "causal", cfg.model.allow_pickle)
+        problems += remote_code_problems(cfg.model, "model")
         if not problems:
             problems += self.resume_problems()
         if problems:

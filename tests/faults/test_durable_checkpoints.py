@@ -162,3 +162,37 @@ def test_ppo_checkpoints_before_its_export(tiny_model_dir, tiny_reward_dir, tmp_
     steps = []
     stage = run_stage(ppo.PPOStage, cfg, on_step=lambda st, m: steps.append(st.step))
     assert steps == [] and stage.step == 2 and (tmp_path / "ppo" / "merged" / "manifest.json").is_file()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.5 MB tmpfs (skipped where this process may not mount one)."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mount
+    subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+@pytest.mark.parametrize("precheck", [True, False])
+def test_a_really_full_disk(small_disk, monkeypatch, precheck):
+    """On a real small disk: with the size check, the second checkpoint is refused before writing;
+    without it (a state larger on disk than estimated), the write itself fails (torch reports a
+    short write as 'unexpected pos') and is still reported as a full disk. Either way the first
+    checkpoint is intact and resumable, and no staging folder is left."""
+    root = small_disk / "checkpoints"
+    big = {"model": {"w": torch.ones(400, 400)}, "optimizer": {"state": {0: {"exp_avg": torch.ones(400, 400)}}, "param_groups": []},
+           "trainer": {"step": 1}}
+    saver = Checkpointer(root, CheckpointConfig())
+    first = saver.save(1, big, lifetime="temporary")
+    if not precheck:
+        monkeypatch.setattr(ck, "state_bytes", lambda state: 0)
+    with pytest.raises(CheckpointError, match=f"no space left on device: checkpoint step 2 needs about .* in {root}, .* free; "
+                                              f"the previous checkpoint {first} is intact"):
+        saver.save(2, {**big, "trainer": {"step": 2}}, lifetime="temporary")
+    assert [p.name for p in root.iterdir()] == ["step-0000001"]
+    loaded = Checkpointer(root, CheckpointConfig()).load(Checkpointer(root, CheckpointConfig()).resume_path())
+    assert loaded["trainer"] == {"step": 1}
