@@ -185,16 +185,17 @@ def format_eval(figures: dict[str, float], step: int) -> str:
 
 
 class _ReplaceOnce(logging.Filter):
-    """Replace log records matching `match(text)` by `explanation` the first time, drop them after."""
+    """Replace log records matching `match(text)` by `explanation` the first time, drop them after
+    (always, when `explanation` is None: Relay says it itself)."""
 
-    def __init__(self, match, explanation: str):
+    def __init__(self, match, explanation: Optional[str]):
         super().__init__()
         self.match, self.explanation, self.said = match, explanation, False
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not self.match(record.getMessage()):
             return True
-        if self.said:
+        if self.said or self.explanation is None:
             return False
         self.said = True
         record.msg, record.args, record.levelno, record.levelname = self.explanation, (), logging.INFO, "INFO"
@@ -211,8 +212,8 @@ def _only_new_reward_head(text: str) -> bool:
 
 QUIETED = (
     # (logger, match, the one line said instead)
-    ("transformers.modeling_utils", _only_new_reward_head,
-     "the reward head (score.weight) is new: it starts random and the RM stage trains it (expected)"),
+    # pipeline.modeling.models logs its own line for a new reward head
+    ("transformers.modeling_utils", _only_new_reward_head, None),
     ("bitsandbytes.backends.cpu.ops", lambda text: "pip install kernels" in text,
      "bitsandbytes: the optional CPU kernel package is unavailable; its built-in 4-bit path is used (harmless)"),
 )
@@ -221,7 +222,8 @@ QUIETED = (
 def quiet_console() -> None:
     """Silence what a user cannot act on: weight-loading / shard-writing progress bars, the
     `is_gradient_checkpointing` deprecation (transformers calls it itself), and known-harmless
-    library messages, each said once in one line instead (QUIETED). RELAY_VERBOSE=1 keeps all."""
+    library messages (QUIETED: said once in one line, or not at all where Relay explains it
+    itself). RELAY_VERBOSE=1 keeps all."""
     if os.environ.get("RELAY_VERBOSE", "").strip() not in ("", "0"):
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
