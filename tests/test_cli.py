@@ -131,3 +131,11 @@ def test_bring_your_own_mftcoder_walkthrough_validates(tmp_path, tiny_model_dir,
             "--data.eval", f"[{tmp_path / 'mft'}]", "--distributed.engine", "ddp"]
     assert cli.main(argv) == 0
     assert "sft config OK" in capsys.readouterr().out
+
+
+def test_validate_pipeline_config_checks_the_base_model(tmp_path, capsys):
+    missing = tmp_path / "Llama-3.2-1B"
+    assert cli.main(["validate", str(REPO / "configs" / "pipeline.yaml"), "--base_model", str(missing)]) == 2
+    assert f"  - base_model: {missing}: no such folder" in capsys.readouterr().err.splitlines()
+    assert cli.main(["validate", str(REPO / "configs" / "pipeline.yaml")]) == 0
+    assert "pipeline config OK" in capsys.readouterr().out

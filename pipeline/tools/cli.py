@@ -197,9 +197,13 @@ def validate_config(config: str, args: list[str]) -> int:
                 raise
             from pipeline.tools.chain import load_pipeline, planned_stages, stage_config_problems
 
+            from pipeline.modeling.preflight import model_problems
+
             cfg, selection = load_pipeline(config, args)
             planned = planned_stages(cfg, selection)
-            problems = stage_config_problems(cfg, planned)
+            problems = model_problems(cfg.base_model, "base_model") + stage_config_problems(cfg, planned)
+            if cfg.reward_model:
+                problems += model_problems(cfg.reward_model, "reward_model", need="reward")
             if problems:
                 raise ConfigError(problems, config)
             print(f"{config}: pipeline config OK; stages {' -> '.join(planned)} into {cfg.output_root}")
