@@ -1,6 +1,8 @@
-"""Two processes on CPU (torchrun, gloo): the loss curve equals the one-process curve with the same
-global batch, for DDP and FSDP; PPO's joint policy/critic pass runs under DDP. DeepSpeed needs a
-GPU through accelerate (see setup_accelerator)."""
+"""Two processes on CPU (torchrun, gloo): PPO with its real sampler under DDP (the joint
+policy/critic pass) is on-policy and moves; FSDP and DeepSpeed run only on a GPU through
+accelerate (on CPU accelerate silently runs DDP instead of FSDP and cannot start DeepSpeed), so
+Relay refuses both on CPU up front (`combination_problems`). Every stage x engine x grad_accum
+against one process: test_distributed_stages.py; GPU-only checks: test_distributed_gpu.py."""
 
 import json
 import os
@@ -12,22 +14,9 @@ import pytest
 import torch
 
 from pipeline.config import load_config
-from test_pt_sft import fresh_accelerate_state, sft_args, write_sft  # noqa: F401 (fixture)
+from test_pt_sft import fresh_accelerate_state  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 3
-
-
-def curve(out: Path) -> list[float]:
-    """Per-step losses recorded in the final checkpoint."""
-    trainer = json.loads((out / "checkpoints" / f"step-{STEPS:07d}" / "trainer.json").read_text())
-    return [r["train/loss"] for r in trainer["history"]["steps"]]
-
-
-def args(model, train, valid, out, batch_size):
-    return sft_args(model, train, valid, out, "--train.max_steps", str(STEPS), "--train.eval_steps", "0",
-                    "--train.batch_size", str(batch_size), "--lora.dropout", "0",
-                    "--multitask.weighted_loss_mode", "case3")
 
 
 def torchrun(argv, tmp_path, stage="sft.py"):
@@ -37,33 +26,29 @@ def torchrun(argv, tmp_path, stage="sft.py"):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def one_process_curve(tiny_model_dir, tmp_path_factory):
-    """One process, batch 4 x accumulation 2: the reference for 2 ranks x batch 2 x accumulation 2."""
-    from accelerate.state import AcceleratorState
-
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusals only apply without a GPU")
+@pytest.mark.parametrize("engine,stage", [("deepspeed", "sft"), ("fsdp", "sft"), ("fsdp", "ppo"), ("deepspeed", "rm")])
+def test_gpu_engines_are_refused_up_front_on_cpu(engine, stage, tiny_model_dir, tiny_reward_dir, tmp_path):
+    """One line naming the combination and the one that works, with the other config problems,
+    before the tokenizer or any model loads (measured before: accelerate silently ran DDP for fsdp)."""
+    from pipeline.config import ConfigError
+    from stages.ppo import PPOStage
+    from stages.reward import RMStage
     from stages.sft import SFTStage
-    from stagerun import run_stage
 
-    tmp = tmp_path_factory.mktemp("dist")
-    train, valid = write_sft(tmp / "data", 12, 4)
-    AcceleratorState._reset_state(True)
-    run_stage(SFTStage, args(tiny_model_dir, train, valid, tmp / "one", 4))
-    AcceleratorState._reset_state(True)
-    return tmp, train, valid, curve(tmp / "one")
-
-
-@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_two_processes_match_one(engine, one_process_curve, tiny_model_dir):
-    tmp, train, valid, reference = one_process_curve
-    out = tmp / engine
-    torchrun(args(tiny_model_dir, train, valid, out, 2) + ["--distributed.engine", engine], tmp)
-    got = curve(out)
-    assert len(got) == STEPS
-    assert got == pytest.approx(reference, rel=1e-5)
-    assert got[-1] != reference[0]  # the curve moved: the runs trained
-    assert (out / "merged" / "manifest.json").is_file()
-    assert sorted(p.name for p in (out / "checkpoints" / f"step-{STEPS:07d}").glob("rng-rank*.json")) == ["rng-rank0.json", "rng-rank1.json"]
+    cls = {"sft": SFTStage, "rm": RMStage, "ppo": PPOStage}[stage]
+    argv = ["--model.path", str(tiny_model_dir), "--distributed.engine", engine, "--data.train", f"[{tmp_path / 'missing.jsonl'}]",
+            "--distributed.deepspeed_config", str(ROOT / "deepspeed_configs" / "zero3.json")]
+    if stage == "ppo":
+        argv += ["--reward_model.path", str(tiny_reward_dir)]
+    stage_obj = cls(load_config(cls.config_class, argv))
+    with pytest.raises(ConfigError) as err:
+        stage_obj.validate()
+    lines = err.value.problems
+    refusal = [line for line in lines if line.startswith(f"distributed.engine: {engine} needs a CUDA GPU")]
+    assert len(refusal) == 1 and refusal[0].endswith("on CPU use distributed.engine ddp"), lines
+    assert any("names no data file" in line for line in lines)  # listed with the other problems
+    assert stage_obj.tokenizer is None  # nothing loaded
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal only applies without a GPU")
@@ -78,13 +63,25 @@ def test_deepspeed_is_refused_clearly_on_cpu(tiny_model_dir, tmp_path):
         setup_accelerator(cfg)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSpeed through accelerate needs a GPU; none here")
-def test_deepspeed_zero2_matches_one_process(one_process_curve, tiny_model_dir):
-    tmp, train, valid, reference = one_process_curve
-    out = tmp / "zero2"
-    torchrun(args(tiny_model_dir, train, valid, out, 2) + ["--distributed.engine", "deepspeed", "--distributed.deepspeed_config",
-                                                          str(ROOT / "deepspeed_configs" / "zero2.json")], tmp)
-    assert curve(out) == pytest.approx(reference, rel=1e-3)
+def test_resuming_a_deepspeed_run_is_refused_up_front(tiny_model_dir, tmp_path, monkeypatch):
+    """ZeRO shards the optimizer state and the checkpoint holds rank 0's share: a DeepSpeed run
+    that would resume is refused with the config problems; a fresh one (resume false, or no
+    checkpoint yet) is not. (CUDA and deepspeed pretended present: the check is pure.)"""
+    from stages.sft import SFTConfig
+
+    from pipeline.engine import accelerator
+
+    monkeypatch.setattr(accelerator.torch.cuda, "is_available", lambda: True)
+    argv = ["--model.path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out"), "--distributed.engine", "deepspeed",
+            "--distributed.deepspeed_config", str(ROOT / "deepspeed_configs" / "zero3.json")]
+    resume_lines = lambda cfg: [p for p in accelerator.combination_problems(cfg) if p.startswith("checkpoint.resume:")]  # noqa: E731
+    assert resume_lines(load_config(SFTConfig, argv)) == []
+    step = tmp_path / "out" / "checkpoints" / "step-0000001"
+    step.mkdir(parents=True)
+    (step / ".complete").write_text(json.dumps({"step": 1, "lifetime": "temporary", "world_size": 2}))
+    lines = resume_lines(load_config(SFTConfig, argv))
+    assert len(lines) == 1 and "distributed.engine deepspeed" in lines[0] and lines[0].endswith("which resume exactly")
+    assert resume_lines(load_config(SFTConfig, argv + ["--checkpoint.resume", "false"])) == []
 
 
 def test_deepspeed_configs_are_valid_json_with_auto_values():
@@ -114,3 +111,14 @@ def test_ppo_under_ddp_is_on_policy_then_moves(tiny_model_dir, tiny_reward_dir, 
     assert dict(scalars["ppo/kl"])[2] != 0.0  # negative control: the update moved the policy
     assert (out / "merged" / "manifest.json").is_file() and (out / "summary.json").is_file()
     assert sorted(p.name for p in (out / "checkpoints" / "step-0000002").glob("rng-rank*.json")) == ["rng-rank0.json", "rng-rank1.json"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal only applies without a GPU")
+def test_flash_attention_without_a_gpu_is_a_config_problem(tiny_model_dir):
+    from stages.sft import SFTConfig
+
+    from pipeline.engine.accelerator import combination_problems
+
+    cfg = load_config(SFTConfig, ["--model.path", str(tiny_model_dir), "--model.attn_implementation", "flash_attention_2"])
+    assert combination_problems(cfg) == ["model.attn_implementation: attn_implementation 'flash_attention_2' needs a CUDA GPU; "
+                                         "none is visible. Use 'sdpa'."]

@@ -1,7 +1,13 @@
 """PPO's experience and update (the algorithm; the stage is stages/ppo.py): turning a scored
 rollout into shaped rewards, advantages and returns, and `ppo.epochs` passes of clipped policy and
 value updates over mini-batches, each mini-batch one optimizer step accumulated over
-`train.grad_accum` micro-batches (`pipeline.engine.steps.micro_step`)."""
+`train.grad_accum` micro-batches (`pipeline.engine.steps.micro_step`).
+
+Over several ranks everything is global, so N ranks of B prompts update exactly as one process of
+N x B (tests/test_distributed_stages.py): the reward normaliser's statistics take every rank's raw
+scores (`shape_scores`), advantages are whitened over every rank's response tokens
+(`rl.masked_whiten` with an all-reduce), and each mini-batch's loss is token-normalised over the
+whole mini-batch, every rank's micro-batches together (`ppo_update`)."""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from pipeline.algorithms import rl
-from pipeline.engine.steps import check_finite, clip_gradients, micro_step
+from pipeline.engine.steps import all_reduce_sum, check_finite, clip_gradients, micro_step
 from pipeline.algorithms.rollout import ActorCritic, Experience, Rollout, actor_critic_backward, score_rollout
 
 RewardFn = Callable[[list[str], list[list[int]]], torch.Tensor]
@@ -19,8 +25,9 @@ RewardFn = Callable[[list[str], list[list[int]]], torch.Tensor]
 
 
 def shape_scores(raw: torch.Tensor, finished: torch.Tensor, normaliser: rl.RunningMoments, cfg, gathered: torch.Tensor) -> torch.Tensor:
-    """Normalise (updating running statistics with every rank's raw scores), clip, then subtract
-    the missing-EOS penalty."""
+    """Normalise (updating running statistics with every rank's raw scores, `gathered`, so every
+    rank holds the same statistics and they equal one process's over the same prompts), clip,
+    then subtract the missing-EOS penalty."""
     if cfg.ppo.reward_norm == "running":
         normaliser.update(gathered)
     scores = normaliser.normalise(raw) if cfg.ppo.reward_norm != "none" else raw.clone()
@@ -33,7 +40,8 @@ def shape_scores(raw: torch.Tensor, finished: torch.Tensor, normaliser: rl.Runni
 
 def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str], *, cfg, kl_coef: float,
                     normaliser: rl.RunningMoments, reward_fn: Optional[RewardFn], accelerator) -> Experience:
-    """Score a rollout and turn it into advantages and returns."""
+    """Score a rollout and turn it into advantages and returns (advantages whitened over every
+    rank's response tokens; every rank calls this)."""
     micro = (cfg.ppo.mini_batch_size or cfg.train.batch_size) // cfg.train.grad_accum
     s = score_rollout(model, rollout, micro=micro, temperature=cfg.generation.temperature, autocast=accelerator.autocast)
     raw = s["rm"] if reward_fn is None else reward_fn(prompts_text, rollout.responses).detach().float().cpu()
@@ -43,13 +51,22 @@ def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str
     kl = rl.kl_per_token(s["old"], s["ref"], cfg.ppo.kl_estimator) * mask
     rewards = rl.token_rewards(scores, kl, mask, kl_coef)
     advantages, returns = rl.gae(rewards, s["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
-    if cfg.ppo.whiten_advantages and mask.sum() > 1:
-        advantages = rl.masked_whiten(advantages, mask)
+    total = lambda t: all_reduce_sum(t, accelerator)  # noqa: E731 (a sum over ranks)
+    if cfg.ppo.whiten_advantages and float(total(mask.sum().double().view(1))[0]) > 1:
+        advantages = rl.masked_whiten(advantages, mask, all_reduce=total)
     return Experience(rollout, s["old"], s["ref"], s["values"] * mask, advantages, returns, kl, raw, scores, s["entropy"])
 
 
 def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -> dict[str, float]:
     """`ppo.epochs` passes over the rollout in shuffled mini-batches, one optimizer step each.
+
+    Each mini-batch's loss is token-normalised over the whole mini-batch: sum of the token losses
+    of every micro-batch on every rank / the mini-batch's response tokens on all ranks, so the
+    update does not depend on how the mini-batch is split (1 x 8, 2 x 4, 8 x 1, or over ranks).
+    This is TRL's GRPOTrainer `loss_type="dapo"` normalisation (the sum over the accumulated
+    global batch's tokens / their count, `num_items_in_batch`, trl/trainer/grpo_trainer.py in TRL
+    1.16); TRL's old PPOTrainer and its `bnpo` took a token mean per micro-batch, whose update
+    depends on the split when responses differ in length.
 
     Also reports `ratio_dev_first`: max |ratio - 1| on the first micro-batch before any update
     (0 when the update reproduces the rollout log-probs, as it must).
@@ -71,12 +88,14 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
         order = torch.arange(B) if epoch == 0 else torch.randperm(B, generator=order_gen)
         for start in range(0, B, mini):
             rows = order[start : start + mini]
+            tokens = float(all_reduce_sum(exp.rollout.response_mask[rows].sum().double().view(1), accelerator)[0])
             total = 0.0
             for k in range(accum):
                 with micro_step(accelerator, model, k, accum):
                     micro_stats = actor_critic_backward(model, exp, rows[k * micro : (k + 1) * micro], accelerator, separate=separate,
                                                         temperature=cfg.generation.temperature, cliprange=cfg.ppo.cliprange,
-                                                        cliprange_value=cfg.ppo.cliprange_value, vf_coef=cfg.ppo.vf_coef)
+                                                        cliprange_value=cfg.ppo.cliprange_value, vf_coef=cfg.ppo.vf_coef,
+                                                        step_tokens=tokens)
                 if not stats["ratio_dev_first"]:
                     stats["ratio_dev_first"].append(micro_stats["ratio_dev"])
                 total += micro_stats.pop("loss") / accum

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -63,10 +63,32 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """`x` scaled to unit variance (and zero mean when `shift_mean`) over the masked elements;
-    masked-out positions come back as 0."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    masked-out positions come back as 0.
+
+    `all_reduce` (a sum over ranks, `pipeline.engine.steps.all_reduce_sum`) makes the mean and the
+    (Bessel-corrected) variance those of every rank's masked elements together, so 2 ranks of B
+    rows whiten exactly as one process of 2B rows (two exact passes: the sum and count, then the
+    squared deviations from the global mean). TRL's GRPOTrainer likewise normalises over the
+    global batch (it gathers every process's rewards before computing advantages,
+    trl/trainer/grpo_trainer.py, TRL 1.16); TRL's old PPOTrainer whitened per process.
+
+    Raises:
+        ValueError: the (global) mask selects fewer than 2 elements.
+    """
+    if all_reduce is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
+    else:
+        m = mask.to(torch.float64)
+        totals = all_reduce(torch.stack([(x.double() * m).sum(), m.sum()]))
+        n = float(totals[1])
+        if n < 2:
+            raise ValueError(f"masked_whiten: an unbiased variance needs >= 2 elements, the mask selects {n:g} over all ranks")
+        mean64 = totals[0] / n
+        var64 = all_reduce(((x.double() - mean64) ** 2 * m).sum().view(1))[0] / (n - 1)
+        mean, var = mean64.to(x.dtype), var64.to(x.dtype)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

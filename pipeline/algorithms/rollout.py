@@ -73,6 +73,9 @@ class HFGenerator:
     eos_ids: list[int]
     max_new_tokens: int
     temperature: float = 1.0
+    synced_gpus: bool = False
+    """Keep stepping until every rank is done (DeepSpeed ZeRO-3 over several ranks: each forward
+    gathers parameter shards from every rank, so a rank that stopped early would hang the rest)."""
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -83,7 +86,7 @@ class HFGenerator:
         config = sampling_config(self.max_new_tokens, self.temperature, self.pad_id, self.eos_ids)
         with eval_mode(self.model), own_generation_config(self.model, config):
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                      generation_config=config)
+                                      generation_config=config, synced_gpus=self.synced_gpus)
         return [row.tolist() for row in out[:, input_ids.shape[1]:].cpu()]
 
 
@@ -249,9 +252,16 @@ def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperatu
 
 
 def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator, *, separate: bool,
-                          temperature: float, cliprange: float, cliprange_value: float, vf_coef: float) -> dict[str, float]:
+                          temperature: float, cliprange: float, cliprange_value: float, vf_coef: float,
+                          step_tokens: Optional[float] = None) -> dict[str, float]:
     """Forward and backward of one micro-batch: `policy loss + vf_coef * value loss` (inside
     `micro_step`, so accelerate divides it by the number of micro-batches of the step).
+
+    `step_tokens` (the response tokens of the whole optimizer step, every micro-batch on every
+    rank) token-normalises the step: each loss, a token mean over this micro-batch, is weighted by
+    its share of the step's tokens, times the micro-batches per step and the ranks (undoing
+    accelerate's division and DDP's average), so the gradient is that of sum(token losses) /
+    step_tokens. None: the micro-batch's token mean as it is (a mean of micro-batch means).
 
     `separate` gives the policy and the critic a forward and backward each, so only one model's
     activations are alive at a time (about half the peak memory of the joint pass, the same
@@ -271,22 +281,26 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
     def value_part(values):
         return value_loss(values.float(), exp.values[idx].to(device), exp.returns[idx].to(device), mask, cliprange_value)
 
+    weight = 1.0
+    if step_tokens is not None:
+        weight = float(mask.sum()) / step_tokens * accelerator.gradient_accumulation_steps * accelerator.num_processes
+
     if separate:
         with accelerator.autocast():
             logits, _ = model(ids, attn, P, critic=False)
         logp, pol = policy_part(logits)
-        accelerator.backward(pol.loss)
+        accelerator.backward(pol.loss * weight)
         del logits
         with accelerator.autocast():
             _, values = model(ids, attn, P, policy=False)
         vloss, vclip = value_part(values)
-        accelerator.backward(vf_coef * vloss)
+        accelerator.backward(vf_coef * vloss * weight)
     else:
         with accelerator.autocast():
             logits, values = model(ids, attn, P)
         logp, pol = policy_part(logits)
         vloss, vclip = value_part(values)
-        accelerator.backward(pol.loss + vf_coef * vloss)
+        accelerator.backward((pol.loss + vf_coef * vloss) * weight)
     return {
         "loss": float(pol.loss.detach()) + vf_coef * float(vloss.detach()),
         "policy_loss": float(pol.loss.detach()),

@@ -3,6 +3,8 @@ precision and accumulation behave the same in every stage)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 from typing import Any
 
 import torch
@@ -25,6 +27,115 @@ def resolve_precision(name: str) -> str:
     return table[name]
 
 
+def combination_problems(cfg: StageConfig) -> list[str]:
+    """Engine / finetuning / hardware combinations Relay cannot run, each one line naming the
+    combination and the one that works; checked with the other config problems, before any model
+    loads (accelerate would otherwise fall back silently or fail mid-run).
+
+    Pure apart from asking torch whether CUDA is visible, whether `deepspeed` / `flash_attn` are
+    installed and whether output_dir holds a checkpoint to resume.
+    """
+    engine = cfg.distributed.engine
+    cuda = torch.cuda.is_available()
+    out = []
+    if engine == "deepspeed" and not cuda:
+        # Measured with accelerate 1.15 / deepspeed 0.19: with cpu=True accelerate drops the
+        # DeepSpeed plugin silently (plain gloo DDP); with cpu=False it starts DeepSpeed but
+        # reports one process per rank, so every rank would train on the same batches.
+        out.append("distributed.engine: deepspeed needs a CUDA GPU (none is visible; accelerate cannot run DeepSpeed on CPU); "
+                   "on CPU use distributed.engine ddp")
+    elif engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        out.append("distributed.engine: deepspeed needs the deepspeed package (pip install deepspeed); or use ddp or fsdp")
+    if engine == "deepspeed" and _would_resume(cfg):
+        # ZeRO partitions the optimizer state (and under ZeRO-3 the weights) over ranks; the
+        # checkpoint holds rank 0's optimizer share only, so a resume would be silently wrong.
+        out.append("checkpoint.resume: resuming a distributed.engine deepspeed run is not supported (ZeRO shards the optimizer "
+                   "state over ranks; the checkpoint holds rank 0's share); set checkpoint.resume false to start again, "
+                   "or train with distributed.engine ddp or fsdp, which resume exactly")
+    from pipeline.modeling.models import check_attn_implementation
+
+    try:
+        check_attn_implementation(cfg.model.attn_implementation)
+    except ValueError as err:  # flash_attention_2 without CUDA or without flash-attn
+        out.append(f"model.attn_implementation: {err}")
+    if engine == "fsdp" and not cuda:
+        # accelerate 1.15 turns the FSDP plugin on only for GPU-type devices; on CPU it runs plain
+        # DDP without a word (measured: distributed_type MULTI_CPU, a DistributedDataParallel model).
+        out.append("distributed.engine: fsdp needs a CUDA GPU (accelerate runs FSDP only on GPUs; on CPU it would "
+                   "silently run DDP); on CPU use distributed.engine ddp")
+    return out
+
+
+def _would_resume(cfg: StageConfig) -> bool:
+    from pathlib import Path
+
+    from pipeline.engine.checkpoint import newest_identity
+
+    return newest_identity(Path(cfg.output_dir) / "checkpoints", cfg.checkpoint) is not None
+
+
+def is_fsdp(accelerator) -> bool:
+    """Whether the prepared model is wrapped by FSDP (its parameters are sharded over ranks)."""
+    return accelerator is not None and accelerator.distributed_type.name == "FSDP"
+
+
+def is_zero3(accelerator) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions the parameters over ranks."""
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    return plugin is not None and accelerator.num_processes > 1 and plugin.zero_stage == 3
+
+
+@contextlib.contextmanager
+def full_parameters(accelerator, model: torch.nn.Module, writeback: bool = False):
+    """Make the unwrapped module's parameters whole for the body (FSDP; a no-op otherwise).
+
+    Under FSDP the wrapped forward gathers the parameters it needs, but outside it every rank
+    holds only its shard, so a call on the *unwrapped* module (PPO's `generate`, scoring,
+    `save_pretrained`, copying checkpointed weights in) would see shards. `writeback=True`
+    writes changes made in the body back into the shards. Every rank must enter it (it gathers).
+    """
+    if not is_fsdp(accelerator):
+        yield
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model, writeback=writeback):
+        yield
+
+
+@contextlib.contextmanager
+def _fsdp_full_state(model: torch.nn.Module):
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    # rank0_only=False: every rank gets (and can load) the whole state, so loading needs no
+    # broadcast and the checkpoint is the same file whatever the world size.
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=False),
+                              FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=False)):
+        yield FSDP
+
+
+def optimizer_state(model: torch.nn.Module, optimizer, accelerator) -> dict:
+    """The optimizer state a checkpoint saves. Under FSDP each rank's optimizer holds the state of
+    its own parameter shards only, so the full state (keyed by parameter name) is gathered from
+    every rank (every rank must call this); otherwise `optimizer.state_dict()`."""
+    if not is_fsdp(accelerator):
+        return optimizer.state_dict()
+    with _fsdp_full_state(model) as FSDP:
+        return FSDP.optim_state_dict(model, getattr(optimizer, "optimizer", optimizer))
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict, accelerator) -> None:
+    """Load what `optimizer_state` returned: under FSDP every rank keeps its own shards of the
+    full state (every rank must call this)."""
+    if not is_fsdp(accelerator):
+        optimizer.load_state_dict(state)
+        return
+    inner = getattr(optimizer, "optimizer", optimizer)
+    with _fsdp_full_state(model) as FSDP:
+        inner.load_state_dict(FSDP.optim_state_dict_to_load(model, inner, state))
+
+
 def setup_accelerator(cfg: StageConfig):
     """An accelerate.Accelerator for cfg.distributed (ddp | deepspeed | fsdp) and cfg.train.precision.
 
@@ -33,7 +144,7 @@ def setup_accelerator(cfg: StageConfig):
     the optimizer (DeepSpeed's engine included) steps once per optimizer step.
 
     Raises:
-        ValueError: unknown engine, or deepspeed without a config file.
+        ValueError: unknown engine, deepspeed without a config file, deepspeed or fsdp without a GPU.
     """
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
@@ -46,10 +157,7 @@ def setup_accelerator(cfg: StageConfig):
     if engine != "deepspeed":  # DeepSpeed takes the count from its plugin
         kwargs["gradient_accumulation_steps"] = cfg.train.grad_accum
     if engine == "deepspeed":
-        if not torch.cuda.is_available():
-            # Measured with accelerate 1.15 / deepspeed 0.19: with cpu=True accelerate drops the
-            # DeepSpeed plugin silently (plain gloo DDP); with cpu=False it starts DeepSpeed but
-            # reports one process per rank, so every rank would train on the same batches.
+        if not torch.cuda.is_available():  # see combination_problems, which reports it up front
             raise ValueError("distributed.engine deepspeed needs a GPU (accelerate cannot run DeepSpeed on CPU); use ddp or fsdp")
         if not cfg.distributed.deepspeed_config:
             raise ValueError("distributed.deepspeed_config: required when distributed.engine is deepspeed")
@@ -59,6 +167,8 @@ def setup_accelerator(cfg: StageConfig):
             gradient_clipping=cfg.train.max_grad_norm or None,
         )
     elif engine == "fsdp":
+        if not torch.cuda.is_available():  # see combination_problems, which reports it up front
+            raise ValueError("distributed.engine fsdp needs a GPU (accelerate runs FSDP only on GPUs); use ddp")
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
             sharding_strategy=cfg.distributed.fsdp_sharding,
             use_orig_params=True,

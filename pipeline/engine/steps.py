@@ -7,9 +7,10 @@ gets a weight computed from token counts over the *whole* accumulated batch on *
 (all-reduced before the first backward), so the gradient of one optimizer step is the same
 whether its samples arrive as 1 x 8, 8 x 1 or 2 ranks x 4 micro-batches. In mode 'none' the
 weight is 1 / N_total (the token mean); in 'case3'/'coba' it is w_t / (N_t * sum of w over the
-tasks present), see `token_weights`. Stages whose loss is a mean per micro-batch
-(RM, PPO) pass it to `accelerator.backward` as it is: accelerate divides it by the number of
-micro-batches and DDP averages over ranks, which is the mean they want.
+tasks present), see `token_weights`. PPO token-normalises the same way over its mini-batch
+(`pipeline.algorithms.experience.ppo_update`). A stage whose loss is a mean per micro-batch of
+equal-sized micro-batches (RM) passes it to `accelerator.backward` as it is: accelerate divides it
+by the number of micro-batches and DDP averages over ranks, which is the mean it wants.
 """
 
 from __future__ import annotations
@@ -110,14 +111,22 @@ def is_deepspeed(accelerator) -> bool:
 
 
 def clip_gradients(model: torch.nn.Module, accelerator, max_norm: float) -> float:
-    """Clip the global gradient norm to `max_norm` (0: only measure it); return the norm before clipping."""
+    """Clip the global gradient norm to `max_norm` (0: only measure it); return the norm before
+    clipping, the same on every rank.
+
+    Under FSDP each rank holds the gradients of its own shards only: accelerate uses FSDP's
+    `clip_grad_norm_` (the norm over every rank's shards) only when given exactly
+    `model.parameters()`, and with any other list it clips each rank by its own shard's norm.
+    """
     if is_deepspeed(accelerator):
         # The engine clips and steps inside accelerator.backward (gradient_clipping in the plugin),
         # so under DeepSpeed the non-finite guard cannot run before its step; report its norm.
         norm = model.get_global_grad_norm() if hasattr(model, "get_global_grad_norm") else None
         return float(norm) if norm is not None else 0.0
-    params = [p for p in model.parameters() if p.grad is not None]
     limit = max_norm if max_norm and max_norm > 0 else float("inf")
+    if accelerator is not None and accelerator.distributed_type.name == "FSDP":
+        return float(accelerator.clip_grad_norm_(model.parameters(), limit))
+    params = [p for p in model.parameters() if p.grad is not None]
     if accelerator is not None:
         norm = accelerator.clip_grad_norm_(params, limit)
     else:

@@ -1,0 +1,108 @@
+"""Run several stages one after another in one process: under torchrun (every rank runs this
+file) or in-process (the one-process references), for tests/test_distributed_stages.py.
+
+    torchrun --nproc_per_node 2 tests/distrun.py RUNS.json
+
+RUNS.json is a list of {"stage": "pt"|"sft"|"rm"|"ppo", "argv": [...], "stop_after": k or null}.
+Each run writes `<output_dir>/history-rank<r>.json`: {"steps": every step's figures as this rank
+logged them, "resumed_at": the step it resumed from (0: a fresh start)}, so a test can compare
+curves and check that every rank logged the same grad_norm.
+Starting the interpreter, torch and transformers costs most of a tiny run, so one process runs
+them all.
+
+PPO runs sample with `ScriptedGenerator` and score with `scripted_reward`: responses and rewards
+are pure functions of the prompt, so a run's rollouts do not depend on how prompts are dealt to
+ranks, and N ranks of B prompts must update exactly as one process of N x B.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for entry in (str(ROOT), str(ROOT / "tests")):
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
+
+try:  # a stage hides backends its config does not ask for; QLoRA runs later in this process need it
+    import bitsandbytes  # noqa: F401
+except ImportError:
+    pass
+
+STOP_ENV = "RELAY_STOP_AFTER_STEP"
+EOS_ID = 2  # the embedded tokenizer's <|im_end|>
+
+
+class ScriptedGenerator:
+    """Responses of 1-6 tokens that depend only on the prompt; rows whose length hits 6 end
+    without EOS (unfinished), the others with EOS."""
+
+    def generate(self, prompts):
+        out = []
+        for prompt in prompts:
+            seed = sum(prompt) + 31 * len(prompt)
+            length = 1 + seed % 6
+            body = [100 + (seed * 7 + 13 * i) % 900 for i in range(length)]
+            out.append(body if length == 6 else body[:-1] + [EOS_ID])
+        return out
+
+
+def scripted_reward(prompt_texts, responses):
+    import torch
+
+    return torch.tensor([0.25 * len(r) - 0.1 * (r[0] % 7) + 0.01 * len(t) for t, r in zip(prompt_texts, responses)])
+
+
+def stage_class(name: str):
+    from stages.ppo import PPOStage
+    from stages.pretrain import PTStage
+    from stages.reward import RMStage
+    from stages.sft import SFTStage
+
+    return {"pt": PTStage, "sft": SFTStage, "rm": RMStage, "ppo": PPOStage}[name]
+
+
+def run_one(spec: dict) -> None:
+    """Run one stage (stopping after `stop_after` when set) and write this rank's history."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from pipeline.config import load_config
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    base = stage_class(spec["stage"])
+
+    class cls(base):  # records the step the run resumed from
+        resumed_at = 0
+
+        def resume(self):
+            super().resume()
+            self.resumed_at = self.step
+
+    kwargs = {"generator_factory": lambda policy: ScriptedGenerator(), "reward_fn": scripted_reward} if spec["stage"] == "ppo" else {}
+    if spec.get("stop_after") is not None:
+        os.environ[STOP_ENV] = str(spec["stop_after"])
+    try:
+        stage = cls(load_config(cls.config_class, spec["argv"]), **kwargs)
+        stage.run()
+    finally:
+        os.environ.pop(STOP_ENV, None)
+    rank = stage.accelerator.process_index
+    steps = [{k: v for k, v in record.items() if isinstance(v, (int, float))} for record in stage.history.steps]
+    out = Path(stage.cfg.output_dir) / f"history-rank{rank}.json"
+    out.write_text(json.dumps({"steps": steps, "resumed_at": stage.resumed_at}))
+    stage.accelerator.wait_for_everyone()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def run_all(specs: list[dict]) -> None:
+    for spec in specs:
+        run_one(spec)
+
+
+if __name__ == "__main__":
+    run_all(json.loads(Path(sys.argv[1]).read_text()))
