@@ -32,6 +32,7 @@ import torch
 
 from pipeline.algorithms import rl
 from pipeline.config import ModelConfig, PromptDataConfig, StageConfig
+from pipeline.engine.accelerator import full_parameters, is_zero3
 from pipeline.engine.stage import Stage, main
 from pipeline.algorithms.experience import RewardFn, make_experience, ppo_update, sample_text, step_metrics
 from pipeline.algorithms.rollout import ActorCritic, Generator, HFGenerator, assemble, score_rollout
@@ -131,6 +132,13 @@ class PPOSection:
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 out.append(f"{key}.{name}: must be in [0, 1], got {getattr(self, name)!r}")
+        for name in ("cliprange", "cliprange_value", "reward_clip"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                out.append(f"{key}.{name}: must be > 0, got {value!r}")
+        for name in ("kl_coef", "vf_coef"):
+            if getattr(self, name) < 0:
+                out.append(f"{key}.{name}: must be >= 0, got {getattr(self, name)!r}")
         return out
 
 
@@ -146,10 +154,12 @@ class PPOConfig(StageConfig):
     def problems(self) -> list[str]:
         out = super().problems()
         batch, accum = self.train.batch_size, self.train.grad_accum
-        mini = self.ppo.mini_batch_size or batch
-        if batch % mini:
+        mini = batch if self.ppo.mini_batch_size is None else self.ppo.mini_batch_size
+        if mini < 1:
+            out.append(f"ppo.mini_batch_size: must be >= 1 (or null for the whole rollout batch), got {mini}")
+        elif batch >= 1 and batch % mini:
             out.append(f"ppo.mini_batch_size: {mini} does not divide train.batch_size {batch}")
-        elif mini % accum:
+        elif accum >= 1 and mini % accum:
             out.append(f"train.grad_accum: {accum} does not divide the mini-batch of {mini}")
         if self.generation.max_new_tokens < 1:
             out.append("generation.max_new_tokens: must be >= 1")
@@ -262,7 +272,10 @@ class PPOStage(Stage):
             log.warning("reward_model.path is the embedded model: its reward head is random (smoke runs only)")
         if not Path(self.reward_path).is_dir():
             return [f"reward_model.path: {rm.path!r} is not a model folder (give the RM stage's merged/)"]
+        from pipeline.modeling.models import remote_code_problems
+
         found = model_problems(self.reward_path, "reward_model.path", need="any" if rm.allow_untrained else "reward")
+        found += remote_code_problems(rm, "reward_model")
         return found or tokenizer_problems(self.model_path, self.reward_path)
 
     def build_data(self) -> list[str]:
@@ -306,7 +319,8 @@ class PPOStage(Stage):
         if self._generator is None:
             policy, gen, tok = self.inner.policy, self.cfg.generation, self.tokenizer
             self._generator = self.generator_factory(policy) if self.generator_factory else HFGenerator(
-                policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens, gen.temperature)
+                policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens, gen.temperature,
+                synced_gpus=is_zero3(self.accelerator))
         return self._generator
 
     def rollout(self, prompts: list[dict]):
@@ -320,11 +334,13 @@ class PPOStage(Stage):
         started = time.perf_counter()
         (indices,) = self.next_sample_indices(grad_accum=1)
         batch = [self.train_samples[i] for i in indices]
-        rollout = self.rollout(batch)
-        gen_time = time.perf_counter() - started
-        texts = [p["text"] for p in batch]
-        exp = make_experience(self.inner, rollout, texts, cfg=cfg, kl_coef=self.kl_controller.value, normaliser=self.normaliser,
-                              reward_fn=self.reward_fn, accelerator=acc)
+        # Sampling and scoring call the unwrapped models: under FSDP their weights must be whole.
+        with full_parameters(acc, self.model):
+            rollout = self.rollout(batch)
+            gen_time = time.perf_counter() - started
+            texts = [p["text"] for p in batch]
+            exp = make_experience(self.inner, rollout, texts, cfg=cfg, kl_coef=self.kl_controller.value, normaliser=self.normaliser,
+                                  reward_fn=self.reward_fn, accelerator=acc)
         update = ppo_update(self.model, self.optimizer, exp, acc, cfg, step)
         figures = step_metrics(exp, update, acc, kl_coef=self.kl_controller.value, gen_frac=gen_time / (time.perf_counter() - started))
         self.kl_controller.update(figures["ppo/kl"], cfg.train.batch_size * acc.num_processes)
@@ -347,7 +363,7 @@ class PPOStage(Stage):
             return None
         cfg, acc = self.cfg, self.accelerator
         rewards, kls, weights = [], [], []
-        with seeded_fork(cfg.train.seed + 1):
+        with seeded_fork(cfg.train.seed + 1), full_parameters(acc, self.model):
             for indices, counts in eval_shards(len(self.eval_samples), cfg.train.batch_size, acc.num_processes,
                                                acc.process_index, cfg.train.eval_batches):
                 batch = [self.eval_samples[i] for i in indices]
@@ -388,11 +404,12 @@ class PPOStage(Stage):
         common = dict(stage=self.name, config=to_dict(cfg), chat_template=self.chat_template, overwrite=True,
                       extra_manifest={"summary": summary, **self.manifest_extras()}, trust_remote_code=cfg.model.trust_remote_code)
         merged = None
-        if acc.is_main_process and full:
-            merged = export_full_model(self.inner.policy, self.tokenizer, str(out / "merged"), parent=self.model_path, **common)
-        elif acc.is_main_process:
-            self.inner.policy.save_pretrained(out / "adapter")
-            self.inner.critic.save_pretrained(out / "critic_adapter")
+        with full_parameters(acc, self.model):  # every rank gathers; rank 0 writes
+            if acc.is_main_process and full:
+                merged = export_full_model(self.inner.policy, self.tokenizer, str(out / "merged"), parent=self.model_path, **common)
+            elif acc.is_main_process:
+                self.inner.policy.save_pretrained(out / "adapter")
+                self.inner.critic.save_pretrained(out / "critic_adapter")
         self._generator = self.last_experience = None
         self.model, self.optimizer, self.scheduler = acc.free_memory(self.model, self.optimizer, self.scheduler)
         if acc.is_main_process and not full:
