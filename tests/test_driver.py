@@ -204,7 +204,7 @@ def test_rerunning_a_complete_pipeline_does_no_work(completed):
 def test_selection_crash_and_resume(tmp_path, tiny_model_dir):
     config, root, fake_log = write_fake_config(tmp_path, tiny_model_dir, report=False)
     refused = run_driver(config, fake_log, "--only", "rm")
-    assert refused.returncode == 1 and f"{(root / 'sft/merged').resolve()}: no manifest.json" in refused.stderr
+    assert refused.returncode == 1 and f"sft has not run: {(root / 'sft/merged').resolve()} does not exist yet" in refused.stderr
     assert run_driver(config, fake_log, "--only", "pt").returncode == 0
     assert ran(fake_log) == ["pretrain"]
     pt_hash = weights_hash(root / "pt/merged")
