@@ -38,7 +38,7 @@ from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.rollout import ActorCritic, Generator, HFGenerator, _chunks, assemble
 from pipeline.config import PromptDataConfig, StageConfig
 from pipeline.engine.stage import Stage, main
-from stages.ppo import GenerationConfig, RewardModelConfig, tokenizer_problems
+from stages.ppo import GenerationConfig, RewardModelConfig, reward_model_problems
 
 log = logging.getLogger("relay.grpo")
 
@@ -127,17 +127,10 @@ class GRPOConfig(StageConfig):
                        f"(train.batch_size x grpo.num_generations)")
         if not self.grpo.reward_funcs and not self.reward_model.path:
             out.append("grpo.reward_funcs / reward_model.path: no reward (name a reward function or a reward model)")
-        gen = self.generation
-        if gen.max_new_tokens < 1:
-            out.append("generation.max_new_tokens: must be >= 1")
-        elif self.train.seq_length <= gen.max_new_tokens:
-            out.append(f"train.seq_length: {self.train.seq_length} leaves no room for a prompt before "
-                       f"generation.max_new_tokens {gen.max_new_tokens}")
-        if gen.temperature <= 0:
-            out.append("generation.temperature: must be > 0")
-        if gen.top_k != 0 or gen.top_p != 1.0:
-            out.append("generation.top_k/top_p: GRPO samples from the full distribution (top_k 0, top_p 1.0), because the "
-                       "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling")
+        if self.distributed.engine != "ddp":
+            out.append(f"distributed.engine: GRPO runs under ddp only for now (its sampler calls the unwrapped policy, "
+                       f"whose weights {self.distributed.engine} shards); use distributed.engine: ddp")
+        out += self.generation.room_problems(self.train.seq_length)
         return out
 
 
@@ -155,6 +148,7 @@ class GRPOStage(Stage):
     name = "grpo"
     config_class = GRPOConfig
     evaluates_at_start = True
+    loss_can_diverge = False  # a clipped surrogate around 0, not a loss that starts high
 
     def __init__(self, cfg: GRPOConfig, *, generator_factory=None):
         """`generator_factory(policy)` swaps the sampler (as PPO's)."""
@@ -171,9 +165,7 @@ class GRPOStage(Stage):
     def problems(self) -> list[str]:
         if self.reward_path is None:
             return []
-        if not Path(self.reward_path).is_dir():
-            return [f"reward_model.path: {self.cfg.reward_model.path!r} is not a model folder (give the RM stage's merged/)"]
-        return tokenizer_problems(self.model_path, self.reward_path)
+        return reward_model_problems(self.cfg.reward_model, self.reward_path, self.model_path, "GRPO")
 
     def build_data(self) -> list[str]:
         """Prompts (eval prompts only when evaluation is on) and the reward functions."""
@@ -345,11 +337,12 @@ class GRPOStage(Stage):
         return {"reward": f"{figures['grpo/reward']:.3f}", "loss": f"{figures['train/loss']:.4f}"}
 
     def summary(self) -> dict:
-        rewards = self.history.values("grpo/reward")
+        rewards, kls = self.history.values("grpo/reward"), self.history.values("grpo/kl")
         evals = self.history.values("eval/reward", evals=True)
         return {
             "reward_first": rewards[0] if rewards else None,
             "reward_last": rewards[-1] if rewards else None,
+            "kl_last": kls[-1] if kls else None,
             "eval_reward_first": evals[0] if evals else None,
             "eval_reward_last": evals[-1] if evals else None,
             "steps": self.step,

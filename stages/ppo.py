@@ -83,6 +83,24 @@ class GenerationConfig:
     missing_eos_penalty: Optional[float] = 1.0
     """Subtracted from the (normalised) score of a response that hits max_new_tokens without EOS."""
 
+    def problems(self, key: str = "generation") -> list[str]:
+        out: list[str] = []
+        if self.max_new_tokens < 1:
+            out.append(f"{key}.max_new_tokens: must be >= 1")
+        if self.temperature <= 0:
+            out.append(f"{key}.temperature: must be > 0")
+        if self.top_k != 0 or self.top_p != 1.0:
+            out.append(f"{key}.top_k/top_p: RL stages sample from the full distribution (top_k 0, top_p 1.0), because the "
+                       "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling")
+        return out
+
+    def room_problems(self, seq_length: int) -> list[str]:
+        """A prompt and its response must fit train.seq_length."""
+        if 1 <= self.max_new_tokens and seq_length <= self.max_new_tokens:
+            return [f"train.seq_length: {seq_length} leaves no room for a prompt before generation.max_new_tokens "
+                    f"{self.max_new_tokens}"]
+        return []
+
 
 @dataclass
 class PPOSection:
@@ -161,17 +179,7 @@ class PPOConfig(StageConfig):
             out.append(f"ppo.mini_batch_size: {mini} does not divide train.batch_size {batch}")
         elif accum >= 1 and mini % accum:
             out.append(f"train.grad_accum: {accum} does not divide the mini-batch of {mini}")
-        if self.generation.max_new_tokens < 1:
-            out.append("generation.max_new_tokens: must be >= 1")
-        elif self.train.seq_length <= self.generation.max_new_tokens:
-            out.append(f"train.seq_length: {self.train.seq_length} leaves no room for a prompt before "
-                       f"generation.max_new_tokens {self.generation.max_new_tokens}")
-        if self.generation.temperature <= 0:
-            out.append("generation.temperature: must be > 0")
-        if self.generation.top_k != 0 or self.generation.top_p != 1.0:
-            out.append("generation.top_k/top_p: PPO samples from the full distribution (top_k 0, top_p 1.0), because the "
-                       "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling")
-        return out
+        return out + self.generation.room_problems(self.train.seq_length)
 
 
 # ------------------------------------------------------------------------------------------
@@ -190,6 +198,26 @@ def tokenizer_problems(policy_path: str, reward_path: str) -> list[str]:
             problems.append(f"reward_model.path: the policy and the reward model do not share a tokenizer: {name}: "
                             f"policy {policy_path} has {a}, reward model {reward_path} has {b}")
     return problems
+
+
+def reward_model_problems(rm: "RewardModelConfig", reward_path: str, policy_path: str, stage: str) -> list[str]:
+    """What keeps `rm` (resolved to `reward_path`) from scoring `policy_path`'s samples: the
+    embedded model without `allow_untrained` (a random head), no folder, not a reward model
+    (preflight), code it may not run, another tokenizer. One line each; PPO and GRPO use it."""
+    from pipeline.modeling.embedded import is_embedded
+    from pipeline.modeling.models import remote_code_problems
+    from pipeline.modeling.preflight import model_problems
+
+    if is_embedded(rm.path):
+        if not rm.allow_untrained:
+            return [f"reward_model.path: {stage} needs a trained reward model: give the RM stage's merged/ folder "
+                    "(or set reward_model.allow_untrained: true to smoke-test with a random reward head)"]
+        log.warning("reward_model.path is the embedded model: its reward head is random (smoke runs only)")
+    if not Path(reward_path).is_dir():
+        return [f"reward_model.path: {rm.path!r} is not a model folder (give the RM stage's merged/)"]
+    found = model_problems(reward_path, "reward_model.path", need="any" if rm.allow_untrained else "reward")
+    found += remote_code_problems(rm, "reward_model")
+    return found or tokenizer_problems(policy_path, reward_path)
 
 
 def _frozen(model: torch.nn.Module) -> torch.nn.Module:
@@ -261,22 +289,7 @@ class PPOStage(Stage):
         """The latest step's experience (tests and notebooks read it from `on_step`)."""
 
     def problems(self) -> list[str]:
-        from pipeline.modeling.embedded import is_embedded
-        from pipeline.modeling.preflight import model_problems
-
-        rm = self.cfg.reward_model
-        if is_embedded(rm.path):
-            if not rm.allow_untrained:
-                return ["reward_model.path: PPO needs a trained reward model: give the RM stage's merged/ folder "
-                        "(or set reward_model.allow_untrained: true to smoke-test with a random reward head)"]
-            log.warning("reward_model.path is the embedded model: its reward head is random (smoke runs only)")
-        if not Path(self.reward_path).is_dir():
-            return [f"reward_model.path: {rm.path!r} is not a model folder (give the RM stage's merged/)"]
-        from pipeline.modeling.models import remote_code_problems
-
-        found = model_problems(self.reward_path, "reward_model.path", need="any" if rm.allow_untrained else "reward")
-        found += remote_code_problems(rm, "reward_model")
-        return found or tokenizer_problems(self.model_path, self.reward_path)
+        return reward_model_problems(self.cfg.reward_model, self.reward_path, self.model_path, "PPO")
 
     def build_data(self) -> list[str]:
         """Prompts (eval prompts only when evaluation is on) and the reward normaliser."""
