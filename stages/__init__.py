@@ -89,20 +89,6 @@ STAGES: dict[str, StageInfo] = {
             Panel("KL to the reference", "KL (nats)", {"train": "ppo/kl", "eval": "eval/kl"}),
         )),
     ),
-    "grpo": StageInfo(
-        "grpo:GRPOStage",
-        parents=("sft", "pt"),
-        reward_model="optional",
-        judged=True,
-        data_kind="prompt",
-        summary_keys=("reward_first", "reward_last", "eval_reward_first", "eval_reward_last"),
-        loss_curve=False,
-        plot=("grpo", "GRPO", (
-            Panel("reward", "mean summed reward", {"train": "grpo/reward", "eval": "eval/reward"}),
-            Panel("reward per source (train)", "mean reward", prefix="grpo/reward/"),
-            Panel("completion length", "tokens", {"train": "grpo/completion_length"}),
-        )),
-    ),
     "dpo": StageInfo(
         "dpo:DPOStage",
         parents=("sft", "pt"),
@@ -113,6 +99,20 @@ STAGES: dict[str, StageInfo] = {
             Panel("implicit rewards (train)", "β·log(π/π_ref)", {"chosen": "dpo/rewards_chosen", "rejected": "dpo/rewards_rejected"}),
             Panel("pairwise accuracy", "accuracy (chosen > rejected)", {"train": "train/accuracy", "eval": "eval/accuracy"}),
             Panel("margin", "reward(chosen) - reward(rejected)", {"train": "train/margin", "eval": "eval/margin"}),
+        )),
+    ),
+    "grpo": StageInfo(
+        "grpo:GRPOStage",
+        parents=("sft", "pt"),
+        reward_model="optional",
+        judged=True,
+        data_kind="prompt",
+        summary_keys=("reward_first", "reward_last", "kl_last", "eval_reward_first", "eval_reward_last"),
+        loss_curve=False,
+        plot=("grpo", "GRPO", (
+            Panel("reward", "mean summed reward", {"train": "grpo/reward", "eval": "eval/reward"}),
+            Panel("reward per source (train)", "mean reward", prefix="grpo/reward/"),
+            Panel("completion length", "tokens", {"train": "grpo/completion_length"}),
         )),
     ),
 }
