@@ -57,8 +57,10 @@ class ChatModel:
     tokenizer: object
 
 
-def load_chat_model(path: str, dtype: str = "fp32") -> ChatModel:
-    """A merged folder (or 'embedded') ready for generation, through pipeline.modeling.models' loader.
+def load_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool = False, allow_pickle: bool = False) -> ChatModel:
+    """A merged folder (or 'embedded') ready for generation, through pipeline.modeling.models' loader
+    (the folder's own code runs only with `trust_remote_code`, pickled weights load only with
+    `allow_pickle`, as in the stages).
 
     Raises:
         ChatError: the folder is no causal LM (preflight: missing, an adapter, a reward model, no
@@ -69,14 +71,18 @@ def load_chat_model(path: str, dtype: str = "fp32") -> ChatModel:
     from pipeline.modeling.models import load_model, load_tokenizer, resolve_model_path
     from pipeline.modeling.preflight import model_problems
 
-    found = model_problems(path, "--model", need="causal")
+    from pipeline.modeling.models import remote_code_problems
+
+    found = model_problems(path, "--model", need="causal", allow_pickle=allow_pickle)
+    found = found or remote_code_problems(ModelConfig(path=path, trust_remote_code=trust_remote_code), "--model")
     if found:
         raise ChatError("; ".join(found))
     folder = resolve_model_path(path)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder, trust_remote_code)
     if not getattr(tokenizer, "chat_template", None):
         raise ChatError(f"{folder}: the tokenizer has no chat template, so there is no chat format to prompt it with")
-    model = load_model(ModelConfig(path=folder, finetuning="full", dtype=dtype), None, kind="causal", tokenizer=tokenizer)
+    model = load_model(ModelConfig(path=folder, finetuning="full", dtype=dtype, trust_remote_code=trust_remote_code,
+                                   allow_pickle=allow_pickle), None, kind="causal", tokenizer=tokenizer)
     model.eval()
     model.requires_grad_(False)
     return ChatModel(name=path, model=model, tokenizer=tokenizer)
@@ -180,6 +186,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--dtype", default="fp32", choices=("auto", "fp32", "bf16", "fp16"))
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling")
+    parser.add_argument("--trust-remote-code", action="store_true", help="run code shipped in the model folder (auto_map)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="load pickled weights (pytorch_model.bin) when the folder has no safetensors (weights_only=True)")
     return parser.parse_args(argv)
 
 
@@ -191,7 +200,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.manual_seed(args.seed)
     gen = Generation(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty)
     try:
-        models = [load_chat_model(p, args.dtype) for p in [args.model] + ([args.compare] if args.compare else [])]
+        models = [load_chat_model(p, args.dtype, trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
+                  for p in [args.model] + ([args.compare] if args.compare else [])]
     except (ChatError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -202,3 +202,18 @@ def test_pickled_weights_are_one_line_before_anything_heavy(tiny_model_dir, tmp_
         SFTStage(load_config(SFTStage.config_class, sft_args(folder, tmp_path))).validate()
     lines = [line for line in str(err.value).splitlines() if str(folder) in line]
     assert len(lines) == 1 and "pickled" in lines[0], str(err.value)
+
+
+def test_chat_honours_trust_remote_code_and_allow_pickle(tiny_model_dir, tmp_path):
+    """The tools load folders as the stages do: chat refuses a folder that needs its own code (one
+    line) unless --trust-remote-code, and pickled-only weights unless --allow-pickle."""
+    from pipeline.tools.chat import ChatError, load_chat_model
+
+    custom = with_custom_code(tiny_model_dir, tmp_path / "custom", "relay_tiny")
+    with pytest.raises(ChatError, match="needs its own code"):
+        load_chat_model(str(custom))
+    assert load_chat_model(str(custom), trust_remote_code=True) is not None
+    pickled = pickled_copy(tiny_model_dir, tmp_path / "pickled")
+    with pytest.raises(ChatError, match="allow_pickle"):
+        load_chat_model(str(pickled))
+    assert load_chat_model(str(pickled), allow_pickle=True) is not None
