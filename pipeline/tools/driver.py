@@ -368,6 +368,9 @@ def run_command(args: list[str], answer) -> int:
         elif command == "report-dir":
             print(cfg.output_root if cfg.report else "", file=answer)
         else:
+            from pipeline.engine.tracking import quiet_console
+
+            quiet_console()  # the gold table loads models: no weight-loading bars between the driver's lines
             summary = pipeline_summary(cfg)
             log(cfg, f"summary written to {Path(cfg.output_root) / 'summary.json'} (verdict {summary['verdict']})")
             print(format_summary(summary), file=answer)
