@@ -324,12 +324,15 @@ class Stage:
         """Compare the checkpoint this run would resume with this run's identity (module
         docstring of pipeline.engine.identity); sets `identity`, `accepted_changes` and
         `allowed_changes`."""
-        from pipeline.engine.checkpoint import newest_identity
+        from pipeline.engine.checkpoint import MARKER, newest_identity, resume_setting
         from pipeline.engine.identity import compare, run_identity
 
         cfg = self.cfg
         self.identity = run_identity(self.name, to_dict(cfg), model_path=self.model_path, world_size=launched_world_size(),
                                      may_change=self.resume_may_change)
+        resume = resume_setting(cfg.checkpoint)
+        if resume not in (True, False) and not (Path(resume) / MARKER).is_file():
+            return [f"checkpoint.resume: {resume} is not a complete checkpoint (no {MARKER} marker)"]
         found = newest_identity(Path(cfg.output_dir) / "checkpoints", cfg.checkpoint)
         if found is None:
             return []

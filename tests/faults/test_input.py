@@ -19,15 +19,7 @@ from pipeline.config import ConfigError, DataConfig, load_config
 STAGES = ("pt", "sft", "rm", "ppo")
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from test_pt_sft import fresh_accelerate_state  # noqa: E402,F401 (autouse fixture: a fresh Accelerator, one thread)
 
 
 def record(stage: str, i: int) -> dict:

@@ -140,3 +140,9 @@ def test_more_steps_resume_a_finished_run_without_refusal(tiny_model_dir, sft_da
     finished_sft(tiny_model_dir, sft_data, out)
     longer = run_sft(sft_args(tiny_model_dir, *sft_data, out, "--train.max_steps", "6", "--train.eval_steps", "0"))
     assert [r["step"] for r in longer.history.steps] == list(range(1, 7)) and len(longer.batch_ids) == 2
+
+
+def test_an_explicit_checkpoint_that_is_not_one_is_a_listed_problem(tiny_model_dir, sft_data, tmp_path, monkeypatch):
+    no_model_loads(monkeypatch)
+    with pytest.raises(ConfigError, match=r"checkpoint.resume: .*nowhere is not a complete checkpoint \(no .complete marker\)"):
+        finished_sft(tiny_model_dir, sft_data, tmp_path / "sft", "--checkpoint.resume", str(tmp_path / "nowhere"))

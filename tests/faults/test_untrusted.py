@@ -15,7 +15,6 @@ import torch
 from pipeline.config import ConfigError, ModelConfig
 from pipeline.modeling import models
 from stagerun import run_stage
-from tinymodels import make_tiny_model
 
 CONFIGURATION = '''
 from transformers import LlamaConfig
@@ -42,20 +41,13 @@ AUTO_MAP = {"AutoConfig": "configuration_relaytiny.RelayTinyConfig",
             "AutoModelForSequenceClassification": "modeling_relaytiny.RelayTinyForSequenceClassification"}
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Each in-process stage run builds its own Accelerator; one intra-op thread (shared cores)."""
-    from accelerate.state import AcceleratorState, GradientState
+from test_pt_sft import fresh_accelerate_state  # noqa: E402,F401 (autouse fixture: a fresh Accelerator, one thread)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    getattr(models, "_warned_custom_code", set()).clear()  # each test sees its own first warning
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    torch.set_num_threads(threads)
+
+@pytest.fixture(autouse=True)
+def first_custom_code_warning():
+    """Each test sees its own first ignored-custom-code warning."""
+    getattr(models, "_warned_custom_code", set()).clear()
 
 
 def with_custom_code(src: Path, folder: Path, model_type: str) -> Path:
