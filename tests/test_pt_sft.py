@@ -197,16 +197,17 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tiny_model_dir, tm
     import pipeline.engine.steps as training
     from pipeline.engine.checkpoint import complete_checkpoints
 
-    real = training.token_losses
+    real = training.weighted_token_losses
     calls = {"n": 0}
 
-    def poisoned(model, batch):
+    def poisoned(*args, **kwargs):
         calls["n"] += 1
-        losses, tasks = real(model, batch)
+        objective, losses, tasks = real(*args, **kwargs)
         # grad_accum 2: calls 5 and 6 are step 3's micro-batches; the third step gets a NaN.
-        return (losses * float("nan") if calls["n"] == 5 else losses), tasks
+        poison = float("nan") if calls["n"] == 5 else 1.0
+        return objective * poison, losses * poison, tasks
 
-    monkeypatch.setattr(training, "token_losses", poisoned)
+    monkeypatch.setattr(training, "weighted_token_losses", poisoned)
     train, valid = write_sft(tmp_path / "data", 8, 2)
     out = tmp_path / "nan"
     with pytest.raises(training.NonFiniteError, match="step 3"):

@@ -139,22 +139,58 @@ def model_inputs(batch: dict) -> dict:
     return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
 
 
-def token_losses(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token cross-entropy (fp32) and the task index of each predicted token.
+def _shifted_targets(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([B, T-1] labels predicted at each position, supervised mask, task ids: -1 where unsupervised).
+    A batch without `task_ids` is one task (0)."""
+    labels = batch["labels"][:, 1:]
+    mask = labels != IGNORE_INDEX
+    tasks = batch.get("task_ids")
+    tasks = torch.zeros_like(labels) if tasks is None else tasks[:, 1:].to(labels.device)
+    return labels, mask, torch.where(mask, tasks, torch.full_like(tasks, -1))
+
+
+def full_logits_token_losses(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cross-entropy (fp32) from the full `[B, T, V]` logits: the reference path, and the
+    one run where `supervised_head.head_split` declines the model (sharded engines, heads that are
+    not a plain linear layer). Returns ([B, T-1] losses, 0 where unsupervised; [B, T-1] task ids)."""
+    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1, :]
+    labels, mask, tasks = _shifted_targets(batch)
+    losses = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).clamp(min=0), reduction="none"
+    ).view(labels.shape)
+    return torch.where(mask, losses, torch.zeros_like(losses)), tasks
+
+
+def weighted_token_losses(model: torch.nn.Module, batch: dict, weights: Optional[torch.Tensor] = None,
+                          accelerator=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(objective, [B, T-1] fp32 losses, [B, T-1] task ids) for one micro-batch, where objective =
+    sum over supervised tokens of weights[task] * loss (0 when `weights` is None).
+
+    The LM head and the cross-entropy run at supervised positions only, in chunks, with the
+    gradient formed in the same pass (`pipeline.engine.supervised_head`), wherever that is exact;
+    otherwise from the full logits. The per-token losses are detached on the first path (they are
+    figures; the objective carries the gradient) and differentiable on the second.
+    """
+    from pipeline.engine.supervised_head import head_split, supervised_forward
+
+    labels, mask, tasks = _shifted_targets(batch)
+    coef = (torch.zeros(labels.shape, dtype=torch.float32, device=labels.device) if weights is None else
+            torch.where(mask, weights.to(labels.device, torch.float32)[tasks.clamp(min=0)], torch.zeros((), device=labels.device)))
+    head = head_split(model, accelerator)
+    if head is not None:
+        objective, losses = supervised_forward(model, model_inputs(batch), head, labels.clamp(min=0), mask, coef)
+        return objective, losses, tasks
+    losses, tasks = full_logits_token_losses(model, batch)
+    return (losses * coef).sum(), losses, tasks
+
+
+def token_losses(model: torch.nn.Module, batch: dict, accelerator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cross-entropy (fp32, detached on the fast path) and the task index of each predicted token.
 
     Returns ([B, T-1] losses, 0 where unsupervised; [B, T-1] task ids, -1 where unsupervised).
     A batch without `task_ids` is one task (0).
     """
-    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1, :]
-    labels = batch["labels"][:, 1:]
-    mask = labels != IGNORE_INDEX
-    losses = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).clamp(min=0), reduction="none"
-    ).view(labels.shape)
-    losses = torch.where(mask, losses, torch.zeros_like(losses))
-    tasks = batch.get("task_ids")
-    tasks = torch.zeros_like(labels) if tasks is None else tasks[:, 1:].to(labels.device)
-    tasks = torch.where(mask, tasks, torch.full_like(tasks, -1))
+    _, losses, tasks = weighted_token_losses(model, batch, None, accelerator)
     return losses, tasks
 
 
@@ -221,10 +257,8 @@ def lm_train_step(
         with micro_step(accelerator, model, index, len(micro_batches)):
             autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
             with autocast:
-                losses, tasks = token_losses(model, batch)
+                loss, losses, tasks = weighted_token_losses(model, batch, weights, accelerator)
             valid = tasks >= 0
-            per_token = torch.where(valid, weights.to(losses.device, torch.float32)[tasks.clamp(min=0)], torch.zeros_like(losses))
-            loss = (losses * per_token).sum()
             if accelerator is not None:
                 accelerator.backward(loss * scale)
             else:
@@ -265,7 +299,7 @@ def heldout_token_loss(model: torch.nn.Module, batches: Sequence[dict], accelera
         for batch in batches:
             autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
             with autocast:
-                losses, tasks = token_losses(model, batch)
+                losses, tasks = token_losses(model, batch, accelerator)
             valid = (tasks >= 0) & batch.get("eval_weight", torch.ones(1, dtype=torch.bool)).to(tasks.device).view(-1, 1).bool()
             sums.index_add_(0, tasks[valid].cpu(), losses[valid].double().cpu())
             counts.index_add_(0, tasks[valid].cpu(), torch.ones(int(valid.sum()), dtype=torch.float64))

@@ -1,0 +1,182 @@
+"""The LM head and cross-entropy only where a label is supervised, in chunks, with the gradient
+computed in the same pass: the full `[B, T, V]` logits of a batch never exist.
+
+A causal LM's forward ends in `logits = lm_head(hidden)`; in an SFT batch most positions carry no
+label (system and user turns, padding), yet the usual path multiplies every position by the
+`[V, H]` head, keeps the fp32 logits, a log-softmax of the same size for the backward, and its
+gradient (each 4 * B * T * V bytes: 400 MB for 4 x 512 tokens of a 49k vocabulary).
+
+Here the backbone runs through the model's own forward (so DDP's hooks, gradient checkpointing
+and PEFT adapters behave as always) with the head swapped for the identity, which returns the
+final hidden states; `fused_weighted_cross_entropy` then takes the rows with a label, `chunk`
+rows at a time, and computes each row's loss and, because the objective is a weighted sum
+`sum_t c_t * CE_t` with weights known before the forward, also its gradient
+`c_t * (softmax_t - onehot_t)` in the same chunk: the gradients with respect to the hidden rows
+(and to the head's weight when it trains) are kept, the chunk's logits are freed. Backward then
+only scales the kept gradients. Memory: `chunk x V` floats instead of several `B x T x V`;
+compute: the head at supervised rows only. The result equals the full-logits path within fp32
+rounding (tests/test_supervised_head.py checks losses and gradients).
+
+The path is taken only where it is exact and safe (`head_split`): the output head is a plain
+`nn.Linear` and the model's logits are exactly `head(hidden)` (checked once per model on a tiny
+input, so post-processed logits such as Gemma's soft-capping fall back), and no sharded engine
+(FSDP, DeepSpeed) owns the head's weight. Elsewhere the full-logits path runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_ROWS = 1024
+"""Supervised rows per chunk: 1024 x 49152 fp32 logits = 200 MB transient at most."""
+
+
+class _FusedWeightedCE(torch.autograd.Function):
+    """sum_t coef_t * CE(hidden_t @ W.T + b, label_t), with per-row losses as a second,
+    non-differentiable output; gradients computed in forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, coef, chunk):
+        need_h = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        device = hidden.device
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+        n = hidden.shape[0]
+        losses = torch.empty(n, dtype=torch.float32, device=device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=device) if need_b else None
+        with torch.autocast(device.type, enabled=False):
+            w = weight.to(dtype)
+            b = bias.to(dtype) if bias is not None else None
+            for start in range(0, n, chunk):
+                h = hidden[start:start + chunk].to(dtype)
+                y = labels[start:start + chunk]
+                logits = F.linear(h, w, b).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                losses[start:start + chunk] = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
+                if need_h or need_w or need_b:
+                    grad = logits.sub_(lse.unsqueeze(1)).exp_()
+                    grad[torch.arange(grad.shape[0], device=device), y] -= 1.0
+                    grad.mul_(coef[start:start + chunk].unsqueeze(1))
+                    if need_h:
+                        grad_h[start:start + chunk] = (grad.to(dtype) @ w).to(hidden.dtype)
+                    if need_w:
+                        grad_w.add_(grad.t().to(dtype) @ h)
+                    if need_b:
+                        grad_b.add_(grad.sum(0))
+                del logits
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.has = (need_h, need_w, need_b)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(losses)
+        return (losses.double() * coef.double()).sum().float(), losses
+
+    @staticmethod
+    def backward(ctx, grad_sum, _grad_losses):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.has
+        return (grad_h * grad_sum.to(grad_h.dtype) if need_h else None,
+                (grad_w * grad_sum).to(ctx.weight_dtype) if need_w else None,
+                (grad_b * grad_sum).to(ctx.weight_dtype) if need_b else None,
+                None, None, None)
+
+
+def fused_weighted_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, coef: torch.Tensor,
+                                 chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_t coef_t * CE_t, [N] fp32 per-row losses) for `hidden` [N, H] rows with `labels` [N].
+
+    The sum is differentiable (with respect to `hidden` and the head's parameters); the per-row
+    losses are for logging. `coef` [N] is fixed (not differentiated).
+    """
+    return _FusedWeightedCE.apply(hidden, head.weight, head.bias, labels, coef.detach().float(), chunk)
+
+
+def _unwrapped_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers causal LM inside DDP (`.module`) and PEFT (`get_base_model()`) wrappers."""
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    return inner
+
+
+def _is_sharded(accelerator) -> bool:
+    return accelerator is not None and accelerator.distributed_type.name in ("FSDP", "DEEPSPEED", "XLA", "MEGATRON_LM")
+
+
+@contextlib.contextmanager
+def _hidden_states_as_logits(causal: torch.nn.Module, head: torch.nn.Module):
+    """The model's forward returns its final hidden states as `.logits` (head swapped for the identity)."""
+    causal.set_output_embeddings(torch.nn.Identity())
+    try:
+        yield
+    finally:
+        causal.set_output_embeddings(head)
+
+
+def head_split(model: torch.nn.Module, accelerator=None) -> Optional[torch.nn.Linear]:
+    """The model's output head when the supervised-rows path is exact and safe for it, else None.
+
+    Exactness is checked once per model (cached on it): on a 1 x 4 input in eval mode, the
+    logits must equal `head(final hidden states)`.
+    """
+    if _is_sharded(accelerator):
+        return None
+    causal = _unwrapped_causal_lm(model)
+    if not hasattr(causal, "get_output_embeddings") or not hasattr(causal, "set_output_embeddings"):
+        return None
+    head = causal.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return None
+    if model is not causal and hasattr(model, "module") and head.weight.requires_grad:
+        # DDP: a trainable head used outside the wrapper's forward is fine unless it is only
+        # reachable there (an untied head); the tied case shares the input embedding.
+        embeddings = causal.get_input_embeddings() if hasattr(causal, "get_input_embeddings") else None
+        if embeddings is None or embeddings.weight is not head.weight:
+            return None
+    verdict = getattr(causal, "_relay_head_split_exact", None)
+    if verdict is None:
+        verdict = _check_exact(model, causal, head)
+        causal._relay_head_split_exact = verdict
+    return head if verdict else None
+
+
+@torch.no_grad()
+def _check_exact(model: torch.nn.Module, causal: torch.nn.Module, head: torch.nn.Linear) -> bool:
+    from pipeline.modeling.models import eval_mode
+
+    vocab = head.weight.shape[0]
+    device = head.weight.device
+    ids = torch.tensor([[1, 2, 3, 4]], device=device) % vocab
+    mask = torch.ones_like(ids)
+    with eval_mode(model):
+        try:
+            full = causal(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+            with _hidden_states_as_logits(causal, head):
+                hidden = causal(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            mine = head(hidden).float()
+        except Exception:  # any model this path cannot drive runs the full-logits path
+            return False
+    return full.shape == mine.shape and torch.allclose(full, mine, rtol=1e-4, atol=1e-4)
+
+
+def supervised_forward(model: torch.nn.Module, inputs: dict, head: torch.nn.Linear, labels: torch.Tensor,
+                       mask: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `model` on `inputs` and return (sum_t coef_t * CE_t over the masked positions, [B, T-1]
+    fp32 per-token losses, 0 where unmasked, detached).
+
+    `labels`, `mask` and `coef` are [B, T-1]: the label predicted at each position (shifted), which
+    positions are supervised, and each supervised token's weight in the objective.
+    """
+    causal = _unwrapped_causal_lm(model)
+    with _hidden_states_as_logits(causal, head):
+        hidden = model(**inputs, use_cache=False).logits[:, :-1, :]
+    objective, rows = fused_weighted_cross_entropy(hidden[mask], head, labels[mask], coef[mask])
+    losses = torch.zeros(labels.shape, dtype=torch.float32, device=rows.device)
+    losses[mask] = rows
+    return objective, losses
