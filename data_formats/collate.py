@@ -123,7 +123,8 @@ class Collator:
     """Turns a list of samples into a batch (see the module docstring).
 
     padding: samples (dicts with input_ids, optional labels and task_id) are right-padded to the
-    longest in the batch. pack: rows from `pack` (with `lengths`) are padded to `seq_length`; plain
+    longest in the batch. pack: rows from `pack` (with `lengths`, at most `seq_length` tokens) are
+    padded to the longest row in the batch; plain
     samples given in pack mode are first packed greedily, so a batch may have fewer rows than
     samples.
     """
@@ -164,7 +165,9 @@ class Collator:
         for row in rows:
             if len(row["input_ids"]) > self.seq_length:
                 raise ValueError(f"packed row of {len(row['input_ids'])} tokens > seq_length {self.seq_length}")
-        return self._tensors(rows, self.seq_length, packed=True)
+        # Padded to the longest row, not to seq_length: the last rows of a short batch would
+        # otherwise be computed on padding (the loss is the same either way).
+        return self._tensors(rows, max(len(row["input_ids"]) for row in rows), packed=True)
 
     def _tensors(self, rows: list[dict], width: int, packed: bool) -> dict[str, torch.Tensor]:
         b = len(rows)

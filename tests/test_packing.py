@@ -37,13 +37,14 @@ def test_pack_layout():
     assert [r["lengths"] for r in rows] == [[7, 9, 4], [7]]
     assert rows[0]["labels"][7] == -100 and rows[0]["labels"][16] == -100  # first token of B, C
     batch = Collator(0, "pack", SEQ)(rows)
-    assert batch["input_ids"].shape == (2, SEQ) and batch["attention_mask"].shape == (2, 1, SEQ, SEQ)
-    assert batch["position_ids"][0].tolist() == list(range(7)) + list(range(9)) + list(range(4)) + list(range(4))
-    assert batch["task_ids"][0].tolist() == [0] * 7 + [1] * 9 + [0] * 4 + [-1] * 4
-    assert batch["labels"][0, 20:].tolist() == [-100] * 4
+    # Padded to the longest row (20 tokens), not to seq_length (24).
+    assert batch["input_ids"].shape == (2, 20) and batch["attention_mask"].shape == (2, 1, 20, 20)
+    assert batch["position_ids"][0].tolist() == list(range(7)) + list(range(9)) + list(range(4))
+    assert batch["task_ids"][0].tolist() == [0] * 7 + [1] * 9 + [0] * 4
+    assert batch["task_ids"][1].tolist() == [0] * 7 + [-1] * 13 and batch["labels"][1, 7:].tolist() == [-100] * 13
     assert packing_efficiency(rows, SEQ) == pytest.approx(27 / 48)
     mask = batch["attention_mask"][0, 0]
-    assert mask[8].tolist() == [False] * 7 + [True, True] + [False] * 15  # B's 2nd token: B's first two only
+    assert mask[8].tolist() == [False] * 7 + [True, True] + [False] * 11  # B's 2nd token: B's first two only
     fa2 = Collator(0, "pack", SEQ, attn_implementation="flash_attention_2")(rows)
     assert "attention_mask" not in fa2 and torch.equal(fa2["position_ids"], batch["position_ids"])
     with pytest.raises(ValueError, match="packing needs"):
