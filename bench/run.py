@@ -45,6 +45,14 @@ def child(args) -> int:
     return 0
 
 
+def side(args, module, name: str, case: dict, env: harness.SideEnv, python) -> harness.SideResult:
+    """One side's result: in a fresh process of `python`, or with `--quick` in this process when
+    `python` is this interpreter (a quick row's form is what is checked; its RSS is not per side)."""
+    if args.quick and Path(python).absolute() == Path(sys.executable).absolute():
+        return (module.relay if name == "relay" else module.peer)(case, env)
+    return harness.run_side(args.name, name, case, env, python)
+
+
 def figure(module, seconds: float, rate: float) -> str:
     return f"{rate:,.0f} tok/s" if module.UNIT == "tok/s" else f"{seconds:.2f} s/step"
 
@@ -70,9 +78,9 @@ def compare(args) -> int:
             continue
         warmup = case.get("warmup", 1)
         print(f"{args.name} {case['case']}: Relay ...", flush=True)
-        ours = harness.run_side(args.name, "relay", case, env, pythons["relay"])
+        ours = side(args, module, "relay", case, env, pythons["relay"])
         print(f"{args.name} {case['case']}: {module.PEER} ...", flush=True)
-        theirs = harness.run_side(args.name, "peer", case, env, pythons["peer"])
+        theirs = side(args, module, "peer", case, env, pythons["peer"])
         tolerance = module.LOSS_TOLERANCE
         if tolerance is not None:
             if ours.first_loss is None or theirs.first_loss is None or abs(ours.first_loss - theirs.first_loss) > tolerance:

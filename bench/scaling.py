@@ -255,11 +255,16 @@ def child(args) -> int:
 
 
 def run_point(point: Point, env: harness.SideEnv) -> Point:
-    """Measure `point` in a fresh process.
+    """Measure `point` in a fresh process (`--quick`: in this one).
 
     Raises:
         harness.HarnessError: the process failed (its last lines).
     """
+    if env.quick:  # the form is what --quick checks: no process start per point (its RSS is not the point's own)
+        import torch
+
+        torch.set_num_threads(env.threads)
+        return (sft_point if point.kind == "sft" else ppo_point)(point, env)
     out = Path(env.workdir) / f"point-{point.kind}-{point.x}.json"
     out.unlink(missing_ok=True)
     cmd = [str(harness.PYTHONS["relay"]), str(Path(__file__).resolve()), "--child", json.dumps(dataclasses.asdict(point)),

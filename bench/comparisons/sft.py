@@ -34,8 +34,9 @@ before any update) must agree within LOSS_TOLERANCE.
   TRL's padding-free row has no padding; only real tokens are counted on both sides.
 
 Settings where TRL's defaults differ and would change the work: `bf16` off (fp32 is the
-comparison), `gradient_checkpointing` off (TRL turns it on by default; Relay's default is off,
-and recomputing activations is not the same work). TRL keeps its own default optimizer
+comparison), `gradient_checkpointing` as the case says on both sides (TRL turns it on by
+default, Relay's default is off; recomputing activations is not the same work, so the `-gc`
+cases turn it on for both). TRL keeps its own default optimizer
 implementation and its fused (chunked) LM-head loss.
 """
 
@@ -59,11 +60,14 @@ OPTIM = {"lr": 2e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0
 def cases(quick: bool) -> list[dict]:
     """LoRA and full fine-tuning, each padded and packed; quick: the two LoRA cases, 3 steps of the
     tiny model (the row's form is checked, not a time; each side is mostly its imports)."""
-    steps, warmup = (3, 1) if quick else (8, 2)
+    steps, warmup = (3, 1) if quick else (12, 2)
     modes = ("lora",) if quick else ("lora", "full")
-    return [{"case": f"{mode}-{padding}", "finetuning": mode, "padding": padding, "steps": steps, "warmup": warmup,
-             "batch_size": 4, "seq_length": 512, "seed": 42}
-            for mode in modes for padding in ("padding", "packing")]
+    out = [{"case": f"{mode}-{padding}", "finetuning": mode, "padding": padding, "steps": steps, "warmup": warmup,
+            "batch_size": 4, "seq_length": 512, "seed": 42, "gc": False}
+           for mode in modes for padding in ("padding", "packing")]
+    if not quick:  # both sides recomputing activations (TRL's default; Relay's model.gradient_checkpointing)
+        out += [dict(out[0], case="lora-padding-gc", gc=True), dict(out[2], case="full-padding-gc", gc=True)]
+    return out
 
 
 def batches_file(case: dict, env: harness.SideEnv) -> Path:
@@ -91,6 +95,7 @@ def relay_config(case: dict, env: harness.SideEnv):
 
     cfg = SFTConfig(output_dir=str(Path(env.workdir) / f"relay-{case['case']}"))
     cfg.model.path, cfg.model.finetuning, cfg.model.dtype, cfg.model.attn_implementation = env.model, case["finetuning"], "fp32", "sdpa"
+    cfg.model.gradient_checkpointing = case.get("gc", False)
     cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules = LORA["r"], LORA["alpha"], LORA["dropout"], ["all-linear"]
     cfg.data.train, cfg.data.eval = [str(DATA)], []
     cfg.data.padding_mode = "pack" if case["padding"] == "packing" else "padding"
@@ -215,7 +220,7 @@ def peer(case: dict, env: harness.SideEnv) -> harness.SideResult:
         adam_beta2=OPTIM["beta2"], adam_epsilon=OPTIM["eps"], weight_decay=OPTIM["weight_decay"],
         max_grad_norm=OPTIM["max_grad_norm"], max_length=case["seq_length"], packing=packing, packing_strategy="bfd",
         dataset_kwargs={"skip_prepare_dataset": True} if packing else None, train_sampling_strategy="sequential",
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, logging_steps=1, report_to=[],
+        bf16=False, fp16=False, gradient_checkpointing=case.get("gc", False), use_cpu=True, logging_steps=1, report_to=[],
         save_strategy="no", eval_strategy="no", disable_tqdm=True,
     )
     peft_config = (LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules="all-linear",
