@@ -155,15 +155,21 @@ class PackedPairCollator:
 
 def sequence_logps(model, batch: dict, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
     """([2B] summed answer log-probs, [2B] answer token counts) of an AnswerPairCollator or
-    PackedPairCollator batch."""
+    PackedPairCollator batch. The LM head runs at answer positions only where that is exact
+    (`pipeline.engine.supervised_head`), else over the full logits."""
     from pipeline.engine.steps import model_inputs
+    from pipeline.engine.supervised_head import head_split, labelled_token_logps
 
     autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+    head = head_split(model, accelerator)
     with autocast:
-        logits = model(**model_inputs(batch), use_cache=False).logits
+        if head is not None:
+            per_token, mask = labelled_token_logps(model, model_inputs(batch), head, batch["labels"])
+        else:
+            per_token, mask = pref.token_logps(model(**model_inputs(batch), use_cache=False).logits, batch["labels"])
     if "sample_index" in batch:
-        return pref.packed_answer_logps(logits, batch["labels"], batch["sample_index"], int(batch["sample_index"].max()) + 1)
-    return pref.answer_logps(logits, batch["labels"])
+        return pref.packed_sums(per_token, mask, batch["sample_index"], int(batch["sample_index"].max()) + 1)
+    return pref.row_sums(per_token, mask)
 
 
 def pair_losses(cfg: DPOSection, sums: torch.Tensor, counts: torch.Tensor, ref: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -132,3 +132,51 @@ def test_eval_losses_equal_the_full_logits_and_never_build_them(tiny_model_dir, 
     assert torch.equal(tasks, got_tasks)
     assert head_calls == []  # the [B, T, V] logits were never built
     assert rows == [int((data["labels"][:, 1:] != -100).sum())]  # the head ran on supervised rows only
+
+
+def test_chunked_token_logps_and_gradients_equal_log_softmax():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=True)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (37,))
+    upstream = torch.randn(37)
+    got = supervised_head.token_logps(hidden, head, labels, chunk=8)
+    (got * upstream).sum().backward()
+    mine = (hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone())
+    hidden.grad = head.weight.grad = head.bias.grad = None
+    want = torch.log_softmax(head(hidden), -1).gather(1, labels.unsqueeze(1)).squeeze(1)
+    (want * upstream).sum().backward()
+    torch.testing.assert_close(got, want.detach())
+    for a, b in zip(mine, (hidden.grad, head.weight.grad, head.bias.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_dpo_sequence_logps_and_gradients_equal_the_full_logits(tiny_model_dir, packed):
+    """DPO's summed answer log-probs (plain and packed pairs) and the policy's gradients through
+    them, against the full-logits path (`pref.token_logps` over every position)."""
+    from peft import LoraConfig, get_peft_model
+
+    from stages.dpo import sequence_logps
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)).train()
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    data = batch()
+    if packed:  # two rows of three samples each, sample_index naming them
+        data["sample_index"] = torch.where(data["labels"] != -100, torch.arange(6).view(6, 1), torch.full_like(data["labels"], -1))
+    results = []
+    for exact in (None, False):
+        m = copy.deepcopy(model)
+        m.get_base_model()._relay_head_split_exact = exact
+        sums, counts = sequence_logps(m, data, None)
+        (sums * torch.linspace(-1, 1, sums.shape[0])).sum().backward()
+        results.append((sums.detach(), counts, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (s1, c1, g1), (s2, c2, g2) = results
+    torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-4)
+    assert torch.equal(c1, c2) and g1.keys() == g2.keys() and g1
+    for name in g1:
+        torch.testing.assert_close(g1[name], g2[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -64,14 +64,22 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tenso
 
 def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """([N] summed log-probs, [N] token counts) of the labelled tokens of each row (`token_logps`)."""
-    per_token, mask = token_logps(logits, labels)
+    return row_sums(*token_logps(logits, labels))
+
+
+def row_sums(per_token: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N] summed log-probs, [N] token counts) from `token_logps`'s [N, T-1] pair."""
     return per_token.sum(-1), mask.sum(-1)
 
 
 def packed_answer_logps(logits: torch.Tensor, labels: torch.Tensor, sample_index: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """([count] summed log-probs, [count] token counts) per sample of packed rows, where
     `sample_index` [R, T] names the sample each position belongs to (-1: padding)."""
-    per_token, mask = token_logps(logits, labels)
+    return packed_sums(*token_logps(logits, labels), sample_index, count)
+
+
+def packed_sums(per_token: torch.Tensor, mask: torch.Tensor, sample_index: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`packed_answer_logps` from `token_logps`'s [R, T-1] pair."""
     owner = sample_index[:, 1:]
     keep = mask & (owner >= 0)
     sums = torch.zeros(count, dtype=per_token.dtype, device=per_token.device).index_add(0, owner[keep], per_token[keep])

@@ -97,6 +97,74 @@ def fused_weighted_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, la
     return _FusedWeightedCE.apply(hidden, head.weight, head.bias, labels, coef.detach().float(), chunk)
 
 
+class _ChunkedTokenLogps(torch.autograd.Function):
+    """log p(label_t) of each row, computed chunk by chunk; the backward recomputes each chunk's
+    logits from the saved rows (`chunk x V` floats alive at a time, never `N x V`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk):
+        device = hidden.device
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=device)
+        lses = torch.empty_like(out)
+        with torch.autocast(device.type, enabled=False):
+            w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
+            for start in range(0, hidden.shape[0], chunk):
+                logits = F.linear(hidden[start:start + chunk].to(dtype), w, b).float()
+                lses[start:start + chunk] = torch.logsumexp(logits, dim=-1)
+                out[start:start + chunk] = logits.gather(1, labels[start:start + chunk].unsqueeze(1)).squeeze(1) - lses[start:start + chunk]
+                del logits
+        ctx.save_for_backward(hidden, weight, bias, labels, lses)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, labels, lses = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        dtype, chunk, device = ctx.dtype, ctx.chunk, hidden.device
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=device) if need_b else None
+        with torch.autocast(device.type, enabled=False):
+            w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
+            for start in range(0, hidden.shape[0], chunk):
+                h = hidden[start:start + chunk].to(dtype)
+                y = labels[start:start + chunk]
+                # d logp_t / d logits = onehot(y_t) - softmax_t, times the incoming gradient.
+                grad = F.linear(h, w, b).float().sub_(lses[start:start + chunk].unsqueeze(1)).exp_().neg_()
+                grad[torch.arange(grad.shape[0], device=device), y] += 1.0
+                grad.mul_(grad_out[start:start + chunk].float().unsqueeze(1))
+                if need_h:
+                    grad_h[start:start + chunk] = (grad.to(dtype) @ w).to(hidden.dtype)
+                if need_w:
+                    grad_w.add_(grad.t().to(dtype) @ h)
+                if need_b:
+                    grad_b.add_(grad.sum(0))
+        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None, None, None)
+
+
+def token_logps(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, chunk: int = CHUNK_ROWS) -> torch.Tensor:
+    """[N] fp32 log p(labels_t) of `hidden` [N, H] rows under `head`, differentiable (the
+    backward recomputes each chunk's logits rather than keeping them)."""
+    return _ChunkedTokenLogps.apply(hidden, head.weight, head.bias, labels, chunk)
+
+
+def labelled_token_logps(model: torch.nn.Module, inputs: dict, head: torch.nn.Linear, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, T-1] fp32 log-prob of each labelled token, 0 elsewhere; [B, T-1] bool mask of them) for
+    HF-aligned `labels` [B, T] (the logits at t-1 predict labels[t], -100 where nothing is scored):
+    the head runs at labelled positions only."""
+    causal = _unwrapped_causal_lm(model)
+    with _hidden_states_as_logits(causal, head):
+        hidden = model(**inputs, use_cache=False).logits[:, :-1, :]
+    shifted = labels[:, 1:]
+    mask = shifted != -100
+    rows = token_logps(hidden[mask], head, shifted[mask])
+    out = torch.zeros(shifted.shape, dtype=rows.dtype, device=rows.device)
+    return out.masked_scatter(mask, rows), mask
+
+
 def _unwrapped_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers causal LM inside DDP (`.module`) and PEFT (`get_base_model()`) wrappers."""
     inner = getattr(model, "module", model)
