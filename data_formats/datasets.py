@@ -12,6 +12,10 @@ depend on any RNG or on file order, and duplicate records land on the same side.
 Overlong samples follow cfg.truncation: 'drop' drops them; 'truncate' keeps the longest run of
 whole early turns that ends with an assistant turn and fits. Samples left with no supervised
 token are dropped. Every drop is counted, logged, and reported in the returned stats.
+
+Every builder goes through the token cache (data_formats.token_cache): a second build of the same
+data with the same tokenizer and settings reads the stored samples instead of reading, validating
+and tokenising again, with the same log lines and stats ($RELAY_TOKEN_CACHE=off turns it off).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from tqdm.auto import tqdm
 
@@ -27,6 +31,7 @@ from data_formats.collate import IGNORE_INDEX
 from data_formats.conversation import Conversation
 from data_formats.render import Template, render, render_prompt, render_scored
 from data_formats.sources import Problem
+from data_formats.token_cache import Built, Check, build_cached, key_parts
 from data_formats.validate import Parsed, apply_policy, read_and_parse
 
 log = logging.getLogger(__name__)
@@ -54,22 +59,38 @@ def in_eval_fraction(raw: str, fraction: float) -> bool:
     return value < fraction
 
 
-def split_records(cfg, kind: str, split: str, **parse_kwargs) -> list[Parsed]:
-    """The validated records of one split (see the module docstring); bad records follow
-    cfg.on_error.
+def split_entries(cfg, split: str) -> list[str]:
+    """The data path entries a split reads (none for 'eval' when there is no eval data to read or
+    carve; see the module docstring).
 
     Raises:
         ValueError: unknown split.
-        DataError: bad records with on_error='strict'.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     carve = not cfg.eval and cfg.eval_fraction > 0
     if split == "eval" and not cfg.eval and not carve:
         return []
-    entries = cfg.eval if split == "eval" and cfg.eval else cfg.train
+    return cfg.eval if split == "eval" and cfg.eval else cfg.train
+
+
+def split_records(cfg, kind: str, split: str, check: Optional[Check] = None, **parse_kwargs) -> list[Parsed]:
+    """The validated records of one split (see the module docstring); bad records follow
+    cfg.on_error, through `check(problems, what)` when given (see token_cache.build_cached).
+
+    Raises:
+        ValueError: unknown split.
+        DataError: bad records with on_error='strict'.
+    """
+    entries = split_entries(cfg, split)
+    if not entries:
+        return []
     good, problems = read_and_parse(entries, kind, fmt=cfg.format, max_record_bytes=cfg.max_record_bytes, **parse_kwargs)
-    apply_policy(problems, cfg.on_error, f"{kind} {split} data")
+    if check is None:
+        apply_policy(problems, cfg.on_error, f"{kind} {split} data")
+    else:
+        check(problems, f"{kind} {split} data")
+    carve = not cfg.eval and cfg.eval_fraction > 0
     if carve:
         good = [r for r in good if in_eval_fraction(r.raw, cfg.eval_fraction) == (split == "eval")]
     if split == "train" and cfg.max_samples is not None:
@@ -93,6 +114,19 @@ def _fit(conv: Conversation, tokenizer, template: Template, seq_length: int,
     return None, "dropped_overlong"
 
 
+def _cached(builder: str, cfg, tokenizer, split: str, build: Callable[[Check], Built], **args) -> Built:
+    """`build` through the token cache, keyed by the builder, split, config section, the files the
+    split reads, the tokenizer and the builder's other arguments `args` (token_cache.key_parts).
+
+    Raises:
+        DataError: bad records with on_error='strict'.
+        ValueError: unknown split.
+    """
+    entries = split_entries(cfg, split)
+    return build_cached(lambda: key_parts(builder, split, cfg, entries, tokenizer, **args), cfg.on_error, build,
+                        f"{builder} {split} data")
+
+
 def _log_stats(what: str, stats: dict) -> None:
     log.info("%s: %s", what, ", ".join(f"{k}={v}" for k, v in stats.items()))
     for key in ("dropped_overlong", "dropped_no_target", "skipped_bad"):
@@ -110,7 +144,17 @@ def build_sft_data(cfg, tokenizer, template: Template, seq_length: int, split: s
     """
     if cfg.truncation not in ("drop", "truncate"):
         raise ValueError(f"truncation must be 'drop' or 'truncate', got {cfg.truncation!r}")
-    records = split_records(cfg, "sft", split, system_prompt=cfg.system_prompt)
+    built = _cached("sft", cfg, tokenizer, split,
+                    lambda check: _sft_samples(cfg, tokenizer, template, seq_length, split, tasks, check),
+                    template=template, seq_length=seq_length, tasks=tasks)
+    _log_stats(f"sft {split} data", built.info["stats"])
+    return SFTData(built.samples, built.info["tasks"], built.info["stats"])
+
+
+def _sft_samples(cfg, tokenizer, template: Template, seq_length: int, split: str, tasks: Optional[list[str]],
+                 check: Check) -> Built:
+    """build_sft_data's samples, with info {'tasks', 'stats'}."""
+    records = split_records(cfg, "sft", split, check, system_prompt=cfg.system_prompt)
     names = list(tasks) if tasks is not None else []
     names += sorted({r.task for r in records} - set(names))
     index = {name: i for i, name in enumerate(names)}
@@ -132,11 +176,10 @@ def build_sft_data(cfg, tokenizer, template: Template, seq_length: int, split: s
             stats["dropped_no_target"] += 1
             continue
         samples.append({"input_ids": ids, "labels": labels, "task_id": index[record.task], "source": record.source})
-    apply_policy(problems, cfg.on_error, f"sft {split} data")
+    check(problems, f"sft {split} data")
     stats["skipped_bad"] = len(problems)
     stats["samples"] = len(samples)
-    _log_stats(f"sft {split} data", stats)
-    return SFTData(samples, names, stats)
+    return Built(samples, {"tasks": names, "stats": stats})
 
 
 class DocumentPacker:
@@ -201,15 +244,22 @@ def build_pt_data(cfg, tokenizer, seq_length: int, split: str) -> list[dict]:
     """
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos token to separate documents")
-    records = split_records(cfg, "pt", split, text_field=cfg.text_field)
+    built = _cached("pt", cfg, tokenizer, split, lambda check: _pt_rows(cfg, tokenizer, seq_length, split, check),
+                    seq_length=seq_length)
+    rows = built.samples
+    log.info("pt %s data: %d document(s), %d token(s), %d row(s) of %d", split, built.info["documents"],
+             sum(len(r["input_ids"]) for r in rows), len(rows), seq_length)
+    return rows
+
+
+def _pt_rows(cfg, tokenizer, seq_length: int, split: str, check: Check) -> Built:
+    """build_pt_data's rows, with info {'documents'}."""
+    records = split_records(cfg, "pt", split, check, text_field=cfg.text_field)
     texts = [r.value for r in records]
     docs = []
     for start in tqdm(range(0, len(texts), 1000), desc=f"tokenizing pt {split}", disable=len(texts) < 1000):
         docs += tokenizer(texts[start:start + 1000], add_special_tokens=False)["input_ids"]
-    rows = chunk_documents(docs, tokenizer.eos_token_id, seq_length)
-    log.info("pt %s data: %d document(s), %d token(s), %d row(s) of %d", split, len(docs),
-             sum(len(r["input_ids"]) for r in rows), len(rows), seq_length)
-    return rows
+    return Built(chunk_documents(docs, tokenizer.eos_token_id, seq_length), {"documents": len(docs)})
 
 
 def fit_pair(prompts: tuple[list[int], list[int]], responses: tuple[list[int], list[int]],
@@ -240,7 +290,22 @@ def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, s
         DataError: bad records (or pairs the template cannot render) with on_error='strict'.
         ValueError: unknown split.
     """
-    records = split_records(cfg, "rm", split, system_prompt=cfg.system_prompt,
+    built = _cached("rm", cfg, tokenizer, split,
+                    lambda check: _preference_pairs(cfg, tokenizer, template, seq_length, split, check),
+                    template=template, seq_length=seq_length)
+    counts = built.info
+    log.info("rm %s data: %d pair(s), %d dropped overlong, %d dropped identical", split, len(built.samples),
+             counts["dropped_overlong"], counts["identical"])
+    if counts["truncated"]:
+        log.warning("rm %s data: %d pair(s) lost their oldest prompt tokens to fit seq_length %d (%d token(s) in all, "
+                    "at most %d from one pair); every response and its end-of-turn token kept", split, counts["truncated"],
+                    seq_length, counts["prompt_tokens_cut"], counts["max_prompt_cut"])
+    return built.samples
+
+
+def _preference_pairs(cfg, tokenizer, template: Template, seq_length: int, split: str, check: Check) -> Built:
+    """build_preference_data's pairs, with info: the counts it logs."""
+    records = split_records(cfg, "rm", split, check, system_prompt=cfg.system_prompt,
                             margin_field=getattr(cfg, "margin_field", None))
     out: list[dict] = []
     problems: list[Problem] = []
@@ -268,14 +333,8 @@ def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, s
         # The answers are never cut (fit_pair cuts prompts), so each side's answer is its last tokens.
         out.append({"chosen_input_ids": c, "rejected_input_ids": r, "chosen_answer_len": len(cr), "rejected_answer_len": len(rr),
                     "margin": margin, "source": record.source})
-    apply_policy(problems, cfg.on_error, f"rm {split} data")
-    log.info("rm %s data: %d pair(s), %d dropped overlong, %d dropped identical", split, len(out),
-             counts["dropped_overlong"], counts["identical"])
-    if counts["truncated"]:
-        log.warning("rm %s data: %d pair(s) lost their oldest prompt tokens to fit seq_length %d (%d token(s) in all, "
-                    "at most %d from one pair); every response and its end-of-turn token kept", split, counts["truncated"],
-                    seq_length, counts["prompt_tokens_cut"], counts["max_prompt_cut"])
-    return out
+    check(problems, f"rm {split} data")
+    return Built(out, counts)
 
 
 def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length: Optional[int] = None) -> list[dict]:
@@ -287,8 +346,17 @@ def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length
         DataError: bad records (or prompts the template cannot render) with on_error='strict'.
         ValueError: unknown split.
     """
-    records = split_records(cfg, "prompts", split, system_prompt=cfg.system_prompt)
     limit = cfg.max_prompt_length if max_length is None else max_length
+    built = _cached("prompts", cfg, tokenizer, split, lambda check: _prompts(cfg, tokenizer, template, split, limit, check),
+                    template=template, max_length=limit)
+    log.info("prompt %s data: %d prompt(s), %d truncated, %d dropped overlong", split, len(built.samples),
+             built.info["truncated"], built.info["dropped"])
+    return built.samples
+
+
+def _prompts(cfg, tokenizer, template: Template, split: str, limit: int, check: Check) -> Built:
+    """build_prompt_data's prompts, with info {'truncated', 'dropped'}."""
+    records = split_records(cfg, "prompts", split, check, system_prompt=cfg.system_prompt)
     out, dropped, truncated = [], 0, 0
     problems: list[Problem] = []
     for record in records:
@@ -309,6 +377,5 @@ def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length
             dropped += 1
             continue
         out.append({"prompt_ids": ids, "text": tokenizer.decode(ids), "source": record.source})
-    apply_policy(problems, cfg.on_error, f"prompt {split} data")
-    log.info("prompt %s data: %d prompt(s), %d truncated, %d dropped overlong", split, len(out), truncated, dropped)
-    return out
+    check(problems, f"prompt {split} data")
+    return Built(out, {"truncated": truncated, "dropped": dropped})
