@@ -259,12 +259,12 @@ class DPOStage(Stage):
     def reference_logps(self, batch: dict) -> torch.Tensor:
         """[2B] summed answer log-probs of the reference: the frozen copy, or the policy with its
         adapter disabled (eval mode: no dropout)."""
-        from pipeline.algorithms.rollout import _peft_disabled
+        from pipeline.modeling.models import adapter_disabled
 
         if self.reference is not None:
             return sequence_logps(self.reference, batch, self.accelerator)[0]
         policy = self.accelerator.unwrap_model(self.model)
-        with _peft_disabled(policy), eval_mode(policy):
+        with adapter_disabled(policy), eval_mode(policy):
             return sequence_logps(policy, batch, self.accelerator)[0]
 
     def precompute(self) -> None:

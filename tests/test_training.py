@@ -144,3 +144,31 @@ def test_early_stopping():
     clone = EarlyStopping(patience=2)
     clone.load_state_dict(early.state_dict())
     assert clone.best == 2.0 and clone.stalls == 2 and not math.isinf(clone.best)
+
+
+def test_the_fused_optimizer_updates_as_the_reference_adamw():
+    """build_optimizer takes torch's fused AdamW kernel where it can (TRL's default too); its
+    updates equal the per-parameter reference implementation (foreach=False) within fp32 rounding,
+    weight decay groups included."""
+    from types import SimpleNamespace
+
+    from pipeline.engine.accelerator import build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    cfg = SimpleNamespace(learning_rate=1e-2, beta1=0.9, beta2=0.95, epsilon=1e-8, weight_decay=0.1)
+    fused = build_optimizer(model, cfg)
+    assert fused.defaults["fused"] is True
+    params = list(twin.parameters())
+    reference = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    x = torch.randn(32, 8)
+    for _ in range(5):
+        for m, opt in ((model, fused), (twin, reference)):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -20,6 +20,7 @@ import torch
 
 from data_formats.collate import left_pad
 from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
+from pipeline.modeling.models import adapter_disabled
 from pipeline.modeling.scoring import reward_readout_index, position_ids_from_mask, token_scores
 
 
@@ -148,12 +149,6 @@ def assemble(prompts: Sequence[Sequence[int]], raw_responses: Sequence[Sequence[
     )
 
 
-def _peft_disabled(model: torch.nn.Module):
-    """`model.disable_adapter()` for a PeftModel, a no-op context otherwise."""
-    from peft import PeftModel
-
-    return model.disable_adapter() if isinstance(model, PeftModel) else contextlib.nullcontext()
-
 
 def policy_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
     """Logits predicting each response token ([B, R, V]); position t-1 predicts token t.
@@ -195,7 +190,7 @@ class ActorCritic(torch.nn.Module):
     def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, temperature: float) -> torch.Tensor:
         """log p_ref of each response token ([B, R])."""
         model = self.reference if self.reference is not None else self.policy
-        ctx = contextlib.nullcontext() if self.reference is not None else _peft_disabled(self.policy)
+        ctx = contextlib.nullcontext() if self.reference is not None else adapter_disabled(self.policy)
         with ctx:
             logits = policy_logits(model, input_ids, attention_mask, prompt_width)
         logits = logits / temperature
@@ -205,7 +200,7 @@ class ActorCritic(torch.nn.Module):
     def reward_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The reward model's score of each whole sequence ([B]), read at its last real token."""
         model = self.reward if self.reward is not None else self.critic
-        ctx = contextlib.nullcontext() if self.reward is not None else _peft_disabled(self.critic)
+        ctx = contextlib.nullcontext() if self.reward is not None else adapter_disabled(self.critic)
         with ctx:
             scores = token_scores(model, input_ids, attention_mask)
         return scores[torch.arange(scores.shape[0]), reward_readout_index(attention_mask)]

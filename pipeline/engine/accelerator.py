@@ -192,6 +192,11 @@ def setup_accelerator(cfg: StageConfig):
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; no weight decay on 1-d parameters (norms, biases).
 
+    The fused kernel where every trainable parameter allows it (CPU or CUDA, a float dtype): the
+    same update as the per-parameter loop within fp32 rounding, and on CPU 12x faster for the
+    135M embedded model (0.13 s against 1.6 s a step, one thread: bench/RESULTS.md), which is a
+    quarter of a full fine-tuning step. TRL's default (`adamw_torch_fused`) is the same kernel.
+
     Raises:
         ValueError: the model has no trainable parameter.
     """
@@ -202,6 +207,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     if not decay and not no_decay:
         raise ValueError("the model has no trainable parameters (check model.finetuning / lora.target_modules)")
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                for p in decay + no_decay)
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.epsilon
+        [g for g in groups if g["params"]], lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.epsilon,
+        fused=fused or None,
     )

@@ -392,6 +392,14 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 
+def adapter_disabled(model: torch.nn.Module):
+    """`model.disable_adapter()` for a PeftModel (its base model: the reference of a LoRA
+    policy, the reward model under a LoRA critic), a no-op context otherwise."""
+    from peft import PeftModel
+
+    return model.disable_adapter() if isinstance(model, PeftModel) else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def eval_mode(model: torch.nn.Module):
     """Run the body with every module in eval mode, then give each module back its own mode.
