@@ -11,9 +11,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The tokenisation cache of this session lives in a temporary folder (not the user's ~/.cache).
 if "RELAY_TOKEN_CACHE" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["RELAY_TOKEN_CACHE"] = tempfile.mkdtemp(prefix="relay-test-tokens-")
+    atexit.register(shutil.rmtree, os.environ["RELAY_TOKEN_CACHE"], True)
 
 import bitsandbytes  # noqa: F401  (a stage run hides backends the config does not ask for; this session keeps both)
 import pytest
