@@ -195,7 +195,7 @@ def timed(result: SideResult, warmup: int) -> tuple[float, float]:
 
 def machine() -> str:
     """CPU architecture, cores, native bf16/AMX, memory (or the GPU's name)."""
-    flags = ""
+    flags = info = ""
     try:
         info = Path("/proc/cpuinfo").read_text()
         flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
@@ -203,10 +203,14 @@ def machine() -> str:
         pass
     extras = [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()]
     try:
+        model = next(l for l in info.splitlines() if l.startswith("model name")).split(":", 1)[1].strip()
+    except (NameError, StopIteration):
+        model = ""
+    try:
         mem = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1]) / 2**20
     except (OSError, StopIteration):
         mem = 0
-    return f"{platform.machine()} {os.cpu_count()} cores{' ' + '+'.join(extras) if extras else ''} {mem:.0f} GiB"
+    return f"{model + ' ' if model else ''}{platform.machine()} {os.cpu_count()} cores{' ' + '+'.join(extras) if extras else ''} {mem:.0f} GiB"
 
 
 def versions(python: Path) -> str:
