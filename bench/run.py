@@ -114,7 +114,6 @@ def main(argv=None) -> int:
     parser.add_argument("--results", default=str(harness.RESULTS), help="the markdown file the row is appended to")
     parser.add_argument("--workdir", default="")
     parser.add_argument("--child", choices=("relay", "peer"), help=argparse.SUPPRESS)
-    parser.add_argument("--case-json", dest="case_json", help=argparse.SUPPRESS)
     parser.add_argument("--env", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", dest="child_out", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args(argv)
