@@ -20,6 +20,7 @@ VmHWM read at the end of the last timed step (before any export/merge).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
@@ -27,6 +28,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +163,61 @@ def quick_model(workdir: Path) -> Path:
     tokenizer.save_pretrained(path)
     write_manifest(path, stage="tiny-random", parent=None, config={"seed": 0})
     return path
+
+
+def side_env(quick: bool, workdir: str, threads: int, prefix: str) -> SideEnv:
+    """The SideEnv of a run: `workdir` (a fresh temporary folder when empty) and the model, the
+    quick tiny model or the embedded one."""
+    folder = Path(workdir or tempfile.mkdtemp(prefix=prefix))
+    folder.mkdir(parents=True, exist_ok=True)
+    if quick:
+        model = str(quick_model(folder))
+    else:
+        sys.path.insert(0, str(ROOT))
+        from pipeline.modeling.embedded import materialize
+
+        model = str(materialize())
+    return SideEnv(model=model, workdir=str(folder), threads=threads, quick=quick)
+
+
+def relay_train_settings(cfg, optim: dict) -> None:
+    """What every Relay side shares: fp32, AdamW with `optim` (lr, beta1, beta2, eps,
+    weight_decay, max_grad_norm), a constant schedule without warm-up, no evaluation, no
+    checkpoint resumed or saved during the run, no trackers."""
+    t = cfg.train
+    t.precision, t.learning_rate, t.lr_schedule, t.warmup, t.eval_steps = "fp32", optim["lr"], "constant", 0, 0
+    t.beta1, t.beta2, t.epsilon = optim["beta1"], optim["beta2"], optim["eps"]
+    t.weight_decay, t.max_grad_norm = optim["weight_decay"], optim["max_grad_norm"]
+    cfg.checkpoint.resume, cfg.checkpoint.save_interval = False, "1000h"
+    cfg.tracking.trackers = []
+
+
+@contextlib.contextmanager
+def full_length_sampling():
+    """While open, Relay's HFGenerator samples exactly max_new_tokens tokens (EOS suppressed until
+    then), so both sides of an RL comparison generate the same number of tokens; restored after,
+    since `--quick` may run the peer in the same process.
+
+    Raises:
+        HarnessError: pipeline/algorithms/rollout.py no longer builds its config with
+            `sampling_config` (the benchmarks must follow it).
+    """
+    from pipeline.algorithms import rollout
+
+    original = getattr(rollout, "sampling_config", None)
+    if original is None:
+        raise HarnessError("pipeline.algorithms.rollout.sampling_config is gone; update bench/harness.py full_length_sampling")
+
+    def fixed_length(max_new_tokens, *args, **kwargs):
+        config = original(max_new_tokens, *args, **kwargs)
+        config.min_new_tokens = max_new_tokens
+        return config
+
+    rollout.sampling_config = fixed_length
+    try:
+        yield
+    finally:
+        rollout.sampling_config = original
 
 
 def run_side(name: str, side: str, case: dict, env: SideEnv, python: Path) -> SideResult:

@@ -16,7 +16,6 @@ import importlib
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,21 +58,18 @@ def figure(module, seconds: float, rate: float) -> str:
 
 def compare(args) -> int:
     module = comparison(args.name)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix=f"relay-bench-{args.name}-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    if args.quick:
-        model = str(harness.quick_model(workdir))
-    else:
-        from pipeline.modeling.embedded import materialize
-
-        model = str(materialize())
-    env = harness.SideEnv(model=model, workdir=str(workdir), threads=args.threads, quick=args.quick)
+    cases = module.cases(args.quick)
+    unknown = sorted(set(args.case or []) - {c["case"] for c in cases})
+    if unknown:
+        raise harness.HarnessError(f"{args.name} has no case {', '.join(unknown)}"
+                                   f"{' in --quick' if args.quick else ''}; its cases: {', '.join(c['case'] for c in cases)}")
+    env = harness.side_env(args.quick, args.workdir, args.threads, prefix=f"relay-bench-{args.name}-")
     pythons = {"relay": harness.PYTHONS["relay"],
                "peer": harness.ensure_trl_112() if module.PEER_PYTHON == "trl-1.12" else harness.PYTHONS["relay"]}
     versions = f"Relay: {harness.versions(pythons['relay'])}; peer: {harness.versions(pythons['peer'])}"
     machine = harness.machine() + f", {args.threads} threads"
     failed = 0
-    for case in module.cases(args.quick):
+    for case in cases:
         if args.case and case["case"] not in args.case:
             continue
         warmup = case.get("warmup", 1)

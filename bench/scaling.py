@@ -40,7 +40,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -227,19 +226,18 @@ def ppo_point(point: Point, env: harness.SideEnv) -> Point:
     """Relay's PPO stage, LoRA, point.batch prompts x exactly point.x new tokens per step
     (bench/comparisons/ppo.py's setup)."""
     from bench.comparisons import ppo as compared
-    from pipeline.algorithms import rollout
     from stages import ppo
 
     case = {"case": f"scaling-{point.x}", "finetuning": "lora", "steps": point.steps, "batch": point.batch,
             "new_tokens": point.x, "epochs": 1}
-    compared.full_length_sampling(rollout)
     cfg = compared.relay_config(case, env, compared.write_prompts(case, env, "scaling"))
     clock = harness.StepClock()
 
     def on_step(stage, record) -> None:
         clock.mark(int(stage.last_experience.rollout.response_mask.sum()))
 
-    timed_stage(ppo.PPOStage, clock)(cfg).run(on_step=on_step)
+    with harness.full_length_sampling():
+        timed_stage(ppo.PPOStage, clock)(cfg).run(on_step=on_step)
     compared.check_generated("scaling", clock.tokens, case)
     return dataclasses.replace(point, step_seconds=clock.seconds, step_tokens=clock.tokens, peak_rss_mb=clock.rss)
 
@@ -424,15 +422,7 @@ def select(points: list[Point], wanted: Optional[list[str]]) -> list[Point]:
 
 
 def measure(args) -> int:
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="relay-scaling-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    if args.quick:
-        model = str(harness.quick_model(workdir))
-    else:
-        from pipeline.modeling.embedded import materialize
-
-        model = str(materialize())
-    env = harness.SideEnv(model=model, workdir=str(workdir), threads=args.threads, quick=args.quick)
+    env = harness.side_env(args.quick, args.workdir, args.threads, prefix="relay-scaling-")
     measured = []
     for point in select(plan(args.quick), args.point):
         print(f"scaling {point.kind} {point.x} ...", flush=True)

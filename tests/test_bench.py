@@ -95,3 +95,14 @@ def test_quick_scaling_writes_its_section_points_and_plot(tmp_path):
     assert points
     png = (tmp_path / "scaling.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_unknown_case_is_one_line_before_anything_runs(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import run as bench_run
+
+    out = tmp_path / "R.md"
+    assert bench_run.main(["sft", "--quick", "--case", "lora-padin", "--results", str(out), "--workdir", str(tmp_path / "w")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["bench/run.py: sft has no case lora-padin in --quick; its cases: lora-padding, lora-packing"]
+    assert not out.exists() and not (tmp_path / "w").exists()

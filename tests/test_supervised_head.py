@@ -13,14 +13,7 @@ from transformers import AutoModelForCausalLM
 from data_formats.collate import Collator
 from pipeline.engine import supervised_head
 from pipeline.engine.steps import full_logits_token_losses, token_weights, weighted_token_losses
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from test_training import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 
 def batch(seed=3, tasks=2):

@@ -119,11 +119,8 @@ def relay_config(case: dict, env: harness.SideEnv, pairs: Path):
     cfg.dpo.precompute_ref_log_probs = case["precompute"]
     t = cfg.train
     t.max_steps, t.batch_size, t.grad_accum, t.seq_length, t.seed = case["steps"], case["batch"], case["grad_accum"], case["seq_length"], case["seed"]
-    t.precision, t.learning_rate, t.lr_schedule, t.warmup, t.eval_steps, t.log_steps = "fp32", OPTIM["lr"], "constant", 0, 0, 1
-    t.beta1, t.beta2, t.epsilon, t.weight_decay, t.max_grad_norm = (OPTIM["beta1"], OPTIM["beta2"], OPTIM["eps"],
-                                                                     OPTIM["weight_decay"], OPTIM["max_grad_norm"])
-    cfg.checkpoint.resume, cfg.checkpoint.save_interval = False, "1000h"
-    cfg.tracking.trackers = []
+    harness.relay_train_settings(cfg, OPTIM)
+    t.log_steps = 1
     return cfg
 
 

@@ -41,7 +41,6 @@ forward and the update (Relay: pipeline/algorithms/grpo.py; TRL: its trainer's o
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 from pathlib import Path
 from typing import Sequence
@@ -129,31 +128,6 @@ class _Finished(Exception):
     """Raised after the last step: the final checkpoint and the merge are not measured."""
 
 
-@contextlib.contextmanager
-def full_length_sampling(rollout_module):
-    """While open, Relay's HFGenerator samples exactly max_new_tokens tokens (EOS suppressed until
-    then); restored after, since `--quick` may run the peer in the same process.
-
-    Raises:
-        harness.HarnessError: pipeline/algorithms/rollout.py no longer builds its config with
-            `sampling_config` (this bench must follow it).
-    """
-    original = getattr(rollout_module, "sampling_config", None)
-    if original is None:
-        raise harness.HarnessError("grpo relay: pipeline.algorithms.rollout.sampling_config is gone; update bench/comparisons/grpo.py")
-
-    def fixed_length(max_new_tokens, *args, **kwargs):
-        config = original(max_new_tokens, *args, **kwargs)
-        config.min_new_tokens = max_new_tokens
-        return config
-
-    rollout_module.sampling_config = fixed_length
-    try:
-        yield
-    finally:
-        rollout_module.sampling_config = original
-
-
 def relay_config(case: dict, env: harness.SideEnv):
     """The GRPO stage config of `case` (module docstring)."""
     from stages.grpo import GRPOConfig
@@ -173,11 +147,8 @@ def relay_config(case: dict, env: harness.SideEnv):
     r.scale_rewards, r.loss_type, r.reward_funcs, r.reward_weights = True, "dapo", [REWARD], None
     t = cfg.train
     t.max_steps, t.batch_size, t.grad_accum, t.seq_length, t.seed = case["steps"], case["prompts"], case["grad_accum"], case["seq_length"], case["seed"]
-    t.precision, t.learning_rate, t.lr_schedule, t.warmup, t.eval_steps, t.log_steps = "fp32", OPTIM["lr"], "constant", 0, 0, 1
-    t.beta1, t.beta2, t.epsilon, t.weight_decay, t.max_grad_norm = (OPTIM["beta1"], OPTIM["beta2"], OPTIM["eps"],
-                                                                     OPTIM["weight_decay"], OPTIM["max_grad_norm"])
-    cfg.checkpoint.resume, cfg.checkpoint.save_interval = False, "1000h"
-    cfg.tracking.trackers = []
+    harness.relay_train_settings(cfg, OPTIM)
+    t.log_steps = 1
     return cfg
 
 
@@ -185,7 +156,6 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
     """Run `GRPOStage` for case["steps"] steps with full-length sampling."""
     import torch
 
-    from pipeline.algorithms import rollout
     from stages.grpo import GRPOStage
 
     torch.set_num_threads(env.threads)
@@ -210,7 +180,7 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
             raise _Finished
 
     stage = TimedGRPO(relay_config(case, env))
-    with full_length_sampling(rollout):
+    with harness.full_length_sampling():
         try:
             stage.run(on_step=on_step)
         except _Finished:

@@ -127,25 +127,6 @@ def write_prompts(case: dict, env: harness.SideEnv, side: str) -> Path:
 # ------------------------------------------------------------------------------------------
 
 
-def full_length_sampling(rollout_module) -> None:
-    """Make Relay's HFGenerator sample exactly max_new_tokens tokens (EOS suppressed until then).
-
-    Raises:
-        harness.HarnessError: pipeline/algorithms/rollout.py no longer builds its config with
-            `sampling_config` (this bench must follow it).
-    """
-    original = getattr(rollout_module, "sampling_config", None)
-    if original is None:
-        raise harness.HarnessError("relay: pipeline.algorithms.rollout.sampling_config is gone; update bench/comparisons/ppo.py")
-
-    def fixed_length(max_new_tokens, *args, **kwargs):
-        config = original(max_new_tokens, *args, **kwargs)
-        config.min_new_tokens = max_new_tokens
-        return config
-
-    rollout_module.sampling_config = fixed_length
-
-
 def relay_config(case: dict, env: harness.SideEnv, prompts: Path):
     from stages import ppo
 
@@ -168,13 +149,11 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
     import torch
 
     from data_formats.collate import left_pad
-    from pipeline.algorithms import rollout
     from pipeline.algorithms.rl import logprobs_from_logits
     from pipeline.modeling.models import load_tokenizer
     from stages import ppo
 
     torch.set_num_threads(env.threads)
-    full_length_sampling(rollout)
     cfg = relay_config(case, env, write_prompts(case, env, "relay"))
     clock, seen = harness.StepClock(), {"first_loss": None, "generated": [], "width": []}
     expected = sorted(template_ids(load_tokenizer(env.model), batch_prompts(case)))
@@ -202,7 +181,8 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
         seen["generated"].append(generated)
         seen["width"].append(int(r.response_mask.shape[1]))
 
-    BenchPPO(cfg).run(on_step=on_step)
+    with harness.full_length_sampling():
+        BenchPPO(cfg).run(on_step=on_step)
     check_generated("relay", seen["generated"], case)
     return clock.result(seen["first_loss"], generated_tokens=seen["generated"], response_width=seen["width"],
                         prompts=case["batch"], first_loss_is="mean NLL of the prompt batch under the initial policy")

@@ -102,11 +102,7 @@ def relay_config(case: dict, env: harness.SideEnv):
     cfg.multitask.weighted_loss_mode = "none"
     t = cfg.train
     t.max_steps, t.batch_size, t.grad_accum, t.seq_length, t.seed = case["steps"], case["batch_size"], 1, case["seq_length"], case["seed"]
-    t.precision, t.learning_rate, t.lr_schedule, t.warmup, t.eval_steps = "fp32", OPTIM["lr"], "constant", 0, 0
-    t.beta1, t.beta2, t.epsilon, t.weight_decay, t.max_grad_norm = (OPTIM["beta1"], OPTIM["beta2"], OPTIM["eps"],
-                                                                     OPTIM["weight_decay"], OPTIM["max_grad_norm"])
-    cfg.checkpoint.resume, cfg.checkpoint.save_interval = False, "1000h"
-    cfg.tracking.trackers = []
+    harness.relay_train_settings(cfg, OPTIM)
     return cfg
 
 

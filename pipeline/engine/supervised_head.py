@@ -35,6 +35,13 @@ CHUNK_ROWS = 1024
 """Supervised rows per chunk: 1024 x 49152 fp32 logits = 200 MB transient at most."""
 
 
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The head's matmul dtype: autocast's where it is on (as the model's own head would run), else
+    the weight's. Softmax and losses are fp32 either way."""
+    kind = hidden.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
+
+
 class _FusedWeightedCE(torch.autograd.Function):
     """sum_t coef_t * CE(hidden_t @ W.T + b, label_t), with per-row losses as a second,
     non-differentiable output; gradients computed in forward, chunk by chunk."""
@@ -44,8 +51,7 @@ class _FusedWeightedCE(torch.autograd.Function):
         need_h = ctx.needs_input_grad[0]
         need_w = ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
-        device = hidden.device
-        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+        device, dtype = hidden.device, _compute_dtype(hidden, weight)
         n = hidden.shape[0]
         losses = torch.empty(n, dtype=torch.float32, device=device)
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -103,8 +109,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk):
-        device = hidden.device
-        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+        device, dtype = hidden.device, _compute_dtype(hidden, weight)
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=device)
         lses = torch.empty_like(out)
         with torch.autocast(device.type, enabled=False):
