@@ -91,19 +91,28 @@ class StepClock:
         self.seconds: list[float] = []
         self.tokens: list[int] = []
         self.rss = 0.0
+        self.gpu_peak_mb = 0.0
 
     def start(self) -> None:
         self.last = time.perf_counter()
 
     def mark(self, tokens: int = 0) -> None:
+        torch = sys.modules.get("torch")
+        on_gpu = torch is not None and torch.cuda.is_available()
+        if on_gpu:  # a step's kernels may still run when the step returns: wait, or time is misplaced
+            torch.cuda.synchronize()
         now = time.perf_counter()
         if self.last is not None:
             self.seconds.append(now - self.last)
             self.tokens.append(int(tokens))
             self.rss = peak_rss_mb()
+            if on_gpu:
+                self.gpu_peak_mb = max(self.gpu_peak_mb, torch.cuda.max_memory_allocated() / 2**20)
         self.last = now
 
     def result(self, first_loss: Optional[float], **extra) -> SideResult:
+        if self.gpu_peak_mb:
+            extra["gpu_peak_mb"] = round(self.gpu_peak_mb)
         return SideResult(first_loss, self.seconds, self.rss or peak_rss_mb(), self.tokens, extra)
 
 
@@ -229,7 +238,8 @@ def run_side(name: str, side: str, case: dict, env: SideEnv, python: Path) -> Si
     threads = str(env.threads)
     child_env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1",
                  "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                 "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONPATH": str(ROOT)}
+                 "TRL_EXPERIMENTAL_SILENCE": "1",
+                 "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env, cwd=ROOT)
     if proc.returncode != 0 or not out.exists():
         tail = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()][-3:]

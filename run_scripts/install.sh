@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs Relay into it. Idempotent: a stamp file keyed on
 # pyproject.toml's hash makes a second run a no-op when nothing changed.
+#
+#   bash run_scripts/install.sh                              # .venv with CPU torch (development, CI)
+#   PYTHON=python3 bash run_scripts/install.sh --bundle DIR [--target SITE]
+#       an offline node whose Python already has CUDA torch, transformers, accelerate and peft: the
+#       bundle's wheels (relay bundle --out DIR) and Relay, all with --no-deps and no index, so torch
+#       is never replaced. --target puts the wheels into SITE instead (then PYTHONPATH=SITE:<repo>).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--bundle" ]; then
+  exec bash run_scripts/install_bundle.sh "${@:2}"
+fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.relay-installed

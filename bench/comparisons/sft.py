@@ -94,15 +94,17 @@ def relay_config(case: dict, env: harness.SideEnv):
     from stages.sft import SFTConfig
 
     cfg = SFTConfig(output_dir=str(Path(env.workdir) / f"relay-{case['case']}"))
-    cfg.model.path, cfg.model.finetuning, cfg.model.dtype, cfg.model.attn_implementation = env.model, case["finetuning"], "fp32", "sdpa"
+    precision = case.get("precision", "fp32")  # bench/gpu.py: bf16 on a GPU
+    cfg.model.path, cfg.model.finetuning, cfg.model.dtype, cfg.model.attn_implementation = env.model, case["finetuning"], precision, "sdpa"
     cfg.model.gradient_checkpointing = case.get("gc", False)
     cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules = LORA["r"], LORA["alpha"], LORA["dropout"], ["all-linear"]
-    cfg.data.train, cfg.data.eval = [str(DATA)], []
+    cfg.data.train, cfg.data.eval = [case.get("data", str(DATA))], []
     cfg.data.padding_mode = "pack" if case["padding"] == "packing" else "padding"
     cfg.multitask.weighted_loss_mode = "none"
     t = cfg.train
     t.max_steps, t.batch_size, t.grad_accum, t.seq_length, t.seed = case["steps"], case["batch_size"], 1, case["seq_length"], case["seed"]
     harness.relay_train_settings(cfg, OPTIM)
+    t.precision = precision
     return cfg
 
 
@@ -191,7 +193,16 @@ def peer(case: dict, env: harness.SideEnv) -> harness.SideResult:
     tokens = step_tokens(steps)
     tokenizer = AutoTokenizer.from_pretrained(env.model)
     tokenizer.pad_token = found["pad_token"]
-    model = AutoModelForCausalLM.from_pretrained(env.model, dtype=torch.float32, attn_implementation="sdpa")
+    bf16 = case.get("precision", "fp32") == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    quantized = {}
+    if case["finetuning"] == "qlora":  # Relay's QLoRA: nf4, double quantisation, bf16 compute
+        from transformers import BitsAndBytesConfig
+
+        quantized = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype),
+                     "device_map": {"": 0 if torch.cuda.is_available() else "cpu"}}
+    model = AutoModelForCausalLM.from_pretrained(env.model, dtype=dtype, attn_implementation="sdpa", **quantized)
     clock, first = harness.StepClock(), []
 
     class Clock(TrainerCallback):
@@ -216,11 +227,12 @@ def peer(case: dict, env: harness.SideEnv) -> harness.SideResult:
         adam_beta2=OPTIM["beta2"], adam_epsilon=OPTIM["eps"], weight_decay=OPTIM["weight_decay"],
         max_grad_norm=OPTIM["max_grad_norm"], max_length=case["seq_length"], packing=packing, packing_strategy="bfd",
         dataset_kwargs={"skip_prepare_dataset": True} if packing else None, train_sampling_strategy="sequential",
-        bf16=False, fp16=False, gradient_checkpointing=case.get("gc", False), use_cpu=True, logging_steps=1, report_to=[],
+        bf16=bf16, fp16=False, gradient_checkpointing=case.get("gc", False), use_cpu=not torch.cuda.is_available(),
+        logging_steps=1, report_to=[],
         save_strategy="no", eval_strategy="no", disable_tqdm=True,
     )
     peft_config = (LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules="all-linear",
-                              bias="none", task_type="CAUSAL_LM") if case["finetuning"] == "lora" else None)
+                              bias="none", task_type="CAUSAL_LM") if case["finetuning"] in ("lora", "qlora") else None)
     trainer = FirstLossSFT(model=model, args=args, train_dataset=Dataset.from_list(trl_rows(steps, packing)),
                            processing_class=tokenizer, peft_config=peft_config, callbacks=[Clock()])
     trainer.train()

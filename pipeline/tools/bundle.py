@@ -64,6 +64,11 @@ zipp
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64")
 MANIFEST = "bundle.json"
+TOKENIZER = "embedded-tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+"""The embedded model's tokenizer (3.4 MB); its weights (the 90 MB GGUF) do not fit the carry, and the
+GPU tests train tiny random models that only need the tokenizer."""
+TOKENIZER_ONLY = "TOKENIZER_ONLY"
 DEFAULT_BUDGET_MIB = 56.0
 """The device tool carries 64 MiB in all; Relay's own tree (about 6 MiB with its sample data) rides beside the bundle."""
 
@@ -204,8 +209,39 @@ def build(out: Path, python_version: str = "3.12", needs: Sequence[str] = NEEDS 
     stray = sorted(p.name for p in out.glob("*.whl") if p.name not in {w.file for w in wheels.values()})
     if stray:
         raise BundleError(f"{out} holds wheels the bundle does not need ({', '.join(stray)}): remove them or use an empty folder")
+    manifest["files"] = copy_tokenizer(out)
+    manifest["total_bytes"] += sum(f["size"] for f in manifest["files"])
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def copy_tokenizer(out: Path) -> list[dict]:
+    """Copy the embedded model's tokenizer files into out/TOKENIZER; their manifest entries."""
+    from pipeline.modeling.embedded import materialize
+
+    source, folder = materialize(), out / TOKENIZER
+    folder.mkdir(exist_ok=True)
+    entries = []
+    for name in TOKENIZER_FILES:
+        data = (source / name).read_bytes()
+        (folder / name).write_bytes(data)
+        entries.append({"file": f"{TOKENIZER}/{name}", "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)})
+    return entries
+
+
+def seed_cache(bundle: Path) -> Path:
+    """Make the bundle's tokenizer the embedded model folder of $RELAY_CACHE, marked TOKENIZER_ONLY:
+    tests/tinymodels.py builds its tiny random models on it; loading the embedded weights fails
+    (there are none). Use a cache of its own (gpu_check.sh does), never the user's."""
+    from pipeline.modeling.embedded import COMPLETE_MARKER, embedded_dir
+
+    target = embedded_dir()
+    target.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        (target / name).write_bytes((bundle / TOKENIZER / name).read_bytes())
+    (target / TOKENIZER_ONLY).write_text("the embedded model's tokenizer only, from a relay bundle; no weights\n")
+    (target / COMPLETE_MARKER).write_text("ok\n")
+    return target
 
 
 def check(folder: Path, budget_mib: Optional[float] = None, needs: Sequence[str] = NEEDS + DEV_NEEDS) -> list[str]:
@@ -219,13 +255,13 @@ def check(folder: Path, budget_mib: Optional[float] = None, needs: Sequence[str]
     names = [w["name"] for w in manifest["wheels"]]
     problems += [f"{path}: {n} is needed but not in the bundle" for n in map(canonical, needs) if n not in names]
     problems += [f"{path}: {n} appears twice (one version each, or pip refuses the install)" for n in sorted({n for n in names if names.count(n) > 1})]
-    for wheel in manifest["wheels"]:
+    for wheel in manifest["wheels"] + manifest.get("files", []):
         file = folder / wheel["file"]
         if not file.is_file():
-            problems.append(f"{file}: missing ({wheel['name']} {wheel['version']})")
+            problems.append(f"{file}: missing" + (f" ({wheel['name']} {wheel['version']})" if "name" in wheel else ""))
         elif file.stat().st_size != wheel["size"] or sha256(file) != wheel["sha256"]:
             problems.append(f"{file}: size or sha256 differs from {MANIFEST}")
-    total = sum(w["size"] for w in manifest["wheels"])
+    total = sum(w["size"] for w in manifest["wheels"] + manifest.get("files", []))
     if budget_mib is not None and total > budget_mib * 2**20:
         problems.append(f"{path}: {total / 2**20:.1f} MiB is over the budget of {budget_mib:g} MiB")
     return problems
@@ -235,19 +271,25 @@ def summary(manifest: dict) -> str:
     """The bundle's contents, one line per wheel, and its total."""
     lines = [f"  {w['name']:<22} {w['version']:<14} {w['size'] / 2**20:7.2f} MiB  (for {', '.join(sorted(set(w['required_by'])))})"
              for w in manifest["wheels"]]
-    return "\n".join(lines + [f"  total {manifest['total_bytes'] / 2**20:.2f} MiB in {len(manifest['wheels'])} wheels"])
+    lines += [f"  {f['file']:<37} {f['size'] / 2**20:7.2f} MiB" for f in manifest.get("files", [])]
+    return "\n".join(lines + [f"  total {manifest['total_bytes'] / 2**20:.2f} MiB: {len(manifest['wheels'])} wheels, "
+                              f"{len(manifest.get('files', []))} tokenizer files"])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="relay bundle", description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="folder to write the wheels and bundle.json into")
     parser.add_argument("--check", metavar="DIR", help="check an existing bundle instead of building one")
+    parser.add_argument("--seed-cache", metavar="DIR", help="make DIR's tokenizer the embedded model of $RELAY_CACHE (tokenizer only)")
     parser.add_argument("--python-version", default="3.12", help="the node's CPython version (default 3.12)")
     parser.add_argument("--budget-mib", type=float, default=DEFAULT_BUDGET_MIB,
                         help=f"largest total size (default {DEFAULT_BUDGET_MIB:g}: the device tool's 64 MiB less Relay's tree)")
     args = parser.parse_args(argv)
+    if args.seed_cache:
+        print(seed_cache(Path(args.seed_cache)))
+        return 0
     if bool(args.out) == bool(args.check):
-        parser.error("give exactly one of --out DIR or --check DIR")
+        parser.error("give exactly one of --out DIR, --check DIR or --seed-cache DIR")
     try:
         if args.out:
             manifest = build(Path(args.out), args.python_version)

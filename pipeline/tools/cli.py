@@ -10,6 +10,7 @@
     relay merge --base DIR --adapter DIR --out DIR          # LoRA adapter -> full model
     relay export RUN_OR_MERGED_DIR --out DIR [--gguf]       # a shippable model folder + model card
     relay serve DIR [--port 8000]                           # OpenAI-compatible /v1/chat/completions
+    relay bundle --out DIR | --check DIR                    # wheels for an offline CUDA torch node
 
 The per-stage scripts (`stages/*.py`, `run_scripts/run_*.sh`) stay; `relay train` runs the same
 scripts (through torchrun when --nproc > 1). Every subcommand's `--help` lists its options.
@@ -38,6 +39,7 @@ COMMANDS = {
     "export": ("pipeline.tools.release", "write a shippable model folder with a model card (and GGUF)"),
     "serve": ("pipeline.tools.serve", "serve a model folder on an OpenAI-compatible HTTP API"),
     "embedded": ("pipeline.modeling.embedded", "locate (converting once) the embedded model folder"),
+    "bundle": ("pipeline.tools.bundle", "download the wheels an offline CUDA torch node needs (or check a bundle)"),
 }
 LOADS_MODELS = ("chat", "merge", "export", "serve")
 """Subcommands that load models: their loading bars and known-harmless warnings are silenced."""

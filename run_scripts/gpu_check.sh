@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU check: on a CUDA machine, in one command well under 10 minutes, install Relay from an
+# offline bundle, run every GPU-marked test and the GPU benchmarks, and write one result file,
+# OUTDIR/gpu_check.md (markdown for bench/RESULTS.md, the device named).
+#
+#   bash run_scripts/gpu_check.sh OUTDIR [--bundle DIR] [--dry-run]
+#
+# --bundle DIR: install from `relay bundle --out DIR` first (into a folder of its own: the node's
+# Python and its torch are left as they are); without it Relay must already be importable.
+# --dry-run (any machine): list what would run and check the bundle is complete; nothing runs.
+# Time budgets in seconds (override in the environment): GPU_CHECK_TESTS_S (280) for all tests,
+# GPU_CHECK_TEST_S (200) for one test, GPU_CHECK_BENCH_S (210) for all benchmarks.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+usage="usage: bash run_scripts/gpu_check.sh OUTDIR [--bundle DIR] [--dry-run]"
+out="" bundle="" dry=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bundle) bundle=${2:?--bundle needs a folder}; shift 2 ;;
+    --dry-run) dry=1; shift ;;
+    -h|--help) echo "$usage"; exit 0 ;;
+    -*) echo "gpu_check.sh: unknown option $1; $usage" >&2; exit 2 ;;
+    *) [ -z "$out" ] || { echo "gpu_check.sh: one OUTDIR only; $usage" >&2; exit 2; }; out=$1; shift ;;
+  esac
+done
+[ -n "$out" ] || { echo "$usage" >&2; exit 2; }
+PY=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+if [ "$dry" = 1 ]; then
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" bench/gpu.py plan ${bundle:+--bundle "$bundle"}
+fi
+"$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
+  || { echo "gpu_check.sh: $PY sees no CUDA device (on a CPU machine: --dry-run)" >&2; exit 2; }
+mkdir -p "$out"
+work=$(mktemp -d /tmp/relay-gpu-check.XXXXXX)
+# A cache of its own: the bundle's tokenizer becomes the embedded model there (tokenizer only).
+export RELAY_CACHE="$work/cache" RELAY_TOKEN_CACHE="$work/tokens"
+started=$SECONDS
+if [ -n "$bundle" ]; then
+  bash run_scripts/install.sh --bundle "$bundle" --target "$work/site" >"$out/install.log" 2>&1 \
+    || { cat "$out/install.log"; echo "gpu_check.sh: the install from $bundle failed (above)" >&2; exit 1; }
+  export PYTHONPATH="$work/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  "$PY" -m pipeline.tools.bundle --seed-cache "$bundle" >/dev/null
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  "$PY" -m pipeline.tools.compat >"$out/install.log" 2>&1
+fi
+cat "$out/install.log"
+echo "gpu_check.sh: installed in $((SECONDS - started)) s; tests (${GPU_CHECK_TESTS_S:-280} s budget)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+mapfile -t files < <("$PY" -c 'import sys; sys.path.insert(0, "."); from bench.gpu import GPU_TESTS; [print(a) for a, _ in GPU_TESTS]')
+deadline=$((SECONDS + ${GPU_CHECK_TESTS_S:-280}))
+n=0
+for spec in "${files[@]}"; do
+  left=$((deadline - SECONDS))
+  n=$((n + 1))
+  if [ "$left" -lt 20 ]; then echo "gpu_check.sh: not run (tests' time budget spent): $spec" | tee -a "$out/not_run.txt"; continue; fi
+  # shellcheck disable=SC2086  # spec is "FILE [-k EXPR]"
+  timeout -s INT -k 15 "$left" "$PY" -m pytest -q -p no:cacheprovider -rfEs --timeout "${GPU_CHECK_TEST_S:-200}" \
+    --junitxml "$work/tests-$n.xml" $spec 2>&1 | tee -a "$out/tests.log"
+done
+echo "gpu_check.sh: tests done at $((SECONDS - started)) s; benchmarks (${GPU_CHECK_BENCH_S:-210} s budget)"
+timeout -s INT -k 15 $((${GPU_CHECK_BENCH_S:-210} + 30)) "$PY" bench/gpu.py run --out "$out/bench.json" \
+  --budget "${GPU_CHECK_BENCH_S:-210}" 2>&1 | tee "$out/bench.log" | grep -v -i "warn" | tail -40
+junits=()
+for f in "$work"/tests-*.xml; do [ -f "$f" ] && junits+=(--junit "$f"); done
+"$PY" bench/gpu_report.py "${junits[@]}" --bench "$out/bench.json" --log "$out/install.log" \
+  --not-run "$out/not_run.txt" --out "$out/gpu_check.md"
+echo "gpu_check.sh: wrote $out/gpu_check.md in $((SECONDS - started)) s"
