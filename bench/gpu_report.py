@@ -77,7 +77,8 @@ def bench_section(bench: dict) -> list[str]:
     if not bench:
         return ["No benchmark figures (bench/gpu.py did not run or wrote nothing)."]
     shape = bench.get("shape")
-    lines = [f"Random-init {shape} ({bench.get('n_params', 0) / 1e6:.0f}M parameters), the embedded tokenizer, synthetic "
+    lines = ["`--tiny` run: a tiny shape on this machine, checking the code paths; the figures mean nothing.", ""] if bench.get("tiny") else []
+    lines += [f"Random-init {shape} ({bench.get('n_params', 0) / 1e6:.0f}M parameters), the embedded tokenizer, synthetic "
              f"two-turn conversations of ~500 tokens, 16 a step packed into rows of 2048, bf16, AdamW, sdpa; each side in its "
              f"own process. Peak dense bf16 taken as {bench.get('peak_bf16_tflops')} TFLOP/s. MFU = tokens/s x (6N full, 4N "
              "LoRA/QLoRA, + 12 L d T attention) / peak (bench/gpu.py). Peak memory: torch.cuda.max_memory_allocated.", ""]

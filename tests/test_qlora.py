@@ -35,7 +35,8 @@ def trained(tiny_model_dir, tmp_path_factory):
     cfg = ModelConfig(path=str(tiny_model_dir), finetuning="qlora", gradient_checkpointing=True)
     model = load_model(cfg, LoraConfig(r=8, alpha=16, dropout=0.0))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    batch = dict(tokenizer([TEXT], return_tensors="pt"))
+    # On a GPU the 4-bit base loads onto it (load_model's device_map); the batch follows it.
+    batch = {k: v.to(model.device) for k, v in tokenizer([TEXT], return_tensors="pt").items()}
     batch["labels"] = batch["input_ids"].clone()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
@@ -71,8 +72,8 @@ def test_qlora_loss_falls(trained):
 def test_qlora_adapter_merges_into_the_full_precision_base(trained, tiny_model_dir, tmp_path):
     model, batch, losses, adapter = trained
     merged = merge_adapter(str(tiny_model_dir), str(adapter), str(tmp_path / "merged"), stage="sft")
-    full = AutoModelForCausalLM.from_pretrained(merged).eval()
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    full = AutoModelForCausalLM.from_pretrained(merged).to(model.device).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(model.device).eval()
     with torch.no_grad():
         merged_loss = full(**batch).loss.item()
         base_loss = base(**batch).loss.item()
