@@ -14,7 +14,8 @@ bundle=${1:?usage: install.sh --bundle DIR [--target SITE]}
 target=""
 if [ "${2:-}" = "--target" ]; then target=${3:?--target needs a folder}; fi
 die() { echo "install.sh --bundle: $*" >&2; exit 1; }
-torch_before=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null) \
+torch_version() { "$PY" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null; }
+torch_before=$(torch_version) \
   || die "$PY has no torch: this mode installs into a Python that already has (CUDA) torch"
 "$PY" -m pipeline.tools.bundle --check "$bundle" --budget-mib 1e9 >/dev/null || die "$bundle is not a complete bundle (see above)"
 pip() { "$PY" -m pip --disable-pip-version-check -q "$@"; }
@@ -28,6 +29,6 @@ else
   pip install --no-index --no-deps $wheels
   pip install --no-index --no-deps --no-build-isolation -e .
 fi
-torch_after=$("$PY" -c 'import torch; print(torch.__version__)')
+torch_after=$(torch_version)
 [ "$torch_before" = "$torch_after" ] || die "torch changed from $torch_before to $torch_after (it must never be replaced)"
 "$PY" -m pipeline.tools.compat
