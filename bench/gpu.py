@@ -38,14 +38,18 @@ sys.path.insert(0, str(ROOT))
 from bench import harness  # noqa: E402
 
 GPU_TESTS = [
-    ("tests/test_gpu.py", "bf16 vs fp32 one process; packed == unpacked (sdpa, CUDA); QLoRA trains and merges on CUDA; "
-                          "PPO and GRPO on CUDA; FSDP on one rank with checkpoint gather/scatter and exact resume"),
-    ("tests/test_distributed_gpu.py", "ZeRO-2, ZeRO-3, ZeRO-3 offload == one GPU (SFT, RM, grad_accum 1 and 4); PPO under "
-                                      "ZeRO-3; QLoRA under ZeRO-3; bf16 tracks fp32; resuming ZeRO refused up front"),
-    ("tests/test_qlora.py", "QLoRA nf4 (bitsandbytes) base, only LoRA trains, adapter merges into the full-precision base"),
+    ("tests/test_gpu.py", "packed == unpacked on CUDA sdpa (fp32, bf16); PPO (fp32, bf16) and GRPO (bf16) on CUDA; "
+                          "FSDP on one rank: checkpoint gather/scatter, stopped + resumed == unbroken == plain one GPU"),
+    ("tests/test_qlora.py", "QLoRA: nf4 double-quant base on CUDA, only LoRA trains, the adapter merges into the full-precision base"),
     ("tests/test_distributed_stages.py -k fsdp", "FSDP on two ranks == one process; stopped and resumed == unbroken"),
+    ("tests/test_distributed_gpu.py::test_bf16_tracks_fp32 tests/test_distributed_gpu.py::test_ppo_under_zero3_equals_one_gpu "
+     "tests/test_distributed_gpu.py::test_qlora_trains_under_sharding_and_tracks_one_gpu "
+     "tests/test_distributed_gpu.py::test_resuming_a_zero3_run_is_refused_up_front",
+     "bf16 tracks fp32; PPO under ZeRO-3 == one GPU; QLoRA under ZeRO-3 (and FSDP, 2 GPUs); resuming ZeRO refused up front"),
+    ("tests/test_distributed_gpu.py::test_zero_equals_one_gpu", "ZeRO-2, ZeRO-3, ZeRO-3 offload == one GPU (SFT, RM, grad_accum 1 and 4)"),
 ]
-"""(pytest arguments, what it proves): every GPU-marked test, in the order gpu_check.sh runs them."""
+"""(pytest arguments, what it proves): every GPU-marked test, in the order gpu_check.sh runs them
+(the quick ones first: what the tests' time budget cuts off is listed as not run)."""
 SHAPES = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),
@@ -292,7 +296,9 @@ def run(out: Path, seconds: float, tiny: bool) -> dict:
     for part, share in PARTS.items():
         budget = Budget(share * seconds + max(0.0, sum(PARTS[p] for p in list(PARTS)[:list(PARTS).index(part)]) * seconds - spent))
         print(f"bench/gpu.py: {part} ({budget.left():.0f} s)", flush=True)
-        if part == "sft":
+        if budget.left() < (0 if tiny else 20):
+            result[part] = {"not_run": "the benchmarks' time budget was spent"}
+        elif part == "sft":
             result["sft"] = bench_sft(model, n_params, SHAPES[small], data, work, budget, tiny)
         elif part == "qlora_merge":
             big = "tiny" if tiny else "qwen2.5-1.5b"
@@ -314,12 +320,13 @@ def plan(bundle) -> int:
 
     print("gpu_check.sh would run:")
     print(f"  install: bash run_scripts/install.sh --bundle {bundle or 'DIR'} --target <work>/site  (no index, --no-deps; torch kept)")
-    missing = [args.split()[0] for args, _ in GPU_TESTS if not (ROOT / args.split()[0]).is_file()]
+    missing = sorted({a.split("::")[0] for args, _ in GPU_TESTS for a in args.split() if a.startswith("tests/")
+                      and not (ROOT / a.split("::")[0]).is_file()})
     for args, what in GPU_TESTS:
         print(f"  tests:   pytest {args}  -- {what}")
-    print(f"  bench:   SFT {'/'.join(SFT_MODES)} bf16 packed seq 2048 on {', '.join(k for k in SHAPES if k != 'tiny')} shapes, "
-          "Relay vs TRL SFTTrainer (tokens/s, MFU, peak GPU memory); QLoRA 1.5B trains and merges; PPO and GRPO step time "
-          "and generation share")
+    print(f"  bench:   SFT {'/'.join(SFT_MODES)} bf16 packed seq 2048 on the Qwen2.5-0.5B shape, Relay vs TRL SFTTrainer "
+          "(tokens/s, MFU, peak GPU memory); QLoRA on the 1.5B shape trains and merges; PPO and GRPO step time and "
+          "generation share (0.5B shape)")
     print("  report:  OUTDIR/gpu_check.md (markdown for bench/RESULTS.md)")
     problems = [f"{path}: missing" for path in missing]
     if bundle:

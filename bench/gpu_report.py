@@ -61,7 +61,7 @@ def ratio(a, b) -> str:
 def sft_table(bench: dict) -> list[str]:
     lines = ["| mode | Relay tok/s | TRL tok/s | Relay / TRL tok/s | Relay MFU | TRL MFU | Relay peak GiB | TRL peak GiB "
              "| Relay / TRL memory | first loss Relay / TRL |", "|---" * 10 + "|"]
-    for row in bench.get("sft", []):
+    for row in bench.get("sft", []) if isinstance(bench.get("sft"), list) else []:
         r, t = row.get("relay", {}), row.get("peer", {})
         loss = (f"{r['first_loss']:.4f} / {t['first_loss']:.4f}" + ("" if row.get("equal_work") else " (NOT equal work)")
                 if isinstance(r.get("first_loss"), float) and isinstance(t.get("first_loss"), float) else "-")
@@ -69,7 +69,8 @@ def sft_table(bench: dict) -> list[str]:
                      f"{ratio(r.get('tokens_per_s'), t.get('tokens_per_s'))} | {pct(r.get('mfu'))} | {pct(t.get('mfu'))} | "
                      f"{gb(r.get('gpu_peak_mb'))} | {gb(t.get('gpu_peak_mb'))} | {ratio(r.get('gpu_peak_mb'), t.get('gpu_peak_mb'))} | {loss} |")
     errors = [f"- {row['mode']} {name}: {row[key]['error']}" for row in bench.get("sft", [])
-              for key, name in (("relay", "Relay"), ("peer", "TRL")) if "error" in row.get(key, {})]
+              for key, name in (("relay", "Relay"), ("peer", "TRL")) if "error" in row.get(key, {})
+              ] if isinstance(bench.get("sft"), list) else [f"- SFT: not run ({bench.get('sft', {}).get('not_run', 'no result')})"]
     return lines + ([""] + errors if errors else [])
 
 
@@ -84,21 +85,27 @@ def bench_section(bench: dict) -> list[str]:
              "LoRA/QLoRA, + 12 L d T attention) / peak (bench/gpu.py). Peak memory: torch.cuda.max_memory_allocated.", ""]
     lines += sft_table(bench)
     q = bench.get("qlora_merge", {})
-    lines += ["", f"- QLoRA on {q.get('shape')}: " + (f"error: {q['error']}" if "error" in q else
+    lines += ["", f"- QLoRA on {q.get('shape', 'the 1.5B shape')}: " + (f"error: {q['error']}" if "error" in q else
+              f"not run: {q['not_run']}" if "not_run" in q else
               f"{q.get('steps')} steps, losses {q.get('losses')}, merged: {q.get('merged')}, peak {gb(q.get('gpu_peak_mb'))} GiB, "
               f"{q.get('seconds')} s with load and merge")]
     for algo in ("ppo", "grpo"):
         r = bench.get(algo, {})
         lines.append(f"- {algo.upper()} (LoRA, bf16, {shape}): " + (f"error: {r['error']}" if "error" in r else
+                     f"not run: {r['not_run']}" if "not_run" in r else
                      f"{r.get('s_per_step')} s/step, generation {pct(r.get('generation_share'))} of it, peak "
                      f"{gb(r.get('gpu_peak_mb'))} GiB (every step: {r.get('step_seconds')})"))
     return lines
 
 
-def report(junits: list, bench_json, log, device: str, not_run=None) -> str:
+def report(junits: list, bench_json, log, device: str, not_run=None, collected=None) -> str:
     bench = json.loads(Path(bench_json).read_text()) if bench_json and Path(bench_json).is_file() else {}
     device = bench.get("device") or device
     outcomes = [row for junit in junits or [] if Path(junit).is_file() for row in test_outcomes(Path(junit))]
+    seen = {row[0] for row in outcomes}
+    if collected and Path(collected).is_file():  # collected, then cut off by a time budget
+        ids = dict.fromkeys(line.strip() for line in Path(collected).read_text().splitlines() if line.strip())
+        outcomes += [(test_id, "not run: the tests' time budget was spent", 0.0) for test_id in ids if test_id not in seen]
     if not_run and Path(not_run).is_file():  # files the tests' time budget left no time for
         outcomes += [(line.rsplit(": ", 1)[-1], "not run: the tests' time budget was spent", 0.0)
                      for line in Path(not_run).read_text().splitlines() if line.strip()]
@@ -109,7 +116,8 @@ def report(junits: list, bench_json, log, device: str, not_run=None) -> str:
              "Written by `bash run_scripts/gpu_check.sh` (README: GPU check). Versions: "
              + ", ".join(f"{k} {v}" for k, v in bench.get("versions", {}).items()), ""]
     if log and Path(log).is_file():
-        lines += ["Install: " + " / ".join(line.strip() for line in Path(log).read_text().splitlines()[-3:] if line.strip()), ""]
+        kept = [line.strip() for line in Path(log).read_text().splitlines() if line.startswith(("relay runs on", "error", "install.sh"))]
+        lines += ["Install: " + (" / ".join(kept) or "no version line (see install.log)"), ""]
     lines += [f"### GPU-marked tests: {counts['passed']} passed, {counts['FAILED']} failed, {counts[two_gpus]} not run "
               f"(need 2 GPUs), {counts['skipped']} skipped{late}", ""]
     if not outcomes:
@@ -123,12 +131,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--junit", action="append", help="pytest's JUnit XML (repeatable)")
     parser.add_argument("--not-run", help="a file of lines 'not run (...): FILE' (test files never started)")
+    parser.add_argument("--collected", help="every collected test id, one a line (bench/gpu_collect.py)")
     parser.add_argument("--bench")
     parser.add_argument("--log")
     parser.add_argument("--device", default="unknown device")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    text = report(args.junit, args.bench, args.log, args.device, args.not_run)
+    text = report(args.junit, args.bench, args.log, args.device, args.not_run, args.collected)
     Path(args.out).write_text(text)
     print(text)
     return 0

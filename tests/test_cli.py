@@ -16,7 +16,7 @@ from stages import script
 from stages.sft import SFTConfig
 
 REPO = Path(__file__).resolve().parents[1]
-SUBCOMMANDS = ["train", "pipeline", "validate", "show", "chat", "report", "merge", "export", "serve", "embedded"]
+SUBCOMMANDS = ["train", "pipeline", "validate", "show", "chat", "report", "merge", "export", "serve", "embedded", "bundle"]
 
 
 @pytest.mark.parametrize("command", [c for c in SUBCOMMANDS if c not in ("pipeline", "embedded")])
