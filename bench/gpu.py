@@ -56,7 +56,7 @@ SHAPES = {
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=49152, tie_word_embeddings=True, rope_theta=1e6),
+                 vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),
 }
 """Qwen2.5-0.5B and -1.5B's published configs (architecture only; weights random)."""
 PEAK_BF16_TFLOPS = [("H200", 989.0), ("GH200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),

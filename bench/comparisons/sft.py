@@ -38,6 +38,10 @@ comparison), `gradient_checkpointing` as the case says on both sides (TRL turns 
 default, Relay's default is off; recomputing activations is not the same work, so the `-gc`
 cases turn it on for both). TRL keeps its own default optimizer
 implementation and its fused (chunked) LM-head loss.
+
+bench/gpu.py runs these same two sides on a GPU: a case may add `precision: bf16` (model weights
+and training precision on both sides), `data` (another SFT folder or file) and `finetuning: qlora`
+(TRL gets the same nf4 double-quantised base through transformers' BitsAndBytesConfig).
 """
 
 from __future__ import annotations
