@@ -46,7 +46,9 @@ work=$(mktemp -d /tmp/relay-gpu-check.XXXXXX)
 export RELAY_CACHE="$work/cache" RELAY_TOKEN_CACHE="$work/tokens"
 started=$SECONDS
 if [ -n "$bundle" ]; then
-  bash run_scripts/install.sh --bundle "$bundle" --target "$work/site" >"$out/install.log" 2>&1 \
+  bash run_scripts/install.sh --bundle "$bundle" --target "$work/site" >"$out/install.log" 2>&1
+  code=$?  # 3: installed, but compat reports a problem: go on, the tests show what it breaks
+  [ "$code" = 0 ] || [ "$code" = 3 ] \
     || { cat "$out/install.log"; echo "gpu_check.sh: the install from $bundle failed (above)" >&2; exit 1; }
   export PYTHONPATH="$work/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   "$PY" -m pipeline.tools.bundle --seed-cache "$bundle" >/dev/null

@@ -31,4 +31,5 @@ else
 fi
 torch_after=$(torch_version)
 [ "$torch_before" = "$torch_after" ] || die "torch changed from $torch_before to $torch_after (it must never be replaced)"
-"$PY" -m pipeline.tools.compat
+# Exit 3: installed, but an import or a version floor failed (compat's lines say which).
+"$PY" -m pipeline.tools.compat || { echo "install.sh --bundle: installed, but Relay's imports report problems (above)" >&2; exit 3; }
