@@ -61,6 +61,18 @@ def assert_same(got: Path, want: Path, stage: str, rel: float) -> None:
         assert a[key] == pytest.approx(b[key], rel=rel), key
 
 
+_ONE_GPU: dict[tuple[str, int], Path] = {}
+
+
+def one_gpu(setup, stage: str, accum: int) -> Path:
+    """The plain one-GPU reference of (stage, accum), run once for all three ZeRO configs (each
+    launch costs a Python, torch and DeepSpeed start-up: run_scripts/gpu_check.sh has a budget)."""
+    if (stage, accum) not in _ONE_GPU:
+        name = f"one-{stage}-{accum}"
+        _ONE_GPU[stage, accum] = run(setup, [{"stage": stage, "argv": argv(setup, stage, accum, 1, f"{name}/{stage}")}], name, 1)
+    return _ONE_GPU[stage, accum]
+
+
 @pytest.mark.parametrize("accum", [1, 4])
 @pytest.mark.parametrize("stage", ["sft", "rm"])
 @pytest.mark.parametrize("zero", list(ZERO))
@@ -68,7 +80,7 @@ def test_zero_equals_one_gpu(zero, stage, accum, setup):
     """grad_accum 4 is the case accelerate got wrong before `micro_step`: outside `accumulate`
     DeepSpeed's engine stepped after every micro-batch."""
     name = f"{zero}-{stage}-{accum}"
-    one = run(setup, [{"stage": stage, "argv": argv(setup, stage, accum, 1, f"{name}-one/{stage}")}], f"{name}-one", 1)
+    one = one_gpu(setup, stage, accum)
     got = run(setup, [{"stage": stage, "argv": argv(setup, stage, accum, RANKS, f"{name}-ds/{stage}", *deepspeed(zero))}], f"{name}-ds", RANKS)
     assert_same(got / stage, one / stage, stage, REL_FP32)
 
