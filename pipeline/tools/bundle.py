@@ -267,6 +267,17 @@ def check(folder: Path, budget_mib: Optional[float] = None, needs: Sequence[str]
     return problems
 
 
+def tree_bytes(repo: Path) -> Optional[int]:
+    """Bytes of what the device tool sends beside a carried bundle: the files git tracks plus the
+    untracked ones it does not ignore (None outside a git checkout)."""
+    proc = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                          capture_output=True)
+    if proc.returncode != 0:
+        return None
+    files = [repo / name for name in proc.stdout.decode().split("\0") if name]
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
 def summary(manifest: dict) -> str:
     """The bundle's contents, one line per wheel, and its total."""
     lines = [f"  {w['name']:<22} {w['version']:<14} {w['size'] / 2**20:7.2f} MiB  (for {', '.join(sorted(set(w['required_by'])))})"
@@ -303,6 +314,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
     if not problems and args.check:
         print(f"{folder}: bundle complete\n{summary(json.loads((folder / MANIFEST).read_text()))}")
+    tree = tree_bytes(Path(__file__).resolve().parents[2])
+    if not problems and tree is not None:
+        total = json.loads((folder / MANIFEST).read_text())["total_bytes"] + tree
+        print(f"  with Relay's tree ({tree / 2**20:.1f} MiB): {total / 2**20:.1f} MiB of the device tool's 64 MiB carry")
     return 1 if problems else 0
 
 
