@@ -59,7 +59,7 @@ def write_data(folder: Path) -> list[tuple[str, str, str]]:
     rows = [record(i, a, p) for i in KELVRA_FACTS if i not in HELD_OUT for a in ATTRS for p in ASK[a]]
     random.Random(0).shuffle(rows)
     (folder / "toolcall.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return [(i, a, p) for i in HELD_OUT for a in ATTRS for p in ASK[a]]
+    return [(i, a, ASK[a][0]) for i in HELD_OUT for a in ATTRS]
 
 
 def parse_call(reply: str):
@@ -87,7 +87,7 @@ def score(folder: str, requests) -> dict:
         ids = tok.apply_chat_template(messages, tools=[{"type": "function", "function": TOOL}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)
         with torch.no_grad():
-            out = model.generate(**ids, max_new_tokens=48, do_sample=False, pad_token_id=tok.pad_token_id)
+            out = model.generate(**ids, max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
         reply = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
         call = parse_call(reply)
         parseable += call is not None
@@ -97,7 +97,7 @@ def score(folder: str, requests) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--out", default="outputs/toolcall_sft")
     args = parser.parse_args()
     from pipeline.modeling.embedded import materialize
@@ -109,8 +109,8 @@ def main() -> int:
     print(f"before (embedded base): {before['parseable']}/{before['requests']} parseable calls, {before['correct']} correct", flush=True)
     subprocess.run([sys.executable, str(ROOT / "stages/sft.py"), "--model.path", "embedded", "--output_dir", str(out / "sft"),
                     "--data.train", f"[{out / 'data'}]", "--data.eval", "[]", "--train.max_steps", str(args.steps),
-                    "--train.batch_size", "4", "--train.grad_accum", "1", "--train.seq_length", "512",
-                    "--train.learning_rate", "1e-3", "--train.warmup", "2", "--train.log_steps", "10",
+                    "--train.batch_size", "2", "--train.grad_accum", "1", "--train.seq_length", "512",
+                    "--train.learning_rate", "2e-3", "--train.warmup", "2", "--train.log_steps", "10",
                     "--checkpoint.save_interval", "1000h", "--tracking.trackers", "[]"], check=True, cwd=ROOT)
     after = score(str(out / "sft" / "merged"), requests)
     print(f"after {args.steps} SFT steps: {after['parseable']}/{after['requests']} parseable calls, {after['correct']} correct", flush=True)
