@@ -122,3 +122,11 @@ def test_grpo_passes_each_prompt_records_answer_to_reward_functions(tiny_model_d
     run = run_stage(GRPOStage, cfg)
     records = [json.loads(line) for line in (PEERS / _files("prompts")[0]).read_text(encoding="utf-8").splitlines()]
     assert len(run.history.steps) == 1 and ANSWERS_SEEN and set(ANSWERS_SEEN) <= {r["answer"] for r in records}
+
+
+@pytest.mark.parametrize("stage,kind", [("dpo", "rm"), ("grpo", "prompts"), ("ppo", "prompts"), ("rm", "rm"), ("sft", "sft"), ("pt", "pt")])
+def test_validate_kind_takes_every_stage_name(stage, kind):
+    from pipeline.tools.cli import data_kind_args
+
+    assert data_kind_args(["--kind", stage, "f.jsonl"]) == ["--kind", kind, "f.jsonl"]
+    assert data_kind_args([f"--kind={stage}"]) == [f"--kind={kind}"]
