@@ -10,6 +10,7 @@ import pytest
 from data_formats.sources import read_entry, summarize
 from data_formats.validate import read_and_parse
 from stagerun import run_stage
+from test_pt_sft import fresh_accelerate_state  # noqa: F401  (autouse: fresh accelerate state, one intra-op thread)
 
 PEERS = Path(__file__).resolve().parent / "data" / "peers"
 M, L = "MedicalGPT", "LLaMA-Factory"
