@@ -384,7 +384,8 @@ def _side(record: dict, key: str, prompt: list[Turn]) -> list[Turn]:
     (which may hold the whole conversation when there is no separate prompt)."""
     value = record.get(key)
     if isinstance(value, list):
-        turns = _turns(value, key, "role", "content") if not value or "from" not in value[0] else _turns(value, key, "from", "value")
+        sharegpt = bool(value) and isinstance(value[0], dict) and "from" in value[0]
+        turns = _turns(value, key, *(("from", "value") if sharegpt else ("role", "content")))
         return prompt + turns if prompt else turns
     if isinstance(value, dict):
         return prompt + [_turn(value, key, *(("from", "value") if "from" in value else ("role", "content")))]

@@ -151,3 +151,17 @@ def test_tool_turns_never_trained_even_with_tool_text_in_content(tok):
     conv.turns[2] = Turn("tool", "It is 3 degrees in Oslo.")  # a result whose text repeats the answer
     ids, labels = render(conv, tok, make_template(ChatDataConfig(), tok))
     assert tok.decode([i for i, label in zip(ids, labels) if label != IGNORE_INDEX]).count("It is 3 degrees in Oslo.") == 1
+
+
+def test_the_next_stage_reads_the_saved_layout_as_a_tool_template(tok, tmp_path):
+    """A model trained on tool calls in the default layout ships the layout in its template: the
+    next stage (DPO, RM, GRPO on it) finds that template tool-capable and renders the same ids."""
+    layout = make_template(ChatDataConfig(), tok)
+    folder = tmp_path / "merged_tok"
+    tok.save_pretrained(folder)
+    merged = AutoTokenizer.from_pretrained(folder)
+    merged.chat_template = template_jinja(layout, tok, tools=True)
+    child = make_template(ChatDataConfig(), merged)
+    assert child.tools == "native"
+    conv = parse_conversation(SHAREGPT, "sharegpt")
+    assert render(conv, merged, child) == render(conv, tok, layout)
