@@ -189,13 +189,13 @@ def _calls(value: Any, where: str) -> list[dict]:
         raise RecordError(str(err)) from None
 
 
-def _loss_weight(item: dict, role: str, where: str) -> None:
+def _loss_weight(item: dict, role: str) -> None:
     """A v1 `loss_weight` is accepted only where it says what Relay trains anyway."""
     if "loss_weight" not in item:
         return
     want = 1.0 if role == "assistant" else 0.0
     if item["loss_weight"] != want:
-        raise RecordError(f"{where}: loss_weight {item['loss_weight']!r} on a {role} turn; Relay trains every assistant "
+        raise RecordError(f"loss_weight {item['loss_weight']!r} on a turn of the {role}; Relay trains every assistant "
                           "turn (weight 1) and nothing else (weight 0): drop the field or the turn")
 
 
@@ -211,7 +211,7 @@ def _turn(item: Any, where: str, role_key: str, content_key: str) -> Turn:
     if not isinstance(raw_role, str) or raw_role.lower() not in ROLE_ALIASES:
         raise RecordError(f"{where}: unknown role {raw_role!r}")
     role = ROLE_ALIASES[raw_role.lower()]
-    _loss_weight(item, role, where)
+    _loss_weight(item, role)
     if raw_role.lower() == "function_call":
         if not isinstance(item[content_key], str):
             raise RecordError(f"{where}: content must be a string, got {type(item[content_key]).__name__}")

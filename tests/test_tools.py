@@ -165,3 +165,14 @@ def test_the_next_stage_reads_the_saved_layout_as_a_tool_template(tok, tmp_path)
     assert child.tools == "native"
     conv = parse_conversation(SHAREGPT, "sharegpt")
     assert render(conv, merged, child) == render(conv, tok, layout)
+
+
+def test_text_parts_and_loss_weights_that_say_what_relay_trains():
+    """LLaMA-Factory v1 / OpenAI content parts: text parts are the turn's text; a loss_weight is
+    accepted only where it agrees with Relay's mask (assistant 1, else 0)."""
+    turns = lambda weight: {"messages": [{"role": "user", "content": [{"type": "text", "value": "hi"}], "loss_weight": 0.0},
+                                         {"role": "assistant", "content": [{"type": "text", "text": "y"}, {"type": "text", "text": "o"}],
+                                          "loss_weight": weight}]}
+    assert [(t.role, t.content) for t in parse_conversation(turns(1.0), "messages").turns] == [("user", "hi"), ("assistant", "yo")]
+    with pytest.raises(RecordError, match=r"^loss_weight 0.5 on a turn of the assistant; Relay trains every assistant turn"):
+        parse_conversation(turns(0.5), "messages")
