@@ -12,6 +12,10 @@ model folder's own chat template with `tools=` (the saved one for merged/), gree
 as a parseable call when it holds <tool_call>{json}</tool_call> with a `name` and an `arguments`
 object; a correct call also names island_fact with the asked island and attribute. Prints one
 line per model and a JSON summary. Not a test: a few minutes of CPU.
+
+Measured 2026-11-24 (defaults: 16 steps of batch 2, LoRA, lr 2e-3; a shared 2-core CPU,
+OMP_NUM_THREADS=1, 7 min wall in all): base 0/12 parseable calls (0 correct); after SFT 10/12
+parseable calls, 6/12 correct (train loss 1.79 -> 0.002).
 """
 
 from __future__ import annotations
