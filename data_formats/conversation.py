@@ -6,16 +6,27 @@ raises `RecordError` with a one-line reason, which the validator turns into `FIL
 
 Formats (detected per file from its first record, or named in the config's `format`):
   chatml      MFTCoder: {"id", "data_name", "chat_rounds": [{"role", "content"}]}
-  messages    OpenAI:   {"messages": [{"role", "content"}]}
-  sharegpt    ShareGPT: {"conversations": [{"from", "value"}]}  (human/gpt)
+  messages    OpenAI:   {"messages": [{"role", "content"}]}; assistant `tool_calls`, role `tool`
+              and `tools` (data_formats.tools); content may also be a list of text parts
+              ({"type": "text", "text"|"value"}, LLaMA-Factory's v1 records, with a `loss_weight`
+              per turn only where it says what Relay trains anyway: 1 on assistant turns, else 0)
+  sharegpt    ShareGPT: {"conversations": [{"from", "value"}]}  (human/gpt; function_call and
+              observation with `tools`, data_formats.tools)
   alpaca      {"instruction", "input"?, "output"}; the user turn is the instruction, then a blank
               line and the input when the input is not empty (the Stanford Alpaca layout)
   pair        {"prompt","response"} | {"question","answer"} | {"input","output"}
-  preference  {"prompt","chosen","rejected"} (strings or message lists) or MedicalGPT's
-              {"question","response_chosen","response_rejected"}
+  preference  {"prompt","chosen","rejected"} (strings or message lists), the same with the prompt
+              as `conversations` or `messages` and each answer a string, one turn or a list
+              (MedicalGPT, LLaMA-Factory; `tools` allowed), {"chosen_messages", "rejected_messages"}
+              (LLaMA-Factory v1), or MedicalGPT's {"question","response_chosen","response_rejected"}
   prompt      {"prompt"} (PPO prompts; any conversation format whose last turn is the user's also
               works)
   text        {"text"} raw documents (PT)
+
+Refused with one line saying why and what to do, whatever the kind: records with images, audio or
+video (a text-only trainer would train on the placeholders), LLaMA-Factory's unfilled identity
+placeholders ({{name}}, {{author}}), KTO records (a `label` of true/false on one answer), reasoning
+parts, and LLaMA-Factory's dataset_info.json registry.
 """
 
 from __future__ import annotations
@@ -23,8 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-ROLES = ("system", "user", "assistant")
-# Every spelling of a role we accept; anything else is an "unknown role" problem.
+from data_formats.tools import ToolRecordError, parse_calls, parse_tools
+
+ROLES = ("system", "user", "assistant", "tool")
+# Every spelling of a role we accept; anything else is an "unknown role" problem. ShareGPT's
+# function_call is an assistant turn whose value is the call (data_formats.tools).
 ROLE_ALIASES = {
     "system": "system",
     "user": "user",
@@ -32,7 +46,12 @@ ROLE_ALIASES = {
     "assistant": "assistant",
     "bot": "assistant",
     "gpt": "assistant",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
 }
+MEDIA_FIELDS = ("images", "audios", "videos")
+PLACEHOLDERS = ("{{name}}", "{{author}}")
 CONVERSATION_FORMATS = ("chatml", "messages", "sharegpt", "alpaca", "pair")
 FORMATS = CONVERSATION_FORMATS + ("preference", "prompt", "text")
 PAIR_KEYS = (("prompt", "response"), ("question", "answer"), ("input", "output"))
@@ -51,8 +70,12 @@ class RecordError(ValueError):
 @dataclass
 class Turn:
     role: str
-    """'system', 'user' or 'assistant'."""
+    """'system', 'user', 'assistant' or 'tool' (a tool's result)."""
     content: str
+    tool_calls: Optional[list[dict]] = None
+    """An assistant turn's tool calls [{"name", "arguments": dict, "id"?}] (data_formats.tools)."""
+    tool_call_id: Optional[str] = None
+    """A tool turn's call id, when the record gives one."""
 
 
 @dataclass
@@ -63,7 +86,9 @@ class Conversation:
     source: str = ""
     """Where the record came from, as 'file:line'."""
     meta: dict = field(default_factory=dict)
-    """Extra record fields a stage may need (e.g. a preference margin)."""
+    """Extra record fields a stage may need (e.g. a prompt record's answer for reward functions)."""
+    tools: Optional[list[dict]] = None
+    """The tool schemas the conversation may call (data_formats.tools)."""
 
 
 def detect_format(record: Any) -> str:
@@ -74,10 +99,11 @@ def detect_format(record: Any) -> str:
     """
     if not isinstance(record, dict):
         raise RecordError(f"record must be a JSON object, got {type(record).__name__}")
+    refuse_unsupported(record)
     keys = set(record)
     if "chat_rounds" in keys:
         return "chatml"
-    if "chosen" in keys or "response_chosen" in keys:
+    if keys & {"chosen", "response_chosen", "chosen_messages"}:
         return "preference"
     if "messages" in keys:
         return "messages"
@@ -106,34 +132,118 @@ def _string(record: dict, key: str, *, allow_empty: bool = False) -> str:
     return value
 
 
+_REGISTRY_KEYS = ("file_name", "hf_hub_url", "ms_hub_url", "script_url", "om_hub_url")
+_MEDIA_PARTS = ("image", "image_url", "audio", "audio_url", "input_audio", "video", "video_url")
+
+
+def _media(what: str) -> RecordError:
+    return RecordError(f"multimodal record ({what}): Relay trains text-only language models; remove the media and their "
+                       "<image>/<audio>/<video> placeholders, or train this data with a multimodal trainer")
+
+
+def refuse_unsupported(record: dict) -> None:
+    """Refuse what Relay cannot train whatever the kind (see the module docstring).
+
+    Raises:
+        RecordError: images/audio/video fields, or LLaMA-Factory's dataset registry.
+    """
+    for key in MEDIA_FIELDS:
+        if record.get(key):
+            raise _media(f"field '{key}'")
+    if record and all(isinstance(v, dict) and any(k in v for k in _REGISTRY_KEYS) for v in record.values()):
+        raise RecordError("this is LLaMA-Factory's dataset registry (dataset_info.json), not training records: "
+                          "point Relay at the data files it names")
+
+
+def _content(value: Any, where: str) -> tuple[str, list[dict]]:
+    """(text, calls) of a turn's content: a string, null (a call without text), or a list of
+    parts: text parts joined, v1 `tool_call` parts read as calls; anything else refused."""
+    if value is None:
+        return "", []
+    if isinstance(value, str):
+        return value, []
+    if not isinstance(value, list):
+        raise RecordError(f"{where}: content must be a string, got {type(value).__name__}")
+    texts, calls = [], []
+    for j, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _MEDIA_PARTS:
+            raise _media(f"a '{kind}' content part")
+        if kind == "reasoning":
+            raise RecordError("a 'reasoning' content part (LLaMA-Factory v1 reasoning data); Relay trains answers, not "
+                              "separate reasoning traces: drop the reasoning parts, or write them into the answer text")
+        text = part.get("text", part.get("value")) if isinstance(part, dict) else None
+        if kind not in ("text", "tool_call") or not isinstance(text, str):
+            raise RecordError(f"{where}: content part {j} is not a text part ({{'type': 'text', 'text': ...}})")
+        if kind == "tool_call":
+            calls += _calls(text, f"{where}: content part {j}")
+        else:
+            texts.append(text)
+    return "".join(texts), calls
+
+
+def _calls(value: Any, where: str) -> list[dict]:
+    try:
+        return parse_calls(value, where)
+    except ToolRecordError as err:
+        raise RecordError(str(err)) from None
+
+
+def _loss_weight(item: dict, role: str) -> None:
+    """A v1 `loss_weight` is accepted only where it says what Relay trains anyway."""
+    if "loss_weight" not in item:
+        return
+    want = 1.0 if role == "assistant" else 0.0
+    if item["loss_weight"] != want:
+        raise RecordError(f"loss_weight {item['loss_weight']!r} on a turn of the {role}; Relay trains every assistant "
+                          "turn (weight 1) and nothing else (weight 0): drop the field or the turn")
+
+
+def _turn(item: Any, where: str, role_key: str, content_key: str) -> Turn:
+    """One turn of a list format (see the module docstring)."""
+    if not isinstance(item, dict):
+        raise RecordError(f"{where}: a turn must be an object, got {type(item).__name__}")
+    if role_key not in item:
+        raise RecordError(f"{where}: missing field '{role_key}'")
+    if content_key not in item:
+        raise RecordError(f"{where}: missing field '{content_key}'")
+    raw_role = item[role_key]
+    if not isinstance(raw_role, str) or raw_role.lower() not in ROLE_ALIASES:
+        raise RecordError(f"{where}: unknown role {raw_role!r}")
+    role = ROLE_ALIASES[raw_role.lower()]
+    _loss_weight(item, role)
+    if raw_role.lower() == "function_call":
+        if not isinstance(item[content_key], str):
+            raise RecordError(f"{where}: content must be a string, got {type(item[content_key]).__name__}")
+        return Turn("assistant", "", tool_calls=_calls(item[content_key], f"{where}: function_call"))
+    content, calls = _content(item[content_key], where)
+    if item.get("tool_calls") and role == "assistant":
+        calls += _calls(item["tool_calls"], f"{where}: tool_calls")
+    if calls and role != "assistant":
+        raise RecordError(f"{where}: a {role} turn cannot call tools")
+    if not calls and not content.strip():
+        raise RecordError(f"{where}: empty content")
+    call_id = item.get("tool_call_id") if role == "tool" and isinstance(item.get("tool_call_id"), str) else None
+    return Turn(role, content, tool_calls=calls or None, tool_call_id=call_id)
+
+
 def _turns(items: Any, key: str, role_key: str, content_key: str) -> list[Turn]:
     if not isinstance(items, list):
         raise RecordError(f"field '{key}' must be a list of turns, got {type(items).__name__}")
     if not items:
         raise RecordError(f"field '{key}' has no turns")
-    turns = []
-    for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise RecordError(f"{key}[{i}]: a turn must be an object, got {type(item).__name__}")
-        if role_key not in item:
-            raise RecordError(f"{key}[{i}]: missing field '{role_key}'")
-        if content_key not in item:
-            raise RecordError(f"{key}[{i}]: missing field '{content_key}'")
-        role = item[role_key]
-        if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
-            raise RecordError(f"{key}[{i}]: unknown role {role!r}")
-        content = item[content_key]
-        if not isinstance(content, str):
-            raise RecordError(f"{key}[{i}]: content must be a string, got {type(content).__name__}")
-        if not content.strip():
-            raise RecordError(f"{key}[{i}]: empty content")
-        turns.append(Turn(ROLE_ALIASES[role.lower()], content))
-    return turns
+    return [_turn(item, f"{key}[{i}]", role_key, content_key) for i, item in enumerate(items)]
+
+
+# After each role, the roles that may follow it (an assistant turn that calls tools: its results).
+_NEXT = {"user": ("assistant",), "assistant": ("user",), "tool": ("tool", "assistant")}
 
 
 def check_order(turns: list[Turn], last: str) -> None:
     """Check the role order: an optional system turn first, then user and assistant alternating,
-    starting with user and ending with `last` ('assistant' or 'user').
+    starting with user and ending with `last` ('assistant' or 'user'); an assistant turn that calls
+    tools is followed by their results (tool turns), which are followed by the assistant's turn.
+    A prompt (`last` 'user') may also end with tool results.
 
     Raises:
         RecordError: the first turn that breaks the order.
@@ -141,19 +251,59 @@ def check_order(turns: list[Turn], last: str) -> None:
     body = turns
     if turns and turns[0].role == "system":
         body = turns[1:]
+    offset = len(turns) - len(body)
     for i, turn in enumerate(body):
-        index = i + (len(turns) - len(body))
+        index = i + offset
         if turn.role == "system":
             raise RecordError(f"turn {index}: system turn must come first")
-        expected = "user" if i % 2 == 0 else "assistant"
-        if turn.role != expected:
-            if i == 0:
+        if i == 0:
+            if turn.role != "user":
                 raise RecordError(f"turn {index}: conversation must start with a user turn, got {turn.role}")
-            raise RecordError(f"turn {index}: two {turn.role} turns in a row")
+            continue
+        previous = body[i - 1]
+        allowed = ("tool",) if previous.tool_calls else _NEXT[previous.role]
+        if turn.role in allowed:
+            continue
+        if previous.tool_calls:
+            raise RecordError(f"turn {index}: a tool call must be followed by its result (a tool/observation turn), got {turn.role}")
+        if turn.role == "tool":
+            raise RecordError(f"turn {index}: a tool result must follow the assistant's tool call")
+        if previous.role == "tool":
+            raise RecordError(f"turn {index}: a tool result must be followed by the assistant's turn, got {turn.role}")
+        raise RecordError(f"turn {index}: two {turn.role} turns in a row")
     if not body:
         raise RecordError("conversation has no user turn")
-    if body[-1].role != last:
+    ends = (last, "tool") if last == "user" else (last,)
+    if body[-1].role not in ends:
         raise RecordError(f"last turn must be the {last}'s, got {body[-1].role}")
+
+
+def check_placeholders(turns: list[Turn]) -> None:
+    """Refuse LLaMA-Factory's identity placeholders left unfilled (training would teach them).
+
+    Raises:
+        RecordError: a turn holds {{name}} or {{author}}.
+    """
+    for turn in turns:
+        found = [p for p in PLACEHOLDERS if p in turn.content]
+        if found:
+            raise RecordError(f"unfilled placeholder {found[0]} (LLaMA-Factory's identity.json): replace {{{{name}}}} and "
+                              "{{author}} with your model's name and maker before training")
+
+
+def record_tools(record: dict) -> Optional[list[dict]]:
+    """The record's tool schemas (`tools`), or None.
+
+    Raises:
+        RecordError: a malformed `tools` field.
+    """
+    value = record.get("tools")
+    if value in (None, "", []):
+        return None
+    try:
+        return parse_tools(value)
+    except ToolRecordError as err:
+        raise RecordError(str(err)) from None
 
 
 def parse_turns(record: dict, fmt: str, *, require_response: bool = True) -> list[Turn]:
@@ -165,11 +315,12 @@ def parse_turns(record: dict, fmt: str, *, require_response: bool = True) -> lis
     """
     if not isinstance(record, dict):
         raise RecordError(f"record must be a JSON object, got {type(record).__name__}")
+    refuse_unsupported(record)
     if fmt in LIST_FORMATS:
         key, role_key, content_key = LIST_FORMATS[fmt]
         if key not in record:
             raise RecordError(f"missing field '{key}'")
-        return _turns(record[key], key, role_key, content_key)
+        return _record_system(record) + _turns(record[key], key, role_key, content_key)
     if fmt == "alpaca":
         instruction = _string(record, "instruction")
         extra = record.get("input", "")
@@ -191,6 +342,16 @@ def parse_turns(record: dict, fmt: str, *, require_response: bool = True) -> lis
     raise RecordError(f"format '{fmt}' does not hold a conversation")
 
 
+def _record_system(record: dict) -> list[Turn]:
+    """A top-level `system` string (LLaMA-Factory's system column) as the first turn."""
+    value = record.get("system")
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return []
+    if not isinstance(value, str):
+        raise RecordError(f"field 'system' must be a string, got {type(value).__name__}")
+    return [Turn("system", value)]
+
+
 def task_of(record: Any, default: str) -> str:
     """The task a record belongs to: its `data_name` when it is a non-empty string, else `default`
     (the data path entry's name)."""
@@ -205,61 +366,81 @@ def parse_conversation(record: Any, fmt: str, *, last: str = "assistant", task: 
     ('assistant' for SFT, 'user' for prompts). `system_prompt` is added when there is no system turn.
 
     Raises:
-        RecordError: the record does not fit `fmt` or its role order is wrong.
+        RecordError: the record does not fit `fmt`, its role order is wrong, or it is KTO data.
     """
+    if isinstance(record, dict) and isinstance(record.get("label"), bool):
+        raise RecordError("a true/false 'label' on one answer (KTO data); Relay has no KTO stage: train the label=true "
+                          "records with SFT, or pair good and bad answers to one prompt for DPO/RM")
     turns = parse_turns(record, fmt)
     check_order(turns, last)
+    check_placeholders(turns)
     if system_prompt is not None and turns[0].role != "system":
         turns = [Turn("system", system_prompt)] + turns
-    return Conversation(turns, task=task_of(record, task), source=source)
+    return Conversation(turns, task=task_of(record, task), source=source, tools=record_tools(record))
 
 
 def _side(record: dict, key: str, prompt: list[Turn]) -> list[Turn]:
+    """One answer of a preference record after its prompt: a string, one turn, or a list of turns
+    (which may hold the whole conversation when there is no separate prompt)."""
     value = record.get(key)
     if isinstance(value, list):
-        turns = _turns(value, key, "role", "content")
+        sharegpt = bool(value) and isinstance(value[0], dict) and "from" in value[0]
+        turns = _turns(value, key, *(("from", "value") if sharegpt else ("role", "content")))
         return prompt + turns if prompt else turns
+    if isinstance(value, dict):
+        return prompt + [_turn(value, key, *(("from", "value") if "from" in value else ("role", "content")))]
     return prompt + [Turn("assistant", _string(record, key))]
+
+
+def _preference_prompt(record: dict) -> list[Turn]:
+    """The shared prompt of a {prompt|conversations|messages, chosen, rejected} record ([] when the
+    answers hold whole conversations)."""
+    if isinstance(record.get("conversations"), list):
+        return _record_system(record) + _turns(record["conversations"], "conversations", "from", "value")
+    if isinstance(record.get("messages"), list):
+        return _record_system(record) + _turns(record["messages"], "messages", "role", "content")
+    prompt_value = record.get("prompt")
+    if isinstance(prompt_value, list):
+        return _turns(prompt_value, "prompt", "role", "content")
+    if prompt_value is None and isinstance(record.get("chosen"), list):
+        return []
+    return [Turn("user", _string(record, "prompt"))]
 
 
 def parse_preference(record: Any, *, task: str = "default", source: str = "",
                      system_prompt: Optional[str] = None) -> tuple[Conversation, Conversation]:
-    """(chosen, rejected) conversations from a preference record.
-
-    Accepted: {"prompt": str | [turns], "chosen": str | [turns], "rejected": ...} (message lists may
-    hold the whole conversation, with or without a separate prompt), and MedicalGPT's
-    {"question", "response_chosen", "response_rejected"} (optional "system").
+    """(chosen, rejected) conversations from a preference record (formats: the module docstring).
+    The answers may be tool calls, and the prompt may end with tool results.
 
     Raises:
         RecordError: missing or malformed fields, wrong role order, or identical sides.
     """
     if not isinstance(record, dict):
         raise RecordError(f"record must be a JSON object, got {type(record).__name__}")
+    refuse_unsupported(record)
     if "response_chosen" in record or "question" in record:
         prompt = [Turn("user", _string(record, "question"))]
         if isinstance(record.get("system"), str) and record["system"].strip():
             prompt.insert(0, Turn("system", record["system"]))
         chosen = prompt + [Turn("assistant", _string(record, "response_chosen"))]
         rejected = prompt + [Turn("assistant", _string(record, "response_rejected"))]
+    elif "chosen_messages" in record:
+        chosen = _turns(record["chosen_messages"], "chosen_messages", "role", "content")
+        rejected = _turns(record.get("rejected_messages"), "rejected_messages", "role", "content")
     else:
-        prompt_value = record.get("prompt")
-        if isinstance(prompt_value, list):
-            prompt = _turns(prompt_value, "prompt", "role", "content")
-        elif prompt_value is None and isinstance(record.get("chosen"), list):
-            prompt = []
-        else:
-            prompt = [Turn("user", _string(record, "prompt"))]
+        prompt = _preference_prompt(record)
         chosen = _side(record, "chosen", prompt)
         rejected = _side(record, "rejected", prompt)
     for turns in (chosen, rejected):
         check_order(turns, "assistant")
+        check_placeholders(turns)
     if chosen == rejected:
         raise RecordError("chosen and rejected are identical")
     if system_prompt is not None and chosen[0].role != "system":
         chosen = [Turn("system", system_prompt)] + chosen
         rejected = [Turn("system", system_prompt)] + rejected
-    name = task_of(record, task)
-    return Conversation(chosen, name, source), Conversation(rejected, name, source)
+    name, tools = task_of(record, task), record_tools(record)
+    return Conversation(chosen, name, source, tools=tools), Conversation(rejected, name, source, tools=tools)
 
 
 def parse_text(record: Any, text_field: str = "text") -> str:

@@ -21,8 +21,9 @@ and tokenising again, with the same log lines and stats ($RELAY_TOKEN_CACHE=off 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional
 
 from tqdm.auto import tqdm
@@ -31,6 +32,7 @@ from data_formats.collate import IGNORE_INDEX
 from data_formats.conversation import Conversation
 from data_formats.render import Template, render, render_prompt, render_scored
 from data_formats.sources import Problem
+from data_formats.tools import has_tools
 from data_formats.token_cache import Built, Check, build_cached, key_parts
 from data_formats.validate import Parsed, apply_policy, read_and_parse
 
@@ -45,7 +47,8 @@ class SFTData:
     tasks: list[str]
     """Task names; a sample's task_id indexes this list."""
     stats: dict = field(default_factory=dict)
-    """Counts: records, samples, truncated, dropped_overlong, dropped_no_target, skipped_bad."""
+    """Counts: records, samples, truncated, dropped_overlong, dropped_no_target, skipped_bad,
+    tool_conversations (samples with tools, calls or tool results)."""
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -107,7 +110,7 @@ def _fit(conv: Conversation, tokenizer, template: Template, seq_length: int,
     if truncation == "truncate":
         ends = [i for i, t in enumerate(conv.turns) if t.role == "assistant"]
         for end in reversed(ends[:-1]):
-            shorter = Conversation(conv.turns[: end + 1], conv.task, conv.source)
+            shorter = replace(conv, turns=conv.turns[: end + 1])
             ids, labels = render(shorter, tokenizer, template)
             if len(ids) <= seq_length:
                 return (ids, labels), "truncated"
@@ -159,7 +162,7 @@ def _sft_samples(cfg, tokenizer, template: Template, seq_length: int, split: str
     names += sorted({r.task for r in records} - set(names))
     index = {name: i for i, name in enumerate(names)}
     stats = {"records": len(records), "samples": 0, "truncated": 0, "dropped_overlong": 0,
-             "dropped_no_target": 0, "skipped_bad": 0}
+             "dropped_no_target": 0, "skipped_bad": 0, "tool_conversations": 0}
     samples, problems = [], []
     for record in tqdm(records, desc=f"tokenizing sft {split}", disable=len(records) < 1000):
         try:
@@ -176,6 +179,7 @@ def _sft_samples(cfg, tokenizer, template: Template, seq_length: int, split: str
             stats["dropped_no_target"] += 1
             continue
         samples.append({"input_ids": ids, "labels": labels, "task_id": index[record.task], "source": record.source})
+        stats["tool_conversations"] += has_tools(record.value)
     check(problems, f"sft {split} data")
     stats["skipped_bad"] = len(problems)
     stats["samples"] = len(samples)
@@ -338,7 +342,8 @@ def _preference_pairs(cfg, tokenizer, template: Template, seq_length: int, split
 
 
 def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length: Optional[int] = None) -> list[dict]:
-    """PPO prompts dict(prompt_ids, text, source): the rendered history plus the assistant opener.
+    """PPO prompts dict(prompt_ids, text, source, columns): the rendered history plus the assistant
+    opener, and the record's other fields as JSON text (the reward functions' keyword arguments).
     Prompts over `max_length` tokens (default cfg.max_prompt_length) are dropped (truncation='drop')
     or lose their oldest user/assistant exchanges, keeping any system turn (truncation='truncate').
 
@@ -371,11 +376,12 @@ def _prompts(cfg, tokenizer, template: Template, split: str, limit: int, check: 
             body = conv.turns[len(system):]
             while len(ids) > limit and len(body) > 1:
                 body = body[2:]
-                ids = render_prompt(Conversation(system + body, conv.task, conv.source), tokenizer, template)
+                ids = render_prompt(replace(conv, turns=system + body), tokenizer, template)
             truncated += len(ids) <= limit
         if len(ids) > limit:
             dropped += 1
             continue
-        out.append({"prompt_ids": ids, "text": tokenizer.decode(ids), "source": record.source})
+        out.append({"prompt_ids": ids, "text": tokenizer.decode(ids), "source": record.source,
+                    "columns": json.dumps(conv.meta, ensure_ascii=False)})
     check(problems, f"prompt {split} data")
     return Built(out, {"truncated": truncated, "dropped": dropped})

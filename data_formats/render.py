@@ -35,6 +35,14 @@ ends at inference. `render_prompt` tokenizes the same way, so the ids before eac
 are exactly the generation prompt for that turn (tested). Where the text is not split at a
 boundary (no leading whitespace), the ids equal the one-shot tokenization of the whole string.
 
+Tool-calling conversations (data_formats.tools): in chat_template mode, with a tokenizer template
+that renders tools and calls (`Template.tools` 'native'), the messages and `tools` go to the
+template as they are and the spans are found as above (tool results are not assistant turns, so
+they stay in the untrained prompt); otherwise, and always in role_markers mode ('layout'), the
+conversation is first rewritten into Relay's default tool layout (plain turns: calls are assistant
+text, results a user turn, the schemas in the system turn) and rendered as any other. Either way
+the assistant's calls and answers are trained with their end-of-turn token, and nothing else.
+
 Scored sequences (the reward model's and PPO's): a conversation scored by a reward model ends at
 the end-of-turn token that closes its last answer (`render_scored`: the prompt ids, then the
 answer ids ending with EOS; nothing after). The reward is read at that token
@@ -44,11 +52,11 @@ and PPO, where a response is cut at its first EOS.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Optional
 
 from data_formats.conversation import Conversation, Turn
+from data_formats.tools import jinja_string, layout_jinja, layout_turns, supports_tools, template_messages, template_tools
 
 IGNORE_INDEX = -100
 _PROBE = Conversation([Turn("system", "S."), Turn("user", "U1?"), Turn("assistant", "A1."),
@@ -72,6 +80,9 @@ class Template:
     """System turn the data adds when a conversation has none (kept for the saved template)."""
     layout: str = "readme"
     """role_markers mode: 'readme' or 'code' (see the module docstring)."""
+    tools: str = "layout"
+    """How tool conversations render: 'native' (the tokenizer's template renders tools and calls)
+    or 'layout' (Relay's default tool layout, data_formats.tools)."""
 
 
 ROLE_LAYOUTS = ("readme", "code")
@@ -93,10 +104,10 @@ def _segments_role_markers(conv: Conversation, template: Template, generation_pr
     return out
 
 
-def _apply(tokenizer, template: Template, turns: list[Turn], generation_prompt: bool) -> str:
-    messages = [{"role": t.role, "content": t.content} for t in turns]
-    return tokenizer.apply_chat_template(messages, chat_template=template.chat_template, tokenize=False,
-                                         add_generation_prompt=generation_prompt)
+def _apply(tokenizer, template: Template, conv: Conversation, turns: list[Turn], generation_prompt: bool) -> str:
+    kwargs = {"tools": template_tools(conv.tools)} if conv.tools else {}
+    return tokenizer.apply_chat_template(template_messages(turns), chat_template=template.chat_template, tokenize=False,
+                                         add_generation_prompt=generation_prompt, **kwargs)
 
 
 def _segments_chat_template(conv: Conversation, tokenizer, template: Template, generation_prompt: bool) -> list[tuple[str, bool]]:
@@ -111,8 +122,8 @@ def _segments_chat_template(conv: Conversation, tokenizer, template: Template, g
     for i, turn in enumerate(conv.turns):
         if turn.role != "assistant":
             continue
-        prompt = _apply(tokenizer, template, conv.turns[:i], True)
-        full = _apply(tokenizer, template, conv.turns[: i + 1], False)
+        prompt = _apply(tokenizer, template, conv, conv.turns[:i], True)
+        full = _apply(tokenizer, template, conv, conv.turns[: i + 1], False)
         if not prompt.startswith(done) or not full.startswith(prompt):
             raise ValueError(f"chat template is not prefix-preserving at turn {i} of {conv.source or 'a conversation'}: "
                              "rendering a prefix of the conversation does not give a prefix of the full rendering")
@@ -124,7 +135,7 @@ def _segments_chat_template(conv: Conversation, tokenizer, template: Template, g
         end += len(template.eos)
         out += [(prompt[len(done):], False), (body[:end], True), (body[end:], False)]
         done = full
-    whole = _apply(tokenizer, template, conv.turns, generation_prompt)
+    whole = _apply(tokenizer, template, conv, conv.turns, generation_prompt)
     if not whole.startswith(done):
         raise ValueError(f"chat template is not prefix-preserving for {conv.source or 'a conversation'}")
     out.append((whole[len(done):], False))
@@ -141,6 +152,8 @@ def render_segments(conv: Conversation, tokenizer, template: Template) -> list[t
 
 
 def _segments(conv: Conversation, tokenizer, template: Template, generation_prompt: bool) -> list[tuple[str, bool]]:
+    if template.mode == "role_markers" or template.tools == "layout":
+        conv = layout_turns(conv)
     if template.mode == "role_markers":
         return _segments_role_markers(conv, template, generation_prompt)
     if template.mode == "chat_template":
@@ -238,7 +251,8 @@ def make_template(data_cfg, tokenizer) -> "Template":
         raise ValueError(f"template must be 'chat_template' or 'role_markers', got {data_cfg.template!r}")
     if not tokenizer.chat_template:
         raise ValueError("template=chat_template but the tokenizer has no chat template; use role_markers")
-    template = Template("chat_template", eos, chat_template=tokenizer.chat_template, system_prompt=system_prompt)
+    tools = "native" if supports_tools(tokenizer, tokenizer.chat_template) else "layout"
+    template = Template("chat_template", eos, chat_template=tokenizer.chat_template, system_prompt=system_prompt, tools=tools)
     for probe in (_PROBE, _PROBE_NO_SYSTEM):
         try:
             render_segments(probe, tokenizer, template)
@@ -247,26 +261,27 @@ def make_template(data_cfg, tokenizer) -> "Template":
     return template
 
 
-def _jinja_string(text: str) -> str:
-    """A Jinja string literal (JSON escaping is a subset Jinja's lexer decodes)."""
-    return json.dumps(text, ensure_ascii=True)
-
-
-def template_jinja(template: Template, tokenizer) -> Optional[str]:
-    """A Jinja chat template that renders exactly what role_markers training saw (to save into the
-    merged model), or None in chat_template mode, where the tokenizer's own template applies."""
+def template_jinja(template: Template, tokenizer, tools: bool = False) -> Optional[str]:
+    """A Jinja chat template that renders exactly what training saw, to save into the merged model:
+    in role_markers mode the markers (with the default tool layout in front, so tool conversations
+    render as trained); in chat_template mode None (the tokenizer's own template applies), except
+    when tool conversations were trained (`tools`) in the default layout, which then goes in front
+    of the tokenizer's template."""
     if template.mode != "role_markers":
+        if tools and template.tools == "layout":
+            return layout_jinja(template.system_prompt) + template.chat_template
         return None
-    m = {k: _jinja_string(v) for k, v in template.markers.items()}
-    eos = _jinja_string(template.eos)
+    m = {k: jinja_string(v) for k, v in template.markers.items()}
+    eos = jinja_string(template.eos)
     after = " + '\\n'" if template.layout == "code" else ""
     default_system = ""
     if template.system_prompt is not None:
         default_system = ("{%- if messages and messages[0]['role'] != 'system' -%}"
-                          f"{{{{ {m['system']} + {_jinja_string(template.system_prompt)} + '\\n' }}}}"
+                          f"{{{{ {m['system']} + {jinja_string(template.system_prompt)} + '\\n' }}}}"
                           "{%- endif -%}")
     return (
-        default_system
+        layout_jinja(template.system_prompt)
+        + default_system
         + "{%- for message in messages -%}"
         + f"{{%- if message['role'] == 'system' -%}}{{{{ {m['system']} + message['content'] + '\\n' }}}}"
         + f"{{%- elif message['role'] == 'user' -%}}{{{{ {m['user']} + message['content']{after} }}}}"

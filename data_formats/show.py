@@ -1,9 +1,15 @@
 """Print conversations with the trained tokens highlighted (ANSI colours).
 
-    python -m data_formats.show FILE [--template role_markers|chat_template] [--model embedded] [-n 2]
+    python -m data_formats.show FILE [--kind sft|rm|prompts|pt] [--template role_markers|chat_template]
+                                     [--model embedded] [-n 2]
 
 Green background: trained (label = token id); plain: not trained. Each token is shown by its own
 decoded text, with '|' between tokens when --boundaries is given, so boundary effects are visible.
+Every kind is shown as its stage reads it: sft the whole conversation (assistant turns and tool
+calls trained; tool results, tool schemas and user turns not), rm both sides of a pair as scored
+(the answer and its end-of-turn trained), prompts the generation prompt (nothing trained: the
+policy's own completion is), pt the document (every token but the first trained). `relay show`
+also takes a stage name for --kind.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import argparse
 import sys
 from typing import Optional
 
-from data_formats.render import IGNORE_INDEX, Template, make_template, render
+from data_formats.render import IGNORE_INDEX, Template, make_template, render, render_prompt, render_scored
 
 TRAINED = "\033[42;30m"
 RESET = "\033[0m"
@@ -29,6 +35,23 @@ def colour_tokens(ids: list[int], labels: list[int], tokenizer, boundaries: bool
     return "".join(out)
 
 
+def labelled(kind: str, value, tokenizer, template: Template) -> list[tuple[str, list[int], list[int]]]:
+    """(title, ids, labels) of each sequence a record of `kind` becomes (see the module docstring)."""
+    if kind == "pt":
+        ids = list(tokenizer(value, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        return [("document", ids, [IGNORE_INDEX] + ids[1:])]
+    if kind == "prompts":
+        ids = render_prompt(value, tokenizer, template)
+        return [("prompt", ids, [IGNORE_INDEX] * len(ids))]
+    if kind == "rm":
+        out = []
+        for side, conv in zip(("chosen", "rejected"), value[:2]):
+            prompt, answer = render_scored(conv, tokenizer, template)
+            out.append((side, prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
+        return out
+    return [("conversation", *render(value, tokenizer, template))]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """The show command; returns the exit status (1 when the file has bad records)."""
     from pipeline.config import ChatDataConfig
@@ -37,6 +60,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m data_formats.show", description=__doc__.split("\n\n")[0])
     parser.add_argument("file")
+    parser.add_argument("--kind", choices=("sft", "rm", "prompts", "pt"), default="sft")
     parser.add_argument("--template", default="chat_template", choices=("chat_template", "role_markers"))
     parser.add_argument("--model", default="embedded")
     parser.add_argument("-n", type=int, default=2, help="how many conversations to show")
@@ -44,14 +68,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(resolve_model_path(args.model))
     template: Template = make_template(ChatDataConfig(template=args.template), tokenizer)
-    good, problems = read_and_parse([args.file], "sft")
+    good, problems = read_and_parse([args.file], args.kind)
     for problem in problems:
         print(problem, file=sys.stderr)
     for record in good[: args.n]:
-        ids, labels = render(record.value, tokenizer, template)
-        trained = sum(label != IGNORE_INDEX for label in labels)
-        print(f"--- {record.source} (task {record.task}): {len(ids)} tokens, {trained} trained")
-        print(colour_tokens(ids, labels, tokenizer, args.boundaries))
+        for title, ids, labels in labelled(args.kind, record.value, tokenizer, template):
+            trained = sum(label != IGNORE_INDEX for label in labels)
+            print(f"--- {record.source} (task {record.task}) {title}: {len(ids)} tokens, {trained} trained")
+            print(colour_tokens(ids, labels, tokenizer, args.boundaries))
     return 1 if problems else 0
 
 

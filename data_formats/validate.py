@@ -27,6 +27,8 @@ from typing import Any, Iterable, Iterator, Optional
 from data_formats.conversation import (
     CONVERSATION_FORMATS,
     FORMATS,
+    LIST_FORMATS,
+    PAIR_KEYS,
     RecordError,
     check_order,
     detect_format,
@@ -75,13 +77,19 @@ class Parsed:
 
 
 def _prompt_conversation(record: Any, fmt: str, task: str, source: str, system_prompt: Optional[str]) -> Conversation:
-    """A PPO prompt: a conversation ending with the user's turn, or the prompt part of a
-    single-turn record (its response, if any, is not part of the prompt)."""
-    if fmt in CONVERSATION_FORMATS[:3]:
-        return parse_conversation(record, fmt, last="user", task=task, source=source, system_prompt=system_prompt)
+    """A PPO/GRPO prompt: a conversation ending with the user's turn (or tool results), or the
+    prompt part of a single-turn record. The record's other fields (a `question`/`answer` record's
+    answer, ...) go into `meta`: GRPO passes them to reward functions as keyword arguments, as
+    TRL passes a dataset's extra columns."""
+    if fmt in LIST_FORMATS:
+        conv = parse_conversation(record, fmt, last="user", task=task, source=source, system_prompt=system_prompt)
+        conv.meta = {k: v for k, v in record.items() if k not in (LIST_FORMATS[fmt][0], "tools", "system")}
+        return conv
     turns = parse_turns(record, fmt, require_response=False)[:1]
     check_order(turns, "user")
-    conv = Conversation(turns, task=task_of(record, task), source=source)
+    used = ("instruction", "input") if fmt == "alpaca" else (next(a for a, _ in PAIR_KEYS if a in record),)
+    conv = Conversation(turns, task=task_of(record, task), source=source,
+                        meta={k: v for k, v in record.items() if k not in used})
     if system_prompt is not None:
         conv.turns.insert(0, type(turns[0])("system", system_prompt))
     return conv

@@ -21,6 +21,7 @@ unbroken one.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import sys
 import time
@@ -41,6 +42,11 @@ from pipeline.engine.stage import Stage, main
 from stages.ppo import GenerationConfig, RewardModelConfig, reward_model_problems
 
 log = logging.getLogger("relay.grpo")
+
+
+def _columns(sample: dict) -> dict:
+    """A prompt sample's record fields (data_formats.datasets.build_prompt_data)."""
+    return json.loads(sample.get("columns") or "{}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -221,9 +227,10 @@ class GRPOStage(Stage):
         ids = [p["prompt_ids"] for p in prompts for _ in range(copies)]
         return assemble(ids, self.generator.generate(ids), self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
 
-    def rewards(self, prompts: list[str], rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def rewards(self, prompts: list[str], rollout, columns: Optional[list[dict]] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The summed reward of each completion ([N]) and each source's own ([N] by name: the
         reward functions' names, 'rm'), less generation.missing_eos_penalty for an unfinished one.
+        `columns`: each completion's prompt record fields, the reward functions' keyword arguments.
 
         Raises:
             ValueError: a reward function returned the wrong number of values or a non-number.
@@ -234,7 +241,7 @@ class GRPOStage(Stage):
         total = torch.zeros(len(completions))
         weights = cfg.grpo.reward_weights or [1.0] * len(self.funcs)
         for spec, func, weight in zip(cfg.grpo.reward_funcs, self.funcs, weights):
-            parts[rw.func_name(spec)] = values = torch.tensor(rw.call_reward(func, spec, prompts, completions))
+            parts[rw.func_name(spec)] = values = torch.tensor(rw.call_reward(func, spec, prompts, completions, columns))
             total += weight * values
         if self.reward_path is not None:
             device = self.accelerator.device
@@ -255,7 +262,7 @@ class GRPOStage(Stage):
         rollout = self.rollout(batch, G)
         gen_time = time.perf_counter() - started
         texts = [p["text"] for p in batch for _ in range(G)]
-        total, parts = self.rewards(texts, rollout)
+        total, parts = self.rewards(texts, rollout, [_columns(p) for p in batch for _ in range(G)])
         advantages = algo.group_advantages(total, G, cfg.grpo.scale_rewards)
         scored = algo.score_rollout(self.inner, rollout, micro=rollout.input_ids.shape[0] // cfg.train.grad_accum,
                                     temperature=cfg.generation.temperature, autocast=acc.autocast,
@@ -308,7 +315,7 @@ class GRPOStage(Stage):
                                                acc.process_index, cfg.train.eval_batches):
                 batch = [self.eval_samples[i] for i in indices]
                 rollout = self.rollout(batch, 1)
-                total, parts = self.rewards([p["text"] for p in batch], rollout)
+                total, parts = self.rewards([p["text"] for p in batch], rollout, [_columns(p) for p in batch])
                 for name, values in {"eval/reward": total, **{f"eval/reward/{k}": v for k, v in parts.items()}, "n": torch.ones(len(batch))}.items():
                     sums[name] = sums.get(name, torch.tensor(0.0)) + values.sum() * counts
         names = list(sums)

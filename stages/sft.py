@@ -85,8 +85,9 @@ class SFTStage(LanguageModelStage):
 
         cfg, tok = self.cfg, self.tokenizer
         template = make_template(cfg.data, tok)
-        self.chat_template = template_jinja(template, tok)
         train = build_sft_data(cfg.data, tok, template, cfg.train.seq_length, "train")
+        # Tool conversations in the default layout: the saved template must render them as trained.
+        self.chat_template = template_jinja(template, tok, tools=train.stats.get("tool_conversations", 0) > 0)
         has_eval = bool(cfg.data.eval) or cfg.data.eval_fraction > 0
         evaluation = build_sft_data(cfg.data, tok, template, cfg.train.seq_length, "eval", tasks=train.tasks) if has_eval else None
         self.train_samples, self.tasks = train.samples, train.tasks

@@ -1,8 +1,10 @@
 """Reward functions for GRPO: loading the ones a config names, and the sample domain's rules.
 
 A config names a reward function as "module:function", `function(prompts: list[str],
-completions: list[str]) -> list[float]` (one float per completion; prompts are the rendered
-prompt texts, completions the decoded answers without special tokens). The module must be
+completions: list[str], **columns) -> list[float]` (one float per completion; prompts are the
+rendered prompt texts, completions the decoded answers without special tokens; the prompt
+records' other fields, e.g. the `answer` of a {"question", "answer"} record, come as keyword
+arguments, one list each, as TRL's GRPOTrainer passes them: see `column_kwargs`). The module must be
 importable from the project (stages/, pipeline/, tests/ under the repository root) or from an
 installed package (site-packages): never a file path, and never a module found elsewhere on
 sys.path (a data folder), because naming a function runs its module's code.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import re
 import sysconfig
 from pathlib import Path
@@ -86,13 +89,27 @@ def func_name(spec: str) -> str:
     return spec.partition(":")[2]
 
 
-def call_reward(func: RewardFunc, spec: str, prompts: list[str], completions: list[str]) -> list[float]:
-    """`func(prompts, completions)` as floats, one per completion.
+def column_kwargs(func: RewardFunc, columns: Optional[Sequence[dict]]) -> dict[str, list]:
+    """The prompt records' other fields as keyword arguments, one list per field with one value
+    per completion (None where a record lacks it), as TRL passes a dataset's extra columns: every
+    field to a function that takes **kwargs, else only the fields it names."""
+    if not columns:
+        return {}
+    keys = list(dict.fromkeys(k for c in columns for k in c))
+    params = inspect.signature(func).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        keys = [k for k in keys if k in params and k not in ("prompts", "completions")]
+    return {k: [c.get(k) for c in columns] for k in keys}
+
+
+def call_reward(func: RewardFunc, spec: str, prompts: list[str], completions: list[str],
+                columns: Optional[Sequence[dict]] = None) -> list[float]:
+    """`func(prompts, completions, **column_kwargs(func, columns))` as floats, one per completion.
 
     Raises:
         ValueError: it returned the wrong number of values or a non-number.
     """
-    values = list(func(prompts, completions))
+    values = list(func(prompts, completions, **column_kwargs(func, columns)))
     if len(values) != len(completions):
         raise ValueError(f"reward function {spec!r} returned {len(values)} values for {len(completions)} completions")
     try:
@@ -181,3 +198,10 @@ def kelvra_fact(prompts: list[str], completions: list[str]) -> list[float]:
 def weighted_sum(per_func: Sequence[Sequence[float]], weights: Sequence[float]) -> list[float]:
     """sum_k weights[k] * per_func[k][i] for each completion i (pure)."""
     return [sum(w * values[i] for w, values in zip(weights, per_func)) for i in range(len(per_func[0]))] if per_func else []
+
+
+def answer_match(prompts: list[str], completions: list[str], answer: Optional[list] = None, **columns) -> list[float]:
+    """1.0 for a completion that contains its prompt record's `answer` (a verifiable reward over
+    {"question", "answer"} prompt files, MedicalGPT's GRPO shape), else 0.0 (also without one)."""
+    answers = answer if answer is not None else [None] * len(completions)
+    return [1.0 if isinstance(a, str) and a.strip() and a.strip() in c else 0.0 for c, a in zip(completions, answers)]

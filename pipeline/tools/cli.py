@@ -177,11 +177,28 @@ def run_train(args: list[str]) -> int:
 
 
 VALIDATE_USAGE = """usage: relay validate CONFIG.yaml [--stage S] [--section.key VALUE ...]
-       relay validate [--kind pt|sft|rm|ppo] [--format F] FILES...
+       relay validate [--kind KIND] [--format F] FILES...
 
 With a stage or pipeline YAML: every problem a run would hit before training (unknown keys, values,
 the model folder, data files and records), loading the tokenizer but no model. With data files:
-each record is checked and every bad one reported as FILE:LINE: reason."""
+each record is checked and every bad one reported as FILE:LINE: reason. KIND is a data kind (pt, sft,
+rm, prompts) or any stage name (pt, sft, rm, ppo, dpo, grpo, ...: the kind of data it reads)."""
+# A stage's data kind (stages.StageInfo.data_kind) -> the validator's kind of records.
+DATA_KINDS = {"text": "pt", "chat": "sft", "preference": "rm", "prompt": "prompts"}
+
+
+def data_kind_args(args: list[str]) -> list[str]:
+    """`args` with a stage name given to --kind replaced by the kind of data that stage reads."""
+    from stages import STAGES
+
+    out = list(args)
+    for i, arg in enumerate(out):
+        name, eq, value = arg.partition("=")
+        if arg == "--kind" and i + 1 < len(out) and out[i + 1] in STAGES:
+            out[i + 1] = DATA_KINDS[STAGES[out[i + 1]].data_kind]
+        elif name == "--kind" and eq and value in STAGES:
+            out[i] = f"--kind={DATA_KINDS[STAGES[value].data_kind]}"
+    return out
 
 
 def validate_config(config: str, args: list[str]) -> int:
@@ -238,7 +255,7 @@ def run_validate(args: list[str]) -> int:
         return validate_config(args[0], args[1:])
     from data_formats.validate import main as validate_data
 
-    return int(validate_data(args) or 0)
+    return int(validate_data(data_kind_args(args)) or 0)
 
 
 def run_pipeline(args: Sequence[str]) -> int:
@@ -279,6 +296,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from pipeline.engine.tracking import quiet_console
 
         quiet_console()
+    if command == "show":
+        rest = data_kind_args(rest)
     result = importlib.import_module(COMMANDS[command][0]).main(rest)
     return int(result or 0)
 
