@@ -93,12 +93,17 @@ class LlamaCpp:
     def is_eog(self, token: int) -> bool:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
 
-    def logits(self, ids: list[int]) -> list[float]:
-        """Next-token logits after `ids` (a fresh sequence)."""
+    def logits(self, ids: list[int]):
+        """Next-token logits (numpy, float32) after `ids` (a fresh sequence)."""
         self.lib.llama_kv_self_clear(self.ctx)
         self._decode(ids)
+        return self._last_logits().copy()
+
+    def _last_logits(self):
+        import numpy as np
+
         row = self.lib.llama_get_logits_ith(self.ctx, -1)
-        return [row[i] for i in range(self.n_vocab)]
+        return np.frombuffer(self.ffi.buffer(row, 4 * self.n_vocab), dtype=np.float32)
 
     def greedy(self, ids: list[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation of `ids` (stopping after an end-of-generation token)."""
@@ -106,8 +111,7 @@ class LlamaCpp:
         self._decode(ids)
         new: list[int] = []
         while len(new) < max_new_tokens:
-            row = self.lib.llama_get_logits_ith(self.ctx, -1)
-            token = max(range(self.n_vocab), key=lambda i: row[i])
+            token = int(self._last_logits().argmax())
             new.append(token)
             if self.is_eog(token):
                 break
