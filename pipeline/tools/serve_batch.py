@@ -189,6 +189,7 @@ class Batcher:
             if job.seed is not None or sum(j.n for j in batch) + job.n > self.max_batch:
                 self.carried.append(job)
                 break
+            batch.append(job)
         return batch
 
     def _run(self) -> None:
@@ -231,8 +232,10 @@ class Batcher:
                 return True
             if text:
                 job.emit(("delta", i, text))
-            if job.cancelled or time.monotonic() > job.deadline:
-                finish(row, "length", job.choices[i].flush())  # the time limit, reported as the length limit it is
+            # the time limit and a gone client end a row as its length limit does; the engine would end
+            # the row at max_new_tokens too, but only after the batch: the client hears it now
+            if job.cancelled or time.monotonic() > job.deadline or len(job.choices[i].ids) >= job.max_new_tokens:
+                finish(row, "length", job.choices[i].flush())
                 return True
             return False
 
