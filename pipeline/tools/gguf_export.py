@@ -247,6 +247,53 @@ def write_gguf(folder: Path, out: Path, dtype: str = "f32", name: Optional[str] 
     return out
 
 
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+"""GGUF metadata value type -> struct format (8 is a string, 9 an array)."""
+
+
+def gguf_string(path: Path, key: str) -> Optional[str]:
+    """One string value of a GGUF file's metadata, read up to its key only (general.* keys come
+    first; gguf.GGUFReader parses every field, the 49k-token vocabulary included, which takes seconds).
+
+    Raises:
+        ValueError: not a GGUF file (or a truncated one).
+        OSError: it cannot be read.
+    """
+    import struct
+
+    with open(path, "rb") as fh:
+        def read(fmt: str):
+            size = struct.calcsize("<" + fmt)
+            data = fh.read(size)
+            if len(data) != size:
+                raise ValueError(f"{path}: truncated GGUF metadata")
+            return struct.unpack("<" + fmt, data)[0]
+
+        def skip(kind: int) -> None:
+            if kind == 8:
+                fh.seek(read("Q"), 1)
+            elif kind == 9:
+                item, count = read("I"), read("Q")
+                if item in _SCALARS:
+                    fh.seek(struct.calcsize("<" + _SCALARS[item]) * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            else:
+                fh.seek(struct.calcsize("<" + _SCALARS[kind]), 1)
+
+        if fh.read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        read("I"), read("Q")  # version, tensor count
+        for _ in range(read("Q")):
+            name = fh.read(read("Q")).decode("utf-8")
+            kind = read("I")
+            if name == key and kind == 8:
+                return fh.read(read("Q")).decode("utf-8")
+            skip(kind)
+    return None
+
+
 def gguf_logit_difference(folder: Path, gguf_file: Path, prompts: Sequence[str] = PROBE) -> float:
     """max |next-token logits(HF folder) - next-token logits(the GGUF loaded back by transformers)|."""
     import torch

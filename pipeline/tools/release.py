@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import io
 import os
 import re
 import shutil
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from pipeline.modeling.manifest import read_manifest
-from pipeline.tools.gguf_export import GGUF_TYPES, PROBE, ExportError, gguf_logit_difference, write_gguf
+from pipeline.tools.gguf_export import GGUF_TYPES, PROBE, ExportError, gguf_logit_difference, gguf_string, write_gguf
 
 GGUF_NAME = "model.gguf"
 CHECKSUMS = "SHA256SUMS"
@@ -131,12 +132,8 @@ def gguf_license(path: Optional[str]) -> Optional[str]:
     from pipeline.modeling.embedded import gguf_path
 
     try:
-        import gguf
-
-        file = Path(path) if path and Path(path).is_file() else gguf_path()
-        field = gguf.GGUFReader(str(file)).get_field("general.license")
-        return None if field is None else str(field.contents())
-    except (FileNotFoundError, OSError, ValueError):
+        return gguf_string(Path(path) if path and Path(path).is_file() else gguf_path(), "general.license")
+    except (OSError, ValueError):
         return None
 
 
@@ -286,7 +283,8 @@ def export(source: str, out: str, gguf_type: Optional[str] = None, overwrite: bo
             shutil.copyfile(f, target / f.name)  # not copy2: merged/ may be 0600, a release is for everyone
     if gguf_type is not None:
         with quiet_progress():
-            write_checked_gguf(target, gguf_type, name)
+            diff = write_checked_gguf(target, gguf_type, name)
+        print(f"{target / GGUF_NAME}: next-token logits within {diff:.2g} of the model on {len(PROBE)} probe prompts", file=sys.stderr)
     files = sorted(f.name for f in target.iterdir() if f.is_file())
     (target / CHECKSUMS).write_text("".join(f"{file_fingerprint(target / f)}  {f}\n" for f in files), encoding="utf-8")
     card = model_card(chain, name, files, gguf_type, prompt_example(target))
@@ -295,8 +293,9 @@ def export(source: str, out: str, gguf_type: Optional[str] = None, overwrite: bo
     return target
 
 
-def write_checked_gguf(target: Path, gguf_type: str, name: str) -> Path:
-    """model.gguf in `target`, kept only if transformers reads back the model's next-token logits.
+def write_checked_gguf(target: Path, gguf_type: str, name: str) -> float:
+    """model.gguf in `target`, kept only if transformers reads back the model's next-token logits;
+    returns the largest difference.
 
     Raises:
         ExportError: the GGUF cannot be written, or its logits differ beyond the type's tolerance.
@@ -307,28 +306,28 @@ def write_checked_gguf(target: Path, gguf_type: str, name: str) -> Path:
     if diff > tolerance:
         path.unlink()
         raise ExportError(f"--gguf: the GGUF's next-token logits differ from the model's by {diff:.3g} (> {tolerance}); not written")
-    print(f"{path}: next-token logits within {diff:.2g} of the model on {len(PROBE)} probe prompts", file=sys.stderr)
-    return path
+    return diff
 
 
 @contextlib.contextmanager
 def quiet_progress():
-    """No progress bars inside (export prints its own one line): transformers' own switch, and
-    TQDM_DISABLE for the bare tqdm its GGUF loader uses."""
+    """No progress bars inside (export prints its own one line): transformers' switch, and stderr
+    held back for the bare tqdm its GGUF loader uses (shown after all if something fails)."""
     from transformers.utils import logging
 
-    was_enabled, was_env = logging.is_progress_bar_enabled(), os.environ.get("TQDM_DISABLE")
+    was_enabled, held = logging.is_progress_bar_enabled(), io.StringIO()
     logging.disable_progress_bar()
-    os.environ["TQDM_DISABLE"] = "1"
     try:
-        yield
+        with contextlib.redirect_stderr(held):
+            yield
+    except ExportError:
+        raise
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
     finally:
         if was_enabled:
             logging.enable_progress_bar()
-        if was_env is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = was_env
 
 
 def prompt_example(folder: Path) -> Optional[str]:
