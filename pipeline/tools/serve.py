@@ -90,7 +90,7 @@ async def read_body(request, limit: int) -> Any:
 class Server:
     """The app's state: the model, its batcher and the limits."""
 
-    def __init__(self, chat, name: str, max_new_tokens: int = 256, max_batch: int = 16, window: float = 0.01,
+    def __init__(self, chat, name: str, max_new_tokens: int = 256, max_batch: int = 16, window: float = 0.02,
                  request_timeout: float = 120.0, max_request_bytes: int = 1 << 20):
         from pipeline.tools.chat import prompt_ids
 
@@ -234,6 +234,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--backend", default="auto", choices=("auto", "vllm", "transformers"))
     parser.add_argument("--max-new-tokens", type=int, default=256, help="when a request sets no max_tokens")
     parser.add_argument("--max-batch", type=int, default=16, help="most rows (requests x n) in one generation batch")
+    parser.add_argument("--batch-window", type=float, default=0.02, help="seconds the batcher waits for more requests after the first")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds a request may take, waiting included")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted (413 beyond)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
@@ -260,7 +261,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     name = args.name or Path(resolve_model_path(args.model)).name
-    server = Server(chat, name, args.max_new_tokens, args.max_batch, request_timeout=args.request_timeout,
+    server = Server(chat, name, args.max_new_tokens, args.max_batch, args.batch_window, request_timeout=args.request_timeout,
                     max_request_bytes=args.max_request_bytes)
     print(f"serving {args.model} as '{name}' (transformers) on http://{args.host}:{args.port}/v1  (Ctrl-C stops)", file=sys.stderr)
     run(make_app(server), args.host, args.port)
