@@ -169,3 +169,20 @@ def test_llama_cpp_f16_answers_within_tolerance(llama_cpp, embedded_path, embedd
                 assert model.greedy(ids, 8) == answer[:8]
     finally:
         model.close()
+
+
+def test_llama_cpp_negative_control_without_the_tokenizer_metadata(llama_cpp, tiny_model_dir, tmp_path, monkeypatch):
+    """What the exporter wrote before: pre-tokenizer 'default' and every token type 1. llama.cpp then
+    splits the chat markers and tokenizes differently, so the checks above can fail."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    monkeypatch.setattr(gguf_export, "pre_tokenizer_name", lambda tokenizer_json: "default")
+    real_table = gguf_export.token_table
+    monkeypatch.setattr(gguf_export, "token_table", lambda j, n: (real_table(j, n)[0], [1] * n))
+    model = llama_cpp(gguf_export.write_gguf(tiny_model_dir, tmp_path / "model.gguf", "f32"))
+    try:
+        differ = [text for text in AWKWARD if model.tokenize(text) != tok(text, add_special_tokens=False)["input_ids"]]
+    finally:
+        model.close()
+    assert "<|im_start|>user\nHi<|im_end|>\n" in differ and len(differ) >= 3
