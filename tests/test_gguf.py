@@ -79,11 +79,12 @@ def test_gguf_metadata_as_the_gguf_package_reads_it(tiny_model_dir, tmp_path):
     import gguf
     from transformers import AutoTokenizer
 
-    path = gguf_export.write_gguf(tiny_model_dir, tmp_path / "model.gguf", "f32", name="Tiny-SFT")
+    path = gguf_export.write_gguf(tiny_model_dir, tmp_path / "model.gguf", "f32", name="Tiny-SFT", license_id="apache-2.0")
     reader = gguf.GGUFReader(str(path))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert field(reader, "general.name") == gguf_export.gguf_string(path, "general.name") == "Tiny-SFT"
     assert gguf_export.gguf_string(path, "tokenizer.chat_template") == tok.chat_template  # read past the vocabulary
+    assert field(reader, "general.license") == "apache-2.0"
     assert field(reader, "tokenizer.ggml.pre") == "gpt-2"
     assert field(reader, "tokenizer.ggml.add_bos_token") is False and field(reader, "tokenizer.ggml.add_eos_token") is False
     assert field(reader, "tokenizer.ggml.bos_token_id") == tok.bos_token_id

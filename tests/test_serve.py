@@ -112,6 +112,7 @@ def test_n_stop_text_parts_and_developer_role(server):
 BAD = [
     ({"max_tokens": -5}, 400, "max_tokens"),
     ({"max_tokens": 10**6}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "word " * 3000}]}, 400, "messages"),  # longer than the context
     ({"top_p": 5}, 400, "top_p"),
     ({"temperature": 3}, 400, "temperature"),
     ({"n": 0}, 400, "n"),

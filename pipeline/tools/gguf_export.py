@@ -205,8 +205,9 @@ def write_tokenizer(writer, folder: Path, n_vocab: int) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def write_gguf(folder: Path, out: Path, dtype: str = "f32", name: Optional[str] = None) -> Path:
-    """Write `folder` (a Llama-architecture causal LM) as a GGUF file named `name` (general.name).
+def write_gguf(folder: Path, out: Path, dtype: str = "f32", name: Optional[str] = None, license_id: Optional[str] = None) -> Path:
+    """Write `folder` (a Llama-architecture causal LM) as a GGUF file named `name` (general.name),
+    with `license_id` as general.license when known.
 
     Raises:
         ExportError: another architecture, or a tokenizer llama.cpp could not reproduce.
@@ -223,6 +224,8 @@ def write_gguf(folder: Path, out: Path, dtype: str = "f32", name: Optional[str] 
     n_kv = config.get("num_key_value_heads", n_head)
     writer = gguf.GGUFWriter(str(out), "llama")
     write_metadata(writer, config, name or folder.name, kind)
+    if license_id:
+        writer.add_license(license_id)
     write_tokenizer(writer, folder, config["vocab_size"])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
     for file in sorted(folder.glob("*.safetensors")):

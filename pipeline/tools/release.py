@@ -283,7 +283,8 @@ def export(source: str, out: str, gguf_type: Optional[str] = None, overwrite: bo
             shutil.copyfile(f, target / f.name)  # not copy2: merged/ may be 0600, a release is for everyone
     if gguf_type is not None:
         with quiet_progress():
-            diff = write_checked_gguf(target, gguf_type, name)
+            licence = base_model(chain)[1]
+            diff = write_checked_gguf(target, gguf_type, name, None if licence == "unknown" else licence)
         print(f"{target / GGUF_NAME}: next-token logits within {diff:.2g} of the model on {len(PROBE)} probe prompts", file=sys.stderr)
     files = sorted(f.name for f in target.iterdir() if f.is_file())
     (target / CHECKSUMS).write_text("".join(f"{file_fingerprint(target / f)}  {f}\n" for f in files), encoding="utf-8")
@@ -293,14 +294,14 @@ def export(source: str, out: str, gguf_type: Optional[str] = None, overwrite: bo
     return target
 
 
-def write_checked_gguf(target: Path, gguf_type: str, name: str) -> float:
+def write_checked_gguf(target: Path, gguf_type: str, name: str, license_id: Optional[str] = None) -> float:
     """model.gguf in `target`, kept only if transformers reads back the model's next-token logits;
     returns the largest difference.
 
     Raises:
         ExportError: the GGUF cannot be written, or its logits differ beyond the type's tolerance.
     """
-    path = write_gguf(target, target / GGUF_NAME, gguf_type, name)
+    path = write_gguf(target, target / GGUF_NAME, gguf_type, name, license_id)
     diff = gguf_logit_difference(target, path)
     tolerance = GGUF_TYPES[gguf_type].tolerance
     if diff > tolerance:
