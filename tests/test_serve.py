@@ -194,11 +194,29 @@ def test_waiting_requests_share_one_generate_call_and_short_ones_end_first(chat,
         wait([long, *short])
     finally:
         batcher.stop()
-    assert calls == [5]
+    assert calls == [5, 1]  # all five in one call; the long row's last 8 tokens in a second slice
     assert all(finished_at(s) < finished_at(long) for s in short)
     for messages, record in zip(prompts, short):  # batched (left-padded) answers are each prompt's own greedy answer
         text = "".join(e[2] for e in record["events"] if e[0] == "delta")
         assert text.strip() == reply(chat, messages, Generation(max_new_tokens=3))
+
+
+def test_a_request_arriving_during_a_long_answer_joins_the_next_slice(chat):
+    batcher = serve_batch.Batcher(chat.model, chat.tokenizer, [], chat.tokenizer.pad_token_id, window=0.0, slice_tokens=4)
+    batcher.start()
+    try:
+        long = submit(batcher, chat, HI, 60)
+        while not long["events"]:
+            time.sleep(0.005)
+        short = submit(batcher, chat, [{"role": "user", "content": "Hi"}], 3)
+        wait([long, short])
+    finally:
+        batcher.stop()
+    assert finished_at(short) < finished_at(long)
+    long_text = "".join(e[2] for e in long["events"] if e[0] == "delta")
+    assert long["job"].completion_tokens == 60 and long["events"][-1] == ("finish", 0, "length")
+    # slicing continues the row from its own tokens: the same greedy answer as one uninterrupted call
+    assert long_text.strip() == reply(chat, HI, Generation(max_new_tokens=60))
 
 
 def test_time_limit_ends_a_request(chat):

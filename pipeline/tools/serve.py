@@ -9,8 +9,9 @@ With vLLM installed (`--backend auto` or `vllm`) this runs vLLM's own OpenAI ser
 as OpenAI clients use it (pipeline.tools.openai_protocol: streaming as server-sent events, `n`,
 `stop`, text-part content, the developer role; OpenAI-style errors), prompting through the
 folder's own chat template exactly as `relay chat` does. Requests are batched together
-(pipeline.tools.serve_batch): one generate call serves every request waiting, so a long answer does
-not hold the short ones back. Limits: --max-request-bytes per body, the model's context for
+(pipeline.tools.serve_batch): one generate call serves every request waiting, for at most
+--slice-tokens new tokens per row; rows still going continue in the next batch beside requests
+that arrived meanwhile, so a long answer never holds the others back. Limits: --max-request-bytes per body, the model's context for
 prompt + max_tokens, --request-timeout per request (an answer still running then ends with
 finish_reason "length"). Any OpenAI client works: `OpenAI(base_url="http://localhost:8000/v1",
 api_key="unused")`; the model name is the folder's name (--name changes it).
@@ -91,14 +92,14 @@ class Server:
     """The app's state: the model, its batcher and the limits."""
 
     def __init__(self, chat, name: str, max_new_tokens: int = 256, max_batch: int = 16, window: float = 0.02,
-                 request_timeout: float = 120.0, max_request_bytes: int = 1 << 20):
+                 request_timeout: float = 120.0, max_request_bytes: int = 1 << 20, slice_tokens: int = 32):
         from pipeline.tools.chat import prompt_ids
 
         self.chat, self.name, self.prompt_ids = chat, name, prompt_ids
         self.max_new_tokens, self.request_timeout, self.max_request_bytes = max_new_tokens, request_timeout, max_request_bytes
         self.context = context_length(chat.model)
         pad = chat.tokenizer.pad_token_id if chat.tokenizer.pad_token_id is not None else eos_ids_of(chat)[0]
-        self.batcher = Batcher(chat.model, chat.tokenizer, eos_ids_of(chat), pad, max_batch, window)
+        self.batcher = Batcher(chat.model, chat.tokenizer, eos_ids_of(chat), pad, max_batch, window, slice_tokens)
 
     async def job(self, request: ChatRequest) -> tuple[Job, "asyncio.Queue[tuple]", int]:
         """(queued job, its event queue, prompt tokens) for a checked request."""
@@ -235,6 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="when a request sets no max_tokens")
     parser.add_argument("--max-batch", type=int, default=16, help="most rows (requests x n) in one generation batch")
     parser.add_argument("--batch-window", type=float, default=0.02, help="seconds the batcher waits for more requests after the first")
+    parser.add_argument("--slice-tokens", type=int, default=32,
+                        help="new tokens per row per batch; unfinished rows continue beside newly arrived requests")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds a request may take, waiting included")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted (413 beyond)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
@@ -262,7 +265,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     name = args.name or Path(resolve_model_path(args.model)).name
     server = Server(chat, name, args.max_new_tokens, args.max_batch, args.batch_window, request_timeout=args.request_timeout,
-                    max_request_bytes=args.max_request_bytes)
+                    max_request_bytes=args.max_request_bytes, slice_tokens=args.slice_tokens)
     print(f"serving {args.model} as '{name}' (transformers) on http://{args.host}:{args.port}/v1  (Ctrl-C stops)", file=sys.stderr)
     run(make_app(server), args.host, args.port)
     return 0

@@ -147,14 +147,22 @@ class Job:
     cancelled: bool = False
     completion_tokens: int = 0
     choices: list[ChoiceText] = field(default_factory=list)
+    done: list[bool] = field(default_factory=list)
+
+    def open_rows(self) -> int:
+        return self.n - sum(self.done)
 
 
 class Batcher:
-    """The worker thread: gathers Jobs, runs one generate call per batch."""
+    """The worker thread: gathers Jobs, runs one generate call per batch of at most
+    `slice_tokens` new tokens per row. Rows still going after a slice continue in the next batch
+    (their prompt + what they have so far), beside requests that arrived meanwhile: a long answer
+    delays a new request by at most one slice, never by its whole length."""
 
-    def __init__(self, model, tokenizer, eos_ids: Sequence[int], pad_id: int, max_batch: int = 16, window: float = 0.01):
+    def __init__(self, model, tokenizer, eos_ids: Sequence[int], pad_id: int, max_batch: int = 16, window: float = 0.02,
+                 slice_tokens: int = 32):
         self.model, self.tokenizer, self.eos_ids, self.pad_id = model, tokenizer, list(eos_ids), pad_id
-        self.max_batch, self.window = max_batch, window
+        self.max_batch, self.window, self.slice_tokens = max_batch, window, slice_tokens
         self.waiting: "queue.Queue[Job]" = queue.Queue()
         self.carried: list[Job] = []
         self.stopping = threading.Event()
@@ -171,25 +179,33 @@ class Batcher:
         self.waiting.put(job)
 
     def _take(self) -> list[Job]:
-        """The next batch: what was carried over, then what arrives within the window (up to
-        max_batch rows). A request with a seed runs alone, so its sample is reproducible."""
-        batch = self.carried[:1] if self.carried else []
-        self.carried = self.carried[1:]
-        if not batch:
+        """The next batch, first come first served: jobs carried over (unfinished, or that did not
+        fit), then what arrives within the window after an idle wait (no wait while work is in hand),
+        up to max_batch rows. A request with a seed runs alone, so its sample is reproducible."""
+        if not self.carried:
             try:
-                batch = [self.waiting.get(timeout=0.1)]
+                self.carried.append(self.waiting.get(timeout=0.1))
             except queue.Empty:
                 return []
-        end = time.monotonic() + self.window
-        while batch[0].seed is None and sum(j.n for j in batch) < self.max_batch:
+            until = time.monotonic() + self.window
+        else:
+            until = time.monotonic()
+        while sum(j.open_rows() for j in self.carried) < self.max_batch:
             try:
-                job = self.waiting.get(timeout=max(0.0, end - time.monotonic()))
+                self.carried.append(self.waiting.get(timeout=max(0.0, until - time.monotonic())))
             except queue.Empty:
                 break
-            if job.seed is not None or sum(j.n for j in batch) + job.n > self.max_batch:
-                self.carried.append(job)
+        if self.carried[0].seed is not None:
+            return [self.carried.pop(0)]
+        batch, rows = [], 0
+        for job in list(self.carried):
+            if job.seed is not None:
+                continue
+            if rows + job.open_rows() > self.max_batch:
                 break
             batch.append(job)
+            rows += job.open_rows()
+            self.carried.remove(job)
         return batch
 
     def _run(self) -> None:
@@ -199,26 +215,35 @@ class Batcher:
                 self._generate(batch)
 
     def _still_wanted(self, job: Job) -> bool:
+        """False for a job whose client left or whose time is up (told so: the answer so far
+        ends with "length", or 503 when it never started)."""
         if job.cancelled:
             return False
-        if time.monotonic() > job.deadline:
+        if time.monotonic() <= job.deadline:
+            return True
+        if not job.choices:
             job.emit(("error", 503, "the request timed out waiting for the model (--request-timeout); try again"))
-            return False
-        return True
+        for i, text in enumerate(job.choices):
+            if not job.done[i]:
+                rest = text.flush()
+                if rest:
+                    job.emit(("delta", i, rest))
+                job.emit(("finish", i, "length"))
+        return False
 
     def _generate(self, batch: list[Job]) -> None:
-        rows = [(job, i) for job in batch for i in range(job.n)]
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         for job in batch:
-            job.choices = [ChoiceText(decode, job.stops) for _ in range(job.n)]
-        done = [False] * len(rows)
+            if not job.choices:
+                job.choices, job.done = [ChoiceText(decode, job.stops) for _ in range(job.n)], [False] * job.n
+        rows = [(job, i) for job in batch for i in range(job.n) if not job.done[i]]
 
         def finish(row: int, reason: str, text: str = "") -> None:
             job, i = rows[row]
             if text:
                 job.emit(("delta", i, text))
             job.emit(("finish", i, reason))
-            done[row] = True
+            job.done[i] = True
 
         def on_token(row: int, token: int) -> bool:
             job, i = rows[row]
@@ -243,13 +268,12 @@ class Batcher:
         generator = torch.Generator(device=next(self.model.parameters()).device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
         try:
-            generate(self.model, [job.prompt for job, _ in rows], max_new_tokens=[job.max_new_tokens for job, _ in rows],
+            generate(self.model, [job.prompt + job.choices[i].ids for job, i in rows],
+                     max_new_tokens=[min(self.slice_tokens, job.max_new_tokens - len(job.choices[i].ids)) for job, i in rows],
                      eos_ids=self.eos_ids, pad_id=self.pad_id, temperature=[job.temperature for job, _ in rows],
                      top_p=[job.top_p for job, _ in rows], generator=generator, on_token=on_token)
         except Exception as err:  # noqa: BLE001 - every waiting client gets the reason, the server stays up
             for job in batch:
                 job.emit(("error", 500, f"generation failed: {type(err).__name__}: {err}"))
             return
-        for row, (job, i) in enumerate(rows):
-            if not done[row]:
-                finish(row, "length", job.choices[i].flush())
+        self.carried[:0] = [job for job in batch if not all(job.done) and not job.cancelled]
