@@ -14,8 +14,9 @@ meaningless (measured here: one tiny-model request 1.5 s with 2 threads on a loa
 
 Measured on the shared 2-core development machine (load average ~7 from other jobs; to be
 re-measured on an idle machine or a GPU), OMP_NUM_THREADS=1, 32 new tokens each, medians of 3
-interleaved rounds: embedded SmolLM2-135M 8 concurrent / 1 = 6.92 / 3.24 s = 2.14x (one at a time
-would be ~8x); tiny 2-layer model 0.29 / 0.12 s = 2.34x. On CPU the 8 prompts' prefill and the 8
+interleaved rounds: embedded SmolLM2-135M 8 concurrent / 1 = 6.92 / 3.24 s = 2.14x, and in a later
+run (slices of 32 tokens, less load) 4.62 / 2.07 s = 2.23x (one at a time would be ~8x); tiny
+2-layer model 0.29 / 0.12 s = 2.34x. On CPU the 8 prompts' prefill and the 8
 rows' matmuls are compute-bound; the issue's <= 1.5x is a GPU figure.
 """
 
