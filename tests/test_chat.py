@@ -103,3 +103,13 @@ def test_chat_refuses_a_reward_model_before_loading(tiny_reward_dir, capsys, mon
 def test_chat_names_a_missing_folder_in_one_line(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
     assert capsys.readouterr().err.strip() == f"error: --model: {tmp_path / 'nope'}: no such folder"
+
+
+def test_an_answer_cut_at_the_token_limit_is_marked(tiny_model_dir, capsys):
+    from pipeline.tools.chat import one_shot, was_cut
+
+    assert was_cut([5, 6, 7], 3, [2]) and not was_cut([5, 2], 3, [2]) and not was_cut([5, 6, 2], 3, [2])
+    model = load_chat_model(str(tiny_model_dir))
+    model.model.generation_config.eos_token_id = None  # the random model must run to the limit
+    one_shot([model], "Hello", Generation(max_new_tokens=4))
+    assert "[answer cut at 4 tokens: --max-new-tokens raises the limit]" in capsys.readouterr().out

@@ -1,14 +1,20 @@
-"""`relay export` (pipeline/tools/release.py): the model card follows the manifest chain; the GGUF
-reproduces the model's next-token logits when loaded back, and a wrongly laid-out one is caught."""
+"""`relay export` (pipeline/tools/release.py): the model card follows the manifest chain and has
+the front matter the Hub reads; `sha256sum -c` checks the shipped files; they are world-readable;
+the GGUF reproduces the model's next-token logits when loaded back, and a wrongly laid-out one is
+caught. (What llama.cpp makes of the GGUF: tests/test_gguf.py.)"""
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
+import subprocess
 
 import pytest
+import yaml
 
 from pipeline.modeling.manifest import write_manifest
-from pipeline.tools import release
+from pipeline.tools import gguf_export, release
 
 
 @pytest.fixture
@@ -24,17 +30,42 @@ def run_dir(tmp_path, tiny_model_dir):
     return tmp_path / "run", data
 
 
+def front_matter(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
 def test_model_card_from_the_manifest_chain(run_dir, tmp_path, tiny_model_dir):
     run, data = run_dir
-    out = release.export(str(run), str(tmp_path / "release"))
+    os.chmod(run / "merged" / "model.safetensors", 0o600)  # as merged/ is written
+    out = release.export(str(run), str(tmp_path / "release"), name="Tiny-SFT")
     card = (out / "README.md").read_text()
-    assert "trained with Relay: base -> sft." in card
-    assert f"`{tiny_model_dir}` (stage `tiny-random`" in card
-    assert "- finetuning: lora, steps: 7" in card and "train_loss_last 1.2500" in card
+    meta = front_matter(card)
+    assert meta["pipeline_tag"] == "text-generation" and meta["license"] == "unknown" and "sft" in meta["tags"]
+    assert "base_model" not in meta  # a local folder is no Hub id
+    assert "# Tiny-SFT\n" in card and 'from_pretrained("Tiny-SFT")' in card
+    assert "trained with Relay: base -> sft." in card and f"`{tiny_model_dir.name}` (a local folder)" in card
+    assert "- steps: 7" in card and "train_loss_last 1.2500" in card and "- finetuning: lora" in card
     assert f"`train: {data}`: `{release.file_fingerprint(data)}`" in card
+    assert "<|im_start|>user\nWhat is 2 + 2?<|im_end|>" in card  # the prompt format, rendered by the template
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    check = subprocess.run(["sha256sum", "-c", release.CHECKSUMS], cwd=out, capture_output=True, text=True)
+    assert check.returncode == 0 and "model.safetensors: OK" in check.stdout
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in out.iterdir()) and stat.S_IMODE(out.stat().st_mode) == 0o755
     with pytest.raises(release.ExportError, match="is not empty"):
         release.export(str(run), str(out))
+
+
+def test_card_names_the_embedded_base_by_its_hub_id_and_licence(embedded_path):
+    chain = [{"stage": "sft", "adapter_path": "/x/adapter", "summary": {"steps": 3}, "config": {"train": {"learning_rate": 1e-4}},
+              "_folder": "/x/merged"}, {**release.read_manifest(embedded_path), "_folder": str(embedded_path)}]
+    assert release.default_name(chain, None) == "SmolLM2-135M-Instruct-sft"
+    assert release.default_name(chain, "me/cat-model") == "me/cat-model"
+    card = release.model_card(chain, "SmolLM2-135M-Instruct-sft", ["model.gguf"], "q8_0")
+    meta = front_matter(card)
+    assert meta["base_model"] == release.EMBEDDED_HUB_ID and meta["license"] == "apache-2.0"  # the base GGUF's general.license
+    assert meta["tags"] == ["relay", "sft", "gguf"] and ".venv" not in card and "site-packages" not in card
+    assert "- train: learning_rate=0.0001" in card and "GGUF (q8_0)" in card and "llama-quantize" in card
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +92,26 @@ def small_vocab_model(tmp_path_factory):
     return folder
 
 
-def test_gguf_reproduces_next_token_logits(small_vocab_model, tmp_path):
-    out = release.export(str(small_vocab_model), str(tmp_path / "release"), gguf_type="f32")
-    assert (out / release.GGUF_NAME).is_file()
-    assert release.gguf_logit_difference(out, out / release.GGUF_NAME) <= release.GGUF_TYPES["f32"]
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "q8_0"])
+def test_gguf_reproduces_next_token_logits(small_vocab_model, tmp_path, capfd, dtype):
+    import gguf
+
+    out = release.export(str(small_vocab_model), str(tmp_path / "release"), gguf_type=dtype, name="Small")
+    err = capfd.readouterr().err
+    assert "next-token logits within" in err and "%|" not in err  # one line, no progress bars
+    path = out / release.GGUF_NAME
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert "model.gguf: OK" in subprocess.run(["sha256sum", "-c", release.CHECKSUMS], cwd=out, capture_output=True, text=True).stdout
+    reader = gguf.GGUFReader(str(path))
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert kinds["blk.0.attn_q.weight"] == dtype.upper() and kinds["blk.0.attn_norm.weight"] == "F32"
+    assert reader.get_field("general.file_type").contents() == gguf.LlamaFileType[release.GGUF_TYPES[dtype].file_type]
+    assert reader.get_field("general.name").contents() == "Small"
 
 
 def test_gguf_check_catches_a_wrong_layout(small_vocab_model, tmp_path, monkeypatch):
     """Negative control: without llama.cpp's q/k row permutation the reloaded model differs."""
-    monkeypatch.setattr(release, "permute_rotary", lambda weights, n_head: weights)
+    monkeypatch.setattr(gguf_export, "permute_rotary", lambda weights, n_head: weights)
     with pytest.raises(release.ExportError, match="next-token logits differ"):
         release.export(str(small_vocab_model), str(tmp_path / "release"), gguf_type="f32")
     assert not (tmp_path / "release" / release.GGUF_NAME).exists()

@@ -1,68 +1,245 @@
-"""`relay serve` (pipeline/tools/serve.py): a real HTTP request on localhost gets an OpenAI
-chat.completion whose text is what `relay chat` answers for the same conversation."""
+"""`relay serve` (pipeline/tools/serve.py) driven by the official `openai` client on 127.0.0.1
+against a tiny random model: answers equal `relay chat`'s, streaming equals non-streaming, `n`,
+`stop`, text-part content and the developer role work, every bad request is an OpenAI-style 4xx
+and the server stays up; the batcher answers concurrent requests in one generate call without a
+long one holding the short ones back, and ends a request at its time limit."""
 
 from __future__ import annotations
 
-import json
+import socket
 import threading
+import time
+
+import json
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
 
-from pipeline.tools.chat import Generation, load_chat_model, reply
-from pipeline.tools.serve import RequestError, completion_request, main, make_server
+from pipeline.tools import serve_batch
+from pipeline.tools.chat import Generation, load_chat_model, prompt_ids, reply
+from pipeline.tools.serve import Server, main, make_app
+
+LIMIT = 64 * 1024
+HI = [{"role": "user", "content": "Tell me a story about a cat."}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    chat = load_chat_model(str(tiny_model_dir))
-    srv = make_server(chat, "tiny", port=0, max_new_tokens=8)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+def chat(tiny_model_dir):
+    return load_chat_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def server(chat):
+    """(openai client, base URL) of a live server on 127.0.0.1 (a free port)."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    app = make_app(Server(chat, "tiny", max_new_tokens=8, max_request_bytes=LIMIT, window=0.02))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    yield chat, f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    while not uv.started:
+        time.sleep(0.02)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    yield openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=60), base
+    uv.should_exit = True
+    thread.join(timeout=10)
 
 
-def post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def raw(url: str, body: bytes | None = None) -> tuple[int, dict]:
+    """(status, JSON body) of a request the openai client would not send."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
 
 
-def test_chat_completion_over_http_matches_chat(server):
-    chat, base = server
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-    status, body = post(f"{base}/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 6})
-    assert status == 200
-    assert body["object"] == "chat.completion" and body["model"] == "tiny"
-    (choice,) = body["choices"]
-    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("stop", "length")
-    assert choice["message"]["content"] == reply(chat, messages, Generation(max_new_tokens=6))  # greedy, same template
-    usage = body["usage"]
-    assert usage["completion_tokens"] <= 6 and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:
-        assert json.loads(response.read())["data"][0]["id"] == "tiny"
+def ask(client, **kwargs):
+    return client.chat.completions.create(**{"model": "tiny", "messages": HI, "max_tokens": 8, "temperature": 0, **kwargs})
 
 
-def test_bad_requests_are_400_with_a_reason(server):
-    _, base = server
-    status, body = post(f"{base}/v1/chat/completions", {"messages": []})
-    assert status == 400 and body["error"]["message"] == "'messages' must be a non-empty list"
-    status, body = post(f"{base}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True})
-    assert status == 400 and "stream" in body["error"]["message"]
+def streamed(client, **kwargs) -> tuple[dict[int, str], dict[int, str], object]:
+    """(text per choice, finish reason per choice, usage) of a streamed request."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    used = None
+    for part in ask(client, stream=True, stream_options={"include_usage": True}, **kwargs):
+        used = part.usage or used
+        for choice in part.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    return texts, reasons, used
 
 
-def test_completion_request_defaults():
-    messages, settings = completion_request({"messages": [{"role": "user", "content": "x"}]}, 32)
-    assert messages == [{"role": "user", "content": "x"}]
-    assert settings == {"max_new_tokens": 32, "temperature": 0.0, "top_p": 1.0}
-    with pytest.raises(RequestError, match=r"messages\[0\]"):
-        completion_request({"messages": [{"role": "bot", "content": "x"}]}, 32)
+def test_answer_equals_relay_chat_and_stream_equals_answer(server, chat):
+    client, _ = server
+    answer = ask(client)
+    (choice,) = answer.choices
+    assert choice.message.content.strip() == reply(chat, HI, Generation(max_new_tokens=8))  # greedy, same template
+    assert choice.finish_reason in ("stop", "length") and answer.model == "tiny"
+    assert answer.usage.prompt_tokens == len(prompt_ids(chat.tokenizer, HI)) and answer.usage.completion_tokens <= 8
+    texts, reasons, used = streamed(client, n=2)
+    assert texts == {0: choice.message.content, 1: choice.message.content}
+    assert reasons == {0: choice.finish_reason, 1: choice.finish_reason}
+    assert used.completion_tokens == 2 * answer.usage.completion_tokens
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_n_stop_text_parts_and_developer_role(server):
+    client, _ = server
+    full = ask(client).choices[0].message.content
+    sampled = ask(client, n=3, temperature=1.0, top_p=0.9)
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    cut = ask(client, stop=[stop, "never appears"]).choices[0]
+    assert cut.message.content == full[: full.index(stop)] and cut.finish_reason == "stop"
+    texts, reasons, _ = streamed(client, stop=stop)
+    assert texts == {0: full[: full.index(stop)]} and reasons == {0: "stop"}
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me a story "}, {"type": "text", "text": "about a cat."}]}]
+    assert ask(client, messages=as_parts).choices[0].message.content == full
+    system = ask(client, messages=[{"role": "system", "content": "Be brief."}] + HI)
+    developer = ask(client, messages=[{"role": "developer", "content": "Be brief."}] + HI)
+    assert developer.choices[0].message.content == system.choices[0].message.content
+    assert developer.usage.prompt_tokens == system.usage.prompt_tokens
+
+
+BAD = [
+    ({"max_tokens": -5}, 400, "max_tokens"),
+    ({"max_tokens": 10**6}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "word " * 3000}]}, 400, "messages"),  # longer than the context
+    ({"top_p": 5}, 400, "top_p"),
+    ({"temperature": 3}, 400, "temperature"),
+    ({"n": 0}, 400, "n"),
+    ({"n": 99}, 400, "n"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": "gpt-4o"}, 404, "model"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content"),
+    ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate"),
+    ({"presence_penalty": 1.0}, 400, "presence_penalty"),
+]
+
+
+def test_every_bad_request_is_an_openai_error_and_the_server_stays_up(server):
+    client, base = server
+    for kwargs, status, param in BAD:
+        with pytest.raises(openai.APIStatusError) as caught:
+            ask(client, **kwargs)
+        error = caught.value.body
+        assert caught.value.status_code == status and error["param"] == param, (kwargs, error)
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    malformed = [(b"not json", 400), (b"[1, 2]", 400), (b'{"model": "tiny", "messages": "' + b"x" * LIMIT + b'"}', 413),
+           (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400)]
+    for body, status in malformed:
+        code, answer = raw(f"{base}/chat/completions", body)
+        assert code == status and set(answer["error"]) == {"message", "type", "param", "code"}, (body[:40], answer)
+    assert raw(f"{base}/nowhere")[1]["error"]["message"].startswith("no route GET")
+    assert ask(client).choices[0].message.content  # still up
+
+
+# ------------------------------------------------------------------------------------------
+# batching, without HTTP
+# ------------------------------------------------------------------------------------------
+
+
+def submit(batcher, chat, messages, max_new_tokens: int, timeout: float = 60.0, n: int = 1) -> dict:
+    """Queue a job; returns its record: events with their arrival times, filled from the worker."""
+    record: dict = {"events": [], "times": []}
+
+    def emit(event):
+        record["events"].append(event)
+        record["times"].append(time.monotonic())
+
+    job = serve_batch.Job(prompt=prompt_ids(chat.tokenizer, messages), n=n, max_new_tokens=max_new_tokens, temperature=0.0,
+                          top_p=1.0, stops=[], deadline=time.monotonic() + timeout, emit=emit)
+    record["job"] = job
+    batcher.submit(job)
+    return record
+
+
+def finished_at(record) -> float:
+    return next(t for e, t in zip(record["events"], record["times"]) if e[0] == "finish")
+
+
+def wait(records, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not all(any(e[0] in ("finish", "error") for e in r["events"]) for r in records):
+        assert time.monotonic() < end, "the batcher did not answer"
+        time.sleep(0.01)
+
+
+def test_waiting_requests_share_one_generate_call_and_short_ones_end_first(chat, monkeypatch):
+    calls = []
+    real = serve_batch.generate
+
+    def counting(model, prompts, **kwargs):
+        calls.append(len(prompts))
+        return real(model, prompts, **kwargs)
+
+    monkeypatch.setattr(serve_batch, "generate", counting)
+    # no EOS ids: the random model must not stop early; a wide window gathers all five requests
+    batcher = serve_batch.Batcher(chat.model, chat.tokenizer, [], chat.tokenizer.pad_token_id, max_batch=16, window=0.5)
+    batcher.start()
+    try:
+        prompts = [[{"role": "user", "content": f"Question number {i}?" * (i + 1)}] for i in range(4)]
+        long = submit(batcher, chat, HI, 40)
+        short = [submit(batcher, chat, p, 3) for p in prompts]
+        wait([long, *short])
+    finally:
+        batcher.stop()
+    assert calls == [5, 1]  # all five in one call; the long row's last 8 tokens in a second slice
+    assert all(finished_at(s) < finished_at(long) for s in short)
+    for messages, record in zip(prompts, short):  # batched (left-padded) answers are each prompt's own greedy answer
+        text = "".join(e[2] for e in record["events"] if e[0] == "delta")
+        assert text.strip() == reply(chat, messages, Generation(max_new_tokens=3))
+
+
+def test_a_request_arriving_during_a_long_answer_joins_the_next_slice(chat):
+    batcher = serve_batch.Batcher(chat.model, chat.tokenizer, [], chat.tokenizer.pad_token_id, window=0.0, slice_tokens=4)
+    batcher.start()
+    try:
+        long = submit(batcher, chat, HI, 60)
+        while not long["events"]:
+            time.sleep(0.005)
+        short = submit(batcher, chat, [{"role": "user", "content": "Hi"}], 3)
+        wait([long, short])
+    finally:
+        batcher.stop()
+    assert finished_at(short) < finished_at(long)
+    long_text = "".join(e[2] for e in long["events"] if e[0] == "delta")
+    assert long["job"].completion_tokens == 60 and long["events"][-1] == ("finish", 0, "length")
+    # slicing continues the row from its own tokens: the same greedy answer as one uninterrupted call
+    assert long_text.strip() == reply(chat, HI, Generation(max_new_tokens=60))
+
+
+def test_time_limit_ends_a_request(chat):
+    batcher = serve_batch.Batcher(chat.model, chat.tokenizer, [], chat.tokenizer.pad_token_id, window=0.0)
+    batcher.start()
+    try:
+        late = submit(batcher, chat, HI, 5, timeout=-1.0)
+        slow = submit(batcher, chat, HI, 10_000, timeout=0.5)
+        wait([late, slow])
+    finally:
+        batcher.stop()
+    assert late["events"][0][:2] == ("error", 503)
+    assert slow["events"][-1] == ("finish", 0, "length") and slow["job"].completion_tokens < 10_000
+
+
+def test_choice_text_holds_back_a_possible_stop_and_cuts_before_it():
+    pieces = {1: "Hel", 2: "lo wor", 3: "ld!", 4: " more"}
+    text = serve_batch.ChoiceText(lambda ids: "".join(pieces[i] for i in ids), ["world"])
+    assert text.add(1) == ("Hel", False)
+    assert text.add(2) == ("lo ", False)  # "wor" may start "world": held back
+    assert text.add(3) == ("", True) and text.text == "Hello "
+    broken = serve_batch.ChoiceText(lambda ids: "ab\ufffd" if len(ids) == 1 else "abé", [])
+    assert broken.add(1) == ("ab", False) and broken.add(2) == ("é", False)
 
 
 def test_serve_refuses_a_reward_model(tiny_reward_dir, capsys):

@@ -55,6 +55,18 @@ class ChatModel:
     name: str
     model: torch.nn.Module
     tokenizer: object
+    last_answer_cut: bool = False
+    """True when the latest reply() stopped at --max-new-tokens rather than at an end-of-turn token."""
+
+
+def was_cut(new_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]) -> bool:
+    """True when an answer of `new_ids` ended at the token limit, not at an EOS id (pure)."""
+    return len(new_ids) >= max_new_tokens and (not new_ids or int(new_ids[-1]) not in set(eos_ids))
+
+
+def cut_marker(chat: ChatModel, gen: "Generation") -> str:
+    """What `relay chat` prints after an answer that stopped at the token limit ('' otherwise)."""
+    return f"[answer cut at {gen.max_new_tokens} tokens: --max-new-tokens raises the limit]" if chat.last_answer_cut else ""
 
 
 def load_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool = False, allow_pickle: bool = False) -> ChatModel:
@@ -109,6 +121,9 @@ def reply(chat: ChatModel, messages: list[dict], gen: Generation, stream: bool =
             streamer=streamer,
             **gen.kwargs(),
         )
+    eos = chat.model.generation_config.eos_token_id
+    chat.last_answer_cut = was_cut(out[0, ids.shape[1]:].tolist(), gen.max_new_tokens,
+                                   (eos if isinstance(eos, list) else [eos]) + [chat.tokenizer.eos_token_id])
     return chat.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
@@ -134,6 +149,8 @@ def one_shot(models: list[ChatModel], prompt: str, gen: Generation, system: Opti
     messages = start_messages(system) + [{"role": "user", "content": prompt}]
     if len(models) == 1:
         answer = reply(models[0], messages, gen, stream=True)
+        if models[0].last_answer_cut:
+            print(cut_marker(models[0], gen))
         return answer
     answers = [reply(m, messages, gen) for m in models]
     text = side_by_side(models[0].name, answers[0], models[1].name, answers[1], shutil.get_terminal_size((100, 20)).columns)
@@ -166,6 +183,8 @@ def interactive(models: list[ChatModel], gen: Generation, system: Optional[str] 
         if len(models) == 1:
             print("bot> ", end="", flush=True)
             answers = [reply(models[0], histories[0], gen, stream=True)]
+            if models[0].last_answer_cut:
+                print(cut_marker(models[0], gen))
         else:
             answers = [reply(m, h, gen) for m, h in zip(models, histories)]
             print(side_by_side(models[0].name, answers[0], models[1].name, answers[1], shutil.get_terminal_size((100, 20)).columns))

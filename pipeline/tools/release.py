@@ -1,39 +1,46 @@
 """`relay export`: turn a run's merged model into a folder you can ship.
 
     relay export outputs/demo/ppo --out release/                 # merged model + README.md model card
-    relay export outputs/demo/ppo --out release/ --gguf          # + model.gguf (checked by reloading it)
+    relay export outputs/demo/ppo --out release/ --gguf          # + model.gguf (f32; or f16, bf16, q8_0)
     relay export outputs/demo/ppo --out release/ --push me/my-model   # + upload (needs an HF token)
 
 The model card is built from the manifest chain (each merged folder's manifest names its parent):
-the base model, every stage with its data files' fingerprints and headline figures. `--gguf` writes
-a GGUF file with the `gguf` package (Llama-architecture models: llama.cpp's layout, q/k rows
-permuted as its converter does) and checks it by loading it back with transformers and comparing
-next-token logits with the merged model on a probe batch; a larger difference than the tolerance
-deletes the file and fails. (This module is about shipping a finished model; the stage engine's
-adapter + merged/ step is pipeline.engine.export.)
+the base model (its Hub id and licence where known), every stage with its hyper-parameters, data
+files' sha256 and headline figures, the prompt format, and a SHA256SUMS file that `sha256sum -c`
+checks. `--gguf` writes a GGUF (pipeline.tools.gguf_export: llama.cpp's layout and tokenizer
+metadata) and checks it by loading it back with transformers and comparing next-token logits with
+the merged model on a probe batch; a larger difference than the type's tolerance deletes the file
+and fails. Exported files are world-readable (0644, folders 0755) like any save_pretrained output.
+(This module is about shipping a finished model; the stage engine's adapter + merged/ step is
+pipeline.engine.export.)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
-import json
+import io
+import os
+import re
 import shutil
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pipeline.modeling.manifest import MANIFEST, read_manifest
+from pipeline.modeling.manifest import read_manifest
+from pipeline.tools.gguf_export import GGUF_TYPES, PROBE, ExportError, gguf_logit_difference, gguf_string, write_gguf
 
 GGUF_NAME = "model.gguf"
-GGUF_TYPES = {"f32": 1e-4, "f16": 5e-2}
-"""GGUF tensor type -> the largest next-token logit difference accepted on the probe batch."""
-PROBE = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time"]
+CHECKSUMS = "SHA256SUMS"
 MODEL_FILES = (".json", ".safetensors", ".jinja", ".txt", ".model")
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The Hub model the embedded GGUF (pipeline.modeling.embedded) was converted from."""
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+NOT_HYPER = (  # config sections that are places and switches, not hyper-parameters
+    "output_dir", "model", "data", "checkpoint", "tracking", "distributed", "train", "lora")
 
-
-class ExportError(RuntimeError):
-    """The export cannot be made; the message is one line for the user."""
+__all__ = ["ExportError", "GGUF_NAME", "GGUF_TYPES", "PROBE", "export", "model_card", "write_gguf"]
 
 
 def merged_folder(source: str) -> Path:
@@ -42,9 +49,10 @@ def merged_folder(source: str) -> Path:
     Raises:
         ExportError: neither holds a model.
     """
+    from pipeline.modeling.models import resolve_model_path
     from pipeline.modeling.preflight import model_problems
 
-    path = Path(source)
+    path = Path(resolve_model_path(source))  # 'embedded' names the converted embedded model
     if (path / "merged" / "config.json").is_file():
         path = path / "merged"
     problems = model_problems(str(path), "export", need="any")
@@ -69,15 +77,16 @@ def manifest_chain(folder: Path, limit: int = 16) -> list[dict]:
 
 
 def file_fingerprint(path: Path) -> str:
+    """The file's full sha256, as `sha256sum` prints it."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
 
 
 def data_fingerprints(config: dict) -> list[tuple[str, str]]:
-    """(data file, sha256 prefix or why not) of a stage's train/eval data entries."""
+    """(data file, sha256 or "hub dataset" / "not found here") of a stage's train/eval data entries."""
     from data_formats.sources import expand_entry
 
     data = config.get("data") or {}
@@ -97,132 +106,137 @@ def data_fingerprints(config: dict) -> list[tuple[str, str]]:
     return out
 
 
+def hub_datasets(chain: list[dict]) -> list[str]:
+    """Hub dataset ids the stages trained on (the card's `datasets:`), in stage order."""
+    found = []
+    for m in reversed(chain):
+        for entry, what in data_fingerprints(m.get("config") or {}):
+            name = entry.split(": ", 1)[1]
+            if what == "hub dataset" and name not in found:
+                found.append(name)
+    return found
+
+
+def base_model(chain: list[dict]) -> tuple[Optional[str], str]:
+    """(Hub id of the base model when known, licence) from the oldest manifest of the chain: the
+    embedded model's id and its GGUF's general.license, or a parent named by a Hub id."""
+    base = chain[-1] if chain else {}
+    if base.get("stage") == "embedded":
+        return EMBEDDED_HUB_ID, gguf_license(base.get("parent_path")) or "unknown"
+    parent = str(base.get("parent_path") or "")
+    return (parent, "unknown") if HUB_ID.match(parent) and not Path(parent).exists() else (None, "unknown")
+
+
+def gguf_license(path: Optional[str]) -> Optional[str]:
+    """general.license of a GGUF file (the embedded model's own records), or None."""
+    from pipeline.modeling.embedded import gguf_path
+
+    try:
+        return gguf_string(Path(path) if path and Path(path).is_file() else gguf_path(), "general.license")
+    except (OSError, ValueError):
+        return None
+
+
+def default_name(chain: list[dict], repo_id: Optional[str]) -> str:
+    """The exported model's name: the Hub repo when uploading, else base model + last stage."""
+    if repo_id:
+        return repo_id
+    hub_id, _ = base_model(chain)
+    base = hub_id.split("/")[-1] if hub_id else Path(str((chain[-1] if chain else {}).get("_folder", "model"))).name
+    stage = chain[0].get("stage") if chain else None
+    return f"{base}-{stage}" if stage and stage not in ("embedded", "tiny-random") else base
+
+
+def hyper_parameters(config: dict) -> list[str]:
+    """One line per config section of a stage's hyper-parameters (pure)."""
+    finetuning = (config.get("model") or {}).get("finetuning", "?")
+    sections = ["train"] + (["lora"] if finetuning in ("lora", "qlora") else [])
+    sections += [k for k, v in config.items() if isinstance(v, dict) and k not in NOT_HYPER]
+    lines = [f"finetuning: {finetuning}"]
+    for key in sections:
+        values = {k: v for k, v in (config.get(key) or {}).items() if isinstance(v, (int, float, str, bool)) or v is None}
+        if values:
+            lines.append(f"{key}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    return lines
+
+
 def _figures(summary: dict) -> str:
     parts = [f"{k} {v:.4f}" for k, v in summary.items() if isinstance(v, float) and k not in ("wall_seconds", "tokens_per_s")]
     return ", ".join(parts) or "none recorded"
 
 
-def model_card(chain: list[dict], name: str) -> str:
-    """README.md of the exported model from its manifest chain (pure)."""
+def front_matter(chain: list[dict], gguf_type: Optional[str]) -> list[str]:
+    """The card's YAML front matter lines (the Hub reads them; pure but for the licence lookup)."""
+    import yaml
+
+    head = chain[0] if chain else {}
+    hub_id, license_id = base_model(chain)
+    reward = head.get("model_kind") == "reward"
+    stages = [str(m.get("stage")) for m in reversed(chain) if m.get("adapter_path") or m.get("summary")]
+    meta = {"library_name": "transformers", "license": license_id,
+            "pipeline_tag": "text-classification" if reward else "text-generation",
+            "tags": ["relay", *stages, *(["gguf"] if gguf_type else [])]}
+    if hub_id:
+        meta["base_model"] = hub_id
+    datasets = hub_datasets(chain)
+    if datasets:
+        meta["datasets"] = datasets
+    return ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---"]
+
+
+def model_card(chain: list[dict], name: str, files: Sequence[str] = (), gguf_type: Optional[str] = None,
+               prompt_example: Optional[str] = None) -> str:
+    """README.md of the exported model from its manifest chain (pure but for the licence lookup):
+    `files` are the shipped files SHA256SUMS lists, `prompt_example` a conversation rendered by
+    the chat template."""
     if not chain:
         return f"# {name}\n\nNo manifest: this folder was not produced by Relay, so its history is unknown.\n"
     head, base = chain[0], chain[-1]
+    hub_id, license_id = base_model(chain)
     stages = [m for m in reversed(chain) if m.get("adapter_path") or m.get("summary")]
-    lines = ["---", "library_name: transformers", "tags: [relay]", "---", "", f"# {name}", "",
-             f"A {'reward model (sequence classifier, one score)' if head.get('model_kind') == 'reward' else 'causal language model'} "
-             f"trained with Relay: {' -> '.join(['base'] + [str(m.get('stage')) for m in stages])}.", "",
-             "## Base model", "", f"- `{base.get('parent_path') or base['_folder']}` (stage `{base.get('stage')}`, "
-             f"weights sha256 `{(base.get('parent_hash') or base.get('weights_hash') or '?')[:16]}`)", "", "## Stages", ""]
+    kind = "reward model (sequence classifier, one score)" if head.get("model_kind") == "reward" else "causal language model"
+    lines = front_matter(chain, gguf_type) + [
+        "", f"# {name}", "", f"A {kind} trained with Relay: {' -> '.join(['base'] + [str(m.get('stage')) for m in stages])}.", "",
+        "## Base model", "", f"- {f'[{hub_id}](https://huggingface.co/{hub_id})' if hub_id else '`' + Path(base['_folder']).name + '` (a local folder)'}"
+        f" (stage `{base.get('stage')}`), licence: {license_id}", ""] + (["## Stages", ""] if stages else [])
     for m in stages:
         config = m.get("config") or {}
-        lines += [f"### {m.get('stage')}", "",
-                  f"- finetuning: {(config.get('model') or {}).get('finetuning', '?')}, steps: {(m.get('summary') or {}).get('steps', '?')}",
-                  f"- figures: {_figures(m.get('summary') or {})}",
-                  f"- weights sha256: `{(m.get('weights_hash') or '?')[:16]}`, created {m.get('created', '?')}"]
+        lines += [f"### {m.get('stage')}", "", f"- steps: {(m.get('summary') or {}).get('steps', '?')}, created {m.get('created', '?')}",
+                  f"- figures: {_figures(m.get('summary') or {})}"]
+        lines += [f"- {line}" for line in hyper_parameters(config)]
         fingerprints = data_fingerprints(config)
         if fingerprints:
-            lines.append("- data (sha256 prefix):")
+            lines.append("- data (sha256 of each file, as `sha256sum` prints it):")
             lines += [f"  - `{f}`: `{h}`" for f, h in fingerprints]
         lines.append("")
+    lines += prompt_section(prompt_example) + files_section(files, gguf_type) + use_section(name, gguf_type)
     versions = head.get("versions") or {}
-    lines += ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-              f"tokenizer = AutoTokenizer.from_pretrained(\"{name}\")", f"model = AutoModelForCausalLM.from_pretrained(\"{name}\")",
-              "```", "", "Serve it with `relay serve FOLDER` (an OpenAI-compatible /v1/chat/completions).", "",
-              "## Environment", "", ", ".join(f"{k} {v}" for k, v in versions.items()) or "unknown", ""]
+    lines += ["## Environment", "", ", ".join(f"{k} {v}" for k, v in versions.items()) or "unknown", ""]
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------------------------------
-# GGUF
-# ------------------------------------------------------------------------------------------
+def prompt_section(prompt_example: Optional[str]) -> list[str]:
+    if prompt_example is None:
+        return []
+    return ["## Prompt format", "", "The chat template shipped with the tokenizer (and inside model.gguf) renders a conversation "
+            "as the model was trained on it; a system and a user turn, ready for the answer:", "", "```", prompt_example, "```", ""]
 
 
-def permute_rotary(weights, n_head: int):
-    """q/k projection rows from the Hugging Face rotary layout to llama.cpp's (what its
-    convert_hf_to_gguf.py does for Llama; transformers' GGUF loader undoes it)."""
-    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+def files_section(files: Sequence[str], gguf_type: Optional[str]) -> list[str]:
+    lines = ["## Files", ""]
+    lines += [f"- `{f}`" + (f": GGUF ({gguf_type}) for llama.cpp, Ollama, LM Studio" if f == GGUF_NAME else "") for f in files]
+    return lines + ["", f"`{CHECKSUMS}` holds the sha256 of each of them: `sha256sum -c {CHECKSUMS}` in this folder checks them.", ""]
 
 
-def write_gguf(folder: Path, out: Path, dtype: str = "f32") -> Path:
-    """Write `folder` (a Llama-architecture causal LM) as a GGUF file.
-
-    Raises:
-        ExportError: another architecture, or a tokenizer that is not byte-level BPE.
-    """
-    import gguf
-    import numpy as np
-    from safetensors import safe_open
-
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    if config.get("architectures") != ["LlamaForCausalLM"]:
-        raise ExportError(f"--gguf: {folder} is {config.get('architectures')}; this exporter writes LlamaForCausalLM "
-                          "(for others use llama.cpp's convert_hf_to_gguf.py on the exported folder)")
-    n_layers, n_head = config["num_hidden_layers"], config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads", n_head)
-    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
-    try:
-        vocab = gguf.BpeVocab(folder)
-    except (FileNotFoundError, ValueError) as err:
-        raise ExportError(f"--gguf: {folder}: the tokenizer is not byte-level BPE ({err})") from err
-    writer = gguf.GGUFWriter(str(out), "llama")
-    writer.add_name(folder.name)
-    writer.add_context_length(config.get("max_position_embeddings", 2048))
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(n_layers)
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_kv)
-    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
-    writer.add_rope_freq_base(float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
-    tokens, scores, types = zip(*vocab.all_tokens())
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(list(tokens))
-    writer.add_token_types(list(types))
-    gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
-    files = sorted(folder.glob("*.safetensors"))
-    for file in files:
-        with safe_open(str(file), framework="pt") as fh:
-            for key in fh.keys():
-                if "rotary_emb" in key:
-                    continue
-                tensor = fh.get_tensor(key).float().numpy()
-                if key.endswith("q_proj.weight"):
-                    tensor = permute_rotary(tensor, n_head)
-                elif key.endswith("k_proj.weight"):
-                    tensor = permute_rotary(tensor, n_kv)
-                name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-                if name is None:
-                    raise ExportError(f"--gguf: no GGUF name for tensor {key!r}")
-                # 1-D tensors (norms) stay f32, as llama.cpp keeps them
-                keep_f32 = dtype == "f32" or tensor.ndim == 1
-                writer.add_tensor(name, tensor.astype(np.float32 if keep_f32 else np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
-
-
-def gguf_logit_difference(folder: Path, gguf_file: Path, prompts: Sequence[str] = PROBE) -> float:
-    """max |next-token logits(HF folder) - next-token logits(the GGUF loaded back)| over `prompts`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    reloaded = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32).eval()
-    worst = 0.0
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([tokenizer(prompt)["input_ids"]])
-            a, b = reference(input_ids=ids).logits[0, -1], reloaded(input_ids=ids).logits[0, -1]
-            worst = max(worst, float((a - b).abs().max()))
-    return worst
+def use_section(name: str, gguf_type: Optional[str]) -> list[str]:
+    lines = ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+             f"tokenizer = AutoTokenizer.from_pretrained(\"{name}\")  # the Hub id, or this folder's path",
+             f"model = AutoModelForCausalLM.from_pretrained(\"{name}\")", "```", "",
+             "Serve it with `relay serve FOLDER` (an OpenAI-compatible /v1/chat/completions, streaming included).", ""]
+    if gguf_type:
+        lines += ["With llama.cpp: `llama-cli -m model.gguf -cnv` (the chat template is in the file). For k-quants, "
+                  "quantise the file with llama.cpp's own tool: `llama-quantize model.gguf model-Q4_K_M.gguf Q4_K_M`.", ""]
+    return lines
 
 
 def push(folder: Path, repo_id: str) -> str:
@@ -245,15 +259,19 @@ def push(folder: Path, repo_id: str) -> str:
     return f"https://huggingface.co/{repo_id}"
 
 
-def export(source: str, out: str, gguf_type: Optional[str] = None, overwrite: bool = False) -> Path:
-    """Copy the merged model of `source` into `out` with a README.md model card (and a checked
-    GGUF when `gguf_type`); returns `out`.
+def export(source: str, out: str, gguf_type: Optional[str] = None, overwrite: bool = False, name: Optional[str] = None,
+           repo_id: Optional[str] = None) -> Path:
+    """Copy the merged model of `source` into `out` with a README.md model card and SHA256SUMS (and
+    a checked GGUF when `gguf_type`); returns `out`. `name` (default: default_name) is the model's
+    name in the card and the GGUF's general.name.
 
     Raises:
         ExportError: no model at `source`, a non-empty `out` without `overwrite`, a GGUF that
             does not reproduce the model's logits.
     """
     folder = merged_folder(source)
+    chain = manifest_chain(folder)
+    name = name or default_name(chain, repo_id)
     target = Path(out)
     if target.exists() and any(target.iterdir()):
         if not overwrite:
@@ -262,17 +280,76 @@ def export(source: str, out: str, gguf_type: Optional[str] = None, overwrite: bo
     target.mkdir(parents=True, exist_ok=True)
     for f in folder.iterdir():
         if f.is_file() and f.suffix in MODEL_FILES:
-            shutil.copy2(f, target / f.name)
-    (target / "README.md").write_text(model_card(manifest_chain(folder), target.name), encoding="utf-8")
+            shutil.copyfile(f, target / f.name)  # not copy2: merged/ may be 0600, a release is for everyone
     if gguf_type is not None:
-        path = write_gguf(target, target / GGUF_NAME, gguf_type)
-        diff = gguf_logit_difference(target, path)
-        if diff > GGUF_TYPES[gguf_type]:
-            path.unlink()
-            raise ExportError(f"--gguf: the GGUF's next-token logits differ from the model's by {diff:.3g} "
-                              f"(> {GGUF_TYPES[gguf_type]}); not written")
-        print(f"{path}: next-token logits within {diff:.2g} of the model on {len(PROBE)} probe prompts", file=sys.stderr)
+        with quiet_progress():
+            licence = base_model(chain)[1]
+            diff = write_checked_gguf(target, gguf_type, name, None if licence == "unknown" else licence)
+        print(f"{target / GGUF_NAME}: next-token logits within {diff:.2g} of the model on {len(PROBE)} probe prompts", file=sys.stderr)
+    files = sorted(f.name for f in target.iterdir() if f.is_file())
+    (target / CHECKSUMS).write_text("".join(f"{file_fingerprint(target / f)}  {f}\n" for f in files), encoding="utf-8")
+    card = model_card(chain, name, files, gguf_type, prompt_example(target))
+    (target / "README.md").write_text(card, encoding="utf-8")
+    world_readable(target)
     return target
+
+
+def write_checked_gguf(target: Path, gguf_type: str, name: str, license_id: Optional[str] = None) -> float:
+    """model.gguf in `target`, kept only if transformers reads back the model's next-token logits;
+    returns the largest difference.
+
+    Raises:
+        ExportError: the GGUF cannot be written, or its logits differ beyond the type's tolerance.
+    """
+    path = write_gguf(target, target / GGUF_NAME, gguf_type, name, license_id)
+    diff = gguf_logit_difference(target, path)
+    tolerance = GGUF_TYPES[gguf_type].tolerance
+    if diff > tolerance:
+        path.unlink()
+        raise ExportError(f"--gguf: the GGUF's next-token logits differ from the model's by {diff:.3g} (> {tolerance}); not written")
+    return diff
+
+
+@contextlib.contextmanager
+def quiet_progress():
+    """No progress bars inside (export prints its own one line): transformers' switch, and stderr
+    held back for the bare tqdm its GGUF loader uses (shown after all if something fails)."""
+    from transformers.utils import logging
+
+    was_enabled, held = logging.is_progress_bar_enabled(), io.StringIO()
+    logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except ExportError:
+        raise
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
+    finally:
+        if was_enabled:
+            logging.enable_progress_bar()
+
+
+def prompt_example(folder: Path) -> Optional[str]:
+    """A short conversation rendered by the folder's chat template (None without one)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "What is 2 + 2?"}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def world_readable(folder: Path) -> None:
+    """Files 0644 and folders 0755 under `folder`, as save_pretrained leaves them under a usual umask."""
+    os.chmod(folder, 0o755)
+    for root, dirs, files in os.walk(folder):
+        for d in dirs:
+            os.chmod(Path(root) / d, 0o755)
+        for f in files:
+            os.chmod(Path(root) / f, 0o644)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -280,7 +357,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      "model card from the manifest chain), optionally a checked GGUF and a Hub upload.")
     parser.add_argument("source", help="a run folder (with merged/) or a merged model folder")
     parser.add_argument("--out", required=True, help="the folder to write")
-    parser.add_argument("--gguf", nargs="?", const="f32", choices=tuple(GGUF_TYPES), help="also write model.gguf (f32 default, or f16)")
+    parser.add_argument("--gguf", nargs="?", const="f32", choices=tuple(GGUF_TYPES),
+                        help="also write model.gguf: f32 (default), f16, bf16 or q8_0; for k-quants run llama.cpp's llama-quantize on it")
+    parser.add_argument("--name", help="the model's name in the card and the GGUF (default: the --push repo, else base model + stage)")
     parser.add_argument("--push", metavar="REPO_ID", help="upload the folder to the Hugging Face Hub (needs a token)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args(argv)
@@ -288,7 +367,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     quiet_console()
     try:
-        target = export(args.source, args.out, args.gguf, args.overwrite)
+        target = export(args.source, args.out, args.gguf, args.overwrite, args.name, args.push)
         print(f"exported {merged_folder(args.source)} -> {target} (model card: {target / 'README.md'})")
         if args.push:
             print(f"uploaded: {push(target, args.push)}")

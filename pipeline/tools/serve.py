@@ -2,128 +2,222 @@
 
     relay serve outputs/demo/ppo/merged --port 8000
     curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
-         -d '{"model": "relay", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}'
+         -d '{"model": "merged", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}'
 
 With vLLM installed (`--backend auto` or `vllm`) this runs vLLM's own OpenAI server on the folder
-(batched, fast, GPU). Otherwise a minimal transformers server from the standard library answers
-`GET /v1/models` and `POST /v1/chat/completions` (non-streaming; one request at a time), prompting
-through the folder's own chat template exactly as `relay chat` does. Any OpenAI client works:
-`OpenAI(base_url="http://localhost:8000/v1", api_key="unused")`.
+(GPU). Otherwise a FastAPI app on uvicorn answers `GET /v1/models` and `POST /v1/chat/completions`
+as OpenAI clients use it (pipeline.tools.openai_protocol: streaming as server-sent events, `n`,
+`stop`, text-part content, the developer role; OpenAI-style errors), prompting through the
+folder's own chat template exactly as `relay chat` does. Requests are batched together
+(pipeline.tools.serve_batch): one generate call serves every request waiting, for at most
+--slice-tokens new tokens per row; rows still going continue in the next batch beside requests
+that arrived meanwhile, so a long answer never holds the others back. Limits: --max-request-bytes per body, the model's context for
+prompt + max_tokens, --request-timeout per request (an answer still running then ends with
+finish_reason "length"). Any OpenAI client works: `OpenAI(base_url="http://localhost:8000/v1",
+api_key="unused")`; the model name is the folder's name (--name changes it).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import subprocess
 import sys
-import threading
 import time
-import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional, Sequence
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional, Sequence
+
+from fastapi import Request  # module level: FastAPI resolves the handlers' (postponed) annotations here
+
+from pipeline.tools.openai_protocol import ApiError, ChatRequest, check_request, chunk, completion_response, new_id, usage
+from pipeline.tools.serve_batch import Batcher, Job
+
+MAX_WAITING = 256
+"""Requests queued beyond this are refused with 429 instead of waiting past their time limit."""
 
 
-class RequestError(ValueError):
-    """A request the server refuses (400), with the reason for the client."""
+def eos_ids_of(chat) -> list[int]:
+    """The ids that end an answer: the generation config's EOS ids and the tokenizer's."""
+    eos = chat.model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos]) | {chat.tokenizer.eos_token_id}
+    return sorted(i for i in ids if i is not None)
 
 
-def completion_request(body: Any, default_max_tokens: int) -> tuple[list[dict], dict]:
-    """(messages, generation settings) of a /v1/chat/completions body (pure).
+def context_length(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", None) or 2048)
+
+
+def plan_tokens(request: ChatRequest, prompt_len: int, context: int, default: int) -> int:
+    """max new tokens for a request (pure): its max_tokens, else `default`, within the context.
 
     Raises:
-        RequestError: no messages, a malformed message, or `stream: true` (not supported here).
+        ApiError: the prompt, or prompt + max_tokens, does not fit the context (400).
     """
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
-            raise RequestError(f"messages[{i}] must be {{'role': system|user|assistant, 'content': str}}")
-    if body.get("stream"):
-        raise RequestError("'stream': true is not supported by the transformers backend (use vLLM for streaming)")
-    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
-    settings = {"max_new_tokens": int(max_tokens), "temperature": float(body.get("temperature", 0.0) or 0.0),
-                "top_p": float(body.get("top_p", 1.0) or 1.0)}
-    return [{"role": m["role"], "content": m["content"]} for m in messages], settings
+    if prompt_len >= context:
+        raise ApiError(400, f"the prompt is {prompt_len} tokens; this model's context is {context} tokens",
+                       "messages", "context_length_exceeded")
+    if request.max_tokens is None:
+        return min(default, context - prompt_len)
+    if prompt_len + request.max_tokens > context:
+        raise ApiError(400, f"max_tokens {request.max_tokens} + the prompt's {prompt_len} tokens exceed this model's context of "
+                       f"{context} tokens (at most {context - prompt_len})", "max_tokens", "context_length_exceeded")
+    return request.max_tokens
 
 
-def completion_response(model: str, text: str, prompt_tokens: int, completion_tokens: int, finish_reason: str) -> dict:
-    """An OpenAI chat.completion object (pure)."""
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-    }
+async def read_body(request, limit: int) -> Any:
+    """The JSON body, refused past `limit` bytes (413) before it is all read.
+
+    Raises:
+        ApiError: too large (413), or not JSON (400).
+    """
+    declared = request.headers.get("content-length")
+    too_large = ApiError(413, f"the request body is larger than this server's limit of {limit} bytes (--max-request-bytes)",
+                         None, "request_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    data = bytearray()
+    async for part in request.stream():
+        data += part
+        if len(data) > limit:
+            raise too_large
+    try:
+        return json.loads(data or b"null")
+    except ValueError as err:
+        raise ApiError(400, f"the body is not valid JSON: {err}") from err
 
 
-def answer(chat, messages: list[dict], settings: dict) -> tuple[str, int, int, str]:
-    """(text, prompt tokens, completion tokens, finish reason) of one chat completion."""
-    import torch
+class Server:
+    """The app's state: the model, its batcher and the limits."""
 
-    from pipeline.tools.chat import Generation, prompt_ids
+    def __init__(self, chat, name: str, max_new_tokens: int = 256, max_batch: int = 16, window: float = 0.02,
+                 request_timeout: float = 120.0, max_request_bytes: int = 1 << 20, slice_tokens: int = 32):
+        from pipeline.tools.chat import prompt_ids
 
-    gen = Generation(max_new_tokens=settings["max_new_tokens"], temperature=settings["temperature"], top_p=settings["top_p"])
-    ids = torch.tensor([prompt_ids(chat.tokenizer, messages)])
-    with torch.no_grad():
-        out = chat.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pad_token_id=chat.tokenizer.pad_token_id,
-                                  **gen.kwargs())
-    new = out[0, ids.shape[1]:]
-    eos = chat.model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-    finished = bool(len(new)) and int(new[-1]) in eos_ids
-    text = chat.tokenizer.decode(new, skip_special_tokens=True).strip()
-    return text, ids.shape[1], len(new), "stop" if finished or len(new) < gen.max_new_tokens else "length"
+        self.chat, self.name, self.prompt_ids = chat, name, prompt_ids
+        self.max_new_tokens, self.request_timeout, self.max_request_bytes = max_new_tokens, request_timeout, max_request_bytes
+        self.context = context_length(chat.model)
+        pad = chat.tokenizer.pad_token_id if chat.tokenizer.pad_token_id is not None else eos_ids_of(chat)[0]
+        self.batcher = Batcher(chat.model, chat.tokenizer, eos_ids_of(chat), pad, max_batch, window, slice_tokens)
+
+    async def job(self, request: ChatRequest) -> tuple[Job, "asyncio.Queue[tuple]", int]:
+        """(queued job, its event queue, prompt tokens) for a checked request."""
+        from starlette.concurrency import run_in_threadpool
+
+        if self.batcher.waiting.qsize() >= MAX_WAITING:
+            raise ApiError(429, "the server is busy (too many requests waiting); retry shortly", None, "rate_limit_exceeded",
+                           "rate_limit_error")
+        prompt = await run_in_threadpool(self.prompt_ids, self.chat.tokenizer, request.messages)
+        max_new = plan_tokens(request, len(prompt), self.context, self.max_new_tokens)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        job = Job(prompt=prompt, n=request.n, max_new_tokens=max_new, temperature=request.temperature, top_p=request.top_p,
+                  stops=request.stop, deadline=time.monotonic() + self.request_timeout, seed=request.seed,
+                  emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        self.batcher.submit(job)
+        return job, events, len(prompt)
+
+    async def complete(self, request: ChatRequest) -> dict:
+        job, events, n_prompt = await self.job(request)
+        texts, reasons = [""] * request.n, [""] * request.n
+        try:
+            while not all(reasons):
+                event = await events.get()
+                if event[0] == "error":
+                    raise ApiError(event[1], event[2], None, "server_error", "server_error")
+                if event[0] == "delta":
+                    texts[event[1]] += event[2]
+                else:
+                    reasons[event[1]] = event[2]
+        finally:
+            job.cancelled = True  # a client gone mid-answer frees its rows at the next step
+        return completion_response(new_id(), self.name, texts, reasons, n_prompt, job.completion_tokens)
+
+    async def stream(self, request: ChatRequest) -> AsyncIterator[str]:
+        """The request queued (so its errors are still a status code), then its event stream."""
+        job, events, n_prompt = await self.job(request)
+        return self.events(request, job, events, n_prompt)
+
+    async def events(self, request: ChatRequest, job: Job, events: "asyncio.Queue[tuple]", n_prompt: int) -> AsyncIterator[str]:
+        """Server-sent events: a role chunk per choice, content deltas, a finish chunk per choice,
+        the usage chunk when asked for, then [DONE]."""
+        cid, left = new_id(), request.n
+
+        def sse(obj: dict) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        try:
+            for i in range(request.n):
+                yield sse(chunk(cid, self.name, i, {"role": "assistant", "content": ""}))
+            while left:
+                event = await events.get()
+                if event[0] == "error":
+                    yield sse(ApiError(event[1], event[2], None, "server_error", "server_error").body())
+                    break
+                if event[0] == "delta":
+                    yield sse(chunk(cid, self.name, event[1], {"content": event[2]}))
+                else:
+                    yield sse(chunk(cid, self.name, event[1], {}, event[2]))
+                    left -= 1
+            if request.include_usage:
+                yield sse({"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.name,
+                           "choices": [], "usage": usage(n_prompt, job.completion_tokens)})
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancelled = True
 
 
-def make_server(chat, name: str, host: str = "127.0.0.1", port: int = 8000, max_new_tokens: int = 256) -> ThreadingHTTPServer:
-    """An HTTP server answering the OpenAI chat API with `chat` (a pipeline.tools.chat.ChatModel);
-    port 0 picks a free port (server.server_address has it)."""
-    lock = threading.Lock()  # one generate() at a time: the model is not re-entrant
+def make_app(server: Server):
+    """The FastAPI app over `server` (its batcher runs while the app does)."""
+    from contextlib import asynccontextmanager
 
-    class Handler(BaseHTTPRequestHandler):
-        def reply(self, status: int, payload: dict) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
 
-        def error(self, status: int, message: str) -> None:
-            self.reply(status, {"error": {"message": message, "type": "invalid_request_error"}})
+    @asynccontextmanager
+    async def lifespan(app):
+        server.batcher.start()
+        yield
+        server.batcher.stop()
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            if self.path.rstrip("/") == "/v1/models":
-                self.reply(200, {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "relay"}]})
-            else:
-                self.error(404, f"no route {self.path}; try POST /v1/chat/completions")
+    app = FastAPI(title="relay serve", lifespan=lifespan)
 
-        def do_POST(self) -> None:  # noqa: N802
-            if self.path.rstrip("/") != "/v1/chat/completions":
-                self.error(404, f"no route {self.path}; try POST /v1/chat/completions")
-                return
-            try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0) or 0)) or b"null")
-                messages, settings = completion_request(body, max_new_tokens)
-            except (ValueError, RequestError) as err:
-                self.error(400, str(err))
-                return
-            with lock:
-                text, n_prompt, n_new, reason = answer(chat, messages, settings)
-            self.reply(200, completion_response(name, text, n_prompt, n_new, reason))
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError):
+        return JSONResponse(err.body(), status_code=err.status)
 
-        def log_message(self, format: str, *args) -> None:  # noqa: A002 - one short line per request
-            sys.stderr.write(f"serve: {self.command} {self.path} {args[1] if len(args) > 1 else ''}\n")
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException):
+        message = f"no route {request.method} {request.url.path}; try POST /v1/chat/completions" if err.status_code in (404, 405) else str(err.detail)
+        return JSONResponse(ApiError(err.status_code, message).body(), status_code=err.status_code)
 
-    return ThreadingHTTPServer((host, port), Handler)
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": 0, "owned_by": "relay"}]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != server.name:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{server.name}'", "model", "model_not_found")
+        return {"id": server.name, "object": "model", "created": 0, "owned_by": "relay"}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        checked = check_request(await read_body(request, server.max_request_bytes), server.name)
+        if checked.stream:
+            return StreamingResponse(await server.stream(checked), media_type="text/event-stream")
+        return await server.complete(checked)
+
+    return app
+
+
+def run(app, host: str, port: int, sock=None) -> None:
+    """Serve `app` with uvicorn until Ctrl-C (on `sock` when given: tests bind 127.0.0.1:0)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
 
 
 def vllm_command(folder: str, host: str, port: int) -> list[str]:
@@ -133,12 +227,19 @@ def vllm_command(folder: str, host: str, port: int) -> list[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="relay serve", description="Serve a model folder on an OpenAI-compatible API "
-                                     "(/v1/chat/completions): vLLM when installed, else transformers.")
+                                     "(/v1/chat/completions): vLLM when installed, else FastAPI + transformers.")
     parser.add_argument("model", help="a merged model folder (or 'embedded')")
+    parser.add_argument("--name", help="the model name clients use (default: the folder's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--backend", default="auto", choices=("auto", "vllm", "transformers"))
     parser.add_argument("--max-new-tokens", type=int, default=256, help="when a request sets no max_tokens")
+    parser.add_argument("--max-batch", type=int, default=16, help="most rows (requests x n) in one generation batch")
+    parser.add_argument("--batch-window", type=float, default=0.02, help="seconds the batcher waits for more requests after the first")
+    parser.add_argument("--slice-tokens", type=int, default=32,
+                        help="new tokens per row per batch; unfinished rows continue beside newly arrived requests")
+    parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds a request may take, waiting included")
+    parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted (413 beyond)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     args = parser.parse_args(argv)
     from pipeline.engine.tracking import quiet_console
@@ -162,14 +263,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ChatError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    server = make_server(chat, args.model, args.host, args.port, args.max_new_tokens)
-    print(f"serving {args.model} (transformers) on http://{args.host}:{server.server_address[1]}/v1  (Ctrl-C stops)", file=sys.stderr)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    name = args.name or Path(resolve_model_path(args.model)).name
+    server = Server(chat, name, args.max_new_tokens, args.max_batch, args.batch_window, request_timeout=args.request_timeout,
+                    max_request_bytes=args.max_request_bytes, slice_tokens=args.slice_tokens)
+    print(f"serving {args.model} as '{name}' (transformers) on http://{args.host}:{args.port}/v1  (Ctrl-C stops)", file=sys.stderr)
+    run(make_app(server), args.host, args.port)
     return 0
 
 

@@ -1,0 +1,314 @@
+"""Write a Llama-architecture model folder as a GGUF file that llama.cpp reads as transformers does.
+
+    relay export outputs/demo/sft --out release/ --gguf            # f32 (default)
+    relay export outputs/demo/sft --out release/ --gguf q8_0       # or f16, bf16
+    llama-quantize release/model.gguf release/model-Q4_K_M.gguf Q4_K_M   # k-quants: llama.cpp's own tool
+
+What llama.cpp needs beyond the weights is the tokenizer exactly as the Hugging Face one behaves:
+- `tokenizer.ggml.pre`, the name of llama.cpp's pre-tokenizer (the regex that splits text before
+  BPE). llama.cpp's convert_hf_to_gguf.py identifies it by hashing the ids of a probe text and
+  looking the hash up in a table of known models; a fine-tuned folder keeps its base's tokenizer,
+  so we identify it from the tokenizer.json's pre_tokenizer itself (PRE_TOKENIZERS) and refuse
+  one we do not know rather than writing "default" (which tokenizes digits, punctuation and
+  unicode differently).
+- token types: 3 (control) for special added tokens, so `<|im_start|>` stays one token; 4
+  (user-defined) for other added tokens; 1 for the rest; 5 for padding rows beyond the tokenizer.
+- add_bos/add_eos as the tokenizer really behaves, bos/eos/unk/pad ids, the end-of-turn id, the
+  merges and the chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+PROBE = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time"]
+
+
+class ExportError(RuntimeError):
+    """The export cannot be made; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class GgufType:
+    """One `--gguf` choice."""
+
+    file_type: str
+    """gguf.LlamaFileType member recorded as general.file_type."""
+    matrix_type: str
+    """gguf.GGMLQuantizationType of the 2-D weights (1-D norms stay F32, as llama.cpp keeps them)."""
+    tolerance: float
+    """The largest next-token logit difference (reloaded GGUF vs the model) accepted on PROBE."""
+
+
+GGUF_TYPES = {
+    "f32": GgufType("ALL_F32", "F32", 1e-4),
+    "f16": GgufType("MOSTLY_F16", "F16", 5e-2),
+    "bf16": GgufType("MOSTLY_BF16", "BF16", 0.25),
+    "q8_0": GgufType("MOSTLY_Q8_0", "Q8_0", 0.25),
+}
+
+# tokenizer.json pre_tokenizer -> llama.cpp's pre-tokenizer name (llama-vocab.cpp). "gpt-2" is the
+# byte-level regex alone; "smollm" (SmolLM/SmolLM2's own tokenizer, the name llama.cpp's converter
+# derives for HuggingFaceTB/SmolLM2-*) adds a split into single digits before it.
+_BYTE_LEVEL = {"type": "ByteLevel", "use_regex": True, "add_prefix_space": False}
+PRE_TOKENIZERS = {
+    "gpt-2": [_BYTE_LEVEL],
+    "smollm": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL],
+}
+
+
+def _pre_steps(pre_tokenizer: Optional[dict]) -> list[dict]:
+    """The pre-tokenizer as a flat list of steps, each reduced to the fields that change splitting."""
+    if not pre_tokenizer:
+        return []
+    if pre_tokenizer.get("type") == "Sequence":
+        return [step for p in pre_tokenizer.get("pretokenizers", []) for step in _pre_steps(p)]
+    kept = ("type", "use_regex", "add_prefix_space", "individual_digits", "pattern", "behavior", "invert")
+    return [{k: v for k, v in pre_tokenizer.items() if k in kept}]
+
+
+def pre_tokenizer_name(tokenizer_json: dict) -> str:
+    """llama.cpp's `tokenizer.ggml.pre` for a byte-level BPE tokenizer.json (pure).
+
+    Raises:
+        ExportError: not byte-level BPE, a normalizer, or a pre-tokenizer llama.cpp is not known
+            here to reproduce.
+    """
+    model = tokenizer_json.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise ExportError(f"--gguf: the tokenizer is {model.get('type')}{' with byte fallback' if model.get('byte_fallback') else ''}, "
+                          "not byte-level BPE; use llama.cpp's convert_hf_to_gguf.py on the exported folder")
+    if tokenizer_json.get("normalizer"):
+        raise ExportError(f"--gguf: the tokenizer has a normalizer ({tokenizer_json['normalizer'].get('type')}) that this exporter "
+                          "cannot describe to llama.cpp; use llama.cpp's convert_hf_to_gguf.py")
+    steps = _pre_steps(tokenizer_json.get("pre_tokenizer"))
+    for name, wanted in PRE_TOKENIZERS.items():
+        if len(steps) == len(wanted) and all(all(s.get(k) == v for k, v in w.items()) and
+                                             set(s) <= set(w) | {"type"} for s, w in zip(steps, wanted)):
+            return name
+    raise ExportError(f"--gguf: unknown pre-tokenizer {json.dumps(tokenizer_json.get('pre_tokenizer'))[:200]}; "
+                      f"known: {', '.join(PRE_TOKENIZERS)} (llama.cpp's convert_hf_to_gguf.py knows more)")
+
+
+def token_table(tokenizer_json: dict, n_vocab: int) -> tuple[list[str], list[int]]:
+    """(token texts by id, llama.cpp token types) for `n_vocab` rows (pure): 3 control for special
+    added tokens, 4 user-defined for other added tokens, 1 normal, 5 unused for padding rows the
+    model has beyond the tokenizer.
+
+    Raises:
+        ExportError: the tokenizer has more tokens than the model has rows, or a gap in its ids.
+    """
+    texts: dict[int, str] = {i: t for t, i in tokenizer_json["model"]["vocab"].items()}
+    types = {i: 1 for i in texts}
+    for added in tokenizer_json.get("added_tokens") or []:
+        texts[added["id"]] = added["content"]
+        types[added["id"]] = 3 if added.get("special") else 4
+    if max(texts) >= n_vocab:
+        raise ExportError(f"--gguf: the tokenizer has id {max(texts)} but the model only {n_vocab} embedding rows")
+    missing = [i for i in range(max(texts) + 1) if i not in texts]
+    if missing:
+        raise ExportError(f"--gguf: the tokenizer has no token for id {missing[0]} ({len(missing)} gaps)")
+    tokens = [texts[i] if i in texts else f"[PAD{i}]" for i in range(n_vocab)]
+    return tokens, [types.get(i, 5) for i in range(n_vocab)]
+
+
+def merges_of(tokenizer_json: dict) -> list[str]:
+    """BPE merges as "a b" lines (tokenizers writes them as strings or, since 0.20, as pairs)."""
+    return [m if isinstance(m, str) else " ".join(m) for m in tokenizer_json["model"].get("merges", [])]
+
+
+def added_specials(tokenizer) -> tuple[bool, bool]:
+    """(adds a token before, adds one after) plain text, as the tokenizer really behaves: llama.cpp's
+    add_bos/add_eos (a tokenizer_config flag can say otherwise than the post-processor does)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    start = next(k for k in range(len(full) - len(plain) + 1) if full[k:k + len(plain)] == plain)
+    return start > 0, len(full) > start + len(plain)
+
+
+def permute_rotary(weights, n_head: int):
+    """q/k projection rows from the Hugging Face rotary layout to llama.cpp's (what its
+    convert_hf_to_gguf.py does for Llama; transformers' GGUF loader undoes it)."""
+    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def tensor_payload(tensor, kind: GgufType):
+    """(array, raw GGML type or None) to store one float32 numpy tensor as `kind`: 1-D tensors and
+    rows that do not split into quantisation blocks stay F32 / F16 (as llama.cpp's converter does)."""
+    import gguf
+    import numpy as np
+
+    if kind.matrix_type == "F32" or tensor.ndim == 1:
+        return tensor.astype(np.float32), None
+    if kind.matrix_type == "F16":
+        return tensor.astype(np.float16), None
+    qtype = gguf.GGMLQuantizationType[kind.matrix_type]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if tensor.shape[-1] % block:
+        return tensor.astype(np.float16), None
+    return gguf.quants.quantize(tensor.astype(np.float32), qtype), qtype
+
+
+def write_metadata(writer, config: dict, name: str, kind: GgufType) -> None:
+    """The model's hyper-parameters as llama.cpp's Llama loader reads them."""
+    import gguf
+
+    n_head = config["num_attention_heads"]
+    rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    writer.add_name(name)
+    writer.add_context_length(config.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(config.get("num_key_value_heads", n_head))
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    writer.add_rope_freq_base(float(rope))
+    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // n_head)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType[kind.file_type])
+
+
+def write_tokenizer(writer, folder: Path, n_vocab: int) -> None:
+    """The tokenizer as llama.cpp reads it (see the module docstring).
+
+    Raises:
+        ExportError: no tokenizer.json, or one llama.cpp could not reproduce (pre_tokenizer_name).
+    """
+    from transformers import AutoTokenizer
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ExportError(f"--gguf: {folder} has no tokenizer.json (a fast byte-level BPE tokenizer is needed)")
+    tokenizer_json = json.loads(path.read_text(encoding="utf-8"))
+    pre = pre_tokenizer_name(tokenizer_json)
+    tokens, types = token_table(tokenizer_json, n_vocab)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    add_bos, add_eos = added_specials(tokenizer)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges_of(tokenizer_json))
+    writer.add_add_bos_token(add_bos)
+    writer.add_add_eos_token(add_eos)
+    for setter, token_id in ((writer.add_bos_token_id, tokenizer.bos_token_id), (writer.add_eos_token_id, tokenizer.eos_token_id),
+                             (writer.add_unk_token_id, tokenizer.unk_token_id), (writer.add_pad_token_id, tokenizer.pad_token_id),
+                             # a chat model's turns end with its EOS token (<|im_end|>); llama.cpp stops generation there
+                             (writer.add_eot_token_id, tokenizer.eos_token_id)):
+        if token_id is not None:
+            setter(token_id)
+    if getattr(tokenizer, "chat_template", None):
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+def write_gguf(folder: Path, out: Path, dtype: str = "f32", name: Optional[str] = None, license_id: Optional[str] = None) -> Path:
+    """Write `folder` (a Llama-architecture causal LM) as a GGUF file named `name` (general.name),
+    with `license_id` as general.license when known.
+
+    Raises:
+        ExportError: another architecture, or a tokenizer llama.cpp could not reproduce.
+    """
+    import gguf
+    from safetensors import safe_open
+
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if config.get("architectures") != ["LlamaForCausalLM"]:
+        raise ExportError(f"--gguf: {folder} is {config.get('architectures')}; this exporter writes LlamaForCausalLM "
+                          "(for others use llama.cpp's convert_hf_to_gguf.py on the exported folder)")
+    kind = GGUF_TYPES[dtype]
+    n_head = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads", n_head)
+    writer = gguf.GGUFWriter(str(out), "llama")
+    write_metadata(writer, config, name or folder.name, kind)
+    if license_id:
+        writer.add_license(license_id)
+    write_tokenizer(writer, folder, config["vocab_size"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as fh:
+            for key in fh.keys():
+                if "rotary_emb" in key:
+                    continue
+                tensor = fh.get_tensor(key).float().numpy()
+                if key.endswith("q_proj.weight"):
+                    tensor = permute_rotary(tensor, n_head)
+                elif key.endswith("k_proj.weight"):
+                    tensor = permute_rotary(tensor, n_kv)
+                gguf_name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+                if gguf_name is None:
+                    raise ExportError(f"--gguf: no GGUF name for tensor {key!r}")
+                data, raw_dtype = tensor_payload(tensor, kind)
+                writer.add_tensor(gguf_name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+"""GGUF metadata value type -> struct format (8 is a string, 9 an array)."""
+
+
+def gguf_string(path: Path, key: str) -> Optional[str]:
+    """One string value of a GGUF file's metadata, read up to its key only (general.* keys come
+    first; gguf.GGUFReader parses every field, the 49k-token vocabulary included, which takes seconds).
+
+    Raises:
+        ValueError: not a GGUF file (or a truncated one).
+        OSError: it cannot be read.
+    """
+    import struct
+
+    with open(path, "rb") as fh:
+        def read(fmt: str):
+            size = struct.calcsize("<" + fmt)
+            data = fh.read(size)
+            if len(data) != size:
+                raise ValueError(f"{path}: truncated GGUF metadata")
+            return struct.unpack("<" + fmt, data)[0]
+
+        def skip(kind: int) -> None:
+            if kind == 8:
+                fh.seek(read("Q"), 1)
+            elif kind == 9:
+                item, count = read("I"), read("Q")
+                if item in _SCALARS:
+                    fh.seek(struct.calcsize("<" + _SCALARS[item]) * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            else:
+                fh.seek(struct.calcsize("<" + _SCALARS[kind]), 1)
+
+        if fh.read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        read("I"), read("Q")  # version, tensor count
+        for _ in range(read("Q")):
+            name = fh.read(read("Q")).decode("utf-8")
+            kind = read("I")
+            if name == key and kind == 8:
+                return fh.read(read("Q")).decode("utf-8")
+            skip(kind)
+    return None
+
+
+def gguf_logit_difference(folder: Path, gguf_file: Path, prompts: Sequence[str] = PROBE) -> float:
+    """max |next-token logits(HF folder) - next-token logits(the GGUF loaded back by transformers)|."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32).eval()
+    worst = 0.0
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+            a, b = reference(input_ids=ids).logits[0, -1], reloaded(input_ids=ids).logits[0, -1]
+            worst = max(worst, float((a - b).abs().max()))
+    return worst

@@ -1,0 +1,169 @@
+"""The OpenAI chat-completions protocol as `relay serve` speaks it: request checking and the
+response / stream-chunk objects (pure functions; the server is pipeline/tools/serve.py).
+
+What clients send and what we answer follow the OpenAI API reference: content as a string or a
+list of text parts, the `developer` role (the system turn of newer models), `n`, `stop` (a string
+or up to 4), `max_tokens` / `max_completion_tokens`, `temperature` in [0, 2], `top_p` in (0, 1],
+`stream` with `stream_options.include_usage`, `seed`. A request we cannot honour is refused with
+an OpenAI-style error, never silently changed: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+"""OpenAI role -> the role the chat template is given (templates know system, not developer)."""
+MAX_N = 8
+MAX_STOP = 4
+ACCEPTED_AND_UNUSED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+"""Keys clients send that change nothing about the answer (bookkeeping on OpenAI's side)."""
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "logit_bias": {}, "tools": [], "tool_choice": "none",
+           "response_format": {"type": "text"}, "top_logprobs": None}
+"""Keys accepted only at their no-op value: anything else would be a promise we do not keep."""
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ChatRequest:
+    """A checked /v1/chat/completions request."""
+
+    messages: list[dict]
+    max_tokens: Optional[int]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    seed: Optional[int] = None
+
+
+def _number(body: dict, key: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"'{key}' must be a number, got {value!r}", key, "invalid_type")
+    if value < low or value > high or (low_open and value == low):
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        raise ApiError(400, f"'{key}' must be in {bounds}, got {value}", key, "invalid_value")
+    return float(value)
+
+
+def _integer(body: dict, key: str, low: int, high: Optional[int] = None) -> Optional[int]:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"'{key}' must be an integer, got {value!r}", key, "invalid_type")
+    if value < low or (high is not None and value > high):
+        raise ApiError(400, f"'{key}' must be in [{low}, {high if high is not None else 'inf'}], got {value}", key, "invalid_value")
+    return value
+
+
+def message_text(content: Any, index: int) -> str:
+    """The text of a message's content: a string, or a list of {"type": "text", "text": ...} parts.
+
+    Raises:
+        ApiError: another shape, or a part that is not text (images, audio).
+    """
+    param = f"messages[{index}].content"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ApiError(400, f"{param}[{j}]: only text parts are supported (got {kind!r})", param, "invalid_content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(400, f"{param} must be a string or a non-empty list of text parts", param, "invalid_content")
+
+
+def check_messages(messages: Any) -> list[dict]:
+    """[{'role', 'content': str}] from the request's messages (roles mapped by ROLES)."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else None
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)} (got {role!r})", f"messages[{i}].role", "invalid_value")
+        out.append({"role": ROLES[m["role"]], "content": message_text(m.get("content"), i)})
+    return out
+
+
+def check_request(body: Any, served_name: str) -> ChatRequest:
+    """A ChatRequest from a request body (pure).
+
+    Raises:
+        ApiError: 400 for anything malformed or out of range, 404 for another model's name.
+    """
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    known = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "stream",
+             "stream_options", "seed", *ACCEPTED_AND_UNUSED, *NEUTRAL}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ApiError(400, f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
+    for key, neutral in NEUTRAL.items():
+        if key in body and body[key] not in (neutral, None):
+            raise ApiError(400, f"'{key}' is not supported by this server (only {neutral!r})", key, "unsupported_parameter")
+    if not isinstance(body.get("model"), str):
+        raise ApiError(400, "'model' is required (a string; GET /v1/models lists it)", "model", "missing_required_parameter")
+    if body["model"] != served_name:
+        raise ApiError(404, f"The model '{body['model']}' does not exist; this server serves '{served_name}'", "model", "model_not_found")
+    messages = check_messages(body.get("messages"))
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+        raise ApiError(400, "give 'max_tokens' or 'max_completion_tokens', not both", "max_tokens", "invalid_value")
+    key = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop)):
+        raise ApiError(400, f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them", "stop", "invalid_value")
+    stream = body.get("stream") or False
+    options = body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ApiError(400, "'stream' must be a boolean and 'stream_options' at most {'include_usage': bool}", "stream", "invalid_value")
+    return ChatRequest(messages=messages, max_tokens=_integer(body, key, 1), temperature=_number(body, "temperature", 1.0, 0, 2),
+                       top_p=_number(body, "top_p", 1.0, 0, 1, low_open=True), n=_integer(body, "n", 1, MAX_N) or 1,
+                       stop=stop or [], stream=stream, include_usage=bool(options.get("include_usage")),
+                       seed=_integer(body, "seed", -(2**63), 2**63 - 1))
+
+
+def new_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(cid: str, model: str, texts: list[str], reasons: list[str], prompt_tokens: int, completion_tokens: int) -> dict:
+    """An OpenAI chat.completion object with one choice per text (pure)."""
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
+                        for i, (t, r) in enumerate(zip(texts, reasons))],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chunk(cid: str, model: str, index: int, delta: dict, finish_reason: Optional[str] = None) -> dict:
+    """One chat.completion.chunk of a stream (pure)."""
+    return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}

