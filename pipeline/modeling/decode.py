@@ -211,12 +211,13 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
              eos_ids: Sequence[int], pad_id: int, temperature: float | Sequence[float] = 1.0,
              top_p: float | Sequence[float] = 1.0, generator: Optional[torch.Generator] = None, logprobs: bool = False,
              on_token: Optional[Callable[[int, int], bool]] = None,
-             on_logits: Optional[Callable[[int, torch.Tensor], None]] = None) -> Generation:
+             on_logits: Optional[Callable[[int, torch.Tensor], None]] = None, min_new_tokens: int = 0) -> Generation:
     """New tokens for every prompt (see the module docstring for the contract).
 
     `on_token(row, token)` is called for every new token of every live row, step by step; True ends
     that row after the token. `on_logits(step, logits)` sees each step's raw logits [B, V] (rows
-    that have ended included), for tracing and tests.
+    that have ended included), for tracing and tests. `min_new_tokens` > 0 masks the eos ids out of
+    the distribution until a row has that many tokens (benchmarks compare at equal token counts).
 
     Raises:
         ValueError: no prompts, an empty prompt, or a setting out of range.
@@ -240,6 +241,8 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
         for step in range(max(max_new)):
             if on_logits is not None:
                 on_logits(step, logits)
+            if step < min_new_tokens:
+                logits = logits.index_fill(-1, eos, float("-inf"))
             chosen, scaled = choose(logits)
             stops = torch.isin(chosen, eos).tolist()
             picked = chosen.tolist()
