@@ -179,3 +179,17 @@ def test_weights_a_fused_optimizer_changed_are_the_ones_decoded(tiny):
         model(torch.tensor([RAGGED[0]])).logits.sum().backward()
         optimizer.step()
         optimizer.zero_grad()
+
+
+def test_backend_is_chosen_by_config_and_zero3_samples_with_hf(tiny):
+    from pipeline.algorithms.rollout import HFGenerator, RelayGenerator, make_generator
+    from stages.ppo import GenerationConfig
+
+    assert GenerationConfig().backend == "relay" and not GenerationConfig().problems()
+    assert GenerationConfig(backend="vllm").problems() == ["generation.backend: 'vllm' is not one of ('relay', 'hf')"]
+    assert isinstance(make_generator("relay", tiny, 0, [2], 4), RelayGenerator)
+    assert isinstance(make_generator("hf", tiny, 0, [2], 4), HFGenerator)
+    zero3 = make_generator("relay", tiny, 0, [2], 4, synced_gpus=True)
+    assert isinstance(zero3, HFGenerator) and zero3.synced_gpus
+    with pytest.raises(ValueError, match="generation.backend: 'vllm'"):
+        make_generator("vllm", tiny, 0, [2], 4)

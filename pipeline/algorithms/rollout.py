@@ -12,6 +12,7 @@ separate frozen copies.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
@@ -22,6 +23,8 @@ from data_formats.collate import left_pad
 from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
 from pipeline.modeling.models import adapter_disabled
 from pipeline.modeling.scoring import reward_readout_index, position_ids_from_mask, token_scores
+
+log = logging.getLogger("relay.rollout")
 
 
 class Generator(Protocol):
@@ -128,6 +131,9 @@ def make_generator(backend: str, model: torch.nn.Module, pad_id: int, eos_ids: S
         raise ValueError(f"generation.backend: {backend!r} is not one of {GENERATION_BACKENDS}")
     if backend == "relay" and not synced_gpus:
         return RelayGenerator(model, pad_id, list(eos_ids), max_new_tokens, temperature)
+    if backend == "relay":
+        log.info("generation.backend relay: DeepSpeed ZeRO-3 over several ranks samples with the hf backend "
+                 "(every rank must keep stepping until all are done)")
     return HFGenerator(model, pad_id, list(eos_ids), max_new_tokens, temperature, synced_gpus=synced_gpus)
 
 
