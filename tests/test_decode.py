@@ -110,15 +110,17 @@ def test_every_step_logits_equal_a_full_forward_along_a_sampled_trajectory(tiny)
     """Rows stop early three ways (an eos id, on_token, their own max_new_tokens); the logits each
     live row's token was sampled from equal a fresh forward of that row alone (no padding, no
     cache), and the log-probs are log softmax(those logits / T)."""
-    seen, temperature = [], 0.7
+    seen, temperature, told = [], 0.7, [[] for _ in RAGGED]
 
     def stop_row_1(row, token):
+        told[row].append(token)
         return row == 1 and token % 3 == 0
 
     out = generate(tiny, RAGGED, max_new_tokens=[12, 12, 5, 12, 12], eos_ids=[2, 13], pad_id=0, temperature=temperature,
                    generator=torch.Generator().manual_seed(1), logprobs=True, on_token=stop_row_1,
                    on_logits=lambda step, logits: seen.append(logits.clone()))
     lengths = [len(t) for t in out.tokens]
+    assert told == out.tokens  # on_token saw every new token of every row, stop tokens included
     assert lengths[2] == 5 and not out.finished[2]
     assert any(f for f in out.finished) and min(lengths) < max(lengths)  # ragged stops happened
     assert len(seen) == max(lengths)  # early exit: no step past the last live row

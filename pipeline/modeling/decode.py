@@ -177,7 +177,7 @@ class Chooser:
 
     def __init__(self, temperature: list[float], top_p: list[float], device, generator: Optional[torch.Generator]):
         self.greedy = torch.tensor([t == 0 for t in temperature], device=device)
-        self.all_greedy = bool(self.greedy.all())
+        self.all_greedy, self.any_greedy = bool(self.greedy.all()), bool(self.greedy.any())
         self.temperature = torch.tensor([t if t > 0 else 1.0 for t in temperature], device=device)
         self.uniform_t = temperature[0] if len(set(temperature)) == 1 and temperature[0] > 0 else None
         self.top_p = torch.tensor(top_p, device=device)
@@ -198,7 +198,7 @@ class Chooser:
         if self.truncate:
             probs = nucleus(probs, self.top_p)
         drawn = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-        return torch.where(self.greedy, logits.argmax(-1), drawn), scaled
+        return (torch.where(self.greedy, logits.argmax(-1), drawn) if self.any_greedy else drawn), scaled
 
 
 # ------------------------------------------------------------------------------------------
@@ -254,7 +254,8 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
                 tokens[row].append(picked[row])
                 if logprobs:
                     scores[row].append(lp[row])
-                stopped = bool(stops[row]) or bool(on_token is not None and on_token(row, picked[row]))
+                asked = bool(on_token(row, picked[row])) if on_token is not None else False  # every token, eos included
+                stopped = bool(stops[row]) or asked
                 finished[row] = stopped
                 alive[row] = not stopped and len(tokens[row]) < max_new[row]
             if not any(alive):
