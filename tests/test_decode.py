@@ -87,7 +87,7 @@ def test_greedy_equals_transformers_generate_with_a_lora_adapter(embedded, gold_
     torch.manual_seed(0)
     for name, param in peft_model.named_parameters():
         if "lora_B" in name:  # peft starts B at zero (adapter = identity); make it change the model
-            param.data.normal_(0, 0.02)
+            param.data.normal_(0, 0.1)
     prompts = gold_prompts[:8]
     adapted = hf_greedy(peft_model, prompts, eos, pad, GREEDY_TOKENS)
     assert relay_greedy(peft_model, prompts, eos, pad, GREEDY_TOKENS) == adapted
