@@ -203,8 +203,8 @@ def relay_train_settings(cfg, optim: dict) -> None:
 
 @contextlib.contextmanager
 def full_length_sampling():
-    """While open, Relay's HFGenerator samples exactly max_new_tokens tokens (EOS suppressed until
-    then), so both sides of an RL comparison generate the same number of tokens; restored after,
+    """While open, Relay's generators (HFGenerator, RelayGenerator) sample exactly max_new_tokens
+    tokens (EOS suppressed until then), so both sides of an RL comparison generate the same number of tokens; restored after,
     since `--quick` may run the peer in the same process.
 
     Raises:
@@ -222,11 +222,18 @@ def full_length_sampling():
         config.min_new_tokens = max_new_tokens
         return config
 
-    rollout.sampling_config = fixed_length
+    def relay_fixed_length(self, prompts):
+        from pipeline.modeling.decode import generate
+
+        return generate(self.model, prompts, max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
+                        temperature=self.temperature, min_new_tokens=self.max_new_tokens).tokens
+
+    relay_original = rollout.RelayGenerator.generate
+    rollout.sampling_config, rollout.RelayGenerator.generate = fixed_length, relay_fixed_length
     try:
         yield
     finally:
-        rollout.sampling_config = original
+        rollout.sampling_config, rollout.RelayGenerator.generate = original, relay_original
 
 
 def run_side(name: str, side: str, case: dict, env: SideEnv, python: Path) -> SideResult:
@@ -310,3 +317,19 @@ def append_row(path: Path, row: str) -> None:
 
 def today() -> str:
     return _dt.date.today().isoformat()
+
+
+def stream_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Memory bandwidth in bytes/s, STREAM's "copy" kernel: b[:] = a over two arrays far larger than
+    any cache, counting the bytes read and written; the best of `repeats` (the machine's figure,
+    not its noise). The arrays are filled first: untouched pages all map to one zero page."""
+    import torch
+
+    a = torch.rand(megabytes * 2**20 // 4)
+    b = torch.rand_like(a)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - start)
+    return 2 * a.numel() * a.element_size() / best

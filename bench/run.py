@@ -86,7 +86,7 @@ def compare(args) -> int:
                 continue
         (rs, rr), (ps, pr) = harness.timed(ours, warmup), harness.timed(theirs, warmup)
         loss = (f"{ours.first_loss:.5f} / {theirs.first_loss:.5f}" if tolerance is not None
-                else f"n/a ({module.WHY_NO_LOSS})")
+                else module.note(ours, theirs) if hasattr(module, "note") else f"n/a ({module.WHY_NO_LOSS})")
         label = case["case"] + (" (quick)" if args.quick else "")
         row = harness.format_row([harness.today(), args.name, label, figure(module, rs, rr), f"{module.PEER}: {figure(module, ps, pr)}",
                                   f"{rs / ps:.2f}x", f"{ours.peak_rss_mb:.0f}", f"{theirs.peak_rss_mb:.0f}",

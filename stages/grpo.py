@@ -36,8 +36,9 @@ import torch
 
 from pipeline.algorithms import grpo as algo
 from pipeline.algorithms import rewards as rw
-from pipeline.algorithms.rollout import ActorCritic, Generator, HFGenerator, _chunks, assemble
+from pipeline.algorithms.rollout import ActorCritic, Generator, _chunks, assemble, make_generator
 from pipeline.config import PromptDataConfig, StageConfig
+from pipeline.engine.accelerator import is_zero3
 from pipeline.engine.stage import Stage, main
 from stages.ppo import GenerationConfig, RewardModelConfig, reward_model_problems
 
@@ -218,8 +219,9 @@ class GRPOStage(Stage):
     def generator(self) -> Generator:
         if self._generator is None:
             policy, gen, tok = self.inner.policy, self.cfg.generation, self.tokenizer
-            self._generator = self.generator_factory(policy) if self.generator_factory else HFGenerator(
-                policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens, gen.temperature)
+            self._generator = self.generator_factory(policy) if self.generator_factory else make_generator(
+                gen.backend, policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens, gen.temperature,
+                synced_gpus=is_zero3(self.accelerator))
         return self._generator
 
     def rollout(self, prompts: list[dict], copies: int):

@@ -2,8 +2,8 @@
 
     torchrun --nproc_per_node 1 stages/ppo.py --config configs/ppo.yaml [--train.max_steps 20]
 
-Each step (`PPOStage.train_step`): sample responses for a batch of prompts (KV-cached
-`generate`, from exactly the distribution the ratio scores), score them with the reward model (or
+Each step (`PPOStage.train_step`): sample responses for a batch of prompts (Relay's decode engine,
+`generation.backend`, from exactly the distribution the ratio scores), score them with the reward model (or
 a Python `reward_fn`) at the end-of-turn token the RM was trained to score, shape per-token
 rewards with the KL to the reference policy, estimate advantages with GAE, then run `ppo.epochs`
 passes of clipped policy and value updates over mini-batches (pipeline/algorithms/experience.py). Two
@@ -35,7 +35,7 @@ from pipeline.config import ModelConfig, PromptDataConfig, StageConfig
 from pipeline.engine.accelerator import full_parameters, is_zero3
 from pipeline.engine.stage import Stage, main
 from pipeline.algorithms.experience import RewardFn, make_experience, ppo_update, sample_text, step_metrics
-from pipeline.algorithms.rollout import ActorCritic, Generator, HFGenerator, assemble, score_rollout
+from pipeline.algorithms.rollout import GENERATION_BACKENDS, ActorCritic, Generator, assemble, make_generator, score_rollout
 
 log = logging.getLogger("relay.ppo")
 
@@ -82,6 +82,9 @@ class GenerationConfig:
     """Must stay 1.0, for the same reason as top_k."""
     missing_eos_penalty: Optional[float] = 1.0
     """Subtracted from the (normalised) score of a response that hits max_new_tokens without EOS."""
+    backend: str = "relay"
+    """The sampler: relay (Relay's decode engine: static KV cache, batch-level early exit) or hf
+    (transformers' generate, the reference). Both draw from the same distribution and RNG stream."""
 
     def problems(self, key: str = "generation") -> list[str]:
         out: list[str] = []
@@ -89,6 +92,8 @@ class GenerationConfig:
             out.append(f"{key}.max_new_tokens: must be >= 1")
         if self.temperature <= 0:
             out.append(f"{key}.temperature: must be > 0")
+        if self.backend not in GENERATION_BACKENDS:
+            out.append(f"{key}.backend: {self.backend!r} is not one of {GENERATION_BACKENDS}")
         if self.top_k != 0 or self.top_p != 1.0:
             out.append(f"{key}.top_k/top_p: RL stages sample from the full distribution (top_k 0, top_p 1.0), because the "
                        "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling")
@@ -331,8 +336,8 @@ class PPOStage(Stage):
     def generator(self) -> Generator:
         if self._generator is None:
             policy, gen, tok = self.inner.policy, self.cfg.generation, self.tokenizer
-            self._generator = self.generator_factory(policy) if self.generator_factory else HFGenerator(
-                policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens, gen.temperature,
+            self._generator = self.generator_factory(policy) if self.generator_factory else make_generator(
+                gen.backend, policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens, gen.temperature,
                 synced_gpus=is_zero3(self.accelerator))
         return self._generator
 

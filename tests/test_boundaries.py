@@ -25,7 +25,7 @@ from data_formats.datasets import build_preference_data, build_prompt_data
 from data_formats.render import IGNORE_INDEX, make_template, render, render_scored
 from pipeline.config import PreferenceDataConfig, PromptDataConfig, load_config
 from pipeline.modeling.models import load_tokenizer
-from pipeline.algorithms.rollout import ActorCritic, HFGenerator, assemble
+from pipeline.algorithms.rollout import ActorCritic, HFGenerator, RelayGenerator, assemble, cut_at_eos
 from pipeline.modeling.scoring import reward_readout_index, sequence_scores
 from stages.reward import PairCollator
 from stagerun import run_stage
@@ -230,7 +230,8 @@ def _sample_by_hand(model, prompts, pad_id, eos_id, max_new_tokens, temperature)
     return torch.stack(tokens, 1).tolist()
 
 
-def test_ppo_samples_from_the_distribution_it_scores(tmp_path):
+@pytest.mark.parametrize("backend", [RelayGenerator, HFGenerator])
+def test_ppo_samples_from_the_distribution_it_scores(tmp_path, backend):
     """The checkpoint's generation_config asks for a repetition penalty, top-k and a minimum
     length (as Qwen2.5-Instruct ships `repetition_penalty: 1.05`); PPO's generator must ignore all
     of it and sample exactly from softmax(logits / T), the distribution its ratio scores."""
@@ -243,14 +244,15 @@ def test_ppo_samples_from_the_distribution_it_scores(tmp_path):
     assert model.generation_config.repetition_penalty == 3.0
     pad, eos = model.config.pad_token_id, model.config.eos_token_id
     prompts = [[5, 9, 17, 30, 4], [11, 12], [7, 7, 20, 25, 3], [31, 8, 6]]  # left padding in the batch
-    generator = HFGenerator(model, pad, [eos], max_new_tokens=10, temperature=0.8)
+    generator = backend(model, pad, [eos], max_new_tokens=10, temperature=0.8)
     for seed in range(3):
         torch.manual_seed(seed)
         sampled = generator.generate(prompts)
         torch.manual_seed(seed)
         with torch.no_grad():
             expected = _sample_by_hand(model, prompts, pad, eos, 10, 0.8)
-        assert sampled == expected, seed
+        # Both backends' responses as the rollout reads them (assemble cuts after the first eos).
+        assert [cut_at_eos(r, [eos]) for r in sampled] == [cut_at_eos(r, [eos]) for r in expected], seed
     assert model.generation_config.repetition_penalty == 3.0  # the model's own config is given back
 
 

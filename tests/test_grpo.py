@@ -314,12 +314,14 @@ def test_beta_zero_runs_no_reference_forward(tmp_path, tiny_model_dir, prompts_f
         assert bool(calls) == (beta > 0) and ("grpo/kl" in figures) == (beta > 0), (beta, calls)
 
 
-def test_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, prompts_file, monkeypatch):
+@pytest.mark.parametrize("backend", ["relay", "hf"])
+def test_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, prompts_file, monkeypatch, backend):
     SCORE_TARGET["token"] = "e"
 
     def run(out, stop=None, resume=False):
         cfg = make_cfg(out, tiny_model_dir, prompts_file, max_steps=3, learning_rate=5e-3)
         cfg.grpo.beta, cfg.grpo.num_iterations = 0.05, 2
+        cfg.generation.backend = backend
         cfg.checkpoint.resume = resume
         if stop is None:
             monkeypatch.delenv("RELAY_STOP_AFTER_STEP", raising=False)

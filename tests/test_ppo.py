@@ -199,6 +199,9 @@ def test_learning_raises_reward_and_lr0_does_not(tmp_path, peaked_policy, tiny_r
 
 
 def test_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file, monkeypatch):
+    """On the default backend (relay); the hf backend's resume is tests/test_grpo.py's (the same
+    generators and RNG contract, in the cheaper stage)."""
+
     def run(out, stop=None, resume=False):
         cfg = make_cfg(out, tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=3, learning_rate=5e-3)
         cfg.ppo.kl_target, cfg.ppo.kl_horizon = 0.5, 100  # adaptive controller: its state must resume too

@@ -7,7 +7,7 @@ Both sides: the harness's model (the embedded SmolLM2-135M-Instruct; `--quick` a
 Llama) in fp32 with sdpa attention, LoRA r16 / alpha 32 / dropout 0.05 on every linear layer but
 the head (peft's "all-linear"), dropout off; per step `prompts` prompts of
 data/sample/ppo/train.jsonl, each sampled `generations` times at temperature 1 (no top-k/top-p)
-with transformers' `generate` (TRL: `use_vllm=False`), `new_tokens` tokens per completion; the
+with each side's sampler (Relay: its decode engine; TRL: transformers' `generate`, `use_vllm=False`), `new_tokens` tokens per completion; the
 reward is `reward` below, the same Python function on both sides (no reward model: the trainer is
 the thing compared); group-normalised advantages (scaled by the group's std), one optimizer step
 per generation batch (num_iterations 1, so neither side runs an old-policy forward), clip 0.2,
@@ -29,7 +29,7 @@ is the same prompts and the same number of generated tokens, and each side check
   rendered the same prompts to the same ids.
 - Same generated tokens: both sides sample exactly `new_tokens` tokens per completion, EOS
   suppressed until then (`min_new_tokens = max_new_tokens`: TRL's `generation_kwargs`; Relay's
-  HFGenerator sampling config, as bench/comparisons/ppo.py does). Each side counts the completion
+  decode engine's `min_new_tokens`, as bench/comparisons/ppo.py does). Each side counts the completion
   tokens of its own batches (Relay: the rollout's response mask; TRL: the completion mask of its
   generation batch), records them per step in `extra["completion_tokens"]` and fails unless every
   step has prompts x generations x new_tokens. With no EOS, Relay's missing-EOS penalty is set

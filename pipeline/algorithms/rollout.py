@@ -12,6 +12,7 @@ separate frozen copies.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
@@ -22,6 +23,8 @@ from data_formats.collate import left_pad
 from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
 from pipeline.modeling.models import adapter_disabled
 from pipeline.modeling.scoring import reward_readout_index, position_ids_from_mask, token_scores
+
+log = logging.getLogger("relay.rollout")
 
 
 class Generator(Protocol):
@@ -89,6 +92,49 @@ class HFGenerator:
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                       generation_config=config, synced_gpus=self.synced_gpus)
         return [row.tolist() for row in out[:, input_ids.shape[1]:].cpu()]
+
+
+GENERATION_BACKENDS = ("relay", "hf")
+
+
+@dataclass
+class RelayGenerator:
+    """Sampling through Relay's decode engine (pipeline/modeling/decode.py: static KV cache, one
+    forward per token, batch-level early exit), from exactly softmax(logits / temperature), the
+    distribution the PPO/GRPO update scores, drawn from torch's default RNG (so a resumed run
+    draws what an unbroken one does)."""
+
+    model: torch.nn.Module
+    pad_id: int
+    eos_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+
+    def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        from pipeline.modeling.decode import generate
+
+        return generate(self.model, prompts, max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
+                        temperature=self.temperature).tokens
+
+
+def make_generator(backend: str, model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], max_new_tokens: int,
+                   temperature: float = 1.0, *, synced_gpus: bool = False) -> Generator:
+    """The sampler `generation.backend` names: 'relay' (the decode engine) or 'hf' (transformers'
+    `generate`, the reference). Under `synced_gpus` (DeepSpeed ZeRO-3 over several ranks, where every
+    rank must keep stepping until all are done) the relay backend hands over to 'hf', which keeps
+    that contract.
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    if backend not in GENERATION_BACKENDS:
+        raise ValueError(f"generation.backend: {backend!r} is not one of {GENERATION_BACKENDS}")
+    if backend == "relay" and not synced_gpus:
+        return RelayGenerator(model, pad_id, list(eos_ids), max_new_tokens, temperature)
+    if backend == "relay":
+        log.info("generation.backend relay: DeepSpeed ZeRO-3 over several ranks samples with the hf backend "
+                 "(every rank must keep stepping until all are done)")
+    return HFGenerator(model, pad_id, list(eos_ids), max_new_tokens, temperature, synced_gpus=synced_gpus)
 
 
 def cut_at_eos(response: Sequence[int], eos_ids: Sequence[int]) -> tuple[list[int], bool]:

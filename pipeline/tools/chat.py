@@ -107,24 +107,63 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def eos_ids_of(model: torch.nn.Module, tokenizer) -> list[int]:
+    """The tokenizer's eos id, then any other the model's generation_config names."""
+    eos = [tokenizer.eos_token_id]
+    extra = getattr(model.generation_config, "eos_token_id", None)
+    return eos + [e for e in (extra if isinstance(extra, list) else [extra]) if e is not None and e not in eos]
+
+
+class StreamPrinter:
+    """Prints a reply as its tokens arrive (an `on_token` for pipeline.modeling.decode.generate):
+    each time the decoded text grows by whole characters, the new part; a newline at the end."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens, self.shown = tokenizer, [], 0
+
+    def __call__(self, row: int, token: int) -> bool:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # a character split across tokens waits for its rest
+            print(text[self.shown:], end="", flush=True)
+            self.shown = len(text)
+        return False
+
+    def close(self) -> None:
+        print(self.tokenizer.decode(self.tokens, skip_special_tokens=True)[self.shown:], flush=True)
+
+
 def reply(chat: ChatModel, messages: list[dict], gen: Generation, stream: bool = False) -> str:
-    """The model's next assistant turn (printed token by token when `stream`)."""
+    """The model's next assistant turn (printed token by token when `stream`), from Relay's decode
+    engine; with top_k or a repetition penalty (knobs the engine does not have) from transformers'
+    generate."""
+    from pipeline.modeling.decode import generate
+
+    ids = prompt_ids(chat.tokenizer, messages)
+    if gen.top_k or gen.repetition_penalty != 1.0:
+        return hf_reply(chat, ids, gen, stream)
+    eos = eos_ids_of(chat.model, chat.tokenizer)
+    printer = StreamPrinter(chat.tokenizer) if stream else None
+    out = generate(chat.model, [ids], max_new_tokens=gen.max_new_tokens, eos_ids=eos, pad_id=chat.tokenizer.pad_token_id,
+                   temperature=gen.temperature, top_p=gen.top_p if gen.temperature > 0 else 1.0, on_token=printer)
+    if printer is not None:
+        printer.close()
+    chat.last_answer_cut = was_cut(out.tokens[0], gen.max_new_tokens, eos)
+    tokens = out.tokens[0][:-1] if out.finished[0] else out.tokens[0]
+    return chat.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+def hf_reply(chat: ChatModel, ids: list[int], gen: Generation, stream: bool) -> str:
+    """`reply` through transformers' generate (top_k, repetition penalty)."""
     from transformers import TextStreamer
 
-    ids = torch.tensor([prompt_ids(chat.tokenizer, messages)])
+    prompt = torch.tensor([ids])
     streamer = TextStreamer(chat.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     with torch.no_grad():
-        out = chat.model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            pad_token_id=chat.tokenizer.pad_token_id,
-            streamer=streamer,
-            **gen.kwargs(),
-        )
-    eos = chat.model.generation_config.eos_token_id
-    chat.last_answer_cut = was_cut(out[0, ids.shape[1]:].tolist(), gen.max_new_tokens,
-                                   (eos if isinstance(eos, list) else [eos]) + [chat.tokenizer.eos_token_id])
-    return chat.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+        out = chat.model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                  pad_token_id=chat.tokenizer.pad_token_id, streamer=streamer, **gen.kwargs())
+    chat.last_answer_cut = was_cut(out[0, prompt.shape[1]:].tolist(), gen.max_new_tokens, eos_ids_of(chat.model, chat.tokenizer))
+    return chat.tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True).strip()
 
 
 def side_by_side(left_title: str, left: str, right_title: str, right: str, width: int = 100) -> str:

@@ -213,39 +213,24 @@ def greedy_answers(path: str, records: Sequence[dict], settings: GoldSettings = 
     """Greedy answers of the model at `path` (a folder or 'embedded') to every gold prompt.
 
     Prompts are rendered by the folder's own chat template (pipeline.tools.chat.prompt_ids: the saved
-    template of a merged folder is what its training rendered), left-padded in batches, and decoded
-    with a clean GenerationConfig: greedy, no repetition penalty, stop at the end-of-turn token.
+    template of a merged folder is what its training rendered) and decoded in batches by Relay's
+    decode engine (pipeline.modeling.decode): greedy, no repetition penalty, stop at the end-of-turn
+    token (or any other eos id the folder's generation_config names).
     """
-    import torch
-    from transformers import GenerationConfig
-
-    from data_formats.collate import left_pad
-    from pipeline.tools.chat import load_chat_model, prompt_ids
+    from pipeline.modeling.decode import generate
+    from pipeline.tools.chat import eos_ids_of, load_chat_model, prompt_ids
 
     chat = load_chat_model(path, settings.dtype)
     tokenizer, model = chat.tokenizer, chat.model
-    eos = [tokenizer.eos_token_id]
-    extra = getattr(model.generation_config, "eos_token_id", None)
-    eos += [e for e in (extra if isinstance(extra, list) else [extra]) if e is not None and e not in eos]
-    config = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=settings.max_new_tokens,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        repetition_penalty=1.0,
-        use_cache=True,
-    )
+    eos = eos_ids_of(model, tokenizer)
     answers: list[str] = []
     prompts = [prompt_ids(tokenizer, messages_of(r)) for r in records]
-    with torch.no_grad():
-        for start in range(0, len(prompts), settings.batch_size):
-            ids, mask = left_pad(prompts[start : start + settings.batch_size], tokenizer.pad_token_id)
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-            for row in out[:, ids.shape[1] :]:
-                tokens = row.tolist()
-                cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
-                answers.append(tokenizer.decode(tokens[:cut], skip_special_tokens=True).strip())
+    for start in range(0, len(prompts), settings.batch_size):
+        out = generate(model, prompts[start : start + settings.batch_size], max_new_tokens=settings.max_new_tokens,
+                       eos_ids=eos, pad_id=tokenizer.pad_token_id, temperature=0.0)
+        for tokens in out.tokens:
+            cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+            answers.append(tokenizer.decode(tokens[:cut], skip_special_tokens=True).strip())
     del chat, model
     return answers
 

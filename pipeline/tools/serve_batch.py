@@ -6,9 +6,8 @@ request as they come (on_token). A row ends at an EOS id, at its max_tokens, at 
 when its request's time limit passes or its client goes away (on_token returns True), so a long
 request never holds the short ones back beyond the step they share.
 
-All generation goes through the name `generate` below. It is a stand-in with exactly the
-signature of `pipeline.modeling.decode.generate` (the generation engine); where that module
-exists, replacing the stand-in is one line: `from pipeline.modeling.decode import generate`.
+All generation goes through the name `generate`: Relay's decode engine
+(`pipeline.modeling.decode.generate`, a static KV cache, one forward per token); tests patch it here.
 """
 
 from __future__ import annotations
@@ -21,79 +20,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-
-@dataclass
-class Generation:
-    tokens: list[list[int]]
-    """Each row's new ids, up to and including its stop token."""
-    finished: list[bool]
-    """True where the row stopped (an EOS id, or on_token returned True)."""
-    logprobs: Optional[list[list[float]]]
-    """If requested: log softmax(logits / T_row) of each chosen token (T_row = 1 for greedy rows)."""
+from pipeline.modeling.decode import generate
 
 
-def _per_row(value, rows: int) -> list:
-    return list(value) if isinstance(value, Sequence) else [value] * rows
-
-
-def _pick(logits: torch.Tensor, temperature: list[float], top_p: list[float], generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen ids, their log-probabilities) per row: argmax where T = 0, else a nucleus sample."""
-    temps = torch.tensor([t if t > 0 else 1.0 for t in temperature], device=logits.device)[:, None]
-    logp = torch.log_softmax(logits / temps, dim=-1)
-    chosen = logp.argmax(-1)
-    for r, (t, p) in enumerate(zip(temperature, top_p)):
-        if t > 0:
-            probs, order = logp[r].exp().sort(descending=True)
-            keep = probs.cumsum(-1) - probs < p  # the smallest prefix whose mass reaches top_p
-            probs = torch.where(keep, probs, torch.zeros_like(probs))
-            chosen[r] = order[torch.multinomial(probs / probs.sum(), 1, generator=generator)]
-    return chosen, logp.gather(-1, chosen[:, None])[:, 0]
-
-
-@torch.no_grad()
-def _standin_generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int], eos_ids: Sequence[int],
-                      pad_id: int, temperature: float | Sequence[float] = 1.0, top_p: float | Sequence[float] = 1.0,
-                      generator: Optional[torch.Generator] = None, logprobs: bool = False,
-                      on_token: Optional[Callable[[int, int], bool]] = None) -> Generation:
-    """A batched decoding loop over the model's forward with its KV cache (left-padded prompts)."""
-    rows, device = len(prompts), next(model.parameters()).device
-    limits, temps, tops = _per_row(max_new_tokens, rows), _per_row(temperature, rows), _per_row(top_p, rows)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((rows, width), dtype=torch.long, device=device)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        mask[r, width - len(p):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-    tokens: list[list[int]] = [[] for _ in range(rows)]
-    chosen_logp: list[list[float]] = [[] for _ in range(rows)]
-    finished, live = [False] * rows, [True] * rows
-    eos, next_pos = set(eos_ids), positions[:, -1:] + 1
-    while True:
-        chosen, logp = _pick(out.logits[:, -1].float(), temps, tops, generator)
-        for r in range(rows):
-            if not live[r]:
-                continue
-            token = int(chosen[r])
-            tokens[r].append(token)
-            chosen_logp[r].append(float(logp[r]))
-            stopped = bool(on_token(r, token)) if on_token is not None else False
-            if stopped or token in eos:
-                finished[r], live[r] = True, False
-            elif len(tokens[r]) >= limits[r]:
-                live[r] = False
-        if not any(live):
-            return Generation(tokens, finished, chosen_logp if logprobs else None)
-        step = torch.where(torch.tensor(live, device=device), chosen, torch.full_like(chosen, pad_id))[:, None]
-        mask = torch.cat([mask, torch.tensor(live, dtype=torch.long, device=device)[:, None]], dim=1)
-        # transformers 5 names the KV cache `cache` (4.x: past_key_values)
-        past = {"cache": out.cache} if hasattr(out, "cache") else {"past_key_values": out.past_key_values}
-        out = model(input_ids=step, attention_mask=mask, position_ids=next_pos, use_cache=True, **past)
-        next_pos = next_pos + 1
-
-
-generate = _standin_generate
 
 
 class ChoiceText:

@@ -1,0 +1,197 @@
+"""Relay's decode engine (pipeline/modeling/decode.py) against outside references:
+
+- greedy continuations equal transformers' `model.generate` token for token on the embedded model,
+  for every gold prompt and for a LoRA-adapted model (adapter active and disabled), in fp32;
+- along a sampled trajectory every step's logits equal a plain full forward of the sequence so far
+  (within 1e-5, fp32), for ragged prompts and rows that stop early, and the returned log-probs are
+  log softmax(logits / T) of the chosen tokens;
+- per-row limits, stops and early exit; top_p truncation; bad settings are one clear error.
+(That sampled tokens follow softmax(logits / T) exactly is tests/test_boundaries.py's hand-written
+sampling loop, run against both backends.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from data_formats.collate import left_pad
+from pipeline.modeling.decode import generate, nucleus
+from tinymodels import make_tiny_model
+
+GREEDY_TOKENS = 8
+"""New tokens compared per gold prompt (the gold table decodes 40; 8 keeps the test cheap. A full
+40-token run of all 80 prompts also agreed token for token when this test was written)."""
+
+
+def hf_greedy(model, prompts, eos, pad, max_new_tokens, batch=16) -> list[list[int]]:
+    """transformers' greedy continuations, cut after the first eos (what `generate` returns)."""
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                              repetition_penalty=1.0)
+    out = []
+    for start in range(0, len(prompts), batch):
+        ids, mask = left_pad(prompts[start : start + batch], pad)
+        with torch.no_grad():
+            rows = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+        for row in rows.tolist():
+            out.append(row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))])
+    return out
+
+
+def relay_greedy(model, prompts, eos, pad, max_new_tokens, batch=16) -> list[list[int]]:
+    out = []
+    for start in range(0, len(prompts), batch):
+        out += generate(model, prompts[start : start + batch], max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad,
+                        temperature=0.0).tokens
+    return out
+
+
+@pytest.fixture(scope="module")
+def embedded(embedded_path):
+    from pipeline.modeling.models import load_tokenizer
+
+    tokenizer = load_tokenizer(embedded_path)
+    model = AutoModelForCausalLM.from_pretrained(embedded_path, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def gold_prompts(embedded):
+    from pipeline.tools.chat import prompt_ids
+    from pipeline.tools.gold import load_gold, messages_of
+
+    return [prompt_ids(embedded[1], messages_of(r)) for r in load_gold("data/sample/gold/eval.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def hf_gold(embedded, gold_prompts):
+    """transformers' greedy answers to every gold prompt (computed once for the module)."""
+    model, tok = embedded
+    return hf_greedy(model, gold_prompts, [tok.eos_token_id], tok.pad_token_id, GREEDY_TOKENS)
+
+
+def test_greedy_equals_transformers_generate_on_every_gold_prompt(embedded, gold_prompts, hf_gold):
+    model, tok = embedded
+    assert len(gold_prompts) == 80
+    assert relay_greedy(model, gold_prompts, [tok.eos_token_id], tok.pad_token_id, GREEDY_TOKENS) == hf_gold
+
+
+def test_greedy_equals_transformers_generate_with_a_lora_adapter(embedded, gold_prompts, hf_gold):
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = embedded
+    eos, pad = [tok.eos_token_id], tok.pad_token_id
+    base = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])).eval()
+    torch.manual_seed(0)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero (adapter = identity); make it change the model
+            param.data.normal_(0, 0.1)
+    prompts = gold_prompts[:8]
+    adapted = hf_greedy(peft_model, prompts, eos, pad, GREEDY_TOKENS)
+    assert relay_greedy(peft_model, prompts, eos, pad, GREEDY_TOKENS) == adapted
+    with peft_model.disable_adapter():
+        plain = relay_greedy(peft_model, prompts, eos, pad, GREEDY_TOKENS)
+    assert plain == hf_gold[:8]
+    assert plain != adapted  # negative control: the adapter changes the answers
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = make_tiny_model(tmp_path_factory.mktemp("decode") / "tiny", seed=3, initializer_range=0.3, vocab_size=48)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+RAGGED = [[5, 9, 17, 30, 4, 8, 3], [11, 12], [7, 7, 20, 25], [31, 8, 6, 44, 40], [9]]
+
+
+def test_every_step_logits_equal_a_full_forward_along_a_sampled_trajectory(tiny):
+    """Rows stop early three ways (an eos id, on_token, their own max_new_tokens); the logits each
+    live row's token was sampled from equal a fresh forward of that row alone (no padding, no
+    cache), and the log-probs are log softmax(those logits / T)."""
+    seen, temperature, told = [], 0.7, [[] for _ in RAGGED]
+
+    def stop_row_1(row, token):
+        told[row].append(token)
+        return row == 1 and token % 3 == 0
+
+    out = generate(tiny, RAGGED, max_new_tokens=[12, 12, 5, 12, 12], eos_ids=[2, 13], pad_id=0, temperature=temperature,
+                   generator=torch.Generator().manual_seed(1), logprobs=True, on_token=stop_row_1,
+                   on_logits=lambda step, logits: seen.append(logits.clone()))
+    lengths = [len(t) for t in out.tokens]
+    assert told == out.tokens  # on_token saw every new token of every row, stop tokens included
+    assert lengths[2] == 5 and not out.finished[2]
+    assert any(f for f in out.finished) and min(lengths) < max(lengths)  # ragged stops happened
+    assert len(seen) == max(lengths)  # early exit: no step past the last live row
+    for row, (prompt, tokens) in enumerate(zip(RAGGED, out.tokens)):
+        if out.finished[row]:
+            assert tokens[-1] in (2, 13) or (row == 1 and tokens[-1] % 3 == 0)
+            assert not any(t in (2, 13) for t in tokens[:-1])
+        with torch.no_grad():
+            full = tiny(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        steps = torch.stack([seen[i][row] for i in range(len(tokens))])
+        torch.testing.assert_close(steps, full, atol=1e-5, rtol=0)
+        want = torch.log_softmax(full / temperature, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(out.logprobs[row]), want, atol=1e-5, rtol=0)
+
+
+def test_greedy_and_sampled_rows_in_one_batch(tiny):
+    """A T = 0 row is the argmax whatever its neighbours sample, and its log-probs are at T = 1."""
+    alone = generate(tiny, RAGGED[:1], max_new_tokens=8, eos_ids=[], pad_id=0, temperature=0.0).tokens[0]
+    mixed = generate(tiny, RAGGED[:2], max_new_tokens=8, eos_ids=[], pad_id=0, temperature=[0.0, 1.3],
+                     generator=torch.Generator().manual_seed(0), logprobs=True)
+    assert mixed.tokens[0] == alone and mixed.finished == [False, False]
+    assert all(lp <= 0 for lp in mixed.logprobs[0])
+
+
+def test_nucleus_keeps_the_smallest_set_reaching_top_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    out = nucleus(probs, torch.tensor([0.7, 0.1, 1.0]))
+    torch.testing.assert_close(out[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    torch.testing.assert_close(out[1], torch.tensor([0.0, 0.0, 0.0, 1.0]))  # at least the top token
+    torch.testing.assert_close(out[2], probs[2])  # top_p 1: unchanged
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+    (dict(max_new_tokens=4, temperature=-1.0), "temperature must be >= 0"),
+    (dict(max_new_tokens=4, top_p=0.0), "top_p must be in"),
+    (dict(max_new_tokens=[4, 4]), "max_new_tokens has 2 entries for 5 prompts"),
+])
+def test_bad_settings_are_one_clear_error(tiny, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        generate(tiny, RAGGED, eos_ids=[2], pad_id=0, **kwargs)
+
+
+def test_weights_a_fused_optimizer_changed_are_the_ones_decoded(tiny):
+    """The fused AdamW (the engine's default) updates a weight without bumping its version, so a
+    packing cached across calls would decode with the old weights."""
+    import copy
+
+    model = copy.deepcopy(tiny)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    for _ in range(2):
+        seen = []
+        out = generate(model, RAGGED[:1], max_new_tokens=3, eos_ids=[], pad_id=0, temperature=0.0,
+                       on_logits=lambda step, logits: seen.append(logits[0].clone()))
+        with torch.no_grad():
+            full = model(torch.tensor([RAGGED[0] + out.tokens[0]])).logits[0, len(RAGGED[0]) - 1 : -1]
+        torch.testing.assert_close(torch.stack(seen), full, atol=1e-5, rtol=0)
+        model(torch.tensor([RAGGED[0]])).logits.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_backend_is_chosen_by_config_and_zero3_samples_with_hf(tiny):
+    from pipeline.algorithms.rollout import HFGenerator, RelayGenerator, make_generator
+    from stages.ppo import GenerationConfig
+
+    assert GenerationConfig().backend == "relay" and not GenerationConfig().problems()
+    assert GenerationConfig(backend="vllm").problems() == ["generation.backend: 'vllm' is not one of ('relay', 'hf')"]
+    assert isinstance(make_generator("relay", tiny, 0, [2], 4), RelayGenerator)
+    assert isinstance(make_generator("hf", tiny, 0, [2], 4), HFGenerator)
+    zero3 = make_generator("relay", tiny, 0, [2], 4, synced_gpus=True)
+    assert isinstance(zero3, HFGenerator) and zero3.synced_gpus
+    with pytest.raises(ValueError, match="generation.backend: 'vllm'"):
+        make_generator("vllm", tiny, 0, [2], 4)
