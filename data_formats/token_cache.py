@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
+from data_formats.cache import cache_root
 from data_formats.sources import Problem, expand_entry
 from data_formats.validate import apply_policy
 
@@ -206,8 +207,6 @@ def cache_folder() -> Optional[Path]:
         return None
     if setting:
         return Path(setting).expanduser()
-    from pipeline.modeling.embedded import cache_root
-
     return cache_root() / "tokens"
 
 

@@ -89,14 +89,6 @@ class Tracker:
         self.writers = []
 
 
-def perplexity(loss: float) -> float:
-    """exp(loss), inf instead of an overflow error for huge losses."""
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return float("inf")
-
-
 @dataclass
 class EarlyStopping:
     """MFTCoder's early stopping: stop after `patience` evaluations without a new best loss."""
