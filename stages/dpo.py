@@ -246,22 +246,11 @@ class DPOStage(Stage):
         return {"loss": f"{figures['train/loss']:.4f}", "acc": f"{figures['train/accuracy']:.2f}", "margin": f"{figures['train/margin']:.3f}"}
 
     def summary(self) -> dict:
-        steps, evals = self.history.steps, self.history.evals
-        last = evals[-1] if evals else {}
-        return {
-            "train_loss_first": steps[0]["train/loss"] if steps else None,
-            "train_loss_last": steps[-1]["train/loss"] if steps else None,
-            "train_accuracy_last": steps[-1]["train/accuracy"] if steps else None,
-            "eval_loss_first": evals[0]["eval/loss"] if evals else None,
-            "eval_loss_last": last.get("eval/loss"),
-            "eval_accuracy": last.get("eval/accuracy"),
-            "eval_margin": last.get("eval/margin"),
-            "eval_rewards_chosen": last.get("eval/rewards_chosen"),
-            "eval_rewards_rejected": last.get("eval/rewards_rejected"),
-            "loss_type": self.cfg.dpo.loss_type,
-            "steps": self.step,
-            "wall_seconds": self.history.wall_seconds(),
-        }
+        return {**self.history.pick(train_loss_first="train/loss:first", train_loss_last="train/loss", train_accuracy_last="train/accuracy",
+                                    eval_loss_first="eval/loss:first", eval_loss_last="eval/loss", eval_accuracy="eval/accuracy",
+                                    eval_margin="eval/margin", eval_rewards_chosen="eval/rewards_chosen",
+                                    eval_rewards_rejected="eval/rewards_rejected"),
+                "loss_type": self.cfg.dpo.loss_type, **self.run_figures()}
 
 
 if __name__ == "__main__":

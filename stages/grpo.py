@@ -284,17 +284,9 @@ class GRPOStage(PolicyStage):
         return {"reward": f"{figures['grpo/reward']:.3f}", "loss": f"{figures['train/loss']:.4f}"}
 
     def summary(self) -> dict:
-        rewards, kls = self.history.values("grpo/reward"), self.history.values("grpo/kl")
-        evals = self.history.values("eval/reward", evals=True)
-        return {
-            "reward_first": rewards[0] if rewards else None,
-            "reward_last": rewards[-1] if rewards else None,
-            "kl_last": kls[-1] if kls else None,
-            "eval_reward_first": evals[0] if evals else None,
-            "eval_reward_last": evals[-1] if evals else None,
-            "steps": self.step,
-            "wall_seconds": self.history.wall_seconds(),
-        }
+        return {**self.history.pick(reward_first="grpo/reward:first", reward_last="grpo/reward", kl_last="grpo/kl",
+                                    eval_reward_first="eval/reward:first", eval_reward_last="eval/reward"),
+                **self.run_figures()}
 
 
 if __name__ == "__main__":

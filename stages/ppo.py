@@ -282,18 +282,9 @@ class PPOStage(PolicyStage):
         return {"reward": f"{figures['ppo/reward_raw']:.3f}", "kl": f"{figures['ppo/kl']:.3f}"}
 
     def summary(self) -> dict:
-        rewards, kls = self.history.values("ppo/reward_raw"), self.history.values("ppo/kl")
-        evals, eval_kls = self.history.values("eval/reward", evals=True), self.history.values("eval/kl", evals=True)
-        return {
-            "reward_first": rewards[0] if rewards else None,
-            "reward_last": rewards[-1] if rewards else None,
-            "kl_last": kls[-1] if kls else None,
-            "eval_reward_first": evals[0] if evals else None,
-            "eval_reward_last": evals[-1] if evals else None,
-            "eval_kl_last": eval_kls[-1] if eval_kls else None,
-            "steps": self.step,
-            "wall_seconds": self.history.wall_seconds(),
-        }
+        return {**self.history.pick(reward_first="ppo/reward_raw:first", reward_last="ppo/reward_raw", kl_last="ppo/kl",
+                                    eval_reward_first="eval/reward:first", eval_reward_last="eval/reward", eval_kl_last="eval/kl"),
+                **self.run_figures()}
 
 
 if __name__ == "__main__":

@@ -189,20 +189,10 @@ class RMStage(Stage):
         return {"loss": f"{figures['train/loss']:.4f}", "acc": f"{figures['train/accuracy']:.2f}"}
 
     def summary(self) -> dict:
-        steps, evals = self.history.steps, self.history.evals
-        last = evals[-1] if evals else {}
-        return {
-            "train_loss_first": steps[0]["train/loss"] if steps else None,
-            "train_loss_last": steps[-1]["train/loss"] if steps else None,
-            "train_accuracy_last": steps[-1]["train/accuracy"] if steps else None,
-            "eval_accuracy": last.get("eval/accuracy"),
-            "eval_margin": last.get("eval/margin"),
-            "eval_loss_last": last.get("eval/loss"),
-            "eval_loss_first": evals[0]["eval/loss"] if evals else None,
-            "reward_stats": self.reward_stats,
-            "steps": self.step,
-            "wall_seconds": self.history.wall_seconds(),
-        }
+        return {**self.history.pick(train_loss_first="train/loss:first", train_loss_last="train/loss", train_accuracy_last="train/accuracy",
+                                    eval_accuracy="eval/accuracy", eval_margin="eval/margin", eval_loss_last="eval/loss",
+                                    eval_loss_first="eval/loss:first"),
+                "reward_stats": self.reward_stats, **self.run_figures()}
 
 
 if __name__ == "__main__":

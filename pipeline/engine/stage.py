@@ -270,6 +270,10 @@ class Stage:
         """summary.json's figures."""
         return self.history.summary()
 
+    def run_figures(self) -> dict:
+        """The figures every summary ends with: steps and wall time."""
+        return {"steps": self.step, "wall_seconds": self.history.wall_seconds()}
+
     def data_template(self):
         """The chat template `cfg.data` asks for (data_formats.render.make_template); sets
         `chat_template`, which merged/ saves (role_markers mode)."""

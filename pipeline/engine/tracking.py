@@ -134,6 +134,17 @@ class History:
         """Every recorded value of `tag`, in step order."""
         return [r[tag] for r in (self.evals if evals else self.steps) if tag in r]
 
+    def pick(self, **names: str) -> dict:
+        """Summary figures by name, each read from a tag: 'tag' is its last recorded value,
+        'tag:first' its first (an 'eval/' tag from the evaluations, others from the steps); None
+        where never recorded."""
+        out = {}
+        for name, spec in names.items():
+            tag, _, which = spec.partition(":")
+            values = self.values(tag, evals=tag.startswith("eval/"))
+            out[name] = (values[0] if which == "first" else values[-1]) if values else None
+        return out
+
     def summary(self) -> dict:
         """The headline figures of a loss-trained stage (first and last losses, speed)."""
         losses, evals = self.values("train/loss"), self.values("eval/loss", evals=True)

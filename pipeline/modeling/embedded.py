@@ -10,7 +10,6 @@ generation config) under the cache, after which loads take well under a second.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
