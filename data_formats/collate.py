@@ -1,4 +1,6 @@
-"""Batches: dynamic padding, or packing several samples per row without contamination.
+"""Batches: dynamic padding, or packing several samples per row without contamination; and the
+preference-pair batches of the RM and DPO stages (`PairCollator`, `AnswerPairCollator`,
+`PackedPairCollator`).
 
 Batch layout (ARCHITECTURE.md): input_ids, labels, position_ids, task_ids [B, T]; attention_mask
 [B, T] when padding, [B, 1, T, T] block-causal when packing on sdpa/eager, absent when packing on
@@ -14,7 +16,8 @@ mask (True = attend), eager adds the mask to the scores, so it gets an additive 
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
@@ -191,4 +194,81 @@ class Collator:
             batch["attention_mask"] = attention
         elif self.attn_implementation != "flash_attention_2":
             batch["attention_mask"] = block_causal_mask(segments, self.attn_implementation)
+        return batch
+
+
+# --------------------------------------------------------------------------------------------
+# Preference pairs (RM, DPO): rows [0, B) are the chosen sides, [B, 2B) the rejected ones
+# --------------------------------------------------------------------------------------------
+
+
+def _sides(pairs: Sequence[dict]) -> list[tuple[list[int], int]]:
+    """(ids, answer length) of every side: the chosen ones, then the rejected ones."""
+    return ([(p["chosen_input_ids"], p["chosen_answer_len"]) for p in pairs]
+            + [(p["rejected_input_ids"], p["rejected_answer_len"]) for p in pairs])
+
+
+@dataclass
+class PairCollator:
+    """Pairs -> one right-padded batch: rows [0, B) are the chosen sides, [B, 2B) the rejected ones,
+    so one forward scores both (the RM's batches)."""
+
+    pad_token_id: int
+
+    def __call__(self, pairs: Sequence[dict]) -> dict[str, torch.Tensor]:
+        seqs = [p["chosen_input_ids"] for p in pairs] + [p["rejected_input_ids"] for p in pairs]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask[row, : len(seq)] = 1
+        margin = torch.tensor([float(p.get("margin") or 0.0) for p in pairs], dtype=torch.float32)
+        return {"input_ids": ids, "attention_mask": mask, "margin": margin}
+
+
+@dataclass
+class AnswerPairCollator:
+    """Pairs -> one right-padded batch (rows as PairCollator's) with `labels` set on each side's
+    answer tokens (its last `*_answer_len` tokens, end-of-turn included) and -100 on the prompt
+    and the padding (DPO's batches)."""
+
+    pad_token_id: int
+
+    def __call__(self, pairs: Sequence[dict]) -> dict[str, torch.Tensor]:
+        batch = PairCollator(self.pad_token_id)(pairs)
+        del batch["margin"]
+        labels = torch.full_like(batch["input_ids"], IGNORE_INDEX)
+        for row, (ids, answer) in enumerate(_sides(pairs)):
+            labels[row, len(ids) - answer : len(ids)] = batch["input_ids"][row, len(ids) - answer : len(ids)]
+        batch["labels"] = labels
+        return batch
+
+
+@dataclass
+class PackedPairCollator:
+    """Pairs -> packed rows (DPO's `data.padding_mode: pack`): every side is one sample labelled on
+    its answer, packed in order (the chosen sides, then the rejected ones) by `pack`, whose
+    block-causal mask and restarting positions keep each side blind to the others in its row; plus
+    `sample_index` [R, T], the side each position belongs to (-1: padding), in the padded batch's
+    order (chosen 0..B-1, rejected B..2B-1)."""
+
+    pad_token_id: int
+    seq_length: int
+    attn_implementation: str = "sdpa"
+
+    def __call__(self, pairs: Sequence[dict]) -> dict[str, torch.Tensor]:
+        samples = [{"input_ids": list(ids), "labels": [IGNORE_INDEX] * (len(ids) - n) + list(ids[len(ids) - n :])}
+                   for ids, n in _sides(pairs)]
+        rows = pack(samples, self.seq_length)
+        batch = Collator(self.pad_token_id, "pack", self.seq_length, self.attn_implementation)(rows)
+        index = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
+        sample = 0
+        for r, row in enumerate(rows):
+            start = 0
+            for n in row["lengths"]:
+                index[r, start : start + n] = sample
+                sample, start = sample + 1, start + n
+        batch["sample_index"] = index
+        del batch["task_ids"]
         return batch

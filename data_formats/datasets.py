@@ -41,7 +41,9 @@ SPLITS = ("train", "eval")
 
 
 @dataclass
-class SFTData:
+class TaskSamples:
+    """The SFT training or eval split: its samples and task names (`build_sft_data`)."""
+
     samples: list[dict]
     """dict(input_ids, labels, task_id, source) per sample."""
     tasks: list[str]
@@ -138,7 +140,7 @@ def _log_stats(what: str, stats: dict) -> None:
 
 
 def build_sft_data(cfg, tokenizer, template: Template, seq_length: int, split: str,
-                   tasks: Optional[list[str]] = None) -> SFTData:
+                   tasks: Optional[list[str]] = None) -> TaskSamples:
     """Tokenized SFT samples of one split, with per-sample task ids.
 
     Raises:
@@ -151,7 +153,7 @@ def build_sft_data(cfg, tokenizer, template: Template, seq_length: int, split: s
                     lambda check: _sft_samples(cfg, tokenizer, template, seq_length, split, tasks, check),
                     template=template, seq_length=seq_length, tasks=tasks)
     _log_stats(f"sft {split} data", built.info["stats"])
-    return SFTData(built.samples, built.info["tasks"], built.info["stats"])
+    return TaskSamples(built.samples, built.info["tasks"], built.info["stats"])
 
 
 def _sft_samples(cfg, tokenizer, template: Template, seq_length: int, split: str, tasks: Optional[list[str]],

@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
+from data_formats.cache import cache_root
 from data_formats.sources import Problem, expand_entry
 from data_formats.validate import apply_policy
 
@@ -206,8 +207,6 @@ def cache_folder() -> Optional[Path]:
         return None
     if setting:
         return Path(setting).expanduser()
-    from pipeline.modeling.embedded import cache_root
-
     return cache_root() / "tokens"
 
 
@@ -324,7 +323,7 @@ def write_entry(path: Path, key: str, built: Built) -> bool:
         return False
 
 
-def read_entry(path: Path, key: str) -> Optional[Built]:
+def load_entry(path: Path, key: str) -> Optional[Built]:
     """The entry at `path` when it is whole and was stored under `key`; None otherwise (missing,
     truncated, corrupt, another format or key: a miss, never an error)."""
     if not path.is_file():
@@ -361,7 +360,7 @@ def build_cached(parts: Callable[[], Optional[dict]], on_error: str, build: Call
     key = cache_key(found) if found is not None else None
     path = folder / f"{key}.npz" if key is not None else None
     if path is not None:
-        hit = read_entry(path, key)
+        hit = load_entry(path, key)
         if hit is not None:
             for check_what, problems in hit.problems:
                 apply_policy(problems, on_error, check_what)

@@ -29,7 +29,6 @@ The flow, checkpoint/resume, trackers, RELAY_STOP_AFTER_STEP=k and export are th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -41,12 +40,13 @@ if __package__ in (None, ""):
 
 import torch
 
+from data_formats.collate import AnswerPairCollator, PackedPairCollator
+from data_formats.datasets import build_preference_data
 from pipeline.algorithms import preference as pref
 from pipeline.config import PreferenceDataConfig, StageConfig
-from pipeline.engine.stage import Stage, launched_world_size, main
+from pipeline.engine.stage import Stage, main
 from pipeline.engine.steps import all_reduce_sum, check_finite, clip_gradients, eval_shards, micro_step
-from pipeline.modeling.models import eval_mode
-from stages.reward import PairCollator
+from pipeline.modeling.models import adapter_disabled, eval_mode, load_model, train_without_dropout
 
 log = logging.getLogger("relay.dpo")
 
@@ -99,100 +99,6 @@ class DPOConfig(StageConfig):
 
 
 # ------------------------------------------------------------------------------------------
-# Pieces: batching, log-probs
-# ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class AnswerPairCollator:
-    """Pairs -> one right-padded batch (rows [0, B) chosen, [B, 2B) rejected, as the RM's
-    PairCollator) with `labels` set on each side's answer tokens (its last `*_answer_len`
-    tokens, end-of-turn included) and -100 on the prompt and the padding."""
-
-    pad_token_id: int
-
-    def __call__(self, pairs: Sequence[dict]) -> dict[str, torch.Tensor]:
-        batch = PairCollator(self.pad_token_id)(pairs)
-        del batch["margin"]
-        labels = torch.full_like(batch["input_ids"], pref.IGNORE_INDEX)
-        sides = [(p["chosen_input_ids"], p["chosen_answer_len"]) for p in pairs] + [(p["rejected_input_ids"], p["rejected_answer_len"]) for p in pairs]
-        for row, (ids, answer) in enumerate(sides):
-            labels[row, len(ids) - answer : len(ids)] = batch["input_ids"][row, len(ids) - answer : len(ids)]
-        batch["labels"] = labels
-        return batch
-
-
-@dataclass
-class PackedPairCollator:
-    """Pairs -> packed rows (`data.padding_mode: pack`): every side is one sample labelled on its
-    answer, packed in order (the chosen sides, then the rejected ones) by data_formats.collate, whose
-    block-causal mask and restarting positions keep each side blind to the others in its row; plus
-    `sample_index` [R, T], the side each position belongs to (-1: padding), in the padded batch's
-    order (chosen 0..B-1, rejected B..2B-1)."""
-
-    pad_token_id: int
-    seq_length: int
-    attn_implementation: str = "sdpa"
-
-    def __call__(self, pairs: Sequence[dict]) -> dict[str, torch.Tensor]:
-        from data_formats.collate import Collator, pack
-
-        sides = [(p["chosen_input_ids"], p["chosen_answer_len"]) for p in pairs] + [(p["rejected_input_ids"], p["rejected_answer_len"]) for p in pairs]
-        samples = [{"input_ids": list(ids), "labels": [pref.IGNORE_INDEX] * (len(ids) - n) + list(ids[len(ids) - n :])} for ids, n in sides]
-        rows = pack(samples, self.seq_length)
-        batch = Collator(self.pad_token_id, "pack", self.seq_length, self.attn_implementation)(rows)
-        index = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
-        sample = 0
-        for r, row in enumerate(rows):
-            start = 0
-            for n in row["lengths"]:
-                index[r, start : start + n] = sample
-                sample, start = sample + 1, start + n
-        batch["sample_index"] = index
-        del batch["task_ids"]
-        return batch
-
-
-def sequence_logps(model, batch: dict, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
-    """([2B] summed answer log-probs, [2B] answer token counts) of an AnswerPairCollator or
-    PackedPairCollator batch. The LM head runs at answer positions only where that is exact
-    (`pipeline.engine.supervised_head`), else over the full logits."""
-    from pipeline.engine.steps import model_inputs
-    from pipeline.engine.supervised_head import head_split, labelled_token_logps
-
-    autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
-    head = head_split(model, accelerator)
-    with autocast:
-        if head is not None:
-            per_token, mask = labelled_token_logps(model, model_inputs(batch), head, batch["labels"])
-        else:
-            per_token, mask = pref.token_logps(model(**model_inputs(batch), use_cache=False).logits, batch["labels"])
-    if "sample_index" in batch:
-        return pref.packed_sums(per_token, mask, batch["sample_index"], int(batch["sample_index"].max()) + 1)
-    return pref.row_sums(per_token, mask)
-
-
-def pair_losses(cfg: DPOSection, sums: torch.Tensor, counts: torch.Tensor, ref: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(scalar loss, {figure: [B] values}) of one batch from its [2B] policy sums and counts and
-    its [2B] reference sums (None for ORPO)."""
-    half = sums.shape[0] // 2
-    pc, pr, nc, nr = sums[:half], sums[half:], counts[:half], counts[half:]
-    extra: dict[str, torch.Tensor] = {}
-    if cfg.loss_type == "orpo":
-        pairs, log_odds = pref.orpo_losses(pc, pr, nc, nr, cfg.beta)
-        nll = pref.orpo_nll(pc, nc)
-        loss = nll + pairs.losses.mean()
-        extra = {"nll": nll.detach().expand(half), "log_odds": log_odds.detach()}
-    else:
-        pairs = pref.dpo_losses(pc, pr, ref[:half], ref[half:], cfg.beta, cfg.loss_type, cfg.label_smoothing, nc, nr)
-        loss = pairs.losses.mean()
-    chosen, rejected = pairs.chosen_rewards, pairs.rejected_rewards
-    figures = {"loss": pairs.losses.detach() + (extra["nll"] if "nll" in extra else 0.0), "accuracy": (chosen > rejected).float(),
-               "margin": chosen - rejected, "rewards_chosen": chosen, "rewards_rejected": rejected, **extra}
-    return loss, figures
-
-
-# ------------------------------------------------------------------------------------------
 # The stage
 # ------------------------------------------------------------------------------------------
 
@@ -217,12 +123,8 @@ class DPOStage(Stage):
 
     def build_data(self) -> list[str]:
         """The tokenised pairs (the RM's: data_formats.datasets.build_preference_data)."""
-        from data_formats.datasets import build_preference_data
-        from data_formats.render import make_template, template_jinja
-
         cfg, tok = self.cfg, self.tokenizer
-        template = make_template(cfg.data, tok)
-        self.chat_template = template_jinja(template, tok)
+        template = self.data_template()
         self.train_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "train")
         if cfg.data.eval or cfg.data.eval_fraction > 0:
             self.eval_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "eval")
@@ -231,15 +133,10 @@ class DPOStage(Stage):
         else:
             self.collator = AnswerPairCollator(tok.pad_token_id)
         log.info("dpo: %d training pair(s), %d eval pair(s)", len(self.train_samples), len(self.eval_samples))
-        world = launched_world_size()
-        if len(self.train_samples) < cfg.train.batch_size * world:
-            return [f"data.train: {len(self.train_samples)} pair(s) cannot fill one micro-batch of {cfg.train.batch_size} x {world} rank(s)"]
-        return []
+        return self.fill_problems(len(self.train_samples), "pair(s)")
 
     def build_model(self) -> torch.nn.Module:
         """The policy; under full fine-tuning with a reference, also its frozen starting copy."""
-        from pipeline.modeling.models import load_model
-
         cfg = self.cfg
         if cfg.model.finetuning == "full" and cfg.dpo.loss_type not in pref.REFERENCE_FREE:
             self.reference = load_model(cfg.model, None, kind="causal", tokenizer=self.tokenizer).requires_grad_(False).eval()
@@ -249,8 +146,6 @@ class DPOStage(Stage):
     def train_mode(self) -> None:
         """Train mode (gradient checkpointing runs) without dropout: at step 0 the policy's
         log-probs equal the reference's, and a step is deterministic."""
-        from pipeline.modeling.models import train_without_dropout
-
         train_without_dropout(self.model)
 
     # ---- the reference ---------------------------------------------------------------------
@@ -259,13 +154,11 @@ class DPOStage(Stage):
     def reference_logps(self, batch: dict) -> torch.Tensor:
         """[2B] summed answer log-probs of the reference: the frozen copy, or the policy with its
         adapter disabled (eval mode: no dropout)."""
-        from pipeline.modeling.models import adapter_disabled
-
         if self.reference is not None:
-            return sequence_logps(self.reference, batch, self.accelerator)[0]
+            return pref.sequence_logps(self.reference, batch, self.accelerator)[0]
         policy = self.accelerator.unwrap_model(self.model)
         with adapter_disabled(policy), eval_mode(policy):
-            return sequence_logps(policy, batch, self.accelerator)[0]
+            return pref.sequence_logps(policy, batch, self.accelerator)[0]
 
     def precompute(self) -> None:
         """Reference log-probs of every train and eval pair, in fixed batches of train.batch_size in
@@ -305,8 +198,8 @@ class DPOStage(Stage):
             batch = self.collate(self.collator, self.train_samples, group)
             ref = self.batch_reference("train", group, batch)
             with micro_step(acc, self.model, index, len(groups)):
-                logps, counts = sequence_logps(self.model, batch, acc)
-                loss, figures = pair_losses(self.cfg.dpo, logps, counts, ref)
+                logps, counts = pref.sequence_logps(self.model, batch, acc)
+                loss, figures = pref.pair_losses(self.cfg.dpo, logps, counts, ref)
                 acc.backward(loss)
             for key, values in figures.items():
                 sums[key] = sums.get(key, 0.0) + float(values.float().mean()) / len(groups)
@@ -334,8 +227,8 @@ class DPOStage(Stage):
                                                self.cfg.train.eval_batches):
                 batch = self.collate(self.collator, self.eval_samples, indices)
                 ref = self.batch_reference("eval", indices, batch)
-                logps, tokens = sequence_logps(self.model, batch, acc)
-                for key, values in pair_losses(self.cfg.dpo, logps, tokens, ref)[1].items():
+                logps, tokens = pref.sequence_logps(self.model, batch, acc)
+                for key, values in pref.pair_losses(self.cfg.dpo, logps, tokens, ref)[1].items():
                     figures.setdefault(key, []).append(values.float() if counts else torch.full_like(values.float(), float("nan")))
         out = {}
         for key, parts in figures.items():
@@ -353,22 +246,11 @@ class DPOStage(Stage):
         return {"loss": f"{figures['train/loss']:.4f}", "acc": f"{figures['train/accuracy']:.2f}", "margin": f"{figures['train/margin']:.3f}"}
 
     def summary(self) -> dict:
-        steps, evals = self.history.steps, self.history.evals
-        last = evals[-1] if evals else {}
-        return {
-            "train_loss_first": steps[0]["train/loss"] if steps else None,
-            "train_loss_last": steps[-1]["train/loss"] if steps else None,
-            "train_accuracy_last": steps[-1]["train/accuracy"] if steps else None,
-            "eval_loss_first": evals[0]["eval/loss"] if evals else None,
-            "eval_loss_last": last.get("eval/loss"),
-            "eval_accuracy": last.get("eval/accuracy"),
-            "eval_margin": last.get("eval/margin"),
-            "eval_rewards_chosen": last.get("eval/rewards_chosen"),
-            "eval_rewards_rejected": last.get("eval/rewards_rejected"),
-            "loss_type": self.cfg.dpo.loss_type,
-            "steps": self.step,
-            "wall_seconds": self.history.wall_seconds(),
-        }
+        return {**self.history.pick(train_loss_first="train/loss:first", train_loss_last="train/loss", train_accuracy_last="train/accuracy",
+                                    eval_loss_first="eval/loss:first", eval_loss_last="eval/loss", eval_accuracy="eval/accuracy",
+                                    eval_margin="eval/margin", eval_rewards_chosen="eval/rewards_chosen",
+                                    eval_rewards_rejected="eval/rewards_rejected"),
+                "loss_type": self.cfg.dpo.loss_type, **self.run_figures()}
 
 
 if __name__ == "__main__":

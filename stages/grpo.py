@@ -36,11 +36,13 @@ import torch
 
 from pipeline.algorithms import grpo as algo
 from pipeline.algorithms import rewards as rw
-from pipeline.algorithms.rollout import ActorCritic, Generator, _chunks, assemble, make_generator
-from pipeline.config import PromptDataConfig, StageConfig
-from pipeline.engine.accelerator import is_zero3
-from pipeline.engine.stage import Stage, main
-from stages.ppo import GenerationConfig, RewardModelConfig, reward_model_problems
+from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
+from pipeline.algorithms.rollout import ActorCritic, chunks
+from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig
+from pipeline.engine.checkpoint import seeded_fork
+from pipeline.engine.stage import main
+from pipeline.engine.steps import eval_shards
+from pipeline.modeling.models import load_model, train_without_dropout
 
 log = logging.getLogger("relay.grpo")
 
@@ -146,88 +148,41 @@ class GRPOConfig(StageConfig):
 # ------------------------------------------------------------------------------------------
 
 
-def _frozen(model: torch.nn.Module) -> torch.nn.Module:
-    model.requires_grad_(False)
-    return model.eval()
-
-
-class GRPOStage(Stage):
+class GRPOStage(PolicyStage):
     name = "grpo"
     config_class = GRPOConfig
-    evaluates_at_start = True
     loss_can_diverge = False  # a clipped surrogate around 0, not a loss that starts high
+    reward_model_required = False
 
-    def __init__(self, cfg: GRPOConfig, *, generator_factory=None):
+    def __init__(self, cfg: GRPOConfig, *, generator_factory: Optional[GeneratorFactory] = None):
         """`generator_factory(policy)` swaps the sampler (as PPO's)."""
-        from pipeline.modeling.models import resolve_model_path
-
-        super().__init__(cfg)
-        self.reward_path = resolve_model_path(cfg.reward_model.path) if cfg.reward_model.path else None
-        self.generator_factory = generator_factory
-        self._generator: Optional[Generator] = None
+        super().__init__(cfg, generator_factory=generator_factory)
         self.funcs: list = []
         self.last_rollout = None
         """The latest step's rollout, rewards and advantages (tests read it from `on_step`)."""
 
-    def problems(self) -> list[str]:
-        if self.reward_path is None:
-            return []
-        return reward_model_problems(self.cfg.reward_model, self.reward_path, self.model_path, "GRPO")
-
     def build_data(self) -> list[str]:
         """Prompts (eval prompts only when evaluation is on) and the reward functions."""
-        from data_formats.datasets import build_prompt_data
-        from data_formats.render import make_template, template_jinja
-
-        cfg, tok = self.cfg, self.tokenizer
-        template = make_template(cfg.data, tok)
-        self.chat_template = template_jinja(template, tok)
-        limit = min(cfg.data.max_prompt_length, cfg.train.seq_length - cfg.generation.max_new_tokens)
-        self.train_samples = build_prompt_data(cfg.data, tok, template, "train", limit)
-        if cfg.train.eval_steps > 0 and (cfg.data.eval or cfg.data.eval_fraction > 0):
-            self.eval_samples = build_prompt_data(cfg.data, tok, template, "eval", limit)
-        self.funcs = [rw.load_reward_func(spec) for spec in cfg.grpo.reward_funcs]
-        return []
+        problems = self.build_prompts()
+        self.funcs = [rw.load_reward_func(spec) for spec in self.cfg.grpo.reward_funcs]
+        return problems
 
     def build_model(self) -> torch.nn.Module:
         """The policy, its reference (full fine-tuning with beta > 0: a frozen copy; LoRA: the
         adapter-disabled policy) and the frozen reward model, as one module without a critic."""
-        from pipeline.modeling.models import load_model, train_without_dropout
-
         cfg = self.cfg
         policy = load_model(cfg.model, cfg.lora, kind="causal", tokenizer=self.tokenizer)
         reference = reward = None
         if cfg.model.finetuning == "full" and cfg.grpo.beta > 0:
-            reference = _frozen(load_model(cfg.model, None, kind="causal", tokenizer=self.tokenizer))
+            reference = frozen(load_model(cfg.model, None, kind="causal", tokenizer=self.tokenizer))
         if self.reward_path is not None:
             rm_cfg = dataclasses.replace(cfg.reward_model, finetuning="full", gradient_checkpointing=False)
-            reward = _frozen(load_model(rm_cfg, None, kind="reward", tokenizer=self.tokenizer))
-        for frozen in (reference, reward):
-            if frozen is not None:
-                frozen.to(self.accelerator.device)
+            reward = frozen(load_model(rm_cfg, None, kind="reward", tokenizer=self.tokenizer))
+        for copy in (reference, reward):
+            if copy is not None:
+                copy.to(self.accelerator.device)
         # The update's forward must reproduce the rollout's log-probs (the first ratio is 1).
         return ActorCritic(train_without_dropout(policy), None, reference, reward)
-
-    def train_mode(self) -> None:
-        """build_model left the policy in train mode with dropout off; keep it so."""
-
-    @property
-    def inner(self) -> ActorCritic:
-        return self.accelerator.unwrap_model(self.model)
-
-    @property
-    def generator(self) -> Generator:
-        if self._generator is None:
-            policy, gen, tok = self.inner.policy, self.cfg.generation, self.tokenizer
-            self._generator = self.generator_factory(policy) if self.generator_factory else make_generator(
-                gen.backend, policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens, gen.temperature,
-                synced_gpus=is_zero3(self.accelerator))
-        return self._generator
-
-    def rollout(self, prompts: list[dict], copies: int):
-        """`copies` sampled completions of each prompt, consecutive (a group per prompt)."""
-        ids = [p["prompt_ids"] for p in prompts for _ in range(copies)]
-        return assemble(ids, self.generator.generate(ids), self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
 
     def rewards(self, prompts: list[str], rollout, columns: Optional[list[dict]] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The summed reward of each completion ([N]) and each source's own ([N] by name: the
@@ -248,7 +203,7 @@ class GRPOStage(Stage):
         if self.reward_path is not None:
             device = self.accelerator.device
             scores = [self.inner.reward_scores(rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)).float().cpu()
-                      for rows in _chunks(len(completions), self.cfg.train.batch_size)]
+                      for rows in chunks(len(completions), self.cfg.train.batch_size)]
             parts["rm"] = torch.cat(scores)
             total += cfg.reward_model.weight * parts["rm"]
         if cfg.generation.missing_eos_penalty:
@@ -266,7 +221,7 @@ class GRPOStage(Stage):
         texts = [p["text"] for p in batch for _ in range(G)]
         total, parts = self.rewards(texts, rollout, [_columns(p) for p in batch for _ in range(G)])
         advantages = algo.group_advantages(total, G, cfg.grpo.scale_rewards)
-        scored = algo.score_rollout(self.inner, rollout, micro=rollout.input_ids.shape[0] // cfg.train.grad_accum,
+        scored = algo.score_completions(self.inner, rollout, micro=rollout.input_ids.shape[0] // cfg.train.grad_accum,
                                     temperature=cfg.generation.temperature, autocast=acc.autocast,
                                     old=cfg.grpo.num_iterations > 1, reference=cfg.grpo.beta > 0)
         update = algo.grpo_update(self.model, self.optimizer, rollout, advantages, scored, acc, cfg, self.step + 1)
@@ -305,9 +260,6 @@ class GRPOStage(Stage):
     def evaluate(self) -> Optional[dict[str, float]]:
         """eval/reward (mean summed reward) and eval/reward/<source> of one sampled completion per
         held-out prompt, under a forked RNG seeded the same way at every evaluation (as PPO's)."""
-        from pipeline.engine.checkpoint import seeded_fork
-        from pipeline.engine.steps import eval_shards
-
         if not self.eval_samples:
             return None
         cfg, acc = self.cfg, self.accelerator
@@ -329,34 +281,19 @@ class GRPOStage(Stage):
 
     def manifest_extras(self) -> dict:
         """The rewards the policy was optimised for (the RM's path and weights hash, if any)."""
-        from pipeline.modeling.manifest import weights_hash
+        return {"reward_funcs": list(self.cfg.grpo.reward_funcs), **self.reward_model_record()}
 
-        extras: dict = {"reward_funcs": list(self.cfg.grpo.reward_funcs)}
-        if self.reward_path is not None:
-            extras["reward_model"] = {"path": self.reward_path, "weights_hash": weights_hash(self.reward_path)}
-        return extras
-
-    def export(self, summary: dict) -> Optional[Path]:
-        """The policy alone (the engine's export), without the reference and reward copies."""
-        self._generator = self.last_rollout = None
-        self.model = self.inner.policy
-        return super().export(summary)
+    def release(self) -> None:
+        super().release()
+        self.last_rollout = None
 
     def progress(self, figures: dict[str, float]) -> dict[str, str]:
         return {"reward": f"{figures['grpo/reward']:.3f}", "loss": f"{figures['train/loss']:.4f}"}
 
     def summary(self) -> dict:
-        rewards, kls = self.history.values("grpo/reward"), self.history.values("grpo/kl")
-        evals = self.history.values("eval/reward", evals=True)
-        return {
-            "reward_first": rewards[0] if rewards else None,
-            "reward_last": rewards[-1] if rewards else None,
-            "kl_last": kls[-1] if kls else None,
-            "eval_reward_first": evals[0] if evals else None,
-            "eval_reward_last": evals[-1] if evals else None,
-            "steps": self.step,
-            "wall_seconds": self.history.wall_seconds(),
-        }
+        return {**self.history.pick(reward_first="grpo/reward:first", reward_last="grpo/reward", kl_last="grpo/kl",
+                                    eval_reward_first="eval/reward:first", eval_reward_last="eval/reward"),
+                **self.run_figures()}
 
 
 if __name__ == "__main__":

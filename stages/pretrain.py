@@ -25,9 +25,13 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data_formats.collate import Collator
+from data_formats.datasets import build_pt_data
+from data_formats.streaming import PackedTextStream, stream_problems
+from data_formats.validate import apply_policy
 from pipeline.config import StageConfig, TextDataConfig
 from pipeline.engine.language_modeling import LanguageModelStage
-from pipeline.engine.stage import launched_world_size, main
+from pipeline.engine.stage import main
 
 log = logging.getLogger("relay.pretrain")
 
@@ -78,9 +82,6 @@ class PTStage(LanguageModelStage):
 
     def build_data(self) -> list[str]:
         """Tokenize and pack the corpus (or open its stream after a validation pass)."""
-        from data_formats.collate import Collator
-        from data_formats.datasets import build_pt_data
-
         cfg, tok = self.cfg, self.tokenizer
         seq = cfg.train.seq_length
         if cfg.data.streaming:
@@ -90,10 +91,9 @@ class PTStage(LanguageModelStage):
         if cfg.data.eval or cfg.data.eval_fraction > 0:
             self.eval_samples = build_pt_data(cfg.data, tok, seq, "eval")
         self.collator = Collator(tok.pad_token_id, "pack", seq, cfg.model.attn_implementation)
-        world = launched_world_size()
-        if not cfg.data.streaming and len(self.train_samples) < cfg.train.batch_size * world:
-            return [f"data.train: {len(self.train_samples)} packed row(s) of {seq} tokens cannot fill one "
-                    f"micro-batch of {cfg.train.batch_size} x {world} rank(s)"]
+        problems = [] if cfg.data.streaming else self.fill_problems(len(self.train_samples), f"packed row(s) of {seq} tokens")
+        if problems:
+            return problems
         rows = "streamed training rows" if cfg.data.streaming else f"{len(self.train_samples)} training row(s)"
         log.info("pt: %s, %d eval row(s) of %d tokens", rows, len(self.eval_samples), seq)
         return []
@@ -125,9 +125,6 @@ def stream_train(cfg: PTConfig, tokenizer):
     Raises:
         DataError: bad records with on_error='strict'.
     """
-    from data_formats.streaming import PackedTextStream, stream_problems
-    from data_formats.validate import apply_policy
-
     data = cfg.data
     apply_policy(stream_problems(data.train, fmt=data.format, text_field=data.text_field, max_record_bytes=data.max_record_bytes),
                  data.on_error, "pt train data (streamed)")

@@ -21,29 +21,27 @@ The flow, checkpoint/resume, trackers and RELAY_STOP_AFTER_STEP=k are the engine
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import torch.nn.functional as F
+from tqdm.auto import tqdm
 
+from data_formats.collate import PairCollator
+from data_formats.datasets import build_preference_data
+from pipeline.algorithms.pairwise import pair_scores, pairwise_loss, record_stats_in_config, stats_of
 from pipeline.config import PreferenceDataConfig, StageConfig
-from pipeline.engine.stage import Stage, launched_world_size, main
+from pipeline.engine.stage import Stage, main
 from pipeline.engine.steps import check_finite, clip_gradients, eval_shards, micro_step
 from pipeline.modeling.models import eval_mode
-from pipeline.modeling.scoring import sequence_scores
 
 log = logging.getLogger("relay.rm")
-REWARD_STATS_KEY = "relay_reward_stats"
 
 
 # ------------------------------------------------------------------------------------------
@@ -75,71 +73,12 @@ class RMConfig(StageConfig):
     reward: RewardSection = field(default_factory=RewardSection)
 
 
-# ------------------------------------------------------------------------------------------
-# Pieces: batching, loss, scores
-# ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PairCollator:
-    """Pairs -> one right-padded batch: rows [0, B) are the chosen sides, [B, 2B) the rejected ones,
-    so one forward scores both."""
-
-    pad_token_id: int
-
-    def __call__(self, pairs: Sequence[dict]) -> dict[str, torch.Tensor]:
-        seqs = [p["chosen_input_ids"] for p in pairs] + [p["rejected_input_ids"] for p in pairs]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            mask[row, : len(seq)] = 1
-        margin = torch.tensor([float(p.get("margin") or 0.0) for p in pairs], dtype=torch.float32)
-        return {"input_ids": ids, "attention_mask": mask, "margin": margin}
-
-
-def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: Optional[torch.Tensor] = None,
-                  center_coef: Optional[float] = None) -> torch.Tensor:
-    """mean(-logsigmoid(r_c - r_r - margin)) + center_coef * mean((r_c + r_r)^2)."""
-    diff = chosen - rejected - (margin if margin is not None else 0.0)
-    loss = -F.logsigmoid(diff).mean()
-    if center_coef:
-        loss = loss + center_coef * ((chosen + rejected) ** 2).mean()
-    return loss
-
-
-def pair_scores(model, batch: dict, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) scores of a PairCollator batch."""
-    autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
-    with autocast:
-        scores = sequence_scores(model, batch["input_ids"], batch["attention_mask"])
-    half = scores.shape[0] // 2
-    return scores[:half], scores[half:]
-
-
 def _reduce_mean(values: dict[str, float], accelerator) -> dict[str, float]:
     if accelerator.num_processes == 1:
         return values
     keys = sorted(values)
     t = accelerator.reduce(torch.tensor([values[k] for k in keys], device=accelerator.device), reduction="mean")
     return dict(zip(keys, t.tolist()))
-
-
-def stats_of(scores: torch.Tensor) -> dict:
-    """The stored reward statistics: mean and population std (the variance PPO's normaliser uses)."""
-    scores = scores.double()
-    return {"mean": float(scores.mean()), "std": float(scores.std(unbiased=False)), "n": int(scores.numel())}
-
-
-def record_stats_in_config(merged: Path, stats: dict) -> None:
-    """Add `relay_reward_stats` to merged/config.json (written beside it, then renamed)."""
-    path = merged / "config.json"
-    config = json.loads(path.read_text(encoding="utf-8"))
-    config[REWARD_STATS_KEY] = stats
-    staging = path.with_suffix(".json.tmp")
-    staging.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    os.replace(staging, path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -168,21 +107,14 @@ class RMStage(Stage):
 
     def build_data(self) -> list[str]:
         """The tokenised pairs, each side ending at its answer's end-of-turn token."""
-        from data_formats.datasets import build_preference_data
-        from data_formats.render import make_template, template_jinja
-
         cfg, tok = self.cfg, self.tokenizer
-        template = make_template(cfg.data, tok)
-        self.chat_template = template_jinja(template, tok)
+        template = self.data_template()
         self.train_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "train")
         if cfg.data.eval or cfg.data.eval_fraction > 0:
             self.eval_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "eval")
         self.collator = PairCollator(tok.pad_token_id)
         log.info("rm: %d training pair(s), %d eval pair(s)", len(self.train_samples), len(self.eval_samples))
-        world = launched_world_size()
-        if len(self.train_samples) < cfg.train.batch_size * world:
-            return [f"data.train: {len(self.train_samples)} pair(s) cannot fill one micro-batch of {cfg.train.batch_size} x {world} rank(s)"]
-        return []
+        return self.fill_problems(len(self.train_samples), "pair(s)")
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over this rank's equal-sized micro-batches (so the mean of per-batch
@@ -213,8 +145,6 @@ class RMStage(Stage):
     def score_pairs(self, pairs: list, max_batches: Optional[int] = None, desc: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) scores of `pairs`, gathered from every rank (padding batches excluded);
         with `desc`, a progress bar of that name (long passes)."""
-        from tqdm.auto import tqdm
-
         acc = self.accelerator
         chosen, rejected = [], []
         shards = list(eval_shards(len(pairs), self.cfg.train.batch_size, acc.num_processes, acc.process_index, max_batches))
@@ -259,20 +189,10 @@ class RMStage(Stage):
         return {"loss": f"{figures['train/loss']:.4f}", "acc": f"{figures['train/accuracy']:.2f}"}
 
     def summary(self) -> dict:
-        steps, evals = self.history.steps, self.history.evals
-        last = evals[-1] if evals else {}
-        return {
-            "train_loss_first": steps[0]["train/loss"] if steps else None,
-            "train_loss_last": steps[-1]["train/loss"] if steps else None,
-            "train_accuracy_last": steps[-1]["train/accuracy"] if steps else None,
-            "eval_accuracy": last.get("eval/accuracy"),
-            "eval_margin": last.get("eval/margin"),
-            "eval_loss_last": last.get("eval/loss"),
-            "eval_loss_first": evals[0]["eval/loss"] if evals else None,
-            "reward_stats": self.reward_stats,
-            "steps": self.step,
-            "wall_seconds": self.history.wall_seconds(),
-        }
+        return {**self.history.pick(train_loss_first="train/loss:first", train_loss_last="train/loss", train_accuracy_last="train/accuracy",
+                                    eval_accuracy="eval/accuracy", eval_margin="eval/margin", eval_loss_last="eval/loss",
+                                    eval_loss_first="eval/loss:first"),
+                "reward_stats": self.reward_stats, **self.run_figures()}
 
 
 if __name__ == "__main__":

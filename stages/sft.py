@@ -26,12 +26,14 @@ from typing import Optional
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data_formats.collate import Collator
+from data_formats.datasets import build_sft_data
+from data_formats.render import template_jinja
+from pipeline.algorithms.multitask import CoBa, MultitaskConfig
 from pipeline.config import ChatDataConfig, StageConfig
 from pipeline.engine.language_modeling import LanguageModelStage
-from pipeline.engine.stage import launched_world_size, main
-from pipeline.engine.steps import heldout_token_loss
-from pipeline.algorithms.multitask import CoBa, MultitaskConfig
-from pipeline.engine.steps import canonical_mode
+from pipeline.engine.stage import main
+from pipeline.engine.steps import canonical_mode, heldout_token_loss
 
 log = logging.getLogger("relay.sft")
 
@@ -79,12 +81,9 @@ class SFTStage(LanguageModelStage):
 
     def build_data(self) -> list[str]:
         """Render and tokenize the conversations; tasks are the training tasks (eval ids index them)."""
-        from data_formats.collate import Collator
-        from data_formats.datasets import build_sft_data
-        from data_formats.render import make_template, template_jinja
 
         cfg, tok = self.cfg, self.tokenizer
-        template = make_template(cfg.data, tok)
+        template = self.data_template()
         train = build_sft_data(cfg.data, tok, template, cfg.train.seq_length, "train")
         # Tool conversations in the default layout: the saved template must render them as trained.
         self.chat_template = template_jinja(template, tok, tools=train.stats.get("tool_conversations", 0) > 0)
@@ -107,10 +106,7 @@ class SFTStage(LanguageModelStage):
         unknown = sorted(set(cfg.multitask.task_weights) - set(self.tasks))
         if unknown:
             out.append(f"multitask.task_weights: unknown task(s) {unknown}; tasks are {self.tasks}")
-        world = launched_world_size()
-        if len(self.train_samples) < cfg.train.batch_size * world:
-            out.append(f"data.train: {len(self.train_samples)} sample(s) cannot fill one micro-batch of "
-                       f"{cfg.train.batch_size} x {world} rank(s)")
+        out += self.fill_problems(len(self.train_samples), "sample(s)")
         extra = sorted(set(eval_tasks) - set(self.tasks))
         if extra:
             out.append(f"data.eval: task(s) {extra} do not appear in the training data")

@@ -27,7 +27,7 @@ from pipeline.config import PreferenceDataConfig, PromptDataConfig, load_config
 from pipeline.modeling.models import load_tokenizer
 from pipeline.algorithms.rollout import ActorCritic, HFGenerator, RelayGenerator, assemble, cut_at_eos
 from pipeline.modeling.scoring import reward_readout_index, sequence_scores
-from stages.reward import PairCollator
+from data_formats.collate import PairCollator
 from stagerun import run_stage
 from test_pt_sft import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from tinymodels import make_tiny_model

@@ -185,7 +185,7 @@ def test_weights_a_fused_optimizer_changed_are_the_ones_decoded(tiny):
 
 def test_backend_is_chosen_by_config_and_zero3_samples_with_hf(tiny):
     from pipeline.algorithms.rollout import HFGenerator, RelayGenerator, make_generator
-    from stages.ppo import GenerationConfig
+    from pipeline.config import GenerationConfig
 
     assert GenerationConfig().backend == "relay" and not GenerationConfig().problems()
     assert GenerationConfig(backend="vllm").problems() == ["generation.backend: 'vllm' is not one of ('relay', 'hf')"]

@@ -21,6 +21,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from data_formats import collate
 from pipeline.algorithms import preference as pref
 from stagerun import recording, run_stage
 from stages import dpo
@@ -184,7 +185,7 @@ def test_unknown_loss_and_ipo_without_counts_are_errors():
 
 
 def test_collator_labels_only_the_answers():
-    batch = dpo.AnswerPairCollator(0)([
+    batch = collate.AnswerPairCollator(0)([
         {"chosen_input_ids": [5, 6, 7, 8], "rejected_input_ids": [5, 6, 9], "chosen_answer_len": 2, "rejected_answer_len": 1, "margin": None},
         {"chosen_input_ids": [4, 3], "rejected_input_ids": [4, 2, 2, 1, 1], "chosen_answer_len": 1, "rejected_answer_len": 3, "margin": None},
     ])
@@ -244,7 +245,7 @@ def fresh_logps(path, stage, batch) -> torch.Tensor:
 
     model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        return dpo.sequence_logps(model, batch, None)[0]
+        return pref.sequence_logps(model, batch, None)[0]
 
 
 @pytest.mark.parametrize("finetuning", ["lora", "full"])
@@ -265,7 +266,7 @@ def test_stage_learns_and_its_reference_is_the_starting_model(tmp_path, tiny_mod
     assert trained[-1] < trained[0] - 0.05
     torch.testing.assert_close(stage.reference_logps(batch), start, rtol=0, atol=1e-5)
     with torch.no_grad():
-        policy = dpo.sequence_logps(stage.model, batch, stage.accelerator)[0]
+        policy = pref.sequence_logps(stage.model, batch, stage.accelerator)[0]
     assert (policy - start).abs().max() > 1e-2  # negative control: the policy moved
     if finetuning == "full":
         assert not any(p.requires_grad for p in stage.reference.parameters())
@@ -327,14 +328,14 @@ def test_packed_pairs_score_as_padded_ones(tmp_path, tiny_model_dir, pair_files)
     stage = dpo.DPOStage(make_cfg(tmp_path / "x", tiny_model_dir, pair_files))
     stage.validate()
     pairs = stage.train_samples[:4]
-    padded = dpo.AnswerPairCollator(stage.tokenizer.pad_token_id)(pairs)
-    packed = dpo.PackedPairCollator(stage.tokenizer.pad_token_id, 128)(pairs)
+    padded = collate.AnswerPairCollator(stage.tokenizer.pad_token_id)(pairs)
+    packed = collate.PackedPairCollator(stage.tokenizer.pad_token_id, 128)(pairs)
     assert packed["input_ids"].shape[0] < padded["input_ids"].shape[0]  # several sides share a row
     assert packed["attention_mask"].dim() == 4
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        sums_padded, counts_padded = dpo.sequence_logps(model, padded, None)
-        sums_packed, counts_packed = dpo.sequence_logps(model, packed, None)
+        sums_padded, counts_padded = pref.sequence_logps(model, padded, None)
+        sums_packed, counts_packed = pref.sequence_logps(model, packed, None)
     assert counts_packed.tolist() == counts_padded.tolist()
     torch.testing.assert_close(sums_packed, sums_padded, rtol=0, atol=1e-4)
     cfg = make_cfg(tmp_path / "packed", tiny_model_dir, pair_files)

@@ -26,7 +26,6 @@ from pipeline.tools.chain import (
     Selection,
     VerdictConfig,
     checks_after,
-    compare,
     deep_merge,
     load_pipeline,
     parent_stage,
@@ -35,6 +34,7 @@ from pipeline.tools.chain import (
     stage_status,
 )
 from pipeline.tools.driver import gold_verdict, verdict
+from pipeline.modeling.handoff import fact_problems
 from pipeline.modeling.manifest import read_manifest, tokenizer_hash, weights_hash
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,7 +231,7 @@ def test_tokenizer_mismatch_between_rm_and_policy_is_refused(completed_copy):
     (rm / "manifest.json").write_text(json.dumps(manifest))
     refused = run_driver(config, fake_log, "--only", "ppo")
     assert refused.returncode == 1
-    assert f"tokenizer_hash differs: reward model {rm.resolve()} has '{tokenizer_hash(rm)}', policy {(root / 'sft/merged').resolve()} has '{policy_hash}'" in refused.stderr
+    assert f"tokenizer hash: reward model {rm.resolve()} has {tokenizer_hash(rm)}, policy {(root / 'sft/merged').resolve()} has {policy_hash}" in refused.stderr
     assert ran(fake_log) == []
 
 
@@ -379,7 +379,7 @@ def test_stage_config_merge_order():
 
 
 def test_compare_and_verdict():
-    assert compare("A", {"vocab_size": 1, "tokenizer_hash": "x"}, "B", {"vocab_size": 2, "tokenizer_hash": "x"}) == ["vocab_size differs: A has 1, B has 2"]
+    assert fact_problems("A", {"vocab_size": 1, "tokenizer_hash": "x"}, "B", {"vocab_size": 2, "tokenizer_hash": "x"}) == ["vocab size: A has 1, B has 2"]
     ok = {"rm_eval_accuracy": 0.8, "ppo_reward_first": 0.2, "ppo_reward_last": 0.1}
     assert verdict(ok, VerdictConfig(), []) == []  # a falling PPO reward is information, not a reason
     assert verdict({**ok, "rm_eval_accuracy": 0.6}, VerdictConfig(), ["gold: x"]) == ["RM held-out accuracy 0.600 is below 0.7", "gold: x"]

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import pipeline.modeling.merge as merge
 from pipeline.config import LoraConfig, ModelConfig
-from pipeline.modeling.manifest import check_parent_compatible, tokenizer_hash, weights_hash
+from pipeline.modeling.handoff import check_parent_compatible
+from pipeline.modeling.manifest import tokenizer_hash, weights_hash
 from pipeline.modeling.merge import MergeError, export_full_model, merge_adapter
 from pipeline.modeling.models import load_model
 

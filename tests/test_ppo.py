@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import ConfigError
-from pipeline.algorithms.experience import make_experience
-from pipeline.algorithms.rollout import actor_critic_backward, assemble, cut_at_eos
+from pipeline.algorithms.ppo import actor_critic_backward, make_experience
+from pipeline.algorithms.rollout import assemble, cut_at_eos
+from pipeline.modeling.handoff import reward_pairing_problems
 from stagerun import run_stage
 from stages import ppo
 from tinymodels import make_tiny_model
@@ -71,8 +72,8 @@ def test_tokenizer_mismatch_is_refused(tmp_path, tiny_model_dir, tiny_reward_dir
     shutil.copytree(tiny_reward_dir, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "vocab_size": 49160}))
-    assert ppo.tokenizer_problems(str(tiny_model_dir), str(tiny_reward_dir)) == []  # same tokenizer: fine
-    (problem,) = ppo.tokenizer_problems(str(tiny_model_dir), str(other))
+    assert reward_pairing_problems(str(tiny_model_dir), str(tiny_reward_dir)) == []  # same tokenizer: fine
+    (problem,) = reward_pairing_problems(str(tiny_model_dir), str(other))
     assert re.search("vocab size: policy .* has 49152, reward model .* has 49160", problem)
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, other, tmp_path / "none.jsonl")
     with pytest.raises(ConfigError, match="do not share a tokenizer"):  # refused before anything loads

@@ -15,6 +15,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from data_formats.collate import left_pad
 from pipeline.modeling.manifest import read_manifest
 from pipeline.modeling.scoring import reward_readout_index, sequence_scores, token_scores
+from data_formats.collate import PairCollator
+from pipeline.algorithms import pairwise
 from stages import reward as rm
 from stagerun import recording, run_stage
 
@@ -55,14 +57,14 @@ def test_pairwise_loss_golden_values():
     chosen, rejected = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.5])
     margin = torch.tensor([0.5, 0.0])
     # diffs 0.5 and -0.5: log(1 + e^-0.5) = 0.474077, log(1 + e^0.5) = 0.974077
-    assert rm.pairwise_loss(chosen, rejected, margin).item() == pytest.approx(0.7240770, abs=1e-6)
+    assert pairwise.pairwise_loss(chosen, rejected, margin).item() == pytest.approx(0.7240770, abs=1e-6)
     # centring adds 0.01 * mean(1^2, 0.5^2) = 0.00625
-    assert rm.pairwise_loss(chosen, rejected, margin, 0.01).item() == pytest.approx(0.7303270, abs=1e-6)
-    assert rm.pairwise_loss(chosen, rejected).item() == pytest.approx((math.log1p(math.exp(-1.0)) + math.log1p(math.exp(0.5))) / 2, abs=1e-6)
+    assert pairwise.pairwise_loss(chosen, rejected, margin, 0.01).item() == pytest.approx(0.7303270, abs=1e-6)
+    assert pairwise.pairwise_loss(chosen, rejected).item() == pytest.approx((math.log1p(math.exp(-1.0)) + math.log1p(math.exp(0.5))) / 2, abs=1e-6)
 
 
 def test_pair_collator_layout():
-    batch = rm.PairCollator(0)([{"chosen_input_ids": [5, 6, 7], "rejected_input_ids": [8], "margin": 1.5},
+    batch = PairCollator(0)([{"chosen_input_ids": [5, 6, 7], "rejected_input_ids": [8], "margin": 1.5},
                                 {"chosen_input_ids": [9], "rejected_input_ids": [3, 4], "margin": None}])
     assert batch["input_ids"].tolist() == [[5, 6, 7], [9, 0, 0], [8, 0, 0], [3, 4, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 1, 0]]
@@ -112,7 +114,7 @@ def test_rm_stage_head_survives_merge_and_stats_recorded(tmp_path, tiny_model_di
     assert not torch.equal(merged.score.weight, initial_head)
     # reward_stats: the merged model's own scores over the training responses
     stats = read_manifest(out / "merged")["reward_stats"]
-    assert json.loads((out / "merged" / "config.json").read_text())[rm.REWARD_STATS_KEY] == stats
+    assert json.loads((out / "merged" / "config.json").read_text())[pairwise.REWARD_STATS_KEY] == stats
     prepared = rm.RMStage(cfg)
     prepared.validate()
     seqs = [p["chosen_input_ids"] for p in prepared.train_samples] + [p["rejected_input_ids"] for p in prepared.train_samples]

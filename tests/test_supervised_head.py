@@ -150,7 +150,7 @@ def test_dpo_sequence_logps_and_gradients_equal_the_full_logits(tiny_model_dir, 
     them, against the full-logits path (`pref.token_logps` over every position)."""
     from peft import LoraConfig, get_peft_model
 
-    from stages.dpo import sequence_logps
+    from pipeline.algorithms.preference import sequence_logps
 
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),

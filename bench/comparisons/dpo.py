@@ -130,7 +130,7 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
 
     import torch
 
-    import stages.dpo as dpo_module
+    import pipeline.algorithms.preference as dpo_module
     from stages.dpo import DPOStage
 
     torch.set_num_threads(env.threads)

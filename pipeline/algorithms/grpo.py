@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from pipeline.algorithms import rl
-from pipeline.algorithms.rollout import ActorCritic, Rollout, _chunks
+from pipeline.algorithms.rollout import ActorCritic, Rollout, chunks
 from pipeline.engine.steps import check_finite, clip_gradients, micro_step
 
 LOSS_TYPES = ("dapo", "grpo")
@@ -108,7 +108,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
 
 
 @torch.no_grad()
-def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperature: float, autocast, old: bool,
+def score_completions(model: ActorCritic, rollout: Rollout, *, micro: int, temperature: float, autocast, old: bool,
                   reference: bool) -> dict[str, torch.Tensor]:
     """The rollout's log-probs under the sampling policy ('old', when `old`) and the reference
     ('ref', when `reference`), in micro-batches of the size the update uses, so the update's first
@@ -119,7 +119,7 @@ def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperatu
         return {}
     device = next(model.parameters()).device
     P = rollout.prompt_width
-    for rows in _chunks(rollout.input_ids.shape[0], micro):
+    for rows in chunks(rollout.input_ids.shape[0], micro):
         ids, mask = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
         with autocast():
             if old:

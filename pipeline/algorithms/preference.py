@@ -1,5 +1,6 @@
 """Preference optimisation math (the DPO stage, stages/dpo.py): small pure functions on sequence
-log-probabilities, with golden tests against TRL 1.16 in tests/test_dpo.py.
+log-probabilities, with golden tests against TRL 1.16 in tests/test_dpo.py, and a batch's answer
+log-probs (`sequence_logps`) and losses with their logged figures (`pair_losses`).
 
 A sequence log-prob is the sum of the answer tokens' log-probs (`answer_logps`), the answer being
 the last assistant answer up to and including its end-of-turn token, as the RM scores it
@@ -28,15 +29,19 @@ rewards/rejected); for orpo β·(mean answer log-prob), as TRL's ORPOTrainer log
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
+from data_formats.collate import IGNORE_INDEX
+from pipeline.engine.steps import model_inputs
+from pipeline.engine.supervised_head import head_split, labelled_token_logps
+
 LOSS_TYPES = ("sigmoid", "ipo", "orpo")
 REFERENCE_FREE = ("orpo",)
-IGNORE_INDEX = -100
 
 
 class PairLosses(NamedTuple):
@@ -133,3 +138,45 @@ def orpo_losses(chosen_sum: torch.Tensor, rejected_sum: torch.Tensor, chosen_tok
 def orpo_nll(chosen_sum: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
     """ORPO's SFT term: the token-mean NLL over the chosen answers of a batch."""
     return -chosen_sum.sum() / chosen_tokens.sum().clamp(min=1)
+
+
+# --------------------------------------------------------------------------------------------
+# A batch's answer log-probs and its losses (the stage's step and evaluation call these)
+# --------------------------------------------------------------------------------------------
+
+
+def sequence_logps(model, batch: dict, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
+    """([2B] summed answer log-probs, [2B] answer token counts) of an AnswerPairCollator or
+    PackedPairCollator batch (data_formats.collate). The LM head runs at answer positions only
+    where that is exact (`pipeline.engine.supervised_head`), else over the full logits."""
+    autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+    head = head_split(model, accelerator)
+    with autocast:
+        if head is not None:
+            per_token, mask = labelled_token_logps(model, model_inputs(batch), head, batch["labels"])
+        else:
+            per_token, mask = token_logps(model(**model_inputs(batch), use_cache=False).logits, batch["labels"])
+    if "sample_index" in batch:
+        return packed_sums(per_token, mask, batch["sample_index"], int(batch["sample_index"].max()) + 1)
+    return row_sums(per_token, mask)
+
+
+def pair_losses(cfg, sums: torch.Tensor, counts: torch.Tensor, ref: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(scalar loss, {figure: [B] values}) of one batch from its [2B] policy sums and counts and
+    its [2B] reference sums (None for ORPO); `cfg` is the stage's `dpo` section (loss_type, beta,
+    label_smoothing)."""
+    half = sums.shape[0] // 2
+    pc, pr, nc, nr = sums[:half], sums[half:], counts[:half], counts[half:]
+    extra: dict[str, torch.Tensor] = {}
+    if cfg.loss_type == "orpo":
+        pairs, log_odds = orpo_losses(pc, pr, nc, nr, cfg.beta)
+        nll = orpo_nll(pc, nc)
+        loss = nll + pairs.losses.mean()
+        extra = {"nll": nll.detach().expand(half), "log_odds": log_odds.detach()}
+    else:
+        pairs = dpo_losses(pc, pr, ref[:half], ref[half:], cfg.beta, cfg.loss_type, cfg.label_smoothing, nc, nr)
+        loss = pairs.losses.mean()
+    chosen, rejected = pairs.chosen_rewards, pairs.rejected_rewards
+    figures = {"loss": pairs.losses.detach() + (extra["nll"] if "nll" in extra else 0.0), "accuracy": (chosen > rejected).float(),
+               "margin": chosen - rejected, "rewards_chosen": chosen, "rewards_rejected": rejected, **extra}
+    return loss, figures

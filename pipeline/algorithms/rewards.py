@@ -22,7 +22,7 @@ import inspect
 import re
 import sysconfig
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 RewardFunc = Callable[[list[str], list[str]], list[float]]
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -193,11 +193,6 @@ def kelvra_fact(prompts: list[str], completions: list[str]) -> list[float]:
         else:
             out.append(0.0)
     return out
-
-
-def weighted_sum(per_func: Sequence[Sequence[float]], weights: Sequence[float]) -> list[float]:
-    """sum_k weights[k] * per_func[k][i] for each completion i (pure)."""
-    return [sum(w * values[i] for w, values in zip(weights, per_func)) for i in range(len(per_func[0]))] if per_func else []
 
 
 def answer_match(prompts: list[str], completions: list[str], answer: Optional[list] = None, **columns) -> list[float]:

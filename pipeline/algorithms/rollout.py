@@ -1,6 +1,7 @@
-"""Rollout helpers for PPO: generation behind a small `Generator` protocol, turning generated ids
-into padded batches with response masks, the two-backbone actor-critic and its micro-batch
-forward/backward (`actor_critic_backward`).
+"""The policy side shared by the RL stages (PPO, GRPO): generation behind a small `Generator`
+protocol, turning generated ids into padded batches with response masks (`Rollout`), the
+response-token logits (`policy_logits`) and the two-backbone actor-critic module. PPO's scoring
+and update are pipeline/algorithms/ppo.py, GRPO's pipeline/algorithms/grpo.py.
 
 Memory design (LoRA/QLoRA): the policy is a LoRA on the SFT model and the reference policy is the
 same backbone with the adapter disabled; the critic is a LoRA plus a copy of the RM's `score`
@@ -13,14 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
 import torch
 
 from data_formats.collate import left_pad
-from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
+from pipeline.algorithms.rl import logprobs_from_logits
+from pipeline.config.policy import GENERATION_BACKENDS
+from pipeline.modeling.decode import generate as decode_generate
 from pipeline.modeling.models import adapter_disabled
 from pipeline.modeling.scoring import reward_readout_index, position_ids_from_mask, token_scores
 
@@ -94,9 +96,6 @@ class HFGenerator:
         return [row.tolist() for row in out[:, input_ids.shape[1]:].cpu()]
 
 
-GENERATION_BACKENDS = ("relay", "hf")
-
-
 @dataclass
 class RelayGenerator:
     """Sampling through Relay's decode engine (pipeline/modeling/decode.py: static KV cache, one
@@ -111,9 +110,7 @@ class RelayGenerator:
     temperature: float = 1.0
 
     def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-        from pipeline.modeling.decode import generate
-
-        return generate(self.model, prompts, max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
+        return decode_generate(self.model, prompts, max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
                         temperature=self.temperature).tokens
 
 
@@ -195,7 +192,6 @@ def assemble(prompts: Sequence[Sequence[int]], raw_responses: Sequence[Sequence[
     )
 
 
-
 def policy_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
     """Logits predicting each response token ([B, R, V]); position t-1 predicts token t.
 
@@ -252,102 +248,6 @@ class ActorCritic(torch.nn.Module):
         return scores[torch.arange(scores.shape[0]), reward_readout_index(attention_mask)]
 
 
-@dataclass
-class Experience:
-    """A scored rollout with everything the PPO update needs ([B, R] tensors unless noted)."""
-
-    rollout: Rollout
-    old_logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    values: torch.Tensor
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    kl: torch.Tensor
-    raw_scores: torch.Tensor  # [B]
-    scores: torch.Tensor  # [B], after normalisation, clipping and the EOS penalty
-    entropy: torch.Tensor  # [B, R] entropy of the rollout policy
-
-
-def _chunks(n: int, size: int) -> list[slice]:
+def chunks(n: int, size: int) -> list[slice]:
+    """Row slices of at most `size` covering range(n) (the micro-batches of a scoring pass)."""
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-@torch.no_grad()
-def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperature: float, autocast) -> dict[str, torch.Tensor]:
-    """Rollout log-probs, reference log-probs, values, entropy and RM scores, in micro-batches of
-    the size the update uses (so the first update reproduces the rollout log-probs exactly)."""
-    device = next(model.parameters()).device
-    out = defaultdict(list)
-    P = rollout.prompt_width
-    for rows in _chunks(rollout.input_ids.shape[0], micro):
-        ids, mask = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
-        with autocast():
-            logits, values = model(ids, mask, P)
-            logits = logits.float() / temperature
-            out["old"].append(logprobs_from_logits(logits, ids[:, P:]).cpu())
-            out["entropy"].append(entropy_from_logits(logits).cpu())
-            out["values"].append(values.float().cpu())
-            out["ref"].append(model.reference_logprobs(ids, mask, P, temperature).cpu())
-            out["rm"].append(model.reward_scores(ids, mask).float().cpu())
-    return {k: torch.cat(v) for k, v in out.items()}
-
-
-def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator, *, separate: bool,
-                          temperature: float, cliprange: float, cliprange_value: float, vf_coef: float,
-                          step_tokens: Optional[float] = None) -> dict[str, float]:
-    """Forward and backward of one micro-batch: `policy loss + vf_coef * value loss` (inside
-    `micro_step`, so accelerate divides it by the number of micro-batches of the step).
-
-    `step_tokens` (the response tokens of the whole optimizer step, every micro-batch on every
-    rank) token-normalises the step: each loss, a token mean over this micro-batch, is weighted by
-    its share of the step's tokens, times the micro-batches per step and the ranks (undoing
-    accelerate's division and DDP's average), so the gradient is that of sum(token losses) /
-    step_tokens. None: the micro-batch's token mean as it is (a mean of micro-batch means).
-
-    `separate` gives the policy and the critic a forward and backward each, so only one model's
-    activations are alive at a time (about half the peak memory of the joint pass, the same
-    gradients: the two models share no parameters). The joint pass is for wrapped engines (DDP,
-    DeepSpeed, FSDP), which expect one forward per backward over the whole module.
-    Returns the micro-batch's statistics (`ratio_dev`: max |ratio - 1| over its response tokens).
-    """
-    device = accelerator.device
-    P = exp.rollout.prompt_width
-    ids, attn = exp.rollout.input_ids[idx].to(device), exp.rollout.attention_mask[idx].to(device)
-    mask, old = exp.rollout.response_mask[idx].to(device), exp.old_logprobs[idx].to(device)
-
-    def policy_part(logits):
-        logp = logprobs_from_logits(logits.float() / temperature, ids[:, P:])
-        return logp, policy_loss(logp, old, exp.advantages[idx].to(device), mask, cliprange)
-
-    def value_part(values):
-        return value_loss(values.float(), exp.values[idx].to(device), exp.returns[idx].to(device), mask, cliprange_value)
-
-    weight = 1.0
-    if step_tokens is not None:
-        weight = float(mask.sum()) / step_tokens * accelerator.gradient_accumulation_steps * accelerator.num_processes
-
-    if separate:
-        with accelerator.autocast():
-            logits, _ = model(ids, attn, P, critic=False)
-        logp, pol = policy_part(logits)
-        accelerator.backward(pol.loss * weight)
-        del logits
-        with accelerator.autocast():
-            _, values = model(ids, attn, P, policy=False)
-        vloss, vclip = value_part(values)
-        accelerator.backward(vf_coef * vloss * weight)
-    else:
-        with accelerator.autocast():
-            logits, values = model(ids, attn, P)
-        logp, pol = policy_part(logits)
-        vloss, vclip = value_part(values)
-        accelerator.backward((pol.loss + vf_coef * vloss) * weight)
-    return {
-        "loss": float(pol.loss.detach()) + vf_coef * float(vloss.detach()),
-        "policy_loss": float(pol.loss.detach()),
-        "value_loss": float(vloss.detach()),
-        "clipfrac_policy": float(pol.clipfrac),
-        "clipfrac_value": float(vclip),
-        "approx_kl": float(pol.approx_kl),
-        "ratio_dev": float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()),
-    }

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from pipeline.config import StageConfig, TrainConfig
+from pipeline.engine.checkpoint import newest_identity
 
 
 def resolve_precision(name: str) -> str:
@@ -67,10 +69,6 @@ def combination_problems(cfg: StageConfig) -> list[str]:
 
 
 def _would_resume(cfg: StageConfig) -> bool:
-    from pathlib import Path
-
-    from pipeline.engine.checkpoint import newest_identity
-
     return newest_identity(Path(cfg.output_dir) / "checkpoints", cfg.checkpoint) is not None
 
 
@@ -213,3 +211,29 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
         [g for g in groups if g["params"]], lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.epsilon,
         fused=fused or None,
     )
+
+
+def trainable_state(model: torch.nn.Module, accelerator) -> dict[str, torch.Tensor]:
+    """The trainable parameters by name (full tensors, gathered under FSDP / ZeRO-3)."""
+    names = {n for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
+    if accelerator.num_processes > 1 and accelerator.distributed_type.name in ("FSDP", "DEEPSPEED"):
+        full = accelerator.get_state_dict(model)
+        return {k: v for k, v in full.items() if k in names}
+    return {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters() if n in names}
+
+
+def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor], accelerator) -> None:
+    """Copy checkpointed trainable weights into the model.
+
+    Raises:
+        KeyError: the checkpoint lacks a trainable parameter of the model, or has an unknown one.
+    """
+    params = dict(accelerator.unwrap_model(model).named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in tensors]
+    unknown = [n for n in tensors if n not in params]
+    if missing or unknown:
+        raise KeyError(f"checkpoint does not match the model: missing {missing[:5]}, unknown {unknown[:5]}")
+    # Under FSDP the unwrapped parameters are shards: copy into the whole ones, written back.
+    with full_parameters(accelerator, model, writeback=True), torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value.to(params[name].device, params[name].dtype))

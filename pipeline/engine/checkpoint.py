@@ -475,31 +475,3 @@ def newest_identity(root: Path, cfg: CheckpointConfig) -> Optional[tuple[Path, O
         if marker is not None:
             return path, marker.get("identity")
     return None
-
-
-def trainable_state(model: torch.nn.Module, accelerator) -> dict[str, torch.Tensor]:
-    """The trainable parameters by name (full tensors, gathered under FSDP / ZeRO-3)."""
-    names = {n for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
-    if accelerator.num_processes > 1 and accelerator.distributed_type.name in ("FSDP", "DEEPSPEED"):
-        full = accelerator.get_state_dict(model)
-        return {k: v for k, v in full.items() if k in names}
-    return {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters() if n in names}
-
-
-def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor], accelerator) -> None:
-    """Copy checkpointed trainable weights into the model.
-
-    Raises:
-        KeyError: the checkpoint lacks a trainable parameter of the model, or has an unknown one.
-    """
-    params = dict(accelerator.unwrap_model(model).named_parameters())
-    missing = [n for n, p in params.items() if p.requires_grad and n not in tensors]
-    unknown = [n for n in tensors if n not in params]
-    if missing or unknown:
-        raise KeyError(f"checkpoint does not match the model: missing {missing[:5]}, unknown {unknown[:5]}")
-    from pipeline.engine.accelerator import full_parameters
-
-    # Under FSDP the unwrapped parameters are shards: copy into the whole ones, written back.
-    with full_parameters(accelerator, model, writeback=True), torch.no_grad():
-        for name, value in tensors.items():
-            params[name].copy_(value.to(params[name].device, params[name].dtype))

@@ -97,7 +97,10 @@ def run_identity(stage: str, config: dict, *, model_path: str, world_size: int,
             "may_change": {k: v for k, v in flat.items() if matches(k, loose) and not k.startswith("checkpoint.")}}
 
 
-def _differences(old: dict, new: dict) -> list[str]:
+def changes(old: dict, new: dict) -> list[str]:
+    """One line per key whose value differs between two flat ({dotted key: value}) records: the
+    one definition of "changed" that resume (here) and the pipeline driver's staleness
+    (pipeline.tools.chain.stage_status) both use."""
     out = []
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
@@ -108,6 +111,11 @@ def _differences(old: dict, new: dict) -> list[str]:
     return out
 
 
+def config_changes(old: dict, new: dict) -> list[str]:
+    """`changes` between two nested configs."""
+    return changes(flatten(old), flatten(new))
+
+
 def compare(saved: Optional[dict], current: dict) -> tuple[list[str], list[str], list[str]]:
     """(impossible, refused, allowed) differences between a checkpoint's identity and this run's:
     `impossible` can never be resumed (another stage, other weights), `refused` needs
@@ -116,5 +124,5 @@ def compare(saved: Optional[dict], current: dict) -> tuple[list[str], list[str],
         return [], ["the checkpoint records no identity (written before Relay checked what it resumes)"], []
     if saved.get("stage") != current["stage"]:
         return [f"it was written by the {saved.get('stage')!r} stage, this is {current['stage']!r}"], [], []
-    return (_differences(saved.get("fixed", {}), current["fixed"]), _differences(saved.get("config", {}), current["config"]),
-            _differences(saved.get("may_change", {}), current["may_change"]))
+    return (changes(saved.get("fixed", {}), current["fixed"]), changes(saved.get("config", {}), current["config"]),
+            changes(saved.get("may_change", {}), current["may_change"]))

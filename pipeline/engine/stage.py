@@ -39,13 +39,25 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
+from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from data_formats.render import make_template, template_jinja
 from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
+from data_formats.sources import DataError, expand_entry
 from pipeline.config import ConfigError, StageConfig, load_config, save_config, to_dict
+from pipeline.engine.accelerator import build_optimizer, combination_problems, optimizer_state, setup_accelerator, trainable_state
+from pipeline.engine.checkpoint import Checkpointer, CheckpointError, complete_checkpoints, rng_state
+from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
+from pipeline.engine.export import export_trained
 from pipeline.engine.interrupt import StopRequest, Stopped, agreed_signal, all_ranks_ok, ranks_max, signal_name
+from pipeline.engine.resume import launched_world_size, resume, resume_problems
+from pipeline.engine.schedule import build_scheduler
 from pipeline.engine.steps import NonFiniteError
-from pipeline.engine.tracking import EarlyStopping, History
+from pipeline.engine.tracking import EarlyStopping, History, Tracker, default_run_name, format_stage_summary, quiet_console
+from pipeline.modeling import models
+from pipeline.modeling.handoff import manifest_problems
+from pipeline.modeling.preflight import model_problems
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +72,6 @@ OnStep = Callable[["Stage", dict], None]
 
 def data_problems(entries: Sequence[str], key: str) -> list[str]:
     """Data path entries that name no file (a missing path or an empty folder/glob)."""
-    from data_formats.sources import expand_entry
 
     out = []
     for entry in entries:
@@ -74,14 +85,12 @@ def parent_problems(model_path: str, need: str = "causal", allow_pickle: bool = 
     """What keeps model.path from loading as a `need` model (pipeline.modeling.preflight: missing,
     an adapter or reward-model folder, no weights/tokenizer, an unreachable hub id), then
     mismatches between a local parent model's manifest and its folder's tokenizer/template."""
-    from pipeline.modeling.manifest import check_parent_compatible, read_manifest
-    from pipeline.modeling.preflight import model_problems
 
     found = model_problems(model_path, "model.path", need=need, allow_pickle=allow_pickle)
     folder = Path(model_path)
-    if found or not folder.is_dir() or read_manifest(folder) is None:
+    if found or not folder.is_dir():
         return found
-    return [f"model.path: {p}" for p in check_parent_compatible(folder, folder)]
+    return [f"model.path: {p}" for p in manifest_problems(folder, required=False)]
 
 
 def supervision_problems(samples: Sequence, seq_length: int) -> list[str]:
@@ -92,11 +101,6 @@ def supervision_problems(samples: Sequence, seq_length: int) -> list[str]:
         return [f"data.train: no training sample has a token to learn (every label is masked; train.seq_length "
                 f"{seq_length} may be too short for the prompts)"]
     return []
-
-
-def launched_world_size() -> int:
-    """Processes torchrun started (WORLD_SIZE), known before the accelerator exists (validation)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def stop_after_step() -> Optional[int]:
@@ -160,10 +164,9 @@ class Stage:
     resume without refusal, beside pipeline.engine.identity.MAY_CHANGE."""
 
     def __init__(self, cfg: StageConfig):
-        from pipeline.modeling.models import resolve_model_path
 
         self.cfg = cfg
-        self.model_path = resolve_model_path(cfg.model.path)
+        self.model_path = models.resolve_model_path(cfg.model.path)
         self.step = 0
         self.cursor = DataCursor()
         self.history = History()
@@ -212,9 +215,8 @@ class Stage:
 
     def build_model(self) -> torch.nn.Module:
         """The trainable module (self.accelerator exists; the seed is set)."""
-        from pipeline.modeling.models import load_model
 
-        return load_model(self.cfg.model, self.cfg.lora, kind=self.model_kind, tokenizer=self.tokenizer)
+        return models.load_model(self.cfg.model, self.cfg.lora, kind=self.model_kind, tokenizer=self.tokenizer)
 
     def train_mode(self) -> None:
         """Put the prepared model in train mode (transformers checkpoints only layers in train mode)."""
@@ -250,13 +252,41 @@ class Stage:
     def export(self, summary: dict) -> Optional[Path]:
         """Save the trained weights and merged/ (rank 0 returns it). Releases model, optimizer
         and scheduler first, so the merge does not hold the training copies too."""
-        from pipeline.engine.export import export_trained
-
         return export_trained(self, {"tasks": self.tasks, "summary": summary, **self.all_manifest_extras()})
+
+    def export_module(self) -> torch.nn.Module:
+        """The trained module `export` saves (PPO and GRPO: the policy inside their module)."""
+        return self.accelerator.unwrap_model(self.model)
+
+    def export_adapters(self) -> dict[str, torch.nn.Module]:
+        """Further adapters `export` saves beside adapter/, by folder name (PPO's critic_adapter)."""
+        return {}
+
+    def release(self) -> None:
+        """Drop what the stage holds on to besides model, optimizer and scheduler (a sampler, a
+        reference copy) before export merges, so the merge does not hold them too."""
 
     def summary(self) -> dict:
         """summary.json's figures."""
         return self.history.summary()
+
+    def run_figures(self) -> dict:
+        """The figures every summary ends with: steps and wall time."""
+        return {"steps": self.step, "wall_seconds": self.history.wall_seconds()}
+
+    def data_template(self):
+        """The chat template `cfg.data` asks for (data_formats.render.make_template); sets
+        `chat_template`, which merged/ saves (role_markers mode)."""
+        template = make_template(self.cfg.data, self.tokenizer)
+        self.chat_template = template_jinja(template, self.tokenizer)
+        return template
+
+    def fill_problems(self, count: int, what: str, batch: str = "micro-batch") -> list[str]:
+        """The one problem line when `count` training items cannot fill one batch on every rank."""
+        size, world = self.cfg.train.batch_size, launched_world_size()
+        if count < size * world:
+            return [f"data.train: {count} {what} cannot fill one {batch} of {size} x {world} rank(s)"]
+        return []
 
     def all_manifest_extras(self) -> dict:
         """`manifest_extras` plus the engine's own: the config changes accepted on resume."""
@@ -297,21 +327,17 @@ class Stage:
         Raises:
             ConfigError: listing every problem found.
         """
-        from data_formats.sources import DataError
-        from pipeline.engine.accelerator import combination_problems
-        from pipeline.modeling.models import load_tokenizer, remote_code_problems
-
         cfg = self.cfg
         problems = cfg.problems() + self.problems() + combination_problems(cfg)
         problems += data_problems(cfg.data.train, "data.train") + data_problems(cfg.data.eval, "data.eval")
         # A reward stage may start from a causal LM (fresh head) or from a reward model.
         problems += parent_problems(self.model_path, "any" if self.model_kind == "reward" else "causal", cfg.model.allow_pickle)
-        problems += remote_code_problems(cfg.model, "model")
+        problems += models.remote_code_problems(cfg.model, "model")
         if not problems:
-            problems += self.resume_problems()
+            problems += resume_problems(self)
         if problems:
             raise ConfigError(problems)
-        self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code, cfg.model.revision)
+        self.tokenizer = models.load_tokenizer(self.model_path, cfg.model.trust_remote_code, cfg.model.revision)
         try:
             problems = self.build_data()
         except (DataError, ValueError) as err:
@@ -320,44 +346,9 @@ class Stage:
         if problems:
             raise ConfigError(problems)
 
-    def resume_problems(self) -> list[str]:
-        """Compare the checkpoint this run would resume with this run's identity (module
-        docstring of pipeline.engine.identity); sets `identity`, `accepted_changes` and
-        `allowed_changes`."""
-        from pipeline.engine.checkpoint import MARKER, newest_identity, resume_setting
-        from pipeline.engine.identity import compare, run_identity
-
-        cfg = self.cfg
-        self.identity = run_identity(self.name, to_dict(cfg), model_path=self.model_path, world_size=launched_world_size(),
-                                     may_change=self.resume_may_change)
-        resume = resume_setting(cfg.checkpoint)
-        if resume not in (True, False) and not (Path(resume) / MARKER).is_file():
-            return [f"checkpoint.resume: {resume} is not a complete checkpoint (no {MARKER} marker)"]
-        found = newest_identity(Path(cfg.output_dir) / "checkpoints", cfg.checkpoint)
-        if found is None:
-            return []
-        path, saved = found
-        impossible, refused, allowed = compare(saved, self.identity)
-        if impossible:
-            return [f"{path}: cannot resume it: {d}; use another output_dir, or checkpoint.resume: false to move its "
-                    f"checkpoints aside and start fresh" for d in impossible]
-        if refused and not cfg.checkpoint.resume_changed:
-            return [f"{path}: changed since this checkpoint: {d}" for d in refused] + [
-                "checkpoint.resume_changed: true resumes with the new values (recorded in the manifest); "
-                "checkpoint.resume: false starts fresh (the old checkpoints are moved aside)"]
-        for d in allowed:
-            log.info("resuming %s with a changed %s", path, d)
-        self.accepted_changes, self.allowed_changes = refused, allowed
-        return []
-
     def build(self) -> None:
         """Accelerator, seed, model, optimizer, scheduler, checkpointer, tracker; config.yaml."""
-        from accelerate.utils import set_seed
 
-        from pipeline.engine.checkpoint import Checkpointer
-        from pipeline.engine.accelerator import build_optimizer, setup_accelerator
-        from pipeline.engine.schedule import build_scheduler
-        from pipeline.engine.tracking import Tracker, default_run_name
 
         cfg, out = self.cfg, Path(self.cfg.output_dir)
         self.accelerator = acc = setup_accelerator(cfg)
@@ -381,8 +372,6 @@ class Stage:
 
     def checkpoint_state(self) -> dict:
         """Every part of a checkpoint (see the module docstring)."""
-        from pipeline.engine.accelerator import optimizer_state
-        from pipeline.engine.checkpoint import rng_state, trainable_state
 
         return {
             "model": trainable_state(self.model, self.accelerator),
@@ -396,97 +385,8 @@ class Stage:
         }
 
     def resume(self) -> None:
-        """Load the checkpoint to resume from, if any, falling back past ones that fail to load
-        (each moved aside with a warning); apply the config changes validation accepted.
-
-        Raises:
-            CheckpointError: an explicit checkpoint.resume path that fails to load.
-            ConfigError: the checkpoint's weights do not fit the model.
-            FileNotFoundError: a bad checkpoint.resume path.
-        """
-        from pipeline.engine.checkpoint import CheckpointError, CorruptCheckpoint, resume_setting
-
-        explicit = resume_setting(self.cfg.checkpoint) not in (True, False)
-        for path in self.checkpointer.candidates():
-            try:
-                state, reason = self.checkpointer.load(path), None
-            except CorruptCheckpoint as err:
-                state, reason = None, str(err)
-            if not all_ranks_ok(state is not None, self.accelerator):
-                reason = reason or f"{path} failed to load on another rank"
-                if explicit:
-                    raise CheckpointError(reason)
-                self.checkpointer.move_aside(path, reason)
-                self.accelerator.wait_for_everyone()
-                continue
-            self.restore(state)
-            log.info("resumed from %s at step %d", path, self.step)
-            return
-
-    def restore(self, state: dict) -> None:
-        """Put a loaded checkpoint's state into the run (see `checkpoint_state`)."""
-        from pipeline.engine.accelerator import load_optimizer_state
-        from pipeline.engine.checkpoint import load_trainable_state, set_rng_state
-
-        try:
-            load_trainable_state(self.model, state["model"], self.accelerator)
-        except KeyError as err:
-            raise ConfigError([f"the checkpoint's weights do not fit the model: {err.args[0]}"]) from None
-        load_optimizer_state(self.model, self.optimizer, state["optimizer"], self.accelerator)
-        self.scheduler.load_state_dict(state["scheduler"])
-        trainer = state["trainer"]
-        self.step = self.last_saved = int(trainer["step"])
-        self.cursor = self.converted_cursor(DataCursor(**state["data"]), trainer.get("global_micro_batch"))
-        self.early.load_state_dict(trainer["early_stopping"])
-        self.history.load_state_dict(trainer["history"])
-        self.load_state_dict(trainer["stage"])
-        self.resume_changes = list(trainer.get("resume_changes", []))
-        if "rng" in state:
-            set_rng_state(state["rng"])
-        else:
-            log.warning("the checkpoint has no RNG state for this rank: sampling will differ from an unbroken run")
-        if self.accepted_changes:
-            self.resume_changes.append({"step": self.step, "changes": self.accepted_changes})
-            log.warning("resuming at step %d with changes accepted by checkpoint.resume_changed: %s",
-                        self.step, "; ".join(self.accepted_changes))
-        self.apply_schedule()
-
-    def converted_cursor(self, cursor: DataCursor, saved_micro_batch: Optional[int]) -> DataCursor:
-        """The saved data cursor in this run's global micro-batches (batch_size x ranks). The
-        cursor counts micro-batches, so a run that splits the same global batch differently
-        (2x2 -> 4x1) converts it through samples; a remainder is read again (logged)."""
-        current = self.cfg.train.batch_size * self.accelerator.num_processes
-        if not saved_micro_batch or saved_micro_batch == current:
-            return cursor
-        samples = cursor.position * saved_micro_batch
-        if samples % current:
-            log.warning("the new micro-batch of %d samples does not divide the %d samples done in this epoch: "
-                        "%d of them are read again", current, samples, samples % current)
-        return DataCursor(cursor.epoch, samples // current)
-
-    def apply_schedule(self) -> None:
-        """Make the optimizer follow this run's train settings from the current step on when the
-        resume changed them (learning rate, schedule, max_steps, AdamW's betas, eps, weight
-        decay). Without such a change the restored state is left as it is (bit-identical)."""
-        from pipeline.engine.schedule import build_scheduler
-
-        changed = [c.split(":")[0] for c in self.accepted_changes + self.allowed_changes]
-        if not any(c.startswith("train.") for c in changed):
-            return
-        t = self.cfg.train
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        groups = optimizer.param_groups
-        for g in groups:
-            g["initial_lr"], g["betas"], g["eps"] = t.learning_rate, (t.beta1, t.beta2), t.epsilon
-            if any(p.ndim >= 2 for p in g["params"]):
-                g["weight_decay"] = t.weight_decay
-        scheduler = build_scheduler(optimizer, t)
-        scheduler.last_epoch = self.step
-        lrs = [base * fn(self.step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-        for g, lr in zip(groups, lrs):
-            g["lr"] = lr
-        scheduler._last_lr = lrs
-        self.scheduler = scheduler
+        """Load the checkpoint to resume from, if any (pipeline.engine.resume.resume)."""
+        resume(self)
 
     def loop(self, on_step: Optional[OnStep] = None) -> bool:
         """Train until train.max_steps; False when RELAY_STOP_AFTER_STEP stopped the run."""
@@ -550,7 +450,6 @@ class Stage:
         signum = agreed_signal(self.stop_request.signum, self.accelerator)
         if signum is None:
             return
-        from pipeline.engine.checkpoint import complete_checkpoints
 
         if self.last_saved != self.step and self.step > 0:
             self.save_checkpoint("temporary")
@@ -566,9 +465,6 @@ class Stage:
         Raises:
             Diverged: naming the reason and the checkpoint a rerun would resume.
         """
-        from pipeline.engine.checkpoint import complete_checkpoints
-        from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
-
         cfg = self.cfg.train.divergence
         if not cfg.enabled:
             return
@@ -656,10 +552,7 @@ def main(stage_class: type[Stage], argv: Optional[Sequence[str]] = None) -> int:
     """Every stage script's entry point: parse the config, run the stage, print its summary.
     Every early end is one line on stderr (module docstring): config problems (a list) exit 2, a
     signal 128 + its number, a divergence, a non-finite step or a checkpoint error 1."""
-    from pipeline.engine.checkpoint import CheckpointError
-    from pipeline.engine.divergence import Diverged
 
-    from pipeline.engine.tracking import format_stage_summary, quiet_console
 
     logging.basicConfig(level=os.environ.get("RELAY_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_console()

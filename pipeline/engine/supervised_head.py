@@ -42,6 +42,17 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
 
 
+def _add_chunk_grads(grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, rows: slice,
+                     grad_h: Optional[torch.Tensor], grad_w: Optional[torch.Tensor], grad_b: Optional[torch.Tensor]) -> None:
+    """Add one chunk's gradients from d(loss)/d(logits) `grad` to those asked for (None: not asked)."""
+    if grad_h is not None:
+        grad_h[rows] = (grad.to(dtype) @ w).to(grad_h.dtype)
+    if grad_w is not None:
+        grad_w.add_(grad.t().to(dtype) @ h)
+    if grad_b is not None:
+        grad_b.add_(grad.sum(0))
+
+
 class _FusedWeightedCE(torch.autograd.Function):
     """sum_t coef_t * CE(hidden_t @ W.T + b, label_t), with per-row losses as a second,
     non-differentiable output; gradients computed in forward, chunk by chunk."""
@@ -70,12 +81,7 @@ class _FusedWeightedCE(torch.autograd.Function):
                     grad = logits.sub_(lse.unsqueeze(1)).exp_()
                     grad[torch.arange(grad.shape[0], device=device), y] -= 1.0
                     grad.mul_(coef[start:start + chunk].unsqueeze(1))
-                    if need_h:
-                        grad_h[start:start + chunk] = (grad.to(dtype) @ w).to(hidden.dtype)
-                    if need_w:
-                        grad_w.add_(grad.t().to(dtype) @ h)
-                    if need_b:
-                        grad_b.add_(grad.sum(0))
+                    _add_chunk_grads(grad, h, w, dtype, slice(start, start + chunk), grad_h, grad_w, grad_b)
                 del logits
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.has = (need_h, need_w, need_b)
@@ -141,12 +147,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 grad = F.linear(h, w, b).float().sub_(lses[start:start + chunk].unsqueeze(1)).exp_().neg_()
                 grad[torch.arange(grad.shape[0], device=device), y] += 1.0
                 grad.mul_(grad_out[start:start + chunk].float().unsqueeze(1))
-                if need_h:
-                    grad_h[start:start + chunk] = (grad.to(dtype) @ w).to(hidden.dtype)
-                if need_w:
-                    grad_w.add_(grad.t().to(dtype) @ h)
-                if need_b:
-                    grad_b.add_(grad.sum(0))
+                _add_chunk_grads(grad, h, w, dtype, slice(start, start + chunk), grad_h, grad_w, grad_b)
         return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None, None, None)
 
 

@@ -89,14 +89,6 @@ class Tracker:
         self.writers = []
 
 
-def perplexity(loss: float) -> float:
-    """exp(loss), inf instead of an overflow error for huge losses."""
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return float("inf")
-
-
 @dataclass
 class EarlyStopping:
     """MFTCoder's early stopping: stop after `patience` evaluations without a new best loss."""
@@ -141,6 +133,17 @@ class History:
     def values(self, tag: str, evals: bool = False) -> list[float]:
         """Every recorded value of `tag`, in step order."""
         return [r[tag] for r in (self.evals if evals else self.steps) if tag in r]
+
+    def pick(self, **names: str) -> dict:
+        """Summary figures by name, each read from a tag: 'tag' is its last recorded value,
+        'tag:first' its first (an 'eval/' tag from the evaluations, others from the steps); None
+        where never recorded."""
+        out = {}
+        for name, spec in names.items():
+            tag, _, which = spec.partition(":")
+            values = self.values(tag, evals=tag.startswith("eval/"))
+            out[name] = (values[0] if which == "first" else values[-1]) if values else None
+        return out
 
     def summary(self) -> dict:
         """The headline figures of a loss-trained stage (first and last losses, speed)."""

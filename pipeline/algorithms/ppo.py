@@ -1,7 +1,10 @@
-"""PPO's experience and update (the algorithm; the stage is stages/ppo.py): turning a scored
-rollout into shaped rewards, advantages and returns, and `ppo.epochs` passes of clipped policy and
-value updates over mini-batches, each mini-batch one optimizer step accumulated over
-`train.grad_accum` micro-batches (`pipeline.engine.steps.micro_step`).
+"""PPO's algorithm (the stage is stages/ppo.py): scoring a rollout (`score_rollout`), turning it
+into shaped rewards, advantages and returns (`make_experience` -> `Experience`), and `ppo.epochs`
+passes of clipped policy and value updates over mini-batches (`ppo_update`), each mini-batch one
+optimizer step accumulated over `train.grad_accum` micro-batches
+(`pipeline.engine.steps.micro_step`; one micro-batch's forward and backward is
+`actor_critic_backward`). Sampling, `Rollout` and the actor-critic module are the RL stages'
+shared pipeline/algorithms/rollout.py.
 
 Over several ranks everything is global, so N ranks of B prompts update exactly as one process of
 N x B (tests/test_distributed_stages.py): the reward normaliser's statistics take every rank's raw
@@ -12,16 +15,58 @@ whole mini-batch, every rank's micro-batches together (`ppo_update`)."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from accelerate.utils import DistributedType
 
 from pipeline.algorithms import rl
+from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
+from pipeline.algorithms.rollout import ActorCritic, Rollout, chunks
 from pipeline.engine.steps import all_reduce_sum, check_finite, clip_gradients, micro_step
-from pipeline.algorithms.rollout import ActorCritic, Experience, Rollout, actor_critic_backward, score_rollout
+
+REWARD_NORMS = ("none", "running", "stored")
+"""ppo.reward_norm: no normalisation, running statistics, or the RM's stored `reward_stats`."""
 
 RewardFn = Callable[[list[str], list[list[int]]], torch.Tensor]
 """reward_fn(prompt_texts, response_ids) -> [B] rewards, in place of the reward model's score."""
+
+
+@dataclass
+class Experience:
+    """A scored rollout with everything the PPO update needs ([B, R] tensors unless noted)."""
+
+    rollout: Rollout
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    kl: torch.Tensor
+    raw_scores: torch.Tensor  # [B]
+    scores: torch.Tensor  # [B], after normalisation, clipping and the EOS penalty
+    entropy: torch.Tensor  # [B, R] entropy of the rollout policy
+
+
+@torch.no_grad()
+def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperature: float, autocast) -> dict[str, torch.Tensor]:
+    """Rollout log-probs, reference log-probs, values, entropy and RM scores, in micro-batches of
+    the size the update uses (so the first update reproduces the rollout log-probs exactly)."""
+    device = next(model.parameters()).device
+    out = defaultdict(list)
+    P = rollout.prompt_width
+    for rows in chunks(rollout.input_ids.shape[0], micro):
+        ids, mask = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
+        with autocast():
+            logits, values = model(ids, mask, P)
+            logits = logits.float() / temperature
+            out["old"].append(logprobs_from_logits(logits, ids[:, P:]).cpu())
+            out["entropy"].append(entropy_from_logits(logits).cpu())
+            out["values"].append(values.float().cpu())
+            out["ref"].append(model.reference_logprobs(ids, mask, P, temperature).cpu())
+            out["rm"].append(model.reward_scores(ids, mask).float().cpu())
+    return {k: torch.cat(v) for k, v in out.items()}
 
 
 def shape_scores(raw: torch.Tensor, finished: torch.Tensor, normaliser: rl.RunningMoments, cfg, gathered: torch.Tensor) -> torch.Tensor:
@@ -57,6 +102,67 @@ def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str
     return Experience(rollout, s["old"], s["ref"], s["values"] * mask, advantages, returns, kl, raw, scores, s["entropy"])
 
 
+def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator, *, separate: bool,
+                          temperature: float, cliprange: float, cliprange_value: float, vf_coef: float,
+                          step_tokens: Optional[float] = None) -> dict[str, float]:
+    """Forward and backward of one micro-batch: `policy loss + vf_coef * value loss` (inside
+    `micro_step`, so accelerate divides it by the number of micro-batches of the step).
+
+    `step_tokens` (the response tokens of the whole optimizer step, every micro-batch on every
+    rank) token-normalises the step: each loss, a token mean over this micro-batch, is weighted by
+    its share of the step's tokens, times the micro-batches per step and the ranks (undoing
+    accelerate's division and DDP's average), so the gradient is that of sum(token losses) /
+    step_tokens. None: the micro-batch's token mean as it is (a mean of micro-batch means).
+
+    `separate` gives the policy and the critic a forward and backward each, so only one model's
+    activations are alive at a time (about half the peak memory of the joint pass, the same
+    gradients: the two models share no parameters). The joint pass is for wrapped engines (DDP,
+    DeepSpeed, FSDP), which expect one forward per backward over the whole module.
+    Returns the micro-batch's statistics (`ratio_dev`: max |ratio - 1| over its response tokens).
+    """
+    device = accelerator.device
+    P = exp.rollout.prompt_width
+    ids, attn = exp.rollout.input_ids[idx].to(device), exp.rollout.attention_mask[idx].to(device)
+    mask, old = exp.rollout.response_mask[idx].to(device), exp.old_logprobs[idx].to(device)
+
+    def policy_part(logits):
+        logp = logprobs_from_logits(logits.float() / temperature, ids[:, P:])
+        return logp, policy_loss(logp, old, exp.advantages[idx].to(device), mask, cliprange)
+
+    def value_part(values):
+        return value_loss(values.float(), exp.values[idx].to(device), exp.returns[idx].to(device), mask, cliprange_value)
+
+    weight = 1.0
+    if step_tokens is not None:
+        weight = float(mask.sum()) / step_tokens * accelerator.gradient_accumulation_steps * accelerator.num_processes
+
+    if separate:
+        with accelerator.autocast():
+            logits, _ = model(ids, attn, P, critic=False)
+        logp, pol = policy_part(logits)
+        accelerator.backward(pol.loss * weight)
+        del logits
+        with accelerator.autocast():
+            _, values = model(ids, attn, P, policy=False)
+        vloss, vclip = value_part(values)
+        accelerator.backward(vf_coef * vloss * weight)
+    else:
+        with accelerator.autocast():
+            logits, values = model(ids, attn, P)
+        logp, pol = policy_part(logits)
+        vloss, vclip = value_part(values)
+        accelerator.backward((pol.loss + vf_coef * vloss) * weight)
+    return {
+        "loss": float(pol.loss.detach()) + vf_coef * float(vloss.detach()),
+        "policy_loss": float(pol.loss.detach()),
+        "value_loss": float(vloss.detach()),
+        "clipfrac_policy": float(pol.clipfrac),
+        "clipfrac_value": float(vclip),
+        "approx_kl": float(pol.approx_kl),
+        "ratio_dev": float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()),
+    }
+
+
 def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -> dict[str, float]:
     """`ppo.epochs` passes over the rollout in shuffled mini-batches, one optimizer step each.
 
@@ -74,8 +180,6 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
     Raises:
         NonFiniteError: a non-finite loss or gradient (before the optimizer steps).
     """
-    from accelerate.utils import DistributedType
-
     B = exp.old_logprobs.shape[0]
     mini = cfg.ppo.mini_batch_size or cfg.train.batch_size
     accum = cfg.train.grad_accum

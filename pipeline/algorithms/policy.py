@@ -1,0 +1,119 @@
+"""`PolicyStage`: the shared half of the RL stages that tune a policy by sampling it (PPO, GRPO):
+the prompt data, the reward model they read (checked before anything loads), the sampler and a
+rollout of a batch of prompts, frozen copies, the manifest's record of the reward model, and
+what export saves (the policy inside the stage's module). The stages add their own model, step,
+evaluation and summary."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable, ClassVar, Optional
+
+import torch
+
+from data_formats.datasets import build_prompt_data
+from pipeline.algorithms.rollout import ActorCritic, Generator, Rollout, assemble, make_generator
+from pipeline.config import RewardModelConfig
+from pipeline.engine.accelerator import is_zero3
+from pipeline.engine.stage import Stage
+from pipeline.modeling.embedded import is_embedded
+from pipeline.modeling.handoff import reward_pairing_problems
+from pipeline.modeling.manifest import weights_hash
+from pipeline.modeling.models import remote_code_problems, resolve_model_path
+from pipeline.modeling.preflight import model_problems
+
+log = logging.getLogger("relay.policy")
+
+GeneratorFactory = Callable[[torch.nn.Module], Generator]
+"""generator_factory(policy) -> a Generator: swaps the sampler (tests, a faster engine)."""
+
+
+def reward_model_problems(rm: RewardModelConfig, reward_path: str, policy_path: str, stage: str) -> list[str]:
+    """What keeps `rm` (resolved to `reward_path`) from scoring `policy_path`'s samples: the
+    embedded model without `allow_untrained` (a random head), no folder, not a reward model
+    (preflight), code it may not run, another tokenizer (pipeline.modeling.handoff). One line each."""
+    if is_embedded(rm.path):
+        if not rm.allow_untrained:
+            return [f"reward_model.path: {stage} needs a trained reward model: give the RM stage's merged/ folder "
+                    "(or set reward_model.allow_untrained: true to smoke-test with a random reward head)"]
+        log.warning("reward_model.path is the embedded model: its reward head is random (smoke runs only)")
+    if not Path(reward_path).is_dir():
+        return [f"reward_model.path: {rm.path!r} is not a model folder (give the RM stage's merged/)"]
+    found = model_problems(reward_path, "reward_model.path", need="any" if rm.allow_untrained else "reward")
+    found += remote_code_problems(rm, "reward_model")
+    return found or reward_pairing_problems(policy_path, reward_path)
+
+
+def frozen(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` without gradients, in eval mode (a reference or reward copy)."""
+    model.requires_grad_(False)
+    return model.eval()
+
+
+class PolicyStage(Stage):
+    """A subclass sets `self.inner`'s layout in `build_model` (an `ActorCritic`) and calls
+    `build_prompts` from `build_data`."""
+
+    evaluates_at_start = True
+    reward_model_required: ClassVar[bool] = True
+    """PPO needs a reward model (its critic starts from it); GRPO may run on reward functions alone."""
+
+    def __init__(self, cfg, *, generator_factory: Optional[GeneratorFactory] = None):
+        super().__init__(cfg)
+        self.reward_path: Optional[str] = (resolve_model_path(cfg.reward_model.path)
+                                           if cfg.reward_model.path or self.reward_model_required else None)
+        self.generator_factory = generator_factory
+        self._generator: Optional[Generator] = None
+
+    def problems(self) -> list[str]:
+        if self.reward_path is None:
+            return []
+        return reward_model_problems(self.cfg.reward_model, self.reward_path, self.model_path, self.name.upper())
+
+    def build_prompts(self) -> list[str]:
+        """Prompts (eval prompts only when evaluation is on), each short enough that a response of
+        generation.max_new_tokens still fits train.seq_length; the problem when too few to fill a
+        rollout batch."""
+        cfg, tok = self.cfg, self.tokenizer
+        template = self.data_template()
+        limit = min(cfg.data.max_prompt_length, cfg.train.seq_length - cfg.generation.max_new_tokens)
+        self.train_samples = build_prompt_data(cfg.data, tok, template, "train", limit)
+        if cfg.train.eval_steps > 0 and (cfg.data.eval or cfg.data.eval_fraction > 0):
+            self.eval_samples = build_prompt_data(cfg.data, tok, template, "eval", limit)
+        # all skipped, dropped overlong, or too few
+        return self.fill_problems(len(self.train_samples), "usable prompt(s)", "rollout batch")
+
+    def train_mode(self) -> None:
+        """build_model left every trained module in train mode with dropout off; keep it so."""
+
+    @property
+    def inner(self) -> ActorCritic:
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def generator(self) -> Generator:
+        if self._generator is None:
+            policy, gen, tok = self.inner.policy, self.cfg.generation, self.tokenizer
+            self._generator = self.generator_factory(policy) if self.generator_factory else make_generator(
+                gen.backend, policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens, gen.temperature,
+                synced_gpus=is_zero3(self.accelerator))
+        return self._generator
+
+    def rollout(self, prompts: list[dict], copies: int = 1) -> Rollout:
+        """`copies` sampled responses of each prompt, consecutive (a group per prompt), laid out for scoring."""
+        ids = [p["prompt_ids"] for p in prompts for _ in range(copies)]
+        return assemble(ids, self.generator.generate(ids), self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
+
+    def reward_model_record(self) -> dict:
+        """The reward model the policy was optimised against (the driver re-runs the stage when it changes)."""
+        if self.reward_path is None:
+            return {}
+        return {"reward_model": {"path": self.reward_path, "weights_hash": weights_hash(self.reward_path)}}
+
+    def export_module(self) -> torch.nn.Module:
+        """The policy alone, without the critic and the reference and reward copies."""
+        return self.inner.policy
+
+    def release(self) -> None:
+        self._generator = None

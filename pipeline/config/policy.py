@@ -1,0 +1,66 @@
+"""The config sections the policy (RL) stages share, PPO and GRPO: the reward model they read
+and how they sample (`generation`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pipeline.config.sections import ModelConfig
+
+
+@dataclass
+class RewardModelConfig(ModelConfig):
+    """The reward model: a merged RM folder (sequence classifier with one output). Its
+    `finetuning` and `gradient_checkpointing` are ignored: the critic trained on it follows
+    `model.finetuning` and `model.gradient_checkpointing`."""
+
+    path: str = ""
+    """Required: the RM stage's merged/ folder (the pipeline driver sets it). 'embedded' (a
+    random reward head) only with allow_untrained."""
+    allow_untrained: bool = False
+    """Allow a reward model with an untrained head ('embedded'): PPO then optimises noise, so
+    only for smoke runs of the machinery."""
+
+
+GENERATION_BACKENDS = ("relay", "hf")
+"""The samplers `generation.backend` may name."""
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 64
+    """Longest response sampled per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs for the PPO ratio use the same temperature)."""
+    top_k: int = 0
+    """Must stay 0: truncating the distribution would make the sampled tokens' log-probs differ
+    from the ones the PPO ratio scores (kept as a key so a config that sets it gets that reason)."""
+    top_p: float = 1.0
+    """Must stay 1.0, for the same reason as top_k."""
+    missing_eos_penalty: Optional[float] = 1.0
+    """Subtracted from the (normalised) score of a response that hits max_new_tokens without EOS."""
+    backend: str = "relay"
+    """The sampler: relay (Relay's decode engine, pipeline/modeling/decode.py: static KV cache,
+    batch-level early exit) or hf (transformers' generate, the reference). Both draw from the same
+    distribution and RNG stream."""
+
+    def problems(self, key: str = "generation") -> list[str]:
+        out: list[str] = []
+        if self.max_new_tokens < 1:
+            out.append(f"{key}.max_new_tokens: must be >= 1")
+        if self.temperature <= 0:
+            out.append(f"{key}.temperature: must be > 0")
+        if self.backend not in GENERATION_BACKENDS:
+            out.append(f"{key}.backend: {self.backend!r} is not one of {GENERATION_BACKENDS}")
+        if self.top_k != 0 or self.top_p != 1.0:
+            out.append(f"{key}.top_k/top_p: RL stages sample from the full distribution (top_k 0, top_p 1.0), because the "
+                       "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling")
+        return out
+
+    def room_problems(self, seq_length: int) -> list[str]:
+        """A prompt and its response must fit train.seq_length."""
+        if 1 <= self.max_new_tokens and seq_length <= self.max_new_tokens:
+            return [f"train.seq_length: {seq_length} leaves no room for a prompt before generation.max_new_tokens "
+                    f"{self.max_new_tokens}"]
+        return []
