@@ -161,7 +161,11 @@ def record_time(cfg: PipelineConfig, stage: str, event: str) -> None:
     timings = read_json(path) or {}
     timings.setdefault(stage, {})[event] = time.time()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(timings, indent=2) + "\n", encoding="utf-8")
+    # Every node's driver writes this file on a shared output_root: write beside it and rename,
+    # so a reader never sees it half-written (a plain write truncates it first).
+    staging = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    staging.write_text(json.dumps(timings, indent=2) + "\n", encoding="utf-8")
+    os.replace(staging, path)
 
 
 def wall_seconds(cfg: PipelineConfig, stage: str, summary: dict) -> Optional[float]:
