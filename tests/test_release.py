@@ -46,7 +46,7 @@ def test_model_card_from_the_manifest_chain(run_dir, tmp_path, tiny_model_dir):
     assert "# Tiny-SFT\n" in card and 'from_pretrained("Tiny-SFT")' in card
     assert "trained with Relay: base -> sft." in card and f"`{tiny_model_dir.name}` (a local folder)" in card
     assert "- steps: 7" in card and "train_loss_last 1.2500" in card and "- finetuning: lora" in card
-    assert f"`train: {data}`: `{release.file_fingerprint(data)}`" in card
+    assert f"`train: {data}`: `{release.file_sha256(data)}`" in card
     assert "<|im_start|>user\nWhat is 2 + 2?<|im_end|>" in card  # the prompt format, rendered by the template
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     check = subprocess.run(["sha256sum", "-c", release.CHECKSUMS], cwd=out, capture_output=True, text=True)

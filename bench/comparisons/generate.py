@@ -67,6 +67,16 @@ def _check(case: dict, rows: list[list[int]]) -> None:
                                    f"wanted {case['batch']} x {case['new_tokens']}")
 
 
+def _timed(case: dict, clock, call) -> None:
+    """A warm-up call, then the measured one; both marked on `clock`, the rows checked."""
+    clock.start()
+    call(WARMUP_TOKENS)
+    clock.mark(case["batch"] * WARMUP_TOKENS)
+    rows = call(case["new_tokens"])
+    clock.mark(case["batch"] * case["new_tokens"])
+    _check(case, rows)
+
+
 def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
     from pipeline.modeling.decode import generate
 
@@ -77,12 +87,7 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
         return generate(model, prompts, max_new_tokens=n, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
                         temperature=0.0, min_new_tokens=n).tokens
 
-    clock.start()
-    call(WARMUP_TOKENS)
-    clock.mark(case["batch"] * WARMUP_TOKENS)
-    rows = call(case["new_tokens"])
-    clock.mark(case["batch"] * case["new_tokens"])
-    _check(case, rows)
+    _timed(case, clock, call)
     bandwidth, read = harness.stream_bandwidth(), weight_bytes(model)
     return clock.result(None, weight_bytes=read, bandwidth_bytes_per_s=bandwidth,
                         roofline_tok_s=case["batch"] * bandwidth / read)
@@ -105,12 +110,7 @@ def peer(case: dict, env: harness.SideEnv) -> harness.SideResult:
         with torch.no_grad():
             return model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:].tolist()
 
-    clock.start()
-    call(WARMUP_TOKENS)
-    clock.mark(case["batch"] * WARMUP_TOKENS)
-    rows = call(case["new_tokens"])
-    clock.mark(case["batch"] * case["new_tokens"])
-    _check(case, rows)
+    _timed(case, clock, call)
     return clock.result(None)
 
 

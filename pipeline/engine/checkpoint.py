@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -45,6 +44,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.config import CheckpointConfig, KeepPolicy, parse_duration
+from pipeline.modeling.manifest import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +113,6 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def state_bytes(value: Any) -> int:
@@ -276,7 +269,7 @@ class Checkpointer:
         self._check_all(error, step, staging, needed)
         try:
             if self.rank == 0:
-                files = {f.name: {"bytes": f.stat().st_size, "sha256": file_digest(f)} for f in sorted(staging.iterdir())}
+                files = {f.name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in sorted(staging.iterdir())}
                 marker = {"step": step, "lifetime": lifetime, "world_size": self.world_size, "files": files}
                 if identity is not None:
                     marker["identity"] = identity
@@ -411,7 +404,7 @@ class Checkpointer:
             size = file.stat().st_size
             if size != record["bytes"]:
                 return f"{path}: {name} has {size} bytes, the marker recorded {record['bytes']} (a torn write)"
-            if file_digest(file) != record["sha256"]:
+            if file_sha256(file) != record["sha256"]:
                 return f"{path}: {name} does not match the sha256 its marker recorded (damaged on disk)"
         return None
 

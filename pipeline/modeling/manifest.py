@@ -17,6 +17,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 WEIGHT_SUFFIXES = (".safetensors",)
 
 
+def file_sha256(path: Union[str, Path]) -> str:
+    """A file's sha256, as `sha256sum` prints it."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _sha256_files(paths: list[Path]) -> Optional[str]:
     if not paths:
         return None

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pipeline.modeling.manifest import file_sha256
+
 NEEDS = ("bitsandbytes", "datasets", "trl", "draccus", "deepspeed", "gguf")
 """What Relay imports that a CUDA PyTorch image lacks (pyproject.toml's dependencies minus IMAGE_HAS)."""
 DEV_NEEDS = ("pytest", "pytest-timeout")
@@ -93,12 +95,6 @@ class Wheel:
     required_by: list[str] = field(default_factory=list)
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def wheel_metadata(path: Path) -> tuple[str, str, list[str]]:
@@ -200,7 +196,7 @@ def build(out: Path, python_version: str = "3.12", needs: Sequence[str] = NEEDS 
         existing = [p for p in out.glob("*.whl") if canonical(p.name.split("-")[0]) == name]
         path = existing[0] if existing else fetch(pinned(name, specifier), name, out, python_version)
         real_name, version, requires = wheel_metadata(path)
-        wheels[name] = Wheel(canonical(real_name), version, path.name, sha256(path), path.stat().st_size, [parent])
+        wheels[name] = Wheel(canonical(real_name), version, path.name, file_sha256(path), path.stat().st_size, [parent])
         queue += [(n, e, s, name) for n, e, s in needed_requirements(requires, extras, env)]
     manifest = {"python_version": python_version, "platforms": list(PLATFORMS), "needs": list(needs),
                 "wheels": [asdict(w) for w in sorted(wheels.values(), key=lambda w: w.name)],
@@ -259,7 +255,7 @@ def check(folder: Path, budget_mib: Optional[float] = None, needs: Sequence[str]
         file = folder / wheel["file"]
         if not file.is_file():
             problems.append(f"{file}: missing" + (f" ({wheel['name']} {wheel['version']})" if "name" in wheel else ""))
-        elif file.stat().st_size != wheel["size"] or sha256(file) != wheel["sha256"]:
+        elif file.stat().st_size != wheel["size"] or file_sha256(file) != wheel["sha256"]:
             problems.append(f"{file}: size or sha256 differs from {MANIFEST}")
     total = sum(w["size"] for w in manifest["wheels"] + manifest.get("files", []))
     if budget_mib is not None and total > budget_mib * 2**20:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import io
 import os
 import re
@@ -28,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pipeline.modeling.manifest import read_manifest
+from pipeline.modeling.manifest import file_sha256, read_manifest
 from pipeline.tools.gguf_export import GGUF_TYPES, PROBE, ExportError, gguf_logit_difference, gguf_string, write_gguf
 
 GGUF_NAME = "model.gguf"
@@ -76,13 +75,6 @@ def manifest_chain(folder: Path, limit: int = 16) -> list[dict]:
     return chain
 
 
-def file_fingerprint(path: Path) -> str:
-    """The file's full sha256, as `sha256sum` prints it."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def data_fingerprints(config: dict) -> list[tuple[str, str]]:
@@ -102,7 +94,7 @@ def data_fingerprints(config: dict) -> list[tuple[str, str]]:
             elif not files:
                 out.append((f"{key}: {entry}", "not found here"))
             for f in files:
-                out.append((f"{key}: {f}", file_fingerprint(f) if f.is_file() else "not found here"))
+                out.append((f"{key}: {f}", file_sha256(f) if f.is_file() else "not found here"))
     return out
 
 
@@ -287,7 +279,7 @@ def export(source: str, out: str, gguf_type: Optional[str] = None, overwrite: bo
             diff = write_checked_gguf(target, gguf_type, name, None if licence == "unknown" else licence)
         print(f"{target / GGUF_NAME}: next-token logits within {diff:.2g} of the model on {len(PROBE)} probe prompts", file=sys.stderr)
     files = sorted(f.name for f in target.iterdir() if f.is_file())
-    (target / CHECKSUMS).write_text("".join(f"{file_fingerprint(target / f)}  {f}\n" for f in files), encoding="utf-8")
+    (target / CHECKSUMS).write_text("".join(f"{file_sha256(target / f)}  {f}\n" for f in files), encoding="utf-8")
     card = model_card(chain, name, files, gguf_type, prompt_example(target))
     (target / "README.md").write_text(card, encoding="utf-8")
     world_readable(target)
