@@ -283,11 +283,13 @@ def fit_pair(prompts: tuple[list[int], list[int]], responses: tuple[list[int], l
     return chosen, rejected, cut
 
 
-def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, split: str) -> list[dict]:
+def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, split: str,
+                          stats: Optional[dict] = None) -> list[dict]:
     """Pairs dict(chosen_input_ids, rejected_input_ids, chosen_answer_len, rejected_answer_len,
     margin, source). Each side is the rendered
     prompt followed by its answer, ending at the answer's end-of-turn token (`render_scored`: the
-    token a reward is read at, the same one PPO reads). Overlong pairs are dropped
+    token a reward is read at, the same one PPO reads). `stats`, when given, receives the counts
+    (tool_conversations: pairs with tools, calls or tool results on either side). Overlong pairs are dropped
     (truncation='drop') or lose their oldest prompt tokens (truncation='truncate', `fit_pair`);
     pairs whose answer alone is too long, or whose two sides are identical, are dropped. What was
     cut and dropped is logged.
@@ -300,6 +302,8 @@ def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, s
                     lambda check: _preference_pairs(cfg, tokenizer, template, seq_length, split, check),
                     template=template, seq_length=seq_length)
     counts = built.info
+    if stats is not None:
+        stats.update(counts)
     log.info("rm %s data: %d pair(s), %d dropped overlong, %d dropped identical", split, len(built.samples),
              counts["dropped_overlong"], counts["identical"])
     if counts["truncated"]:
@@ -315,9 +319,11 @@ def _preference_pairs(cfg, tokenizer, template: Template, seq_length: int, split
                             margin_field=getattr(cfg, "margin_field", None))
     out: list[dict] = []
     problems: list[Problem] = []
-    counts = {"dropped_overlong": 0, "truncated": 0, "prompt_tokens_cut": 0, "max_prompt_cut": 0, "identical": 0}
+    counts = {"dropped_overlong": 0, "truncated": 0, "prompt_tokens_cut": 0, "max_prompt_cut": 0, "identical": 0,
+              "tool_conversations": 0}
     for record in tqdm(records, desc=f"tokenizing rm {split}", disable=len(records) < 1000):
         chosen, rejected, margin = record.value
+        counts["tool_conversations"] += has_tools(chosen) or has_tools(rejected)
         try:
             (cp, cr), (rp, rr) = render_scored(chosen, tokenizer, template), render_scored(rejected, tokenizer, template)
         except ValueError as err:  # the template cannot render this pair

@@ -42,6 +42,7 @@ import torch
 
 from data_formats.collate import AnswerPairCollator, PackedPairCollator
 from data_formats.datasets import build_preference_data
+from data_formats.render import template_jinja
 from pipeline.algorithms import preference as pref
 from pipeline.config import PreferenceDataConfig, StageConfig
 from pipeline.engine.stage import Stage, main
@@ -125,7 +126,10 @@ class DPOStage(Stage):
         """The tokenised pairs (the RM's: data_formats.datasets.build_preference_data)."""
         cfg, tok = self.cfg, self.tokenizer
         template = self.data_template()
-        self.train_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "train")
+        stats: dict = {}
+        self.train_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "train", stats=stats)
+        # Tool conversations in the default layout: the saved template must render them as trained.
+        self.chat_template = template_jinja(template, tok, tools=stats.get("tool_conversations", 0) > 0)
         if cfg.data.eval or cfg.data.eval_fraction > 0:
             self.eval_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "eval")
         if cfg.data.padding_mode == "pack":

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from data_formats.collate import PairCollator
 from data_formats.datasets import build_preference_data
+from data_formats.render import template_jinja
 from pipeline.algorithms.pairwise import pair_scores, pairwise_loss, record_stats_in_config, stats_of
 from pipeline.config import PreferenceDataConfig, StageConfig
 from pipeline.engine.stage import Stage, main
@@ -109,7 +110,10 @@ class RMStage(Stage):
         """The tokenised pairs, each side ending at its answer's end-of-turn token."""
         cfg, tok = self.cfg, self.tokenizer
         template = self.data_template()
-        self.train_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "train")
+        stats: dict = {}
+        self.train_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "train", stats=stats)
+        # Tool conversations in the default layout: the saved template must render them as trained.
+        self.chat_template = template_jinja(template, tok, tools=stats.get("tool_conversations", 0) > 0)
         if cfg.data.eval or cfg.data.eval_fraction > 0:
             self.eval_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "eval")
         self.collator = PairCollator(tok.pad_token_id)

@@ -93,6 +93,9 @@ def test_dpo_trains_two_steps_on_every_peer_preference_file(tiny_model_dir, tmp_
     assert len(run.history.steps) == 2
     # every file gave pairs (the longest lose their oldest prompt tokens or, answer alone too long, are dropped and counted)
     assert {s["source"].rsplit(":", 1)[0] for s in run.train_samples} == {str(PEERS / f) for f in _files("rm")}
+    saved = json.loads((tmp_path / "dpo" / "merged" / "tokenizer_config.json").read_text()).get("chat_template") or \
+        (tmp_path / "dpo" / "merged" / "chat_template.jinja").read_text()
+    assert "<tool_call>" in saved  # tool answers trained in the default layout: the merged template renders them so
 
 
 def test_pt_trains_a_step_on_every_peer_text_file(tiny_model_dir, tmp_path):
