@@ -134,3 +134,12 @@ def test_validate_kind_takes_every_stage_name(stage, kind):
 
     assert data_kind_args(["--kind", stage, "f.jsonl"]) == ["--kind", kind, "f.jsonl"]
     assert data_kind_args([f"--kind={stage}"]) == [f"--kind={kind}"]
+
+
+@pytest.mark.parametrize("command", ["validate", "show"])
+def test_an_unknown_kind_is_one_line_naming_stages_and_data_kinds(command, capsys):
+    from pipeline.tools.cli import main
+
+    assert main([command, "--kind", "dpo2", "f.jsonl"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'dpo2'" in err and "grpo" in err and "prompts" in err, err

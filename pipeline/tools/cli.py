@@ -188,17 +188,30 @@ DATA_KINDS = {"text": "pt", "chat": "sft", "preference": "rm", "prompt": "prompt
 
 
 def data_kind_args(args: list[str]) -> list[str]:
-    """`args` with a stage name given to --kind replaced by the kind of data that stage reads."""
+    """`args` with a stage name given to --kind replaced by the kind of data that stage reads.
+
+    Raises:
+        CLIError: --kind names neither a data kind nor a registered stage (one line listing both).
+    """
     from stages import STAGES
 
     out = list(args)
     for i, arg in enumerate(out):
         name, eq, value = arg.partition("=")
-        if arg == "--kind" and i + 1 < len(out) and out[i + 1] in STAGES:
-            out[i + 1] = DATA_KINDS[STAGES[out[i + 1]].data_kind]
-        elif name == "--kind" and eq and value in STAGES:
-            out[i] = f"--kind={DATA_KINDS[STAGES[value].data_kind]}"
+        if arg == "--kind" and i + 1 < len(out):
+            out[i + 1] = _data_kind(out[i + 1], STAGES)
+        elif name == "--kind" and eq:
+            out[i] = f"--kind={_data_kind(value, STAGES)}"
     return out
+
+
+def _data_kind(value: str, stages: dict) -> str:
+    if value in stages:
+        return DATA_KINDS[stages[value].data_kind]
+    if value in DATA_KINDS.values():
+        return value
+    raise CLIError(f"--kind {value!r}: not a data kind ({', '.join(DATA_KINDS.values())}) "
+                   f"nor a stage ({', '.join(stages)})")
 
 
 def validate_config(config: str, args: list[str]) -> int:
@@ -289,6 +302,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run_validate(rest)
         if command == "pipeline":
             return run_pipeline(rest)
+        if command == "show":
+            rest = data_kind_args(rest)
     except CLIError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -296,8 +311,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from pipeline.engine.tracking import quiet_console
 
         quiet_console()
-    if command == "show":
-        rest = data_kind_args(rest)
     result = importlib.import_module(COMMANDS[command][0]).main(rest)
     return int(result or 0)
 
