@@ -195,3 +195,21 @@ def test_backend_is_chosen_by_config_and_zero3_samples_with_hf(tiny):
     assert isinstance(zero3, HFGenerator) and zero3.synced_gpus
     with pytest.raises(ValueError, match="generation.backend: 'vllm'"):
         make_generator("vllm", tiny, 0, [2], 4)
+
+
+def test_a_layer_with_its_own_forward_wrapper_keeps_it(tiny):
+    """Prepacking must neither bypass nor delete a forward that something else set on a layer."""
+    layer = next(m for m in tiny.modules() if type(m) is torch.nn.Linear)
+    calls = []
+    original = layer.forward
+
+    def wrapped(x):
+        calls.append(1)
+        return original(x)
+
+    layer.forward = wrapped
+    try:
+        generate(tiny, RAGGED[:1], max_new_tokens=2, eos_ids=[], pad_id=0, temperature=0.0)
+        assert calls and layer.__dict__.get("forward") is wrapped
+    finally:
+        del layer.forward

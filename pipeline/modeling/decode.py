@@ -312,7 +312,10 @@ def packed_linears(model: torch.nn.Module):
     if not packing_enabled(model):
         yield
         return
-    patched = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]
+    # A layer whose forward is already replaced on the instance (accelerate's offload hooks, another
+    # wrapper) keeps it: patching would bypass that wrapper, and restoring would delete it.
+    patched = [m for m in model.modules()
+               if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and "forward" not in m.__dict__]
     for module in patched:
         module.forward = _packed_forward(module)
     try:
