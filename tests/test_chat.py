@@ -113,3 +113,21 @@ def test_an_answer_cut_at_the_token_limit_is_marked(tiny_model_dir, capsys):
     model.model.generation_config.eos_token_id = None  # the random model must run to the limit
     one_shot([model], "Hello", Generation(max_new_tokens=4))
     assert "[answer cut at 4 tokens: --max-new-tokens raises the limit]" in capsys.readouterr().out
+
+
+def test_stream_printer_holds_a_split_character_until_its_rest_arrives(capsys):
+    """A character whose bytes span two tokens is printed once, whole; the reply ends with a newline."""
+    from pipeline.tools.chat import StreamPrinter
+
+    pieces = {1: "caf", 2: "\ufffd", 3: "é!"}
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            text = "".join(pieces[i] for i in ids)
+            return text.replace("\ufffdé", "é") if ids[-1] == 3 else text
+
+    printer = StreamPrinter(Tok())
+    for token in (1, 2, 3):
+        assert printer(0, token) is False
+    printer.close()
+    assert capsys.readouterr().out == "café!\n"

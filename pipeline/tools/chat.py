@@ -23,6 +23,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from pipeline.tools.serve_batch import ChoiceText
+
 
 class ChatError(RuntimeError):
     """The model folder cannot be chatted with (e.g. its tokenizer has no chat template)."""
@@ -115,22 +117,19 @@ def eos_ids_of(model: torch.nn.Module, tokenizer) -> list[int]:
 
 
 class StreamPrinter:
-    """Prints a reply as its tokens arrive (an `on_token` for pipeline.modeling.decode.generate):
-    each time the decoded text grows by whole characters, the new part; a newline at the end."""
+    """Prints a reply as its tokens arrive (an `on_token` for pipeline.modeling.decode.generate),
+    through the server's incremental text (serve_batch.ChoiceText: a character split across tokens
+    waits for its rest); a newline at the end."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.tokens, self.shown = tokenizer, [], 0
+        self.text = ChoiceText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), [])
 
     def __call__(self, row: int, token: int) -> bool:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # a character split across tokens waits for its rest
-            print(text[self.shown:], end="", flush=True)
-            self.shown = len(text)
+        print(self.text.add(token)[0], end="", flush=True)
         return False
 
     def close(self) -> None:
-        print(self.tokenizer.decode(self.tokens, skip_special_tokens=True)[self.shown:], flush=True)
+        print(self.text.flush(), flush=True)
 
 
 def reply(chat: ChatModel, messages: list[dict], gen: Generation, stream: bool = False) -> str:

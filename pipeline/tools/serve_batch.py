@@ -23,8 +23,6 @@ import torch
 from pipeline.modeling.decode import generate
 
 
-
-
 class ChoiceText:
     """The text of one choice as its tokens arrive: what is safe to send now, and where a stop
     string ends it (OpenAI's answer stops before the stop string)."""
