@@ -344,3 +344,49 @@ def test_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, prompts_file, 
     b = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert resumed.final_summary["steps"] == 3
+
+
+def test_rows_sharing_a_prompt_run_it_once_with_the_same_logits_and_gradients(tmp_path):
+    """GRPO's G completions of one prompt: `policy_logits` runs each distinct prompt once and the
+    responses on its KV cache. Against one plain forward of the whole rows (ragged left-padded
+    prompts, right-padded responses, a group of one): the same response logits within 1e-5 of
+    their scale and the same LoRA gradients; under gradient checkpointing (no cache) it is the
+    plain forward itself."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.algorithms.rollout import assemble, policy_logits, prompt_groups
+    from pipeline.modeling.scoring import position_ids_from_mask
+
+    folder = make_tiny_model(tmp_path / "tiny", seed=3, initializer_range=0.3, vocab_size=48)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.1)
+    prompts = [[5, 9, 17, 30], [11, 12], [5, 9, 17, 30], [11, 12], [7, 7, 20], [5, 9, 17, 30]]
+    responses = [[3, 4, 5], [6, 2], [8, 9, 10], [4], [1, 1, 1], [2]]
+    r = assemble(prompts, responses, pad_id=0, eos_ids=[2])
+    first, inverse = prompt_groups(r.input_ids, r.attention_mask, r.prompt_width)
+    assert first.tolist() == [1, 4, 0] and inverse.tolist() == [2, 0, 2, 0, 1, 2]
+    assert prompt_groups(r.input_ids[[0, 1, 4]], r.attention_mask[[0, 1, 4]], r.prompt_width) is None
+
+    def plain():
+        keep = r.input_ids.shape[1] - r.prompt_width + 1
+        return model(input_ids=r.input_ids, attention_mask=r.attention_mask,
+                     position_ids=position_ids_from_mask(r.attention_mask), logits_to_keep=keep).logits[:, :-1]
+
+    def grads(logits):
+        loss = (logits[r.response_mask.bool()].log_softmax(-1)[:, 3]).sum()
+        params = [p for p in model.parameters() if p.requires_grad]
+        return logits.detach(), torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+
+    model.train()
+    want_logits, want_grad = grads(plain())
+    got_logits, got_grad = grads(policy_logits(model, r.input_ids, r.attention_mask, r.prompt_width))
+    live = r.response_mask.bool()
+    torch.testing.assert_close(got_logits[live], want_logits[live], atol=1e-5 * float(want_logits.abs().max()), rtol=0)
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-5 * float(want_grad.abs().max()), rtol=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed, _ = grads(policy_logits(model, r.input_ids, r.attention_mask, r.prompt_width))
+    assert torch.equal(checkpointed, want_logits)  # the plain forward, bit for bit
