@@ -279,3 +279,55 @@ def test_packings_fuse_siblings_and_keep_only_frozen_weights(tiny):
     generate(model, RAGGED[:2], max_new_tokens=2, eos_ids=[], pad_id=0, temperature=0.0)
     kept = [m for m in model.modules() if "_relay_packed" in m.__dict__]
     assert [type(m).__name__ for m in kept] == ["Linear"] and kept[0] is model.get_output_embeddings()  # the frozen head
+
+
+def tiny_of(model_type: str, **extra):
+    """A tiny random causal LM of `model_type` (built in memory, fp32, eval)."""
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **extra)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("llama", {"attn_implementation": "eager"}),
+                                              ("qwen2", {}), ("mistral", {"sliding_window": None})])
+def test_the_fast_step_decodes_what_the_forward_computes(model_type, extra, monkeypatch):
+    """Each supported family (Qwen2: biased q/k/v) under sdpa and eager: the engine's own decode
+    step runs (counted), and along a sampled ragged trajectory its logits equal a plain forward's."""
+    from pipeline.modeling import decode
+
+    attn = extra.pop("attn_implementation", None)
+    model = tiny_of(model_type, **extra)
+    if attn:
+        model.set_attn_implementation(attn)
+    calls = []
+    real = decode.FastStep.__call__
+    monkeypatch.setattr(decode.FastStep, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    seen = []
+    out = generate(model, RAGGED, max_new_tokens=6, eos_ids=[2], pad_id=0, temperature=1.0,
+                   generator=torch.Generator().manual_seed(0), on_logits=lambda step, logits: seen.append(logits.clone()))
+    assert calls  # the fast step decoded
+    for row, (prompt, tokens) in enumerate(zip(RAGGED, out.tokens)):
+        with torch.no_grad():
+            full = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        torch.testing.assert_close(torch.stack([seen[i][row] for i in range(len(tokens))]), full, atol=1e-5, rtol=0)
+
+
+def test_the_fast_step_stands_aside_for_hooks_sliding_windows_and_unpacked_runs(tiny, monkeypatch):
+    from transformers import StaticCache
+
+    from pipeline.modeling.decode import FastStep
+
+    cache = StaticCache(config=tiny.config, max_cache_len=8)
+    assert FastStep.supports(tiny, cache)
+    assert not FastStep.supports(tiny_of("mistral", sliding_window=16), cache)
+    handle = tiny.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    try:
+        assert not FastStep.supports(tiny, cache)
+    finally:
+        handle.remove()
+    monkeypatch.setenv("RELAY_DECODE_PACKED", "0")
+    monkeypatch.setattr(FastStep, "__call__", lambda *a: pytest.fail("the fast step ran without packing"))
+    generate(tiny, RAGGED[:2], max_new_tokens=3, eos_ids=[], pad_id=0, temperature=0.0)

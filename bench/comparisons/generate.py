@@ -10,7 +10,10 @@ Llama) in fp32 with sdpa attention, the first `batch` gold prompts (data/sample/
 rendered by the model's chat template and left-padded, greedy, every row decoding exactly
 `new_tokens` tokens (EOS masked out until then: transformers' `min_new_tokens`, the engine's
 `min_new_tokens`), so both sides produce the same number of tokens; each side checks it did.
-A side runs one short warm-up call (8 tokens), then the timed call.
+A side runs one short warm-up call (8 tokens), then the timed call. The model's weights are frozen,
+as Relay's inference tools (chat, serve, the gold table) load a model: Relay's engine keeps the
+prepacked copy of frozen weights between calls (a trainable weight it repacks every call, ~80 ms
+for the embedded model).
 
 The roofline (Relay's side, in the row's last-but-two cell and the JSON): one decode step must
 read every weight once, so it takes at least (bytes of weights read per step) / (memory bandwidth,
@@ -48,6 +51,7 @@ def _setup(env: harness.SideEnv, batch: int):
     torch.set_num_threads(env.threads)
     tokenizer = load_tokenizer(env.model)
     model = AutoModelForCausalLM.from_pretrained(env.model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model.requires_grad_(False)  # as Relay's inference tools load it (chat, serve, gold); generate does not care
     records = load_gold(GOLD)
     prompts = [prompt_ids(tokenizer, messages_of(records[i % len(records)])) for i in range(batch)]
     return model, tokenizer, prompts
