@@ -226,7 +226,7 @@ def full_length_sampling():
         from pipeline.modeling.decode import generate
 
         return generate(self.model, prompts, max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
-                        temperature=self.temperature, min_new_tokens=self.max_new_tokens).tokens
+                        temperature=self.temperature, min_new_tokens=self.max_new_tokens, keep_packed=False).tokens
 
     relay_original = rollout.RelayGenerator.generate
     rollout.sampling_config, rollout.RelayGenerator.generate = fixed_length, relay_fixed_length

@@ -331,3 +331,13 @@ def test_the_fast_step_stands_aside_for_hooks_sliding_windows_and_unpacked_runs(
     monkeypatch.setenv("RELAY_DECODE_PACKED", "0")
     monkeypatch.setattr(FastStep, "__call__", lambda *a: pytest.fail("the fast step ran without packing"))
     generate(tiny, RAGGED[:2], max_new_tokens=3, eos_ids=[], pad_id=0, temperature=0.0)
+
+
+def test_the_rl_sampler_keeps_no_packed_weights(tiny):
+    """RelayGenerator decodes with keep_packed=False: not even the frozen head's packing stays on the
+    model for the update that follows (it would sit in the step's peak of memory)."""
+    from pipeline.algorithms.rollout import RelayGenerator
+
+    model = lora_tiny(tiny)
+    RelayGenerator(model, pad_id=0, eos_ids=[2], max_new_tokens=2).generate(RAGGED[:2])
+    assert not [m for m in model.modules() if "_relay_packed" in m.__dict__]

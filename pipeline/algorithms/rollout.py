@@ -111,7 +111,7 @@ class RelayGenerator:
 
     def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         return decode_generate(self.model, prompts, max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
-                        temperature=self.temperature).tokens
+                               temperature=self.temperature, keep_packed=False).tokens
 
 
 def make_generator(backend: str, model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], max_new_tokens: int,

@@ -299,13 +299,16 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
              eos_ids: Sequence[int], pad_id: int, temperature: float | Sequence[float] = 1.0,
              top_p: float | Sequence[float] = 1.0, generator: Optional[torch.Generator] = None, logprobs: bool = False,
              on_token: Optional[Callable[[int, int], bool]] = None,
-             on_logits: Optional[Callable[[int, torch.Tensor], None]] = None, min_new_tokens: int = 0) -> Generation:
+             on_logits: Optional[Callable[[int, torch.Tensor], None]] = None, min_new_tokens: int = 0,
+             keep_packed: bool = True) -> Generation:
     """New tokens for every prompt (see the module docstring for the contract).
 
     `on_token(row, token)` is called for every new token of every live row, step by step; True ends
     that row after the token. `on_logits(step, logits)` sees each step's raw logits [B, V] (rows
     that have ended included), for tracing and tests. `min_new_tokens` > 0 masks the eos ids out of
     the distribution until a row has that many tokens (benchmarks compare at equal token counts).
+    `keep_packed=False` keeps no prepacked weights on the model after the call
+    (`pipeline.modeling.packing.packed_linears`: the RL samplers).
 
     Raises:
         ValueError: no prompts, an empty prompt, or a setting out of range.
@@ -323,7 +326,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
     tokens: list[list[int]] = [[] for _ in range(rows)]
     scores: Optional[list[list[float]]] = [[] for _ in range(rows)] if logprobs else None
     finished, alive = [False] * rows, [True] * rows
-    with eval_mode(model), packed_linears(model):
+    with eval_mode(model), packed_linears(model, keep=keep_packed):
         decoder = Decoder(model, input_ids, attention_mask, max(max_new), fast=packing_enabled(model))
         logits = decoder.prefill()
         for step in range(max(max_new)):

@@ -22,8 +22,9 @@ order (logits agree with a plain forward to ~1e-6, not bit for bit):
 Lifetime: a packing whose every weight is frozen (`requires_grad=False`: a LoRA base, a served
 model) is kept on its module and reused while those weights are unchanged (their version and
 storage); any other (a trainable weight, a LoRA adapter in training) is built on first use inside
-the context and dropped at its exit, so an RL step's update phase does not carry a second copy of
-the trained weights. The fused optimizers may update a weight without bumping its version, which
+the context and dropped at its exit. The RL samplers keep nothing (`keep=False`): the update
+between two rollouts is the step's peak of memory, and a kept copy of the frozen head (113 MB for
+the embedded model) would sit in it; repacking it costs ~20 ms a rollout. The fused optimizers may update a weight without bumping its version, which
 is why trainable weights are never cached.
 
 Anything else keeps its own forward: quantised or non-fp32 layers, LoRA variants (DoRA, ...),
@@ -118,10 +119,11 @@ class Member:
 class Packing:
     """One prepacked product serving one layer or a group of sibling layers that read one input."""
 
-    def __init__(self, owner: torch.nn.Module, key: str, members: list[Member]):
+    def __init__(self, owner: torch.nn.Module, key: str, members: list[Member], keep: bool = True):
         self.owner, self.key, self.members = owner, key, members
         self.sizes = [m.out_features for m in members]
         self.frozen = not any(t.requires_grad for m in members for t in m.tensors())
+        self.cached = keep and self.frozen
         self.packed: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
         self.pending: Optional[tuple[torch.Tensor, dict[int, torch.Tensor]]] = None
 
@@ -143,7 +145,7 @@ class Packing:
         every weight is frozen and unchanged."""
         if self.packed is not None:
             return self.packed
-        if not self.frozen:
+        if not self.cached:
             self.packed = self.build()
             return self.packed
         cache = self.owner.__dict__.setdefault("_relay_packed", {})
@@ -191,9 +193,10 @@ def free(module: torch.nn.Module) -> bool:
     return "forward" not in module.__dict__
 
 
-def packings(model: torch.nn.Module) -> list[Packing]:
+def packings(model: torch.nn.Module, keep: bool = True) -> list[Packing]:
     """Every packing of `model`: its sibling groups (fused where every sibling is the same kind of
-    layer with the same input width) and every other plain or LoRA linear layer alone."""
+    layer with the same input width) and every other plain or LoRA linear layer alone. `keep`:
+    packings of frozen weights are kept on the model for the next call (see the module docstring)."""
     out: list[Packing] = []
     grouped: set[int] = set()
     candidate = lambda m: free(m) and (is_plain_linear(m) or is_vanilla_lora(m))  # noqa: E731
@@ -206,23 +209,24 @@ def packings(model: torch.nn.Module) -> list[Packing]:
             same_kind = len({(m.lora, m.adapters, m.base.in_features, m.base.weight.requires_grad) for m in members}) == 1
             if not same_kind:
                 continue
-            out.append(Packing(parent, "+".join(names), members))
+            out.append(Packing(parent, "+".join(names), members, keep))
             grouped.update(id(m) for m in layers)
     # Every other layer alone, LoRA bases included: a LoRA layer whose adapter is disabled (or not
     # foldable) runs peft's forward, which calls its base.
-    out += [Packing(m, "self", [Member(m)]) for m in model.modules() if id(m) not in grouped and candidate(m)]
+    out += [Packing(m, "self", [Member(m)], keep) for m in model.modules() if id(m) not in grouped and candidate(m)]
     return out
 
 
 @contextlib.contextmanager
-def packed_linears(model: torch.nn.Module):
+def packed_linears(model: torch.nn.Module, keep: bool = True):
     """Run `model`'s linear layers on prepacked weights for the body (see the module docstring),
-    where `packing_enabled`; a no-op otherwise."""
+    where `packing_enabled`; a no-op otherwise. `keep=False` drops every packing at the exit, those
+    of frozen weights too (the RL samplers: the update that follows should not carry them)."""
     if not packing_enabled(model):
         yield
         return
     patched = []
-    for packing in packings(model):
+    for packing in packings(model, keep):
         for index, member in enumerate(packing.members):
             member.module.forward = packed_forward(packing, index)
             patched.append(member.module)
