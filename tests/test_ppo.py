@@ -111,6 +111,36 @@ def test_first_step_is_exactly_on_policy(tmp_path, tiny_model_dir, tiny_reward_d
     assert (tmp_path / "out" / "merged" / "manifest.json").is_file()
 
 
+def test_the_update_reuses_the_scoring_forward_and_trains_as_without(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file,
+                                                                     monkeypatch):
+    """One micro-batch per update (mini-batch = batch, grad_accum 1): the scoring pass's policy
+    forward is held for the update's first micro-batch (one forward fewer a step). The run is
+    still exactly on-policy at its first step and trains the very same weights, bit for bit, as
+    with every forward run afresh; the held graph is released once used."""
+    from pipeline.algorithms import ppo as algo
+
+    def train(out, hold: bool):
+        cfg = make_cfg(out, tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=2, learning_rate=1e-2)
+        cfg.ppo.epochs = 2
+        held = []
+        real = algo.holds_first_forward
+        monkeypatch.setattr(algo, "holds_first_forward", lambda *a: held.append(real(*a)) or (hold and real(*a)))
+        seen = {}
+        stage = run_stage(ppo.PPOStage, cfg, on_step=lambda st, m: seen.__setitem__(st.step, (m, st.last_experience)))
+        assert held == [True, True]  # the configuration qualifies at both steps
+        return stage, seen
+
+    _, seen = train(tmp_path / "held", hold=True)
+    train(tmp_path / "fresh", hold=False)
+    metrics, exp = seen[1]
+    assert exp.held_logits is None  # used, released
+    assert metrics["ppo/ratio_dev_first"] == 0.0 and metrics["ppo/kl"] == 0.0
+    from safetensors.torch import load_file
+
+    got, want = (load_file(out / "merged" / "model.safetensors") for out in (tmp_path / "held", tmp_path / "fresh"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
 @pytest.mark.parametrize("finetuning", ["lora", "full"])
 def test_reference_and_reward_weights_unchanged(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file, finetuning):
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=2, learning_rate=1e-2)

@@ -47,26 +47,52 @@ class Experience:
     raw_scores: torch.Tensor  # [B]
     scores: torch.Tensor  # [B], after normalisation, clipping and the EOS penalty
     entropy: torch.Tensor  # [B, R] entropy of the rollout policy
+    held_logits: Optional[torch.Tensor] = None
+    """The scoring pass's policy logits still attached to their graph, when the update's first
+    micro-batch is the whole rollout in order (`holds_first_forward`): that micro-batch reuses them
+    instead of running the same forward again. Released once used."""
+
+
+def holds_first_forward(rows: int, micro: int, mini: int, separate: bool) -> bool:
+    """Whether the update's first micro-batch is the whole rollout in order, with the policy's own
+    forward and backward (`separate`: one process), so the scoring pass can hand it its policy
+    forward: one micro-batch (`micro` >= `rows`) in the first mini-batch (`mini` >= `rows`)."""
+    return separate and micro >= rows and mini >= rows
 
 
 @torch.no_grad()
-def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperature: float, autocast) -> dict[str, torch.Tensor]:
+def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperature: float, autocast,
+                  hold: bool = False) -> dict[str, torch.Tensor]:
     """Rollout log-probs, reference log-probs, values, entropy and RM scores, in micro-batches of
-    the size the update uses (so the first update reproduces the rollout log-probs exactly)."""
+    the size the update uses (so the first update reproduces the rollout log-probs exactly).
+
+    `hold` (see `holds_first_forward`): the policy's forward runs with gradients on and its logits
+    come back as 'held', attached to their graph, for the update's first micro-batch; the numbers
+    are those of the forward the update would run, so its ratio is still exactly 1."""
     device = next(model.parameters()).device
     out = defaultdict(list)
     P = rollout.prompt_width
+    held = None
     for rows in chunks(rollout.input_ids.shape[0], micro):
         ids, mask = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
         with autocast():
-            logits, values = model(ids, mask, P)
+            if hold:
+                with torch.enable_grad():
+                    held, _ = model(ids, mask, P, critic=False)
+                _, values = model(ids, mask, P, policy=False)
+                logits = held.detach()
+            else:
+                logits, values = model(ids, mask, P)
             logits = logits.float() / temperature
             out["old"].append(logprobs_from_logits(logits, ids[:, P:]).cpu())
             out["entropy"].append(entropy_from_logits(logits).cpu())
             out["values"].append(values.float().cpu())
             out["ref"].append(model.reference_logprobs(ids, mask, P, temperature).cpu())
             out["rm"].append(model.reward_scores(ids, mask).float().cpu())
-    return {k: torch.cat(v) for k, v in out.items()}
+    scored = {k: torch.cat(v) for k, v in out.items()}
+    if held is not None:
+        scored["held"] = held
+    return scored
 
 
 def shape_scores(raw: torch.Tensor, finished: torch.Tensor, normaliser: rl.RunningMoments, cfg, gathered: torch.Tensor) -> torch.Tensor:
@@ -87,8 +113,10 @@ def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str
                     normaliser: rl.RunningMoments, reward_fn: Optional[RewardFn], accelerator) -> Experience:
     """Score a rollout and turn it into advantages and returns (advantages whitened over every
     rank's response tokens; every rank calls this)."""
-    micro = (cfg.ppo.mini_batch_size or cfg.train.batch_size) // cfg.train.grad_accum
-    s = score_rollout(model, rollout, micro=micro, temperature=cfg.generation.temperature, autocast=accelerator.autocast)
+    mini = cfg.ppo.mini_batch_size or cfg.train.batch_size
+    micro = mini // cfg.train.grad_accum
+    hold = holds_first_forward(rollout.input_ids.shape[0], micro, mini, accelerator.distributed_type == DistributedType.NO)
+    s = score_rollout(model, rollout, micro=micro, temperature=cfg.generation.temperature, autocast=accelerator.autocast, hold=hold)
     raw = s["rm"] if reward_fn is None else reward_fn(prompts_text, rollout.responses).detach().float().cpu()
     gathered = accelerator.gather(raw.to(accelerator.device)).cpu()
     scores = shape_scores(raw, rollout.finished, normaliser, cfg, gathered)
@@ -99,12 +127,13 @@ def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str
     total = lambda t: all_reduce_sum(t, accelerator)  # noqa: E731 (a sum over ranks)
     if cfg.ppo.whiten_advantages and float(total(mask.sum().double().view(1))[0]) > 1:
         advantages = rl.masked_whiten(advantages, mask, all_reduce=total)
-    return Experience(rollout, s["old"], s["ref"], s["values"] * mask, advantages, returns, kl, raw, scores, s["entropy"])
+    return Experience(rollout, s["old"], s["ref"], s["values"] * mask, advantages, returns, kl, raw, scores, s["entropy"],
+                      held_logits=s.get("held"))
 
 
 def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator, *, separate: bool,
                           temperature: float, cliprange: float, cliprange_value: float, vf_coef: float,
-                          step_tokens: Optional[float] = None) -> dict[str, float]:
+                          step_tokens: Optional[float] = None, held: Optional[torch.Tensor] = None) -> dict[str, float]:
     """Forward and backward of one micro-batch: `policy loss + vf_coef * value loss` (inside
     `micro_step`, so accelerate divides it by the number of micro-batches of the step).
 
@@ -118,6 +147,9 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
     activations are alive at a time (about half the peak memory of the joint pass, the same
     gradients: the two models share no parameters). The joint pass is for wrapped engines (DDP,
     DeepSpeed, FSDP), which expect one forward per backward over the whole module.
+    `held`: this micro-batch's policy logits from the scoring pass, still attached to their graph
+    (`Experience.held_logits`), used in place of the policy's forward (`separate` only).
+
     Returns the micro-batch's statistics (`ratio_dev`: max |ratio - 1| over its response tokens).
     """
     device = accelerator.device
@@ -137,8 +169,11 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
         weight = float(mask.sum()) / step_tokens * accelerator.gradient_accumulation_steps * accelerator.num_processes
 
     if separate:
-        with accelerator.autocast():
-            logits, _ = model(ids, attn, P, critic=False)
+        if held is not None:
+            logits = held
+        else:
+            with accelerator.autocast():
+                logits, _ = model(ids, attn, P, critic=False)
         logp, pol = policy_part(logits)
         accelerator.backward(pol.loss * weight)
         del logits
@@ -195,11 +230,15 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
             tokens = float(all_reduce_sum(exp.rollout.response_mask[rows].sum().double().view(1), accelerator)[0])
             total = 0.0
             for k in range(accum):
+                idx = rows[k * micro : (k + 1) * micro]
+                held, exp.held_logits = exp.held_logits, None  # only the first micro-batch: the whole rollout in order
+                if held is not None and not (separate and torch.equal(idx, torch.arange(B))):
+                    raise RuntimeError("ppo_update: held logits for a first micro-batch that is not the whole rollout")
                 with micro_step(accelerator, model, k, accum):
-                    micro_stats = actor_critic_backward(model, exp, rows[k * micro : (k + 1) * micro], accelerator, separate=separate,
+                    micro_stats = actor_critic_backward(model, exp, idx, accelerator, separate=separate,
                                                         temperature=cfg.generation.temperature, cliprange=cfg.ppo.cliprange,
                                                         cliprange_value=cfg.ppo.cliprange_value, vf_coef=cfg.ppo.vf_coef,
-                                                        step_tokens=tokens)
+                                                        step_tokens=tokens, held=held)
                 if not stats["ratio_dev_first"]:
                     stats["ratio_dev_first"].append(micro_stats["ratio_dev"])
                 total += micro_stats.pop("loss") / accum
