@@ -39,6 +39,7 @@ from bench import harness  # noqa: E402
 
 GPU_TESTS = [
     ("tests/test_gpu.py", "packed == unpacked on CUDA sdpa (fp32, bf16); PPO (fp32, bf16) and GRPO (bf16) on CUDA; "
+                          "the decode engine's CUDA graph == the model's own step (fp32, bf16); "
                           "FSDP on one rank: checkpoint gather/scatter, stopped + resumed == unbroken == plain one GPU"),
     ("tests/test_qlora.py", "QLoRA: nf4 double-quant base on CUDA, only LoRA trains, the adapter merges into the full-precision base"),
     ("tests/test_distributed_stages.py -k fsdp", "FSDP on two ranks == one process; stopped and resumed == unbroken"),

@@ -291,11 +291,14 @@ def tiny_of(model_type: str, **extra):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
+@pytest.mark.parametrize("kind", ["fast", "static"])
 @pytest.mark.parametrize("model_type,extra", [("llama", {}), ("llama", {"attn_implementation": "eager"}),
                                               ("qwen2", {}), ("mistral", {"sliding_window": None})])
-def test_the_fast_step_decodes_what_the_forward_computes(model_type, extra, monkeypatch):
-    """Each supported family (Qwen2: biased q/k/v) under sdpa and eager: the engine's own decode
-    step runs (counted), and along a sampled ragged trajectory its logits equal a plain forward's."""
+def test_the_fast_step_decodes_what_the_forward_computes(model_type, extra, kind, monkeypatch):
+    """Each supported family (Qwen2: biased q/k/v) under sdpa and eager, with the engine's own
+    decode step ('fast': attention over the written slots) and its fixed-shape variant ('static':
+    what a CUDA graph captures, run eagerly here): the step runs (counted), and along a sampled
+    ragged trajectory its logits equal a plain forward's."""
     from pipeline.modeling import decode
 
     attn = extra.pop("attn_implementation", None)
@@ -303,12 +306,13 @@ def test_the_fast_step_decodes_what_the_forward_computes(model_type, extra, monk
     if attn:
         model.set_attn_implementation(attn)
     calls = []
-    real = decode.FastStep.__call__
-    monkeypatch.setattr(decode.FastStep, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    real = decode.FastStep.run
+    monkeypatch.setattr(decode.FastStep, "run", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(decode, "step_kind", lambda model: kind)
     seen = []
     out = generate(model, RAGGED, max_new_tokens=6, eos_ids=[2], pad_id=0, temperature=1.0,
                    generator=torch.Generator().manual_seed(0), on_logits=lambda step, logits: seen.append(logits.clone()))
-    assert calls  # the fast step decoded
+    assert calls  # the engine's step decoded
     for row, (prompt, tokens) in enumerate(zip(RAGGED, out.tokens)):
         with torch.no_grad():
             full = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
@@ -329,7 +333,7 @@ def test_the_fast_step_stands_aside_for_hooks_sliding_windows_and_unpacked_runs(
     finally:
         handle.remove()
     monkeypatch.setenv("RELAY_DECODE_PACKED", "0")
-    monkeypatch.setattr(FastStep, "__call__", lambda *a: pytest.fail("the fast step ran without packing"))
+    monkeypatch.setattr(FastStep, "run", lambda *a: pytest.fail("the fast step ran without packing"))
     generate(tiny, RAGGED[:2], max_new_tokens=3, eos_ids=[], pad_id=0, temperature=0.0)
 
 

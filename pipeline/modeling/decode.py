@@ -31,6 +31,7 @@ LoRA models decode with the adapter active (nothing is merged into the model), a
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -137,8 +138,9 @@ class FastStep:
     def __init__(self, model: torch.nn.Module, cache, valid: torch.Tensor):
         hf = hf_model(model)
         self.backbone, self.head, self.cache, self.valid = hf.model, hf.lm_head, cache, valid
-        self.layers = list(self.backbone.layers)
-        attention = self.layers[0].self_attn
+        self.slot_index = torch.arange(valid.shape[1], device=valid.device)
+        self.layer_list = list(self.backbone.layers)
+        attention = self.layer_list[0].self_attn
         self.rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
         config = hf.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -170,17 +172,20 @@ class FastStep:
 
     @staticmethod
     def norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # fp32: one fused op, the same formula. Otherwise the module itself: it rounds to the input
+        # dtype before the weight, which rms_norm does not.
+        if x.dtype != torch.float32:
+            return module(x)
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
-        """Logits [B, V] after feeding `tokens` [B] at `positions` [B, 1] into cache slot `slot`."""
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, write, read) -> torch.Tensor:
+        """Logits [B, V]: `write(cache_layer, k, v)` stores the step's keys and values, `read(cache_layer)`
+        gives the (keys, values) to attend over, `allowed` [B, S] which of those a row may see."""
         rows, H, KV, D = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
         h = self.backbone.embed_tokens(tokens[:, None])
         cos, sin = self.backbone.rotary_emb(h, positions)
-        seen = slot + 1
-        bias = torch.zeros(rows, 1, 1, seen, dtype=h.dtype, device=h.device).masked_fill_(
-            ~self.valid[:, None, None, :seen], float("-inf"))
-        for index, layer in enumerate(self.layers):
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=h.device).masked_fill_(~allowed, float("-inf"))[:, None, None]
+        for index, layer in enumerate(self.layer_list):
             attention, mlp = layer.self_attn, layer.mlp
             x = self.norm(layer.input_layernorm, h)
             q = attention.q_proj(x).view(rows, 1, H, D).transpose(1, 2)
@@ -188,23 +193,101 @@ class FastStep:
             v = attention.v_proj(x).view(rows, 1, KV, D).transpose(1, 2)
             q, k = self.rotate(q, k, cos, sin)
             cache = self.cache.layers[index]
-            cache.keys[:, :, slot] = k[:, :, 0]
-            cache.values[:, :, slot] = v[:, :, 0]
+            write(cache, k, v)
             cache.cumulative_length.add_(1)
-            scores = torch.matmul(q.reshape(rows, KV, H // KV, D), cache.keys[:, :, :seen].transpose(-1, -2))
-            probs = torch.softmax(scores.mul_(self.scaling).add_(bias), dim=-1)
-            out = torch.matmul(probs, cache.values[:, :, :seen]).reshape(rows, 1, H * D)
+            keys, values = read(cache)
+            scores = torch.matmul(q.reshape(rows, KV, H // KV, D), keys.transpose(-1, -2)).float()  # softmax in fp32
+            probs = torch.softmax(scores.mul_(self.scaling).add_(bias), dim=-1).to(values.dtype)
+            out = torch.matmul(probs, values).reshape(rows, 1, H * D)
             h = h + attention.o_proj(out)
             x = self.norm(layer.post_attention_layernorm, h)
             h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
         return self.head(self.norm(self.backbone.norm, h))[:, -1]
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+        """Logits [B, V] after feeding `tokens` [B] at `positions` [B, 1] into cache slot `slot`,
+        attending over the slots written so far only."""
+        seen = slot + 1
+
+        def write(cache, k, v):
+            cache.keys[:, :, slot] = k[:, :, 0]
+            cache.values[:, :, slot] = v[:, :, 0]
+
+        return self.run(tokens, positions, self.valid[:, :seen], write,
+                           lambda cache: (cache.keys[:, :, :seen], cache.values[:, :, :seen]))
+
+    def static(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """The same step with every shape fixed and the slot a tensor ([1]): it attends over the whole
+        cache with the slots past `slot` masked, so one CUDA graph serves every step (`GraphStep`)."""
+        allowed = self.valid & (self.slot_index <= slot)
+
+        def write(cache, k, v):
+            cache.keys.index_copy_(2, slot, k)
+            cache.values.index_copy_(2, slot, v)
+
+        return self.run(tokens, positions, allowed, write, lambda cache: (cache.keys, cache.values))
+
+
+class GraphStep:
+    """`FastStep.static` captured once as a CUDA graph and replayed for every later step: a decode
+    step becomes one launch instead of a few hundred kernels each launched from Python. The inputs
+    are copied into static tensors before each replay. The first call runs the step for real (which
+    also warms up the kernels the capture records), then captures; if capturing fails (an op that
+    cannot be captured, such as a dynamic RoPE's host-side check), every step runs
+    `FastStep.static` eagerly instead, with one warning."""
+
+    def __init__(self, fast: FastStep, rows: int, device: torch.device):
+        self.fast, self.graph, self.failed = fast, None, False
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.logits: Optional[torch.Tensor] = None
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.slot.fill_(slot)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits.clone()
+        logits = self.fast.static(self.tokens, self.positions, self.slot)
+        if not self.failed:
+            self.capture()
+        return logits
+
+    def capture(self) -> None:
+        counts = [layer.cumulative_length.clone() for layer in self.fast.cache.layers]
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                self.logits = self.fast.static(self.tokens, self.positions, self.slot)
+            self.graph = graph
+        except Exception as err:  # noqa: BLE001 - any capture failure falls back to eager steps
+            import logging
+
+            self.failed = True
+            logging.getLogger("relay.decode").warning("decode: CUDA graph capture failed (%s); decoding eagerly", err)
+        finally:  # capturing records the step without running it; undo nothing it did not do
+            for layer, count in zip(self.fast.cache.layers, counts):
+                layer.cumulative_length.copy_(count)
+
+
+def step_kind(model: torch.nn.Module) -> str:
+    """How `generate` runs a decode step: 'fast' (`FastStep`, a CPU in fp32 with packing on),
+    'graph' (`GraphStep`, CUDA, unless RELAY_DECODE_GRAPHS=0) or 'hf' (the model's own forward, the
+    reference; also wherever `FastStep.supports` says no)."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        return "graph" if os.environ.get("RELAY_DECODE_GRAPHS", "1") != "0" else "hf"
+    return "fast" if packing_enabled(model) else "hf"
 
 
 class Decoder:
     """One batch's decoding state: the cache, the masks, each row's next position."""
 
     def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new: int,
-                 fast: bool = False):
+                 kind: str = "hf"):
         from transformers import StaticCache
 
         self.model, self.device = model, input_ids.device
@@ -220,7 +303,15 @@ class Decoder:
         self.positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         self.input_ids = input_ids
         self.slot = 0
-        self.fast = FastStep(model, self.cache, valid) if fast and FastStep.supports(model, self.cache) else None
+        self.fast = None
+        if kind != "hf" and FastStep.supports(model, self.cache):
+            fast_step = FastStep(model, self.cache, valid)
+            if kind == "graph":
+                self.fast = GraphStep(fast_step, rows, self.device)
+            elif kind == "static":  # the graph's math without the graph (tests it on any device)
+                self.fast = lambda tokens, positions, slot: fast_step.static(tokens, positions, torch.tensor([slot], device=self.device))
+            else:
+                self.fast = fast_step
 
     def forward(self, ids: torch.Tensor, mask, positions: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
@@ -327,7 +418,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
     scores: Optional[list[list[float]]] = [[] for _ in range(rows)] if logprobs else None
     finished, alive = [False] * rows, [True] * rows
     with eval_mode(model), packed_linears(model, keep=keep_packed):
-        decoder = Decoder(model, input_ids, attention_mask, max(max_new), fast=packing_enabled(model))
+        decoder = Decoder(model, input_ids, attention_mask, max(max_new), kind=step_kind(model))
         logits = decoder.prefill()
         for step in range(max(max_new)):
             if on_logits is not None:
