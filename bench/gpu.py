@@ -11,6 +11,9 @@ download), the embedded model's tokenizer, synthetic multi-turn SFT data.
 - QLoRA on the 1.5B shape: trains a few steps and merges (the stage's own export), peak memory.
 - PPO and GRPO on the 0.5B shape (LoRA, bf16): seconds per step and the share of it spent
   generating (the stage's own `gen_time_frac`).
+- Decoding on the 0.5B shape (bf16), batch 1/8/32 x 128 new tokens, greedy: Relay's engine with its
+  CUDA graph and with the model's own step, transformers' `generate` with its dynamic and static
+  cache (`child_generate`): tokens/s.
 
 MFU = tokens/s x FLOPs per token / the GPU's dense bf16 peak (PEAK_BF16_TFLOPS, by device name).
 FLOPs per token = 6N (full: forward 2N, backward 4N) or 4N (LoRA/QLoRA: frozen weights get no
@@ -248,6 +251,66 @@ def child_rl(algo: str, model: str, workdir: str, tiny: bool) -> dict:
             "gpu_peak_mb": round(clock.gpu_peak_mb) or None}
 
 
+GENERATE_BATCHES = (1, 8, 32)
+GENERATE_TOKENS = 128
+
+
+def child_generate(model: str, tiny: bool) -> dict:
+    """Decoding on `model` (bf16 on a GPU): Relay's engine with its CUDA graph, the engine with the
+    model's own step (RELAY_DECODE_GRAPHS=0), transformers' `generate` with its dynamic and its static
+    cache; greedy, every row exactly GENERATE_TOKENS new tokens, after an 8-token warm-up call each.
+    Tokens/s per batch size."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from data_formats.collate import left_pad
+    from pipeline.modeling.decode import generate
+    from pipeline.modeling.models import load_tokenizer
+    from pipeline.tools.chat import prompt_ids
+    from pipeline.tools.gold import load_gold, messages_of
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa")
+    loaded = loaded.to("cuda" if cuda else "cpu").eval().requires_grad_(False)
+    tokenizer = load_tokenizer(model)
+    records = load_gold(ROOT / "data" / "sample" / "gold" / "eval.jsonl")
+    tokens = 8 if tiny else GENERATE_TOKENS
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def relay(prompts, n, graphs: bool):
+        os.environ["RELAY_DECODE_GRAPHS"] = "1" if graphs else "0"
+        return generate(loaded, prompts, max_new_tokens=n, eos_ids=[eos], pad_id=pad, temperature=0.0, min_new_tokens=n).tokens
+
+    def peer(prompts, n, cache: str):
+        ids, mask = left_pad(prompts, pad)
+        config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=eos, pad_token_id=pad,
+                                  cache_implementation=None if cache == "dynamic" else "static")
+        out = loaded.generate(input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device), generation_config=config)
+        return out[:, ids.shape[1]:].tolist()
+
+    sides = {"relay-graph": lambda p, n: relay(p, n, True), "relay-eager": lambda p, n: relay(p, n, False),
+             "generate-dynamic": lambda p, n: peer(p, n, "dynamic"), "generate-static": lambda p, n: peer(p, n, "static")}
+    rows = []
+    for batch in GENERATE_BATCHES[:2] if tiny else GENERATE_BATCHES:
+        prompts = [prompt_ids(tokenizer, messages_of(records[i % len(records)])) for i in range(batch)]
+        row = {"batch": batch, "new_tokens": tokens}
+        for name, call in sides.items():
+            call(prompts, 8)
+            sync()
+            started = time.perf_counter()
+            out = call(prompts, tokens)
+            sync()
+            seconds = time.perf_counter() - started
+            if any(len(r) != tokens for r in out):
+                raise RuntimeError(f"generate {name}: rows of {sorted({len(r) for r in out})} tokens, wanted {tokens}")
+            row[name] = round(batch * tokens / seconds, 1)
+        rows.append(row)
+    os.environ.pop("RELAY_DECODE_GRAPHS", None)
+    return {"rows": rows, "unit": "tok/s", "dtype": str(dtype).replace("torch.", "")}
+
+
 def run_child(kind: str, args: list[str], workdir: Path, timeout: float) -> dict:
     """Run `bench/gpu.py child KIND ...` in a fresh process; its JSON result, or {"error": ...}."""
     import subprocess
@@ -264,7 +327,7 @@ def run_child(kind: str, args: list[str], workdir: Path, timeout: float) -> dict
     return json.loads(out.read_text())
 
 
-PARTS = {"sft": 0.5, "qlora_merge": 0.2, "ppo": 0.15, "grpo": 0.15}
+PARTS = {"sft": 0.4, "qlora_merge": 0.15, "ppo": 0.15, "grpo": 0.15, "generate": 0.15}
 """Each part's share of the benchmarks' time budget."""
 
 
@@ -349,7 +412,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=240.0, help="seconds for all benchmarks")
     p.add_argument("--tiny", action="store_true")
     p = sub.add_parser("child")
-    p.add_argument("kind", choices=("qlora", "ppo", "grpo"))
+    p.add_argument("kind", choices=("qlora", "ppo", "grpo", "generate"))
     p.add_argument("model")
     p.add_argument("data")
     p.add_argument("workdir")
@@ -364,6 +427,8 @@ def main(argv=None) -> int:
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     if args.kind == "qlora":
         result = child_qlora_merge(args.model, args.data, args.workdir, args.tiny)
+    elif args.kind == "generate":
+        result = child_generate(args.model, args.tiny)
     else:
         result = child_rl(args.kind, args.model, args.workdir, args.tiny)
     Path(args.result).write_text(json.dumps(result))

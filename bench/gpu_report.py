@@ -95,6 +95,15 @@ def bench_section(bench: dict) -> list[str]:
                      f"not run: {r['not_run']}" if "not_run" in r else
                      f"{r.get('s_per_step')} s/step, generation {pct(r.get('generation_share'))} of it, peak "
                      f"{gb(r.get('gpu_peak_mb'))} GiB (every step: {r.get('step_seconds')})"))
+    g = bench.get("generate", {})
+    if "rows" in g:
+        lines += ["", f"Decoding ({shape}, {g.get('dtype')}, greedy, every row {g['rows'][0]['new_tokens']} new tokens; tok/s):", "",
+                  "| batch | Relay, CUDA graph | Relay, model's own step | generate, dynamic cache | generate, static cache | graph vs dynamic |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['relay-graph']:,.0f} | {r['relay-eager']:,.0f} | {r['generate-dynamic']:,.0f} | "
+                  f"{r['generate-static']:,.0f} | {r['relay-graph'] / r['generate-dynamic']:.2f}x |" for r in g["rows"]]
+    else:
+        lines.append(f"- Decoding: " + (f"error: {g['error']}" if "error" in g else f"not run: {g.get('not_run', 'no result')}"))
     return lines
 
 

@@ -147,3 +147,11 @@ def test_mfu_inputs():
     shape = gpu.SHAPES["qwen2.5-0.5b"]
     assert gpu.flops_per_token(shape, 494_032_768, 2048, "full") == 6 * 494_032_768 + 12 * 24 * 896 * 2048
     assert gpu.flops_per_token(shape, 10, 2048, "lora") == 40 + 12 * 24 * 896 * 2048
+
+
+def test_report_gives_the_decode_table():
+    row = {"batch": 8, "new_tokens": 128, "relay-graph": 900.0, "relay-eager": 300.0, "generate-dynamic": 250.0,
+           "generate-static": 400.0}
+    lines = gpu_report.bench_section({"shape": "qwen2.5-0.5b", "generate": {"rows": [row], "dtype": "bfloat16"}})
+    assert "| 8 | 900 | 300 | 250 | 400 | 3.60x |" in lines
+    assert gpu_report.bench_section({"shape": "x", "generate": {"error": "boom"}})[-1] == "- Decoding: error: boom"
