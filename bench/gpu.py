@@ -390,7 +390,7 @@ def plan(bundle) -> int:
         print(f"  tests:   pytest {args}  -- {what}")
     print(f"  bench:   SFT {'/'.join(SFT_MODES)} bf16 packed seq 2048 on the Qwen2.5-0.5B shape, Relay vs TRL SFTTrainer "
           "(tokens/s, MFU, peak GPU memory); QLoRA on the 1.5B shape trains and merges; PPO and GRPO step time and "
-          "generation share (0.5B shape)")
+          "generation share (0.5B shape); decoding, batch 1/8/32: the engine's CUDA graph vs transformers' generate (0.5B, bf16)")
     print("  report:  OUTDIR/gpu_check.md (markdown for bench/RESULTS.md)")
     problems = [f"{path}: missing" for path in missing]
     if bundle:
