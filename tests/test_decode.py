@@ -345,3 +345,43 @@ def test_the_rl_sampler_keeps_no_packed_weights(tiny):
     model = lora_tiny(tiny)
     RelayGenerator(model, pad_id=0, eos_ids=[2], max_new_tokens=2).generate(RAGGED[:2])
     assert not [m for m in model.modules() if "_relay_packed" in m.__dict__]
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_onednn_linear_is_f_linear_forward_and_backward(trainable):
+    """OneDNNLinear (the RL stages' scoring and update forwards on a CPU) against torch's own
+    F.linear: the same outputs and gradients (input, weight, bias) within fp32 rounding."""
+    from pipeline.modeling.packing import OneDNNLinear
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 64, requires_grad=True)
+    weight = torch.randn(96, 64, requires_grad=trainable)
+    bias = torch.randn(96, requires_grad=trainable)
+    up = torch.randn(3, 7, 96)
+    got = OneDNNLinear.apply(x, weight, bias)
+    want = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0)
+    inputs = [x] + ([weight, bias] if trainable else [])
+    for g, w in zip(torch.autograd.grad((got * up).sum(), inputs), torch.autograd.grad((want * up).sum(), inputs)):
+        torch.testing.assert_close(g, w, atol=1e-5 * float(w.abs().max()), rtol=0)
+
+
+def test_onednn_linears_patch_plain_layers_for_the_body_only(tiny):
+    from pipeline.modeling.packing import onednn_linears
+
+    model = lora_tiny(tiny)
+    owned = next(m for m in model.modules() if type(m) is torch.nn.Linear)
+    owned.forward = marker = lambda x: torch.nn.Linear.forward(owned, x)
+    try:
+        with onednn_linears(model, None):
+            patched = [m for m in model.modules() if "forward" in m.__dict__]
+            assert len(patched) == sum(type(m) is torch.nn.Linear for m in model.modules())  # bases, adapters, head
+            assert owned.__dict__["forward"] is marker  # someone else's wrapper is kept
+            with torch.no_grad():
+                inside = model(input_ids=torch.tensor([RAGGED[0]])).logits
+        assert [m for m in model.modules() if "forward" in m.__dict__] == [owned]
+        with torch.no_grad():
+            outside = model(input_ids=torch.tensor([RAGGED[0]])).logits
+        torch.testing.assert_close(inside, outside, atol=1e-5 * float(outside.abs().max()), rtol=0)
+    finally:
+        del owned.forward

@@ -114,10 +114,16 @@ def test_first_step_is_exactly_on_policy(tmp_path, tiny_model_dir, tiny_reward_d
 def test_the_update_reuses_the_scoring_forward_and_trains_as_without(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file,
                                                                      monkeypatch):
     """One micro-batch per update (mini-batch = batch, grad_accum 1): the scoring pass's policy
-    forward is held for the update's first micro-batch (one forward fewer a step). The run is
+    forward is held for the update's first micro-batch (one forward fewer a step), both on oneDNN's
+    linear kernel. The run is
     still exactly on-policy at its first step and trains the very same weights, bit for bit, as
     with every forward run afresh; the held graph is released once used."""
     from pipeline.algorithms import ppo as algo
+    from pipeline.modeling import packing
+
+    onednn = []
+    real_linear = packing.onednn_linear
+    monkeypatch.setattr(packing, "onednn_linear", lambda *a: onednn.append(1) or real_linear(*a))
 
     def train(out, hold: bool):
         cfg = make_cfg(out, tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=2, learning_rate=1e-2)
@@ -131,6 +137,7 @@ def test_the_update_reuses_the_scoring_forward_and_trains_as_without(tmp_path, t
         return stage, seen
 
     _, seen = train(tmp_path / "held", hold=True)
+    assert onednn  # scoring and the update ran on oneDNN's kernel (a CPU in fp32)
     train(tmp_path / "fresh", hold=False)
     metrics, exp = seen[1]
     assert exp.held_logits is None  # used, released
