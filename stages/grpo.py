@@ -219,13 +219,12 @@ class GRPOStage(PolicyStage):
         rollout = self.rollout(batch, G)
         gen_time = time.perf_counter() - started
         texts = [p["text"] for p in batch for _ in range(G)]
-        with self.fast_linears():
-            total, parts = self.rewards(texts, rollout, [_columns(p) for p in batch for _ in range(G)])
-            advantages = algo.group_advantages(total, G, cfg.grpo.scale_rewards)
-            scored = algo.score_completions(self.inner, rollout, micro=rollout.input_ids.shape[0] // cfg.train.grad_accum,
-                                            temperature=cfg.generation.temperature, autocast=acc.autocast,
-                                            old=cfg.grpo.num_iterations > 1, reference=cfg.grpo.beta > 0)
-            update = algo.grpo_update(self.model, self.optimizer, rollout, advantages, scored, acc, cfg, self.step + 1)
+        total, parts = self.rewards(texts, rollout, [_columns(p) for p in batch for _ in range(G)])
+        advantages = algo.group_advantages(total, G, cfg.grpo.scale_rewards)
+        scored = algo.score_completions(self.inner, rollout, micro=rollout.input_ids.shape[0] // cfg.train.grad_accum,
+                                    temperature=cfg.generation.temperature, autocast=acc.autocast,
+                                    old=cfg.grpo.num_iterations > 1, reference=cfg.grpo.beta > 0)
+        update = algo.grpo_update(self.model, self.optimizer, rollout, advantages, scored, acc, cfg, self.step + 1)
         group_std = total.view(-1, G).std(1)
         local = {"grpo/reward": float(total.mean()), "grpo/reward_std": float(group_std.mean()),
                  "grpo/frac_reward_zero_std": float((group_std == 0).float().mean()),

@@ -220,11 +220,9 @@ class PPOStage(PolicyStage):
             rollout = self.rollout(batch)
             gen_time = time.perf_counter() - started
             texts = [p["text"] for p in batch]
-            with self.fast_linears():
-                exp = make_experience(self.inner, rollout, texts, cfg=cfg, kl_coef=self.kl_controller.value,
-                                      normaliser=self.normaliser, reward_fn=self.reward_fn, accelerator=acc)
-        with self.fast_linears():
-            update = ppo_update(self.model, self.optimizer, exp, acc, cfg, step)
+            exp = make_experience(self.inner, rollout, texts, cfg=cfg, kl_coef=self.kl_controller.value, normaliser=self.normaliser,
+                                  reward_fn=self.reward_fn, accelerator=acc)
+        update = ppo_update(self.model, self.optimizer, exp, acc, cfg, step)
         figures = step_metrics(exp, update, acc, kl_coef=self.kl_controller.value, gen_frac=gen_time / (time.perf_counter() - started))
         self.kl_controller.update(figures["ppo/kl"], cfg.train.batch_size * acc.num_processes)
         if step % cfg.train.log_steps == 0:
@@ -248,9 +246,8 @@ class PPOStage(PolicyStage):
                                                acc.process_index, cfg.train.eval_batches):
                 batch = [self.eval_samples[i] for i in indices]
                 rollout = self.rollout(batch)
-                with self.fast_linears():
-                    s = score_rollout(self.inner, rollout, micro=cfg.train.batch_size, temperature=cfg.generation.temperature,
-                                      autocast=acc.autocast)
+                s = score_rollout(self.inner, rollout, micro=cfg.train.batch_size, temperature=cfg.generation.temperature,
+                                  autocast=acc.autocast)
                 raw = s["rm"] if self.reward_fn is None else self.reward_fn([p["text"] for p in batch], rollout.responses).float().cpu()
                 kl = (rl.kl_per_token(s["old"], s["ref"], "k1") * rollout.response_mask).sum(1)
                 rewards.append(raw.sum() * counts)  # counts False: a short rank's repeated batch

@@ -21,7 +21,6 @@ from pipeline.modeling.embedded import is_embedded
 from pipeline.modeling.handoff import reward_pairing_problems
 from pipeline.modeling.manifest import weights_hash
 from pipeline.modeling.models import remote_code_problems, resolve_model_path
-from pipeline.modeling.packing import onednn_linears
 from pipeline.modeling.preflight import model_problems
 
 log = logging.getLogger("relay.policy")
@@ -92,12 +91,10 @@ class PolicyStage(Stage):
     def inner(self) -> ActorCritic:
         return self.accelerator.unwrap_model(self.model)
 
-    def fast_linears(self):
-        """The body's forwards and backwards (scoring a rollout, the update) on oneDNN's fp32 linear
-        kernel where the models are on a CPU in fp32 (`pipeline.modeling.packing.onednn_linears`;
-        RELAY_CPU_ONEDNN=0 turns it off). Sampling keeps its own prepacked path."""
+    def linear_models(self) -> list:
+        """The actor-critic and, with full fine-tuning, the frozen reference and reward copies."""
         inner = self.inner
-        return onednn_linears(inner, inner.reference, inner.reward)
+        return [inner, inner.reference, inner.reward]
 
     @property
     def generator(self) -> Generator:

@@ -189,8 +189,10 @@ def packed_forward(packing: Packing, index: int):
 
 
 def free(module: torch.nn.Module) -> bool:
-    """Whether nothing else has replaced this layer's forward on the instance."""
-    return "forward" not in module.__dict__
+    """Whether nothing else has replaced this layer's forward on the instance (`onednn_linears`'
+    own replacement aside: decoding inside it packs the layer and gives the replacement back)."""
+    forward = module.__dict__.get("forward")
+    return forward is None or getattr(forward, "relay_onednn", False)
 
 
 def packings(model: torch.nn.Module, keep: bool = True) -> list[Packing]:
@@ -228,17 +230,20 @@ def packed_linears(model: torch.nn.Module, keep: bool = True):
     patched = []
     for packing in packings(model, keep):
         for index, member in enumerate(packing.members):
+            patched.append((member.module, member.module.__dict__.get("forward")))
             member.module.forward = packed_forward(packing, index)
-            patched.append(member.module)
     try:
         yield
     finally:
-        for module in patched:
-            del module.forward
+        for module, previous in patched:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
 
 
 # ------------------------------------------------------------------------------------------
-# oneDNN linear layers for the RL forwards and backwards (CPU, fp32)
+# oneDNN linear layers for training forwards and backwards (CPU, fp32)
 # ------------------------------------------------------------------------------------------
 
 
@@ -250,7 +255,8 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 
 class OneDNNLinear(torch.autograd.Function):
-    """`F.linear` with oneDNN's fp32 kernel forward and backward. On this project's reference CPU
+    """`F.linear` with oneDNN's fp32 kernel forward and backward (the input's gradient; a weight's
+    gradient is torch's own product). On this project's reference CPU
     (AMD EPYC, 2 cores) it runs a [228 x 576] x [576 x 1536] product at ~490 GFLOP/s against MKL's
     ~215 (bench/RESULTS.md); the same fp32 math in another summation order (the max error against a
     float64 product is 1.0e-4 against MKL's 0.5e-4 at that shape, both fp32 rounding)."""
@@ -288,6 +294,7 @@ def _onednn_forward(module: torch.nn.Linear):
         if x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
             return torch.nn.Linear.forward(module, x)
         return OneDNNLinear.apply(x, module.weight, module.bias)
+    forward.relay_onednn = True
     return forward
 
 
@@ -295,14 +302,15 @@ def _onednn_forward(module: torch.nn.Linear):
 def onednn_linears(*models: Optional[torch.nn.Module]):
     """Run every plain fp32 `nn.Linear` of `models` (LoRA's base and adapter layers included) through
     `OneDNNLinear` for the body, with gradients; where `onednn_enabled`, a no-op otherwise. Layers
-    whose forward something else replaced on the instance keep it. The RL stages score rollouts and
-    update under it (pipeline/algorithms/policy.py); decoding has its own prepacked path."""
+    whose forward something else replaced on the instance keep it (and a layer already inside
+    another `onednn_linears` is left to it). Every stage's train steps and evaluations run under it
+    (`Stage.fast_linears`); decoding inside it switches to its own prepacked path and back."""
     patched = []
     for model in models:
         if model is None or not onednn_enabled(model):
             continue
         for module in model.modules():
-            if is_plain_linear(module) and free(module):
+            if is_plain_linear(module) and "forward" not in module.__dict__:
                 module.forward = _onednn_forward(module)
                 patched.append(module)
     try:
