@@ -268,7 +268,7 @@ def test_packings_fuse_siblings_and_keep_only_frozen_weights(tiny):
     """q/k/v and gate/up run as one product each; the packings of trainable weights (a LoRA in
     training) are gone after the call, those of frozen weights (a LoRA's base, the head) stay for
     the next call."""
-    from pipeline.modeling.packing import packings
+    from pipeline.modeling.onednn import packings
 
     layers = tiny.config.num_hidden_layers
     keys = sorted({p.key for p in packings(tiny)})
@@ -351,7 +351,7 @@ def test_the_rl_sampler_keeps_no_packed_weights(tiny):
 def test_onednn_linear_is_f_linear_forward_and_backward(trainable):
     """OneDNNLinear (the RL stages' scoring and update forwards on a CPU) against torch's own
     F.linear: the same outputs and gradients (input, weight, bias) within fp32 rounding."""
-    from pipeline.modeling.packing import OneDNNLinear
+    from pipeline.modeling.onednn import OneDNNLinear
 
     torch.manual_seed(0)
     x = torch.randn(3, 7, 64, requires_grad=True)
@@ -367,7 +367,7 @@ def test_onednn_linear_is_f_linear_forward_and_backward(trainable):
 
 
 def test_onednn_linears_patch_plain_layers_for_the_body_only(tiny):
-    from pipeline.modeling.packing import onednn_linears
+    from pipeline.modeling.onednn import onednn_linears
 
     model = lora_tiny(tiny)
     owned = next(m for m in model.modules() if type(m) is torch.nn.Linear)

@@ -119,11 +119,11 @@ def test_the_update_reuses_the_scoring_forward_and_trains_as_without(tmp_path, t
     still exactly on-policy at its first step and trains the very same weights, bit for bit, as
     with every forward run afresh; the held graph is released once used."""
     from pipeline.algorithms import ppo as algo
-    from pipeline.modeling import packing
+    from pipeline.modeling import onednn
 
     onednn = []
-    real_linear = packing.onednn_linear
-    monkeypatch.setattr(packing, "onednn_linear", lambda *a: onednn.append(1) or real_linear(*a))
+    real_linear = onednn.onednn_linear
+    monkeypatch.setattr(onednn, "onednn_linear", lambda *a: onednn.append(1) or real_linear(*a))
 
     def train(out, hold: bool):
         cfg = make_cfg(out, tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=2, learning_rate=1e-2)

@@ -395,9 +395,9 @@ class Stage:
 
     def fast_linears(self):
         """Train steps and evaluations run their linear layers on oneDNN's fp32 kernel on a CPU
-        (`pipeline.modeling.packing.onednn_linears`: ~2.2x MKL's GEMM on the reference AMD CPU, the
+        (`pipeline.modeling.onednn.onednn_linears`: ~2.2x MKL's GEMM on the reference AMD CPU, the
         same fp32 math; RELAY_CPU_ONEDNN=0 turns it off); a no-op on a GPU or in another dtype."""
-        from pipeline.modeling.packing import onednn_linears
+        from pipeline.modeling.onednn import onednn_linears
 
         return onednn_linears(*self.linear_models())
 

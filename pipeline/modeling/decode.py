@@ -20,7 +20,7 @@ it does, and why:
   returns as soon as every row has ended (batch-level early exit).
 - On a CPU in fp32 the linear layers run on weights prepacked for oneDNN, LoRA adapters folded into
   the packed weight and sibling projections (q/k/v, gate/up) fused into one product
-  (pipeline/modeling/packing.py): at the batch sizes of decoding that streams the weights two to
+  (pipeline/modeling/onednn.py): at the batch sizes of decoding that streams the weights two to
   three times as fast as the default kernel. Same math, another summation order (so logits agree
   with a plain forward to ~1e-6, not bit for bit). `RELAY_DECODE_PACKED=0` turns it off.
 
@@ -39,7 +39,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from data_formats.collate import left_pad
-from pipeline.modeling.packing import packed_linears, packing_enabled
+from pipeline.modeling.onednn import packed_linears, packing_enabled
 
 
 @dataclass
@@ -399,7 +399,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
     that have ended included), for tracing and tests. `min_new_tokens` > 0 masks the eos ids out of
     the distribution until a row has that many tokens (benchmarks compare at equal token counts).
     `keep_packed=False` keeps no prepacked weights on the model after the call
-    (`pipeline.modeling.packing.packed_linears`: the RL samplers).
+    (`pipeline.modeling.onednn.packed_linears`: the RL samplers).
 
     Raises:
         ValueError: no prompts, an empty prompt, or a setting out of range.
