@@ -11,7 +11,7 @@ On the reference machine (AMD EPYC, 2 cores, avx512) torch's default fp32 GEMM (
 prepacked weight) ~260. Same fp32 math, another summation order.
 
 Training (`OneDNNLinear`, `onednn_linears`): every plain fp32 `nn.Linear` runs oneDNN's kernel
-forward and for its input's gradient (a weight's gradient is torch's own product).
+forward and for both gradients (the input's and, where it trains, the weight's).
 
 Decoding (`packed_linears`): at the batch sizes of decoding (a few rows a step) a decode step is a stream of the weights through
 matrix-vector-like products. MKL's fp32 GEMM streams them at ~22 GB/s on this machine's 2 cores;
@@ -265,8 +265,8 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 
 class OneDNNLinear(torch.autograd.Function):
-    """`F.linear` with oneDNN's fp32 kernel forward and backward (the input's gradient; a weight's
-    gradient is torch's own product). On this project's reference CPU
+    """`F.linear` with oneDNN's fp32 kernel forward and backward (the input's and the weight's
+    gradients). On this project's reference CPU
     (AMD EPYC, 2 cores) it runs a [228 x 576] x [576 x 1536] product at ~490 GFLOP/s against MKL's
     ~215 (bench/RESULTS.md); the same fp32 math in another summation order (the max error against a
     float64 product is 1.0e-4 against MKL's 0.5e-4 at that shape, both fp32 rounding)."""
@@ -284,8 +284,9 @@ class OneDNNLinear(torch.autograd.Function):
         flat = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[0]:
             grad_x = onednn_linear(grad, weight.t().contiguous(), None)
-        if ctx.needs_input_grad[1]:
-            grad_w = flat.t().mm(x.reshape(-1, x.shape[-1]))
+        if ctx.needs_input_grad[1]:  # grad_out.T @ x, as oneDNN's x.T-weighted product of grad_out.T
+            grad_w = torch.ops.mkldnn._linear_pointwise(flat.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous(),
+                                                        None, "none", [], "")
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = flat.sum(0)
         return grad_x, grad_w, grad_b
