@@ -115,15 +115,14 @@ def test_the_update_reuses_the_scoring_forward_and_trains_as_without(tmp_path, t
                                                                      monkeypatch):
     """One micro-batch per update (mini-batch = batch, grad_accum 1): the scoring pass's policy
     forward is held for the update's first micro-batch (one forward fewer a step), both on oneDNN's
-    linear kernel. The run is
-    still exactly on-policy at its first step and trains the very same weights, bit for bit, as
-    with every forward run afresh; the held graph is released once used."""
+    linear kernel. The run is still exactly on-policy at its first step and trains the very same
+    weights, bit for bit, as with every forward run afresh; the held graph is released once used."""
     from pipeline.algorithms import ppo as algo
     from pipeline.modeling import onednn
 
-    onednn = []
+    kernel_calls = []
     real_linear = onednn.onednn_linear
-    monkeypatch.setattr(onednn, "onednn_linear", lambda *a: onednn.append(1) or real_linear(*a))
+    monkeypatch.setattr(onednn, "onednn_linear", lambda *a: kernel_calls.append(1) or real_linear(*a))
 
     def train(out, hold: bool):
         cfg = make_cfg(out, tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=2, learning_rate=1e-2)
@@ -137,7 +136,7 @@ def test_the_update_reuses_the_scoring_forward_and_trains_as_without(tmp_path, t
         return stage, seen
 
     _, seen = train(tmp_path / "held", hold=True)
-    assert onednn  # scoring and the update ran on oneDNN's kernel (a CPU in fp32)
+    assert kernel_calls  # scoring and the update ran on oneDNN's kernel (a CPU in fp32)
     train(tmp_path / "fresh", hold=False)
     metrics, exp = seen[1]
     assert exp.held_logits is None  # used, released
