@@ -23,6 +23,11 @@ it does, and why:
   (pipeline/modeling/onednn.py): at the batch sizes of decoding that streams the weights two to
   three times as fast as the default kernel. Same math, another summation order (so logits agree
   with a plain forward to ~1e-6, not bit for bit). `RELAY_DECODE_PACKED=0` turns it off.
+- The prompt is one forward of the model; each later step, for Llama/Qwen2/Mistral-shaped models,
+  is the engine's own (`FastStep`: the model's modules without its forward's per-call machinery,
+  attention over the slots written so far). On CUDA that step is captured once per call as a CUDA
+  graph and replayed (`GraphStep`; `RELAY_DECODE_GRAPHS=0` steps with the model's forward). Other
+  models step with their own forward.
 
 LoRA models decode with the adapter active (nothing is merged into the model), and inside
 `pipeline.modeling.models.adapter_disabled(model)` as the base model.
@@ -132,8 +137,9 @@ class FastStep:
     output projection, RMSNorm and the gated MLP; the final norm and the head. Same math as the
     model's forward (another summation order in the attention; logits agree within ~1e-6).
 
-    Only on a CPU in fp32 with packing on (`packing_enabled`): it calls the layers, so they run
-    packed, LoRA folded, adapters honoured (an adapter disabled decodes the base)."""
+    It calls the layers, so on a CPU (fp32, packing on) they run packed with LoRA folded, and
+    adapters are honoured everywhere (an adapter disabled decodes the base). On CUDA its
+    fixed-shape variant (`static`) is what `GraphStep` captures (`step_kind`)."""
 
     def __init__(self, model: torch.nn.Module, cache, valid: torch.Tensor):
         hf = hf_model(model)
@@ -214,7 +220,7 @@ class FastStep:
             cache.values[:, :, slot] = v[:, :, 0]
 
         return self.run(tokens, positions, self.valid[:, :seen], write,
-                           lambda cache: (cache.keys[:, :, :seen], cache.values[:, :, :seen]))
+                        lambda cache: (cache.keys[:, :, :seen], cache.values[:, :, :seen]))
 
     def static(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """The same step with every shape fixed and the slot a tensor ([1]): it attends over the whole
