@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole pipeline on the embedded model and the sample data, on CPU (about 11 minutes on 2 cores):
+# The whole pipeline on the embedded model and the sample data, on CPU (about 9 minutes on 2 cores):
 #   bash run_scripts/demo.sh [--dotted.key value ...]
 #
 # Installs Relay (run_scripts/install.sh, a no-op when nothing changed), then runs
