@@ -379,6 +379,10 @@ def test_onednn_linears_patch_plain_layers_for_the_body_only(tiny):
             assert owned.__dict__["forward"] is marker  # someone else's wrapper is kept
             with torch.no_grad():
                 inside = model(input_ids=torch.tensor([RAGGED[0]])).logits
+            patches = {id(m): m.__dict__["forward"] for m in patched}
+            generate(model, RAGGED[:2], max_new_tokens=2, eos_ids=[], pad_id=0, temperature=0.0)  # decodes packed ...
+            assert "_relay_packed" in model.get_output_embeddings().__dict__  # (the frozen head's packing, kept)
+            assert all(m.__dict__.get("forward") is patches[id(m)] for m in patched)  # ... and gives the layers back
         assert [m for m in model.modules() if "forward" in m.__dict__] == [owned]
         with torch.no_grad():
             outside = model(input_ids=torch.tensor([RAGGED[0]])).logits

@@ -169,9 +169,8 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
         weight = float(mask.sum()) / step_tokens * accelerator.gradient_accumulation_steps * accelerator.num_processes
 
     if separate:
-        if held is not None:
-            logits = held
-        else:
+        logits = held
+        if logits is None:
             with accelerator.autocast():
                 logits, _ = model(ids, attn, P, critic=False)
         logp, pol = policy_part(logits)

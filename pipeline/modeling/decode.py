@@ -262,7 +262,8 @@ class GraphStep:
         return logits
 
     def capture(self) -> None:
-        counts = [layer.cumulative_length.clone() for layer in self.fast.cache.layers]
+        """Record the step (capturing runs no kernel: the cache and its counters are untouched until
+        the first replay)."""
         graph = torch.cuda.CUDAGraph()
         try:
             torch.cuda.synchronize()
@@ -274,9 +275,6 @@ class GraphStep:
 
             self.failed = True
             logging.getLogger("relay.decode").warning("decode: CUDA graph capture failed (%s); decoding eagerly", err)
-        finally:  # capturing records the step without running it; undo nothing it did not do
-            for layer, count in zip(self.fast.cache.layers, counts):
-                layer.cumulative_length.copy_(count)
 
 
 def step_kind(model: torch.nn.Module) -> str:

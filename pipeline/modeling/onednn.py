@@ -55,6 +55,13 @@ FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Child layers of one module that read the same input (Llama, Qwen2, Mistral, Gemma names)."""
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x @ weight.T + bias through oneDNN's fp32 kernel (a plain or prepacked weight, any leading shape)."""
+    shape = x.shape
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).contiguous(), weight, bias, "none", [], "")
+    return out.reshape(*shape[:-1], out.shape[-1])
+
+
 def packing_enabled(model: torch.nn.Module) -> bool:
     """Prepack on a CPU model in fp32 with oneDNN available, unless RELAY_DECODE_PACKED=0."""
     if os.environ.get("RELAY_DECODE_PACKED", "1") == "0" or not torch.backends.mkldnn.is_available():
@@ -174,10 +181,7 @@ class Packing:
             if not self.pending[1]:
                 self.pending = None
             return out
-        weight, bias = self.weights()
-        shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).contiguous(), weight, bias, "none", [], "")
-        y = y.reshape(*shape[:-1], y.shape[-1])
+        y = onednn_linear(x, *self.weights())
         if len(self.members) == 1:
             return y
         parts = {i: part.contiguous() for i, part in enumerate(y.split(self.sizes, -1))}
@@ -255,13 +259,6 @@ def packed_linears(model: torch.nn.Module, keep: bool = True):
 # ------------------------------------------------------------------------------------------
 # oneDNN linear layers for training forwards and backwards (CPU, fp32)
 # ------------------------------------------------------------------------------------------
-
-
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x @ weight.T + bias through oneDNN's fp32 kernel (plain weight layout, any leading shape)."""
-    shape = x.shape
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).contiguous(), weight, bias, "none", [], "")
-    return out.reshape(*shape[:-1], out.shape[-1])
 
 
 class OneDNNLinear(torch.autograd.Function):
