@@ -22,6 +22,9 @@ Formats (detected per file from its first record, or named in the config's `form
   prompt      {"prompt"} (PPO prompts; any conversation format whose last turn is the user's also
               works)
   text        {"text"} raw documents (PT)
+  firefly, prompt_completion, and the preference layouts of HH-RLHF and OpenAI: data_formats.public
+OpenAI's per-message `weight` (0 or 1 on assistant messages) sets `Turn.trained`; a `developer`
+turn is a system turn; a system turn may be followed directly by the assistant's (OpenAI allows it).
 
 Refused with one line saying why and what to do, whatever the kind: records with images, audio or
 video (a text-only trainer would train on the placeholders), LLaMA-Factory's unfilled identity
@@ -41,6 +44,7 @@ ROLES = ("system", "user", "assistant", "tool")
 # function_call is an assistant turn whose value is the call (data_formats.tools).
 ROLE_ALIASES = {
     "system": "system",
+    "developer": "system",  # OpenAI's newer name for the system turn
     "user": "user",
     "human": "user",
     "assistant": "assistant",
@@ -52,7 +56,7 @@ ROLE_ALIASES = {
 }
 MEDIA_FIELDS = ("images", "audios", "videos")
 PLACEHOLDERS = ("{{name}}", "{{author}}")
-CONVERSATION_FORMATS = ("chatml", "messages", "sharegpt", "alpaca", "pair")
+CONVERSATION_FORMATS = ("chatml", "messages", "sharegpt", "alpaca", "pair", "firefly", "prompt_completion")
 FORMATS = CONVERSATION_FORMATS + ("preference", "prompt", "text")
 PAIR_KEYS = (("prompt", "response"), ("question", "answer"), ("input", "output"))
 # format -> (list field, role key, content key)
@@ -76,6 +80,8 @@ class Turn:
     """An assistant turn's tool calls [{"name", "arguments": dict, "id"?}] (data_formats.tools)."""
     tool_call_id: Optional[str] = None
     """A tool turn's call id, when the record gives one."""
+    trained: bool = True
+    """Whether an assistant turn is trained (False: OpenAI's `weight` 0, kept as context only)."""
 
 
 @dataclass
@@ -101,10 +107,17 @@ def detect_format(record: Any) -> str:
         raise RecordError(f"record must be a JSON object, got {type(record).__name__}")
     refuse_unsupported(record)
     keys = set(record)
+    from data_formats.public import refuse_unusable
+
+    refuse_unusable(keys)
     if "chat_rounds" in keys:
         return "chatml"
-    if keys & {"chosen", "response_chosen", "chosen_messages"}:
+    if keys & {"chosen", "response_chosen", "chosen_messages", "preferred_output"}:
         return "preference"
+    if "conversation" in keys:
+        return "firefly"
+    if "completion" in keys and "prompt" in keys and "label" not in keys:
+        return "prompt_completion"
     if "messages" in keys:
         return "messages"
     if "conversations" in keys:
@@ -205,18 +218,18 @@ def _turn(item: Any, where: str, role_key: str, content_key: str) -> Turn:
         raise RecordError(f"{where}: a turn must be an object, got {type(item).__name__}")
     if role_key not in item:
         raise RecordError(f"{where}: missing field '{role_key}'")
-    if content_key not in item:
-        raise RecordError(f"{where}: missing field '{content_key}'")
     raw_role = item[role_key]
     if not isinstance(raw_role, str) or raw_role.lower() not in ROLE_ALIASES:
         raise RecordError(f"{where}: unknown role {raw_role!r}")
     role = ROLE_ALIASES[raw_role.lower()]
+    if content_key not in item and not (role == "assistant" and item.get("tool_calls")):  # OpenAI: a call may omit it
+        raise RecordError(f"{where}: missing field '{content_key}'")
     _loss_weight(item, role)
     if raw_role.lower() == "function_call":
         if not isinstance(item[content_key], str):
             raise RecordError(f"{where}: content must be a string, got {type(item[content_key]).__name__}")
         return Turn("assistant", "", tool_calls=_calls(item[content_key], f"{where}: function_call"))
-    content, calls = _content(item[content_key], where)
+    content, calls = _content(item.get(content_key), where)
     if item.get("tool_calls") and role == "assistant":
         calls += _calls(item["tool_calls"], f"{where}: tool_calls")
     if calls and role != "assistant":
@@ -224,7 +237,17 @@ def _turn(item: Any, where: str, role_key: str, content_key: str) -> Turn:
     if not calls and not content.strip():
         raise RecordError(f"{where}: empty content")
     call_id = item.get("tool_call_id") if role == "tool" and isinstance(item.get("tool_call_id"), str) else None
-    return Turn(role, content, tool_calls=calls or None, tool_call_id=call_id)
+    return Turn(role, content, tool_calls=calls or None, tool_call_id=call_id, trained=_weight(item, role, where))
+
+
+def _weight(item: dict, role: str, where: str) -> bool:
+    """OpenAI's per-message `weight`: 1 trains an assistant message (the default), 0 keeps it as context."""
+    if "weight" not in item:
+        return True
+    if role != "assistant" or item["weight"] not in (0, 1) or isinstance(item["weight"], bool):
+        raise RecordError(f"{where}: 'weight' {item['weight']!r} on a {role} turn; OpenAI's weight is 0 or 1 on an "
+                          "assistant message (0: not trained)")
+    return item["weight"] == 1
 
 
 def _turns(items: Any, key: str, role_key: str, content_key: str) -> list[Turn]:
@@ -257,7 +280,7 @@ def check_order(turns: list[Turn], last: str) -> None:
         if turn.role == "system":
             raise RecordError(f"turn {index}: system turn must come first")
         if i == 0:
-            if turn.role != "user":
+            if turn.role != "user" and not (turn.role == "assistant" and offset):  # OpenAI allows system, assistant
                 raise RecordError(f"turn {index}: conversation must start with a user turn, got {turn.role}")
             continue
         previous = body[i - 1]
@@ -331,6 +354,12 @@ def parse_turns(record: dict, fmt: str, *, require_response: bool = True) -> lis
         if require_response or "output" in record:
             turns.append(Turn("assistant", _string(record, "output")))
         return turns
+    from data_formats import public
+
+    if fmt == "firefly":
+        return public.firefly_turns(record)
+    if fmt == "prompt_completion" or (fmt == "prompt" and isinstance(record.get("prompt"), list)):
+        return public.prompt_completion_turns(record, require_response and fmt == "prompt_completion")
     if fmt in ("pair", "prompt"):
         for a, b in PAIR_KEYS:
             if a in record:
@@ -395,6 +424,10 @@ def _side(record: dict, key: str, prompt: list[Turn]) -> list[Turn]:
 def _preference_prompt(record: dict) -> list[Turn]:
     """The shared prompt of a {prompt|conversations|messages, chosen, rejected} record ([] when the
     answers hold whole conversations)."""
+    from data_formats.public import whole_conversations
+
+    if whole_conversations(record):
+        return []
     if isinstance(record.get("conversations"), list):
         return _record_system(record) + _turns(record["conversations"], "conversations", "from", "value")
     if isinstance(record.get("messages"), list):
@@ -402,8 +435,10 @@ def _preference_prompt(record: dict) -> list[Turn]:
     prompt_value = record.get("prompt")
     if isinstance(prompt_value, list):
         return _turns(prompt_value, "prompt", "role", "content")
-    if prompt_value is None and isinstance(record.get("chosen"), list):
-        return []
+    if prompt_value is None and isinstance(record.get("chosen"), str):
+        from data_formats.public import implicit_prompt_text
+
+        raise implicit_prompt_text()
     return [Turn("user", _string(record, "prompt"))]
 
 
@@ -418,7 +453,14 @@ def parse_preference(record: Any, *, task: str = "default", source: str = "",
     if not isinstance(record, dict):
         raise RecordError(f"record must be a JSON object, got {type(record).__name__}")
     refuse_unsupported(record)
-    if "response_chosen" in record or "question" in record:
+    from data_formats import public
+
+    tools = record_tools(record)
+    if public.is_openai_preference(record):
+        chosen, rejected, tools = public.openai_preference(record)
+    elif public.is_hh(record) and "prompt" not in record:
+        chosen, rejected = public.hh_pair(record)
+    elif "response_chosen" in record or "question" in record:
         prompt = [Turn("user", _string(record, "question"))]
         if isinstance(record.get("system"), str) and record["system"].strip():
             prompt.insert(0, Turn("system", record["system"]))
@@ -434,12 +476,14 @@ def parse_preference(record: Any, *, task: str = "default", source: str = "",
     for turns in (chosen, rejected):
         check_order(turns, "assistant")
         check_placeholders(turns)
+        if not turns[-1].trained:
+            raise RecordError("the compared answer has 'weight' 0; a preference pair compares trained answers")
     if chosen == rejected:
         raise RecordError("chosen and rejected are identical")
     if system_prompt is not None and chosen[0].role != "system":
         chosen = [Turn("system", system_prompt)] + chosen
         rejected = [Turn("system", system_prompt)] + rejected
-    name, tools = task_of(record, task), record_tools(record)
+    name = task_of(record, task)
     return Conversation(chosen, name, source, tools=tools), Conversation(rejected, name, source, tools=tools)
 
 

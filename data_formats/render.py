@@ -42,6 +42,7 @@ they stay in the untrained prompt); otherwise, and always in role_markers mode (
 conversation is first rewritten into Relay's default tool layout (plain turns: calls are assistant
 text, results a user turn, the schemas in the system turn) and rendered as any other. Either way
 the assistant's calls and answers are trained with their end-of-turn token, and nothing else.
+An assistant turn with `trained` False (OpenAI's `weight` 0) is rendered the same, untrained.
 
 Scored sequences (the reward model's and PPO's): a conversation scored by a reward model ends at
 the end-of-turn token that closes its last answer (`render_scored`: the prompt ids, then the
@@ -98,7 +99,7 @@ def _segments_role_markers(conv: Conversation, template: Template, generation_pr
         elif turn.role == "user":
             out.append((markers["user"] + turn.content + after, False))
         else:
-            out += [(markers["assistant"], False), (turn.content + after + template.eos, True), ("\n", False)]
+            out += [(markers["assistant"], False), (turn.content + after + template.eos, turn.trained), ("\n", False)]
     if generation_prompt:
         out.append((markers["assistant"], False))
     return out
@@ -133,7 +134,7 @@ def _segments_chat_template(conv: Conversation, tokenizer, template: Template, g
         if end < 0:
             raise ValueError(f"chat template does not end assistant turn {i} with {template.eos!r}")
         end += len(template.eos)
-        out += [(prompt[len(done):], False), (body[:end], True), (body[end:], False)]
+        out += [(prompt[len(done):], False), (body[:end], turn.trained), (body[end:], False)]
         done = full
     whole = _apply(tokenizer, template, conv, conv.turns, generation_prompt)
     if not whole.startswith(done):

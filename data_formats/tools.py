@@ -197,9 +197,9 @@ def layout_turns(conv):
             else:
                 turns.append(Turn("user", text))
         elif turn.tool_calls:
-            turns.append(Turn("assistant", call_text(turn.content, turn.tool_calls)))
+            turns.append(Turn("assistant", call_text(turn.content, turn.tool_calls), trained=turn.trained))
         else:
-            turns.append(Turn(turn.role, turn.content))
+            turns.append(Turn(turn.role, turn.content, trained=turn.trained))
         previous = turn.role
     if conv.tools:
         block = tools_block(conv.tools)

@@ -37,6 +37,11 @@ EXPECTED = {
     f"{L}/reason_tool_use_demo_50.jsonl": ("sft", "a 'reasoning' content part (LLaMA-Factory v1 reasoning data)"),
     f"{L}/dataset_info.json": ("sft", "this is LLaMA-Factory's dataset registry (dataset_info.json)"),
 }
+EXPECTED.update({  # issue 32: public formats beyond the two peers (tests/test_formats_public.py checks ids and masks)
+    "hh-rlhf/harmless-base/test.jsonl": ("rm", 5), "Firefly/dummy_dpo.jsonl": ("rm", 2),
+    "together-python/test_preference_openai.jsonl": ("rm", 2), "Firefly/dummy_data.jsonl": ("sft", 2),
+    "openai-cookbook/toy_chat_fine_tuning.jsonl": ("sft", 3), "ApiLogicServer-src/logic_trainer_multi_turn.jsonl": ("sft", 1),
+})
 
 
 def test_every_excerpt_is_listed_and_has_its_source():
