@@ -34,7 +34,7 @@ from data_formats.render import Template, render, render_prompt, render_scored
 from data_formats.sources import Problem
 from data_formats.tools import has_tools
 from data_formats.token_cache import Built, Check, build_cached, key_parts
-from data_formats.validate import Parsed, apply_policy, read_and_parse
+from data_formats.validate import Parsed, apply_policy, every_record_bad, read_and_parse
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
@@ -91,6 +91,8 @@ def split_records(cfg, kind: str, split: str, check: Optional[Check] = None, **p
     if not entries:
         return []
     good, problems = read_and_parse(entries, kind, fmt=cfg.format, max_record_bytes=cfg.max_record_bytes, **parse_kwargs)
+    if cfg.on_error == "skip":
+        problems += every_record_bad(good, problems)
     if check is None:
         apply_policy(problems, cfg.on_error, f"{kind} {split} data")
     else:

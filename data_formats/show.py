@@ -19,6 +19,7 @@ import sys
 from typing import Optional
 
 from data_formats.render import IGNORE_INDEX, Template, make_template, render, render_prompt, render_scored
+from data_formats.sources import summarize
 
 TRAINED = "\033[42;30m"
 RESET = "\033[0m"
@@ -69,8 +70,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     tokenizer = load_tokenizer(resolve_model_path(args.model))
     template: Template = make_template(ChatDataConfig(template=args.template), tokenizer)
     good, problems = read_and_parse([args.file], args.kind)
-    for problem in problems:
-        print(problem, file=sys.stderr)
+    for line in summarize(problems):  # grouped as `relay validate` prints them
+        print(line, file=sys.stderr)
     for record in good[: args.n]:
         for title, ids, labels in labelled(args.kind, record.value, tokenizer, template):
             trained = sum(label != IGNORE_INDEX for label in labels)

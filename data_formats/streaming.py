@@ -66,7 +66,7 @@ class PackedTextStream:
         for item in self._items:
             self.records_read += 1
             if isinstance(item, Problem):
-                apply_policy([item], self.on_error, "pt train data (streamed)")
+                apply_policy([item], self.on_error, "pt train data (streamed)", keep=False)  # the check counted it
                 continue
             self._documents_this_epoch += 1
             return self.tokenizer(item.value, add_special_tokens=False)["input_ids"]

@@ -193,8 +193,48 @@ def read_and_parse(entries: Iterable[str], kind: str, *, max_record_bytes: int =
     return parse_records(entry_records(entries, max_record_bytes), kind, **kwargs)
 
 
-def apply_policy(problems: list[Problem], on_error: str, what: str = "data") -> None:
-    """strict: raise DataError listing every problem; skip: log how many records were dropped and why.
+EVERY_RECORD_BAD = "every record of this file is bad"
+_skipped: list[tuple[str, list[Problem]]] = []
+"""What `apply_policy` skipped since the last `take_skipped` ((what, problems) per call): the stage
+writes it to its run folder and counts it in the manifest."""
+
+
+def every_record_bad(good: list[Parsed], problems: list[Problem]) -> list[Problem]:
+    """One problem per file that has problems and no good record: skipping its records would
+    silently train on none of it, so on_error=skip does not skip a whole file."""
+    kept = {item.file for item in good}
+    counts = Counter(p.file for p in problems if p.file not in kept)
+    return [Problem(file, 0, f"{EVERY_RECORD_BAD} ({n} problem(s)); data.on_error=skip skips bad records, not whole "
+                             "files: fix the file or take it out of the data paths") for file, n in counts.items()]
+
+
+def take_skipped() -> list[tuple[str, list[Problem]]]:
+    """What was skipped since the last call (see `_skipped`), emptying the record."""
+    out = list(_skipped)
+    _skipped.clear()
+    return out
+
+
+def skip_report(skipped: list[tuple[str, list[Problem]]]) -> tuple[list[str], dict, list[str]]:
+    """(report lines, manifest entry, whole-file problem lines) of what `take_skipped` returned.
+    The report is one grouped summary per data split; the manifest entry counts the records left
+    out per split and reason."""
+    lines, entry, fatal = [], {"count": 0, "by_split": {}}, []
+    for what, problems in skipped:
+        records = [p for p in problems if not p.reason.startswith(EVERY_RECORD_BAD)]
+        fatal += [str(p) for p in problems if p.reason.startswith(EVERY_RECORD_BAD)]
+        if not records:
+            continue
+        entry["count"] += len(records)
+        entry["by_split"][what] = dict(Counter(p.reason for p in records).most_common())
+        lines += [f"{what}: {len(records)} record(s) skipped (data.on_error=skip)"] + [f"  {s}" for s in summarize(records)]
+    return lines, entry, fatal
+
+
+def apply_policy(problems: list[Problem], on_error: str, what: str = "data", keep: bool = True) -> None:
+    """strict: raise DataError listing every problem; skip: log one grouped summary (reason, count,
+    first lines) of the records left out and, with `keep`, keep it for the run's report (`take_skipped`).
+    A whole-file problem (`every_record_bad`) is kept too; the stage reports it as an error.
 
     Raises:
         DataError: `on_error` is 'strict' and there is at least one problem.
@@ -206,11 +246,12 @@ def apply_policy(problems: list[Problem], on_error: str, what: str = "data") -> 
         return
     if on_error == "strict":
         raise DataError(problems)
-    reasons = Counter(p.reason.split(":")[0] for p in problems)
-    log.warning("%s: skipping %d bad record(s): %s", what, len(problems),
-                "; ".join(f"{n} x {r}" for r, n in reasons.most_common()))
-    for line in summarize(problems):
-        log.info("skipped %s", line)
+    records = [p for p in problems if not p.reason.startswith(EVERY_RECORD_BAD)]
+    log.warning("%s: skipping %d bad record(s) (data.on_error=skip):", what, len(records))
+    for line in summarize(records):
+        log.warning("skipped %s", line)
+    if keep:
+        _skipped.append((what, list(problems)))
 
 
 def _overlong(good: list[Parsed], kind: str, args) -> list[Problem]:

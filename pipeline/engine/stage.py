@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 from data_formats.render import make_template, template_jinja
 from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
 from data_formats.sources import DataError, expand_entry
+from data_formats.validate import skip_report, take_skipped
 from pipeline.config import ConfigError, StageConfig, load_config, save_config, to_dict
 from pipeline.engine.accelerator import build_optimizer, combination_problems, optimizer_state, setup_accelerator, trainable_state
 from pipeline.engine.checkpoint import Checkpointer, CheckpointError, complete_checkpoints, rng_state
@@ -197,6 +198,8 @@ class Stage:
         """Every accepted change so far ({step, changes}); rides in checkpoints, ends in the manifest."""
         self.step_indices: list[list[int]] = []
         """The sample indices the current step drew (named when a step fails)."""
+        self.skipped_records: dict = {}
+        """What data.on_error=skip left out: {count, by_split: {split: {reason: count}}} (the manifest's)."""
 
     # ---- what a stage provides -----------------------------------------------------------
 
@@ -291,6 +294,8 @@ class Stage:
     def all_manifest_extras(self) -> dict:
         """`manifest_extras` plus the engine's own: the config changes accepted on resume."""
         extras = self.manifest_extras()
+        if self.skipped_records.get("count"):
+            extras["skipped_records"] = self.skipped_records
         if self.resume_changes:
             extras["resume_changes"] = self.resume_changes
         return extras
@@ -338,13 +343,24 @@ class Stage:
         if problems:
             raise ConfigError(problems)
         self.tokenizer = models.load_tokenizer(self.model_path, cfg.model.trust_remote_code, cfg.model.revision)
+        take_skipped()
         try:
             problems = self.build_data()
         except (DataError, ValueError) as err:
             raise ConfigError([str(err)]) from err
+        problems = self.record_skipped(take_skipped()) + problems
         problems = problems or supervision_problems(self.train_samples, cfg.train.seq_length)
         if problems:
             raise ConfigError(problems)
+
+    def record_skipped(self, skipped: list) -> list[str]:
+        """Write what data.on_error=skip left out to skipped_records.txt in the run folder and keep its
+        counts for the manifest; returns the whole-file problems (a file with no good record)."""
+        lines, self.skipped_records, fatal = skip_report(skipped)
+        if lines and int(os.environ.get("RANK", "0")) == 0:
+            Path(self.cfg.output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(self.cfg.output_dir) / "skipped_records.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return fatal
 
     def build(self) -> None:
         """Accelerator, seed, model, optimizer, scheduler, checkpointer, tracker; config.yaml."""
