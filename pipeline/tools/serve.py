@@ -15,14 +15,21 @@ that arrived meanwhile, so a long answer never holds the others back. Limits: --
 prompt + max_tokens, --request-timeout per request (an answer still running then ends with
 finish_reason "length"). Any OpenAI client works: `OpenAI(base_url="http://localhost:8000/v1",
 api_key="unused")`; the model name is the folder's name (--name changes it).
+
+--api-key KEY (or the environment variable RELAY_API_KEY, which keeps the key out of `ps`): every
+/v1 route then needs `Authorization: Bearer KEY`, compared in constant time, and answers an
+OpenAI-style 401 without it; GET /health stays open, as in vLLM's server. With --backend vllm the
+key goes to vLLM as VLLM_API_KEY (its environment, not its command line).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -167,8 +174,37 @@ class Server:
             job.cancelled = True
 
 
-def make_app(server: Server):
-    """The FastAPI app over `server` (its batcher runs while the app does)."""
+API_KEY_ENV = "RELAY_API_KEY"
+
+
+def key_error(authorization: Optional[str], key: str) -> Optional[ApiError]:
+    """The 401 for a request whose Authorization header does not carry `key` (None when it does);
+    compared in constant time, so the answer's timing does not reveal how much of a guess was right."""
+    if not authorization:
+        return ApiError(401, "You didn't provide an API key: send it as 'Authorization: Bearer KEY' (OpenAI clients: "
+                        "api_key=KEY)", None, "missing_api_key")
+    if not hmac.compare_digest(authorization.encode("utf-8"), f"Bearer {key}".encode("utf-8")):
+        return ApiError(401, "Incorrect API key provided", None, "invalid_api_key")
+    return None
+
+
+def require_key(app, key: str) -> None:
+    """Refuse every /v1 request without the key (OPTIONS and /health pass, as in vLLM's server)."""
+    from fastapi.responses import JSONResponse
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        error = None
+        if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
+            error = key_error(request.headers.get("authorization"), key)
+        if error is not None:
+            return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+
+def make_app(server: Server, api_key: Optional[str] = None):
+    """The FastAPI app over `server` (its batcher runs while the app does); with `api_key`, every
+    /v1 route needs it (`require_key`)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -182,6 +218,12 @@ def make_app(server: Server):
         server.batcher.stop()
 
     app = FastAPI(title="relay serve", lifespan=lifespan)
+    if api_key:
+        require_key(app, api_key)
+
+    @app.get("/health")
+    async def health():
+        return {}
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):
@@ -241,6 +283,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds a request may take, waiting included")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted (413 beyond)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, which keeps it out of ps)")
     args = parser.parse_args(argv)
     from pipeline.engine.tracking import quiet_console
     from pipeline.modeling.models import resolve_model_path
@@ -256,7 +300,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("error: --backend vllm: vLLM is not installed (pip install vllm, CUDA only)", file=sys.stderr)
         return 2
     if args.backend == "vllm" or (args.backend == "auto" and has_vllm):
-        return subprocess.call(vllm_command(resolve_model_path(args.model), args.host, args.port))
+        env = {**os.environ, "VLLM_API_KEY": args.api_key} if args.api_key else None
+        return subprocess.call(vllm_command(resolve_model_path(args.model), args.host, args.port), env=env)
     quiet_console()
     try:
         chat = load_chat_model(args.model, args.dtype)
@@ -266,8 +311,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     name = args.name or Path(resolve_model_path(args.model)).name
     server = Server(chat, name, args.max_new_tokens, args.max_batch, args.batch_window, request_timeout=args.request_timeout,
                     max_request_bytes=args.max_request_bytes, slice_tokens=args.slice_tokens)
-    print(f"serving {args.model} as '{name}' (transformers) on http://{args.host}:{args.port}/v1  (Ctrl-C stops)", file=sys.stderr)
-    run(make_app(server), args.host, args.port)
+    guard = "API key required" if args.api_key else "no API key: anyone who reaches the port can use it"
+    print(f"serving {args.model} as '{name}' (transformers) on http://{args.host}:{args.port}/v1, {guard}  (Ctrl-C stops)",
+          file=sys.stderr)
+    run(make_app(server, args.api_key), args.host, args.port)
     return 0
 
 
