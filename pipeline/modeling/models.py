@@ -14,7 +14,9 @@ Untrusted folders: weights load from safetensors only (transformers never unpick
 without it is refused before anything loads by pipeline.modeling.preflight. Code in a folder
 (config.json `auto_map`) runs only with `model.trust_remote_code`; without it a folder whose
 model_type transformers knows loads the stock class, with one warning that its custom code is
-ignored, and one whose model_type it does not know is refused (`remote_code_problems`).
+ignored, and one whose model_type it does not know is refused (`remote_code_problems`), as is one
+whose weights the stock class would not hold as they are (`stock_fit_problem`: tensors it has no
+place for, or tensors it would start from random).
 """
 
 from __future__ import annotations
@@ -76,11 +78,54 @@ def remote_code_problems(model_cfg: ModelConfig, key: str = "model") -> list[str
         return []
     folder = Path(str(model_cfg.path))
     code = custom_code(folder)
-    if not code or code["known"]:
+    if not code:
         return []
+    if code["known"]:
+        fit = stock_fit_problem(folder, code["model_type"])
+        return [f"{key}.path: {folder} ships its own code (auto_map) and {fit}; set {key}.trust_remote_code: true if you "
+                "trust the folder"] if fit else []
     return [f"{key}.path: {folder} needs its own code: model_type {code['model_type']!r} is not a transformers model "
             f"and config.json maps {', '.join(code['auto_map'])} to code in the folder (auto_map); set "
             f"{key}.trust_remote_code: true if you trust the folder"]
+
+
+def checkpoint_tensor_names(folder: Path) -> Optional[set[str]]:
+    """The tensor names of a folder's safetensors weights, read from their headers (nothing
+    loads), or None when it has none."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+    if not (folder / "model.safetensors").is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as weights:
+        return set(weights.keys())
+
+
+def stock_fit_problem(folder: Path, model_type: str) -> Optional[str]:
+    """Why transformers' own causal-LM class for `model_type` cannot be the folder's model (its
+    weights hold tensors the class has no place for, or lack some it needs: they would be dropped
+    or start from random), or None. The class is built on the meta device: nothing is allocated.
+    Output heads (lm_head, score) are left out: a reward stage replaces them."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = checkpoint_tensor_names(folder)
+    if names is None or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    with init_empty_weights():
+        stock = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=False))
+    heads = ("lm_head.", "score.")
+    expected = {n for n in stock.state_dict() if not n.startswith(heads)}
+    found = {n for n in names if not n.startswith(heads)}
+    unknown, missing = sorted(found - expected), sorted(expected - found)
+    if not unknown and not missing:
+        return None
+    parts = [f"{len(unknown)} tensor(s) it has no place for (first: {unknown[0]})"] if unknown else []
+    parts += [f"{len(missing)} tensor(s) it would start from random (first: {missing[0]})"] if missing else []
+    return f"its weights do not fit transformers' {type(stock).__name__} for model_type {model_type!r}: {', '.join(parts)}"
 
 
 def warn_ignored_code(path: str | Path, trust_remote_code: bool) -> Optional[str]:
