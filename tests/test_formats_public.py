@@ -200,3 +200,15 @@ def test_unusable_records_are_refused_in_one_line_naming_the_format(tmp_path, na
     good, problems = read_and_parse([str(path)], kind)
     lines = summarize(problems)
     assert not good and len(lines) == 1 and reason in lines[0], lines
+
+
+def test_openai_preference_with_tools_and_a_call_as_the_preferred_answer(tmp_path):
+    """preference-input.md: `input.tools` and assistant messages that call them."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+    record = {"input": {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool]},
+              "preferred_output": [{"role": "assistant", "tool_calls": [CALL]}],
+              "non_preferred_output": [{"role": "assistant", "content": "No idea."}]}
+    (item,) = _parse(_write(tmp_path, [record]), "rm")
+    chosen, rejected, _ = item.value
+    assert chosen.tools == rejected.tools == [tool["function"]]
+    assert chosen.turns[-1].tool_calls == [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call_1"}]
