@@ -460,6 +460,8 @@ def parse_preference(record: Any, *, task: str = "default", source: str = "",
         chosen, rejected, tools = public.openai_preference(record)
     elif public.is_hh(record) and "prompt" not in record:
         chosen, rejected = public.hh_pair(record)
+    elif public.is_hh_prompt(record):
+        chosen, rejected = public.hh_prompt_pair(record)
     elif "response_chosen" in record or "question" in record:
         prompt = [Turn("user", _string(record, "question"))]
         if isinstance(record.get("system"), str) and record["system"].strip():

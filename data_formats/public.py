@@ -4,6 +4,7 @@
               "\\n\\nHuman: ..." and "\\n\\nAssistant: ..." turns. The shared prompt is split off as
               TRL's `extract_prompt` does (the common beginning of both sides), but at turn
               boundaries: every turn but the last is the prompt and must be the same on both sides.
+              The same after `extract_prompt` ({"prompt", "chosen", "rejected"} texts) reads alike.
   openai_dpo  OpenAI's preference fine-tuning format {"input": {"messages", "tools"?},
               "preferred_output": [message], "non_preferred_output": [message]}.
   firefly     Firefly {"conversation": [{"human", "assistant"}], "system"?}: one user and one
@@ -72,6 +73,25 @@ def hh_pair(record: dict) -> tuple[list[Turn], list[Turn]]:
         raise RecordError(f"HH-RLHF transcript: chosen has {len(chosen)} turns, rejected {len(rejected)}; both must be "
                           "the same prompt followed by one answer")
     return chosen, rejected
+
+
+def is_hh_prompt(record: dict) -> bool:
+    """Whether a record is HH-RLHF after TRL's `extract_prompt` (Dahoas/full-hh-rlhf's layout too):
+    a `prompt` transcript and the rest of each side as texts."""
+    prompt = record.get("prompt")
+    return (isinstance(prompt, str) and prompt.lstrip("\n").startswith("Human:")
+            and isinstance(record.get("chosen"), str) and isinstance(record.get("rejected"), str))
+
+
+def hh_prompt_pair(record: dict) -> tuple[list[Turn], list[Turn]]:
+    """(chosen, rejected) turns of an `is_hh_prompt` record: read as the whole transcripts (prompt +
+    side), since TRL cuts the prompt at the first differing character, which may fall inside the
+    answers (both starting "I'm ...").
+
+    Raises:
+        RecordError: see `hh_pair`.
+    """
+    return hh_pair({key: record["prompt"] + record[key] for key in ("chosen", "rejected")})
 
 
 def is_openai_preference(record: dict) -> bool:

@@ -68,7 +68,7 @@ def test_hh_rlhf_prompt_is_split_off_where_trl_extract_prompt_splits_it(tok, mar
         exact += trl["prompt"] == relay_prompt
         prompt_ids, answer_ids = render_scored(chosen, tok, markers)
         assert tok.decode(answer_ids) == chosen.turns[-1].content + markers.eos
-    assert exact == 4  # line 38's answers share their first words ("When ..."), which TRL counts as prompt
+    assert exact == 4  # line 10: both answers start "I’m", which TRL counts as prompt
 
 
 def test_firefly_conversation_trains_every_assistant_turn_with_its_eos(tok, markers):
@@ -212,3 +212,11 @@ def test_openai_preference_with_tools_and_a_call_as_the_preferred_answer(tmp_pat
     chosen, rejected, _ = item.value
     assert chosen.tools == rejected.tools == [tool["function"]]
     assert chosen.turns[-1].tool_calls == [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call_1"}]
+
+
+def test_hh_rlhf_after_trl_extract_prompt_reads_the_same_turns(tmp_path):
+    """TRL's `extract_prompt` output on HH-RLHF (Dahoas/full-hh-rlhf's layout): the same pairs as the raw transcripts."""
+    raw = [json.loads(line) for line in HH.read_text(encoding="utf-8").splitlines()]
+    extracted = _write(tmp_path, [extract_prompt(r) for r in raw])  # lines 10 and 38: TRL splits inside the answers
+    turns = lambda items: [(c.turns, r.turns) for c, r, _ in (g.value for g in items)]  # noqa: E731
+    assert turns(_parse(extracted, "rm")) == turns(_parse(HH, "rm"))
