@@ -5,7 +5,9 @@
 
 Exit status 1 when any problem is found, 0 otherwise; the last line gives the counts. Stages run
 the same checks (`parse_records`) at start-up: `on_error=strict` raises one DataError listing every
-problem, `on_error=skip` drops exactly those records and logs how many and why.
+problem, `on_error=skip` drops exactly those records and logs them once, grouped by reason with
+their lines (`apply_policy`; the stage writes the same summary to its run folder and counts it in
+the manifest); a file with no good record stays an error (`every_record_bad`).
 
 With `--seq-length`, samples longer than that (in tokens, rendered with `--template`) are reported
 too, since the stage would drop them (truncation=drop) or could not keep any supervised token.
