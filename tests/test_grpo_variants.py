@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -353,3 +354,77 @@ def test_objective_carries_every_loss_option():
                  "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "top_entropy_quantile",
                  "mask_truncated_completions", "multi_objective_aggregation", "scale_rewards", "num_iterations"):
         assert getattr(section, name) == trl_defaults[name].default, name
+
+
+# ------------------------------------------------------------------------------------------
+# The stage: dynamic sampling and the variants on a tiny model (one step each)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("grpo_variants") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Question number {i}?"}) + "\n" for i in range(8)))
+    return path
+
+
+def _stage(tmp_path, model_dir, prompts, grad_accum=1, **grpo_options):
+    from stages import grpo
+
+    cfg = grpo.GRPOConfig(output_dir=str(tmp_path))
+    cfg.model.path, cfg.data.train, cfg.data.eval = str(model_dir), [str(prompts)], []
+    cfg.train.eval_steps, cfg.train.batch_size, cfg.train.max_steps, cfg.train.grad_accum = 0, 2, 1, grad_accum
+    cfg.train.lr_schedule, cfg.train.warmup, cfg.train.learning_rate = "constant", 0, 1e-3
+    cfg.lora.r = 4
+    cfg.generation.max_new_tokens, cfg.generation.missing_eos_penalty = 4, None
+    cfg.grpo.reward_funcs = ["pipeline.algorithms.rewards:house_phrase"]
+    cfg.checkpoint.resume, cfg.tracking.trackers = False, []
+    for key, value in grpo_options.items():
+        setattr(cfg.grpo, key, value)
+    stage = grpo.GRPOStage(cfg)
+    stage.validate()
+    stage.build()
+    return stage
+
+
+def _prompt_rewards(odd_constant: bool):
+    """A stand-in for GRPOStage.rewards: a prompt with an odd number (or every prompt, when not
+    `odd_constant`) gets the same reward for all its completions, the others 0, 1, 2, 3."""
+    def rewards(self, prompts, rollout, columns=None):
+        values = [0.5 if (not odd_constant or int(re.search(r"number (\d+)", p).group(1)) % 2) else float(i % 4) for i, p in enumerate(prompts)]
+        total = torch.tensor(values)
+        return total, {"fake": total}, {"fake": 1.0}
+    return rewards
+
+
+def test_dynamic_sampling_keeps_informative_groups_and_counts_the_rest(tmp_path, tiny_model_dir, prompts_file, monkeypatch):
+    from stages import grpo
+
+    monkeypatch.setattr(grpo.GRPOStage, "rewards", _prompt_rewards(odd_constant=True))
+    stage = _stage(tmp_path / "a", tiny_model_dir, prompts_file, dynamic_sampling=True, max_generation_batches=4)
+    figures = stage.train_step()
+    seen = stage.last_rollout
+    assert seen["rewards"].view(-1, 4).tolist() == [[0.0, 1.0, 2.0, 3.0]] * 2  # only the even (informative) prompts
+    assert figures["grpo/dynamic/topped_up"] == 0 and figures["grpo/dynamic/dropped_groups"] == 2 * figures["grpo/dynamic/generation_batches"] - 2
+    torch.testing.assert_close(seen["advantages"], adv.group_advantages(seen["rewards"], 4))
+    assert seen["rollout"].input_ids.shape[0] == 8 and len(seen["rollout"].responses) == 8
+
+    monkeypatch.setattr(grpo.GRPOStage, "rewards", _prompt_rewards(odd_constant=False))
+    stage = _stage(tmp_path / "b", tiny_model_dir, prompts_file, dynamic_sampling=True, max_generation_batches=2)
+    figures = stage.train_step()
+    assert (figures["grpo/dynamic/generation_batches"], figures["grpo/dynamic/dropped_groups"], figures["grpo/dynamic/topped_up"]) == (2, 4, 2)
+    assert stage.last_rollout["advantages"].abs().max() == 0  # topped up with groups that teach nothing, and said so
+
+
+def test_variants_run_in_the_stage(tmp_path, tiny_model_dir, prompts_file):
+    """cispo + rloo + entropy filter + masked truncated completions + overlong shaping, two
+    micro-batches: the step runs, the advantages are RLOO's of the logged rewards and the
+    overlong part is the shaping of the completions' lengths."""
+    stage = _stage(tmp_path, tiny_model_dir, prompts_file, loss_type="cispo", epsilon_high=5.0, advantage_estimator="rloo",
+                   top_entropy_quantile=0.5, mask_truncated_completions=True, overlong_buffer=2, grad_accum=2)
+    figures = stage.train_step()
+    seen = stage.last_rollout
+    lengths = seen["rollout"].response_mask.sum(1)
+    torch.testing.assert_close(seen["parts"]["overlong"], adv.overlong_penalty(lengths, 4, 2))
+    torch.testing.assert_close(seen["advantages"], adv.leave_one_out(seen["rewards"], 4))
+    assert torch.isfinite(torch.tensor(figures["train/loss"])) and figures["grpo/reward/overlong"] <= 0
