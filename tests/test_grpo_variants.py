@@ -428,3 +428,49 @@ def test_variants_run_in_the_stage(tmp_path, tiny_model_dir, prompts_file):
     torch.testing.assert_close(seen["parts"]["overlong"], adv.overlong_penalty(lengths, 4, 2))
     torch.testing.assert_close(seen["advantages"], adv.leave_one_out(seen["rewards"], 4))
     assert torch.isfinite(torch.tensor(figures["train/loss"])) and figures["grpo/reward/overlong"] <= 0
+
+
+def test_first_step_loss_equals_trl_grpo_trainer(tmp_path, tiny_model_dir, monkeypatch):
+    """TRL 1.16's GRPOTrainer (loss_type cispo, epsilon_high 5) runs one step on the tiny model; on
+    the completions it sampled, Relay's log-probs (rollout.policy_logits, rl.logprobs_from_logits),
+    its group advantages of TRL's rewards and its cispo loss give TRL's first-step loss."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig as TRLConfig
+
+    from pipeline.algorithms import rl
+    from pipeline.algorithms.rollout import policy_logits
+
+    seen = []
+    original = GRPOTrainer._compute_loss
+
+    def spy(self, model, inputs):
+        loss = original(self, model, inputs)
+        seen.append(({k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)}, loss.detach().clone()))
+        return loss
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", spy)
+    args = TRLConfig(output_dir=str(tmp_path / "trl"), loss_type="cispo", epsilon_high=5.0, num_generations=4, per_device_train_batch_size=8,
+                     max_completion_length=6, max_steps=1, report_to=[], use_cpu=True, beta=0.0, learning_rate=1e-3, save_strategy="no",
+                     shuffle_dataset=False, temperature=0.9, seed=0, bf16=False)
+    prompts = Dataset.from_list([{"prompt": f"Question number {i}?"} for i in range(8)])
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[lambda completions, **kw: [float(len(c) % 5) for c in completions]],
+                          args=args, train_dataset=prompts)
+    trainer.train()
+    inputs, want = seen[0]
+    rewards = torch.tensor(list(trainer._logs["rewards"]["<lambda>"]))  # in generation order; TRL shuffles the rows it trains on
+    advantages = adv.group_advantages(rewards, 4)
+    torch.testing.assert_close(advantages, torch.tensor(list(trainer._logs["advantages"])), **TOL)
+    torch.testing.assert_close(advantages.sort().values, inputs["advantages"].sort().values, **TOL)
+    assert advantages.abs().sum() > 0
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logits = policy_logits(model, ids, attention, inputs["prompt_ids"].shape[1])
+    logp = rl.logprobs_from_logits(logits.float() / 0.9, inputs["completion_ids"])
+    mask = inputs["completion_mask"]
+    out = gl.grpo_loss(logp, logp, inputs["advantages"], mask, objective=gl.Objective(loss_type="cispo", epsilon_high=5.0),
+                       totals=gl.Totals(float(mask.sum()), mask.shape[0], 6))
+    assert abs(float(out.loss) - float(want)) <= 1e-5, (float(out.loss), float(want))
