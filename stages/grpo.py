@@ -6,10 +6,13 @@ Each step (`GRPOStage.train_step`): sample `grpo.num_generations` (G) completion
 batch of prompts (PPO's prompt data and sampler: pipeline/algorithms/rollout.py), reward each
 with the reward functions the config names (`grpo.reward_funcs`, "module:function" of the project
 or an installed package, pipeline/algorithms/rewards.py) and/or a trained reward model
-(`reward_model.path`, read out as PPO does), take each completion's reward against its group's
-(A = (r - mean) / (std + eps), or without the std: `grpo.scale_rewards: false`), then run
-`grpo.num_iterations` clipped-ratio optimizer steps over the batch with token-level
-normalisation and, when `grpo.beta` > 0, a k3 KL term to the reference (pipeline/algorithms/grpo.py).
+(`reward_model.path`, read out as PPO does), optionally shaped for overlong completions and
+filtered for groups with something to learn (DAPO's `grpo.overlong_buffer`, `grpo.dynamic_sampling`),
+turn rewards into advantages (`grpo.advantage_estimator`: by default the reward against its
+group's, A = (r - mean) / (std + eps); pipeline/algorithms/advantages.py), then run
+`grpo.num_iterations` optimizer steps of the `grpo.loss_type` policy loss (dapo by default;
+pipeline/algorithms/grpo_losses.py) over the batch and, when `grpo.beta` > 0, a k3 KL term to the
+reference (pipeline/algorithms/grpo.py). The `grpo:` options are pipeline/algorithms/grpo_config.py's.
 The reference is the policy with its adapter disabled (LoRA/QLoRA) or a frozen copy (full
 fine-tuning); with beta 0 none is loaded and no reference forward runs.
 
