@@ -199,7 +199,7 @@ class GRPOStage(PolicyStage):
                 return batch, rollout, total, parts, weights, {}
             for j, informative in enumerate(adv.informative_groups(total, G).tolist()):
                 (kept if informative else dropped).append((batch[j], rollout, slice(j * G, (j + 1) * G), total, parts))
-            if len(kept) >= B or batches >= g.max_generation_batches:
+            if self._all_ranks(len(kept) >= B) or batches >= g.max_generation_batches:
                 break
         short = max(0, B - len(kept))
         chosen = kept[:B] + dropped[:short]
@@ -215,6 +215,14 @@ class GRPOStage(PolicyStage):
         counts = {"grpo/dynamic/generation_batches": float(batches), "grpo/dynamic/dropped_groups": float(len(dropped)),
                   "grpo/dynamic/topped_up": float(short)}
         return batch, rollout, total, parts, weights, counts
+
+    def _all_ranks(self, flag: bool) -> bool:
+        """`flag` on every rank: the ranks must draw as many generation batches each (the prompt
+        cursor is global)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return flag
+        return float(acc.reduce(torch.tensor(float(not flag), device=acc.device), reduction="sum")) == 0
 
     def advantages(self, total: torch.Tensor, parts: dict, weights: dict, rollout) -> torch.Tensor:
         """This rank's advantages ([N]) from the step's rewards: `grpo.multi_objective_aggregation`

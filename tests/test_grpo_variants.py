@@ -286,6 +286,21 @@ def test_estimators_equal_verl(estimator):
     torch.testing.assert_close(got.unsqueeze(1) * mask, want, **TOL)
 
 
+def test_whitening_without_two_loss_tokens_teaches_nothing():
+    r = torch.tensor([1.0, 2.0, 0.0, 5.0])
+    for lengths in ([0, 0, 0, 0], [0, 1, 0, 0]):
+        assert adv.ESTIMATORS["reinforce_plus_plus"](r, torch.tensor(lengths, dtype=torch.float), 2, "group").abs().max() == 0
+
+
+def test_loss_mask_drops_truncated_completions_only_when_asked():
+    from pipeline.algorithms.grpo import loss_mask
+    from pipeline.algorithms.rollout import assemble
+
+    rollout = assemble([[5, 6], [7]], [[1, 2, 0, 9], [3, 4, 4, 4]], pad_id=9, eos_ids=[0])
+    assert loss_mask(rollout, False).tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert loss_mask(rollout, True).tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
+
+
 def test_rloo_equals_trl_rloo_trainer():
     """TRL 1.16 rloo_trainer.py: baseline = (group sum - r) / (G - 1), advantage = r - baseline."""
     r, G = _rewards(seed=4), 4

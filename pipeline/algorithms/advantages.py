@@ -71,14 +71,13 @@ def token_whiten(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """verl's `masked_whiten` of per-token values that are constant over each completion:
     (s - mu) / sqrt(var + 1e-8), mu and var (Bessel-corrected) over all loss tokens, so each
     completion weighs its `lengths` (one with no loss token takes no part but is whitened too).
-
-    Raises:
-        ValueError: fewer than two loss tokens (verl's own refusal).
+    With fewer than two loss tokens (every completion masked as truncated, say) the variance is
+    undefined (verl refuses) and nothing can be learned: the advantages are 0.
     """
     s, n = scores.double(), lengths.double()
     total = n.sum()
     if total < 2:
-        raise ValueError(f"advantages: whitening needs at least 2 loss tokens, got {int(total)}")
+        return torch.zeros_like(scores)
     mean = (s * n).sum() / (total + WHITEN_EPS)
     var = ((s - mean) ** 2 * n).sum() / (total + WHITEN_EPS) * total / (total - 1)
     return ((s - mean) * torch.rsqrt(var + WHITEN_EPS)).to(scores.dtype)
