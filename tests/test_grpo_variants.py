@@ -489,3 +489,24 @@ def test_first_step_loss_equals_trl_grpo_trainer(tmp_path, tiny_model_dir, monke
     out = gl.grpo_loss(logp, logp, inputs["advantages"], mask, objective=gl.Objective(loss_type="cispo", epsilon_high=5.0),
                        totals=gl.Totals(float(mask.sum()), mask.shape[0], 6))
     assert abs(float(out.loss) - float(want)) <= 1e-5, (float(out.loss), float(want))
+
+
+@pytest.mark.parametrize("estimator,scale", [("grpo", "batch"), ("reinforce_plus_plus", "group"), ("reinforce_plus_plus_baseline", "group")])
+def test_advantages_use_every_ranks_completions(estimator, scale):
+    """Two ranks (a stand-in accelerator whose gather puts rank 0's rows first): rank 1's
+    advantages are its slice of the estimator on all rows, batch statistics included."""
+    from pipeline.algorithms.rollout import assemble
+    from stages import grpo
+
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(16, generator=g)
+    lengths = [1 + i % 5 for i in range(16)]
+    rollouts = [assemble([[1]] * 8, [[2] * n for n in lengths[r * 8:(r + 1) * 8]], pad_id=9, eos_ids=[0]) for r in (0, 1)]
+    section = GRPOSection(advantage_estimator=estimator, scale_rewards=scale)
+    remote = torch.stack([rewards[:8].double(), torch.tensor(lengths[:8]).double(), rewards[:8].double()], 1)
+    acc = SimpleNamespace(num_processes=2, process_index=1, device="cpu", gather=lambda local: torch.cat([remote, local]))
+    me = SimpleNamespace(cfg=SimpleNamespace(grpo=section), accelerator=acc)
+    got = grpo.GRPOStage.advantages(me, rewards[8:], {"r": rewards[8:]}, {"r": 1.0}, rollouts[1])
+    want = adv.ESTIMATORS[estimator](rewards, torch.tensor(lengths).float(), 4, scale)[8:]
+    torch.testing.assert_close(got, want, **TOL)
+    assert not torch.allclose(got, adv.ESTIMATORS[estimator](rewards[8:], torch.tensor(lengths[8:]).float(), 4, scale))  # rank-local differs
