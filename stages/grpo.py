@@ -198,7 +198,7 @@ class GRPOStage(PolicyStage):
             if not g.dynamic_sampling:
                 return batch, rollout, total, parts, weights, {}
             for j, informative in enumerate(adv.informative_groups(total, G).tolist()):
-                (kept if informative else dropped).append((batch[j], rollout, slice(j * G, (j + 1) * G), total, parts))
+                (kept if informative else dropped).append((indices[j], rollout, slice(j * G, (j + 1) * G), total, parts))
             if self._all_ranks(len(kept) >= B) or batches >= g.max_generation_batches:
                 break
         short = max(0, B - len(kept))
@@ -206,7 +206,8 @@ class GRPOStage(PolicyStage):
         if short:
             log.warning("grpo.dynamic_sampling: %d of %d groups had equal rewards after %d generation batches; "
                         "the step is topped up with them", short, B, batches)
-        batch = [c[0] for c in chosen]
+        self.step_indices = [[c[0] for c in chosen]]  # what a divergence report names
+        batch = [self.train_samples[c[0]] for c in chosen]
         ids = [p["prompt_ids"] for p in batch for _ in range(G)]
         responses = [r for _, ro, rows, _, _ in chosen for r in ro.responses[rows]]
         rollout = assemble(ids, responses, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
