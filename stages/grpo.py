@@ -6,10 +6,13 @@ Each step (`GRPOStage.train_step`): sample `grpo.num_generations` (G) completion
 batch of prompts (PPO's prompt data and sampler: pipeline/algorithms/rollout.py), reward each
 with the reward functions the config names (`grpo.reward_funcs`, "module:function" of the project
 or an installed package, pipeline/algorithms/rewards.py) and/or a trained reward model
-(`reward_model.path`, read out as PPO does), take each completion's reward against its group's
-(A = (r - mean) / (std + eps), or without the std: `grpo.scale_rewards: false`), then run
-`grpo.num_iterations` clipped-ratio optimizer steps over the batch with token-level
-normalisation and, when `grpo.beta` > 0, a k3 KL term to the reference (pipeline/algorithms/grpo.py).
+(`reward_model.path`, read out as PPO does), optionally shaped for overlong completions and
+filtered for groups with something to learn (DAPO's `grpo.overlong_buffer`, `grpo.dynamic_sampling`),
+turn rewards into advantages (`grpo.advantage_estimator`: by default the reward against its
+group's, A = (r - mean) / (std + eps); pipeline/algorithms/advantages.py), then run
+`grpo.num_iterations` optimizer steps of the `grpo.loss_type` policy loss (dapo by default;
+pipeline/algorithms/grpo_losses.py) over the batch and, when `grpo.beta` > 0, a k3 KL term to the
+reference (pipeline/algorithms/grpo.py). The `grpo:` options are pipeline/algorithms/grpo_config.py's.
 The reference is the policy with its adapter disabled (LoRA/QLoRA) or a frozen copy (full
 fine-tuning); with beta 0 none is loaded and no reference forward runs.
 
@@ -34,10 +37,12 @@ if __package__ in (None, ""):
 
 import torch
 
+from pipeline.algorithms import advantages as adv
 from pipeline.algorithms import grpo as algo
 from pipeline.algorithms import rewards as rw
+from pipeline.algorithms.grpo_config import GRPOSection
 from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
-from pipeline.algorithms.rollout import ActorCritic, chunks
+from pipeline.algorithms.rollout import ActorCritic, assemble, chunks
 from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.stage import main
@@ -77,49 +82,6 @@ class GRPORewardModel(RewardModelConfig):
 
 
 @dataclass
-class GRPOSection:
-    num_generations: int = 4
-    """Completions sampled per prompt (G, >= 2): the group a completion's reward is compared with."""
-    num_iterations: int = 1
-    """Optimizer steps per generation batch (mu); the rollout's log-probs are the old policy's."""
-    epsilon: float = 0.2
-    """Ratio clip below 1 (and above, unless epsilon_high is set)."""
-    epsilon_high: Optional[float] = None
-    """Ratio clip above 1 (DAPO's clip-higher, e.g. 0.28); null: epsilon."""
-    beta: float = 0.0
-    """Weight of the k3 KL(policy || reference) loss term; 0: no KL, no reference forward."""
-    scale_rewards: bool = True
-    """Divide advantages by the group's reward std (false: Dr. GRPO, mean-centred only)."""
-    loss_type: str = "dapo"
-    """dapo: token mean over every completion token of the step (TRL's default); grpo: the mean
-    over completions of each one's token mean (see pipeline/algorithms/grpo.py)."""
-    reward_funcs: list[str] = field(default_factory=list)
-    """Reward functions "module:function" (project or installed package), each
-    function(prompts, completions) -> list[float]."""
-    reward_weights: Optional[list[float]] = None
-    """One weight per reward function (null: 1 each)."""
-    samples_logged: int = 2
-    """Prompt/completion/reward samples written to the tracker each logged step."""
-
-    def problems(self, key: str = "grpo") -> list[str]:
-        out: list[str] = []
-        if self.num_generations < 2:
-            out.append(f"{key}.num_generations: must be >= 2 (a group of one has no baseline), got {self.num_generations}")
-        if self.num_iterations < 1:
-            out.append(f"{key}.num_iterations: must be >= 1, got {self.num_iterations}")
-        if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
-            out.append(f"{key}.epsilon/epsilon_high: must be > 0")
-        if self.beta < 0:
-            out.append(f"{key}.beta: must be >= 0, got {self.beta}")
-        if self.loss_type not in algo.LOSS_TYPES:
-            out.append(f"{key}.loss_type: {self.loss_type!r} is not one of {algo.LOSS_TYPES}")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            out.append(f"{key}.reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward functions")
-        out += [f"{key}.reward_funcs: {p}" for p in filter(None, map(rw.reward_func_problem, self.reward_funcs))]
-        return out
-
-
-@dataclass
 class GRPOConfig(StageConfig):
     output_dir: str = "outputs/grpo"
     """Everything goes here: checkpoints/, runs/, adapter/, merged/ (the final policy), summary.json."""
@@ -140,6 +102,7 @@ class GRPOConfig(StageConfig):
             out.append(f"distributed.engine: GRPO runs under ddp only for now (its sampler calls the unwrapped policy, "
                        f"whose weights {self.distributed.engine} shards); use distributed.engine: ddp")
         out += self.generation.room_problems(self.train.seq_length)
+        out += self.grpo.generation_problems(self.generation.max_new_tokens)
         return out
 
 
@@ -184,43 +147,108 @@ class GRPOStage(PolicyStage):
         # The update's forward must reproduce the rollout's log-probs (the first ratio is 1).
         return ActorCritic(train_without_dropout(policy), None, reference, reward)
 
-    def rewards(self, prompts: list[str], rollout, columns: Optional[list[dict]] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The summed reward of each completion ([N]) and each source's own ([N] by name: the
-        reward functions' names, 'rm'), less generation.missing_eos_penalty for an unfinished one.
-        `columns`: each completion's prompt record fields, the reward functions' keyword arguments.
+    def rewards(self, prompts: list[str], rollout, columns: Optional[list[dict]] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
+        """The summed reward of each completion ([N]), each source's own ([N] by name: the reward
+        functions' names, 'rm', 'overlong' (DAPO's shaping), 'missing_eos' (-generation.missing_eos_penalty
+        for an unfinished one)) and each source's weight in the sum. `columns`: each completion's
+        prompt record fields, the reward functions' keyword arguments.
 
         Raises:
             ValueError: a reward function returned the wrong number of values or a non-number.
         """
-        cfg = self.cfg
+        cfg, g = self.cfg, self.cfg.grpo
         completions = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
         parts: dict[str, torch.Tensor] = {}
-        total = torch.zeros(len(completions))
-        weights = cfg.grpo.reward_weights or [1.0] * len(self.funcs)
-        for spec, func, weight in zip(cfg.grpo.reward_funcs, self.funcs, weights):
-            parts[rw.func_name(spec)] = values = torch.tensor(rw.call_reward(func, spec, prompts, completions, columns))
-            total += weight * values
+        weights: dict[str, float] = {}
+        for spec, func, weight in zip(g.reward_funcs, self.funcs, g.reward_weights or [1.0] * len(self.funcs)):
+            parts[rw.func_name(spec)] = torch.tensor(rw.call_reward(func, spec, prompts, completions, columns))
+            weights[rw.func_name(spec)] = weight
         if self.reward_path is not None:
             device = self.accelerator.device
             scores = [self.inner.reward_scores(rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)).float().cpu()
                       for rows in chunks(len(completions), self.cfg.train.batch_size)]
-            parts["rm"] = torch.cat(scores)
-            total += cfg.reward_model.weight * parts["rm"]
+            parts["rm"], weights["rm"] = torch.cat(scores), cfg.reward_model.weight
+        if g.overlong_buffer:
+            lengths = rollout.response_mask.sum(1)
+            parts["overlong"] = adv.overlong_penalty(lengths, cfg.generation.max_new_tokens, g.overlong_buffer, g.overlong_penalty)
+            weights["overlong"] = 1.0
         if cfg.generation.missing_eos_penalty:
-            total -= cfg.generation.missing_eos_penalty * (~rollout.finished).float()
-        return total, parts
+            parts["missing_eos"] = -cfg.generation.missing_eos_penalty * (~rollout.finished).float()
+            weights["missing_eos"] = 1.0
+        total = torch.zeros(len(completions))
+        for name, values in parts.items():
+            total += weights[name] * values
+        return total, parts, weights
+
+    def sample_groups(self) -> tuple[list[dict], object, torch.Tensor, dict, dict, dict[str, float]]:
+        """This step's prompts, rollout (G per prompt), rewards (total, parts, weights) and the
+        dynamic-sampling counts. With `grpo.dynamic_sampling`, groups whose rewards are all equal
+        are dropped and more prompts sampled until train.batch_size groups are kept, at most
+        `max_generation_batches` generation batches; short of that, the step is topped up with
+        dropped groups (counted in grpo/dynamic/topped_up, never hidden)."""
+        g, G, B = self.cfg.grpo, self.cfg.grpo.num_generations, self.cfg.train.batch_size
+        kept, dropped, batches = [], [], 0
+        while True:
+            (indices,) = self.next_sample_indices(grad_accum=1)
+            batch = [self.train_samples[i] for i in indices]
+            rollout = self.rollout(batch, G)
+            texts = [p["text"] for p in batch for _ in range(G)]
+            total, parts, weights = self.rewards(texts, rollout, [_columns(p) for p in batch for _ in range(G)])
+            batches += 1
+            if not g.dynamic_sampling:
+                return batch, rollout, total, parts, weights, {}
+            for j, informative in enumerate(adv.informative_groups(total, G).tolist()):
+                (kept if informative else dropped).append((indices[j], rollout, slice(j * G, (j + 1) * G), total, parts))
+            if self._all_ranks(len(kept) >= B) or batches >= g.max_generation_batches:
+                break
+        short = max(0, B - len(kept))
+        chosen = kept[:B] + dropped[:short]
+        if short:
+            log.warning("grpo.dynamic_sampling: %d of %d groups had equal rewards after %d generation batches; "
+                        "the step is topped up with them", short, B, batches)
+        self.step_indices = [[c[0] for c in chosen]]  # what a divergence report names
+        batch = [self.train_samples[c[0]] for c in chosen]
+        ids = [p["prompt_ids"] for p in batch for _ in range(G)]
+        responses = [r for _, ro, rows, _, _ in chosen for r in ro.responses[rows]]
+        rollout = assemble(ids, responses, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
+        total = torch.cat([t[rows] for _, _, rows, t, _ in chosen])
+        parts = {k: torch.cat([p[k][rows] for _, _, rows, _, p in chosen]) for k in parts}
+        counts = {"grpo/dynamic/generation_batches": float(batches), "grpo/dynamic/dropped_groups": float(len(dropped)),
+                  "grpo/dynamic/topped_up": float(short)}
+        return batch, rollout, total, parts, weights, counts
+
+    def _all_ranks(self, flag: bool) -> bool:
+        """`flag` on every rank: the ranks must draw as many generation batches each (the prompt
+        cursor is global)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return flag
+        return float(acc.reduce(torch.tensor(float(not flag), device=acc.device), reduction="sum")) == 0
+
+    def advantages(self, total: torch.Tensor, parts: dict, weights: dict, rollout) -> torch.Tensor:
+        """This rank's advantages ([N]) from the step's rewards: `grpo.multi_objective_aggregation`
+        and `grpo.advantage_estimator`, over every rank's completions (batch statistics are the
+        whole step's, as TRL's and verl's; each rank holds the same number of whole groups)."""
+        g, acc = self.cfg.grpo, self.accelerator
+        lengths = algo.loss_mask(rollout, g.mask_truncated_completions).sum(1).double()
+        names = list(parts)
+        local = torch.stack([total.double(), lengths, *[parts[k].double() for k in names]], 1)
+        every = acc.gather(local.to(acc.device)).cpu() if acc.num_processes > 1 else local
+        advantages = adv.AGGREGATIONS[g.multi_objective_aggregation](
+            every[:, 0], every[:, 2:], [weights[k] for k in names], every[:, 1], g.num_generations,
+            estimator=g.advantage_estimator, scale=g.scale_rewards)
+        n = total.numel()
+        return advantages[acc.process_index * n:(acc.process_index + 1) * n].to(total.dtype)
 
     def train_step(self) -> dict[str, float]:
-        """Rollout (G per prompt), rewards, group advantages, `num_iterations` updates."""
+        """Rollout (G per prompt; with dynamic sampling, informative groups only), rewards,
+        advantages, `num_iterations` updates."""
         cfg, acc, G = self.cfg, self.accelerator, self.cfg.grpo.num_generations
         started = time.perf_counter()
-        (indices,) = self.next_sample_indices(grad_accum=1)
-        batch = [self.train_samples[i] for i in indices]
-        rollout = self.rollout(batch, G)
+        batch, rollout, total, parts, weights, dynamic = self.sample_groups()
         gen_time = time.perf_counter() - started
         texts = [p["text"] for p in batch for _ in range(G)]
-        total, parts = self.rewards(texts, rollout, [_columns(p) for p in batch for _ in range(G)])
-        advantages = algo.group_advantages(total, G, cfg.grpo.scale_rewards)
+        advantages = self.advantages(total, parts, weights, rollout)
         scored = algo.score_completions(self.inner, rollout, micro=rollout.input_ids.shape[0] // cfg.train.grad_accum,
                                     temperature=cfg.generation.temperature, autocast=acc.autocast,
                                     old=cfg.grpo.num_iterations > 1, reference=cfg.grpo.beta > 0)
@@ -229,7 +257,7 @@ class GRPOStage(PolicyStage):
         local = {"grpo/reward": float(total.mean()), "grpo/reward_std": float(group_std.mean()),
                  "grpo/frac_reward_zero_std": float((group_std == 0).float().mean()),
                  "grpo/completion_length": float(rollout.response_mask.sum(1).float().mean()),
-                 **{f"grpo/reward/{name}": float(v.mean()) for name, v in parts.items()}}
+                 **{f"grpo/reward/{name}": float(v.mean()) for name, v in parts.items()}, **dynamic}
         figures = {k: self._mean_over_ranks(v) for k, v in local.items()}
         figures.update({"train/loss": update["loss"], "train/grad_norm": update["grad_norm"],
                         "grpo/clipfrac": self._mean_over_ranks(update["clipfrac"]),
@@ -269,7 +297,7 @@ class GRPOStage(PolicyStage):
                                                acc.process_index, cfg.train.eval_batches):
                 batch = [self.eval_samples[i] for i in indices]
                 rollout = self.rollout(batch, 1)
-                total, parts = self.rewards([p["text"] for p in batch], rollout, [_columns(p) for p in batch])
+                total, parts, _ = self.rewards([p["text"] for p in batch], rollout, [_columns(p) for p in batch])
                 for name, values in {"eval/reward": total, **{f"eval/reward/{k}": v for k, v in parts.items()}, "n": torch.ones(len(batch))}.items():
                     sums[name] = sums.get(name, torch.tensor(0.0)) + values.sum() * counts
         names = list(sums)

@@ -144,7 +144,7 @@ def relay_config(case: dict, env: harness.SideEnv):
     g.max_new_tokens, g.temperature, g.top_k, g.top_p, g.missing_eos_penalty = case["new_tokens"], 1.0, 0, 1.0, 0.0
     r = cfg.grpo
     r.num_generations, r.num_iterations, r.epsilon, r.epsilon_high, r.beta = case["generations"], 1, EPSILON, None, BETA
-    r.scale_rewards, r.loss_type, r.reward_funcs, r.reward_weights = True, "dapo", [REWARD], None
+    r.scale_rewards, r.loss_type, r.reward_funcs, r.reward_weights = "group", "dapo", [REWARD], None
     t = cfg.train
     t.max_steps, t.batch_size, t.grad_accum, t.seq_length, t.seed = case["steps"], case["prompts"], case["grad_accum"], case["seq_length"], case["seed"]
     harness.relay_train_settings(cfg, OPTIM)

@@ -1,0 +1,149 @@
+"""From rewards to advantages for GRPO-style training (pure functions on [N] tensors; groups are
+consecutive runs of `group_size` completions of one prompt): the estimators of
+`grpo.advantage_estimator` (a registry), the two multi-reward aggregations, DAPO's overlong reward
+shaping and DAPO's dynamic-sampling group filter.
+
+References, pinned in tests/test_grpo.py and tests/test_grpo_variants.py:
+- 'grpo' group baseline, `scale_rewards` and both `multi_objective_aggregation`s: TRL 1.16
+  grpo_trainer.py `_generate_and_score_completions`.
+- 'rloo': TRL 1.16 rloo_trainer.py (leave-one-out baseline) and verl's `compute_rloo_outcome_advantage`.
+- 'reinforce_plus_plus' and 'reinforce_plus_plus_baseline': verl's
+  `compute_reinforce_plus_plus_outcome_advantage` (gamma 1) and
+  `compute_reinforce_plus_plus_baseline_outcome_advantage` (verl/trainer/ppo/core_algos.py).
+  Their advantages are whitened over the batch's *tokens*; with one outcome reward per
+  completion and gamma 1 every token of a completion has the same return, so a completion's
+  advantage is one number and the token statistics are its length-weighted ones.
+- overlong shaping: verl's DAPO reward manager and TRL's `get_soft_overlong_punishment`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, Union
+
+import torch
+
+ADVANTAGE_EPS = 1e-4
+"""TRL's epsilon under the reward std (grpo_trainer.py: `advantages / (std_rewards + 1e-4)`)."""
+WHITEN_EPS = 1e-8
+"""verl's `masked_mean` and `masked_whiten` epsilons (verl/utils/torch_functional.py)."""
+SCALES = ("group", "batch", "none")
+
+
+def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N] -> [N / G, G] in float64.
+
+    Raises:
+        ValueError: N is not a multiple of group_size, or group_size < 2.
+    """
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"advantages: {rewards.numel()} rewards do not form groups of {group_size} (>= 2)")
+    return rewards.double().view(-1, group_size)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: Union[str, bool] = "group", eps: float = ADVANTAGE_EPS) -> torch.Tensor:
+    """Each reward minus its group's mean, divided by the group's std + eps ('group', or True),
+    the whole batch's std + eps ('batch', PPO Lite) or nothing ('none', or False: Dr. GRPO).
+    Stds are Bessel-corrected, as TRL's `nanstd`; an all-equal group gets advantage 0.
+
+    Raises:
+        ValueError: bad groups (see `_groups`) or an unknown scale.
+    """
+    scale = {True: "group", False: "none"}.get(scale, scale)
+    if scale not in SCALES:
+        raise ValueError(f"scale_rewards {scale!r} is not one of {SCALES}")
+    grouped = _groups(rewards, group_size)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    if scale == "group":
+        centred = centred / (grouped.std(1, unbiased=True, keepdim=True) + eps)
+    elif scale == "batch":
+        centred = centred / (grouped.std(unbiased=True) + eps)
+    return centred.view(-1).to(rewards.dtype)
+
+
+def leave_one_out(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO: each reward minus the mean of the other G - 1 rewards of its group."""
+    grouped = _groups(rewards, group_size)
+    baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - baseline).view(-1).to(rewards.dtype)
+
+
+def token_whiten(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """verl's `masked_whiten` of per-token values that are constant over each completion:
+    (s - mu) / sqrt(var + 1e-8), mu and var (Bessel-corrected) over all loss tokens, so each
+    completion weighs its `lengths` (one with no loss token takes no part but is whitened too).
+    With fewer than two loss tokens (every completion masked as truncated, say) the variance is
+    undefined (verl refuses) and nothing can be learned: the advantages are 0.
+    """
+    s, n = scores.double(), lengths.double()
+    total = n.sum()
+    if total < 2:
+        return torch.zeros_like(scores)
+    mean = (s * n).sum() / (total + WHITEN_EPS)
+    var = ((s - mean) ** 2 * n).sum() / (total + WHITEN_EPS) * total / (total - 1)
+    return ((s - mean) * torch.rsqrt(var + WHITEN_EPS)).to(scores.dtype)
+
+
+Estimator = Callable[[torch.Tensor, torch.Tensor, int, str], torch.Tensor]
+
+
+def _grpo(rewards, lengths, group_size, scale):
+    return group_advantages(rewards, group_size, scale)
+
+
+def _rloo(rewards, lengths, group_size, scale):
+    return leave_one_out(rewards, group_size)
+
+
+def _reinforce_pp(rewards, lengths, group_size, scale):
+    return token_whiten(rewards, lengths)
+
+
+def _reinforce_pp_baseline(rewards, lengths, group_size, scale):
+    return token_whiten(group_advantages(rewards, group_size, "none"), lengths)
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": _grpo,
+    "rloo": _rloo,
+    "reinforce_plus_plus": _reinforce_pp,
+    "reinforce_plus_plus_baseline": _reinforce_pp_baseline,
+}
+"""estimator(rewards [N], loss tokens per completion [N], group_size, scale_rewards) -> [N]."""
+
+
+def normalize_then_sum(per_source: torch.Tensor, weights: Sequence[float], group_size: int) -> torch.Tensor:
+    """GDPO (TRL's multi_objective_aggregation 'normalize_then_sum'): each reward source ([N, K]
+    columns) normalised within its group by its group std + 1e-4, the weighted sum of those, then
+    normalised over the batch; the result is the advantage ([N])."""
+    cols = per_source.double()
+    grouped = cols.view(-1, group_size, cols.shape[1])
+    per = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, unbiased=True, keepdim=True) + ADVANTAGE_EPS)).view_as(cols)
+    summed = per @ torch.tensor(list(weights), dtype=torch.float64)
+    return ((summed - summed.mean()) / (summed.std(unbiased=True) + ADVANTAGE_EPS)).to(per_source.dtype)
+
+
+def _sum_then_normalize(total, per_source, weights, lengths, group_size, *, estimator, scale):
+    return ESTIMATORS[estimator](total, lengths, group_size, scale)
+
+
+def _normalize_then_sum(total, per_source, weights, lengths, group_size, *, estimator, scale):
+    return normalize_then_sum(per_source, weights, group_size)
+
+
+AGGREGATIONS = {"sum_then_normalize": _sum_then_normalize, "normalize_then_sum": _normalize_then_sum}
+"""aggregation(total [N], per-source rewards [N, K], K weights, loss tokens [N], group_size, *,
+estimator, scale) -> advantages [N] (TRL's multi_objective_aggregation)."""
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to max_length - buffer tokens, then falling linearly
+    to -factor at max_length (verl's `overlong_buffer`; TRL's soft_punish_cache with factor 1)."""
+    exceed = lengths.double() - (max_length - buffer)
+    return torch.clamp(-exceed / buffer * factor, max=0.0).to(torch.float32)
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO's dynamic-sampling filter: True for each group whose rewards are not all equal (a group
+    of equal rewards has zero advantage under every group baseline: nothing to learn) ([N / G] bool)."""
+    grouped = _groups(rewards, group_size)
+    return (grouped.max(1).values - grouped.min(1).values) > 0

@@ -1,0 +1,255 @@
+"""GRPO's policy losses: a registry of `grpo.loss_type`s, each a per-token rule and an aggregation
+(pure functions on [B, T] tensors), the importance weights they share (token or sequence level,
+GSPO), and the high-entropy token filter.
+
+Every loss type is TRL 1.16's (trl/trainer/grpo_trainer.py, `GRPOTrainer._compute_loss` and
+`get_gamma_weights`/`get_high_entropy_mask`); tests/test_grpo.py and tests/test_grpo_variants.py
+call TRL's own `_compute_loss` on the same tensors. What Relay adds: a micro-batch's loss is its
+*share* of the optimizer step's loss (`Totals` counts the step over every micro-batch and rank),
+so summing the shares gives the step's loss whatever the micro-batch split; for the loss types
+TRL normalises per micro-batch ('grpo', 'sapo', 'bnpo', 'dr_grpo', 'luspo') that share equals
+TRL's micro-batch loss divided by its gradient-accumulation steps (equal micro-batches, as Relay's).
+
+Adding a loss type is one `LossType` entry and one test.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from pipeline.algorithms import rl
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The loss's hyper-parameters (TRL's GRPOConfig defaults); built from the `grpo:` section."""
+
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    delta: Optional[float] = None
+    beta: float = 0.0
+    importance_sampling_level: str = "token"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    @property
+    def high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@dataclass(frozen=True)
+class Totals:
+    """The optimizer step's counts over all its micro-batches and ranks."""
+
+    tokens: float
+    """Loss tokens of the step (TRL's `num_items_in_batch`)."""
+    sequences: int
+    """Completions of the step."""
+    max_completion_length: int = 0
+    """generation.max_new_tokens ('dr_grpo's constant)."""
+
+
+@dataclass
+class Terms:
+    """What a per-token rule reads: [B, T] log-probs, the importance weight (ratio: [B, T] at token
+    level, [B, 1] at sequence level), its per-token log, advantages ([B, 1] or [B, T]), mask."""
+
+    logp: torch.Tensor
+    ratio: torch.Tensor
+    log_ratio: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+
+
+PerToken = Callable[[Terms, Objective], "tuple[torch.Tensor, Optional[torch.Tensor]]"]
+Aggregate = Callable[[torch.Tensor, torch.Tensor, Totals], torch.Tensor]
+
+
+# ------------------------------------------------------------------------------------------
+# Per-token rules: (loss [B, T] or [B, 1], where the rule clipped or None)
+# ------------------------------------------------------------------------------------------
+
+
+def clipped_ratio(t: Terms, o: Objective) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clip: -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A); with `delta` the unclipped
+    ratio is also capped at delta (INTELLECT-2's two-sided clip) before the min."""
+    coef_2 = torch.clamp(t.ratio, 1 - o.epsilon, 1 + o.high)
+    ratio = t.ratio if o.delta is None else torch.clamp(t.ratio, max=o.delta)
+    loss = -torch.min(ratio * t.advantages, coef_2 * t.advantages)
+    clipped = ((ratio < 1 - o.epsilon) & (t.advantages < 0)) | ((ratio > 1 + o.high) & (t.advantages > 0))
+    return loss, clipped
+
+
+def cispo(t: Terms, o: Objective) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMax-M1's CISPO: -sg(min(r, epsilon_high)) A logp; the weight is clipped, never the
+    gradient (epsilon_high is the cap itself, e.g. 5.0)."""
+    weight = torch.clamp(t.ratio, max=o.high).detach()
+    return -weight * t.advantages * t.logp, (t.ratio > o.high) & (t.advantages > 0)
+
+
+def sapo(t: Terms, o: Objective) -> tuple[torch.Tensor, None]:
+    """SAPO's soft gate: -sigmoid(tau (r - 1)) 4 / tau A, tau by the advantage's sign."""
+    tau = torch.where(t.advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
+    return -torch.sigmoid(tau * (t.ratio - 1)) * 4 / tau * t.advantages, None
+
+
+@torch.no_grad()
+def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, o: Objective) -> torch.Tensor:
+    """VESPO's detached per-sequence weight phi(w) = exp(lambda + k log w - lambda w) ([B, 1]),
+    w the sequence's importance ratio exp(sum of clamped token log-ratios); k, lambda by the
+    advantage's sign. The clamps are TRL's (log w in [log 1e-8, 20])."""
+    low = math.log(1e-8)
+    seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    log_w = torch.clamp(seq, low, 20.0)
+    positive = advantages >= 0
+    k = torch.where(positive, o.vespo_k_pos, o.vespo_k_neg)
+    lam = torch.where(positive, o.vespo_lambda_pos, o.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def vespo(t: Terms, o: Objective) -> tuple[torch.Tensor, None]:
+    """VESPO: -phi(w) A logp (phi from `gamma_weights`, on the token log-ratios whatever the level)."""
+    return -gamma_weights(t.advantages, t.log_ratio, t.mask, o) * t.advantages * t.logp, None
+
+
+# ------------------------------------------------------------------------------------------
+# Aggregations: a micro-batch's share of the step's loss
+# ------------------------------------------------------------------------------------------
+
+
+def sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, n: Totals) -> torch.Tensor:
+    """Mean over the step's completions of each one's token mean (an empty one counts as 0)."""
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / n.sequences
+
+
+def micro_token_mean(per_token: torch.Tensor, mask: torch.Tensor, n: Totals) -> torch.Tensor:
+    """The micro-batch's token mean, weighted by its share of the step's completions (TRL's bnpo)."""
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0) * mask.shape[0] / n.sequences
+
+
+def constant_normaliser(per_token: torch.Tensor, mask: torch.Tensor, n: Totals) -> torch.Tensor:
+    """Token sum over completions x max_completion_length (Dr. GRPO: no length in the normaliser)."""
+    return (per_token * mask).sum() / (n.sequences * n.max_completion_length)
+
+
+def step_token_mean(per_token: torch.Tensor, mask: torch.Tensor, n: Totals) -> torch.Tensor:
+    """Token sum over every loss token of the step (DAPO's token-level mean)."""
+    return (per_token * mask).sum() / max(float(n.tokens), 1.0)
+
+
+def sequence_sum_mean(per_token: torch.Tensor, mask: torch.Tensor, n: Totals) -> torch.Tensor:
+    """Mean over completions of each one's token sum (LUSPO: a sequence weighs its length)."""
+    return (per_token * mask).sum(-1).sum() / n.sequences
+
+
+@dataclass(frozen=True)
+class LossType:
+    per_token: PerToken
+    aggregate: Aggregate
+
+
+LOSS_TYPES: dict[str, LossType] = {
+    "grpo": LossType(clipped_ratio, sequence_mean),
+    "bnpo": LossType(clipped_ratio, micro_token_mean),
+    "dr_grpo": LossType(clipped_ratio, constant_normaliser),
+    "dapo": LossType(clipped_ratio, step_token_mean),
+    "luspo": LossType(clipped_ratio, sequence_sum_mean),
+    "cispo": LossType(cispo, step_token_mean),
+    "sapo": LossType(sapo, sequence_mean),
+    "vespo": LossType(vespo, step_token_mean),
+}
+IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+def importance_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """log r: per token ([B, T]), or per sequence its masked mean ([B, 1], GSPO).
+
+    Raises:
+        ValueError: an unknown level.
+    """
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    raise ValueError(f"importance_sampling_level {level!r} is not one of {IMPORTANCE_LEVELS}")
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float, pool: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Loss tokens whose entropy is at or above the (1 - quantile) quantile of `pool` (default:
+    the masked entropies; the update passes every rank's), as a bool [B, T] (Beyond the 80/20
+    Rule: only the top `quantile` of tokens by entropy carry the policy gradient)."""
+    values = entropies[mask.bool()].float() if pool is None else pool.float()
+    if values.numel() == 0:
+        return torch.zeros_like(entropies, dtype=torch.bool)
+    threshold = torch.quantile(values, 1 - quantile)
+    return ((entropies * mask.float()) >= threshold) & mask.bool()
+
+
+@dataclass
+class GRPOLossOut:
+    loss: torch.Tensor
+    """The micro-batch's share of the step's loss."""
+    clipfrac: torch.Tensor
+    """Share of loss tokens (sequences, at sequence level) the rule clipped; 0 for sapo/vespo."""
+    kl: Optional[torch.Tensor]
+    """Mean k3 KL(policy || reference) per token of the micro-batch (None when beta is 0)."""
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, epsilon: float = 0.2,
+              epsilon_high: Optional[float] = None, beta: float = 0.0, ref_logp: Optional[torch.Tensor] = None,
+              loss_type: str = "dapo", num_tokens: Optional[float] = None, num_sequences: Optional[int] = None,
+              objective: Optional[Objective] = None, totals: Optional[Totals] = None,
+              token_filter: Optional[torch.Tensor] = None) -> GRPOLossOut:
+    """The GRPO loss of one micro-batch ([B, T] log-probs and mask, [B] or [B, T] advantages):
+    `LOSS_TYPES[objective.loss_type]`'s per-token rule on the importance weights, times
+    `token_filter` (the high-entropy tokens) when given, plus beta * k3(policy, reference), then
+    its aggregation against `totals` (default: this micro-batch is the whole step).
+
+    `objective` carries every hyper-parameter; without it one is built from epsilon, epsilon_high,
+    beta and loss_type. `num_tokens`/`num_sequences` fill `totals` when it is not given.
+
+    Raises:
+        ValueError: unknown loss_type or importance level, beta > 0 without ref_logp.
+    """
+    o = objective or Objective(loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta)
+    if o.loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type {o.loss_type!r} is not one of {tuple(LOSS_TYPES)}")
+    mask = mask.to(logp.dtype)
+    if totals is None:
+        totals = Totals(float(mask.sum()) if num_tokens is None else float(num_tokens),
+                        logp.shape[0] if num_sequences is None else int(num_sequences), logp.shape[1])
+    adv = advantages.to(logp.dtype)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+    log_ratio = logp - old_logp
+    ratio = torch.exp(importance_log_weights(log_ratio, mask, o.importance_sampling_level))
+    rule = LOSS_TYPES[o.loss_type]
+    per_token, clipped = rule.per_token(Terms(logp, ratio, log_ratio, adv, mask), o)
+    if token_filter is not None:
+        per_token = per_token * token_filter.to(per_token.dtype)
+    kl = None
+    if o.beta:
+        if ref_logp is None:
+            raise ValueError("grpo_loss: beta > 0 needs the reference log-probs")
+        kl = rl.kl_per_token(logp, ref_logp, "k3")
+        per_token = per_token + o.beta * kl
+    loss = rule.aggregate(per_token, mask, totals)
+    kl_mean = None if kl is None else ((kl * mask).sum() / mask.sum().clamp(min=1.0)).detach()
+    return GRPOLossOut(loss, _clipfrac(clipped, mask), kl_mean)
+
+
+def _clipfrac(clipped: Optional[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """TRL's `global_masked_mean` of the clip indicator: per token, or per sequence at [B, 1]."""
+    if clipped is None:
+        return torch.zeros((), dtype=mask.dtype)
+    if clipped.shape[-1] == 1:
+        return clipped.to(mask.dtype).mean().detach()
+    return ((clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1.0)).detach()
