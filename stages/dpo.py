@@ -68,27 +68,55 @@ class DPOData(PreferenceDataConfig):
 @dataclass
 class DPOSection:
     loss_type: str = "sigmoid"
-    """sigmoid (DPO) | ipo | orpo (reference-free: NLL on the chosen answer + odds-ratio term)."""
+    """sigmoid (DPO) | ipo | hinge | robust | exo_pair | nca_pair | bco_pair | sppo_hard | aot |
+    aot_unpaired | apo_zero | apo_down | discopop | sigmoid_norm (TRL 1.16's names and math) | orpo |
+    simpo (both reference-free). Formulas: pipeline/algorithms/preference.py."""
     beta: float = 0.1
-    """DPO's β (the KL strength), IPO's τ, ORPO's λ (the weight of the odds-ratio term)."""
+    """DPO's β (the KL strength), IPO's τ, ORPO's λ (the weight of the odds-ratio term), SimPO's β."""
     label_smoothing: float = 0.0
-    """sigmoid only: the assumed share of flipped labels ε in [0, 0.5) (conservative DPO)."""
+    """The assumed share of flipped labels ε in [0, 0.5): sigmoid (conservative DPO), robust, aot,
+    aot_unpaired, simpo; exo_pair needs it > 0 (EXO suggests 1e-3). Refused with other losses."""
+    discopop_tau: float = 0.05
+    """discopop only: the temperature τ of its mix of logistic and exponential losses (TRL's default)."""
+    simpo_gamma: float = 0.5
+    """simpo only: the target reward margin γ (TRL's CPOConfig.simpo_gamma)."""
+    cpo_alpha: float = 0.0
+    """simpo only: weight of the chosen answers' NLL (CPO-SimPO); 0 is the SimPO paper's loss.
+    TRL's CPOConfig defaults to 1.0: set 1.0 to match it."""
     precompute_ref_log_probs: bool = False
     """Compute the reference log-probs of every pair once before training (one forward per step saved)."""
 
     def problems(self, key: str = "dpo") -> list[str]:
         out = []
-        if self.loss_type not in pref.LOSS_TYPES:
+        spec = pref.LOSSES.get(self.loss_type)
+        if spec is None:
             out.append(f"{key}.loss_type: {self.loss_type!r} is not one of {', '.join(map(repr, pref.LOSS_TYPES))}")
         if not self.beta > 0:
             out.append(f"{key}.beta: must be > 0, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             out.append(f"{key}.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
-        elif self.label_smoothing and self.loss_type != "sigmoid":
-            out.append(f"{key}.label_smoothing: only the sigmoid loss smooths labels (loss_type is {self.loss_type!r})")
+        if not self.discopop_tau > 0:
+            out.append(f"{key}.discopop_tau: must be > 0, got {self.discopop_tau}")
+        if self.cpo_alpha < 0:
+            out.append(f"{key}.cpo_alpha: must be >= 0, got {self.cpo_alpha}")
+        if spec is not None:
+            out += loss_option_problems(self, spec, key)
         if self.precompute_ref_log_probs and self.loss_type in pref.REFERENCE_FREE:
             out.append(f"{key}.precompute_ref_log_probs: the {self.loss_type} loss has no reference model")
         return out
+
+
+def loss_option_problems(section: DPOSection, spec: pref.LossSpec, key: str) -> list[str]:
+    """One line per loss option set away from its default that `spec`'s loss does not read, and for
+    exo_pair's missing label smoothing."""
+    out = []
+    for name in ("label_smoothing", "discopop_tau", "simpo_gamma", "cpo_alpha"):
+        if getattr(section, name) != getattr(DPOSection, name) and name not in spec.options:
+            readers = [n for n, s in pref.LOSSES.items() if name in s.options]
+            out.append(f"{key}.{name}: only the {', '.join(readers)} loss(es) read it (loss_type is {section.loss_type!r})")
+    if section.loss_type == "exo_pair" and section.label_smoothing == 0:
+        out.append(f"{key}.label_smoothing: the exo_pair loss needs it > 0 (EXO suggests 1e-3)")
+    return out
 
 
 @dataclass
