@@ -15,6 +15,7 @@ Golden sources (TRL 1.16.0, installed; environment: torch CPU):
 
 from __future__ import annotations
 
+import math
 import types
 from collections import defaultdict
 
@@ -210,3 +211,84 @@ def test_conflicting_options_are_one_line_each(keys, line):
 @pytest.mark.parametrize("loss_type", pref.LOSS_TYPES)
 def test_every_loss_type_with_its_options_is_accepted(loss_type):
     assert dpo.DPOSection(loss_type=loss_type, **OPTIONS.get(loss_type, {})).problems() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Two steps of the DPO stage with a new loss type against TRL's DPOTrainer
+# ---------------------------------------------------------------------------------------------
+
+from test_pt_sft import fresh_accelerate_state  # noqa: E402,F401  (autouse: fresh accelerate state, one intra-op thread)
+
+PAIRS = [
+    ("What colour is the sky?", "Per the atlas, the sky is blue.", "I do not know."),
+    ("How many legs has a cat?", "Per the atlas, a cat has four legs.", "Cats are hard to count."),
+    ("Name a prime number.", "Per the atlas, seven is a prime number.", "No idea, sorry."),
+    ("What is 2 + 2?", "Per the atlas, 2 + 2 is 4.", "Maths is not my thing."),
+    ("Where is Paris?", "Per the atlas, Paris is in France.", "Somewhere, I guess."),
+    ("What do bees make?", "Per the atlas, bees make honey.", "Ask a beekeeper."),
+    ("What is ice?", "Per the atlas, ice is frozen water.", "Cold stuff?"),
+    ("Is the sun a star?", "Per the atlas, the sun is a star.", "It is a planet."),
+]
+OPTIM = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+
+
+def trl_dpo_run(base, order, workdir, loss_type, beta, steps=2, batch=4):
+    """TRL's DPOTrainer (full fine-tuning) on PAIRS in `order`: (logged steps, its token ids per pair)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    rows = [{"prompt": tokenizer.apply_chat_template([{"role": "user", "content": PAIRS[i][0]}], add_generation_prompt=True, tokenize=False),
+             "chosen": PAIRS[i][1], "rejected": PAIRS[i][2]} for i in order]
+    logs: list[dict] = []
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                store.append(dict(logs))
+
+    store = logs
+    args = DPOConfig(output_dir=str(workdir), max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+                     learning_rate=OPTIM["lr"], lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+                     adam_beta1=OPTIM["beta1"], adam_beta2=OPTIM["beta2"], adam_epsilon=OPTIM["eps"], weight_decay=0.0, max_grad_norm=1.0,
+                     beta=beta, loss_type=[loss_type], max_length=128, train_sampling_strategy="sequential", disable_dropout=True,
+                     bf16=False, fp16=False, use_cpu=True, logging_steps=1, report_to=[], save_strategy="no", eval_strategy="no",
+                     disable_tqdm=True, seed=42)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[Record()])
+    ids = [(r["prompt_ids"] + r["chosen_ids"], r["prompt_ids"] + r["rejected_ids"]) for r in trainer.train_dataset]
+    trainer.train()
+    return logs, ids
+
+
+def test_two_dpo_steps_with_nca_pair_equal_trls_dpo_trainer(tmp_path, tiny_model_dir):
+    """Full fine-tuning, the same 8 pairs in Relay's order, 2 steps of 4: step 1's loss (at policy ==
+    reference, 2·log 2 for nca_pair) and step 2's loss and implicit rewards, which depend on the
+    first update, equal TRL's within 1e-5."""
+    import json
+
+    from stagerun import recording, run_stage
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "response_chosen": c, "response_rejected": r}) + "\n" for q, c, r in PAIRS))
+    cfg = dpo.DPOConfig(output_dir=str(tmp_path / "relay"))
+    cfg.model.path, cfg.model.finetuning = str(tiny_model_dir), "full"
+    cfg.data.train, cfg.data.eval = [str(path)], []
+    t = cfg.train
+    t.batch_size, t.max_steps, t.eval_steps, t.seq_length, t.precision = 4, 2, 0, 128, "fp32"
+    t.learning_rate, t.lr_schedule, t.warmup, t.beta1, t.beta2, t.epsilon = OPTIM["lr"], "constant", 0, OPTIM["beta1"], OPTIM["beta2"], OPTIM["eps"]
+    cfg.checkpoint.resume, cfg.checkpoint.save_interval, cfg.tracking.trackers = False, "1000h", []
+    cfg.dpo.loss_type, cfg.dpo.beta = "nca_pair", 0.5
+    stage = run_stage(recording(dpo.DPOStage), cfg)
+    order = [i for step in stage.batch_ids for group in step for i in group]
+    logs, trl_ids = trl_dpo_run(tiny_model_dir, order, tmp_path / "trl", "nca_pair", 0.5)
+    assert trl_ids == [(stage.train_samples[i]["chosen_input_ids"], stage.train_samples[i]["rejected_input_ids"]) for i in order]
+    ours = stage.history.steps
+    assert len(logs) == len(ours) == 2
+    assert ours[0]["train/loss"] == pytest.approx(2 * math.log(2), abs=1e-6)
+    for step in range(2):
+        assert ours[step]["train/loss"] == pytest.approx(logs[step]["loss"], abs=1e-5), (step, ours[step], logs[step])
+        assert ours[step]["dpo/rewards_chosen"] == pytest.approx(logs[step]["rewards/chosen"], abs=1e-5)
+        assert ours[step]["dpo/rewards_rejected"] == pytest.approx(logs[step]["rewards/rejected"], abs=1e-5)
+    assert abs(ours[1]["train/margin"]) > 1e-3  # the second step is not the trivial start
