@@ -1,4 +1,4 @@
-"""DPO stage: tune the SFT policy directly on preference pairs (DPO, IPO or ORPO), no reward model.
+"""DPO stage: tune the SFT policy directly on preference pairs (DPO and its variants, ORPO, SimPO), no reward model.
 
     torchrun --nproc_per_node N stages/dpo.py --config configs/dpo.yaml [--train.max_steps 20]
     python stages/dpo.py                                   # one process, bundled sample pairs
@@ -8,11 +8,12 @@ response_chosen, response_rejected}, {prompt, chosen, rejected}, chat lists), re
 way: each side is the prompt followed by its answer up to and including the answer's end-of-turn
 token (data_formats.render.render_scored); truncation cuts the oldest prompt tokens, never an
 answer. A side's log-prob is the sum over its answer tokens (TRL's). The math (`dpo.loss_type`:
-sigmoid with label smoothing, ipo, orpo) is pipeline/algorithms/preference.py, checked against
-TRL 1.16 in tests/test_dpo.py.
+sigmoid with label smoothing, ipo, orpo, simpo and TRL 1.16's other loss types) is the registry
+in pipeline/algorithms/preference.py, checked against TRL 1.16 in tests/test_dpo.py and
+tests/test_preference_losses.py.
 
 The reference is the policy with its adapter disabled under LoRA/QLoRA (one backbone) and a frozen
-copy of the starting model under full fine-tuning; ORPO has none. `dpo.precompute_ref_log_probs`
+copy of the starting model under full fine-tuning; ORPO and SimPO have none. `dpo.precompute_ref_log_probs`
 computes the reference log-probs of every pair once, before the first step, in fixed batches in
 data order, and drops the full-FT copy: each step then runs the policy forward only. A resumed
 run recomputes them the same way (the reference never trains), so they are not checkpointed.
