@@ -90,6 +90,12 @@ class KTOConfig(StageConfig):
     kto: KTOSection = field(default_factory=KTOSection)
 
 
+def without_nan(figures: dict[str, float]) -> dict[str, float]:
+    """`figures` less those that are NaN: a batch without desirable (or undesirable) samples has no
+    mean reward for them, and TRL logs none either."""
+    return {k: v for k, v in figures.items() if not (isinstance(v, float) and math.isnan(v))}
+
+
 class KTOStage(DPOStage):
     name = "kto"
     config_class = KTOConfig
@@ -177,8 +183,9 @@ class KTOStage(DPOStage):
         check_finite(m["loss"], self.model, self.step + 1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"train/loss": m["loss"], "train/margin": m["margin"], "train/grad_norm": grad_norm,
-                "kto/rewards_chosen": m["rewards_chosen"], "kto/rewards_rejected": m["rewards_rejected"], "kto/kl": m["kl"]}
+        out = {"train/loss": m["loss"], "train/margin": m["margin"], "train/grad_norm": grad_norm,
+               "kto/rewards_chosen": m["rewards_chosen"], "kto/rewards_rejected": m["rewards_rejected"], "kto/kl": m["kl"]}
+        return without_nan(out)
 
     @torch.no_grad()
     def evaluate(self) -> Optional[dict[str, float]]:
@@ -195,19 +202,18 @@ class KTOStage(DPOStage):
                 for key, value in figures.items():
                     sums[key] = sums.get(key, 0.0) + (float(value) if counts else 0.0)
         m = self.reduced({**sums, "kl": sums["kl"] / max(batches, 1)})
-        return {"eval/loss": m["loss"], "eval/margin": m["margin"], "eval/rewards_chosen": m["rewards_chosen"],
-                "eval/rewards_rejected": m["rewards_rejected"]}
+        return without_nan({"eval/loss": m["loss"], "eval/margin": m["margin"], "eval/rewards_chosen": m["rewards_chosen"],
+                            "eval/rewards_rejected": m["rewards_rejected"]})
 
     def progress(self, figures: dict[str, float]) -> dict[str, str]:
-        return {"loss": f"{figures['train/loss']:.4f}", "margin": f"{figures['train/margin']:.3f}", "kl": f"{figures['kto/kl']:.3f}"}
+        return {"loss": f"{figures['train/loss']:.4f}", "margin": f"{figures.get('train/margin', float('nan')):.3f}",
+                "kl": f"{figures['kto/kl']:.3f}"}
 
     def summary(self) -> dict:
-        picked = self.history.pick(train_loss_first="train/loss:first", train_loss_last="train/loss", eval_loss_first="eval/loss:first",
-                                   eval_loss_last="eval/loss", eval_margin="eval/margin", eval_rewards_chosen="eval/rewards_chosen",
-                                   eval_rewards_rejected="eval/rewards_rejected")
-        # a split without one kind of sample has no mean reward for it: None in JSON, not NaN
-        picked = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in picked.items()}
-        return {**picked, "loss_type": self.cfg.kto.loss_type, **self.run_figures()}
+        return {**self.history.pick(train_loss_first="train/loss:first", train_loss_last="train/loss", eval_loss_first="eval/loss:first",
+                                    eval_loss_last="eval/loss", eval_margin="eval/margin", eval_rewards_chosen="eval/rewards_chosen",
+                                    eval_rewards_rejected="eval/rewards_rejected"),
+                "loss_type": self.cfg.kto.loss_type, **self.run_figures()}
 
 if __name__ == "__main__":
     raise SystemExit(main(KTOStage))

@@ -334,3 +334,19 @@ def test_first_steps_equal_trls_kto_trainer(tmp_path, tiny_model_dir, kto_file):
         assert ours[step]["kto/rewards_chosen"] == pytest.approx(logs[step]["rewards/chosen"], abs=1e-5)
         assert ours[step]["kto/rewards_rejected"] == pytest.approx(logs[step]["rewards/rejected"], abs=1e-5)
     assert logs[1]["kl"] > 0 and abs(ours[1]["train/margin"]) > 1e-3  # the second step is not the trivial start
+
+
+def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir, kto_file, monkeypatch):
+    monkeypatch.delenv("RELAY_STOP_AFTER_STEP", raising=False)
+    continuous = run_stage(recording(kto.KTOStage), make_cfg(tmp_path / "a", tiny_model_dir, kto_file, "lora", steps=4, batch=2))
+    cfg = make_cfg(tmp_path / "b", tiny_model_dir, kto_file, "lora", steps=4, batch=2)
+    monkeypatch.setenv("RELAY_STOP_AFTER_STEP", "2")
+    stopped = run_stage(recording(kto.KTOStage), cfg)
+    assert stopped.step == 2 and not (tmp_path / "b/merged").exists()
+    monkeypatch.delenv("RELAY_STOP_AFTER_STEP")
+    cfg.checkpoint.resume = True
+    resumed = run_stage(recording(kto.KTOStage), cfg)
+    assert resumed.batch_ids == continuous.batch_ids[2:]
+    for key in ("train/loss", "kto/kl", "train/margin"):
+        assert [s.get(key) for s in resumed.history.steps] == [s.get(key) for s in continuous.history.steps]
+    assert continuous.history.steps[-1]["kto/kl"] > 0
