@@ -292,3 +292,32 @@ def test_two_dpo_steps_with_nca_pair_equal_trls_dpo_trainer(tmp_path, tiny_model
         assert ours[step]["dpo/rewards_chosen"] == pytest.approx(logs[step]["rewards/chosen"], abs=1e-5)
         assert ours[step]["dpo/rewards_rejected"] == pytest.approx(logs[step]["rewards/rejected"], abs=1e-5)
     assert abs(ours[1]["train/margin"]) > 1e-3  # the second step is not the trivial start
+
+
+@pytest.mark.parametrize("loss_type, keys", [("simpo", {"beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.5}), ("apo_zero", {"beta": 0.5})])
+def test_stage_trains_with_a_new_loss_type(tmp_path, tiny_model_dir, loss_type, keys):
+    """The DPO stage runs any registered loss: SimPO under full fine-tuning loads no reference copy
+    (reference-free) and logs its NLL term; the loss falls on tiny data."""
+    import json
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "response_chosen": c, "response_rejected": r}) + "\n" for q, c, r in PAIRS))
+    cfg = dpo.DPOConfig(output_dir=str(tmp_path / "out"))
+    cfg.model.path, cfg.model.finetuning = str(tiny_model_dir), "full"
+    cfg.data.train, cfg.data.eval = [str(path)], []
+    t = cfg.train
+    t.batch_size, t.max_steps, t.eval_steps, t.seq_length, t.precision = 4, 6, 0, 128, "fp32"
+    t.learning_rate, t.lr_schedule, t.warmup = 1e-3, "constant", 0
+    cfg.checkpoint.resume, cfg.checkpoint.save_interval, cfg.tracking.trackers = False, "1000h", []
+    cfg.dpo.loss_type = loss_type
+    for key, value in keys.items():
+        setattr(cfg.dpo, key, value)
+    stage = dpo.DPOStage(cfg)
+    stage.validate(), stage.build(), stage.resume()
+    assert (stage.reference is None) == (loss_type == "simpo")  # a full-FT reference copy only where the loss reads one
+    assert stage.loop()
+    stage.complete()
+    losses = [s["train/loss"] for s in stage.history.steps]
+    assert losses[-1] < losses[0]
+    assert ("dpo/nll" in stage.history.steps[-1]) == (loss_type == "simpo")
+    assert json.loads((tmp_path / "out/summary.json").read_text())["loss_type"] == loss_type
