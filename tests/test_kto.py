@@ -257,7 +257,7 @@ def test_config_problems_are_reported_together(tmp_path, tiny_model_dir, kto_fil
 def test_lora_stage_learns_from_the_llama_factory_demo(tmp_path, tiny_model_dir):
     """LoRA (the reference is the adapter-disabled policy): loss starts at 0.5 (policy == reference),
     falls, and desirable answers gain reward over undesirable ones."""
-    cfg = make_cfg(tmp_path / "out", tiny_model_dir, PEERS / "LLaMA-Factory" / "kto_en_demo.json", "lora", steps=4, batch=3)
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, PEERS / "LLaMA-Factory" / "kto_en_demo.json", "lora", steps=3, batch=3)
     cfg.train.seq_length, cfg.data.truncation, cfg.train.learning_rate = 256, "truncate", 5e-3
     stage = run_stage(kto.KTOStage, cfg)
     losses = [s["train/loss"] for s in stage.history.steps]
