@@ -28,8 +28,8 @@ turn is a system turn; a system turn may be followed directly by the assistant's
 
 Refused with one line saying why and what to do, whatever the kind: records with images, audio or
 video (a text-only trainer would train on the placeholders), LLaMA-Factory's unfilled identity
-placeholders ({{name}}, {{author}}), KTO records (a `label` of true/false on one answer), reasoning
-parts, and LLaMA-Factory's dataset_info.json registry.
+placeholders ({{name}}, {{author}}), KTO records (a `label` of true/false on one answer: the KTO
+stage's kind, data_formats.unpaired), reasoning parts, and LLaMA-Factory's dataset_info.json registry.
 """
 
 from __future__ import annotations
@@ -395,11 +395,12 @@ def parse_conversation(record: Any, fmt: str, *, last: str = "assistant", task: 
     ('assistant' for SFT, 'user' for prompts). `system_prompt` is added when there is no system turn.
 
     Raises:
-        RecordError: the record does not fit `fmt`, its role order is wrong, or it is KTO data.
+        RecordError: the record does not fit `fmt`, its role order is wrong, or it is KTO data
+            (data_formats.unpaired reads that).
     """
     if isinstance(record, dict) and isinstance(record.get("label"), bool):
-        raise RecordError("a true/false 'label' on one answer (KTO data); Relay has no KTO stage: train the label=true "
-                          "records with SFT, or pair good and bad answers to one prompt for DPO/RM")
+        raise RecordError("a true/false 'label' on one answer (KTO data): train it with the KTO stage (stages/kto.py), "
+                          "or its label=true records with SFT")
     turns = parse_turns(record, fmt)
     check_order(turns, last)
     check_placeholders(turns)

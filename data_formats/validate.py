@@ -41,18 +41,21 @@ from data_formats.conversation import (
     task_of,
     Conversation,
 )
+from data_formats.unpaired import parse_unpaired
 from data_formats.sources import MAX_RECORD_BYTES, DataError, Problem, RawRecord, read_entry, summarize
 
 log = logging.getLogger(__name__)
-KINDS = ("sft", "pt", "rm", "prompts")
+KINDS = ("sft", "pt", "rm", "prompts", "kto")
 # Formats each kind accepts (auto-detection must land in one of these).
 KIND_FORMATS = {
     "sft": CONVERSATION_FORMATS,
     "prompts": CONVERSATION_FORMATS + ("prompt",),
     "rm": ("preference",),
     "pt": ("text",),
+    "kto": ("unpaired",),
 }
-KIND_NAMES = {"sft": "SFT conversations", "pt": "PT text", "rm": "RM preference pairs", "prompts": "PPO prompts"}
+KIND_NAMES = {"sft": "SFT conversations", "pt": "PT text", "rm": "RM preference pairs", "prompts": "PPO prompts",
+              "kto": "KTO records (data_formats.unpaired)"}
 # What a record of each format is, and where it belongs: said when it reaches a stage that cannot use it.
 FORMAT_HINTS = {
     "preference": ("preference data (chosen/rejected)", "use the RM stage (stages/reward.py)"),
@@ -71,7 +74,8 @@ class Parsed:
     task: str
     raw: str
     value: Any
-    """Conversation (sft, prompts), (chosen, rejected) Conversations plus margin (rm), str (pt)."""
+    """Conversation (sft, prompts), (chosen, rejected) Conversations plus margin (rm), str (pt),
+    [(Conversation, desirable)] (kto)."""
 
     @property
     def source(self) -> str:
@@ -123,6 +127,8 @@ def parse_record(raw: RawRecord, kind: str, fmt: str, *, text_field: str = "text
         return chosen, rejected, _margin(raw.record, margin_field)
     if kind == "prompts":
         return _prompt_conversation(raw.record, fmt, raw.task, source, system_prompt)
+    if kind == "kto":
+        return parse_unpaired(raw.record, task=raw.task, source=source, system_prompt=system_prompt)
     return parse_conversation(raw.record, fmt, last="assistant", task=raw.task, source=source, system_prompt=system_prompt)
 
 
@@ -132,6 +138,8 @@ def _file_format(raw: RawRecord, kind: str, fmt: str) -> str:
         return fmt
     if kind == "pt":
         return "text"
+    if kind == "kto":  # every KTO layout has its own keys (data_formats.unpaired)
+        return "unpaired"
     found = detect_format(raw.record)
     if found not in KIND_FORMATS[kind]:
         what, advice = FORMAT_HINTS[found]
@@ -272,6 +280,8 @@ def _overlong(good: list[Parsed], kind: str, args) -> list[Problem]:
             n = max(len(render(conv, tokenizer, template)[0]) for conv in item.value[:2])
         elif kind == "prompts":
             n = len(render_prompt(item.value, tokenizer, template))
+        elif kind == "kto":
+            n = max(len(render(conv, tokenizer, template)[0]) for conv, _ in item.value)
         else:
             n = len(render(item.value, tokenizer, template)[0])
         if n > args.seq_length and kind != "pt":

@@ -43,7 +43,8 @@ class StageInfo:
     judged: bool = False
     """An RL/preference stage: the gold verdict compares its model with its parent's."""
     data_kind: str = "chat"
-    """The data it reads: 'text' (PT), 'chat' (SFT), 'preference' (RM, DPO), 'prompt' (PPO, GRPO)."""
+    """The data it reads: 'text' (PT), 'chat' (SFT), 'preference' (RM, DPO), 'prompt' (PPO, GRPO),
+    'unpaired' (KTO)."""
     summary_keys: tuple[str, ...] = ()
     """Keys of its summary.json the pipeline summary copies as `<stage>_<key>`."""
     loss_curve: bool = True
@@ -99,6 +100,18 @@ STAGES: dict[str, StageInfo] = {
             Panel("implicit rewards (train)", "β·log(π/π_ref)", {"chosen": "dpo/rewards_chosen", "rejected": "dpo/rewards_rejected"}),
             Panel("pairwise accuracy", "accuracy (chosen > rejected)", {"train": "train/accuracy", "eval": "eval/accuracy"}),
             Panel("margin", "reward(chosen) - reward(rejected)", {"train": "train/margin", "eval": "eval/margin"}),
+        )),
+    ),
+    "kto": StageInfo(
+        "kto:KTOStage",
+        parents=("sft", "pt"),
+        judged=True,
+        data_kind="unpaired",
+        summary_keys=(*LOSSES, "eval_margin"),
+        plot=("kto", "KTO", (
+            Panel("implicit rewards (train)", "β·log(π/π_ref)", {"desirable": "kto/rewards_chosen", "undesirable": "kto/rewards_rejected"}),
+            Panel("KL estimate z_ref (train)", "nats", {"train": "kto/kl"}),
+            Panel("margin", "reward(desirable) - reward(undesirable)", {"train": "train/margin", "eval": "eval/margin"}),
         )),
     ),
     "grpo": StageInfo(

@@ -1,4 +1,4 @@
-"""DPO stage: tune the SFT policy directly on preference pairs (DPO, IPO or ORPO), no reward model.
+"""DPO stage: tune the SFT policy directly on preference pairs (DPO and its variants, ORPO, SimPO), no reward model.
 
     torchrun --nproc_per_node N stages/dpo.py --config configs/dpo.yaml [--train.max_steps 20]
     python stages/dpo.py                                   # one process, bundled sample pairs
@@ -8,11 +8,12 @@ response_chosen, response_rejected}, {prompt, chosen, rejected}, chat lists), re
 way: each side is the prompt followed by its answer up to and including the answer's end-of-turn
 token (data_formats.render.render_scored); truncation cuts the oldest prompt tokens, never an
 answer. A side's log-prob is the sum over its answer tokens (TRL's). The math (`dpo.loss_type`:
-sigmoid with label smoothing, ipo, orpo) is pipeline/algorithms/preference.py, checked against
-TRL 1.16 in tests/test_dpo.py.
+sigmoid with label smoothing, ipo, orpo, simpo and TRL 1.16's other loss types) is the registry
+in pipeline/algorithms/preference.py, checked against TRL 1.16 in tests/test_dpo.py and
+tests/test_preference_losses.py.
 
 The reference is the policy with its adapter disabled under LoRA/QLoRA (one backbone) and a frozen
-copy of the starting model under full fine-tuning; ORPO has none. `dpo.precompute_ref_log_probs`
+copy of the starting model under full fine-tuning; ORPO and SimPO have none. `dpo.precompute_ref_log_probs`
 computes the reference log-probs of every pair once, before the first step, in fixed batches in
 data order, and drops the full-FT copy: each step then runs the policy forward only. A resumed
 run recomputes them the same way (the reference never trains), so they are not checkpointed.
@@ -68,27 +69,55 @@ class DPOData(PreferenceDataConfig):
 @dataclass
 class DPOSection:
     loss_type: str = "sigmoid"
-    """sigmoid (DPO) | ipo | orpo (reference-free: NLL on the chosen answer + odds-ratio term)."""
+    """sigmoid (DPO) | ipo | hinge | robust | exo_pair | nca_pair | bco_pair | sppo_hard | aot |
+    aot_unpaired | apo_zero | apo_down | discopop | sigmoid_norm (TRL 1.16's names and math) | orpo |
+    simpo (both reference-free). Formulas: pipeline/algorithms/preference.py."""
     beta: float = 0.1
-    """DPO's β (the KL strength), IPO's τ, ORPO's λ (the weight of the odds-ratio term)."""
+    """DPO's β (the KL strength), IPO's τ, ORPO's λ (the weight of the odds-ratio term), SimPO's β."""
     label_smoothing: float = 0.0
-    """sigmoid only: the assumed share of flipped labels ε in [0, 0.5) (conservative DPO)."""
+    """The assumed share of flipped labels ε in [0, 0.5): sigmoid (conservative DPO), robust, aot,
+    aot_unpaired, simpo; exo_pair needs it > 0 (EXO suggests 1e-3). Refused with other losses."""
+    discopop_tau: float = 0.05
+    """discopop only: the temperature τ of its mix of logistic and exponential losses (TRL's default)."""
+    simpo_gamma: float = 0.5
+    """simpo only: the target reward margin γ (TRL's CPOConfig.simpo_gamma)."""
+    cpo_alpha: float = 0.0
+    """simpo only: weight of the chosen answers' NLL (CPO-SimPO); 0 is the SimPO paper's loss.
+    TRL's CPOConfig defaults to 1.0: set 1.0 to match it."""
     precompute_ref_log_probs: bool = False
     """Compute the reference log-probs of every pair once before training (one forward per step saved)."""
 
     def problems(self, key: str = "dpo") -> list[str]:
         out = []
-        if self.loss_type not in pref.LOSS_TYPES:
+        spec = pref.LOSSES.get(self.loss_type)
+        if spec is None:
             out.append(f"{key}.loss_type: {self.loss_type!r} is not one of {', '.join(map(repr, pref.LOSS_TYPES))}")
         if not self.beta > 0:
             out.append(f"{key}.beta: must be > 0, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             out.append(f"{key}.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
-        elif self.label_smoothing and self.loss_type != "sigmoid":
-            out.append(f"{key}.label_smoothing: only the sigmoid loss smooths labels (loss_type is {self.loss_type!r})")
+        if not self.discopop_tau > 0:
+            out.append(f"{key}.discopop_tau: must be > 0, got {self.discopop_tau}")
+        if self.cpo_alpha < 0:
+            out.append(f"{key}.cpo_alpha: must be >= 0, got {self.cpo_alpha}")
+        if spec is not None:
+            out += loss_option_problems(self, spec, key)
         if self.precompute_ref_log_probs and self.loss_type in pref.REFERENCE_FREE:
             out.append(f"{key}.precompute_ref_log_probs: the {self.loss_type} loss has no reference model")
         return out
+
+
+def loss_option_problems(section: DPOSection, spec: pref.LossSpec, key: str) -> list[str]:
+    """One line per loss option set away from its default that `spec`'s loss does not read, and for
+    exo_pair's missing label smoothing."""
+    out = []
+    for name in ("label_smoothing", "discopop_tau", "simpo_gamma", "cpo_alpha"):
+        if getattr(section, name) != getattr(DPOSection, name) and name not in spec.options:
+            readers = [n for n, s in pref.LOSSES.items() if name in s.options]
+            out.append(f"{key}.{name}: only the {', '.join(readers)} loss(es) read it (loss_type is {section.loss_type!r})")
+    if section.loss_type == "exo_pair" and section.label_smoothing == 0:
+        out.append(f"{key}.label_smoothing: the exo_pair loss needs it > 0 (EXO suggests 1e-3)")
+    return out
 
 
 @dataclass

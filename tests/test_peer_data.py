@@ -28,7 +28,7 @@ EXPECTED = {
     f"{M}/grpo/sample.jsonl": ("prompts", 4),
     f"{L}/identity.json": ("sft", "unfilled placeholder {{name}} (LLaMA-Factory's identity.json): replace"),
     f"{L}/v1_sft_demo.jsonl": ("sft", "unfilled placeholder {{name}}"),
-    f"{L}/kto_en_demo.json": ("sft", "a true/false 'label' on one answer (KTO data); Relay has no KTO stage"),
+    f"{L}/kto_en_demo.json": ("sft", "a true/false 'label' on one answer (KTO data): train it with the KTO stage"),
     f"{L}/mllm_demo.json": ("sft", "multimodal record (field 'images'): Relay trains text-only"),
     f"{L}/mllm_audio_demo.json": ("sft", "multimodal record (field 'audios')"),
     f"{L}/mllm_video_demo.json": ("sft", "multimodal record (field 'videos')"),

@@ -1,6 +1,11 @@
 """Preference optimisation math (the DPO stage, stages/dpo.py): small pure functions on sequence
-log-probabilities, with golden tests against TRL 1.16 in tests/test_dpo.py, and a batch's answer
-log-probs (`sequence_logps`) and losses with their logged figures (`pair_losses`).
+log-probabilities, with golden tests against TRL 1.16 in tests/test_dpo.py and
+tests/test_preference_losses.py, and a batch's answer log-probs (`sequence_logps`) and losses with
+their logged figures (`pair_losses`). Each `dpo.loss_type` is one pure function in the `LOSSES`
+registry (the stage never branches on the name): TRL 1.16's DPOConfig.loss_type values (sigmoid,
+hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down,
+discopop, sigmoid_norm; not `sft`, which is the SFT stage), ORPO and SimPO; each function's
+docstring gives its formula and paper.
 
 A sequence log-prob is the sum of the answer tokens' log-probs (`answer_logps`), the answer being
 the last assistant answer up to and including its end-of-turn token, as the RM scores it
@@ -23,15 +28,19 @@ the last assistant answer up to and including its end-of-turn token, as the RM s
   paper's L_SFT, and what Relay's SFT stage trains); TRL's ORPOTrainer averages it over prompt and
   answer tokens, which trains the model to write prompts as well.
 
-Implicit rewards (logged): β·(log π - log π_ref) per side for sigmoid/ipo (TRL's rewards/chosen,
-rewards/rejected); for orpo β·(mean answer log-prob), as TRL's ORPOTrainer logs them.
+- `simpo` (Meng et al. 2024): reference-free, on mean answer-token log-probs with a target margin
+  γ (`dpo.simpo_gamma`); `dpo.cpo_alpha` adds the chosen answers' NLL as TRL's CPOTrainer does.
+
+Implicit rewards (logged): β·(log π - log π_ref) per side for the reference-based losses (TRL's
+rewards/chosen, rewards/rejected); for orpo and simpo β·(mean answer log-prob), as TRL's
+ORPOTrainer and CPOTrainer log them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,16 +49,26 @@ from data_formats.collate import IGNORE_INDEX
 from pipeline.engine.steps import model_inputs
 from pipeline.engine.supervised_head import head_split, labelled_token_logps
 
-LOSS_TYPES = ("sigmoid", "ipo", "orpo")
-REFERENCE_FREE = ("orpo",)
-
-
 class PairLosses(NamedTuple):
-    """Per pair ([B]): the loss, and the implicit rewards of the chosen and rejected answers."""
+    """Per pair ([B]): the loss, the implicit rewards of the chosen and rejected answers, and any
+    extra figures the loss logs (ORPO's nll and log_odds), each [B]."""
 
     losses: torch.Tensor
     chosen_rewards: torch.Tensor
     rejected_rewards: torch.Tensor
+    extra: Optional[dict] = None
+
+
+class PairLogps(NamedTuple):
+    """What a pair loss reads, per pair ([B]): summed answer log-probs of the policy and (None for
+    a reference-free loss) the reference, and the answers' token counts."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    ref_chosen: Optional[torch.Tensor] = None
+    ref_rejected: Optional[torch.Tensor] = None
+    chosen_tokens: Optional[torch.Tensor] = None
+    rejected_tokens: Optional[torch.Tensor] = None
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,29 +111,6 @@ def packed_sums(per_token: torch.Tensor, mask: torch.Tensor, sample_index: torch
     return sums, counts
 
 
-def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-               beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-               chosen_tokens: Optional[torch.Tensor] = None, rejected_tokens: Optional[torch.Tensor] = None) -> PairLosses:
-    """Per-pair DPO (`sigmoid`, with label smoothing) or IPO losses from summed answer log-probs
-    (module docstring). IPO needs the answer token counts.
-
-    Raises:
-        ValueError: unknown or reference-free loss type; IPO without token counts.
-    """
-    chosen_ratio, rejected_ratio = policy_chosen - ref_chosen, policy_rejected - ref_rejected
-    if loss_type == "sigmoid":
-        logits = beta * (chosen_ratio - rejected_ratio)
-        losses = -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
-    elif loss_type == "ipo":
-        if chosen_tokens is None or rejected_tokens is None:
-            raise ValueError("dpo_losses: the ipo loss needs the answers' token counts")
-        delta = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
-        losses = (delta - 1.0 / (2.0 * beta)) ** 2
-    else:
-        raise ValueError(f"dpo_losses: loss_type {loss_type!r} is not one of 'sigmoid', 'ipo' (orpo: orpo_losses)")
-    return PairLosses(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
-
-
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, accurate on both sides of -log 2 (Mächler 2012)."""
     return torch.where(x < -math.log(2.0), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
@@ -141,6 +137,220 @@ def orpo_nll(chosen_sum: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Ten
 
 
 # --------------------------------------------------------------------------------------------
+# The pair losses: one pure function per `dpo.loss_type`, registered in LOSSES
+# --------------------------------------------------------------------------------------------
+# Every function takes the pair log-probs (`PairLogps`) and the `dpo` config section `p` (beta,
+# label_smoothing, discopop_tau, simpo_gamma, cpo_alpha: only the fields its LossSpec lists) and
+# returns `PairLosses`; the batch loss is the mean of `losses`. Names and math are TRL 1.16's
+# (DPOTrainer._compute_loss, CPOTrainer.cpo_loss), checked on the same tensors in
+# tests/test_preference_losses.py. Notation: r_c, r_r are the log-ratios log π - log π_ref of
+# the chosen and rejected answers (sums over answer tokens), Δ = r_c - r_r, ε the label smoothing.
+
+
+def _ratios(x: PairLogps) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.chosen - x.ref_chosen, x.rejected - x.ref_rejected
+
+
+def _dpo_rewards(x: PairLogps, p, losses: torch.Tensor) -> PairLosses:
+    """The per-pair losses with DPO's implicit rewards β·r (TRL's rewards/chosen, rewards/rejected)."""
+    chosen, rejected = _ratios(x)
+    return PairLosses(losses, p.beta * chosen.detach(), p.beta * rejected.detach())
+
+
+def _counts(x: PairLogps, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.chosen_tokens is None or x.rejected_tokens is None:
+        raise ValueError(f"dpo_losses: the {name} loss needs the answers' token counts")
+    return x.chosen_tokens.clamp(min=1), x.rejected_tokens.clamp(min=1)
+
+
+def _smoothed(logits: torch.Tensor, eps: float) -> torch.Tensor:
+    """cDPO's mixture -(1 - ε) log σ(z) - ε log σ(-z)."""
+    return -(1.0 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
+
+
+def sigmoid_loss(x: PairLogps, p) -> PairLosses:
+    """DPO, with cDPO's label smoothing: -(1 - ε) log σ(βΔ) - ε log σ(-βΔ) (TRL's `sigmoid` is ε = 0)."""
+    chosen, rejected = _ratios(x)
+    return _dpo_rewards(x, p, _smoothed(p.beta * (chosen - rejected), p.label_smoothing))
+
+
+def hinge_loss(x: PairLogps, p) -> PairLosses:
+    """SLiC (Zhao et al. 2023): max(0, 1 - βΔ)."""
+    chosen, rejected = _ratios(x)
+    return _dpo_rewards(x, p, torch.relu(1.0 - p.beta * (chosen - rejected)))
+
+
+def ipo_loss(x: PairLogps, p) -> PairLosses:
+    """IPO (Eq. 17), each side's log-ratio averaged over its answer tokens (module docstring)."""
+    chosen, rejected = _ratios(x)
+    nc, nr = _counts(x, "ipo")
+    return _dpo_rewards(x, p, (chosen / nc - rejected / nr - 1.0 / (2.0 * p.beta)) ** 2)
+
+
+def exo_pair_loss(x: PairLogps, p) -> PairLosses:
+    """EXO (Ji et al. 2024, Eq. 16): KL(softmax(β·r) over the pair ‖ [1 - ε, ε]); needs ε > 0."""
+    chosen, rejected = _ratios(x)
+    z, eps = p.beta * (chosen - rejected), torch.tensor(p.label_smoothing, dtype=chosen.dtype, device=chosen.device)
+    losses = (torch.sigmoid(z) * (F.logsigmoid(z) - torch.log1p(-eps))
+              + torch.sigmoid(-z) * (F.logsigmoid(-z) - torch.log(eps)))
+    return _dpo_rewards(x, p, losses)
+
+
+def nca_pair_loss(x: PairLogps, p) -> PairLosses:
+    """NCA (Chen et al. 2024): -log σ(βr_c) - ½ log σ(-βr_c) - ½ log σ(-βr_r)."""
+    chosen, rejected = _ratios(x)
+    c, r = p.beta * chosen, p.beta * rejected
+    return _dpo_rewards(x, p, -F.logsigmoid(c) - 0.5 * F.logsigmoid(-c) - 0.5 * F.logsigmoid(-r))
+
+
+def robust_loss(x: PairLogps, p) -> PairLosses:
+    """Robust DPO (Chowdhury et al. 2024): (-(1 - ε) log σ(βΔ) + ε log σ(-βΔ)) / (1 - 2ε), unbiased
+    under a share ε of flipped labels."""
+    chosen, rejected = _ratios(x)
+    z, eps = p.beta * (chosen - rejected), p.label_smoothing
+    return _dpo_rewards(x, p, (-(1.0 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1.0 - 2.0 * eps))
+
+
+def bco_pair_loss(x: PairLogps, p) -> PairLosses:
+    """BCO on pairs (Jung et al. 2024), as TRL 1.16 has it (no running reward shift): -log σ(βr_c) - log σ(-βr_r)."""
+    chosen, rejected = _ratios(x)
+    return _dpo_rewards(x, p, -F.logsigmoid(p.beta * chosen) - F.logsigmoid(-p.beta * rejected))
+
+
+def sppo_hard_loss(x: PairLogps, p) -> PairLosses:
+    """SPPO (Wu et al. 2024) with hard win probabilities 1/0: (r_c - 1/(2β))² + (r_r + 1/(2β))²."""
+    chosen, rejected = _ratios(x)
+    return _dpo_rewards(x, p, (chosen - 0.5 / p.beta) ** 2 + (rejected + 0.5 / p.beta) ** 2)
+
+
+def aot_loss(x: PairLogps, p) -> PairLosses:
+    """AOT (Melnyk et al. 2024), paired: cDPO's mixture on sorted(log π(c) - log π(r)) minus
+    sorted(the reference's), sorted over the micro-batch, so a pair's loss depends on its batch."""
+    policy, _ = torch.sort(x.chosen - x.rejected, dim=0)
+    ref, _ = torch.sort(x.ref_chosen - x.ref_rejected, dim=0)
+    return _dpo_rewards(x, p, _smoothed(p.beta * (policy - ref), p.label_smoothing))
+
+
+def aot_unpaired_loss(x: PairLogps, p) -> PairLosses:
+    """AOT, unpaired: cDPO's mixture on sorted(r_c) - sorted(r_r) over the micro-batch."""
+    chosen, rejected = _ratios(x)
+    delta = torch.sort(chosen, dim=0)[0] - torch.sort(rejected, dim=0)[0]
+    return _dpo_rewards(x, p, _smoothed(p.beta * delta, p.label_smoothing))
+
+
+def apo_zero_loss(x: PairLogps, p) -> PairLosses:
+    """APO-zero (D'Oosterlinck et al. 2024, Eq. 7): 1 - σ(βr_c) + σ(βr_r), for chosen answers better
+    than the model's own."""
+    chosen, rejected = _ratios(x)
+    return _dpo_rewards(x, p, 1.0 - torch.sigmoid(p.beta * chosen) + torch.sigmoid(p.beta * rejected))
+
+
+def apo_down_loss(x: PairLogps, p) -> PairLosses:
+    """APO-down (Eq. 8): σ(βr_c) + 1 - σ(βΔ), for chosen answers worse than the model's own."""
+    chosen, rejected = _ratios(x)
+    return _dpo_rewards(x, p, torch.sigmoid(p.beta * chosen) + 1.0 - torch.sigmoid(p.beta * (chosen - rejected)))
+
+
+def discopop_loss(x: PairLogps, p) -> PairLosses:
+    """DiscoPOP (Chris Lu et al. 2024, Eq. 5): with z = βΔ and m = σ(z/τ),
+    (1 - m)·(-log σ(z)) + m·exp(-z); τ is `discopop_tau`."""
+    chosen, rejected = _ratios(x)
+    z = p.beta * (chosen - rejected)
+    mix = torch.sigmoid(z / p.discopop_tau)
+    return _dpo_rewards(x, p, -F.logsigmoid(z) * (1.0 - mix) + torch.exp(-z) * mix)
+
+
+def sigmoid_norm_loss(x: PairLogps, p) -> PairLosses:
+    """DPO on per-token log-ratios: -log σ(β(r_c/|c| - r_r/|r|))."""
+    chosen, rejected = _ratios(x)
+    nc, nr = _counts(x, "sigmoid_norm")
+    return _dpo_rewards(x, p, -F.logsigmoid(p.beta * (chosen / nc - rejected / nr)))
+
+
+def orpo_loss(x: PairLogps, p) -> PairLosses:
+    """ORPO (module docstring): per pair, the batch's chosen-answer NLL plus -β log σ(log odds)."""
+    nc, nr = _counts(x, "orpo")
+    pairs, log_odds = orpo_losses(x.chosen, x.rejected, nc, nr, p.beta)
+    nll = orpo_nll(x.chosen, x.chosen_tokens).expand_as(pairs.losses)
+    return PairLosses(nll + pairs.losses, pairs.chosen_rewards, pairs.rejected_rewards,
+                      {"nll": nll.detach(), "log_odds": log_odds.detach()})
+
+
+def simpo_loss(x: PairLogps, p) -> PairLosses:
+    """SimPO (Meng et al. 2024), reference-free: with the mean answer-token log-probs a_c, a_r,
+    z = β(a_c - a_r) - γ and cDPO's mixture -(1 - ε) log σ(z) - ε log σ(-z); plus `cpo_alpha` times
+    the chosen answers' NLL (CPO-SimPO; TRL's CPOTrainer with loss_type 'simpo'). Rewards β·a."""
+    nc, nr = _counts(x, "simpo")
+    mean_c, mean_r = x.chosen / nc, x.rejected / nr
+    losses = _smoothed(p.beta * (mean_c - mean_r) - p.simpo_gamma, p.label_smoothing)
+    extra = None
+    if p.cpo_alpha:
+        nll = orpo_nll(x.chosen, x.chosen_tokens).expand_as(losses)
+        losses, extra = losses + p.cpo_alpha * nll, {"nll": nll.detach()}
+    return PairLosses(losses, p.beta * mean_c.detach(), p.beta * mean_r.detach(), extra)
+
+
+class LossSpec(NamedTuple):
+    """A registered pair loss: its function, whether it reads a reference, and the `dpo` options
+    (besides beta) it reads; any other option set away from its default is a config error."""
+
+    fn: Callable[[PairLogps, Any], PairLosses]
+    reference_free: bool = False
+    options: tuple[str, ...] = ()
+
+
+SMOOTHING = ("label_smoothing",)
+LOSSES: dict[str, LossSpec] = {
+    "sigmoid": LossSpec(sigmoid_loss, options=SMOOTHING),
+    "ipo": LossSpec(ipo_loss),
+    "hinge": LossSpec(hinge_loss),
+    "robust": LossSpec(robust_loss, options=SMOOTHING),
+    "exo_pair": LossSpec(exo_pair_loss, options=SMOOTHING),
+    "nca_pair": LossSpec(nca_pair_loss),
+    "bco_pair": LossSpec(bco_pair_loss),
+    "sppo_hard": LossSpec(sppo_hard_loss),
+    "aot": LossSpec(aot_loss, options=SMOOTHING),
+    "aot_unpaired": LossSpec(aot_unpaired_loss, options=SMOOTHING),
+    "apo_zero": LossSpec(apo_zero_loss),
+    "apo_down": LossSpec(apo_down_loss),
+    "discopop": LossSpec(discopop_loss, options=("discopop_tau",)),
+    "sigmoid_norm": LossSpec(sigmoid_norm_loss),
+    "orpo": LossSpec(orpo_loss, reference_free=True),
+    "simpo": LossSpec(simpo_loss, reference_free=True, options=(*SMOOTHING, "simpo_gamma", "cpo_alpha")),
+}
+"""`dpo.loss_type` -> its LossSpec: TRL 1.16's DPOConfig.loss_type values but `sft` (the SFT
+stage's job), plus ORPO and SimPO (TRL's ORPOTrainer and CPOTrainer)."""
+LOSS_TYPES = tuple(LOSSES)
+REFERENCE_FREE = tuple(name for name, spec in LOSSES.items() if spec.reference_free)
+
+
+class _Params(NamedTuple):
+    beta: float
+    label_smoothing: float = 0.0
+    discopop_tau: float = 0.05
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = 0.0
+
+
+def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+               beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+               chosen_tokens: Optional[torch.Tensor] = None, rejected_tokens: Optional[torch.Tensor] = None,
+               **options: float) -> PairLosses:
+    """Per-pair losses of a reference-based `loss_type` from summed answer log-probs (the registry's
+    function; `options`: discopop_tau). IPO and sigmoid_norm need the answer token counts.
+
+    Raises:
+        ValueError: unknown or reference-free loss type; a length-normalised loss without token counts.
+    """
+    spec = LOSSES.get(loss_type)
+    if spec is None or spec.reference_free:
+        based = ", ".join(repr(n) for n in LOSS_TYPES if n not in REFERENCE_FREE)
+        raise ValueError(f"dpo_losses: loss_type {loss_type!r} is not one of {based} (orpo, simpo: LOSSES)")
+    x = PairLogps(policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens)
+    return spec.fn(x, _Params(beta, label_smoothing, **options))
+
+
+# --------------------------------------------------------------------------------------------
 # A batch's answer log-probs and its losses (the stage's step and evaluation call these)
 # --------------------------------------------------------------------------------------------
 
@@ -163,20 +373,12 @@ def sequence_logps(model, batch: dict, accelerator) -> tuple[torch.Tensor, torch
 
 def pair_losses(cfg, sums: torch.Tensor, counts: torch.Tensor, ref: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(scalar loss, {figure: [B] values}) of one batch from its [2B] policy sums and counts and
-    its [2B] reference sums (None for ORPO); `cfg` is the stage's `dpo` section (loss_type, beta,
-    label_smoothing)."""
+    its [2B] reference sums (None for a reference-free loss); `cfg` is the stage's `dpo` section
+    (loss_type picks the LOSSES entry, which reads beta and its own options)."""
     half = sums.shape[0] // 2
-    pc, pr, nc, nr = sums[:half], sums[half:], counts[:half], counts[half:]
-    extra: dict[str, torch.Tensor] = {}
-    if cfg.loss_type == "orpo":
-        pairs, log_odds = orpo_losses(pc, pr, nc, nr, cfg.beta)
-        nll = orpo_nll(pc, nc)
-        loss = nll + pairs.losses.mean()
-        extra = {"nll": nll.detach().expand(half), "log_odds": log_odds.detach()}
-    else:
-        pairs = dpo_losses(pc, pr, ref[:half], ref[half:], cfg.beta, cfg.loss_type, cfg.label_smoothing, nc, nr)
-        loss = pairs.losses.mean()
+    x = PairLogps(sums[:half], sums[half:], *(ref[:half], ref[half:]) if ref is not None else (None, None), counts[:half], counts[half:])
+    pairs = LOSSES[cfg.loss_type].fn(x, cfg)
     chosen, rejected = pairs.chosen_rewards, pairs.rejected_rewards
-    figures = {"loss": pairs.losses.detach() + (extra["nll"] if "nll" in extra else 0.0), "accuracy": (chosen > rejected).float(),
-               "margin": chosen - rejected, "rewards_chosen": chosen, "rewards_rejected": rejected, **extra}
-    return loss, figures
+    figures = {"loss": pairs.losses.detach(), "accuracy": (chosen > rejected).float(), "margin": chosen - rejected,
+               "rewards_chosen": chosen, "rewards_rejected": rejected, **(pairs.extra or {})}
+    return pairs.losses.mean(), figures

@@ -182,9 +182,9 @@ VALIDATE_USAGE = """usage: relay validate CONFIG.yaml [--stage S] [--section.key
 With a stage or pipeline YAML: every problem a run would hit before training (unknown keys, values,
 the model folder, data files and records), loading the tokenizer but no model. With data files:
 each record is checked and every bad one reported as FILE:LINE: reason. KIND is a data kind (pt, sft,
-rm, prompts) or any stage name (pt, sft, rm, ppo, dpo, grpo, ...: the kind of data it reads)."""
+rm, prompts, kto) or any stage name (pt, sft, rm, ppo, dpo, grpo, ...: the kind of data it reads)."""
 # A stage's data kind (stages.StageInfo.data_kind) -> the validator's kind of records.
-DATA_KINDS = {"text": "pt", "chat": "sft", "preference": "rm", "prompt": "prompts"}
+DATA_KINDS = {"text": "pt", "chat": "sft", "preference": "rm", "prompt": "prompts", "unpaired": "kto"}
 
 
 def data_kind_args(args: list[str]) -> list[str]:

@@ -1,0 +1,184 @@
+"""Unpaired preference data (the KTO stage, stages/kto.py): one answer per record, labelled
+desirable (true) or undesirable (false). The validator's kind is `kto` (data_formats.validate).
+
+Layouts read (the label must be a JSON true/false):
+- TRL's unpaired preference type (KTOTrainer): standard {"prompt": str, "completion": str,
+  "label": bool}; conversational {"prompt": [messages], "completion": [messages], "label": bool}.
+- LLaMA-Factory's (data/kto_en_demo.json; its dataset_info maps the `kto_tag` column to `label`):
+  {"messages": [...], "label": bool} or sharegpt {"conversations": [{from, value}], "kto_tag": bool};
+  the last assistant answer is the one judged, the turns before it its prompt.
+- Paired records ({prompt, chosen, rejected} and the other RM layouts), which TRL's KTOTrainer
+  unpairs: the chosen answer desirable, the rejected one undesirable (two samples).
+
+A sample is dict(input_ids, prompt_len, label (1 desirable, 0 not), source): the rendered prompt followed by the answer
+up to and including its end-of-turn token, as DPO renders a side (`render_scored`); an overlong
+sample loses its oldest prompt tokens (truncation='truncate', at least one kept) or is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+from tqdm.auto import tqdm
+
+from data_formats.collate import IGNORE_INDEX
+from data_formats.conversation import (
+    Conversation,
+    RecordError,
+    Turn,
+    _string,
+    _turns,
+    check_order,
+    check_placeholders,
+    parse_preference,
+    parse_turns,
+    record_tools,
+    refuse_unsupported,
+    task_of,
+)
+from data_formats.render import Template, render_scored
+from data_formats.sources import Problem
+
+if TYPE_CHECKING:  # token_cache imports validate, which imports this module
+    from data_formats.token_cache import Built, Check
+
+log = logging.getLogger(__name__)
+LABEL_KEYS = ("label", "kto_tag")
+
+
+def record_label(record: dict) -> Optional[bool]:
+    """The record's desirability label, None when it has none (a paired record).
+
+    Raises:
+        RecordError: the label is not a JSON true/false, or both keys are given.
+    """
+    keys = [k for k in LABEL_KEYS if k in record]
+    if len(keys) > 1:
+        raise RecordError("both 'label' and 'kto_tag' given; keep one")
+    if not keys:
+        return None
+    value = record[keys[0]]
+    if not isinstance(value, bool):
+        raise RecordError(f"field '{keys[0]}' must be true or false, got {value!r}")
+    return value
+
+
+def _unpaired_turns(record: dict) -> list[Turn]:
+    """The conversation of a labelled record: TRL's prompt + completion, or a message list."""
+    if "completion" in record:
+        prompt, completion = record.get("prompt"), record["completion"]
+        if isinstance(completion, list):
+            turns = _turns(prompt, "prompt", "role", "content") if isinstance(prompt, list) else [Turn("user", _string(record, "prompt"))]
+            return turns + _turns(completion, "completion", "role", "content")
+        return [Turn("user", _string(record, "prompt")), Turn("assistant", _string(record, "completion"))]
+    if "messages" in record:
+        return parse_turns(record, "messages")
+    if "conversations" in record:
+        return parse_turns(record, "sharegpt")
+    raise RecordError("a labelled record needs 'prompt' and 'completion' (TRL) or 'messages'/'conversations' (LLaMA-Factory)")
+
+
+def parse_unpaired(record: Any, *, task: str = "default", source: str = "",
+                   system_prompt: Optional[str] = None) -> list[tuple[Conversation, bool]]:
+    """[(conversation ending in the judged answer, desirable)]: one for a labelled record, two
+    (chosen True, rejected False) for a paired one.
+
+    Raises:
+        RecordError: missing or malformed fields, a bad label, or a wrong role order.
+    """
+    if not isinstance(record, dict):
+        raise RecordError(f"record must be a JSON object, got {type(record).__name__}")
+    refuse_unsupported(record)
+    label = record_label(record)
+    if label is None:
+        chosen, rejected = parse_preference(record, task=task, source=source, system_prompt=system_prompt)
+        return [(chosen, True), (rejected, False)]
+    turns = _unpaired_turns(record)
+    check_order(turns, "assistant")
+    check_placeholders(turns)
+    if system_prompt is not None and turns[0].role != "system":
+        turns = [Turn("system", system_prompt)] + turns
+    return [(Conversation(turns, task_of(record, task), source, tools=record_tools(record)), label)]
+
+
+def fit_unpaired(prompt: list[int], answer: list[int], seq_length: int, truncate: bool) -> Optional[tuple[list[int], int]]:
+    """(prompt + answer ids, prompt tokens kept) within `seq_length`, cutting the oldest prompt
+    tokens when `truncate`; None when it does not fit (or the answer leaves no room for a prompt token)."""
+    if len(prompt) + len(answer) <= seq_length:
+        return prompt + answer, len(prompt)
+    keep = seq_length - len(answer)
+    if not truncate or keep < 1:
+        return None
+    return prompt[len(prompt) - keep:] + answer, keep
+
+
+def unpaired_samples(records, tokenizer, template: Template, seq_length: int, truncation: str,
+                     split: str, check: Check) -> Built:
+    """The samples (module docstring) of validated `kto` records, with info: the counts logged."""
+    from data_formats.token_cache import Built
+
+    out: list[dict] = []
+    problems: list[Problem] = []
+    counts = {"desirable": 0, "undesirable": 0, "dropped_overlong": 0, "truncated": 0}
+    for record in tqdm(records, desc=f"tokenizing kto {split}", disable=len(records) < 1000):
+        for conv, label in record.value:
+            try:
+                prompt, answer = render_scored(conv, tokenizer, template)
+            except ValueError as err:  # the template cannot render this record
+                problems.append(Problem(record.file, record.line, str(err)))
+                continue
+            fitted = fit_unpaired(prompt, answer, seq_length, truncation == "truncate")
+            if fitted is None:
+                counts["dropped_overlong"] += 1
+                continue
+            counts["truncated"] += fitted[1] < len(prompt)
+            counts["desirable" if label else "undesirable"] += 1
+            # label as 1/0: the token cache stores int columns, not bools
+            out.append({"input_ids": fitted[0], "prompt_len": fitted[1], "label": int(label), "source": record.source})
+    check(problems, f"kto {split} data")
+    return Built(out, counts)
+
+
+def answer_rows(samples: list[dict]) -> list[dict]:
+    """Collator rows (input_ids, labels on the answer tokens) of unpaired samples."""
+    return [{"input_ids": s["input_ids"], "labels": [IGNORE_INDEX] * s["prompt_len"] + s["input_ids"][s["prompt_len"]:]}
+            for s in samples]
+
+
+def mismatched_rows(samples: list[dict], seq_length: int) -> list[dict]:
+    """KTO's KL rows (TRL's KL completions): sample i's prompt with sample i-1's answer, cyclic over
+    the micro-batch ((x_1, y_n), (x_2, y_1), ...), cut to `seq_length` from the oldest prompt token
+    (at least one kept)."""
+    rows = []
+    for i, sample in enumerate(samples):
+        other = samples[i - 1]
+        prompt, answer = sample["input_ids"][: sample["prompt_len"]], other["input_ids"][other["prompt_len"]:]
+        prompt = prompt[max(0, len(prompt) - max(1, seq_length - len(answer))):]
+        ids = (prompt + answer)[:seq_length]
+        rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * len(prompt) + ids[len(prompt):]})
+    return rows
+
+
+def build_kto_data(cfg, tokenizer, template: Template, seq_length: int, split: str, stats: Optional[dict] = None) -> list[dict]:
+    """The samples of one split (module docstring), through the token cache; `stats`, when given,
+    receives the counts (desirable, undesirable, dropped_overlong, truncated).
+
+    Raises:
+        DataError: bad records (or ones the template cannot render) with on_error='strict'.
+        ValueError: unknown split.
+    """
+    from data_formats.datasets import _cached, split_records
+
+    def build(check: Check) -> Built:
+        records = split_records(cfg, "kto", split, check, system_prompt=cfg.system_prompt)
+        return unpaired_samples(records, tokenizer, template, seq_length, cfg.truncation, split, check)
+
+    built = _cached("kto", cfg, tokenizer, split, build, template=template, seq_length=seq_length)
+    if stats is not None:
+        stats.update(built.info)
+    log.info("kto %s data: %s", split, ", ".join(f"{k}={v}" for k, v in built.info.items()))
+    if built.info["truncated"]:
+        log.warning("kto %s data: %d sample(s) lost their oldest prompt tokens to fit seq_length %d", split,
+                    built.info["truncated"], seq_length)
+    return built.samples
