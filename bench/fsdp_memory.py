@@ -1,13 +1,21 @@
 """Peak memory per rank under FSDP against DDP: full fine-tuning (SFT) of the embedded model on
 two CPU ranks (torchrun, gloo), the same batches and steps.
 
-    python bench/fsdp_memory.py [--steps 2] [--seq 64] [--out DIR]
+    python bench/fsdp_memory.py [--steps 2] [--seq 256] [--out DIR]
 
 Runs this file under torchrun once per engine; every rank trains and writes DIR/<engine>-rank<r>.json:
 `peak_rss_mb` (the process's VmHWM at the end of the last step, before export: the same reading
 as bench/harness.py) and `state_mb`, the training state this rank holds at the optimizer step
 (its parameters, as many bytes of gradients, and its optimizer state; under FSDP its shards).
 Prints both per engine and the FSDP / DDP ratios; writes DIR/fsdp_memory.json.
+
+The ranks run with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_), so a freed
+large tensor goes back to the system and the peak RSS follows the live tensors: FSDP gathers and
+frees every block's weights and gradients each step, and with glibc's adaptive threshold those
+frees stay in the heap as resident fragments (measured 2026-11-25 on the 135M model, 2 steps of
+1 x 256 tokens on a loaded 2-core CPU: peak RSS per rank DDP 3077 MiB, FSDP 1837 MiB, ratio
+0.60; with the default allocator 0.94; the state ratio 0.50 either way). --default-malloc
+measures with the default allocator.
 """
 
 from __future__ import annotations
@@ -68,7 +76,7 @@ def rank_main(argv: list[str], out: Path) -> None:
 def write_data(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                          {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * 4}]} for i in range(16)]
+                          {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(16)]
     path = folder / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -77,8 +85,9 @@ def write_data(folder: Path) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--default-malloc", action="store_true", help="leave glibc's adaptive mmap threshold on")
     args = parser.parse_args()
     from pipeline.modeling.embedded import materialize
 
@@ -88,6 +97,8 @@ def main() -> int:
     data = write_data(out / "data")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if not args.default_malloc:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     for engine in ("ddp", "fsdp"):
         argv = ["--model.path", str(model), "--model.finetuning", "full", "--data.train", f"[{data}]", "--data.eval", "[]",
                 "--output_dir", str(out / engine), "--train.max_steps", str(args.steps), "--train.batch_size", "1",

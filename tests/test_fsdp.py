@@ -3,9 +3,9 @@ every stage as one process does, as two DDP ranks do, resume exactly, and merge 
 the data cursor counts samples, so a run resumed with another batch split and another number of
 ranks trains every sample of the epoch once.
 
-Three launches in all (tests/distrun.py runs many stages in one interpreter; starting Python,
-torch and transformers is most of a tiny run's cost): one plain process (the references), two
-FSDP ranks, two DDP ranks. Tolerances are the DDP tests' (tests/test_distributed_stages.py):
+Two launches in all (tests/distrun.py runs many stages in one interpreter; starting Python,
+torch and transformers is most of a tiny run's cost): one plain process (the references), and
+two ranks that run the FSDP runs, then the DDP ones. Tolerances are the DDP tests' (tests/test_distributed_stages.py):
 per-step figures rel 1e-4, merged weights max |diff| 1e-5 (LoRA) and 1e-4 (full fine-tuning);
 a resumed run equals the unbroken one at rel 1e-6.
 
@@ -101,8 +101,9 @@ def setup(tmp_path_factory, tiny_model_dir, tiny_reward_dir):
 
 @pytest.fixture(scope="module")
 def launches(setup):
-    """The three launches: one process, two FSDP ranks (with the stopped-and-resumed runs and the
-    geometry change's second half), two DDP ranks."""
+    """The two launches: one process; two ranks running the FSDP runs (with the stopped-and-resumed
+    runs and the geometry change's second half), then the DDP runs (one torchrun: the engine is
+    a run's setting, the process group outlives the runs)."""
     root = setup[0]
     one = [spec(n, 1, root / "one", setup, "ddp") for n in AGAINST_ONE] + [geometry_spec("first", setup, "ddp", stop_after=3)]
     launch(one, root / "one", 1)
@@ -111,8 +112,8 @@ def launches(setup):
         resumed = spec(name, WORLD, root / "fsdp", setup, "fsdp")
         resumed["argv"] = with_values(resumed["argv"], output_dir=str(root / "fsdp" / f"{name}-resumed"))
         fsdp += [{**resumed, "stop_after": 1}, resumed]
-    launch(fsdp + [geometry_spec("second", setup, "fsdp")], root / "fsdp", WORLD, torchrun=True)
-    launch([spec(n, WORLD, root / "ddp", setup, "ddp") for n in AGAINST_DDP], root / "ddp", WORLD, torchrun=True)
+    ddp = [spec(n, WORLD, root / "ddp", setup, "ddp") for n in AGAINST_DDP]
+    launch(fsdp + [geometry_spec("second", setup, "fsdp")] + ddp, root / "ranks", WORLD, torchrun=True)
     return root
 
 
