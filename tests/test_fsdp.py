@@ -21,6 +21,7 @@ measured for FSDP on one rank)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -218,3 +219,40 @@ def test_fsdp_runs_on_cpu_and_refuses_what_it_cannot_shard(tiny_model_dir):
     assert lines("--model.finetuning", "qlora") == [
         "distributed.engine: fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, or model.finetuning lora or full"]
     assert [p.split(":")[0] for p in lines("--distributed.fsdp_sharding", "NO_SHARD")] == ["distributed.fsdp_sharding"]
+
+
+def test_optimizer_state_keys_convert_between_the_engines():
+    """A DDP checkpoint (torch's index-keyed optimizer state) resumes under FSDP (keyed by name)
+    and back: the names are those torch's distributed-checkpoint API gives the same state, and the
+    round trip loads into a fresh optimizer that then steps exactly as the original."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from pipeline.config import TrainConfig
+    from pipeline.engine.accelerator import build_optimizer
+    from pipeline.engine.fsdp import keyed_by_index, keyed_by_name, parameter_names
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
+        return model, build_optimizer(model, TrainConfig(learning_rate=1e-2))
+
+    def step(model, optimizer):
+        model(torch.ones(2, 4)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer)
+    names = parameter_names(model, optimizer)
+    by_name = keyed_by_name(copy.deepcopy(optimizer.state_dict()), names)  # a checkpoint's own copy
+    reference = get_optimizer_state_dict(model, optimizer)
+    assert sorted(by_name["state"]) == sorted(reference["state"]) == sorted(n for n, _ in model.named_parameters())
+    assert [g["params"] for g in by_name["param_groups"]] == [g["params"] for g in reference["param_groups"]]
+    for name, state in reference["state"].items():
+        assert all(torch.equal(state[k], by_name["state"][name][k]) for k in state)
+    again, fresh = model_and_optimizer()
+    again.load_state_dict(model.state_dict())
+    fresh.load_state_dict(keyed_by_index(by_name, names))
+    step(model, optimizer)
+    step(again, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
