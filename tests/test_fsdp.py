@@ -45,7 +45,8 @@ RUNS = {"sft": ("sft", 2, "lora"), "pt-full": ("pt", 1, "full"), "rm": ("rm", 1,
         "ppo": ("ppo", 1, "lora"), "grpo": ("grpo", 1, "lora"), "ppo-real": ("ppo", 1, "lora"), "grpo-real": ("grpo", 1, "lora")}
 """name: (stage, grad_accum, model.finetuning); '-real' runs sample with the decode engine."""
 AGAINST_ONE = ("sft", "pt-full", "rm", "dpo", "ppo", "grpo")
-AGAINST_DDP = ("sft", "pt-full", "ppo-real", "grpo-real")
+AGAINST_DDP = ("pt-full", "ppo-real", "grpo-real")
+"""(LoRA SFT under DDP equals one process in tests/test_distributed_stages.py, as under FSDP here.)"""
 RESUMED = ("sft", "pt-full")
 GEOMETRY = {"first": {"train__batch_size": "2", "train__grad_accum": "1"},
             "second": {"train__batch_size": str(4 // WORLD), "train__grad_accum": "1", "checkpoint__resume_changed": "true"}}
