@@ -44,6 +44,8 @@ GPU_TESTS = [
     ("tests/test_gpu.py", "packed == unpacked on CUDA sdpa (fp32, bf16); PPO (fp32, bf16) and GRPO (bf16) on CUDA; "
                           "the decode engine's CUDA graph == the model's own step (fp32, bf16); "
                           "FSDP on one rank: checkpoint gather/scatter, stopped + resumed == unbroken == plain one GPU"),
+    ("tests/test_fsdp.py", "FSDP2 on one rank on CUDA (nccl), the code path CPU ranks run over gloo: every stage == one "
+                           "process == DDP, stopped + resumed == unbroken, the data cursor across batch splits"),
     ("tests/test_qlora.py", "QLoRA: nf4 double-quant base on CUDA, only LoRA trains, the adapter merges into the full-precision base"),
     ("tests/test_distributed_stages.py -k fsdp", "FSDP on two ranks == one process; stopped and resumed == unbroken"),
     ("tests/test_distributed_gpu.py::test_bf16_tracks_fp32 tests/test_distributed_gpu.py::test_ppo_under_zero3_equals_one_gpu "

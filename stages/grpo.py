@@ -44,6 +44,7 @@ from pipeline.algorithms.grpo_config import GRPOSection
 from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
 from pipeline.algorithms.rollout import ActorCritic, assemble, chunks
 from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig
+from pipeline.engine.accelerator import full_parameters
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.stage import main
 from pipeline.engine.steps import eval_shards
@@ -98,9 +99,6 @@ class GRPOConfig(StageConfig):
                        f"(train.batch_size x grpo.num_generations)")
         if not self.grpo.reward_funcs and not self.reward_model.path:
             out.append("grpo.reward_funcs / reward_model.path: no reward (name a reward function or a reward model)")
-        if self.distributed.engine != "ddp":
-            out.append(f"distributed.engine: GRPO runs under ddp only for now (its sampler calls the unwrapped policy, "
-                       f"whose weights {self.distributed.engine} shards); use distributed.engine: ddp")
         out += self.generation.room_problems(self.train.seq_length)
         out += self.grpo.generation_problems(self.generation.max_new_tokens)
         return out
@@ -245,13 +243,15 @@ class GRPOStage(PolicyStage):
         advantages, `num_iterations` updates."""
         cfg, acc, G = self.cfg, self.accelerator, self.cfg.grpo.num_generations
         started = time.perf_counter()
-        batch, rollout, total, parts, weights, dynamic = self.sample_groups()
-        gen_time = time.perf_counter() - started
-        texts = [p["text"] for p in batch for _ in range(G)]
-        advantages = self.advantages(total, parts, weights, rollout)
-        scored = algo.score_completions(self.inner, rollout, micro=rollout.input_ids.shape[0] // cfg.train.grad_accum,
-                                    temperature=cfg.generation.temperature, autocast=acc.autocast,
-                                    old=cfg.grpo.num_iterations > 1, reference=cfg.grpo.beta > 0)
+        # Sampling and scoring call the unwrapped models: under FSDP their weights must be whole.
+        with full_parameters(acc, self.model):
+            batch, rollout, total, parts, weights, dynamic = self.sample_groups()
+            gen_time = time.perf_counter() - started
+            texts = [p["text"] for p in batch for _ in range(G)]
+            advantages = self.advantages(total, parts, weights, rollout)
+            scored = algo.score_completions(self.inner, rollout, micro=rollout.input_ids.shape[0] // cfg.train.grad_accum,
+                                            temperature=cfg.generation.temperature, autocast=acc.autocast,
+                                            old=cfg.grpo.num_iterations > 1, reference=cfg.grpo.beta > 0)
         update = algo.grpo_update(self.model, self.optimizer, rollout, advantages, scored, acc, cfg, self.step + 1)
         group_std = total.view(-1, G).std(1)
         local = {"grpo/reward": float(total.mean()), "grpo/reward_std": float(group_std.mean()),
@@ -292,7 +292,7 @@ class GRPOStage(PolicyStage):
             return None
         cfg, acc = self.cfg, self.accelerator
         sums: dict[str, torch.Tensor] = {}
-        with seeded_fork(cfg.train.seed + 1):
+        with seeded_fork(cfg.train.seed + 1), full_parameters(acc, self.model):
             for indices, counts in eval_shards(len(self.eval_samples), cfg.train.batch_size, acc.num_processes,
                                                acc.process_index, cfg.train.eval_batches):
                 batch = [self.eval_samples[i] for i in indices]

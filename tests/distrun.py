@@ -3,16 +3,21 @@ file) or in-process (the one-process references), for tests/test_distributed_sta
 
     torchrun --nproc_per_node 2 tests/distrun.py RUNS.json
 
-RUNS.json is a list of {"stage": "pt"|"sft"|"rm"|"ppo", "argv": [...], "stop_after": k or null}.
+RUNS.json is a list of {"stage": "pt"|"sft"|"rm"|"dpo"|"ppo"|"grpo", "argv": [...], "stop_after":
+k or null, "sampler": "scripted" (default) or "real" (PPO, GRPO), "history": the history file's
+name (default "history")}.
 Each run writes `<output_dir>/history-rank<r>.json`: {"steps": every step's figures as this rank
-logged them, "resumed_at": the step it resumed from (0: a fresh start)}, so a test can compare
-curves and check that every rank logged the same grad_norm.
+logged them, "resumed_at": the step it resumed from (0: a fresh start), "batch_ids": the sample
+indices of every step's micro-batches on this rank}, so a test can compare curves, check that
+every rank logged the same grad_norm, and which samples each step trained.
 Starting the interpreter, torch and transformers costs most of a tiny run, so one process runs
 them all.
 
 PPO runs sample with `ScriptedGenerator` and score with `scripted_reward`: responses and rewards
 are pure functions of the prompt, so a run's rollouts do not depend on how prompts are dealt to
-ranks, and N ranks of B prompts must update exactly as one process of N x B.
+ranks, and N ranks of B prompts must update exactly as one process of N x B. GRPO runs sample
+with `GroupGenerator` (a pure function of the prompt and the copy's place in its group, so a
+group's completions differ) and score with `group_reward`.
 """
 
 from __future__ import annotations
@@ -50,6 +55,23 @@ class ScriptedGenerator:
         return out
 
 
+class GroupGenerator(ScriptedGenerator):
+    """ScriptedGenerator with the copy's place among the identical prompts of the call mixed in."""
+
+    def generate(self, prompts):
+        seen: dict = {}
+        out = []
+        for prompt in prompts:
+            copy = seen[tuple(prompt)] = seen.get(tuple(prompt), -1) + 1
+            out += super().generate([list(prompt) + [7 * copy + 1]])
+        return out
+
+
+def group_reward(prompts, completions):
+    """A GRPO reward function: a pure function of the completion's text."""
+    return [float(len(c) % 5) / 4 for c in completions]
+
+
 def scripted_reward(prompt_texts, responses):
     import torch
 
@@ -57,12 +79,24 @@ def scripted_reward(prompt_texts, responses):
 
 
 def stage_class(name: str):
+    from stages.dpo import DPOStage
+    from stages.grpo import GRPOStage
     from stages.ppo import PPOStage
     from stages.pretrain import PTStage
     from stages.reward import RMStage
     from stages.sft import SFTStage
 
-    return {"pt": PTStage, "sft": SFTStage, "rm": RMStage, "ppo": PPOStage}[name]
+    return {"pt": PTStage, "sft": SFTStage, "rm": RMStage, "dpo": DPOStage, "ppo": PPOStage, "grpo": GRPOStage}[name]
+
+
+def stage_kwargs(spec: dict) -> dict:
+    """The sampler and reward of a PPO / GRPO run (none for the real sampler)."""
+    scripted = spec.get("sampler", "scripted") == "scripted"
+    if spec["stage"] == "ppo":
+        return {"generator_factory": lambda policy: ScriptedGenerator(), "reward_fn": scripted_reward} if scripted else {"reward_fn": scripted_reward}
+    if spec["stage"] == "grpo" and scripted:
+        return {"generator_factory": lambda policy: GroupGenerator()}
+    return {}
 
 
 def run_one(spec: dict) -> None:
@@ -75,14 +109,20 @@ def run_one(spec: dict) -> None:
     GradientState._reset_state()
     base = stage_class(spec["stage"])
 
-    class cls(base):  # records the step the run resumed from
+    class cls(base):  # records the step the run resumed from and the samples of every step
         resumed_at = 0
+        batch_ids: list = []
 
         def resume(self):
             super().resume()
             self.resumed_at = self.step
 
-    kwargs = {"generator_factory": lambda policy: ScriptedGenerator(), "reward_fn": scripted_reward} if spec["stage"] == "ppo" else {}
+        def next_sample_indices(self, grad_accum=None):
+            groups = super().next_sample_indices(grad_accum)
+            self.batch_ids = self.batch_ids + [groups]
+            return groups
+
+    kwargs = stage_kwargs(spec)
     if spec.get("stop_after") is not None:
         os.environ[STOP_ENV] = str(spec["stop_after"])
     try:
@@ -92,8 +132,8 @@ def run_one(spec: dict) -> None:
         os.environ.pop(STOP_ENV, None)
     rank = stage.accelerator.process_index
     steps = [{k: v for k, v in record.items() if isinstance(v, (int, float))} for record in stage.history.steps]
-    out = Path(stage.cfg.output_dir) / f"history-rank{rank}.json"
-    out.write_text(json.dumps({"steps": steps, "resumed_at": stage.resumed_at}))
+    out = Path(stage.cfg.output_dir) / f"{spec.get('history', 'history')}-rank{rank}.json"
+    out.write_text(json.dumps({"steps": steps, "resumed_at": stage.resumed_at, "batch_ids": stage.batch_ids}))
     stage.accelerator.wait_for_everyone()
     AcceleratorState._reset_state(True)
     GradientState._reset_state()

@@ -1,7 +1,7 @@
 """Two processes on CPU (torchrun, gloo): PPO with its real sampler under DDP (the joint
-policy/critic pass) is on-policy and moves; FSDP and DeepSpeed run only on a GPU through
-accelerate (on CPU accelerate silently runs DDP instead of FSDP and cannot start DeepSpeed), so
-Relay refuses both on CPU up front (`combination_problems`). Every stage x engine x grad_accum
+policy/critic pass) is on-policy and moves; DeepSpeed runs only on a GPU (accelerate cannot
+start it on CPU), so Relay refuses it on CPU up front (`combination_problems`); FSDP runs on CPU
+(FSDP2, tests/test_fsdp.py). Every stage x engine x grad_accum
 against one process: test_distributed_stages.py; GPU-only checks: test_distributed_gpu.py."""
 
 import json
@@ -27,7 +27,7 @@ def torchrun(argv, tmp_path, stage="sft.py"):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusals only apply without a GPU")
-@pytest.mark.parametrize("engine,stage", [("deepspeed", "sft"), ("fsdp", "sft"), ("fsdp", "ppo"), ("deepspeed", "rm")])
+@pytest.mark.parametrize("engine,stage", [("deepspeed", "sft"), ("deepspeed", "ppo"), ("deepspeed", "rm")])
 def test_gpu_engines_are_refused_up_front_on_cpu(engine, stage, tiny_model_dir, tiny_reward_dir, tmp_path):
     """One line naming the combination and the one that works, with the other config problems,
     before the tokenizer or any model loads (measured before: accelerate silently ran DDP for fsdp)."""

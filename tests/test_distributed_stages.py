@@ -1,5 +1,5 @@
-"""Every stage under DDP (two CPU processes, torchrun, gloo) and FSDP (GPU-only: accelerate runs
-FSDP only on CUDA, see combination_problems; two GPUs) equals one process with the same global
+"""Every stage under DDP (two CPU processes, torchrun, gloo) and FSDP (here on two GPUs; on two
+CPU ranks in tests/test_fsdp.py) equals one process with the same global
 batch: PT, SFT, RM and PPO, with grad_accum 1 and 4 (LoRA), and full RM, full PPO and QLoRA SFT. Per step: the loss and the
 grad_norm (every rank logs the same, global, norm; gradients are clipped, max_grad_norm 0.05, so a
 per-rank norm would also change the update); PPO: grad_norm, KL, normalised reward and entropy
@@ -36,8 +36,8 @@ WEIGHTS_ABS = {"lora": 1e-5, "qlora": 1e-5, "full": 1e-4}
 """Merged weights, max |difference|. Full fine-tuning: Adam divides each gradient by its own RMS,
 so on weights whose gradient is ~0 the reduction-order noise of the two runs becomes up to a
 few % of one step (lr 5e-3 to 1e-2); measured 2.5e-5."""
-FSDP_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU-only: FSDP runs only on CUDA through accelerate, "
-                               "and two ranks need two GPUs (NCCL cannot put two ranks on one)")
+FSDP_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP on two GPUs (NCCL cannot put two ranks on one); "
+                               "FSDP on two CPU ranks: tests/test_fsdp.py")
 
 
 def write_data(root: Path) -> dict[str, Path]:
@@ -142,7 +142,7 @@ def two_processes(engine: str, setup) -> Path:
     if engine not in _ENGINES:
         root, data, model, reward = setup
         folder = root / engine
-        specs = runs(folder, 2, data, model, reward)
+        specs = [spec for spec in runs(folder, 2, data, model, reward) if engine != "fsdp" or "qlora" not in spec["argv"]]
         for spec in specs:
             spec["argv"] += ["--distributed.engine", engine]
         if engine == "fsdp":
@@ -157,6 +157,8 @@ def two_processes(engine: str, setup) -> Path:
 @pytest.mark.parametrize("stage,accum,mode", RUNS)
 @pytest.mark.parametrize("engine", ["ddp", pytest.param("fsdp", marks=FSDP_GPUS)])
 def test_two_ranks_equal_one_process(engine, stage, accum, mode, setup, one_process):
+    if engine == "fsdp" and mode == "qlora":
+        pytest.skip("FSDP2 cannot shard QLoRA's 4-bit weights (refused up front, tests/test_fsdp.py)")
     two = two_processes(engine, setup) / run_name(stage, accum, mode)
     one = one_process / run_name(stage, accum, mode)
     got, want = figures(two, stage), figures(one, stage)

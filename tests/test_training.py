@@ -123,10 +123,10 @@ def test_batch_order_is_a_function_of_seed_and_epoch_and_the_split():
     r0, cur2 = next_micro_batches(10, DataCursor(), seed=1, batch_size=2, grad_accum=2, world_size=2, rank=0)
     r1, _ = next_micro_batches(10, DataCursor(), seed=1, batch_size=2, grad_accum=2, world_size=2, rank=1)
     assert sorted(sum(one, [])) == sorted(sum(r0 + r1, []))
-    assert cur1 == cur2 == DataCursor(0, 2)
+    assert cur1 == cur2 == DataCursor(0, 8)  # two global micro-batches of 4 samples
     # The epoch rolls over: 10 samples give two global micro-batches of 4, then epoch 1 starts.
-    three, cur = next_micro_batches(10, DataCursor(0, 2), seed=1, batch_size=4, grad_accum=1)
-    assert cur == DataCursor(1, 1) and three[0] == epoch_order(10, 1, 1)[:4]
+    three, cur = next_micro_batches(10, DataCursor(0, 8), seed=1, batch_size=4, grad_accum=1)
+    assert cur == DataCursor(1, 4) and three[0] == epoch_order(10, 1, 1)[:4]
     with pytest.raises(ValueError, match="cannot fill"):
         next_micro_batches(3, DataCursor(), seed=1, batch_size=2, grad_accum=1, world_size=2)
 

@@ -15,7 +15,7 @@ import torch
 from data_formats.datasets import build_prompt_data
 from pipeline.algorithms.rollout import ActorCritic, Generator, Rollout, assemble, make_generator
 from pipeline.config import RewardModelConfig
-from pipeline.engine.accelerator import is_zero3
+from pipeline.engine.accelerator import full_parameters, is_zero3
 from pipeline.engine.stage import Stage
 from pipeline.modeling.embedded import is_embedded
 from pipeline.modeling.handoff import reward_pairing_problems
@@ -106,9 +106,13 @@ class PolicyStage(Stage):
         return self._generator
 
     def rollout(self, prompts: list[dict], copies: int = 1) -> Rollout:
-        """`copies` sampled responses of each prompt, consecutive (a group per prompt), laid out for scoring."""
+        """`copies` sampled responses of each prompt, consecutive (a group per prompt), laid out for scoring.
+        Under FSDP the weights are gathered for the sampling (ranks stop at different lengths, so
+        the decode's forwards must not all-gather block by block)."""
         ids = [p["prompt_ids"] for p in prompts for _ in range(copies)]
-        return assemble(ids, self.generator.generate(ids), self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
+        with full_parameters(self.accelerator, self.model):
+            responses = self.generator.generate(ids)
+        return assemble(ids, responses, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
 
     def reward_model_record(self) -> dict:
         """The reward model the policy was optimised against (the driver re-runs the stage when it changes)."""

@@ -274,11 +274,13 @@ class TrackingConfig:
 @dataclass
 class DistributedConfig:
     engine: str = "ddp"
-    """Data-parallel engine (all through accelerate): ddp, deepspeed or fsdp."""
+    """Data-parallel engine: ddp, deepspeed (both through accelerate; deepspeed needs CUDA) or fsdp
+    (torch's FSDP2, on CPU over gloo or on CUDA over nccl)."""
     deepspeed_config: Optional[str] = None
     """DeepSpeed JSON (see deepspeed_configs/); required when engine is deepspeed."""
     fsdp_sharding: str = "FULL_SHARD"
-    """FSDP sharding strategy: FULL_SHARD, SHARD_GRAD_OP or NO_SHARD."""
+    """FSDP sharding strategy: FULL_SHARD (a block's gathered weights are freed after its forward)
+    or SHARD_GRAD_OP (kept to its backward); NO_SHARD has no FSDP2 form (refused: use ddp)."""
 
     def problems(self, key: str = "distributed") -> list[str]:
         out: list[str] = []

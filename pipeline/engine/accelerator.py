@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from pipeline.config import StageConfig, TrainConfig
+from pipeline.engine import fsdp
 from pipeline.engine.checkpoint import newest_identity
+from pipeline.engine.fsdp import SHARDING
 
 
 def resolve_precision(name: str) -> str:
@@ -60,11 +62,13 @@ def combination_problems(cfg: StageConfig) -> list[str]:
         check_attn_implementation(cfg.model.attn_implementation)
     except ValueError as err:  # flash_attention_2 without CUDA or without flash-attn
         out.append(f"model.attn_implementation: {err}")
-    if engine == "fsdp" and not cuda:
-        # accelerate 1.15 turns the FSDP plugin on only for GPU-type devices; on CPU it runs plain
-        # DDP without a word (measured: distributed_type MULTI_CPU, a DistributedDataParallel model).
-        out.append("distributed.engine: fsdp needs a CUDA GPU (accelerate runs FSDP only on GPUs; on CPU it would "
-                   "silently run DDP); on CPU use distributed.engine ddp")
+    if engine == "fsdp" and cfg.distributed.fsdp_sharding not in SHARDING:
+        out.append(f"distributed.fsdp_sharding: {cfg.distributed.fsdp_sharding} has no FSDP2 counterpart (FSDP2 always "
+                   f"shards); use {' or '.join(SHARDING)}, or distributed.engine ddp for unsharded data parallelism")
+    if engine == "fsdp" and cfg.model.finetuning == "qlora":
+        # bitsandbytes' 4-bit weights are not tensors FSDP2 can cut into DTensor shards.
+        out.append("distributed.engine: fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, "
+                   "or model.finetuning lora or full")
     return out
 
 
@@ -72,9 +76,9 @@ def _would_resume(cfg: StageConfig) -> bool:
     return newest_identity(Path(cfg.output_dir) / "checkpoints", cfg.checkpoint) is not None
 
 
-def is_fsdp(accelerator) -> bool:
-    """Whether the prepared model is wrapped by FSDP (its parameters are sharded over ranks)."""
-    return accelerator is not None and accelerator.distributed_type.name == "FSDP"
+def is_fsdp(model) -> bool:
+    """Whether the prepared model is sharded by FSDP2 (pipeline.engine.fsdp)."""
+    return fsdp.is_sharded(model)
 
 
 def is_zero3(accelerator) -> bool:
@@ -84,68 +88,57 @@ def is_zero3(accelerator) -> bool:
 
 
 @contextlib.contextmanager
-def full_parameters(accelerator, model: torch.nn.Module, writeback: bool = False):
-    """Make the unwrapped module's parameters whole for the body (FSDP; a no-op otherwise).
+def full_parameters(accelerator, model: torch.nn.Module):
+    """Make the parameters of `model` (the prepared model or a module inside it) whole for the
+    body (FSDP; a no-op otherwise).
 
-    Under FSDP the wrapped forward gathers the parameters it needs, but outside it every rank
-    holds only its shard, so a call on the *unwrapped* module (PPO's `generate`, scoring,
-    `save_pretrained`, copying checkpointed weights in) would see shards. `writeback=True`
-    writes changes made in the body back into the shards. Every rank must enter it (it gathers).
+    Under FSDP every rank holds only its shards outside a unit's forward, and forwards gather
+    block by block (collectives every rank must run in step). PPO's and GRPO's sampling, scoring,
+    eval and export run inside it: weights gathered once, forwards free of collectives, at the
+    cost of the module's whole weights on every rank for the body. Every rank must enter it.
     """
-    if not is_fsdp(accelerator):
+    if not is_fsdp(model):
         yield
         return
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    with FSDP.summon_full_params(model, writeback=writeback):
+    with fsdp.gathered(model):
         yield
-
-
-@contextlib.contextmanager
-def _fsdp_full_state(model: torch.nn.Module):
-    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    # rank0_only=False: every rank gets (and can load) the whole state, so loading needs no
-    # broadcast and the checkpoint is the same file whatever the world size.
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=False),
-                              FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=False)):
-        yield FSDP
 
 
 def optimizer_state(model: torch.nn.Module, optimizer, accelerator) -> dict:
     """The optimizer state a checkpoint saves. Under FSDP each rank's optimizer holds the state of
     its own parameter shards only, so the full state (keyed by parameter name) is gathered from
-    every rank (every rank must call this); otherwise `optimizer.state_dict()`."""
-    if not is_fsdp(accelerator):
+    every rank (every rank must call this; every rank gets it, so a checkpoint is the same file
+    whatever the world size); otherwise `optimizer.state_dict()`."""
+    if not is_fsdp(model):
         return optimizer.state_dict()
-    with _fsdp_full_state(model) as FSDP:
-        return FSDP.optim_state_dict(model, getattr(optimizer, "optimizer", optimizer))
+    return fsdp.optimizer_state(model, getattr(optimizer, "optimizer", optimizer))
 
 
 def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict, accelerator) -> None:
     """Load what `optimizer_state` returned: under FSDP every rank keeps its own shards of the
-    full state (every rank must call this)."""
-    if not is_fsdp(accelerator):
-        optimizer.load_state_dict(state)
-        return
+    full state (every rank must call this). A checkpoint of the other engine loads too (resuming
+    may switch between ddp and fsdp): its keys are turned into this engine's."""
     inner = getattr(optimizer, "optimizer", optimizer)
-    with _fsdp_full_state(model) as FSDP:
-        inner.load_state_dict(FSDP.optim_state_dict_to_load(model, inner, state))
+    names = fsdp.parameter_names(accelerator.unwrap_model(model), inner)
+    if not is_fsdp(model):
+        optimizer.load_state_dict(fsdp.keyed_by_index(state, names))
+        return
+    fsdp.load_optimizer_state(model, inner, fsdp.keyed_by_name(state, names))
 
 
 def setup_accelerator(cfg: StageConfig):
     """An accelerate.Accelerator for cfg.distributed (ddp | deepspeed | fsdp) and cfg.train.precision.
+    Under fsdp it is the plain multi-process accelerator: `prepare_training` shards the model.
 
     The accelerator knows `train.grad_accum`: every stage runs its micro-batches through
     `pipeline.engine.steps.micro_step` (accelerate's `accumulate`), so gradients are reduced and
     the optimizer (DeepSpeed's engine included) steps once per optimizer step.
 
     Raises:
-        ValueError: unknown engine, deepspeed without a config file, deepspeed or fsdp without a GPU.
+        ValueError: unknown engine, deepspeed without a config file, deepspeed without a GPU.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+    from accelerate.utils import DeepSpeedPlugin
 
     mixed = resolve_precision(cfg.train.precision)
     engine = cfg.distributed.engine
@@ -164,18 +157,7 @@ def setup_accelerator(cfg: StageConfig):
             gradient_accumulation_steps=cfg.train.grad_accum,
             gradient_clipping=cfg.train.max_grad_norm or None,
         )
-    elif engine == "fsdp":
-        if not torch.cuda.is_available():  # see combination_problems, which reports it up front
-            raise ValueError("distributed.engine fsdp needs a GPU (accelerate runs FSDP only on GPUs); use ddp")
-        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
-            sharding_strategy=cfg.distributed.fsdp_sharding,
-            use_orig_params=True,
-            # Broadcasting rank 0's weights needs a GPU in accelerate; every rank loads the same
-            # files and seeds LoRA's init identically, so CPU runs start identical without it.
-            sync_module_states=torch.cuda.is_available(),
-            state_dict_type="FULL_STATE_DICT",
-        )
-    elif engine != "ddp":
+    elif engine not in ("ddp", "fsdp"):
         raise ValueError(f"distributed.engine: {engine!r} is not one of ddp, deepspeed, fsdp")
     accelerator = Accelerator(**kwargs)
     if engine == "deepspeed":
@@ -185,6 +167,17 @@ def setup_accelerator(cfg: StageConfig):
         ds["gradient_accumulation_steps"] = cfg.train.grad_accum
         ds["train_batch_size"] = cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes
     return accelerator
+
+
+def prepare_training(accelerator, model: torch.nn.Module, cfg: StageConfig) -> tuple[torch.nn.Module, Any]:
+    """The trained module and its optimizer, ready for the engine: under fsdp the model sharded
+    in place (pipeline.engine.fsdp) and the optimizer built over its shards, only the optimizer
+    given to accelerate; otherwise both through `accelerator.prepare` (DDP, DeepSpeed)."""
+    if cfg.distributed.engine != "fsdp":
+        return accelerator.prepare(model, build_optimizer(model, cfg.train))
+    fsdp.shard_model(model, accelerator.device, sharding=cfg.distributed.fsdp_sharding,
+                     mixed=resolve_precision(cfg.train.precision))
+    return model, accelerator.prepare(build_optimizer(model, cfg.train))
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -214,16 +207,19 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
 
 
 def trainable_state(model: torch.nn.Module, accelerator) -> dict[str, torch.Tensor]:
-    """The trainable parameters by name (full tensors, gathered under FSDP / ZeRO-3)."""
+    """The trainable parameters by name (full tensors, gathered under FSDP / ZeRO-3; under FSDP
+    only the trainable ones are gathered, so a LoRA checkpoint costs the adapter alone)."""
     names = {n for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
-    if accelerator.num_processes > 1 and accelerator.distributed_type.name in ("FSDP", "DEEPSPEED"):
+    if is_fsdp(model):
+        return fsdp.full_tensors((n, p) for n, p in model.named_parameters() if n in names)
+    if accelerator.num_processes > 1 and accelerator.distributed_type.name == "DEEPSPEED":
         full = accelerator.get_state_dict(model)
         return {k: v for k, v in full.items() if k in names}
     return {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters() if n in names}
 
 
 def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor], accelerator) -> None:
-    """Copy checkpointed trainable weights into the model.
+    """Copy checkpointed trainable weights into the model (under FSDP each rank into its shards).
 
     Raises:
         KeyError: the checkpoint lacks a trainable parameter of the model, or has an unknown one.
@@ -233,7 +229,5 @@ def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor
     unknown = [n for n in tensors if n not in params]
     if missing or unknown:
         raise KeyError(f"checkpoint does not match the model: missing {missing[:5]}, unknown {unknown[:5]}")
-    # Under FSDP the unwrapped parameters are shards: copy into the whole ones, written back.
-    with full_parameters(accelerator, model, writeback=True), torch.no_grad():
-        for name, value in tensors.items():
-            params[name].copy_(value.to(params[name].device, params[name].dtype))
+    for name, value in tensors.items():
+        fsdp.load_full(params[name], value)

@@ -31,12 +31,16 @@ def loss_divergence(losses: list[float], cfg: DivergenceConfig) -> Optional[str]
 
 
 def largest_weight(params: Iterable[torch.Tensor]) -> float:
-    """The largest magnitude among the given tensors (0.0 for none)."""
+    """The largest magnitude among the given tensors (0.0 for none); of a DTensor, this rank's
+    shard (the caller agrees over ranks, and a shard's max needs no communication)."""
+    from pipeline.engine.fsdp import local_tensor
+
     largest = 0.0
     with torch.no_grad():
         for p in params:
+            p = local_tensor(p.detach())
             if p.numel():
-                largest = max(largest, float(p.detach().abs().max()))
+                largest = max(largest, float(p.abs().max()))
     return largest
 
 

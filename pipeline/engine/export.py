@@ -5,12 +5,11 @@ not the training copies plus the merge's."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Optional
 
 from pipeline.config import to_dict
-from pipeline.engine.accelerator import full_parameters
+from pipeline.engine.fsdp import full_state, is_sharded
 from pipeline.modeling.merge import export_full_model, merge_adapter
 from pipeline.modeling.models import load_model
 
@@ -28,26 +27,50 @@ def export_trained(stage, extras: dict) -> Optional[Path]:
     full = cfg.model.finetuning == "full"
     trained = stage.export_module()
     whole = trained is acc.unwrap_model(stage.model)
-    if whole and full and acc.num_processes > 1 and acc.distributed_type.name in ("FSDP", "DEEPSPEED"):
+    common = dict(stage=stage.name, config=to_dict(cfg), extra_manifest=extras, chat_template=stage.chat_template, overwrite=True,
+                  trust_remote_code=cfg.model.trust_remote_code)
+    if is_sharded(stage.model):
+        return _export_sharded(stage, trained, out, full, common)
+    if whole and full and acc.num_processes > 1 and acc.distributed_type.name == "DEEPSPEED":
         # Sharded weights: gather the full state (every rank takes part) into a fresh copy on rank 0.
         state = acc.get_state_dict(stage.model)
         if acc.is_main_process:
             trained = load_model(cfg.model, None, kind=stage.model_kind, tokenizer=stage.tokenizer)
             trained.load_state_dict(state)
-    common = dict(stage=stage.name, config=to_dict(cfg), extra_manifest=extras, chat_template=stage.chat_template, overwrite=True,
-                  trust_remote_code=cfg.model.trust_remote_code)
     merged = None
-    # A part of the prepared module (PPO's policy) is saved from the unwrapped module, whose
-    # weights under FSDP are shards outside the wrapped forward: make them whole (every rank).
-    with contextlib.nullcontext() if whole else full_parameters(acc, stage.model):
-        if acc.is_main_process and full:
-            merged = export_full_model(trained, stage.tokenizer, str(out / "merged"), parent=stage.model_path, **common)
-        elif acc.is_main_process:
-            trained.save_pretrained(out / "adapter", safe_serialization=True)
-            stage.tokenizer.save_pretrained(out / "adapter")
-            for folder, adapter in stage.export_adapters().items():
-                adapter.save_pretrained(out / folder)
-    trained = None
+    if acc.is_main_process and full:
+        merged = export_full_model(trained, stage.tokenizer, str(out / "merged"), parent=stage.model_path, **common)
+    elif acc.is_main_process:
+        trained.save_pretrained(out / "adapter", safe_serialization=True)
+        stage.tokenizer.save_pretrained(out / "adapter")
+        for folder, adapter in stage.export_adapters().items():
+            adapter.save_pretrained(out / folder)
+    return _merge(stage, out, full, merged, common)
+
+
+def _export_sharded(stage, trained, out: Path, full: bool, common: dict) -> Optional[Path]:
+    """Under FSDP: gather the trained module's whole state (every rank takes part; FSDP2's
+    `state_dict()` always yields shards, so `save_pretrained` cannot read the module itself),
+    then on rank 0 load it into a fresh copy (full fine-tuning) or save the adapters from it."""
+    acc, cfg = stage.accelerator, stage.cfg
+    state = full_state(trained)
+    adapters = {folder: full_state(adapter) for folder, adapter in stage.export_adapters().items()} if not full else {}
+    merged = None
+    if acc.is_main_process and full:
+        fresh = load_model(cfg.model, None, kind=stage.model_kind, tokenizer=stage.tokenizer)
+        fresh.load_state_dict(state)
+        merged = export_full_model(fresh, stage.tokenizer, str(out / "merged"), parent=stage.model_path, **common)
+    elif acc.is_main_process:
+        trained.save_pretrained(out / "adapter", safe_serialization=True, state_dict=state)
+        stage.tokenizer.save_pretrained(out / "adapter")
+        for folder, adapter in stage.export_adapters().items():
+            adapter.save_pretrained(out / folder, state_dict=adapters[folder])
+    return _merge(stage, out, full, merged, common)
+
+
+def _merge(stage, out: Path, full: bool, merged: Optional[Path], common: dict) -> Optional[Path]:
+    """Release the training copies, then (LoRA) merge the saved adapter into the base on rank 0."""
+    acc, cfg = stage.accelerator, stage.cfg
     stage.release()
     stage.model, stage.optimizer, stage.scheduler = acc.free_memory(stage.model, stage.optimizer, stage.scheduler)
     if acc.is_main_process and not full:

@@ -1,8 +1,8 @@
 """Resuming a stage: which checkpoint a run may resume (its identity against this run's,
 pipeline.engine.identity, checked in validation before any model loads), loading the newest one
 that loads (falling back past broken ones, pipeline.engine.checkpoint), and putting its state
-into the run: weights, optimizer, scheduler, RNG, the data cursor (converted when the global
-micro-batch is split differently), the trainer's history and the stage's own state, and the
+into the run: weights, optimizer, scheduler, RNG, the data cursor (it counts samples, so another
+batch split or number of ranks goes on at the next unseen sample), the trainer's history and the stage's own state, and the
 schedule when the resume changed the train settings."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Optional
 
-from data_formats.sampling import DataCursor
+from data_formats.sampling import legacy_cursor
 from pipeline.config import ConfigError, to_dict
 from pipeline.engine.accelerator import load_optimizer_state, load_trainable_state
 from pipeline.engine.checkpoint import MARKER, CheckpointError, CorruptCheckpoint, newest_identity, resume_setting, set_rng_state
@@ -93,7 +92,7 @@ def restore(stage, state: dict) -> None:
     stage.scheduler.load_state_dict(state["scheduler"])
     trainer = state["trainer"]
     stage.step = stage.last_saved = int(trainer["step"])
-    stage.cursor = converted_cursor(stage, DataCursor(**state["data"]), trainer.get("global_micro_batch"))
+    stage.cursor = legacy_cursor(state["data"], trainer.get("global_micro_batch"))
     stage.early.load_state_dict(trainer["early_stopping"])
     stage.history.load_state_dict(trainer["history"])
     stage.load_state_dict(trainer["stage"])
@@ -107,20 +106,6 @@ def restore(stage, state: dict) -> None:
         log.warning("resuming at step %d with changes accepted by checkpoint.resume_changed: %s",
                     stage.step, "; ".join(stage.accepted_changes))
     apply_schedule(stage)
-
-
-def converted_cursor(stage, cursor: DataCursor, saved_micro_batch: Optional[int]) -> DataCursor:
-    """The saved data cursor in this run's global micro-batches (batch_size x ranks). The
-    cursor counts micro-batches, so a run that splits the same global batch differently
-    (2x2 -> 4x1) converts it through samples; a remainder is read again (logged)."""
-    current = stage.cfg.train.batch_size * stage.accelerator.num_processes
-    if not saved_micro_batch or saved_micro_batch == current:
-        return cursor
-    samples = cursor.position * saved_micro_batch
-    if samples % current:
-        log.warning("the new micro-batch of %d samples does not divide the %d samples done in this epoch: "
-                    "%d of them are read again", current, samples, samples % current)
-    return DataCursor(cursor.epoch, samples // current)
 
 
 def apply_schedule(stage) -> None:

@@ -47,7 +47,7 @@ from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
 from data_formats.sources import DataError, expand_entry
 from data_formats.validate import skip_report, take_skipped
 from pipeline.config import ConfigError, StageConfig, load_config, save_config, to_dict
-from pipeline.engine.accelerator import build_optimizer, combination_problems, optimizer_state, setup_accelerator, trainable_state
+from pipeline.engine.accelerator import combination_problems, optimizer_state, prepare_training, setup_accelerator, trainable_state
 from pipeline.engine.checkpoint import Checkpointer, CheckpointError, complete_checkpoints, rng_state
 from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
 from pipeline.engine.export import export_trained
@@ -370,7 +370,7 @@ class Stage:
         self.accelerator = acc = setup_accelerator(cfg)
         set_seed(cfg.train.seed)  # LoRA's init and a fresh reward head draw from it
         model = self.build_model()
-        self.model, self.optimizer = acc.prepare(model, build_optimizer(model, cfg.train))
+        self.model, self.optimizer = prepare_training(acc, model, cfg)
         self.train_mode()
         # Not prepared: accelerate would step it once per process per step.
         self.scheduler = build_scheduler(getattr(self.optimizer, "optimizer", self.optimizer), cfg.train)

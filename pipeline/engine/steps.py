@@ -33,15 +33,26 @@ class NonFiniteError(RuntimeError):
 def check_finite(loss: torch.Tensor | float, model: torch.nn.Module, step: int) -> None:
     """Refuse a non-finite loss or gradient before the optimizer steps on it.
 
+    Under FSDP each rank holds its own shard of every gradient, so the ranks agree on the first
+    offending parameter (one all-reduce), and every rank raises together.
+
     Raises:
         NonFiniteError: naming the step and the first offending parameter.
     """
+    from pipeline.engine.fsdp import is_sharded, local_tensor
+
     value = float(loss)
     if not math.isfinite(value):
         raise NonFiniteError(f"step {step}: loss is {value}; stopping before the optimizer step (last complete checkpoint kept)")
-    for name, param in model.named_parameters():
-        if param.grad is not None and not torch.isfinite(param.grad).all():
-            raise NonFiniteError(f"step {step}: gradient of {name} is not finite; stopping before the optimizer step")
+    named = list(model.named_parameters())
+    bad = next((i for i, (_, p) in enumerate(named) if p.grad is not None and not torch.isfinite(local_tensor(p.grad)).all()),
+               len(named))
+    if is_sharded(model) and torch.distributed.is_initialized():
+        flag = torch.tensor([bad], device=named[0][1].device if named else "cpu")
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        bad = int(flag)
+    if bad < len(named):
+        raise NonFiniteError(f"step {step}: gradient of {named[bad][0]} is not finite; stopping before the optimizer step")
 
 
 LOSS_MODES = ("none", "case3", "coba", "self-paced")
@@ -114,9 +125,8 @@ def clip_gradients(model: torch.nn.Module, accelerator, max_norm: float) -> floa
     """Clip the global gradient norm to `max_norm` (0: only measure it); return the norm before
     clipping, the same on every rank.
 
-    Under FSDP each rank holds the gradients of its own shards only: accelerate uses FSDP's
-    `clip_grad_norm_` (the norm over every rank's shards) only when given exactly
-    `model.parameters()`, and with any other list it clips each rank by its own shard's norm.
+    Under FSDP each rank holds the gradients of its own shards (DTensors): the norm over every
+    rank's shards comes back as a DTensor, made whole here.
     """
     if is_deepspeed(accelerator):
         # The engine clips and steps inside accelerator.backward (gradient_clipping in the plugin),
@@ -124,14 +134,14 @@ def clip_gradients(model: torch.nn.Module, accelerator, max_norm: float) -> floa
         norm = model.get_global_grad_norm() if hasattr(model, "get_global_grad_norm") else None
         return float(norm) if norm is not None else 0.0
     limit = max_norm if max_norm and max_norm > 0 else float("inf")
-    if accelerator is not None and accelerator.distributed_type.name == "FSDP":
-        return float(accelerator.clip_grad_norm_(model.parameters(), limit))
+    from pipeline.engine.fsdp import full_tensor
+
     params = [p for p in model.parameters() if p.grad is not None]
     if accelerator is not None:
         norm = accelerator.clip_grad_norm_(params, limit)
     else:
         norm = torch.nn.utils.clip_grad_norm_(params, limit)
-    return float(norm)
+    return float(full_tensor(norm))
 
 
 def model_inputs(batch: dict) -> dict:

@@ -199,7 +199,9 @@ def head_split(model: torch.nn.Module, accelerator=None) -> Optional[torch.nn.Li
     Exactness is checked once per model (cached on it): on a 1 x 4 input in eval mode, the
     logits must equal `head(final hidden states)`.
     """
-    if _is_sharded(accelerator):
+    from pipeline.engine.fsdp import is_sharded
+
+    if _is_sharded(accelerator) or is_sharded(model):
         return None
     causal = _unwrapped_causal_lm(model)
     if not hasattr(causal, "get_output_embeddings") or not hasattr(causal, "set_output_embeddings"):

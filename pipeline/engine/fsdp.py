@@ -1,0 +1,192 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`): the trained module sharded over every rank, on
+CPU (gloo) and CUDA (nccl) through the same calls.
+
+Not through accelerate: accelerate 1.15 turns its FSDP plugin (fsdp_version 1 or 2) on only for
+GPU-type devices, and on CPU runs plain DDP without a word (measured: `Accelerator(cpu=True,
+fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))` under torchrun reports
+MULTI_CPU). So the accelerator keeps its process group, device, accumulation counter and
+collectives, and the model is sharded here and never given to `accelerator.prepare`.
+
+Layout: every transformer block (the classes a transformers model lists in `_no_split_modules`)
+is one unit; the rest (embeddings, final norm, heads: a tied embedding and head must share a
+unit) belongs to the root, the module the stage trains (PPO's and GRPO's actor-critic holds
+the policy's and the critic's). The root's weights are whole only inside the root's forward, so
+every call that bypasses it (PPO's and GRPO's sampling and scoring, the critic's per-token
+head) runs inside `gathered`. A LoRA adapter lives in the block it adapts, so it is sharded with
+it (FSDP2 allows frozen and trainable parameters in one unit). Frozen copies outside
+`parameters()` (PPO's and GRPO's reference and reward models under full fine-tuning) stay
+whole on every rank.
+
+Outside a unit's forward its parameters are DTensor shards: whoever reads them as tensors
+gathers first (`gathered`), and `module.state_dict()` always yields shards (FSDP2 reshards in a
+state-dict hook), so checkpoints and exports gather through `full_state` / `full_tensors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Optional
+
+import torch
+
+SHARDING = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+"""distributed.fsdp_sharding -> fully_shard's reshard_after_forward (FSDP1's names: FULL_SHARD
+frees a block's gathered weights after its forward, SHARD_GRAD_OP keeps them to the backward)."""
+
+
+def is_sharded(model: Optional[torch.nn.Module]) -> bool:
+    """Whether `model` (or a module inside it) was sharded by `shard_model`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return model is not None and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules `shard_model` shards before the root: every transformer block (the classes of
+    the transformers models inside `model` list as `_no_split_modules`)."""
+    from transformers import PreTrainedModel
+
+    block_names: set[str] = set()
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            block_names.update(getattr(m, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in block_names]
+
+
+def shard_model(model: torch.nn.Module, device: torch.device, *, sharding: str, mixed: str) -> torch.nn.Module:
+    """Shard `model` in place over every rank (one rank: a mesh of one, the same code path).
+
+    `mixed` is accelerate's mixed_precision: bf16/fp16 gather the weights in that dtype and
+    reduce gradients in fp32 (the sharded master weights keep the model's dtype); 'no': as is.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if not torch.distributed.is_initialized():  # one plain process: a group of one, as torchrun would
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", store=torch.distributed.HashStore(),
+                                             world_size=1, rank=0)
+    model.to(device)
+    mesh = init_device_mesh(device.type, (world,))
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    policy = MixedPrecisionPolicy(param_dtype=dtypes[mixed], reduce_dtype=torch.float32) if mixed in dtypes else MixedPrecisionPolicy()
+    for unit in shard_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=SHARDING[sharding], mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    # FSDP2 takes the first unit to run a forward as its root; PPO's first forward is a direct
+    # call on the policy, so the root is fixed now (FSDPState._lazy_init, private: what the
+    # root's first forward would run).
+    fully_shard.state(model)._lazy_init()
+    return model
+
+
+def _units(model: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module):
+    """Every unit inside `model` holds its whole weights for the body, and forwards inside it run
+    without collectives (so ranks may run different numbers of them: sampling until EOS).
+    Costs the whole module's weights on every rank for the body (as DDP holds them all along).
+    Every rank must enter it (it all-gathers); a unit already whole is left to its owner.
+    (FSDP2 has no summon_full_params: units are unsharded and kept so through forwards by
+    turning reshard-after-forward off, then restored; the param-group fields are private.)"""
+    units = [u for u in _units(model) if not all(g.is_unsharded for g in u._get_fsdp_state()._fsdp_param_groups)]
+    saved = [[g.post_forward_mesh_info for g in u._get_fsdp_state()._fsdp_param_groups] for u in units]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit, infos in zip(units, saved):
+            unit.reshard()
+            for group, info in zip(unit._get_fsdp_state()._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (all ranks call it in the same order); others as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` with every shard gathered, on the CPU (every rank calls it; each gets
+    the whole state: one tensor at a time on the device)."""
+    return {k: full_tensor(v.detach()).cpu() for k, v in module.state_dict().items()}
+
+
+def full_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The given named tensors whole (gathered where sharded), detached copies."""
+    return {n: full_tensor(p.detach()).clone() for n, p in named}
+
+
+def load_full(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a whole `value` into `param`, into this rank's shard when it is one (no communication:
+    every rank holds the whole value and cuts its own piece)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        param.copy_(value.to(param.device, param.dtype))
+
+
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def optimizer_state(model: torch.nn.Module, optimizer) -> dict:
+    """The whole optimizer state keyed by parameter name (gathered; every rank calls it and gets it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    return _to_cpu(state)
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None:
+    """Load what `optimizer_state` returned; every rank keeps its own shards of it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def parameter_names(model: torch.nn.Module, optimizer) -> list[str]:
+    """The name of every parameter the optimizer steps, in its state_dict's index order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def keyed_by_name(state: dict, names: list[str]) -> dict:
+    """An optimizer state keyed by parameter name (FSDP's), from torch's index keys (DDP's) or as it is.
+    Both engines build the optimizer's groups alike, so index k is the k-th of `names`."""
+    return _rekeyed(state, lambda key: names[key] if isinstance(key, int) else key)
+
+
+def keyed_by_index(state: dict, names: list[str]) -> dict:
+    """An optimizer state keyed by index (torch's, DDP's), from parameter names (FSDP's) or as it is."""
+    index = {n: i for i, n in enumerate(names)}
+    return _rekeyed(state, lambda key: index[key] if isinstance(key, str) else key)
+
+
+def _rekeyed(state: dict, key) -> dict:
+    groups = [{**g, "params": [key(p) for p in g["params"]]} for g in state["param_groups"]]
+    return {**state, "state": {key(k): v for k, v in state["state"].items()}, "param_groups": groups}
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
