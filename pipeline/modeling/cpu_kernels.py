@@ -124,10 +124,16 @@ def train_case() -> tuple[Callable, Callable]:
 
 
 def decode_weights() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # (the inputs below: same reason)
     shapes = {"q": (HIDDEN, HIDDEN), "k": (KV, HIDDEN), "v": (KV, HIDDEN), "o": (HIDDEN, HIDDEN),
               "gate": (MLP, HIDDEN), "up": (MLP, HIDDEN), "down": (HIDDEN, MLP), "head": (VOCAB, HIDDEN)}
     return {n: torch.randn(*s, generator=gen) for n, s in shapes.items()}
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's inputs to the products reading the hidden state and the MLP's activation."""
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(DECODE_ROWS, HIDDEN, generator=gen), torch.randn(DECODE_ROWS, MLP, generator=gen)
 
 
 def decode_case(w: dict[str, torch.Tensor], fused: bool) -> Callable:
@@ -139,7 +145,7 @@ def decode_case(w: dict[str, torch.Tensor], fused: bool) -> Callable:
     groups = [["q", "k", "v"], ["o"], ["gate", "up"], ["down"]] if fused else [[n] for n in ("q", "k", "v", "o", "gate", "up", "down")]
     layer = [pack(torch.cat([w[n] for n in g])) for g in groups]
     head = pack(w["head"])
-    x, wide = torch.randn(DECODE_ROWS, HIDDEN), torch.randn(DECODE_ROWS, MLP)
+    x, wide = inputs()
 
     def step():
         with torch.no_grad():
@@ -152,7 +158,7 @@ def decode_case(w: dict[str, torch.Tensor], fused: bool) -> Callable:
 
 def plain_decode_case(w: dict[str, torch.Tensor]) -> Callable:
     """The same step's products through torch's default GEMM on plain weights."""
-    x, wide = torch.randn(DECODE_ROWS, HIDDEN), torch.randn(DECODE_ROWS, MLP)
+    x, wide = inputs()
     layer = [w[n] for n in ("q", "k", "v", "o", "gate", "up", "down")]
 
     def step():
@@ -168,11 +174,15 @@ def measure() -> dict[str, float]:
     """Each path's paired speedup on this machine (see the module docstring); 0 where oneDNN is missing."""
     if not torch.backends.mkldnn.is_available():
         return {path: 0.0 for path in PATHS}
-    w = decode_weights()
-    separate = decode_case(w, fused=False)
-    return {"train_onednn": paired_speedup(*train_case()),
-            "decode_packed": paired_speedup(plain_decode_case(w), separate),
-            "decode_fused": paired_speedup(separate, decode_case(w, fused=True))}
+    # Whatever context asked (a generate under no_grad or inference_mode), the training case needs
+    # autograd; every tensor comes from a private generator, so the caller's random stream is the
+    # same whether this machine measured now or read its cache.
+    with torch.inference_mode(False), torch.enable_grad():
+        w = decode_weights()
+        separate = decode_case(w, fused=False)
+        return {"train_onednn": paired_speedup(*train_case()),
+                "decode_packed": paired_speedup(plain_decode_case(w), separate),
+                "decode_fused": paired_speedup(separate, decode_case(w, fused=True))}
 
 
 def measured(remeasure: bool = False) -> dict:
