@@ -79,6 +79,13 @@ def test_the_measurement_is_cached_per_machine_and_remeasured_on_request(fresh, 
     assert len(runs) == 3 and len(list((fresh / "cpu_kernels").glob("*.json"))) == 2
 
 
+def test_an_unwritable_cache_folder_measures_for_the_process(fresh, monkeypatch):
+    (fresh / "cpu_kernels").write_text("a file where the folder should be")
+    monkeypatch.setattr(cpu_kernels, "measure", lambda: dict(AVX2_EPYC))
+    assert cpu_kernels.measured()["choices"] == cpu_kernels.decide(AVX2_EPYC)
+    assert cpu_kernels.choice("decode_packed") and not cpu_kernels.choice("train_onednn")
+
+
 def test_the_engine_follows_the_choice(fresh, monkeypatch, tiny_model_dir):
     """A machine measured like issue 33's AVX2 EPYC: training linears stay torch's, decoding packs
     and fuses; an override wins over the measurement."""

@@ -190,7 +190,19 @@ def measured(remeasure: bool = False) -> dict:
     file, else (or with `remeasure`) measured and written, under a lock shared by concurrent ranks."""
     fields = machine_fields()
     path = cache_file(fields)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return _measured_in(path, fields, remeasure)
+    except OSError:  # a read-only or full cache folder: measure for this process alone
+        return _record(fields, measure())
+
+
+def _record(fields: dict, speedups: dict[str, float]) -> dict:
+    return {"fields": fields, "speedups": speedups, "choices": decide(speedups), "margin": MARGIN,
+            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _measured_in(path: Path, fields: dict, remeasure: bool) -> dict:
     with open(path.with_suffix(".lock"), "w") as lock:
         with contextlib.suppress(ImportError):
             import fcntl
@@ -201,9 +213,7 @@ def measured(remeasure: bool = False) -> dict:
                 record = json.loads(path.read_text())
                 if record["fields"] == fields:
                     return record
-        speedups = measure()
-        record = {"fields": fields, "speedups": speedups, "choices": decide(speedups), "margin": MARGIN,
-                  "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        record = _record(fields, measure())
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(path)
