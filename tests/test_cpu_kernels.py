@@ -113,6 +113,32 @@ def test_the_engine_follows_the_choice(fresh, monkeypatch, tiny_model_dir):
         assert "forward" not in model.lm_head.__dict__
 
 
+def test_a_cpu_that_decodes_on_plain_weights_keeps_the_fast_step(fresh, monkeypatch, tiny_model_dir):
+    """Measured like this Intel Xeon capped to AVX2 (prepacking 0.98x): no packing, but the
+    engine's own step still decodes, and its logits are a plain forward's; RELAY_DECODE_PACKED=0
+    keeps the model's own forward (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.modeling import decode
+
+    monkeypatch.setattr(cpu_kernels, "measure", lambda: {"train_onednn": 0.83, "decode_packed": 0.98, "decode_fused": 1.12})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    calls, seen = [], []
+    real = decode.FastStep.run
+    monkeypatch.setattr(decode.FastStep, "run", lambda self, *a: calls.append(1) or real(self, *a))
+    packed = []
+    monkeypatch.setattr(onednn, "onednn_linear", lambda *a: packed.append(1) or pytest.fail("a prepacked product ran"))
+    prompt = [5, 9, 17, 30]
+    out = decode.generate(model, [prompt], max_new_tokens=3, eos_ids=[], pad_id=0, temperature=0.0,
+                          on_logits=lambda step, logits: seen.append(logits.clone()))
+    assert calls and not packed
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + out.tokens[0]])).logits[0, len(prompt) - 1 : -1]
+    torch.testing.assert_close(torch.stack([s[0] for s in seen]), full, atol=1e-5, rtol=0)
+    monkeypatch.setenv("RELAY_DECODE_PACKED", "0")
+    assert decode.step_kind(model) == "hf"
+
+
 def test_the_real_measurement_names_every_path(fresh, monkeypatch):
     """The real micro-benchmark on shrunk shapes: a positive speedup per path. It runs where the
     first choice is asked, inside a generate (no autograd there), and must leave the caller's
