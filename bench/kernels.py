@@ -5,9 +5,9 @@
     .venv/bin/python bench/kernels.py --shapes         # GFLOP/s per shape, torch (MKL) vs oneDNN
     .venv/bin/python bench/isa.py avx2 -- .venv/bin/python bench/kernels.py --shapes --remeasure
 
-The choice is pipeline/modeling/cpu_kernels.py's (`decide`: a path is taken where its median
-paired speedup reaches MARGIN). `--shapes` times each product both ways, interleaved in this one
-process (A, B, B, A, ...), so a busy machine slows both sides alike; the figures are medians.
+The choice is pipeline/modeling/cpu_kernels.py's (`decide`: a path is taken where the speedup of
+its best runs reaches MARGIN). `--shapes` times each product both ways, interleaved in this one
+process (A, B, B, A, ...), and reports each side's best run (what a busy neighbour cannot inflate).
 `--append` adds the `--shapes` rows to bench/RESULTS.md's "CPU kernel choices" table.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ HEADER = "| date | machine | shape | torch (MKL) GFLOP/s | oneDNN GFLOP/s | oneD
 
 
 def paired_times(a, b, pairs: int = 9) -> tuple[float, float]:
-    """Median seconds of `a` and of `b`, run back to back in alternating order after a warm-up."""
+    """Best seconds of `a` and of `b`, run back to back in alternating order after a warm-up."""
     a(), b()
     ta, tb = [], []
     for i in range(pairs):
@@ -42,7 +41,7 @@ def paired_times(a, b, pairs: int = 9) -> tuple[float, float]:
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
-    return statistics.median(ta), statistics.median(tb)
+    return min(ta), min(tb)
 
 
 def shapes() -> list[tuple[str, str, float, float]]:
