@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pipeline import cpu_isa
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "RESULTS.md"
 PYTHONS = {"relay": ROOT / ".venv" / "bin" / "python", "trl-1.12": ROOT / "bench" / ".venv-trl" / "bin" / "python"}
@@ -247,6 +249,7 @@ def run_side(name: str, side: str, case: dict, env: SideEnv, python: Path) -> Si
                  "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                  "TRL_EXPERIMENTAL_SILENCE": "1",
                  "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    cpu_isa.apply(child_env)  # both sides under the same cap (the peer's process never imports pipeline)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env, cwd=ROOT)
     if proc.returncode != 0 or not out.exists():
         tail = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()][-3:]
@@ -268,7 +271,8 @@ def timed(result: SideResult, warmup: int) -> tuple[float, float]:
 
 
 def machine() -> str:
-    """CPU architecture, cores, native bf16/AMX, memory (or the GPU's name)."""
+    """CPU architecture, cores, native bf16/AMX, memory (or the GPU's name), and the ISA cap
+    ($RELAY_CPU_ISA, bench/isa.py) where one is set."""
     flags = info = ""
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -284,7 +288,10 @@ def machine() -> str:
         mem = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1]) / 2**20
     except (OSError, StopIteration):
         mem = 0
-    return f"{model + ' ' if model else ''}{platform.machine()} {os.cpu_count()} cores{' ' + '+'.join(extras) if extras else ''} {mem:.0f} GiB"
+    cap = os.environ.get("RELAY_CPU_ISA", "")
+    capped = f", ISA capped to {cap}" if cap and cap != "native" else ""
+    return (f"{model + ' ' if model else ''}{platform.machine()} {os.cpu_count()} cores"
+            f"{' ' + '+'.join(extras) if extras else ''} {mem:.0f} GiB{capped}")
 
 
 def versions(python: Path) -> str:

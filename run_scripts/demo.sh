@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole pipeline on the embedded model and the sample data, on CPU (about 9 minutes on 2 cores):
+# The whole pipeline on the embedded model and the sample data, on CPU (about 9 minutes on 2 AVX-512 cores;
+# measure another CPU kind with: .venv/bin/python bench/isa.py avx2 -- bash run_scripts/demo.sh):
 #   bash run_scripts/demo.sh [--dotted.key value ...]
 #
 # Installs Relay (run_scripts/install.sh, a no-op when nothing changed), then runs

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 
+from pipeline import cpu_isa
+
+# RELAY_CPU_ISA=avx2 runs the suite as on an AVX2-only CPU: the caps must be set before torch runs.
+cpu_isa.apply()
 # Nothing may reach a hub at test time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -20,6 +20,15 @@ from data_formats.collate import left_pad
 from pipeline.modeling.decode import generate, nucleus
 from tinymodels import make_tiny_model
 
+@pytest.fixture(autouse=True)
+def fast_paths_on(monkeypatch):
+    """The engine's CPU fast paths (prepacking, fused siblings, oneDNN training linears) on, as
+    every test here checks their mechanics; whether a machine takes them is
+    tests/test_cpu_kernels.py's. A test that turns one off sets its variable again."""
+    for name in ("RELAY_DECODE_PACKED", "RELAY_DECODE_FUSED", "RELAY_CPU_ONEDNN"):
+        monkeypatch.setenv(name, "1")
+
+
 GREEDY_TOKENS = 8
 """New tokens compared per gold prompt (the gold table decodes 40; 8 keeps the test cheap. A full
 40-token run of all 80 prompts also agreed token for token when this test was written)."""

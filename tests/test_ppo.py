@@ -120,6 +120,7 @@ def test_the_update_reuses_the_scoring_forward_and_trains_as_without(tmp_path, t
     from pipeline.algorithms import ppo as algo
     from pipeline.modeling import onednn
 
+    monkeypatch.setenv("RELAY_CPU_ONEDNN", "1")  # the kernel is asserted below, whether or not this CPU would take it
     kernel_calls = []
     real_linear = onednn.onednn_linear
     monkeypatch.setattr(onednn, "onednn_linear", lambda *a: kernel_calls.append(1) or real_linear(*a))

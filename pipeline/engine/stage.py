@@ -411,8 +411,9 @@ class Stage:
 
     def fast_linears(self):
         """Train steps and evaluations run their linear layers on oneDNN's fp32 kernel on a CPU
-        (`pipeline.modeling.onednn.onednn_linears`: ~2.2x MKL's GEMM on the reference AMD CPU, the
-        same fp32 math; RELAY_CPU_ONEDNN=0 turns it off); a no-op on a GPU or in another dtype."""
+        where it pays (`pipeline.modeling.onednn.onednn_linears`: ~2.2x MKL's GEMM on the reference
+        AMD CPU with AVX-512, nothing on AVX2 or an Intel CPU; chosen by `cpu_kernels.choice`, the
+        same fp32 math; RELAY_CPU_ONEDNN=1/0 forces it); a no-op on a GPU or in another dtype."""
         from pipeline.modeling.onednn import onednn_linears
 
         return onednn_linears(*self.linear_models())

@@ -44,7 +44,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from data_formats.collate import left_pad
-from pipeline.modeling.onednn import packed_linears, packing_enabled
+from pipeline.modeling.cpu_kernels import override
+from pipeline.modeling.onednn import cpu_fp32, packed_linears
 
 
 @dataclass
@@ -278,13 +279,15 @@ class GraphStep:
 
 
 def step_kind(model: torch.nn.Module) -> str:
-    """How `generate` runs a decode step: 'fast' (`FastStep`, a CPU in fp32 with packing on),
-    'graph' (`GraphStep`, CUDA, unless RELAY_DECODE_GRAPHS=0) or 'hf' (the model's own forward, the
-    reference; also wherever `FastStep.supports` says no)."""
+    """How `generate` runs a decode step: 'fast' (`FastStep`, a CPU in fp32, unless
+    RELAY_DECODE_PACKED=0), 'graph' (`GraphStep`, CUDA, unless RELAY_DECODE_GRAPHS=0) or 'hf' (the
+    model's own forward, the reference; also wherever `FastStep.supports` says no). The fast step
+    saves the model's per-step Python whether or not this CPU's products run prepacked
+    (`cpu_kernels.choice("decode_packed")`), so a CPU that decodes on plain weights keeps it."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         return "graph" if os.environ.get("RELAY_DECODE_GRAPHS", "1") != "0" else "hf"
-    return "fast" if packing_enabled(model) else "hf"
+    return "fast" if cpu_fp32(model) and override("decode_packed") is not False else "hf"
 
 
 class Decoder:

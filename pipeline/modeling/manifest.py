@@ -38,12 +38,28 @@ def _sha256_files(paths: list[Path]) -> Optional[str]:
     return digest.hexdigest()
 
 
+_HASHES: dict[tuple, Optional[str]] = {}
+
+
+def _remembered(kind: str, paths: list[Path], compute) -> Optional[str]:
+    """`compute()`, remembered in this process while every file of `paths` is unchanged (same
+    inode, size, modification and change times). A stage checks its parent's hashes, writes them into its
+    manifest and the driver checks them again: one stage run asked for the same tokenizer's hash
+    three times (0.8 s each: its JSON holds the whole vocabulary) and the same weights' twice."""
+    stats = tuple((str(p.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for p in paths for st in [p.stat()])
+    key = (kind, stats)
+    if key not in _HASHES:
+        _HASHES[key] = compute()
+    return _HASHES[key]
+
+
 def weights_hash(folder: Union[str, Path]) -> Optional[str]:
     """sha256 over the folder's safetensors files (None when it has none, e.g. a hub id)."""
     folder = Path(folder)
     if not folder.is_dir():
         return None
-    return _sha256_files([p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES])
+    files = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    return _remembered("weights", files, lambda: _sha256_files(files)) if files else None
 
 
 def tokenizer_hash(folder: Union[str, Path]) -> Optional[str]:
@@ -55,10 +71,15 @@ def tokenizer_hash(folder: Union[str, Path]) -> Optional[str]:
     folder = Path(folder)
     tok_json = folder / "tokenizer.json"
     if tok_json.is_file():
-        data = json.loads(tok_json.read_text(encoding="utf-8"))
-        core = {"model": data.get("model"), "added_tokens": data.get("added_tokens")}
-        return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
-    return _sha256_files([folder / n for n in TOKENIZER_FILES if (folder / n).is_file() and n != "tokenizer_config.json"])
+        return _remembered("tokenizer.json", [tok_json], lambda: _tokenizer_json_hash(tok_json))
+    files = [folder / n for n in TOKENIZER_FILES if (folder / n).is_file() and n != "tokenizer_config.json"]
+    return _remembered("tokenizer", files, lambda: _sha256_files(files)) if files else None
+
+
+def _tokenizer_json_hash(path: Path) -> str:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    core = {"model": data.get("model"), "added_tokens": data.get("added_tokens")}
+    return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
 
 
 def chat_template_of(folder: Union[str, Path]) -> Optional[str]:

@@ -40,13 +40,15 @@ may update a weight without bumping its version, which is why trainable weights 
 Anything else keeps its own forward: quantised or non-fp32 layers, LoRA variants (DoRA, ...),
 LoRA with biases, calls with grad enabled or mixed-adapter batches, and any layer whose forward
 something else already replaced on the instance (accelerate's offload hooks, another wrapper).
-`RELAY_DECODE_PACKED=0` turns all of it off.
+Each path is taken where it pays on the CPU it runs on (pipeline/modeling/cpu_kernels.py: a
+one-time paired micro-measurement per machine; on an Intel Xeon, or an AMD CPU capped to AVX2, MKL
+is as fast as oneDNN at training shapes and `onednn_linears` stands aside). RELAY_CPU_ONEDNN,
+RELAY_DECODE_PACKED and RELAY_DECODE_FUSED force a path on (1) or off (0).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Optional
 
 import torch
@@ -62,12 +64,18 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return out.reshape(*shape[:-1], out.shape[-1])
 
 
-def packing_enabled(model: torch.nn.Module) -> bool:
-    """Prepack on a CPU model in fp32 with oneDNN available, unless RELAY_DECODE_PACKED=0."""
-    if os.environ.get("RELAY_DECODE_PACKED", "1") == "0" or not torch.backends.mkldnn.is_available():
-        return False
+def cpu_fp32(model: torch.nn.Module) -> bool:
+    """A CPU model in fp32 with oneDNN available: where oneDNN's paths can apply at all."""
     weight = next(model.parameters())
-    return weight.device.type == "cpu" and weight.dtype == torch.float32
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def packing_enabled(model: torch.nn.Module) -> bool:
+    """Prepack a CPU model in fp32 where prepacked decoding pays on this CPU
+    (`cpu_kernels.choice("decode_packed")`; RELAY_DECODE_PACKED=1/0 forces it)."""
+    from pipeline.modeling.cpu_kernels import choice
+
+    return cpu_fp32(model) and choice("decode_packed")
 
 
 def lora_layer_type():
@@ -209,14 +217,15 @@ def free(module: torch.nn.Module) -> bool:
     return forward is None or getattr(forward, "relay_onednn", False)
 
 
-def packings(model: torch.nn.Module, keep: bool = True) -> list[Packing]:
-    """Every packing of `model`: its sibling groups (fused where every sibling is the same kind of
-    layer with the same input width) and every other plain or LoRA linear layer alone. `keep`:
-    packings of frozen weights are kept on the model for the next call (see the module docstring)."""
+def packings(model: torch.nn.Module, keep: bool = True, fuse: bool = True) -> list[Packing]:
+    """Every packing of `model`: its sibling groups (fused where `fuse` and every sibling is the
+    same kind of layer with the same input width) and every other plain or LoRA linear layer alone.
+    `keep`: packings of frozen weights are kept on the model for the next call (see the module
+    docstring)."""
     out: list[Packing] = []
     grouped: set[int] = set()
     candidate = lambda m: free(m) and (is_plain_linear(m) or is_vanilla_lora(m))  # noqa: E731
-    for parent in model.modules():
+    for parent in model.modules() if fuse else ():
         for names in FUSED_SIBLINGS:
             layers = [getattr(parent, n, None) for n in names]
             if not all(isinstance(m, torch.nn.Module) and candidate(m) for m in layers):
@@ -241,8 +250,10 @@ def packed_linears(model: torch.nn.Module, keep: bool = True):
     if not packing_enabled(model):
         yield
         return
+    from pipeline.modeling.cpu_kernels import choice
+
     patched = []
-    for packing in packings(model, keep):
+    for packing in packings(model, keep, fuse=choice("decode_fused")):
         for index, member in enumerate(packing.members):
             patched.append((member.module, member.module.__dict__.get("forward")))
             member.module.forward = packed_forward(packing, index)
@@ -290,11 +301,11 @@ class OneDNNLinear(torch.autograd.Function):
 
 
 def onednn_enabled(model: torch.nn.Module) -> bool:
-    """oneDNN linears on a CPU model in fp32 with oneDNN available, unless RELAY_CPU_ONEDNN=0."""
-    if os.environ.get("RELAY_CPU_ONEDNN", "1") == "0" or not torch.backends.mkldnn.is_available():
-        return False
-    weight = next(model.parameters())
-    return weight.device.type == "cpu" and weight.dtype == torch.float32
+    """oneDNN linears on a CPU model in fp32 where they pay on this CPU for training
+    (`cpu_kernels.choice("train_onednn")`; RELAY_CPU_ONEDNN=1/0 forces it)."""
+    from pipeline.modeling.cpu_kernels import choice
+
+    return cpu_fp32(model) and choice("train_onednn")
 
 
 def _onednn_forward(module: torch.nn.Linear):

@@ -1,0 +1,49 @@
+"""The manifest's tokenizer and weights hashes are remembered within a process while their files are
+unchanged (pipeline/modeling/manifest.py: `_remembered`), and recomputed the moment one changes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+from pipeline.modeling import manifest
+
+
+def reference_tokenizer_hash(path) -> str:
+    """The documented formula, written out here: sha256 of tokenizer.json's model and added tokens."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return hashlib.sha256(json.dumps({"model": data["model"], "added_tokens": data["added_tokens"]}, sort_keys=True).encode()).hexdigest()
+
+
+def test_tokenizer_hash_is_read_once_and_follows_a_changed_file(tmp_path, tiny_model_dir, monkeypatch):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(tiny_model_dir / "tokenizer.json", folder / "tokenizer.json")
+    first = manifest.tokenizer_hash(folder)
+    assert first == reference_tokenizer_hash(folder / "tokenizer.json")
+    parsed = []
+    real = json.loads
+    monkeypatch.setattr(manifest.json, "loads", lambda *a, **k: parsed.append(1) or real(*a, **k))
+    assert manifest.tokenizer_hash(folder) == first and manifest.tokenizer_hash(str(folder)) == first
+    assert not parsed  # remembered
+    data = real((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    data["model"]["vocab"]["relay-new-token"] = len(data["model"]["vocab"])
+    (folder / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    changed = manifest.tokenizer_hash(folder)
+    assert parsed and changed != first and changed == reference_tokenizer_hash(folder / "tokenizer.json")
+
+
+def test_weights_hash_follows_a_rewrite_of_the_same_size(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"a" * 64)
+    (tmp_path / "notes.txt").write_text("not a weight")
+    digest = hashlib.sha256(b"model.safetensors" + b"a" * 64).hexdigest()
+    assert manifest.weights_hash(tmp_path) == digest == manifest.weights_hash(tmp_path)
+    stat = (tmp_path / "model.safetensors").stat()
+    (tmp_path / "model.safetensors").write_bytes(b"b" * 64)
+    os.utime(tmp_path / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert manifest.weights_hash(tmp_path) == hashlib.sha256(b"model.safetensors" + b"b" * 64).hexdigest()
+    assert manifest.weights_hash(tmp_path / "missing") is None
+    (tmp_path / "model.safetensors").unlink()
+    assert manifest.weights_hash(tmp_path) is None
