@@ -38,7 +38,8 @@ from pipeline.algorithms import grpo as algo
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
 from pipeline.algorithms.rollout import ActorCritic, chunks
-from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig
+from pipeline.algorithms.tool_rollout import tools_problems
+from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig, ToolsConfig
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.stage import main
 from pipeline.engine.steps import eval_shards
@@ -127,9 +128,10 @@ class GRPOConfig(StageConfig):
     reward_model: GRPORewardModel = field(default_factory=GRPORewardModel)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     grpo: GRPOSection = field(default_factory=GRPOSection)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def problems(self) -> list[str]:
-        out = super().problems()
+        out = super().problems() + tools_problems(self.tools)
         rows = self.train.batch_size * self.grpo.num_generations
         if rows % self.train.grad_accum:
             out.append(f"train.grad_accum: {self.train.grad_accum} does not divide the {rows} completions of a step "
@@ -193,7 +195,8 @@ class GRPOStage(PolicyStage):
             ValueError: a reward function returned the wrong number of values or a non-number.
         """
         cfg = self.cfg
-        completions = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
+        # with tools, each completion is its messages (calls and results), as TRL passes them
+        completions = rollout.conversations or [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
         parts: dict[str, torch.Tensor] = {}
         total = torch.zeros(len(completions))
         weights = cfg.grpo.reward_weights or [1.0] * len(self.funcs)
