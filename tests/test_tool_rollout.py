@@ -289,3 +289,135 @@ def test_rewards_see_the_whole_conversation_and_final_answer_match_reads_the_las
                     {"role": "tool", "content": "5"}]
     answered = conversation + [{"role": "assistant", "content": "It is 5."}]
     assert rw.final_answer_match([], [answered, conversation, "5 apples", "55"], answer=["5", "5", "5", "5"]) == [1.0, 0.0, 1.0, 0.0]
+
+
+# ------------------------------------------------------------------------------------------
+# GRPO with tools (tiny policy)
+# ------------------------------------------------------------------------------------------
+
+
+def answer_length(prompts, completions, answer=None, **columns):
+    """A reward that varies between samples: the final answer's length, and 1 for a tool result."""
+    return [len(rw.final_answer(c)) / 10 + any(m["role"] == "tool" and m["content"] == "5" for m in c) for c in completions]
+
+
+class ForcedFirstCall:
+    """The stage's own sampler, except that each row's first turn is a fixed call (a random tiny
+    policy never writes one); later turns are sampled."""
+
+    def __init__(self, inner, tok):
+        self.inner, self.tok = inner, tok
+        self.call = tok(CALL_LAYOUT, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+    def generate(self, prompts, max_new_tokens=None):
+        limits = list(max_new_tokens or [64] * len(prompts))
+        later = [i for i, p in enumerate(prompts) if self.tok.decode(p).count("<|im_start|>assistant") > 1]
+        sampled = dict(zip(later, self.inner.generate([prompts[i] for i in later], [limits[i] for i in later]))) if later else {}
+        return [sampled[i] if i in sampled else self.call[: limits[i]] for i in range(len(prompts))]
+
+
+def _grpo_cfg(out, policy, prompts, backend="relay"):
+    from stages import grpo
+
+    cfg = grpo.GRPOConfig(output_dir=str(out))
+    cfg.model.path = str(policy)
+    cfg.data.train, cfg.data.eval = [str(prompts)], []
+    cfg.train.eval_steps, cfg.train.batch_size, cfg.train.learning_rate = 0, 2, 5e-3
+    cfg.train.lr_schedule, cfg.train.warmup = "constant", 0
+    cfg.lora.r = 4
+    cfg.generation.max_new_tokens, cfg.generation.missing_eos_penalty, cfg.generation.backend = 64, None, backend
+    cfg.grpo.num_generations, cfg.grpo.beta = 2, 0.1
+    cfg.grpo.reward_funcs = ["test_tool_rollout:answer_length"]
+    cfg.tools.funcs = ["test_tool_rollout:add"]
+    cfg.checkpoint.resume = False
+    cfg.tracking.trackers = []
+    return cfg
+
+
+def _factory(tok, backend="relay"):
+    from pipeline.algorithms.rollout import make_generator
+
+    return lambda policy: ForcedFirstCall(make_generator(backend, policy, tok.pad_token_id, [tok.eos_token_id], 64), tok)
+
+
+@pytest.fixture(scope="module")
+def tool_prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tool_prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is 2 + {i}?", "answer": str(2 + i)}) + "\n" for i in range(4)))
+    return path
+
+
+def test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs(tmp_path, tiny_model_dir, tool_prompts, tok,
+                                                                                   monkeypatch):
+    """The same step with the log-probs at every untrained position poisoned (-1e4, which makes
+    the k3 KL there overflow) gives the same loss and gradient norm."""
+    from pipeline.algorithms import grpo as algo
+    from stages import grpo
+
+    figures = {}
+    for poison in (False, True):
+        cfg = _grpo_cfg(tmp_path / f"p{poison}", tiny_model_dir, tool_prompts)
+        stage = grpo.GRPOStage(cfg, generator_factory=_factory(tok))
+        stage.validate()
+        stage.build()
+        assert "<tools>" in stage.train_samples[0]["text"]  # the configured tool's schema is in the prompt
+        if poison:
+            real, seen = algo.rl.logprobs_from_logits, {}
+            original_rollout = stage.rollout
+            monkeypatch.setattr(stage, "rollout", lambda *a, **k: seen.setdefault("r", original_rollout(*a, **k)))
+            monkeypatch.setattr(algo.rl, "logprobs_from_logits",
+                                lambda logits, ids: real(logits, ids).masked_fill(seen["r"].response_mask.to(logits.device) == 0, -1e4))
+        figures[poison] = stage.train_step()
+        rollout = stage.last_rollout["rollout"]
+        inserted = (rollout.response_mask == 0) & (rollout.attention_mask[:, rollout.prompt_width:] == 1)
+        assert inserted.any(dim=1).all(), rollout.conversations  # every row holds an inserted tool result, between sampled turns
+        assert rollout.conversations[0][1] == {"role": "tool", "content": "5"}  # the forced call add(2, 3)
+        stage.release()
+    assert figures[True]["train/loss"] == figures[False]["train/loss"]
+    assert figures[True]["train/grad_norm"] == figures[False]["train/grad_norm"]
+    assert figures[False]["grpo/completion_length"] < inserted.shape[1]  # sampled tokens only
+
+
+def test_tool_grpo_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, tool_prompts, tok, monkeypatch):
+    """Stopped after step 1 and resumed: step 2's tool rollouts (ids, masks, conversations) and
+    loss equal the unbroken run's, and so do the final adapters."""
+    from safetensors.torch import load_file
+    from stagerun import run_stage
+    from stages import grpo
+
+    def run(out, stop=None, resume=False):
+        cfg = _grpo_cfg(out, tiny_model_dir, tool_prompts)
+        cfg.train.max_steps, cfg.checkpoint.resume = 2, resume
+        if stop is None:
+            monkeypatch.delenv("RELAY_STOP_AFTER_STEP", raising=False)
+        else:
+            monkeypatch.setenv("RELAY_STOP_AFTER_STEP", str(stop))
+        steps = {}
+        run_stage(grpo.GRPOStage, cfg, generator_factory=_factory(tok), on_step=lambda st, m: steps.__setitem__(
+            st.step, (m["train/loss"], st.last_rollout["rollout"].responses, st.last_rollout["rollout"].response_mask.tolist(),
+                      st.last_rollout["rollout"].conversations)))
+        return steps
+
+    unbroken = run(tmp_path / "a")
+    before = run(tmp_path / "b", stop=1)
+    after = run(tmp_path / "b", resume=True)
+    assert sorted(before) == [1] and sorted(after) == [2]
+    assert {**before, **after} == unbroken
+    assert any(0 in mask for mask in unbroken[2][2][0:1])  # the rollouts hold inserted results
+    a = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("backend", ["relay", "hf"])
+def test_every_backend_honours_each_rows_own_limit(tiny_model_dir, tok, backend):
+    """A tool rollout's later turns give each row the budget it has left."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.algorithms.rollout import make_generator
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    generator = make_generator(backend, model, tok.pad_token_id, [tok.eos_token_id], 6)
+    torch.manual_seed(0)
+    out = generator.generate([[5, 6, 7], [8, 9]], [2, 5])
+    assert len(out[0]) <= 2 and len(out[1]) <= 5 and max(len(o) for o in out) > 2

@@ -166,6 +166,8 @@ def grpo_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, sc
                 logp = rl.logprobs_from_logits(logits.float() / temperature, ids[:, P:])
                 old = scored["old"][rows].to(device) if "old" in scored else logp.detach()
                 ref = scored["ref"][rows].to(device) if "ref" in scored else None
+                # untrained positions (padding, a tool rollout's inserted results): their log-probs are never read
+                logp, old, ref = (None if t is None else t.masked_fill(mask == 0, 0.0) for t in (logp, old, ref))
                 out = grpo_loss(logp, old, advantages[rows].to(device), mask, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
                                 beta=g.beta, ref_logp=ref, loss_type=g.loss_type, num_tokens=num_tokens, num_sequences=num_sequences)
                 accelerator.backward(out.loss * scale)
