@@ -170,3 +170,12 @@ def test_a_template_without_tools_is_refused_in_one_line(tiny_model_dir):
     with pytest.raises(ApiError) as err:
         prompt_and_prefill(tok, request)
     assert err.value.status == 400 and "does not render tools" in err.value.message
+
+
+def test_vllm_is_started_with_the_parser_of_the_layout(tool_model, tiny_model_dir):
+    """vLLM's hermes parser reads <tool_call>{json}</tool_call>: the flags for a folder whose
+    template writes that (Relay's saved layout), none for one without tools."""
+    from pipeline.tools.serve import vllm_command
+
+    assert vllm_command(str(tool_model[0]), "h", 1)[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    assert "--tool-call-parser" not in vllm_command(str(tiny_model_dir), "h", 1)

@@ -239,8 +239,12 @@ def run(app, host: str, port: int, sock=None) -> None:
 
 
 def vllm_command(folder: str, host: str, port: int) -> list[str]:
-    """vLLM's own OpenAI-compatible server on `folder`."""
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", host, "--port", str(port)]
+    """vLLM's own OpenAI-compatible server on `folder`, with the tool-call parser that reads the
+    folder's call layout when its template renders tools (serve_tools.vllm_tool_flags)."""
+    from pipeline.tools.serve_tools import vllm_tool_flags
+
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", host, "--port", str(port),
+            *vllm_tool_flags(folder)]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -133,3 +133,23 @@ class CallStream:
                                            "function": {"name": call["function"]["name"], "arguments": ""}}]})
             deltas.append({"tool_calls": [{"index": k, "function": {"arguments": call["function"]["arguments"]}}]})
         return deltas, reason
+
+
+def vllm_tool_flags(folder: str) -> list[str]:
+    """vLLM's flags for tool calling on a model folder: its `hermes` parser (which reads
+    `<tool_call>{json}</tool_call>`, the layout Relay trains and the Hermes/Qwen2.5 one) when the
+    folder's template renders tools and writes calls that way; none otherwise (vLLM then refuses
+    `tools`, as a model that never saw them should be)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tool_support_problem(tokenizer):
+        return []
+    try:
+        prefix = call_prefix(tokenizer, [{"role": "user", "content": "u"}], [{"name": "relay_probe_tool"}], "relay_probe_tool")
+    except ApiError:
+        return []
+    opener = json.dumps({"name": "relay_probe_tool", "arguments": 1})[: -len("1}")]
+    if not prefix.endswith((CALL_OPEN + opener, CALL_OPEN + "\n" + opener)):
+        return []
+    return ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
