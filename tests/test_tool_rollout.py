@@ -421,3 +421,56 @@ def test_every_backend_honours_each_rows_own_limit(tiny_model_dir, tok, backend)
     torch.manual_seed(0)
     out = generator.generate([[5, 6, 7], [8, 9]], [2, 5])
     assert len(out[0]) <= 2 and len(out[1]) <= 5 and max(len(o) for o in out) > 2
+
+
+# ------------------------------------------------------------------------------------------
+# PPO with tools
+# ------------------------------------------------------------------------------------------
+
+
+def test_gae_over_turns_skips_inserted_tokens():
+    """Without gaps it is rl.gae; with an inserted block it is rl.gae of the sampled tokens alone
+    (the value after a call's last token is the next turn's first), 0 on inserted positions."""
+    from pipeline.algorithms import rl
+    from pipeline.algorithms.tool_rollout import gae_over_turns
+
+    g = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(2, 7, generator=g, dtype=torch.float64), torch.randn(2, 7, generator=g, dtype=torch.float64)
+    plain = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+    for got, want in zip(gae_over_turns(rewards, values, plain, 0.9, 0.8), rl.gae(rewards, values, plain, 0.9, 0.8)):
+        assert torch.equal(got, want)
+    gapped = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 0, 1, 0, 1]])
+    adv, ret = gae_over_turns(rewards, values, gapped, 0.9, 0.8)
+    for row in range(2):
+        keep = gapped[row].bool()
+        a, r = rl.gae(rewards[row, keep][None], values[row, keep][None], torch.ones(1, int(keep.sum())), 0.9, 0.8)
+        assert torch.allclose(adv[row, keep], a[0], atol=1e-12) and torch.allclose(ret[row, keep], r[0], atol=1e-12)
+        assert (adv[row, ~keep] == 0).all() and (ret[row, ~keep] == 0).all()
+    assert not torch.allclose(adv, rl.gae(rewards, values, gapped, 0.9, 0.8)[0])  # plain GAE would end at every call
+
+
+def test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values(tmp_path, tiny_model_dir, tiny_reward_dir, tool_prompts,
+                                                                           tok):
+    from stages import ppo
+
+    cfg = ppo.PPOConfig(output_dir=str(tmp_path / "ppo"))
+    cfg.model.path, cfg.reward_model.path = str(tiny_model_dir), str(tiny_reward_dir)
+    cfg.data.train, cfg.data.eval = [str(tool_prompts)], []
+    cfg.train.eval_steps, cfg.train.batch_size, cfg.train.learning_rate = 0, 2, 1e-2
+    cfg.train.lr_schedule, cfg.train.warmup = "constant", 0
+    cfg.lora.r, cfg.generation.max_new_tokens = 4, 64
+    cfg.tools.funcs = ["test_tool_rollout:add"]
+    cfg.checkpoint.resume, cfg.tracking.trackers = False, []
+    stage = ppo.PPOStage(cfg, generator_factory=_factory(tok))
+    stage.validate()
+    stage.build()
+    figures = stage.train_step()
+    exp = stage.last_experience
+    mask = exp.rollout.response_mask
+    inserted = (mask == 0) & (exp.rollout.attention_mask[:, exp.rollout.prompt_width:] == 1)
+    assert inserted.any(1).all() and all(torch.isfinite(torch.tensor(v)) for v in figures.values())
+    for name in ("advantages", "returns", "values", "kl", "old_logprobs", "ref_logprobs"):
+        assert (getattr(exp, name)[mask == 0] == 0).all(), name
+    first_turn_end = [int(row.nonzero()[0]) - 1 for row in inserted.int()]  # the call's end-of-turn token
+    assert all(exp.advantages[r, t] != 0 for r, t in enumerate(first_turn_end))  # its advantage looks past the results
+    stage.release()
