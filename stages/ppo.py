@@ -129,6 +129,9 @@ class PPOConfig(StageConfig):
 
     def problems(self) -> list[str]:
         out = super().problems() + tools_problems(self.tools)
+        if self.tools.enabled and self.distributed.engine == "deepspeed":
+            out.append("tools.funcs: tool rollouts run under ddp or fsdp (under DeepSpeed ZeRO-3 every rank samples in "
+                       "lockstep, and ranks take different numbers of turns)")
         batch, accum = self.train.batch_size, self.train.grad_accum
         mini = batch if self.ppo.mini_batch_size is None else self.ppo.mini_batch_size
         if mini < 1:

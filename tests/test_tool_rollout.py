@@ -474,3 +474,13 @@ def test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values(tmp_p
     first_turn_end = [int(row.nonzero()[0]) - 1 for row in inserted.int()]  # the call's end-of-turn token
     assert all(exp.advantages[r, t] != 0 for r, t in enumerate(first_turn_end))  # its advantage looks past the results
     stage.release()
+
+
+def test_sample_tools_have_schemas_and_errors_reach_the_model():
+    tools = load_tools(ToolsConfig(funcs=["pipeline.algorithms.sample_tools:kelvra_lookup", "pipeline.algorithms.sample_tools:add"]))
+    assert tools["kelvra_lookup"].schema["parameters"]["required"] == ["island", "attribute"]
+    assert run_calls([{"name": "kelvra_lookup", "arguments": {"island": "oru", "attribute": "capital"}},
+                      {"name": "kelvra_lookup", "arguments": {"island": "Atlantis", "attribute": "capital"}},
+                      {"name": "add", "arguments": {"a": 123456789123, "b": 987654321987}}], tools, 5.0) == [
+        "Tessel", "error: 'kelvra_lookup' raised ValueError: no island named 'Atlantis'; the islands are " + ", ".join(rw.KELVRA_FACTS),
+        "1111111111110"]
