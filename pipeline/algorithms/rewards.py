@@ -2,7 +2,8 @@
 
 A config names a reward function as "module:function", `function(prompts: list[str],
 completions: list[str], **columns) -> list[float]` (one float per completion; prompts are the
-rendered prompt texts, completions the decoded answers without special tokens; the prompt
+rendered prompt texts, completions the decoded answers without special tokens, or with tool
+rollouts each completion's messages, calls and results included, as TRL passes them; the prompt
 records' other fields, e.g. the `answer` of a {"question", "answer"} record, come as keyword
 arguments, one list each, as TRL's GRPOTrainer passes them: see `column_kwargs`). The module must be
 importable from the project (stages/, pipeline/, tests/ under the repository root) or from an

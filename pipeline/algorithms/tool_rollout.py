@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ from data_formats.tools import ToolRecordError, parse_answer, parse_tools, templ
 from pipeline.algorithms.rewards import func_name, load_reward_func, reward_func_problem
 from pipeline.algorithms.rollout import Generator, Rollout, assemble_masked, cut_at_eos
 from pipeline.config.policy import ToolsConfig
+
+log = logging.getLogger("relay.tool_rollout")
 
 
 @dataclass(frozen=True)
@@ -256,8 +259,13 @@ def _insert(row: _Row, texts: list[str], env: ToolEnv) -> None:
     """Append the results' tool turns and the template's text up to the next assistant opener,
     or end the row when they do not leave a token of room in the budget."""
     turns = row.turns + [Turn("tool", t) for t in texts]
-    inserted = env.tokenizer(inserted_text(Conversation(row.conv.turns + turns, tools=row.conv.tools), env.tokenizer,
-                                           env.template), add_special_tokens=False)["input_ids"]
+    try:
+        text = inserted_text(Conversation(row.conv.turns + turns, tools=row.conv.tools), env.tokenizer, env.template)
+    except ValueError as err:  # a template that cannot render this conversation: it ends here, not the run
+        log.warning("tool rollout: %s; the completion ends at its call", err)
+        row.done, row.finished = True, False
+        return
+    inserted = env.tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(row.ids) + len(inserted) >= env.max_new_tokens:
         row.done, row.finished = True, False  # out of room: the conversation ends at the call
         return
