@@ -147,6 +147,7 @@ BAD = [
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"messages": [USER, {"role": "tool", "content": "5"}]}, "messages[1].tool_call_id"),
     ({"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "add", "arguments": "[1, 2]"}}]}]}, "messages[1].tool_calls"),

@@ -172,7 +172,7 @@ def check_tools(body: dict) -> tuple[list[dict], str, Optional[str]]:
             raise ApiError(400, str(err).replace("field 'tools'", "'tools'"), "tools", "invalid_value") from None
     choice = body.get("tool_choice")
     if choice is None:
-        return tools, "auto" if tools else "none", None
+        choice = "auto" if tools else "none"
     named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
         and isinstance(choice["function"].get("name"), str)
     if not named and choice not in TOOL_CHOICES:
@@ -180,6 +180,9 @@ def check_tools(body: dict) -> tuple[list[dict], str, Optional[str]]:
                        f"{{'name': ...}}}}, got {choice!r}", "tool_choice", "invalid_value")
     if choice != "none" and not tools:
         raise ApiError(400, "'tool_choice' is only allowed when 'tools' are given", "tool_choice", "invalid_value")
+    if choice != "none" and body.get("parallel_tool_calls") is False:  # a promise the answer's reader would not keep
+        raise ApiError(400, "'parallel_tool_calls': false is not supported (an answer may hold several calls)",
+                       "parallel_tool_calls", "unsupported_value")
     if not named:
         return tools, choice, None
     name = choice["function"]["name"]
