@@ -29,6 +29,11 @@ How a tool conversation is rendered:
            The saved chat template (`layout_jinja` in front of the training template, see
            data_formats.render.template_jinja) does the same conversion in Jinja, so inference with
            `apply_chat_template(messages, tools=...)` renders exactly what training saw.
+Reading calls back from generated text (`parse_answer`: GRPO/PPO tool rollouts, `relay serve`,
+`relay chat`) uses the same call rules as reading them from records, on `<tool_call>...</tool_call>`
+blocks (the layout's, and Hermes/Qwen2.5 native templates'); a template that writes calls another
+way is refused where calls must be read back (pipeline/algorithms/tool_rollout.layout_problem).
+
 JSON is written as `json.dumps(value, ensure_ascii=False)`, which is what transformers' `tojson`
 filter writes, so both sides print the same bytes (call arguments given to the saved template as
 JSON text, as OpenAI clients send them, are printed as given).
