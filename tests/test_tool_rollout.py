@@ -254,6 +254,7 @@ def test_token_in_token_out(tok):
     sampled = split + [t.eos_token_id]
     rollout = tool_rollout(Scripted(t, [sampled]), [sample], env)
     assert rollout.responses[0] == sampled
+    assert rollout.response_ids[0, : len(sampled)].tolist() == sampled  # what the update's forward and loss read
     assert t(t.decode(sampled), add_special_tokens=False)["input_ids"] != sampled  # re-tokenised: other ids
 
 
