@@ -10,7 +10,14 @@ fail; tool GRPO then starts from it (tools.funcs [add], reward `final_answer_mat
 records' `answer`, G 4). Success on held-out questions is measured through `relay chat`'s tool loop
 (greedy, the real tool, the folder's own template): the final answer must state the sum. Prints
 the base, SFT and GRPO success of every seed, then their mean and spread. Not a test: the
-embedded model takes about a minute a GRPO step on a 2-core CPU (minutes in all on a GPU).
+embedded model takes about 30 s a GRPO step on a 2-core CPU (minutes in all on a GPU).
+
+Measured 2026-11-25, ONE seed only (`--sft-steps 8 --grpo-steps 10 --seeds 0 --eval 12`, embedded
+SmolLM2-135M, a shared 2-core CPU, 18 min wall): base 0/12, after tool SFT 11/12, after tool GRPO
+12/12 (GRPO's sampled reward 0.75 at its first and last step). One prompt of difference on one
+seed is no evidence of a margin: the issue's claim needs the default 3 seeds (about an hour here)
+and a held-out set large enough to resolve it, and an SFT short enough to leave room (8 steps
+already reach a loss of 0.06).
 """
 
 from __future__ import annotations
