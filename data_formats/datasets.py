@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Optional
 
 from tqdm.auto import tqdm
@@ -351,9 +351,12 @@ def _preference_pairs(cfg, tokenizer, template: Template, seq_length: int, split
     return Built(out, counts)
 
 
-def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length: Optional[int] = None) -> list[dict]:
-    """PPO prompts dict(prompt_ids, text, source, columns): the rendered history plus the assistant
-    opener, and the record's other fields as JSON text (the reward functions' keyword arguments).
+def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length: Optional[int] = None,
+                      tools: Optional[list[dict]] = None) -> list[dict]:
+    """PPO prompts dict(prompt_ids, text, source, columns, conversation): the rendered history plus
+    the assistant opener, the record's other fields as JSON text (the reward functions' keyword
+    arguments) and the conversation itself as JSON (its turns and tools: a tool rollout continues it).
+    `tools`: the schemas a tool rollout offers, given to every prompt that lists none of its own.
     Prompts over `max_length` tokens (default cfg.max_prompt_length) are dropped (truncation='drop')
     or lose their oldest user/assistant exchanges, keeping any system turn (truncation='truncate').
 
@@ -362,20 +365,22 @@ def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length
         ValueError: unknown split.
     """
     limit = cfg.max_prompt_length if max_length is None else max_length
-    built = _cached("prompts", cfg, tokenizer, split, lambda check: _prompts(cfg, tokenizer, template, split, limit, check),
-                    template=template, max_length=limit)
+    extra = {"tools": tools} if tools else {}  # no tools: the cache key of before
+    built = _cached("prompts", cfg, tokenizer, split, lambda check: _prompts(cfg, tokenizer, template, split, limit, check, tools),
+                    template=template, max_length=limit, **extra)
     log.info("prompt %s data: %d prompt(s), %d truncated, %d dropped overlong", split, len(built.samples),
              built.info["truncated"], built.info["dropped"])
     return built.samples
 
 
-def _prompts(cfg, tokenizer, template: Template, split: str, limit: int, check: Check) -> Built:
+def _prompts(cfg, tokenizer, template: Template, split: str, limit: int, check: Check,
+             tools: Optional[list[dict]] = None) -> Built:
     """build_prompt_data's prompts, with info {'truncated', 'dropped'}."""
     records = split_records(cfg, "prompts", split, check, system_prompt=cfg.system_prompt)
     out, dropped, truncated = [], 0, 0
     problems: list[Problem] = []
     for record in records:
-        conv = record.value
+        conv = record.value if record.value.tools or not tools else replace(record.value, tools=list(tools))
         try:
             ids = render_prompt(conv, tokenizer, template)
         except ValueError as err:  # the template cannot render this prompt
@@ -386,12 +391,14 @@ def _prompts(cfg, tokenizer, template: Template, split: str, limit: int, check: 
             body = conv.turns[len(system):]
             while len(ids) > limit and len(body) > 1:
                 body = body[2:]
-                ids = render_prompt(replace(conv, turns=system + body), tokenizer, template)
+                conv = replace(conv, turns=system + body)
+                ids = render_prompt(conv, tokenizer, template)
             truncated += len(ids) <= limit
         if len(ids) > limit:
             dropped += 1
             continue
         out.append({"prompt_ids": ids, "text": tokenizer.decode(ids), "source": record.source,
-                    "columns": json.dumps(conv.meta, ensure_ascii=False)})
+                    "columns": json.dumps(conv.meta, ensure_ascii=False),
+                    "conversation": json.dumps({"turns": [asdict(t) for t in conv.turns], "tools": conv.tools}, ensure_ascii=False)})
     check(problems, f"prompt {split} data")
     return Built(out, {"truncated": truncated, "dropped": dropped})

@@ -209,6 +209,22 @@ def render_prompt(conv: Conversation, tokenizer, template: Template) -> list[int
     return tokenize_segments(_segments(conv, tokenizer, template, True), tokenizer)[0]
 
 
+def inserted_text(conv: Conversation, tokenizer, template: Template) -> str:
+    """The text the template puts after the conversation's last assistant turn (its end-of-turn
+    token included) up to the next assistant opener: the rendering of the tool results (or user
+    turns) that follow it, then the generation prompt. A tool rollout inserts exactly this, tokenized
+    on its own as `render_prompt` tokenizes it, so the rollout's ids are the training rendering's.
+
+    Raises:
+        ValueError: no assistant turn; see `render_segments`.
+    """
+    segments = _segments(conv, tokenizer, template, True)
+    last = max((i for i, (_, trained) in enumerate(segments) if trained), default=None)
+    if last is None:
+        raise ValueError(f"{conv.source or 'a conversation'}: no assistant turn to continue after")
+    return "".join(text for text, _ in segments[last + 1:])
+
+
 def render_scored(conv: Conversation, tokenizer, template: Template) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids) of a conversation a reward model scores: the response is its last
     answer up to and including the end-of-turn token (where the reward is read); the prompt is

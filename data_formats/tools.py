@@ -29,6 +29,11 @@ How a tool conversation is rendered:
            The saved chat template (`layout_jinja` in front of the training template, see
            data_formats.render.template_jinja) does the same conversion in Jinja, so inference with
            `apply_chat_template(messages, tools=...)` renders exactly what training saw.
+Reading calls back from generated text (`parse_answer`: GRPO/PPO tool rollouts, `relay serve`,
+`relay chat`) uses the same call rules as reading them from records, on `<tool_call>...</tool_call>`
+blocks (the layout's, and Hermes/Qwen2.5 native templates'); a template that writes calls another
+way is refused where calls must be read back (pipeline/algorithms/tool_rollout.layout_problem).
+
 JSON is written as `json.dumps(value, ensure_ascii=False)`, which is what transformers' `tojson`
 filter writes, so both sides print the same bytes (call arguments given to the saved template as
 JSON text, as OpenAI clients send them, are printed as given).
@@ -37,7 +42,7 @@ JSON text, as OpenAI clients send them, are printed as given).
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 TOOLS_INTRO = ("You can call the tools below (one JSON schema per line). To call tools, answer with one "
@@ -249,3 +254,52 @@ def layout_jinja(default_system: Optional[str]) -> str:
         "{%- endfor -%}"
         "{%- set messages = relay.out -%}"
     )
+
+
+# ------------------------------------------------------------------------------------------
+# Reading calls back from generated text (RL rollouts, `relay serve`, `relay chat`)
+# ------------------------------------------------------------------------------------------
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+"""The call tags: Relay's layout writes `<tool_call>{...}</tool_call>`, Hermes/Qwen2.5-style native
+templates `<tool_call>\\n{...}\\n</tool_call>`; `parse_answer` reads both."""
+
+
+@dataclass
+class ParsedAnswer:
+    """An assistant turn's text read back: its prose, its well-formed calls and why each other
+    call could not be read (one line each)."""
+
+    content: str
+    calls: list[dict]
+    errors: list[str]
+
+    @property
+    def has_calls(self) -> bool:
+        """The turn tried to call a tool (well-formed or not): a rollout answers it with results."""
+        return bool(self.calls or self.errors)
+
+
+def parse_answer(text: str) -> ParsedAnswer:
+    """The calls in generated assistant text, read as training data's calls are read (`_call`:
+    the same name and arguments rules); the text outside the call tags is the content.
+
+    Never raises: a call that is not JSON, not a call, or an open tag without its close is an
+    error line (a tool rollout shows it to the model as the call's result)."""
+    content, calls, errors = [], [], []
+    rest = text
+    while CALL_OPEN in rest:
+        before, _, after = rest.partition(CALL_OPEN)
+        content.append(before)
+        body, closed, rest = after.partition(CALL_CLOSE)
+        where = f"tool call {len(calls) + len(errors) + 1}"
+        if not closed:
+            errors.append(f"{where}: {CALL_OPEN} without {CALL_CLOSE}")
+            rest = ""
+            break
+        try:
+            calls.append(_call(_json_value(body.strip(), where), where))
+        except ToolRecordError as err:
+            errors.append(str(err))
+    content.append(rest)
+    return ParsedAnswer("".join(content).strip(), calls, errors)

@@ -42,8 +42,9 @@ from pipeline.algorithms import grpo as algo
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.grpo_config import GRPOSection
 from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
-from pipeline.algorithms.rollout import ActorCritic, assemble, chunks
-from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig
+from pipeline.algorithms.rollout import ActorCritic, chunks, take_rows
+from pipeline.algorithms.tool_rollout import tools_problems
+from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig, ToolsConfig
 from pipeline.engine.accelerator import full_parameters
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.stage import main
@@ -90,9 +91,10 @@ class GRPOConfig(StageConfig):
     reward_model: GRPORewardModel = field(default_factory=GRPORewardModel)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     grpo: GRPOSection = field(default_factory=GRPOSection)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def problems(self) -> list[str]:
-        out = super().problems()
+        out = super().problems() + tools_problems(self.tools)
         rows = self.train.batch_size * self.grpo.num_generations
         if rows % self.train.grad_accum:
             out.append(f"train.grad_accum: {self.train.grad_accum} does not divide the {rows} completions of a step "
@@ -155,7 +157,8 @@ class GRPOStage(PolicyStage):
             ValueError: a reward function returned the wrong number of values or a non-number.
         """
         cfg, g = self.cfg, self.cfg.grpo
-        completions = [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
+        # with tools, each completion is its messages (calls and results), as TRL passes them
+        completions = rollout.conversations or [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
         parts: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
         for spec, func, weight in zip(g.reward_funcs, self.funcs, g.reward_weights or [1.0] * len(self.funcs)):
@@ -207,8 +210,8 @@ class GRPOStage(PolicyStage):
         self.step_indices = [[c[0] for c in chosen]]  # what a divergence report names
         batch = [self.train_samples[c[0]] for c in chosen]
         ids = [p["prompt_ids"] for p in batch for _ in range(G)]
-        responses = [r for _, ro, rows, _, _ in chosen for r in ro.responses[rows]]
-        rollout = assemble(ids, responses, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
+        picks = [(ro, i) for _, ro, rows, _, _ in chosen for i in range(rows.start, rows.stop)]
+        rollout = take_rows(picks, ids, self.tokenizer.pad_token_id)
         total = torch.cat([t[rows] for _, _, rows, t, _ in chosen])
         parts = {k: torch.cat([p[k][rows] for _, _, rows, _, p in chosen]) for k in parts}
         counts = {"grpo/dynamic/generation_batches": float(batches), "grpo/dynamic/dropped_groups": float(len(dropped)),

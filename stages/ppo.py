@@ -34,7 +34,8 @@ from pipeline.algorithms import rl
 from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
 from pipeline.algorithms.ppo import REWARD_NORMS, RewardFn, make_experience, ppo_update, sample_text, score_rollout, step_metrics
 from pipeline.algorithms.rollout import ActorCritic
-from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig
+from pipeline.algorithms.tool_rollout import tools_problems
+from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig, ToolsConfig
 from pipeline.engine.accelerator import full_parameters
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.stage import main
@@ -124,9 +125,13 @@ class PPOConfig(StageConfig):
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     ppo: PPOSection = field(default_factory=PPOSection)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def problems(self) -> list[str]:
-        out = super().problems()
+        out = super().problems() + tools_problems(self.tools)
+        if self.tools.enabled and self.distributed.engine == "deepspeed":
+            out.append("tools.funcs: tool rollouts run under ddp or fsdp (under DeepSpeed ZeRO-3 every rank samples in "
+                       "lockstep, and ranks take different numbers of turns)")
         batch, accum = self.train.batch_size, self.train.grad_accum
         mini = batch if self.ppo.mini_batch_size is None else self.ppo.mini_batch_size
         if mini < 1:

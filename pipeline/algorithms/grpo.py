@@ -105,6 +105,8 @@ def grpo_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, sc
                 logp = rl.logprobs_from_logits(logits, ids[:, P:])
                 old = scored["old"][rows].to(device) if "old" in scored else logp.detach()
                 ref = scored["ref"][rows].to(device) if "ref" in scored else None
+                # untrained positions (padding, a tool rollout's inserted results): their log-probs are never read
+                logp, old, ref = (None if t is None else t.masked_fill(mask == 0, 0.0) for t in (logp, old, ref))
                 keep = _entropy_filter(logits, mask, g.top_entropy_quantile, accelerator)
                 out = grpo_loss(logp, old, advantages[rows].to(device), mask, ref_logp=ref, objective=objective, totals=totals,
                                 token_filter=keep)

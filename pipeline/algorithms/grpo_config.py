@@ -88,7 +88,8 @@ class GRPOSection:
     """The shaping's penalty at max_new_tokens (verl's penalty_factor)."""
     reward_funcs: list[str] = field(default_factory=list)
     """Reward functions "module:function" (project or installed package), each
-    function(prompts, completions) -> list[float]."""
+    function(prompts, completions) -> list[float]; with tools, each completion is its messages
+    (assistant turns with their tool_calls, the tool results), as TRL passes them."""
     reward_weights: Optional[list[float]] = None
     """One weight per reward function (null: 1 each)."""
     samples_logged: int = 2

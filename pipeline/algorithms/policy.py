@@ -13,7 +13,9 @@ from typing import Callable, ClassVar, Optional
 import torch
 
 from data_formats.datasets import build_prompt_data
+from data_formats.render import template_jinja
 from pipeline.algorithms.rollout import ActorCritic, Generator, Rollout, assemble, make_generator
+from pipeline.algorithms.tool_rollout import ToolEnv, layout_problem, load_tools, tool_rollout
 from pipeline.config import RewardModelConfig
 from pipeline.engine.accelerator import full_parameters, is_zero3
 from pipeline.engine.stage import Stage
@@ -65,6 +67,8 @@ class PolicyStage(Stage):
                                            if cfg.reward_model.path or self.reward_model_required else None)
         self.generator_factory = generator_factory
         self._generator: Optional[Generator] = None
+        self.tools: dict = {}
+        """The tools a tool rollout may call (cfg.tools, pipeline/algorithms/tool_rollout.py); empty: none."""
 
     def problems(self) -> list[str]:
         if self.reward_path is None:
@@ -78,9 +82,19 @@ class PolicyStage(Stage):
         cfg, tok = self.cfg, self.tokenizer
         template = self.data_template()
         limit = min(cfg.data.max_prompt_length, cfg.train.seq_length - cfg.generation.max_new_tokens)
-        self.train_samples = build_prompt_data(cfg.data, tok, template, "train", limit)
+        tools_cfg = getattr(cfg, "tools", None)
+        if tools_cfg is not None and tools_cfg.enabled:
+            problem = layout_problem(tok, template)
+            if problem:
+                return [f"tools.funcs: {problem}"]
+            self.tools = load_tools(tools_cfg)
+            # merged/ must render tool conversations as the rollouts did (the layout in front)
+            self.chat_template = template_jinja(template, tok, tools=True)
+        self.template = template
+        schemas = [t.schema for t in self.tools.values()] or None
+        self.train_samples = build_prompt_data(cfg.data, tok, template, "train", limit, tools=schemas)
         if cfg.train.eval_steps > 0 and (cfg.data.eval or cfg.data.eval_fraction > 0):
-            self.eval_samples = build_prompt_data(cfg.data, tok, template, "eval", limit)
+            self.eval_samples = build_prompt_data(cfg.data, tok, template, "eval", limit, tools=schemas)
         # all skipped, dropped overlong, or too few
         return self.fill_problems(len(self.train_samples), "usable prompt(s)", "rollout batch")
 
@@ -106,9 +120,15 @@ class PolicyStage(Stage):
         return self._generator
 
     def rollout(self, prompts: list[dict], copies: int = 1) -> Rollout:
-        """`copies` sampled responses of each prompt, consecutive (a group per prompt), laid out for scoring.
-        Under FSDP the weights are gathered for the sampling (ranks stop at different lengths, so
-        the decode's forwards must not all-gather block by block)."""
+        """`copies` sampled responses of each prompt, consecutive (a group per prompt), laid out for
+        scoring; with tools, multi-turn tool rollouts (pipeline/algorithms/tool_rollout.py). Under
+        FSDP the weights are gathered for the sampling (ranks stop at different lengths, so the
+        decode's forwards must not all-gather block by block)."""
+        if self.tools:
+            tok, gen = self.tokenizer, self.cfg.generation
+            env = ToolEnv(tok, self.template, self.tools, self.cfg.tools, tok.eos_token_id, tok.pad_token_id, gen.max_new_tokens)
+            with full_parameters(self.accelerator, self.model):
+                return tool_rollout(self.generator, prompts, env, copies)
         ids = [p["prompt_ids"] for p in prompts for _ in range(copies)]
         with full_parameters(self.accelerator, self.model):
             responses = self.generator.generate(ids)

@@ -24,6 +24,7 @@ from accelerate.utils import DistributedType
 from pipeline.algorithms import rl
 from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
 from pipeline.algorithms.rollout import ActorCritic, Rollout, chunks
+from pipeline.algorithms.tool_rollout import gae_over_turns
 from pipeline.engine.fsdp import is_sharded
 from pipeline.engine.steps import all_reduce_sum, check_finite, clip_gradients, micro_step
 
@@ -123,13 +124,15 @@ def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str
     gathered = accelerator.gather(raw.to(accelerator.device)).cpu()
     scores = shape_scores(raw, rollout.finished, normaliser, cfg, gathered)
     mask = rollout.response_mask
-    kl = rl.kl_per_token(s["old"], s["ref"], cfg.ppo.kl_estimator) * mask
+    # untrained positions (padding, a tool rollout's inserted results): their log-probs are never read
+    old, ref = (s[k].masked_fill(mask == 0, 0.0) for k in ("old", "ref"))
+    kl = rl.kl_per_token(old, ref, cfg.ppo.kl_estimator) * mask
     rewards = rl.token_rewards(scores, kl, mask, kl_coef)
-    advantages, returns = rl.gae(rewards, s["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
+    advantages, returns = gae_over_turns(rewards, s["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
     total = lambda t: all_reduce_sum(t, accelerator)  # noqa: E731 (a sum over ranks)
     if cfg.ppo.whiten_advantages and float(total(mask.sum().double().view(1))[0]) > 1:
         advantages = rl.masked_whiten(advantages, mask, all_reduce=total)
-    return Experience(rollout, s["old"], s["ref"], s["values"] * mask, advantages, returns, kl, raw, scores, s["entropy"],
+    return Experience(rollout, old, ref, s["values"] * mask, advantages, returns, kl, raw, scores, s["entropy"],
                       held_logits=s.get("held"))
 
 
@@ -160,7 +163,7 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
     mask, old = exp.rollout.response_mask[idx].to(device), exp.old_logprobs[idx].to(device)
 
     def policy_part(logits):
-        logp = logprobs_from_logits(logits.float() / temperature, ids[:, P:])
+        logp = logprobs_from_logits(logits.float() / temperature, ids[:, P:]).masked_fill(mask == 0, 0.0)
         return logp, policy_loss(logp, old, exp.advantages[idx].to(device), mask, cliprange)
 
     def value_part(values):

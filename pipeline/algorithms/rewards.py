@@ -2,7 +2,8 @@
 
 A config names a reward function as "module:function", `function(prompts: list[str],
 completions: list[str], **columns) -> list[float]` (one float per completion; prompts are the
-rendered prompt texts, completions the decoded answers without special tokens; the prompt
+rendered prompt texts, completions the decoded answers without special tokens, or with tool
+rollouts each completion's messages, calls and results included, as TRL passes them; the prompt
 records' other fields, e.g. the `answer` of a {"question", "answer"} record, come as keyword
 arguments, one list each, as TRL's GRPOTrainer passes them: see `column_kwargs`). The module must be
 importable from the project (stages/, pipeline/, tests/ under the repository root) or from an
@@ -200,3 +201,21 @@ def answer_match(prompts: list[str], completions: list[str], answer: Optional[li
     {"question", "answer"} prompt files, MedicalGPT's GRPO shape), else 0.0 (also without one)."""
     answers = answer if answer is not None else [None] * len(completions)
     return [1.0 if isinstance(a, str) and a.strip() and a.strip() in c else 0.0 for c, a in zip(completions, answers)]
+
+
+def final_answer(completion) -> str:
+    """A completion's final answer: the text itself, or for a tool rollout's messages the content
+    of its last message when that is an assistant turn without calls ("" when it ended on a call)."""
+    if isinstance(completion, str):
+        return completion
+    last = completion[-1] if completion else {}
+    return last.get("content") or "" if last.get("role") == "assistant" and not last.get("tool_calls") else ""
+
+
+def final_answer_match(prompts: list, completions: list, answer: Optional[list] = None, **columns) -> list[float]:
+    """1.0 for a completion whose final answer (`final_answer`: on tool conversations the last
+    assistant turn, never a tool's result) states the prompt record's `answer` as whole words
+    (ignoring case), else 0.0 (also without one)."""
+    answers = answer if answer is not None else [None] * len(completions)
+    return [1.0 if a is not None and str(a).strip() and _says(final_answer(c), str(a).strip()) else 0.0
+            for c, a in zip(completions, answers)]

@@ -33,8 +33,10 @@ class Generator(Protocol):
     """Anything that samples responses for tokenised prompts (HF `generate` today; a faster
     engine such as vLLM can implement the same call)."""
 
-    def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Raw response ids per prompt (no prompt, no padding; may stop at EOS or run to the limit)."""
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Optional[Sequence[int]] = None) -> list[list[int]]:
+        """Raw response ids per prompt (no prompt, no padding; may stop at EOS or run to the limit).
+        `max_new_tokens`: each row's own limit (a tool rollout's later turns), at most the
+        generator's; None: the generator's for every row."""
         ...
 
 
@@ -84,16 +86,19 @@ class HFGenerator:
     gathers parameter shards from every rank, so a rank that stopped early would hang the rest)."""
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Optional[Sequence[int]] = None) -> list[list[int]]:
+        """Rows with their own limit are sampled to the longest and cut to theirs (transformers'
+        generate has one limit per call)."""
         from pipeline.modeling.models import eval_mode
 
+        limits = list(max_new_tokens) if max_new_tokens is not None else [self.max_new_tokens] * len(prompts)
         input_ids, attention_mask = left_pad(prompts, self.pad_id)
         device = next(self.model.parameters()).device
-        config = sampling_config(self.max_new_tokens, self.temperature, self.pad_id, self.eos_ids)
+        config = sampling_config(max(limits), self.temperature, self.pad_id, self.eos_ids)
         with eval_mode(self.model), own_generation_config(self.model, config):
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                       generation_config=config, synced_gpus=self.synced_gpus)
-        return [row.tolist() for row in out[:, input_ids.shape[1]:].cpu()]
+        return [row.tolist()[:limit] for row, limit in zip(out[:, input_ids.shape[1]:].cpu(), limits)]
 
 
 @dataclass
@@ -109,8 +114,9 @@ class RelayGenerator:
     max_new_tokens: int
     temperature: float = 1.0
 
-    def generate(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-        return decode_generate(self.model, prompts, max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Optional[Sequence[int]] = None) -> list[list[int]]:
+        limits = list(max_new_tokens) if max_new_tokens is not None else self.max_new_tokens
+        return decode_generate(self.model, prompts, max_new_tokens=limits, eos_ids=self.eos_ids, pad_id=self.pad_id,
                                temperature=self.temperature, keep_packed=False).tokens
 
 
@@ -157,6 +163,9 @@ class Rollout:
     prompt_width: int
     finished: torch.Tensor  # [B] bool: the response ended with EOS
     responses: list[list[int]]
+    conversations: Optional[list[list[dict]]] = None
+    """Tool rollouts: each row's completion as messages (assistant turns with their `tool_calls`,
+    the `tool` results), what the reward functions receive (pipeline/algorithms/tool_rollout.py)."""
 
     @property
     def response_ids(self) -> torch.Tensor:
@@ -173,23 +182,52 @@ def assemble(prompts: Sequence[Sequence[int]], raw_responses: Sequence[Sequence[
         raise ValueError(f"assemble: {len(prompts)} prompts but {len(raw_responses)} responses")
     cut = [cut_at_eos(r, eos_ids) for r in raw_responses]
     responses = [ids for ids, _ in cut]
+    return assemble_masked(prompts, responses, [[1] * len(r) for r in responses], [f for _, f in cut], pad_id)
+
+
+def assemble_masked(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], trained: Sequence[Sequence[int]],
+                    finished: Sequence[bool], pad_id: int, conversations: Optional[list[list[dict]]] = None) -> Rollout:
+    """A Rollout from whole responses and their per-token train masks (1: sampled by the policy,
+    0: inserted, as a tool rollout's results): every token is attended, only the 1s train.
+
+    Raises:
+        ValueError: a response is empty, or a mask's length is not its response's.
+    """
     if any(not r for r in responses):
         raise ValueError("assemble: a generated response is empty (max_new_tokens must be >= 1)")
+    if any(len(r) != len(m) for r, m in zip(responses, trained)):
+        raise ValueError("assemble: a train mask's length differs from its response's")
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
     width = max(len(r) for r in responses)
     resp = torch.full((len(responses), width), pad_id, dtype=torch.long)
-    resp_mask = torch.zeros((len(responses), width), dtype=torch.long)
-    for row, ids in enumerate(responses):
+    attend = torch.zeros((len(responses), width), dtype=torch.long)
+    train = torch.zeros((len(responses), width), dtype=torch.long)
+    for row, (ids, mask) in enumerate(zip(responses, trained)):
         resp[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        resp_mask[row, : len(ids)] = 1
+        attend[row, : len(ids)] = 1
+        train[row, : len(ids)] = torch.tensor(mask, dtype=torch.long)
     return Rollout(
         input_ids=torch.cat([prompt_ids, resp], 1),
-        attention_mask=torch.cat([prompt_mask, resp_mask], 1),
-        response_mask=resp_mask,
+        attention_mask=torch.cat([prompt_mask, attend], 1),
+        response_mask=train,
         prompt_width=prompt_ids.shape[1],
-        finished=torch.tensor([f for _, f in cut], dtype=torch.bool),
-        responses=responses,
+        finished=torch.tensor(list(finished), dtype=torch.bool),
+        responses=[list(r) for r in responses],
+        conversations=conversations,
     )
+
+
+def take_rows(picks: Sequence[tuple[Rollout, int]], prompts: Sequence[Sequence[int]], pad_id: int) -> Rollout:
+    """Rows of several rollouts, `picks` as (rollout, row), laid out as one Rollout with each row's
+    response, train mask, finished flag and conversation as sampled (GRPO's dynamic sampling keeps
+    some groups of several generation batches; a tool rollout's inserted results stay untrained)."""
+    responses = [ro.responses[i] for ro, i in picks]
+    trained = [ro.response_mask[i, : len(ro.responses[i])].tolist() for ro, i in picks]
+    finished = [bool(ro.finished[i]) for ro, i in picks]
+    conversations = None
+    if all(ro.conversations is not None for ro, _ in picks):
+        conversations = [ro.conversations[i] for ro, i in picks]
+    return assemble_masked(prompts, responses, trained, finished, pad_id, conversations)
 
 
 def policy_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:

@@ -3,7 +3,7 @@ and how they sample (`generation`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from pipeline.config.sections import ModelConfig
@@ -64,3 +64,44 @@ class GenerationConfig:
             return [f"train.seq_length: {seq_length} leaves no room for a prompt before generation.max_new_tokens "
                     f"{self.max_new_tokens}"]
         return []
+
+
+@dataclass
+class ToolsConfig:
+    """Tool rollouts (pipeline/algorithms/tool_rollout.py): the policy may call Python tools while it
+    answers; Relay runs each call, shows the result as the chat template renders tool results and
+    lets the policy go on, until an answer without calls or a limit. Only the tokens the policy
+    sampled train. Empty `funcs`: single-answer rollouts."""
+
+    funcs: list[str] = field(default_factory=list)
+    """Tools as "module:function" of the project or an installed package (as grpo.reward_funcs).
+    Each runs in a thread of the trainer's process: it must not touch the model, torch's RNG or
+    Python's `random` (a resumed run would sample differently), and must be safe to abandon when
+    it runs past `timeout` (its thread keeps running; its result is dropped)."""
+    schemas: Optional[str] = None
+    """A JSON file with tool schemas (a list of {"type": "function", "function": {...}} or function
+    objects) for tools whose schema is not read from their signature and docstring
+    (transformers' get_json_schema: type hints and a Google-style Args section); null: all read."""
+    max_tool_calls: int = 4
+    """Most calls run per rollout; later calls get an error text as their result."""
+    max_turns: int = 4
+    """Most assistant turns per rollout (the final answer included); a rollout whose last allowed
+    turn still calls tools ends there."""
+    timeout: float = 10.0
+    """Seconds one call may run; past it the call's result is an error text."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.funcs)
+
+    def problems(self, key: str = "tools") -> list[str]:
+        out: list[str] = []
+        if self.max_tool_calls < 1:
+            out.append(f"{key}.max_tool_calls: must be >= 1, got {self.max_tool_calls}")
+        if self.max_turns < 2:
+            out.append(f"{key}.max_turns: must be >= 2 (a call, then an answer), got {self.max_turns}")
+        if self.timeout <= 0:
+            out.append(f"{key}.timeout: must be > 0 seconds, got {self.timeout}")
+        if self.schemas is not None and not self.funcs:
+            out.append(f"{key}.schemas: given without {key}.funcs")
+        return out

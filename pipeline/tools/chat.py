@@ -9,7 +9,9 @@ is the Jinja the stage saved into merged/), so the model sees the format it was 
 Decoding is greedy unless --temperature > 0. In interactive mode, /reset clears the history,
 /help lists the commands, and /exit, exit, quit (or Ctrl-D) quit; no line starting with '/' is sent
 to the model. The folder is checked first (pipeline.modeling.preflight): a reward model, a LoRA
-adapter or a missing folder is one line, not a traceback.
+adapter or a missing folder is one line, not a traceback. With `--tools module:function ...` (run
+them) or `--tool-schemas FILE` (you type each result) the model may call tools: its calls and the
+results are shown (pipeline/tools/chat_tools.py).
 """
 
 from __future__ import annotations
@@ -102,9 +104,13 @@ def load_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool =
     return ChatModel(name=path, model=model, tokenizer=tokenizer)
 
 
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of the conversation so far plus the assistant opener (the generation prompt)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def prompt_ids(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+    """Token ids of the conversation so far plus the assistant opener (the generation prompt);
+    `tools`: the tool schemas (function objects) the template shows."""
+    from data_formats.tools import template_tools
+
+    extra = {"tools": template_tools(tools)} if tools else {}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     # The template already writes any BOS it wants; adding special tokens again would double it.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -132,13 +138,13 @@ class StreamPrinter:
         print(self.text.flush(), flush=True)
 
 
-def reply(chat: ChatModel, messages: list[dict], gen: Generation, stream: bool = False) -> str:
+def reply(chat: ChatModel, messages: list[dict], gen: Generation, stream: bool = False, tools: Optional[list[dict]] = None) -> str:
     """The model's next assistant turn (printed token by token when `stream`), from Relay's decode
     engine; with top_k or a repetition penalty (knobs the engine does not have) from transformers'
-    generate."""
+    generate. `tools`: the tool schemas in the prompt."""
     from pipeline.modeling.decode import generate
 
-    ids = prompt_ids(chat.tokenizer, messages)
+    ids = prompt_ids(chat.tokenizer, messages, tools)
     if gen.top_k or gen.repetition_penalty != 1.0:
         return hf_reply(chat, ids, gen, stream)
     eos = eos_ids_of(chat.model, chat.tokenizer)
@@ -182,9 +188,22 @@ def start_messages(system: Optional[str]) -> list[dict]:
     return [{"role": "system", "content": system}] if system else []
 
 
-def one_shot(models: list[ChatModel], prompt: str, gen: Generation, system: Optional[str] = None) -> str:
-    """Answer one prompt with one model (streamed) or two (side by side); return what was printed."""
+def tool_reply(chat: ChatModel, history: list[dict], gen: Generation, setup, read: Callable[[str], str] = input) -> str:
+    """The model's answer to the last user turn, with its tool calls shown and answered (chat_tools)."""
+    from pipeline.tools.chat_tools import answer_with_tools
+
+    answer = answer_with_tools(lambda messages: reply(chat, messages, gen, tools=setup.schemas), history, setup.tools,
+                               setup.timeout, read)
+    print(f"bot> {answer}")
+    return answer
+
+
+def one_shot(models: list[ChatModel], prompt: str, gen: Generation, system: Optional[str] = None, tools=None) -> str:
+    """Answer one prompt with one model (streamed) or two (side by side); return what was printed.
+    `tools` (chat_tools.ToolSetup, one model): its calls are shown and answered."""
     messages = start_messages(system) + [{"role": "user", "content": prompt}]
+    if tools is not None:
+        return tool_reply(models[0], messages, gen, tools)
     if len(models) == 1:
         answer = reply(models[0], messages, gen, stream=True)
         if models[0].last_answer_cut:
@@ -196,8 +215,10 @@ def one_shot(models: list[ChatModel], prompt: str, gen: Generation, system: Opti
     return text
 
 
-def interactive(models: list[ChatModel], gen: Generation, system: Optional[str] = None, read: Callable[[str], str] = input) -> list[list[dict]]:
-    """Multi-turn chat until /exit or end of input; each model keeps its own history. Returns them."""
+def interactive(models: list[ChatModel], gen: Generation, system: Optional[str] = None, read: Callable[[str], str] = input,
+                tools=None) -> list[list[dict]]:
+    """Multi-turn chat until /exit or end of input; each model keeps its own history. Returns them.
+    `tools` (chat_tools.ToolSetup, one model): its calls are shown and answered."""
     histories = [start_messages(system) for _ in models]
     print("Chatting with " + " and ".join(m.name for m in models) + ". " + HELP[len("commands: "):] + ".")
     while True:
@@ -218,6 +239,9 @@ def interactive(models: list[ChatModel], gen: Generation, system: Optional[str] 
             continue
         for history in histories:
             history.append({"role": "user", "content": line})
+        if tools is not None:  # tool_reply appends the answer's turns itself
+            tool_reply(models[0], histories[0], gen, tools, read)
+            continue
         if len(models) == 1:
             print("bot> ", end="", flush=True)
             answers = [reply(models[0], histories[0], gen, stream=True)]
@@ -243,6 +267,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--dtype", default="fp32", choices=("auto", "fp32", "bf16", "fp16"))
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling")
+    parser.add_argument("--tools", nargs="+", metavar="MODULE:FUNCTION", help="tools the model may call; Relay runs them")
+    parser.add_argument("--tool-schemas", metavar="FILE",
+                        help="JSON list of tool schemas: with --tools, for tools whose docstring gives none; alone, you type each result")
+    parser.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may run")
     parser.add_argument("--trust-remote-code", action="store_true", help="run code shipped in the model folder (auto_map)")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="load pickled weights (pytorch_model.bin) when the folder has no safetensors (weights_only=True)")
@@ -257,15 +285,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.manual_seed(args.seed)
     gen = Generation(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty)
     try:
+        if (args.tools or args.tool_schemas) and args.compare:
+            raise ValueError("--tools/--tool-schemas chat with one model: drop --compare")
+        from pipeline.tools.chat_tools import tool_setup
+
+        tools = tool_setup(args.tools, args.tool_schemas, args.tool_timeout)
         models = [load_chat_model(p, args.dtype, trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
                   for p in [args.model] + ([args.compare] if args.compare else [])]
-    except (ChatError, OSError) as err:
+        if tools is not None:
+            from pipeline.tools.serve_tools import tool_support_problem
+
+            problem = tool_support_problem(models[0].tokenizer)
+            if problem:
+                raise ChatError(f"--tools: {problem}")
+    except (ChatError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.prompt is not None:
-        one_shot(models, args.prompt, gen, args.system)
+        one_shot(models, args.prompt, gen, args.system, tools)
     else:
-        interactive(models, gen, args.system)
+        interactive(models, gen, args.system, tools=tools)
     return 0
 
 

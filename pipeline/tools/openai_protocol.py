@@ -4,8 +4,13 @@ response / stream-chunk objects (pure functions; the server is pipeline/tools/se
 What clients send and what we answer follow the OpenAI API reference: content as a string or a
 list of text parts, the `developer` role (the system turn of newer models), `n`, `stop` (a string
 or up to 4), `max_tokens` / `max_completion_tokens`, `temperature` in [0, 2], `top_p` in (0, 1],
-`stream` with `stream_options.include_usage`, `seed`. A request we cannot honour is refused with
-an OpenAI-style error, never silently changed: {"error": {"message", "type", "param", "code"}}.
+`stream` with `stream_options.include_usage`, `seed`, and tool calling: `tools` (function
+schemas), `tool_choice` ('auto', the default with tools; 'none'; 'required'; or
+{"type": "function", "function": {"name"}}), assistant messages with `tool_calls` (their
+`content` may be null) and `tool` messages (with `tool_call_id`) in the history. A request we
+cannot honour is refused with an OpenAI-style error, never silently changed:
+{"error": {"message", "type", "param", "code"}}. How calls are prompted, forced and read back from
+the answer is pipeline/tools/serve_tools.py.
 """
 
 from __future__ import annotations
@@ -15,14 +20,18 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+from data_formats.tools import ToolRecordError, parse_calls, parse_tools
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 """OpenAI role -> the role the chat template is given (templates know system, not developer)."""
 MAX_N = 8
 MAX_STOP = 4
 ACCEPTED_AND_UNUSED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 """Keys clients send that change nothing about the answer (bookkeeping on OpenAI's side)."""
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "logit_bias": {}, "tools": [], "tool_choice": "none",
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "logit_bias": {},
            "response_format": {"type": "text"}, "top_logprobs": None}
+TOOL_CHOICES = ("auto", "none", "required")
+"""tool_choice's strings; {"type": "function", "function": {"name": ...}} names one tool."""
 """Keys accepted only at their no-op value: anything else would be a promise we do not keep."""
 
 
@@ -51,6 +60,16 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     seed: Optional[int] = None
+    tools: list[dict] = field(default_factory=list)
+    """The function objects of `tools` ({"name", "description"?, "parameters"?})."""
+    tool_choice: str = "none"
+    """'auto', 'none', 'required', or 'function' (the tool `tool_name` must be called)."""
+    tool_name: Optional[str] = None
+
+    @property
+    def wants_calls(self) -> bool:
+        """Whether the answer is read for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 def _number(body: dict, key: str, default: float, low: float, high: float, low_open: bool = False) -> float:
@@ -97,7 +116,9 @@ def message_text(content: Any, index: int) -> str:
 
 
 def check_messages(messages: Any) -> list[dict]:
-    """[{'role', 'content': str}] from the request's messages (roles mapped by ROLES)."""
+    """[{'role', 'content': str}] from the request's messages (roles mapped by ROLES), assistant
+    calls as `tool_calls` [{"type", "id"?, "function": {"name", "arguments": dict}}] (the arguments'
+    JSON text decoded, as training data's are) and a tool result's `tool_call_id`."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
     out = []
@@ -105,8 +126,69 @@ def check_messages(messages: Any) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             role = m.get("role") if isinstance(m, dict) else None
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)} (got {role!r})", f"messages[{i}].role", "invalid_value")
-        out.append({"role": ROLES[m["role"]], "content": message_text(m.get("content"), i)})
+        out.append(_tool_message(m, i) if m["role"] == "tool" or m.get("tool_calls") else
+                   {"role": ROLES[m["role"]], "content": message_text(m.get("content"), i)})
     return out
+
+
+def _tool_message(m: dict, index: int) -> dict:
+    """A `tool` message, or an assistant message with `tool_calls` (its content may be null)."""
+    if m["role"] == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise ApiError(400, f"messages[{index}].tool_call_id: a tool message needs the id of the call it answers",
+                           f"messages[{index}].tool_call_id", "invalid_value")
+        return {"role": "tool", "content": message_text(m.get("content"), index), "tool_call_id": m["tool_call_id"]}
+    if m["role"] != "assistant":
+        raise ApiError(400, f"messages[{index}].tool_calls: only assistant messages carry tool calls", f"messages[{index}].tool_calls",
+                       "invalid_value")
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(m["tool_calls"], list) or any(not isinstance(c, dict) or c.get("type", "function") != "function"
+                                                    for c in m["tool_calls"]):
+        raise ApiError(400, f"{param} must be a list of {{'type': 'function', 'id', 'function'}} calls", param, "invalid_value")
+    try:
+        calls = parse_calls(m["tool_calls"], param)
+    except ToolRecordError as err:
+        raise ApiError(400, str(err), param, "invalid_value") from None
+    content = "" if m.get("content") is None else message_text(m["content"], index)
+    return {"role": "assistant", "content": content, "tool_calls": [
+        {"type": "function", **({"id": c["id"]} if "id" in c else {}), "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in calls]}
+
+
+def check_tools(body: dict) -> tuple[list[dict], str, Optional[str]]:
+    """(function objects, tool_choice, the named tool) of a request's `tools` and `tool_choice`.
+
+    Raises:
+        ApiError: malformed tools; an unknown tool_choice, one naming a tool not listed, or one
+            other than 'none' without tools (400).
+    """
+    tools: list[dict] = []
+    if body.get("tools") is not None:
+        if not isinstance(body["tools"], list) or any(not isinstance(t, dict) or t.get("type") != "function" for t in body["tools"]):
+            raise ApiError(400, "'tools' must be a list of {'type': 'function', 'function': {...}} objects", "tools", "invalid_value")
+        try:
+            tools = parse_tools(body["tools"])
+        except ToolRecordError as err:
+            raise ApiError(400, str(err).replace("field 'tools'", "'tools'"), "tools", "invalid_value") from None
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+        and isinstance(choice["function"].get("name"), str)
+    if not named and choice not in TOOL_CHOICES:
+        raise ApiError(400, f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or {{'type': 'function', 'function': "
+                       f"{{'name': ...}}}}, got {choice!r}", "tool_choice", "invalid_value")
+    if choice != "none" and not tools:
+        raise ApiError(400, "'tool_choice' is only allowed when 'tools' are given", "tool_choice", "invalid_value")
+    if choice != "none" and body.get("parallel_tool_calls") is False:  # a promise the answer's reader would not keep
+        raise ApiError(400, "'parallel_tool_calls': false is not supported (an answer may hold several calls)",
+                       "parallel_tool_calls", "unsupported_value")
+    if not named:
+        return tools, choice, None
+    name = choice["function"]["name"]
+    if name not in [t["name"] for t in tools]:
+        raise ApiError(400, f"'tool_choice' names {name!r}, which is not in 'tools'", "tool_choice", "invalid_value")
+    return tools, "function", name
 
 
 def check_request(body: Any, served_name: str) -> ChatRequest:
@@ -118,7 +200,7 @@ def check_request(body: Any, served_name: str) -> ChatRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     known = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "stream",
-             "stream_options", "seed", *ACCEPTED_AND_UNUSED, *NEUTRAL}
+             "stream_options", "seed", "tools", "tool_choice", *ACCEPTED_AND_UNUSED, *NEUTRAL}
     unknown = sorted(set(body) - known)
     if unknown:
         raise ApiError(400, f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
@@ -130,6 +212,7 @@ def check_request(body: Any, served_name: str) -> ChatRequest:
     if body["model"] != served_name:
         raise ApiError(404, f"The model '{body['model']}' does not exist; this server serves '{served_name}'", "model", "model_not_found")
     messages = check_messages(body.get("messages"))
+    tools, tool_choice, tool_name = check_tools(body)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise ApiError(400, "give 'max_tokens' or 'max_completion_tokens', not both", "max_tokens", "invalid_value")
     key = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
@@ -144,7 +227,7 @@ def check_request(body: Any, served_name: str) -> ChatRequest:
     return ChatRequest(messages=messages, max_tokens=_integer(body, key, 1), temperature=_number(body, "temperature", 1.0, 0, 2),
                        top_p=_number(body, "top_p", 1.0, 0, 1, low_open=True), n=_integer(body, "n", 1, MAX_N) or 1,
                        stop=stop or [], stream=stream, include_usage=bool(options.get("include_usage")),
-                       seed=_integer(body, "seed", -(2**63), 2**63 - 1))
+                       seed=_integer(body, "seed", -(2**63), 2**63 - 1), tools=tools, tool_choice=tool_choice, tool_name=tool_name)
 
 
 def new_id() -> str:
@@ -155,11 +238,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(cid: str, model: str, texts: list[str], reasons: list[str], prompt_tokens: int, completion_tokens: int) -> dict:
-    """An OpenAI chat.completion object with one choice per text (pure)."""
+def completion_response(cid: str, model: str, texts: list, reasons: list[str], prompt_tokens: int, completion_tokens: int) -> dict:
+    """An OpenAI chat.completion object with one choice per text, or per message (a dict: an
+    answer with `tool_calls`, pipeline/tools/serve_tools.py) (pure)."""
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-                        for i, (t, r) in enumerate(zip(texts, reasons))],
+            "choices": [{"index": i, "message": t if isinstance(t, dict) else {"role": "assistant", "content": t}, "logprobs": None,
+                         "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 

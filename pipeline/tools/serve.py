@@ -40,6 +40,7 @@ from fastapi import Request  # module level: FastAPI resolves the handlers' (pos
 
 from pipeline.tools.openai_protocol import ApiError, ChatRequest, check_request, chunk, completion_response, new_id, usage
 from pipeline.tools.serve_batch import Batcher, Job
+from pipeline.tools.serve_tools import CallStream, answer_message, prompt_and_prefill
 
 MAX_WAITING = 256
 """Requests queued beyond this are refused with 429 instead of waiting past their time limit."""
@@ -108,24 +109,29 @@ class Server:
         pad = chat.tokenizer.pad_token_id if chat.tokenizer.pad_token_id is not None else eos_ids_of(chat)[0]
         self.batcher = Batcher(chat.model, chat.tokenizer, eos_ids_of(chat), pad, max_batch, window, slice_tokens)
 
-    async def job(self, request: ChatRequest) -> tuple[Job, "asyncio.Queue[tuple]", int]:
-        """(queued job, its event queue, prompt tokens) for a checked request."""
+    async def job(self, request: ChatRequest) -> tuple[Job, "asyncio.Queue[tuple]", int, str]:
+        """(queued job, its event queue, prompt tokens, the text its answers start with: a forced
+        tool call's opener, pipeline/tools/serve_tools.py) for a checked request."""
         from starlette.concurrency import run_in_threadpool
 
         if self.batcher.waiting.qsize() >= MAX_WAITING:
             raise ApiError(429, "the server is busy (too many requests waiting); retry shortly", None, "rate_limit_exceeded",
                            "rate_limit_error")
-        prompt = await run_in_threadpool(self.prompt_ids, self.chat.tokenizer, request.messages)
+        prefill = ""
+        if request.tools:
+            prompt, prefill = await run_in_threadpool(prompt_and_prefill, self.chat.tokenizer, request)
+        else:
+            prompt = await run_in_threadpool(self.prompt_ids, self.chat.tokenizer, request.messages)
         max_new = plan_tokens(request, len(prompt), self.context, self.max_new_tokens)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         job = Job(prompt=prompt, n=request.n, max_new_tokens=max_new, temperature=request.temperature, top_p=request.top_p,
                   stops=request.stop, deadline=time.monotonic() + self.request_timeout, seed=request.seed,
                   emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
         self.batcher.submit(job)
-        return job, events, len(prompt)
+        return job, events, len(prompt), prefill
 
     async def complete(self, request: ChatRequest) -> dict:
-        job, events, n_prompt = await self.job(request)
+        job, events, n_prompt, prefill = await self.job(request)
         texts, reasons = [""] * request.n, [""] * request.n
         try:
             while not all(reasons):
@@ -138,17 +144,22 @@ class Server:
                     reasons[event[1]] = event[2]
         finally:
             job.cancelled = True  # a client gone mid-answer frees its rows at the next step
+        if request.wants_calls:
+            texts, reasons = map(list, zip(*(answer_message(prefill + t, r) for t, r in zip(texts, reasons))))
         return completion_response(new_id(), self.name, texts, reasons, n_prompt, job.completion_tokens)
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[str]:
         """The request queued (so its errors are still a status code), then its event stream."""
-        job, events, n_prompt = await self.job(request)
-        return self.events(request, job, events, n_prompt)
+        job, events, n_prompt, prefill = await self.job(request)
+        return self.events(request, job, events, n_prompt, prefill)
 
-    async def events(self, request: ChatRequest, job: Job, events: "asyncio.Queue[tuple]", n_prompt: int) -> AsyncIterator[str]:
+    async def events(self, request: ChatRequest, job: Job, events: "asyncio.Queue[tuple]", n_prompt: int,
+                     prefill: str = "") -> AsyncIterator[str]:
         """Server-sent events: a role chunk per choice, content deltas, a finish chunk per choice,
-        the usage chunk when asked for, then [DONE]."""
+        the usage chunk when asked for, then [DONE]. Answers read for tool calls go through a
+        CallStream each (tool-call deltas before their finish chunk)."""
         cid, left = new_id(), request.n
+        calls = [CallStream(prefill) for _ in range(request.n)] if request.wants_calls else None
 
         def sse(obj: dict) -> str:
             return f"data: {json.dumps(obj)}\n\n"
@@ -162,9 +173,16 @@ class Server:
                     yield sse(ApiError(event[1], event[2], None, "server_error", "server_error").body())
                     break
                 if event[0] == "delta":
-                    yield sse(chunk(cid, self.name, event[1], {"content": event[2]}))
+                    text = calls[event[1]].add(event[2]) if calls else event[2]
+                    if text:
+                        yield sse(chunk(cid, self.name, event[1], {"content": text}))
                 else:
-                    yield sse(chunk(cid, self.name, event[1], {}, event[2]))
+                    reason = event[2]
+                    if calls:
+                        deltas, reason = calls[event[1]].finish(reason)
+                        for delta in deltas:
+                            yield sse(chunk(cid, self.name, event[1], delta))
+                    yield sse(chunk(cid, self.name, event[1], {}, reason))
                     left -= 1
             if request.include_usage:
                 yield sse({"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.name,
@@ -263,8 +281,12 @@ def run(app, host: str, port: int, sock=None) -> None:
 
 
 def vllm_command(folder: str, host: str, port: int) -> list[str]:
-    """vLLM's own OpenAI-compatible server on `folder`."""
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", host, "--port", str(port)]
+    """vLLM's own OpenAI-compatible server on `folder`, with the tool-call parser that reads the
+    folder's call layout when its template renders tools (serve_tools.vllm_tool_flags)."""
+    from pipeline.tools.serve_tools import vllm_tool_flags
+
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", host, "--port", str(port),
+            *vllm_tool_flags(folder)]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

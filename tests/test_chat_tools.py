@@ -1,0 +1,77 @@
+"""`relay chat` with tools (pipeline/tools/chat_tools.py): the model's calls are shown and run
+(or typed by the user), the results go back through the folder's template, and the model answers
+again; bad tool options are one line before any model loads. The model's turns are scripted
+(pipeline.modeling.decode.generate patched): a random tiny model writes no calls."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from transformers import AutoTokenizer
+
+from data_formats.render import make_template, template_jinja
+from pipeline.config import ChatDataConfig
+from pipeline.modeling import decode
+from pipeline.tools import chat
+from pipeline.tools.chat_tools import tool_setup
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model_dir, tmp_path_factory):
+    """The tiny model with the template Relay saves after tool SFT."""
+    folder = tmp_path_factory.mktemp("chat") / "tool_model"
+    shutil.copytree(tiny_model_dir, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = template_jinja(make_template(ChatDataConfig(), tok), tok, tools=True)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def scripted(monkeypatch, model, turns):
+    """Patch the decode engine to answer with `turns` in order; return the prompts it was given."""
+    seen = []
+
+    def generate(m, prompts, **kwargs):
+        seen.append(model.tokenizer.decode(prompts[0]))
+        ids = model.tokenizer(turns[len(seen) - 1], add_special_tokens=False)["input_ids"] + [model.tokenizer.eos_token_id]
+        return decode.Generation(tokens=[ids], finished=[True])
+
+    monkeypatch.setattr(decode, "generate", generate)
+    return seen
+
+
+def test_calls_are_shown_run_and_answered(tool_model, monkeypatch, capsys):
+    model = chat.load_chat_model(str(tool_model))
+    seen = scripted(monkeypatch, model, [CALL, "The sum is 5."])
+    setup = tool_setup(["test_tool_rollout:add"], None, 5.0)
+    answer = chat.one_shot([model], "What is 2 + 3?", chat.Generation(max_new_tokens=64), tools=setup)
+    assert answer == "The sum is 5."
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ['call> add({"a": 2, "b": 3})', "tool> 5", "bot> The sum is 5."]
+    assert '"name": "add"' in seen[0] and "<tool_response>5</tool_response>" in seen[1]
+
+
+def test_typed_results_in_interactive_chat(tool_model, tmp_path, monkeypatch, capsys):
+    schemas = tmp_path / "tools.json"
+    schemas.write_text(json.dumps([{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]))
+    model = chat.load_chat_model(str(tool_model))
+    scripted(monkeypatch, model, [CALL, "It is 7."])
+    setup = tool_setup(None, str(schemas), 5.0)
+    lines = iter(["What is 2 + 3?", "7", "/exit"])
+    prompts = []
+    histories = chat.interactive([model], chat.Generation(max_new_tokens=64), read=lambda p: prompts.append(p) or next(lines), tools=setup)
+    assert prompts == ["you> ", 'result of add({"a": 2, "b": 3})> ', "you> "]
+    assert [m["role"] for m in histories[0]] == ["user", "assistant", "tool", "assistant"]
+    assert histories[0][2]["content"] == "7" and histories[0][3]["content"] == "It is 7."
+
+
+def test_bad_tool_options_are_one_line_before_loading(tiny_model_dir, capsys):
+    assert chat.main(["--model", str(tiny_model_dir), "--tools", "test_tool_rollout:missing", "x/y.py:f", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tools" in err and "has no 'missing'" in err and "file path" in err
+    assert chat.main(["--model", str(tiny_model_dir), "--tools", "test_tool_rollout:add", "--prompt", "hi"]) == 2
+    assert "does not render tools" in capsys.readouterr().err

@@ -1,0 +1,530 @@
+"""Tool rollouts (pipeline/algorithms/tool_rollout.py): the call reader, running calls and their
+failures, the multi-turn rollout's ids and train mask against transformers'
+`apply_chat_template(..., return_assistant_tokens_mask=True)` on a native template, token in token
+out, the reward functions' messages, and GRPO steps with tools on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from data_formats.render import make_template, render_prompt
+from data_formats.conversation import Conversation, Turn
+from data_formats.tools import parse_answer, template_messages, template_tools
+from pipeline.algorithms import rewards as rw
+from pipeline.algorithms.tool_rollout import (ToolEnv, derive_schema, layout_problem, load_tools, run_calls, tool_rollout,
+                                              tools_problems)
+from pipeline.config import ChatDataConfig, ToolsConfig
+
+# ------------------------------------------------------------------------------------------
+# Tools the tests call ("test_tool_rollout:<name>")
+# ------------------------------------------------------------------------------------------
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+def slow(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: how long to sleep
+    """
+    time.sleep(seconds)
+    return "woke"
+
+
+def broken(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: anything
+    """
+    raise RuntimeError("no luck")
+
+
+def undocumented(x):
+    return x
+
+
+# A Hermes/Qwen2.5-style ChatML template that renders tools, calls and results natively, with
+# {% generation %} around what the assistant writes (what return_assistant_tokens_mask reads).
+NATIVE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{% generation %}{{ m.content }}"
+    "{%- if m.tool_calls %}{% for c in m.tool_calls %}{% if m.content or not loop.first %}\n{% endif %}"
+    "<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>"
+    "{%- endfor %}{% endif %}<|im_end|>{% endgeneration %}\n"
+    "{%- elif m.role == 'tool' %}{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _template(tok, native: bool):
+    cfg = ChatDataConfig()
+    if native:
+        tok = _native(tok)
+    return tok, make_template(cfg, tok)
+
+
+def _native(tok):
+    import copy
+
+    tok = copy.deepcopy(tok)
+    tok.chat_template = NATIVE
+    return tok
+
+
+class Scripted:
+    """A Generator that answers turn k of every row with `turns[k]` (its canonical ids + EOS, or
+    the ids given), cut to the row's limit; records what it was asked."""
+
+    def __init__(self, tok, turns):
+        self.tok, self.turns, self.asked = tok, turns, []
+
+    def generate(self, prompts, max_new_tokens=None):
+        out = []
+        for i, ids in enumerate(prompts):
+            k = self.tok.decode(ids).count("<|im_start|>assistant") - 1
+            turn = self.turns[min(k, len(self.turns) - 1)]
+            ids = list(turn) if isinstance(turn, list) else self.tok(turn, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            out.append(ids[: max_new_tokens[i]] if max_new_tokens is not None else ids)
+        self.asked.append(list(max_new_tokens or []))
+        return out
+
+
+def _sample(tok, template, turns, tools):
+    conv = Conversation(turns, tools=tools)
+    return {"prompt_ids": render_prompt(conv, tok, template),
+            "conversation": json.dumps({"turns": [t.__dict__ for t in conv.turns], "tools": tools})}
+
+
+def _env(tok, template, max_new_tokens=200, **cfg):
+    tools_cfg = ToolsConfig(funcs=[f"test_tool_rollout:{n}" for n in ("add", "slow", "broken")], timeout=0.5, **cfg)
+    tools = load_tools(tools_cfg)
+    return ToolEnv(tok, template, tools, tools_cfg, tok.eos_token_id, tok.pad_token_id, max_new_tokens), tools
+
+
+CALL_NATIVE = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+CALL_LAYOUT = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+# ------------------------------------------------------------------------------------------
+# The call reader and running calls
+# ------------------------------------------------------------------------------------------
+
+
+def test_reader_reads_both_layouts_and_names_each_broken_call():
+    for text in (CALL_NATIVE, CALL_LAYOUT, "Let me add.\n" + CALL_LAYOUT):
+        parsed = parse_answer(text)
+        assert parsed.calls == [{"name": "add", "arguments": {"a": 2, "b": 3}}] and not parsed.errors
+    assert parse_answer("Let me add.\n" + CALL_LAYOUT).content == "Let me add."
+    bad = parse_answer('<tool_call>{"name": "add", "arguments": [1]}</tool_call><tool_call>{oops</tool_call><tool_call>{')
+    assert bad.calls == [] and len(bad.errors) == 3 and bad.has_calls
+    assert "'arguments' must be a JSON object" in bad.errors[0] and "not valid JSON" in bad.errors[1]
+    assert "without </tool_call>" in bad.errors[2]
+    assert not parse_answer("The answer is 5.").has_calls
+
+
+def test_failures_become_error_results_and_a_slow_tool_does_not_block(tmp_path):
+    tools = load_tools(ToolsConfig(funcs=[f"test_tool_rollout:{n}" for n in ("add", "slow", "broken")]))
+    started = time.monotonic()
+    results = run_calls([{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "slow", "arguments": {"seconds": 5}},
+                         {"name": "broken", "arguments": {"x": 1}}, {"name": "nope", "arguments": {}},
+                         {"name": "add", "arguments": {"a": 1, "c": 2}}], tools, timeout=0.3)
+    assert time.monotonic() - started < 2.0  # the 5 s tool is abandoned at its limit
+    assert results[0] == "3"
+    assert results[1] == "error: 'slow' did not return within 0.3 s"
+    assert results[2] == "error: 'broken' raised RuntimeError: no luck"
+    assert results[3].startswith("error: unknown tool 'nope' (the tools are: add, broken, slow)")
+    assert results[4].startswith("error: bad arguments for 'add':")
+
+
+def test_schemas_are_transformers_and_config_problems_are_listed_together(tmp_path):
+    from transformers.utils import get_json_schema
+
+    expected = get_json_schema(add)["function"]
+    expected.pop("return")
+    assert derive_schema(add) == expected
+    given = tmp_path / "schemas.json"
+    given.write_text(json.dumps([{"type": "function", "function": {"name": "undocumented", "description": "echo",
+                                                                    "parameters": {"type": "object", "properties": {}}}}]))
+    ok = ToolsConfig(funcs=["test_tool_rollout:add", "test_tool_rollout:undocumented"], schemas=str(given))
+    assert tools_problems(ok) == [] and load_tools(ok)["undocumented"].schema["description"] == "echo"
+    bad = ToolsConfig(funcs=["test_tool_rollout:undocumented", "test_tool_rollout:missing", "x/y.py:f", "test_tool_rollout:add",
+                             "test_tool_rollout:add"], max_turns=1, timeout=0)
+    found = bad.problems() + tools_problems(bad)
+    assert len(found) == 6, found
+    assert any("cannot read its schema" in p and "tools.schemas" in p for p in found)
+    assert any("two tools are named 'add'" in p for p in found)
+
+
+def test_the_layout_check_refuses_a_template_whose_calls_the_reader_cannot_read(tok):
+    for native in (False, True):
+        t, template = _template(tok, native)
+        assert template.tools == ("native" if native else "layout")
+        assert layout_problem(t, template) is None
+    llama_like = _native(tok)
+    llama_like.chat_template = NATIVE.replace("<tool_call>\n", "").replace("\n</tool_call>", "")
+    template = make_template(ChatDataConfig(), llama_like)
+    assert template.tools == "native"
+    assert "does not read back" in layout_problem(llama_like, template)
+
+
+# ------------------------------------------------------------------------------------------
+# The rollout
+# ------------------------------------------------------------------------------------------
+
+
+def test_trained_positions_equal_transformers_assistant_mask_on_a_native_template(tok):
+    """The rollout's whole ids and its train mask equal apply_chat_template(...,
+    return_assistant_tokens_mask=True) of the same messages (transformers 5.24)."""
+    t, template = _template(tok, native=True)
+    env, tools = _env(t, template)
+    schemas = [tool.schema for tool in tools.values()]
+    sample = _sample(t, template, [Turn("system", "Be brief."), Turn("user", "What is 2 + 3?")], schemas)
+    rollout = tool_rollout(Scripted(t, [CALL_NATIVE, "The sum is 5."]), [sample], env)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}] + rollout.conversations[0]
+    assert rollout.conversations[0] == [
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {"role": "tool", "content": "5"}, {"role": "assistant", "content": "The sum is 5."}]
+    ref = t.apply_chat_template(messages, tools=template_tools(schemas), tokenize=True, return_dict=True,
+                                return_assistant_tokens_mask=True)
+    ids = rollout.input_ids[0][rollout.attention_mask[0].bool()].tolist()
+    mask = [0] * len(sample["prompt_ids"]) + rollout.response_mask[0][: len(rollout.responses[0])].tolist()
+    assert ids == ref["input_ids"]
+    assert mask == ref["assistant_masks"]
+    assert sum(mask) > 0 and rollout.finished.tolist() == [True]
+
+
+def test_layout_rollout_ids_are_the_training_rendering(tok):
+    """Relay's layout (a template without tool support): prompt + sampled + inserted ids equal the
+    rendering training gives the same conversation, and the mask is its labels' mask."""
+    from data_formats.render import render
+
+    t, template = _template(tok, native=False)
+    env, tools = _env(t, template)
+    schemas = [tool.schema for tool in tools.values()]
+    sample = _sample(t, template, [Turn("user", "What is 2 + 3?")], schemas)
+    rollout = tool_rollout(Scripted(t, ["I will add.\n" + CALL_LAYOUT, "5"]), [sample, sample], env, copies=1)
+    turns = [Turn("user", "What is 2 + 3?"), Turn("assistant", "I will add.", tool_calls=[{"name": "add", "arguments": {"a": 2, "b": 3}}]),
+             Turn("tool", "5"), Turn("assistant", "5")]
+    ids, labels = render(Conversation(turns, tools=schemas), t, template)
+    full = rollout.input_ids[0][rollout.attention_mask[0].bool()].tolist()
+    P = len(sample["prompt_ids"])
+    # training also renders the "\n" after the last end-of-turn token, which a rollout never samples
+    assert full == ids[: len(full)] and len(ids) - len(full) == len(t("\n", add_special_tokens=False)["input_ids"])
+    assert rollout.response_mask[0][: len(full) - P].tolist() == [int(x != -100) for x in labels[P: len(full)]]
+
+
+def test_dynamic_sampling_keeps_a_tool_rollouts_rows_as_sampled(tok):
+    """GRPO's dynamic sampling lays kept rows of several rollouts out as one (rollout.take_rows): a
+    tool rollout's inserted results stay untrained, its conversations and finished flags follow."""
+    from pipeline.algorithms.rollout import take_rows
+
+    t, template = _template(tok, native=False)
+    env, tools = _env(t, template)
+    sample = _sample(t, template, [Turn("user", "What is 2 + 3?")], [tool.schema for tool in tools.values()])
+    tool_run = tool_rollout(Scripted(t, ["I will add.\n" + CALL_LAYOUT, "5"]), [sample], env)
+    plain_run = tool_rollout(Scripted(t, ["No tool needed: 5"]), [sample], env)
+    both = take_rows([(plain_run, 0), (tool_run, 0)], [sample["prompt_ids"]] * 2, t.pad_token_id)
+    for row, source in enumerate((plain_run, tool_run)):
+        n = len(source.responses[0])
+        assert both.responses[row] == source.responses[0]
+        assert both.response_mask[row, :n].tolist() == source.response_mask[0, :n].tolist()
+        assert both.conversations[row] == source.conversations[0] and bool(both.finished[row]) == bool(source.finished[0])
+    assert 0 in both.response_mask[1, : len(tool_run.responses[0])].tolist()  # the inserted result, untrained
+
+
+def test_token_in_token_out(tok):
+    """Sampled ids that are not the tokenizer's own split of their text: the rollout keeps them
+    (what trains is what was sampled), while decoding and re-encoding would give other ids."""
+    t, template = _template(tok, native=False)
+    env, tools = _env(t, template)
+    sample = _sample(t, template, [Turn("user", "Say hello.")], [tool.schema for tool in tools.values()])
+    word = t(" hello", add_special_tokens=False)["input_ids"]
+    assert len(word) == 1
+    split = [t.convert_tokens_to_ids(p) for p in ("Ġhel", "lo")]
+    assert t.decode(split) == " hello"
+    sampled = split + [t.eos_token_id]
+    rollout = tool_rollout(Scripted(t, [sampled]), [sample], env)
+    assert rollout.responses[0] == sampled
+    assert rollout.response_ids[0, : len(sampled)].tolist() == sampled  # what the update's forward and loss read
+    assert t(t.decode(sampled), add_special_tokens=False)["input_ids"] != sampled  # re-tokenised: other ids
+
+
+def test_limits_and_failures_end_or_continue_the_rollout(tok):
+    t, template = _template(tok, native=False)
+    schemas = [{"name": "add"}]
+    sample = _sample(t, template, [Turn("user", "2 + 3?")], schemas)
+    env, _ = _env(t, template, max_turns=2)
+    always = Scripted(t, [CALL_LAYOUT])
+    rollout = tool_rollout(always, [sample], env)  # the 2nd turn still calls: it ends there, no result after it
+    assert [m["role"] for m in rollout.conversations[0]] == ["assistant", "tool", "assistant"]
+    env, _ = _env(t, template, max_turns=4, max_tool_calls=1)
+    rollout = tool_rollout(always, [sample], env)
+    tool_results = [m["content"] for m in rollout.conversations[0] if m["role"] == "tool"]
+    assert tool_results == ["5", "error: the limit of 1 tool calls per rollout is reached",
+                            "error: the limit of 1 tool calls per rollout is reached"]
+    env, _ = _env(t, template)
+    broken = '<tool_call>{"name": "slow", "arguments": {"seconds": 5}}</tool_call>\n<tool_call>{nope</tool_call>'
+    started = time.monotonic()
+    rollout = tool_rollout(Scripted(t, [broken, "done"]), [sample], env)
+    assert time.monotonic() - started < 3.0
+    assert [m["content"] for m in rollout.conversations[0] if m["role"] == "tool"] == [
+        "error: 'slow' did not return within 0.5 s", "error: tool call 2 is not valid JSON: Expecting property name enclosed in "
+        "double quotes (column 2)"]
+    first = len(t(broken, add_special_tokens=False)["input_ids"]) + 1
+    env, _ = _env(t, template, max_new_tokens=first + 5)  # the results do not fit: the rollout ends at the call, unfinished
+    rollout = tool_rollout(Scripted(t, [broken, "done"]), [sample], env)
+    assert len(rollout.responses[0]) == first and rollout.response_mask[0].sum() == first
+    assert rollout.finished.tolist() == [False] and [m["role"] for m in rollout.conversations[0]] == ["assistant"]
+
+
+def test_rewards_see_the_whole_conversation_and_final_answer_match_reads_the_last_turn():
+    conversation = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {}}}]},
+                    {"role": "tool", "content": "5"}]
+    answered = conversation + [{"role": "assistant", "content": "It is 5."}]
+    assert rw.final_answer_match([], [answered, conversation, "5 apples", "55"], answer=["5", "5", "5", "5"]) == [1.0, 0.0, 1.0, 0.0]
+
+
+# ------------------------------------------------------------------------------------------
+# GRPO with tools (tiny policy)
+# ------------------------------------------------------------------------------------------
+
+
+def answer_length(prompts, completions, answer=None, **columns):
+    """A reward that varies between samples: the final answer's length, and 1 for a tool result."""
+    return [len(rw.final_answer(c)) / 10 + any(m["role"] == "tool" and m["content"] == "5" for m in c) for c in completions]
+
+
+class ForcedFirstCall:
+    """The stage's own sampler, except that each row's first turn is a fixed call (a random tiny
+    policy never writes one); later turns are sampled."""
+
+    def __init__(self, inner, tok):
+        self.inner, self.tok = inner, tok
+        self.call = tok(CALL_LAYOUT, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+    def generate(self, prompts, max_new_tokens=None):
+        limits = list(max_new_tokens or [64] * len(prompts))
+        later = [i for i, p in enumerate(prompts) if self.tok.decode(p).count("<|im_start|>assistant") > 1]
+        sampled = dict(zip(later, self.inner.generate([prompts[i] for i in later], [limits[i] for i in later]))) if later else {}
+        return [sampled[i] if i in sampled else self.call[: limits[i]] for i in range(len(prompts))]
+
+
+def _grpo_cfg(out, policy, prompts, backend="relay"):
+    from stages import grpo
+
+    cfg = grpo.GRPOConfig(output_dir=str(out))
+    cfg.model.path = str(policy)
+    cfg.data.train, cfg.data.eval = [str(prompts)], []
+    cfg.train.eval_steps, cfg.train.batch_size, cfg.train.learning_rate = 0, 2, 5e-3
+    cfg.train.lr_schedule, cfg.train.warmup = "constant", 0
+    cfg.lora.r = 4
+    cfg.generation.max_new_tokens, cfg.generation.missing_eos_penalty, cfg.generation.backend = 64, None, backend
+    cfg.grpo.num_generations, cfg.grpo.beta = 2, 0.1
+    cfg.grpo.reward_funcs = ["test_tool_rollout:answer_length"]
+    cfg.tools.funcs = ["test_tool_rollout:add"]
+    cfg.checkpoint.resume = False
+    cfg.tracking.trackers = []
+    return cfg
+
+
+def _factory(tok, backend="relay"):
+    from pipeline.algorithms.rollout import make_generator
+
+    return lambda policy: ForcedFirstCall(make_generator(backend, policy, tok.pad_token_id, [tok.eos_token_id], 64), tok)
+
+
+@pytest.fixture(scope="module")
+def tool_prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tool_prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is 2 + {i}?", "answer": str(2 + i)}) + "\n" for i in range(4)))
+    return path
+
+
+def test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs(tmp_path, tiny_model_dir, tool_prompts, tok,
+                                                                                   monkeypatch):
+    """The same step with the log-probs at every untrained position poisoned (-1e4, which makes
+    the k3 KL there overflow) gives the same loss and gradient norm."""
+    from pipeline.algorithms import grpo as algo
+    from stages import grpo
+
+    figures = {}
+    for poison in (False, True):
+        cfg = _grpo_cfg(tmp_path / f"p{poison}", tiny_model_dir, tool_prompts)
+        stage = grpo.GRPOStage(cfg, generator_factory=_factory(tok))
+        stage.validate()
+        stage.build()
+        assert "<tools>" in stage.train_samples[0]["text"]  # the configured tool's schema is in the prompt
+        if poison:
+            real, seen = algo.rl.logprobs_from_logits, {}
+            original_rollout = stage.rollout
+            monkeypatch.setattr(stage, "rollout", lambda *a, **k: seen.setdefault("r", original_rollout(*a, **k)))
+            monkeypatch.setattr(algo.rl, "logprobs_from_logits",
+                                lambda logits, ids: real(logits, ids).masked_fill(seen["r"].response_mask.to(logits.device) == 0, -1e4))
+        figures[poison] = stage.train_step()
+        rollout = stage.last_rollout["rollout"]
+        inserted = (rollout.response_mask == 0) & (rollout.attention_mask[:, rollout.prompt_width:] == 1)
+        assert inserted.any(dim=1).all(), rollout.conversations  # every row holds an inserted tool result, between sampled turns
+        assert rollout.conversations[0][1] == {"role": "tool", "content": "5"}  # the forced call add(2, 3)
+        stage.release()
+    assert figures[True]["train/loss"] == figures[False]["train/loss"]
+    assert figures[True]["train/grad_norm"] == figures[False]["train/grad_norm"]
+    assert figures[False]["grpo/completion_length"] < inserted.shape[1]  # sampled tokens only
+
+
+def test_tool_grpo_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, tool_prompts, tok, monkeypatch):
+    """Stopped after step 1 and resumed: step 2's tool rollouts (ids, masks, conversations) and
+    loss equal the unbroken run's, and so do the final adapters."""
+    from safetensors.torch import load_file
+    from stagerun import run_stage
+    from stages import grpo
+
+    def run(out, stop=None, resume=False):
+        cfg = _grpo_cfg(out, tiny_model_dir, tool_prompts)
+        cfg.train.max_steps, cfg.checkpoint.resume = 2, resume
+        if stop is None:
+            monkeypatch.delenv("RELAY_STOP_AFTER_STEP", raising=False)
+        else:
+            monkeypatch.setenv("RELAY_STOP_AFTER_STEP", str(stop))
+        steps = {}
+        run_stage(grpo.GRPOStage, cfg, generator_factory=_factory(tok), on_step=lambda st, m: steps.__setitem__(
+            st.step, (m["train/loss"], st.last_rollout["rollout"].responses, st.last_rollout["rollout"].response_mask.tolist(),
+                      st.last_rollout["rollout"].conversations)))
+        return steps
+
+    unbroken = run(tmp_path / "a")
+    before = run(tmp_path / "b", stop=1)
+    after = run(tmp_path / "b", resume=True)
+    assert sorted(before) == [1] and sorted(after) == [2]
+    assert {**before, **after} == unbroken
+    assert any(0 in mask for mask in unbroken[2][2][0:1])  # the rollouts hold inserted results
+    a = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("backend", ["relay", "hf"])
+def test_every_backend_honours_each_rows_own_limit(tiny_model_dir, tok, backend):
+    """A tool rollout's later turns give each row the budget it has left."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.algorithms.rollout import make_generator
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    generator = make_generator(backend, model, tok.pad_token_id, [tok.eos_token_id], 6)
+    torch.manual_seed(0)
+    out = generator.generate([[5, 6, 7], [8, 9]], [2, 5])
+    assert len(out[0]) <= 2 and len(out[1]) <= 5 and max(len(o) for o in out) > 2
+
+
+# ------------------------------------------------------------------------------------------
+# PPO with tools
+# ------------------------------------------------------------------------------------------
+
+
+def test_gae_over_turns_skips_inserted_tokens():
+    """Without gaps it is rl.gae; with an inserted block it is rl.gae of the sampled tokens alone
+    (the value after a call's last token is the next turn's first), 0 on inserted positions."""
+    from pipeline.algorithms import rl
+    from pipeline.algorithms.tool_rollout import gae_over_turns
+
+    g = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(2, 7, generator=g, dtype=torch.float64), torch.randn(2, 7, generator=g, dtype=torch.float64)
+    plain = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+    for got, want in zip(gae_over_turns(rewards, values, plain, 0.9, 0.8), rl.gae(rewards, values, plain, 0.9, 0.8)):
+        assert torch.equal(got, want)
+    gapped = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 0, 1, 0, 1]])
+    adv, ret = gae_over_turns(rewards, values, gapped, 0.9, 0.8)
+    for row in range(2):
+        keep = gapped[row].bool()
+        a, r = rl.gae(rewards[row, keep][None], values[row, keep][None], torch.ones(1, int(keep.sum())), 0.9, 0.8)
+        assert torch.allclose(adv[row, keep], a[0], atol=1e-12) and torch.allclose(ret[row, keep], r[0], atol=1e-12)
+        assert (adv[row, ~keep] == 0).all() and (ret[row, ~keep] == 0).all()
+    assert not torch.allclose(adv, rl.gae(rewards, values, gapped, 0.9, 0.8)[0])  # plain GAE would end at every call
+
+
+def test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values(tmp_path, tiny_model_dir, tiny_reward_dir, tool_prompts,
+                                                                           tok):
+    from stages import ppo
+
+    cfg = ppo.PPOConfig(output_dir=str(tmp_path / "ppo"))
+    cfg.model.path, cfg.reward_model.path = str(tiny_model_dir), str(tiny_reward_dir)
+    cfg.data.train, cfg.data.eval = [str(tool_prompts)], []
+    cfg.train.eval_steps, cfg.train.batch_size, cfg.train.learning_rate = 0, 2, 1e-2
+    cfg.train.lr_schedule, cfg.train.warmup = "constant", 0
+    cfg.lora.r, cfg.generation.max_new_tokens = 4, 64
+    cfg.tools.funcs = ["test_tool_rollout:add"]
+    cfg.checkpoint.resume, cfg.tracking.trackers = False, []
+    stage = ppo.PPOStage(cfg, generator_factory=_factory(tok))
+    stage.validate()
+    stage.build()
+    figures = stage.train_step()
+    exp = stage.last_experience
+    mask = exp.rollout.response_mask
+    inserted = (mask == 0) & (exp.rollout.attention_mask[:, exp.rollout.prompt_width:] == 1)
+    assert inserted.any(1).all() and all(torch.isfinite(torch.tensor(v)) for v in figures.values())
+    for name in ("advantages", "returns", "values", "kl", "old_logprobs", "ref_logprobs"):
+        assert (getattr(exp, name)[mask == 0] == 0).all(), name
+    first_turn_end = [int(row.nonzero()[0]) - 1 for row in inserted.int()]  # the call's end-of-turn token
+    assert all(exp.advantages[r, t] != 0 for r, t in enumerate(first_turn_end))  # its advantage looks past the results
+    stage.release()
+
+
+def test_sample_tools_have_schemas_and_errors_reach_the_model():
+    tools = load_tools(ToolsConfig(funcs=["pipeline.algorithms.sample_tools:kelvra_lookup", "pipeline.algorithms.sample_tools:add"]))
+    assert tools["kelvra_lookup"].schema["parameters"]["required"] == ["island", "attribute"]
+    assert run_calls([{"name": "kelvra_lookup", "arguments": {"island": "oru", "attribute": "capital"}},
+                      {"name": "kelvra_lookup", "arguments": {"island": "Atlantis", "attribute": "capital"}},
+                      {"name": "add", "arguments": {"a": 123456789123, "b": 987654321987}}], tools, 5.0) == [
+        "Tessel", "error: 'kelvra_lookup' raised ValueError: no island named 'Atlantis'; the islands are " + ", ".join(rw.KELVRA_FACTS),
+        "1111111111110"]
+
+
+def test_two_ranks_equal_one_process(tmp_path, tiny_model_dir, tool_prompts):
+    """GRPO with tools (scripted rollouts that do not depend on the dealing): 2 DDP ranks of 1
+    prompt each log the same loss, gradient norm, reward and KL as one process of 2 prompts."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    runs = {"two": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], "one": []}
+    for name, launcher in runs.items():
+        batch = "1" if name == "two" else "2"
+        cmd = [sys.executable, *launcher, str(root / "tests" / "tool_distrun.py"), str(tmp_path / name), str(tiny_model_dir),
+               str(tool_prompts), batch]
+        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    two, one = (json.loads((tmp_path / n / "history.json").read_text()) for n in ("two", "one"))
+    assert len(two) == len(one) == 2
+    for a, b in zip(two, one):
+        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(b[k])) for k in a), (a, b)
+    assert one[0]["train/grad_norm"] > 0
