@@ -67,7 +67,8 @@ class GRPOLossOut:
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, epsilon: float,
               epsilon_high: Optional[float] = None, beta: float = 0.0, ref_logp: Optional[torch.Tensor] = None,
-              loss_type: str = "dapo", num_tokens: Optional[float] = None, num_sequences: Optional[int] = None) -> GRPOLossOut:
+              loss_type: str = "dapo", num_tokens: Optional[float] = None, num_sequences: Optional[int] = None,
+              is_weight: Optional[torch.Tensor] = None) -> GRPOLossOut:
     """The GRPO loss of one micro-batch ([B, T] log-probs and mask, [B] advantages).
 
     Per token: max(-A r, -A clip(r, 1 - epsilon, 1 + epsilon_high)) + beta * k3(policy, reference),
@@ -77,6 +78,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
       losses gives the step's token mean.
     - 'grpo': sum over the micro-batch's completions of each one's token mean / `num_sequences`
       (default: this micro-batch's completions).
+    `is_weight` ([B, T], no gradient): the train-inference mismatch correction
+    (pipeline/algorithms/mismatch.py) multiplying each token's clipped term, before the KL is added.
 
     Raises:
         ValueError: unknown loss_type, beta > 0 without ref_logp, or a completion without tokens.
@@ -85,6 +88,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         raise ValueError(f"loss_type {loss_type!r} is not one of {LOSS_TYPES}")
     mask = mask.to(logp.dtype)
     per_token, was_clipped = rl.clipped_surrogate(logp, old_logp, advantages.to(logp.dtype).unsqueeze(1), epsilon, epsilon_high)
+    if is_weight is not None:
+        per_token = per_token * is_weight.to(per_token.dtype)
     kl = None
     if beta:
         if ref_logp is None:

@@ -1,0 +1,116 @@
+"""Train-inference mismatch (pipeline/algorithms/mismatch.py): the TIS/MIS weights and the
+|engine - trainer| log-prob diff against TRL 1.16's own code on the same tensors (the
+`vllm_importance_sampling_correction` block of GRPOTrainer._generate_and_score_completions, run
+as TRL wrote it), the corrected GRPO loss against TRL's `_compute_loss`, and a synthetic mismatch:
+the correction changes the loss only where the diff is large."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipeline.algorithms import grpo as algo
+from pipeline.algorithms.mismatch import CORRECTIONS, correction_weights, logprob_diff
+from test_grpo import _fixed, trl_loss
+
+MODES = {"tis": "token_truncate", "mis": "token_mask"}
+
+
+def trl_block(first: str, last: str) -> str:
+    """The lines of TRL 1.16's `_generate_and_score_completions` from the one starting with
+    `first` through the one starting with `last` (dedented), to run on our tensors."""
+    trl = pytest.importorskip("trl")
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    assert trl.__version__ == "1.16.0"
+    lines = inspect.getsource(GRPOTrainer._generate_and_score_completions).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(first))
+    end = next(i for i in range(start, len(lines)) if lines[i].strip().startswith(last))
+    return textwrap.dedent("\n".join(lines[start : end + 1]))
+
+
+def trl_ratio(trainer, engine, mask, mode, cap, floor):
+    """TRL's importance-sampling ratio for these log-probs (old = trainer, sampling = engine)."""
+    code = trl_block("per_token_logps_diff = (old_per_token_logps", "f\"Unknown vLLM importance sampling level")
+    scope = {"torch": torch, "math": math, "old_per_token_logps": trainer, "sampling_per_token_logps": engine, "mask": mask,
+             "self": SimpleNamespace(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=cap,
+                                     vllm_importance_sampling_clip_min=floor)}
+    exec(compile(code + "\n)", "trl-block", "exec"), scope)  # the block ends inside raise ValueError( ... )
+    return scope["vllm_importance_sampling_ratio"]
+
+
+def trl_diff(trainer, engine, mask):
+    code = trl_block("delta = torch.abs(old_per_token_logps", "max_delta =")
+    scope = {"torch": torch, "old_per_token_logps": trainer, "sampling_per_token_logps": engine, "completion_mask": mask,
+             "tool_mask": None, "device": "cpu"}
+    exec(compile(code, "trl-block", "exec"), scope)
+    return float(scope["mean_delta"]), float(scope["max_delta"])
+
+
+def mismatched(seed=0, B=4, T=6):
+    """(trainer log-probs, engine log-probs, mask): the engine off by up to ~1.5 nats, one NaN."""
+    g = torch.Generator().manual_seed(seed)
+    trainer = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    engine = trainer + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    engine[2, 1] = float("nan")
+    mask = torch.ones(B, T, dtype=torch.float64)
+    mask[1, 4:] = 0
+    return trainer, engine, mask
+
+
+@pytest.mark.parametrize("name,cap,floor", [("tis", 2.0, None), ("tis", 1.5, 0.5), ("mis", 2.0, 0.5), ("mis", 1.2, None)])
+def test_weights_match_trl(name, cap, floor):
+    trainer, engine, mask = mismatched()
+    ours = correction_weights(name, trainer, engine, mask, cap, floor)
+    want = trl_ratio(trainer, engine, mask, MODES[name], cap, floor)
+    torch.testing.assert_close(ours, want, rtol=0, atol=0)
+    assert 0 < int((ours == (cap if name == "tis" else 0.0)).sum()) < mask.sum()  # the cap / band does act
+    assert correction_weights("none", trainer, engine, mask, cap, floor) is None
+    assert set(CORRECTIONS) == {"none", "tis", "mis"}
+
+
+def test_logprob_diff_matches_trl():
+    trainer, engine, mask = mismatched(seed=1)
+    want = trl_diff(trainer, engine, mask)
+    assert logprob_diff(trainer, engine, mask) == pytest.approx(want, rel=1e-12)
+    assert logprob_diff(trainer, trainer.clone(), mask) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("name,loss_type,beta", [("tis", "dapo", 0.04), ("mis", "grpo", 0.0), ("tis", "grpo", 0.04)])
+def test_corrected_loss_matches_trl(name, loss_type, beta):
+    logp, old, ref, adv, mask = _fixed(seed=5)
+    engine = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(7), dtype=old.dtype)
+    weight = correction_weights(name, old, engine, mask, 1.5, 0.5)
+    want, want_grad, _ = trl_loss(logp, old, ref, adv, mask, loss_type=loss_type, beta=beta, is_ratio=weight)
+    leaf = logp.clone().requires_grad_(True)
+    out = algo.grpo_loss(leaf, old, adv, mask, epsilon=0.2, beta=beta, ref_logp=ref, loss_type=loss_type, is_weight=weight)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.detach(), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(leaf.grad, want_grad, rtol=1e-12, atol=1e-12)
+    plain = algo.grpo_loss(logp, old, adv, mask, epsilon=0.2, beta=beta, ref_logp=ref, loss_type=loss_type).loss
+    assert abs(float(plain) - float(out.loss.detach())) > 1e-3  # the correction is not a no-op on these tensors
+
+
+@pytest.mark.parametrize("name", ["tis", "mis"])
+def test_a_synthetic_mismatch_changes_the_loss_only_where_the_diff_is_large(name):
+    """The engine agrees with the trainer to 1e-6 except on three tokens (2 nats off): the
+    corrected gradient equals the uncorrected one on every other token, and differs on those."""
+    logp, _, ref, adv, mask = _fixed(seed=2)
+    old = logp.clone()  # on-policy (one iteration): no token is clipped, every one has a gradient
+    engine = old + 1e-6 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3), dtype=old.dtype)
+    far = torch.zeros_like(mask, dtype=torch.bool)
+    far[0, 1] = far[2, 3] = far[3, 0] = True
+    engine[far] = old[far] - 2.0  # the trainer's prob is e^2 = 7.4x the engine's: above the cap 2
+    weight = correction_weights(name, old, engine, mask, 2.0, 0.5)
+    grads = []
+    for w in (None, weight):
+        leaf = logp.clone().requires_grad_(True)
+        algo.grpo_loss(leaf, old, adv, mask, epsilon=0.2, loss_type="dapo", is_weight=w).loss.backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1][~far], grads[0][~far], rtol=1e-5, atol=1e-9)
+    assert (grads[1][far] - grads[0][far]).abs().min() > 1e-3
