@@ -18,6 +18,7 @@ import time
 import urllib.request
 
 import pytest
+import torch
 
 from pipeline.modeling.vllm_server import free_port, vllm_python
 from tinymodels import make_tiny_model
@@ -115,3 +116,72 @@ def test_serve_vllm_bad_requests_are_openai_errors_and_the_server_stays_up(serve
         assert caught.value.status_code == status, (kwargs, caught.value.body)
         assert {"message", "type"} <= set(caught.value.body) and caught.value.body["message"], (kwargs, caught.value.body)
     assert ask(client).choices[0].message.content is not None  # still up
+
+
+# ------------------------------------------------------------------------------------------
+# generation.backend: vllm (pipeline/algorithms/vllm_generator.py)
+# ------------------------------------------------------------------------------------------
+
+
+def trainer_greedy(policy, prompts, n, eos):
+    """The trainer policy's own greedy tokens (transformers' generate, fp32), cut at EOS."""
+    from transformers import GenerationConfig
+
+    from pipeline.algorithms.rollout import cut_at_eos
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=eos, pad_token_id=eos[0])
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = policy.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                  generation_config=config)
+            out.append(cut_at_eos(ids[0, len(p):].tolist(), eos)[0])
+    return out
+
+
+def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm_tiny, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.algorithms.mismatch import logprob_diff
+    from pipeline.algorithms.rl import logprobs_from_logits
+    from pipeline.algorithms.rollout import assemble, cut_at_eos, policy_logits
+    from pipeline.algorithms.vllm_generator import VLLMGenerator
+
+    tok = AutoTokenizer.from_pretrained(vllm_tiny)
+    eos = [tok.eos_token_id]
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(vllm_tiny, dtype=torch.float32)
+    policy = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                                  "gate_proj", "up_proj", "down_proj"]))
+    prompts = [tok("Tell me a story about a cat.")["input_ids"], tok("Hi there")["input_ids"], tok("One two three")["input_ids"]]
+    target = torch.tensor([prompts[0] + tok(" the cat sat on the mat")["input_ids"]])
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=2e-2)
+    gen = VLLMGenerator(policy, str(vllm_tiny), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4)
+    try:
+        before = trainer_greedy(policy, prompts, 12, eos)
+        for k in (3, 2):  # k optimizer steps, then the engine must follow
+            for _ in range(k):
+                policy(input_ids=target, labels=target).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            want = trainer_greedy(policy, prompts, 12, eos)
+            got = [cut_at_eos(ids, eos)[0] for ids in gen.generate(prompts, temperature=0.0)]
+            assert got == want
+        assert want != before  # the steps did change the policy's answers: the sync is what makes them equal
+        torch.manual_seed(1)
+        sampled = gen.generate(prompts * 2)  # temperature 1: rows sharing a prompt get their own seeds
+        rollout = assemble(prompts * 2, sampled, tok.pad_token_id, eos)
+        engine = torch.full(rollout.response_mask.shape, float("nan"))
+        for row, (ids, lp) in enumerate(zip(rollout.responses, gen.last_logprobs)):
+            engine[row, : len(ids)] = torch.tensor(lp[: len(ids)])
+        with torch.no_grad():
+            logits = policy_logits(policy, rollout.input_ids, rollout.attention_mask, rollout.prompt_width)
+        trainer = logprobs_from_logits(logits.float(), rollout.response_ids)
+        mean, worst = logprob_diff(trainer, engine, rollout.response_mask)
+        print(f"vLLM vs trainer log-probs over {int(rollout.response_mask.sum())} sampled tokens: mean {mean:.2e}, max {worst:.2e}")
+        assert worst < 1e-3 and mean < 1e-4
+        torch.manual_seed(1)
+        assert gen.generate(prompts * 2) == sampled  # seeded from torch's RNG: the same draw again
+    finally:
+        gen.close()
