@@ -114,3 +114,77 @@ def test_a_synthetic_mismatch_changes_the_loss_only_where_the_diff_is_large(name
         grads.append(leaf.grad)
     torch.testing.assert_close(grads[1][~far], grads[0][~far], rtol=1e-5, atol=1e-9)
     assert (grads[1][far] - grads[0][far]).abs().min() > 1e-3
+
+
+# ------------------------------------------------------------------------------------------
+# The GRPO stage with an engine that reports its own log-probs (no vLLM needed)
+# ------------------------------------------------------------------------------------------
+
+
+class ReportingEngine:
+    """Relay's engine, reporting a log-prob of `offset` nats below the trainer's for every sampled
+    token: a synthetic, known mismatch."""
+
+    def __init__(self, policy, offset: float):
+        from pipeline.algorithms.rollout import RelayGenerator
+
+        self.policy, self.offset = policy, offset
+        self.inner = RelayGenerator(policy, 0, [2], 4)
+        self.last_logprobs: list = []
+
+    def generate(self, prompts):
+        from pipeline.algorithms.rl import logprobs_from_logits
+        from pipeline.algorithms.rollout import assemble, policy_logits
+
+        self.inner.pad_id, self.inner.eos_ids = self.pad_id, self.eos_ids
+        out = self.inner.generate(prompts)
+        rollout = assemble(prompts, out, self.pad_id, self.eos_ids)
+        with torch.no_grad():
+            logits = policy_logits(self.policy, rollout.input_ids, rollout.attention_mask, rollout.prompt_width)
+        trainer = logprobs_from_logits(logits.float(), rollout.response_ids)
+        self.last_logprobs = [(trainer[i, : len(r)] - self.offset).tolist() for i, r in enumerate(rollout.responses)]
+        return out
+
+
+@pytest.mark.parametrize("correction", ["none", "tis", "mis"])
+def test_grpo_stage_logs_the_mismatch_and_corrects_it(tmp_path, tiny_model_dir, correction):
+    from stagerun import run_stage
+    from stages import grpo
+    from test_grpo import make_cfg
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, prompts, max_steps=1, learning_rate=1e-3)
+    cfg.grpo.reward_funcs = ["test_mismatch:completion_chars"]
+    cfg.generation.correction, cfg.generation.correction_cap, cfg.generation.correction_floor = correction, 2.0, 0.5
+
+    seen = {}
+
+    def on_step(stage, m):
+        seen.update(m)
+
+    class Stage(grpo.GRPOStage):
+        def __init__(self, cfg):
+            super().__init__(cfg, generator_factory=self.make)
+
+        def make(self, policy):
+            engine = ReportingEngine(policy, offset=0.1)  # w = e^0.1 = 1.105 on every token: inside tis's cap and mis's band
+            engine.pad_id, engine.eos_ids = self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id]
+            return engine
+
+    run_stage(Stage, cfg, on_step=on_step)
+    assert seen["rollout/logprob_diff_mean"] == pytest.approx(0.1, abs=1e-5)
+    assert seen["rollout/logprob_diff_max"] == pytest.approx(0.1, abs=1e-5)
+    SEEN_NORM[correction] = seen["train/grad_norm"]
+    assert seen["train/grad_norm"] > 0
+    if len(SEEN_NORM) == 3:  # the gradient is linear in a uniform weight (on-policy, nothing clipped): 1.105x
+        assert SEEN_NORM["tis"] == pytest.approx(SEEN_NORM["none"] * math.exp(0.1), rel=1e-4)
+        assert SEEN_NORM["mis"] == pytest.approx(SEEN_NORM["tis"], rel=1e-6)
+
+
+SEEN_NORM: dict = {}
+
+
+def completion_chars(prompts, completions):
+    """A test reward that differs within a group: the completion's length in characters."""
+    return [float(len(c)) for c in completions]

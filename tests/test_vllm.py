@@ -185,3 +185,26 @@ def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm
         assert gen.generate(prompts * 2) == sampled  # seeded from torch's RNG: the same draw again
     finally:
         gen.close()
+
+
+def test_grpo_stage_samples_on_vllm_and_logs_the_mismatch(vllm_tiny, tmp_path):
+    """`generation.backend: vllm` end to end: two GRPO LoRA steps, the server following the
+    adapter; the engine-trainer diff on TensorBoard's figures, TIS on by default; the server is
+    stopped when the stage ends."""
+    from stagerun import run_stage
+    from stages import grpo
+    from test_grpo import make_cfg
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    cfg = make_cfg(tmp_path / "out", vllm_tiny, prompts, max_steps=2, learning_rate=1e-2, seq_length=256)
+    cfg.grpo.reward_funcs = ["test_mismatch:completion_chars"]
+    cfg.generation.backend, cfg.generation.max_new_tokens = "vllm", 8
+    assert cfg.generation.correction_name == "tis"
+    seen = {}
+    stage = run_stage(grpo.GRPOStage, cfg, on_step=lambda st, m: seen.__setitem__(st.step, (m, st._generator.server.proc)))
+    for step, (figures, _) in seen.items():
+        print(f"step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}")
+        assert figures["rollout/logprob_diff_max"] < 1e-3
+    assert stage.final_summary["steps"] == 2
+    assert seen[2][1].poll() is not None  # the stage stopped its server

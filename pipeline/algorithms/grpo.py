@@ -171,8 +171,10 @@ def grpo_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, sc
                 logp = rl.logprobs_from_logits(logits.float() / temperature, ids[:, P:])
                 old = scored["old"][rows].to(device) if "old" in scored else logp.detach()
                 ref = scored["ref"][rows].to(device) if "ref" in scored else None
+                weight = scored["is_weight"][rows].to(device) if "is_weight" in scored else None  # mismatch correction
                 out = grpo_loss(logp, old, advantages[rows].to(device), mask, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
-                                beta=g.beta, ref_logp=ref, loss_type=g.loss_type, num_tokens=num_tokens, num_sequences=num_sequences)
+                                beta=g.beta, ref_logp=ref, loss_type=g.loss_type, num_tokens=num_tokens, num_sequences=num_sequences,
+                                is_weight=weight)
                 accelerator.backward(out.loss * scale)
             if "ratio_dev_first" not in stats:
                 stats["ratio_dev_first"].append(float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()))

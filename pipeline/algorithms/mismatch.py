@@ -66,3 +66,17 @@ def logprob_diff(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: to
     if delta.numel() == 0:
         return 0.0, 0.0
     return float(delta.mean()), float(delta.max())
+
+
+def engine_logprob_matrix(responses: list[list[int]], engine: list[list[float]], width: int) -> torch.Tensor:
+    """The engine's per-token log-probs laid out as a rollout's responses ([B, width], NaN beyond
+    each response: `assemble` cut them at EOS, so only their first len(response) values count).
+
+    Raises:
+        ValueError: the engine gave fewer log-probs than a response has tokens."""
+    out = torch.full((len(responses), width), float("nan"), dtype=torch.float32)
+    for row, (ids, values) in enumerate(zip(responses, engine)):
+        if len(values) < len(ids):
+            raise ValueError(f"engine log-probs: row {row} has {len(ids)} tokens but {len(values)} log-probs")
+        out[row, : len(ids)] = torch.tensor(values[: len(ids)], dtype=torch.float32)
+    return out

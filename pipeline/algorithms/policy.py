@@ -13,6 +13,7 @@ from typing import Callable, ClassVar, Optional
 import torch
 
 from data_formats.datasets import build_prompt_data
+from pipeline.algorithms.mismatch import engine_logprob_matrix
 from pipeline.algorithms.rollout import ActorCritic, Generator, Rollout, assemble, make_generator
 from pipeline.config import RewardModelConfig
 from pipeline.engine.accelerator import is_zero3
@@ -67,9 +68,18 @@ class PolicyStage(Stage):
         self._generator: Optional[Generator] = None
 
     def problems(self) -> list[str]:
+        found = []
+        if self.cfg.generation.backend == "vllm":
+            from pipeline.modeling.vllm_server import vllm_python
+
+            if vllm_python() is None:
+                found.append("generation.backend: vllm is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm)")
+            if self.cfg.model.finetuning not in ("lora", "qlora"):
+                found.append("generation.backend: vllm follows a LoRA policy only (model.finetuning lora/qlora); "
+                             "full fine-tuning weight sync is not built yet")
         if self.reward_path is None:
-            return []
-        return reward_model_problems(self.cfg.reward_model, self.reward_path, self.model_path, self.name.upper())
+            return found
+        return found + reward_model_problems(self.cfg.reward_model, self.reward_path, self.model_path, self.name.upper())
 
     def build_prompts(self) -> list[str]:
         """Prompts (eval prompts only when evaluation is on), each short enough that a response of
@@ -100,15 +110,21 @@ class PolicyStage(Stage):
     def generator(self) -> Generator:
         if self._generator is None:
             policy, gen, tok = self.inner.policy, self.cfg.generation, self.tokenizer
+            engine = ({"base": self.model_path, "workdir": Path(self.cfg.output_dir) / "vllm", "max_model_len": self.cfg.train.seq_length}
+                      if gen.backend == "vllm" else {})
             self._generator = self.generator_factory(policy) if self.generator_factory else make_generator(
                 gen.backend, policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens, gen.temperature,
-                synced_gpus=is_zero3(self.accelerator))
+                synced_gpus=is_zero3(self.accelerator), **engine)
         return self._generator
 
     def rollout(self, prompts: list[dict], copies: int = 1) -> Rollout:
         """`copies` sampled responses of each prompt, consecutive (a group per prompt), laid out for scoring."""
         ids = [p["prompt_ids"] for p in prompts for _ in range(copies)]
-        return assemble(ids, self.generator.generate(ids), self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
+        rollout = assemble(ids, self.generator.generate(ids), self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
+        engine = getattr(self.generator, "last_logprobs", None)  # an engine that reports its log-probs (vLLM)
+        if engine:
+            rollout.engine_logp = engine_logprob_matrix(rollout.responses, engine, rollout.response_mask.shape[1])
+        return rollout
 
     def reward_model_record(self) -> dict:
         """The reward model the policy was optimised against (the driver re-runs the stage when it changes)."""
@@ -121,4 +137,7 @@ class PolicyStage(Stage):
         return self.inner.policy
 
     def release(self) -> None:
+        close = getattr(self._generator, "close", None)  # a server the generator started (vLLM)
+        if close is not None:
+            close()
         self._generator = None
