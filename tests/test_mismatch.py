@@ -125,18 +125,17 @@ class ReportingEngine:
     """Relay's engine, reporting a log-prob of `offset` nats below the trainer's for every sampled
     token: a synthetic, known mismatch."""
 
-    def __init__(self, policy, offset: float):
+    def __init__(self, policy, offset: float, pad_id: int, eos_ids: list, max_new_tokens: int = 4):
         from pipeline.algorithms.rollout import RelayGenerator
 
-        self.policy, self.offset = policy, offset
-        self.inner = RelayGenerator(policy, 0, [2], 4)
+        self.policy, self.offset, self.pad_id, self.eos_ids = policy, offset, pad_id, eos_ids
+        self.inner = RelayGenerator(policy, pad_id, eos_ids, max_new_tokens)
         self.last_logprobs: list = []
 
     def generate(self, prompts):
         from pipeline.algorithms.rl import logprobs_from_logits
         from pipeline.algorithms.rollout import assemble, policy_logits
 
-        self.inner.pad_id, self.inner.eos_ids = self.pad_id, self.eos_ids
         out = self.inner.generate(prompts)
         rollout = assemble(prompts, out, self.pad_id, self.eos_ids)
         with torch.no_grad():
@@ -167,10 +166,8 @@ def test_grpo_stage_logs_the_mismatch_and_corrects_it(tmp_path, tiny_model_dir, 
         def __init__(self, cfg):
             super().__init__(cfg, generator_factory=self.make)
 
-        def make(self, policy):
-            engine = ReportingEngine(policy, offset=0.1)  # w = e^0.1 = 1.105 on every token: inside tis's cap and mis's band
-            engine.pad_id, engine.eos_ids = self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id]
-            return engine
+        def make(self, policy):  # w = e^0.1 = 1.105 on every token: inside tis's cap and mis's band
+            return ReportingEngine(policy, 0.1, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
 
     run_stage(Stage, cfg, on_step=on_step)
     assert seen["rollout/logprob_diff_mean"] == pytest.approx(0.1, abs=1e-5)
@@ -188,3 +185,23 @@ SEEN_NORM: dict = {}
 def completion_chars(prompts, completions):
     """A test reward that differs within a group: the completion's length in characters."""
     return [float(len(c)) for c in completions]
+
+
+def test_ppo_stage_logs_the_mismatch(tmp_path, tiny_model_dir, tiny_reward_dir):
+    from stagerun import run_stage
+    from stages import ppo
+    from test_ppo import make_cfg
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts, max_steps=1, learning_rate=1e-3)
+
+    class Stage(ppo.PPOStage):
+        def __init__(self, cfg):
+            super().__init__(cfg, generator_factory=lambda policy: ReportingEngine(
+                policy, 0.25, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id], cfg.generation.max_new_tokens))
+
+    seen = {}
+    run_stage(Stage, cfg, on_step=lambda stage, m: seen.update(m))
+    assert seen["rollout/logprob_diff_mean"] == pytest.approx(0.25, abs=1e-5)
+    assert seen["rollout/logprob_diff_max"] == pytest.approx(0.25, abs=1e-5)

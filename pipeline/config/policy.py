@@ -51,7 +51,7 @@ class GenerationConfig:
     """Train-inference mismatch correction of the GRPO loss (pipeline/algorithms/mismatch.py): none,
     tis (token-level truncated importance weights) or mis (tokens whose weight leaves
     [correction_floor, correction_cap] drop out); auto: tis for vllm, none for relay and hf (they
-    sample the distribution the trainer scores)."""
+    sample the distribution the trainer scores). PPO logs the mismatch but corrects nothing yet."""
     correction_cap: float = 3.0
     """Upper bound of the importance weight p_trainer / p_engine (TRL's default 3.0)."""
     correction_floor: Optional[float] = None

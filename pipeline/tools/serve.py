@@ -6,10 +6,11 @@
 
 With `--backend vllm` this runs vLLM's own OpenAI server on the folder (`--backend auto` too when
 vLLM is importable here): on a CPU from its own environment, bench/.venv-vllm
-(run_scripts/install_vllm.sh; pipeline/modeling/vllm_server.py says why). Otherwise a FastAPI app on uvicorn answers `GET /v1/models` and `POST /v1/chat/completions`
-as OpenAI clients use it (pipeline.tools.openai_protocol: streaming as server-sent events, `n`,
-`stop`, text-part content, the developer role; OpenAI-style errors), prompting through the
-folder's own chat template exactly as `relay chat` does. Requests are batched together
+(run_scripts/install_vllm.sh; pipeline/modeling/vllm_server.py says why). Otherwise a FastAPI app
+on uvicorn answers `GET /v1/models` and `POST /v1/chat/completions` as OpenAI clients use it
+(pipeline.tools.openai_protocol: streaming as server-sent events, `n`, `stop`, text-part content,
+the developer role; OpenAI-style errors), prompting through the folder's own chat template exactly
+as `relay chat` does. Requests are batched together
 (pipeline.tools.serve_batch): one generate call serves every request waiting, for at most
 --slice-tokens new tokens per row; rows still going continue in the next batch beside requests
 that arrived meanwhile, so a long answer never holds the others back. Limits: --max-request-bytes per body, the model's context for
