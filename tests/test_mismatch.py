@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipeline.algorithms import grpo as algo
-from pipeline.algorithms.mismatch import CORRECTIONS, correction_weights, logprob_diff
+from pipeline.algorithms.mismatch import CORRECTIONS, correction_weights, engine_logprob_matrix, logprob_diff
 from test_grpo import _fixed, trl_loss
 
 MODES = {"tis": "token_truncate", "mis": "token_mask"}
@@ -205,3 +205,27 @@ def test_ppo_stage_logs_the_mismatch(tmp_path, tiny_model_dir, tiny_reward_dir):
     run_stage(Stage, cfg, on_step=lambda stage, m: seen.update(m))
     assert seen["rollout/logprob_diff_mean"] == pytest.approx(0.25, abs=1e-5)
     assert seen["rollout/logprob_diff_max"] == pytest.approx(0.25, abs=1e-5)
+
+
+def test_relay_engine_log_probs_equal_the_trainers(tiny_model_dir):
+    """The `relay` backend needs no correction: its own log-probs of what it sampled (decode.py's
+    `logprobs`) are the trainer's within fp32 rounding (the issue's goal: mean <= 1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.algorithms.rl import logprobs_from_logits
+    from pipeline.algorithms.rollout import assemble, policy_logits
+    from pipeline.modeling.decode import generate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [[1, 5, 9, 13], [2, 7], [3, 4, 5, 6, 7, 8]] * 2
+    torch.manual_seed(0)
+    out = generate(model, prompts, max_new_tokens=12, eos_ids=[2], pad_id=0, temperature=0.7, logprobs=True, keep_packed=False)
+    rollout = assemble(prompts, out.tokens, 0, [2])
+    engine = engine_logprob_matrix(rollout.responses, out.logprobs, rollout.response_mask.shape[1])
+    with torch.no_grad():
+        logits = policy_logits(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_width)
+    trainer = logprobs_from_logits(logits.float() / 0.7, rollout.response_ids)
+    mean, worst = logprob_diff(trainer, engine, rollout.response_mask)
+    print(f"relay engine vs trainer over {int(rollout.response_mask.sum())} tokens: mean {mean:.2e}, max {worst:.2e}")
+    assert mean <= 1e-5 and worst <= 1e-4
+    assert correction_weights("tis", trainer, engine, rollout.response_mask, 3.0)[rollout.response_mask.bool()].sub(1).abs().max() < 1e-4
