@@ -229,3 +229,27 @@ def test_relay_engine_log_probs_equal_the_trainers(tiny_model_dir):
     print(f"relay engine vs trainer over {int(rollout.response_mask.sum())} tokens: mean {mean:.2e}, max {worst:.2e}")
     assert mean <= 1e-5 and worst <= 1e-4
     assert correction_weights("tis", trainer, engine, rollout.response_mask, 3.0)[rollout.response_mask.bool()].sub(1).abs().max() < 1e-4
+
+
+def test_vllm_backend_config_problems(tmp_path, tiny_model_dir, monkeypatch):
+    """Refused before any model loads, one line each: a full fine-tuning policy (no weight sync to
+    vLLM yet), vLLM's environment absent, a correction not in the registry, a band upside down."""
+    from pipeline.config import ConfigError
+    from pipeline.modeling import vllm_server
+    from stages import grpo
+    from test_grpo import make_cfg
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, prompts, max_steps=1)
+    cfg.generation.backend, cfg.model.finetuning = "vllm", "full"
+    cfg.generation.correction, cfg.generation.correction_floor, cfg.generation.correction_cap = "seq_tis", 2.0, 1.0
+    monkeypatch.setattr(vllm_server, "vllm_python", lambda: None)
+    with pytest.raises(ConfigError) as err:
+        grpo.GRPOStage(cfg).validate()
+    joined = "\n".join(err.value.problems)
+    assert "generation.correction: 'seq_tis' is not one of ('auto', 'none', 'tis', 'mis')" in joined
+    assert "need 0 <= floor < cap" in joined
+    assert "generation.backend: vllm follows a LoRA policy only" in joined
+    assert "generation.backend: vllm is not installed (bash run_scripts/install_vllm.sh" in joined
+    assert cfg.generation.correction_name == "seq_tis" and grpo.GRPOConfig().generation.correction_name == "none"
