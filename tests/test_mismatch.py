@@ -232,8 +232,8 @@ def test_relay_engine_log_probs_equal_the_trainers(tiny_model_dir):
 
 
 def test_vllm_backend_config_problems(tmp_path, tiny_model_dir, monkeypatch):
-    """Refused before any model loads, one line each: a full fine-tuning policy (no weight sync to
-    vLLM yet), vLLM's environment absent, a correction not in the registry, a band upside down."""
+    """Refused before any model loads, one line each: a sharded engine (no weight sync from shards
+    yet), full fine-tuning of a model with tied embeddings, vLLM's environment absent, a correction not in the registry, a band upside down."""
     from pipeline.config import ConfigError
     from pipeline.modeling import vllm_server
     from stages import grpo
@@ -242,7 +242,7 @@ def test_vllm_backend_config_problems(tmp_path, tiny_model_dir, monkeypatch):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, prompts, max_steps=1)
-    cfg.generation.backend, cfg.model.finetuning = "vllm", "full"
+    cfg.generation.backend, cfg.distributed.engine, cfg.model.finetuning = "vllm", "fsdp", "full"
     cfg.generation.correction, cfg.generation.correction_floor, cfg.generation.correction_cap = "seq_tis", 2.0, 1.0
     monkeypatch.setattr(vllm_server, "vllm_python", lambda: None)
     with pytest.raises(ConfigError) as err:
@@ -250,6 +250,7 @@ def test_vllm_backend_config_problems(tmp_path, tiny_model_dir, monkeypatch):
     joined = "\n".join(err.value.problems)
     assert "generation.correction: 'seq_tis' is not one of ('auto', 'none', 'tis', 'mis')" in joined
     assert "need 0 <= floor < cap" in joined
-    assert "generation.backend: vllm follows a LoRA policy only" in joined
+    assert "a model with tied input/output embeddings cannot be synced into vLLM yet" in joined  # the tiny model ties them
+    assert "generation.backend: vllm syncs weights from one whole policy; distributed.engine 'fsdp'" in joined
     assert "generation.backend: vllm is not installed (bash run_scripts/install_vllm.sh" in joined
     assert cfg.generation.correction_name == "seq_tis" and grpo.GRPOConfig().generation.correction_name == "none"

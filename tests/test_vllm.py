@@ -35,6 +35,13 @@ def vllm_tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def vllm_untied(tmp_path_factory):
+    """As vllm_tiny, with an output head of its own (full fine-tuning's weight sync needs one)."""
+    return make_tiny_model(tmp_path_factory.mktemp("vllm") / "untied", seed=0, num_attention_heads=2, num_key_value_heads=1,
+                           tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
 def served(vllm_tiny, tmp_path_factory):
     """(openai client, base URL) of `relay serve --backend vllm` on a free port; its process group
     (the CLI, vLLM's API server and engine) is killed in teardown."""
@@ -187,9 +194,10 @@ def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm
         gen.close()
 
 
-def test_grpo_stage_samples_on_vllm_and_logs_the_mismatch(vllm_tiny, tmp_path):
-    """`generation.backend: vllm` end to end: two GRPO LoRA steps, the server following the
-    adapter; the engine-trainer diff on TensorBoard's figures, TIS on by default; the server is
+@pytest.mark.parametrize("finetuning", ["lora", "full"])
+def test_grpo_stage_samples_on_vllm_and_logs_the_mismatch(vllm_tiny, vllm_untied, tmp_path, finetuning):
+    """`generation.backend: vllm` end to end: two GRPO steps, the server following the policy (the
+    engine's log-probs within 1e-3 of the trainer's shows it sampled from the updated weights); the engine-trainer diff on TensorBoard's figures, TIS on by default; the server is
     stopped when the stage ends."""
     from stagerun import run_stage
     from stages import grpo
@@ -197,9 +205,10 @@ def test_grpo_stage_samples_on_vllm_and_logs_the_mismatch(vllm_tiny, tmp_path):
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
-    cfg = make_cfg(tmp_path / "out", vllm_tiny, prompts, max_steps=2, learning_rate=1e-2, seq_length=256)
+    model = vllm_tiny if finetuning == "lora" else vllm_untied
+    cfg = make_cfg(tmp_path / "out", model, prompts, max_steps=2, learning_rate=1e-2, seq_length=256)
     cfg.grpo.reward_funcs = ["test_mismatch:completion_chars"]
-    cfg.generation.backend, cfg.generation.max_new_tokens = "vllm", 8
+    cfg.generation.backend, cfg.generation.max_new_tokens, cfg.model.finetuning = "vllm", 8, finetuning
     assert cfg.generation.correction_name == "tis"
     seen = {}
     stage = run_stage(grpo.GRPOStage, cfg, on_step=lambda st, m: seen.__setitem__(st.step, (m, st._generator.server.proc)))
@@ -208,3 +217,35 @@ def test_grpo_stage_samples_on_vllm_and_logs_the_mismatch(vllm_tiny, tmp_path):
         assert figures["rollout/logprob_diff_max"] < 1e-3
     assert stage.final_summary["steps"] == 2
     assert seen[2][1].poll() is not None  # the stage stopped its server
+
+
+def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.algorithms.rollout import cut_at_eos
+    from pipeline.algorithms.vllm_generator import VLLMGenerator
+    from pipeline.modeling.vllm_server import VLLMError
+
+    tok = AutoTokenizer.from_pretrained(vllm_untied)
+    eos = [tok.eos_token_id]
+    tied = AutoModelForCausalLM.from_pretrained(vllm_tiny, dtype=torch.float32)
+    with pytest.raises(VLLMError, match="tied input/output embeddings"):  # refused before any server starts
+        VLLMGenerator(tied, str(vllm_tiny), tmp_path / "tied", tok.pad_token_id, eos, max_new_tokens=4).start()
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_pretrained(vllm_untied, dtype=torch.float32)
+    prompts = [tok("Tell me a story about a cat.")["input_ids"], tok("Hi there")["input_ids"]]
+    target = torch.tensor([prompts[0] + tok(" the cat sat on the mat")["input_ids"]])
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    gen = VLLMGenerator(policy, str(vllm_untied), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4)
+    try:
+        before = trainer_greedy(policy, prompts, 12, eos)
+        for k in (2, 1):
+            for _ in range(k):
+                policy(input_ids=target, labels=target).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            want = trainer_greedy(policy, prompts, 12, eos)
+            assert [cut_at_eos(ids, eos)[0] for ids in gen.generate(prompts, temperature=0.0)] == want
+        assert want != before
+    finally:
+        gen.close()

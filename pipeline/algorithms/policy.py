@@ -46,6 +46,14 @@ def reward_model_problems(rm: RewardModelConfig, reward_path: str, policy_path: 
     return found or reward_pairing_problems(policy_path, reward_path)
 
 
+def tied_embeddings(folder: str) -> bool:
+    """Whether the model folder's config ties its output head to its input embedding."""
+    import json
+
+    path = Path(folder) / "config.json"
+    return path.is_file() and bool(json.loads(path.read_text()).get("tie_word_embeddings", False))
+
+
 def frozen(model: torch.nn.Module) -> torch.nn.Module:
     """`model` without gradients, in eval mode (a reference or reward copy)."""
     model.requires_grad_(False)
@@ -74,9 +82,12 @@ class PolicyStage(Stage):
 
             if vllm_python() is None:
                 found.append("generation.backend: vllm is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm)")
-            if self.cfg.model.finetuning not in ("lora", "qlora"):
-                found.append("generation.backend: vllm follows a LoRA policy only (model.finetuning lora/qlora); "
-                             "full fine-tuning weight sync is not built yet")
+            if self.cfg.model.finetuning == "full" and tied_embeddings(self.model_path):
+                found.append("generation.backend: vllm with model.finetuning full: a model with tied input/output embeddings "
+                             "cannot be synced into vLLM yet (use lora)")
+            if self.cfg.distributed.engine != "ddp":
+                found.append(f"generation.backend: vllm syncs weights from one whole policy; distributed.engine "
+                             f"{self.cfg.distributed.engine!r} is not supported with it yet (use ddp)")
         if self.reward_path is None:
             return found
         return found + reward_model_problems(self.cfg.reward_model, self.reward_path, self.model_path, self.name.upper())

@@ -8,8 +8,8 @@ merged base model the policy starts from, with LoRA enabled.
 
 Weights follow the policy before every rollout: the LoRA adapter is saved (safetensors) and
 loaded at runtime under a new name (/v1/load_lora_adapter, VLLM_ALLOW_RUNTIME_LORA_UPDATING), the
-previous one unloaded. Full fine-tuning would need the weights pushed into the engine
-(not built: the generator refuses a policy without an adapter).
+previous one unloaded. Full fine-tuning: the weights are saved and reloaded in place
+(`sync_full`, through vLLM's development endpoints on 127.0.0.1; one process, no ZeRO-3/FSDP gather).
 
 Sampling is the distribution the update scores: temperature only (top_k/top_p off, no penalties,
 the checkpoint's generation_config ignored), log-probs of the processed (temperature-scaled)
@@ -46,16 +46,10 @@ def parse_choice(choice: dict) -> tuple[list[int], list[float]]:
     return ids, values
 
 
-def adapter_rank(policy: torch.nn.Module) -> int:
-    """The policy's LoRA rank (the server's --max-lora-rank must hold it).
-
-    Raises:
-        VLLMError: the policy has no LoRA adapter (full fine-tuning weight sync is not built)."""
+def adapter_rank(policy: torch.nn.Module) -> Optional[int]:
+    """The policy's LoRA rank (the server's --max-lora-rank must hold it); None: full fine-tuning."""
     config = getattr(policy, "peft_config", {}).get("default")
-    if config is None:
-        raise VLLMError("generation.backend vllm: the policy must be a LoRA (model.finetuning lora/qlora); pushing "
-                        "full fine-tuned weights into vLLM is not built yet")
-    return int(config.r)
+    return None if config is None else int(config.r)
 
 
 @dataclass
@@ -80,16 +74,25 @@ class VLLMGenerator:
 
     def start(self) -> None:
         if self.server is None:
-            opts = ServerOptions(name="base", max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs, enable_lora=True,
-                                 max_lora_rank=max(8, adapter_rank(self.policy)), extra=["--logprobs-mode", "processed_logprobs"])
+            rank = adapter_rank(self.policy)
+            if rank is None and getattr(self.policy.config, "tie_word_embeddings", False):
+                # vLLM's in-place reload re-reads the embedding but not the head tied to it
+                # ("ParallelLMHead: Failed to load weights"): the engine would sample from a stale head.
+                raise VLLMError("generation.backend vllm with full fine-tuning: a model with tied input/output embeddings "
+                                "cannot be synced into vLLM yet (use LoRA)")
+            opts = ServerOptions(name="base", max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                                 enable_lora=rank is not None, max_lora_rank=max(8, rank or 0), dev_mode=rank is None,
+                                 extra=["--logprobs-mode", "processed_logprobs"])
             self.workdir.mkdir(parents=True, exist_ok=True)
             self.server = VLLMServer(self.base, opts, log_path=self.workdir / "vllm.log").start()
 
     def sync(self) -> str:
-        """Save the policy's adapter and load it into the server under a new name; returns the name."""
-        adapter_rank(self.policy)
+        """Save the policy's adapter and load it into the server under a new name (full fine-tuning:
+        its weights, reloaded in place); returns the model name to request."""
         self.start()
         self._version += 1
+        if adapter_rank(self.policy) is None:
+            return self.sync_full()
         name, path = f"policy-{self._version}", self.workdir / f"adapter-{self._version}"
         self.policy.save_pretrained(str(path), safe_serialization=True)
         self.server.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
@@ -98,6 +101,17 @@ class VLLMGenerator:
             self.server.post("/v1/unload_lora_adapter", {"lora_name": f"policy-{old}"})
             shutil.rmtree(self.workdir / f"adapter-{old}", ignore_errors=True)
         return name
+
+    def sync_full(self) -> str:
+        """Full fine-tuning: save the policy (safetensors) and have every worker reload its weights
+        from there in place (/collective_rpc reload_weights), then drop the prefix cache, whose KV
+        entries the old weights computed."""
+        path = self.workdir / f"weights-{self._version}"
+        self.policy.save_pretrained(str(path), safe_serialization=True)
+        self.server.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+        self.server.post("/reset_prefix_cache", {})
+        shutil.rmtree(self.workdir / f"weights-{self._version - 1}", ignore_errors=True)
+        return "base"
 
     def request(self, model: str, prompt: Sequence[int], seed: int, temperature: float) -> tuple[list[int], list[float]]:
         body = {"model": model, "prompt": list(prompt), "max_tokens": self.max_new_tokens, "temperature": temperature,

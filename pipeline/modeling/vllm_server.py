@@ -71,6 +71,9 @@ class ServerOptions:
     seed: int = 0
     tensor_parallel_size: int = 1
     gpu_memory_utilization: Optional[float] = None
+    dev_mode: bool = False
+    """vLLM's development endpoints (/collective_rpc, /reset_prefix_cache): the RL backend's
+    full fine-tuning weight sync. Only ever on 127.0.0.1."""
     extra: list[str] = field(default_factory=list)
 
 
@@ -90,7 +93,7 @@ def server_command(python: str, folder: str, host: str, port: int, opts: ServerO
     return cmd + list(opts.extra)
 
 
-def server_env(runtime_lora: bool = False) -> dict[str, str]:
+def server_env(runtime_lora: bool = False, dev_mode: bool = False) -> dict[str, str]:
     """The environment the server runs in: small on a CPU, offline, and (for the RL backend)
     allowed to load adapters at runtime (/v1/load_lora_adapter)."""
     env = dict(os.environ)
@@ -102,6 +105,8 @@ def server_env(runtime_lora: bool = False) -> dict[str, str]:
     env.setdefault("DO_NOT_TRACK", "1")
     if runtime_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     return env
 
 
@@ -127,7 +132,7 @@ class VLLMServer:
     def start(self) -> "VLLMServer":
         cmd = server_command(self.python, self.folder, self.host, self.port, self.opts)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, env=server_env(self.opts.enable_lora), stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, env=server_env(self.opts.enable_lora, self.opts.dev_mode), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
