@@ -41,6 +41,8 @@ from pipeline.algorithms import advantages as adv
 from pipeline.algorithms import grpo as algo
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.grpo_config import GRPOSection
+from pipeline.algorithms.mismatch import correction_weights
+from pipeline.algorithms.mismatch import logprob_diff as mismatch_diff
 from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
 from pipeline.algorithms.rollout import ActorCritic, chunks, take_rows
 from pipeline.algorithms.tool_rollout import tools_problems
@@ -252,9 +254,11 @@ class GRPOStage(PolicyStage):
             gen_time = time.perf_counter() - started
             texts = [p["text"] for p in batch for _ in range(G)]
             advantages = self.advantages(total, parts, weights, rollout)
+            engine = rollout.engine_logp is not None  # the engine's own log-probs: measure and correct the mismatch
             scored = algo.score_completions(self.inner, rollout, micro=rollout.input_ids.shape[0] // cfg.train.grad_accum,
                                             temperature=cfg.generation.temperature, autocast=acc.autocast,
-                                            old=cfg.grpo.num_iterations > 1, reference=cfg.grpo.beta > 0)
+                                            old=cfg.grpo.num_iterations > 1 or engine, reference=cfg.grpo.beta > 0)
+        mismatch = self.mismatch(rollout, scored) if engine else {}
         update = algo.grpo_update(self.model, self.optimizer, rollout, advantages, scored, acc, cfg, self.step + 1)
         group_std = total.view(-1, G).std(1)
         local = {"grpo/reward": float(total.mean()), "grpo/reward_std": float(group_std.mean()),
@@ -266,12 +270,25 @@ class GRPOStage(PolicyStage):
                         "grpo/clipfrac": self._mean_over_ranks(update["clipfrac"]),
                         "grpo/ratio_dev_first": update["ratio_dev_first"],
                         "grpo/gen_time_frac": gen_time / (time.perf_counter() - started)})
+        figures.update(mismatch)
         if "kl" in update:
             figures["grpo/kl"] = self._mean_over_ranks(update["kl"])
         if (self.step + 1) % cfg.train.log_steps == 0:
             self.tracker.log_text("grpo/samples", self.sample_text(texts, rollout, total), self.step + 1)
         self.last_rollout = {"rollout": rollout, "rewards": total, "advantages": advantages, "parts": parts}
         return figures
+
+    def mismatch(self, rollout, scored: dict) -> dict[str, float]:
+        """The engine-trainer log-prob diff (mean, max over sampled tokens) as figures, and the
+        correction's weights into `scored['is_weight']` (generation.correction)."""
+        gen = self.cfg.generation
+        mask = rollout.response_mask.float()
+        mean, worst = mismatch_diff(scored["old"], rollout.engine_logp, mask)
+        weight = correction_weights(gen.correction_name, scored["old"], rollout.engine_logp, mask, gen.correction_cap,
+                                    gen.correction_floor)
+        if weight is not None:
+            scored["is_weight"] = weight
+        return {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": worst}
 
     def _mean_over_ranks(self, value: float) -> float:
         acc = self.accelerator

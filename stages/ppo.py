@@ -31,6 +31,7 @@ if __package__ in (None, ""):
 import torch
 
 from pipeline.algorithms import rl
+from pipeline.algorithms.mismatch import logprob_diff
 from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
 from pipeline.algorithms.ppo import REWARD_NORMS, RewardFn, make_experience, ppo_update, sample_text, score_rollout, step_metrics
 from pipeline.algorithms.rollout import ActorCritic
@@ -230,6 +231,9 @@ class PPOStage(PolicyStage):
         update = ppo_update(self.model, self.optimizer, exp, acc, cfg, step)
         figures = step_metrics(exp, update, acc, kl_coef=self.kl_controller.value, gen_frac=gen_time / (time.perf_counter() - started))
         self.kl_controller.update(figures["ppo/kl"], cfg.train.batch_size * acc.num_processes)
+        if rollout.engine_logp is not None:  # an engine reporting its log-probs (vLLM): the mismatch, measured
+            mean, worst = logprob_diff(exp.old_logprobs, rollout.engine_logp, rollout.response_mask)
+            figures.update({"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": worst})
         if step % cfg.train.log_steps == 0:
             self.tracker.log_text("ppo/samples", sample_text(self.tokenizer, texts, exp, cfg.ppo.samples_logged), step)
         self.last_experience = exp

@@ -197,13 +197,13 @@ def test_backend_is_chosen_by_config_and_zero3_samples_with_hf(tiny):
     from pipeline.config import GenerationConfig
 
     assert GenerationConfig().backend == "relay" and not GenerationConfig().problems()
-    assert GenerationConfig(backend="vllm").problems() == ["generation.backend: 'vllm' is not one of ('relay', 'hf')"]
+    assert GenerationConfig(backend="sglang").problems() == ["generation.backend: 'sglang' is not one of ('relay', 'hf', 'vllm')"]
     assert isinstance(make_generator("relay", tiny, 0, [2], 4), RelayGenerator)
     assert isinstance(make_generator("hf", tiny, 0, [2], 4), HFGenerator)
     zero3 = make_generator("relay", tiny, 0, [2], 4, synced_gpus=True)
     assert isinstance(zero3, HFGenerator) and zero3.synced_gpus
-    with pytest.raises(ValueError, match="generation.backend: 'vllm'"):
-        make_generator("vllm", tiny, 0, [2], 4)
+    with pytest.raises(ValueError, match="generation.backend: 'sglang'"):
+        make_generator("sglang", tiny, 0, [2], 4)
 
 
 def test_a_layer_with_its_own_forward_wrapper_keeps_it(tiny):

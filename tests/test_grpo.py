@@ -46,8 +46,10 @@ def _fixed(seed=0, B=4, T=5):
     return logp, old, ref, adv, mask
 
 
-def trl_loss(logp, old, ref, adv, mask, *, loss_type, beta, epsilon=0.2, epsilon_high=None, grad_accum=1, num_items=None):
-    """TRL 1.16's `_compute_loss` on these tensors: (loss, d loss / d logp)."""
+def trl_loss(logp, old, ref, adv, mask, *, loss_type, beta, epsilon=0.2, epsilon_high=None, grad_accum=1, num_items=None,
+             is_ratio=None):
+    """TRL 1.16's `_compute_loss` on these tensors: (loss, d loss / d logp); `is_ratio` given: with
+    vLLM's importance-sampling correction on and that ratio (tests/test_mismatch.py)."""
     pytest.importorskip("trl")
     import trl
     from trl.trainer.grpo_trainer import GRPOTrainer
@@ -60,7 +62,7 @@ def trl_loss(logp, old, ref, adv, mask, *, loss_type, beta, epsilon=0.2, epsilon
         _get_per_token_logps_and_entropies=lambda *a, **k: (leaf, torch.zeros_like(leaf), None),
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
         loss_type=loss_type, epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high,
-        use_vllm=False, vllm_importance_sampling_correction=False, aux_loss_enabled=False, _entropy_bonus_enabled=False,
+        use_vllm=is_ratio is not None, vllm_importance_sampling_correction=is_ratio is not None, aux_loss_enabled=False, _entropy_bonus_enabled=False,
         args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=grad_accum),
         model=SimpleNamespace(training=True), current_gradient_accumulation_steps=grad_accum, accelerator=acc,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, max_completion_length=logp.shape[1],
@@ -70,6 +72,8 @@ def trl_loss(logp, old, ref, adv, mask, *, loss_type, beta, epsilon=0.2, epsilon
               "completion_ids": torch.zeros(B, logp.shape[1], dtype=torch.long), "completion_mask": mask.long(),
               "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
               "num_items_in_batch": torch.tensor(float(mask.sum() if num_items is None else num_items))}
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
     loss = GRPOTrainer._compute_loss(stand_in, None, inputs)
     loss.backward()
     return loss.detach(), leaf.grad, stand_in._metrics["train"]

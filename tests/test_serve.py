@@ -245,3 +245,11 @@ def test_choice_text_holds_back_a_possible_stop_and_cuts_before_it():
 def test_serve_refuses_a_reward_model(tiny_reward_dir, capsys):
     assert main([str(tiny_reward_dir), "--backend", "transformers"]) == 2
     assert "is a reward model" in capsys.readouterr().err
+
+
+def test_serve_vllm_without_its_environment_is_one_clear_line(tiny_model_dir, capsys, monkeypatch):
+    from pipeline.modeling import vllm_server
+
+    monkeypatch.setattr(vllm_server, "vllm_python", lambda: None)
+    assert main([str(tiny_model_dir), "--backend", "vllm"]) == 2
+    assert "vLLM is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm" in capsys.readouterr().err

@@ -251,12 +251,15 @@ def test_dynamic_sampling_keeps_a_tool_rollouts_rows_as_sampled(tok):
     sample = _sample(t, template, [Turn("user", "What is 2 + 3?")], [tool.schema for tool in tools.values()])
     tool_run = tool_rollout(Scripted(t, ["I will add.\n" + CALL_LAYOUT, "5"]), [sample], env)
     plain_run = tool_rollout(Scripted(t, ["No tool needed: 5"]), [sample], env)
+    for run in (plain_run, tool_run):  # an engine that reports its log-probs (vLLM): they follow their rows
+        run.engine_logp = torch.randn(run.response_mask.shape)
     both = take_rows([(plain_run, 0), (tool_run, 0)], [sample["prompt_ids"]] * 2, t.pad_token_id)
     for row, source in enumerate((plain_run, tool_run)):
         n = len(source.responses[0])
         assert both.responses[row] == source.responses[0]
         assert both.response_mask[row, :n].tolist() == source.response_mask[0, :n].tolist()
         assert both.conversations[row] == source.conversations[0] and bool(both.finished[row]) == bool(source.finished[0])
+        assert torch.equal(both.engine_logp[row, :n], source.engine_logp[0, :n]) and both.engine_logp[row, n:].isnan().all()
     assert 0 in both.response_mask[1, : len(tool_run.responses[0])].tolist()  # the inserted result, untrained
 
 

@@ -108,8 +108,9 @@ def grpo_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, sc
                 # untrained positions (padding, a tool rollout's inserted results): their log-probs are never read
                 logp, old, ref = (None if t is None else t.masked_fill(mask == 0, 0.0) for t in (logp, old, ref))
                 keep = _entropy_filter(logits, mask, g.top_entropy_quantile, accelerator)
+                weight = scored["is_weight"][rows].to(device) if "is_weight" in scored else None  # mismatch correction
                 out = grpo_loss(logp, old, advantages[rows].to(device), mask, ref_logp=ref, objective=objective, totals=totals,
-                                token_filter=keep)
+                                token_filter=keep, is_weight=weight)
                 accelerator.backward(out.loss * scale)
             if "ratio_dev_first" not in stats:
                 stats["ratio_dev_first"].append(float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()))

@@ -208,11 +208,14 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
               epsilon_high: Optional[float] = None, beta: float = 0.0, ref_logp: Optional[torch.Tensor] = None,
               loss_type: str = "dapo", num_tokens: Optional[float] = None, num_sequences: Optional[int] = None,
               objective: Optional[Objective] = None, totals: Optional[Totals] = None,
-              token_filter: Optional[torch.Tensor] = None) -> GRPOLossOut:
+              token_filter: Optional[torch.Tensor] = None, is_weight: Optional[torch.Tensor] = None) -> GRPOLossOut:
     """The GRPO loss of one micro-batch ([B, T] log-probs and mask, [B] or [B, T] advantages):
     `LOSS_TYPES[objective.loss_type]`'s per-token rule on the importance weights, times
     `token_filter` (the high-entropy tokens) when given, plus beta * k3(policy, reference), then
     its aggregation against `totals` (default: this micro-batch is the whole step).
+    `is_weight` ([B, T], no gradient): the train-inference mismatch correction
+    (pipeline/algorithms/mismatch.py), multiplying each token's policy term before the KL is added,
+    where TRL 1.16 applies its vLLM importance-sampling ratio.
 
     `objective` carries every hyper-parameter; without it one is built from epsilon, epsilon_high,
     beta and loss_type. `num_tokens`/`num_sequences` fill `totals` when it is not given.
@@ -235,6 +238,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     per_token, clipped = rule.per_token(Terms(logp, ratio, log_ratio, adv, mask), o)
     if token_filter is not None:
         per_token = per_token * token_filter.to(per_token.dtype)
+    if is_weight is not None:
+        per_token = per_token * is_weight.to(per_token.dtype)
     kl = None
     if o.beta:
         if ref_logp is None:

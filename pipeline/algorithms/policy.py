@@ -14,6 +14,7 @@ import torch
 
 from data_formats.datasets import build_prompt_data
 from data_formats.render import template_jinja
+from pipeline.algorithms.mismatch import engine_logprob_matrix
 from pipeline.algorithms.rollout import ActorCritic, Generator, Rollout, assemble, make_generator
 from pipeline.algorithms.tool_rollout import ToolEnv, layout_problem, load_tools, tool_rollout
 from pipeline.config import RewardModelConfig
@@ -47,6 +48,14 @@ def reward_model_problems(rm: RewardModelConfig, reward_path: str, policy_path: 
     return found or reward_pairing_problems(policy_path, reward_path)
 
 
+def tied_embeddings(folder: str) -> bool:
+    """Whether the model folder's config ties its output head to its input embedding."""
+    import json
+
+    path = Path(folder) / "config.json"
+    return path.is_file() and bool(json.loads(path.read_text()).get("tie_word_embeddings", False))
+
+
 def frozen(model: torch.nn.Module) -> torch.nn.Module:
     """`model` without gradients, in eval mode (a reference or reward copy)."""
     model.requires_grad_(False)
@@ -71,9 +80,21 @@ class PolicyStage(Stage):
         """The tools a tool rollout may call (cfg.tools, pipeline/algorithms/tool_rollout.py); empty: none."""
 
     def problems(self) -> list[str]:
+        found = []
+        if self.cfg.generation.backend == "vllm":
+            from pipeline.modeling.vllm_server import vllm_python
+
+            if vllm_python() is None:
+                found.append("generation.backend: vllm is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm)")
+            if self.cfg.model.finetuning == "full" and tied_embeddings(self.model_path):
+                found.append("generation.backend: vllm with model.finetuning full: a model with tied input/output embeddings "
+                             "cannot be synced into vLLM yet (use lora)")
+            if self.cfg.distributed.engine != "ddp":
+                found.append(f"generation.backend: vllm syncs weights from one whole policy; distributed.engine "
+                             f"{self.cfg.distributed.engine!r} is not supported with it yet (use ddp)")
         if self.reward_path is None:
-            return []
-        return reward_model_problems(self.cfg.reward_model, self.reward_path, self.model_path, self.name.upper())
+            return found
+        return found + reward_model_problems(self.cfg.reward_model, self.reward_path, self.model_path, self.name.upper())
 
     def build_prompts(self) -> list[str]:
         """Prompts (eval prompts only when evaluation is on), each short enough that a response of
@@ -114,9 +135,11 @@ class PolicyStage(Stage):
     def generator(self) -> Generator:
         if self._generator is None:
             policy, gen, tok = self.inner.policy, self.cfg.generation, self.tokenizer
+            engine = ({"base": self.model_path, "workdir": Path(self.cfg.output_dir) / "vllm", "max_model_len": self.cfg.train.seq_length}
+                      if gen.backend == "vllm" else {})
             self._generator = self.generator_factory(policy) if self.generator_factory else make_generator(
                 gen.backend, policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens, gen.temperature,
-                synced_gpus=is_zero3(self.accelerator))
+                synced_gpus=is_zero3(self.accelerator), **engine)
         return self._generator
 
     def rollout(self, prompts: list[dict], copies: int = 1) -> Rollout:
@@ -132,7 +155,11 @@ class PolicyStage(Stage):
         ids = [p["prompt_ids"] for p in prompts for _ in range(copies)]
         with full_parameters(self.accelerator, self.model):
             responses = self.generator.generate(ids)
-        return assemble(ids, responses, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
+        rollout = assemble(ids, responses, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
+        engine = getattr(self.generator, "last_logprobs", None)  # an engine that reports its log-probs (vLLM)
+        if engine:
+            rollout.engine_logp = engine_logprob_matrix(rollout.responses, engine, rollout.response_mask.shape[1])
+        return rollout
 
     def reward_model_record(self) -> dict:
         """The reward model the policy was optimised against (the driver re-runs the stage when it changes)."""
@@ -145,4 +172,7 @@ class PolicyStage(Stage):
         return self.inner.policy
 
     def release(self) -> None:
+        close = getattr(self._generator, "close", None)  # a server the generator started (vLLM)
+        if close is not None:
+            close()
         self._generator = None

@@ -121,17 +121,23 @@ class RelayGenerator:
 
 
 def make_generator(backend: str, model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], max_new_tokens: int,
-                   temperature: float = 1.0, *, synced_gpus: bool = False) -> Generator:
-    """The sampler `generation.backend` names: 'relay' (the decode engine) or 'hf' (transformers'
-    `generate`, the reference). Under `synced_gpus` (DeepSpeed ZeRO-3 over several ranks, where every
-    rank must keep stepping until all are done) the relay backend hands over to 'hf', which keeps
-    that contract.
+                   temperature: float = 1.0, *, synced_gpus: bool = False, **engine) -> Generator:
+    """The sampler `generation.backend` names: 'relay' (the decode engine), 'hf' (transformers'
+    `generate`, the reference) or 'vllm' (a vLLM server: pipeline/algorithms/vllm_generator.py;
+    `engine` gives its `base` folder, `workdir` and `max_model_len`). Under `synced_gpus` (DeepSpeed
+    ZeRO-3 over several ranks, where every rank must keep stepping until all are done) the relay
+    backend hands over to 'hf', which keeps that contract.
 
     Raises:
         ValueError: an unknown backend.
     """
     if backend not in GENERATION_BACKENDS:
         raise ValueError(f"generation.backend: {backend!r} is not one of {GENERATION_BACKENDS}")
+    if backend == "vllm":
+        from pipeline.algorithms.vllm_generator import VLLMGenerator
+
+        return VLLMGenerator(model, pad_id=pad_id, eos_ids=list(eos_ids), max_new_tokens=max_new_tokens, temperature=temperature,
+                             **engine)
     if backend == "relay" and not synced_gpus:
         return RelayGenerator(model, pad_id, list(eos_ids), max_new_tokens, temperature)
     if backend == "relay":
@@ -166,6 +172,9 @@ class Rollout:
     conversations: Optional[list[list[dict]]] = None
     """Tool rollouts: each row's completion as messages (assistant turns with their `tool_calls`,
     the `tool` results), what the reward functions receive (pipeline/algorithms/tool_rollout.py)."""
+    engine_logp: Optional[torch.Tensor] = None
+    """[B, R]: the sampling engine's own log-prob of each response token, when it gives them
+    (vLLM: pipeline/algorithms/mismatch.py compares them with the trainer's); NaN on padding."""
 
     @property
     def response_ids(self) -> torch.Tensor:
@@ -227,7 +236,12 @@ def take_rows(picks: Sequence[tuple[Rollout, int]], prompts: Sequence[Sequence[i
     conversations = None
     if all(ro.conversations is not None for ro, _ in picks):
         conversations = [ro.conversations[i] for ro, i in picks]
-    return assemble_masked(prompts, responses, trained, finished, pad_id, conversations)
+    out = assemble_masked(prompts, responses, trained, finished, pad_id, conversations)
+    if all(ro.engine_logp is not None for ro, _ in picks):
+        out.engine_logp = torch.full(out.response_mask.shape, float("nan"))
+        for row, (ro, i) in enumerate(picks):
+            out.engine_logp[row, : len(ro.responses[i])] = ro.engine_logp[i, : len(ro.responses[i])]
+    return out
 
 
 def policy_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:

@@ -23,8 +23,10 @@ class RewardModelConfig(ModelConfig):
     only for smoke runs of the machinery."""
 
 
-GENERATION_BACKENDS = ("relay", "hf")
+GENERATION_BACKENDS = ("relay", "hf", "vllm")
 """The samplers `generation.backend` may name."""
+CORRECTION_NAMES = ("auto", "none", "tis", "mis")
+"""`generation.correction`'s values (auto, then pipeline/algorithms/mismatch.py's CORRECTIONS)."""
 
 
 @dataclass
@@ -42,8 +44,25 @@ class GenerationConfig:
     """Subtracted from the (normalised) score of a response that hits max_new_tokens without EOS."""
     backend: str = "relay"
     """The sampler: relay (Relay's decode engine, pipeline/modeling/decode.py: static KV cache,
-    batch-level early exit) or hf (transformers' generate, the reference). Both draw from the same
-    distribution and RNG stream."""
+    batch-level early exit), hf (transformers' generate, the reference; both draw from the same
+    distribution and RNG stream) or vllm (a vLLM server from bench/.venv-vllm, made by
+    run_scripts/install_vllm.sh, following the policy's LoRA adapter: pipeline/algorithms/vllm_generator.py)."""
+    correction: str = "auto"
+    """Train-inference mismatch correction of the GRPO loss (pipeline/algorithms/mismatch.py): none,
+    tis (token-level truncated importance weights) or mis (tokens whose weight leaves
+    [correction_floor, correction_cap] drop out); auto: tis for vllm, none for relay and hf (they
+    sample the distribution the trainer scores). PPO logs the mismatch but corrects nothing yet."""
+    correction_cap: float = 3.0
+    """Upper bound of the importance weight p_trainer / p_engine (TRL's default 3.0)."""
+    correction_floor: Optional[float] = None
+    """Lower bound (tis: clamp; mis: band); None: none."""
+
+    @property
+    def correction_name(self) -> str:
+        """`correction` with auto resolved for the backend."""
+        if self.correction != "auto":
+            return self.correction
+        return "tis" if self.backend == "vllm" else "none"
 
     def problems(self, key: str = "generation") -> list[str]:
         out: list[str] = []
@@ -53,6 +72,10 @@ class GenerationConfig:
             out.append(f"{key}.temperature: must be > 0")
         if self.backend not in GENERATION_BACKENDS:
             out.append(f"{key}.backend: {self.backend!r} is not one of {GENERATION_BACKENDS}")
+        if self.correction not in CORRECTION_NAMES:
+            out.append(f"{key}.correction: {self.correction!r} is not one of {CORRECTION_NAMES}")
+        if self.correction_cap <= 0 or (self.correction_floor is not None and not 0 <= self.correction_floor < self.correction_cap):
+            out.append(f"{key}.correction_cap/correction_floor: need 0 <= floor < cap, got {self.correction_floor} and {self.correction_cap}")
         if self.top_k != 0 or self.top_p != 1.0:
             out.append(f"{key}.top_k/top_p: RL stages sample from the full distribution (top_k 0, top_p 1.0), because the "
                        "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling")

