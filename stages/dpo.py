@@ -46,9 +46,10 @@ from data_formats.datasets import build_preference_data
 from data_formats.render import template_jinja
 from pipeline.algorithms import preference as pref
 from pipeline.config import PreferenceDataConfig, StageConfig
-from pipeline.engine.stage import Stage, main
+from pipeline.algorithms.reference import ReferenceStage
+from pipeline.engine.stage import main
 from pipeline.engine.steps import all_reduce_sum, check_finite, clip_gradients, eval_shards, micro_step
-from pipeline.modeling.models import adapter_disabled, eval_mode, load_model, train_without_dropout
+from pipeline.modeling.models import eval_mode
 
 log = logging.getLogger("relay.dpo")
 
@@ -133,15 +134,13 @@ class DPOConfig(StageConfig):
 # ------------------------------------------------------------------------------------------
 
 
-class DPOStage(Stage):
+class DPOStage(ReferenceStage):
     name = "dpo"
     config_class = DPOConfig
     evaluates_at_start = True
 
     def __init__(self, cfg: DPOConfig):
         super().__init__(cfg)
-        self.reference: Optional[torch.nn.Module] = None
-        """The frozen copy of the starting model (full fine-tuning, until precomputed), else None."""
         self.precomputed: dict[str, torch.Tensor] = {}
         """split -> [N, 2] reference log-probs (chosen, rejected) of every pair, once computed."""
 
@@ -172,26 +171,10 @@ class DPOStage(Stage):
         """The policy; under full fine-tuning with a reference, also its frozen starting copy."""
         cfg = self.cfg
         if cfg.model.finetuning == "full" and cfg.dpo.loss_type not in pref.REFERENCE_FREE:
-            self.reference = load_model(cfg.model, None, kind="causal", tokenizer=self.tokenizer).requires_grad_(False).eval()
-            self.reference.to(self.accelerator.device)
+            self.load_reference()
         return super().build_model()
 
-    def train_mode(self) -> None:
-        """Train mode (gradient checkpointing runs) without dropout: at step 0 the policy's
-        log-probs equal the reference's, and a step is deterministic."""
-        train_without_dropout(self.model)
-
     # ---- the reference ---------------------------------------------------------------------
-
-    @torch.no_grad()
-    def reference_logps(self, batch: dict) -> torch.Tensor:
-        """[2B] summed answer log-probs of the reference: the frozen copy, or the policy with its
-        adapter disabled (eval mode: no dropout)."""
-        if self.reference is not None:
-            return pref.sequence_logps(self.reference, batch, self.accelerator)[0]
-        policy = self.accelerator.unwrap_model(self.model)
-        with adapter_disabled(policy), eval_mode(policy):
-            return pref.sequence_logps(policy, batch, self.accelerator)[0]
 
     def precompute(self) -> None:
         """Reference log-probs of every train and eval pair, in fixed batches of train.batch_size in
@@ -270,10 +253,6 @@ class DPOStage(Stage):
             out[key] = float(values[~torch.isnan(values)].mean())
         return {"eval/loss": out["loss"], "eval/accuracy": out["accuracy"], "eval/margin": out["margin"],
                 "eval/rewards_chosen": out["rewards_chosen"], "eval/rewards_rejected": out["rewards_rejected"]}
-
-    def export(self, summary: dict) -> Optional[Path]:
-        self.reference = None
-        return super().export(summary)
 
     def progress(self, figures: dict[str, float]) -> dict[str, str]:
         return {"loss": f"{figures['train/loss']:.4f}", "acc": f"{figures['train/accuracy']:.2f}", "margin": f"{figures['train/margin']:.3f}"}

@@ -42,11 +42,11 @@ from data_formats.collate import Collator
 from data_formats.unpaired import answer_rows, build_kto_data, mismatched_rows
 from pipeline.algorithms import kto as kto_math
 from pipeline.algorithms import preference as pref
+from pipeline.algorithms.reference import ReferenceStage
 from pipeline.config import ChatDataConfig, StageConfig
 from pipeline.engine.stage import main
 from pipeline.engine.steps import all_reduce_sum, check_finite, clip_gradients, eval_shards, micro_step
-from pipeline.modeling.models import eval_mode, load_model
-from stages.dpo import DPOStage
+from pipeline.modeling.models import eval_mode
 
 log = logging.getLogger("relay.kto")
 
@@ -96,9 +96,10 @@ def without_nan(figures: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in figures.items() if not (isinstance(v, float) and math.isnan(v))}
 
 
-class KTOStage(DPOStage):
+class KTOStage(ReferenceStage):
     name = "kto"
     config_class = KTOConfig
+    evaluates_at_start = True
 
     def problems(self) -> list[str]:
         cfg, out = self.cfg, []
@@ -129,9 +130,8 @@ class KTOStage(DPOStage):
     def build_model(self) -> torch.nn.Module:
         """The policy; under full fine-tuning, also its frozen starting copy (the reference)."""
         if self.cfg.model.finetuning == "full":
-            self.reference = load_model(self.cfg.model, None, kind="causal", tokenizer=self.tokenizer).requires_grad_(False).eval()
-            self.reference.to(self.accelerator.device)
-        return super(DPOStage, self).build_model()
+            self.load_reference()
+        return super().build_model()
 
     # ---- one micro-batch ---------------------------------------------------------------------
 
