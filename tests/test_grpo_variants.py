@@ -510,3 +510,16 @@ def test_advantages_use_every_ranks_completions(estimator, scale):
     want = adv.ESTIMATORS[estimator](rewards, torch.tensor(lengths).float(), 4, scale)[8:]
     torch.testing.assert_close(got, want, **TOL)
     assert not torch.allclose(got, adv.ESTIMATORS[estimator](rewards[8:], torch.tensor(lengths[8:]).float(), 4, scale))  # rank-local differs
+
+
+def test_the_loss_objectives_defaults_are_the_config_sections():
+    """grpo_losses.Objective (what the loss reads) repeats the grpo: section's hyper-parameters for
+    direct calls; a default changed on one side only would make them disagree."""
+    import dataclasses
+
+    from pipeline.algorithms.grpo_config import GRPOSection
+    from pipeline.algorithms.grpo_losses import Objective
+
+    section = {f.name: f.default for f in dataclasses.fields(GRPOSection)}
+    shared = {f.name: f.default for f in dataclasses.fields(Objective) if f.name in section}
+    assert len(shared) >= 10 and shared == {name: section[name] for name in shared}
