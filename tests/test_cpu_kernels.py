@@ -23,6 +23,7 @@ def fresh(monkeypatch, tmp_path):
     for name in cpu_kernels.PATHS.values():
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(cpu_kernels, "_CHOICES", {})
+    monkeypatch.setattr(cpu_kernels, "load_per_core", lambda: 0.1)  # a quiet machine unless a test says otherwise
     return tmp_path
 
 
@@ -78,6 +79,37 @@ def test_the_measurement_is_cached_per_machine_and_remeasured_on_request(fresh, 
     finally:
         torch.set_num_threads(other)
     assert len(runs) == 3 and len(list((fresh / "cpu_kernels").glob("*.json"))) == 2
+
+
+def test_stale_records_are_the_implausible_and_the_busy_ones_on_a_quiet_machine():
+    ok = {"speedups": dict(AVX2_EPYC), "load": 0.2}
+    assert not cpu_kernels.stale(ok, load_now=0.1) and not cpu_kernels.stale(ok, load_now=3.0)
+    busy = {"speedups": dict(AVX2_EPYC), "load": 1.4}
+    assert cpu_kernels.stale(busy, load_now=0.3) and not cpu_kernels.stale(busy, load_now=1.0)  # quiet now: again; still busy: keep
+    assert cpu_kernels.stale({"speedups": dict(AVX2_EPYC)}, load_now=0.3)  # a record from before loads were kept
+    # this machine's own 2-thread record of 2026-11-25 (measured under a 7-engineer load): decode_fused 24.5x
+    seen = {"train_onednn": 1.094, "decode_packed": 0.943, "decode_fused": 24.55}
+    assert not cpu_kernels.plausible(seen) and cpu_kernels.plausible(AVX512_EPYC)
+    assert cpu_kernels.plausible({"train_onednn": 0.0, "decode_packed": 0.0, "decode_fused": 0.0})  # no oneDNN
+    assert cpu_kernels.stale({"speedups": seen, "load": 0.1, "tries": 1}, load_now=3.0)
+    assert not cpu_kernels.stale({"speedups": seen, "load": 0.1, "tries": cpu_kernels.RETRIES}, load_now=0.1)
+
+
+def test_a_disturbed_record_is_measured_again_and_a_busy_one_once_quiet(fresh, monkeypatch):
+    """The cache used to keep whatever the first measurement said, forever: a 24.5x from a burst of
+    a neighbour's load switched prepacked decoding off on this machine for good."""
+    results = [{"train_onednn": 1.09, "decode_packed": 0.94, "decode_fused": 24.5}, dict(AVX2_EPYC), dict(AVX512_EPYC)]
+    monkeypatch.setattr(cpu_kernels, "measure", lambda: results.pop(0))
+    monkeypatch.setattr(cpu_kernels, "load_per_core", lambda: 1.5)
+    first = cpu_kernels.measured()
+    assert first["speedups"]["decode_fused"] == 24.5 and first["load"] == 1.5 and first["tries"] == 1
+    second = cpu_kernels.measured()  # implausible: measured again, even on the busy machine
+    assert second["speedups"] == AVX2_EPYC and second["tries"] == 2
+    assert cpu_kernels.measured() == second  # plausible, the machine still busy: kept
+    monkeypatch.setattr(cpu_kernels, "load_per_core", lambda: 0.2)
+    third = cpu_kernels.measured()  # quiet now: the busy record is replaced
+    assert third["speedups"] == AVX512_EPYC and third["load"] == 0.2
+    assert cpu_kernels.measured() == third and results == []
 
 
 def test_an_unwritable_cache_folder_measures_for_the_process(fresh, monkeypatch):

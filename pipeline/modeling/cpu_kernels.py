@@ -15,8 +15,12 @@ alike, and taken where the speedup of the best runs reaches `MARGIN` (`decide`, 
 
 The measurement (~1-3 s) runs once per machine key (CPU model and flags, torch version, the
 dispatch level and ISA caps in force, threads) and is kept in $RELAY_CACHE/cpu_kernels/KEY.json
-(a lock makes concurrent ranks measure once and agree). `bench/kernels.py` prints it, and
-`--remeasure` replaces it (do so on an idle machine: a loaded one blurs the speedups).
+(a lock makes concurrent ranks measure once and agree). A record is only as good as the quiet it was
+taken in: each keeps the load per core at its measurement, and one taken on a busy machine
+(`BUSY`) is measured again by the first process that finds the machine quiet; one with an
+implausible speedup (outside `PLAUSIBLE`: a neighbour's burst hit one side of a pair) is measured
+again by the next process, up to `RETRIES` times (`stale`, pure). `bench/kernels.py` prints the
+record, and `--remeasure` replaces it.
 RELAY_CPU_ONEDNN, RELAY_DECODE_PACKED and RELAY_DECODE_FUSED override a path: 1 always, 0 never,
 unset or `auto` by measurement.
 """
@@ -41,6 +45,17 @@ MARGIN = 1.10
 """A path is taken where it is at least this much faster than the plain one (best runs, see
 `paired_speedup`): below it the gain is within a busy machine's noise and not worth another summation order."""
 
+BUSY = 0.5
+"""Load per core (1-minute load average / cores) above which a measurement is provisional."""
+
+PLAUSIBLE = (0.25, 4.0)
+"""The speedups a kernel choice can really show here (oneDNN vs MKL measured 0.78x-3.3x on the CPUs
+of bench/RESULTS.md); a value outside says the measurement was disturbed (a 24.5x was seen on a
+busy machine), not that the path is that fast."""
+
+RETRIES = 3
+"""How many measurements in a row may come out implausible before the last one is kept as it is."""
+
 HIDDEN, MLP, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
 TRAIN_TOKENS, DECODE_ROWS = 256, 8
 
@@ -51,6 +66,29 @@ def decide(speedups: Mapping[str, float], margin: float = MARGIN) -> dict[str, b
     out = {path: speedups.get(path, 0.0) >= margin for path in PATHS}
     out["decode_fused"] = out["decode_fused"] and out["decode_packed"]
     return out
+
+
+def plausible(speedups: Mapping[str, float]) -> bool:
+    """Whether every speedup lies in `PLAUSIBLE` (0.0, oneDNN missing, is plausible too)."""
+    low, high = PLAUSIBLE
+    return all(v == 0.0 or low <= v <= high for v in speedups.values())
+
+
+def stale(record: Mapping, load_now: float) -> bool:
+    """Whether a cached record should be measured again now: its speedups are implausible (fewer
+    than `RETRIES` tries so far), or it was taken on a busy machine (or its load is unknown: a
+    record from before loads were kept) and the machine is quiet now."""
+    if not plausible(record["speedups"]):
+        return record.get("tries", 1) < RETRIES
+    return record.get("load", float("inf")) > BUSY and load_now <= BUSY
+
+
+def load_per_core() -> float:
+    """The 1-minute load average per core (0.0 where the OS does not tell)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return 0.0
 
 
 def override(path: str, environ: Mapping[str, str] = os.environ) -> Optional[bool]:
@@ -192,12 +230,12 @@ def measured(remeasure: bool = False) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         return _measured_in(path, fields, remeasure)
     except OSError:  # a read-only or full cache folder: measure for this process alone
-        return _record(fields, measure())
+        return _record(fields, measure(), load_per_core())
 
 
-def _record(fields: dict, speedups: dict[str, float]) -> dict:
+def _record(fields: dict, speedups: dict[str, float], load: float, tries: int = 1) -> dict:
     return {"fields": fields, "speedups": speedups, "choices": decide(speedups), "margin": MARGIN,
-            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "load": round(load, 2), "tries": tries}
 
 
 def _measured_in(path: Path, fields: dict, remeasure: bool) -> dict:
@@ -206,12 +244,16 @@ def _measured_in(path: Path, fields: dict, remeasure: bool) -> dict:
             import fcntl
 
             fcntl.flock(lock, fcntl.LOCK_EX)
+        load, tries = load_per_core(), 1
         if path.exists() and not remeasure:
             with contextlib.suppress(ValueError, KeyError):
                 record = json.loads(path.read_text())
                 if record["fields"] == fields:
-                    return record
-        record = _record(fields, measure())
+                    if not stale(record, load):
+                        return record
+                    if not plausible(record["speedups"]):
+                        tries = record.get("tries", 1) + 1
+        record = _record(fields, measure(), load, tries)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(path)
