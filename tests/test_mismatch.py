@@ -207,6 +207,65 @@ def test_ppo_stage_logs_the_mismatch(tmp_path, tiny_model_dir, tiny_reward_dir):
     assert seen["rollout/logprob_diff_max"] == pytest.approx(0.25, abs=1e-5)
 
 
+# verl's PPO policy loss with rollout importance sampling (verl main b178a3cd, 2026-01-29):
+# compute_rollout_correction_weights(old - rollout, mask, "token", cap) then
+# compute_policy_loss_vanilla(old, new, A, mask, "token-mean", clip_ratio 0.2, rollout_is_weights=w),
+# run in float64 on the tensors below (a harness extracted the two functions from
+# verl/trainer/ppo/core_algos.py and rollout_corr_helper.py). verl's dual clip (clip_ratio_c 3, for
+# A < 0) is inert here: every ratio is below 3.
+VERL_OLD = [[-1.20, -0.70, -2.10, -0.30, -1.60], [-0.90, -2.40, -0.50, -1.10, -3.00]]
+VERL_NEW = [[-1.05, -0.95, -2.00, -0.31, -1.20], [-0.60, -2.45, -0.20, -1.50, -2.95]]
+VERL_ENGINE = [[-1.21, -1.90, -2.10, -0.25, -0.40], [-0.88, -2.40, -1.60, -1.05, -0.10]]
+VERL_ADV = [[0.50, -1.00, 0.30, 1.20, -0.40], [-0.70, 0.90, 1.10, -0.20, 0.60]]
+VERL_MASK = [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+VERL_WEIGHTS = {2.0: [[1.0100501670841682, 2.0, 1.0, 0.951229424500714, 0.301194211912202],
+                      [0.9801986733067553, 1.0, 2.0, 0.9512294245007139, 0.0]]}
+VERL_LOSS = {None: -0.19722262610852992, 2.0: -0.2984901634519035, 3.0: -0.3562679412296812}
+
+
+@pytest.mark.parametrize("cap", [None, 2.0, 3.0])
+def test_ppo_policy_loss_with_tis_matches_verl(cap):
+    from pipeline.algorithms.rl import policy_loss
+
+    old, new, engine, adv, mask = (torch.tensor(t, dtype=torch.float64) for t in (VERL_OLD, VERL_NEW, VERL_ENGINE, VERL_ADV, VERL_MASK))
+    weight = None if cap is None else correction_weights("tis", old, engine, mask, cap)
+    if cap in VERL_WEIGHTS:  # verl zeroes the weight of padding; Relay leaves it 1 there (the loss masks it either way)
+        assert torch.allclose(weight * mask, torch.tensor(VERL_WEIGHTS[cap], dtype=torch.float64), rtol=0, atol=1e-12)
+    out = policy_loss(new, old, adv, mask, 0.2, weight=weight)
+    assert abs(float(out.loss) - VERL_LOSS[cap]) < 1e-6, (float(out.loss), VERL_LOSS[cap])
+
+
+@pytest.mark.parametrize("correction,factor", [("tis", math.exp(0.25)), ("mis", 0.0)])
+def test_ppo_stage_corrects_the_policy_loss(tmp_path, tiny_model_dir, tiny_reward_dir, correction, factor):
+    """An engine 0.25 nats below the trainer on every token: TIS weighs each token's surrogate by
+    e^0.25 (under the cap 3), MIS with the band [0, 1.2] drops them all; the value loss is untouched.
+    One epoch of one micro-batch, so the policy loss is that of the rollout's own forward."""
+    from stagerun import run_stage
+    from stages import ppo
+    from test_ppo import make_cfg
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    seen = {}
+    for name in ("none", correction):
+        cfg = make_cfg(tmp_path / name, tiny_model_dir, tiny_reward_dir, prompts, max_steps=1, learning_rate=1e-3)
+        cfg.ppo.epochs, cfg.generation.correction, cfg.generation.correction_cap = 1, name, 3.0 if name == "tis" else 1.2
+
+        class Stage(ppo.PPOStage):
+            def __init__(self, cfg):
+                super().__init__(cfg, generator_factory=lambda policy: ReportingEngine(
+                    policy, 0.25, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id], cfg.generation.max_new_tokens))
+
+        run_stage(Stage, cfg, on_step=lambda st, m, name=name: seen.__setitem__(name, (m, st.last_experience)))
+        assert (seen[name][1].is_weight is None) == (name == "none")
+    seen = {name: figures for name, (figures, _) in seen.items()} | {"exp": seen[correction][1]}
+    weight, mask = seen["exp"].is_weight, seen["exp"].rollout.response_mask.bool()
+    assert torch.allclose(weight[mask], torch.full_like(weight[mask], factor), atol=1e-5)
+    assert seen[correction]["ppo/policy_loss"] == pytest.approx(factor * seen["none"]["ppo/policy_loss"], rel=1e-5, abs=1e-7)
+    assert seen[correction]["ppo/value_loss"] == pytest.approx(seen["none"]["ppo/value_loss"], rel=1e-6)
+    assert seen["none"]["ppo/policy_loss"] != 0
+
+
 def test_relay_engine_log_probs_equal_the_trainers(tiny_model_dir):
     """The `relay` backend needs no correction: its own log-probs of what it sampled (decode.py's
     `logprobs`) are the trainer's within fp32 rounding (the issue's goal: mean <= 1e-5)."""

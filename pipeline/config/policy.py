@@ -48,10 +48,10 @@ class GenerationConfig:
     distribution and RNG stream) or vllm (a vLLM server from bench/.venv-vllm, made by
     run_scripts/install_vllm.sh, following the policy's LoRA adapter: pipeline/algorithms/vllm_generator.py)."""
     correction: str = "auto"
-    """Train-inference mismatch correction of the GRPO loss (pipeline/algorithms/mismatch.py): none,
-    tis (token-level truncated importance weights) or mis (tokens whose weight leaves
+    """Train-inference mismatch correction of the GRPO and PPO policy losses (pipeline/algorithms/mismatch.py):
+    none, tis (token-level truncated importance weights) or mis (tokens whose weight leaves
     [correction_floor, correction_cap] drop out); auto: tis for vllm, none for relay and hf (they
-    sample the distribution the trainer scores). PPO logs the mismatch but corrects nothing yet."""
+    sample the distribution the trainer scores)."""
     correction_cap: float = 3.0
     """Upper bound of the importance weight p_trainer / p_engine (TRL's default 3.0)."""
     correction_floor: Optional[float] = None
