@@ -2,11 +2,16 @@
 on 127.0.0.1: `relay serve --backend vllm` answers the official `openai` client with the protocol
 checks tests/test_serve.py runs against the FastAPI server where they apply (greedy answers equal
 `relay chat`'s, streaming equals non-streaming, `n`, `stop`, text-part content, OpenAI-style
-errors); and the `vllm` generation backend follows the policy's LoRA adapter (its greedy tokens
-equal the trainer's after optimizer steps) with its log-probs within fp32 noise of the trainer's.
+errors); and the `vllm` generation backend follows the policy (LoRA adapter or full weights: its
+greedy tokens equal the trainer's after optimizer steps) with its log-probs within fp32 noise of
+the trainer's, and a resumed GRPO run on a fresh server samples what an unbroken one does.
 
-Skipped when the side environment is absent (its install takes ~3.5 min on the shared 2-core
-machine; each server starts in ~60 s). Every server started here is stopped in teardown."""
+Cheap by sharing: each model gets one engine server for the whole module (`lora_server`,
+`full_server`; the generators take turns on it), and only the resumed run and `relay serve` start
+their own. run_scripts/test.sh builds the side environment in the background while the rest of
+the suite runs; these tests run last (tests/conftest.py), wait for that install and fail when it
+failed. Run alone without the environment (no RELAY_VLLM_INSTALL), they skip. Every server started
+here is stopped in teardown."""
 
 from __future__ import annotations
 
@@ -16,14 +21,45 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.modeling.vllm_server import free_port, vllm_python
+from pipeline.modeling.vllm_server import VLLMServer, free_port, vllm_python
 from tinymodels import make_tiny_model
 
-pytestmark = pytest.mark.skipif(vllm_python() is None, reason="vLLM's environment is absent: bash run_scripts/install_vllm.sh")
+INSTALL_WAIT_S = float(os.environ.get("RELAY_VLLM_INSTALL_WAIT_S", 1200))
+"""How long the first vLLM test waits for run_scripts/test.sh's background install."""
+
+
+def install_status() -> Path | None:
+    """The prefix of the background install's files (.log, .rc) run_scripts/test.sh started, or None."""
+    prefix = os.environ.get("RELAY_VLLM_INSTALL", "")
+    return None if prefix in ("", "0") else Path(prefix)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_ready():
+    """Waits for run_scripts/test.sh's install of the side environment; a failed install is a
+    failure of every test here (with the log's tail), never a skip."""
+    status = install_status()
+    if status is not None:
+        rc_file, log = Path(f"{status}.rc"), Path(f"{status}.log")
+        deadline = time.monotonic() + INSTALL_WAIT_S
+        while not rc_file.exists():
+            if time.monotonic() > deadline:
+                pytest.fail(f"run_scripts/install_vllm.sh did not finish within {INSTALL_WAIT_S:.0f} s (its log: {log})")
+            time.sleep(1)
+        rc = rc_file.read_text().strip()
+        if rc != "0":
+            tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+            pytest.fail(f"run_scripts/install_vllm.sh failed with exit code {rc} (its log: {log}):\n{tail}")
+    if vllm_python() is None:
+        if status is not None:
+            pytest.fail("run_scripts/install_vllm.sh finished but no vLLM interpreter is found (RELAY_VLLM_PYTHON, bench/.venv-vllm)")
+        pytest.skip("vLLM's environment is absent: bash run_scripts/install_vllm.sh (run_scripts/test.sh builds it)")
+
 
 HI = [{"role": "user", "content": "Tell me a story about a cat."}]
 
@@ -39,6 +75,42 @@ def vllm_untied(tmp_path_factory):
     """As vllm_tiny, with an output head of its own (full fine-tuning's weight sync needs one)."""
     return make_tiny_model(tmp_path_factory.mktemp("vllm") / "untied", seed=0, num_attention_heads=2, num_key_value_heads=1,
                            tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def lora_server(vllm_tiny, tmp_path_factory):
+    """One engine server on vllm_tiny with runtime LoRA, shared by every LoRA generator here."""
+    from pipeline.algorithms.vllm_generator import engine_options
+
+    log = tmp_path_factory.mktemp("vllm-log") / "lora.log"
+    with VLLMServer(str(vllm_tiny), engine_options(8), log_path=log) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def full_server(vllm_untied, tmp_path_factory):
+    """One engine server on vllm_untied with the full-weight sync, shared by the full fine-tuning tests
+    (each sync reloads the whole weights, so no test sees another's)."""
+    from pipeline.algorithms.vllm_generator import engine_options
+
+    log = tmp_path_factory.mktemp("vllm-log") / "full.log"
+    with VLLMServer(str(vllm_untied), engine_options(None), log_path=log) as server:
+        yield server
+
+
+def on_server(server, folder, workdir):
+    """A GRPO/PPO `generator_factory` sampling on the shared `server` (the stage's generation config)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.algorithms.vllm_generator import VLLMGenerator
+
+    tok = AutoTokenizer.from_pretrained(folder)
+
+    def factory(policy, max_new_tokens=8, temperature=1.0):
+        return VLLMGenerator(policy, str(folder), workdir, tok.pad_token_id, [tok.eos_token_id], max_new_tokens=max_new_tokens,
+                             temperature=temperature, server=server)
+
+    return factory
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +218,7 @@ def trainer_greedy(policy, prompts, n, eos):
     return out
 
 
-def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm_tiny, tmp_path):
+def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm_tiny, lora_server, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -164,7 +236,8 @@ def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm
     prompts = [tok("Tell me a story about a cat.")["input_ids"], tok("Hi there")["input_ids"], tok("One two three")["input_ids"]]
     target = torch.tensor([prompts[0] + tok(" the cat sat on the mat")["input_ids"]])
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=2e-2)
-    gen = VLLMGenerator(policy, str(vllm_tiny), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4)
+    gen = VLLMGenerator(policy, str(vllm_tiny), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4,
+                        server=lora_server)
     try:
         before = trainer_greedy(policy, prompts, 12, eos)
         for k in (3, 2):  # k optimizer steps, then the engine must follow
@@ -194,32 +267,64 @@ def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm
         gen.close()
 
 
-@pytest.mark.parametrize("finetuning", ["lora", "full"])
-def test_grpo_stage_samples_on_vllm_and_logs_the_mismatch(vllm_tiny, vllm_untied, tmp_path, finetuning):
-    """`generation.backend: vllm` end to end: two GRPO steps, the server following the policy (the
-    engine's log-probs within 1e-3 of the trainer's shows it sampled from the updated weights); the engine-trainer diff on TensorBoard's figures, TIS on by default; the server is
-    stopped when the stage ends."""
-    from stagerun import run_stage
-    from stages import grpo
+def grpo_cfg(out, model, finetuning="lora", steps=2):
     from test_grpo import make_cfg
 
-    prompts = tmp_path / "prompts.jsonl"
+    prompts = out.parent / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
-    model = vllm_tiny if finetuning == "lora" else vllm_untied
-    cfg = make_cfg(tmp_path / "out", model, prompts, max_steps=2, learning_rate=1e-2, seq_length=256)
+    cfg = make_cfg(out, model, prompts, max_steps=steps, learning_rate=1e-2, seq_length=256)
     cfg.grpo.reward_funcs = ["test_mismatch:completion_chars"]
     cfg.generation.backend, cfg.generation.max_new_tokens, cfg.model.finetuning = "vllm", 8, finetuning
     assert cfg.generation.correction_name == "tis"
+    return cfg
+
+
+def grpo_run(cfg, monkeypatch, factory=None, stop=None):
+    """Run the GRPO stage; per step: (figures, sampled response ids, the server it sampled on)."""
+    from stagerun import run_stage
+    from stages import grpo
+
+    if stop is None:
+        monkeypatch.delenv("RELAY_STOP_AFTER_STEP", raising=False)
+    else:
+        monkeypatch.setenv("RELAY_STOP_AFTER_STEP", str(stop))
     seen = {}
-    stage = run_stage(grpo.GRPOStage, cfg, on_step=lambda st, m: seen.__setitem__(st.step, (m, st._generator.server.proc)))
-    for step, (figures, _) in seen.items():
+    record = lambda st, m: seen.__setitem__(st.step, (m, st.last_rollout["rollout"].responses, st._generator.server))  # noqa: E731
+    stage = run_stage(grpo.GRPOStage, cfg, on_step=record, generator_factory=factory)
+    for step, (figures, _, _) in seen.items():
         print(f"step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}")
-        assert figures["rollout/logprob_diff_max"] < 1e-3
+        assert figures["rollout/logprob_diff_max"] < 1e-3  # the engine sampled from the updated weights
+    return stage, seen
+
+
+def test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run(vllm_tiny, lora_server, tmp_path, monkeypatch):
+    """`generation.backend: vllm` end to end with LoRA: 4 unbroken GRPO steps vs 2, then 2 resumed
+    on a server the resumed stage starts itself (fresh: no state of the first one), sample the
+    same ids at every step: each row's seed is drawn from torch's RNG, which the checkpoint
+    restores, and vLLM's per-request seeded sampler depends on nothing else. The stage stops the
+    server it started."""
+    _, unbroken = grpo_run(grpo_cfg(tmp_path / "a", vllm_tiny, steps=4), monkeypatch, on_server(lora_server, vllm_tiny, tmp_path / "va"))
+    first, before = grpo_run(grpo_cfg(tmp_path / "b", vllm_tiny, steps=4), monkeypatch, on_server(lora_server, vllm_tiny, tmp_path / "vb"),
+                             stop=2)
+    assert first.step == 2 and sorted(before) == [1, 2]
+    cfg = grpo_cfg(tmp_path / "b", vllm_tiny, steps=4)
+    cfg.checkpoint.resume = True
+    resumed, after = grpo_run(cfg, monkeypatch)  # the stage's own server
+    assert sorted(after) == [3, 4] and resumed.final_summary["steps"] == 4
+    for step, (figures, responses, _) in {**before, **after}.items():
+        assert responses == unbroken[step][1], step
+        assert figures["train/loss"] == pytest.approx(unbroken[step][0]["train/loss"], rel=1e-4, abs=1e-6), step
+    fresh = after[4][2]
+    assert fresh is not lora_server and fresh.proc.poll() is not None  # its own server, stopped when the stage ended
+
+
+def test_grpo_stage_full_fine_tuning_samples_on_vllm(vllm_untied, full_server, tmp_path, monkeypatch):
+    """Full fine-tuning: two GRPO steps, the weights reloaded into the shared server before each rollout."""
+    stage, _ = grpo_run(grpo_cfg(tmp_path / "out", vllm_untied, "full"), monkeypatch, on_server(full_server, vllm_untied, tmp_path / "v"))
     assert stage.final_summary["steps"] == 2
-    assert seen[2][1].poll() is not None  # the stage stopped its server
 
 
-def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny, tmp_path):
+def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny, full_server, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.algorithms.rollout import cut_at_eos
@@ -236,7 +341,8 @@ def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny,
     prompts = [tok("Tell me a story about a cat.")["input_ids"], tok("Hi there")["input_ids"]]
     target = torch.tensor([prompts[0] + tok(" the cat sat on the mat")["input_ids"]])
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
-    gen = VLLMGenerator(policy, str(vllm_untied), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4)
+    gen = VLLMGenerator(policy, str(vllm_untied), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4,
+                        server=full_server)
     try:
         before = trainer_greedy(policy, prompts, 12, eos)
         for k in (2, 1):
