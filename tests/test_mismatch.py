@@ -313,3 +313,39 @@ def test_vllm_backend_config_problems(tmp_path, tiny_model_dir, monkeypatch):
     assert "generation.backend: vllm syncs weights from one whole policy; distributed.engine 'fsdp'" in joined
     assert "generation.backend: vllm is not installed (bash run_scripts/install_vllm.sh" in joined
     assert cfg.generation.correction_name == "seq_tis" and grpo.GRPOConfig().generation.correction_name == "none"
+
+
+def test_vllm_gpu_options_pass_through_and_are_refused_where_they_cannot_run(tmp_path, tiny_model_dir, monkeypatch):
+    """Tensor-parallel size, sleep mode and the memory share reach vLLM's command line and
+    environment; on a machine without enough CUDA GPUs they are config problems (one line each)."""
+    from pipeline.algorithms.policy import vllm_gpu_problems
+    from pipeline.algorithms.vllm_generator import engine_options
+    from pipeline.config import ConfigError
+    from pipeline.config.policy import GenerationConfig
+    from pipeline.modeling import vllm_server
+    from stages import grpo
+    from test_grpo import make_cfg
+
+    opts = engine_options(8, tensor_parallel_size=2, sleep=True, gpu_memory_utilization=0.35)
+    cmd = vllm_server.server_command("python", "/m", "127.0.0.1", 8000, opts)
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and "--enable-sleep-mode" in cmd
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.35" and "--enable-lora" in cmd
+    assert vllm_server.server_env(dev_mode=opts.dev_mode or opts.sleep_mode)["VLLM_SERVER_DEV_MODE"] == "1"
+    plain = vllm_server.server_command("python", "/m", "127.0.0.1", 8000, engine_options(8))
+    assert "--enable-sleep-mode" not in plain and "--gpu-memory-utilization" not in plain
+    gen = GenerationConfig(backend="vllm", vllm_sleep=True, vllm_tensor_parallel_size=2)
+    assert vllm_gpu_problems(gen, cuda_devices=2) == []
+    assert len(vllm_gpu_problems(gen, cuda_devices=1)) == 1 and len(vllm_gpu_problems(gen, cuda_devices=0)) == 2
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, prompts, max_steps=1)
+    cfg.generation.backend, cfg.generation.vllm_sleep, cfg.generation.vllm_tensor_parallel_size = "vllm", True, 0
+    cfg.generation.vllm_gpu_memory_utilization = 1.5
+    monkeypatch.setattr(vllm_server, "vllm_python", lambda: "python")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError) as err:
+        grpo.GRPOStage(cfg).validate()
+    joined = "\n".join(err.value.problems)
+    assert "generation.vllm_sleep: vLLM's sleep mode needs a CUDA GPU" in joined
+    assert "generation.vllm_tensor_parallel_size: must be >= 1, got 0" in joined
+    assert "generation.vllm_gpu_memory_utilization: must be in (0, 1], got 1.5" in joined

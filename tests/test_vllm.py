@@ -15,6 +15,7 @@ here is stopped in teardown."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -209,10 +210,11 @@ def trainer_greedy(policy, prompts, n, eos):
     from pipeline.algorithms.rollout import cut_at_eos
 
     config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=eos, pad_token_id=eos[0])
+    device = next(policy.parameters()).device
     out = []
     with torch.no_grad():
         for p in prompts:
-            ids = policy.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            ids = policy.generate(input_ids=torch.tensor([p], device=device), attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
                                   generation_config=config)
             out.append(cut_at_eos(ids[0, len(p):].tolist(), eos)[0])
     return out
@@ -355,3 +357,53 @@ def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny,
         assert want != before
     finally:
         gen.close()
+
+
+# ------------------------------------------------------------------------------------------
+# relay gold --backend vllm, relay chat --backend vllm (on the shared server: its start is tested above)
+# ------------------------------------------------------------------------------------------
+
+
+def test_gold_table_and_chat_on_vllm_answer_as_the_relay_backend(vllm_untied, full_server, tmp_path, monkeypatch, capsys):
+    """The untied model (the tied tiny one only repeats the prompt's last newline); the shared server
+    gets the folder's own weights back first (a full fine-tuning test may have synced others)."""
+    from pathlib import Path as P
+
+    from pipeline.modeling import vllm_server
+    from pipeline.tools import chat as chat_tool
+    from pipeline.tools.gold import GoldSettings, gold_row
+
+    full_server.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(vllm_untied)}})
+    full_server.post("/reset_prefix_cache", {})
+    gold = tmp_path / "gold.jsonl"
+    gold.write_text("".join((P(__file__).parents[1] / "data" / "sample" / "gold" / "eval.jsonl").read_text().splitlines(keepends=True)[:6]))
+    started = []
+
+    class Borrowed:  # the gold backend's server, served by the module's one on the same folder
+        def __init__(self, folder, opts):
+            started.append((folder, opts))
+
+        def __enter__(self):
+            return full_server
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(vllm_server, "VLLMServer", Borrowed)
+    rows = {backend: gold_row(backend, str(vllm_untied), gold, GoldSettings(max_new_tokens=12, batch_size=3, backend=backend),
+                              answers_dir=tmp_path / "answers") for backend in ("relay", "vllm")}
+    assert [(f, o.dtype, o.max_num_seqs) for f, o in started] == [(str(vllm_untied), "float32", 3)]
+    read = lambda name: [json.loads(line)["answer"] for line in (tmp_path / "answers" / f"{name}.jsonl").read_text().splitlines()]  # noqa: E731
+    assert read("vllm") == read("relay") and any(read("relay"))
+    assert {k: rows["vllm"][k] for k in ("phrase_rate", "fact_accuracy", "n")} == {k: rows["relay"][k] for k in ("phrase_rate", "fact_accuracy", "n")}
+
+    relay = chat_tool.load_chat_model(str(vllm_untied))
+    served = chat_tool.ChatModel("vllm", None, relay.tokenizer, server=full_server,
+                                 eos_ids=chat_tool.chat_eos_ids(str(vllm_untied), relay.tokenizer))
+    for text in ("Tell me a story about a cat.", "What is the capital of France?"):
+        messages = [{"role": "user", "content": text}]
+        gen = chat_tool.Generation(max_new_tokens=10)
+        assert chat_tool.reply(served, messages, gen) == chat_tool.reply(relay, messages, gen)
+        assert served.last_answer_cut == relay.last_answer_cut
+    assert chat_tool.main(["--model", str(vllm_untied), "--backend", "vllm", "--top-k", "5", "--prompt", "hi"]) == 2
+    assert "--backend vllm samples with temperature and top-p only" in capsys.readouterr().err

@@ -53,13 +53,16 @@ def adapter_rank(policy: torch.nn.Module) -> Optional[int]:
     return None if config is None else int(config.r)
 
 
-def engine_options(lora_rank: Optional[int], max_model_len: int = 1024, max_num_seqs: int = 8) -> ServerOptions:
+def engine_options(lora_rank: Optional[int], max_model_len: int = 1024, max_num_seqs: int = 8, *, tensor_parallel_size: int = 1,
+                   sleep: bool = False, gpu_memory_utilization: Optional[float] = None) -> ServerOptions:
     """The server the generator samples on: the base model as 'base', runtime LoRA for a LoRA policy
     (`lora_rank`; None: full fine-tuning, synced through the development endpoints instead), the
-    log-probs of the temperature-scaled distribution the update scores. A server started elsewhere
-    with these options can be handed to `VLLMGenerator(server=...)`."""
+    log-probs of the temperature-scaled distribution the update scores; on a GPU its tensor-parallel
+    size, sleep mode and memory share pass through. A server started elsewhere with these options
+    can be handed to `VLLMGenerator(server=...)`."""
     return ServerOptions(name="base", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          enable_lora=lora_rank is not None, max_lora_rank=max(8, lora_rank or 0), dev_mode=lora_rank is None,
+                         tensor_parallel_size=tensor_parallel_size, sleep_mode=sleep, gpu_memory_utilization=gpu_memory_utilization,
                          extra=["--logprobs-mode", "processed_logprobs"])
 
 
@@ -78,6 +81,12 @@ class VLLMGenerator:
     temperature: float = 1.0
     max_model_len: int = 1024
     max_num_seqs: int = 8
+    tensor_parallel_size: int = 1
+    sleep: bool = False
+    """Put the engine to sleep after each rollout (level 1: weights to CPU memory, KV cache freed) and
+    wake it before the next: the trainer's update has the GPU memory (CUDA only)."""
+    gpu_memory_utilization: Optional[float] = None
+    """The share of GPU memory vLLM may take (None: vLLM's default; colocated with a trainer, less)."""
     server: Optional[VLLMServer] = None
     """A running server (`engine_options`) to sample on, left running by `close`; None: `start`
     starts one of its own, stopped by `close`."""
@@ -85,6 +94,7 @@ class VLLMGenerator:
     """The engine's log-prob of each token the last `generate` returned (NaN where it gave none)."""
     _version: int = 0
     _owns_server: bool = False
+    _asleep: bool = False
     _tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     """Part of every adapter name: generators taking turns on one server never load each other's."""
 
@@ -97,7 +107,8 @@ class VLLMGenerator:
                 raise VLLMError("generation.backend vllm with full fine-tuning: a model with tied input/output embeddings "
                                 "cannot be synced into vLLM yet (use LoRA)")
             self.workdir.mkdir(parents=True, exist_ok=True)
-            opts = engine_options(rank, self.max_model_len, self.max_num_seqs)
+            opts = engine_options(rank, self.max_model_len, self.max_num_seqs, tensor_parallel_size=self.tensor_parallel_size,
+                                  sleep=self.sleep, gpu_memory_utilization=self.gpu_memory_utilization)
             self.server = VLLMServer(self.base, opts, log_path=self.workdir / "vllm.log").start()
             self._owns_server = True
 
@@ -105,6 +116,9 @@ class VLLMGenerator:
         """Save the policy's adapter and load it into the server under a new name (full fine-tuning:
         its weights, reloaded in place); returns the model name to request."""
         self.start()
+        if self._asleep:  # weights back on the GPU before the new ones land (an adapter or a full reload)
+            self.server.post("/wake_up", {})
+            self._asleep = False
         self._version += 1
         if adapter_rank(self.policy) is None:
             return self.sync_full()
@@ -150,6 +164,9 @@ class VLLMGenerator:
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), self.max_num_seqs))) as pool:
             out = list(pool.map(lambda row: self.request(model, prompts[row], seeds[row], temp), range(len(prompts))))
         self.last_logprobs = [lp for _, lp in out]
+        if self.sleep:  # level 1 keeps the weights (in CPU memory), so waking needs no reload
+            self.server.post("/sleep?level=1", {})
+            self._asleep = True
         return [ids for ids, _ in out]
 
     def close(self) -> None:
