@@ -6,9 +6,10 @@ errors); and the `vllm` generation backend follows the policy (LoRA adapter or f
 greedy tokens equal the trainer's after optimizer steps) with its log-probs within fp32 noise of
 the trainer's, and a resumed GRPO run on a fresh server samples what an unbroken one does.
 
-Cheap by sharing: each model gets one engine server for the whole module (`lora_server`,
-`full_server`; the generators take turns on it), and only the resumed run and `relay serve` start
-their own. run_scripts/test.sh builds the side environment in the background while the rest of
+Cheap by sharing (a server start is most of the time): one engine server for the whole module
+(`engine_server`, runtime LoRA and the full-weight sync both on; the generators, the gold table and
+chat take turns on it, each given the folder's own weights first), and only the resumed run and
+`relay serve` start their own: three starts for eight tests. run_scripts/test.sh builds the side environment in the background while the rest of
 the suite runs; these tests run last (tests/conftest.py), wait for that install and fail when it
 failed. Run alone without the environment (no RELAY_VLLM_INSTALL), they skip. Every server started
 here is stopped in teardown."""
@@ -79,24 +80,23 @@ def vllm_untied(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora_server(vllm_tiny, tmp_path_factory):
-    """One engine server on vllm_tiny with runtime LoRA, shared by every LoRA generator here."""
+def engine_server(vllm_untied, tmp_path_factory):
+    """One engine server on vllm_untied for every generator here: runtime LoRA and the full-weight
+    sync both on (one start instead of two: each start is most of these tests' time)."""
     from pipeline.algorithms.vllm_generator import engine_options
 
-    log = tmp_path_factory.mktemp("vllm-log") / "lora.log"
-    with VLLMServer(str(vllm_tiny), engine_options(8), log_path=log) as server:
+    opts = engine_options(8)
+    opts.dev_mode = True
+    with VLLMServer(str(vllm_untied), opts, log_path=tmp_path_factory.mktemp("vllm-log") / "engine.log") as server:
         yield server
 
 
-@pytest.fixture(scope="module")
-def full_server(vllm_untied, tmp_path_factory):
-    """One engine server on vllm_untied with the full-weight sync, shared by the full fine-tuning tests
-    (each sync reloads the whole weights, so no test sees another's)."""
-    from pipeline.algorithms.vllm_generator import engine_options
-
-    log = tmp_path_factory.mktemp("vllm-log") / "full.log"
-    with VLLMServer(str(vllm_untied), engine_options(None), log_path=log) as server:
-        yield server
+@pytest.fixture
+def shared_server(engine_server, vllm_untied):
+    """`engine_server` with the folder's own weights again (a full fine-tuning test synced others)."""
+    engine_server.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(vllm_untied)}})
+    engine_server.post("/reset_prefix_cache", {})
+    return engine_server
 
 
 def on_server(server, folder, workdir):
@@ -220,7 +220,7 @@ def trainer_greedy(policy, prompts, n, eos):
     return out
 
 
-def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm_tiny, lora_server, tmp_path):
+def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm_untied, shared_server, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -229,17 +229,17 @@ def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm
     from pipeline.algorithms.rollout import assemble, cut_at_eos, policy_logits
     from pipeline.algorithms.vllm_generator import VLLMGenerator
 
-    tok = AutoTokenizer.from_pretrained(vllm_tiny)
+    tok = AutoTokenizer.from_pretrained(vllm_untied)
     eos = [tok.eos_token_id]
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(vllm_tiny, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(vllm_untied, dtype=torch.float32)
     policy = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                                                   "gate_proj", "up_proj", "down_proj"]))
     prompts = [tok("Tell me a story about a cat.")["input_ids"], tok("Hi there")["input_ids"], tok("One two three")["input_ids"]]
     target = torch.tensor([prompts[0] + tok(" the cat sat on the mat")["input_ids"]])
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=2e-2)
-    gen = VLLMGenerator(policy, str(vllm_tiny), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4,
-                        server=lora_server)
+    gen = VLLMGenerator(policy, str(vllm_untied), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4,
+                        server=shared_server)
     try:
         before = trainer_greedy(policy, prompts, 12, eos)
         for k in (3, 2):  # k optimizer steps, then the engine must follow
@@ -299,17 +299,17 @@ def grpo_run(cfg, monkeypatch, factory=None, stop=None):
     return stage, seen
 
 
-def test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run(vllm_tiny, lora_server, tmp_path, monkeypatch):
+def test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run(vllm_untied, shared_server, tmp_path, monkeypatch):
     """`generation.backend: vllm` end to end with LoRA: 4 unbroken GRPO steps vs 2, then 2 resumed
     on a server the resumed stage starts itself (fresh: no state of the first one), sample the
     same ids at every step: each row's seed is drawn from torch's RNG, which the checkpoint
     restores, and vLLM's per-request seeded sampler depends on nothing else. The stage stops the
     server it started."""
-    _, unbroken = grpo_run(grpo_cfg(tmp_path / "a", vllm_tiny, steps=4), monkeypatch, on_server(lora_server, vllm_tiny, tmp_path / "va"))
-    first, before = grpo_run(grpo_cfg(tmp_path / "b", vllm_tiny, steps=4), monkeypatch, on_server(lora_server, vllm_tiny, tmp_path / "vb"),
+    _, unbroken = grpo_run(grpo_cfg(tmp_path / "a", vllm_untied, steps=4), monkeypatch, on_server(shared_server, vllm_untied, tmp_path / "va"))
+    first, before = grpo_run(grpo_cfg(tmp_path / "b", vllm_untied, steps=4), monkeypatch, on_server(shared_server, vllm_untied, tmp_path / "vb"),
                              stop=2)
     assert first.step == 2 and sorted(before) == [1, 2]
-    cfg = grpo_cfg(tmp_path / "b", vllm_tiny, steps=4)
+    cfg = grpo_cfg(tmp_path / "b", vllm_untied, steps=4)
     cfg.checkpoint.resume = True
     resumed, after = grpo_run(cfg, monkeypatch)  # the stage's own server
     assert sorted(after) == [3, 4] and resumed.final_summary["steps"] == 4
@@ -317,16 +317,16 @@ def test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run(vllm_
         assert responses == unbroken[step][1], step
         assert figures["train/loss"] == pytest.approx(unbroken[step][0]["train/loss"], rel=1e-4, abs=1e-6), step
     fresh = after[4][2]
-    assert fresh is not lora_server and fresh.proc.poll() is not None  # its own server, stopped when the stage ended
+    assert fresh is not shared_server and fresh.proc.poll() is not None  # its own server, stopped when the stage ended
 
 
-def test_grpo_stage_full_fine_tuning_samples_on_vllm(vllm_untied, full_server, tmp_path, monkeypatch):
+def test_grpo_stage_full_fine_tuning_samples_on_vllm(vllm_untied, shared_server, tmp_path, monkeypatch):
     """Full fine-tuning: two GRPO steps, the weights reloaded into the shared server before each rollout."""
-    stage, _ = grpo_run(grpo_cfg(tmp_path / "out", vllm_untied, "full"), monkeypatch, on_server(full_server, vllm_untied, tmp_path / "v"))
+    stage, _ = grpo_run(grpo_cfg(tmp_path / "out", vllm_untied, "full"), monkeypatch, on_server(shared_server, vllm_untied, tmp_path / "v"))
     assert stage.final_summary["steps"] == 2
 
 
-def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny, full_server, tmp_path):
+def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny, shared_server, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.algorithms.rollout import cut_at_eos
@@ -344,7 +344,7 @@ def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny,
     target = torch.tensor([prompts[0] + tok(" the cat sat on the mat")["input_ids"]])
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
     gen = VLLMGenerator(policy, str(vllm_untied), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4,
-                        server=full_server)
+                        server=shared_server)
     try:
         before = trainer_greedy(policy, prompts, 12, eos)
         for k in (2, 1):
@@ -364,17 +364,14 @@ def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny,
 # ------------------------------------------------------------------------------------------
 
 
-def test_gold_table_and_chat_on_vllm_answer_as_the_relay_backend(vllm_untied, full_server, tmp_path, monkeypatch, capsys):
-    """The untied model (the tied tiny one only repeats the prompt's last newline); the shared server
-    gets the folder's own weights back first (a full fine-tuning test may have synced others)."""
+def test_gold_table_and_chat_on_vllm_answer_as_the_relay_backend(vllm_untied, shared_server, tmp_path, monkeypatch, capsys):
+    """On the untied model (the tied tiny one only repeats the prompt's last newline)."""
     from pathlib import Path as P
 
     from pipeline.modeling import vllm_server
     from pipeline.tools import chat as chat_tool
     from pipeline.tools.gold import GoldSettings, gold_row
 
-    full_server.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(vllm_untied)}})
-    full_server.post("/reset_prefix_cache", {})
     gold = tmp_path / "gold.jsonl"
     gold.write_text("".join((P(__file__).parents[1] / "data" / "sample" / "gold" / "eval.jsonl").read_text().splitlines(keepends=True)[:6]))
     started = []
@@ -384,7 +381,7 @@ def test_gold_table_and_chat_on_vllm_answer_as_the_relay_backend(vllm_untied, fu
             started.append((folder, opts))
 
         def __enter__(self):
-            return full_server
+            return shared_server
 
         def __exit__(self, *exc):
             return None
@@ -398,7 +395,7 @@ def test_gold_table_and_chat_on_vllm_answer_as_the_relay_backend(vllm_untied, fu
     assert {k: rows["vllm"][k] for k in ("phrase_rate", "fact_accuracy", "n")} == {k: rows["relay"][k] for k in ("phrase_rate", "fact_accuracy", "n")}
 
     relay = chat_tool.load_chat_model(str(vllm_untied))
-    served = chat_tool.ChatModel("vllm", None, relay.tokenizer, server=full_server,
+    served = chat_tool.ChatModel("vllm", None, relay.tokenizer, server=shared_server,
                                  eos_ids=chat_tool.chat_eos_ids(str(vllm_untied), relay.tokenizer))
     for text in ("Tell me a story about a cat.", "What is the capital of France?"):
         messages = [{"role": "user", "content": text}]
