@@ -366,14 +366,12 @@ def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny,
 
 def test_gold_table_and_chat_on_vllm_answer_as_the_relay_backend(vllm_untied, shared_server, tmp_path, monkeypatch, capsys):
     """On the untied model (the tied tiny one only repeats the prompt's last newline)."""
-    from pathlib import Path as P
-
     from pipeline.modeling import vllm_server
     from pipeline.tools import chat as chat_tool
     from pipeline.tools.gold import GoldSettings, gold_row
 
     gold = tmp_path / "gold.jsonl"
-    gold.write_text("".join((P(__file__).parents[1] / "data" / "sample" / "gold" / "eval.jsonl").read_text().splitlines(keepends=True)[:6]))
+    gold.write_text("".join((Path(__file__).parents[1] / "data" / "sample" / "gold" / "eval.jsonl").read_text().splitlines(keepends=True)[:6]))
     started = []
 
     class Borrowed:  # the gold backend's server, served by the module's one on the same folder
