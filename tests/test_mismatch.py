@@ -235,35 +235,37 @@ def test_ppo_policy_loss_with_tis_matches_verl(cap):
     assert abs(float(out.loss) - VERL_LOSS[cap]) < 1e-6, (float(out.loss), VERL_LOSS[cap])
 
 
-@pytest.mark.parametrize("correction,factor", [("tis", math.exp(0.25)), ("mis", 0.0)])
-def test_ppo_stage_corrects_the_policy_loss(tmp_path, tiny_model_dir, tiny_reward_dir, correction, factor):
+def test_ppo_stage_corrects_the_policy_loss(tmp_path, tiny_model_dir, tiny_reward_dir):
     """An engine 0.25 nats below the trainer on every token: TIS weighs each token's surrogate by
     e^0.25 (under the cap 3), MIS with the band [0, 1.2] drops them all; the value loss is untouched.
-    One epoch of one micro-batch, so the policy loss is that of the rollout's own forward."""
-    from stagerun import run_stage
+    One PPO step (built, not run: no export), one epoch of one micro-batch, so the policy loss is
+    that of the rollout's own forward."""
     from stages import ppo
     from test_ppo import make_cfg
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
     seen = {}
-    for name in ("none", correction):
+    for name, cap in (("none", 3.0), ("tis", 3.0), ("mis", 1.2)):
         cfg = make_cfg(tmp_path / name, tiny_model_dir, tiny_reward_dir, prompts, max_steps=1, learning_rate=1e-3)
-        cfg.ppo.epochs, cfg.generation.correction, cfg.generation.correction_cap = 1, name, 3.0 if name == "tis" else 1.2
+        cfg.ppo.epochs, cfg.generation.correction, cfg.generation.correction_cap = 1, name, cap
 
         class Stage(ppo.PPOStage):
             def __init__(self, cfg):
                 super().__init__(cfg, generator_factory=lambda policy: ReportingEngine(
                     policy, 0.25, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id], cfg.generation.max_new_tokens))
 
-        run_stage(Stage, cfg, on_step=lambda st, m, name=name: seen.__setitem__(name, (m, st.last_experience)))
-        assert (seen[name][1].is_weight is None) == (name == "none")
-    seen = {name: figures for name, (figures, _) in seen.items()} | {"exp": seen[correction][1]}
-    weight, mask = seen["exp"].is_weight, seen["exp"].rollout.response_mask.bool()
-    assert torch.allclose(weight[mask], torch.full_like(weight[mask], factor), atol=1e-5)
-    assert seen[correction]["ppo/policy_loss"] == pytest.approx(factor * seen["none"]["ppo/policy_loss"], rel=1e-5, abs=1e-7)
-    assert seen[correction]["ppo/value_loss"] == pytest.approx(seen["none"]["ppo/value_loss"], rel=1e-6)
-    assert seen["none"]["ppo/policy_loss"] != 0
+        stage = Stage(cfg)
+        stage.validate()
+        stage.build()
+        seen[name] = (stage.train_step(), stage.last_experience)
+    assert seen["none"][1].is_weight is None and seen["none"][0]["ppo/policy_loss"] != 0
+    for name, factor in (("tis", math.exp(0.25)), ("mis", 0.0)):
+        figures, exp = seen[name]
+        mask = exp.rollout.response_mask.bool()
+        assert torch.allclose(exp.is_weight[mask], torch.full_like(exp.is_weight[mask], factor), atol=1e-5), name
+        assert figures["ppo/policy_loss"] == pytest.approx(factor * seen["none"][0]["ppo/policy_loss"], rel=1e-5, abs=1e-7), name
+        assert figures["ppo/value_loss"] == pytest.approx(seen["none"][0]["ppo/value_loss"], rel=1e-6), name
 
 
 def test_relay_engine_log_probs_equal_the_trainers(tiny_model_dir):
