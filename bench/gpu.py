@@ -53,6 +53,8 @@ GPU_TESTS = [
      "tests/test_distributed_gpu.py::test_resuming_a_zero3_run_is_refused_up_front",
      "bf16 tracks fp32; PPO under ZeRO-3 == one GPU; QLoRA under ZeRO-3 (and FSDP, 2 GPUs); resuming ZeRO refused up front"),
     ("tests/test_distributed_gpu.py::test_zero_equals_one_gpu", "ZeRO-2, ZeRO-3, ZeRO-3 offload == one GPU (SFT, RM, grad_accum 1 and 4)"),
+    ("tests/test_vllm_gpu.py", "vLLM (where installed: bash run_scripts/install_vllm.sh): sleep mode frees the engine's GPU memory "
+                               "during the update and it wakes following the LoRA policy; tensor_parallel_size 2 on two GPUs"),
 ]
 """(pytest arguments, what it proves): every GPU-marked test, in the order gpu_check.sh runs them
 (the quick ones first: what the tests' time budget cuts off is listed as not run)."""

@@ -50,3 +50,12 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_reward_dir(tmp_path_factory):
     """A tiny random sequence classifier (num_labels=1) with the embedded tokenizer."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "reward", seed=1, num_labels=1)
+
+
+LAST_MODULES = ("test_vllm.py",)
+"""Run after everything else: run_scripts/test.sh builds vLLM's side environment in the background
+while the rest of the suite runs, and these tests wait for it (tests/test_vllm.py)."""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: item.path.name in LAST_MODULES)  # stable: the order within each part is kept

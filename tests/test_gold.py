@@ -174,3 +174,18 @@ def test_gold_table_on_tiny_models(tmp_path, tiny_model_dir):
     make_tiny_model(other, seed=6)
     third = gold_table([("b", str(other))], gold, settings, cache, answers, logged.append)
     assert not third[0]["cached"] and len(json.loads(cache.read_text())) == 3
+
+
+def test_gold_backend_option(monkeypatch):
+    """gold.backend: relay rows keep their cache key (old caches stay valid), vllm rows get their own;
+    an unknown backend, or vllm absent, is a config problem before any model loads."""
+    from pipeline.modeling import vllm_server
+    from pipeline.tools.chain import GoldConfig
+    from pipeline.tools.gold import GoldSettings
+
+    assert GoldSettings().key() == {"max_new_tokens": 40, "dtype": "fp32"}
+    assert GoldSettings(backend="vllm").key() == {"max_new_tokens": 40, "dtype": "fp32", "backend": "vllm"}
+    assert GoldConfig(backend="x").problems() == ["gold.backend: 'x' is not one of ('relay', 'vllm')"]
+    monkeypatch.setattr(vllm_server, "vllm_python", lambda: None)
+    assert GoldConfig(backend="vllm", data=str(GOLD)).problems() == [
+        "gold.backend: vllm is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm)"]

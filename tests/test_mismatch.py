@@ -207,6 +207,67 @@ def test_ppo_stage_logs_the_mismatch(tmp_path, tiny_model_dir, tiny_reward_dir):
     assert seen["rollout/logprob_diff_max"] == pytest.approx(0.25, abs=1e-5)
 
 
+# verl's PPO policy loss with rollout importance sampling (verl main b178a3cd, 2026-01-29):
+# compute_rollout_correction_weights(old - rollout, mask, "token", cap) then
+# compute_policy_loss_vanilla(old, new, A, mask, "token-mean", clip_ratio 0.2, rollout_is_weights=w),
+# run in float64 on the tensors below (a harness extracted the two functions from
+# verl/trainer/ppo/core_algos.py and rollout_corr_helper.py). verl's dual clip (clip_ratio_c 3, for
+# A < 0) is inert here: every ratio is below 3.
+VERL_OLD = [[-1.20, -0.70, -2.10, -0.30, -1.60], [-0.90, -2.40, -0.50, -1.10, -3.00]]
+VERL_NEW = [[-1.05, -0.95, -2.00, -0.31, -1.20], [-0.60, -2.45, -0.20, -1.50, -2.95]]
+VERL_ENGINE = [[-1.21, -1.90, -2.10, -0.25, -0.40], [-0.88, -2.40, -1.60, -1.05, -0.10]]
+VERL_ADV = [[0.50, -1.00, 0.30, 1.20, -0.40], [-0.70, 0.90, 1.10, -0.20, 0.60]]
+VERL_MASK = [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+VERL_WEIGHTS = {2.0: [[1.0100501670841682, 2.0, 1.0, 0.951229424500714, 0.301194211912202],
+                      [0.9801986733067553, 1.0, 2.0, 0.9512294245007139, 0.0]]}
+VERL_LOSS = {None: -0.19722262610852992, 2.0: -0.2984901634519035, 3.0: -0.3562679412296812}
+
+
+@pytest.mark.parametrize("cap", [None, 2.0, 3.0])
+def test_ppo_policy_loss_with_tis_matches_verl(cap):
+    from pipeline.algorithms.rl import policy_loss
+
+    old, new, engine, adv, mask = (torch.tensor(t, dtype=torch.float64) for t in (VERL_OLD, VERL_NEW, VERL_ENGINE, VERL_ADV, VERL_MASK))
+    weight = None if cap is None else correction_weights("tis", old, engine, mask, cap)
+    if cap in VERL_WEIGHTS:  # verl zeroes the weight of padding; Relay leaves it 1 there (the loss masks it either way)
+        assert torch.allclose(weight * mask, torch.tensor(VERL_WEIGHTS[cap], dtype=torch.float64), rtol=0, atol=1e-12)
+    out = policy_loss(new, old, adv, mask, 0.2, weight=weight)
+    assert abs(float(out.loss) - VERL_LOSS[cap]) < 1e-6, (float(out.loss), VERL_LOSS[cap])
+
+
+def test_ppo_stage_corrects_the_policy_loss(tmp_path, tiny_model_dir, tiny_reward_dir):
+    """An engine 0.25 nats below the trainer on every token: TIS weighs each token's surrogate by
+    e^0.25 (under the cap 3), MIS with the band [0, 1.2] drops them all; the value loss is untouched.
+    One PPO step (built, not run: no export), one epoch of one micro-batch, so the policy loss is
+    that of the rollout's own forward."""
+    from stages import ppo
+    from test_ppo import make_cfg
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    seen = {}
+    for name, cap in (("none", 3.0), ("tis", 3.0), ("mis", 1.2)):
+        cfg = make_cfg(tmp_path / name, tiny_model_dir, tiny_reward_dir, prompts, max_steps=1, learning_rate=1e-3)
+        cfg.ppo.epochs, cfg.generation.correction, cfg.generation.correction_cap = 1, name, cap
+
+        class Stage(ppo.PPOStage):
+            def __init__(self, cfg):
+                super().__init__(cfg, generator_factory=lambda policy: ReportingEngine(
+                    policy, 0.25, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id], cfg.generation.max_new_tokens))
+
+        stage = Stage(cfg)
+        stage.validate()
+        stage.build()
+        seen[name] = (stage.train_step(), stage.last_experience)
+    assert seen["none"][1].is_weight is None and seen["none"][0]["ppo/policy_loss"] != 0
+    for name, factor in (("tis", math.exp(0.25)), ("mis", 0.0)):
+        figures, exp = seen[name]
+        mask = exp.rollout.response_mask.bool()
+        assert torch.allclose(exp.is_weight[mask], torch.full_like(exp.is_weight[mask], factor), atol=1e-5), name
+        assert figures["ppo/policy_loss"] == pytest.approx(factor * seen["none"][0]["ppo/policy_loss"], rel=1e-5, abs=1e-7), name
+        assert figures["ppo/value_loss"] == pytest.approx(seen["none"][0]["ppo/value_loss"], rel=1e-6), name
+
+
 def test_relay_engine_log_probs_equal_the_trainers(tiny_model_dir):
     """The `relay` backend needs no correction: its own log-probs of what it sampled (decode.py's
     `logprobs`) are the trainer's within fp32 rounding (the issue's goal: mean <= 1e-5)."""
@@ -254,3 +315,39 @@ def test_vllm_backend_config_problems(tmp_path, tiny_model_dir, monkeypatch):
     assert "generation.backend: vllm syncs weights from one whole policy; distributed.engine 'fsdp'" in joined
     assert "generation.backend: vllm is not installed (bash run_scripts/install_vllm.sh" in joined
     assert cfg.generation.correction_name == "seq_tis" and grpo.GRPOConfig().generation.correction_name == "none"
+
+
+def test_vllm_gpu_options_pass_through_and_are_refused_where_they_cannot_run(tmp_path, tiny_model_dir, monkeypatch):
+    """Tensor-parallel size, sleep mode and the memory share reach vLLM's command line and
+    environment; on a machine without enough CUDA GPUs they are config problems (one line each)."""
+    from pipeline.algorithms.policy import vllm_gpu_problems
+    from pipeline.algorithms.vllm_generator import engine_options
+    from pipeline.config import ConfigError
+    from pipeline.config.policy import GenerationConfig
+    from pipeline.modeling import vllm_server
+    from stages import grpo
+    from test_grpo import make_cfg
+
+    opts = engine_options(8, tensor_parallel_size=2, sleep=True, gpu_memory_utilization=0.35)
+    cmd = vllm_server.server_command("python", "/m", "127.0.0.1", 8000, opts)
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and "--enable-sleep-mode" in cmd
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.35" and "--enable-lora" in cmd
+    assert vllm_server.server_env(dev_mode=opts.dev_mode or opts.sleep_mode)["VLLM_SERVER_DEV_MODE"] == "1"
+    plain = vllm_server.server_command("python", "/m", "127.0.0.1", 8000, engine_options(8))
+    assert "--enable-sleep-mode" not in plain and "--gpu-memory-utilization" not in plain
+    gen = GenerationConfig(backend="vllm", vllm_sleep=True, vllm_tensor_parallel_size=2)
+    assert vllm_gpu_problems(gen, cuda_devices=2) == []
+    assert len(vllm_gpu_problems(gen, cuda_devices=1)) == 1 and len(vllm_gpu_problems(gen, cuda_devices=0)) == 2
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, prompts, max_steps=1)
+    cfg.generation.backend, cfg.generation.vllm_sleep, cfg.generation.vllm_tensor_parallel_size = "vllm", True, 0
+    cfg.generation.vllm_gpu_memory_utilization = 1.5
+    monkeypatch.setattr(vllm_server, "vllm_python", lambda: "python")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError) as err:
+        grpo.GRPOStage(cfg).validate()
+    joined = "\n".join(err.value.problems)
+    assert "generation.vllm_sleep: vLLM's sleep mode needs a CUDA GPU" in joined
+    assert "generation.vllm_tensor_parallel_size: must be >= 1, got 0" in joined
+    assert "generation.vllm_gpu_memory_utilization: must be in (0, 1], got 1.5" in joined

@@ -2,28 +2,66 @@
 on 127.0.0.1: `relay serve --backend vllm` answers the official `openai` client with the protocol
 checks tests/test_serve.py runs against the FastAPI server where they apply (greedy answers equal
 `relay chat`'s, streaming equals non-streaming, `n`, `stop`, text-part content, OpenAI-style
-errors); and the `vllm` generation backend follows the policy's LoRA adapter (its greedy tokens
-equal the trainer's after optimizer steps) with its log-probs within fp32 noise of the trainer's.
+errors); and the `vllm` generation backend follows the policy (LoRA adapter or full weights: its
+greedy tokens equal the trainer's after optimizer steps) with its log-probs within fp32 noise of
+the trainer's, and a resumed GRPO run on a fresh server samples what an unbroken one does.
 
-Skipped when the side environment is absent (its install takes ~3.5 min on the shared 2-core
-machine; each server starts in ~60 s). Every server started here is stopped in teardown."""
+Cheap by sharing (a server start is most of the time): one engine server for the whole module
+(`engine_server`, runtime LoRA and the full-weight sync both on; the generators, the gold table and
+chat take turns on it, each given the folder's own weights first), and only the resumed run and
+`relay serve` start their own: three starts for eight tests. run_scripts/test.sh builds the side environment in the background while the rest of
+the suite runs; these tests run last (tests/conftest.py), wait for that install and fail when it
+failed. Run alone without the environment (no RELAY_VLLM_INSTALL), they skip. Every server started
+here is stopped in teardown."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.modeling.vllm_server import free_port, vllm_python
+from pipeline.modeling.vllm_server import VLLMServer, free_port, vllm_python
 from tinymodels import make_tiny_model
 
-pytestmark = pytest.mark.skipif(vllm_python() is None, reason="vLLM's environment is absent: bash run_scripts/install_vllm.sh")
+INSTALL_WAIT_S = float(os.environ.get("RELAY_VLLM_INSTALL_WAIT_S", 1200))
+"""How long the first vLLM test waits for run_scripts/test.sh's background install."""
+
+
+def install_status() -> Path | None:
+    """The prefix of the background install's files (.log, .rc) run_scripts/test.sh started, or None."""
+    prefix = os.environ.get("RELAY_VLLM_INSTALL", "")
+    return None if prefix in ("", "0") else Path(prefix)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_ready():
+    """Waits for run_scripts/test.sh's install of the side environment; a failed install is a
+    failure of every test here (with the log's tail), never a skip."""
+    status = install_status()
+    if status is not None:
+        rc_file, log = Path(f"{status}.rc"), Path(f"{status}.log")
+        deadline = time.monotonic() + INSTALL_WAIT_S
+        while not rc_file.exists():
+            if time.monotonic() > deadline:
+                pytest.fail(f"run_scripts/install_vllm.sh did not finish within {INSTALL_WAIT_S:.0f} s (its log: {log})")
+            time.sleep(1)
+        rc = rc_file.read_text().strip()
+        if rc != "0":
+            tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+            pytest.fail(f"run_scripts/install_vllm.sh failed with exit code {rc} (its log: {log}):\n{tail}")
+    if vllm_python() is None:
+        if status is not None:
+            pytest.fail("run_scripts/install_vllm.sh finished but no vLLM interpreter is found (RELAY_VLLM_PYTHON, bench/.venv-vllm)")
+        pytest.skip("vLLM's environment is absent: bash run_scripts/install_vllm.sh (run_scripts/test.sh builds it)")
+
 
 HI = [{"role": "user", "content": "Tell me a story about a cat."}]
 
@@ -39,6 +77,41 @@ def vllm_untied(tmp_path_factory):
     """As vllm_tiny, with an output head of its own (full fine-tuning's weight sync needs one)."""
     return make_tiny_model(tmp_path_factory.mktemp("vllm") / "untied", seed=0, num_attention_heads=2, num_key_value_heads=1,
                            tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def engine_server(vllm_untied, tmp_path_factory):
+    """One engine server on vllm_untied for every generator here: runtime LoRA and the full-weight
+    sync both on (one start instead of two: each start is most of these tests' time)."""
+    from pipeline.algorithms.vllm_generator import engine_options
+
+    opts = engine_options(8)
+    opts.dev_mode = True
+    with VLLMServer(str(vllm_untied), opts, log_path=tmp_path_factory.mktemp("vllm-log") / "engine.log") as server:
+        yield server
+
+
+@pytest.fixture
+def shared_server(engine_server, vllm_untied):
+    """`engine_server` with the folder's own weights again (a full fine-tuning test synced others)."""
+    engine_server.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(vllm_untied)}})
+    engine_server.post("/reset_prefix_cache", {})
+    return engine_server
+
+
+def on_server(server, folder, workdir):
+    """A GRPO/PPO `generator_factory` sampling on the shared `server` (the stage's generation config)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.algorithms.vllm_generator import VLLMGenerator
+
+    tok = AutoTokenizer.from_pretrained(folder)
+
+    def factory(policy, max_new_tokens=8, temperature=1.0):
+        return VLLMGenerator(policy, str(folder), workdir, tok.pad_token_id, [tok.eos_token_id], max_new_tokens=max_new_tokens,
+                             temperature=temperature, server=server)
+
+    return factory
 
 
 @pytest.fixture(scope="module")
@@ -137,16 +210,17 @@ def trainer_greedy(policy, prompts, n, eos):
     from pipeline.algorithms.rollout import cut_at_eos
 
     config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=eos, pad_token_id=eos[0])
+    device = next(policy.parameters()).device
     out = []
     with torch.no_grad():
         for p in prompts:
-            ids = policy.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            ids = policy.generate(input_ids=torch.tensor([p], device=device), attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
                                   generation_config=config)
             out.append(cut_at_eos(ids[0, len(p):].tolist(), eos)[0])
     return out
 
 
-def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm_tiny, tmp_path):
+def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm_untied, shared_server, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -155,16 +229,17 @@ def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm
     from pipeline.algorithms.rollout import assemble, cut_at_eos, policy_logits
     from pipeline.algorithms.vllm_generator import VLLMGenerator
 
-    tok = AutoTokenizer.from_pretrained(vllm_tiny)
+    tok = AutoTokenizer.from_pretrained(vllm_untied)
     eos = [tok.eos_token_id]
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(vllm_tiny, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(vllm_untied, dtype=torch.float32)
     policy = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                                                   "gate_proj", "up_proj", "down_proj"]))
     prompts = [tok("Tell me a story about a cat.")["input_ids"], tok("Hi there")["input_ids"], tok("One two three")["input_ids"]]
     target = torch.tensor([prompts[0] + tok(" the cat sat on the mat")["input_ids"]])
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=2e-2)
-    gen = VLLMGenerator(policy, str(vllm_tiny), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4)
+    gen = VLLMGenerator(policy, str(vllm_untied), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4,
+                        server=shared_server)
     try:
         before = trainer_greedy(policy, prompts, 12, eos)
         for k in (3, 2):  # k optimizer steps, then the engine must follow
@@ -194,32 +269,64 @@ def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm
         gen.close()
 
 
-@pytest.mark.parametrize("finetuning", ["lora", "full"])
-def test_grpo_stage_samples_on_vllm_and_logs_the_mismatch(vllm_tiny, vllm_untied, tmp_path, finetuning):
-    """`generation.backend: vllm` end to end: two GRPO steps, the server following the policy (the
-    engine's log-probs within 1e-3 of the trainer's shows it sampled from the updated weights); the engine-trainer diff on TensorBoard's figures, TIS on by default; the server is
-    stopped when the stage ends."""
-    from stagerun import run_stage
-    from stages import grpo
+def grpo_cfg(out, model, finetuning="lora", steps=2):
     from test_grpo import make_cfg
 
-    prompts = tmp_path / "prompts.jsonl"
+    prompts = out.parent / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
-    model = vllm_tiny if finetuning == "lora" else vllm_untied
-    cfg = make_cfg(tmp_path / "out", model, prompts, max_steps=2, learning_rate=1e-2, seq_length=256)
+    cfg = make_cfg(out, model, prompts, max_steps=steps, learning_rate=1e-2, seq_length=256)
     cfg.grpo.reward_funcs = ["test_mismatch:completion_chars"]
     cfg.generation.backend, cfg.generation.max_new_tokens, cfg.model.finetuning = "vllm", 8, finetuning
     assert cfg.generation.correction_name == "tis"
+    return cfg
+
+
+def grpo_run(cfg, monkeypatch, factory=None, stop=None):
+    """Run the GRPO stage; per step: (figures, sampled response ids, the server it sampled on)."""
+    from stagerun import run_stage
+    from stages import grpo
+
+    if stop is None:
+        monkeypatch.delenv("RELAY_STOP_AFTER_STEP", raising=False)
+    else:
+        monkeypatch.setenv("RELAY_STOP_AFTER_STEP", str(stop))
     seen = {}
-    stage = run_stage(grpo.GRPOStage, cfg, on_step=lambda st, m: seen.__setitem__(st.step, (m, st._generator.server.proc)))
-    for step, (figures, _) in seen.items():
+    record = lambda st, m: seen.__setitem__(st.step, (m, st.last_rollout["rollout"].responses, st._generator.server))  # noqa: E731
+    stage = run_stage(grpo.GRPOStage, cfg, on_step=record, generator_factory=factory)
+    for step, (figures, _, _) in seen.items():
         print(f"step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}")
-        assert figures["rollout/logprob_diff_max"] < 1e-3
+        assert figures["rollout/logprob_diff_max"] < 1e-3  # the engine sampled from the updated weights
+    return stage, seen
+
+
+def test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run(vllm_untied, shared_server, tmp_path, monkeypatch):
+    """`generation.backend: vllm` end to end with LoRA: 4 unbroken GRPO steps vs 2, then 2 resumed
+    on a server the resumed stage starts itself (fresh: no state of the first one), sample the
+    same ids at every step: each row's seed is drawn from torch's RNG, which the checkpoint
+    restores, and vLLM's per-request seeded sampler depends on nothing else. The stage stops the
+    server it started."""
+    _, unbroken = grpo_run(grpo_cfg(tmp_path / "a", vllm_untied, steps=4), monkeypatch, on_server(shared_server, vllm_untied, tmp_path / "va"))
+    first, before = grpo_run(grpo_cfg(tmp_path / "b", vllm_untied, steps=4), monkeypatch, on_server(shared_server, vllm_untied, tmp_path / "vb"),
+                             stop=2)
+    assert first.step == 2 and sorted(before) == [1, 2]
+    cfg = grpo_cfg(tmp_path / "b", vllm_untied, steps=4)
+    cfg.checkpoint.resume = True
+    resumed, after = grpo_run(cfg, monkeypatch)  # the stage's own server
+    assert sorted(after) == [3, 4] and resumed.final_summary["steps"] == 4
+    for step, (figures, responses, _) in {**before, **after}.items():
+        assert responses == unbroken[step][1], step
+        assert figures["train/loss"] == pytest.approx(unbroken[step][0]["train/loss"], rel=1e-4, abs=1e-6), step
+    fresh = after[4][2]
+    assert fresh is not shared_server and fresh.proc.poll() is not None  # its own server, stopped when the stage ended
+
+
+def test_grpo_stage_full_fine_tuning_samples_on_vllm(vllm_untied, shared_server, tmp_path, monkeypatch):
+    """Full fine-tuning: two GRPO steps, the weights reloaded into the shared server before each rollout."""
+    stage, _ = grpo_run(grpo_cfg(tmp_path / "out", vllm_untied, "full"), monkeypatch, on_server(shared_server, vllm_untied, tmp_path / "v"))
     assert stage.final_summary["steps"] == 2
-    assert seen[2][1].poll() is not None  # the stage stopped its server
 
 
-def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny, tmp_path):
+def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny, shared_server, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.algorithms.rollout import cut_at_eos
@@ -236,7 +343,8 @@ def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny,
     prompts = [tok("Tell me a story about a cat.")["input_ids"], tok("Hi there")["input_ids"]]
     target = torch.tensor([prompts[0] + tok(" the cat sat on the mat")["input_ids"]])
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
-    gen = VLLMGenerator(policy, str(vllm_untied), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4)
+    gen = VLLMGenerator(policy, str(vllm_untied), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4,
+                        server=shared_server)
     try:
         before = trainer_greedy(policy, prompts, 12, eos)
         for k in (2, 1):
@@ -249,3 +357,48 @@ def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny,
         assert want != before
     finally:
         gen.close()
+
+
+# ------------------------------------------------------------------------------------------
+# relay gold --backend vllm, relay chat --backend vllm (on the shared server: its start is tested above)
+# ------------------------------------------------------------------------------------------
+
+
+def test_gold_table_and_chat_on_vllm_answer_as_the_relay_backend(vllm_untied, shared_server, tmp_path, monkeypatch, capsys):
+    """On the untied model (the tied tiny one only repeats the prompt's last newline)."""
+    from pipeline.modeling import vllm_server
+    from pipeline.tools import chat as chat_tool
+    from pipeline.tools.gold import GoldSettings, gold_row
+
+    gold = tmp_path / "gold.jsonl"
+    gold.write_text("".join((Path(__file__).parents[1] / "data" / "sample" / "gold" / "eval.jsonl").read_text().splitlines(keepends=True)[:6]))
+    started = []
+
+    class Borrowed:  # the gold backend's server, served by the module's one on the same folder
+        def __init__(self, folder, opts):
+            started.append((folder, opts))
+
+        def __enter__(self):
+            return shared_server
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(vllm_server, "VLLMServer", Borrowed)
+    rows = {backend: gold_row(backend, str(vllm_untied), gold, GoldSettings(max_new_tokens=12, batch_size=3, backend=backend),
+                              answers_dir=tmp_path / "answers") for backend in ("relay", "vllm")}
+    assert [(f, o.dtype, o.max_num_seqs) for f, o in started] == [(str(vllm_untied), "float32", 3)]
+    read = lambda name: [json.loads(line)["answer"] for line in (tmp_path / "answers" / f"{name}.jsonl").read_text().splitlines()]  # noqa: E731
+    assert read("vllm") == read("relay") and any(read("relay"))
+    assert {k: rows["vllm"][k] for k in ("phrase_rate", "fact_accuracy", "n")} == {k: rows["relay"][k] for k in ("phrase_rate", "fact_accuracy", "n")}
+
+    relay = chat_tool.load_chat_model(str(vllm_untied))
+    served = chat_tool.ChatModel("vllm", None, relay.tokenizer, server=shared_server,
+                                 eos_ids=chat_tool.chat_eos_ids(str(vllm_untied), relay.tokenizer))
+    for text in ("Tell me a story about a cat.", "What is the capital of France?"):
+        messages = [{"role": "user", "content": text}]
+        gen = chat_tool.Generation(max_new_tokens=10)
+        assert chat_tool.reply(served, messages, gen) == chat_tool.reply(relay, messages, gen)
+        assert served.last_answer_cut == relay.last_answer_cut
+    assert chat_tool.main(["--model", str(vllm_untied), "--backend", "vllm", "--top-k", "5", "--prompt", "hi"]) == 2
+    assert "--backend vllm samples with temperature and top-p only" in capsys.readouterr().err

@@ -62,6 +62,19 @@ def frozen(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
+def vllm_gpu_problems(gen, cuda_devices: Optional[int] = None) -> list[str]:
+    """The vLLM engine's GPU options on this machine: sleep mode needs CUDA (vLLM's CPU build has
+    none), a tensor-parallel size needs that many GPUs (`cuda_devices`: torch's count by default)."""
+    if cuda_devices is None:
+        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    found = []
+    if gen.vllm_sleep and cuda_devices == 0:
+        found.append("generation.vllm_sleep: vLLM's sleep mode needs a CUDA GPU (its CPU build has none)")
+    if gen.vllm_tensor_parallel_size > 1 and gen.vllm_tensor_parallel_size > cuda_devices:
+        found.append(f"generation.vllm_tensor_parallel_size: {gen.vllm_tensor_parallel_size} needs as many CUDA GPUs; "
+                     f"this machine has {cuda_devices}")
+    return found
+
 class PolicyStage(Stage):
     """A subclass sets `self.inner`'s layout in `build_model` (an `ActorCritic`) and calls
     `build_prompts` from `build_data`."""
@@ -89,6 +102,7 @@ class PolicyStage(Stage):
             if self.cfg.model.finetuning == "full" and tied_embeddings(self.model_path):
                 found.append("generation.backend: vllm with model.finetuning full: a model with tied input/output embeddings "
                              "cannot be synced into vLLM yet (use lora)")
+            found += vllm_gpu_problems(self.cfg.generation)
             if self.cfg.distributed.engine != "ddp":
                 found.append(f"generation.backend: vllm syncs weights from one whole policy; distributed.engine "
                              f"{self.cfg.distributed.engine!r} is not supported with it yet (use ddp)")
@@ -135,8 +149,9 @@ class PolicyStage(Stage):
     def generator(self) -> Generator:
         if self._generator is None:
             policy, gen, tok = self.inner.policy, self.cfg.generation, self.tokenizer
-            engine = ({"base": self.model_path, "workdir": Path(self.cfg.output_dir) / "vllm", "max_model_len": self.cfg.train.seq_length}
-                      if gen.backend == "vllm" else {})
+            engine = ({"base": self.model_path, "workdir": Path(self.cfg.output_dir) / "vllm", "max_model_len": self.cfg.train.seq_length,
+                       "tensor_parallel_size": gen.vllm_tensor_parallel_size, "sleep": gen.vllm_sleep,
+                       "gpu_memory_utilization": gen.vllm_gpu_memory_utilization} if gen.backend == "vllm" else {})
             self._generator = self.generator_factory(policy) if self.generator_factory else make_generator(
                 gen.backend, policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens, gen.temperature,
                 synced_gpus=is_zero3(self.accelerator), **engine)

@@ -22,6 +22,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from pipeline.algorithms import rl
+from pipeline.algorithms.mismatch import correction_weights
 from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
 from pipeline.algorithms.rollout import ActorCritic, Rollout, chunks
 from pipeline.algorithms.tool_rollout import gae_over_turns
@@ -53,6 +54,9 @@ class Experience:
     """The scoring pass's policy logits still attached to their graph, when the update's first
     micro-batch is the whole rollout in order (`holds_first_forward`): that micro-batch reuses them
     instead of running the same forward again. Released once used."""
+    is_weight: Optional[torch.Tensor] = None
+    """The train-inference mismatch correction's per-token weight ([B, R], generation.correction),
+    when the engine reported its log-probs (`Rollout.engine_logp`, vLLM); None: unweighted."""
 
 
 def holds_first_forward(rows: int, micro: int, mini: int, separate: bool) -> bool:
@@ -132,8 +136,11 @@ def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str
     total = lambda t: all_reduce_sum(t, accelerator)  # noqa: E731 (a sum over ranks)
     if cfg.ppo.whiten_advantages and float(total(mask.sum().double().view(1))[0]) > 1:
         advantages = rl.masked_whiten(advantages, mask, all_reduce=total)
+    gen = cfg.generation
+    is_weight = None if rollout.engine_logp is None else correction_weights(
+        gen.correction_name, old, rollout.engine_logp, mask, gen.correction_cap, gen.correction_floor)
     return Experience(rollout, old, ref, s["values"] * mask, advantages, returns, kl, raw, scores, s["entropy"],
-                      held_logits=s.get("held"))
+                      held_logits=s.get("held"), is_weight=is_weight)
 
 
 def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator, *, separate: bool,
@@ -161,10 +168,11 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
     P = exp.rollout.prompt_width
     ids, attn = exp.rollout.input_ids[idx].to(device), exp.rollout.attention_mask[idx].to(device)
     mask, old = exp.rollout.response_mask[idx].to(device), exp.old_logprobs[idx].to(device)
+    is_weight = None if exp.is_weight is None else exp.is_weight[idx].to(device)
 
     def policy_part(logits):
         logp = logprobs_from_logits(logits.float() / temperature, ids[:, P:]).masked_fill(mask == 0, 0.0)
-        return logp, policy_loss(logp, old, exp.advantages[idx].to(device), mask, cliprange)
+        return logp, policy_loss(logp, old, exp.advantages[idx].to(device), mask, cliprange, weight=is_weight)
 
     def value_part(values):
         return value_loss(values.float(), exp.values[idx].to(device), exp.returns[idx].to(device), mask, cliprange_value)

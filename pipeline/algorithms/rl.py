@@ -229,16 +229,24 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip: float) -> PolicyLossOut:
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip: float,
+                weight: Optional[torch.Tensor] = None) -> PolicyLossOut:
     """PPO's clipped surrogate: mean over tokens of max(-A r, -A clip(r, 1-eps, 1+eps)), with
     r = exp(logp - old_logp). Also the share of tokens where clipping was active and the k3
-    approximate KL(old || new).
+    approximate KL(old || new) (neither weighted).
+
+    `weight` ([B, T], no gradient): the train-inference mismatch correction
+    (pipeline/algorithms/mismatch.py) multiplies each token's clipped surrogate before the token
+    mean, where verl applies `rollout_is_weights` (verl/trainer/ppo/core_algos.py,
+    compute_policy_loss_vanilla); None: unweighted.
 
     Raises:
         ValueError: the mask selects nothing.
     """
     log_ratio = logp - old_logp
     per_token, was_clipped = clipped_surrogate(logp, old_logp, advantages, clip)
+    if weight is not None:
+        per_token = per_token * weight
     loss = masked_mean(per_token, mask)
     clipfrac = masked_mean(was_clipped.float(), mask)
     # Samples come from the old policy, so k3 of KL(old || new) is (r - 1) - log r.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,19 @@ def adapter_rank(policy: torch.nn.Module) -> Optional[int]:
     return None if config is None else int(config.r)
 
 
+def engine_options(lora_rank: Optional[int], max_model_len: int = 1024, max_num_seqs: int = 8, *, tensor_parallel_size: int = 1,
+                   sleep: bool = False, gpu_memory_utilization: Optional[float] = None) -> ServerOptions:
+    """The server the generator samples on: the base model as 'base', runtime LoRA for a LoRA policy
+    (`lora_rank`; None: full fine-tuning, synced through the development endpoints instead), the
+    log-probs of the temperature-scaled distribution the update scores; on a GPU its tensor-parallel
+    size, sleep mode and memory share pass through. A server started elsewhere with these options
+    can be handed to `VLLMGenerator(server=...)`."""
+    return ServerOptions(name="base", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                         enable_lora=lora_rank is not None, max_lora_rank=max(8, lora_rank or 0), dev_mode=lora_rank is None,
+                         tensor_parallel_size=tensor_parallel_size, sleep_mode=sleep, gpu_memory_utilization=gpu_memory_utilization,
+                         extra=["--logprobs-mode", "processed_logprobs"])
+
+
 @dataclass
 class VLLMGenerator:
     """Samples on a vLLM server that follows `policy`'s adapter (see the module docstring)."""
@@ -67,10 +81,22 @@ class VLLMGenerator:
     temperature: float = 1.0
     max_model_len: int = 1024
     max_num_seqs: int = 8
+    tensor_parallel_size: int = 1
+    sleep: bool = False
+    """Put the engine to sleep after each rollout (level 1: weights to CPU memory, KV cache freed) and
+    wake it before the next: the trainer's update has the GPU memory (CUDA only)."""
+    gpu_memory_utilization: Optional[float] = None
+    """The share of GPU memory vLLM may take (None: vLLM's default; colocated with a trainer, less)."""
     server: Optional[VLLMServer] = None
+    """A running server (`engine_options`) to sample on, left running by `close`; None: `start`
+    starts one of its own, stopped by `close`."""
     last_logprobs: list[list[float]] = field(default_factory=list)
     """The engine's log-prob of each token the last `generate` returned (NaN where it gave none)."""
     _version: int = 0
+    _owns_server: bool = False
+    _asleep: bool = False
+    _tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    """Part of every adapter name: generators taking turns on one server never load each other's."""
 
     def start(self) -> None:
         if self.server is None:
@@ -80,33 +106,43 @@ class VLLMGenerator:
                 # ("ParallelLMHead: Failed to load weights"): the engine would sample from a stale head.
                 raise VLLMError("generation.backend vllm with full fine-tuning: a model with tied input/output embeddings "
                                 "cannot be synced into vLLM yet (use LoRA)")
-            opts = ServerOptions(name="base", max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-                                 enable_lora=rank is not None, max_lora_rank=max(8, rank or 0), dev_mode=rank is None,
-                                 extra=["--logprobs-mode", "processed_logprobs"])
             self.workdir.mkdir(parents=True, exist_ok=True)
+            opts = engine_options(rank, self.max_model_len, self.max_num_seqs, tensor_parallel_size=self.tensor_parallel_size,
+                                  sleep=self.sleep, gpu_memory_utilization=self.gpu_memory_utilization)
             self.server = VLLMServer(self.base, opts, log_path=self.workdir / "vllm.log").start()
+            self._owns_server = True
 
     def sync(self) -> str:
         """Save the policy's adapter and load it into the server under a new name (full fine-tuning:
         its weights, reloaded in place); returns the model name to request."""
         self.start()
+        if self._asleep:  # weights back on the GPU before the new ones land (an adapter or a full reload)
+            self.server.post("/wake_up", {})
+            self._asleep = False
         self._version += 1
         if adapter_rank(self.policy) is None:
             return self.sync_full()
-        name, path = f"policy-{self._version}", self.workdir / f"adapter-{self._version}"
+        name, path = self.adapter_name(self._version), self.workdir / f"adapter-{self._version}"
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.policy.save_pretrained(str(path), safe_serialization=True)
         self.server.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
         if self._version > 1:
-            old = self._version - 1
-            self.server.post("/v1/unload_lora_adapter", {"lora_name": f"policy-{old}"})
-            shutil.rmtree(self.workdir / f"adapter-{old}", ignore_errors=True)
+            self.unload(self._version - 1)
         return name
+
+    def adapter_name(self, version: int) -> str:
+        return f"policy-{self._tag}-{version}"
+
+    def unload(self, version: int) -> None:
+        self.server.post("/v1/unload_lora_adapter", {"lora_name": self.adapter_name(version)})
+        shutil.rmtree(self.workdir / f"adapter-{version}", ignore_errors=True)
 
     def sync_full(self) -> str:
         """Full fine-tuning: save the policy (safetensors) and have every worker reload its weights
         from there in place (/collective_rpc reload_weights), then drop the prefix cache, whose KV
         entries the old weights computed."""
         path = self.workdir / f"weights-{self._version}"
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.policy.save_pretrained(str(path), safe_serialization=True)
         self.server.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
         self.server.post("/reset_prefix_cache", {})
@@ -128,12 +164,22 @@ class VLLMGenerator:
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), self.max_num_seqs))) as pool:
             out = list(pool.map(lambda row: self.request(model, prompts[row], seeds[row], temp), range(len(prompts))))
         self.last_logprobs = [lp for _, lp in out]
+        if self.sleep:  # level 1 keeps the weights (in CPU memory), so waking needs no reload
+            self.server.post("/sleep?level=1", {})
+            self._asleep = True
         return [ids for ids, _ in out]
 
     def close(self) -> None:
-        if self.server is not None:
+        """Stop the server this generator started; on one it was handed, unload its adapter."""
+        if self.server is None:
+            return
+        if self._owns_server:
             self.server.stop()
             self.server = None
+        elif self._version and adapter_rank(self.policy) is not None and self.server.proc is not None \
+                and self.server.proc.poll() is None:
+            self.unload(self._version)
+            self._version = 0
 
     def __del__(self):
         self.close()

@@ -48,14 +48,22 @@ class GenerationConfig:
     distribution and RNG stream) or vllm (a vLLM server from bench/.venv-vllm, made by
     run_scripts/install_vllm.sh, following the policy's LoRA adapter: pipeline/algorithms/vllm_generator.py)."""
     correction: str = "auto"
-    """Train-inference mismatch correction of the GRPO loss (pipeline/algorithms/mismatch.py): none,
-    tis (token-level truncated importance weights) or mis (tokens whose weight leaves
+    """Train-inference mismatch correction of the GRPO and PPO policy losses (pipeline/algorithms/mismatch.py):
+    none, tis (token-level truncated importance weights) or mis (tokens whose weight leaves
     [correction_floor, correction_cap] drop out); auto: tis for vllm, none for relay and hf (they
-    sample the distribution the trainer scores). PPO logs the mismatch but corrects nothing yet."""
+    sample the distribution the trainer scores)."""
     correction_cap: float = 3.0
     """Upper bound of the importance weight p_trainer / p_engine (TRL's default 3.0)."""
     correction_floor: Optional[float] = None
     """Lower bound (tis: clamp; mis: band); None: none."""
+    vllm_tensor_parallel_size: int = 1
+    """backend vllm on GPUs: the engine's tensor-parallel size (its --tensor-parallel-size)."""
+    vllm_sleep: bool = False
+    """backend vllm on a GPU: the engine sleeps during each update (vLLM's sleep mode, level 1: its
+    weights move to CPU memory and its KV cache is freed) and wakes before the next rollout."""
+    vllm_gpu_memory_utilization: Optional[float] = None
+    """backend vllm on a GPU: the share of GPU memory the engine may take (None: vLLM's 0.9, too
+    much beside a trainer on the same GPU unless vllm_sleep frees it)."""
 
     @property
     def correction_name(self) -> str:
@@ -76,6 +84,10 @@ class GenerationConfig:
             out.append(f"{key}.correction: {self.correction!r} is not one of {CORRECTION_NAMES}")
         if self.correction_cap <= 0 or (self.correction_floor is not None and not 0 <= self.correction_floor < self.correction_cap):
             out.append(f"{key}.correction_cap/correction_floor: need 0 <= floor < cap, got {self.correction_floor} and {self.correction_cap}")
+        if self.vllm_tensor_parallel_size < 1:
+            out.append(f"{key}.vllm_tensor_parallel_size: must be >= 1, got {self.vllm_tensor_parallel_size}")
+        if self.vllm_gpu_memory_utilization is not None and not 0 < self.vllm_gpu_memory_utilization <= 1:
+            out.append(f"{key}.vllm_gpu_memory_utilization: must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
         if self.top_k != 0 or self.top_p != 1.0:
             out.append(f"{key}.top_k/top_p: RL stages sample from the full distribution (top_k 0, top_p 1.0), because the "
                        "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling")

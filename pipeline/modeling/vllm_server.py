@@ -74,6 +74,9 @@ class ServerOptions:
     dev_mode: bool = False
     """vLLM's development endpoints (/collective_rpc, /reset_prefix_cache): the RL backend's
     full fine-tuning weight sync. Only ever on 127.0.0.1."""
+    sleep_mode: bool = False
+    """--enable-sleep-mode and the development endpoints /sleep, /wake_up (CUDA only): the RL backend
+    frees the engine's GPU memory while the trainer updates."""
     extra: list[str] = field(default_factory=list)
 
 
@@ -88,6 +91,8 @@ def server_command(python: str, folder: str, host: str, port: int, opts: ServerO
            "--generation-config", "vllm", "--tensor-parallel-size", str(opts.tensor_parallel_size)]
     if opts.enable_lora:
         cmd += ["--enable-lora", "--max-lora-rank", str(opts.max_lora_rank), "--max-loras", "1"]
+    if opts.sleep_mode:
+        cmd += ["--enable-sleep-mode"]
     if opts.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
     return cmd + list(opts.extra)
@@ -132,7 +137,7 @@ class VLLMServer:
     def start(self) -> "VLLMServer":
         cmd = server_command(self.python, self.folder, self.host, self.port, self.opts)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, env=server_env(self.opts.enable_lora, self.opts.dev_mode), stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, env=server_env(self.opts.enable_lora, self.opts.dev_mode or self.opts.sleep_mode), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
@@ -184,3 +189,27 @@ class VLLMServer:
             return json.loads(text) if text.strip() else {}
         except json.JSONDecodeError:
             return {"text": text.decode(errors="replace")}
+
+
+def completion_ids(server: VLLMServer, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int], *,
+                   temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None) -> list[list[int]]:
+    """The ids a server (`server.opts.name`) answers each prompt with, cut before the first of
+    `eos_ids` (greedy at temperature 0); one request per prompt, `server.opts.max_num_seqs` at a
+    time, so vLLM batches them. For `relay gold` and `relay chat --backend vllm`.
+
+    Raises:
+        VLLMError: the server refused a request (its message).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(prompt: list[int]) -> list[int]:
+        body = {"model": server.opts.name, "prompt": list(prompt), "max_tokens": max_new_tokens, "temperature": temperature,
+                "top_p": top_p, "stop_token_ids": list(eos_ids), "return_token_ids": True, "skip_special_tokens": False}
+        if seed is not None:
+            body["seed"] = seed
+        (choice,) = server.post("/v1/completions", body)["choices"]
+        ids = list(choice.get("token_ids") or [])
+        return ids[: next((i for i, t in enumerate(ids) if t in eos_ids), len(ids))]
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), server.opts.max_num_seqs))) as pool:
+        return list(pool.map(one, prompts))

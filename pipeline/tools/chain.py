@@ -27,6 +27,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.engine.identity import config_changes
 from pipeline.modeling.handoff import link_problems, manifest_problems, pairing_problems
 from pipeline.modeling.manifest import read_manifest, weights_hash
+from pipeline.tools.gold import GREEDY
 
 STAGE_ORDER = tuple(registry.STAGES)
 """Every registered stage, in registry order."""
@@ -80,6 +81,9 @@ class GoldConfig:
     """Prompts per generate() call (left-padded)."""
     dtype: str = "fp32"
     """Weights dtype while answering (fp32 | bf16 | fp16 | auto)."""
+    backend: str = "relay"
+    """Who decodes the answers: relay (Relay's engine) or vllm (a vLLM server per model, from
+    run_scripts/install_vllm.sh); pipeline/tools/gold.py's GREEDY."""
     min_phrase_gain: float = 0.2
     """PASS needs the RL model's phrase rate to exceed its parent's by at least this."""
     max_fact_drop: float = 0.05
@@ -99,6 +103,13 @@ class GoldConfig:
             out.append("gold.max_new_tokens and gold.batch_size must be >= 1")
         if self.dtype not in ("fp32", "bf16", "fp16", "auto"):
             out.append(f"gold.dtype: {self.dtype!r} is not one of 'fp32', 'bf16', 'fp16', 'auto'")
+        if self.backend not in GREEDY:
+            out.append(f"gold.backend: {self.backend!r} is not one of {tuple(GREEDY)}")
+        elif self.backend == "vllm" and self.data is not None:
+            from pipeline.modeling.vllm_server import vllm_python
+
+            if vllm_python() is None:
+                out.append("gold.backend: vllm is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm)")
         return out
 
 

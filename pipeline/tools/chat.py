@@ -61,6 +61,11 @@ class ChatModel:
     tokenizer: object
     last_answer_cut: bool = False
     """True when the latest reply() stopped at --max-new-tokens rather than at an end-of-turn token."""
+    server: Optional[object] = None
+    """`--backend vllm`: the vLLM server (pipeline/modeling/vllm_server.py) that answers in place of
+    `model` (then None)."""
+    eos_ids: Optional[list[int]] = None
+    """With `server`: the end-of-turn ids (`chat_eos_ids`)."""
 
 
 def was_cut(new_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]) -> bool:
@@ -73,21 +78,16 @@ def cut_marker(chat: ChatModel, gen: "Generation") -> str:
     return f"[answer cut at {gen.max_new_tokens} tokens: --max-new-tokens raises the limit]" if chat.last_answer_cut else ""
 
 
-def load_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool = False, allow_pickle: bool = False) -> ChatModel:
-    """A merged folder (or 'embedded') ready for generation, through pipeline.modeling.models' loader
-    (the folder's own code runs only with `trust_remote_code`, pickled weights load only with
-    `allow_pickle`, as in the stages).
+def load_chat_tokenizer(path: str, *, trust_remote_code: bool = False, allow_pickle: bool = False):
+    """The tokenizer of a merged folder (or 'embedded') after the folder's checks, without its weights.
 
     Raises:
         ChatError: the folder is no causal LM (preflight: missing, an adapter, a reward model, no
             weights or tokenizer) or its tokenizer has no chat template.
-        OSError: transformers could not load what preflight let through (its error names it).
     """
     from pipeline.config import ModelConfig
-    from pipeline.modeling.models import load_model, load_tokenizer, resolve_model_path
+    from pipeline.modeling.models import load_tokenizer, remote_code_problems, resolve_model_path
     from pipeline.modeling.preflight import model_problems
-
-    from pipeline.modeling.models import remote_code_problems
 
     found = model_problems(path, "--model", need="causal", allow_pickle=allow_pickle)
     found = found or remote_code_problems(ModelConfig(path=path, trust_remote_code=trust_remote_code), "--model")
@@ -97,11 +97,48 @@ def load_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool =
     tokenizer = load_tokenizer(folder, trust_remote_code)
     if not getattr(tokenizer, "chat_template", None):
         raise ChatError(f"{folder}: the tokenizer has no chat template, so there is no chat format to prompt it with")
-    model = load_model(ModelConfig(path=folder, finetuning="full", dtype=dtype, trust_remote_code=trust_remote_code,
+    return tokenizer
+
+
+def load_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool = False, allow_pickle: bool = False) -> ChatModel:
+    """A merged folder (or 'embedded') ready for generation, through pipeline.modeling.models' loader
+    (the folder's own code runs only with `trust_remote_code`, pickled weights load only with
+    `allow_pickle`, as in the stages).
+
+    Raises:
+        ChatError: see `load_chat_tokenizer`.
+        OSError: transformers could not load what preflight let through (its error names it).
+    """
+    from pipeline.config import ModelConfig
+    from pipeline.modeling.models import load_model, resolve_model_path
+
+    tokenizer = load_chat_tokenizer(path, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    model = load_model(ModelConfig(path=resolve_model_path(path), finetuning="full", dtype=dtype, trust_remote_code=trust_remote_code,
                                    allow_pickle=allow_pickle), None, kind="causal", tokenizer=tokenizer)
     model.eval()
     model.requires_grad_(False)
     return ChatModel(name=path, model=model, tokenizer=tokenizer)
+
+
+def start_vllm_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool = False) -> ChatModel:
+    """`--backend vllm`: the folder's checks and tokenizer here, its weights in a vLLM server started
+    on it (fp32 on a CPU for dtype fp32; the caller stops `server`).
+
+    Raises:
+        ChatError: see `load_chat_tokenizer`; vLLM absent or its server failed to start.
+    """
+    from pipeline.modeling.models import resolve_model_path
+    from pipeline.modeling.vllm_server import ServerOptions, VLLMError, VLLMServer
+
+    if trust_remote_code:
+        raise ChatError("--backend vllm: --trust-remote-code is not passed on to vLLM")
+    tokenizer = load_chat_tokenizer(path)
+    folder = resolve_model_path(path)
+    try:
+        server = VLLMServer(folder, ServerOptions(name="chat", max_num_seqs=2, dtype="float32" if dtype == "fp32" else "auto")).start()
+    except VLLMError as err:
+        raise ChatError(str(err)) from None
+    return ChatModel(name=path, model=None, tokenizer=tokenizer, server=server, eos_ids=chat_eos_ids(folder, tokenizer))
 
 
 def prompt_ids(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
@@ -120,6 +157,20 @@ def eos_ids_of(model: torch.nn.Module, tokenizer) -> list[int]:
     eos = [tokenizer.eos_token_id]
     extra = getattr(model.generation_config, "eos_token_id", None)
     return eos + [e for e in (extra if isinstance(extra, list) else [extra]) if e is not None and e not in eos]
+
+
+def chat_eos_ids(folder: str, tokenizer) -> list[int]:
+    """`eos_ids_of` without loading the weights: the generation_config transformers would give the
+    model (the folder's generation_config.json, else the one its config.json implies)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(folder)
+    except OSError:
+        config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(folder))
+    return eos_ids_of(SimpleNamespace(generation_config=config), tokenizer)
 
 
 class StreamPrinter:
@@ -145,6 +196,8 @@ def reply(chat: ChatModel, messages: list[dict], gen: Generation, stream: bool =
     from pipeline.modeling.decode import generate
 
     ids = prompt_ids(chat.tokenizer, messages, tools)
+    if chat.server is not None:
+        return vllm_reply(chat, ids, gen, stream)
     if gen.top_k or gen.repetition_penalty != 1.0:
         return hf_reply(chat, ids, gen, stream)
     eos = eos_ids_of(chat.model, chat.tokenizer)
@@ -156,6 +209,21 @@ def reply(chat: ChatModel, messages: list[dict], gen: Generation, stream: bool =
     chat.last_answer_cut = was_cut(out.tokens[0], gen.max_new_tokens, eos)
     tokens = out.tokens[0][:-1] if out.finished[0] else out.tokens[0]
     return chat.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+def vllm_reply(chat: ChatModel, ids: list[int], gen: Generation, stream: bool) -> str:
+    """`reply` from the vLLM server (`--backend vllm`): greedy at temperature 0, else sampled with a
+    seed drawn from torch's RNG (so --seed repeats a session); printed whole when `stream`."""
+    from pipeline.modeling.vllm_server import completion_ids
+
+    seed = int(torch.randint(0, 2**31 - 1, ())) if gen.temperature > 0 else None
+    (tokens,) = completion_ids(chat.server, [ids], gen.max_new_tokens, chat.eos_ids, temperature=gen.temperature,
+                               top_p=gen.top_p if gen.temperature > 0 else 1.0, seed=seed)
+    chat.last_answer_cut = len(tokens) >= gen.max_new_tokens
+    text = chat.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    if stream:
+        print(text, flush=True)
+    return text
 
 
 def hf_reply(chat: ChatModel, ids: list[int], gen: Generation, stream: bool) -> str:
@@ -271,6 +339,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--tool-schemas", metavar="FILE",
                         help="JSON list of tool schemas: with --tools, for tools whose docstring gives none; alone, you type each result")
     parser.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may run")
+    parser.add_argument("--backend", default="relay", choices=("relay", "vllm"),
+                        help="who answers: relay (its decode engine, or transformers for --top-k/--repetition-penalty) "
+                             "or vllm (a vLLM server started on each model: run_scripts/install_vllm.sh)")
     parser.add_argument("--trust-remote-code", action="store_true", help="run code shipped in the model folder (auto_map)")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="load pickled weights (pytorch_model.bin) when the folder has no safetensors (weights_only=True)")
@@ -284,14 +355,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet_console()
     torch.manual_seed(args.seed)
     gen = Generation(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty)
+    models: list[ChatModel] = []
     try:
         if (args.tools or args.tool_schemas) and args.compare:
             raise ValueError("--tools/--tool-schemas chat with one model: drop --compare")
         from pipeline.tools.chat_tools import tool_setup
 
         tools = tool_setup(args.tools, args.tool_schemas, args.tool_timeout)
-        models = [load_chat_model(p, args.dtype, trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
-                  for p in [args.model] + ([args.compare] if args.compare else [])]
+        if args.backend == "vllm" and (args.top_k or args.repetition_penalty != 1.0):
+            raise ValueError("--backend vllm samples with temperature and top-p only: drop --top-k/--repetition-penalty")
+        for path in [args.model] + ([args.compare] if args.compare else []):
+            models.append(start_vllm_chat_model(path, args.dtype, trust_remote_code=args.trust_remote_code) if args.backend == "vllm"
+                          else load_chat_model(path, args.dtype, trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle))
         if tools is not None:
             from pipeline.tools.serve_tools import tool_support_problem
 
@@ -299,13 +374,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if problem:
                 raise ChatError(f"--tools: {problem}")
     except (ChatError, OSError, ValueError) as err:
+        stop_servers(models)
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if args.prompt is not None:
-        one_shot(models, args.prompt, gen, args.system, tools)
-    else:
-        interactive(models, gen, args.system, tools=tools)
+    try:
+        if args.prompt is not None:
+            one_shot(models, args.prompt, gen, args.system, tools)
+        else:
+            interactive(models, gen, args.system, tools=tools)
+    finally:
+        stop_servers(models)
     return 0
+
+
+def stop_servers(models: list[ChatModel]) -> None:
+    for chat in models:
+        if chat.server is not None:
+            chat.server.stop()
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ def compute_gold(cfg: PipelineConfig, ran: Sequence[str]) -> Optional[dict]:
     if not cfg.gold.data:
         return None
     root = Path(cfg.output_root) / "gold"
-    settings = GoldSettings(cfg.gold.max_new_tokens, cfg.gold.batch_size, cfg.gold.dtype)
+    settings = GoldSettings(cfg.gold.max_new_tokens, cfg.gold.batch_size, cfg.gold.dtype, cfg.gold.backend)
     started = time.time()
     rows = gold_table(gold_models(cfg, ran), cfg.gold.data, settings, root / "cache.json", root / "answers", lambda m: log(cfg, m))
     judged = judged_stage(cfg, ran)

@@ -198,9 +198,14 @@ class GoldSettings:
     max_new_tokens: int = 40
     batch_size: int = 8
     dtype: str = "fp32"
+    backend: str = "relay"
+    """Who decodes the greedy answers: relay (Relay's decode engine) or vllm (a vLLM server on the
+    folder, pipeline/modeling/vllm_server.py); `GREEDY` below."""
 
     def key(self) -> dict:
-        return {"max_new_tokens": self.max_new_tokens, "dtype": self.dtype}
+        # relay rows keep the key they had before backends existed (their caches stay valid)
+        return {"max_new_tokens": self.max_new_tokens, "dtype": self.dtype,
+                **({"backend": self.backend} if self.backend != "relay" else {})}
 
 
 def messages_of(record: dict) -> list[dict]:
@@ -209,29 +214,53 @@ def messages_of(record: dict) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": record["prompt"]}]
 
 
+def relay_greedy(folder: str, prompts: list[list[int]], eos: list[int], settings: GoldSettings) -> list[list[int]]:
+    """Greedy ids per prompt from Relay's decode engine, in batches of `settings.batch_size`."""
+    from pipeline.modeling.decode import generate
+    from pipeline.tools.chat import load_chat_model
+
+    chat = load_chat_model(folder, settings.dtype)
+    out: list[list[int]] = []
+    for start in range(0, len(prompts), settings.batch_size):
+        out += generate(chat.model, prompts[start : start + settings.batch_size], max_new_tokens=settings.max_new_tokens,
+                        eos_ids=eos, pad_id=chat.tokenizer.pad_token_id, temperature=0.0).tokens
+    return out
+
+
+def vllm_greedy(folder: str, prompts: list[list[int]], eos: list[int], settings: GoldSettings) -> list[list[int]]:
+    """Greedy ids per prompt from a vLLM server started on the folder for this table (fp32 on a
+    CPU, the checkpoint's dtype on a GPU), `settings.batch_size` requests at a time."""
+    from pipeline.modeling import vllm_server
+
+    opts = vllm_server.ServerOptions(name="gold", max_num_seqs=settings.batch_size,
+                                     dtype="float32" if settings.dtype == "fp32" else "auto")
+    with vllm_server.VLLMServer(folder, opts) as server:
+        return vllm_server.completion_ids(server, prompts, settings.max_new_tokens, eos)
+
+
+GREEDY = {"relay": relay_greedy, "vllm": vllm_greedy}
+"""`GoldSettings.backend` -> greedy(folder, prompt ids, eos ids, settings) -> response ids per prompt."""
+
+
 def greedy_answers(path: str, records: Sequence[dict], settings: GoldSettings = GoldSettings()) -> list[str]:
     """Greedy answers of the model at `path` (a folder or 'embedded') to every gold prompt.
 
     Prompts are rendered by the folder's own chat template (pipeline.tools.chat.prompt_ids: the saved
-    template of a merged folder is what its training rendered) and decoded in batches by Relay's
-    decode engine (pipeline.modeling.decode): greedy, no repetition penalty, stop at the end-of-turn
-    token (or any other eos id the folder's generation_config names).
+    template of a merged folder is what its training rendered) and decoded by `settings.backend`
+    (`GREEDY`): greedy, no repetition penalty, stop at the end-of-turn token (or any other eos id
+    the folder's generation_config names).
     """
-    from pipeline.modeling.decode import generate
-    from pipeline.tools.chat import eos_ids_of, load_chat_model, prompt_ids
+    from pipeline.modeling.models import resolve_model_path
+    from pipeline.tools.chat import chat_eos_ids, load_chat_tokenizer, prompt_ids
 
-    chat = load_chat_model(path, settings.dtype)
-    tokenizer, model = chat.tokenizer, chat.model
-    eos = eos_ids_of(model, tokenizer)
-    answers: list[str] = []
+    folder = resolve_model_path(path)
+    tokenizer = load_chat_tokenizer(path)
+    eos = chat_eos_ids(folder, tokenizer)
     prompts = [prompt_ids(tokenizer, messages_of(r)) for r in records]
-    for start in range(0, len(prompts), settings.batch_size):
-        out = generate(model, prompts[start : start + settings.batch_size], max_new_tokens=settings.max_new_tokens,
-                       eos_ids=eos, pad_id=tokenizer.pad_token_id, temperature=0.0)
-        for tokens in out.tokens:
-            cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
-            answers.append(tokenizer.decode(tokens[:cut], skip_special_tokens=True).strip())
-    del chat, model
+    answers = []
+    for tokens in GREEDY[settings.backend](path, prompts, eos, settings):
+        cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+        answers.append(tokenizer.decode(tokens[:cut], skip_special_tokens=True).strip())
     return answers
 
 
@@ -317,8 +346,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--answers", help="write each model's answers to ANSWERS/<n>.jsonl")
+    parser.add_argument("--backend", default="relay", choices=tuple(GREEDY),
+                        help="who decodes: relay (its engine) or vllm (a vLLM server, run_scripts/install_vllm.sh)")
     args = parser.parse_args(argv)
-    settings = GoldSettings(args.max_new_tokens, args.batch_size)
+    settings = GoldSettings(args.max_new_tokens, args.batch_size, backend=args.backend)
     try:
         rows = gold_table([(m, m) for m in args.models], args.gold, settings, answers_dir=Path(args.answers) if args.answers else None,
                           log=lambda m: print(m, file=sys.stderr))
