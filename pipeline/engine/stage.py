@@ -44,21 +44,20 @@ from tqdm.auto import tqdm
 
 from data_formats.render import make_template, template_jinja
 from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
-from data_formats.sources import DataError, expand_entry
+from data_formats.sources import DataError
 from data_formats.validate import skip_report, take_skipped
 from pipeline.config import ConfigError, StageConfig, load_config, save_config, to_dict
 from pipeline.engine.accelerator import combination_problems, optimizer_state, prepare_training, setup_accelerator, trainable_state
 from pipeline.engine.checkpoint import Checkpointer, CheckpointError, complete_checkpoints, rng_state
 from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
 from pipeline.engine.export import export_trained
+from pipeline.engine.stage_checks import data_problems, parent_problems, supervision_problems
 from pipeline.engine.interrupt import StopRequest, Stopped, agreed_signal, all_ranks_ok, ranks_max, signal_name
 from pipeline.engine.resume import launched_world_size, resume, resume_problems
 from pipeline.engine.schedule import build_scheduler
 from pipeline.engine.steps import NonFiniteError
 from pipeline.engine.tracking import EarlyStopping, History, Tracker, default_run_name, format_stage_summary, quiet_console
 from pipeline.modeling import models
-from pipeline.modeling.handoff import manifest_problems
-from pipeline.modeling.preflight import model_problems
 
 log = logging.getLogger(__name__)
 
@@ -69,39 +68,6 @@ OnStep = Callable[["Stage", dict], None]
 # ------------------------------------------------------------------------------------------
 # Checks every stage makes before anything heavy loads
 # ------------------------------------------------------------------------------------------
-
-
-def data_problems(entries: Sequence[str], key: str) -> list[str]:
-    """Data path entries that name no file (a missing path or an empty folder/glob)."""
-
-    out = []
-    for entry in entries:
-        files, dataset = expand_entry(entry)
-        if dataset is None and (not files or not all(f.is_file() for f in files)):
-            out.append(f"{key}: {entry!r} names no data file")
-    return out
-
-
-def parent_problems(model_path: str, need: str = "causal", allow_pickle: bool = False) -> list[str]:
-    """What keeps model.path from loading as a `need` model (pipeline.modeling.preflight: missing,
-    an adapter or reward-model folder, no weights/tokenizer, an unreachable hub id), then
-    mismatches between a local parent model's manifest and its folder's tokenizer/template."""
-
-    found = model_problems(model_path, "model.path", need=need, allow_pickle=allow_pickle)
-    folder = Path(model_path)
-    if found or not folder.is_dir():
-        return found
-    return [f"model.path: {p}" for p in manifest_problems(folder, required=False)]
-
-
-def supervision_problems(samples: Sequence, seq_length: int) -> list[str]:
-    """A training set whose every label is masked trains nothing (its loss is 0): say so. Only
-    samples with `labels` count (PT and SFT rows; pairs and prompts have none)."""
-    labelled = [s["labels"] for s in samples if isinstance(s, dict) and "labels" in s]
-    if labelled and not any(bool(torch.as_tensor(labels).ne(-100).any()) for labels in labelled):
-        return [f"data.train: no training sample has a token to learn (every label is masked; train.seq_length "
-                f"{seq_length} may be too short for the prompts)"]
-    return []
 
 
 def stop_after_step() -> Optional[int]:

@@ -1,0 +1,47 @@
+"""A stage's checks before any heavy work (Stage.validate gathers them with the config's own): the
+data paths, the parent model folder and its manifest, and whether the training set supervises any
+token. Pure functions of their inputs; each returns one line per problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from data_formats.sources import expand_entry
+from pipeline.modeling.handoff import manifest_problems
+from pipeline.modeling.preflight import model_problems
+
+
+def data_problems(entries: Sequence[str], key: str) -> list[str]:
+    """Data path entries that name no file (a missing path or an empty folder/glob)."""
+
+    out = []
+    for entry in entries:
+        files, dataset = expand_entry(entry)
+        if dataset is None and (not files or not all(f.is_file() for f in files)):
+            out.append(f"{key}: {entry!r} names no data file")
+    return out
+
+
+def parent_problems(model_path: str, need: str = "causal", allow_pickle: bool = False) -> list[str]:
+    """What keeps model.path from loading as a `need` model (pipeline.modeling.preflight: missing,
+    an adapter or reward-model folder, no weights/tokenizer, an unreachable hub id), then
+    mismatches between a local parent model's manifest and its folder's tokenizer/template."""
+
+    found = model_problems(model_path, "model.path", need=need, allow_pickle=allow_pickle)
+    folder = Path(model_path)
+    if found or not folder.is_dir():
+        return found
+    return [f"model.path: {p}" for p in manifest_problems(folder, required=False)]
+
+
+def supervision_problems(samples: Sequence, seq_length: int) -> list[str]:
+    """A training set whose every label is masked trains nothing (its loss is 0): say so. Only
+    samples with `labels` count (PT and SFT rows; pairs and prompts have none)."""
+    labelled = [s["labels"] for s in samples if isinstance(s, dict) and "labels" in s]
+    if labelled and not any(bool(torch.as_tensor(labels).ne(-100).any()) for labels in labelled):
+        return [f"data.train: no training sample has a token to learn (every label is masked; train.seq_length "
+                f"{seq_length} may be too short for the prompts)"]
+    return []
