@@ -31,6 +31,17 @@ from tinymodels import make_tiny_model
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_collection_finish(session):
+    """Everything alive once the test modules are imported (torch, transformers, the stages, the
+    collected items) lives for the whole session: `gc.freeze` moves it out of the collector's
+    reach. Every stage run's export calls accelerate's `free_memory`, whose full `gc.collect` then
+    scans the objects of that run instead of the ~0.5 M of the imports (0.2-0.7 s a run before)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(scope="session")
 def embedded_path():
     """The embedded SmolLM2-135M-Instruct folder (converted once, then cached)."""

@@ -47,3 +47,27 @@ def test_weights_hash_follows_a_rewrite_of_the_same_size(tmp_path):
     assert manifest.weights_hash(tmp_path / "missing") is None
     (tmp_path / "model.safetensors").unlink()
     assert manifest.weights_hash(tmp_path) is None
+
+
+def test_a_byte_identical_tokenizer_in_a_new_folder_is_not_parsed_again(tmp_path, tiny_model_dir, monkeypatch):
+    """Every stage saves its parent's tokenizer into a new merged folder: the same bytes in a new
+    file give the remembered hash and length without parsing the JSON again (a fifth of a tiny stage
+    run in the suite was this parse); other bytes are parsed."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder in (first, second):
+        folder.mkdir()
+        shutil.copy(tiny_model_dir / "tokenizer.json", folder / "tokenizer.json")
+    want = reference_tokenizer_hash(first / "tokenizer.json")
+    assert manifest.tokenizer_hash(first) == want
+    data = json.loads((first / "tokenizer.json").read_text(encoding="utf-8"))
+    length = len(set(data["model"]["vocab"].values()) | {t["id"] for t in data["added_tokens"]})
+    parsed = []
+    real = json.loads
+    monkeypatch.setattr(manifest.json, "loads", lambda *a, **k: parsed.append(1) or real(*a, **k))
+    assert manifest.tokenizer_hash(second) == want and manifest.tokenizer_length(second) == length
+    assert manifest.tokenizer_length(first) == length
+    assert not parsed
+    data["model"]["vocab"]["relay-token-of-this-test"] = len(data["model"]["vocab"])
+    (second / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    assert manifest.tokenizer_length(second) == length + 1 and parsed
+    assert manifest.tokenizer_hash(second) == reference_tokenizer_hash(second / "tokenizer.json") != want

@@ -38,7 +38,7 @@ def _sha256_files(paths: list[Path]) -> Optional[str]:
     return digest.hexdigest()
 
 
-_HASHES: dict[tuple, Optional[str]] = {}
+_HASHES: dict[tuple, Any] = {}
 
 
 def _remembered(kind: str, paths: list[Path], compute) -> Optional[str]:
@@ -77,9 +77,29 @@ def tokenizer_hash(folder: Union[str, Path]) -> Optional[str]:
 
 
 def _tokenizer_json_hash(path: Path) -> str:
-    data = json.loads(path.read_text(encoding="utf-8"))
-    core = {"model": data.get("model"), "added_tokens": data.get("added_tokens")}
-    return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
+    return _tokenizer_json_facts(path)[0]
+
+
+def _tokenizer_json_facts(path: Path) -> tuple[str, Optional[int]]:
+    """(tokenizer_hash, tokenizer_length) of a tokenizer.json, remembered in this process by the
+    file's bytes: every stage saves its tokenizer into a new folder, byte for byte the parent's, and
+    parsing and re-serialising the 49k-token vocabulary took ~0.8 s a time (a fifth of a tiny
+    stage run in the test suite); hashing the bytes takes milliseconds."""
+    raw = path.read_bytes()
+    key = ("tokenizer.json-content", hashlib.sha256(raw).hexdigest())
+    if key not in _HASHES:
+        data = json.loads(raw.decode("utf-8"))
+        core = {"model": data.get("model"), "added_tokens": data.get("added_tokens")}
+        _HASHES[key] = (hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest(), _defined_tokens(data))
+    return _HASHES[key]
+
+
+def _defined_tokens(data: dict) -> Optional[int]:
+    vocab = (data.get("model") or {}).get("vocab")
+    # BPE/WordPiece store {token: id}; Unigram stores [[token, score], ...] in id order.
+    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab or [])))
+    ids.update(token["id"] for token in data.get("added_tokens", []))
+    return len(ids) if ids else None
 
 
 def chat_template_of(folder: Union[str, Path]) -> Optional[str]:
@@ -166,9 +186,4 @@ def tokenizer_length(folder: Union[str, Path]) -> Optional[int]:
     tok_json = Path(folder) / "tokenizer.json"
     if not tok_json.is_file():
         return None
-    data = json.loads(tok_json.read_text(encoding="utf-8"))
-    vocab = (data.get("model") or {}).get("vocab")
-    # BPE/WordPiece store {token: id}; Unigram stores [[token, score], ...] in id order.
-    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab or [])))
-    ids.update(token["id"] for token in data.get("added_tokens", []))
-    return len(ids) if ids else None
+    return _tokenizer_json_facts(tok_json)[1]
