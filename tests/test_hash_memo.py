@@ -71,3 +71,28 @@ def test_a_byte_identical_tokenizer_in_a_new_folder_is_not_parsed_again(tmp_path
     (second / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
     assert manifest.tokenizer_length(second) == length + 1 and parsed
     assert manifest.tokenizer_hash(second) == reference_tokenizer_hash(second / "tokenizer.json") != want
+
+
+def test_a_later_process_reads_the_facts_kept_on_disk_instead_of_parsing(tmp_path, tiny_model_dir, monkeypatch):
+    """Each stage is its own process: the facts of a tokenizer.json's bytes are kept under
+    $RELAY_CACHE/tokenizer_facts/ and read back by the next process without parsing the JSON; a
+    damaged record is parsed again and rewritten."""
+    monkeypatch.setenv("RELAY_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(tiny_model_dir / "tokenizer.json", folder / "tokenizer.json")
+    monkeypatch.setattr(manifest, "_HASHES", {})
+    want = (reference_tokenizer_hash(folder / "tokenizer.json"), manifest.tokenizer_length(folder))
+    records = list((tmp_path / "cache" / "tokenizer_facts").glob("*.json"))
+    assert len(records) == 1 and json.loads(records[0].read_text()) == list(want)
+    monkeypatch.setattr(manifest, "_HASHES", {})  # a new process
+    parsed = []
+    real = json.loads
+    monkeypatch.setattr(manifest.json, "loads", lambda text, *a, **k: parsed.append(len(text)) or real(text, *a, **k))
+    assert (manifest.tokenizer_hash(folder), manifest.tokenizer_length(folder)) == want
+    assert all(size < 200 for size in parsed)  # only the small record was read, never the 49k-token file
+    records[0].write_text("not json")
+    monkeypatch.setattr(manifest, "_HASHES", {})
+    parsed.clear()
+    assert manifest.tokenizer_hash(folder) == want[0] and any(size > 10_000 for size in parsed)
+    assert json.loads(records[0].read_text()) == list(want)

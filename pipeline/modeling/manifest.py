@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -84,14 +85,56 @@ def _tokenizer_json_facts(path: Path) -> tuple[str, Optional[int]]:
     """(tokenizer_hash, tokenizer_length) of a tokenizer.json, remembered in this process by the
     file's bytes: every stage saves its tokenizer into a new folder, byte for byte the parent's, and
     parsing and re-serialising the 49k-token vocabulary took ~0.8 s a time (a fifth of a tiny
-    stage run in the test suite); hashing the bytes takes milliseconds."""
+    stage run in the test suite); hashing the bytes takes milliseconds. Across processes they are
+    kept in $RELAY_CACHE/tokenizer_facts/, by the same bytes' sha256."""
     raw = path.read_bytes()
-    key = ("tokenizer.json-content", hashlib.sha256(raw).hexdigest())
+    content = hashlib.sha256(raw).hexdigest()
+    key = ("tokenizer.json-content", content)
     if key not in _HASHES:
-        data = json.loads(raw.decode("utf-8"))
-        core = {"model": data.get("model"), "added_tokens": data.get("added_tokens")}
-        _HASHES[key] = (hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest(), _defined_tokens(data))
+        _HASHES[key] = _stored_facts(content) or _store_facts(content, _parsed_facts(raw))
     return _HASHES[key]
+
+
+def _parsed_facts(raw: bytes) -> tuple[str, Optional[int]]:
+    data = json.loads(raw.decode("utf-8"))
+    core = {"model": data.get("model"), "added_tokens": data.get("added_tokens")}
+    return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest(), _defined_tokens(data)
+
+
+FACTS_VERSION = 1
+"""Bump when `_parsed_facts` changes what it derives: records of another version are not read."""
+
+
+def _facts_file(content: str) -> Path:
+    from data_formats.cache import cache_root
+
+    return cache_root() / "tokenizer_facts" / f"{content}.v{FACTS_VERSION}.json"
+
+
+def _stored_facts(content: str) -> Optional[tuple[str, Optional[int]]]:
+    """The facts of a tokenizer.json with these bytes, kept on disk by an earlier process (each stage
+    is a process of its own, and the suite starts ~40 of them on the same tokenizer), or None. A
+    file that does not read as [hash, length] counts as absent."""
+    try:
+        digest, length = json.loads(_facts_file(content).read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return None
+    if not isinstance(digest, str) or not (length is None or isinstance(length, int)):
+        return None
+    return digest, length
+
+
+def _store_facts(content: str, facts: tuple[str, Optional[int]]) -> tuple[str, Optional[int]]:
+    """Keep `facts` for later processes (a read-only cache folder keeps nothing); returns them."""
+    try:
+        path = _facts_file(content)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(list(facts)), encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        pass
+    return facts
 
 
 def _defined_tokens(data: dict) -> Optional[int]:
