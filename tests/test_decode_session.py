@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.modeling.decode import generate
+from pipeline.modeling.decode import FastStep, generate
 from pipeline.modeling.decode_session import DecodeSession, common_prefix, supported
 from tinymodels import make_tiny_model
 
@@ -48,10 +48,12 @@ def _scenario(sample):
     return [first, second, third], [PROMPTS, ctx2, ctx3]
 
 
-@pytest.mark.parametrize("packed", ["1", "0"])
-def test_kept_cache_samples_what_fresh_calls_sample(tiny, packed, monkeypatch):
-    monkeypatch.setenv("RELAY_DECODE_PACKED", packed)  # 1: the fast step (CPU, fp32); 0: the model's own forward
-    session = DecodeSession(tiny, 4, eos_ids=EOS, pad_id=0, temperature=0.8, logprobs=True)
+@pytest.mark.parametrize("kind", ["fast", "hf", "static"])
+def test_kept_cache_samples_what_fresh_calls_sample(tiny, kind, monkeypatch):
+    """kind: the decode step (the fast step of a CPU in fp32; the model's own forward; the CUDA
+    graph's fixed-shape step, uncaptured)."""
+    monkeypatch.setenv("RELAY_DECODE_PACKED", "0" if kind == "hf" else "1")
+    session = DecodeSession(tiny, 4, eos_ids=EOS, pad_id=0, temperature=0.8, logprobs=True, kind=kind)
     seen = []
 
     def kept(rows, contexts, limits):
@@ -67,6 +69,8 @@ def test_kept_cache_samples_what_fresh_calls_sample(tiny, packed, monkeypatch):
 
     got, contexts = _scenario(kept)
     want, want_contexts = _scenario(fresh)
+    assert {"fast": isinstance(session.step, FastStep), "hf": session.step is False,
+            "static": callable(session.step) and not isinstance(session.step, FastStep)}[kind]
     assert contexts == want_contexts
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want):
         assert tokens == ref_tokens

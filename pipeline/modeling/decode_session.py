@@ -79,7 +79,11 @@ class DecodeSession:
     docstring). The model's weights must not change between the calls."""
 
     def __init__(self, model: torch.nn.Module, rows: int, *, eos_ids: Sequence[int], pad_id: int, temperature: float = 1.0,
-                 generator: Optional[torch.Generator] = None, logprobs: bool = False, keep_packed: bool = False):
+                 generator: Optional[torch.Generator] = None, logprobs: bool = False, keep_packed: bool = False,
+                 kind: Optional[str] = None):
+        self.kind = kind
+        """The decode step (`decode.step_kind`'s names, or 'static': the CUDA graph's step uncaptured,
+        which tests run on a CPU); None: `decode.step_kind(model)`."""
         self.model, self.rows, self.pad_id, self.temperature = model, rows, pad_id, temperature
         self.device = next(model.parameters()).device
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
@@ -120,10 +124,12 @@ class DecodeSession:
         """The decode step `decode.Decoder` would use on this cache (None: the model's forward),
         decided once the first forward has initialised the cache's layers."""
         if self.step is None and all(layer.is_initialized for layer in self.cache.layers):
-            kind = step_kind(self.model)
+            kind = self.kind or step_kind(self.model)
             if kind != "hf" and FastStep.supports(self.model, self.cache):
                 fast = FastStep(self.model, self.cache, self.valid)
                 self.step = GraphStep(fast, self.rows, self.device) if kind == "graph" else fast
+                if kind == "static":
+                    self.step = lambda tokens, positions, slot: fast.static(tokens, positions, torch.tensor([slot], device=self.device))
             else:
                 self.step = False
         return self.step or None
