@@ -14,12 +14,11 @@ parallel jobs (`--seeds k --skip-base`, one `--out` each). Prints
 the base, SFT and GRPO success of every seed, then their mean and spread. Not a test: the
 embedded model takes about 30 s a GRPO step on a 2-core CPU (minutes in all on a GPU).
 
-Measured 2026-11-25, ONE seed only (`--sft-steps 8 --grpo-steps 10 --seeds 0 --eval 12`, embedded
-SmolLM2-135M, a shared 2-core CPU, 18 min wall): base 0/12, after tool SFT 11/12, after tool GRPO
-12/12 (GRPO's sampled reward 0.75 at its first and last step). One prompt of difference on one
-seed is no evidence of a margin: the issue's claim needs the default 3 seeds (about an hour here)
-and a held-out set large enough to resolve it, and an SFT short enough to leave room (8 steps
-already reach a loss of 0.06).
+Measured 2026-11-25 (`--sft-steps 3 --grpo-steps 6 --eval 48`, seeds 0-2 as parallel jobs,
+embedded SmolLM2-135M, the shared 2-core Intel Xeon with AVX-512, about 6 min of CPU a seed):
+base 0/48; tool SFT 48/48, 47/48, 48/48; tool GRPO the same on every seed (bench/RESULTS.md, "Tool
+use"). SFT saturates greedy success even at 3 steps, so this task shows no GRPO margin; an earlier
+one-seed run (8 SFT steps, 12 questions) gave 11/12 and 12/12.
 """
 
 from __future__ import annotations
