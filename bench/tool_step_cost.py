@@ -14,8 +14,8 @@ prints each step's wall and CPU seconds (`time.process_time`: on a shared machin
 is mostly waiting) and the median ratios (the issue's goal: at most 1.5). Not a test.
 
 Measured 2026-11-25 (embedded SmolLM2-135M, 2 prompts x G 4, 505 sampled + 208 inserted tokens,
-the shared 2-core Intel Xeon with AVX-512 at a load average of 7-10, OMP_NUM_THREADS=1, two
-repeats): CPU ratio 1.19 with the cache kept, 1.33 with every turn prefilled again
+the shared 2-core Intel Xeon with AVX-512 at a load average of 6-10, OMP_NUM_THREADS=1, three
+repeats): median CPU ratio 1.24 with the cache kept, 1.32 with every turn prefilled again
 (bench/RESULTS.md, "Tool use"). The 1.68 recorded before was a wall-clock ratio under load.
 """
 
