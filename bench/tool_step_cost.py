@@ -2,20 +2,21 @@
 
     OMP_NUM_THREADS=1 python bench/tool_step_cost.py [--model embedded] [--repeats 3]
 
-The tool step: each completion's first turn is a call to `sample_tools:add` (decoded by the model
-for its full length, so it costs what sampling it costs, then replaced by the call's ids: an
-untrained model writes no call), Relay runs it, inserts the result and the policy samples the
-answer. The single-turn step then samples, for every row, exactly as many tokens as that row
-sampled in the tool step (no EOS, per-row limits), from the same prompts. Both are whole
-`GRPOStage.train_step`s (rollout, rewards, update), timed alternately on fresh stages; prints the
-per-step times and their ratio (the issue's goal: at most 1.5). Not a test.
+The tool step: each completion's first turn is a call to `sample_tools:add`, forced (the engine
+runs a decode step per id, drawing from logits edited so that the call's next id is the only
+choice: an untrained model writes no call), Relay runs it, inserts the result and the policy
+samples the answer; once with the relay backend's session (each row's KV cache kept across turns,
+pipeline/modeling/decode_session.py), once with every turn a fresh decode of the whole
+conversation (the path before). The single-turn step then samples, for every row, exactly as many
+tokens as that row sampled in the tool step (no EOS, per-row limits), from the same prompts. All
+are whole `GRPOStage.train_step`s (rollout, rewards, update) on fresh stages, in one process;
+prints each step's wall and CPU seconds (`time.process_time`: on a shared machine the wall clock
+is mostly waiting) and the median ratios (the issue's goal: at most 1.5). Not a test.
 
-Measured 2026-11-25 (embedded SmolLM2-135M, 2 prompts x G 4, 505 sampled + 208 inserted tokens; a
-shared 2-core CPU with a load average of 4-6 from other jobs, OMP_NUM_THREADS=1, so noisy): tool
-steps 39.6 / 37.8 / 39.9 s, single-turn steps 34.4 / 23.5 / 20.0 s, median ratio 1.68 (over the
-goal). The excess is the second turn's prefill: the decode engine starts a fresh KV cache per
-call, so each live row's prompt, first turn and inserted result run again; keeping each row's
-cache across turns (prefilling only the inserted ids) is the fix, not done yet.
+Measured 2026-11-25 (embedded SmolLM2-135M, 2 prompts x G 4, 505 sampled + 208 inserted tokens,
+the shared 2-core Intel Xeon with AVX-512 at a load average of 6-10, OMP_NUM_THREADS=1, three
+repeats): median CPU ratio 1.24 with the cache kept, 1.32 with every turn prefilled again
+(bench/RESULTS.md, "Tool use"). The 1.68 recorded before was a wall-clock ratio under load.
 """
 
 from __future__ import annotations
@@ -42,24 +43,36 @@ def zero_reward(prompts, completions, **columns):
     return [float(len(str(c)) % 2) for c in completions]
 
 
-class SampledCall:
-    """Turn 1: the model decodes as many tokens as the call has (their cost), the call's ids are
-    returned; later turns: the model's own samples."""
+class ForcedFirstTurn:
+    """A rollout's sampler whose first call (every row's first turn) is forced to the call's ids:
+    the engine runs a decode step per id as for any sampled token (its cost), drawing from logits
+    edited in place so that the call's next id is the only choice (an untrained model writes no
+    call); later calls sample freely. `kept`: the relay backend's session (each row's KV cache
+    kept across turns); otherwise every call is a fresh `decode.generate` of the whole
+    conversations (the path before)."""
 
-    def __init__(self, inner: RelayGenerator, tok):
-        self.inner, self.tok = inner, tok
+    def __init__(self, inner: RelayGenerator, tok, kept: bool):
+        self.inner, self.kept, self.calls = inner, kept, 0
         self.call = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
-    def generate(self, prompts, max_new_tokens=None):
-        first = [i for i, p in enumerate(prompts) if self.tok.decode(p).count("<|im_start|>assistant") == 1]
-        later = [i for i in range(len(prompts)) if i not in first]
-        out = {}
-        if first:
-            self.inner.generate([prompts[i] for i in first], [len(self.call)] * len(first))
-            out.update({i: list(self.call) for i in first})
-        if later:
-            out.update(zip(later, self.inner.generate([prompts[i] for i in later], [max_new_tokens[i] for i in later])))
-        return [out[i] for i in range(len(prompts))]
+    def session(self, rows):
+        self.engine, self.calls = self.inner.session(rows) if self.kept else None, 0
+        return self
+
+    def force(self, step, logits):
+        if self.calls == 1 and step < len(self.call):
+            logits.fill_(float("-inf"))[:, self.call[step]] = 0.0
+
+    def generate(self, rows, contexts, max_new_tokens):
+        from pipeline.modeling.decode import generate
+
+        self.calls += 1
+        limits = [len(self.call)] * len(rows) if self.calls == 1 else list(max_new_tokens)
+        if self.engine is not None:
+            return self.engine.generate(rows, contexts, limits, on_logits=self.force)
+        g = self.inner
+        return generate(g.model, contexts, max_new_tokens=limits, eos_ids=g.eos_ids, pad_id=g.pad_id, temperature=g.temperature,
+                        keep_packed=False, on_logits=self.force).tokens
 
 
 class Exactly:
@@ -88,13 +101,13 @@ def config(out: Path, model: str, prompts: Path, tools: bool) -> grpo.GRPOConfig
     return cfg
 
 
-def timed_step(cfg, factory) -> tuple[float, object]:
+def timed_step(cfg, factory) -> tuple[dict, object]:
     stage = grpo.GRPOStage(cfg, generator_factory=factory)
     stage.validate()
     stage.build()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     stage.train_step()
-    elapsed = time.perf_counter() - started
+    elapsed = {"wall": time.perf_counter() - started, "cpu": time.process_time() - cpu}
     rollout = stage.last_rollout["rollout"]
     stage.release()
     return elapsed, rollout
@@ -114,33 +127,35 @@ def main() -> int:
     schema = [{"type": "function", "function": derive_schema(add)}]
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is 48213 + 91877? ({i})"}],
                                            "tools": schema}) + "\n" for i in range(2)))
-    times: dict[str, list[float]] = {"tool": [], "single": []}
+    from transformers import AutoTokenizer
+
+    from pipeline.modeling.models import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    times: dict[str, list[dict]] = {"kept": [], "refill": [], "single": []}
     sampled = []
     for r in range(args.repeats):
-        tok_holder = {}
-
-        def tool_factory(policy, stage_tok=tok_holder):
-            inner = RelayGenerator(policy, stage_tok["tok"].pad_token_id, [stage_tok["tok"].eos_token_id], 96)
-            return SampledCall(inner, stage_tok["tok"])
-
-        from transformers import AutoTokenizer
-
-        from pipeline.modeling.models import resolve_model_path
-
-        tok_holder["tok"] = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
-        t_tool, rollout = timed_step(config(work / f"tool{r}", args.model, prompts, True), tool_factory)
-        counts = rollout.response_mask.sum(1).tolist()
+        counts = None
+        for kind in ("kept", "refill"):
+            t_tool, rollout = timed_step(config(work / f"{kind}{r}", args.model, prompts, True),
+                                         lambda policy, kept=(kind == "kept"): ForcedFirstTurn(
+                                             RelayGenerator(policy, tok.pad_token_id, [tok.eos_token_id], 96), tok, kept))
+            got = rollout.response_mask.sum(1).tolist()
+            assert counts is None or got == counts, "the kept cache sampled other tokens than the fresh calls"
+            counts = got
+            times[kind].append(t_tool)
         t_single, single = timed_step(config(work / f"single{r}", args.model, prompts, False),
-                                      lambda policy: Exactly(RelayGenerator(policy, tok_holder["tok"].pad_token_id,
-                                                                             [tok_holder["tok"].eos_token_id], 96), counts))
+                                      lambda policy: Exactly(RelayGenerator(policy, tok.pad_token_id, [tok.eos_token_id], 96), counts))
         assert single.response_mask.sum(1).tolist() == counts
-        times["tool"].append(t_tool)
         times["single"].append(t_single)
         sampled.append(sum(counts))
-        print(f"repeat {r}: tool step {t_tool:.2f} s, single-turn step {t_single:.2f} s at {sum(counts)} sampled tokens "
-              f"({int((rollout.attention_mask[:, rollout.prompt_width:].sum() - rollout.response_mask.sum()))} inserted)", flush=True)
-    ratio = statistics.median(times["tool"]) / statistics.median(times["single"])
-    print(json.dumps({"tool_s": times["tool"], "single_s": times["single"], "sampled_tokens": sampled, "median_ratio": round(ratio, 3)}))
+        inserted = int(rollout.attention_mask[:, rollout.prompt_width:].sum() - rollout.response_mask.sum())
+        print(f"repeat {r} ({sum(counts)} sampled, {inserted} inserted tokens), wall / CPU s of the steps: "
+              + ", ".join(f"{k} {times[k][-1]['wall']:.2f} / {times[k][-1]['cpu']:.2f}" for k in times), flush=True)
+    ratios = {f"{clock}_{kind}": round(statistics.median(t[clock] for t in times[kind]) /
+                                        statistics.median(t[clock] for t in times["single"]), 3)
+              for clock in ("wall", "cpu") for kind in ("kept", "refill")}
+    print(json.dumps({"times": times, "sampled_tokens": sampled, "median_ratio": ratios}))
     return 0
 
 

@@ -531,3 +531,102 @@ def test_two_ranks_equal_one_process(tmp_path, tiny_model_dir, tool_prompts):
     for a, b in zip(two, one):
         assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(b[k])) for k in a), (a, b)
     assert one[0]["train/grad_norm"] > 0
+
+
+# ------------------------------------------------------------------------------------------
+# The KV cache kept across turns (relay backend)
+# ------------------------------------------------------------------------------------------
+
+
+def _eos_prone(tiny_model_dir, tok):
+    """The tiny model with a bias on its head that makes EOS likely (about 1 in 6 per token), so
+    turns end at different lengths; the same model for every path compared."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()[tok.eos_token_id] = 9.0
+    model.lm_head = head
+    return model.eval()
+
+
+class FreshTurns:
+    """The path before the kept cache: every turn a fresh `decode.generate` of the whole
+    conversations (the prompt and everything since prefilled again); records each row's log-probs."""
+
+    def __init__(self, model, tok, rows):
+        self.model, self.tok, self.logprobs = model, tok, [[] for _ in range(rows)]
+
+    def session(self, rows):
+        return self
+
+    def generate(self, rows, contexts, limits):
+        from pipeline.modeling.decode import generate
+
+        out = generate(self.model, contexts, max_new_tokens=limits, eos_ids=[self.tok.eos_token_id], pad_id=self.tok.pad_token_id,
+                       temperature=1.0, logprobs=True, keep_packed=False)
+        for row, lp in zip(rows, out.logprobs):
+            self.logprobs[row] += lp
+        return out.tokens
+
+
+def _every_turn_calls(monkeypatch):
+    """Ended turns read as a call to add(2, 3) (a random model writes none), except every fourth
+    turn read, which is an answer: rows end at different turns."""
+    import itertools
+
+    from data_formats.tools import ParsedAnswer
+    from pipeline.algorithms import tool_rollout as module
+
+    read, call = itertools.count(), [{"name": "add", "arguments": {"a": 2, "b": 3}}]
+    monkeypatch.setattr(module, "parse_answer", lambda text: ParsedAnswer("", call if next(read) % 4 != 3 else [], []))
+
+
+def test_kept_cache_rollout_equals_the_refilled_turns_and_hf_still_works(tiny_model_dir, tok, monkeypatch):
+    """A 4-row tool rollout whose rows end at different turns (max_turns 3) and budgets: the relay
+    backend's session (pipeline/modeling/decode_session.py: each row's KV cache kept, only the
+    inserted ids prefilled) samples the same ids, masks and conversations as fresh calls on the
+    whole conversations, with the same log-probs (1e-6); the hf backend (no session: `Refill`,
+    transformers' `generate` on the whole conversation each turn) still runs the turns, and draws
+    the same ids."""
+    from pipeline.algorithms.rollout import RelayGenerator, make_generator
+    from pipeline.modeling.decode_session import DecodeSession
+
+    t, template = _template(tok, native=False)
+    env, tools = _env(t, template, max_new_tokens=64, max_turns=3)
+    sample = _sample(t, template, [Turn("user", "What is 2 + 3?")], [tool.schema for tool in tools.values()])
+    model = _eos_prone(tiny_model_dir, t)
+    kept_sessions = []
+
+    class Logged(RelayGenerator):
+        def session(self, rows):
+            session = super().session(rows)
+            session.logprobs = [[] for _ in range(rows)]
+            kept_sessions.append(session)
+            return session
+
+    runs = {}
+    fresh = FreshTurns(model, t, 4)
+    for name, generator in (("kept", Logged(model, t.pad_token_id, [t.eos_token_id], 64)), ("fresh", fresh),
+                            ("hf", make_generator("hf", model, t.pad_token_id, [t.eos_token_id], 64))):
+        _every_turn_calls(monkeypatch)
+        torch.manual_seed(3)
+        runs[name] = tool_rollout(generator, [sample, sample], env, copies=2)
+    kept, ref = runs["kept"], runs["fresh"]
+    assert isinstance(kept_sessions[0], DecodeSession) and len(kept_sessions) == 1
+    assert kept.responses == ref.responses and kept.conversations == ref.conversations
+    assert torch.equal(kept.response_mask, ref.response_mask) and torch.equal(kept.finished, ref.finished)
+    for a, b in zip(kept_sessions[0].logprobs, fresh.logprobs):
+        assert len(a) == len(b) > 0
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=0)
+    turns = [sum(m["role"] == "assistant" for m in conv) for conv in kept.conversations]
+    # transformers' generate, fresh on the whole conversation each turn, draws the same ids too
+    assert runs["hf"].responses == kept.responses and runs["hf"].conversations == kept.conversations
+    assert max(turns) == 3 and min(turns) == 1  # rows ended at different turns: idle rows in the later calls
+    for rollout in (kept, runs["hf"]):
+        for row, conv in enumerate(rollout.conversations):
+            inserted = (rollout.response_mask[row] == 0)[: len(rollout.responses[row])]
+            assert bool(inserted.any()) == any(m["role"] == "tool" for m in conv)
+    assert any(m["role"] == "tool" for conv in runs["hf"].conversations for m in conv)

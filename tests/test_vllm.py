@@ -402,3 +402,39 @@ def test_gold_table_and_chat_on_vllm_answer_as_the_relay_backend(vllm_untied, sh
         assert served.last_answer_cut == relay.last_answer_cut
     assert chat_tool.main(["--model", str(vllm_untied), "--backend", "vllm", "--top-k", "5", "--prompt", "hi"]) == 2
     assert "--backend vllm samples with temperature and top-p only" in capsys.readouterr().err
+
+
+def test_vllms_hermes_parser_reads_relays_layout_on_smollm2(embedded_path):
+    """SmolLM2's tokenizer has no single <tool_call> token (it is several ids): vLLM's hermes
+    parser, which `relay serve --backend vllm` starts vLLM with, still reads the calls Relay's
+    layout writes (content, two calls, a non-ASCII argument), whole and streamed token by token,
+    as Relay's own reader (`parse_answer`) reads them."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from data_formats.conversation import Conversation, Turn
+    from data_formats.render import make_template, render_segments
+    from data_formats.tools import parse_answer
+    from pipeline.config import ChatDataConfig
+
+    tok = AutoTokenizer.from_pretrained(embedded_path)
+    template = make_template(ChatDataConfig(), tok)
+    calls = [{"name": "add", "arguments": {"a": 48213, "b": 91877}}, {"name": "lookup", "arguments": {"city": "Zürich", "n": [1, 2]}}]
+    conv = Conversation([Turn("user", "u"), Turn("assistant", "Let me check.", tool_calls=calls), Turn("tool", "1"), Turn("tool", "2")],
+                        tools=[{"name": n, "description": "d", "parameters": {"type": "object", "properties": {}}} for n in ("add", "lookup")])
+    text = next(t for t, trained in render_segments(conv, tok, template) if trained).removesuffix(template.eos)
+    ours = parse_answer(text)
+    assert ours.calls == calls and not ours.errors
+    script = Path(__file__).parent / "vllm_side" / "hermes_read.py"
+    done = subprocess.run([vllm_python(), str(script), str(embedded_path), text], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    read = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(read["opener_ids"]) > 1  # no single <tool_call> token
+    whole, streamed = read["whole"], read["streamed"]
+    assert whole["called"] and [(n, json.loads(a)) for n, a in whole["calls"]] == [(c["name"], c["arguments"]) for c in calls]
+    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(streamed["calls"].items())] == [
+        (c["name"], c["arguments"]) for c in calls]
+    assert whole["content"].strip() == streamed["content"].strip() == ours.content.strip() == "Let me check."

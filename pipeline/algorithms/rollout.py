@@ -119,6 +119,17 @@ class RelayGenerator:
         return decode_generate(self.model, prompts, max_new_tokens=limits, eos_ids=self.eos_ids, pad_id=self.pad_id,
                                temperature=self.temperature, keep_packed=False).tokens
 
+    def session(self, rows: int):
+        """A decode session over `rows` conversations that keeps their KV cache across a tool
+        rollout's turns (pipeline/modeling/decode_session.py: the same samples as `generate` on the
+        whole conversations, without prefilling them again); None where the model's cache cannot be
+        kept (`decode_session.supported`)."""
+        from pipeline.modeling.decode_session import DecodeSession, supported
+
+        if not supported(self.model):
+            return None
+        return DecodeSession(self.model, rows, eos_ids=self.eos_ids, pad_id=self.pad_id, temperature=self.temperature)
+
 
 def make_generator(backend: str, model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], max_new_tokens: int,
                    temperature: float = 1.0, *, synced_gpus: bool = False, **engine) -> Generator:

@@ -274,15 +274,37 @@ def _insert(row: _Row, texts: list[str], env: ToolEnv) -> None:
     row.trained += [0] * len(inserted)
 
 
+class Refill:
+    """The session of a generator that keeps no cache across calls: each turn samples from the
+    whole conversation again (`hf`, `vllm`, a test's scripted generator)."""
+
+    def __init__(self, generator: Generator):
+        self.generator = generator
+
+    def generate(self, rows: Sequence[int], contexts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
+        return self.generator.generate(contexts, max_new_tokens)
+
+
+def open_session(generator: Generator, rows: int):
+    """Where a rollout's turns are sampled: the generator's own session when it keeps each row's KV
+    cache across turns (`RelayGenerator.session`: only the inserted ids are prefilled), else `Refill`."""
+    make = getattr(generator, "session", None)
+    session = make(rows) if callable(make) else None
+    return session if session is not None else Refill(generator)
+
+
 def tool_rollout(generator: Generator, samples: Sequence[dict], env: ToolEnv, copies: int = 1) -> Rollout:
     """`copies` tool-using completions of each prompt sample (consecutive), laid out for scoring:
     `response_mask` 1 on sampled tokens only; `conversations` each row's completion as messages."""
     rows = [_Row(list(s["prompt_ids"]), prompt_conversation(s)) for s in samples for _ in range(copies)]
+    session = open_session(generator, len(rows))
     while True:
-        live = [r for r in rows if not r.done]
+        live = [i for i, r in enumerate(rows) if not r.done]
         if not live:
             break
-        sampled = generator.generate([r.prompt + r.ids for r in live], [env.max_new_tokens - len(r.ids) for r in live])
+        sampled = session.generate(live, [rows[i].prompt + rows[i].ids for i in live],
+                                   [env.max_new_tokens - len(rows[i].ids) for i in live])
+        live = [rows[i] for i in live]
         asked = [(row, _take_turn(row, ids, env)) for row, ids in zip(live, sampled)]
         plans = [(row, _results(row, a, env)) for row, a in asked if a is not None]
         calls = [c for _, plan in plans for kind, c in plan if kind == "run"]
