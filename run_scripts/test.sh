@@ -15,13 +15,13 @@ if [ "${RELAY_VLLM_INSTALL:-1}" != 0 ]; then
   # its own session, so the whole install (pip included) can be stopped if pytest ends first
   setsid bash -c 'bash run_scripts/install_vllm.sh >"$1.log" 2>&1; echo $? >"$1.rc.tmp"; mv "$1.rc.tmp" "$1.rc"' _ "$status" &
   vllm_pid=$!
-  export RELAY_VLLM_INSTALL=$status
+  export RELAY_VLLM_INSTALL_STATUS=$status  # where the tests read how the install ended (.rc, .log)
   [ -z "${RELAY_VLLM_VENV:-}" ] || export RELAY_VLLM_PYTHON=$RELAY_VLLM_VENV/bin/python
 fi
 code=0
 .venv/bin/python -m pytest -q "$@" tests || code=$?
 # A run that never reached the vLLM tests (a selection) leaves no half-made install behind running.
-if [ -n "$vllm_pid" ] && [ ! -f "$RELAY_VLLM_INSTALL.rc" ]; then
+if [ -n "$vllm_pid" ] && [ ! -f "$RELAY_VLLM_INSTALL_STATUS.rc" ]; then
   kill -- "-$vllm_pid" 2>/dev/null || true
 fi
 exit $code

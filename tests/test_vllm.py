@@ -11,7 +11,7 @@ Cheap by sharing (a server start is most of the time): one engine server for the
 chat take turns on it, each given the folder's own weights first), and only the resumed run and
 `relay serve` start their own: three starts for eight tests. run_scripts/test.sh builds the side environment in the background while the rest of
 the suite runs; these tests run last (tests/conftest.py), wait for that install and fail when it
-failed. Run alone without the environment (no RELAY_VLLM_INSTALL), they skip. Every server started
+failed. Run alone without the environment (no RELAY_VLLM_INSTALL_STATUS), they skip. Every server started
 here is stopped in teardown."""
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ INSTALL_WAIT_S = float(os.environ.get("RELAY_VLLM_INSTALL_WAIT_S", 1200))
 
 def install_status() -> Path | None:
     """The prefix of the background install's files (.log, .rc) run_scripts/test.sh started, or None."""
-    prefix = os.environ.get("RELAY_VLLM_INSTALL", "")
-    return None if prefix in ("", "0") else Path(prefix)
+    prefix = os.environ.get("RELAY_VLLM_INSTALL_STATUS", "")
+    return Path(prefix) if prefix else None
 
 
 @pytest.fixture(scope="session", autouse=True)
