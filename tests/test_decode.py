@@ -237,7 +237,9 @@ def test_every_step_logits_equal_a_full_forward_along_a_sampled_trajectory(tiny)
         with torch.no_grad():
             full = tiny(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
         steps = torch.stack([seen[i][row] for i in range(len(tokens))])
-        torch.testing.assert_close(steps, full, atol=1e-5, rtol=0)
+        # one row's decode step and the whole sequence's forward run GEMMs of other shapes: their fp32
+        # sums differ in order; capped to AVX2 (bench/isa.py) the largest gap measured 1.17e-5
+        torch.testing.assert_close(steps, full, atol=3e-5, rtol=0)
         want = torch.log_softmax(full / temperature, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(out.logprobs[row]), want, atol=1e-5, rtol=0)
 

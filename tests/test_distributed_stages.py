@@ -32,6 +32,7 @@ LOSS_KEYS = {"pt": ("train/loss", "train/grad_norm"), "sft": ("train/loss", "tra
              "rm": ("train/loss", "train/grad_norm", "train/accuracy"),
              "ppo": ("train/grad_norm", "ppo/kl", "ppo/reward_norm", "ppo/reward_raw", "ppo/entropy")}
 REL = 1e-4
+ABS = 1e-6
 WEIGHTS_ABS = {"lora": 1e-5, "qlora": 1e-5, "full": 1e-4}
 """Merged weights, max |difference|. Full fine-tuning: Adam divides each gradient by its own RMS,
 so on weights whose gradient is ~0 the reduction-order noise of the two runs becomes up to a
@@ -164,7 +165,9 @@ def test_two_ranks_equal_one_process(engine, stage, accum, mode, setup, one_proc
     got, want = figures(two, stage), figures(one, stage)
     assert len(got["train/grad_norm"]) == STEPS
     for key in LOSS_KEYS[stage]:
-        assert got[key] == pytest.approx(want[key], rel=REL), key
+        # abs: a figure that is 0 in exact arithmetic (PPO's KL at its first, on-policy step) comes out
+        # as fp32 noise of either sign from two ranks' sums (-1.2e-7 measured capped to AVX2)
+        assert got[key] == pytest.approx(want[key], rel=REL, abs=ABS), key
     # Every rank logged the same (global) grad_norm.
     assert [s["train/grad_norm"] for s in history(two, 1)] == got["train/grad_norm"]
     assert max(got["train/grad_norm"]) > 0.05  # clipping was active, so a per-rank norm would change the update
