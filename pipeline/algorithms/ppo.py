@@ -199,6 +199,12 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
         logp, pol = policy_part(logits)
         vloss, vclip = value_part(values)
         accelerator.backward((pol.loss + vf_coef * vloss) * weight)
+    return micro_batch_figures(pol, vloss, vclip, vf_coef, logp, old, mask)
+
+
+def micro_batch_figures(pol, vloss: torch.Tensor, vclip, vf_coef: float, logp: torch.Tensor, old: torch.Tensor,
+                        mask: torch.Tensor) -> dict[str, float]:
+    """One micro-batch's statistics (`ratio_dev`: max |ratio - 1| over its response tokens)."""
     return {
         "loss": float(pol.loss.detach()) + vf_coef * float(vloss.detach()),
         "policy_loss": float(pol.loss.detach()),
