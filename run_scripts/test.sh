@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Installs Relay into .venv (skipped when nothing changed) and runs the test suite, offline.
 #   bash run_scripts/test.sh [pytest args]
+# Tests run in RELAY_TEST_WORKERS pytest-xdist workers (default: one per core, at most 4), a test
+# module to a worker, the cores split between them (tests/conftest.py); RELAY_TEST_WORKERS=0 runs
+# them in this process, one after another.
 # vLLM's side environment (run_scripts/install_vllm.sh; a no-op when present) builds in the
 # background meanwhile; tests/test_vllm.py runs last (tests/conftest.py) and waits for it, failing
 # (not skipping) when the install failed. RELAY_VLLM_INSTALL=0: no install (those tests then skip
@@ -18,8 +21,11 @@ if [ "${RELAY_VLLM_INSTALL:-1}" != 0 ]; then
   export RELAY_VLLM_INSTALL_STATUS=$status  # where the tests read how the install ended (.rc, .log)
   [ -z "${RELAY_VLLM_VENV:-}" ] || export RELAY_VLLM_PYTHON=$RELAY_VLLM_VENV/bin/python
 fi
+workers=${RELAY_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
+parallel=()
+[ "$workers" -le 1 ] || parallel=(-n "$workers" --dist loadfile)
 code=0
-.venv/bin/python -m pytest -q "$@" tests || code=$?
+.venv/bin/python -m pytest -q "${parallel[@]}" "$@" tests || code=$?
 # A run that never reached the vLLM tests (a selection) leaves no half-made install behind running.
 if [ -n "$vllm_pid" ] && [ ! -f "$RELAY_VLLM_INSTALL_STATUS.rc" ]; then
   kill -- "-$vllm_pid" 2>/dev/null || true

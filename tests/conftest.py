@@ -28,7 +28,14 @@ import torch
 
 from tinymodels import make_tiny_model
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (run_scripts/test.sh) the cores are split between the workers: on 2 cores one
+# thread each, and the processes a test starts (torchrun, stage scripts, servers) get the same share.
+# Two workers of 2 threads on 2 cores would slow each other several-fold.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+if _WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+torch.set_num_threads(_THREADS)
 
 
 def pytest_collection_finish(session):

@@ -22,7 +22,8 @@ def test_prompt_ends_with_assistant_opener(tiny_model_dir):
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_compare_prints_both_models_side_by_side(tiny_model_dir, capsys):
+def test_compare_prints_both_models_side_by_side(tiny_model_dir, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")  # the width the columns are cut to, whatever runs the test (xdist: 80)
     assert main(["--model", str(tiny_model_dir), "--compare", str(tiny_model_dir), "--prompt", "Hello", "--max-new-tokens", "4"]) == 0
     first, rule = capsys.readouterr().out.splitlines()[:2]
     title = str(tiny_model_dir)[:48]
