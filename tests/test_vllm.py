@@ -326,6 +326,43 @@ def test_grpo_stage_full_fine_tuning_samples_on_vllm(vllm_untied, shared_server,
     assert stage.final_summary["steps"] == 2
 
 
+def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default(vllm_untied, tiny_reward_dir, shared_server, tmp_path, monkeypatch):
+    """`generation.backend: vllm` for the PPO stage, LoRA, 2 steps on the shared server: it trains,
+    logs rollout/logprob_diff_mean/_max to TensorBoard, and with `correction` left at auto every
+    policy-loss call gets TIS weights: exp(trainer - engine log-prob) capped at correction_cap,
+    1 off the response (recomputed here from the step's own tensors)."""
+    from pipeline.algorithms import ppo as algo
+    from pipeline.tools.report import read_scalars
+    from stagerun import run_stage
+    from stages import ppo
+    from test_ppo import make_cfg
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    cfg = make_cfg(tmp_path / "out", vllm_untied, tiny_reward_dir, prompts, max_steps=2, learning_rate=1e-2, seq_length=256)
+    cfg.generation.backend, cfg.generation.max_new_tokens = "vllm", 8
+    cfg.tracking.trackers = ["tensorboard"]
+    assert cfg.model.finetuning == "lora" and cfg.generation.correction == "auto" and cfg.generation.correction_name == "tis"
+    weights = []
+    real_loss = algo.policy_loss
+    monkeypatch.setattr(algo, "policy_loss", lambda *a, weight=None, **k: weights.append(weight) or real_loss(*a, weight=weight, **k))
+    seen = {}
+    record = lambda st, m: seen.__setitem__(st.step, (m, st.last_experience))  # noqa: E731
+    stage = run_stage(ppo.PPOStage, cfg, on_step=record, generator_factory=on_server(shared_server, vllm_untied, tmp_path / "v"))
+    assert stage.final_summary["steps"] == 2 and sorted(seen) == [1, 2]
+    for step, (figures, exp) in seen.items():
+        mask = exp.rollout.response_mask
+        assert mask.sum() > 0 and not exp.rollout.engine_logp[mask.bool()].isnan().any()
+        want = torch.where(mask.bool(), (exp.old_logprobs - exp.rollout.engine_logp).exp().clamp(max=cfg.generation.correction_cap), 1.0)
+        torch.testing.assert_close(exp.is_weight, want, rtol=0, atol=1e-6)
+        print(f"PPO step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}")
+        assert figures["rollout/logprob_diff_max"] < 1e-3  # the engine sampled from the updated weights
+    assert weights and all(w is not None for w in weights)  # every policy-loss call was corrected
+    scalars = read_scalars(tmp_path / "out")
+    assert [s for s, _ in scalars["rollout/logprob_diff_mean"]] == [1, 2] and [s for s, _ in scalars["rollout/logprob_diff_max"]] == [1, 2]
+    assert stage._generator is None and shared_server.proc.poll() is None  # released, the shared server left running
+
+
 def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny, shared_server, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
