@@ -4,12 +4,13 @@ checks tests/test_serve.py runs against the FastAPI server where they apply (gre
 `relay chat`'s, streaming equals non-streaming, `n`, `stop`, text-part content, OpenAI-style
 errors); and the `vllm` generation backend follows the policy (LoRA adapter or full weights: its
 greedy tokens equal the trainer's after optimizer steps) with its log-probs within fp32 noise of
-the trainer's, and a resumed GRPO run on a fresh server samples what an unbroken one does.
+the trainer's, a resumed GRPO run on a fresh server samples what an unbroken one does, and the PPO
+stage trains on it with the mismatch logged and corrected (TIS, the default for vllm).
 
 Cheap by sharing (a server start is most of the time): one engine server for the whole module
 (`engine_server`, runtime LoRA and the full-weight sync both on; the generators, the gold table and
 chat take turns on it, each given the folder's own weights first), and only the resumed run and
-`relay serve` start their own: three starts for eight tests. run_scripts/test.sh builds the side environment in the background while the rest of
+`relay serve` start their own: three starts for ten tests. run_scripts/test.sh builds the side environment in the background while the rest of
 the suite runs; these tests run last (tests/conftest.py), wait for that install and fail when it
 failed. Run alone without the environment (no RELAY_VLLM_INSTALL_STATUS), they skip. Every server started
 here is stopped in teardown."""
