@@ -53,7 +53,7 @@ def root_figures(root: Path) -> dict:
         "ppo_kl": curve(scalars, "ppo/kl"),
         "eval_reward": curve(scalars, "eval/reward"),
         "logprob_diff": None if diff_mean is None else {"mean_of_steps": sum(diff_mean) / len(diff_mean), "max": max(diff_max)},
-        "wall_seconds": {k.removesuffix("_wall_seconds"): v for k, v in summary.items() if k.endswith("_wall_seconds")},
+        "wall_seconds": {k.removesuffix("_wall_seconds"): round(v, 1) for k, v in summary.items() if k.endswith("_wall_seconds") and v is not None},
     }
 
 
