@@ -3,15 +3,20 @@
 generations x up to 24 new tokens, LoRA r16), one run after another on the same machine; the
 vllm row also gives the engine-trainer log-prob diff. Step 1 is warm-up (vLLM's server starts in
 it) and is left out of the mean. Unlike the harness, completions may stop at EOS (vLLM's sampler
-has no Relay-style min_new_tokens here), so the rows' generated tokens are printed beside them.
+has no Relay-style min_new_tokens here), so the rows' generated tokens are printed beside them, and the last line gives each backend's
+step against relay's (the goal: vllm <= 2x relay, its weight sync included: the adapter is saved
+and loaded into the server inside every step's rollout). The trainer and the vLLM server get the
+same thread count (--threads; the server's through OMP_NUM_THREADS, which vLLM keeps when it is set): the trainer
+waits while the server samples, so neither takes the other's cores.
 
-    .venv/bin/python bench/vllm_grpo.py [--steps 6] [--backends relay,hf,vllm]
+    RELAY_VLLM_PYTHON=bench/.venv-vllm/bin/python .venv/bin/python bench/vllm_grpo.py [--steps 6] [--threads 1] [--backends relay,hf,vllm]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -48,17 +53,35 @@ def run(backend: str, steps: int, workdir: str) -> dict:
             "logprob_diff_max": [r["rollout/logprob_diff_max"] for r in rows]}
 
 
+def against_relay(rows: list[dict]) -> dict:
+    """Each backend's warm step over relay's (empty without a relay row); the goal is vllm <= 2."""
+    relay = next((r["s_per_step"] for r in rows if r["backend"] == "relay"), None)
+    if not relay:
+        return {}
+    out = {f"{r['backend']}_over_relay": round(r["s_per_step"] / relay, 2) for r in rows if r["backend"] != "relay"}
+    if "vllm_over_relay" in out:
+        out["vllm_goal_2x"] = "met" if out["vllm_over_relay"] <= 2 else "missed"
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the trainer and of the vLLM server")
     parser.add_argument("--backends", default="relay,hf,vllm")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (step 1 is warm-up)")
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the vLLM server's (its env is this one's)
+    rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for backend in args.backends.split(","):
-            print(json.dumps(run(backend, args.steps, workdir)), flush=True)
+            rows.append(run(backend, args.steps, workdir))
+            print(json.dumps(rows[-1]), flush=True)
+    print(json.dumps({"threads": args.threads, **against_relay(rows)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -106,3 +106,23 @@ def test_an_unknown_case_is_one_line_before_anything_runs(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["bench/run.py: sft has no case lora-padin in --quick; its cases: lora-padding, lora-packing"]
     assert not out.exists() and not (tmp_path / "w").exists()
+
+
+def test_demo_backends_goal_and_vllm_grpo_ratio_are_read_from_the_figures():
+    """bench/demo_backends.py's goal check (issue 34: verdict PASS, PPO's gold phrase rate and fact
+    accuracy within 0.05 of the relay backend's) and bench/vllm_grpo.py's step ratio, on hand-made figures."""
+    from bench.demo_backends import gold_rows, goal_check
+    from bench.vllm_grpo import against_relay
+
+    summary = {"gold": {"rows": [{"model": "sft", "phrase_rate": 0.5, "fact_accuracy": 0.95, "n": 80},
+                                 {"model": "ppo", "phrase_rate": 1.0, "fact_accuracy": 0.9375, "n": 80}]}}
+    relay = {"verdict": "PASS", "gold": gold_rows(summary)}
+    assert relay["gold"]["ppo"] == {"phrase_rate": 1.0, "fact_accuracy": 0.9375}
+    near = {"verdict": "PASS", "gold": {"ppo": {"phrase_rate": 0.975, "fact_accuracy": 0.9}}}
+    assert goal_check(relay, near) == {"gaps": {"phrase_rate": 0.025, "fact_accuracy": 0.0375}, "verdict": "PASS", "met": True}
+    assert not goal_check(relay, {**near, "verdict": "WARNING"})["met"]
+    assert not goal_check(relay, {"verdict": "PASS", "gold": {"ppo": {"phrase_rate": 0.9, "fact_accuracy": 0.9375}}})["met"]
+    assert goal_check(relay, {"verdict": "PASS", "gold": {}}) == {"met": False, "why": "no ppo gold row"}
+    rows = [{"backend": "relay", "s_per_step": 4.0}, {"backend": "hf", "s_per_step": 6.0}, {"backend": "vllm", "s_per_step": 9.0}]
+    assert against_relay(rows) == {"hf_over_relay": 1.5, "vllm_over_relay": 2.25, "vllm_goal_2x": "missed"}
+    assert against_relay(rows[1:]) == {}

@@ -4,12 +4,13 @@ checks tests/test_serve.py runs against the FastAPI server where they apply (gre
 `relay chat`'s, streaming equals non-streaming, `n`, `stop`, text-part content, OpenAI-style
 errors); and the `vllm` generation backend follows the policy (LoRA adapter or full weights: its
 greedy tokens equal the trainer's after optimizer steps) with its log-probs within fp32 noise of
-the trainer's, and a resumed GRPO run on a fresh server samples what an unbroken one does.
+the trainer's, a resumed GRPO run on a fresh server samples what an unbroken one does, and the PPO
+stage trains on it with the mismatch logged and corrected (TIS, the default for vllm).
 
 Cheap by sharing (a server start is most of the time): one engine server for the whole module
 (`engine_server`, runtime LoRA and the full-weight sync both on; the generators, the gold table and
 chat take turns on it, each given the folder's own weights first), and only the resumed run and
-`relay serve` start their own: three starts for eight tests. run_scripts/test.sh builds the side environment in the background while the rest of
+`relay serve` start their own: three starts for ten tests. run_scripts/test.sh builds the side environment in the background while the rest of
 the suite runs; these tests run last (tests/conftest.py), wait for that install and fail when it
 failed. Run alone without the environment (no RELAY_VLLM_INSTALL_STATUS), they skip. Every server started
 here is stopped in teardown."""
@@ -324,6 +325,43 @@ def test_grpo_stage_full_fine_tuning_samples_on_vllm(vllm_untied, shared_server,
     """Full fine-tuning: two GRPO steps, the weights reloaded into the shared server before each rollout."""
     stage, _ = grpo_run(grpo_cfg(tmp_path / "out", vllm_untied, "full"), monkeypatch, on_server(shared_server, vllm_untied, tmp_path / "v"))
     assert stage.final_summary["steps"] == 2
+
+
+def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default(vllm_untied, tiny_reward_dir, shared_server, tmp_path, monkeypatch):
+    """`generation.backend: vllm` for the PPO stage, LoRA, 2 steps on the shared server: it trains,
+    logs rollout/logprob_diff_mean/_max to TensorBoard, and with `correction` left at auto every
+    policy-loss call gets TIS weights: exp(trainer - engine log-prob) capped at correction_cap,
+    1 off the response (recomputed here from the step's own tensors)."""
+    from pipeline.algorithms import ppo as algo
+    from pipeline.tools.report import read_scalars
+    from stagerun import run_stage
+    from stages import ppo
+    from test_ppo import make_cfg
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    cfg = make_cfg(tmp_path / "out", vllm_untied, tiny_reward_dir, prompts, max_steps=2, learning_rate=1e-2, seq_length=256)
+    cfg.generation.backend, cfg.generation.max_new_tokens = "vllm", 8
+    cfg.tracking.trackers = ["tensorboard"]
+    assert cfg.model.finetuning == "lora" and cfg.generation.correction == "auto" and cfg.generation.correction_name == "tis"
+    weights = []
+    real_loss = algo.policy_loss
+    monkeypatch.setattr(algo, "policy_loss", lambda *a, weight=None, **k: weights.append(weight) or real_loss(*a, weight=weight, **k))
+    seen = {}
+    record = lambda st, m: seen.__setitem__(st.step, (m, st.last_experience))  # noqa: E731
+    stage = run_stage(ppo.PPOStage, cfg, on_step=record, generator_factory=on_server(shared_server, vllm_untied, tmp_path / "v"))
+    assert stage.final_summary["steps"] == 2 and sorted(seen) == [1, 2]
+    for step, (figures, exp) in seen.items():
+        mask = exp.rollout.response_mask
+        assert mask.sum() > 0 and not exp.rollout.engine_logp[mask.bool()].isnan().any()
+        want = torch.where(mask.bool(), (exp.old_logprobs - exp.rollout.engine_logp).exp().clamp(max=cfg.generation.correction_cap), 1.0)
+        torch.testing.assert_close(exp.is_weight, want, rtol=0, atol=1e-6)
+        print(f"PPO step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}")
+        assert figures["rollout/logprob_diff_max"] < 1e-3  # the engine sampled from the updated weights
+    assert weights and all(w is not None for w in weights)  # every policy-loss call was corrected
+    scalars = read_scalars(tmp_path / "out")
+    assert [s for s, _ in scalars["rollout/logprob_diff_mean"]] == [1, 2] and [s for s, _ in scalars["rollout/logprob_diff_max"]] == [1, 2]
+    assert stage._generator is None and shared_server.proc.poll() is None  # released, the shared server left running
 
 
 def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny, shared_server, tmp_path):
