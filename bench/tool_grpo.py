@@ -122,8 +122,11 @@ def stage(script: str, *argv: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--sft-steps", type=int, default=8)
-    parser.add_argument("--grpo-steps", type=int, default=20)
+    parser.add_argument("--sft-steps", type=int, default=2, help="short on purpose: greedy success stays low (GRPO's room)")
+    parser.add_argument("--sft-lr", type=float, default=2e-3)
+    parser.add_argument("--grpo-steps", type=int, default=16)
+    parser.add_argument("--grpo-lr", type=float, default=1e-4)
+    parser.add_argument("--temperature", type=float, default=0.5, help="GRPO's sampling temperature (its log-probs use the same)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--train", type=int, default=64)
     parser.add_argument("--eval", type=int, default=48)
@@ -141,10 +144,11 @@ def main() -> int:
         sft, grpo = out / f"sft-{seed}", out / f"grpo-{seed}"
         stage("sft.py", "--model.path", args.model, "--output_dir", str(sft), "--data.train", f"[{out / 'data' / 'sft.jsonl'}]",
               "--train.max_steps", str(args.sft_steps), "--train.batch_size", "2", "--train.seq_length", "512",
-              "--train.learning_rate", "2e-3", "--train.warmup", "0", "--train.seed", str(seed))
+              "--train.learning_rate", str(args.sft_lr), "--train.warmup", "0", "--train.seed", str(seed))
         stage("grpo.py", "--model.path", str(sft / "merged"), "--output_dir", str(grpo), "--data.train", f"[{out / 'data' / 'grpo.jsonl'}]",
               "--train.max_steps", str(args.grpo_steps), "--train.batch_size", "2", "--train.seq_length", "512",
-              "--train.learning_rate", "1e-4", "--train.seed", str(seed), "--generation.max_new_tokens", "96",
+              "--train.learning_rate", str(args.grpo_lr), "--train.seed", str(seed), "--generation.max_new_tokens", "96",
+              "--generation.temperature", str(args.temperature),
               "--grpo.num_generations", "4", "--grpo.reward_funcs", "[pipeline.algorithms.rewards:final_answer_match]",
               "--tools.funcs", f"[{ADD}]")
         rows["sft"].append(success(str(sft / "merged"), held_out))
