@@ -402,6 +402,43 @@ def test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs(
     assert figures[False]["grpo/completion_length"] < inserted.shape[1]  # sampled tokens only
 
 
+def test_a_tool_grpo_step_moves_each_completion_the_way_of_its_advantage(tmp_path, tiny_model_dir, tool_prompts, tok,
+                                                                        monkeypatch):
+    """The sign check behind bench/RESULTS.md's falling GRPO reward (issue 29): after one tool GRPO
+    step, the log-prob of the sampled tokens (inserted results excluded) of every completion whose
+    reward is above its group's mean moved up against every one below it (on this random tiny
+    model at lr 5e-3 all may fall together; the order between them is what GRPO owes)."""
+    from pipeline.algorithms import grpo as algo
+    from stages import grpo
+
+    cfg = _grpo_cfg(tmp_path, tiny_model_dir, tool_prompts)
+    cfg.grpo.beta = 0.0  # the policy term alone moves the weights
+    stage = grpo.GRPOStage(cfg, generator_factory=_factory(tok))
+    stage.validate()
+    stage.build()
+    real, seen = algo.grpo_update, {}
+
+    def logp(rollout):
+        scored = algo.score_completions(stage.inner, rollout, micro=rollout.input_ids.shape[0], temperature=1.0,
+                                        autocast=stage.accelerator.autocast, old=True, reference=False)
+        return (scored["old"] * rollout.response_mask).sum(1)
+
+    def update(model, optimizer, rollout, *args):
+        before = logp(rollout)
+        out = real(model, optimizer, rollout, *args)
+        seen["moved"] = logp(rollout) - before
+        return out
+
+    monkeypatch.setattr(algo, "grpo_update", update)
+    stage.train_step()
+    rewards = stage.last_rollout["rewards"].view(-1, cfg.grpo.num_generations)
+    stage.release()
+    above = (rewards - rewards.mean(1, keepdim=True)).flatten()
+    moved = seen["moved"]
+    assert (above > 0).any() and (above < 0).any(), rewards
+    assert moved[above > 0].min() > moved[above < 0].max(), (rewards, moved)
+
+
 def test_tool_grpo_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, tool_prompts, tok, monkeypatch):
     """Stopped after step 1 and resumed: step 2's tool rollouts (ids, masks, conversations) and
     loss equal the unbroken run's, and so do the final adapters."""
