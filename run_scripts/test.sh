@@ -2,10 +2,10 @@
 # Installs Relay into .venv (skipped when nothing changed) and runs the test suite, offline.
 #   bash run_scripts/test.sh [pytest args]
 # Tests run in RELAY_TEST_WORKERS pytest-xdist workers (default: one per core, at most 4), a test
-# module to a worker, the cores split between them (tests/conftest.py); RELAY_TEST_WORKERS=0 runs
-# them in this process, one after another.
+# module to a worker, the longest modules first, the cores split between them (tests/conftest.py);
+# RELAY_TEST_WORKERS=0 runs them in this process, one after another.
 # vLLM's side environment (run_scripts/install_vllm.sh; a no-op when present) builds in the
-# background meanwhile; tests/test_vllm.py runs last (tests/conftest.py) and waits for it, failing
+# background meanwhile; tests/test_vllm.py runs late (tests/conftest.py) and waits for it, failing
 # (not skipping) when the install failed. RELAY_VLLM_INSTALL=0: no install (those tests then skip
 # where the environment is absent).
 set -euo pipefail
@@ -23,7 +23,7 @@ if [ "${RELAY_VLLM_INSTALL:-1}" != 0 ]; then
 fi
 workers=${RELAY_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 parallel=()
-[ "$workers" -le 1 ] || parallel=(-n "$workers" --dist loadfile)
+[ "$workers" -le 1 ] || parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 code=0
 .venv/bin/python -m pytest -q "${parallel[@]}" "$@" tests || code=$?
 # A run that never reached the vLLM tests (a selection) leaves no half-made install behind running.

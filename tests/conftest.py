@@ -71,9 +71,23 @@ def tiny_reward_dir(tmp_path_factory):
 
 
 LAST_MODULES = ("test_vllm.py",)
-"""Run after everything else: run_scripts/test.sh builds vLLM's side environment in the background
+"""In one process, run after everything else: run_scripts/test.sh builds vLLM's side environment in the background
 while the rest of the suite runs, and these tests wait for it (tests/test_vllm.py)."""
 
 
+LONGEST_FIRST = ("test_driver.py", "test_bench.py", "test_fsdp.py", "test_vllm.py", "test_distributed_stages.py",
+                 "test_signals.py", "test_decode.py", "test_reward.py", "test_multinode.py", "test_tool_rollout.py",
+                 "test_pt_sft.py")
+"""The order of the modules in xdist workers (run_scripts/test.sh runs `--dist loadfile
+--no-loadscope-reorder`: a module to a worker, handed out in collection order): the longest first
+(`--durations`, 2026-11-26: 40-190 s each), so that two workers end together instead of one
+finishing a long module alone; the rest follow in their usual order. The vLLM module comes fourth:
+the background install of its environment (~3 min from nothing) has finished by then."""
+
+
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: item.path.name in LAST_MODULES)  # stable: the order within each part is kept
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    else:
+        items.sort(key=lambda item: item.path.name in LAST_MODULES)  # stable: the order within each part is kept
