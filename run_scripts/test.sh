@@ -26,7 +26,7 @@ workers=${RELAY_TEST_WORKERS:-1}
 parallel=()
 [ "$workers" -le 1 ] || parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 code=0
-.venv/bin/python -m pytest -q "${parallel[@]}" "$@" tests || code=$?
+.venv/bin/python -m pytest -q ${parallel[@]+"${parallel[@]}"} "$@" tests || code=$?
 # A run that never reached the vLLM tests (a selection) leaves no half-made install behind running.
 if [ -n "$vllm_pid" ] && [ ! -f "$RELAY_VLLM_INSTALL_STATUS.rc" ]; then
   kill -- "-$vllm_pid" 2>/dev/null || true
