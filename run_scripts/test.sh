@@ -3,8 +3,8 @@
 #   bash run_scripts/test.sh [pytest args]
 # RELAY_TEST_WORKERS=N (N >= 2) runs the tests in N pytest-xdist workers, a test module to a worker,
 # the longest modules first, the cores split between them (tests/conftest.py). The default is one
-# process: on 2 cores two workers measured slower (777 s against 636 s of pytest, Intel Xeon, idle,
-# 2026-11-26): the suite's two-rank and server tests then share the cores three or four ways.
+# process: on 2 cores two workers are not shown faster (bench/RESULTS.md, issue 33): the suite's
+# two-rank and server tests then share the cores three or four ways.
 # vLLM's side environment (run_scripts/install_vllm.sh; a no-op when present) builds in the
 # background meanwhile; tests/test_vllm.py runs late (tests/conftest.py) and waits for it, failing
 # (not skipping) when the install failed. RELAY_VLLM_INSTALL=0: no install (those tests then skip
