@@ -67,11 +67,14 @@ def goal_check(relay: dict, other: dict, model: str = "ppo") -> dict:
     return {"gaps": gaps, "verdict": other["verdict"], "met": other["verdict"] == "PASS" and max(gaps.values()) <= GOAL}
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("relay_root")
     parser.add_argument("other_root")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    missing = [str(Path(r) / "summary.json") for r in (args.relay_root, args.other_root) if not (Path(r) / "summary.json").is_file()]
+    if missing:
+        parser.exit(2, f"bench/demo_backends.py: {', '.join(missing)}: not found (a finished demo root holds one)\n")
     relay, other = root_figures(Path(args.relay_root)), root_figures(Path(args.other_root))
     for figures in (relay, other):
         print(json.dumps(figures))

@@ -126,3 +126,15 @@ def test_demo_backends_goal_and_vllm_grpo_ratio_are_read_from_the_figures():
     rows = [{"backend": "relay", "s_per_step": 4.0}, {"backend": "hf", "s_per_step": 6.0}, {"backend": "vllm", "s_per_step": 9.0}]
     assert against_relay(rows) == {"hf_over_relay": 1.5, "vllm_over_relay": 2.25, "vllm_goal_2x": "missed"}
     assert against_relay(rows[1:]) == {}
+
+
+def test_demo_backends_names_a_root_without_a_summary_in_one_line(tmp_path, capsys):
+    from bench.demo_backends import main
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path / "a"), str(tmp_path / "b")])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"bench/demo_backends.py: {tmp_path / 'b' / 'summary.json'}: not found (a finished demo root holds one)"]
