@@ -122,3 +122,80 @@ class LlamaCpp:
         buf = self.ffi.new("llama_token[]", ids)
         if self.lib.llama_decode(self.ctx, self.lib.llama_batch_get_one(buf, len(ids))) != 0:
             raise RuntimeError("llama_decode failed")
+
+
+# ------------------------------------------------------------------------------------------
+# llama.cpp's server (`llama-server --jinja`): its own chat-template engine, tools included
+# ------------------------------------------------------------------------------------------
+
+SERVER_ENV = "RELAY_LLAMA_SERVER"
+"""Path of a `llama-server` binary (else `llama-server` on PATH). PyPI has no prebuilt one; it is
+built from llama.cpp's source (e.g. the copy vendored in llama-cpp-python's sdist:
+`cmake -S vendor/llama.cpp -B build -DLLAMA_OPENSSL=OFF && cmake --build build --target llama-server`)."""
+
+
+def server_binary() -> str | None:
+    """The llama-server to use, or None where there is none."""
+    import os
+
+    given = os.environ.get(SERVER_ENV)
+    if given:
+        return given if Path(given).is_file() else None
+    return shutil.which("llama-server")
+
+
+class LlamaServer:
+    """`llama-server --jinja` on one GGUF, on a free loopback port: the chat template is rendered by
+    llama.cpp's own Jinja engine (POST /apply-template, OpenAI messages and tools) and tokenized by
+    its tokenizer (POST /tokenize)."""
+
+    def __init__(self, binary: str, gguf: str | Path, timeout: float = 120.0):
+        import socket
+        import time
+        import urllib.request
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = tempfile.NamedTemporaryFile(prefix="relay-llama-server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([binary, "-m", str(gguf), "--jinja", "--host", "127.0.0.1", "--port", str(self.port),
+                                      "-c", "1024", "-t", "1", "--no-webui"], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"llama-server did not start; its log: {Path(self.log.name).read_text()[-2000:]}")
+            time.sleep(0.2)
+
+    def post(self, path: str, body: dict) -> dict:
+        import json
+        import urllib.request
+
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return json.loads(r.read())
+
+    def apply_template(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
+        body: dict = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        if tools:
+            body["tools"] = tools
+        return self.post("/apply-template", body)["prompt"]
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.post("/tokenize", {"content": text, "add_special": False, "parse_special": True})["tokens"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()

@@ -187,3 +187,87 @@ def test_llama_cpp_negative_control_without_the_tokenizer_metadata(llama_cpp, ti
     finally:
         model.close()
     assert "<|im_start|>user\nHi<|im_end|>\n" in differ and len(differ) >= 3
+
+
+# ------------------------------------------------------------------------------------------
+# llama.cpp's server: the saved tool layout rendered by llama.cpp's own Jinja engine
+# ------------------------------------------------------------------------------------------
+
+ADD = {"name": "add", "description": "Add two integers.",
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}
+LOOKUP = {"name": "lookup", "description": "Look a word up (any language).",
+          "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}
+TOOLS = [{"type": "function", "function": ADD}, {"type": "function", "function": LOOKUP}]
+
+
+def _call(name, arguments, call_id):
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+TOOL_CONVERSATIONS = {
+    # the user's question only: the tools block becomes the default system turn
+    "question": [{"role": "user", "content": "What is 12345 + 67890?"}],
+    # a system turn of the user's, calls with arguments as objects (non-ASCII: tojson must not
+    # escape it), no content (OpenAI's null), their results
+    "object arguments": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3, and naïve?"},
+                         {"role": "assistant", "content": None,
+                          "tool_calls": [_call("add", {"a": 2, "b": 3}, "c1"), _call("lookup", {"word": "naïve — 日本"}, "c2")]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "5"},
+                         {"role": "tool", "tool_call_id": "c2", "content": "innocent"}],
+    # text beside two parallel calls (arguments as JSON text, as OpenAI clients send them, non-ASCII),
+    # two results in a row, an answer, and the next question
+    "parallel": [{"role": "user", "content": "Add 1 and 2, and look up café."},
+                 {"role": "assistant", "content": "Two calls.",
+                  "tool_calls": [_call("add", '{"a": 1, "b": 2}', "c1"), _call("lookup", '{"word": "café 日本"}', "c2")]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "3"},
+                 {"role": "tool", "tool_call_id": "c2", "content": "a coffee house — 喫茶店"},
+                 {"role": "assistant", "content": "3, and a coffee house."},
+                 {"role": "user", "content": "And 4 + 4?"}],
+}
+
+
+@pytest.fixture(scope="module")
+def llama_server_binary():
+    import llamacpp
+
+    binary = llamacpp.server_binary()
+    if binary is None:
+        pytest.skip(f"no llama-server binary (set {llamacpp.SERVER_ENV} or put llama-server on PATH)")
+    return binary
+
+
+def test_llama_server_renders_tool_conversations_as_transformers(llama_server_binary, tiny_model_dir, tmp_path):
+    """A model trained on tool conversations in Relay's layout (template: the layout's Jinja in front
+    of the embedded ChatML template, as SFT saves it) exported to GGUF: llama.cpp's own Jinja engine
+    (`llama-server --jinja`, POST /apply-template with OpenAI messages and `tools`) renders every
+    tool conversation to the same text as transformers' apply_chat_template, and llama.cpp's
+    tokenizer turns that text into the same ids."""
+    import shutil
+
+    import llamacpp
+    from transformers import AutoTokenizer
+
+    from data_formats.render import make_template, template_jinja
+    from pipeline.config import ChatDataConfig
+
+    folder = tmp_path / "tool_model"
+    shutil.copytree(tiny_model_dir, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    template = make_template(ChatDataConfig(), tok)
+    assert template.tools == "layout"
+    tok.chat_template = template_jinja(template, tok, tools=True)
+    tok.save_pretrained(folder)
+    server = llamacpp.LlamaServer(llama_server_binary, gguf_export.write_gguf(folder, tmp_path / "model.gguf", "f32"))
+    try:
+        for name, messages in TOOL_CONVERSATIONS.items():
+            expected = tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+            assert "<tools>" in expected, name
+            rendered = server.apply_template(messages, TOOLS)
+            assert rendered == expected, name
+            assert server.tokenize(rendered) == tok(expected, add_special_tokens=False)["input_ids"], name
+        # the tools reached llama.cpp's template: without them it renders no tools block
+        plain = server.apply_template(TOOL_CONVERSATIONS["parallel"])
+        assert "<tools>" not in plain and plain == tok.apply_chat_template(TOOL_CONVERSATIONS["parallel"], add_generation_prompt=True,
+                                                                          tokenize=False)
+    finally:
+        server.close()
