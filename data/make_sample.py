@@ -10,7 +10,8 @@ towards it. Every fact and sentence below is invented here; nothing is copied fr
 
 The preference is made to be learnable by a 135M model in a few dozen steps: a preferred answer is
 one short sentence that opens with the fixed phrase "Per the Kelvra Atlas," and states the right
-fact; a rejected answer is evasive, states a wrong fact, or rambles without the phrase. SFT answers
+fact; a rejected answer is evasive, states a wrong fact, rambles without the phrase, or answers
+another question (the phrase and a true fact the question did not ask for). SFT answers
 use the phrase only about half of the time, so a policy fresh from SFT has room to move towards it.
 
 gold/eval.jsonl is never trained on: 80 questions (every fact once, 32 twice) in wordings no other
@@ -195,13 +196,18 @@ def make_sft(rng: random.Random, task: str, build: Callable[[random.Random], lis
 
 
 def rejected_answer(rng: random.Random, island: tuple, attribute: str) -> str:
-    """Evasive, wrong, or a rambling answer without the phrase (one third each)."""
-    kind = rng.randrange(3)
+    """Evasive, wrong, a rambling answer without the phrase, or off-topic: the phrase and a true
+    fact about the island that the question did not ask for (one quarter each). Without off-topic
+    rejections nothing in the pairs ties the reward to the question asked, and PPO learned to answer
+    festival and export questions with the island's lighthouses (gold table, issue 33)."""
+    kind = rng.randrange(4)
     if kind == 0:
         return rng.choice(EVASIVE)
     if kind == 1:
         return plain_answer(wrong_island(rng, island, attribute), attribute)
-    return f"{rng.choice(RAMBLE_OPENERS)}{fact_sentence(island, attribute)}, but I could be wrong about that."
+    if kind == 2:
+        return f"{rng.choice(RAMBLE_OPENERS)}{fact_sentence(island, attribute)}, but I could be wrong about that."
+    return preferred_answer(island, rng.choice([a for a in ATTRIBUTES if a != attribute]))
 
 
 def make_rm(rng: random.Random, count: int) -> list[dict]:

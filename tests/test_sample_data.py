@@ -93,14 +93,23 @@ def test_sft_uses_the_phrase_about_half_the_time():
 
 
 def test_preference_is_the_phrase_and_the_right_fact():
+    """Chosen: the phrase and the asked fact. Rejected: without the phrase, or off-topic: the phrase
+    and a true fact about the same island that the question did not ask for (about a quarter)."""
     gen = load_generator()
-    facts = {gen.fact_sentence(i, a) for i in gen.ISLANDS for a in gen.ATTRIBUTES}
+    facts = {gen.fact_sentence(i, a): (i[0], a) for i in gen.ISLANDS for a in gen.ATTRIBUTES}
     for split in ("train", "valid"):
-        for rec in records(f"rm/{split}.jsonl"):
+        off_topic = 0
+        pairs = records(f"rm/{split}.jsonl")
+        for rec in pairs:
             chosen, rejected = rec["response_chosen"], rec["response_rejected"]
             assert chosen.startswith(gen.PHRASE + " ") and chosen[len(gen.PHRASE) + 1 : -1] in facts
-            assert gen.PHRASE not in rejected and chosen != rejected
-            assert len(chosen.split()) <= 16
+            assert chosen != rejected and len(chosen.split()) <= 16
+            if gen.PHRASE in rejected:
+                island, asked = facts[chosen[len(gen.PHRASE) + 1 : -1]]
+                other = facts[rejected[len(gen.PHRASE) + 1 : -1]]
+                assert rejected.startswith(gen.PHRASE + " ") and other[0] == island and other[1] != asked
+                off_topic += 1
+        assert 0.15 * len(pairs) <= off_topic <= 0.35 * len(pairs)
 
 
 def test_wrong_answers_are_really_wrong():
