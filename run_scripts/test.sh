@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Installs Relay into .venv (skipped when nothing changed) and runs the test suite, offline.
 #   bash run_scripts/test.sh [pytest args]
-# RELAY_TEST_WORKERS=N (N >= 2) runs the tests in N pytest-xdist workers, a test module to a worker,
-# the longest modules first, the cores split between them (tests/conftest.py). The default is one
-# process: on 2 cores two workers are not shown faster (bench/RESULTS.md, issue 33): the suite's
-# two-rank and server tests then share the cores three or four ways.
+# The tests run in pytest-xdist workers, a test module to a worker, the longest modules first, the
+# cores split between them (tests/conftest.py): 2 workers where the machine has 2 or more cores
+# (on 2 idle cores: 398.7 s of pytest against 807.9 s in one process, bench/RESULTS.md, issue 33;
+# one process used about one core on average). RELAY_TEST_WORKERS=N sets N; 1 runs one process.
 # vLLM's side environment (run_scripts/install_vllm.sh; a no-op when present) builds in the
 # background meanwhile; tests/test_vllm.py runs late (tests/conftest.py) and waits for it, failing
 # (not skipping) when the install failed. RELAY_VLLM_INSTALL=0: no install (those tests then skip
@@ -22,7 +22,7 @@ if [ "${RELAY_VLLM_INSTALL:-1}" != 0 ]; then
   export RELAY_VLLM_INSTALL_STATUS=$status  # where the tests read how the install ended (.rc, .log)
   [ -z "${RELAY_VLLM_VENV:-}" ] || export RELAY_VLLM_PYTHON=$RELAY_VLLM_VENV/bin/python
 fi
-workers=${RELAY_TEST_WORKERS:-1}
+workers=${RELAY_TEST_WORKERS:-$([ "$(nproc)" -ge 2 ] && echo 2 || echo 1)}
 parallel=()
 [ "$workers" -le 1 ] || parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 code=0
