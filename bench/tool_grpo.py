@@ -126,7 +126,6 @@ def main() -> int:
     parser.add_argument("--sft-lr", type=float, default=2e-3)
     parser.add_argument("--grpo-steps", type=int, default=16)
     parser.add_argument("--grpo-lr", type=float, default=1e-4)
-    parser.add_argument("--grpo-lr-schedule", default="cosine", help="train.lr_schedule of GRPO (configs/grpo.yaml ships constant)")
     parser.add_argument("--temperature", type=float, default=0.5, help="GRPO's sampling temperature (its log-probs use the same)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--train", type=int, default=64)
@@ -148,8 +147,7 @@ def main() -> int:
               "--train.learning_rate", str(args.sft_lr), "--train.warmup", "0", "--train.seed", str(seed))
         stage("grpo.py", "--model.path", str(sft / "merged"), "--output_dir", str(grpo), "--data.train", f"[{out / 'data' / 'grpo.jsonl'}]",
               "--train.max_steps", str(args.grpo_steps), "--train.batch_size", "2", "--train.seq_length", "512",
-              "--train.learning_rate", str(args.grpo_lr), "--train.lr_schedule", args.grpo_lr_schedule, "--train.seed", str(seed),
-              "--generation.max_new_tokens", "96",
+              "--train.learning_rate", str(args.grpo_lr), "--train.seed", str(seed), "--generation.max_new_tokens", "96",
               "--generation.temperature", str(args.temperature),
               "--grpo.num_generations", "4", "--grpo.reward_funcs", "[pipeline.algorithms.rewards:final_answer_match]",
               "--tools.funcs", f"[{ADD}]")
