@@ -6,16 +6,13 @@ again; bad tool options are one line before any model loads. The model's turns a
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-from transformers import AutoTokenizer
 
-from data_formats.render import make_template, template_jinja
-from pipeline.config import ChatDataConfig
 from pipeline.modeling import decode
 from pipeline.tools import chat
 from pipeline.tools.chat_tools import tool_setup
+from tinymodels import copy_with_tool_layout
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
@@ -23,12 +20,7 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 @pytest.fixture(scope="module")
 def tool_model(tiny_model_dir, tmp_path_factory):
     """The tiny model with the template Relay saves after tool SFT."""
-    folder = tmp_path_factory.mktemp("chat") / "tool_model"
-    shutil.copytree(tiny_model_dir, folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.chat_template = template_jinja(make_template(ChatDataConfig(), tok), tok, tools=True)
-    tok.save_pretrained(folder)
-    return folder
+    return copy_with_tool_layout(tiny_model_dir, tmp_path_factory.mktemp("chat") / "tool_model")[0]
 
 
 def scripted(monkeypatch, model, turns):

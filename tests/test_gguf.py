@@ -242,21 +242,10 @@ def test_llama_server_renders_tool_conversations_as_transformers(llama_server_bi
     (`llama-server --jinja`, POST /apply-template with OpenAI messages and `tools`) renders every
     tool conversation to the same text as transformers' apply_chat_template, and llama.cpp's
     tokenizer turns that text into the same ids."""
-    import shutil
-
     import llamacpp
-    from transformers import AutoTokenizer
+    from tinymodels import copy_with_tool_layout
 
-    from data_formats.render import make_template, template_jinja
-    from pipeline.config import ChatDataConfig
-
-    folder = tmp_path / "tool_model"
-    shutil.copytree(tiny_model_dir, folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    template = make_template(ChatDataConfig(), tok)
-    assert template.tools == "layout"
-    tok.chat_template = template_jinja(template, tok, tools=True)
-    tok.save_pretrained(folder)
+    folder, tok, _ = copy_with_tool_layout(tiny_model_dir, tmp_path / "tool_model")
     server = llamacpp.LlamaServer(llama_server_binary, gguf_export.write_gguf(folder, tmp_path / "model.gguf", "f32"))
     try:
         for name, messages in TOOL_CONVERSATIONS.items():

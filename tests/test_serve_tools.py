@@ -9,7 +9,6 @@ patched), since a random model writes no calls."""
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import threading
 import time
@@ -19,13 +18,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from data_formats.conversation import Conversation, Turn
-from data_formats.render import make_template, render_prompt, template_jinja
-from pipeline.config import ChatDataConfig
+from data_formats.render import render_prompt
 from pipeline.tools import serve_batch
 from pipeline.tools.chat import load_chat_model
 from pipeline.tools.openai_protocol import ApiError, check_request
 from pipeline.tools.serve import Server, make_app
 from pipeline.tools.serve_tools import prompt_and_prefill
+from tinymodels import copy_with_tool_layout
 
 ADD = {"name": "add", "description": "Add two integers.",
        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}
@@ -39,14 +38,7 @@ SCRIPT = {"text": "", "prompts": []}
 def tool_model(tiny_model_dir, tmp_path_factory):
     """The tiny model with the template Relay saves after SFT on tool conversations (its layout in
     front of the tokenizer's template), and the training Template of that SFT."""
-    folder = tmp_path_factory.mktemp("served") / "tool_model"
-    shutil.copytree(tiny_model_dir, folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    template = make_template(ChatDataConfig(), tok)
-    assert template.tools == "layout"
-    tok.chat_template = template_jinja(template, tok, tools=True)
-    tok.save_pretrained(folder)
-    return folder, tok, template
+    return copy_with_tool_layout(tiny_model_dir, tmp_path_factory.mktemp("served") / "tool_model")
 
 
 @pytest.fixture(scope="module")

@@ -56,3 +56,20 @@ def make_tiny_model(path: str | Path, seed: int = 0, num_labels: int | None = No
     tokenizer.save_pretrained(path)
     write_manifest(path, stage="tiny-random", parent=None, config={"seed": seed, "num_labels": num_labels})
     return path
+
+
+def copy_with_tool_layout(source: str | Path, folder: str | Path):
+    """A copy of the model folder `source` at `folder` whose chat template is the one Relay saves after
+    SFT on tool conversations (the default layout's Jinja in front of the tokenizer's template,
+    data_formats.render.template_jinja). Returns (folder, tokenizer, the training Template)."""
+    from data_formats.render import make_template, template_jinja
+    from pipeline.config import ChatDataConfig
+
+    folder = Path(folder)
+    shutil.copytree(source, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    template = make_template(ChatDataConfig(), tok)
+    assert template.tools == "layout"
+    tok.chat_template = template_jinja(template, tok, tools=True)
+    tok.save_pretrained(folder)
+    return folder, tok, template
