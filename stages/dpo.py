@@ -220,7 +220,7 @@ class DPOStage(ReferenceStage):
             for key, values in figures.items():
                 sums[key] = sums.get(key, 0.0) + float(values.float().mean()) / len(groups)
         grad_norm = clip_gradients(self.model, acc, self.cfg.train.max_grad_norm)
-        check_finite(sums["loss"], self.model, self.step + 1)
+        check_finite(sums["loss"], self.model, self.step + 1, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         keys = sorted(sums)

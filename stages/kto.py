@@ -180,7 +180,7 @@ class KTOStage(ReferenceStage):
                 sums[key] = sums.get(key, 0.0) + float(value) / (len(groups) if key == "kl" else 1)
         grad_norm = clip_gradients(self.model, acc, self.cfg.train.max_grad_norm)
         m = self.reduced(sums)
-        check_finite(m["loss"], self.model, self.step + 1)
+        check_finite(m["loss"], self.model, self.step + 1, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         out = {"train/loss": m["loss"], "train/margin": m["margin"], "train/grad_norm": grad_norm,

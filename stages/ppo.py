@@ -255,7 +255,7 @@ class PPOStage(PolicyStage):
                                                acc.process_index, cfg.train.eval_batches):
                 batch = [self.eval_samples[i] for i in indices]
                 rollout = self.rollout(batch)
-                s = score_rollout(self.inner, rollout, micro=cfg.train.batch_size, temperature=cfg.generation.temperature,
+                s = score_rollout(self.inner, rollout, micro=cfg.train.batch_size, temperature=cfg.generation.temperature, values=False,
                                   autocast=acc.autocast)
                 raw = s["rm"] if self.reward_fn is None else self.reward_fn([p["text"] for p in batch], rollout.responses).float().cpu()
                 kl = (rl.kl_per_token(s["old"], s["ref"], "k1") * rollout.response_mask).sum(1)

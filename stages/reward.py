@@ -139,7 +139,7 @@ class RMStage(Stage):
             loss_total += float(loss.detach()) / len(groups)
             correct += float((chosen > rejected).float().mean()) / len(groups)
         grad_norm = clip_gradients(self.model, acc, self.cfg.train.max_grad_norm)
-        check_finite(loss_total, self.model, self.step + 1)
+        check_finite(loss_total, self.model, self.step + 1, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         figures = _reduce_mean({"loss": loss_total, "accuracy": correct}, acc)

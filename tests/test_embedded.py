@@ -37,3 +37,31 @@ def test_embedded_answers_france(embedded_path):
 def test_embedded_names():
     assert embedded.is_embedded("embedded") and embedded.is_embedded("") and embedded.is_embedded(None)
     assert not embedded.is_embedded("/some/folder")
+
+
+def test_gguf_parsed_once_shares_each_reader_and_name_map_then_restores(tmp_path):
+    """transformers opens the embedded GGUF three times (tokenizer, config, weights) and rebuilds one
+    tensor-name map per module; inside `gguf_parsed_once` each is built once (issue 33: the first
+    demo's conversion), and outside it gguf is untouched."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with embedded.gguf_parsed_once():
+        from gguf import GGUFReader, get_tensor_name_map  # as transformers imports them: at call time
+
+        first, again = GGUFReader(path), GGUFReader(str(path))
+        assert first is again
+        assert first.tensors[0].data.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        assert get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2).get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+    assert gguf.GGUFReader is real_reader and gguf.get_tensor_name_map is real_map
+    assert real_reader(path) is not real_reader(path)

@@ -268,3 +268,25 @@ def test_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, tiny_reward_di
         b = load_file(str(tmp_path / "b" / name / "adapter_model.safetensors"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert summary["steps"] == 3 and summary["reward_first"] == unbroken[1][0]["ppo/reward_raw"]
+
+
+def test_evaluation_scores_reward_and_kl_without_the_critic(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file):
+    """eval/reward and eval/kl need the policy, the reference and the reward model; the critic's
+    values are for the update only, so an evaluation skips its forward (issue 33). The reward
+    model shares the critic's backbone (LoRA modes): one backbone forward per eval batch, not two."""
+    from pipeline.algorithms.ppo import score_rollout
+
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=1)
+    cfg.data.eval, cfg.train.eval_steps = [str(prompts_file)], 1
+    stage = built(cfg)
+    calls = []
+    first_block = next(m for name, m in stage.inner.critic.named_modules() if name.endswith("layers.0"))
+    first_block.register_forward_hook(lambda *_: calls.append(1))
+    figures = stage.evaluate()
+    assert len(calls) == 2 and set(figures) == {"eval/reward", "eval/kl"}  # 8 prompts, batches of 4
+    rollout = stage.rollout([stage.eval_samples[i] for i in range(4)])
+    full = score_rollout(stage.inner, rollout, micro=4, temperature=1.0, autocast=stage.accelerator.autocast)
+    calls.clear()
+    lean = score_rollout(stage.inner, rollout, micro=4, temperature=1.0, autocast=stage.accelerator.autocast, values=False)
+    assert len(calls) == 1 and "values" in full and "values" not in lean
+    assert all(torch.equal(lean[k], full[k]) for k in ("old", "ref", "rm", "entropy"))

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from data_formats.collate import Collator
 from data_formats.sampling import DataCursor, epoch_order, next_micro_batches
 from pipeline.algorithms.multitask import task_weighted_loss
-from pipeline.engine.steps import NonFiniteError, eval_shards, token_losses
+from pipeline.engine.steps import NonFiniteError, check_finite, eval_shards, token_losses
 from pipeline.engine.steps import lm_train_step as train_step
 from pipeline.engine.tracking import EarlyStopping
 
@@ -172,3 +172,24 @@ def test_the_fused_optimizer_updates_as_the_reference_adamw():
             opt.step()
     for a, b in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _with_grads(*values):
+    model = torch.nn.Linear(len(values), 1, bias=False)
+    model.weight.grad = torch.tensor([values])
+    return model
+
+
+def test_a_finite_gradient_norm_clears_the_step_without_the_parameter_scan():
+    # Every step already has the global norm (clip_gradients); a NaN or inf gradient makes it
+    # non-finite, so a finite one needs no pass over every gradient (issue 33: 0.26 s a step on
+    # the 135M model). The gradient here is deliberately NaN to show the scan did not run.
+    check_finite(1.0, _with_grads(1.0, float("nan")), 3, grad_norm=2.0)
+    with pytest.raises(NonFiniteError, match="step 3: gradient of weight is not finite"):
+        check_finite(1.0, _with_grads(1.0, float("nan")), 3, grad_norm=float("nan"))
+    with pytest.raises(NonFiniteError, match="step 3: gradient norm is inf"):  # overflowed from finite gradients
+        check_finite(1.0, _with_grads(3e38, 3e38), 3, grad_norm=float("inf"))
+    with pytest.raises(NonFiniteError, match="step 3: gradient of weight"):  # no norm given: the scan
+        check_finite(1.0, _with_grads(float("inf"), 0.0), 3)
+    with pytest.raises(NonFiniteError, match="step 3: loss is nan"):
+        check_finite(float("nan"), _with_grads(1.0, 1.0), 3, grad_norm=1.0)

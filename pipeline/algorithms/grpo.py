@@ -119,7 +119,7 @@ def grpo_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, sc
             if out.kl is not None:
                 stats["kl"].append(float(out.kl))
         grad_norm = clip_gradients(model, accelerator, cfg.train.max_grad_norm)
-        check_finite(total, model, step)
+        check_finite(total, model, step, grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if accelerator.num_processes > 1:  # each rank holds its share of the step's loss

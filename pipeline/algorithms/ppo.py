@@ -68,9 +68,12 @@ def holds_first_forward(rows: int, micro: int, mini: int, separate: bool) -> boo
 
 @torch.no_grad()
 def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperature: float, autocast,
-                  hold: bool = False) -> dict[str, torch.Tensor]:
+                  hold: bool = False, values: bool = True) -> dict[str, torch.Tensor]:
     """Rollout log-probs, reference log-probs, values, entropy and RM scores, in micro-batches of
     the size the update uses (so the first update reproduces the rollout log-probs exactly).
+
+    `values=False` (an evaluation: reward and KL only) skips the critic's forward and leaves
+    'values' out; `hold` needs them.
 
     `hold` (see `holds_first_forward`): the policy's forward runs with gradients on and its logits
     come back as 'held', attached to their graph, for the update's first micro-batch; the numbers
@@ -85,14 +88,15 @@ def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperatu
             if hold:
                 with torch.enable_grad():
                     held, _ = model(ids, mask, P, critic=False)
-                _, values = model(ids, mask, P, policy=False)
+                _, value = model(ids, mask, P, policy=False)
                 logits = held.detach()
             else:
-                logits, values = model(ids, mask, P)
+                logits, value = model(ids, mask, P, critic=values)
             logits = logits.float() / temperature
             out["old"].append(logprobs_from_logits(logits, ids[:, P:]).cpu())
             out["entropy"].append(entropy_from_logits(logits).cpu())
-            out["values"].append(values.float().cpu())
+            if value is not None:
+                out["values"].append(value.float().cpu())
             out["ref"].append(model.reference_logprobs(ids, mask, P, temperature).cpu())
             out["rm"].append(model.reward_scores(ids, mask).float().cpu())
     scored = {k: torch.cat(v) for k, v in out.items()}
@@ -264,7 +268,7 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
                 for key, value in micro_stats.items():
                     stats[key].append(value)
             grad_norm = clip_gradients(model, accelerator, cfg.train.max_grad_norm)
-            check_finite(total, model, step)
+            check_finite(total, model, step, grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             stats["grad_norm"].append(grad_norm)

@@ -30,8 +30,14 @@ class NonFiniteError(RuntimeError):
     """A loss or gradient became NaN/inf; raised before the optimizer steps on it."""
 
 
-def check_finite(loss: torch.Tensor | float, model: torch.nn.Module, step: int) -> None:
+def check_finite(loss: torch.Tensor | float, model: torch.nn.Module, step: int, grad_norm: Optional[float] = None) -> None:
     """Refuse a non-finite loss or gradient before the optimizer steps on it.
+
+    `grad_norm`: the step's global gradient norm (`clip_gradients`, the same on every rank). A
+    NaN or inf anywhere makes it NaN or inf, so a finite one clears every gradient without the
+    per-parameter scan (0.26 s a step for the 135M model's full gradients on 2 AVX2 cores, 0.08 s
+    for PPO's LoRA actor-critic; issue 33). A non-finite norm (or none given) scans, to name the
+    parameter; a non-finite norm whose scan names none (it overflowed) still stops the step.
 
     Under FSDP each rank holds its own shard of every gradient, so the ranks agree on the first
     offending parameter (one all-reduce), and every rank raises together.
@@ -44,6 +50,8 @@ def check_finite(loss: torch.Tensor | float, model: torch.nn.Module, step: int) 
     value = float(loss)
     if not math.isfinite(value):
         raise NonFiniteError(f"step {step}: loss is {value}; stopping before the optimizer step (last complete checkpoint kept)")
+    if grad_norm is not None and math.isfinite(grad_norm):
+        return
     named = list(model.named_parameters())
     bad = next((i for i, (_, p) in enumerate(named) if p.grad is not None and not torch.isfinite(local_tensor(p.grad)).all()),
                len(named))
@@ -53,6 +61,8 @@ def check_finite(loss: torch.Tensor | float, model: torch.nn.Module, step: int) 
         bad = int(flag)
     if bad < len(named):
         raise NonFiniteError(f"step {step}: gradient of {named[bad][0]} is not finite; stopping before the optimizer step")
+    if grad_norm is not None and any(p.grad is not None for _, p in named):  # (DeepSpeed keeps its gradients to itself)
+        raise NonFiniteError(f"step {step}: gradient norm is {grad_norm}; stopping before the optimizer step")
 
 
 LOSS_MODES = ("none", "case3", "coba", "self-paced")
@@ -280,11 +290,7 @@ def lm_train_step(
     totals = all_reduce_sum(torch.cat([objective.view(1), loss_sums, torch.tensor([float(tokens)], dtype=torch.float64)]), accelerator)
     objective, loss_sums, tokens = totals[0], totals[1:-1], int(totals[-1])
     grad_norm = clip_gradients(model, accelerator, max_grad_norm)
-    if not (math.isfinite(float(objective)) and math.isfinite(grad_norm)):
-        # The global norm is non-finite iff some gradient is, so the per-parameter scan that
-        # names the culprit runs only then.
-        check_finite(objective, model, step)
-        raise NonFiniteError(f"step {step}: gradient norm is {grad_norm}; stopping before the optimizer step")
+    check_finite(objective, model, step, grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     task_losses = [float(loss_sums[t] / counts[t]) if counts[t] > 0 else float("nan") for t in range(num_tasks)]

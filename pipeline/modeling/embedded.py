@@ -4,11 +4,14 @@
 
 transformers can read the GGUF directly (dequantising Q4_1 to fp32), but that takes ~20 s per load;
 we convert it once into a normal Hugging Face folder (safetensors, tokenizer, chat template,
-generation config) under the cache, after which loads take well under a second.
+generation config) under the cache, after which loads take well under a second. The conversion
+itself parses the file once (`gguf_parsed_once`): 22.6 s -> see bench/RESULTS.md, issue 33.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import shutil
 import sys
@@ -51,6 +54,35 @@ def gguf_path() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Within it, `gguf.GGUFReader(path)` parses each file once and `gguf.get_tensor_name_map`
+    builds each map once, both restored on exit.
+
+    transformers' GGUF loading (modeling_gguf_pytorch_utils, which imports both from `gguf` at
+    call time) opens a new reader for the tokenizer, the config and the weights, ~4.6 s of
+    parsing each for this file's 49k-token vocabulary, and rebuilds the same 30-layer tensor-name
+    map once per module, 397 times (~6 s). A reader is read-only (a memmap in mode 'r'), and a
+    name map is only looked up, so sharing them changes nothing that is read.
+    """
+    import gguf
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+
+
 def embedded_dir() -> Path:
     """The converted folder's location (it may not exist yet)."""
     return cache_root() / "embedded" / EMBEDDED_NAME
@@ -72,8 +104,9 @@ def materialize(force: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".embedded-", dir=target.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
+        with gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+            model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
         # The weights are now plain fp32 tensors; drop the GGUF quantiser so they save as safetensors.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
