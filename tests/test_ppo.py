@@ -290,3 +290,18 @@ def test_evaluation_scores_reward_and_kl_without_the_critic(tmp_path, tiny_model
     lean = score_rollout(stage.inner, rollout, micro=4, temperature=1.0, autocast=stage.accelerator.autocast, values=False)
     assert len(calls) == 1 and "values" in full and "values" not in lean
     assert all(torch.equal(lean[k], full[k]) for k in ("old", "ref", "rm", "entropy"))
+
+
+def test_a_held_step_runs_the_critic_backbone_three_times_not_four(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file):
+    """With the whole rollout as the update's first micro-batch, the scoring pass's critic forward is
+    held for it like the policy's (issue 33): per step, 2 epochs, the critic/reward backbone runs for
+    the held values, the reward scores and the second epoch only."""
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=1)
+    cfg.ppo.epochs = 2
+    stage = built(cfg)
+    calls = []
+    first_block = next(m for name, m in stage.inner.critic.named_modules() if name.endswith("layers.0"))
+    first_block.register_forward_hook(lambda *_: calls.append(1))
+    figures = stage.train_step()
+    assert len(calls) == 3 and figures["ppo/ratio_dev_first"] == 0.0
+    assert stage.last_experience.held_values is None and stage.last_experience.held_logits is None  # used, released

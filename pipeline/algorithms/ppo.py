@@ -54,6 +54,9 @@ class Experience:
     """The scoring pass's policy logits still attached to their graph, when the update's first
     micro-batch is the whole rollout in order (`holds_first_forward`): that micro-batch reuses them
     instead of running the same forward again. Released once used."""
+    held_values: Optional[torch.Tensor] = None
+    """The critic's values from the same scoring pass, attached to their graph likewise (the first
+    micro-batch's value loss reuses them). Released once used."""
     is_weight: Optional[torch.Tensor] = None
     """The train-inference mismatch correction's per-token weight ([B, R], generation.correction),
     when the engine reported its log-probs (`Rollout.engine_logp`, vLLM); None: unweighted."""
@@ -75,21 +78,23 @@ def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperatu
     `values=False` (an evaluation: reward and KL only) skips the critic's forward and leaves
     'values' out; `hold` needs them.
 
-    `hold` (see `holds_first_forward`): the policy's forward runs with gradients on and its logits
-    come back as 'held', attached to their graph, for the update's first micro-batch; the numbers
-    are those of the forward the update would run, so its ratio is still exactly 1."""
+    `hold` (see `holds_first_forward`): the policy's and the critic's forwards run with gradients
+    on, and their logits and values come back as 'held' and 'held_values', attached to their
+    graphs, for the update's first micro-batch: one policy and one critic forward fewer a step
+    (about 1.1 s each of a 15 s demo step capped to AVX2, issue 33). The numbers are those of the
+    forwards the update would run, so its ratio is still exactly 1. Both graphs stay alive from
+    here to that micro-batch's backward: the joint pass's memory for the first micro-batch."""
     device = next(model.parameters()).device
     out = defaultdict(list)
     P = rollout.prompt_width
-    held = None
+    held = held_values = None
     for rows in chunks(rollout.input_ids.shape[0], micro):
         ids, mask = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
         with autocast():
             if hold:
                 with torch.enable_grad():
-                    held, _ = model(ids, mask, P, critic=False)
-                _, value = model(ids, mask, P, policy=False)
-                logits = held.detach()
+                    held, held_values = model(ids, mask, P)
+                logits, value = held.detach(), held_values.detach()
             else:
                 logits, value = model(ids, mask, P, critic=values)
             logits = logits.float() / temperature
@@ -101,7 +106,7 @@ def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperatu
             out["rm"].append(model.reward_scores(ids, mask).float().cpu())
     scored = {k: torch.cat(v) for k, v in out.items()}
     if held is not None:
-        scored["held"] = held
+        scored["held"], scored["held_values"] = held, held_values
     return scored
 
 
@@ -144,12 +149,13 @@ def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str
     is_weight = None if rollout.engine_logp is None else correction_weights(
         gen.correction_name, old, rollout.engine_logp, mask, gen.correction_cap, gen.correction_floor)
     return Experience(rollout, old, ref, s["values"] * mask, advantages, returns, kl, raw, scores, s["entropy"],
-                      held_logits=s.get("held"), is_weight=is_weight)
+                      held_logits=s.get("held"), held_values=s.get("held_values"), is_weight=is_weight)
 
 
 def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator, *, separate: bool,
                           temperature: float, cliprange: float, cliprange_value: float, vf_coef: float,
-                          step_tokens: Optional[float] = None, held: Optional[torch.Tensor] = None) -> dict[str, float]:
+                          step_tokens: Optional[float] = None, held: Optional[torch.Tensor] = None,
+                          held_values: Optional[torch.Tensor] = None) -> dict[str, float]:
     """Forward and backward of one micro-batch: `policy loss + vf_coef * value loss` (inside
     `micro_step`, so accelerate divides it by the number of micro-batches of the step).
 
@@ -163,8 +169,9 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
     activations are alive at a time (about half the peak memory of the joint pass, the same
     gradients: the two models share no parameters). The joint pass is for wrapped engines (DDP,
     DeepSpeed, FSDP), which expect one forward per backward over the whole module.
-    `held`: this micro-batch's policy logits from the scoring pass, still attached to their graph
-    (`Experience.held_logits`), used in place of the policy's forward (`separate` only).
+    `held` / `held_values`: this micro-batch's policy logits / critic values from the scoring pass,
+    still attached to their graphs (`Experience.held_logits`, `held_values`), used in place of that
+    model's forward (`separate` only).
 
     Returns the micro-batch's statistics (`ratio_dev`: max |ratio - 1| over its response tokens).
     """
@@ -193,8 +200,10 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
         logp, pol = policy_part(logits)
         accelerator.backward(pol.loss * weight)
         del logits
-        with accelerator.autocast():
-            _, values = model(ids, attn, P, policy=False)
+        values = held_values
+        if values is None:
+            with accelerator.autocast():
+                _, values = model(ids, attn, P, policy=False)
         vloss, vclip = value_part(values)
         accelerator.backward(vf_coef * vloss * weight)
     else:
@@ -253,14 +262,15 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
             total = 0.0
             for k in range(accum):
                 idx = rows[k * micro : (k + 1) * micro]
-                held, exp.held_logits = exp.held_logits, None  # only the first micro-batch: the whole rollout in order
-                if held is not None and not (separate and torch.equal(idx, torch.arange(B))):
-                    raise RuntimeError("ppo_update: held logits for a first micro-batch that is not the whole rollout")
+                # only the first micro-batch: the whole rollout in order
+                (held, held_values), exp.held_logits, exp.held_values = (exp.held_logits, exp.held_values), None, None
+                if (held is not None or held_values is not None) and not (separate and torch.equal(idx, torch.arange(B))):
+                    raise RuntimeError("ppo_update: held forwards for a first micro-batch that is not the whole rollout")
                 with micro_step(accelerator, model, k, accum):
                     micro_stats = actor_critic_backward(model, exp, idx, accelerator, separate=separate,
                                                         temperature=cfg.generation.temperature, cliprange=cfg.ppo.cliprange,
                                                         cliprange_value=cfg.ppo.cliprange_value, vf_coef=cfg.ppo.vf_coef,
-                                                        step_tokens=tokens, held=held)
+                                                        step_tokens=tokens, held=held, held_values=held_values)
                 if not stats["ratio_dev_first"]:
                     stats["ratio_dev_first"].append(micro_stats["ratio_dev"])
                 total += micro_stats.pop("loss") / accum
