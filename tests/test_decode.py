@@ -516,3 +516,53 @@ if __name__ == "__main__":  # python tests/test_decode.py: (re)write GOLDEN from
     GOLDEN.parent.mkdir(parents=True, exist_ok=True)
     GOLDEN.write_text(json.dumps(golden_record(lm, tokenizer, asked)) + "\n")
     print(GOLDEN)
+
+
+SHARED = [5, 9, 17, 30, 4, 8, 3, 11, 12, 7, 20, 25, 31, 6, 44, 40, 9, 14, 21, 33]
+"""20 leading tokens every prompt below shares (a chat template's system turn, in the gold table)."""
+OPENING = [SHARED + rest for rest in ([7, 8], [19], [22, 23, 24, 26, 27], [19, 28, 29])]
+
+
+def test_prompt_layout_puts_a_shared_opening_first_and_the_padding_after_it():
+    from pipeline.modeling.decode import SHARED_PREFIX_MIN, prompt_layout
+
+    ids, mask, shared = prompt_layout(OPENING, 0, "sdpa")
+    assert shared == 20 and ids.shape == (4, 25)
+    assert ids[1].tolist() == SHARED + [0, 0, 0, 0] + [19] and mask[1].tolist() == [1] * 20 + [0] * 4 + [1]
+    assert ids[2].tolist() == OPENING[2] and mask[2].tolist() == [1] * 25
+    # one row left of its own at least (the prefill's last position), so an opening that is a whole
+    # prompt is shared up to its last token
+    assert prompt_layout([SHARED, SHARED + [7]], 0, "sdpa")[2] == 19
+    # left padding otherwise: one prompt, too short an opening, an attention without a 4D mask
+    for prompts, attn in (([OPENING[0]], "sdpa"), ([p[20 - SHARED_PREFIX_MIN + 1:] for p in OPENING], "sdpa"),
+                          (OPENING, "flash_attention_2")):
+        ids, mask, shared = prompt_layout(prompts, 0, attn)
+        assert shared == 0 and (ids, mask) == (ids, mask) and mask[:, -1].all() and torch.equal(ids, left_pad(prompts, 0)[0])
+
+
+@pytest.mark.parametrize("kind,attn", [("fast", "sdpa"), ("static", "sdpa"), ("hf", "sdpa"), ("fast", "eager")])
+def test_a_shared_opening_is_prefilled_once_and_decodes_what_the_forward_computes(tiny, kind, attn, monkeypatch):
+    """The 20 shared tokens run once, on one row (the first layer sees 20 + 4 x 5 prompt tokens, not
+    4 x 25), and along a sampled trajectory every step's logits equal a plain forward of the row
+    alone, with each decode step kind and with eager attention; greedy answers equal the
+    left-padded batch's."""
+    from pipeline.modeling import decode
+
+    monkeypatch.setattr(decode, "step_kind", lambda model: kind)
+    model = AutoModelForCausalLM.from_pretrained(tiny.name_or_path, dtype=torch.float32, attn_implementation=attn).eval()
+    shapes = []
+    real_forward = model.forward  # counted on the instance: a hook would turn the fast step off
+    model.forward = lambda input_ids=None, **kw: shapes.append(tuple(input_ids.shape)) or real_forward(input_ids=input_ids, **kw)
+    seen = []
+    out = generate(model, OPENING, max_new_tokens=6, eos_ids=[2], pad_id=0, temperature=1.0,
+                   generator=torch.Generator().manual_seed(0), on_logits=lambda step, logits: seen.append(logits.clone()))
+    del model.forward
+    assert shapes[:2] == [(1, 20), (4, 5)]  # the opening on one row, then each row's own 5 columns
+    assert len(shapes) == 2 if kind != "hf" else shapes[2:] == [(4, 1)] * (len(shapes) - 2)
+    for row, (prompt, tokens) in enumerate(zip(OPENING, out.tokens)):
+        with torch.no_grad():
+            full = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        torch.testing.assert_close(torch.stack([seen[i][row] for i in range(len(tokens))]), full, atol=3e-5, rtol=0)
+    shared = generate(model, OPENING, max_new_tokens=8, eos_ids=[], pad_id=0, temperature=0.0).tokens
+    monkeypatch.setattr(decode, "SHARED_PREFIX_MIN", 10**6)
+    assert shared == generate(model, OPENING, max_new_tokens=8, eos_ids=[], pad_id=0, temperature=0.0).tokens
