@@ -105,6 +105,29 @@ def block_causal_mask(segments: torch.Tensor, attn_implementation: str = "sdpa")
     raise ValueError(f"no 4D mask for attn_implementation {attn_implementation!r} (sdpa or eager)")
 
 
+def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens every sequence shares, leaving each at least one token of its own
+    (the prefill's last position is a row's own)."""
+    limit, first, n = min(len(s) for s in seqs) - 1, seqs[0], 0
+    while n < limit and all(s[n] == first[n] for s in seqs):
+        n += 1
+    return n
+
+
+def shared_first_pad(seqs: list[list[int]], pad_id: int, shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) with each row laid out [its first `shared` tokens | padding | the
+    rest], as wide as the longest sequence: `left_pad` with the padding moved after a shared opening
+    (pipeline.modeling.decode.prompt_layout)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        pads = width - len(seq)
+        ids[row] = torch.tensor(seq[:shared] + [pad_id] * pads + seq[shared:], dtype=torch.long)
+        mask[row] = torch.tensor([1] * shared + [0] * pads + [1] * (len(seq) - shared), dtype=torch.long)
+    return ids, mask
+
+
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded (input_ids, attention_mask) for generation or reward scoring at the last token.
 

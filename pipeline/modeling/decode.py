@@ -45,7 +45,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from data_formats.collate import left_pad
+from data_formats.collate import common_prefix, left_pad, shared_first_pad
 from pipeline.modeling.cpu_kernels import override
 from pipeline.modeling.onednn import cpu_fp32, packed_linears
 
@@ -131,15 +131,6 @@ SHARED_PREFIX_MIN = 16
 """The fewest leading tokens every prompt must share for the prefill to run them once (`prompt_layout`)."""
 
 
-def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
-    """How many leading tokens every sequence shares, leaving each at least one token of its own
-    (the prefill's last position is a row's own)."""
-    limit, first, n = min(len(s) for s in seqs) - 1, seqs[0], 0
-    while n < limit and all(s[n] == first[n] for s in seqs):
-        n += 1
-    return n
-
-
 def prompt_layout(prompts: Sequence[Sequence[int]], pad_id: int, attn: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(input_ids, attention_mask, shared): the batch `Decoder` decodes.
 
@@ -155,16 +146,10 @@ def prompt_layout(prompts: Sequence[Sequence[int]], pad_id: int, attn: str) -> t
         ValueError: no prompts, or an empty one (`left_pad`).
     """
     seqs = [list(p) for p in prompts]
-    ids, mask = left_pad(seqs, pad_id)
-    shared = common_prefix(seqs)
-    if len(seqs) < 2 or shared < SHARED_PREFIX_MIN or attn not in ("sdpa", "eager"):
-        return ids, mask, 0
-    width = ids.shape[1]
-    for row, seq in enumerate(seqs):
-        pads = width - len(seq)
-        ids[row] = torch.tensor(seq[:shared] + [pad_id] * pads + seq[shared:], dtype=torch.long)
-        mask[row] = torch.tensor([1] * shared + [0] * pads + [1] * (len(seq) - shared), dtype=torch.long)
-    return ids, mask, shared
+    shared = common_prefix(seqs) if len(seqs) > 1 else 0
+    if shared < SHARED_PREFIX_MIN or attn not in ("sdpa", "eager"):
+        return (*left_pad(seqs, pad_id), 0)
+    return (*shared_first_pad(seqs, pad_id, shared), shared)
 
 
 SIMPLE_DECODERS = ("llama", "qwen2", "mistral")
