@@ -81,7 +81,8 @@ def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperatu
     `hold` (see `holds_first_forward`): the policy's and the critic's forwards run with gradients
     on, and their logits and values come back as 'held' and 'held_values', attached to their
     graphs, for the update's first micro-batch: one policy and one critic forward fewer a step
-    (about 1.1 s each of a 15 s demo step capped to AVX2, issue 33). The numbers are those of the
+    (the critic's hold with the shared-prefix prefill: the demo's PPO stage 1.9% faster back to back
+    capped to AVX2, issue 33). The numbers are those of the
     forwards the update would run, so its ratio is still exactly 1. Both graphs stay alive from
     here to that micro-batch's backward: the joint pass's memory for the first micro-batch."""
     device = next(model.parameters()).device
@@ -168,10 +169,9 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
     `separate` gives the policy and the critic a forward and backward each, so only one model's
     activations are alive at a time (about half the peak memory of the joint pass, the same
     gradients: the two models share no parameters). The joint pass is for wrapped engines (DDP,
-    DeepSpeed, FSDP), which expect one forward per backward over the whole module.
-    `held` / `held_values`: this micro-batch's policy logits / critic values from the scoring pass,
-    still attached to their graphs (`Experience.held_logits`, `held_values`), used in place of that
-    model's forward (`separate` only).
+    DeepSpeed, FSDP), which expect one forward per backward over the whole module. `held` /
+    `held_values`: the scoring pass's policy logits / critic values, still attached to their
+    graphs (`Experience`), used in place of that model's forward (`separate` only).
 
     Returns the micro-batch's statistics (`ratio_dev`: max |ratio - 1| over its response tokens).
     """
