@@ -168,7 +168,8 @@ class GRPOStage(PolicyStage):
             weights[rw.func_name(spec)] = weight
         if self.reward_path is not None:
             device = self.accelerator.device
-            scores = [self.inner.reward_scores(rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)).float().cpu()
+            scores = [self.inner.reward_scores(rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device),
+                                                 rollout.prompt_width).float().cpu()
                       for rows in chunks(len(completions), self.cfg.train.batch_size)]
             parts["rm"], weights["rm"] = torch.cat(scores), cfg.reward_model.weight
         if g.overlong_buffer:

@@ -73,7 +73,7 @@ def test_rm_and_ppo_read_the_reward_at_the_same_token(tmp_path, tiny_reward_dir,
     reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_reward_dir).eval()
     with torch.no_grad():
         rm_score = sequence_scores(reward_model, batch["input_ids"], batch["attention_mask"])[0]
-        ppo_score = ActorCritic(torch.nn.Identity(), reward_model).reward_scores(rollout.input_ids, rollout.attention_mask)[0]
+        ppo_score = ActorCritic(torch.nn.Identity(), reward_model).reward_scores(rollout.input_ids, rollout.attention_mask, rollout.prompt_width)[0]
     torch.testing.assert_close(ppo_score, rm_score, rtol=0, atol=1e-5)
 
 

@@ -163,14 +163,14 @@ def test_reference_and_reward_weights_unchanged(tmp_path, tiny_model_dir, tiny_r
     trained_before = {n: p.detach().clone() for n, p in s.inner.named_parameters() if p.requires_grad}
     probe = assemble([s.train_samples[0]["prompt_ids"]], [[11, 12, 13, EOS]], PAD, [EOS])
     ref_before = s.inner.reference_logprobs(probe.input_ids, probe.attention_mask, probe.prompt_width, 1.0)
-    rm_before = s.inner.reward_scores(probe.input_ids, probe.attention_mask)
+    rm_before = s.inner.reward_scores(probe.input_ids, probe.attention_mask, probe.prompt_width)
     for _ in range(2):
         s.train_step()
     assert all(torch.equal(before[n], p) for n, p in frozen.items())
     changed = [n for n, p in s.inner.named_parameters() if p.requires_grad and not torch.equal(trained_before[n], p)]
     assert changed  # negative control: the trainable weights did move
     assert torch.equal(s.inner.reference_logprobs(probe.input_ids, probe.attention_mask, probe.prompt_width, 1.0), ref_before)
-    assert torch.equal(s.inner.reward_scores(probe.input_ids, probe.attention_mask), rm_before)
+    assert torch.equal(s.inner.reward_scores(probe.input_ids, probe.attention_mask, probe.prompt_width), rm_before)
 
 
 def test_separate_passes_give_the_joint_gradients(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file):
@@ -270,6 +270,23 @@ def test_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, tiny_reward_di
     assert summary["steps"] == 3 and summary["reward_first"] == unbroken[1][0]["ppo/reward_raw"]
 
 
+class BatchForwards(list):
+    """The forwards of a model's first decoder layer over a batch's rows (not the one-row forward of
+    a shared prompt opening, pipeline.modeling.opening), one entry each."""
+
+    def __call__(self, module, args, kwargs, output):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[0] > 1:
+            self.append(hidden.shape)
+
+
+def batch_forwards(model) -> BatchForwards:
+    calls = BatchForwards()
+    first_block = next(m for name, m in model.named_modules() if name.endswith("layers.0"))
+    first_block.register_forward_hook(calls, with_kwargs=True)
+    return calls
+
+
 def test_evaluation_scores_reward_and_kl_without_the_critic(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file):
     """eval/reward and eval/kl need the policy, the reference and the reward model; the critic's
     values are for the update only, so an evaluation skips its forward (issue 33). The reward
@@ -279,9 +296,7 @@ def test_evaluation_scores_reward_and_kl_without_the_critic(tmp_path, tiny_model
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=1)
     cfg.data.eval, cfg.train.eval_steps = [str(prompts_file)], 1
     stage = built(cfg)
-    calls = []
-    first_block = next(m for name, m in stage.inner.critic.named_modules() if name.endswith("layers.0"))
-    first_block.register_forward_hook(lambda *_: calls.append(1))
+    calls = batch_forwards(stage.inner.critic)
     figures = stage.evaluate()
     assert len(calls) == 2 and set(figures) == {"eval/reward", "eval/kl"}  # 8 prompts, batches of 4
     rollout = stage.rollout([stage.eval_samples[i] for i in range(4)])
@@ -299,9 +314,7 @@ def test_a_held_step_runs_the_critic_backbone_three_times_not_four(tmp_path, tin
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=1)
     cfg.ppo.epochs = 2
     stage = built(cfg)
-    calls = []
-    first_block = next(m for name, m in stage.inner.critic.named_modules() if name.endswith("layers.0"))
-    first_block.register_forward_hook(lambda *_: calls.append(1))
+    calls = batch_forwards(stage.inner.critic)
     figures = stage.train_step()
     assert len(calls) == 3 and figures["ppo/ratio_dev_first"] == 0.0
     assert stage.last_experience.held_values is None and stage.last_experience.held_logits is None  # used, released

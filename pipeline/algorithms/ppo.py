@@ -104,7 +104,7 @@ def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperatu
             if value is not None:
                 out["values"].append(value.float().cpu())
             out["ref"].append(model.reference_logprobs(ids, mask, P, temperature).cpu())
-            out["rm"].append(model.reward_scores(ids, mask).float().cpu())
+            out["rm"].append(model.reward_scores(ids, mask, P).float().cpu())
     scored = {k: torch.cat(v) for k, v in out.items()}
     if held is not None:
         scored["held"], scored["held_values"] = held, held_values

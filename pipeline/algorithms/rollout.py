@@ -24,7 +24,8 @@ from pipeline.algorithms.rl import logprobs_from_logits
 from pipeline.config.policy import GENERATION_BACKENDS
 from pipeline.modeling.decode import generate as decode_generate
 from pipeline.modeling.models import adapter_disabled
-from pipeline.modeling.scoring import reward_readout_index, position_ids_from_mask, token_scores
+from pipeline.modeling.opening import find_opening, opening_logits, prompt_sharing_allowed, response_scores
+from pipeline.modeling.scoring import reward_readout_index, position_ids_from_mask
 
 log = logging.getLogger("relay.rollout")
 
@@ -260,11 +261,15 @@ def policy_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
 
     `logits_to_keep` makes the LM head skip the prompt positions: with a 49k vocabulary the
     head's [B, T, V] output is most of a small model's compute and memory. Rows that share their
-    prompt (GRPO's groups) run it once (`shared_prompt_logits`).
+    prompt (GRPO's groups) run it once (`shared_prompt_logits`); rows whose prompts open alike
+    (a chat template's system turn) run that opening once (pipeline.modeling.opening).
     """
     groups = prompt_groups(input_ids, attention_mask, prompt_width)
     if groups is not None and prompt_sharing_allowed(model):
         return shared_prompt_logits(model, input_ids, attention_mask, prompt_width, *groups)
+    opening = find_opening(model, input_ids, attention_mask, prompt_width)
+    if opening is not None:
+        return opening_logits(model, opening, prompt_width)
     keep = input_ids.shape[1] - prompt_width + 1
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), logits_to_keep=keep)
     return out.logits[:, :-1]
@@ -281,17 +286,6 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_
     first = torch.full((unique.shape[0],), rows, dtype=torch.long, device=input_ids.device)
     first = first.scatter_reduce(0, inverse, torch.arange(rows, device=input_ids.device), reduce="amin")
     return first, inverse
-
-
-def prompt_sharing_allowed(model: torch.nn.Module) -> bool:
-    """A forward that keeps a KV cache: not under gradient checkpointing with gradients on
-    (transformers drops the cache there, since the backward replays each layer)."""
-    from pipeline.modeling.decode import hf_model
-
-    hf = hf_model(model)
-    checkpointing = getattr(hf, "is_activation_checkpointing", None)  # transformers >= 5.2x; the old name warns
-    checkpointing = checkpointing if checkpointing is not None else getattr(hf, "is_gradient_checkpointing", False)
-    return not (checkpointing and model.training and torch.is_grad_enabled())
 
 
 def shared_prompt_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
@@ -342,7 +336,7 @@ class ActorCritic(torch.nn.Module):
         `policy=False` / `critic=False` skips that model (its result is None).
         """
         logits = policy_logits(self.policy, input_ids, attention_mask, prompt_width) if policy else None
-        values = token_scores(self.critic, input_ids, attention_mask)[:, prompt_width - 1 : -1] if critic else None
+        values = response_scores(self.critic, input_ids, attention_mask, prompt_width)[:, :-1] if critic else None
         return logits, values
 
     @torch.no_grad()
@@ -356,13 +350,21 @@ class ActorCritic(torch.nn.Module):
         return logprobs_from_logits(logits, input_ids[:, prompt_width:])
 
     @torch.no_grad()
-    def reward_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The reward model's score of each whole sequence ([B]), read at its last real token."""
+    def reward_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
+        """The reward model's score of each whole sequence ([B]), read at its last real token (a
+        response's: `prompt_width` columns of prompt come first).
+
+        Raises:
+            ValueError: a row ends inside its prompt (an empty response).
+        """
         model = self.reward if self.reward is not None else self.critic
         ctx = contextlib.nullcontext() if self.reward is not None else adapter_disabled(self.critic)
+        at = reward_readout_index(attention_mask) - (prompt_width - 1)
+        if (at < 1).any():
+            raise ValueError("reward_scores: a row has no response token to read its reward at")
         with ctx:
-            scores = token_scores(model, input_ids, attention_mask)
-        return scores[torch.arange(scores.shape[0]), reward_readout_index(attention_mask)]
+            scores = response_scores(model, input_ids, attention_mask, prompt_width)
+        return scores[torch.arange(scores.shape[0]), at]
 
 
 def chunks(n: int, size: int) -> list[slice]:

@@ -1,0 +1,110 @@
+"""Scoring forwards that run a batch's shared opening once.
+
+The rows of an RL batch are [left-padded prompt | response], and chat prompts open with the same
+tokens: the template's system turn and the user turn's header (24 of the demo's ~40-token PPO
+prompts under SmolLM2's template). `find_opening` moves each row's padding after that opening
+([opening | padding | own prompt | response]); positions count real tokens and the mask hides the
+padding wherever it sits, so every row computes what it computed before. The opening then runs
+on one row; a KV cache copied to every row (`index_select`, whose backward sums the rows'
+gradients into that one computation) carries it, and the rest of each row runs on that cache.
+The same math as the whole rows, in another summation order (~1e-6 in fp32), with or without
+gradients. What changes: LoRA dropout in the opening is drawn once for the batch instead of per
+row, as GRPO's shared prompts already are (pipeline.algorithms.rollout.shared_prompt_logits).
+
+The response columns keep their place (the relayout moves prompt columns only), so the callers'
+slices of logits and scores are unchanged. The decode engine lays out its prompts the same way
+(pipeline.modeling.decode.prompt_layout); this is its counterpart for the scoring and update
+forwards (issue 33: PPO's forwards at the demo's shapes, capped to AVX2: 10-25% less time each).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from data_formats.collate import common_prefix
+from pipeline.modeling.decode import SHARED_PREFIX_MIN, cache_keyword, hf_model
+from pipeline.modeling.scoring import classifier_parts, position_ids_from_mask
+
+
+class Opening(NamedTuple):
+    """A batch relaid so that its rows' shared opening fills the first `shared` columns."""
+
+    shared: int
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+def prompt_sharing_allowed(model: torch.nn.Module) -> bool:
+    """A forward that keeps a KV cache: not under gradient checkpointing with gradients on
+    (transformers drops the cache there, since the backward replays each layer)."""
+    hf = hf_model(model)
+    checkpointing = getattr(hf, "is_activation_checkpointing", None)  # transformers >= 5.2x; the old name warns
+    checkpointing = checkpointing if checkpointing is not None else getattr(hf, "is_gradient_checkpointing", False)
+    return not (checkpointing and model.training and torch.is_grad_enabled())
+
+
+def find_opening(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> Optional[Opening]:
+    """The batch relaid [opening | padding | own prompt | response] when its rows' prompts (the
+    left-padded first `prompt_width` columns) all open with the same >= SHARED_PREFIX_MIN tokens,
+    each keeping at least one token of its own; None when they do not, when there is one row, when
+    the prompt block is not left-padded, or when the model's attention or gradient checkpointing
+    cannot take a cache with padding inside (only sdpa and eager take any mask)."""
+    rows, P = input_ids.shape[0], prompt_width
+    if rows < 2 or hf_model(model).config._attn_implementation not in ("sdpa", "eager") or not prompt_sharing_allowed(model):
+        return None
+    block = attention_mask[:, :P].long()
+    starts = P - block.sum(1)
+    cols = torch.arange(P, device=input_ids.device)
+    if not torch.equal(block, (cols[None] >= starts[:, None]).long()):
+        return None
+    shared = common_prefix([row[s:].tolist() for row, s in zip(input_ids[:, :P].cpu(), starts.tolist())])
+    if shared < SHARED_PREFIX_MIN:
+        return None
+    c, s = cols[None].expand(rows, P), starts[:, None]
+    # a relaid column: the opening (from after the padding), then the padding, then the rest in place
+    order = torch.where(c < shared, c + s, torch.where(c < shared + s, c - shared, c))
+    relaid = lambda t: torch.cat([t[:, :P].gather(1, order), t[:, P:]], 1)  # noqa: E731
+    return Opening(shared, relaid(input_ids), relaid(attention_mask))
+
+
+def opening_cache(call, forward: torch.nn.Module, opening: Opening, config):
+    """A KV cache holding the opening, run once by `call(**inputs)` on the first row, for every row.
+    `forward` is the module whose signature names the cache keyword."""
+    from transformers import DynamicCache
+
+    n = opening.shared
+    cache = DynamicCache(config=config)
+    positions = position_ids_from_mask(opening.attention_mask[:1, :n])
+    call(input_ids=opening.input_ids[:1, :n], attention_mask=opening.attention_mask[:1, :n], position_ids=positions,
+         use_cache=True, **{cache_keyword(forward): cache})
+    cache.reorder_cache(torch.zeros(opening.input_ids.shape[0], dtype=torch.long, device=opening.input_ids.device))
+    return cache
+
+
+def opening_logits(model: torch.nn.Module, opening: Opening, prompt_width: int) -> torch.Tensor:
+    """A causal LM's logits predicting each response token ([B, R, V], as
+    pipeline.algorithms.rollout.policy_logits), the opening run once."""
+    n, T = opening.shared, opening.input_ids.shape[1]
+    cache = opening_cache(lambda **kw: model(**kw, logits_to_keep=1), model, opening, hf_model(model).config)
+    mask = opening.attention_mask[:, : T - 1]
+    return model(input_ids=opening.input_ids[:, n : T - 1], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, n:],
+                 use_cache=True, logits_to_keep=T - prompt_width, **{cache_keyword(model): cache}).logits
+
+
+def response_scores(classifier: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    """The score head at the last prompt column and every response column ([B, T - P + 1], fp32):
+    `token_scores(...)[:, P - 1:]`, the batch's shared opening run once when it has one."""
+    opening = find_opening(classifier, input_ids, attention_mask, prompt_width)
+    backbone, head = classifier_parts(classifier)
+    if opening is None:
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids_from_mask(attention_mask)).last_hidden_state[:, prompt_width - 1:]
+    else:
+        n = opening.shared
+        cache = opening_cache(backbone, backbone, opening, hf_model(classifier).config)
+        mask = opening.attention_mask
+        hidden = backbone(input_ids=opening.input_ids[:, n:], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, n:],
+                          use_cache=True, **{cache_keyword(backbone): cache}).last_hidden_state[:, prompt_width - 1 - n:]
+    return head(hidden).squeeze(-1).float()

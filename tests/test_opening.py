@@ -1,0 +1,127 @@
+"""A batch's shared prompt opening, run once in the scoring and update forwards
+(pipeline/modeling/opening.py): the relayout, and every row's logits, values, reward scores and
+LoRA gradients against each row run alone, unpadded."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tinymodels import make_tiny_model
+
+OPENING = [5, 9, 17, 30, 41, 8, 22, 13, 6, 19, 27, 33, 12, 44, 3, 16, 25, 38, 21, 10]  # 20 tokens, >= SHARED_PREFIX_MIN
+PROMPTS = [OPENING + [7, 7, 20], OPENING + [11], OPENING + [34, 18, 29, 40, 15], OPENING + [26, 31]]
+RESPONSES = [[3, 4, 5], [6, 2], [8, 9, 10, 11], [4]]
+
+
+def lora(model, seed: int):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    torch.manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.1)
+    return model.train()
+
+
+def shapes_into(model) -> list:
+    """The [B, T] of every input the embedding layer sees."""
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda _m, args, _o: seen.append(tuple(args[0].shape)))
+    return seen
+
+
+def rollout():
+    from pipeline.algorithms.rollout import assemble
+
+    return assemble(PROMPTS, RESPONSES, pad_id=0, eos_ids=[2])
+
+
+def flat_grad(loss, model) -> torch.Tensor:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+
+
+def test_find_opening_moves_each_rows_padding_after_the_shared_opening(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from data_formats.collate import shared_first_pad
+    from pipeline.modeling.opening import find_opening
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "tiny", seed=0, vocab_size=48), dtype=torch.float32)
+    r = rollout()
+    P = r.prompt_width
+    opening = find_opening(model, r.input_ids, r.attention_mask, P)
+    assert opening.shared == len(OPENING)
+    ids, mask = shared_first_pad(PROMPTS, 0, len(OPENING))
+    assert torch.equal(opening.input_ids[:, :P], ids) and torch.equal(opening.attention_mask[:, :P], mask)
+    assert torch.equal(opening.input_ids[:, P:], r.input_ids[:, P:]) and torch.equal(opening.attention_mask[:, P:], r.attention_mask[:, P:])
+    assert find_opening(model, r.input_ids[:1], r.attention_mask[:1], P) is None  # one row
+    holed = r.attention_mask.clone()
+    holed[0, P - 2] = 0
+    assert find_opening(model, r.input_ids, holed, P) is None  # not left-padded: nothing is moved
+    short = [p[len(OPENING) - 10:] for p in PROMPTS]  # 10 shared tokens
+    from pipeline.algorithms.rollout import assemble
+
+    s = assemble(short, RESPONSES, pad_id=0, eos_ids=[2])
+    assert find_opening(model, s.input_ids, s.attention_mask, s.prompt_width) is None
+    flash = torch.nn.Module()
+    flash.config = SimpleNamespace(_attn_implementation="flash_attention_2")
+    assert find_opening(flash, r.input_ids, r.attention_mask, P) is None
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_policy_logits_run_the_opening_once_as_each_row_alone(tmp_path, attn):
+    """The opening runs on one row, the rest of the rows on its cache; each row's response logits
+    and the batch's LoRA gradients equal those of the rows run one by one without padding."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.algorithms.rollout import policy_logits
+
+    folder = make_tiny_model(tmp_path / "tiny", seed=3, initializer_range=0.3, vocab_size=48)
+    model = lora(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn), seed=0)
+    r = rollout()
+    P, T = r.prompt_width, r.input_ids.shape[1]
+    seen = shapes_into(model)
+    logits = policy_logits(model, r.input_ids, r.attention_mask, P)
+    assert seen == [(1, len(OPENING)), (4, T - 1 - len(OPENING))]
+    target = lambda out, row: out.log_softmax(-1)[torch.arange(len(RESPONSES[row])), RESPONSES[row]].sum()  # noqa: E731
+    got_grad = flat_grad(sum(target(logits[row, : len(RESPONSES[row])], row) for row in range(4)), model)
+    want_grad = 0
+    for row, (prompt, response) in enumerate(zip(PROMPTS, RESPONSES)):
+        alone = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        torch.testing.assert_close(logits[row, : len(response)].detach(), alone.detach(), atol=1e-5 * float(alone.abs().max()), rtol=0)
+        want_grad = want_grad + flat_grad(target(alone, row), model)
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-5 * float(want_grad.abs().max()), rtol=0)
+
+
+def test_critic_values_and_reward_scores_run_the_opening_once_as_each_row_alone(tmp_path, tiny_reward_dir):
+    """PPO's critic (LoRA on the reward backbone) and the reward read at the last token, through
+    the opening: each row's values at its last prompt token and its response tokens, its reward and
+    the critic's LoRA gradients equal those of the row run alone."""
+    from transformers import AutoModelForSequenceClassification
+
+    from pipeline.algorithms.rollout import ActorCritic
+    from pipeline.modeling.scoring import token_scores
+
+    critic = lora(AutoModelForSequenceClassification.from_pretrained(tiny_reward_dir, dtype=torch.float32), seed=1)
+    pair = ActorCritic(torch.nn.Identity(), critic)
+    r = rollout()
+    P = r.prompt_width
+    seen = shapes_into(critic)
+    _, values = pair(r.input_ids, r.attention_mask, P, policy=False)
+    assert seen[0] == (1, len(OPENING)) and seen[1][0] == 4
+    with torch.no_grad():
+        rewards = pair.reward_scores(r.input_ids, r.attention_mask, P)
+    got_grad = flat_grad(sum(values[row, : len(RESPONSES[row])].sum() for row in range(4)), critic)
+    want_grad = 0
+    for row, (prompt, response) in enumerate(zip(PROMPTS, RESPONSES)):
+        ids = torch.tensor([prompt + response])
+        alone = token_scores(critic, ids, torch.ones_like(ids))[0]
+        torch.testing.assert_close(values[row, : len(response)].detach(), alone[len(prompt) - 1 : -1].detach(), atol=1e-5, rtol=0)
+        with torch.no_grad(), critic.disable_adapter():
+            reward = token_scores(critic, ids, torch.ones_like(ids))[0, -1]
+        torch.testing.assert_close(rewards[row], reward, atol=1e-5, rtol=0)
+        want_grad = want_grad + flat_grad(alone[len(prompt) - 1 : -1].sum(), critic)
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-5 * float(want_grad.abs().max()), rtol=0)
