@@ -125,3 +125,37 @@ def test_critic_values_and_reward_scores_run_the_opening_once_as_each_row_alone(
         torch.testing.assert_close(rewards[row], reward, atol=1e-5, rtol=0)
         want_grad = want_grad + flat_grad(alone[len(prompt) - 1 : -1].sum(), critic)
     torch.testing.assert_close(got_grad, want_grad, atol=1e-5 * float(want_grad.abs().max()), rtol=0)
+
+
+def test_reward_pairs_run_their_opening_once_as_each_sequence_alone(tiny_reward_dir):
+    """The RM's right-padded pairs, in one process: the opening once, then each row on its cache;
+    the scores and the LoRA gradients of the pairwise loss equal those of each sequence scored
+    alone by the classifier's own forward. Under a wrapping engine the classifier's forward runs."""
+    import contextlib
+
+    from accelerate.utils import DistributedType
+    from transformers import AutoModelForSequenceClassification
+
+    from data_formats.collate import PairCollator
+    from pipeline.algorithms.pairwise import pair_scores, pairwise_loss
+    from pipeline.modeling.scoring import sequence_scores
+
+    model = lora(AutoModelForSequenceClassification.from_pretrained(tiny_reward_dir, dtype=torch.float32), seed=2)
+    model.config.pad_token_id = 0
+    pairs = [{"chosen_input_ids": PROMPTS[0] + RESPONSES[0] + [2], "rejected_input_ids": PROMPTS[0] + RESPONSES[1] + [2]},
+             {"chosen_input_ids": PROMPTS[2] + RESPONSES[2] + [2], "rejected_input_ids": PROMPTS[2] + [2]}]
+    batch = PairCollator(0)(pairs)
+    T = batch["input_ids"].shape[1]
+    seen = shapes_into(model)
+    chosen, rejected = pair_scores(model, batch, None)
+    assert seen == [(1, len(OPENING)), (4, T - len(OPENING))]
+    got_grad = flat_grad(pairwise_loss(chosen, rejected), model)
+    alone = [sequence_scores(model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long))[0]
+             for seq in [p["chosen_input_ids"] for p in pairs] + [p["rejected_input_ids"] for p in pairs]]
+    torch.testing.assert_close(torch.cat([chosen, rejected]).detach(), torch.stack(alone).detach(), atol=1e-5, rtol=0)
+    want_grad = flat_grad(pairwise_loss(torch.stack(alone[:2]), torch.stack(alone[2:])), model)
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-5 * float(want_grad.abs().max()), rtol=0)
+    seen.clear()
+    wrapped = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, autocast=contextlib.nullcontext)
+    pair_scores(model, batch, wrapped)
+    assert seen == [(4, T)]

@@ -15,6 +15,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from accelerate.utils import DistributedType
+
+from pipeline.engine.fsdp import is_sharded
+from pipeline.modeling.opening import opening_sequence_scores
 from pipeline.modeling.scoring import sequence_scores
 
 REWARD_STATS_KEY = "relay_reward_stats"
@@ -32,10 +36,15 @@ def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: Optional
 
 
 def pair_scores(model, batch: dict, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) scores of a PairCollator batch."""
+    """(chosen, rejected) scores of a PairCollator batch. In one process the rows' shared opening
+    (their chat template's system turn and the user turn's header) runs once
+    (pipeline.modeling.opening); a model an engine wraps (DDP, FSDP, DeepSpeed) runs its own forward."""
     autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+    alone = accelerator is None or (accelerator.distributed_type == DistributedType.NO and not is_sharded(model))
     with autocast:
-        scores = sequence_scores(model, batch["input_ids"], batch["attention_mask"])
+        scores = opening_sequence_scores(model, batch["input_ids"], batch["attention_mask"]) if alone else None
+        if scores is None:
+            scores = sequence_scores(model, batch["input_ids"], batch["attention_mask"])
     half = scores.shape[0] // 2
     return scores[:half], scores[half:]
 

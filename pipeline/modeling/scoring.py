@@ -34,22 +34,30 @@ def reward_readout_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return width - 1 - attention_mask.flip(1).long().argmax(1)
 
 
+def check_pooling(config, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    """Check that HF's pooling (the rightmost token that is not `config.pad_token_id`) lands on
+    Relay's read-out; nothing to check without a config (a wrapper that hides it).
+
+    Raises:
+        ValueError: no pad_token_id, or HF would pool at another token.
+    """
+    pad = getattr(config, "pad_token_id", 0) if config is not None else None
+    if config is not None and pad is None:
+        raise ValueError("the reward model's config.pad_token_id is None: its last token cannot be found")
+    if pad is not None:
+        pooled = (torch.arange(input_ids.shape[1], device=input_ids.device) * (input_ids != pad)).argmax(-1)
+        if not torch.equal(pooled, reward_readout_index(attention_mask).to(pooled.device)):
+            raise ValueError("sequence_scores: the classifier would pool at another token than the reward read-out "
+                             "(a sequence ends with the pad id, or the batch is not padded with it)")
+
+
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """[B] scores from the classifier's forward (pooled at the last non-pad token), in fp32.
 
     Raises:
         ValueError: the model's config has no pad_token_id (HF could not find the last token).
     """
-    config = getattr(model, "config", None)
-    pad = getattr(config, "pad_token_id", 0) if config is not None else None
-    if config is not None and pad is None:
-        raise ValueError("the reward model's config.pad_token_id is None: its last token cannot be found")
-    if pad is not None:
-        # HF pools at the rightmost token that is not the pad id; it must be Relay's read-out.
-        pooled = (torch.arange(input_ids.shape[1], device=input_ids.device) * (input_ids != pad)).argmax(-1)
-        if not torch.equal(pooled, reward_readout_index(attention_mask).to(pooled.device)):
-            raise ValueError("sequence_scores: the classifier would pool at another token than the reward read-out "
-                             "(a sequence ends with the pad id, or the batch is not padded with it)")
+    check_pooling(getattr(model, "config", None), input_ids, attention_mask)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask))
     return out.logits[:, 0].float()
 
