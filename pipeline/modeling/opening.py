@@ -29,6 +29,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from data_formats.collate import common_prefix
+from pipeline.engine.fsdp import is_sharded
 from pipeline.modeling.decode import SHARED_PREFIX_MIN, cache_keyword, hf_model
 from pipeline.modeling.scoring import check_pooling, classifier_parts, position_ids_from_mask, reward_readout_index
 
@@ -42,8 +43,12 @@ class Opening(NamedTuple):
 
 
 def prompt_sharing_allowed(model: torch.nn.Module) -> bool:
-    """A forward that keeps a KV cache: not under gradient checkpointing with gradients on
-    (transformers drops the cache there, since the backward replays each layer)."""
+    """A forward that keeps a KV cache and runs twice before its backward: not under gradient
+    checkpointing with gradients on (transformers drops the cache there, since the backward
+    replays each layer), nor on weights an engine holds in shards (FSDP2's DTensors, ZeRO-3's
+    partitions: they are gathered for one forward and freed after it)."""
+    if is_sharded(model) or hasattr(next(model.parameters(), None), "ds_id"):
+        return False
     hf = hf_model(model)
     checkpointing = getattr(hf, "is_activation_checkpointing", None)  # transformers >= 5.2x; the old name warns
     checkpointing = checkpointing if checkpointing is not None else getattr(hf, "is_gradient_checkpointing", False)
