@@ -247,3 +247,31 @@ def test_embedded_model_merge_is_exact_and_stays_tied(embedded_path, tmp_path):
     assert manifest["merge_check"]["merge_max_abs_diff"] < 1e-3 and manifest["merge_check"]["reload_max_abs_diff"] < 1e-3
     assert manifest["parent_hash"] == weights_hash(embedded_path)
     assert check_parent_compatible(embedded_path, out) == []
+
+
+def test_a_stage_merges_with_its_own_tokenizer_and_writes_what_a_reload_writes(tiny_model_dir, tmp_path, monkeypatch):
+    """A LoRA stage hands its tokenizer (the one it saved beside the adapter) to the merge instead
+    of the merge reading it back: no tokenizer load in the export, and merged/'s tokenizer files and
+    weights are byte for byte those of `merge_adapter` reading the adapter folder's tokenizer (the
+    `relay merge` path)."""
+    import filecmp
+
+    from test_pt_sft import run_sft, sft_args, write_sft
+
+    from pipeline.modeling import merge
+
+    train, valid = write_sft(tmp_path / "data", 4, 2)
+    loads = []
+    original = merge._load_tokenizer_for_merge
+    monkeypatch.setattr(merge, "_load_tokenizer_for_merge", lambda *a, **k: loads.append(a) or original(*a, **k))
+    stage = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "out", "--train.max_steps", "1"))
+    assert loads == []
+    out = tmp_path / "out"
+    again = merge_adapter(str(tiny_model_dir), str(out / "adapter"), str(tmp_path / "again"), kind="causal", stage="sft",
+                          chat_template=stage.chat_template)
+    assert len(loads) == 1
+    names = sorted(p.name for p in (out / "merged").iterdir() if p.name != "manifest.json")
+    assert names == sorted(p.name for p in again.iterdir() if p.name != "manifest.json")
+    assert "tokenizer.json" in names and "model.safetensors" in names
+    _, mismatch, errors = filecmp.cmpfiles(out / "merged", again, names, shallow=False)
+    assert mismatch == [] and errors == []

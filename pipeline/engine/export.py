@@ -75,6 +75,6 @@ def _merge(stage, out: Path, full: bool, merged: Optional[Path], common: dict) -
     stage.model, stage.optimizer, stage.scheduler = acc.free_memory(stage.model, stage.optimizer, stage.scheduler)
     if acc.is_main_process and not full:
         merged = merge_adapter(stage.model_path, str(out / "adapter"), str(out / "merged"), kind=stage.model_kind,
-                               allow_pickle=cfg.model.allow_pickle, **common)
+                               allow_pickle=cfg.model.allow_pickle, tokenizer=stage.tokenizer, **common)
     acc.wait_for_everyone()
     return merged

@@ -240,8 +240,12 @@ def merge_adapter(
     verify: bool = True,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    tokenizer=None,
 ) -> Path:
     """Merge the LoRA adapter in `adapter` into `base`; write the full model to `out`; return `out`.
+
+    `tokenizer`: the one the adapter was trained with (a stage passes its own, the one it saved
+    beside the adapter: no second load); None reads the adapter folder's, else the base's.
 
     The base loads in fp32 (a QLoRA adapter's 4-bit base is thus dequantised first, see the module
     docstring). `chat_template`, when given, becomes the merged tokenizer's template. With
@@ -262,7 +266,8 @@ def merge_adapter(
     out_path = check_out_dir(out, overwrite)
     _check_task_type(adapter, kind)
     base = resolve_model_path(base)
-    tokenizer = _load_tokenizer_for_merge(base, adapter, trust_remote_code)
+    if tokenizer is None:
+        tokenizer = _load_tokenizer_for_merge(base, adapter, trust_remote_code)
     model, info = _load_plain(base, kind, trust_remote_code, allow_pickle)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
