@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole pipeline on the embedded model and the sample data, on CPU (about 7 minutes on 2 AVX-512 cores; 10.4-10.6 from a fresh clone capped to AVX2, install included;
+# The whole pipeline on the embedded model and the sample data, on CPU (about 6 minutes on 2 AVX-512 cores; 9.1-9.3 from a fresh clone capped to AVX2, install included;
 # measure another CPU kind with: .venv/bin/python bench/isa.py avx2 -- bash run_scripts/demo.sh):
 #   bash run_scripts/demo.sh [--dotted.key value ...]
 #

@@ -45,8 +45,8 @@ class Opening(NamedTuple):
 def prompt_sharing_allowed(model: torch.nn.Module) -> bool:
     """A forward that keeps a KV cache and runs twice before its backward: not under gradient
     checkpointing with gradients on (transformers drops the cache there, since the backward
-    replays each layer), nor on weights an engine holds in shards (FSDP2's DTensors, ZeRO-3's
-    partitions: they are gathered for one forward and freed after it)."""
+    replays each layer), nor on weights an engine holds in shards (FSDP2, ZeRO-3: they are
+    gathered for one forward and freed after it)."""
     if is_sharded(model) or hasattr(next(model.parameters(), None), "ds_id"):
         return False
     hf = hf_model(model)
@@ -55,14 +55,19 @@ def prompt_sharing_allowed(model: torch.nn.Module) -> bool:
     return not (checkpointing and model.training and torch.is_grad_enabled())
 
 
+def cache_usable(model: torch.nn.Module, rows: int) -> bool:
+    """Whether `model` can run an opening once for `rows` rows: several rows, an attention that takes
+    any mask (sdpa, eager; not flash attention's packed sequences) and `prompt_sharing_allowed`."""
+    return rows > 1 and hf_model(model).config._attn_implementation in ("sdpa", "eager") and prompt_sharing_allowed(model)
+
+
 def find_opening(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> Optional[Opening]:
     """The batch relaid [opening | padding | own prompt | response] when its rows' prompts (the
     left-padded first `prompt_width` columns) all open with the same >= SHARED_PREFIX_MIN tokens,
-    each keeping at least one token of its own; None when they do not, when there is one row, when
-    the prompt block is not left-padded, or when the model's attention or gradient checkpointing
-    cannot take a cache with padding inside (only sdpa and eager take any mask)."""
+    each keeping at least one token of its own; None when they do not, when the prompt block is not
+    left-padded, or when the model cannot take the cache (`cache_usable`)."""
     rows, P = input_ids.shape[0], prompt_width
-    if rows < 2 or hf_model(model).config._attn_implementation not in ("sdpa", "eager") or not prompt_sharing_allowed(model):
+    if not cache_usable(model, rows):
         return None
     block = attention_mask[:, :P].long()
     starts = P - block.sum(1)
@@ -82,9 +87,8 @@ def find_opening(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
 def leading_opening(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Optional[Opening]:
     """The batch as it is when its rows start in the same >= SHARED_PREFIX_MIN attended tokens, each
     keeping at least one of its own after them (right-padded sequences of one chat template, as the
-    RM's pairs); None otherwise, or when the model cannot take the cache (`find_opening`)."""
-    rows = input_ids.shape[0]
-    if rows < 2 or hf_model(model).config._attn_implementation not in ("sdpa", "eager") or not prompt_sharing_allowed(model):
+    RM's pairs); None otherwise, or when the model cannot take the cache (`cache_usable`)."""
+    if not cache_usable(model, input_ids.shape[0]):
         return None
     lengths = attention_mask.long().sum(1)
     if int(lengths.min()) <= SHARED_PREFIX_MIN or not bool(attention_mask[:, :SHARED_PREFIX_MIN].all()):
