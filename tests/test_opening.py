@@ -125,6 +125,10 @@ def test_critic_values_and_reward_scores_run_the_opening_once_as_each_row_alone(
         torch.testing.assert_close(rewards[row], reward, atol=1e-5, rtol=0)
         want_grad = want_grad + flat_grad(alone[len(prompt) - 1 : -1].sum(), critic)
     torch.testing.assert_close(got_grad, want_grad, atol=1e-5 * float(want_grad.abs().max()), rtol=0)
+    empty = r.attention_mask.clone()
+    empty[1, P:] = 0  # row 1 attends to its prompt only
+    with pytest.raises(ValueError, match="no response token"):
+        pair.reward_scores(r.input_ids, empty, P)
 
 
 def test_reward_pairs_run_their_opening_once_as_each_sequence_alone(tiny_reward_dir):
@@ -159,3 +163,8 @@ def test_reward_pairs_run_their_opening_once_as_each_sequence_alone(tiny_reward_
     wrapped = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, autocast=contextlib.nullcontext)
     pair_scores(model, batch, wrapped)
     assert seen == [(4, T)]
+    seen.clear()
+    apart = PairCollator(0)([{**pairs[0], "rejected_input_ids": [1] + pairs[0]["rejected_input_ids"]}])  # openings differ
+    chosen, rejected = pair_scores(model, apart, None)
+    assert seen == [(2, apart["input_ids"].shape[1])]  # the classifier's own forward
+    torch.testing.assert_close(chosen[0].detach(), alone[0].detach(), atol=1e-5, rtol=0)

@@ -15,9 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from accelerate.utils import DistributedType
-
-from pipeline.engine.fsdp import is_sharded
+from pipeline.engine.fsdp import runs_unwrapped
 from pipeline.modeling.opening import opening_sequence_scores
 from pipeline.modeling.scoring import sequence_scores
 
@@ -40,9 +38,8 @@ def pair_scores(model, batch: dict, accelerator) -> tuple[torch.Tensor, torch.Te
     (their chat template's system turn and the user turn's header) runs once
     (pipeline.modeling.opening); a model an engine wraps (DDP, FSDP, DeepSpeed) runs its own forward."""
     autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
-    alone = accelerator is None or (accelerator.distributed_type == DistributedType.NO and not is_sharded(model))
     with autocast:
-        scores = opening_sequence_scores(model, batch["input_ids"], batch["attention_mask"]) if alone else None
+        scores = opening_sequence_scores(model, batch["input_ids"], batch["attention_mask"]) if runs_unwrapped(accelerator, model) else None
         if scores is None:
             scores = sequence_scores(model, batch["input_ids"], batch["attention_mask"])
     half = scores.shape[0] // 2

@@ -19,14 +19,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from accelerate.utils import DistributedType
 
 from pipeline.algorithms import rl
 from pipeline.algorithms.mismatch import correction_weights
 from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
 from pipeline.algorithms.rollout import ActorCritic, Rollout, chunks
 from pipeline.algorithms.tool_rollout import gae_over_turns
-from pipeline.engine.fsdp import is_sharded
+from pipeline.engine.fsdp import runs_unwrapped
 from pipeline.engine.steps import all_reduce_sum, check_finite, clip_gradients, micro_step
 
 REWARD_NORMS = ("none", "running", "stored")
@@ -131,8 +130,7 @@ def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str
     rank's response tokens; every rank calls this)."""
     mini = cfg.ppo.mini_batch_size or cfg.train.batch_size
     micro = mini // cfg.train.grad_accum
-    hold = holds_first_forward(rollout.input_ids.shape[0], micro, mini,
-                               accelerator.distributed_type == DistributedType.NO and not is_sharded(model))
+    hold = holds_first_forward(rollout.input_ids.shape[0], micro, mini, runs_unwrapped(accelerator, model))
     s = score_rollout(model, rollout, micro=micro, temperature=cfg.generation.temperature, autocast=accelerator.autocast, hold=hold)
     raw = s["rm"] if reward_fn is None else reward_fn(prompts_text, rollout.responses).detach().float().cpu()
     gathered = accelerator.gather(raw.to(accelerator.device)).cpu()
@@ -250,7 +248,7 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
     mini = cfg.ppo.mini_batch_size or cfg.train.batch_size
     accum = cfg.train.grad_accum
     micro = mini // accum
-    separate = accelerator.distributed_type == DistributedType.NO and not is_sharded(model)
+    separate = runs_unwrapped(accelerator, model)
     order_gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step)
     stats: dict[str, list[float]] = defaultdict(list)
     for epoch in range(cfg.ppo.epochs):

@@ -24,7 +24,7 @@ from pipeline.algorithms.rl import logprobs_from_logits
 from pipeline.config.policy import GENERATION_BACKENDS
 from pipeline.modeling.decode import generate as decode_generate
 from pipeline.modeling.models import adapter_disabled
-from pipeline.modeling.opening import find_opening, opening_logits, prompt_sharing_allowed, response_scores
+from pipeline.modeling.opening import cached_run, find_opening, opening_logits, prompt_sharing_allowed, response_scores
 from pipeline.modeling.scoring import reward_readout_index, position_ids_from_mask
 
 log = logging.getLogger("relay.rollout")
@@ -294,22 +294,18 @@ def shared_prompt_logits(model: torch.nn.Module, input_ids: torch.Tensor, attent
     which is then indexed out to every row of the prompt's group, and the responses run on it. The
     same math as one forward of the whole rows (another summation order: ~1e-6 in fp32); with
     gradients on, every row's gradient flows into the shared prompt's activations."""
-    from transformers import DynamicCache
-
     from pipeline.modeling.decode import cache_keyword, hf_model
 
     P, T = prompt_width, input_ids.shape[1]
-    prompt_mask = attention_mask[first, :P]
-    cache = DynamicCache(config=hf_model(model).config)
-    kw = cache_keyword(model)
-    head = model(input_ids=input_ids[first, :P], attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
-                 use_cache=True, logits_to_keep=1, **{kw: cache}).logits[:, -1]  # [U, V]: predicts response token 0
+    out, cache = cached_run(lambda **kw: model(**kw, logits_to_keep=1), model, input_ids[first, :P], attention_mask[first, :P],
+                            hf_model(model).config)
+    head = out.logits[:, -1]  # [U, V]: predicts response token 0
     logits = head.index_select(0, inverse)[:, None]
     if T - P > 1:
         cache.reorder_cache(inverse)
         mask = attention_mask[:, : T - 1]
         rest = model(input_ids=input_ids[:, P : T - 1], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, P:],
-                     use_cache=True, **{kw: cache}).logits
+                     use_cache=True, **{cache_keyword(model): cache}).logits
         logits = torch.cat([logits, rest], 1)
     return logits
 

@@ -41,6 +41,14 @@ def is_sharded(model: Optional[torch.nn.Module]) -> bool:
     return model is not None and any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def runs_unwrapped(accelerator, model: torch.nn.Module) -> bool:
+    """One process, and no engine wraps or shards `model` (no accelerator: a test or a notebook):
+    its submodules may be called directly, and a module may run twice before a backward."""
+    from accelerate.utils import DistributedType
+
+    return accelerator is None or (accelerator.distributed_type == DistributedType.NO and not is_sharded(model))
+
+
 def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules `shard_model` shards before the root: every transformer block (the classes of
     the transformers models inside `model` list as `_no_split_modules`)."""

@@ -243,9 +243,8 @@ def merge_adapter(
     tokenizer=None,
 ) -> Path:
     """Merge the LoRA adapter in `adapter` into `base`; write the full model to `out`; return `out`.
-
-    `tokenizer`: the one the adapter was trained with (a stage passes its own, the one it saved
-    beside the adapter: no second load); None reads the adapter folder's, else the base's.
+    `tokenizer`: the adapter's (a stage passes the one it saved beside it); None: read the adapter
+    folder's, else the base's.
 
     The base loads in fp32 (a QLoRA adapter's 4-bit base is thus dequantised first, see the module
     docstring). `chat_template`, when given, becomes the merged tokenizer's template. With

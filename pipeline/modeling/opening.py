@@ -31,7 +31,7 @@ import torch
 from data_formats.collate import common_prefix
 from pipeline.engine.fsdp import is_sharded
 from pipeline.modeling.decode import SHARED_PREFIX_MIN, cache_keyword, hf_model
-from pipeline.modeling.scoring import check_pooling, classifier_parts, position_ids_from_mask, reward_readout_index
+from pipeline.modeling.scoring import check_pooling, classifier_parts, position_ids_from_mask, reward_readout_index, token_scores
 
 
 class Opening(NamedTuple):
@@ -99,16 +99,22 @@ def leading_opening(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     return Opening(shared, input_ids, attention_mask)
 
 
-def opening_cache(call, forward: torch.nn.Module, opening: Opening, config):
-    """A KV cache holding the opening, run once by `call(**inputs)` on the first row, for every row.
-    `forward` is the module whose signature names the cache keyword."""
+def cached_run(call, forward: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, config):
+    """(`call(**inputs)`'s output on these rows, the KV cache it filled), positions counted from the
+    mask. `forward` is the module whose signature names the cache keyword. The prefix forward of
+    `opening_cache` and of GRPO's shared prompts (pipeline.algorithms.rollout.shared_prompt_logits)."""
     from transformers import DynamicCache
 
-    n = opening.shared
     cache = DynamicCache(config=config)
-    positions = position_ids_from_mask(opening.attention_mask[:1, :n])
-    call(input_ids=opening.input_ids[:1, :n], attention_mask=opening.attention_mask[:1, :n], position_ids=positions,
-         use_cache=True, **{cache_keyword(forward): cache})
+    out = call(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+               use_cache=True, **{cache_keyword(forward): cache})
+    return out, cache
+
+
+def opening_cache(call, forward: torch.nn.Module, opening: Opening, config):
+    """A KV cache holding the opening, run once by `call(**inputs)` on the first row, for every row."""
+    n = opening.shared
+    _, cache = cached_run(call, forward, opening.input_ids[:1, :n], opening.attention_mask[:1, :n], config)
     cache.reorder_cache(torch.zeros(opening.input_ids.shape[0], dtype=torch.long, device=opening.input_ids.device))
     return cache
 
@@ -152,10 +158,7 @@ def response_scores(classifier: torch.nn.Module, input_ids: torch.Tensor, attent
     """The score head at the last prompt column and every response column ([B, T - P + 1], fp32):
     `token_scores(...)[:, P - 1:]`, the batch's shared opening run once when it has one."""
     opening = find_opening(classifier, input_ids, attention_mask, prompt_width)
-    backbone, head = classifier_parts(classifier)
     if opening is None:
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids_from_mask(attention_mask)).last_hidden_state[:, prompt_width - 1:]
-    else:
-        hidden = opening_hidden(classifier, opening)[:, prompt_width - 1 - opening.shared:]
-    return head(hidden).squeeze(-1).float()
+        return token_scores(classifier, input_ids, attention_mask)[:, prompt_width - 1:]
+    _, head = classifier_parts(classifier)
+    return head(opening_hidden(classifier, opening)[:, prompt_width - 1 - opening.shared:]).squeeze(-1).float()
