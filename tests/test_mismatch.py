@@ -333,7 +333,7 @@ def test_vllm_gpu_options_pass_through_and_are_refused_where_they_cannot_run(tmp
     cmd = vllm_server.server_command("python", "/m", "127.0.0.1", 8000, opts)
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and "--enable-sleep-mode" in cmd
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.35" and "--enable-lora" in cmd
-    assert vllm_server.server_env(dev_mode=opts.dev_mode or opts.sleep_mode)["VLLM_SERVER_DEV_MODE"] == "1"
+    assert vllm_server.server_env(opts)["VLLM_SERVER_DEV_MODE"] == "1"
     plain = vllm_server.server_command("python", "/m", "127.0.0.1", 8000, engine_options(8))
     assert "--enable-sleep-mode" not in plain and "--gpu-memory-utilization" not in plain
     gen = GenerationConfig(backend="vllm", vllm_sleep=True, vllm_tensor_parallel_size=2)

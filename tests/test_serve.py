@@ -253,3 +253,21 @@ def test_serve_vllm_without_its_environment_is_one_clear_line(tiny_model_dir, ca
     monkeypatch.setattr(vllm_server, "vllm_python", lambda: None)
     assert main([str(tiny_model_dir), "--backend", "vllm"]) == 2
     assert "vLLM is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm" in capsys.readouterr().err
+
+
+def test_serve_vllm_on_a_cpu_runs_the_model_in_the_engine_process_and_compiles_unless_eager(tiny_model_dir, capsys, monkeypatch):
+    from pipeline.modeling import vllm_server
+    from pipeline.tools import serve
+
+    calls = []
+    monkeypatch.setattr(vllm_server, "vllm_python", lambda: "python")
+    monkeypatch.setattr(serve.subprocess, "call", lambda cmd, env=None: calls.append((cmd, env)) or 0)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert main([str(tiny_model_dir), "--backend", "vllm"]) == 0
+    assert main([str(tiny_model_dir), "--backend", "vllm", "--eager"]) == 0
+    (plain, env), (eager, _) = calls
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # no worker process beside the engine core on a CPU
+    assert "--enforce-eager" not in plain and eager == plain + ["--enforce-eager"]
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_server.server_env(vllm_server.ServerOptions(name="m", tensor_parallel_size=2))
+    assert main([str(tiny_model_dir), "--backend", "transformers", "--eager"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: --eager is a vLLM option (--backend vllm)"

@@ -117,14 +117,15 @@ def on_server(server, folder, workdir):
 
 @pytest.fixture(scope="module")
 def served(vllm_tiny, tmp_path_factory):
-    """(openai client, base URL) of `relay serve --backend vllm` on a free port; its process group
-    (the CLI, vLLM's API server and engine) is killed in teardown."""
+    """(openai client, base URL) of `relay serve --backend vllm --eager` on a free port (eager: on a
+    CPU a compiled start takes ~20 s more here, its compile cache never loading back); its process
+    group (the CLI, vLLM's API server and engine) is killed in teardown."""
     import openai
 
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-log") / "serve.log"
     cmd = [sys.executable, "-m", "pipeline.tools.serve", str(vllm_tiny), "--backend", "vllm", "--name", "tiny",
-           "--port", str(port), "--max-batch", "4", "--max-model-len", "1024"]
+           "--port", str(port), "--max-batch", "4", "--max-model-len", "1024", "--eager"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:

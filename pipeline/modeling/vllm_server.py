@@ -8,7 +8,11 @@ $RELAY_VLLM_PYTHON, bench/.venv-vllm/bin/python (once install_vllm.sh has finish
 machine with `pip install vllm` in the main environment).
 
 On a CPU the server is kept small (the machine is shared): a 1 GiB KV cache
-(VLLM_CPU_KVCACHE_SPACE), a short context, few sequences at once, fp32.
+(VLLM_CPU_KVCACHE_SPACE), a short context, few sequences at once, fp32, and the model run inside
+the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0 there: vLLM's default on a CPU is one
+more process, the worker, whose message queue the engine core polls). On 2 cores (Xeon, AVX-512)
+that process cost ~7 s of every start (23.5 -> 16.0 s on a tiny model) and a third of the decode
+rate (SmolLM2-135M, 8 x 128 tokens: 101-116 -> 153-157 tokens/s; bench/RESULTS.md, issue 33).
 """
 
 from __future__ import annotations
@@ -77,6 +81,11 @@ class ServerOptions:
     sleep_mode: bool = False
     """--enable-sleep-mode and the development endpoints /sleep, /wake_up (CUDA only): the RL backend
     frees the engine's GPU memory while the trainer updates."""
+    eager: bool = False
+    """--enforce-eager: no torch.compile of the model. On a CPU with vllm-cpu 0.32 and torch 2.13 the
+    compile cache never loads back ('function' object has no attribute 'finalize_loading'), so every
+    start compiles again: SmolLM2-135M starts in ~17 s eager against ~63 s compiled, and decodes
+    ~15% slower (2 Xeon cores). A LoRA server runs eager on a CPU anyway."""
     extra: list[str] = field(default_factory=list)
 
 
@@ -95,12 +104,15 @@ def server_command(python: str, folder: str, host: str, port: int, opts: ServerO
         cmd += ["--enable-sleep-mode"]
     if opts.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
+    if opts.eager:
+        cmd += ["--enforce-eager"]
     return cmd + list(opts.extra)
 
 
-def server_env(runtime_lora: bool = False, dev_mode: bool = False) -> dict[str, str]:
-    """The environment the server runs in: small on a CPU, offline, and (for the RL backend)
-    allowed to load adapters at runtime (/v1/load_lora_adapter)."""
+def server_env(opts: ServerOptions) -> dict[str, str]:
+    """The environment the server `opts` runs in: small on a CPU with the model in the engine-core
+    process (the module docstring), offline, and for the RL backend allowed to load adapters at
+    runtime (/v1/load_lora_adapter) and to reach the development endpoints."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # Relay's tree (and its transformers) stays out of vLLM's environment
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -108,9 +120,11 @@ def server_env(runtime_lora: bool = False, dev_mode: bool = False) -> dict[str, 
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
-    if runtime_lora:
+    if opts.tensor_parallel_size == 1 and not on_gpu():
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if opts.enable_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    if dev_mode:
+    if opts.dev_mode or opts.sleep_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     return env
 
@@ -137,7 +151,7 @@ class VLLMServer:
     def start(self) -> "VLLMServer":
         cmd = server_command(self.python, self.folder, self.host, self.port, self.opts)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, env=server_env(self.opts.enable_lora, self.opts.dev_mode or self.opts.sleep_mode), stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, env=server_env(self.opts), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
