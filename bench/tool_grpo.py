@@ -135,7 +135,7 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     held_out = write_data(out / "data", args.train, args.eval)
-    from pipeline.modeling.models import resolve_model_path
+    from pipeline.modeling.embedded import resolve_model_path
 
     rows = {"base": [] if args.skip_base else [success(resolve_model_path(args.model), held_out, base=True)], "sft": [], "grpo": []}
     if rows["base"]:

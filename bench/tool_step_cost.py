@@ -129,7 +129,7 @@ def main() -> int:
                                            "tools": schema}) + "\n" for i in range(2)))
     from transformers import AutoTokenizer
 
-    from pipeline.modeling.models import resolve_model_path
+    from pipeline.modeling.embedded import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
     times: dict[str, list[dict]] = {"kept": [], "refill": [], "single": []}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
 
 from pipeline.engine.stage import main
 from pipeline.engine.tracking import format_eval, format_stage_summary, quiet_console
@@ -68,6 +69,21 @@ def test_gradient_checkpointing_deprecation_is_silenced():
     with warnings.catch_warnings(record=True) as caught:
         warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
     assert caught == []
+
+
+def test_quiet_console_imports_no_transformers_and_its_bars_stay_off_when_it_comes(tmp_path):
+    """The driver's `summarize` calls quiet_console and may never load a model: no 1-2 s import of
+    transformers for it, and a transformers imported afterwards still shows no progress bars."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from pipeline.engine.tracking import quiet_console; quiet_console(); "
+            "assert 'transformers' not in sys.modules and 'torch' not in sys.modules, 'imported'; "
+            "from transformers.utils import logging; assert not logging.is_progress_bar_enabled(), 'bars on'; print('ok')")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "RELAY_VERBOSE")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1])
+    assert done.stdout.strip() == "ok", done.stderr[-800:]
 
 
 def test_format_eval_and_summary():

@@ -8,13 +8,13 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import pipeline.modeling.models as models
 from pipeline.config import LoraConfig, ModelConfig
+from pipeline.modeling.embedded import resolve_model_path
 from pipeline.modeling.models import (
     apply_lora,
     ensure_pad_token,
     load_model,
     load_tokenizer,
     resolve_dtype,
-    resolve_model_path,
     trainable_parameter_names,
 )
 

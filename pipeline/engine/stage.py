@@ -58,6 +58,7 @@ from pipeline.engine.schedule import build_scheduler
 from pipeline.engine.steps import NonFiniteError
 from pipeline.engine.tracking import EarlyStopping, History, Tracker, default_run_name, format_stage_summary, quiet_console
 from pipeline.modeling import models
+from pipeline.modeling.embedded import resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class Stage:
     def __init__(self, cfg: StageConfig):
 
         self.cfg = cfg
-        self.model_path = models.resolve_model_path(cfg.model.path)
+        self.model_path = resolve_model_path(cfg.model.path)
         self.step = 0
         self.cursor = DataCursor()
         self.history = History()

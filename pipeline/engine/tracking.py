@@ -230,9 +230,14 @@ def quiet_console() -> None:
     if os.environ.get("RELAY_VERBOSE", "").strip() not in ("", "0"):
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from transformers.utils import logging as hf_logging
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()
+    else:  # transformers reads this switch when it is imported: no 1-2 s import for a command that may never load a model
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
     for name, match, explanation in QUIETED:
         logger = logging.getLogger(name)

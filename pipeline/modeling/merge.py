@@ -260,7 +260,7 @@ def merge_adapter(
     """
     from peft import PeftModel
 
-    from pipeline.modeling.models import resolve_model_path
+    from pipeline.modeling.embedded import resolve_model_path
 
     out_path = check_out_dir(out, overwrite)
     _check_task_type(adapter, kind)

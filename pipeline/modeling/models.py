@@ -38,7 +38,7 @@ from transformers import (
 )
 
 from pipeline.config import LoraConfig, ModelConfig
-from pipeline.modeling.embedded import is_embedded, materialize
+from pipeline.modeling.embedded import is_embedded, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -141,17 +141,6 @@ def warn_ignored_code(path: str | Path, trust_remote_code: bool) -> Optional[str
         _warned_custom_code.add(str(path))
         log.warning("%s", message)
     return message
-
-
-def resolve_model_path(path: Optional[str]) -> str:
-    """The folder (or hub id) to load: 'embedded', '' and None mean the embedded SmolLM2 folder.
-
-    Raises:
-        FileNotFoundError: the embedded model's package is missing (see pipeline.modeling.embedded).
-    """
-    if is_embedded(path):
-        return str(materialize())
-    return str(path)
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -250,7 +250,7 @@ def greedy_answers(path: str, records: Sequence[dict], settings: GoldSettings = 
     (`GREEDY`): greedy, no repetition penalty, stop at the end-of-turn token (or any other eos id
     the folder's generation_config names).
     """
-    from pipeline.modeling.models import resolve_model_path
+    from pipeline.modeling.embedded import resolve_model_path
     from pipeline.tools.chat import chat_eos_ids, load_chat_tokenizer, prompt_ids
 
     folder = resolve_model_path(path)
@@ -296,7 +296,7 @@ def gold_row(
     A computed row goes into `cache_file` (a JSON object {key: row}); its answers, one JSON line
     per gold record with the verdict of both rules, into `answers_dir/<name>.jsonl`.
     """
-    from pipeline.modeling.models import resolve_model_path
+    from pipeline.modeling.embedded import resolve_model_path
 
     folder = Path(resolve_model_path(path)).resolve()
     key = cache_key(folder, gold_path, settings)

@@ -48,7 +48,7 @@ def merged_folder(source: str) -> Path:
     Raises:
         ExportError: neither holds a model.
     """
-    from pipeline.modeling.models import resolve_model_path
+    from pipeline.modeling.embedded import resolve_model_path
     from pipeline.modeling.preflight import model_problems
 
     path = Path(resolve_model_path(source))  # 'embedded' names the converted embedded model

@@ -336,7 +336,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="vLLM: no torch.compile (--enforce-eager): on a CPU it starts ~45 s sooner on SmolLM2-135M and decodes ~15%% slower")
     args = parser.parse_args(argv)
     from pipeline.engine.tracking import quiet_console
-    from pipeline.modeling.models import resolve_model_path
+    from pipeline.modeling.embedded import resolve_model_path
     from pipeline.modeling.preflight import model_problems
     from pipeline.tools.chat import ChatError, load_chat_model
 
