@@ -56,8 +56,8 @@ def labelled(kind: str, value, tokenizer, template: Template) -> list[tuple[str,
 def main(argv: Optional[list[str]] = None) -> int:
     """The show command; returns the exit status (1 when the file has bad records)."""
     from pipeline.config import ChatDataConfig
-    from pipeline.modeling.models import load_tokenizer
     from pipeline.modeling.embedded import resolve_model_path
+    from pipeline.modeling.models import load_tokenizer
     from data_formats.validate import read_and_parse
 
     parser = argparse.ArgumentParser(prog="python -m data_formats.show", description=__doc__.split("\n\n")[0])

@@ -268,8 +268,8 @@ def _overlong(good: list[Parsed], kind: str, args) -> list[Problem]:
     """Samples longer than --seq-length once rendered (needs --model)."""
     from data_formats.render import make_template, render, render_prompt
     from pipeline.config import ChatDataConfig
-    from pipeline.modeling.models import load_tokenizer
     from pipeline.modeling.embedded import resolve_model_path
+    from pipeline.modeling.models import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model_path(args.model))
     template = make_template(ChatDataConfig(template=args.template), tokenizer)

@@ -20,11 +20,10 @@ from pipeline.algorithms.tool_rollout import ToolEnv, layout_problem, load_tools
 from pipeline.config import RewardModelConfig
 from pipeline.engine.accelerator import full_parameters, is_zero3
 from pipeline.engine.stage import Stage
-from pipeline.modeling.embedded import is_embedded
+from pipeline.modeling.embedded import is_embedded, resolve_model_path
 from pipeline.modeling.handoff import reward_pairing_problems
 from pipeline.modeling.manifest import weights_hash
 from pipeline.modeling.models import remote_code_problems
-from pipeline.modeling.embedded import resolve_model_path
 from pipeline.modeling.preflight import model_problems
 
 log = logging.getLogger("relay.policy")

@@ -86,8 +86,8 @@ def load_chat_tokenizer(path: str, *, trust_remote_code: bool = False, allow_pic
             weights or tokenizer) or its tokenizer has no chat template.
     """
     from pipeline.config import ModelConfig
-    from pipeline.modeling.models import load_tokenizer, remote_code_problems
     from pipeline.modeling.embedded import resolve_model_path
+    from pipeline.modeling.models import load_tokenizer, remote_code_problems
     from pipeline.modeling.preflight import model_problems
 
     found = model_problems(path, "--model", need="causal", allow_pickle=allow_pickle)
@@ -111,8 +111,8 @@ def load_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool =
         OSError: transformers could not load what preflight let through (its error names it).
     """
     from pipeline.config import ModelConfig
-    from pipeline.modeling.models import load_model
     from pipeline.modeling.embedded import resolve_model_path
+    from pipeline.modeling.models import load_model
 
     tokenizer = load_chat_tokenizer(path, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     model = load_model(ModelConfig(path=resolve_model_path(path), finetuning="full", dtype=dtype, trust_remote_code=trust_remote_code,
