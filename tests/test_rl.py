@@ -82,6 +82,30 @@ def test_token_rewards_put_score_on_last_token():
         rl.token_rewards(torch.zeros(1), kl[:1], torch.zeros(1, 3), 0.1)
 
 
+def test_last_index_finds_the_last_trained_token_of_a_gapped_mask():
+    """A tool rollout's mask has gaps (inserted tool results are 0): the last trained token is the
+    last 1, not the count of ones minus one."""
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0, 0], [0, 1, 0, 1, 0, 0, 0]])
+    assert rl.last_index(mask).tolist() == [6, 2, 3]
+    with pytest.raises(ValueError, match="rows \\[1\\]"):
+        rl.last_index(torch.tensor([[1, 0], [0, 0]]))
+
+
+def test_ppo_with_tools_advantages_carry_the_reward_model_score():
+    """With KL 0 the only signal is the sequence score: it must land on the last sampled token and
+    reach every sampled token's advantage through GAE over turns (gamma = lam = 1: each sampled
+    token's advantage is score - V_t), never an inserted one."""
+    from pipeline.algorithms.tool_rollout import gae_over_turns
+
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1]])
+    rewards = rl.token_rewards(torch.tensor([3.0]), torch.zeros(1, 7), mask, kl_coef=0.1)
+    assert rewards.tolist() == [[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0]]
+    values = torch.tensor([[0.5, 0.25, 9.0, 9.0, 9.0, 1.0, 2.0]])
+    adv, ret = gae_over_turns(rewards, values, mask, 1.0, 1.0)
+    torch.testing.assert_close(adv, torch.tensor([[2.5, 2.75, 0.0, 0.0, 0.0, 2.0, 1.0]]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ret, torch.tensor([[3.0, 3.0, 0.0, 0.0, 0.0, 3.0, 3.0]]), rtol=0, atol=1e-6)
+
+
 def test_policy_loss_hand_values():
     # ratios 1, 1.5, 0.5 (and a masked token whose huge value must not count)
     logp = torch.log(torch.tensor([[1.0, 1.5, 0.5, 100.0]]))

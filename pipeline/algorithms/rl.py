@@ -163,15 +163,19 @@ def make_kl_controller(init: float, target: Optional[float], horizon: float):
 
 
 def last_index(mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last 1 in each row of a right-padded `mask` ([B, T] -> [B]).
+    """Index of the last 1 in each row of `mask` ([B, T] -> [B]), wherever it lies: a tool
+    rollout's mask has gaps (inserted tool results are 0), so a row's count of ones minus one is
+    not its last trained token.
 
     Raises:
         ValueError: a row has no 1 (an empty response).
     """
-    lengths = mask.long().sum(1)
-    if (lengths == 0).any():
-        raise ValueError(f"last_index: rows {torch.nonzero(lengths == 0).flatten().tolist()} have an empty mask")
-    return lengths - 1
+    keep = mask.bool()
+    empty = ~keep.any(1)
+    if empty.any():
+        raise ValueError(f"last_index: rows {torch.nonzero(empty).flatten().tolist()} have an empty mask")
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(keep)
+    return torch.where(keep, positions, -1).max(1).values
 
 
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
