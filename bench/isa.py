@@ -10,7 +10,11 @@ CAP is a key of pipeline.cpu_isa.ISA_ENV (avx2, avx512, native). The command inh
 RELAY_CPU_ISA=CAP and the three variables that cap ATen, oneDNN and MKL (they win over values
 already set). Before it runs, a fresh interpreter reports what each library really uses (ATen's
 dispatch level, oneDNN's and MKL's verbose banners); a cap that did not take (a CPU without that
-ISA, a library that ignores it) ends with status 2 and one line, the command not run.
+ISA, a library that ignores it) ends with status 2 and one line, the command not run. A library
+whose level cannot be read is named on a "not checked" line and does not stop the command: MKL on
+a CPU it does not take for Intel's (AMD's) runs its generic path, reports "Intel(R) Architecture
+processors" whatever the cap, and does not read MKL_ENABLE_INSTRUCTIONS; a build without oneDNN or
+MKL prints no banner at all.
 """
 
 from __future__ import annotations
@@ -56,16 +60,36 @@ def expected_aten(cap: str) -> str:
     return isa_env(cap).get("ATEN_CPU_CAPABILITY", "").upper()
 
 
+def names_an_isa(banner: str) -> bool:
+    """Whether a library's banner names an instruction set (MKL's generic path names none)."""
+    return re.search(r"AVX|SSE|AMX|NEON|SVE", banner.upper()) is not None
+
+
+def unchecked(cap: str, seen: dict[str, str]) -> list[str]:
+    """What the probe could not check under `cap`, one line each; nothing under `native` (no cap)."""
+    if not expected_aten(cap):
+        return []
+    out = []
+    for key, name in (("onednn", "oneDNN"), ("mkl", "MKL")):
+        if key not in seen:
+            out.append(f"{name} printed no banner (not in this build, or it never ran)")
+        elif not names_an_isa(seen[key]):
+            out.append(f"{name} reports {seen[key]!r}, no instruction set to hold the cap against "
+                       f"(its generic path on a CPU it does not take for Intel's)")
+    return out
+
+
 def problems(cap: str, seen: dict[str, str]) -> list[str]:
-    """Why the cap did not take, one line each (nothing when it did)."""
+    """Why the cap did not take, one line each (nothing when it did); a library whose banner names no
+    instruction set is not a problem but `unchecked`."""
     want = expected_aten(cap)
     out = []
     if want and seen.get("aten") != want:
         out.append(f"ATen dispatches {seen.get('aten', 'nothing')}, not {want} (does this CPU have {cap}?)")
-    if want and "onednn" in seen and want not in seen["onednn"].upper().replace(" ", ""):
+    if want and "onednn" in seen and names_an_isa(seen["onednn"]) and want not in seen["onednn"].upper().replace(" ", ""):
         if not (want == "AVX512" and "AVX512" in seen["onednn"].upper().replace(" ", "").replace("-", "")):
             out.append(f"oneDNN runs {seen['onednn']}, not {want}")
-    if want and "mkl" in seen and want.replace("AVX512", "AVX-512") not in seen["mkl"].upper():
+    if want and "mkl" in seen and names_an_isa(seen["mkl"]) and want.replace("AVX512", "AVX-512") not in seen["mkl"].upper():
         out.append(f"MKL runs {seen['mkl']}, not {want}")
     return out
 
@@ -102,6 +126,8 @@ def main(argv: list[str]) -> int:
     seen = probe(env)
     print(f"ISA cap {args.cap}: ATen {seen.get('aten', '?')}, oneDNN {seen.get('onednn', '?')} "
           f"({seen.get('onednn_kernel', '?')}), MKL {seen.get('mkl', '?')}", file=sys.stderr, flush=True)
+    for line in unchecked(args.cap, seen):
+        print(f"bench/isa.py: not checked: {line}", file=sys.stderr, flush=True)
     bad = problems(args.cap, seen)
     if bad:
         print(f"bench/isa.py: the {args.cap} cap did not take: {'; '.join(bad)}", file=sys.stderr)
