@@ -443,6 +443,28 @@ def _preference_prompt(record: dict) -> list[Turn]:
     return [Turn("user", _string(record, "prompt"))]
 
 
+def check_shared_prompt(chosen: list[Turn], rejected: list[Turn], chosen_key: str, rejected_key: str) -> None:
+    """Check that two sides given as whole conversations ask the same question: equal up to and
+    including their last user turn (what follows it is the answer, tool calls included). A pair
+    whose sides differ there compares answers to different prompts, which no preference loss can
+    learn from (TRL's `extract_prompt` would keep only their common opening as the prompt).
+
+    Raises:
+        RecordError: the first turn where the two prompts differ.
+    """
+    def prompt(turns: list[Turn]) -> list[Turn]:
+        last_user = max((i for i, t in enumerate(turns) if t.role == "user"), default=-1)
+        return turns[:last_user + 1]
+
+    mine, theirs = prompt(chosen), prompt(rejected)
+    if mine == theirs:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+    raise RecordError(f"'{chosen_key}' and '{rejected_key}' differ at turn {at}, before the answer: the two sides of a "
+                      f"preference pair must share their prompt up to the last user turn (drop the record, or fix the side "
+                      f"that asks another question)")
+
+
 def parse_preference(record: Any, *, task: str = "default", source: str = "",
                      system_prompt: Optional[str] = None) -> tuple[Conversation, Conversation]:
     """(chosen, rejected) conversations from a preference record (formats: the module docstring).
@@ -457,6 +479,7 @@ def parse_preference(record: Any, *, task: str = "default", source: str = "",
     from data_formats import public
 
     tools = record_tools(record)
+    whole: Optional[tuple[str, str]] = None  # the keys of sides that each hold the whole conversation
     if public.is_openai_preference(record):
         chosen, rejected, tools = public.openai_preference(record)
     elif public.is_hh(record) and "prompt" not in record:
@@ -472,15 +495,19 @@ def parse_preference(record: Any, *, task: str = "default", source: str = "",
     elif "chosen_messages" in record:
         chosen = _turns(record["chosen_messages"], "chosen_messages", "role", "content")
         rejected = _turns(record.get("rejected_messages"), "rejected_messages", "role", "content")
+        whole = ("chosen_messages", "rejected_messages")
     else:
         prompt = _preference_prompt(record)
         chosen = _side(record, "chosen", prompt)
         rejected = _side(record, "rejected", prompt)
+        whole = ("chosen", "rejected") if not prompt else None
     for turns in (chosen, rejected):
         check_order(turns, "assistant")
         check_placeholders(turns)
         if not turns[-1].trained:
             raise RecordError("the compared answer has 'weight' 0; a preference pair compares trained answers")
+    if whole:
+        check_shared_prompt(chosen, rejected, *whole)
     if chosen == rejected:
         raise RecordError("chosen and rejected are identical")
     if system_prompt is not None and chosen[0].role != "system":

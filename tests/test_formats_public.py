@@ -220,3 +220,55 @@ def test_hh_rlhf_after_trl_extract_prompt_reads_the_same_turns(tmp_path):
     extracted = _write(tmp_path, [extract_prompt(r) for r in raw])  # lines 10 and 38: TRL splits inside the answers
     turns = lambda items: [(c.turns, r.turns) for c, r, _ in (g.value for g in items)]  # noqa: E731
     assert turns(_parse(extracted, "rm")) == turns(_parse(HH, "rm"))
+
+
+def _msg(role, content):
+    return {"role": role, "content": content}
+
+
+# Each whole-conversation layout with sides that ask different questions, and the turn where they part.
+MISMATCHED_PROMPTS = [
+    ("UltraFeedback chosen/rejected lists", {"chosen": [_msg("user", "Capital of France?"), _msg("assistant", "Paris.")],
+                                             "rejected": [_msg("user", "Capital of Spain?"), _msg("assistant", "Lyon.")]},
+     "'chosen' and 'rejected' differ at turn 0"),
+    ("ShareGPT-style chosen/rejected lists", {"chosen": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}],
+                                              "rejected": [{"from": "human", "value": "Bye"}, {"from": "gpt", "value": "Hello!"}]},
+     "'chosen' and 'rejected' differ at turn 0"),
+    ("LLaMA-Factory chosen_messages", {"chosen_messages": [_msg("system", "Be brief."), _msg("user", "2+2?"), _msg("assistant", "4")],
+                                       "rejected_messages": [_msg("system", "Be brief."), _msg("user", "3+3?"), _msg("assistant", "5")]},
+     "'chosen_messages' and 'rejected_messages' differ at turn 1"),
+    ("multi-turn, an earlier answer differs", {"chosen": [_msg("user", "a"), _msg("assistant", "b"), _msg("user", "c"), _msg("assistant", "d")],
+                                               "rejected": [_msg("user", "a"), _msg("assistant", "x"), _msg("user", "c"), _msg("assistant", "y")]},
+     "'chosen' and 'rejected' differ at turn 1"),
+    ("one side has an extra exchange", {"chosen": [_msg("user", "a"), _msg("assistant", "b"), _msg("user", "c"), _msg("assistant", "d")],
+                                        "rejected": [_msg("user", "a"), _msg("assistant", "y")]},
+     "'chosen' and 'rejected' differ at turn 1"),
+]
+
+
+@pytest.mark.parametrize("kind", ["rm", "kto"])
+@pytest.mark.parametrize("name,record,reason", MISMATCHED_PROMPTS, ids=[t[0] for t in MISMATCHED_PROMPTS])
+def test_whole_conversation_pairs_that_ask_different_questions_are_refused(tmp_path, name, record, reason, kind):
+    """As the HH reader refuses transcripts that differ before their answer: one line naming the file
+    and line, for the preference readers and for KTO, which unpairs the same records."""
+    first, second = list(record)
+    last = dict(record[first][-1])
+    last["content" if "content" in last else "value"] = "Another answer."
+    good_pair = {first: record[first], second: record[first][:-1] + [last]}  # first: the line number counts
+    path = _write(tmp_path, [good_pair, record])
+    good, problems = read_and_parse([str(path)], kind)
+    assert len(good) == 1
+    assert [str(p) for p in problems] == [f"{path}:2: {reason}, before the answer: the two sides of a preference pair must share "
+                                          "their prompt up to the last user turn (drop the record, or fix the side that asks another question)"]
+
+
+def test_whole_conversation_pairs_with_one_prompt_are_read(tmp_path):
+    """The same question on both sides is read, whatever the answer holds after the last user turn
+    (a tool call and its result on one side, a direct answer on the other)."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+    record = {"chosen": [_msg("user", "Weather in Paris?"), {"role": "assistant", "tool_calls": [CALL]},
+                         {"role": "tool", "content": "18C", "tool_call_id": "call_1"}, _msg("assistant", "18C.")],
+              "rejected": [_msg("user", "Weather in Paris?"), _msg("assistant", "No idea.")], "tools": [tool]}
+    (item,) = _parse(_write(tmp_path, [record]), "rm")
+    chosen, rejected, _ = item.value
+    assert chosen.turns[0] == rejected.turns[0] and chosen.turns[-1].content == "18C." and rejected.turns[-1].content == "No idea."
