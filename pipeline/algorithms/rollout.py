@@ -342,8 +342,9 @@ class ActorCritic(torch.nn.Module):
         ctx = contextlib.nullcontext() if self.reference is not None else adapter_disabled(self.policy)
         with ctx:
             logits = policy_logits(model, input_ids, attention_mask, prompt_width)
-        logits = logits / temperature
-        return logprobs_from_logits(logits, input_ids[:, prompt_width:])
+        # fp32 before the division: bf16 logits divided in bf16 round differently from the policy's
+        # own log-probs (which are cast first), a KL between identical models at step 0
+        return logprobs_from_logits(logits.float() / temperature, input_ids[:, prompt_width:])
 
     @torch.no_grad()
     def reward_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
