@@ -20,6 +20,12 @@ whole on every rank.
 Outside a unit's forward its parameters are DTensor shards: whoever reads them as tensors
 gathers first (`gathered`), and `module.state_dict()` always yields shards (FSDP2 reshards in a
 state-dict hook), so checkpoints and exports gather through `full_state` / `full_tensors`.
+
+Supported torch: 2.7 and newer (`fully_shard` public in `torch.distributed.fsdp` from 2.6,
+`FSDPModule.set_reshard_after_forward` from 2.7); `unsupported_torch` says so before a run.
+Private fields read here: a unit state's parameter groups (`param_groups`: the list
+`_fsdp_param_groups` where torch has per-parameter meshes, the single `_fsdp_param_group`
+before), a group's `is_unsharded` and `post_forward_mesh_info`, and the state's `_lazy_init`.
 """
 
 from __future__ import annotations
@@ -29,9 +35,44 @@ from typing import Iterable, Optional
 
 import torch
 
+SUPPORTED_TORCH = "2.7 or newer"
+"""The torch versions whose FSDP2 this module is written against (see the module docstring)."""
+
 SHARDING = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
 """distributed.fsdp_sharding -> fully_shard's reshard_after_forward (FSDP1's names: FULL_SHARD
 frees a block's gathered weights after its forward, SHARD_GRAD_OP keeps them to the backward)."""
+
+
+def unsupported_torch() -> Optional[str]:
+    """Why this torch cannot run distributed.engine fsdp, in one line; None when it can. Asks for
+    the features, not the version number (a nightly or a vendor build carries its own)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: F401
+    except ImportError:
+        return (f"distributed.engine: fsdp needs torch {SUPPORTED_TORCH} (FSDP2's fully_shard in torch.distributed.fsdp); "
+                f"this is torch {torch.__version__}: upgrade torch, or use distributed.engine ddp")
+    if not hasattr(FSDPModule, "set_reshard_after_forward"):
+        return (f"distributed.engine: fsdp needs torch {SUPPORTED_TORCH} (FSDPModule.set_reshard_after_forward); "
+                f"this is torch {torch.__version__}: upgrade torch, or use distributed.engine ddp")
+    return None
+
+
+def param_groups(state) -> list:
+    """A unit's FSDP parameter groups (FSDPState, private). torch with per-parameter meshes keeps a
+    list, `_fsdp_param_groups`; torch before it one group or None, `_fsdp_param_group` (still there
+    later as a property that refuses more than one group, so the list is read first).
+
+    Raises:
+        RuntimeError: the state has neither field (a torch this module was not written against).
+    """
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    if hasattr(state, "_fsdp_param_group"):
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    raise RuntimeError(f"torch {torch.__version__}: an FSDP2 unit's state has neither _fsdp_param_groups nor "
+                       f"_fsdp_param_group; pipeline/engine/fsdp.py supports torch {SUPPORTED_TORCH}")
 
 
 def is_sharded(model: Optional[torch.nn.Module]) -> bool:
@@ -66,7 +107,12 @@ def shard_model(model: torch.nn.Module, device: torch.device, *, sharding: str, 
 
     `mixed` is accelerate's mixed_precision: bf16/fp16 gather the weights in that dtype and
     reduce gradients in fp32 (the sharded master weights keep the model's dtype); 'no': as is.
+
+    Raises:
+        RuntimeError: this torch's FSDP2 is not one this module supports (`unsupported_torch`).
     """
+    if (problem := unsupported_torch()) is not None:
+        raise RuntimeError(problem)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -102,8 +148,8 @@ def gathered(model: torch.nn.Module):
     Every rank must enter it (it all-gathers); a unit already whole is left to its owner.
     (FSDP2 has no summon_full_params: units are unsharded and kept so through forwards by
     turning reshard-after-forward off, then restored; the param-group fields are private.)"""
-    units = [u for u in _units(model) if not all(g.is_unsharded for g in u._get_fsdp_state()._fsdp_param_groups)]
-    saved = [[g.post_forward_mesh_info for g in u._get_fsdp_state()._fsdp_param_groups] for u in units]
+    units = [u for u in _units(model) if not all(g.is_unsharded for g in param_groups(u._get_fsdp_state()))]
+    saved = [[g.post_forward_mesh_info for g in param_groups(u._get_fsdp_state())] for u in units]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
@@ -112,7 +158,7 @@ def gathered(model: torch.nn.Module):
     finally:
         for unit, infos in zip(units, saved):
             unit.reshard()
-            for group, info in zip(unit._get_fsdp_state()._fsdp_param_groups, infos):
+            for group, info in zip(param_groups(unit._get_fsdp_state()), infos):
                 group.post_forward_mesh_info = info
 
 
