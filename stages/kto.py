@@ -16,7 +16,8 @@ sample, not a pair), a KTO micro-batch needs a second batch of mismatched prompt
 its KL estimate, and what it logs differs; the reference handling is DPO's, inherited: the policy
 with its adapter disabled under LoRA/QLoRA, a frozen copy of the starting model under full
 fine-tuning, dropout off. The KL rows are built from the micro-batch drawn (each prompt with the
-previous sample's answer), so the reference log-probs are not precomputed.
+previous sample's answer, never one to the same question: data_formats.unpaired.kl_partners), so
+the reference log-probs are not precomputed.
 
 Logged: train/loss, train/margin (mean reward of desirable minus undesirable samples),
 kto/rewards_chosen, kto/rewards_rejected, kto/kl (the KL estimate z_ref), and eval/loss,
@@ -39,7 +40,7 @@ if __package__ in (None, ""):
 import torch
 
 from data_formats.collate import Collator
-from data_formats.unpaired import answer_rows, build_kto_data, mismatched_rows
+from data_formats.unpaired import answer_rows, build_kto_data, kl_partner_problem, mismatched_rows
 from pipeline.algorithms import kto as kto_math
 from pipeline.algorithms import preference as pref
 from pipeline.algorithms.reference import ReferenceStage
@@ -125,7 +126,11 @@ class KTOStage(ReferenceStage):
         if advice:
             log.warning(advice)
         log.info("kto: %d training sample(s), %d eval sample(s)", len(self.train_samples), len(self.eval_samples))
-        return self.fill_problems(len(self.train_samples), "sample(s)")
+        problems = self.fill_problems(len(self.train_samples), "sample(s)")
+        if kto_math.LOSSES[cfg.kto.loss_type].needs_kl:
+            found = (kl_partner_problem(s, split) for s, split in ((self.train_samples, "train"), (self.eval_samples, "eval")) if s)
+            problems += [p for p in found if p]
+        return problems
 
     def build_model(self) -> torch.nn.Module:
         """The policy; under full fine-tuning, also its frozen starting copy (the reference)."""
@@ -143,7 +148,7 @@ class KTOStage(ReferenceStage):
         ref = self.reference_logps(batch)
         kl = None
         if kto_math.LOSSES[self.cfg.kto.loss_type].needs_kl:
-            mismatched = self.collate(self.collator, mismatched_rows(picked, self.cfg.train.seq_length), range(len(picked)))
+            mismatched = self.collate(self.collator, mismatched_rows(samples, indices, self.cfg.train.seq_length), range(len(picked)))
             with torch.no_grad():
                 policy_kl = pref.sequence_logps(self.model, mismatched, self.accelerator)[0]
             kl = kto_math.kl_estimate(policy_kl, self.reference_logps(mismatched), self.accelerator)

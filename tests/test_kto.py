@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from data_formats.sources import summarize
-from data_formats.unpaired import answer_rows, fit_unpaired, mismatched_rows, parse_unpaired
+from data_formats.unpaired import (answer_rows, fit_unpaired, kl_partner_problem, kl_partners, mismatched_rows, parse_unpaired,
+                                   unpaired_samples)
 from data_formats.validate import read_and_parse
 from pipeline.algorithms import kto as kto_math
 from stagerun import recording, run_stage
@@ -128,20 +129,110 @@ def test_kl_estimate_is_clamped_at_zero_as_trl_does():
 
 def test_mismatched_rows_are_trls_kl_completions():
     """Each prompt with the previous sample's answer, cyclic: TRL's [completions[-1]] + completions[:-1]."""
-    batch = [{"input_ids": [1, 2, 10, 11], "prompt_len": 2}, {"input_ids": [3, 20], "prompt_len": 1},
-             {"input_ids": [4, 5, 6, 30, 31, 32], "prompt_len": 3}]
+    batch = [{"input_ids": [1, 2, 10, 11], "prompt_len": 2, "record": 0}, {"input_ids": [3, 20], "prompt_len": 1, "record": 1},
+             {"input_ids": [4, 5, 6, 30, 31, 32], "prompt_len": 3, "record": 2}]
     completions = [s["input_ids"][s["prompt_len"]:] for s in batch]
     trl_kl = [completions[-1]] + completions[:-1]
-    rows = mismatched_rows(batch, seq_length=64)
+    rows = mismatched_rows(batch, range(3), seq_length=64)
     assert [r["input_ids"] for r in rows] == [s["input_ids"][: s["prompt_len"]] + c for s, c in zip(batch, trl_kl)]
     assert rows[0]["labels"] == [-100, -100, 30, 31, 32]
     # too long: the oldest prompt tokens go first, one prompt token stays
-    assert mismatched_rows(batch, seq_length=5)[0]["input_ids"] == [1, 2, 30, 31, 32]
-    assert mismatched_rows(batch, seq_length=4)[0]["input_ids"] == [2, 30, 31, 32]
+    assert mismatched_rows(batch, range(3), seq_length=5)[0]["input_ids"] == [1, 2, 30, 31, 32]
+    assert mismatched_rows(batch, range(3), seq_length=4)[0]["input_ids"] == [2, 30, 31, 32]
     assert answer_rows(batch[:1]) == [{"input_ids": [1, 2, 10, 11], "labels": [-100, -100, 10, 11]}]
     assert fit_unpaired([1, 2, 3], [9, 9], 4, truncate=True) == ([2, 3, 9, 9], 2)
     assert fit_unpaired([1, 2, 3], [9, 9], 4, truncate=False) is None
     assert fit_unpaired([1], [9, 9, 9, 9], 4, truncate=True) is None
+
+
+PAIRS = [(f"Question {i}: what is {i} + {i}?", f"It is {2 * i}.", f"Maybe {i}?") for i in range(6)]
+
+
+def kto_samples(path, tokenizer_dir, seq_length=128):
+    """Relay's KTO samples of a data file (the stage's reading and rendering, without the cache)."""
+    from transformers import AutoTokenizer
+
+    from data_formats.render import make_template
+    from pipeline.config import ChatDataConfig
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    records, problems = read_and_parse([str(path)], "kto")
+    assert problems == []
+    return unpaired_samples(records, tok, make_template(ChatDataConfig(), tok), seq_length, "drop", "train", lambda *_: None).samples
+
+
+def trl_partners(n: int, batch: int) -> list[int]:
+    """TRL 1.16's KL pairing: KTOTrainer._prepare_dataset maps add_kl_completion_ids over batches of
+    `per_device_train_batch_size` rows, KL_completion_ids = [completion_ids[-1]] + completion_ids[:-1]:
+    row i takes the completion of the row before it in its batch (cyclic)."""
+    out = []
+    for start in range(0, n, batch):
+        size = min(batch, n - start)
+        out += [start + (i - 1) % size for i in range(size)]
+    return out
+
+
+def test_kl_rows_never_answer_their_own_question_on_paired_data_as_trl_builds_them(tmp_path, tiny_model_dir):
+    """Paired records unpaired as TRL's `unpair_preference_dataset` orders them (every chosen answer,
+    then every rejected one), so that sequential held-out batches pair each prompt with an answer to
+    another question, as TRL's rotation does on the same data; the sides of one pair drawn into one
+    training micro-batch take another question's answer (from a further rotation or the split)."""
+    from datasets import Dataset
+    from trl.data_utils import unpair_preference_dataset
+
+    from data_formats.sampling import DataCursor, next_micro_batches
+    from pipeline.engine.steps import eval_shards
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n" for q, c, r in PAIRS))
+    pool = kto_samples(path, tiny_model_dir)
+    trl_rows = list(unpair_preference_dataset(Dataset.from_list([{"prompt": q, "chosen": c, "rejected": r} for q, c, r in PAIRS])))
+    questions = [q for q, _, _ in PAIRS]
+    assert [(s["record"], s["label"]) for s in pool] == [(questions.index(r["prompt"]), int(r["label"])) for r in trl_rows]
+
+    def own_question(indices, partners):
+        return [i for i, p in zip(indices, partners) if pool[i]["record"] == pool[p]["record"]]
+
+    for batch in (2, 3, 4, 5):
+        trl = trl_partners(len(pool), batch)
+        assert own_question(range(len(pool)), trl) == []  # TRL's pairing on this data: never the same record
+        for indices, _ in eval_shards(len(pool), batch, 1, 0):
+            partners = kl_partners(pool, indices)
+            assert partners == [trl[i] for i in indices]  # TRL's pairing, row for row
+            assert own_question(indices, partners) == []
+    # training draws in random order: every micro-batch of several epochs, batch sizes 2 and 3
+    for batch in (2, 3):
+        cursor = DataCursor()
+        for _ in range(40):
+            (indices,), cursor = next_micro_batches(len(pool), cursor, seed=3, batch_size=batch, grad_accum=1)
+            assert own_question(indices, kl_partners(pool, indices)) == [], indices
+    # the two sides of one pair as the whole micro-batch: each takes the answer of the sample before it in the split
+    chosen, rejected = 2, 2 + len(PAIRS)
+    assert pool[chosen]["record"] == pool[rejected]["record"]
+    assert kl_partners(pool, [chosen, rejected]) == [chosen - 1, rejected - 1]
+    rows = mismatched_rows(pool, [chosen, rejected], 128)
+    own = pool[rejected]["input_ids"][pool[rejected]["prompt_len"]:]
+    assert rows[1]["input_ids"][-len(own):] != own
+
+
+def test_kl_rows_never_pair_a_prompt_with_an_answer_to_the_same_prompt(tmp_path, tiny_model_dir):
+    """Labelled records that share a prompt (LLaMA-Factory's kto data often does) are other records
+    but the same question: their answers are not mismatched. A split where every sample asks the
+    same question has no KL row at all: refused before any model loads."""
+    rows = [("Name a colour.", "Blue.", True), ("Name a colour.", "Seven.", False), ("Name a colour.", "Red.", True),
+            ("What is 1 + 1?", "Two.", True)]
+    path = tmp_path / "shared.jsonl"
+    path.write_text("".join(json.dumps({"prompt": q, "completion": a, "label": g}) + "\n" for q, a, g in rows))
+    pool = kto_samples(path, tiny_model_dir)
+    assert kl_partners(pool, [0, 1, 2]) == [3, 3, 3]  # no rotation of the batch helps: the split's other question
+    assert kl_partners(pool, [0, 1, 2, 3]) == [3, 3, 3, 2]  # no rotation pairs none: the nearest earlier other question
+    assert kl_partner_problem(pool, "train") is None
+    same = tmp_path / "same.jsonl"
+    same.write_text("".join(json.dumps({"prompt": q, "completion": a, "label": g}) + "\n" for q, a, g in rows[:3]))
+    problem = kl_partner_problem(kto_samples(same, tiny_model_dir), "train")
+    assert problem.startswith(f"kto train data ({same}:1): no other sample answers another question")
+    with pytest.raises(ValueError, match="every sample answers the same question"):
+        kl_partners(kto_samples(same, tiny_model_dir), [0, 1])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,9 +12,11 @@ The batch loss is the mean over all samples of the micro-batch (TRL's nanmean ov
 
 z_ref, as TRL estimates it: the mean over the micro-batch of log π(y'|x) - log π_ref(y'|x) on
 mismatched pairs (each prompt with the previous sample's answer, data_formats.unpaired
-.mismatched_rows), without gradient, averaged over ranks, then clamped at 0. TRL builds those pairs
+.kl_partners), without gradient, averaged over ranks, then clamped at 0. TRL builds those pairs
 once in data order and so needs sequential sampling; Relay builds them from the micro-batch it
-draws, which is TRL's pairing whenever the order is the same.
+draws, which is TRL's pairing whenever the order is the same and the rotation pairs no prompt with
+an answer to its own question (the other side of its pair, or the same prompt in another record);
+where it would, Relay rotates further or borrows an answer from the rest of the split.
 
 Implicit rewards (logged): β·r, averaged over the desirable (rewards_chosen) and the undesirable
 (rewards_rejected) samples, as TRL logs rewards/chosen and rewards/rejected.
