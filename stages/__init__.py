@@ -53,6 +53,9 @@ class StageInfo:
     """(file name, title, panels) of its own plot in the run report; no panels: none."""
     verdict_figures: dict[str, str] = field(default_factory=dict)
     """{summary key: the VerdictConfig field holding its minimum} the verdict checks when the stage ran."""
+    samples: bool = False
+    """A policy stage: it samples its own responses, so a generation backend, tools and a mismatch
+    correction apply to it (the axes of pipeline/config/capabilities.py's table)."""
 
 
 LOSSES = ("train_loss_first", "train_loss_last", "eval_loss_first", "eval_loss_last")
@@ -83,6 +86,7 @@ STAGES: dict[str, StageInfo] = {
         reward_model="required",
         judged=True,
         data_kind="prompt",
+        samples=True,
         summary_keys=("reward_first", "reward_last", "kl_last", "eval_reward_first", "eval_reward_last"),
         loss_curve=False,
         plot=("ppo", "PPO", (
@@ -120,6 +124,7 @@ STAGES: dict[str, StageInfo] = {
         reward_model="optional",
         judged=True,
         data_kind="prompt",
+        samples=True,
         summary_keys=("reward_first", "reward_last", "kl_last", "eval_reward_first", "eval_reward_last"),
         loss_curve=False,
         plot=("grpo", "GRPO", (

@@ -103,9 +103,6 @@ class PolicyStage(Stage):
                 found.append("generation.backend: vllm with model.finetuning full: a model with tied input/output embeddings "
                              "cannot be synced into vLLM yet (use lora)")
             found += vllm_gpu_problems(self.cfg.generation)
-            if self.cfg.distributed.engine != "ddp":
-                found.append(f"generation.backend: vllm syncs weights from one whole policy; distributed.engine "
-                             f"{self.cfg.distributed.engine!r} is not supported with it yet (use ddp)")
         if self.reward_path is None:
             return found
         return found + reward_model_problems(self.cfg.reward_model, self.reward_path, self.model_path, self.name.upper())

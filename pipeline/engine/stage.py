@@ -47,7 +47,9 @@ from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
 from data_formats.sources import DataError
 from data_formats.validate import skip_report, take_skipped
 from pipeline.config import ConfigError, StageConfig, load_config, save_config, to_dict
-from pipeline.engine.accelerator import combination_problems, optimizer_state, prepare_training, setup_accelerator, trainable_state
+from pipeline.config.capabilities import config_refusals
+from pipeline.engine.accelerator import (combination_problems, optimizer_state, prepare_training, setup_accelerator, torch_optimizer,
+                                         trainable_state)
 from pipeline.engine.checkpoint import Checkpointer, CheckpointError, complete_checkpoints, rng_state
 from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
 from pipeline.engine.export import export_trained
@@ -301,6 +303,7 @@ class Stage:
         """
         cfg = self.cfg
         problems = cfg.problems() + self.problems() + combination_problems(cfg)
+        problems += [p for p in config_refusals(self.name, cfg) if p not in problems]  # the capability table
         problems += data_problems(cfg.data.train, "data.train") + data_problems(cfg.data.eval, "data.eval")
         # A reward stage may start from a causal LM (fresh head) or from a reward model.
         problems += parent_problems(self.model_path, "any" if self.model_kind == "reward" else "causal", cfg.model.allow_pickle)
@@ -340,7 +343,7 @@ class Stage:
         self.model, self.optimizer = prepare_training(acc, model, cfg)
         self.train_mode()
         # Not prepared: accelerate would step it once per process per step.
-        self.scheduler = build_scheduler(getattr(self.optimizer, "optimizer", self.optimizer), cfg.train)
+        self.scheduler = build_scheduler(torch_optimizer(self.optimizer), cfg.train)
         self.checkpointer = Checkpointer(out / "checkpoints", cfg.checkpoint, rank=acc.process_index,
                                          world_size=acc.num_processes, barrier=acc.wait_for_everyone,
                                          agree=lambda ok: all_ranks_ok(ok, acc))

@@ -4,6 +4,7 @@
     relay pipeline [CONFIG.yaml] [--from S | --only S] [--section.key value ...]  # PT -> SFT -> RM -> PPO
     relay validate CONFIG.yaml [--section.key value ...]   # every config/model/data problem, no training
     relay validate --kind sft FILES...                      # data files record by record (FILE:LINE: reason)
+    relay capabilities [--write-readme [README.md]]         # which combinations Relay runs (the README's table)
     relay show FILE [--boundaries]                          # what a conversation trains on
     relay chat --model DIR [--prompt TEXT] [--compare DIR2]
     relay report RUN_DIR                                    # report.md + plots
@@ -32,6 +33,7 @@ COMMANDS = {
     "train": (None, "run one stage from its YAML (the stage the config is for)"),
     "pipeline": (None, "run PT -> SFT -> RM -> PPO, each stage's merged model the next one's base"),
     "validate": (None, "check a config (model, data, keys) or data files, loading no model"),
+    "capabilities": (None, "print which stage/backend/tools/adapter/engine combinations Relay runs"),
     "show": ("data_formats.show", "show what a conversation trains on (tokens, masks)"),
     "chat": ("pipeline.tools.chat", "chat with a merged model"),
     "report": ("pipeline.tools.report", "write report.md and plots for a run"),
@@ -168,19 +170,107 @@ def train_command(args: list[str]) -> list[str]:
             str(script(stage)), *argv]
 
 
+AXIS_KEYS = ("model.finetuning", "distributed.engine", "distributed.deepspeed_config", "generation.backend",
+             "generation.correction", "tools.funcs")
+"""The config keys that place a run in the capability table (pipeline/config/capabilities.py)."""
+
+
+def axis_values(config: Optional[str], args: Sequence[str]) -> "SimpleNamespace":
+    """The capability axes a stage config and its dotted overrides set, read without loading the
+    stage (no torch): the shared sections' defaults, the YAML's values, then the overrides.
+
+    Raises:
+        CLIError: the YAML cannot be read.
+    """
+    from types import SimpleNamespace
+
+    from pipeline.config import DistributedConfig, GenerationConfig, ModelConfig, ToolsConfig
+    from pipeline.config.loading import read_yaml
+    from pipeline.config.sections import ConfigError
+
+    sections = {"model": ModelConfig(), "distributed": DistributedConfig(), "generation": GenerationConfig(), "tools": ToolsConfig()}
+    values = {key: getattr(sections[key.split(".")[0]], key.split(".")[1]) for key in AXIS_KEYS}
+    try:
+        data = read_yaml(config) if config else {}
+    except ConfigError as err:
+        raise CLIError(str(err.problems[0])) from err
+    for key in AXIS_KEYS:
+        section, name = key.split(".")
+        if isinstance(data.get(section), dict) and name in data[section]:
+            values[key] = data[section][name]
+    rest = list(args)
+    for key in AXIS_KEYS:
+        given = pop_option(rest, f"--{key}")
+        if given is not None:
+            values[key] = [] if given.strip() in ("[]", "") and key == "tools.funcs" else given
+    spaces = {name: SimpleNamespace() for name in sections}
+    for key, value in values.items():
+        section, name = key.split(".")
+        setattr(spaces[section], name, value)
+    return SimpleNamespace(**spaces)
+
+
+def combination_problems(stage: str, config: Optional[str], args: Sequence[str], nproc: int) -> list[str]:
+    """The capability table's refusal of the run `relay train` would start with `nproc` ranks
+    (pipeline/config/capabilities.py), asked before torchrun starts any rank."""
+    from pipeline.config.capabilities import config_refusals
+
+    return config_refusals(stage, axis_values(config, args), ranks=nproc)
+
+
 def run_train(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(TRAIN_USAGE)
         return 0
     command = train_command(args)
+    rest = list(args)
+    stage, nproc = pop_option(rest, "--stage"), int(pop_option(rest, "--nproc") or os.environ.get("NPROC", "1"))
+    config = pop_option(rest, "--config")
+    if config is None and rest and not rest[0].startswith("-"):
+        config = rest.pop(0)
+    stage = stage_of_config(config, stage) if config else stage
+    problems = combination_problems(stage, config, rest, nproc)
+    if problems:
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
     return subprocess.call(command)
 
 
-VALIDATE_USAGE = """usage: relay validate CONFIG.yaml [--stage S] [--section.key VALUE ...]
+CAPABILITIES_USAGE = """usage: relay capabilities [--write-readme [README.md]]
+
+Prints which combinations of stage, generation backend, tools, adapter, distributed engine and
+mismatch correction Relay runs (each one trained by a test), and why every other one is refused.
+--write-readme rewrites the table between the README's capability markers."""
+
+
+def run_capabilities(args: list[str]) -> int:
+    from pipeline.config import capabilities
+
+    if args and args[0] in ("-h", "--help"):
+        print(CAPABILITIES_USAGE)
+        return 0
+    if args and args[0] == "--write-readme":
+        path = Path(args[1]) if len(args) > 1 else REPO / "README.md"
+        if not capabilities.write_readme(path):
+            print(f"error: {path} has no {capabilities.BEGIN} ... {capabilities.END} markers to write the table between",
+                  file=sys.stderr)
+            return 2
+        print(f"{path}: capability table written")
+        return 0
+    if args:
+        print(f"error: unknown argument {args[0]!r}\n\n{CAPABILITIES_USAGE}", file=sys.stderr)
+        return 2
+    print(capabilities.render())
+    return 0
+
+
+VALIDATE_USAGE = """usage: relay validate CONFIG.yaml [--stage S] [--nproc N] [--section.key VALUE ...]
        relay validate [--kind KIND] [--format F] FILES...
 
 With a stage or pipeline YAML: every problem a run would hit before training (unknown keys, values,
-the model folder, data files and records), loading the tokenizer but no model. With data files:
+the model folder, data files and records, and whether Relay runs its combination of stage, backend,
+tools, adapter and engine with N ranks: `relay capabilities`), loading the tokenizer but no model. With data files:
 each record is checked and every bad one reported as FILE:LINE: reason. KIND is a data kind (pt, sft,
 rm, prompts, kto) or any stage name (pt, sft, rm, ppo, dpo, grpo, ...: the kind of data it reads)."""
 # A stage's data kind (stages.StageInfo.data_kind) -> the validator's kind of records.
@@ -221,6 +311,11 @@ def validate_config(config: str, args: list[str]) -> int:
 
     args = list(args)
     explicit = pop_option(args, "--stage")
+    nproc_text = pop_option(args, "--nproc") or "1"
+    if not nproc_text.isdigit() or int(nproc_text) < 1:
+        print(f"error: --nproc: {nproc_text!r} is not a number of processes >= 1", file=sys.stderr)
+        return 2
+    nproc = int(nproc_text)
     try:
         try:
             stage = stage_of_config(config, explicit)
@@ -245,6 +340,12 @@ def validate_config(config: str, args: list[str]) -> int:
 
         cls = stage_class(stage)
         cfg = load_config(cls.config_class, ["--config", config, *args])
+        if nproc > 1:  # the stage itself checks the one-process run
+            from pipeline.config.capabilities import config_refusals
+
+            refused = config_refusals(stage, cfg, ranks=nproc)
+            if refused:
+                raise ConfigError(refused, config)
         hide_unrequested_backends(cfg)
         runner = cls(cfg)
         runner.validate()
@@ -300,6 +401,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run_train(rest)
         if command == "validate":
             return run_validate(rest)
+        if command == "capabilities":
+            return run_capabilities(rest)
         if command == "pipeline":
             return run_pipeline(rest)
         if command == "show":

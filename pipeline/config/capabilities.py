@@ -1,0 +1,462 @@
+"""What Relay runs: every combination of stage x generation backend x tools x adapter x distributed
+engine x mismatch correction is either run by the test suite (its cell names the tests) or refused
+before any model loads, with one line saying why. `refusal` is the one answer; `relay validate`,
+every stage's validation and `relay train --nproc N` (before torchrun starts a rank) ask it, and
+`relay capabilities` prints the table the README carries.
+
+Axes that do not apply to a stage collapse to "-": only a policy stage (`StageInfo.samples`) has a
+generation backend, tools and a correction. The correction is the resolved one (`auto` is tis on an
+engine that reports its own log-probs, none otherwise).
+
+A cell is supported when no rule refuses it and `TESTS` names the tests that train it (a scripted
+sampler stands in for the relay backend in the multi-rank equivalence runs, so their rollouts do not
+depend on how prompts are dealt to ranks); a cell no test trains is refused as such, so the table
+never claims what the suite does not run. Adding a cell is one `TESTS` line; lifting a refusal is
+its rule. Imports no torch: the CLI asks it before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from pipeline.config.policy import CORRECTION_NAMES, GENERATION_BACKENDS
+from pipeline.config.sections import FINETUNING
+
+NONE = "-"
+"""An axis that does not apply to the cell's stage."""
+
+ZERO_ON_CPU = False
+"""Whether DeepSpeed ZeRO cells run without a CUDA GPU. The one switch to flip once ZeRO trains on
+CPU and its CPU tests are in the cells' TESTS."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    summary: str
+    engine_logprobs: bool
+    """It reports each sampled token's log-prob from its own kernels (a correction has something to
+    weigh against)."""
+    own_server: bool
+    """It samples in a server process of its own, fed the policy's weights after every update."""
+
+
+BACKENDS: dict[str, Backend] = {
+    "relay": Backend("Relay's decode engine", engine_logprobs=False, own_server=False),
+    "hf": Backend("transformers' generate", engine_logprobs=False, own_server=False),
+    "vllm": Backend("a vLLM server following the policy", engine_logprobs=True, own_server=True),
+}
+assert tuple(BACKENDS) == GENERATION_BACKENDS, "a generation backend needs its capability entry"
+
+
+@dataclass(frozen=True)
+class Engine:
+    label: str
+    config: str
+    """Its `distributed.engine` value."""
+    ranks: str
+    """'one' (a single process), 'many' (more than one rank) or 'any'."""
+    shards: bool
+    """Weights or optimizer state are split over ranks (no rank holds the whole policy)."""
+    zero: bool = False
+    """DeepSpeed ZeRO (CUDA only unless ZERO_ON_CPU)."""
+
+
+ENGINES: dict[str, Engine] = {
+    "single": Engine("one process", "ddp", "one", shards=False),
+    "ddp": Engine("DDP", "ddp", "many", shards=False),
+    "fsdp": Engine("FSDP2", "fsdp", "any", shards=True),
+    "zero2": Engine("ZeRO-2", "deepspeed", "any", shards=True, zero=True),
+    "zero3": Engine("ZeRO-3", "deepspeed", "any", shards=True, zero=True),
+}
+ADAPTERS = FINETUNING
+CORRECTIONS = tuple(c for c in CORRECTION_NAMES if c != "auto")
+TOOLS = ("off", "on")
+AXES = ("stage", "backend", "tools", "adapter", "engine", "correction")
+
+
+@dataclass(frozen=True)
+class Cell:
+    stage: str
+    backend: str = NONE
+    tools: str = NONE
+    adapter: str = "lora"
+    engine: str = "single"
+    correction: str = NONE
+
+    def describe(self) -> str:
+        parts = [f"{axis} {getattr(self, axis)}" for axis in AXES if getattr(self, axis) != NONE]
+        return " x ".join(parts)
+
+
+def policy_stages() -> tuple[str, ...]:
+    from stages import STAGES
+
+    return tuple(name for name, info in STAGES.items() if info.samples)
+
+
+def cells() -> Iterator[Cell]:
+    """Every cell of the table, in table order (stages as registered)."""
+    from stages import STAGES
+
+    for stage, info in STAGES.items():
+        if not info.samples:
+            for adapter, engine in itertools.product(ADAPTERS, ENGINES):
+                yield Cell(stage, adapter=adapter, engine=engine)
+            continue
+        for backend, tools, correction, adapter, engine in itertools.product(BACKENDS, TOOLS, CORRECTIONS, ADAPTERS, ENGINES):
+            yield Cell(stage, backend, tools, adapter, engine, correction)
+
+
+# ------------------------------------------------------------------------------------------
+# The tests that train each supported cell (pytest node ids; tests/test_capabilities.py checks
+# that every one exists)
+# ------------------------------------------------------------------------------------------
+
+DS, FSDP, GPU = "tests/test_distributed_stages.py", "tests/test_fsdp.py", "tests/test_distributed_gpu.py"
+CELLS = "tests/test_cells.py"
+VLLM_TOOLS_TESTS: tuple[str, ...] = ()
+"""The tests that train a tool rollout on the vllm backend; empty: tools x vllm is refused."""
+
+
+def _plain(stage: str, adapter: str, engine: str) -> Cell:
+    return Cell(stage, adapter=adapter, engine=engine)
+
+
+def _policy(stage: str, adapter: str, engine: str, backend: str = "relay", tools: str = "off", correction: str = "none") -> Cell:
+    return Cell(stage, backend, tools, adapter, engine, correction)
+
+
+TESTS: dict[Cell, tuple[str, ...]] = {
+    _plain("pt", "lora", "single"): ("tests/test_pt_sft.py::test_pt_packs_documents_and_merges",),
+    _plain("pt", "lora", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-pt-1-lora]",
+                                  "tests/test_streaming.py::test_two_processes_stream_the_same_global_batches"),
+    _plain("pt", "lora", "fsdp"): (f"{DS}::test_two_ranks_equal_one_process[fsdp-pt-1-lora]",),
+    _plain("pt", "full", "single"): ("tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[pt-full]",
+                                     f"{FSDP}::test_two_fsdp_ranks_equal_one_process[pt-full]"),
+    _plain("pt", "full", "ddp"): (f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[pt-full]",),
+    _plain("pt", "full", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[pt-full]",
+                                   f"{FSDP}::test_fsdp_stopped_and_resumed_equals_unbroken[pt-full]"),
+    _plain("pt", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[pt]",),
+    _plain("sft", "lora", "single"): ("tests/test_pt_sft.py::test_sft_resume_is_exact_and_ignores_a_torn_checkpoint",),
+    _plain("sft", "lora", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-sft-1-lora]",),
+    _plain("sft", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[sft]",),
+    _plain("sft", "lora", "zero2"): (f"{GPU}::test_zero_equals_one_gpu[zero2-sft-1]",),
+    _plain("sft", "lora", "zero3"): (f"{GPU}::test_zero_equals_one_gpu[zero3-sft-1]",),
+    _plain("sft", "full", "single"): ("tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[sft-full]",),
+    _plain("sft", "qlora", "single"): (f"{DS}::test_two_ranks_equal_one_process[ddp-sft-1-qlora]", "tests/test_qlora.py::test_qlora_loss_falls"),
+    _plain("sft", "qlora", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-sft-1-qlora]",),
+    _plain("sft", "qlora", "zero3"): (f"{GPU}::test_qlora_trains_under_sharding_and_tracks_one_gpu[zero3]",),
+    _plain("rm", "lora", "single"): ("tests/test_reward.py::test_rm_stage_head_survives_merge_and_stats_recorded",),
+    _plain("rm", "lora", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-rm-1-lora]",),
+    _plain("rm", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[rm]",),
+    _plain("rm", "lora", "zero2"): (f"{GPU}::test_zero_equals_one_gpu[zero2-rm-1]",),
+    _plain("rm", "lora", "zero3"): (f"{GPU}::test_zero_equals_one_gpu[zero3-rm-1]",),
+    _plain("rm", "full", "single"): ("tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[rm-full]",),
+    _plain("rm", "full", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-rm-1-full]",),
+    _plain("rm", "full", "fsdp"): (f"{DS}::test_two_ranks_equal_one_process[fsdp-rm-1-full]",
+                                   f"{DS}::test_fsdp_stopped_and_resumed_continues_exactly[rm-full-resumed-rm-full]"),
+    _plain("rm", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[rm]",),
+    _plain("dpo", "lora", "single"): ("tests/test_dpo.py::test_stage_learns_and_its_reference_is_the_starting_model[lora]",),
+    _plain("dpo", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[dpo]",),
+    _plain("dpo", "full", "single"): ("tests/test_dpo.py::test_stage_learns_and_its_reference_is_the_starting_model[full]",),
+    _plain("dpo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[dpo]",),
+    _plain("kto", "lora", "single"): ("tests/test_kto.py::test_lora_stage_learns_from_the_llama_factory_demo",),
+    _plain("kto", "full", "single"): ("tests/test_kto.py::test_first_steps_equal_trls_kto_trainer",),
+    _plain("kto", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[kto]",),
+    _policy("ppo", "lora", "single"): ("tests/test_ppo.py::test_first_step_is_exactly_on_policy",),
+    _policy("ppo", "lora", "ddp"): ("tests/test_distributed.py::test_ppo_under_ddp_is_on_policy_then_moves",
+                                    f"{DS}::test_two_ranks_equal_one_process[ddp-ppo-1-lora]"),
+    _policy("ppo", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[ppo]", f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[ppo-real]"),
+    _policy("ppo", "lora", "zero3"): (f"{GPU}::test_ppo_under_zero3_equals_one_gpu",),
+    _policy("ppo", "full", "single"): ("tests/test_ppo.py::test_reference_and_reward_weights_unchanged[full]",),
+    _policy("ppo", "full", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-ppo-1-full]",),
+    _policy("ppo", "full", "fsdp"): (f"{DS}::test_two_ranks_equal_one_process[fsdp-ppo-1-full]",),
+    _policy("ppo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[ppo]",),
+    _policy("ppo", "lora", "single", backend="hf"): (f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[ppo]",),
+    _policy("ppo", "lora", "single", tools="on"): ("tests/test_tool_rollout.py::test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values",),
+    _policy("ppo", "lora", "single", backend="vllm", correction="tis"): (
+        "tests/test_vllm.py::test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default",),
+    _policy("grpo", "lora", "single"): ("tests/test_grpo.py::test_first_step_on_policy_and_reference_is_the_disabled_adapter",),
+    _policy("grpo", "lora", "ddp"): (f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[grpo-real]",),
+    _policy("grpo", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[grpo]", f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[grpo-real]"),
+    _policy("grpo", "full", "single"): ("tests/test_grpo.py::test_beta_zero_runs_no_reference_forward[full]",),
+    _policy("grpo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[grpo]",),
+    _policy("grpo", "lora", "single", backend="hf"): ("tests/test_grpo.py::test_resume_reproduces_unbroken_run[hf]",
+                                                      f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[grpo]"),
+    _policy("grpo", "lora", "single", tools="on"): ("tests/test_tool_rollout.py::test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs",),
+    _policy("grpo", "lora", "ddp", tools="on"): ("tests/test_tool_rollout.py::test_two_ranks_equal_one_process",),
+    _policy("grpo", "lora", "single", backend="vllm", correction="tis"): (
+        "tests/test_vllm.py::test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run",),
+    _policy("grpo", "full", "single", backend="vllm", correction="tis"): ("tests/test_vllm.py::test_grpo_stage_full_fine_tuning_samples_on_vllm",),
+}
+if VLLM_TOOLS_TESTS:
+    for _stage in ("ppo", "grpo"):
+        TESTS[_policy(_stage, "lora", "single", backend="vllm", tools="on", correction="tis")] = VLLM_TOOLS_TESTS
+
+GRPO_OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {
+    "loss_type": {name: (f"tests/test_grpo_variants.py::test_micro_batch_shares_equal_trl_accumulation[{name}]",)
+                  for name in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")},
+    "advantage_estimator": {
+        "grpo": ("tests/test_grpo.py::test_group_advantages_match_trl",),
+        **{name: (f"tests/test_grpo_variants.py::test_estimators_equal_verl[{name}]",)
+           for name in ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")},
+    },
+}
+"""The `grpo:` options that are pure functions on the rollout's tensors: each runs in every
+supported GRPO cell (tests/test_grpo_variants.py::test_variants_run_in_the_stage runs them in the
+stage), its golden test against the peer named here. Keys equal the registries' (grpo_losses.LOSS_TYPES,
+advantages.ESTIMATORS; tests/test_capabilities.py checks)."""
+
+
+# ------------------------------------------------------------------------------------------
+# The refusals: (config key to blame, why) for a cell, None where the rule does not apply
+# ------------------------------------------------------------------------------------------
+
+Rule = Callable[[Cell, bool], Optional[tuple[str, str]]]
+
+
+def _correction_without_engine_logprobs(cell: Cell, cuda: bool):
+    if cell.correction not in (NONE, "none") and not BACKENDS[cell.backend].engine_logprobs:
+        return ("generation.correction", f"{cell.correction} weighs each token by p_trainer / p_engine and the {cell.backend} "
+                "backend reports no engine log-probs (it samples the distribution the trainer scores); use none or auto")
+    return None
+
+
+def _server_on_shards(cell: Cell, cuda: bool):
+    if cell.backend != NONE and BACKENDS[cell.backend].own_server and ENGINES[cell.engine].shards:
+        return ("generation.backend", f"{cell.backend} syncs weights from one whole policy; distributed.engine "
+                f"{ENGINES[cell.engine].config!r} is not supported with it yet (use ddp)")
+    return None
+
+
+def _server_per_rank(cell: Cell, cuda: bool):
+    if cell.backend != NONE and BACKENDS[cell.backend].own_server and ENGINES[cell.engine].ranks == "many":
+        return ("generation.backend", f"{cell.backend} with more than one rank is refused until per-rank servers are pinned "
+                "to their device (every rank would start its own server on device 0, writing the same adapter folder and "
+                "log); run one process, or use backend relay")
+    return None
+
+
+def _tools_under_zero(cell: Cell, cuda: bool):
+    if cell.tools == "on" and ENGINES[cell.engine].zero:
+        return ("tools.funcs", "tool rollouts run under ddp or fsdp (under DeepSpeed ZeRO-3 every rank samples in "
+                "lockstep, and ranks take different numbers of turns)")
+    return None
+
+
+def _tools_on_server(cell: Cell, cuda: bool):
+    if cell.tools == "on" and BACKENDS[cell.backend].own_server and not VLLM_TOOLS_TESTS:
+        return ("tools.funcs", f"tool rollouts on the {cell.backend} backend are not run by the test suite yet; "
+                "use backend relay or hf")
+    return None
+
+
+def _qlora_under_fsdp(cell: Cell, cuda: bool):
+    if cell.adapter == "qlora" and cell.engine == "fsdp":
+        return ("distributed.engine", "fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, "
+                "or model.finetuning lora or full")
+    return None
+
+
+def _zero_without_cuda(cell: Cell, cuda: bool):
+    if ENGINES[cell.engine].zero and not cuda and not ZERO_ON_CPU:
+        return ("distributed.engine", f"{ENGINES[cell.engine].label} (deepspeed) runs on a CUDA GPU only for now "
+                "(none is visible); on CPU use distributed.engine ddp or fsdp")
+    return None
+
+
+RULES: tuple[Rule, ...] = (_correction_without_engine_logprobs, _server_on_shards, _server_per_rank, _tools_under_zero,
+                           _tools_on_server, _qlora_under_fsdp)
+"""Refusals on any machine, first match wins."""
+DEVICE_RULES: tuple[Rule, ...] = (_zero_without_cuda,)
+"""Refusals on a machine without CUDA, after RULES."""
+
+
+def refusal(cell: Cell, cuda: bool = True) -> Optional[str]:
+    """Whether Relay runs `cell` (on a machine with CUDA or without): None, or the one line why not,
+    "config.key: reason" (what `relay validate` prints).
+
+    Raises:
+        KeyError: a value no axis has.
+    """
+    for rule in RULES + (() if cuda else DEVICE_RULES):
+        found = rule(cell, cuda)
+        if found:
+            return f"{found[0]}: {found[1]}"
+    if cell not in TESTS:
+        return (f"combination {cell.describe()}: not run by Relay's test suite yet, so refused "
+                "(`relay capabilities` lists every combination that is)")
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# A config's cell
+# ------------------------------------------------------------------------------------------
+
+
+def zero_stage(path: Optional[str]) -> Optional[int]:
+    """The ZeRO stage of a DeepSpeed JSON (None: no readable file; its own config problem)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8")) if path else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    zero = data.get("zero_optimization", {})
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
+
+def world_size() -> int:
+    """Ranks of this run (torchrun's WORLD_SIZE; 1 outside it)."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    return int(text) if text.isdigit() and int(text) > 0 else 1
+
+
+def config_cell(stage: str, cfg: Any, ranks: Optional[int] = None) -> tuple[Optional[Cell], Optional[str]]:
+    """(the cell a stage config runs in with `ranks` processes (default: this run's), or None
+    with the one line why it has none (a ZeRO stage without a cell)). Values the config's own checks
+    refuse (an unknown engine, a missing DeepSpeed file) give (None, None)."""
+    from stages import STAGES
+
+    ranks = world_size() if ranks is None else ranks
+    dist, model = cfg.distributed, cfg.model
+    if dist.engine == "deepspeed":
+        zero = zero_stage(dist.deepspeed_config)
+        if zero is None:
+            return None, None
+        engine = f"zero{zero}"
+        if engine not in ENGINES:
+            return None, (f"distributed.deepspeed_config: ZeRO stage {zero} is not run by Relay's test suite "
+                          f"(stages {', '.join(k[4:] for k in ENGINES if ENGINES[k].zero)} are)")
+    elif dist.engine == "fsdp":
+        engine = "fsdp"
+    elif dist.engine == "ddp":
+        engine = "ddp" if ranks > 1 else "single"
+    else:
+        return None, None
+    if model.finetuning not in ADAPTERS:
+        return None, None
+    if not STAGES[stage].samples:
+        return Cell(stage, adapter=model.finetuning, engine=engine), None
+    gen = cfg.generation
+    if gen.backend not in BACKENDS:
+        return None, None
+    correction = gen.correction
+    if correction not in CORRECTIONS:  # auto, or a value its own check refuses: the backend's default
+        correction = "tis" if BACKENDS[gen.backend].engine_logprobs else "none"
+    tools = getattr(cfg, "tools", None)
+    on = "on" if tools is not None and tools.funcs else "off"
+    return Cell(stage, gen.backend, on, model.finetuning, engine, correction), None
+
+
+def cuda_visible() -> bool:
+    """Whether a CUDA GPU is visible, asked of torch only where torch is already imported (a stage);
+    the CLI, which must not pay for torch, counts CUDA_VISIBLE_DEVICES / nvidia device files."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return bool(torch.cuda.is_available())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return visible.strip() not in ("", "-1")
+    return Path("/dev/nvidia0").exists()
+
+
+def config_refusals(stage: str, cfg: Any, ranks: Optional[int] = None, cuda: Optional[bool] = None) -> list[str]:
+    """The one line refusing the combination `cfg` runs (with `ranks` processes), or []."""
+    from stages import STAGES
+
+    if stage not in STAGES:
+        return []
+    cell, problem = config_cell(stage, cfg, ranks)
+    if problem:
+        return [problem]
+    if cell is None:
+        return []
+    line = refusal(cell, cuda_visible() if cuda is None else cuda)
+    return [line] if line else []
+
+
+# ------------------------------------------------------------------------------------------
+# The table
+# ------------------------------------------------------------------------------------------
+
+BEGIN, END = "<!-- capabilities:begin -->", "<!-- capabilities:end -->"
+
+
+def counts() -> tuple[int, int, int]:
+    """(cells run by the suite, cells refused, cells run by the suite on CUDA only)."""
+    tested = refused = cuda_only = 0
+    for cell in cells():
+        if refusal(cell, cuda=True) is None:
+            tested += 1
+            cuda_only += refusal(cell, cuda=False) is not None
+        else:
+            refused += 1
+    return tested, refused, cuda_only
+
+
+def render() -> str:
+    """The capability table as markdown: a row per stage (and, for policy stages, per backend, tools
+    and correction) and adapter with at least one supported engine; columns the engines. Every other
+    combination is refused, each reason listed once with how many cells it refuses."""
+    reasons: dict[str, int] = {}
+    rows: list[str] = []
+    for key, group in itertools.groupby(cells(), key=lambda c: (c.stage, c.backend, c.tools, c.correction, c.adapter)):
+        marks, any_supported = [], False
+        for cell in group:
+            line = refusal(cell, cuda=True)
+            if line is None:
+                any_supported = True
+                marks.append("CUDA" if refusal(cell, cuda=False) else "yes")
+                continue
+            reason = "not run by the test suite yet" if line.startswith("combination ") else line
+            reasons[reason] = reasons.get(reason, 0) + 1
+            marks.append(f"no ({list(reasons).index(reason) + 1})")
+        if any_supported:
+            stage, backend, tools, correction, adapter = key
+            rows.append(f"| {stage} | {backend} | {tools} | {correction} | {adapter} | " + " | ".join(marks) + " |")
+    tested, refused, cuda_only = counts()
+    head = ["| stage | backend | tools | correction | adapter | " + " | ".join(e.label for e in ENGINES.values()) + " |",
+            "|" + "---|" * (5 + len(ENGINES))]
+    notes = [f"{i}. {reason} ({n} cells)" for i, (reason, n) in enumerate(reasons.items(), 1)]
+    options = [f"- `grpo.{option}`: {', '.join(names)}: each in every supported grpo row (golden tests against TRL and verl)."
+               for option, names in GRPO_OPTIONS.items()]
+    return "\n".join([
+        f"{tested} combinations are trained by the test suite ({cuda_only} of them on a CUDA GPU only); {refused} are "
+        "refused before any model loads. yes: runs; CUDA: runs on a CUDA GPU; no (n): refused for reason n. Rows whose "
+        "every engine is refused are left out. One process is `distributed.engine: ddp` without `--nproc`; DDP is more "
+        "than one rank.",
+        "", *head, *rows, "", "Refused:", "", *notes, "", *options,
+    ])
+
+
+def write_readme(path: Path) -> bool:
+    """Replace the text between the capability markers of `path` with `render()`; False when the
+    markers are missing (nothing is written).
+
+    Raises:
+        OSError: the file cannot be read or written.
+    """
+    text = path.read_text(encoding="utf-8")
+    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
+        return False
+    before, rest = text.split(BEGIN, 1)
+    after = rest.split(END, 1)[1]
+    new = f"{before}{BEGIN}\n{render()}\n{END}{after}"
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return True
+
+
+def readme_block(text: str) -> Optional[str]:
+    """The text between the markers (None: no markers)."""
+    if BEGIN not in text or END not in text:
+        return None
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
