@@ -119,8 +119,11 @@ def cells() -> Iterator[Cell]:
 
 DS, FSDP, GPU = "tests/test_distributed_stages.py", "tests/test_fsdp.py", "tests/test_distributed_gpu.py"
 CELLS = "tests/test_cells.py"
-VLLM_TOOLS_TESTS: tuple[str, ...] = ()
-"""The tests that train a tool rollout on the vllm backend; empty: tools x vllm is refused."""
+VLLM_TOOLS_TESTS: dict[str, tuple[str, ...]] = {
+    "ppo": ("tests/test_vllm_tools.py::test_ppo_with_tools_on_vllm",),
+    "grpo": ("tests/test_vllm_tools.py::test_grpo_with_tools_on_vllm",),
+}
+"""The tests that train a tool rollout on the vllm backend, by stage; empty: tools x vllm is refused."""
 
 
 def _plain(stage: str, adapter: str, engine: str) -> Cell:
@@ -194,9 +197,8 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         "tests/test_vllm.py::test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run",),
     _policy("grpo", "full", "single", backend="vllm", correction="tis"): ("tests/test_vllm.py::test_grpo_stage_full_fine_tuning_samples_on_vllm",),
 }
-if VLLM_TOOLS_TESTS:
-    for _stage in ("ppo", "grpo"):
-        TESTS[_policy(_stage, "lora", "single", backend="vllm", tools="on", correction="tis")] = VLLM_TOOLS_TESTS
+for _stage, _nodes in VLLM_TOOLS_TESTS.items():
+    TESTS[_policy(_stage, "lora", "single", backend="vllm", tools="on", correction="tis")] = _nodes
 
 GRPO_OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {
     "loss_type": {name: (f"tests/test_grpo_variants.py::test_micro_batch_shares_equal_trl_accumulation[{name}]",)
