@@ -35,13 +35,17 @@ def largest_weight(params: Iterable[torch.Tensor]) -> float:
     shard (the caller agrees over ranks, and a shard's max needs no communication)."""
     from pipeline.engine.fsdp import local_tensor
 
-    largest = 0.0
     with torch.no_grad():
-        for p in params:
-            p = local_tensor(p.detach())
-            if p.numel():
-                largest = max(largest, float(p.abs().max()))
-    return largest
+        tensors = [t for t in (local_tensor(p.detach()) for p in params) if t.numel()]
+        if not tensors:
+            return 0.0
+        # One host read for all of them: a float() per parameter is a device sync each on a GPU.
+        by_device: dict = {}
+        for t in tensors:
+            by_device.setdefault(t.device, []).append(t)
+        peaks = [torch.stack([m.float() for m in torch._foreach_norm(group, float("inf"))]).max()
+                 for group in by_device.values()]
+        return float(torch.stack([p.cpu() for p in peaks]).max())
 
 
 def weight_divergence(largest: float, cfg: DivergenceConfig) -> Optional[str]:

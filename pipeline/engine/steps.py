@@ -92,7 +92,8 @@ def token_weights(counts: torch.Tensor, mode: str, task_weights: Optional[Sequen
     if mode == "none":
         total = counts.sum()
         return torch.where(present, 1.0 / total.clamp(min=1), torch.zeros_like(counts))
-    w = torch.ones_like(counts) if task_weights is None else torch.as_tensor(list(task_weights), dtype=torch.float64)
+    w = torch.ones_like(counts) if task_weights is None else torch.as_tensor(list(task_weights), dtype=torch.float64,
+                                                                            device=counts.device)
     if w.shape != counts.shape:
         raise ValueError(f"task_weights has {w.numel()} entries for {counts.numel()} tasks")
     norm = w[present].sum()
@@ -133,7 +134,13 @@ def is_deepspeed(accelerator) -> bool:
 
 def clip_gradients(model: torch.nn.Module, accelerator, max_norm: float) -> float:
     """Clip the global gradient norm to `max_norm` (0: only measure it); return the norm before
-    clipping, the same on every rank.
+    clipping, the same on every rank."""
+    return float(grad_norm_tensor(model, accelerator, max_norm))
+
+
+def grad_norm_tensor(model: torch.nn.Module, accelerator, max_norm: float) -> torch.Tensor:
+    """`clip_gradients` without the host read: the norm stays a 0-d tensor on its device, so a
+    step can read it together with its other figures.
 
     Under FSDP each rank holds the gradients of its own shards (DTensors): the norm over every
     rank's shards comes back as a DTensor, made whole here.
@@ -142,7 +149,7 @@ def clip_gradients(model: torch.nn.Module, accelerator, max_norm: float) -> floa
         # The engine clips and steps inside accelerator.backward (gradient_clipping in the plugin),
         # so under DeepSpeed the non-finite guard cannot run before its step; report its norm.
         norm = model.get_global_grad_norm() if hasattr(model, "get_global_grad_norm") else None
-        return float(norm) if norm is not None else 0.0
+        return torch.as_tensor(float(norm) if norm is not None else 0.0)
     limit = max_norm if max_norm and max_norm > 0 else float("inf")
     from pipeline.engine.fsdp import full_tensor
 
@@ -151,7 +158,7 @@ def clip_gradients(model: torch.nn.Module, accelerator, max_norm: float) -> floa
         norm = accelerator.clip_grad_norm_(params, limit)
     else:
         norm = torch.nn.utils.clip_grad_norm_(params, limit)
-    return float(full_tensor(norm))
+    return full_tensor(torch.as_tensor(norm))
 
 
 def model_inputs(batch: dict) -> dict:
@@ -215,22 +222,25 @@ def token_losses(model: torch.nn.Module, batch: dict, accelerator=None) -> tuple
 
 
 def supervised_counts(batches: Sequence[dict], num_tasks: int) -> torch.Tensor:
-    """[num_tasks] supervised-token counts per task over `batches` (float64 for exact sums)."""
-    counts = torch.zeros(num_tasks, dtype=torch.float64)
+    """[num_tasks] supervised-token counts per task over `batches` (float64 for exact sums), on the
+    batches' device: a one-hot sum needs no host read (a boolean index or bincount would sync)."""
+    counts = None
     for batch in batches:
         labels = batch["labels"][:, 1:]
         tasks = batch.get("task_ids")
         tasks = torch.zeros_like(labels) if tasks is None else tasks[:, 1:]
-        valid = (labels != IGNORE_INDEX) & (tasks >= 0)
-        counts += torch.bincount(tasks[valid].cpu(), minlength=num_tasks)[:num_tasks].double()
-    return counts
+        valid = (labels != IGNORE_INDEX) & (tasks >= 0) & (tasks < num_tasks)
+        hot = F.one_hot(tasks.clamp(0, num_tasks - 1), num_tasks) * valid.unsqueeze(-1)
+        part = hot.sum((0, 1)).double()
+        counts = part if counts is None else counts + part.to(counts.device)
+    return counts if counts is not None else torch.zeros(num_tasks, dtype=torch.float64)
 
 
 def all_reduce_sum(tensor: torch.Tensor, accelerator) -> torch.Tensor:
     """Sum of `tensor` over ranks (itself on one process)."""
     if accelerator is None or accelerator.num_processes == 1:
         return tensor
-    return accelerator.reduce(tensor.to(accelerator.device), reduction="sum").cpu()
+    return accelerator.reduce(tensor.to(accelerator.device), reduction="sum").to(tensor.device)
 
 
 @dataclass
@@ -270,26 +280,32 @@ def lm_train_step(
     # The weights already normalise over the whole step: undo accelerate's division by the number
     # of micro-batches and DDP's average over ranks.
     scale = float(world * len(micro_batches)) if accelerator is not None else 1.0
-    loss_sums = torch.zeros(num_tasks, dtype=torch.float64)
-    objective = torch.zeros((), dtype=torch.float64)
-    tokens = 0
+    # The figures stay on the model's device until the step's end: a .cpu() or int() per
+    # micro-batch is a host sync each on a GPU.
+    figures = None  # [objective, per-task loss sums..., real tokens], float64
     for index, batch in enumerate(micro_batches):
         with micro_step(accelerator, model, index, len(micro_batches)):
             autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
             with autocast:
                 loss, losses, tasks = weighted_token_losses(model, batch, weights, accelerator)
-            valid = tasks >= 0
             if accelerator is not None:
                 accelerator.backward(loss * scale)
             else:
                 (loss * scale).backward()
-        objective += loss.detach().double().cpu()
-        loss_sums.index_add_(0, tasks[valid].cpu(), losses[valid].detach().double().cpu())
-        tokens += int((batch["task_ids"] >= 0).sum()) if "task_ids" in batch else batch["input_ids"].numel()
-    # One all-reduce for every figure: [objective, per-task loss sums..., real tokens].
-    totals = all_reduce_sum(torch.cat([objective.view(1), loss_sums, torch.tensor([float(tokens)], dtype=torch.float64)]), accelerator)
-    objective, loss_sums, tokens = totals[0], totals[1:-1], int(totals[-1])
-    grad_norm = clip_gradients(model, accelerator, max_grad_norm)
+        if figures is None:
+            figures = torch.zeros(num_tasks + 2, dtype=torch.float64, device=loss.device)
+        valid = tasks >= 0
+        figures[0] += loss.detach().double()
+        figures[1:-1].index_add_(0, tasks.clamp(min=0).flatten(), torch.where(valid, losses.detach().double(), 0.0).flatten())
+        figures[-1] += (batch["task_ids"] >= 0).sum() if "task_ids" in batch else batch["input_ids"].numel()
+    if figures is None:
+        figures = torch.zeros(num_tasks + 2, dtype=torch.float64)
+    # One all-reduce for every figure, and one host read for them, the counts and the norm.
+    figures = all_reduce_sum(figures, accelerator)
+    norm = grad_norm_tensor(model, accelerator, max_grad_norm)
+    totals = torch.cat([figures, counts.to(figures.device), norm.to(figures.device, torch.float64).view(1)]).cpu()
+    objective, loss_sums, tokens = totals[0], totals[1:num_tasks + 1], int(totals[num_tasks + 1])
+    counts, grad_norm = totals[num_tasks + 2:-1], float(totals[-1])
     check_finite(objective, model, step, grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
