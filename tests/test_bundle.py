@@ -93,6 +93,16 @@ def test_check_reports_a_missing_need_a_changed_file_and_the_budget(synthetic_bu
     assert any("over the budget of 0.001 MiB" in p for p in problems)
 
 
+def test_the_command_line_caps_the_size_only_when_asked(synthetic_bundle, monkeypatch):
+    """A wheelhouse for an air-gapped cluster may be any size: --budget-mib is a limit only when given."""
+    budgets, check = [], bundle.check
+    monkeypatch.setattr(bundle, "check",
+                        lambda folder, budget_mib=None: budgets.append(budget_mib) or check(folder, budget_mib))
+    assert bundle.main(["--check", str(synthetic_bundle)]) == 0
+    assert bundle.main(["--check", str(synthetic_bundle), "--budget-mib", "0.001"]) == 1
+    assert budgets == [None, 0.001]
+
+
 def run_script(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHON": sys.executable, **(env or {})})

@@ -2,7 +2,7 @@
 offline GPU node (an air-gapped cluster, or the lent GPU machine that only gets what travels with
 the working tree, 64 MiB in all).
 
-    relay bundle --out .whl [--python-version 3.12] [--budget-mib 56]   # download + build + manifest
+    relay bundle --out .whl [--python-version 3.12] [--budget-mib N]    # download + build + manifest
     relay bundle --check .whl                                             # is a bundle complete?
 
 The node is assumed to hold CUDA torch, transformers, accelerate, peft and the common scientific
@@ -71,8 +71,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 """The embedded model's tokenizer (3.4 MB); its weights (the 90 MB GGUF) do not fit the carry, and the
 GPU tests train tiny random models that only need the tokenizer."""
 TOKENIZER_ONLY = "TOKENIZER_ONLY"
-DEFAULT_BUDGET_MIB = 56.0
-"""The device tool carries 64 MiB in all; Relay's own tree (about 6 MiB with its sample data) rides beside the bundle."""
 
 
 class BundleError(RuntimeError):
@@ -289,8 +287,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--check", metavar="DIR", help="check an existing bundle instead of building one")
     parser.add_argument("--seed-cache", metavar="DIR", help="make DIR's tokenizer the embedded model of $RELAY_CACHE (tokenizer only)")
     parser.add_argument("--python-version", default="3.12", help="the node's CPython version (default 3.12)")
-    parser.add_argument("--budget-mib", type=float, default=DEFAULT_BUDGET_MIB,
-                        help=f"largest total size (default {DEFAULT_BUDGET_MIB:g}: the device tool's 64 MiB less Relay's tree)")
+    parser.add_argument("--budget-mib", type=float, default=None,
+                        help="optional: refuse a bundle larger than this many MiB (for a transfer with a size limit; default: no limit)")
     args = parser.parse_args(argv)
     if args.seed_cache:
         print(seed_cache(Path(args.seed_cache)))
@@ -313,7 +311,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tree = tree_bytes(Path(__file__).resolve().parents[2])
     if not problems and tree is not None:
         total = json.loads((folder / MANIFEST).read_text())["total_bytes"] + tree
-        print(f"  with Relay's tree ({tree / 2**20:.1f} MiB): {total / 2**20:.1f} MiB of the device tool's 64 MiB carry")
+        print(f"  with Relay's tree ({tree / 2**20:.1f} MiB): {total / 2**20:.1f} MiB in all")
     return 1 if problems else 0
 
 
