@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
+PRECISIONS = DTYPES + ("bf16-pure",)
 FINETUNING = ("full", "lora", "qlora")
-ATTENTION = ("sdpa", "eager", "flash_attention_2")
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 SCHEDULES = ("constant", "linear", "cosine", "inv_sqrt", "inv")
 
 
@@ -144,7 +145,10 @@ class TrainConfig:
     seed: int = 42
     """Seed for model init, data order, dropout and sampling."""
     precision: str = "auto"
-    """Autocast precision: auto|fp32|bf16|fp16. 'auto' is bf16 on a GPU that supports it, fp32 on CPU."""
+    """Autocast precision: auto|fp32|bf16|fp16|bf16-pure. 'auto' is bf16 on a GPU that supports it, fp32 on
+    CPU. Under bf16/fp16 autocast the trainable weights and the optimizer's state stay fp32 (master
+    weights, as DeepSpeed keeps them); 'bf16-pure' keeps them in bf16 too, half the memory, and
+    small updates round away."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     beta1: float = 0.9
@@ -191,7 +195,7 @@ class TrainConfig:
         _positive(out, f"{key}.eval_steps", self.eval_steps, allow_zero=True)
         _positive(out, f"{key}.early_stopping_stall_num", self.early_stopping_stall_num, allow_zero=True)
         _positive(out, f"{key}.max_grad_norm", self.max_grad_norm, allow_zero=True)
-        _choice(out, f"{key}.precision", self.precision, DTYPES)
+        _choice(out, f"{key}.precision", self.precision, PRECISIONS)
         _choice(out, f"{key}.lr_schedule", self.lr_schedule, SCHEDULES)
         if not 0 <= self.min_lr_ratio <= 1:
             out.append(f"{key}.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio!r}")

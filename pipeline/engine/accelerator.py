@@ -25,9 +25,9 @@ def resolve_precision(name: str) -> str:
     """
     if name == "auto":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    table = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+    table = {"fp32": "no", "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16"}
     if name not in table:
-        raise ValueError(f"train.precision: {name!r} is not one of auto, fp32, bf16, fp16")
+        raise ValueError(f"train.precision: {name!r} is not one of auto, {', '.join(table)}")
     return table[name]
 
 

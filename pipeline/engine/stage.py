@@ -48,12 +48,13 @@ from data_formats.sources import DataError
 from data_formats.validate import skip_report, take_skipped
 from pipeline.config import ConfigError, StageConfig, load_config, save_config, to_dict
 from pipeline.config.capabilities import config_refusals
-from pipeline.engine.accelerator import (combination_problems, optimizer_state, prepare_training, setup_accelerator, torch_optimizer,
-                                         trainable_state)
+from pipeline.engine.accelerator import (combination_problems, optimizer_state, prepare_training, resolve_precision,
+                                         setup_accelerator, torch_optimizer, trainable_state)
 from pipeline.engine.checkpoint import Checkpointer, CheckpointError, complete_checkpoints, rng_state
 from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
 from pipeline.engine.export import export_trained
 from pipeline.engine.stage_checks import data_problems, parent_problems, supervision_problems
+from pipeline.engine.precision import fp32_masters, keeps_masters
 from pipeline.engine.interrupt import StopRequest, Stopped, agreed_signal, all_ranks_ok, ranks_max, signal_name
 from pipeline.engine.resume import launched_world_size, resume, resume_problems
 from pipeline.engine.schedule import build_scheduler
@@ -340,6 +341,8 @@ class Stage:
         self.accelerator = acc = setup_accelerator(cfg)
         set_seed(cfg.train.seed)  # LoRA's init and a fresh reward head draw from it
         model = self.build_model()
+        if keeps_masters(cfg.train.precision, resolve_precision(cfg.train.precision)):
+            fp32_masters(model)
         self.model, self.optimizer = prepare_training(acc, model, cfg)
         self.train_mode()
         # Not prepared: accelerate would step it once per process per step.
