@@ -95,6 +95,9 @@ class Conversation:
     """Extra record fields a stage may need (e.g. a prompt record's answer for reward functions)."""
     tools: Optional[list[dict]] = None
     """The tool schemas the conversation may call (data_formats.tools)."""
+    standard: bool = False
+    """A prompt record that gave its prompt as a plain text (TRL's standard type, not messages):
+    GRPO's reward functions then get the prompt and completions as strings, as TRL passes them."""
 
 
 def detect_format(record: Any) -> str:

@@ -353,9 +353,9 @@ def _preference_pairs(cfg, tokenizer, template: Template, seq_length: int, split
 
 def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length: Optional[int] = None,
                       tools: Optional[list[dict]] = None) -> list[dict]:
-    """PPO prompts dict(prompt_ids, text, source, columns, conversation): the rendered history plus
-    the assistant opener, the record's other fields as JSON text (the reward functions' keyword
-    arguments) and the conversation itself as JSON (its turns and tools: a tool rollout continues it).
+    """PPO prompts dict(prompt_ids, text, source, standard, columns, conversation): the rendered history plus
+    the assistant opener, whether the record's prompt was a plain text (1: TRL's standard type), the
+    record's other fields as JSON text (the reward functions' keyword arguments) and the conversation itself as JSON (its turns and tools: a tool rollout continues it).
     `tools`: the schemas a tool rollout offers, given to every prompt that lists none of its own.
     Prompts over `max_length` tokens (default cfg.max_prompt_length) are dropped (truncation='drop')
     or lose their oldest user/assistant exchanges, keeping any system turn (truncation='truncate').
@@ -397,7 +397,7 @@ def _prompts(cfg, tokenizer, template: Template, split: str, limit: int, check: 
         if len(ids) > limit:
             dropped += 1
             continue
-        out.append({"prompt_ids": ids, "text": tokenizer.decode(ids), "source": record.source,
+        out.append({"prompt_ids": ids, "text": tokenizer.decode(ids), "source": record.source, "standard": int(conv.standard),
                     "columns": json.dumps(conv.meta, ensure_ascii=False),
                     "conversation": json.dumps({"turns": [asdict(t) for t in conv.turns], "tools": conv.tools}, ensure_ascii=False)})
     check(problems, f"prompt {split} data")

@@ -95,7 +95,7 @@ def _prompt_conversation(record: Any, fmt: str, task: str, source: str, system_p
     check_order(turns, "user")
     used = ("instruction", "input") if fmt == "alpaca" else (next(a for a, _ in PAIR_KEYS if a in record),)
     conv = Conversation(turns, task=task_of(record, task), source=source,
-                        meta={k: v for k, v in record.items() if k not in used})
+                        meta={k: v for k, v in record.items() if k not in used}, standard=isinstance(record.get(used[0]), str))
     if system_prompt is not None:
         conv.turns.insert(0, type(turns[0])("system", system_prompt))
     return conv

@@ -123,6 +123,8 @@ class GRPOStage(PolicyStage):
         """`generator_factory(policy)` swaps the sampler (as PPO's)."""
         super().__init__(cfg, generator_factory=generator_factory)
         self.funcs: list = []
+        self.reward_log = rw.RewardLog()
+        """What the reward functions logged (TRL's log_metric, log_extra) at the latest call."""
         self.last_rollout = None
         """The latest step's rollout, rewards and advantages (tests read it from `on_step`)."""
 
@@ -149,22 +151,27 @@ class GRPOStage(PolicyStage):
         # The update's forward must reproduce the rollout's log-probs (the first ratio is 1).
         return ActorCritic(train_without_dropout(policy), None, reference, reward)
 
-    def rewards(self, prompts: list[str], rollout, columns: Optional[list[dict]] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
+    def rewards(self, samples: list[dict], rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
         """The summed reward of each completion ([N]), each source's own ([N] by name: the reward
         functions' names, 'rm', 'overlong' (DAPO's shaping), 'missing_eos' (-generation.missing_eos_penalty
-        for an unfinished one)) and each source's weight in the sum. `columns`: each completion's
-        prompt record fields, the reward functions' keyword arguments.
+        for an unfinished one)) and each source's weight in the sum. `samples`: each completion's
+        prompt sample; the reward functions are called as TRL calls them (pipeline.algorithms.rewards),
+        and a None they return is left out of the sum (TRL's nansum).
 
         Raises:
             ValueError: a reward function returned the wrong number of values or a non-number.
         """
         cfg, g = self.cfg, self.cfg.grpo
-        # with tools, each completion is its messages (calls and results), as TRL passes them
-        completions = rollout.conversations or [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
+        texts = None if rollout.conversations else [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
+        completions = rw.trl_completions(samples, texts, rollout.conversations)
+        prompts, columns = [rw.trl_prompt(s) for s in samples], [_columns(s) for s in samples]
+        ids, state = [list(r) for r in rollout.responses], rw.trainer_state(self.step, cfg.train.max_steps)
+        self.reward_log = rw.RewardLog()
         parts: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
         for spec, func, weight in zip(g.reward_funcs, self.funcs, g.reward_weights or [1.0] * len(self.funcs)):
-            parts[rw.func_name(spec)] = torch.tensor(rw.call_reward(func, spec, prompts, completions, columns))
+            parts[rw.func_name(spec)] = torch.tensor(rw.call_reward(func, spec, prompts, completions, ids, columns, state,
+                                                                    self.reward_log))
             weights[rw.func_name(spec)] = weight
         if self.reward_path is not None:
             device = self.accelerator.device
@@ -181,7 +188,7 @@ class GRPOStage(PolicyStage):
             weights["missing_eos"] = 1.0
         total = torch.zeros(len(completions))
         for name, values in parts.items():
-            total += weights[name] * values
+            total += torch.nan_to_num(weights[name] * values, nan=0.0)
         return total, parts, weights
 
     def sample_groups(self) -> tuple[list[dict], object, torch.Tensor, dict, dict, dict[str, float]]:
@@ -196,8 +203,7 @@ class GRPOStage(PolicyStage):
             (indices,) = self.next_sample_indices(grad_accum=1)
             batch = [self.train_samples[i] for i in indices]
             rollout = self.rollout(batch, G)
-            texts = [p["text"] for p in batch for _ in range(G)]
-            total, parts, weights = self.rewards(texts, rollout, [_columns(p) for p in batch for _ in range(G)])
+            total, parts, weights = self.rewards([p for p in batch for _ in range(G)], rollout)
             batches += 1
             if not g.dynamic_sampling:
                 return batch, rollout, total, parts, weights, {}
@@ -265,7 +271,8 @@ class GRPOStage(PolicyStage):
         local = {"grpo/reward": float(total.mean()), "grpo/reward_std": float(group_std.mean()),
                  "grpo/frac_reward_zero_std": float((group_std == 0).float().mean()),
                  "grpo/completion_length": float(rollout.response_mask.sum(1).float().mean()),
-                 **{f"grpo/reward/{name}": float(v.mean()) for name, v in parts.items()}, **dynamic}
+                 **{f"grpo/reward/{name}": float(v.nanmean()) for name, v in parts.items()}, **dynamic,
+                 **self.reward_log.means()}
         figures = {k: self._mean_over_ranks(v) for k, v in local.items()}
         figures.update({"train/loss": update["loss"], "train/grad_norm": update["grad_norm"],
                         "grpo/clipfrac": self._mean_over_ranks(update["clipfrac"]),
@@ -318,7 +325,7 @@ class GRPOStage(PolicyStage):
                                                acc.process_index, cfg.train.eval_batches):
                 batch = [self.eval_samples[i] for i in indices]
                 rollout = self.rollout(batch, 1)
-                total, parts, _ = self.rewards([p["text"] for p in batch], rollout, [_columns(p) for p in batch])
+                total, parts, _ = self.rewards(batch, rollout)
                 for name, values in {"eval/reward": total, **{f"eval/reward/{k}": v for k, v in parts.items()}, "n": torch.ones(len(batch))}.items():
                     sums[name] = sums.get(name, torch.tensor(0.0)) + values.sum() * counts
         names = list(sums)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-import sys
+import os
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -146,30 +146,14 @@ def token_share(prompts, completions):
 
 
 def test_reward_spec_refusals(tmp_path):
+    """More in tests/test_rewards.py (a user's own module by file path, working directory, PYTHONPATH)."""
     assert rw.reward_func_problem("pipeline.algorithms.rewards:house_phrase") is None
     assert rw.reward_func_problem("test_grpo:token_share") is None  # tests/ is in the project
     assert rw.reward_func_problem("json:loads") is None  # an installed (standard) module is fine
-    assert "is a file path" in rw.reward_func_problem("data/my_reward.py:score")
-    assert "is a file path" in rw.reward_func_problem("my_reward.py:score")
-    assert "cannot be imported (no such module)" in rw.reward_func_problem("no_such_module_xyz:score")
+    assert "no such file 'data/my_reward.py'" in rw.reward_func_problem("data/my_reward.py:score")
+    assert "no module 'no_such_module_xyz'" in rw.reward_func_problem("no_such_module_xyz:score")
     assert "has no 'nope'" in rw.reward_func_problem("pipeline.algorithms.rewards:nope")
     assert "not 'module:function'" in rw.reward_func_problem("pipeline.algorithms.rewards")
-    # a module that is importable only because a data folder was put on sys.path is refused unimported
-    (tmp_path / "sneaky_reward.py").write_text("raise SystemExit('imported!')\ndef score(p, c): return [1.0] * len(c)\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        assert "outside the project and the installed packages" in rw.reward_func_problem("sneaky_reward:score")
-    finally:
-        sys.path.remove(str(tmp_path))
-    (tmp_path / "sneakypkg").mkdir()
-    (tmp_path / "sneakypkg" / "__init__.py").write_text("raise SystemExit('imported!')\n")
-    (tmp_path / "sneakypkg" / "rewards.py").write_text("def score(p, c): return [1.0] * len(c)\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        assert "outside the project and the installed packages" in rw.reward_func_problem("sneakypkg.rewards:score")
-    finally:
-        sys.path.remove(str(tmp_path))
-    assert "sneaky_reward" not in sys.modules and "sneakypkg" not in sys.modules
 
 
 def test_config_problems_listed_together_before_loading(tmp_path):
@@ -181,8 +165,9 @@ def test_config_problems_listed_together_before_loading(tmp_path):
         grpo.GRPOStage(cfg).validate()
     found = err.value.problems
     assert [p for p in found if p.startswith("grpo.reward_funcs")] == [
-        "grpo.reward_funcs: 'data/sample/reward.py:score' is a file path; name a function as 'module:function' of the project or an installed package",
-        "grpo.reward_funcs: 'no_such_module_xyz:f': module 'no_such_module_xyz' cannot be imported (no such module)",
+        f"grpo.reward_funcs: 'data/sample/reward.py:score': no such file 'data/sample/reward.py' (relative to the working directory {os.getcwd()})",
+        "grpo.reward_funcs: 'no_such_module_xyz:f': no module 'no_such_module_xyz' in the installed packages, PYTHONPATH, Relay's tree "
+        f"or the working directory {os.getcwd()}; a file is named as 'path/to/file.py:function'",
     ]
     joined = "\n".join(found)
     assert "num_generations: must be >= 2" in joined and "loss_type: 'seq'" in joined and "1 weights for 3 reward functions" in joined

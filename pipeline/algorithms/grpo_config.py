@@ -87,9 +87,11 @@ class GRPOSection:
     overlong_penalty: float = 1.0
     """The shaping's penalty at max_new_tokens (verl's penalty_factor)."""
     reward_funcs: list[str] = field(default_factory=list)
-    """Reward functions "module:function" (project or installed package), each
-    function(prompts, completions) -> list[float]; with tools, each completion is its messages
-    (assistant turns with their tool_calls, the tool results), as TRL passes them."""
+    """Reward functions "module:function" (an installed package, PYTHONPATH, the working directory)
+    or "path/to/file.py:function", called by keyword as TRL's GRPOTrainer calls them:
+    f(prompts=, completions=, completion_ids=, **the prompt record's other fields, trainer_state=,
+    log_extra=, log_metric=) -> one float (or None) per completion (pipeline/algorithms/rewards.py).
+    A config runs the code it names: name only code you trust."""
     reward_weights: Optional[list[float]] = None
     """One weight per reward function (null: 1 each)."""
     samples_logged: int = 2
