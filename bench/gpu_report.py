@@ -1,20 +1,57 @@
-"""The GPU check's one result file: every GPU-marked test's outcome (from pytest's JUnit XML) and
-the benchmarks' figures (bench/gpu.py's JSON), as markdown ready for bench/RESULTS.md.
+"""The GPU check's one result file, OUTDIR/gpu_check.md: each part's status against its budget, the
+install (versions, Python headers), every GPU-marked test's outcome (from pytest's JUnit XML) and the
+benchmarks' figures, as markdown ready for bench/RESULTS.md. bench/gpu.py keeps the run's state in
+OUTDIR/state.json and writes the report again after every change, so a run cut off at any point
+leaves the report of what it finished (`State`). Standard library only: it runs before the install.
 
-    python bench/gpu_report.py --junit tests.xml --bench bench.json --log install.log --out gpu_check.md
+    python bench/gpu_report.py --dir OUTDIR                # the report again from OUTDIR/state.json
+    python bench/gpu_report.py --junit tests.xml --out gpu_check.md   # tests only
 
-A test skipped because it needs two GPUs is listed as "not run: needs 2 GPUs", never dropped.
+A test skipped because it needs two GPUs is listed as "not run: needs 2 GPUs", never dropped; one
+a budget cut off (collected, never reported) as "not run: the part's time budget was spent".
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.metadata as metadata
 import json
+import os
+import sys
+import sysconfig
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 TWO_GPUS = ("two gpus", "2 gpus", "needs two", "fsdp needs two")
+PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "deepspeed", "bitsandbytes", "flash_attn", "vllm")
+"""The distributions whose versions the report names (None: not installed)."""
+
+
+def versions(packages=PACKAGES) -> dict:
+    """{distribution: version or None} as this interpreter (and its PYTHONPATH) sees them."""
+    out = {}
+    for name in packages:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def python_headers() -> dict:
+    """Whether this Python's C headers are there: DeepSpeed builds its CPU Adam (ZeRO-Offload's
+    optimizer) against Python.h at first use, and fails mid-run without them."""
+    include = Path(sysconfig.get_paths().get("include") or sysconfig.get_config_var("INCLUDEPY") or "")
+    header = include / "Python.h"
+    return {"python": sys.version.split()[0], "path": str(header), "found": header.is_file()}
+
+
+def headers_line(h: dict) -> str:
+    if h.get("found"):
+        return f"Python {h['python']} headers: found ({h['path']}): DeepSpeed's CPU Adam can build"
+    return (f"Python {h.get('python')} headers: MISSING ({h.get('path')} does not exist): DeepSpeed's CPU Adam (ZeRO-Offload) "
+            f"cannot build here; install the python{'.'.join(str(h.get('python', '3')).split('.')[:2])}-dev package")
 
 
 def test_outcomes(junit: Path) -> list[tuple[str, str, float]]:
@@ -35,6 +72,28 @@ def test_outcomes(junit: Path) -> list[tuple[str, str, float]]:
             outcome = "passed"
         rows.append((test_id, outcome, seconds))
     return rows
+
+
+def outcomes_of(junit: Path, collected=None) -> list[tuple[str, str, float]]:
+    """A tests part's outcomes: its JUnit XML where pytest wrote one, plus every collected test it
+    never reported (the part's budget cut it off)."""
+    rows = test_outcomes(junit) if junit and Path(junit).is_file() else []
+    seen = {row[0] for row in rows}
+    if collected and Path(collected).is_file():
+        ids = dict.fromkeys(line.strip() for line in Path(collected).read_text().splitlines() if line.strip())
+        rows += [(test_id, "not run: the part's time budget was spent", 0.0) for test_id in ids if test_id not in seen]
+    return rows
+
+
+def tests_section(outcomes: list, title: str = "GPU-marked tests") -> list[str]:
+    two_gpus, no_time = "not run: needs 2 GPUs", "not run: the"
+    counts = {k: sum(1 for _, o, _ in outcomes if o.startswith(k)) for k in ("passed", "FAILED", two_gpus, no_time, "skipped")}
+    late = f"; {counts[no_time]} not run (time budget)" if counts[no_time] else ""
+    lines = [f"### {title}: {counts['passed']} passed, {counts['FAILED']} failed, {counts[two_gpus]} not run "
+             f"(need 2 GPUs), {counts['skipped']} skipped{late}", ""]
+    if not outcomes:
+        return lines + ["No test results (pytest did not run or was stopped before writing its report)."]
+    return lines + ["| test | result | s |", "|---|---|---|"] + [f"| {t} | {o.replace('|', '/')} | {s:.1f} |" for t, o, s in outcomes]
 
 
 def gb(mb) -> str:
@@ -74,78 +133,190 @@ def sft_table(bench: dict) -> list[str]:
     return lines + ([""] + errors if errors else [])
 
 
-def bench_section(bench: dict) -> list[str]:
-    if not bench:
-        return ["No benchmark figures (bench/gpu.py did not run or wrote nothing)."]
-    shape = bench.get("shape")
-    lines = ["`--tiny` run: a tiny shape on this machine, checking the code paths; the figures mean nothing.", ""] if bench.get("tiny") else []
-    lines += [f"Random-init {shape} ({bench.get('n_params', 0) / 1e6:.0f}M parameters), the embedded tokenizer, synthetic "
-             f"two-turn conversations of ~500 tokens, 16 a step packed into rows of 2048, bf16, AdamW, sdpa; each side in its "
-             f"own process. Peak dense bf16 taken as {bench.get('peak_bf16_tflops')} TFLOP/s. MFU = tokens/s x (6N full, 4N "
-             "LoRA/QLoRA, + 12 L d T attention) / peak (bench/gpu.py). Peak memory: torch.cuda.max_memory_allocated.", ""]
-    lines += sft_table(bench)
-    q = bench.get("qlora_merge", {})
-    lines += ["", f"- QLoRA on {q.get('shape', 'the 1.5B shape')}: " + (f"error: {q['error']}" if "error" in q else
-              f"not run: {q['not_run']}" if "not_run" in q else
-              f"{q.get('steps')} steps, losses {q.get('losses')}, merged: {q.get('merged')}, peak {gb(q.get('gpu_peak_mb'))} GiB, "
-              f"{q.get('seconds')} s with load and merge")]
-    for algo in ("ppo", "grpo"):
-        r = bench.get(algo, {})
-        lines.append(f"- {algo.upper()} (LoRA, bf16, {shape}): " + (f"error: {r['error']}" if "error" in r else
-                     f"not run: {r['not_run']}" if "not_run" in r else
-                     f"{r.get('s_per_step')} s/step, generation {pct(r.get('generation_share'))} of it, peak "
-                     f"{gb(r.get('gpu_peak_mb'))} GiB (every step: {r.get('step_seconds')})"))
-    g = bench.get("generate", {})
-    if "rows" in g:
-        lines += ["", f"Decoding ({shape}, {g.get('dtype')}, greedy, every row {g['rows'][0]['new_tokens']} new tokens; tok/s):", "",
-                  "| batch | Relay, CUDA graph | Relay, model's own step | generate, dynamic cache | generate, static cache | graph vs dynamic |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {r['batch']} | {r['relay-graph']:,.0f} | {r['relay-eager']:,.0f} | {r['generate-dynamic']:,.0f} | "
-                  f"{r['generate-static']:,.0f} | {r['relay-graph'] / r['generate-dynamic']:.2f}x |" for r in g["rows"]]
-    else:
-        lines.append(f"- Decoding: " + (f"error: {g['error']}" if "error" in g else f"not run: {g.get('not_run', 'no result')}"))
+def profile_lines(r: dict) -> list[str]:
+    """The Relay-only SFT part: its figures and the profiled step's breakdown."""
+    if "tokens_per_s" not in r:
+        why = f"error: {r['error']}" if "error" in r else f"cut off {r['cut_off']}" if "cut_off" in r else "no figures"
+        return [f"- Relay SFT full fine-tuning (profiled): {why}"]
+    lines = [f"- Relay SFT full fine-tuning, {r.get('case', {}).get('precision', 'bf16')}, seq {r.get('case', {}).get('seq_length')} "
+             f"packed, {r.get('case', {}).get('batch_size')} samples a step: {side(r, 'tokens_per_s')} tok/s, "
+             f"{r.get('s_per_step', '-')} s/step, MFU {pct(r.get('mfu'))}, peak {gb(r.get('gpu_peak_mb'))} GiB, "
+             f"losses {r.get('losses')}" + (f" (cut off {r['cut_off']})" if "cut_off" in r else "")]
+    prof = r.get("profile")
+    if prof:
+        idle = f", GPU idle {pct(prof['idle_share'])} of the step (host-bound time)" if prof.get("idle_share") is not None else ""
+        lines += ["", f"One profiled step: {prof['step_ms']:.1f} ms wall, {prof['busy_ms']:.1f} ms of {prof['clock']}{idle}.", "",
+                  "| where | ms | share |", "|---|---|---|"]
+        lines += [f"| {k} | {v['ms']:.1f} | {pct(v['share'])} |" for k, v in prof["categories"].items()]
+        lines += ["", "Costliest: " + "; ".join(f"`{t['name'][:60]}` {t['ms']:.1f} ms" for t in prof["top"][:5])]
     return lines
 
 
+def status_of(r: dict) -> str:
+    return f"error: {r['error']}" if "error" in r else f"not run: {r['not_run']}" if "not_run" in r else ""
+
+
+def bench_section(bench: dict) -> list[str]:
+    """Markdown of the benchmarks present in `bench` (keys: sft_profile, sft, qlora_merge, ppo, grpo,
+    generate, generate_compiled); those absent are not this run's."""
+    if not any(k in bench for k in ("sft_profile", "sft", "qlora_merge", "ppo", "grpo", "generate", "generate_compiled")):
+        return ["No benchmark figures (none ran in this run, or none finished)."]
+    shape = bench.get("shape") or "model"
+    lines = ["`--tiny` run: a tiny shape on this machine, checking the code paths; the figures mean nothing.", ""] if bench.get("tiny") else []
+    lines += [f"Random-init {shape} ({(bench.get('n_params') or 0) / 1e6:.0f}M parameters), the embedded tokenizer, synthetic "
+              f"two-turn conversations of ~500 tokens, 16 a step packed into rows of 2048, bf16, AdamW, sdpa. Peak dense bf16 "
+              f"taken as {bench.get('peak_bf16_tflops')} TFLOP/s. MFU = tokens/s x (6N full, 4N LoRA/QLoRA, + 12 L d T "
+              "attention) / peak (bench/gpu.py). Peak memory: torch.cuda.max_memory_allocated.", ""]
+    if "sft_profile" in bench:
+        lines += profile_lines(bench["sft_profile"]) + [""]
+    if "sft" in bench:
+        lines += sft_table(bench) + [""]
+    if "qlora_merge" in bench:
+        q = bench["qlora_merge"]
+        lines.append(f"- QLoRA on {q.get('shape', 'the 1.5B shape')}: " + (status_of(q) or
+                     f"{q.get('steps')} steps, losses {q.get('losses')}, merged: {q.get('merged')}, peak {gb(q.get('gpu_peak_mb'))} GiB, "
+                     f"{q.get('seconds')} s with load and merge"))
+    for algo in ("ppo", "grpo"):
+        if algo in bench:
+            r = bench[algo]
+            lines.append(f"- {algo.upper()} (LoRA, bf16, {shape}): " + (status_of(r) or
+                         f"{r.get('s_per_step')} s/step, generation {pct(r.get('generation_share'))} of it, peak "
+                         f"{gb(r.get('gpu_peak_mb'))} GiB (every step: {r.get('step_seconds')})"))
+    g, c = bench.get("generate", {}), bench.get("generate_compiled", {})
+    static = {r["batch"]: r.get("generate-static") for r in c.get("rows", [])}
+    if g.get("rows") or c.get("rows"):
+        rows = g.get("rows") or [{"batch": r["batch"], "new_tokens": r["new_tokens"]} for r in c["rows"]]
+        num = lambda v: f"{v:,.0f}" if isinstance(v, (int, float)) else "-"
+        lines += ["", f"Decoding ({shape}, {g.get('dtype') or c.get('dtype')}, greedy, every row {rows[0]['new_tokens']} new "
+                  "tokens; tok/s; each side warmed up on the shapes it is timed on):", "",
+                  "| batch | Relay, CUDA graph | Relay, model's own step | generate, dynamic cache | generate, static cache (compiled) "
+                  "| graph vs dynamic |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {num(r.get('relay-graph'))} | {num(r.get('relay-eager'))} | {num(r.get('generate-dynamic'))} | "
+                  f"{num(static.get(r['batch'], r.get('generate-static')))} | {ratio(r.get('relay-graph'), r.get('generate-dynamic'))} |"
+                  for r in rows]
+        if c.get("warmup_s"):
+            lines += ["", "Static cache: the warm-up call (compilation) took " + ", ".join(f"{k} {v} s" for k, v in c["warmup_s"].items())]
+    for key in ("generate", "generate_compiled"):
+        r = bench.get(key, {})
+        if key in bench and not r.get("rows"):
+            lines.append(f"- Decoding{' (compiled)' if key == 'generate_compiled' else ''}: " + (status_of(r) or "no result"))
+        elif r.get("cut_off") or r.get("error"):
+            lines.append(f"- Decoding{' (compiled)' if key == 'generate_compiled' else ''}: " + (f"cut off {r['cut_off']}" if r.get("cut_off") else f"error: {r['error']}"))
+    return lines
+
+
+BENCH_KEYS = {"sft-profile": "sft_profile", "sft-vs-trl": "sft", "qlora-merge": "qlora_merge", "ppo": "ppo", "grpo": "grpo",
+              "decode": "generate", "decode-compiled": "generate_compiled"}
+"""bench/gpu.py's part -> the key its result has in bench_section."""
+
+
 def report(junits: list, bench_json, log, device: str, not_run=None, collected=None) -> str:
+    """Tests and benchmarks from files (the form before State): JUnit XMLs, a benchmarks JSON, an install log."""
     bench = json.loads(Path(bench_json).read_text()) if bench_json and Path(bench_json).is_file() else {}
     device = bench.get("device") or device
-    outcomes = [row for junit in junits or [] if Path(junit).is_file() for row in test_outcomes(Path(junit))]
-    seen = {row[0] for row in outcomes}
-    if collected and Path(collected).is_file():  # collected, then cut off by a time budget
-        ids = dict.fromkeys(line.strip() for line in Path(collected).read_text().splitlines() if line.strip())
-        outcomes += [(test_id, "not run: the tests' time budget was spent", 0.0) for test_id in ids if test_id not in seen]
-    if not_run and Path(not_run).is_file():  # files the tests' time budget left no time for
-        outcomes += [(line.rsplit(": ", 1)[-1], "not run: the tests' time budget was spent", 0.0)
+    outcomes = [row for junit in junits or [] for row in outcomes_of(Path(junit), collected)]
+    if not_run and Path(not_run).is_file():
+        outcomes += [(line.rsplit(": ", 1)[-1], "not run: the part's time budget was spent", 0.0)
                      for line in Path(not_run).read_text().splitlines() if line.strip()]
-    two_gpus, no_time = "not run: needs 2 GPUs", "not run: the tests'"
-    counts = {k: sum(1 for _, o, _ in outcomes if o.startswith(k)) for k in ("passed", "FAILED", two_gpus, no_time, "skipped")}
-    late = f"; {counts[no_time]} test files not started (time budget)" if counts[no_time] else ""
     lines = [f"## GPU check, {_dt.date.today().isoformat()}, {device}", "",
-             "Written by `bash run_scripts/gpu_check.sh` (README: GPU check). Versions: "
-             + ", ".join(f"{k} {v}" for k, v in bench.get("versions", {}).items()), ""]
+             "Written by `bash run_scripts/gpu_check.sh` (README: GPU check).", ""]
     if log and Path(log).is_file():
         kept = [line.strip() for line in Path(log).read_text().splitlines() if line.startswith(("relay runs on", "error", "install.sh"))]
         lines += ["Install: " + (" / ".join(kept) or "no version line (see install.log)"), ""]
-    lines += [f"### GPU-marked tests: {counts['passed']} passed, {counts['FAILED']} failed, {counts[two_gpus]} not run "
-              f"(need 2 GPUs), {counts['skipped']} skipped{late}", ""]
-    if not outcomes:
-        lines.append("No test results (pytest did not run or was stopped before writing its report).")
-    else:
-        lines += ["| test | result | s |", "|---|---|---|"] + [f"| {t} | {o.replace('|', '/')} | {s:.1f} |" for t, o, s in outcomes]
-    return "\n".join(lines + ["", "### GPU benchmarks", ""] + bench_section(bench)) + "\n"
+    return "\n".join(lines + tests_section(outcomes) + ["", "### GPU benchmarks", ""] + bench_section(bench)) + "\n"
+
+
+class State:
+    """The run's state in OUTDIR/state.json; every change writes it and OUTDIR/gpu_check.md again
+    (each through a file renamed into place: a run killed mid-write keeps the previous version)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = Path(out)
+        path = self.out / "state.json"
+        self.data = json.loads(path.read_text()) if path.is_file() else {"parts": {}, "bench": {}}
+
+    def start(self, device: str, parts: list[str], total_s: float, tiny: bool) -> None:
+        self.data.update(device=device, date=_dt.date.today().isoformat(), total_s=round(total_s), tiny=tiny,
+                         parts={name: {"status": "not started", "seconds": 0.0, "budget_s": None} for name in parts}, bench={})
+        self.write()
+
+    def record(self, part: str, status: str, seconds: float, budget_s: float) -> None:
+        self.data["parts"][part] = {"status": status, "seconds": round(seconds, 1), "budget_s": budget_s}
+        self.write()
+
+    def install(self, log: Path, site=None) -> None:
+        """Versions as the parts will see them (the bundle's site first), the headers, the compat line."""
+        if site is not None:
+            sys.path.insert(0, str(site))
+        kept = [line.strip() for line in Path(log).read_text(errors="replace").splitlines()
+                if line.startswith(("relay runs on", "error", "install.sh"))] if Path(log).is_file() else []
+        self.data["install"] = {"versions": versions(), "headers": python_headers(), "log": kept}
+        self.write()
+
+    def bench(self, part: str, result: dict) -> None:
+        self.data["bench"][part] = result
+        self.write()
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name, text in (("state.json", json.dumps(self.data, indent=1) + "\n"), ("gpu_check.md", render(self.data, self.out))):
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, self.out / name)
+
+
+def render(data: dict, out: Path) -> str:
+    """gpu_check.md from a run's state and the test parts' JUnit files under OUTDIR/junit."""
+    parts = data.get("parts", {})
+    spent = sum(p.get("seconds") or 0 for p in parts.values())
+    lines = [f"## GPU check, {data.get('date', _dt.date.today().isoformat())}, {data.get('device', 'unknown device')}", "",
+             f"Written by `bash run_scripts/gpu_check.sh` (README: GPU check) after every part; this run: "
+             f"{', '.join(parts) or 'nothing yet'} ({data.get('total_s')} s of budgets, {spent:.0f} s spent so far).", "",
+             "| part | status | s | budget s |", "|---|---|---|---|"]
+    lines += [f"| {name} | {p['status'].replace('|', '/')} | {p.get('seconds', 0):.0f} | {p.get('budget_s') or '-'} |"
+              for name, p in parts.items()]
+    install = data.get("install")
+    if install:
+        v = install.get("versions", {})
+        lines += ["", "Versions: " + ", ".join(f"{k} {v[k] or 'not installed'}" for k in v) + ".",
+                  "", headers_line(install.get("headers", {})) + "."]
+        if install.get("log"):
+            lines += ["", "Install: " + " / ".join(install["log"])]
+    for name, p in parts.items():
+        junit = out / "junit" / f"{name}.xml"
+        collected = out / "junit" / f"{name}.collected"
+        if junit.is_file() or collected.is_file():
+            lines += [""] + tests_section(outcomes_of(junit, collected), f"Tests, {name}")
+    bench = {BENCH_KEYS[k]: v for k, v in data.get("bench", {}).items() if k in BENCH_KEYS}
+    notes = []
+    if "sft" in bench:  # the part's result holds its rows, and how it ended
+        notes = [f"- SFT vs TRL: {status_of(bench['sft']) or 'cut off ' + bench['sft']['cut_off']}"
+                 for _ in [0] if status_of(bench["sft"]) or bench["sft"].get("cut_off")]
+        bench["sft"] = bench["sft"].get("rows", [])
+    if bench:
+        first = next(iter(data["bench"].values()))
+        bench.update({k: first.get(k) for k in ("shape", "n_params", "peak_bf16_tflops", "tiny")})
+        lines += ["", "### GPU benchmarks", ""] + bench_section(bench) + notes
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", help="a check's OUTDIR: write its gpu_check.md again from state.json")
     parser.add_argument("--junit", action="append", help="pytest's JUnit XML (repeatable)")
     parser.add_argument("--not-run", help="a file of lines 'not run (...): FILE' (test files never started)")
     parser.add_argument("--collected", help="every collected test id, one a line (bench/gpu_collect.py)")
     parser.add_argument("--bench")
     parser.add_argument("--log")
     parser.add_argument("--device", default="unknown device")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     args = parser.parse_args(argv)
+    if args.dir:
+        State(Path(args.dir)).write()
+        print((Path(args.dir) / "gpu_check.md").read_text())
+        return 0
+    if not args.out:
+        parser.error("--out or --dir is required")
     text = report(args.junit, args.bench, args.log, args.device, args.not_run, args.collected)
     Path(args.out).write_text(text)
     print(text)

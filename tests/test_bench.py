@@ -138,3 +138,143 @@ def test_demo_backends_names_a_root_without_a_summary_in_one_line(tmp_path, caps
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"bench/demo_backends.py: {tmp_path / 'b' / 'summary.json'}: not found (a finished demo root holds one)"]
+
+
+# ------------------------------------------------------------------------------------------
+# The GPU check (run_scripts/gpu_check.sh, bench/gpu.py, bench/gpu_report.py), on this CPU
+# ------------------------------------------------------------------------------------------
+
+
+def test_the_gpu_checks_first_run_fits_its_window_and_puts_the_informative_parts_first():
+    from bench import gpu
+
+    first = gpu.selected("first")
+    assert [p.name for p in first] == ["install", "sft-profile", "gpu-tests", "fsdp-tests", "decode"]
+    assert gpu.run_budget(first, 1, {}) <= 480 and gpu.RUN_LIMIT_S == 480
+    for run_name in gpu.RUNS:  # every run fits one window, on one GPU and on two
+        assert max(gpu.run_budget(gpu.selected(run_name), n, {}) for n in (1, 2)) <= gpu.RUN_LIMIT_S, run_name
+    # every part runs in some run, the install in each; a test file in exactly one part
+    assert {p.run for p in gpu.PARTS} == {"every", *gpu.RUNS}
+    assert [p.name for p in gpu.selected("fsdp-tests, decode")] == ["install", "fsdp-tests", "decode"]
+    assert gpu.budget_of(gpu.selected("decode")[1], {"GPU_CHECK_S_DECODE": "12"}) == 12
+    with pytest.raises(ValueError, match="GPU_CHECK_PARTS: fourth not known; runs: first, second, third; parts: install, "):
+        gpu.selected("fourth")
+    two = [p for p in gpu.PARTS if p.gpus > 1]
+    assert [p.tests for p in two] == ["tests/test_distributed_stages.py -k fsdp"]
+    assert gpu.run_budget(gpu.selected("second"), 1, {}) == gpu.run_budget(gpu.selected("second"), 2, {}) - two[0].budget_s
+
+
+def test_the_dry_run_prints_each_runs_budget_sum(tmp_path):
+    proc = subprocess.run(["bash", "run_scripts/gpu_check.sh", str(tmp_path / "x"), "--dry-run"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**__import__("os").environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr
+    sums = re.findall(r"budget sum with 10 s of start-up: (\d+) s \(([\d.]+) min\) on one GPU", proc.stdout)
+    assert len(sums) == 3 and int(sums[0][0]) <= 480, proc.stdout
+    assert "first run:" in proc.stdout and "[needs 2 GPUs: not started on fewer]" in proc.stdout
+    over = subprocess.run(["bash", "run_scripts/gpu_check.sh", str(tmp_path / "x"), "--dry-run"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**__import__("os").environ, "PYTHON": sys.executable, "GPU_CHECK_S_DECODE": "400"})
+    assert over.returncode == 1 and "error: the first run's budgets add up to 790 s, over 480 s" in over.stderr
+
+
+def test_the_report_is_written_after_each_part_and_says_what_was_cut_off(tmp_path):
+    from bench import gpu_report
+
+    state = gpu_report.State(tmp_path)
+    state.start("NVIDIA H200", ["install", "sft-profile", "gpu-tests", "fsdp-2gpu-tests"], 470, False)
+    state.record("install", "running", 0.0, 50)
+    assert "| install | running | 0 | 50 |" in (tmp_path / "gpu_check.md").read_text()
+    state.install(tmp_path / "no.log")
+    state.record("install", "passed", 21.0, 50)
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "## GPU check, " in text and "NVIDIA H200" in text and "| install | passed | 21 | 50 |" in text
+    assert re.search(r"Versions: torch [^,]+, transformers [^,]+, accelerate [^,]+, peft [^,]+,", text)
+    assert re.search(r"Python 3\.\d+\.\d+ headers: (found|MISSING)", text)
+    # a tests part cut off: what pytest reported, and what it collected but never reached
+    (tmp_path / "junit").mkdir()
+    (tmp_path / "junit" / "gpu-tests.xml").write_text('<testsuites><testsuite><testcase classname="tests.test_gpu" '
+                                                      'name="test_a" time="3.0"/></testsuite></testsuites>')
+    (tmp_path / "junit" / "gpu-tests.collected").write_text("tests/test_gpu.py::test_a\ntests/test_gpu.py::test_b\n")
+    state.record("gpu-tests", "cut off", 130.0, 130)
+    state.bench("sft-profile", {"shape": "qwen2.5-0.5b", "n_params": 494_032_768, "cut_off": "after 90 s (its budget)"})
+    state.record("fsdp-2gpu-tests", "not run: needs 2 GPUs", 0.0, 60)
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "| gpu-tests | cut off | 130 | 130 |" in text and "| fsdp-2gpu-tests | not run: needs 2 GPUs | 0 | 60 |" in text
+    assert "| tests/test_gpu.py::test_b | not run: the part's time budget was spent | 0.0 |" in text
+    assert "### Tests, gpu-tests: 1 passed, 0 failed, 0 not run (need 2 GPUs), 0 skipped; 1 not run (time budget)" in text
+    assert "- Relay SFT full fine-tuning (profiled): cut off after 90 s (its budget)" in text
+    assert json.loads((tmp_path / "state.json").read_text())["parts"]["gpu-tests"]["status"] == "cut off"
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_python_headers_are_looked_up_where_this_python_keeps_them(monkeypatch, tmp_path):
+    from bench import gpu_report
+
+    monkeypatch.setattr(gpu_report.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    missing = gpu_report.python_headers()
+    assert missing["found"] is False and missing["path"] == str(tmp_path / "Python.h")
+    assert "headers: MISSING" in gpu_report.headers_line(missing) and "-dev package" in gpu_report.headers_line(missing)
+    (tmp_path / "Python.h").write_text("")
+    assert gpu_report.python_headers()["found"] is True
+
+
+def test_the_profile_breakdown_counts_each_kernel_once_by_category():
+    from bench import gpu, gpu_report
+
+    events = [("sm90_xmma_gemm_bf16bf16_bf16f32", 30.0), ("flash_fwd_kernel", 10.0), ("multi_tensor_apply_kernel<Adam>", 5.0),
+              ("cunn_SoftMaxForward", 3.0), ("Memcpy HtoD (Pageable -> Device)", 1.0), ("vectorized_elementwise_kernel", 1.0)]
+    got = gpu.breakdown(events, step_ms=100.0, on_gpu=True)
+    assert got["busy_ms"] == 50.0 and got["idle_share"] == 0.5
+    assert {k: v["ms"] for k, v in got["categories"].items()} == {
+        "matmul (GEMM)": 30.0, "attention": 10.0, "optimizer": 5.0, "softmax / cross-entropy": 3.0,
+        "copies / casts / fills": 1.0, "norms / activations / elementwise": 1.0}
+    assert got["top"][0] == {"name": "sm90_xmma_gemm_bf16bf16_bf16f32", "ms": 30.0}
+    assert gpu.breakdown(events, 100.0, on_gpu=False)["idle_share"] is None
+    result = {"case": {"precision": "bf16", "seq_length": 2048, "batch_size": 16}, "tokens_per_s": 51000.0, "s_per_step": 0.16,
+              "mfu": 0.112, "gpu_peak_mb": 20480, "losses": [12.0, 11.5], "profile": got}
+    lines = gpu_report.profile_lines(result)
+    assert lines[0].startswith("- Relay SFT full fine-tuning, bf16, seq 2048 packed, 16 samples a step: 51,000 tok/s, 0.16 s/step, "
+                               "MFU 11.2%, peak 20.0 GiB")
+    assert "One profiled step: 100.0 ms wall, 50.0 ms of GPU kernels, GPU idle 50.0% of the step (host-bound time)." in lines
+    assert "| matmul (GEMM) | 30.0 | 60.0% |" in lines
+
+
+def test_a_part_past_its_budget_is_stopped_and_a_spent_run_starts_nothing(tmp_path):
+    import time
+
+    from bench import gpu
+
+    started = time.monotonic()
+    code, seconds = gpu.run_process(["sleep", "30"], 1, dict(__import__("os").environ), tmp_path / "log")
+    assert code is None and seconds < 10 and time.monotonic() - started < 10
+    assert gpu.check(tmp_path / "out", "first", None, True, total_s=0) == 0
+    parts = json.loads((tmp_path / "out" / "state.json").read_text())["parts"]
+    assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(
+        ["install", "sft-profile", "gpu-tests", "fsdp-tests", "decode"], "not run: the run's time budget was spent")
+    assert (tmp_path / "out" / "gpu_check.md").is_file()
+
+
+def test_gpu_check_on_cpu_writes_its_report_after_the_install_and_when_stopped(tmp_path):
+    """The script itself on this CPU (GPU_CHECK_ON_CPU=1): the report exists once the first part has
+    finished, and a check stopped mid-part (the device window's end: SIGTERM) rewrites it, naming the
+    part it cut off, and exits 124."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_ON_CPU": "1", "GPU_CHECK_PARTS": "sft-profile"}
+    proc = subprocess.Popen(["bash", "run_scripts/gpu_check.sh", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    status = lambda: json.loads((out / "state.json").read_text())["parts"] if (out / "state.json").is_file() else {}
+    deadline = time.monotonic() + 240
+    while status().get("sft-profile", {}).get("status") != "running" and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    text = (out / "gpu_check.md").read_text()
+    assert "| install | passed |" in text and "| sft-profile | running |" in text, text
+    assert re.search(r"Versions: torch [^,]+, transformers [^,]+, accelerate [^,]+, peft [^,]+,", text) and " headers: " in text
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)  # bash exec'd the check: this is its process
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 124, output[-2000:]
+    text = (out / "gpu_check.md").read_text()
+    assert "| sft-profile | cut off: the check was stopped (SIGTERM) |" in text, text
