@@ -257,11 +257,11 @@ def test_serve_vllm_without_its_environment_is_one_clear_line(tiny_model_dir, ca
 
 def test_serve_vllm_on_a_cpu_runs_the_model_in_the_engine_process_and_compiles_unless_eager(tiny_model_dir, capsys, monkeypatch):
     from pipeline.modeling import vllm_server
-    from pipeline.tools import serve
 
     calls = []
     monkeypatch.setattr(vllm_server, "vllm_python", lambda: "python")
-    monkeypatch.setattr(serve.subprocess, "call", lambda cmd, env=None: calls.append((cmd, env)) or 0)
+    monkeypatch.setattr(vllm_server, "launch", lambda cmd, env: calls.append((cmd, env)) or type("Proc", (), {"wait": lambda self: 0})())
+    monkeypatch.setattr(vllm_server, "stop_group", lambda proc: None)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     assert main([str(tiny_model_dir), "--backend", "vllm"]) == 0
     assert main([str(tiny_model_dir), "--backend", "vllm", "--eager"]) == 0

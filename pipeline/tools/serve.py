@@ -19,9 +19,14 @@ finish_reason "length"). Any OpenAI client works: `OpenAI(base_url="http://local
 api_key="unused")`; the model name is the folder's name (--name changes it).
 
 --api-key KEY (or the environment variable RELAY_API_KEY, which keeps the key out of `ps`): every
-/v1 route then needs `Authorization: Bearer KEY`, compared in constant time, and answers an
-OpenAI-style 401 without it; GET /health stays open, as in vLLM's server. With --backend vllm the
-key goes to vLLM as VLLM_API_KEY (its environment, not its command line).
+route then needs `Authorization: Bearer KEY`, compared in constant time, and answers an
+OpenAI-style 401 without it; GET /health stays open (a liveness probe), as in vLLM's server. With --backend vllm the
+key guards every route of vLLM's server, not only its /v1 ones (/invocations, /tokenize, /pooling,
+... answer without vLLM's own key): Relay's guard runs inside vLLM's app and gets the key in its
+environment, never on its command line (pipeline/modeling/vllm_side/relay_vllm_guard.py); it
+also refuses chat messages with a role Relay's server refuses. The vLLM server stops with this
+process: on SIGTERM, SIGINT or SIGHUP it is stopped whole, and killed outright this process
+still takes it down (pipeline.modeling.vllm_server.launch).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import hmac
 import importlib.util
 import json
 import os
-import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
@@ -40,7 +45,7 @@ from typing import Any, AsyncIterator, Optional, Sequence
 
 from fastapi import Request  # module level: FastAPI resolves the handlers' (postponed) annotations here
 
-from pipeline.tools.openai_protocol import ApiError, ChatRequest, check_request, chunk, completion_response, new_id, usage
+from pipeline.tools.openai_protocol import ROLES, ApiError, ChatRequest, check_request, chunk, completion_response, new_id, usage
 from pipeline.tools.serve_batch import Batcher, Job
 from pipeline.tools.serve_tools import CallStream, answer_message, prompt_and_prefill
 
@@ -209,13 +214,14 @@ def key_error(authorization: Optional[str], key: str) -> Optional[ApiError]:
 
 
 def require_key(app, key: str) -> None:
-    """Refuse every /v1 request without the key (OPTIONS and /health pass, as in vLLM's server)."""
+    """Refuse every request without the key (OPTIONS and GET /health pass, as in vLLM's server and
+    Relay's guard in it)."""
     from fastapi.responses import JSONResponse
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
         error = None
-        if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
+        if request.method != "OPTIONS" and (request.method, request.url.path) != ("GET", "/health"):
             error = key_error(request.headers.get("authorization"), key)
         if error is not None:
             return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
@@ -224,7 +230,7 @@ def require_key(app, key: str) -> None:
 
 def make_app(server: Server, api_key: Optional[str] = None):
     """The FastAPI app over `server` (its batcher runs while the app does); with `api_key`, every
-    /v1 route needs it (`require_key`)."""
+    route but GET /health needs it (`require_key`)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -292,12 +298,18 @@ def vllm_command(folder: str, host: str, port: int, python: str = sys.executable
     return server_command(python, folder, host, port, opts or ServerOptions(name=Path(folder).name)) + vllm_tool_flags(folder)
 
 
+class Stopped(Exception):
+    """A signal asked `relay serve` to stop."""
+
+
 def serve_vllm(folder: str, name: str, host: str, port: int, max_batch: int, dtype: str, max_model_len: int,
                api_key: Optional[str] = None, eager: bool = False) -> int:
-    """`vllm_command` in the foreground, from the environment pipeline.modeling.vllm_server finds
-    (bench/.venv-vllm on a CPU: run_scripts/install_vllm.sh); the API key goes to vLLM as
-    VLLM_API_KEY in its environment, never on its command line."""
-    from pipeline.modeling.vllm_server import ServerOptions, server_env, vllm_python
+    """`vllm_command` until it exits or this process is asked to stop (SIGTERM, SIGINT, SIGHUP),
+    from the environment pipeline.modeling.vllm_server finds (bench/.venv-vllm on a CPU:
+    run_scripts/install_vllm.sh). The API key and Relay's chat roles go to the server's guard in
+    its environment, never on its command line. Either way out, the server's whole process group
+    is stopped before this returns."""
+    from pipeline.modeling.vllm_server import DROPPED_VLLM_ENV, ServerOptions, launch, server_env, stop_group, vllm_python
 
     python = vllm_python()
     if python is None:
@@ -305,12 +317,32 @@ def serve_vllm(folder: str, name: str, host: str, port: int, max_batch: int, dty
               "or pip install vllm on a CUDA machine)", file=sys.stderr)
         return 2
     dtypes = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-    opts = ServerOptions(name=name, max_num_seqs=max_batch, dtype=dtypes[dtype], max_model_len=max_model_len, eager=eager)
-    env = server_env(opts)
-    if api_key:
-        env["VLLM_API_KEY"] = api_key
-    print(f"serving {folder} as '{name}' (vLLM, {python}) on http://{host}:{port}/v1  (Ctrl-C stops)", file=sys.stderr)
-    return subprocess.call(vllm_command(folder, host, port, python, opts), env=env)
+    opts = ServerOptions(name=name, max_num_seqs=max_batch, dtype=dtypes[dtype], max_model_len=max_model_len, eager=eager,
+                         roles=tuple(ROLES))
+    dropped = sorted(DROPPED_VLLM_ENV & set(os.environ))
+    if dropped:
+        print(f"note: not passed to vLLM (they open routes or change what it trusts): {', '.join(dropped)}", file=sys.stderr)
+    guard = "API key required on every route but GET /health" if api_key else "no API key: anyone who reaches the port can use it"
+    print(f"serving {folder} as '{name}' (vLLM, {python}) on http://{host}:{port}/v1, {guard}  (Ctrl-C stops)", file=sys.stderr)
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    asked = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, stop) for sig in asked}
+    proc = None
+    try:
+        proc = launch(vllm_command(folder, host, port, python, opts), server_env(opts, api_key))
+        return proc.wait()
+    except Stopped:
+        return 0
+    finally:
+        for sig in asked:  # a second Ctrl-C must not cut the stop short: it ends in SIGKILL anyway
+            signal.signal(sig, signal.SIG_IGN)
+        if proc is not None:
+            stop_group(proc)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -330,7 +362,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted (413 beyond)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, which keeps it out of ps)")
+                        help=f"require 'Authorization: Bearer KEY' on every route but GET /health (default: ${API_KEY_ENV}, which keeps it out of ps)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM: longest prompt + answer (sizes its KV cache)")
     parser.add_argument("--eager", action="store_true",
                         help="vLLM: no torch.compile (--enforce-eager): on a CPU it starts ~45 s sooner on SmolLM2-135M and decodes ~20%% slower")
