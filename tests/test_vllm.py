@@ -100,6 +100,30 @@ def shared_server(engine_server, vllm_untied):
     return engine_server
 
 
+def test_every_route_of_the_engine_server_needs_its_key(engine_server, vllm_untied):
+    """The RL backend's server (development routes and runtime LoRA on) refuses every route of its
+    OpenAPI schema without its per-server key, the weight reload among them; `post` sends the key."""
+    import urllib.error
+
+    def status(path, method="POST", headers=None):
+        request = urllib.request.Request(engine_server.base_url + path, b"{}" if method == "POST" else None,
+                                         {"Content-Type": "application/json", **(headers or {})}, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    code, schema = status("/openapi.json", "GET", engine_server.headers)
+    routes = [(m.upper(), p.replace("{", "").replace("}", "")) for p, ops in json.loads(schema)["paths"].items() for m in ops]
+    assert {("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"), ("POST", "/v1/load_lora_adapter")} <= set(routes)
+    for method, path in routes:
+        if (method, path) != ("GET", "/health"):
+            for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+                assert status(path, method, headers)[0] == 401, (method, path, headers)
+    engine_server.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(vllm_untied)}})
+
+
 def on_server(server, folder, workdir):
     """A GRPO/PPO `generator_factory` sampling on the shared `server` (the stage's generation config)."""
     from transformers import AutoTokenizer
