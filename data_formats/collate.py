@@ -3,15 +3,15 @@ preference-pair batches of the RM and DPO stages (`PairCollator`, `AnswerPairCol
 `PackedPairCollator`).
 
 Batch layout (ARCHITECTURE.md): input_ids, labels, position_ids, task_ids [B, T]; attention_mask
-[B, T] when padding, [B, 1, T, T] block-causal when packing on sdpa/eager, absent when packing on
-flash_attention_2 (HF's FA2 path finds the sample boundaries from position_ids restarting at 0;
-written, not testable without a GPU).
+[B, T] when padding; segment_ids [B, T] when packing: which sample of its row each slot holds (the
+padding tail is a segment of its own), with position_ids restarting at 0 for each sample.
 
-Why a 4D block-causal mask: with sdpa or eager, position_ids alone do not stop a token from
-attending to earlier samples in its row (the default causal mask spans the whole row), which we
-measured: sample B's logits change when sample A changes. transformers passes a 4D mask through
-unchanged (masking_utils: "If the mask is already 4D, simply return as-is"); sdpa takes a boolean
-mask (True = attend), eager adds the mask to the scores, so it gets an additive float mask.
+A packed batch carries no attention mask: what keeps a sample blind to the others in its row
+depends on the attention implementation (a 4D block-causal mask for sdpa/eager, a document
+BlockMask for flex attention, varlen `cu_seq_lens` for flash-attention), and
+`pipeline.modeling.attention.document_attention` builds it from the segment ids on the model's
+device. So the collator ships [B, T] integers instead of a [B, 1, T, T] mask built on the CPU
+and copied over each micro-batch.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 IGNORE_INDEX = -100
 PADDING_MODES = ("padding", "pack")
-ATTENTION = ("sdpa", "eager", "flash_attention_2")
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
 def _segments(sample: dict) -> list[int]:
@@ -84,27 +84,6 @@ def segment_ids(lengths: list[int], total: int) -> tuple[list[int], list[int]]:
     return seg, pos
 
 
-def block_causal_mask(segments: torch.Tensor, attn_implementation: str = "sdpa") -> torch.Tensor:
-    """[B, 1, T, T] mask letting each token attend to itself and earlier tokens of its own segment.
-
-    sdpa gets a boolean mask (True = attend); eager an additive float32 mask (0 or the float32
-    minimum), which promotes correctly when added to bf16/fp16 scores.
-
-    Raises:
-        ValueError: flash_attention_2 (it takes no 4D mask; use position_ids) or unknown kind.
-    """
-    t = segments.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()
-    allowed = (segments[:, :, None] == segments[:, None, :]) & causal
-    allowed = allowed[:, None]
-    if attn_implementation == "sdpa":
-        return allowed
-    if attn_implementation == "eager":
-        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=segments.device)
-        return mask.masked_fill(~allowed, torch.finfo(torch.float32).min)
-    raise ValueError(f"no 4D mask for attn_implementation {attn_implementation!r} (sdpa or eager)")
-
-
 def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
     """How many leading tokens every sequence shares, leaving each at least one token of its own
     (the prefill's last position is a row's own)."""
@@ -150,9 +129,10 @@ class Collator:
 
     padding: samples (dicts with input_ids, optional labels and task_id) are right-padded to the
     longest in the batch. pack: rows from `pack` (with `lengths`, at most `seq_length` tokens) are
-    padded to the longest row in the batch; plain
+    padded to the longest row in the batch, with `segment_ids` in place of an attention mask; plain
     samples given in pack mode are first packed greedily, so a batch may have fewer rows than
-    samples.
+    samples. `attn_implementation` is checked here (a bad name fails when the data is built, before
+    the model loads); the batch is the same for every implementation.
     """
 
     def __init__(self, pad_token_id: int, padding_mode: str = "padding", seq_length: Optional[int] = None,
@@ -215,8 +195,8 @@ class Collator:
         batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "task_ids": task_ids}
         if not packed:
             batch["attention_mask"] = attention
-        elif self.attn_implementation != "flash_attention_2":
-            batch["attention_mask"] = block_causal_mask(segments, self.attn_implementation)
+        else:
+            batch["segment_ids"] = segments
         return batch
 
 
@@ -272,7 +252,8 @@ class AnswerPairCollator:
 class PackedPairCollator:
     """Pairs -> packed rows (DPO's `data.padding_mode: pack`): every side is one sample labelled on
     its answer, packed in order (the chosen sides, then the rejected ones) by `pack`, whose
-    block-causal mask and restarting positions keep each side blind to the others in its row; plus
+    segment ids (per-document attention, pipeline.modeling.attention) and restarting positions keep
+    each side blind to the others in its row; plus
     `sample_index` [R, T], the side each position belongs to (-1: padding), in the padded batch's
     order (chosen 0..B-1, rejected B..2B-1)."""
 

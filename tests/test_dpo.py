@@ -331,7 +331,7 @@ def test_packed_pairs_score_as_padded_ones(tmp_path, tiny_model_dir, pair_files)
     padded = collate.AnswerPairCollator(stage.tokenizer.pad_token_id)(pairs)
     packed = collate.PackedPairCollator(stage.tokenizer.pad_token_id, 128)(pairs)
     assert packed["input_ids"].shape[0] < padded["input_ids"].shape[0]  # several sides share a row
-    assert packed["attention_mask"].dim() == 4
+    assert packed["segment_ids"].dim() == 2 and "attention_mask" not in packed  # per-document attention built model-side
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         sums_padded, counts_padded = pref.sequence_logps(model, padded, None)

@@ -1,5 +1,6 @@
-"""Packing is contamination-free (block-causal 4D mask + restarting positions) on sdpa and eager,
-padding does not change per-sample loss, and PT rows keep documents apart."""
+"""Packing is contamination-free (segment ids turned into a block-causal 4D mask on the model's
+side + restarting positions) on sdpa and eager, padding does not change per-sample loss, and PT
+rows keep documents apart. Every implementation and batch size: tests/test_packing_attention.py."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from data_formats.collate import Collator, block_causal_mask, left_pad, pack, packing_efficiency
+from data_formats.collate import Collator, left_pad, pack, packing_efficiency
 from data_formats.datasets import chunk_documents
+from pipeline.engine.steps import model_inputs
+from pipeline.modeling.attention import block_causal_mask
 
 SEQ = 24
 A = {"input_ids": [5, 17, 99, 230, 41, 8, 77], "labels": [-100, -100, -100, 230, 41, 8, 77], "task_id": 0}
@@ -27,9 +30,10 @@ def _per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
 
 
 def _forward(model, batch):
-    keys = ("input_ids", "attention_mask", "position_ids")
+    """Logits of `batch` as the training steps run it (a packed batch's attention built from its
+    segment ids for `model`'s implementation)."""
     with torch.no_grad():
-        return model(**{k: batch[k] for k in keys if k in batch}).logits
+        return model(**model_inputs(batch, model), use_cache=False).logits
 
 
 def test_pack_layout():
@@ -38,15 +42,17 @@ def test_pack_layout():
     assert rows[0]["labels"][7] == -100 and rows[0]["labels"][16] == -100  # first token of B, C
     batch = Collator(0, "pack", SEQ)(rows)
     # Padded to the longest row (20 tokens), not to seq_length (24).
-    assert batch["input_ids"].shape == (2, 20) and batch["attention_mask"].shape == (2, 1, 20, 20)
+    assert batch["input_ids"].shape == (2, 20) and "attention_mask" not in batch
+    assert batch["segment_ids"].tolist() == [[0] * 7 + [1] * 9 + [2] * 4, [0] * 7 + [1] * 13]  # the padding tail: its own
     assert batch["position_ids"][0].tolist() == list(range(7)) + list(range(9)) + list(range(4))
     assert batch["task_ids"][0].tolist() == [0] * 7 + [1] * 9 + [0] * 4
     assert batch["task_ids"][1].tolist() == [0] * 7 + [-1] * 13 and batch["labels"][1, 7:].tolist() == [-100] * 13
     assert packing_efficiency(rows, SEQ) == pytest.approx(27 / 48)
-    mask = batch["attention_mask"][0, 0]
+    mask = block_causal_mask(batch["segment_ids"])[0, 0]
     assert mask[8].tolist() == [False] * 7 + [True, True] + [False] * 11  # B's 2nd token: B's first two only
-    fa2 = Collator(0, "pack", SEQ, attn_implementation="flash_attention_2")(rows)
-    assert "attention_mask" not in fa2 and torch.equal(fa2["position_ids"], batch["position_ids"])
+    for attn in ("flash_attention_2", "flex_attention", "eager"):  # the same batch for every implementation
+        other = Collator(0, "pack", SEQ, attn_implementation=attn)(rows)
+        assert other.keys() == batch.keys() and all(torch.equal(other[k], batch[k]) for k in batch)
     with pytest.raises(ValueError, match="packing needs"):
         pack([{"input_ids": list(range(SEQ + 1))}], SEQ)
 
@@ -70,14 +76,17 @@ def test_packed_rows_are_contamination_free(tiny_model_dir, attn):
 
 
 def test_position_ids_alone_leak_on_sdpa(tiny_model_dir):
-    """Negative control: without the block mask, B sees A (so the test above can fail)."""
+    """Negative control: without the segment ids (so no block mask), B sees A (so the test above can
+    fail). With a cache transformers does not look for packing in the position ids."""
     model = _model(tiny_model_dir, "sdpa")
     collate = Collator(0, "pack", SEQ)
     packed = collate(pack([A, B], SEQ))
     perturbed = collate(pack([dict(A, input_ids=[1000 + x for x in A["input_ids"]]), B], SEQ))
     for batch in (packed, perturbed):
-        del batch["attention_mask"]
-    assert not torch.equal(_forward(model, packed)[0, 7:16], _forward(model, perturbed)[0, 7:16])
+        del batch["segment_ids"]
+    with torch.no_grad():
+        logits, logits_p = (model(**model_inputs(b)).logits for b in (packed, perturbed))
+    assert not torch.equal(logits[0, 7:16], logits_p[0, 7:16])
 
 
 def test_right_padding_keeps_per_sample_loss(tiny_model_dir):
@@ -117,5 +126,7 @@ def test_left_pad_and_mask_kinds():
     assert eager.dtype == torch.float32 and eager[2, 1].item() == torch.finfo(torch.float32).min and eager[1, 0] == 0
     with pytest.raises(ValueError, match="flash_attention_2"):
         block_causal_mask(segments, "flash_attention_2")
+    with pytest.raises(ValueError, match="needs the model"):
+        model_inputs(Collator(0, "pack", SEQ)(pack([A, C], SEQ)))
     with pytest.raises(ValueError, match="need padding_mode='pack'"):
         Collator(0, "padding")(pack([A, C], SEQ))

@@ -136,7 +136,8 @@ def test_pt_packs_documents_and_merges(tiny_model_dir, tmp_path):
     run = run_stage(PTStage, cfg)
     assert len(run.history.steps) == 3 and run.history.evals  # the final evaluation on the carved-off split
     batch = run.collator([run.train_samples[0]])
-    assert batch["attention_mask"].shape == (1, 1, 32, 32)  # block-causal: no attention across documents
+    # Per-document attention, built on the model's side from the segment ids: no [B, 1, T, T] mask here.
+    assert batch["segment_ids"].shape == (1, 32) and "attention_mask" not in batch
     manifest = json.loads((tmp_path / "pt" / "merged" / "manifest.json").read_text())
     assert manifest["stage"] == "pt" and manifest["summary"]["steps"] == 3
     assert (tmp_path / "pt" / "config.yaml").is_file() and any((tmp_path / "pt" / "runs").rglob("events.*"))

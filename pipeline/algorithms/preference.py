@@ -363,9 +363,9 @@ def sequence_logps(model, batch: dict, accelerator) -> tuple[torch.Tensor, torch
     head = head_split(model, accelerator)
     with autocast:
         if head is not None:
-            per_token, mask = labelled_token_logps(model, model_inputs(batch), head, batch["labels"])
+            per_token, mask = labelled_token_logps(model, model_inputs(batch, model), head, batch["labels"])
         else:
-            per_token, mask = token_logps(model(**model_inputs(batch), use_cache=False).logits, batch["labels"])
+            per_token, mask = token_logps(model(**model_inputs(batch, model), use_cache=False).logits, batch["labels"])
     if "sample_index" in batch:
         return packed_sums(per_token, mask, batch["sample_index"], int(batch["sample_index"].max()) + 1)
     return row_sums(per_token, mask)

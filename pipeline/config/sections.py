@@ -54,7 +54,8 @@ class ModelConfig:
     """Dtype the weights are loaded in: auto|fp32|bf16|fp16. 'auto' is bf16 on a GPU that supports
     it, fp32 otherwise."""
     attn_implementation: str = "sdpa"
-    """Attention kernel: sdpa (default), eager, or flash_attention_2 (CUDA with flash-attn)."""
+    """Attention kernel: sdpa (default), eager, flash_attention_2 (CUDA with flash-attn), or
+    flex_attention (CUDA; packed rows get a document block mask that skips cross-document blocks)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     trust_remote_code: bool = False

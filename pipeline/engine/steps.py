@@ -161,9 +161,22 @@ def grad_norm_tensor(model: torch.nn.Module, accelerator, max_norm: float) -> to
     return full_tensor(torch.as_tensor(norm))
 
 
-def model_inputs(batch: dict) -> dict:
-    """The keys of a batch the model's forward takes."""
-    return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+def model_inputs(batch: dict, model: Optional[torch.nn.Module] = None) -> dict:
+    """The keys of a batch the model's forward takes; for packed rows (`segment_ids`), also what
+    keeps each sample inside its own document under `model`'s attention implementation, built on
+    the batch's device (pipeline.modeling.attention.document_attention).
+
+    Raises:
+        ValueError: a packed batch without the model it is for.
+    """
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    if "segment_ids" in batch:
+        from pipeline.modeling.attention import attention_implementation, document_attention
+
+        if model is None:
+            raise ValueError("model_inputs: a packed batch (segment_ids) needs the model, to build its attention")
+        inputs.update(document_attention(batch["segment_ids"], attention_implementation(model)))
+    return inputs
 
 
 def _shifted_targets(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -180,7 +193,7 @@ def full_logits_token_losses(model: torch.nn.Module, batch: dict) -> tuple[torch
     """Per-token cross-entropy (fp32) from the full `[B, T, V]` logits: the reference path, and the
     one run where `supervised_head.head_split` declines the model (sharded engines, heads that are
     not a plain linear layer). Returns ([B, T-1] losses, 0 where unsupervised; [B, T-1] task ids)."""
-    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1, :]
+    logits = model(**model_inputs(batch, model), use_cache=False).logits[:, :-1, :]
     labels, mask, tasks = _shifted_targets(batch)
     losses = F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).clamp(min=0), reduction="none"
@@ -205,7 +218,7 @@ def weighted_token_losses(model: torch.nn.Module, batch: dict, weights: Optional
             torch.where(mask, weights.to(labels.device, torch.float32)[tasks.clamp(min=0)], torch.zeros((), device=labels.device)))
     head = head_split(model, accelerator)
     if head is not None:
-        objective, losses = supervised_forward(model, model_inputs(batch), head, labels.clamp(min=0), mask, coef)
+        objective, losses = supervised_forward(model, model_inputs(batch, model), head, labels.clamp(min=0), mask, coef)
         return objective, losses, tasks
     losses, tasks = full_logits_token_losses(model, batch)
     return (losses * coef).sum(), losses, tasks

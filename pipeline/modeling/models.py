@@ -163,14 +163,19 @@ def check_attn_implementation(name: str) -> str:
     """Return `name` when it can run here.
 
     Raises:
-        ValueError: an unknown name, or flash_attention_2 without CUDA or without the flash-attn
-            package (transformers would otherwise fail late or the user would believe they run
-            flash-attention when they do not).
+        ValueError: an unknown name, flex_attention without CUDA, or flash_attention_2 without CUDA
+            or without the flash-attn package (transformers would otherwise fail late or the user
+            would believe they run flash-attention when they do not).
     """
     if name in ("sdpa", "eager"):
         return name
+    if name == "flex_attention":
+        # PyTorch's flex attention has no backward on a CPU, so it could not train there.
+        if not torch.cuda.is_available():
+            raise ValueError("attn_implementation 'flex_attention' trains on a CUDA GPU only (PyTorch has no CPU backward for it). Use 'sdpa'.")
+        return name
     if name != "flash_attention_2":
-        raise ValueError(f"attn_implementation {name!r} is not one of 'sdpa', 'eager', 'flash_attention_2'")
+        raise ValueError(f"attn_implementation {name!r} is not one of 'sdpa', 'eager', 'flash_attention_2', 'flex_attention'")
     if not torch.cuda.is_available():
         raise ValueError("attn_implementation 'flash_attention_2' needs a CUDA GPU; none is visible. Use 'sdpa'.")
     if importlib.util.find_spec("flash_attn") is None:
