@@ -70,7 +70,7 @@ def tiny_reward_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "reward", seed=1, num_labels=1)
 
 
-LAST_MODULES = ("test_vllm.py", "test_vllm_serve.py")
+LAST_MODULES = ("test_vllm.py", "test_vllm_tools.py", "test_vllm_serve.py")
 """In one process, run after everything else: run_scripts/test.sh builds vLLM's side environment in the background
 while the rest of the suite runs, and these tests wait for it (tests/test_vllm.py)."""
 

@@ -336,7 +336,9 @@ class ForcedFirstCall:
     def generate(self, prompts, max_new_tokens=None):
         limits = list(max_new_tokens or [64] * len(prompts))
         later = [i for i, p in enumerate(prompts) if self.tok.decode(p).count("<|im_start|>assistant") > 1]
-        sampled = dict(zip(later, self.inner.generate([prompts[i] for i in later], [limits[i] for i in later]))) if later else {}
+        sampled = {}
+        if later:
+            sampled = dict(zip(later, self.inner.generate([prompts[i] for i in later], max_new_tokens=[limits[i] for i in later])))
         return [sampled[i] if i in sampled else self.call[: limits[i]] for i in range(len(prompts))]
 
 
@@ -480,8 +482,168 @@ def test_every_backend_honours_each_rows_own_limit(tiny_model_dir, tok, backend)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     generator = make_generator(backend, model, tok.pad_token_id, [tok.eos_token_id], 6)
     torch.manual_seed(0)
-    out = generator.generate([[5, 6, 7], [8, 9]], [2, 5])
+    out = generator.generate([[5, 6, 7], [8, 9]], max_new_tokens=[2, 5])
     assert len(out[0]) <= 2 and len(out[1]) <= 5 and max(len(o) for o in out) > 2
+    with pytest.raises(TypeError):  # keyword only: a list of limits never lands on another option
+        generator.generate([[5, 6, 7], [8, 9]], [2, 5])
+
+
+# ------------------------------------------------------------------------------------------
+# An engine that reports its log-probs (vLLM): budgets per turn, log-probs per sampled token
+# ------------------------------------------------------------------------------------------
+
+
+class FakeVLLM:
+    """A vLLM server as `VLLMGenerator` talks to it (`post`, `opts.max_model_len`): it records every
+    request and answers a completion with turn k's ids of `turns` (k: the assistant openers in the
+    prompt), cut to the request's max_tokens, each with a log-prob that names it: -(k + 1) - i / 100
+    for its i-th token."""
+
+    def __init__(self, tok, turns, max_model_len):
+        from types import SimpleNamespace
+
+        self.tok, self.opts, self.proc = tok, SimpleNamespace(max_model_len=max_model_len), None
+        self.turns = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in turns]
+        self.asked: list[dict] = []
+        self.paths: list[str] = []
+
+    def post(self, path, body):
+        self.paths.append(path)
+        if path != "/v1/completions":
+            return {}
+        self.asked.append(body)
+        k = self.tok.decode(body["prompt"]).count("<|im_start|>assistant") - 1
+        ids = self.turns[min(k, len(self.turns) - 1)][: body["max_tokens"]]
+        values = [-(k + 1) - i / 100 for i in range(len(ids))]
+        return {"choices": [{"token_ids": ids, "logprobs": {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": values}}]}
+
+
+def _fake_policy():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(peft_config={"default": SimpleNamespace(r=4)}, save_pretrained=lambda path, safe_serialization: None)
+
+
+def test_a_tool_rollout_on_vllm_sends_each_turns_budget_and_keeps_the_engines_logprobs(tok, tmp_path):
+    """Two rows of call, result, answer on `VLLMGenerator` (a fake server): every request asks for
+    the row's remaining budget, at most the generator's and the room its context leaves under the
+    server's max_model_len, at the generator's temperature (a number: the budgets are not it); the
+    policy is synced once for the rollout's turns; the engine's log-probs of the sampled tokens of
+    every turn are kept at their positions and the inserted tokens get NaN."""
+    from pipeline.algorithms.vllm_generator import VLLMGenerator
+
+    t, template = _template(tok, native=False)
+    env, tools = _env(t, template, max_new_tokens=80)
+    sample = _sample(t, template, [Turn("user", "What is 2 + 3?")], [tool.schema for tool in tools.values()])
+    P = len(sample["prompt_ids"])
+    call, answer = "I will add.\n" + CALL_LAYOUT, "The sum of two and three is five, as the tool says."
+    first = len(t(call, add_special_tokens=False)["input_ids"]) + 1
+    probe = tool_rollout(Scripted(t, [call, answer]), [sample], env)  # where the second turn starts
+    used = len(probe.responses[0]) - (len(t(answer, add_special_tokens=False)["input_ids"]) + 1)  # the call and its result
+    room = 6
+    for context, second in ((1024, env.max_new_tokens - used), (P + used + room, room)):  # the row's budget binds, then the room
+        server = FakeVLLM(t, [call, answer], max_model_len=context)
+        gen = VLLMGenerator(_fake_policy(), "base", tmp_path, t.pad_token_id, [t.eos_token_id], max_new_tokens=60, temperature=0.7,
+                            server=server)
+        torch.manual_seed(0)
+        rollout = tool_rollout(gen, [sample], env, copies=2)
+        assert [b["temperature"] for b in server.asked] == [0.7] * 4
+        assert [(len(b["prompt"]) - P, b["max_tokens"]) for b in server.asked] == [(0, 60)] * 2 + [(used, second)] * 2
+        assert server.paths.count("/v1/load_lora_adapter") == 1  # one sync for both turns
+    assert env.max_new_tokens - used > room and first < 60
+    for row in range(2):  # the last run: its second turn cut at the room left
+        n = len(rollout.responses[row])
+        mask = rollout.response_mask[row, :n].bool()
+        engine = rollout.engine_logp[row]
+        assert n == used + room and mask[:first].all() and not mask[first:used].any() and mask[used:].all()  # a gapped mask
+        assert engine[:first].tolist() == pytest.approx([-1 - i / 100 for i in range(first)])
+        assert engine[used:n].tolist() == pytest.approx([-2 - i / 100 for i in range(room)])
+        assert engine[first:used].isnan().all() and engine[n:].isnan().all()
+    assert rollout.finished.tolist() == [False, False]
+
+
+def test_refill_keeps_a_plain_generators_logprobs_and_none_without_them(tok):
+    """A generator without a session of its own (`Refill`) that reports `last_logprobs`: kept per
+    sampled token, NaN on inserted ones; one that reports none: no engine log-probs at all."""
+
+    class Reporting(Scripted):
+        def generate(self, prompts, max_new_tokens=None):
+            out = super().generate(prompts, max_new_tokens=max_new_tokens)
+            self.last_logprobs = [[-0.5] * (len(ids) + 3) for ids in out]  # more than the ids: an engine's tail is cut
+            return out
+
+    t, template = _template(tok, native=False)
+    env, tools = _env(t, template)
+    sample = _sample(t, template, [Turn("user", "What is 2 + 3?")], [tool.schema for tool in tools.values()])
+    turns = ["I will add.\n" + CALL_LAYOUT, "5"]
+    rollout = tool_rollout(Reporting(t, turns), [sample], env)
+    mask = rollout.response_mask[0].bool()
+    assert (~mask[: len(rollout.responses[0])]).any()
+    assert (rollout.engine_logp[0][mask] == -0.5).all() and rollout.engine_logp[0][~mask].isnan().all()
+    assert tool_rollout(Scripted(t, turns), [sample], env).engine_logp is None
+
+
+class ReportedAs:
+    """`ForcedFirstCall` on the stage's own sampler, reporting a log-prob of -1 for every token it
+    returns: a known mismatch with the trainer's (an engine that samples elsewhere, as vLLM)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.last_logprobs = None
+
+    def generate(self, prompts, max_new_tokens=None):
+        out = self.inner.generate(prompts, max_new_tokens=max_new_tokens)
+        self.last_logprobs = [[-1.0] * len(ids) for ids in out]
+        return out
+
+
+@pytest.mark.parametrize("stage_name", ["grpo", "ppo"])
+def test_tool_rollouts_log_and_correct_the_engine_mismatch(stage_name, tmp_path, tiny_model_dir, tiny_reward_dir, tool_prompts, tok,
+                                                           monkeypatch):
+    """A tool step on an engine that reports its log-probs: rollout/logprob_diff_mean/_max are
+    logged over the sampled tokens only, and the correction (tis) weights each sampled token's loss
+    by exp(trainer - engine) capped, 1 on the inserted results, as for a single-answer rollout."""
+    from pipeline.algorithms import grpo as algo
+    from stages import grpo, ppo
+
+    if stage_name == "grpo":
+        cfg = _grpo_cfg(tmp_path, tiny_model_dir, tool_prompts)
+    else:
+        cfg = ppo.PPOConfig(output_dir=str(tmp_path))
+        cfg.model.path, cfg.reward_model.path = str(tiny_model_dir), str(tiny_reward_dir)
+        cfg.data.train, cfg.data.eval = [str(tool_prompts)], []
+        cfg.train.eval_steps, cfg.train.batch_size, cfg.train.learning_rate = 0, 2, 1e-2
+        cfg.lora.r, cfg.generation.max_new_tokens = 4, 64
+        cfg.tools.funcs = ["test_tool_rollout:add"]
+        cfg.checkpoint.resume, cfg.tracking.trackers = False, []
+    factory = _factory(tok)
+    stage_class = grpo.GRPOStage if stage_name == "grpo" else ppo.PPOStage
+    stage = stage_class(cfg, generator_factory=lambda policy: ReportedAs(factory(policy)))
+    stage.validate()
+    stage.build()
+    # validation refuses tis on the relay backend (it reports no log-probs); this sampler does
+    cfg.generation.correction, cfg.generation.correction_cap = "tis", 2.0
+    seen = {}
+    if stage_name == "grpo":
+        real = algo.grpo_update
+        monkeypatch.setattr(algo, "grpo_update", lambda *a, **k: real(*a, **k) if seen.setdefault("scored", a[4]) else None)
+        figures = stage.train_step()
+        rollout, old, weight = stage.last_rollout["rollout"], seen["scored"]["old"], seen["scored"]["is_weight"]
+    else:
+        figures = stage.train_step()
+        exp = stage.last_experience
+        rollout, old, weight = exp.rollout, exp.old_logprobs, exp.is_weight
+    stage.release()
+    mask = rollout.response_mask.bool()
+    inside = rollout.attention_mask[:, rollout.prompt_width:].bool()
+    assert (inside & ~mask).any(1).all()  # every row holds an inserted result
+    assert (rollout.engine_logp[mask] == -1.0).all() and rollout.engine_logp[inside & ~mask].isnan().all()
+    delta = (old - rollout.engine_logp)[mask]
+    assert figures["rollout/logprob_diff_mean"] == pytest.approx(float(delta.abs().mean()), rel=1e-5)
+    assert figures["rollout/logprob_diff_max"] == pytest.approx(float(delta.abs().max()), rel=1e-5)
+    want = torch.where(mask, (old - rollout.engine_logp).exp().clamp(max=2.0), torch.ones_like(old))
+    torch.testing.assert_close(weight, want, rtol=0, atol=1e-6)
+    assert (weight[mask] != 1).any()  # the correction does weigh the sampled tokens
 
 
 # ------------------------------------------------------------------------------------------

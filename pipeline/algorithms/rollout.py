@@ -34,10 +34,14 @@ class Generator(Protocol):
     """Anything that samples responses for tokenised prompts (HF `generate` today; a faster
     engine such as vLLM can implement the same call)."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Optional[Sequence[int]] = None) -> list[list[int]]:
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Optional[Sequence[int]] = None) -> list[list[int]]:
         """Raw response ids per prompt (no prompt, no padding; may stop at EOS or run to the limit).
         `max_new_tokens`: each row's own limit (a tool rollout's later turns), at most the
-        generator's; None: the generator's for every row."""
+        generator's; None: the generator's for every row. Keyword only: a generator may take more
+        options (vLLM's `temperature`), and a list of limits must never land on one of them.
+
+        A generator that samples on an engine of its own may also set `last_logprobs` (the
+        engine's log-prob of each returned token; pipeline/algorithms/mismatch.py reads them)."""
         ...
 
 
@@ -87,7 +91,7 @@ class HFGenerator:
     gathers parameter shards from every rank, so a rank that stopped early would hang the rest)."""
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Optional[Sequence[int]] = None) -> list[list[int]]:
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Optional[Sequence[int]] = None) -> list[list[int]]:
         """Rows with their own limit are sampled to the longest and cut to theirs (transformers'
         generate has one limit per call)."""
         from pipeline.modeling.models import eval_mode
@@ -115,7 +119,7 @@ class RelayGenerator:
     max_new_tokens: int
     temperature: float = 1.0
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Optional[Sequence[int]] = None) -> list[list[int]]:
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Optional[Sequence[int]] = None) -> list[list[int]]:
         limits = list(max_new_tokens) if max_new_tokens is not None else self.max_new_tokens
         return decode_generate(self.model, prompts, max_new_tokens=limits, eos_ids=self.eos_ids, pad_id=self.pad_id,
                                temperature=self.temperature, keep_packed=False).tokens

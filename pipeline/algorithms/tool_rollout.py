@@ -14,6 +14,12 @@ never decoded and re-encoded, which can give other ids). The inserted tokens (to
 template text) are attended to but masked out of the loss, the KL and the value targets
 (`Rollout.response_mask` is 0 on them), and their log-probs are never read.
 
+Each turn asks every live row for the budget it has left (`max_new_tokens` per row); a sampler on
+an engine of its own (vLLM) reports the engine's log-prob of each sampled token
+(`last_logprobs`), kept turn by turn as `Rollout.engine_logp` (NaN on inserted tokens), so the
+train-inference mismatch is measured and corrected (pipeline/algorithms/mismatch.py) as for a
+single-answer rollout.
+
 Failures never stop a run: an unknown tool, arguments the function does not take, an exception, a
 call past `tools.timeout`, a call that cannot be parsed, or one past `tools.max_tool_calls` each
 becomes an error text the model sees as that call's result.
@@ -44,6 +50,7 @@ from typing import Any, Callable, Optional, Sequence
 from data_formats.conversation import Conversation, Turn
 from data_formats.render import Template, inserted_text, render_segments
 from data_formats.tools import ToolRecordError, parse_answer, parse_tools, template_messages
+from pipeline.algorithms.mismatch import engine_logprob_matrix
 from pipeline.algorithms.rewards import func_name, load_reward_func, reward_func_problem
 from pipeline.algorithms.rollout import Generator, Rollout, assemble_masked, cut_at_eos
 from pipeline.config.policy import ToolsConfig
@@ -218,6 +225,9 @@ class _Row:
     calls: int = 0
     done: bool = False
     finished: bool = False
+    engine: Optional[list[float]] = field(default_factory=list)
+    """The engine's log-prob of each of `ids` (NaN on inserted ones); None once a turn came
+    without them (a sampler that reports none)."""
 
 
 def prompt_conversation(sample: dict) -> Conversation:
@@ -226,10 +236,20 @@ def prompt_conversation(sample: dict) -> Conversation:
     return Conversation([Turn(**t) for t in data["turns"]], tools=data.get("tools"))
 
 
-def _take_turn(row: _Row, sampled: list[int], env: ToolEnv) -> Optional[dict]:
-    """Append one sampled turn to `row`; the parsed answer when its calls must run, else None
-    (the row is then done)."""
+def _take_turn(row: _Row, sampled: list[int], env: ToolEnv, logprobs: Optional[Sequence[float]] = None) -> Optional[dict]:
+    """Append one sampled turn (and the engine's log-probs of it, when reported) to `row`; the
+    parsed answer when its calls must run, else None (the row is then done).
+
+    Raises:
+        ValueError: the engine reported fewer log-probs than the turn has tokens.
+    """
     ids, ended = cut_at_eos(sampled, [env.eos_id])
+    if logprobs is None or row.engine is None:
+        row.engine = None
+    elif len(logprobs) < len(ids):
+        raise ValueError(f"tool rollout: the engine gave {len(logprobs)} log-probs for a turn of {len(ids)} tokens")
+    else:
+        row.engine += [float(v) for v in logprobs[: len(ids)]]
     row.ids += ids
     row.trained += [1] * len(ids)
     text = env.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
@@ -272,22 +292,35 @@ def _insert(row: _Row, texts: list[str], env: ToolEnv) -> None:
     row.turns = turns
     row.ids += inserted
     row.trained += [0] * len(inserted)
+    if row.engine is not None:
+        row.engine += [float("nan")] * len(inserted)  # not the policy's tokens: no engine log-prob
 
 
 class Refill:
     """The session of a generator that keeps no cache across calls: each turn samples from the
-    whole conversation again (`hf`, `vllm`, a test's scripted generator)."""
+    whole conversation again (`hf`, a test's scripted generator). `last_logprobs`: the generator's
+    own, when it reports them (an engine's log-prob of each returned token), else None."""
 
     def __init__(self, generator: Generator):
         self.generator = generator
+        self.last_logprobs: Optional[list[list[float]]] = None
 
     def generate(self, rows: Sequence[int], contexts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
-        return self.generator.generate(contexts, max_new_tokens)
+        """Raises:
+            ValueError: the generator's `last_logprobs` are not one list per row."""
+        out = self.generator.generate(contexts, max_new_tokens=list(max_new_tokens))
+        reported = getattr(self.generator, "last_logprobs", None) or None
+        if reported is not None and len(reported) != len(out):
+            raise ValueError(f"tool rollout: the generator reported log-probs for {len(reported)} rows, not its {len(out)}")
+        self.last_logprobs = reported
+        return out
 
 
 def open_session(generator: Generator, rows: int):
-    """Where a rollout's turns are sampled: the generator's own session when it keeps each row's KV
-    cache across turns (`RelayGenerator.session`: only the inserted ids are prefilled), else `Refill`."""
+    """Where a rollout's turns are sampled: the generator's own session when it has one
+    (`RelayGenerator.session` keeps each row's KV cache across turns, only the inserted ids are
+    prefilled; `VLLMGenerator.session` syncs the policy into the server once for all turns), else
+    `Refill`. A session may report `last_logprobs` after each call and may have a `close`."""
     make = getattr(generator, "session", None)
     session = make(rows) if callable(make) else None
     return session if session is not None else Refill(generator)
@@ -304,15 +337,22 @@ def tool_rollout(generator: Generator, samples: Sequence[dict], env: ToolEnv, co
             break
         sampled = session.generate(live, [rows[i].prompt + rows[i].ids for i in live],
                                    [env.max_new_tokens - len(rows[i].ids) for i in live])
+        reported = getattr(session, "last_logprobs", None) or [None] * len(live)
         live = [rows[i] for i in live]
-        asked = [(row, _take_turn(row, ids, env)) for row, ids in zip(live, sampled)]
+        asked = [(row, _take_turn(row, ids, env, lp)) for row, ids, lp in zip(live, sampled, reported)]
         plans = [(row, _results(row, a, env)) for row, a in asked if a is not None]
         calls = [c for _, plan in plans for kind, c in plan if kind == "run"]
         outputs = iter(run_calls(calls, env.tools, env.cfg.timeout))
         for row, plan in plans:
             _insert(row, [next(outputs) if kind == "run" else c for kind, c in plan], env)
-    return assemble_masked([r.prompt for r in rows], [r.ids for r in rows], [r.trained for r in rows],
-                           [r.finished for r in rows], env.pad_id, [template_messages(r.turns) for r in rows])
+    close = getattr(session, "close", None)  # a session that holds the engine awake (vLLM's sleep mode)
+    if callable(close):
+        close()
+    rollout = assemble_masked([r.prompt for r in rows], [r.ids for r in rows], [r.trained for r in rows],
+                              [r.finished for r in rows], env.pad_id, [template_messages(r.turns) for r in rows])
+    if all(r.engine is not None for r in rows):  # the engine's log-probs of every sampled token, NaN on inserted ones
+        rollout.engine_logp = engine_logprob_matrix(rollout.responses, [r.engine for r in rows], rollout.response_mask.shape[1])
+    return rollout
 
 
 # ------------------------------------------------------------------------------------------

@@ -16,7 +16,12 @@ the checkpoint's generation_config ignored), log-probs of the processed (tempera
 distribution. Each row is its own request with its own seed drawn from torch's default RNG, so
 rows sharing a prompt (GRPO's groups) differ and a resumed run (which restores that RNG) draws
 the same seeds; the tokens vLLM draws for a seed are its own business (equal across runs of the
-same vLLM build and machine).
+same vLLM build and machine). Each request asks for the row's own budget (a tool rollout's later
+turns have less left), capped by the room its context leaves under the server's max_model_len.
+
+Tool rollouts (pipeline/algorithms/tool_rollout.py) sample their turns through `session`: the
+policy is synced once per rollout, each turn sends the whole conversation as ids, and the engine's
+log-probs of every turn are reported as for a single answer.
 """
 
 from __future__ import annotations
@@ -149,25 +154,84 @@ class VLLMGenerator:
         shutil.rmtree(self.workdir / f"weights-{self._version - 1}", ignore_errors=True)
         return "base"
 
-    def request(self, model: str, prompt: Sequence[int], seed: int, temperature: float) -> tuple[list[int], list[float]]:
-        body = {"model": model, "prompt": list(prompt), "max_tokens": self.max_new_tokens, "temperature": temperature,
+    def request(self, model: str, prompt: Sequence[int], *, seed: int, temperature: float, max_tokens: int) -> tuple[list[int], list[float]]:
+        """One completion of `prompt` (ids in, ids out) with at most `max_tokens` new tokens, and the
+        engine's log-prob of each."""
+        body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": 1.0, "top_k": 0, "seed": seed, "logprobs": 0, "return_tokens_as_token_ids": True,
                 "return_token_ids": True, "stop_token_ids": list(self.eos_ids), "skip_special_tokens": False}
         (choice,) = self.server.post("/v1/completions", body)["choices"]
         return parse_choice(choice)
 
-    def generate(self, prompts: Sequence[Sequence[int]], temperature: Optional[float] = None) -> list[list[int]]:
-        """Raw response ids per prompt, from the policy's current weights; `temperature` 0: greedy."""
+    def context_length(self) -> int:
+        """The longest prompt + response the server takes (its --max-model-len)."""
+        opts = getattr(self.server, "opts", None)
+        return int(opts.max_model_len) if opts is not None else self.max_model_len
+
+    def limits(self, prompts: Sequence[Sequence[int]], max_new_tokens: Optional[Sequence[int]]) -> list[int]:
+        """Each request's max_tokens: the row's own budget (a tool rollout's later turns have less
+        left), at most the generator's, and at most the room the row's context leaves under the
+        server's max_model_len (vLLM refuses a request that asks for more).
+
+        Raises:
+            ValueError: a budget list of another length than the prompts, or a budget below 1.
+            VLLMError: a context that leaves no room for one token.
+        """
+        if max_new_tokens is None:
+            budgets = [self.max_new_tokens] * len(prompts)
+        else:
+            budgets = [int(b) for b in max_new_tokens]
+            if len(budgets) != len(prompts):
+                raise ValueError(f"generate: {len(prompts)} prompts but {len(budgets)} max_new_tokens")
+            if any(b < 1 for b in budgets):
+                raise ValueError(f"generate: every row's max_new_tokens must be >= 1, got {min(budgets)}")
+        context = self.context_length()
+        out = []
+        for row, (prompt, budget) in enumerate(zip(prompts, budgets)):
+            room = context - len(prompt)
+            if room < 1:
+                raise VLLMError(f"row {row}: a context of {len(prompt)} tokens leaves no room for a response under the vLLM "
+                                f"server's max_model_len {context}")
+            out.append(min(budget, self.max_new_tokens, room))
+        return out
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Optional[Sequence[int]] = None,
+                 temperature: Optional[float] = None) -> list[list[int]]:
+        """Raw response ids per prompt, from the policy's current weights (keyword arguments only:
+        a row budget list must never land on the temperature). `max_new_tokens`: each row's own
+        limit (`limits`); `temperature` 0: greedy."""
         model = self.sync()
+        out = self.sample(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature)
+        self.rest()
+        return out
+
+    def sample(self, model: str, prompts: Sequence[Sequence[int]], *, max_new_tokens: Optional[Sequence[int]] = None,
+               temperature: Optional[float] = None) -> list[list[int]]:
+        """`generate` on the synced `model`, without syncing or sleeping: each row its own request
+        (its own seed, from torch's RNG, so a resumed run draws the same); `last_logprobs` the
+        engine's log-prob of every returned token."""
+        limits = self.limits(prompts, max_new_tokens)
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # torch's RNG: a resumed run draws the same
-        temp = self.temperature if temperature is None else temperature
+        temp = float(self.temperature if temperature is None else temperature)
+
+        def one(row: int) -> tuple[list[int], list[float]]:
+            return self.request(model, prompts[row], seed=seeds[row], temperature=temp, max_tokens=limits[row])
+
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), self.max_num_seqs))) as pool:
-            out = list(pool.map(lambda row: self.request(model, prompts[row], seeds[row], temp), range(len(prompts))))
+            out = list(pool.map(one, range(len(prompts))))
         self.last_logprobs = [lp for _, lp in out]
-        if self.sleep:  # level 1 keeps the weights (in CPU memory), so waking needs no reload
+        return [ids for ids, _ in out]
+
+    def rest(self) -> None:
+        """After a rollout: put the engine to sleep when asked (`sleep`; level 1 keeps the weights
+        in CPU memory, so waking needs no reload)."""
+        if self.sleep:
             self.server.post("/sleep?level=1", {})
             self._asleep = True
-        return [ids for ids, _ in out]
+
+    def session(self, rows: int) -> "VLLMSession":
+        """A tool rollout's sampler: the policy synced once for all its turns (`VLLMSession`)."""
+        return VLLMSession(self)
 
     def close(self) -> None:
         """Stop the server this generator started; on one it was handed, unload its adapter."""
@@ -183,3 +247,29 @@ class VLLMGenerator:
 
     def __del__(self):
         self.close()
+
+
+class VLLMSession:
+    """The turns of one tool rollout on a `VLLMGenerator` (pipeline/algorithms/tool_rollout.py's
+    session call): the policy does not change between turns, so its weights are synced once, at the
+    first turn, and the engine sleeps (when asked) once the rollout closes the session. The server
+    keeps no conversation between requests: each turn sends the whole context (prompt, sampled
+    turns and inserted results, as ids), with each row's own budget."""
+
+    def __init__(self, generator: VLLMGenerator):
+        self.generator = generator
+        self.model: Optional[str] = None
+        self.last_logprobs: Optional[list[list[float]]] = None
+        """The engine's log-prob of each token the last `generate` returned."""
+
+    def generate(self, rows: Sequence[int], contexts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
+        if self.model is None:
+            self.model = self.generator.sync()
+        out = self.generator.sample(self.model, contexts, max_new_tokens=max_new_tokens)
+        self.last_logprobs = self.generator.last_logprobs
+        return out
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.generator.rest()
+            self.model = None
