@@ -38,6 +38,8 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from pipeline.modeling.onednn_ops import OneDNNLinear, onednn_linear
+
 PATHS = {"train_onednn": "RELAY_CPU_ONEDNN", "decode_packed": "RELAY_DECODE_PACKED", "decode_fused": "RELAY_DECODE_FUSED"}
 """Each fast path and the variable that overrides its choice."""
 
@@ -145,8 +147,6 @@ def paired_speedup(plain: Callable[[], object], fast: Callable[[], object], pair
 
 def train_case() -> tuple[Callable, Callable]:
     """One MLP's up and down products forward and backward (both gradients), MKL vs oneDNN."""
-    from pipeline.modeling.onednn import OneDNNLinear
-
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(TRAIN_TOKENS, HIDDEN, generator=gen, requires_grad=True)
     up = torch.randn(MLP, HIDDEN, generator=gen).mul_(0.02).requires_grad_()
@@ -175,8 +175,6 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
 def decode_case(w: dict[str, torch.Tensor], fused: bool) -> Callable:
     """One decode step's products at DECODE_ROWS rows on prepacked weights: a layer's seven
     (LAYERS times) and the head, q/k/v and gate/up as one product each when `fused`."""
-    from pipeline.modeling.onednn import onednn_linear
-
     pack = torch.ops.mkldnn._reorder_linear_weight
     groups = [["q", "k", "v"], ["o"], ["gate", "up"], ["down"]] if fused else [[n] for n in ("q", "k", "v", "o", "gate", "up", "down")]
     layer = [pack(torch.cat([w[n] for n in g])) for g in groups]

@@ -53,15 +53,11 @@ from typing import Optional
 
 import torch
 
+from pipeline.modeling.cpu_kernels import choice
+from pipeline.modeling.onednn_ops import OneDNNLinear, onednn_linear
+
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Child layers of one module that read the same input (Llama, Qwen2, Mistral, Gemma names)."""
-
-
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x @ weight.T + bias through oneDNN's fp32 kernel (a plain or prepacked weight, any leading shape)."""
-    shape = x.shape
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).contiguous(), weight, bias, "none", [], "")
-    return out.reshape(*shape[:-1], out.shape[-1])
 
 
 def cpu_fp32(model: torch.nn.Module) -> bool:
@@ -73,8 +69,6 @@ def cpu_fp32(model: torch.nn.Module) -> bool:
 def packing_enabled(model: torch.nn.Module) -> bool:
     """Prepack a CPU model in fp32 where prepacked decoding pays on this CPU
     (`cpu_kernels.choice("decode_packed")`; RELAY_DECODE_PACKED=1/0 forces it)."""
-    from pipeline.modeling.cpu_kernels import choice
-
     return cpu_fp32(model) and choice("decode_packed")
 
 
@@ -250,8 +244,6 @@ def packed_linears(model: torch.nn.Module, keep: bool = True):
     if not packing_enabled(model):
         yield
         return
-    from pipeline.modeling.cpu_kernels import choice
-
     patched = []
     for packing in packings(model, keep, fuse=choice("decode_fused")):
         for index, member in enumerate(packing.members):
@@ -272,39 +264,9 @@ def packed_linears(model: torch.nn.Module, keep: bool = True):
 # ------------------------------------------------------------------------------------------
 
 
-class OneDNNLinear(torch.autograd.Function):
-    """`F.linear` with oneDNN's fp32 kernel forward and backward (the input's and the weight's
-    gradients). On this project's reference CPU
-    (AMD EPYC, 2 cores) it runs a [228 x 576] x [576 x 1536] product at ~490 GFLOP/s against MKL's
-    ~215 (bench/RESULTS.md); the same fp32 math in another summation order (the max error against a
-    float64 product is 1.0e-4 against MKL's 0.5e-4 at that shape, both fp32 rounding)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        ctx.save_for_backward(x if weight.requires_grad else None, weight)
-        ctx.has_bias = bias is not None
-        return onednn_linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_w = grad_b = None
-        flat = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[0]:
-            grad_x = onednn_linear(grad, weight.t().contiguous(), None)
-        if ctx.needs_input_grad[1]:  # grad_out.T @ x, as oneDNN's x.T-weighted product of grad_out.T
-            grad_w = torch.ops.mkldnn._linear_pointwise(flat.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous(),
-                                                        None, "none", [], "")
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = flat.sum(0)
-        return grad_x, grad_w, grad_b
-
-
 def onednn_enabled(model: torch.nn.Module) -> bool:
     """oneDNN linears on a CPU model in fp32 where they pay on this CPU for training
     (`cpu_kernels.choice("train_onednn")`; RELAY_CPU_ONEDNN=1/0 forces it)."""
-    from pipeline.modeling.cpu_kernels import choice
-
     return cpu_fp32(model) and choice("train_onednn")
 
 
