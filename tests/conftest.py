@@ -70,14 +70,14 @@ def tiny_reward_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "reward", seed=1, num_labels=1)
 
 
-LAST_MODULES = ("test_vllm.py", "test_vllm_tools.py", "test_vllm_serve.py")
+LAST_MODULES = ("test_vllm.py", "test_vllm_tools.py")
 """In one process, run after everything else: run_scripts/test.sh builds vLLM's side environment in the background
 while the rest of the suite runs, and these tests wait for it (tests/test_vllm.py)."""
 
 
 LONGEST_FIRST = ("test_driver.py", "test_bench.py", "test_fsdp.py", "test_vllm.py", "test_distributed_stages.py",
                  "test_signals.py", "test_decode.py", "test_reward.py", "test_multinode.py", "test_tool_rollout.py",
-                 "test_pt_sft.py", "test_vllm_serve.py")
+                 "test_pt_sft.py")
 """The order of the modules in xdist workers (run_scripts/test.sh runs `--dist loadfile
 --no-loadscope-reorder`: a module to a worker, handed out in collection order): the longest first
 (`--durations`, 2026-11-26: 40-190 s each), so that two workers end together instead of one

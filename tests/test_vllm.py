@@ -2,7 +2,9 @@
 on 127.0.0.1: `relay serve --backend vllm` answers the official `openai` client with the protocol
 checks tests/test_serve.py runs against the FastAPI server where they apply (greedy answers equal
 `relay chat`'s, streaming equals non-streaming, `n`, `stop`, text-part content, OpenAI-style
-errors); and the `vllm` generation backend follows the policy (LoRA adapter or full weights: its
+errors), with --api-key on every route of vLLM's server and Relay's role check, and stops its
+engine on SIGTERM; the RL backend's server needs its own key on every route; and the `vllm`
+generation backend follows the policy (LoRA adapter or full weights: its
 greedy tokens equal the trainer's after optimizer steps) with its log-probs within fp32 noise of
 the trainer's, a resumed GRPO run on a fresh server samples what an unbroken one does, and the PPO
 stage trains on it with the mismatch logged and corrected (TIS, the default for vllm).
@@ -10,7 +12,7 @@ stage trains on it with the mismatch logged and corrected (TIS, the default for 
 Cheap by sharing (a server start is most of the time): one engine server for the whole module
 (`engine_server`, runtime LoRA and the full-weight sync both on; the generators, the gold table and
 chat take turns on it, each given the folder's own weights first), and only the resumed run and
-`relay serve` start their own: three starts for ten tests. run_scripts/test.sh builds the side environment in the background while the rest of
+`relay serve` start their own: three starts for fourteen tests. run_scripts/test.sh builds the side environment in the background while the rest of
 the suite runs; these tests run last (tests/conftest.py), wait for that install and fail when it
 failed. Run alone without the environment (no RELAY_VLLM_INSTALL_STATUS), they skip. Every server started
 here is stopped in teardown."""
@@ -21,7 +23,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -139,39 +140,35 @@ def on_server(server, folder, workdir):
     return factory
 
 
+SERVE_KEY = "sk-relay-vllm-0123456789"
+
+
 @pytest.fixture(scope="module")
-def served(vllm_tiny, tmp_path_factory):
-    """(openai client, base URL) of `relay serve --backend vllm --eager` on a free port (eager: on a
-    CPU a compiled start takes ~20 s more here, its compile cache never loading back); its process
-    group (the CLI, vLLM's API server and engine) is killed in teardown."""
-    import openai
+def serve_process(vllm_tiny, tmp_path_factory):
+    """(process, its engine processes, base URL) of `relay serve --backend vllm --eager` with
+    SERVE_KEY (from RELAY_API_KEY) on a free port (eager: on a CPU a compiled start takes ~20 s
+    more here, its compile cache never loading back). The last test on it signals it
+    (test_sigterm_to_relay_serve_stops_the_engine); whatever is left is killed in teardown."""
+    from test_vllm_serve import alive, start_serve
 
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-log") / "serve.log"
-    cmd = [sys.executable, "-m", "pipeline.tools.serve", str(vllm_tiny), "--backend", "vllm", "--name", "tiny",
-           "--port", str(port), "--max-batch", "4", "--max-model-len", "1024", "--eager"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, engine = start_serve(vllm_tiny, port, log, {**os.environ, "RELAY_API_KEY": SERVE_KEY}, ("--eager",))
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"relay serve --backend vllm exited {proc.returncode}: {log.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, "the vLLM server did not start within 300 s"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        base = f"http://127.0.0.1:{port}/v1"
-        yield openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120), base
+        yield proc, engine, f"http://127.0.0.1:{port}"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        for pid in alive(engine | {proc.pid}):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(serve_process):
+    """(openai client with the key, base URL) of `serve_process`."""
+    import openai
+
+    base = serve_process[2] + "/v1"
+    return openai.OpenAI(base_url=base, api_key=SERVE_KEY, max_retries=0, timeout=120), base
 
 
 def ask(client, **kwargs):
@@ -222,6 +219,64 @@ def test_serve_vllm_bad_requests_are_openai_errors_and_the_server_stays_up(serve
         assert caught.value.status_code == status, (kwargs, caught.value.body)
         assert {"message", "type"} <= set(caught.value.body) and caught.value.body["message"], (kwargs, caught.value.body)
     assert ask(client).choices[0].message.content is not None  # still up
+
+
+def test_serve_vllm_needs_the_key_on_every_route(serve_process):
+    """Every route of vLLM's server, read from its own OpenAPI schema, and the paths outside it
+    (/openapi.json, /docs, /metrics, one no route has) answer 401 without the key or with a wrong
+    one, and get past the guard with it (a body that is not JSON: the route itself refuses it, so
+    nothing runs); only GET /health is open."""
+    from test_vllm_serve import call
+
+    base, key = serve_process[2], SERVE_KEY
+    status, text = call(base + "/openapi.json", key=key)
+    routes = [(m.upper(), p) for p, ops in json.loads(text)["paths"].items() for m in ops]
+    assert {("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/chat/completions")} <= set(routes)
+    outside = [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/metrics"), ("POST", "/no-such-route")]
+    for method, template in routes + outside:
+        if (method, template) == ("GET", "/health"):
+            continue  # the liveness probe, open as on Relay's own server
+        path, body = template.replace("{", "").replace("}", ""), b"{" if method == "POST" else None
+        for given, code in ((None, "missing_api_key"), ("sk-wrong", "invalid_api_key")):
+            status, text = call(base + path, method, body, given)
+            assert status == 401 and json.loads(text)["error"]["code"] == code, (method, path, given, status, text[:200])
+        status, text = call(base + path, method, body, key)
+        assert status != 401, (method, path, status, text[:200])
+        if method == "GET" and "{" not in template:  # nothing to refuse: served
+            assert status == 200, (method, path, status, text[:200])
+    assert call(base + "/health") == (200, b"")
+    print(f"{len(routes) + len(outside) - 1} routes of relay serve --backend vllm refused without the key")
+
+
+def test_serve_vllm_refuses_the_roles_relays_server_refuses(serve_process, served):
+    """A message with role `wizard` gets Relay's own 400 on every route that takes messages (vLLM
+    alone answers it); streaming answers pass the guard unchanged."""
+    import openai
+
+    from pipeline.tools.openai_protocol import ApiError, check_request
+    from test_vllm_serve import call
+
+    wizard = [{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "Obey."}]
+    with pytest.raises(ApiError) as relay:
+        check_request({"model": "tiny", "messages": wizard}, "tiny")
+    for path, messages in (("/v1/chat/completions", wizard), ("/invocations", wizard), ("/tokenize", wizard),
+                           ("/v1/chat/completions/batch", [wizard])):
+        body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 4}).encode()
+        status, text = call(serve_process[2] + path, "POST", body, SERVE_KEY)
+        assert status == 400, (path, status, text[:300])
+        if path != "/v1/chat/completions/batch":
+            assert json.loads(text) == relay.value.body(), path
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served[1], api_key="sk-wrong", max_retries=0).chat.completions.create(model="tiny", messages=HI, max_tokens=4)
+
+
+def test_sigterm_to_relay_serve_stops_the_engine(serve_process):
+    """Last on `serve_process` (it stops it): SIGTERM to `relay serve` alone leaves no engine
+    process (vLLM's server, its engine core, its resource tracker) and a free port."""
+    from test_vllm_serve import assert_stopped_with_its_parent
+
+    proc, engine, base = serve_process
+    assert_stopped_with_its_parent(proc, engine, int(base.rsplit(":", 1)[1]), signal.SIGTERM)
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,18 +1,13 @@
-"""`relay serve --backend vllm` as a user runs it, with --api-key and then signalled: every route of
-vLLM's server, read from its own OpenAPI schema (and the paths outside it: /openapi.json, /docs,
-/metrics, a path no route has), answers 401 without the key and gets past it with the key; a chat
-message with a role Relay's server refuses gets Relay's 400 on every route that takes messages;
-SIGTERM to the `relay serve` process alone leaves no engine process and a free port.
-
-One server for the module (a start is ~20 s on this CPU; --eager), consumed by the SIGTERM test,
-which runs last. SIGINT and a crash of the parent (SIGKILL) are tested on `relay serve`'s own
-`serve_vllm` with a stand-in for vLLM's server (a process that listens on the port and has a child
-it stops on SIGTERM, as vLLM's server stops its engine core), which starts in a fraction of a second.
+"""`relay serve --backend vllm` stops its engine with it: Ctrl-C (SIGINT) and a crash of the
+`relay serve` process (SIGKILL, where no handler runs) leave no engine process and a free port.
+On a stand-in for vLLM's server (a process that listens on the port and has a child it stops on
+SIGTERM, as vLLM's server stops its engine core), so no vLLM is needed and it starts in a fraction
+of a second. SIGTERM on the real server, and its key on every route: tests/test_vllm.py, which
+uses the helpers here.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -26,11 +21,6 @@ from pathlib import Path
 import pytest
 
 from pipeline.modeling.vllm_server import free_port
-from test_vllm import vllm_ready  # noqa: F401  (waits for run_scripts/test.sh's install of vLLM's environment)
-from tinymodels import make_tiny_model
-
-KEY = "sk-relay-vllm-0123456789"
-WIZARD = [{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "Obey."}]
 
 
 def call(url: str, method: str = "GET", body: bytes | None = None, key: str | None = None) -> tuple[int, bytes]:
@@ -83,22 +73,14 @@ def port_free(port: int) -> bool:
 
 
 def start_serve(folder: Path, port: int, log: Path, env: dict, extra: tuple = ()) -> tuple[subprocess.Popen, set[int]]:
-    """`relay serve FOLDER --backend vllm` (the key from RELAY_API_KEY in `env`) until /health
+    """`relay serve FOLDER --backend vllm` (a key from RELAY_API_KEY in `env`) until /health
     answers; (its process, the engine processes under it)."""
     cmd = [sys.executable, "-m", "pipeline.tools.serve", str(folder), "--backend", "vllm", "--name", "tiny", "--port", str(port),
            "--max-batch", "2", "--max-model-len", "512", *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, f"relay serve --backend vllm exited {proc.returncode}: {log.read_text()[-2000:]}"
-        assert time.monotonic() < deadline, f"the server did not start within 300 s: {log.read_text()[-2000:]}"
-        try:
-            if call(f"http://127.0.0.1:{port}/health")[0] == 200:
-                return proc, descendants(proc.pid)
-        except OSError:
-            pass
-        time.sleep(0.3)
+    wait_for_health(port, proc, 300, log)
+    return proc, descendants(proc.pid)
 
 
 def assert_stopped_with_its_parent(proc: subprocess.Popen, engine: set[int], port: int, how: int, timeout: float = 60) -> None:
@@ -115,78 +97,6 @@ def assert_stopped_with_its_parent(proc: subprocess.Popen, engine: set[int], por
         os.kill(pid, signal.SIGKILL)
     assert not left, f"engine processes left after {signal.Signals(how).name} to relay serve: {sorted(left)}"
     assert port_free(port)
-
-
-@pytest.fixture(scope="module")
-def served(vllm_ready, tmp_path_factory):  # noqa: F811
-    """(relay serve's process, its engine processes, base URL) of `relay serve --backend vllm
-    --eager` with KEY on a free port; whatever is left of it is killed in teardown."""
-    folder = make_tiny_model(tmp_path_factory.mktemp("vllm-serve") / "tiny", seed=0, num_attention_heads=2, num_key_value_heads=1)
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-serve-log") / "serve.log"
-    proc, engine = start_serve(folder, port, log, {**os.environ, "RELAY_API_KEY": KEY}, ("--eager",))
-    try:
-        yield proc, engine, f"http://127.0.0.1:{port}"
-    finally:
-        for pid in alive(engine | {proc.pid}):
-            os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-
-
-def schema_routes(base: str) -> list[tuple[str, str]]:
-    """(method, path) of every operation in the server's OpenAPI schema (path parameters filled in)."""
-    status, text = call(base + "/openapi.json", key=KEY)
-    assert status == 200
-    paths = json.loads(text)["paths"]
-    return [(method.upper(), path.replace("{", "").replace("}", "")) for path, ops in paths.items() for method in ops]
-
-
-def test_every_route_of_vllms_server_needs_the_key(served):
-    _, _, base = served
-    routes = schema_routes(base)
-    assert {("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/chat/completions")} <= set(routes)
-    outside = [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/metrics"), ("POST", "/no-such-route"), ("GET", "/ping")]
-    for method, path in routes + outside:
-        if (method, path) == ("GET", "/health"):
-            continue  # the liveness probe, open as on Relay's own server
-        body = b"{" if method == "POST" else None  # not JSON: past the guard, the route itself refuses it (no side effects)
-        for key, code in ((None, "missing_api_key"), ("sk-wrong", "invalid_api_key")):
-            status, text = call(base + path, method, body, key)
-            assert status == 401 and json.loads(text)["error"]["code"] == code, (method, path, key, status, text[:200])
-        status, text = call(base + path, method, body, KEY)
-        assert status != 401, (method, path, status, text[:200])
-        if method == "GET" and path in {p for _, p in outside} | {"/v1/models", "/version", "/load"}:
-            assert status == 200, (method, path, status, text[:200])
-    assert call(base + "/health") == (200, b"")
-    print(f"{len(routes) + len(outside) - 1} routes refused without the key")
-
-
-def test_a_role_relays_server_refuses_is_refused_on_every_messages_route(served):
-    import openai
-
-    from pipeline.tools.openai_protocol import ApiError, check_request
-
-    _, _, base = served
-    with pytest.raises(ApiError) as relay:
-        check_request({"model": "tiny", "messages": WIZARD}, "tiny")
-    for path, messages in (("/v1/chat/completions", WIZARD), ("/invocations", WIZARD), ("/tokenize", WIZARD),
-                           ("/v1/chat/completions/batch", [WIZARD])):
-        status, text = call(base + path, "POST", json.dumps({"model": "tiny", "messages": messages, "max_tokens": 4}).encode(), KEY)
-        assert status == 400, (path, status, text[:300])
-        if path != "/v1/chat/completions/batch":
-            assert json.loads(text) == relay.value.body(), path
-    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    answer = client.chat.completions.create(model="tiny", messages=WIZARD[:1], max_tokens=4, temperature=0, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in answer if c.choices)  # the body passes on, streaming too
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=base + "/v1", api_key="sk-wrong", max_retries=0).chat.completions.create(
-            model="tiny", messages=WIZARD[:1], max_tokens=4)
-
-
-def test_sigterm_to_relay_serve_stops_the_engine(served):
-    """Last: it stops the module's server."""
-    proc, engine, base = served
-    assert_stopped_with_its_parent(proc, engine, int(base.rsplit(":", 1)[1]), signal.SIGTERM)
 
 
 FAKE_ENGINE = """\
@@ -221,16 +131,18 @@ def fake_engine(tmp_path, monkeypatch):
     return fake
 
 
-def wait_for_health(port: int, proc: subprocess.Popen | None = None, timeout: float = 120) -> None:
+def wait_for_health(port: int, proc: subprocess.Popen | None = None, timeout: float = 120, log: Path | None = None) -> None:
+    """Until GET /health on `port` answers 200 (`proc` still running)."""
+    tail = lambda: log.read_text(errors="replace")[-2000:] if log else ""  # noqa: E731
     deadline = time.monotonic() + timeout
     while True:
-        assert proc is None or proc.poll() is None, f"exited {proc.returncode}"
-        assert time.monotonic() < deadline, f"nothing answered on port {port} within {timeout:.0f} s"
+        assert proc is None or proc.poll() is None, f"exited {proc.returncode}: {tail()}"
+        assert time.monotonic() < deadline, f"nothing answered on port {port} within {timeout:.0f} s: {tail()}"
         try:
             if call(f"http://127.0.0.1:{port}/health")[0] == 200:
                 return
         except OSError:
-            time.sleep(0.1)
+            time.sleep(0.2)
 
 
 def test_sigint_stops_the_engine(fake_engine, tiny_model_dir):
