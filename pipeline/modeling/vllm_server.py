@@ -56,18 +56,18 @@ KEY_ENV, ROLES_ENV = "RELAY_VLLM_KEY", "RELAY_VLLM_ROLES"
 """The guard's key and the chat roles it accepts, in the server's environment (vllm_side/relay_vllm_guard.py)."""
 
 KEPT_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "TEMP", "TMP",
-                      "LD_LIBRARY_PATH", "LD_PRELOAD", "CC", "CXX", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
-                      "CURL_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
-                      "PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "DO_NOT_TRACK"})
-KEPT_PREFIXES = ("LC_", "XDG_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_", "NVIDIA_", "NCCL_", "HIP_",
-                 "ROCM_", "HSA_", "OMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_",
-                 "TRITON_", "VLLM_")
+                      "LD_LIBRARY_PATH", "LD_PRELOAD", "CC", "CXX", "CPATH", "LIBRARY_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR",
+                      "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy",
+                      "no_proxy", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "DO_NOT_TRACK"})
+KEPT_PREFIXES = ("LC_", "XDG_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_", "NVIDIA_", "NCCL_", "NVSHMEM_",
+                 "UCX_", "GLOO_", "HIP_", "ROCM_", "ROCR_", "HSA_", "OMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH_",
+                 "TORCHINDUCTOR_", "PYTORCH_", "TRITON_", "VLLM_")
 """What the server's environment keeps of Relay's (`server_env`): the system's basics, caches and
 tokens of Hugging Face, the accelerator's, thread and instruction-set caps, compilers and vLLM's own."""
 DROPPED_VLLM_ENV = frozenset({
     "VLLM_SERVER_DEV_MODE",  # the development routes: /collective_rpc, /sleep, /reset_prefix_cache, /server_info, ...
     "VLLM_API_KEY",  # the guard holds the key (a stray one would only half-key the server)
-    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",  # /v1/load_lora_adapter: code paths read from disk at runtime
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",  # /v1/load_lora_adapter: weights from any path, at runtime
     "VLLM_TORCH_PROFILER_DIR",  # /start_profile, /stop_profile
     "VLLM_DEBUG_LOG_API_SERVER_RESPONSE",  # answers in the log
     "VLLM_ALLOW_INSECURE_SERIALIZATION",  # pickle between processes

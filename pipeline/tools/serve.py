@@ -362,7 +362,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted (413 beyond)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                        help=f"require 'Authorization: Bearer KEY' on every route but GET /health (default: ${API_KEY_ENV}, which keeps it out of ps)")
+                        help=f"require 'Authorization: Bearer KEY' on every route but GET /health "
+                             f"(default: ${API_KEY_ENV}, which keeps it out of ps)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM: longest prompt + answer (sizes its KV cache)")
     parser.add_argument("--eager", action="store_true",
                         help="vLLM: no torch.compile (--enforce-eager): on a CPU it starts ~45 s sooner on SmolLM2-135M and decodes ~20%% slower")
