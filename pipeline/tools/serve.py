@@ -20,13 +20,14 @@ api_key="unused")`; the model name is the folder's name (--name changes it).
 
 --api-key KEY (or the environment variable RELAY_API_KEY, which keeps the key out of `ps`): every
 route then needs `Authorization: Bearer KEY`, compared in constant time, and answers an
-OpenAI-style 401 without it; GET /health stays open (a liveness probe), as in vLLM's server. With --backend vllm the
-key guards every route of vLLM's server, not only its /v1 ones (/invocations, /tokenize, /pooling,
-... answer without vLLM's own key): Relay's guard runs inside vLLM's app and gets the key in its
-environment, never on its command line (pipeline/modeling/vllm_side/relay_vllm_guard.py); it
-also refuses chat messages with a role Relay's server refuses. The vLLM server stops with this
-process: on SIGTERM, SIGINT or SIGHUP it is stopped whole, and killed outright this process
-still takes it down (pipeline.modeling.vllm_server.launch).
+OpenAI-style 401 without it; GET /health stays open (a liveness probe), as in vLLM's server.
+With --backend vllm the key guards every route of vLLM's server, not only its /v1 ones
+(/invocations, /tokenize, /pooling, ... answer without vLLM's own key): Relay's guard runs inside
+vLLM's app and gets the key in its environment, never on its command line
+(pipeline/modeling/vllm_side/relay_vllm_guard.py); it also refuses chat messages with a role
+Relay's server refuses. The vLLM server stops with this process: on SIGTERM, SIGINT or SIGHUP it
+is stopped whole, and this process killed outright still takes it down
+(pipeline.modeling.vllm_server.launch).
 """
 
 from __future__ import annotations
