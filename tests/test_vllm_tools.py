@@ -99,9 +99,9 @@ def recorded(monkeypatch) -> list[tuple[list[int], int, list[int]]]:
 
     seen, real = [], VLLMGenerator.request
 
-    def request(self, model, prompt, **kwargs):
-        ids, values = real(self, model, prompt, **kwargs)
-        seen.append((list(prompt), kwargs["max_tokens"], ids))
+    def request(self, model, prompt, *args, **kwargs):
+        ids, values = real(self, model, prompt, *args, **kwargs)
+        seen.append((list(prompt), kwargs.get("max_tokens", self.max_new_tokens), ids))
         return ids, values
 
     monkeypatch.setattr(VLLMGenerator, "request", request)
@@ -159,7 +159,7 @@ def test_grpo_with_tools_on_vllm(caller, tools_server, questions, calls, tmp_pat
 
     cfg = _grpo_cfg(tmp_path / "out", caller, questions, backend="vllm")
     cfg.train.max_steps, cfg.train.seq_length = 2, 512
-    cfg.generation.max_new_tokens, cfg.generation.temperature, cfg.tools.max_turns = 32, 0.8, 3
+    cfg.generation.max_new_tokens, cfg.generation.temperature, cfg.tools.max_turns = 48, 0.8, 3
     cfg.tracking.trackers = ["tensorboard"]
     assert cfg.generation.correction == "auto" and cfg.generation.correction_name == "tis"
     requests = recorded(monkeypatch)
@@ -175,6 +175,8 @@ def test_grpo_with_tools_on_vllm(caller, tools_server, questions, calls, tmp_pat
     stage = run_stage(grpo.GRPOStage, cfg, on_step=on_step, generator_factory=factory(tools_server, caller, tmp_path / "v", cfg))
     assert stage.final_summary["steps"] == 2 and sorted(seen) == [1, 2]
     for step, (figures, rollout, asked) in seen.items():
+        print(f"GRPO step {step}: {len(asked)} requests, max_tokens {sorted({m for _, m, _ in asked})}, logprob diff mean "
+              f"{figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}")
         check_step(rollout, asked, figures, scored[step]["old"], scored[step].get("is_weight"), cfg, tools_server.opts.max_model_len)
     assert weights and all(w is not None for w in weights)  # every policy-loss call was corrected
     scalars = read_scalars(tmp_path / "out")
@@ -188,7 +190,7 @@ def test_ppo_with_tools_on_vllm(caller, tiny_reward_dir, tools_server, questions
     from test_ppo import make_cfg
 
     cfg = make_cfg(tmp_path / "out", caller, tiny_reward_dir, questions, max_steps=2, batch_size=2, learning_rate=1e-2, seq_length=512)
-    cfg.generation.backend, cfg.generation.max_new_tokens, cfg.generation.temperature = "vllm", 32, 0.8
+    cfg.generation.backend, cfg.generation.max_new_tokens, cfg.generation.temperature = "vllm", 48, 0.8
     cfg.tools.funcs, cfg.tools.max_turns = ["test_tool_rollout:add"], 3
     assert cfg.generation.correction_name == "tis"
     requests = recorded(monkeypatch)
@@ -203,6 +205,8 @@ def test_ppo_with_tools_on_vllm(caller, tiny_reward_dir, tools_server, questions
     stage = run_stage(ppo.PPOStage, cfg, on_step=on_step, generator_factory=factory(tools_server, caller, tmp_path / "v", cfg))
     assert stage.final_summary["steps"] == 2 and sorted(seen) == [1, 2]
     for step, (figures, exp, asked) in seen.items():
+        print(f"PPO step {step}: {len(asked)} requests, max_tokens {sorted({m for _, m, _ in asked})}, logprob diff mean "
+              f"{figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}")
         check_step(exp.rollout, asked, figures, exp.old_logprobs, exp.is_weight, cfg, tools_server.opts.max_model_len)
         assert (exp.advantages[exp.rollout.response_mask == 0] == 0).all()
     assert weights and all(w is not None for w in weights)
