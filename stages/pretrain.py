@@ -4,8 +4,9 @@
     python stages/pretrain.py                              # one process, bundled sample data
 
 Documents are tokenized, each followed by EOS, and cut into `train.seq_length` rows; a row's
-attention stays inside each document (block-causal mask, or position_ids under flash-attention:
-data_formats/collate.py). Every token is trained except the first of each document piece.
+attention stays inside each document (segment ids turned into the attention implementation's
+mask or varlen lengths: pipeline/modeling/attention.py). Every token is trained except the first
+of each document piece.
 With `data.streaming: true` the training corpus is read lazily in file order (data_formats/streaming.py)
 instead of being tokenized into memory and shuffled; resume restores the stream position.
 The flow, loss normalisation, accumulation, checkpoints, resume, trackers and the final merge are
