@@ -531,6 +531,7 @@ def test_a_tool_rollout_on_vllm_sends_each_turns_budget_and_keeps_the_engines_lo
     policy is synced once for the rollout's turns; the engine's log-probs of the sampled tokens of
     every turn are kept at their positions and the inserted tokens get NaN."""
     from pipeline.algorithms.vllm_generator import VLLMGenerator
+    from pipeline.modeling.vllm_server import VLLMError
 
     t, template = _template(tok, native=False)
     env, tools = _env(t, template, max_new_tokens=80)
@@ -560,6 +561,8 @@ def test_a_tool_rollout_on_vllm_sends_each_turns_budget_and_keeps_the_engines_lo
         assert engine[used:n].tolist() == pytest.approx([-2 - i / 100 for i in range(room)])
         assert engine[first:used].isnan().all() and engine[n:].isnan().all()
     assert rollout.finished.tolist() == [False, False]
+    with pytest.raises(VLLMError, match="leaves no room for a response under the vLLM server's max_model_len"):
+        gen.generate([[5] * server.opts.max_model_len], max_new_tokens=[4])  # refused in one line, not a 400 from vLLM
 
 
 def test_refill_keeps_a_plain_generators_logprobs_and_none_without_them(tok):
