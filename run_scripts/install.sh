@@ -27,11 +27,9 @@ fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip
 # The exact version is the local CPU wheel; any looser spec pulls GBs of CUDA packages.
-# pip installs without byte-compiling, and one compileall over both cores does it after: pip compiles
-# file by file on one core as it installs (36 of the install's 58 s on 2 cores; 49 s in all this
-# way, 22 of them compiling; issue 33, bench/RESULTS.md). Without the .pyc files each process would
-# parse its imports again where PYTHONDONTWRITEBYTECODE is set (13 s against 5.5 s to import a
-# stage's modules). Files that are not Python 3 source (a few templates) fail here as under pip.
+# pip installs without byte-compiling, and one compileall over every core does it after: pip
+# compiles file by file on one core as it installs (bench/RESULTS.md). Without the .pyc files each
+# process would parse its imports again where PYTHONDONTWRITEBYTECODE is set. Files that are not Python 3 source (a few templates) fail here as under pip.
 pip install --no-compile "torch==2.13.0"
 # DeepSpeed compiles no ops at install time; they are JIT-built only where a GPU needs them.
 DS_BUILD_OPS=0 DS_SKIP_CUDA_CHECK=1 pip install --no-compile -e ".[dev]"

@@ -3,8 +3,8 @@
 #   bash run_scripts/test.sh [pytest args]
 # The tests run in pytest-xdist workers, a test module to a worker, the longest modules first, the
 # cores split between them (tests/conftest.py): 2 workers where the machine has 2 or more cores
-# (on 2 idle cores, back to back: 371.6 s of pytest against 608.7 s in one process, bench/RESULTS.md, issue 33;
-# one process used about one core on average). RELAY_TEST_WORKERS=N sets N; 1 runs one process.
+# (one process uses about one core on average; bench/RESULTS.md). RELAY_TEST_WORKERS=N sets N; 1
+# runs one process.
 # vLLM's side environment (run_scripts/install_vllm.sh; a no-op when present) builds in the
 # background meanwhile; tests/test_vllm.py runs late (tests/conftest.py) and waits for it, failing
 # (not skipping) when the install failed. RELAY_VLLM_INSTALL=0: no install (those tests then skip

@@ -80,8 +80,7 @@ def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperatu
     `hold` (see `holds_first_forward`): the policy's and the critic's forwards run with gradients
     on, and their logits and values come back as 'held' and 'held_values', attached to their
     graphs, for the update's first micro-batch: one policy and one critic forward fewer a step
-    (the critic's hold with the shared-prefix prefill: the demo's PPO stage 1.9% faster back to back
-    capped to AVX2, issue 33). The numbers are those of the
+    (the critic's hold comes with the shared-prefix prefill). The numbers are those of the
     forwards the update would run, so its ratio is still exactly 1. Both graphs stay alive from
     here to that micro-batch's backward: the joint pass's memory for the first micro-batch."""
     device = next(model.parameters()).device

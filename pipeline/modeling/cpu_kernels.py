@@ -6,9 +6,9 @@ machine.
     choice("decode_fused")    # decode: q/k/v and gate/up as one product each
 
 Whether oneDNN's fp32 kernel beats torch's default GEMM (MKL) depends on the CPU, not on Relay.
-On the AVX-512 reference machine it is ~2.2x at training shapes and 2-3x at decode shapes; on an
-AVX2-only CPU (issue 33: a 2-core AMD EPYC) it gains nothing at training shapes (143 vs 116 and
-115 vs 144 GFLOP/s) but still wins at decode shapes (53 vs 46; 37 vs 16 on the LM head). So each
+On an AVX-512 CPU it can be about twice as fast at training shapes and faster still at decode
+shapes; on an AVX2-only CPU it may gain nothing at training shapes and still win at decode shapes
+(bench/RESULTS.md). So each
 path is timed against the plain one on the shapes of the embedded model (SmolLM2-135M: d=576,
 MLP 1536, k/v 192, vocab 49152), A and B interleaved in one process so a busy machine slows both
 alike, and taken where the speedup of the best runs reaches `MARGIN` (`decide`, pure).

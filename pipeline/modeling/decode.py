@@ -140,7 +140,7 @@ def prompt_layout(prompts: Sequence[Sequence[int]], pad_id: int, attn: str) -> t
     padding wherever it sits, so each row still sees exactly what it would alone; the shared
     tokens' keys and values are computed once (`Decoder.prefill`). The gold table's 80 prompts
     share SmolLM2's system turn and the user turn's opening, 24 of their 41 tokens on average (44 at
-    most): the prefill runs 24 + 80 x 20 token positions instead of 80 x 44 (issue 33).
+    most): the prefill runs 24 + 80 x 20 token positions instead of 80 x 44.
 
     Raises:
         ValueError: no prompts, or an empty one (`left_pad`).

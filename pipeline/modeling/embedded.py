@@ -5,7 +5,7 @@
 transformers can read the GGUF directly (dequantising Q4_1 to fp32), but that takes ~20 s per load;
 we convert it once into a normal Hugging Face folder (safetensors, tokenizer, chat template,
 generation config) under the cache, after which loads take well under a second. The conversion
-itself parses the file once (`gguf_parsed_once`: 22.0 s -> 11.0 s capped to AVX2, the same files; issue 33).
+itself parses the file once (`gguf_parsed_once`), which halves its time.
 """
 
 from __future__ import annotations

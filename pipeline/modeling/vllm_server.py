@@ -10,9 +10,8 @@ machine with `pip install vllm` in the main environment).
 On a CPU the server is kept small (the machine is shared): a 1 GiB KV cache
 (VLLM_CPU_KVCACHE_SPACE), a short context, few sequences at once, fp32, and the model run inside
 the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0 there: vLLM's default on a CPU is one
-more process, the worker, whose message queue the engine core polls). On 2 cores (Xeon, AVX-512)
-that process cost ~7 s of every start (23.5 -> 16.0 s on a tiny model) and a third of the decode
-rate (SmolLM2-135M, 8 x 128 tokens: 101-116 -> 153-157 tokens/s; bench/RESULTS.md, issue 33).
+more process, the worker, whose message queue the engine core polls). On a few cores that process
+costs seconds of every start and a share of the decode rate (bench/RESULTS.md).
 
 Every route needs a key. vLLM's own key covers /v1 only (/invocations, /tokenize, the development
 routes answer without it), so the server runs Relay's guard (vllm_side/relay_vllm_guard.py, an

@@ -1,6 +1,5 @@
 """`relay bundle`: the wheels Relay needs on top of an existing CUDA PyTorch environment, for an
-offline GPU node (an air-gapped cluster, or the lent GPU machine that only gets what travels with
-the working tree, 64 MiB in all).
+offline GPU node (an air-gapped cluster whose image already has CUDA torch).
 
     relay bundle --out .whl [--python-version 3.12] [--budget-mib N]    # download + build + manifest
     relay bundle --check .whl                                             # is a bundle complete?
@@ -62,7 +61,8 @@ tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torch
 triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl
 zipp
 """.split())
-"""The GPU image's Python packages (/work/.library/device/KINDS.md, read 2026-11-17): the node has these."""
+"""The Python packages a CUDA cluster image typically has (torch, transformers, accelerate, peft and
+their dependencies): the bundle leaves these out."""
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64")
 MANIFEST = "bundle.json"
@@ -262,7 +262,7 @@ def check(folder: Path, budget_mib: Optional[float] = None, needs: Sequence[str]
 
 
 def tree_bytes(repo: Path) -> Optional[int]:
-    """Bytes of what the device tool sends beside a carried bundle: the files git tracks plus the
+    """Bytes of the source tree that travels to the node beside a bundle: the files git tracks plus the
     untracked ones it does not ignore (None outside a git checkout)."""
     proc = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                           capture_output=True)
