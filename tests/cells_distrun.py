@@ -1,0 +1,60 @@
+"""tests/distrun.py's runner with the runs tests/test_cells_ddp.py adds: the KTO stage, and PPO /
+GRPO with tools sampled by tests/tool_distrun.py's scripted caller (a pure function of each context,
+so the rollouts do not depend on how prompts are dealt to ranks).
+
+    torchrun --nproc_per_node 2 tests/cells_distrun.py RUNS.json
+
+A spec's "sampler" may also be "tools"; everything else is tests/distrun.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import distrun
+
+_stage_class, _stage_kwargs = distrun.stage_class, distrun.stage_kwargs
+
+
+def stage_class(name: str):
+    if name == "kto":
+        from stages.kto import KTOStage
+
+        return KTOStage
+    return _stage_class(name)
+
+
+def stage_kwargs(spec: dict) -> dict:
+    """tests/distrun.py's, or the scripted tool caller (PPO scored by distrun.scripted_reward)."""
+    if spec.get("sampler") != "tools":
+        return _stage_kwargs(spec)
+    from transformers import AutoTokenizer
+
+    from tool_distrun import Scripted
+
+    argv = spec["argv"]
+    tok = AutoTokenizer.from_pretrained(argv[argv.index("--model.path") + 1])
+    kwargs = {"generator_factory": lambda policy: Scripted(tok)}
+    if spec["stage"] == "ppo":
+        kwargs["reward_fn"] = distrun.scripted_reward
+    return kwargs
+
+
+distrun.stage_class, distrun.stage_kwargs = stage_class, stage_kwargs
+
+if __name__ == "__main__":
+    import gc
+
+    for name in ("pt", "sft", "rm", "dpo", "kto", "ppo", "grpo"):
+        stage_class(name)
+    # The imports live as long as the process: out of reach of the full collection every run's
+    # export makes (accelerate's free_memory), which then scans that run's objects only.
+    gc.collect()
+    gc.freeze()
+    for spec in json.loads(Path(sys.argv[1]).read_text()):
+        start = time.perf_counter()
+        distrun.run_one(spec)
+        print(f"cells_distrun: {spec['argv'][spec['argv'].index('--output_dir') + 1]} {time.perf_counter() - start:.1f}s", file=sys.stderr)

@@ -1,0 +1,221 @@
+"""Cells of the capability table (pipeline/config/capabilities.py) on more than one rank that no
+other test trains: two gloo ranks on CPU equal one process with the same global batch, per step
+(loss, global grad_norm, the stage's own figures) and in the merged model.
+
+Covered: full-weight SFT, DPO, KTO and GRPO under DDP and FSDP2; DPO with LoRA under DDP and KTO
+with LoRA under DDP and FSDP2; PPO with tools under DDP (scripted tool caller, tests/tool_distrun.py);
+QLoRA PT and RM under DDP. The hf generation backend under DDP draws what Relay's engine draws on the
+same ranks (its sampler is real, so its rollouts depend on each rank's RNG stream: compared with
+the relay backend's two-rank run, not with one process; stale weights in either sampler would part
+them at step 2). Full-weight FSDP runs hold out no samples: with a held-out set they are refused
+(capabilities.HELD_OUT_UNDER_FSDP), checked here.
+
+KTO's loss (`kto`) estimates its KL baseline z on each rank's micro-batch (each prompt paired with
+another answer of that micro-batch) and clamps the ranks' mean at 0, as TRL's KTOTrainer does; so
+its one-process reference runs the ranks' micro-batches as two accumulated ones (the same samples
+and KL rows), each clamped on its own. The two agree exactly where every micro-batch's z is <= 0
+(the reference logs z = 0 at every step; asserted, so that a change of regime fails by name): the
+LoRA cells, at this learning rate. Where one micro-batch's z is positive and the other's negative
+they part by design (measured: z 0.41 on one process, 0.09 on two ranks at lr 5e-2, with the same
+rewards). The full-weight cells run the reference-free `apo_zero_unpaired` loss, which has no z.
+
+One torchrun of two ranks runs every multi-rank run, engine by engine (tests/cells_distrun.py;
+starting Python, torch and transformers is most of a tiny run's cost); the one-process references
+run in this process. Tolerances are tests/test_distributed_stages.py's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_cells import kto_rows
+from test_distributed_stages import ABS, REL, WEIGHTS_ABS, history, merged_weights, stage_argv, write_data
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 2
+
+
+@dataclass(frozen=True)
+class Run:
+    stage: str
+    mode: str
+    engines: tuple[str, ...]
+    keys: tuple[str, ...]
+    sampler: str = "scripted"
+    extra: tuple[str, ...] = ()
+
+
+PPO_KEYS = ("train/grad_norm", "ppo/kl", "ppo/reward_norm", "ppo/reward_raw", "ppo/entropy")
+GRPO_KEYS = ("train/loss", "train/grad_norm", "grpo/reward", "grpo/kl", "grpo/completion_length")
+PREF_KEYS = ("train/loss", "train/grad_norm", "train/accuracy", "train/margin")
+KTO_KEYS = ("train/loss", "train/grad_norm", "train/margin", "kto/rewards_chosen", "kto/rewards_rejected", "kto/kl")
+BOTH = ("ddp", "fsdp")
+RUNS: dict[str, Run] = {
+    "sft-full": Run("sft", "full", BOTH, ("train/loss", "train/grad_norm", "train/loss_task/big")),
+    "dpo-lora": Run("dpo", "lora", ("ddp",), PREF_KEYS),
+    "dpo-full": Run("dpo", "full", BOTH, PREF_KEYS),
+    "kto-lora": Run("kto", "lora", BOTH, KTO_KEYS),
+    "kto-full": Run("kto", "full", BOTH, KTO_KEYS, extra=("--kto.loss_type", "apo_zero_unpaired")),
+    "grpo-full": Run("grpo", "full", BOTH, GRPO_KEYS),
+    "ppo-tools": Run("ppo", "lora", ("ddp",), PPO_KEYS, sampler="tools"),
+    "pt-qlora": Run("pt", "qlora", ("ddp",), ("train/loss", "train/grad_norm")),
+    "rm-qlora": Run("rm", "qlora", ("ddp",), ("train/loss", "train/grad_norm", "train/accuracy")),
+}
+"""name: what it runs and on which engines (each against one process)."""
+HF = {"ppo": PPO_KEYS, "grpo": GRPO_KEYS}
+"""Stages whose hf-backend DDP run is compared with the relay backend's DDP run."""
+
+
+def argv(name: str, world: int, out: Path, data: dict, model: Path, reward: Path) -> list[str]:
+    """One run's arguments with a per-rank batch that keeps the global batch of one process
+    (KTO: the same micro-batches, accumulated on one process; module docstring)."""
+    run = RUNS[name]
+    stage = run.stage
+    if stage == "kto":
+        base = stage_argv("rm", WORLD // world, 2, out, data, model, reward)
+        base[base.index("--data.train") + 1] = f"[{data['kto']}]"
+    elif stage == "grpo":
+        base = grpo_args(stage_argv("rm", 1, 4 // world, out, data, model, reward), data["ppo"], "distrun:group_reward", "6")
+    elif stage == "ppo":
+        base = stage_argv("ppo", 1, (4 if run.sampler == "tools" else 8) // world, out, data, model, reward)
+    else:
+        base = stage_argv({"dpo": "rm"}.get(stage, stage), 1, 4 // world, out, data, model, reward)
+        base = with_value(base, "--data.eval", "[]")  # held-out sets under full-weight FSDP are refused (capabilities)
+    if run.sampler == "tools":
+        base = with_value(base, "--data.train", f"[{data['tools']}]") + [
+            "--tools.funcs", "[test_tool_rollout:add]", "--generation.max_new_tokens", "64", "--generation.missing_eos_penalty", "null"]
+    return base + ["--model.finetuning", run.mode, *run.extra]
+
+
+def with_value(args: list[str], flag: str, value: str) -> list[str]:
+    out = list(args)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+def launch(specs: list[dict], folder: Path, nproc: int) -> None:
+    """Run `specs` through tests/cells_distrun.py under torchrun with `nproc` ranks."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spec_file = folder / "runs.json"
+    spec_file.write_text(json.dumps(specs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(ROOT / "tests" / "cells_distrun.py"), str(spec_file)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    (folder / "stderr.txt").write_text(done.stderr)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def grpo_args(args: list[str], prompts: Path, reward_fn: str, tokens: str) -> list[str]:
+    """tests/test_distributed_stages.py's common arguments (of `args`) with GRPO's own."""
+    return args[: args.index("--data.train")] + [
+        "--data.train", f"[{prompts}]", "--data.eval", "[]", "--train.learning_rate", "1e-2", "--grpo.num_generations", "2",
+        "--grpo.beta", "0.04", "--grpo.reward_funcs", f"[{reward_fn}]", "--generation.max_new_tokens", tokens]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory, tiny_model_dir, tiny_reward_dir):
+    """Every multi-rank run in one torchrun (the engine is a run's setting; the process group
+    outlives the runs), then the one-process references here."""
+    import cells_distrun  # noqa: F401  (adds KTO and the tool sampler to tests/distrun.py's runner)
+    from distrun import run_one
+
+    root = tmp_path_factory.mktemp("cells_ddp")
+    data = write_data(root / "data")
+    data["kto"] = kto_rows(root / "data" / "kto.jsonl")
+    data["tools"] = root / "data" / "tools.jsonl"
+    data["tools"].write_text("".join(json.dumps({"prompt": f"What is 2 + {i}?", "answer": str(2 + i)}) + "\n" for i in range(4)))
+
+    def spec(name: str, world: int, folder: Path, engine: str) -> dict:
+        run = RUNS[name]
+        args = argv(name, world, folder / name, data, tiny_model_dir, tiny_reward_dir) + ["--distributed.engine", engine]
+        return {"stage": run.stage, "argv": args, "sampler": run.sampler}
+
+    ranks = [spec(name, WORLD, root / engine, engine) for engine in BOTH for name, run in RUNS.items() if engine in run.engines]
+    for stage in HF:
+        for backend in ("relay", "hf"):
+            args = stage_argv("rm" if stage == "grpo" else stage, 1, 4 // WORLD, root / "ddp" / f"{stage}-{backend}", data,
+                              tiny_model_dir, tiny_reward_dir)
+            if stage == "grpo":
+                args = grpo_args(args, data["ppo"], "distrun:group_reward", "6")
+            ranks.append({"stage": stage, "sampler": "real", "argv": args + ["--generation.backend", backend, "--distributed.engine", "ddp"]})
+    launch(ranks, root / "ranks", WORLD)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    try:
+        for name in RUNS:
+            run_one(spec(name, 1, root / "one", "ddp"))
+    finally:
+        torch.set_num_threads(threads)
+    return root
+
+
+def assert_same(got: list[dict], want: list[dict], keys) -> None:
+    for key in keys:
+        assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=REL, abs=ABS), key
+
+
+def assert_same_weights(got: Path, want: Path, mode: str) -> None:
+    a, b = merged_weights(got), merged_weights(want)
+    assert a.keys() == b.keys() and a
+    assert max(float((a[k].float() - b[k].float()).abs().max()) for k in a) < WEIGHTS_ABS[mode]
+
+
+CASES = [(engine, name) for name, run in RUNS.items() for engine in run.engines]
+
+
+@pytest.mark.parametrize("engine,name", CASES, ids=[f"{e}-{n}" for e, n in CASES])
+def test_two_ranks_equal_one_process(engine, name, launches, tiny_model_dir):
+    run = RUNS[name]
+    two, one = launches / engine / name, launches / "one" / name
+    got, want = history(two), history(one)
+    assert len(got) == len(want) == 2
+    assert [s["train/grad_norm"] for s in history(two, 1)] == [s["train/grad_norm"] for s in got]  # every rank: the global norm
+    assert max(s["train/grad_norm"] for s in got) > 0.05  # clipping was active: a per-rank norm would change the update
+    if run.stage == "kto" and "apo_zero_unpaired" not in run.extra:
+        assert [s["kto/kl"] for s in want] == [0.0, 0.0], "z > 0 on one process: the ranks' mean of z may differ (module docstring)"
+    assert_same(got, want, run.keys)
+    assert_same_weights(two, one, run.mode)
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    merged = merged_weights(two)
+    assert all(merged[k].shape == base[k].shape for k in merged if k in base)  # whole weights, not shards
+    assert any(not torch.equal(merged[k], base[k]) for k in merged if k in base)  # training moved them
+
+
+@pytest.mark.parametrize("stage", HF)
+def test_the_hf_backend_under_ddp_samples_as_relay(stage, launches):
+    """Same ranks, same seeds: the hf backend draws the relay engine's responses, so every figure
+    and the merged model agree (stale weights in either sampler would part them at step 2)."""
+    hf, relay = launches / "ddp" / f"{stage}-hf", launches / "ddp" / f"{stage}-relay"
+    assert_same(history(hf), history(relay), HF[stage])
+    assert_same(history(hf, 1), history(relay, 1), HF[stage])
+    assert_same_weights(hf, relay, "lora")
+
+
+@pytest.mark.parametrize("stage", ["pt", "sft", "rm", "dpo", "kto"])
+def test_full_weights_under_fsdp_with_a_held_out_set_are_refused(stage, tiny_model_dir):
+    """The cells above run without held-out samples; with them a full-weight FSDP run would stop at
+    its last checkpoint, so validation refuses it in one line (and lets LoRA, DDP and no held-out set by)."""
+    from pipeline.config import load_config
+    from pipeline.config.capabilities import HELD_OUT_UNDER_FSDP, config_refusals
+    from stages import stage_class
+
+    def lines(*extra: str) -> list[str]:
+        cfg = load_config(stage_class(stage).config_class, ["--model.path", str(tiny_model_dir), *extra])
+        return config_refusals(stage, cfg, ranks=2, cuda=False)
+
+    held_out = ("--data.eval", "[held_out.jsonl]")
+    assert lines("--model.finetuning", "full", "--distributed.engine", "fsdp", *held_out) == [HELD_OUT_UNDER_FSDP]
+    assert lines("--model.finetuning", "full", "--distributed.engine", "fsdp", "--data.eval", "[]", "--data.eval_fraction", "0.1") == [
+        HELD_OUT_UNDER_FSDP]
+    assert lines("--model.finetuning", "full", "--distributed.engine", "fsdp", "--data.eval", "[]") == []
+    assert lines("--model.finetuning", "lora", "--distributed.engine", "fsdp", *held_out) == []
+    assert lines("--model.finetuning", "full", "--distributed.engine", "ddp", *held_out) == []
