@@ -48,7 +48,7 @@ from pipeline.algorithms import preference as pref
 from pipeline.config import PreferenceDataConfig, StageConfig
 from pipeline.algorithms.reference import ReferenceStage
 from pipeline.engine.stage import main
-from pipeline.engine.steps import all_reduce_sum, check_finite, clip_gradients, eval_shards, micro_step
+from pipeline.engine.steps import eval_shards, optimizer_step, rank_mean
 from pipeline.modeling.models import eval_mode
 
 log = logging.getLogger("relay.dpo")
@@ -210,22 +210,20 @@ class DPOStage(ReferenceStage):
         acc = self.accelerator
         groups = self.next_sample_indices()
         sums: dict[str, float] = {}
-        for index, group in enumerate(groups):
-            batch = self.collate(self.collator, self.train_samples, group)
-            ref = self.batch_reference("train", group, batch)
-            with micro_step(acc, self.model, index, len(groups)):
-                logps, counts = pref.sequence_logps(self.model, batch, acc)
-                loss, figures = pref.pair_losses(self.cfg.dpo, logps, counts, ref)
-                acc.backward(loss)
+
+        def micro_batch(index: int) -> torch.Tensor:
+            batch = self.collate(self.collator, self.train_samples, groups[index])
+            ref = self.batch_reference("train", groups[index], batch)
+            logps, counts = pref.sequence_logps(self.model, batch, acc)
+            loss, figures = pref.pair_losses(self.cfg.dpo, logps, counts, ref)
+            acc.backward(loss)
             for key, values in figures.items():
                 sums[key] = sums.get(key, 0.0) + float(values.float().mean()) / len(groups)
-        grad_norm = clip_gradients(self.model, acc, self.cfg.train.max_grad_norm)
-        check_finite(sums["loss"], self.model, self.step + 1, grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        keys = sorted(sums)
-        means = all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64), acc) / acc.num_processes
-        m = dict(zip(keys, means.tolist()))
+            return loss
+
+        grad_norm = optimizer_step(self.model, self.optimizer, acc, len(groups), micro_batch, step=self.step + 1,
+                                   max_grad_norm=self.cfg.train.max_grad_norm).grad_norm
+        m = rank_mean(sums, acc)
         out = {"train/loss": m["loss"], "train/accuracy": m["accuracy"], "train/margin": m["margin"], "train/grad_norm": grad_norm,
                "dpo/rewards_chosen": m["rewards_chosen"], "dpo/rewards_rejected": m["rewards_rejected"]}
         out.update({f"dpo/{k}": m[k] for k in ("nll", "log_odds") if k in m})

@@ -46,7 +46,7 @@ from pipeline.algorithms import preference as pref
 from pipeline.algorithms.reference import ReferenceStage
 from pipeline.config import ChatDataConfig, StageConfig
 from pipeline.engine.stage import main
-from pipeline.engine.steps import all_reduce_sum, check_finite, clip_gradients, eval_shards, micro_step
+from pipeline.engine.steps import all_reduce_sum, eval_shards, optimizer_step
 from pipeline.modeling.models import eval_mode
 
 log = logging.getLogger("relay.kto")
@@ -177,17 +177,17 @@ class KTOStage(ReferenceStage):
         acc = self.accelerator
         groups = self.next_sample_indices()
         sums: dict[str, float] = {}
-        for index, group in enumerate(groups):
-            with micro_step(acc, self.model, index, len(groups)):
-                loss, figures = self.micro_batch(self.train_samples, group)
-                acc.backward(loss)
+
+        def micro_batch(index: int) -> torch.Tensor:
+            loss, figures = self.micro_batch(self.train_samples, groups[index])
+            acc.backward(loss)
             for key, value in figures.items():
                 sums[key] = sums.get(key, 0.0) + float(value) / (len(groups) if key == "kl" else 1)
-        grad_norm = clip_gradients(self.model, acc, self.cfg.train.max_grad_norm)
+            return loss
+
+        grad_norm = optimizer_step(self.model, self.optimizer, acc, len(groups), micro_batch, step=self.step + 1,
+                                   max_grad_norm=self.cfg.train.max_grad_norm).grad_norm
         m = self.reduced(sums)
-        check_finite(m["loss"], self.model, self.step + 1, grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         out = {"train/loss": m["loss"], "train/margin": m["margin"], "train/grad_norm": grad_norm,
                "kto/rewards_chosen": m["rewards_chosen"], "kto/rewards_rejected": m["rewards_rejected"], "kto/kl": m["kl"]}
         return without_nan(out)

@@ -39,7 +39,7 @@ from data_formats.render import template_jinja
 from pipeline.algorithms.pairwise import pair_scores, pairwise_loss, record_stats_in_config, stats_of
 from pipeline.config import PreferenceDataConfig, StageConfig
 from pipeline.engine.stage import Stage, main
-from pipeline.engine.steps import check_finite, clip_gradients, eval_shards, micro_step
+from pipeline.engine.steps import eval_shards, optimizer_step, rank_mean
 from pipeline.modeling.models import eval_mode
 
 log = logging.getLogger("relay.rm")
@@ -72,14 +72,6 @@ class RMConfig(StageConfig):
     """Everything goes here: checkpoints/, runs/, adapter/, merged/ (PPO's reward model), summary.json."""
     data: RMData = field(default_factory=RMData)
     reward: RewardSection = field(default_factory=RewardSection)
-
-
-def _reduce_mean(values: dict[str, float], accelerator) -> dict[str, float]:
-    if accelerator.num_processes == 1:
-        return values
-    keys = sorted(values)
-    t = accelerator.reduce(torch.tensor([values[k] for k in keys], device=accelerator.device), reduction="mean")
-    return dict(zip(keys, t.tolist()))
 
 
 # ------------------------------------------------------------------------------------------
@@ -129,20 +121,20 @@ class RMStage(Stage):
         """
         acc, coef = self.accelerator, self.cfg.reward.center_rewards_coefficient
         groups = self.next_sample_indices()
-        loss_total, correct = 0.0, 0.0
-        for index, group in enumerate(groups):
-            batch = self.collate(self.collator, self.train_samples, group)
-            with micro_step(acc, self.model, index, len(groups)):
-                chosen, rejected = pair_scores(self.model, batch, acc)
-                loss = pairwise_loss(chosen, rejected, batch["margin"], coef)
-                acc.backward(loss)
-            loss_total += float(loss.detach()) / len(groups)
-            correct += float((chosen > rejected).float().mean()) / len(groups)
-        grad_norm = clip_gradients(self.model, acc, self.cfg.train.max_grad_norm)
-        check_finite(loss_total, self.model, self.step + 1, grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        figures = _reduce_mean({"loss": loss_total, "accuracy": correct}, acc)
+        totals = {"loss": 0.0, "accuracy": 0.0}
+
+        def micro_batch(index: int) -> torch.Tensor:
+            batch = self.collate(self.collator, self.train_samples, groups[index])
+            chosen, rejected = pair_scores(self.model, batch, acc)
+            loss = pairwise_loss(chosen, rejected, batch["margin"], coef)
+            acc.backward(loss)
+            totals["loss"] += float(loss.detach()) / len(groups)
+            totals["accuracy"] += float((chosen > rejected).float().mean()) / len(groups)
+            return loss
+
+        grad_norm = optimizer_step(self.model, self.optimizer, acc, len(groups), micro_batch, step=self.step + 1,
+                                   max_grad_norm=self.cfg.train.max_grad_norm).grad_norm
+        figures = rank_mean(totals, acc)
         return {"train/loss": figures["loss"], "train/accuracy": figures["accuracy"], "train/grad_norm": grad_norm}
 
     @torch.no_grad()

@@ -11,6 +11,8 @@ import math
 import textwrap
 from types import SimpleNamespace
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -145,8 +147,23 @@ class ReportingEngine:
         return out
 
 
+@pytest.fixture
+def relay_reports_engine_logprobs(monkeypatch):
+    """These stages sample with `ReportingEngine`, a stand-in engine that reports log-probs of its
+    own under the `relay` backend's name: the capability table refuses a correction on the real
+    relay backend (it reports none), so the stand-in's cells are declared here."""
+    from pipeline.config import capabilities as caps
+
+    monkeypatch.setitem(caps.BACKENDS, "relay", dataclasses.replace(caps.BACKENDS["relay"], engine_logprobs=True))
+    for stage in ("grpo", "ppo"):
+        for correction in ("tis", "mis"):
+            for adapter in caps.ADAPTERS:
+                cell = caps.Cell(stage, "relay", "off", adapter, "single", correction)
+                monkeypatch.setitem(caps.TESTS, cell, ("tests/test_mismatch.py",))
+
+
 @pytest.mark.parametrize("correction", ["none", "tis", "mis"])
-def test_grpo_stage_logs_the_mismatch_and_corrects_it(tmp_path, tiny_model_dir, correction):
+def test_grpo_stage_logs_the_mismatch_and_corrects_it(tmp_path, tiny_model_dir, correction, relay_reports_engine_logprobs):
     from stagerun import run_stage
     from stages import grpo
     from test_grpo import make_cfg
@@ -235,7 +252,7 @@ def test_ppo_policy_loss_with_tis_matches_verl(cap):
     assert abs(float(out.loss) - VERL_LOSS[cap]) < 1e-6, (float(out.loss), VERL_LOSS[cap])
 
 
-def test_ppo_stage_corrects_the_policy_loss(tmp_path, tiny_model_dir, tiny_reward_dir):
+def test_ppo_stage_corrects_the_policy_loss(tmp_path, tiny_model_dir, tiny_reward_dir, relay_reports_engine_logprobs):
     """An engine 0.25 nats below the trainer on every token: TIS weighs each token's surrogate by
     e^0.25 (under the cap 3), MIS with the band [0, 1.2] drops them all; the value loss is untouched.
     One PPO step (built, not run: no export), one epoch of one micro-batch, so the policy loss is

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +35,8 @@ def check_finite(loss: torch.Tensor | float, model: torch.nn.Module, step: int, 
 
     `grad_norm`: the step's global gradient norm (`clip_gradients`, the same on every rank). A
     NaN or inf anywhere makes it NaN or inf, so a finite one clears every gradient without the
-    per-parameter scan (0.26 s a step for the 135M model's full gradients on 2 AVX2 cores, 0.08 s
-    for PPO's LoRA actor-critic; issue 33). A non-finite norm (or none given) scans, to name the
+    per-parameter scan (a read of every gradient, a large share of a small model's step on a
+    CPU). A non-finite norm (or none given) scans, to name the
     parameter; a non-finite norm whose scan names none (it overflowed) still stops the step.
 
     Under FSDP each rank holds its own shard of every gradient, so the ranks agree on the first
@@ -249,6 +249,63 @@ def supervised_counts(batches: Sequence[dict], num_tasks: int) -> torch.Tensor:
     return counts if counts is not None else torch.zeros(num_tasks, dtype=torch.float64)
 
 
+@dataclass
+class StepOut:
+    """What `optimizer_step` read back: the gradient norm before clipping and the step's figures
+    (float64, on the host; figures[0] is the loss that was checked finite)."""
+
+    grad_norm: float
+    figures: torch.Tensor
+
+
+def optimizer_step(model: torch.nn.Module, optimizer, accelerator, count: int,
+                   micro_batch: Callable[[int], torch.Tensor | float], *, step: int, max_grad_norm: float,
+                   figures: Optional[Callable[[], torch.Tensor]] = None) -> StepOut:
+    """One optimizer step, the same in every stage: `micro_batch(index)` runs micro-batch `index`
+    of `count` (its forward and `accelerator.backward`, inside accelerate's accumulation context
+    here) and returns its loss; then the gradients are clipped to `max_grad_norm` (0: measured
+    only), checked finite, stepped and zeroed. The caller steps the scheduler (once per engine
+    step: GRPO's iterations take several optimizer steps in one).
+
+    The host is read once, at the end: `figures()` (a 1-D tensor on any device whose first
+    element is the loss to check; default: the sum of the micro-batches' losses) together with
+    the gradient norm. A .cpu() or float() per micro-batch is a device sync each on a GPU.
+
+    Raises:
+        NonFiniteError: a non-finite loss or gradient (the optimizer has not stepped).
+    """
+    losses = []
+    for index in range(count):
+        with micro_step(accelerator, model, index, count):
+            losses.append(micro_batch(index))
+    vector = figures() if figures is not None else _summed(losses).view(1)
+    norm = grad_norm_tensor(model, accelerator, max_grad_norm)
+    read = torch.cat([vector.detach().double().flatten(), norm.detach().to(vector.device, torch.float64).view(1)]).cpu()
+    grad_norm = float(read[-1])
+    check_finite(read[0], model, step, grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepOut(grad_norm, read[:-1])
+
+
+def _summed(values: Sequence[torch.Tensor | float]) -> torch.Tensor:
+    """The sum of losses given as tensors (on one device) or numbers, as a float64 tensor there."""
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for v in values:
+        total = total + (v.detach().double() if isinstance(v, torch.Tensor) else float(v))
+    return total
+
+
+def rank_mean(values: dict[str, float], accelerator) -> dict[str, float]:
+    """Each figure's mean over ranks (itself on one process): one all-reduce for all of them."""
+    if accelerator is None or accelerator.num_processes == 1 or not values:
+        return dict(values)
+    keys = sorted(values)
+    sums = all_reduce_sum(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64), accelerator)
+    return dict(zip(keys, (sums / accelerator.num_processes).tolist()))
+
+
 def all_reduce_sum(tensor: torch.Tensor, accelerator) -> torch.Tensor:
     """Sum of `tensor` over ranks (itself on one process)."""
     if accelerator is None or accelerator.num_processes == 1:
@@ -293,35 +350,37 @@ def lm_train_step(
     # The weights already normalise over the whole step: undo accelerate's division by the number
     # of micro-batches and DDP's average over ranks.
     scale = float(world * len(micro_batches)) if accelerator is not None else 1.0
-    # The figures stay on the model's device until the step's end: a .cpu() or int() per
-    # micro-batch is a host sync each on a GPU.
-    figures = None  # [objective, per-task loss sums..., real tokens], float64
-    for index, batch in enumerate(micro_batches):
-        with micro_step(accelerator, model, index, len(micro_batches)):
-            autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
-            with autocast:
-                loss, losses, tasks = weighted_token_losses(model, batch, weights, accelerator)
-            if accelerator is not None:
-                accelerator.backward(loss * scale)
-            else:
-                (loss * scale).backward()
-        if figures is None:
-            figures = torch.zeros(num_tasks + 2, dtype=torch.float64, device=loss.device)
-        valid = tasks >= 0
+    # The figures stay on the model's device until the step's end (optimizer_step reads them
+    # once, with the gradient norm): [objective, per-task loss sums..., real tokens], float64.
+    state: dict = {}
+
+    def micro_batch(index: int) -> torch.Tensor:
+        batch = micro_batches[index]
+        autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+        with autocast:
+            loss, losses, tasks = weighted_token_losses(model, batch, weights, accelerator)
+        if accelerator is not None:
+            accelerator.backward(loss * scale)
+        else:
+            (loss * scale).backward()
+        if "figures" not in state:
+            state["figures"] = torch.zeros(num_tasks + 2, dtype=torch.float64, device=loss.device)
+        figures, valid = state["figures"], tasks >= 0
         figures[0] += loss.detach().double()
         figures[1:-1].index_add_(0, tasks.clamp(min=0).flatten(), torch.where(valid, losses.detach().double(), 0.0).flatten())
         figures[-1] += (batch["task_ids"] >= 0).sum() if "task_ids" in batch else batch["input_ids"].numel()
-    if figures is None:
-        figures = torch.zeros(num_tasks + 2, dtype=torch.float64)
-    # One all-reduce for every figure, and one host read for them, the counts and the norm.
-    figures = all_reduce_sum(figures, accelerator)
-    norm = grad_norm_tensor(model, accelerator, max_grad_norm)
-    totals = torch.cat([figures, counts.to(figures.device), norm.to(figures.device, torch.float64).view(1)]).cpu()
+        return loss
+
+    def step_figures() -> torch.Tensor:
+        figures = state.get("figures", torch.zeros(num_tasks + 2, dtype=torch.float64))
+        figures = all_reduce_sum(figures, accelerator)  # one all-reduce for every figure
+        return torch.cat([figures, counts.to(figures.device)])
+
+    out = optimizer_step(model, optimizer, accelerator, len(micro_batches), micro_batch, step=step,
+                         max_grad_norm=max_grad_norm, figures=step_figures)
+    totals, grad_norm = out.figures, out.grad_norm
     objective, loss_sums, tokens = totals[0], totals[1:num_tasks + 1], int(totals[num_tasks + 1])
-    counts, grad_norm = totals[num_tasks + 2:-1], float(totals[-1])
-    check_finite(objective, model, step, grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    counts = totals[num_tasks + 2:]
     task_losses = [float(loss_sums[t] / counts[t]) if counts[t] > 0 else float("nan") for t in range(num_tasks)]
     return StepResult(float(objective), task_losses, counts.tolist(), grad_norm, tokens)
 
