@@ -600,43 +600,10 @@ class ReportedAs:
         return out
 
 
-@pytest.mark.parametrize("stage_name", ["grpo", "ppo"])
-def test_tool_rollouts_log_and_correct_the_engine_mismatch(stage_name, tmp_path, tiny_model_dir, tiny_reward_dir, tool_prompts, tok,
-                                                           monkeypatch):
-    """A tool step on an engine that reports its log-probs: rollout/logprob_diff_mean/_max are
-    logged over the sampled tokens only, and the correction (tis) weights each sampled token's loss
-    by exp(trainer - engine) capped, 1 on the inserted results, as for a single-answer rollout."""
-    from pipeline.algorithms import grpo as algo
-    from stages import grpo, ppo
-
-    if stage_name == "grpo":
-        cfg = _grpo_cfg(tmp_path, tiny_model_dir, tool_prompts)
-    else:
-        cfg = ppo.PPOConfig(output_dir=str(tmp_path))
-        cfg.model.path, cfg.reward_model.path = str(tiny_model_dir), str(tiny_reward_dir)
-        cfg.data.train, cfg.data.eval = [str(tool_prompts)], []
-        cfg.train.eval_steps, cfg.train.batch_size, cfg.train.learning_rate = 0, 2, 1e-2
-        cfg.lora.r, cfg.generation.max_new_tokens = 4, 64
-        cfg.tools.funcs = ["test_tool_rollout:add"]
-        cfg.checkpoint.resume, cfg.tracking.trackers = False, []
-    factory = _factory(tok)
-    stage_class = grpo.GRPOStage if stage_name == "grpo" else ppo.PPOStage
-    stage = stage_class(cfg, generator_factory=lambda policy: ReportedAs(factory(policy)))
-    stage.validate()
-    stage.build()
-    # validation refuses tis on the relay backend (it reports no log-probs); this sampler does
-    cfg.generation.correction, cfg.generation.correction_cap = "tis", 2.0
-    seen = {}
-    if stage_name == "grpo":
-        real = algo.grpo_update
-        monkeypatch.setattr(algo, "grpo_update", lambda *a, **k: real(*a, **k) if seen.setdefault("scored", a[4]) else None)
-        figures = stage.train_step()
-        rollout, old, weight = stage.last_rollout["rollout"], seen["scored"]["old"], seen["scored"]["is_weight"]
-    else:
-        figures = stage.train_step()
-        exp = stage.last_experience
-        rollout, old, weight = exp.rollout, exp.old_logprobs, exp.is_weight
-    stage.release()
+def check_corrected(figures, rollout, old, weight, cap):
+    """A tool step on `ReportedAs`: the engine's log-probs (-1) on the sampled tokens, NaN on the
+    inserted ones; rollout/logprob_diff_mean/_max over the sampled tokens only; the tis weight
+    exp(trainer - engine) capped on the sampled tokens, 1 on the inserted ones and padding."""
     mask = rollout.response_mask.bool()
     inside = rollout.attention_mask[:, rollout.prompt_width:].bool()
     assert (inside & ~mask).any(1).all()  # every row holds an inserted result
@@ -644,9 +611,29 @@ def test_tool_rollouts_log_and_correct_the_engine_mismatch(stage_name, tmp_path,
     delta = (old - rollout.engine_logp)[mask]
     assert figures["rollout/logprob_diff_mean"] == pytest.approx(float(delta.abs().mean()), rel=1e-5)
     assert figures["rollout/logprob_diff_max"] == pytest.approx(float(delta.abs().max()), rel=1e-5)
-    want = torch.where(mask, (old - rollout.engine_logp).exp().clamp(max=2.0), torch.ones_like(old))
+    want = torch.where(mask, (old - rollout.engine_logp).exp().clamp(max=cap), torch.ones_like(old))
     torch.testing.assert_close(weight, want, rtol=0, atol=1e-6)
     assert (weight[mask] != 1).any()  # the correction does weigh the sampled tokens
+
+
+def test_a_tool_grpo_step_logs_and_corrects_the_engine_mismatch(tmp_path, tiny_model_dir, tool_prompts, tok, monkeypatch):
+    """GRPO with tools on an engine that reports its log-probs corrects them as for single answers
+    (`check_corrected`; PPO's: test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values)."""
+    from pipeline.algorithms import grpo as algo
+    from stages import grpo
+
+    cfg = _grpo_cfg(tmp_path, tiny_model_dir, tool_prompts)
+    factory = _factory(tok)
+    stage = grpo.GRPOStage(cfg, generator_factory=lambda policy: ReportedAs(factory(policy)))
+    stage.validate()
+    stage.build()
+    # validation refuses tis on the relay backend (it reports no log-probs); this sampler does
+    cfg.generation.correction, cfg.generation.correction_cap = "tis", 2.0
+    seen, real = {}, algo.grpo_update
+    monkeypatch.setattr(algo, "grpo_update", lambda *a, **k: real(*a, **k) if seen.setdefault("scored", a[4]) else None)
+    figures = stage.train_step()
+    check_corrected(figures, stage.last_rollout["rollout"], seen["scored"]["old"], seen["scored"]["is_weight"], 2.0)
+    stage.release()
 
 
 # ------------------------------------------------------------------------------------------
@@ -687,11 +674,14 @@ def test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values(tmp_p
     cfg.lora.r, cfg.generation.max_new_tokens = 4, 64
     cfg.tools.funcs = ["test_tool_rollout:add"]
     cfg.checkpoint.resume, cfg.tracking.trackers = False, []
-    stage = ppo.PPOStage(cfg, generator_factory=_factory(tok))
+    factory = _factory(tok)  # an engine that reports its log-probs: the mismatch is corrected as for single answers
+    stage = ppo.PPOStage(cfg, generator_factory=lambda policy: ReportedAs(factory(policy)))
     stage.validate()
     stage.build()
+    cfg.generation.correction, cfg.generation.correction_cap = "tis", 2.0  # refused on relay at validation; this sampler reports
     figures = stage.train_step()
     exp = stage.last_experience
+    check_corrected(figures, exp.rollout, exp.old_logprobs, exp.is_weight, 2.0)
     mask = exp.rollout.response_mask
     inserted = (mask == 0) & (exp.rollout.attention_mask[:, exp.rollout.prompt_width:] == 1)
     assert inserted.any(1).all() and all(torch.isfinite(torch.tensor(v)) for v in figures.values())
