@@ -121,7 +121,7 @@ def _fit(conv: Conversation, tokenizer, template: Template, seq_length: int,
     return None, "dropped_overlong"
 
 
-def _cached(builder: str, cfg, tokenizer, split: str, build: Callable[[Check], Built], **args) -> Built:
+def through_cache(builder: str, cfg, tokenizer, split: str, build: Callable[[Check], Built], **args) -> Built:
     """`build` through the token cache, keyed by the builder, split, config section, the files the
     split reads, the tokenizer and the builder's other arguments `args` (token_cache.key_parts).
 
@@ -151,7 +151,7 @@ def build_sft_data(cfg, tokenizer, template: Template, seq_length: int, split: s
     """
     if cfg.truncation not in ("drop", "truncate"):
         raise ValueError(f"truncation must be 'drop' or 'truncate', got {cfg.truncation!r}")
-    built = _cached("sft", cfg, tokenizer, split,
+    built = through_cache("sft", cfg, tokenizer, split,
                     lambda check: _sft_samples(cfg, tokenizer, template, seq_length, split, tasks, check),
                     template=template, seq_length=seq_length, tasks=tasks)
     _log_stats(f"sft {split} data", built.info["stats"])
@@ -252,7 +252,7 @@ def build_pt_data(cfg, tokenizer, seq_length: int, split: str) -> list[dict]:
     """
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos token to separate documents")
-    built = _cached("pt", cfg, tokenizer, split, lambda check: _pt_rows(cfg, tokenizer, seq_length, split, check),
+    built = through_cache("pt", cfg, tokenizer, split, lambda check: _pt_rows(cfg, tokenizer, seq_length, split, check),
                     seq_length=seq_length)
     rows = built.samples
     log.info("pt %s data: %d document(s), %d token(s), %d row(s) of %d", split, built.info["documents"],
@@ -300,7 +300,7 @@ def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, s
         DataError: bad records (or pairs the template cannot render) with on_error='strict'.
         ValueError: unknown split.
     """
-    built = _cached("rm", cfg, tokenizer, split,
+    built = through_cache("rm", cfg, tokenizer, split,
                     lambda check: _preference_pairs(cfg, tokenizer, template, seq_length, split, check),
                     template=template, seq_length=seq_length)
     counts = built.info
@@ -366,7 +366,7 @@ def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length
     """
     limit = cfg.max_prompt_length if max_length is None else max_length
     extra = {"tools": tools} if tools else {}  # no tools: the cache key of before
-    built = _cached("prompts", cfg, tokenizer, split, lambda check: _prompts(cfg, tokenizer, template, split, limit, check, tools),
+    built = through_cache("prompts", cfg, tokenizer, split, lambda check: _prompts(cfg, tokenizer, template, split, limit, check, tools),
                     template=template, max_length=limit, **extra)
     log.info("prompt %s data: %d prompt(s), %d truncated, %d dropped overlong", split, len(built.samples),
              built.info["truncated"], built.info["dropped"])

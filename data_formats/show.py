@@ -20,6 +20,7 @@ from typing import Optional
 
 from data_formats.render import IGNORE_INDEX, Template, make_template, render, render_prompt, render_scored
 from data_formats.sources import summarize
+from data_formats.validate import read_and_parse
 
 TRAINED = "\033[42;30m"
 RESET = "\033[0m"
@@ -58,7 +59,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     from pipeline.config import ChatDataConfig
     from pipeline.modeling.embedded import resolve_model_path
     from pipeline.modeling.models import load_tokenizer
-    from data_formats.validate import read_and_parse
 
     parser = argparse.ArgumentParser(prog="python -m data_formats.show", description=__doc__.split("\n\n")[0])
     parser.add_argument("file")

@@ -11,9 +11,9 @@ trains on: the stage config is the run's identity (resume compares it), and a ca
 no place there.
 
 The key is a sha256 over everything that decides a builder's output (`key_parts`):
-- the builder's name and FORMAT_VERSION, a sha256 of data_formats' own source files (a change to
-  parsing, rendering or the builders invalidates every entry), the transformers and tokenizers
-  versions;
+- the builder's name and FORMAT_VERSION, a sha256 of data_formats' own source files, its
+  subpackages' included (a change to parsing, rendering or the builders invalidates every entry),
+  the transformers and tokenizers versions;
 - the split, the data config section as a dict (entries, format, on_error, truncation,
   eval_fraction, max_samples, ...), and the builder's own arguments (seq_length, the template,
   `tasks`, the prompt length limit);
@@ -90,12 +90,16 @@ class Built:
 # --------------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=1)
-def code_fingerprint() -> str:
-    """sha256 of data_formats' own source files (name and bytes, in name order)."""
+PACKAGE = Path(__file__).parent
+
+
+@lru_cache(maxsize=4)
+def code_fingerprint(root: Path = PACKAGE) -> str:
+    """sha256 of the source files under `root` (data_formats' own, its subpackages' too: the
+    format registry lives in data_formats/formats), by path relative to `root` and bytes, in path order."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 

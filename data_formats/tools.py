@@ -1,6 +1,6 @@
 """Tool-calling conversations: reading calls and tool lists, and Relay's default tool layout.
 
-Records (both common shapes, read by data_formats.conversation):
+Records (both common shapes, read by data_formats.formats.lists):
   ShareGPT (LLaMA-Factory, MedicalGPT): a `function_call` turn whose value is the JSON call
       {"name", "arguments"} (or a list of them, parallel calls), an `observation` turn holding the
       tool's result, and `tools`: the tool schemas as a JSON string or a list.
@@ -45,13 +45,15 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from data_formats.conversation import Turn
+
 TOOLS_INTRO = ("You can call the tools below (one JSON schema per line). To call tools, answer with one "
                "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> line per call; each result comes "
                "back in a <tool_response></tool_response> line.")
 
 
 class ToolRecordError(ValueError):
-    """A malformed tool call or tool list; data_formats.conversation re-raises it as a RecordError."""
+    """A malformed tool call or tool list; data_formats.formats.lists re-raises it as a RecordError."""
 
 
 def _dumps(value: Any) -> str:
@@ -157,8 +159,6 @@ def supports_tools(tokenizer, chat_template: str) -> bool:
     """Whether `chat_template` renders tool schemas, calls and results: a probe conversation with
     one tool, one call and its result must show the schema's name, the call's argument and the
     result (a template that ignores `tools` or `tool_calls`, as SmolLM2's, drops one of them)."""
-    from data_formats.conversation import Turn
-
     turns = [Turn("user", "u"), Turn("assistant", "", tool_calls=[{"name": _PROBE_TOOL["name"], "arguments": {_PROBE_ARG: 1}}]),
              Turn("tool", _PROBE_RESULT)]
     try:
@@ -190,7 +190,6 @@ def layout_turns(conv):
     module docstring); returned unchanged when it has no tools, calls or results."""
     if not has_tools(conv):
         return conv
-    from data_formats.conversation import Turn
 
     turns: list = []
     previous = None

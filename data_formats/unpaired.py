@@ -1,5 +1,6 @@
 """Unpaired preference data (the KTO stage, stages/kto.py): one answer per record, labelled
-desirable (true) or undesirable (false). The validator's kind is `kto` (data_formats.validate).
+desirable (true) or undesirable (false). The validator's kind is `kto` (data_formats.validate);
+records are read by data_formats.records.parse_unpaired through the format registry.
 
 Layouts read (the label must be a JSON true/false):
 - TRL's unpaired preference type (KTOTrainer): standard {"prompt": str, "completion": str,
@@ -27,88 +28,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from tqdm.auto import tqdm
 
 from data_formats.collate import IGNORE_INDEX
-from data_formats.conversation import (
-    Conversation,
-    RecordError,
-    Turn,
-    _string,
-    _turns,
-    check_order,
-    check_placeholders,
-    parse_preference,
-    parse_turns,
-    record_tools,
-    refuse_unsupported,
-    task_of,
-)
+from data_formats.datasets import through_cache, split_records
 from data_formats.render import Template, render_scored
 from data_formats.sources import Problem
-
-if TYPE_CHECKING:  # token_cache imports validate, which imports this module
-    from data_formats.token_cache import Built, Check
+from data_formats.token_cache import Built, Check
 
 log = logging.getLogger(__name__)
-LABEL_KEYS = ("label", "kto_tag")
-
-
-def record_label(record: dict) -> Optional[bool]:
-    """The record's desirability label, None when it has none (a paired record).
-
-    Raises:
-        RecordError: the label is not a JSON true/false, or both keys are given.
-    """
-    keys = [k for k in LABEL_KEYS if k in record]
-    if len(keys) > 1:
-        raise RecordError("both 'label' and 'kto_tag' given; keep one")
-    if not keys:
-        return None
-    value = record[keys[0]]
-    if not isinstance(value, bool):
-        raise RecordError(f"field '{keys[0]}' must be true or false, got {value!r}")
-    return value
-
-
-def _unpaired_turns(record: dict) -> list[Turn]:
-    """The conversation of a labelled record: TRL's prompt + completion, or a message list."""
-    if "completion" in record:
-        prompt, completion = record.get("prompt"), record["completion"]
-        if isinstance(completion, list):
-            turns = _turns(prompt, "prompt", "role", "content") if isinstance(prompt, list) else [Turn("user", _string(record, "prompt"))]
-            return turns + _turns(completion, "completion", "role", "content")
-        return [Turn("user", _string(record, "prompt")), Turn("assistant", _string(record, "completion"))]
-    if "messages" in record:
-        return parse_turns(record, "messages")
-    if "conversations" in record:
-        return parse_turns(record, "sharegpt")
-    raise RecordError("a labelled record needs 'prompt' and 'completion' (TRL) or 'messages'/'conversations' (LLaMA-Factory)")
-
-
-def parse_unpaired(record: Any, *, task: str = "default", source: str = "",
-                   system_prompt: Optional[str] = None) -> list[tuple[Conversation, bool]]:
-    """[(conversation ending in the judged answer, desirable)]: one for a labelled record, two
-    (chosen True, rejected False) for a paired one.
-
-    Raises:
-        RecordError: missing or malformed fields, a bad label, or a wrong role order.
-    """
-    if not isinstance(record, dict):
-        raise RecordError(f"record must be a JSON object, got {type(record).__name__}")
-    refuse_unsupported(record)
-    label = record_label(record)
-    if label is None:
-        chosen, rejected = parse_preference(record, task=task, source=source, system_prompt=system_prompt)
-        return [(chosen, True), (rejected, False)]
-    turns = _unpaired_turns(record)
-    check_order(turns, "assistant")
-    check_placeholders(turns)
-    if system_prompt is not None and turns[0].role != "system":
-        turns = [Turn("system", system_prompt)] + turns
-    return [(Conversation(turns, task_of(record, task), source, tools=record_tools(record)), label)]
 
 
 def fit_unpaired(prompt: list[int], answer: list[int], seq_length: int, truncate: bool) -> Optional[tuple[list[int], int]]:
@@ -125,8 +55,6 @@ def fit_unpaired(prompt: list[int], answer: list[int], seq_length: int, truncate
 def unpaired_samples(records, tokenizer, template: Template, seq_length: int, truncation: str,
                      split: str, check: Check) -> Built:
     """The samples (module docstring) of validated `kto` records, with info: the counts logged."""
-    from data_formats.token_cache import Built
-
     out: list[dict] = []
     problems: list[Problem] = []
     counts = {"desirable": 0, "undesirable": 0, "dropped_overlong": 0, "truncated": 0}
@@ -238,13 +166,11 @@ def build_kto_data(cfg, tokenizer, template: Template, seq_length: int, split: s
         DataError: bad records (or ones the template cannot render) with on_error='strict'.
         ValueError: unknown split.
     """
-    from data_formats.datasets import _cached, split_records
-
     def build(check: Check) -> Built:
         records = split_records(cfg, "kto", split, check, system_prompt=cfg.system_prompt)
         return unpaired_samples(records, tokenizer, template, seq_length, cfg.truncation, split, check)
 
-    built = _cached("kto", cfg, tokenizer, split, build, template=template, seq_length=seq_length)
+    built = through_cache("kto", cfg, tokenizer, split, build, template=template, seq_length=seq_length)
     if stats is not None:
         stats.update(built.info)
     log.info("kto %s data: %s", split, ", ".join(f"{k}={v}" for k, v in built.info.items()))

@@ -20,49 +20,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import numbers
 import sys
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
-from data_formats.conversation import (
-    CONVERSATION_FORMATS,
-    FORMATS,
-    LIST_FORMATS,
-    PAIR_KEYS,
-    RecordError,
-    check_order,
-    detect_format,
-    parse_conversation,
-    parse_preference,
-    parse_text,
-    parse_turns,
-    task_of,
-    Conversation,
-)
-from data_formats.unpaired import parse_unpaired
+from data_formats.conversation import RecordError, task_of
+from data_formats.formats import KIND_NAMES, KINDS, NAMES, UNPAIRED, detect_format, hint, kind_formats
+from data_formats.records import margin_of, parse_conversation, parse_preference, parse_prompt, parse_text, parse_unpaired
+from data_formats.render import make_template, render, render_prompt
 from data_formats.sources import MAX_RECORD_BYTES, DataError, Problem, RawRecord, read_entry, summarize
 
 log = logging.getLogger(__name__)
-KINDS = ("sft", "pt", "rm", "prompts", "kto")
-# Formats each kind accepts (auto-detection must land in one of these).
-KIND_FORMATS = {
-    "sft": CONVERSATION_FORMATS,
-    "prompts": CONVERSATION_FORMATS + ("prompt",),
-    "rm": ("preference",),
-    "pt": ("text",),
-    "kto": ("unpaired",),
-}
-KIND_NAMES = {"sft": "SFT conversations", "pt": "PT text", "rm": "RM preference pairs", "prompts": "PPO prompts",
-              "kto": "KTO records (data_formats.unpaired)"}
-# What a record of each format is, and where it belongs: said when it reaches a stage that cannot use it.
-FORMAT_HINTS = {
-    "preference": ("preference data (chosen/rejected)", "use the RM stage (stages/reward.py)"),
-    "text": ("raw text (text)", "use the PT stage (stages/pretrain.py)"),
-    "prompt": ("prompts without responses", "use them as PPO prompts (stages/ppo.py)"),
-    **{fmt: (f"'{fmt}' conversations", "use the SFT stage (stages/sft.py)") for fmt in CONVERSATION_FORMATS},
-}
 
 
 @dataclass
@@ -82,36 +51,6 @@ class Parsed:
         return f"{self.file}:{self.line}"
 
 
-def _prompt_conversation(record: Any, fmt: str, task: str, source: str, system_prompt: Optional[str]) -> Conversation:
-    """A PPO/GRPO prompt: a conversation ending with the user's turn (or tool results), or the
-    prompt part of a single-turn record. The record's other fields (a `question`/`answer` record's
-    answer, ...) go into `meta`: GRPO passes them to reward functions as keyword arguments, as
-    TRL passes a dataset's extra columns."""
-    if fmt in LIST_FORMATS:
-        conv = parse_conversation(record, fmt, last="user", task=task, source=source, system_prompt=system_prompt)
-        conv.meta = {k: v for k, v in record.items() if k not in (LIST_FORMATS[fmt][0], "tools", "system")}
-        return conv
-    turns = parse_turns(record, fmt, require_response=False)[:1]
-    check_order(turns, "user")
-    used = ("instruction", "input") if fmt == "alpaca" else (next(a for a, _ in PAIR_KEYS if a in record),)
-    conv = Conversation(turns, task=task_of(record, task), source=source,
-                        meta={k: v for k, v in record.items() if k not in used}, standard=isinstance(record.get(used[0]), str))
-    if system_prompt is not None:
-        conv.turns.insert(0, type(turns[0])("system", system_prompt))
-    return conv
-
-
-def _margin(record: dict, margin_field: Optional[str]) -> float:
-    if margin_field is None:
-        return 0.0
-    if margin_field not in record:
-        raise RecordError(f"missing field '{margin_field}' (data.margin_field)")
-    value = record[margin_field]
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise RecordError(f"field '{margin_field}' must be a number, got {type(value).__name__}")
-    return float(value)
-
-
 def parse_record(raw: RawRecord, kind: str, fmt: str, *, text_field: str = "text",
                  system_prompt: Optional[str] = None, margin_field: Optional[str] = None) -> Any:
     """The parsed value of one record for `kind` (see `Parsed.value`).
@@ -124,9 +63,9 @@ def parse_record(raw: RawRecord, kind: str, fmt: str, *, text_field: str = "text
         return parse_text(raw.record, text_field)
     if kind == "rm":
         chosen, rejected = parse_preference(raw.record, task=raw.task, source=source, system_prompt=system_prompt)
-        return chosen, rejected, _margin(raw.record, margin_field)
+        return chosen, rejected, margin_of(raw.record, margin_field)
     if kind == "prompts":
-        return _prompt_conversation(raw.record, fmt, raw.task, source, system_prompt)
+        return parse_prompt(raw.record, fmt, task=raw.task, source=source, system_prompt=system_prompt)
     if kind == "kto":
         return parse_unpaired(raw.record, task=raw.task, source=source, system_prompt=system_prompt)
     return parse_conversation(raw.record, fmt, last="assistant", task=raw.task, source=source, system_prompt=system_prompt)
@@ -138,12 +77,12 @@ def _file_format(raw: RawRecord, kind: str, fmt: str) -> str:
         return fmt
     if kind == "pt":
         return "text"
-    if kind == "kto":  # every KTO layout has its own keys (data_formats.unpaired)
-        return "unpaired"
+    if kind == "kto":  # a KTO record's layout is told apart by its label (data_formats.records.parse_unpaired)
+        return UNPAIRED
     found = detect_format(raw.record)
-    if found not in KIND_FORMATS[kind]:
-        what, advice = FORMAT_HINTS[found]
-        raise RecordError(f"looks like {what}, not {KIND_NAMES[kind]} ({', '.join(KIND_FORMATS[kind])}): {advice}")
+    if found not in kind_formats(kind):
+        what, advice = hint(found)
+        raise RecordError(f"looks like {what}, not {KIND_NAMES[kind]} ({', '.join(kind_formats(kind))}): {advice}")
     return found
 
 
@@ -160,8 +99,8 @@ def iter_parsed(records: Iterable[RawRecord], kind: str, *, fmt: str = "auto", t
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    if fmt != "auto" and fmt not in FORMATS:
-        raise ValueError(f"format must be 'auto' or one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt != "auto" and fmt not in NAMES:
+        raise ValueError(f"format must be 'auto' or one of {', '.join(NAMES)}, got {fmt!r}")
     formats = {} if formats is None else formats
     for raw in records:
         if raw.error is not None:
@@ -266,7 +205,6 @@ def apply_policy(problems: list[Problem], on_error: str, what: str = "data", kee
 
 def _overlong(good: list[Parsed], kind: str, args) -> list[Problem]:
     """Samples longer than --seq-length once rendered (needs --model)."""
-    from data_formats.render import make_template, render, render_prompt
     from pipeline.config import ChatDataConfig
     from pipeline.modeling.embedded import resolve_model_path
     from pipeline.modeling.models import load_tokenizer
@@ -310,7 +248,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data_formats.validate", description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", help="files, folders, globs or dataset names")
     parser.add_argument("--kind", choices=KINDS, default="sft")
-    parser.add_argument("--format", default="auto", choices=("auto",) + FORMATS)
+    parser.add_argument("--format", default="auto", choices=("auto",) + NAMES)
     parser.add_argument("--text-field", default="text", help="document field for --kind pt")
     parser.add_argument("--seq-length", type=int, default=None, help="also report samples longer than this")
     parser.add_argument("--model", default="embedded", help="tokenizer for --seq-length")

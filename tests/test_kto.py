@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from data_formats.sources import summarize
-from data_formats.unpaired import (answer_rows, fit_unpaired, kl_partner_problem, kl_partners, mismatched_rows, parse_unpaired,
-                                   unpaired_samples)
+from data_formats.records import parse_unpaired
+from data_formats.unpaired import answer_rows, fit_unpaired, kl_partner_problem, kl_partners, mismatched_rows, unpaired_samples
 from data_formats.validate import read_and_parse
 from pipeline.algorithms import kto as kto_math
 from stagerun import recording, run_stage

@@ -7,7 +7,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from data_formats.conversation import RecordError, Turn, parse_conversation
+from data_formats.conversation import RecordError, Turn
+from data_formats.records import parse_conversation
 from data_formats.render import IGNORE_INDEX, make_template, render, render_prompt, render_text, template_jinja
 from data_formats.tools import call_text, template_messages, template_tools
 from data_formats.validate import read_and_parse
