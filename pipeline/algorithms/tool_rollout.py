@@ -306,8 +306,11 @@ class Refill:
         self.last_logprobs: Optional[list[list[float]]] = None
 
     def generate(self, rows: Sequence[int], contexts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
-        """Raises:
-            ValueError: the generator's `last_logprobs` are not one list per row."""
+        """The generator's samples of `contexts`, each within its row's budget.
+
+        Raises:
+            ValueError: the generator's `last_logprobs` are not one list per row.
+        """
         out = self.generator.generate(contexts, max_new_tokens=list(max_new_tokens))
         reported = getattr(self.generator, "last_logprobs", None) or None
         if reported is not None and len(reported) != len(out):
@@ -328,7 +331,13 @@ def open_session(generator: Generator, rows: int):
 
 def tool_rollout(generator: Generator, samples: Sequence[dict], env: ToolEnv, copies: int = 1) -> Rollout:
     """`copies` tool-using completions of each prompt sample (consecutive), laid out for scoring:
-    `response_mask` 1 on sampled tokens only; `conversations` each row's completion as messages."""
+    `response_mask` 1 on sampled tokens only; `conversations` each row's completion as messages;
+    `engine_logp` the engine's log-prob of each sampled token when the sampler reports them for
+    every turn (NaN on inserted tokens), else None.
+
+    Raises:
+        ValueError: the sampler reported log-probs that do not match its samples.
+    """
     rows = [_Row(list(s["prompt_ids"]), prompt_conversation(s)) for s in samples for _ in range(copies)]
     session = open_session(generator, len(rows))
     while True:
