@@ -108,8 +108,6 @@ REFUSED = [
     ("grpo", 2, ["--generation.backend", "vllm"], "generation.backend: vllm with more than one rank is refused until per-rank servers"),
     ("ppo", 1, ["--generation.correction", "mis"], "generation.correction: mis weighs each token"),
     ("dpo", 2, ["--model.finetuning", "qlora"], "combination stage dpo x adapter qlora x engine ddp: not run by Relay's test suite yet"),
-    ("kto", 2, ["--model.finetuning", "full", "--distributed.engine", "fsdp"],
-     "data.eval: a held-out set under distributed.engine fsdp with model.finetuning full stops the run"),
     ("sft", 1, ["--model.finetuning", "qlora", "--distributed.engine", "fsdp"], "distributed.engine: fsdp cannot shard QLoRA"),
 ]
 

@@ -96,3 +96,41 @@ def test_a_torch_without_fsdp2s_setter_is_named_before_anything_shards(monkeypat
     with pytest.raises(RuntimeError) as err:
         fsdp.shard_model(torch.nn.Linear(2, 2), torch.device("cpu"), sharding="FULL_SHARD", mixed="no")
     assert str(err.value) == expected
+
+
+FSDP_HELD_OUT = r'''
+import sys
+import torch
+from pipeline.engine import fsdp
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=2, max_position_embeddings=32)
+model = fsdp.shard_model(LlamaForCausalLM(config), torch.device("cpu"), sharding="FULL_SHARD", mixed="no")
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+ids = torch.randint(0, 64, (2, 8))
+model(input_ids=ids, labels=ids).loss.backward()
+optimizer.step()
+optimizer.zero_grad()
+with torch.no_grad():
+    model.eval()
+    model(input_ids=ids)  # a held-out forward: the root unit keeps its weights gathered after it
+    model.train()
+state = fsdp.optimizer_state(model, optimizer)
+print("OK", len(state["state"]))
+'''
+
+
+def test_optimizer_state_after_a_held_out_forward(tmp_path):
+    """A held-out evaluation's plain forward leaves the root unit (reshard_after_forward=False)
+    gathered, and the optimizer's sharded parameters no longer map onto the model's: the checkpoint
+    after it failed with KeyError 0, a full-weight FSDP run losing its final checkpoint."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "held_out.py"
+    script.write_text(FSDP_HELD_OUT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])})
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]

@@ -197,7 +197,7 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("grpo", "lora", "single", backend="vllm", correction="tis"): (
         "tests/test_vllm.py::test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run",),
     _policy("grpo", "full", "single", backend="vllm", correction="tis"): ("tests/test_vllm.py::test_grpo_stage_full_fine_tuning_samples_on_vllm",),
-    # tests/test_cells_ddp.py: two ranks equal one process (full-weight FSDP without a held-out set: HELD_OUT_UNDER_FSDP)
+    # tests/test_cells_ddp.py: two ranks equal one process
     _plain("sft", "full", "ddp"): (f"{RANKS}[ddp-sft-full]",),
     _plain("sft", "full", "fsdp"): (f"{RANKS}[fsdp-sft-full]",),
     _plain("pt", "qlora", "ddp"): (f"{RANKS}[ddp-pt-qlora]",),
@@ -385,22 +385,6 @@ def cuda_visible() -> bool:
     return Path("/dev/nvidia0").exists()
 
 
-HELD_OUT_UNDER_FSDP = ("data.eval: a held-out set under distributed.engine fsdp with model.finetuning full stops the run at its "
-                       "last checkpoint (the evaluation's forwards leave the root unit's weights gathered, and the optimizer "
-                       "state no longer maps onto them); set data.eval [] and data.eval_fraction 0, or use lora or ddp")
-"""Refused beyond the cell: a full-weight FSDP run of a stage whose evaluation runs plain forwards
-(every stage but the policy ones, which evaluate on gathered weights). The cells run without one."""
-
-
-def held_out_refusal(cell: Cell, cfg: Any) -> Optional[str]:
-    """HELD_OUT_UNDER_FSDP where `cfg` (a stage config; the CLI's axis values carry no data section)
-    holds out samples in a cell that cannot evaluate them, else None."""
-    data = getattr(cfg, "data", None)
-    if cell.engine != "fsdp" or cell.adapter != "full" or cell.backend != NONE or data is None:
-        return None
-    return HELD_OUT_UNDER_FSDP if getattr(data, "eval", None) or (getattr(data, "eval_fraction", 0) or 0) > 0 else None
-
-
 def config_refusals(stage: str, cfg: Any, ranks: Optional[int] = None, cuda: Optional[bool] = None) -> list[str]:
     """The one line refusing the combination `cfg` runs (with `ranks` processes), or []."""
     from stages import STAGES
@@ -412,7 +396,7 @@ def config_refusals(stage: str, cfg: Any, ranks: Optional[int] = None, cuda: Opt
         return [problem]
     if cell is None:
         return []
-    line = refusal(cell, cuda_visible() if cuda is None else cuda) or held_out_refusal(cell, cfg)
+    line = refusal(cell, cuda_visible() if cuda is None else cuda)
     return [line] if line else []
 
 
@@ -466,7 +450,7 @@ def render() -> str:
         "refused before any model loads. yes: runs; CUDA: runs on a CUDA GPU; no (n): refused for reason n. Rows whose "
         "every engine is refused are left out. One process is `distributed.engine: ddp` without `--nproc`; DDP is more "
         "than one rank.",
-        "", *head, *rows, "", "Refused:", "", *notes, "", f"Beyond the table, {HELD_OUT_UNDER_FSDP}.", "", *options,
+        "", *head, *rows, "", "Refused:", "", *notes, "", *options,
     ])
 
 

@@ -202,6 +202,11 @@ def optimizer_state(model: torch.nn.Module, optimizer) -> dict:
     """The whole optimizer state keyed by parameter name (gathered; every rank calls it and gets it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    # A forward without a backward (a held-out evaluation) leaves the root unit, which does not
+    # reshard after its forward, holding whole weights that the optimizer's sharded parameters no
+    # longer map onto: every unit goes back to its shards first.
+    for unit in _units(model):
+        unit.reshard()
     state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
     return _to_cpu(state)
 
