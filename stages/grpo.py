@@ -50,7 +50,7 @@ from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfi
 from pipeline.engine.accelerator import full_parameters
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.stage import main
-from pipeline.engine.steps import eval_shards
+from pipeline.engine.steps import eval_shards, rank_mean
 from pipeline.modeling.models import load_model, train_without_dropout
 
 log = logging.getLogger("relay.grpo")
@@ -273,14 +273,14 @@ class GRPOStage(PolicyStage):
                  "grpo/completion_length": float(rollout.response_mask.sum(1).float().mean()),
                  **{f"grpo/reward/{name}": float(v.nanmean()) for name, v in parts.items()}, **dynamic,
                  **self.reward_log.means()}
-        figures = {k: self._mean_over_ranks(v) for k, v in local.items()}
+        local["grpo/clipfrac"] = update["clipfrac"]
+        if "kl" in update:
+            local["grpo/kl"] = update["kl"]
+        figures = rank_mean(local, acc)
         figures.update({"train/loss": update["loss"], "train/grad_norm": update["grad_norm"],
-                        "grpo/clipfrac": self._mean_over_ranks(update["clipfrac"]),
                         "grpo/ratio_dev_first": update["ratio_dev_first"],
                         "grpo/gen_time_frac": gen_time / (time.perf_counter() - started)})
         figures.update(mismatch)
-        if "kl" in update:
-            figures["grpo/kl"] = self._mean_over_ranks(update["kl"])
         if (self.step + 1) % cfg.train.log_steps == 0:
             self.tracker.log_text("grpo/samples", self.sample_text(texts, rollout, total), self.step + 1)
         self.last_rollout = {"rollout": rollout, "rewards": total, "advantages": advantages, "parts": parts}
@@ -298,11 +298,6 @@ class GRPOStage(PolicyStage):
             scored["is_weight"] = weight
         return {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": worst}
 
-    def _mean_over_ranks(self, value: float) -> float:
-        acc = self.accelerator
-        if acc.num_processes == 1:
-            return value
-        return float(acc.reduce(torch.tensor(value, device=acc.device), reduction="mean"))
 
     def sample_text(self, prompts: list[str], rollout, rewards: torch.Tensor) -> str:
         """A few prompt / completion / reward triples as markdown, for the tracker."""

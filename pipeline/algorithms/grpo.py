@@ -29,7 +29,7 @@ from pipeline.algorithms import rl
 from pipeline.algorithms.advantages import ADVANTAGE_EPS, group_advantages  # noqa: F401 - the stage's and tests' names
 from pipeline.algorithms.grpo_losses import LOSS_TYPES, GRPOLossOut, Totals, grpo_loss, high_entropy_mask  # noqa: F401
 from pipeline.algorithms.rollout import ActorCritic, Rollout, chunks
-from pipeline.engine.steps import check_finite, clip_gradients, micro_step
+from pipeline.engine.steps import optimizer_step
 
 
 def loss_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:
@@ -93,35 +93,36 @@ def grpo_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, sc
     objective = g.objective()
     stats: dict[str, list[float]] = defaultdict(list)
     for _ in range(g.num_iterations):
-        total = 0.0
-        for k in range(accum):
+        losses: list[float] = []
+
+        def micro_batch(k: int) -> torch.Tensor:
             rows = slice(k * micro, (k + 1) * micro)
             ids, attn = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
             mask = mask_all[rows].to(device)
-            with micro_step(accelerator, model, k, accum):
-                with accelerator.autocast():
-                    logits, _ = model(ids, attn, P, critic=False)
-                logits = logits.float() / temperature
-                logp = rl.logprobs_from_logits(logits, ids[:, P:])
-                old = scored["old"][rows].to(device) if "old" in scored else logp.detach()
-                ref = scored["ref"][rows].to(device) if "ref" in scored else None
-                # untrained positions (padding, a tool rollout's inserted results): their log-probs are never read
-                logp, old, ref = (None if t is None else t.masked_fill(mask == 0, 0.0) for t in (logp, old, ref))
-                keep = _entropy_filter(logits, mask, g.top_entropy_quantile, accelerator)
-                weight = scored["is_weight"][rows].to(device) if "is_weight" in scored else None  # mismatch correction
-                out = grpo_loss(logp, old, advantages[rows].to(device), mask, ref_logp=ref, objective=objective, totals=totals,
-                                token_filter=keep, is_weight=weight)
-                accelerator.backward(out.loss * scale)
+            with accelerator.autocast():
+                logits, _ = model(ids, attn, P, critic=False)
+            logits = logits.float() / temperature
+            logp = rl.logprobs_from_logits(logits, ids[:, P:])
+            old = scored["old"][rows].to(device) if "old" in scored else logp.detach()
+            ref = scored["ref"][rows].to(device) if "ref" in scored else None
+            # untrained positions (padding, a tool rollout's inserted results): their log-probs are never read
+            logp, old, ref = (None if t is None else t.masked_fill(mask == 0, 0.0) for t in (logp, old, ref))
+            keep = _entropy_filter(logits, mask, g.top_entropy_quantile, accelerator)
+            weight = scored["is_weight"][rows].to(device) if "is_weight" in scored else None  # mismatch correction
+            out = grpo_loss(logp, old, advantages[rows].to(device), mask, ref_logp=ref, objective=objective, totals=totals,
+                            token_filter=keep, is_weight=weight)
+            accelerator.backward(out.loss * scale)
             if "ratio_dev_first" not in stats:
                 stats["ratio_dev_first"].append(float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()))
-            total += float(out.loss.detach())
+            losses.append(float(out.loss.detach()))
             stats["clipfrac"].append(float(out.clipfrac))
             if out.kl is not None:
                 stats["kl"].append(float(out.kl))
-        grad_norm = clip_gradients(model, accelerator, cfg.train.max_grad_norm)
-        check_finite(total, model, step, grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            return out.loss
+
+        grad_norm = optimizer_step(model, optimizer, accelerator, accum, micro_batch, step=step,
+                                   max_grad_norm=cfg.train.max_grad_norm).grad_norm
+        total = sum(losses)
         if accelerator.num_processes > 1:  # each rank holds its share of the step's loss
             total = float(accelerator.reduce(torch.tensor(total, device=device), reduction="sum"))
         stats["loss"].append(total)

@@ -26,7 +26,7 @@ from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits, po
 from pipeline.algorithms.rollout import ActorCritic, Rollout, chunks
 from pipeline.algorithms.tool_rollout import gae_over_turns
 from pipeline.engine.fsdp import runs_unwrapped
-from pipeline.engine.steps import all_reduce_sum, check_finite, clip_gradients, micro_step
+from pipeline.engine.steps import all_reduce_sum, optimizer_step, rank_mean
 
 REWARD_NORMS = ("none", "running", "stored")
 """ppo.reward_norm: no normalisation, running statistics, or the RM's stored `reward_stats`."""
@@ -256,34 +256,29 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
         for start in range(0, B, mini):
             rows = order[start : start + mini]
             tokens = float(all_reduce_sum(exp.rollout.response_mask[rows].sum().double().view(1), accelerator)[0])
-            total = 0.0
-            for k in range(accum):
+
+            def micro_batch(k: int, rows=rows, tokens=tokens) -> float:
                 idx = rows[k * micro : (k + 1) * micro]
                 # only the first micro-batch: the whole rollout in order
                 (held, held_values), exp.held_logits, exp.held_values = (exp.held_logits, exp.held_values), None, None
                 if (held is not None or held_values is not None) and not (separate and torch.equal(idx, torch.arange(B))):
                     raise RuntimeError("ppo_update: held forwards for a first micro-batch that is not the whole rollout")
-                with micro_step(accelerator, model, k, accum):
-                    micro_stats = actor_critic_backward(model, exp, idx, accelerator, separate=separate,
-                                                        temperature=cfg.generation.temperature, cliprange=cfg.ppo.cliprange,
-                                                        cliprange_value=cfg.ppo.cliprange_value, vf_coef=cfg.ppo.vf_coef,
-                                                        step_tokens=tokens, held=held, held_values=held_values)
+                micro_stats = actor_critic_backward(model, exp, idx, accelerator, separate=separate,
+                                                    temperature=cfg.generation.temperature, cliprange=cfg.ppo.cliprange,
+                                                    cliprange_value=cfg.ppo.cliprange_value, vf_coef=cfg.ppo.vf_coef,
+                                                    step_tokens=tokens, held=held, held_values=held_values)
                 if not stats["ratio_dev_first"]:
                     stats["ratio_dev_first"].append(micro_stats["ratio_dev"])
-                total += micro_stats.pop("loss") / accum
+                loss = micro_stats.pop("loss") / accum
                 micro_stats.pop("ratio_dev")
                 for key, value in micro_stats.items():
                     stats[key].append(value)
-            grad_norm = clip_gradients(model, accelerator, cfg.train.max_grad_norm)
-            check_finite(total, model, step, grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+                return loss
+
+            grad_norm = optimizer_step(model, optimizer, accelerator, accum, micro_batch, step=step,
+                                       max_grad_norm=cfg.train.max_grad_norm).grad_norm
             stats["grad_norm"].append(grad_norm)
     return {k: sum(v) / len(v) for k, v in stats.items()}
-
-
-def _mean_over_ranks(value: float, accelerator) -> float:
-    return float(accelerator.reduce(torch.tensor(value, device=accelerator.device), reduction="mean"))
 
 
 def step_metrics(exp: Experience, update: dict, accelerator, *, kl_coef: float, gen_frac: float) -> dict[str, float]:
@@ -297,8 +292,8 @@ def step_metrics(exp: Experience, update: dict, accelerator, *, kl_coef: float, 
         "ppo/entropy": float(rl.masked_mean(exp.entropy, mask)),
         "ppo/response_length": float(mask.sum(1).float().mean()),
     }
-    out = {k: _mean_over_ranks(v, accelerator) for k, v in local.items()}
-    out.update({f"ppo/{k}": _mean_over_ranks(v, accelerator) for k, v in update.items() if k != "grad_norm"})
+    local.update({f"ppo/{k}": v for k, v in update.items() if k != "grad_norm"})
+    out = rank_mean(local, accelerator)
     out.update({"ppo/kl_coef": kl_coef, "ppo/gen_time_frac": gen_frac, "train/grad_norm": update.get("grad_norm", float("nan"))})
     return out
 
