@@ -168,3 +168,26 @@ def test_reward_pairs_run_their_opening_once_as_each_sequence_alone(tiny_reward_
     chosen, rejected = pair_scores(model, apart, None)
     assert seen == [(2, apart["input_ids"].shape[1])]  # the classifier's own forward
     torch.testing.assert_close(chosen[0].detach(), alone[0].detach(), atol=1e-5, rtol=0)
+
+
+def test_no_opening_on_weights_an_engine_holds_in_shards():
+    """FSDP2 units and ZeRO-3 partitions gather their weights for one forward: the opening's cache
+    would outlive them. The model layer asks by type what the engine's fsdp.is_sharded asks."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from pipeline.engine.fsdp import is_sharded
+    from pipeline.modeling.opening import held_in_shards, prompt_sharing_allowed
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    assert not held_in_shards(model)
+    zero3 = torch.nn.Linear(4, 4)
+    zero3.weight.ds_id = 0
+    assert held_in_shards(zero3) and not prompt_sharing_allowed(zero3)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fully_shard(model[0])
+        fully_shard(model)
+        assert held_in_shards(model) and is_sharded(model) and not prompt_sharing_allowed(model)
+    finally:
+        dist.destroy_process_group()

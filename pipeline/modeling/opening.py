@@ -29,7 +29,6 @@ from typing import NamedTuple, Optional
 import torch
 
 from data_formats.collate import common_prefix
-from pipeline.engine.fsdp import is_sharded
 from pipeline.modeling.decode import SHARED_PREFIX_MIN, cache_keyword, hf_model
 from pipeline.modeling.scoring import check_pooling, classifier_parts, position_ids_from_mask, reward_readout_index, token_scores
 
@@ -42,12 +41,21 @@ class Opening(NamedTuple):
     attention_mask: torch.Tensor
 
 
+def held_in_shards(model: torch.nn.Module) -> bool:
+    """Whether an engine holds `model`'s weights in shards: FSDP2 units (what
+    pipeline.engine.fsdp.is_sharded asks; asked here by type, since the model layer sits below the
+    engine) or ZeRO-3 partitions (a DeepSpeed parameter carries a `ds_id`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or hasattr(next(model.parameters(), None), "ds_id")
+
+
 def prompt_sharing_allowed(model: torch.nn.Module) -> bool:
     """A forward that keeps a KV cache and runs twice before its backward: not under gradient
     checkpointing with gradients on (transformers drops the cache there, since the backward
     replays each layer), nor on weights an engine holds in shards (FSDP2, ZeRO-3: they are
     gathered for one forward and freed after it)."""
-    if is_sharded(model) or hasattr(next(model.parameters(), None), "ds_id"):
+    if held_in_shards(model):
         return False
     hf = hf_model(model)
     checkpointing = getattr(hf, "is_activation_checkpointing", None)  # transformers >= 5.2x; the old name warns
