@@ -405,7 +405,8 @@ def _stage(tmp_path, model_dir, prompts, grad_accum=1, **grpo_options):
 def _prompt_rewards(odd_constant: bool):
     """A stand-in for GRPOStage.rewards: a prompt with an odd number (or every prompt, when not
     `odd_constant`) gets the same reward for all its completions, the others 0, 1, 2, 3."""
-    def rewards(self, prompts, rollout, columns=None):
+    def rewards(self, samples, rollout):
+        prompts = [s["text"] for s in samples]
         values = [0.5 if (not odd_constant or int(re.search(r"number (\d+)", p).group(1)) % 2) else float(i % 4) for i, p in enumerate(prompts)]
         total = torch.tensor(values)
         return total, {"fake": total}, {"fake": 1.0}
