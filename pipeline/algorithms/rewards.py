@@ -48,6 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from data_formats.conversation import Turn
+from data_formats.tools import template_messages
+
 RewardFunc = Callable[..., list[Optional[float]]]
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TRL_RESERVED = ("prompt", "completion", "completion_ids")
@@ -181,9 +184,6 @@ def trainer_state(step: int, max_steps: int, epoch: Optional[float] = None):
 
 def prompt_messages(sample: dict) -> list[dict]:
     """A prompt sample's conversation as chat messages (data_formats.tools.template_messages)."""
-    from data_formats.conversation import Turn
-    from data_formats.tools import template_messages
-
     return template_messages([Turn(**t) for t in json.loads(sample["conversation"])["turns"]])
 
 

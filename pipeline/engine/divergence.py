@@ -11,6 +11,7 @@ from typing import Iterable, Optional
 import torch
 
 from pipeline.config.sections import DivergenceConfig
+from pipeline.engine.fsdp import local_tensor
 
 
 class Diverged(RuntimeError):
@@ -33,8 +34,6 @@ def loss_divergence(losses: list[float], cfg: DivergenceConfig) -> Optional[str]
 def largest_weight(params: Iterable[torch.Tensor]) -> float:
     """The largest magnitude among the given tensors (0.0 for none); of a DTensor, this rank's
     shard (the caller agrees over ranks, and a shard's max needs no communication)."""
-    from pipeline.engine.fsdp import local_tensor
-
     with torch.no_grad():
         tensors = [t for t in (local_tensor(p.detach()) for p in params) if t.numel()]
         if not tensors:

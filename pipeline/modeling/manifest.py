@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from data_formats.cache import cache_root
+
 MANIFEST = "manifest.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 WEIGHT_SUFFIXES = (".safetensors",)
@@ -106,8 +108,6 @@ FACTS_VERSION = 1
 
 
 def _facts_file(content: str) -> Path:
-    from data_formats.cache import cache_root
-
     return cache_root() / "tokenizer_facts" / f"{content}.v{FACTS_VERSION}.json"
 
 

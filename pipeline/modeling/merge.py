@@ -33,7 +33,9 @@ from typing import Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from pipeline.modeling.embedded import resolve_model_path
 from pipeline.modeling.manifest import write_manifest
+from pipeline.modeling.models import ensure_pad_token, warn_ignored_code
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +62,6 @@ def _auto_class(kind: str):
 def _load_plain(path: str | Path, kind: str, trust_remote_code: bool = False, allow_pickle: bool = False):
     """Load a full model in fp32 with the plain Auto class; return (model, loading_info).
     `allow_pickle`: a folder without safetensors loads its pickled weights (weights_only=True)."""
-    from pipeline.modeling.models import warn_ignored_code
-
     warn_ignored_code(path, trust_remote_code)
     extra = {"num_labels": 1} if kind == "reward" else {}
     model, info = _auto_class(kind).from_pretrained(
@@ -218,8 +218,6 @@ def _staging_dir(out: Path) -> Path:
 def _load_tokenizer_for_merge(base: str, adapter: str, trust_remote_code: bool = False):
     """The adapter folder's tokenizer when the stage saved one there (it may have added a pad
     token), else the base's; a pad token is ensured either way."""
-    from pipeline.modeling.models import ensure_pad_token
-
     source = adapter if (Path(adapter) / "tokenizer_config.json").is_file() else base
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     ensure_pad_token(tokenizer)
@@ -259,8 +257,6 @@ def merge_adapter(
             reward head exists in neither base nor adapter.
     """
     from peft import PeftModel
-
-    from pipeline.modeling.embedded import resolve_model_path
 
     out_path = check_out_dir(out, overwrite)
     _check_task_type(adapter, kind)
