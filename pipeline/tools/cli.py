@@ -25,10 +25,22 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
+import stages as registry
+from data_formats.validate import main as validate_data
+from pipeline.config import (ConfigError, DistributedConfig, GenerationConfig, ModelConfig, ToolsConfig, capabilities,
+                             load_config)
+from pipeline.config.capabilities import config_refusals
+from pipeline.config.loading import read_yaml
+from pipeline.engine.tracking import quiet_console
+from pipeline.modeling.preflight import model_problems
+from pipeline.tools.chain import load_pipeline, planned_stages, stage_config_problems
+
 REPO = Path(__file__).resolve().parents[2]
-# Modules are imported only when their subcommand runs: `relay report` should not pay for torch.
+# A subcommand's module is imported only when it runs: `relay report` should not pay for torch. What
+# `relay` imports at its top is torch-free (tests/test_layout.py checks it).
 COMMANDS = {
     "train": (None, "run one stage from its YAML (the stage the config is for)"),
     "pipeline": (None, "run PT -> SFT -> RM -> PPO, each stage's merged model the next one's base"),
@@ -61,9 +73,7 @@ class CLIError(ValueError):
 
 
 def stage_names() -> list[str]:
-    from stages import STAGES
-
-    return list(STAGES)
+    return list(registry.STAGES)
 
 
 def stage_of_config(config: str, explicit: Optional[str] = None) -> str:
@@ -99,9 +109,7 @@ def stage_of_config(config: str, explicit: Optional[str] = None) -> str:
         match = USAGE_LINE.search(line)
         if match:
             found = match.group(1) or match.group(2)
-            from stages import script
-
-            by_module = {script(name).stem: name for name in names}
+            by_module = {registry.script(name).stem: name for name in names}
             if found in names or found in by_module:
                 return found if found in names else by_module[found]
     tokens = set(re.split(r"[^a-z0-9]+", path.stem.lower()))
@@ -162,12 +170,10 @@ def train_command(args: list[str]) -> list[str]:
     else:
         stage = stage_of_config(config, stage)
         argv = ["--config", config, *args]
-    from stages import script
-
     if int(nproc_text) == 1:
-        return [sys.executable, str(script(stage)), *argv]
+        return [sys.executable, str(registry.script(stage)), *argv]
     return [sys.executable, "-m", "pipeline.engine.launch", "--standalone", "--nproc_per_node", nproc_text,
-            str(script(stage)), *argv]
+            str(registry.script(stage)), *argv]
 
 
 AXIS_KEYS = ("model.finetuning", "distributed.engine", "distributed.deepspeed_config", "generation.backend",
@@ -182,12 +188,6 @@ def axis_values(config: Optional[str], args: Sequence[str]) -> "SimpleNamespace"
     Raises:
         CLIError: the YAML cannot be read.
     """
-    from types import SimpleNamespace
-
-    from pipeline.config import DistributedConfig, GenerationConfig, ModelConfig, ToolsConfig
-    from pipeline.config.loading import read_yaml
-    from pipeline.config.sections import ConfigError
-
     sections = {"model": ModelConfig(), "distributed": DistributedConfig(), "generation": GenerationConfig(), "tools": ToolsConfig()}
     values = {key: getattr(sections[key.split(".")[0]], key.split(".")[1]) for key in AXIS_KEYS}
     try:
@@ -213,8 +213,6 @@ def axis_values(config: Optional[str], args: Sequence[str]) -> "SimpleNamespace"
 def combination_problems(stage: str, config: Optional[str], args: Sequence[str], nproc: int) -> list[str]:
     """The capability table's refusal of the run `relay train` would start with `nproc` ranks
     (pipeline/config/capabilities.py), asked before torchrun starts any rank."""
-    from pipeline.config.capabilities import config_refusals
-
     return config_refusals(stage, axis_values(config, args), ranks=nproc)
 
 
@@ -245,8 +243,6 @@ mismatch correction Relay runs (each one trained by a test), and why every other
 
 
 def run_capabilities(args: list[str]) -> int:
-    from pipeline.config import capabilities
-
     if args and args[0] in ("-h", "--help"):
         print(CAPABILITIES_USAGE)
         return 0
@@ -283,15 +279,13 @@ def data_kind_args(args: list[str]) -> list[str]:
     Raises:
         CLIError: --kind names neither a data kind nor a registered stage (one line listing both).
     """
-    from stages import STAGES
-
     out = list(args)
     for i, arg in enumerate(out):
         name, eq, value = arg.partition("=")
         if arg == "--kind" and i + 1 < len(out):
-            out[i + 1] = _data_kind(out[i + 1], STAGES)
+            out[i + 1] = _data_kind(out[i + 1], registry.STAGES)
         elif name == "--kind" and eq:
-            out[i] = f"--kind={_data_kind(value, STAGES)}"
+            out[i] = f"--kind={_data_kind(value, registry.STAGES)}"
     return out
 
 
@@ -307,8 +301,6 @@ def _data_kind(value: str, stages: dict) -> str:
 def validate_config(config: str, args: list[str]) -> int:
     """`relay validate CONFIG.yaml`: the stage's whole validation (preflight, data) or, for a
     pipeline YAML, every planned stage's config. Prints problems (exit 2) or what was checked."""
-    from pipeline.config import ConfigError, load_config
-
     args = list(args)
     explicit = pop_option(args, "--stage")
     nproc_text = pop_option(args, "--nproc") or "1"
@@ -322,10 +314,6 @@ def validate_config(config: str, args: list[str]) -> int:
         except CLIError as err:
             if "is a pipeline config" not in str(err):
                 raise
-            from pipeline.tools.chain import load_pipeline, planned_stages, stage_config_problems
-
-            from pipeline.modeling.preflight import model_problems
-
             cfg, selection = load_pipeline(config, args)
             planned = planned_stages(cfg, selection)
             problems = model_problems(cfg.base_model, "base_model") + stage_config_problems(cfg, planned)
@@ -335,14 +323,11 @@ def validate_config(config: str, args: list[str]) -> int:
                 raise ConfigError(problems, config)
             print(f"{config}: pipeline config OK; stages {' -> '.join(planned)} into {cfg.output_root}")
             return 0
-        from pipeline.engine.stage import hide_unrequested_backends
-        from stages import stage_class
+        from pipeline.engine.stage import hide_unrequested_backends  # torch: only when a stage's config is validated
 
-        cls = stage_class(stage)
+        cls = registry.stage_class(stage)
         cfg = load_config(cls.config_class, ["--config", config, *args])
         if nproc > 1:  # the stage itself checks the one-process run
-            from pipeline.config.capabilities import config_refusals
-
             refused = config_refusals(stage, cfg, ranks=nproc)
             if refused:
                 raise ConfigError(refused, config)
@@ -367,8 +352,6 @@ def run_validate(args: list[str]) -> int:
         return 0
     if args and args[0].endswith((".yaml", ".yml")):
         return validate_config(args[0], args[1:])
-    from data_formats.validate import main as validate_data
-
     return int(validate_data(data_kind_args(args)) or 0)
 
 
@@ -411,8 +394,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if command in LOADS_MODELS and not {"-h", "--help"} & set(rest):
-        from pipeline.engine.tracking import quiet_console
-
         quiet_console()
     result = importlib.import_module(COMMANDS[command][0]).main(rest)
     return int(result or 0)
