@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pipeline.modeling.embedded import COMPLETE_MARKER, embedded_dir, materialize
 from pipeline.modeling.manifest import file_sha256
 
 NEEDS = ("bitsandbytes", "datasets", "trl", "draccus", "deepspeed", "gguf")
@@ -211,8 +212,6 @@ def build(out: Path, python_version: str = "3.12", needs: Sequence[str] = NEEDS 
 
 def copy_tokenizer(out: Path) -> list[dict]:
     """Copy the embedded model's tokenizer files into out/TOKENIZER; their manifest entries."""
-    from pipeline.modeling.embedded import materialize
-
     source, folder = materialize(), out / TOKENIZER
     folder.mkdir(exist_ok=True)
     entries = []
@@ -227,8 +226,6 @@ def seed_cache(bundle: Path) -> Path:
     """Make the bundle's tokenizer the embedded model folder of $RELAY_CACHE, marked TOKENIZER_ONLY:
     tests/tinymodels.py builds its tiny random models on it; loading the embedded weights fails
     (there are none). Use a cache of its own (gpu_check.sh does), never the user's."""
-    from pipeline.modeling.embedded import COMPLETE_MARKER, embedded_dir
-
     target = embedded_dir()
     target.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:

@@ -14,6 +14,8 @@ import json
 from typing import Callable, Optional
 
 from data_formats.tools import parse_answer
+from pipeline.algorithms.tool_rollout import load_tools, read_schemas, run_calls, tools_problems
+from pipeline.config import ToolsConfig
 
 MAX_TURNS = 8
 """Most assistant turns one user message may take (calls included)."""
@@ -36,8 +38,6 @@ def results(calls: list[dict], errors: list[str], tools: Optional[dict], timeout
     """Each call's result: the tool run (`tools`), or typed by the user; then an error text per
     call that could not be read."""
     if tools is not None:
-        from pipeline.algorithms.tool_rollout import run_calls
-
         out = run_calls(calls, tools, timeout)
     else:
         out = [read(f"result of {call_line(c)}> ") for c in calls]
@@ -85,9 +85,6 @@ def tool_setup(funcs: Optional[list[str]], schemas_file: Optional[str], timeout:
     """
     if not funcs and not schemas_file:
         return None
-    from pipeline.algorithms.tool_rollout import load_tools, read_schemas, tools_problems
-    from pipeline.config import ToolsConfig
-
     problems: list[str] = []
     if funcs:
         cfg = ToolsConfig(funcs=list(funcs), schemas=schemas_file, timeout=timeout)

@@ -34,6 +34,8 @@ from typing import Any, Optional, Sequence
 
 import stages as registry
 from pipeline.config import ConfigError
+from pipeline.engine.launch import describe
+from pipeline.engine.tracking import quiet_console
 from pipeline.modeling.manifest import read_manifest
 from pipeline.tools.chain import (
     LOG_NAME, STAGE_ORDER, TIMINGS_NAME, DriverError, GoldConfig, PipelineConfig, VerdictConfig, checks_after, checks_before,
@@ -300,8 +302,6 @@ def cmd_finish(cfg: PipelineConfig, stage: str) -> None:
 def cmd_stopped(cfg: PipelineConfig, stage: str, exit_code: int) -> None:
     """Record in driver.log which stage ended early, why (a signal or an error exit) and the
     checkpoint a rerun continues from."""
-    from pipeline.engine.launch import describe
-
     folder = merged_dir(cfg, stage).parent / "checkpoints"
     marked = sorted(p.parent for p in folder.glob("step-*/.complete")) if folder.is_dir() else []
     where = f"its last checkpoint is {marked[-1]}" if marked else "it has no checkpoint yet"
@@ -372,8 +372,6 @@ def run_command(args: list[str], answer) -> int:
         elif command == "report-dir":
             print(cfg.output_root if cfg.report else "", file=answer)
         else:
-            from pipeline.engine.tracking import quiet_console
-
             quiet_console()  # the gold table loads models: no weight-loading bars between the driver's lines
             summary = pipeline_summary(cfg)
             log(cfg, f"summary written to {Path(cfg.output_root) / 'summary.json'} (verdict {summary['verdict']})")

@@ -27,7 +27,11 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from data_formats.sources import expand_entry
+from pipeline.engine.tracking import quiet_console
+from pipeline.modeling.embedded import gguf_path, resolve_model_path
 from pipeline.modeling.manifest import file_sha256, read_manifest
+from pipeline.modeling.preflight import model_problems
 from pipeline.tools.gguf_export import GGUF_TYPES, PROBE, ExportError, gguf_logit_difference, gguf_string, write_gguf
 
 GGUF_NAME = "model.gguf"
@@ -48,9 +52,6 @@ def merged_folder(source: str) -> Path:
     Raises:
         ExportError: neither holds a model.
     """
-    from pipeline.modeling.embedded import resolve_model_path
-    from pipeline.modeling.preflight import model_problems
-
     path = Path(resolve_model_path(source))  # 'embedded' names the converted embedded model
     if (path / "merged" / "config.json").is_file():
         path = path / "merged"
@@ -79,8 +80,6 @@ def manifest_chain(folder: Path, limit: int = 16) -> list[dict]:
 
 def data_fingerprints(config: dict) -> list[tuple[str, str]]:
     """(data file, sha256 or "hub dataset" / "not found here") of a stage's train/eval data entries."""
-    from data_formats.sources import expand_entry
-
     data = config.get("data") or {}
     out = []
     for key in ("train", "eval"):
@@ -121,8 +120,6 @@ def base_model(chain: list[dict]) -> tuple[Optional[str], str]:
 
 def gguf_license(path: Optional[str]) -> Optional[str]:
     """general.license of a GGUF file (the embedded model's own records), or None."""
-    from pipeline.modeling.embedded import gguf_path
-
     try:
         return gguf_string(Path(path) if path and Path(path).is_file() else gguf_path(), "general.license")
     except (OSError, ValueError):
@@ -355,7 +352,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--push", metavar="REPO_ID", help="upload the folder to the Hugging Face Hub (needs a token)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args(argv)
-    from pipeline.engine.tracking import quiet_console
 
     quiet_console()
     try:
