@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from data_formats.collate import IGNORE_INDEX
 from data_formats.conversation import Conversation
 from data_formats.render import Template, render, render_prompt, render_scored
-from data_formats.sources import Problem
+from data_formats.sources import Problem, file_entries
 from data_formats.tools import has_tools
 from data_formats.token_cache import Built, Check, build_cached, key_parts
 from data_formats.validate import Parsed, apply_policy, every_record_bad, read_and_parse
@@ -106,19 +106,42 @@ def split_records(cfg, kind: str, split: str, check: Optional[Check] = None, **p
 
 
 def _fit(conv: Conversation, tokenizer, template: Template, seq_length: int,
-         truncation: str) -> tuple[Optional[tuple[list[int], list[int]]], str]:
-    """(ids, labels) or None, and what happened: 'ok', 'truncated', 'dropped_overlong'."""
+         truncation: str) -> tuple[Optional[tuple[list[int], list[int]]], str, int]:
+    """(ids, labels) or None, what happened ('ok', 'truncated', 'dropped_overlong'), and the whole
+    conversation's length in tokens."""
     ids, labels = render(conv, tokenizer, template)
-    if len(ids) <= seq_length:
-        return (ids, labels), "ok"
+    length = len(ids)
+    if length <= seq_length:
+        return (ids, labels), "ok", length
     if truncation == "truncate":
         ends = [i for i, t in enumerate(conv.turns) if t.role == "assistant"]
         for end in reversed(ends[:-1]):
             shorter = replace(conv, turns=conv.turns[: end + 1])
             ids, labels = render(shorter, tokenizer, template)
             if len(ids) <= seq_length:
-                return (ids, labels), "truncated"
-    return None, "dropped_overlong"
+                return (ids, labels), "truncated", length
+    return None, "dropped_overlong", length
+
+
+_overlong: dict[str, dict] = {}
+"""The last build of each split: what it dropped as overlong, by data entry (`overlong_drops`)."""
+
+
+def note_overlong(split: str, seq_length: int, truncation: str, by_entry: Optional[dict]) -> None:
+    """Keep what a build of `split` dropped as overlong ({entry: [count, longest]}) for the
+    problem line of a split that cannot fill a batch (pipeline.engine.stage_checks.fill_problem)."""
+    _overlong[split] = {"seq_length": seq_length, "truncation": truncation, "by_entry": dict(by_entry or {})}
+
+
+def overlong_drops(split: str = "train") -> dict:
+    """What the last build of `split` dropped as overlong: {seq_length, truncation, by_entry:
+    {entry: [count, longest length]}}; empty when nothing was built."""
+    return _overlong.get(split, {})
+
+
+def _count_overlong(by_entry: dict, entry: str, length: int) -> None:
+    count, longest = by_entry.get(entry, [0, 0])
+    by_entry[entry] = [count + 1, max(longest, length)]
 
 
 def through_cache(builder: str, cfg, tokenizer, split: str, build: Callable[[Check], Built], **args) -> Built:
@@ -130,12 +153,13 @@ def through_cache(builder: str, cfg, tokenizer, split: str, build: Callable[[Che
         ValueError: unknown split.
     """
     entries = split_entries(cfg, split)
+    _overlong.pop(split, None)  # a builder that drops overlong samples notes them after the build
     return build_cached(lambda: key_parts(builder, split, cfg, entries, tokenizer, **args), cfg.on_error, build,
                         f"{builder} {split} data")
 
 
 def _log_stats(what: str, stats: dict) -> None:
-    log.info("%s: %s", what, ", ".join(f"{k}={v}" for k, v in stats.items()))
+    log.info("%s: %s", what, ", ".join(f"{k}={v}" for k, v in stats.items() if k != "overlong"))
     for key in ("dropped_overlong", "dropped_no_target", "skipped_bad"):
         if stats.get(key):
             log.warning("%s: %d sample(s) %s", what, stats[key], key.replace("_", " "))
@@ -155,6 +179,7 @@ def build_sft_data(cfg, tokenizer, template: Template, seq_length: int, split: s
                     lambda check: _sft_samples(cfg, tokenizer, template, seq_length, split, tasks, check),
                     template=template, seq_length=seq_length, tasks=tasks)
     _log_stats(f"sft {split} data", built.info["stats"])
+    note_overlong(split, seq_length, cfg.truncation, built.info["stats"].get("overlong"))
     return TaskSamples(built.samples, built.info["tasks"], built.info["stats"])
 
 
@@ -165,17 +190,19 @@ def _sft_samples(cfg, tokenizer, template: Template, seq_length: int, split: str
     names = list(tasks) if tasks is not None else []
     names += sorted({r.task for r in records} - set(names))
     index = {name: i for i, name in enumerate(names)}
+    entry_of = file_entries(split_entries(cfg, split))
     stats = {"records": len(records), "samples": 0, "truncated": 0, "dropped_overlong": 0,
-             "dropped_no_target": 0, "skipped_bad": 0, "tool_conversations": 0}
+             "dropped_no_target": 0, "skipped_bad": 0, "tool_conversations": 0, "overlong": {}}
     samples, problems = [], []
     for record in tqdm(records, desc=f"tokenizing sft {split}", disable=len(records) < 1000):
         try:
-            fitted, outcome = _fit(record.value, tokenizer, template, seq_length, cfg.truncation)
+            fitted, outcome, length = _fit(record.value, tokenizer, template, seq_length, cfg.truncation)
         except ValueError as err:
             problems.append(Problem(record.file, record.line, str(err)))
             continue
         if fitted is None:
             stats[outcome] += 1
+            _count_overlong(stats["overlong"], entry_of.get(record.file, record.file), length)
             continue
         stats["truncated"] += outcome == "truncated"
         ids, labels = fitted
@@ -304,6 +331,7 @@ def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, s
                     lambda check: _preference_pairs(cfg, tokenizer, template, seq_length, split, check),
                     template=template, seq_length=seq_length)
     counts = built.info
+    note_overlong(split, seq_length, cfg.truncation, counts.get("overlong"))
     if stats is not None:
         stats.update(counts)
     log.info("rm %s data: %d pair(s), %d dropped overlong, %d dropped identical", split, len(built.samples),
@@ -322,7 +350,8 @@ def _preference_pairs(cfg, tokenizer, template: Template, seq_length: int, split
     out: list[dict] = []
     problems: list[Problem] = []
     counts = {"dropped_overlong": 0, "truncated": 0, "prompt_tokens_cut": 0, "max_prompt_cut": 0, "identical": 0,
-              "tool_conversations": 0}
+              "tool_conversations": 0, "overlong": {}}
+    entry_of = file_entries(split_entries(cfg, split))
     for record in tqdm(records, desc=f"tokenizing rm {split}", disable=len(records) < 1000):
         chosen, rejected, margin = record.value
         counts["tool_conversations"] += has_tools(chosen) or has_tools(rejected)
@@ -336,6 +365,7 @@ def _preference_pairs(cfg, tokenizer, template: Template, seq_length: int, split
             fitted = fit_pair((cp, rp), (cr, rr), seq_length) if cfg.truncation == "truncate" else None
             if fitted is None:
                 counts["dropped_overlong"] += 1
+                _count_overlong(counts["overlong"], entry_of.get(record.file, record.file), max(len(c), len(r)))
                 continue
             c, r, cut = fitted
             counts["truncated"] += 1

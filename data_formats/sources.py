@@ -129,6 +129,17 @@ def expand_entry(entry: str) -> tuple[list[Path], Optional[str]]:
     return [], entry
 
 
+def file_entries(entries: Iterable[str]) -> dict[str, str]:
+    """{file as a record names it: the data entry that reads it}, the first entry where two name
+    the same file; a dataset's records name the dataset, so it maps to itself."""
+    out: dict[str, str] = {}
+    for entry in entries:
+        files, dataset = expand_entry(entry)
+        for name in [dataset] if dataset is not None else map(str, files):
+            out.setdefault(name, entry)
+    return out
+
+
 def _decode(data: bytes) -> tuple[Optional[str], Optional[str]]:
     """(text, None) or (None, reason) for one line's bytes."""
     try:

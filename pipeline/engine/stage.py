@@ -42,6 +42,7 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from data_formats.datasets import overlong_drops
 from data_formats.render import make_template, template_jinja
 from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
 from data_formats.sources import DataError
@@ -53,7 +54,7 @@ from pipeline.engine.accelerator import (combination_problems, optimizer_state, 
 from pipeline.engine.checkpoint import Checkpointer, CheckpointError, complete_checkpoints, rng_state
 from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
 from pipeline.engine.export import export_trained
-from pipeline.engine.stage_checks import data_problems, parent_problems, supervision_problems
+from pipeline.engine.stage_checks import data_problems, fill_problem, parent_problems, supervision_problems
 from pipeline.engine.precision import fp32_masters, keeps_masters
 from pipeline.engine.interrupt import StopRequest, Stopped, agreed_signal, all_ranks_ok, ranks_max, signal_name
 from pipeline.engine.resume import launched_world_size, resume, resume_problems
@@ -256,11 +257,9 @@ class Stage:
         return template
 
     def fill_problems(self, count: int, what: str, batch: str = "micro-batch") -> list[str]:
-        """The one problem line when `count` training items cannot fill one batch on every rank."""
-        size, world = self.cfg.train.batch_size, launched_world_size()
-        if count < size * world:
-            return [f"data.train: {count} {what} cannot fill one {batch} of {size} x {world} rank(s)"]
-        return []
+        """The one problem line when `count` training items cannot fill one batch on every rank,
+        with the reason when records were dropped as overlong (stage_checks.fill_problem)."""
+        return fill_problem(count, what, batch, self.cfg.train.batch_size, launched_world_size(), overlong_drops("train"))
 
     def all_manifest_extras(self) -> dict:
         """`manifest_extras` plus the engine's own: the config changes accepted on resume."""

@@ -5,7 +5,7 @@ token. Pure functions of their inputs; each returns one line per problem."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -23,6 +23,34 @@ def data_problems(entries: Sequence[str], key: str) -> list[str]:
         if dataset is None and (not files or not all(f.is_file() for f in files)):
             out.append(f"{key}: {entry!r} names no data file")
     return out
+
+
+def fill_problem(count: int, what: str, batch: str, size: int, world: int, drops: Optional[dict] = None) -> list[str]:
+    """The one line when `count` training items cannot fill one batch of `size` on each of `world`
+    ranks, with the reason when the build dropped records as overlong (`drops`,
+    data_formats.datasets.overlong_drops): a reason in a warning above the line is missed."""
+    if count >= size * world:
+        return []
+    line = f"data.train: {count} {what} cannot fill one {batch} of {size} x {world} rank(s)"
+    reason = overlong_reason(drops or {})
+    return [f"{line}: {reason}" if reason else line]
+
+
+def overlong_reason(drops: dict) -> str:
+    """'N dropped as longer than train.seq_length L (the longest M tokens); ...' per data entry
+    when several, with the settings that keep them; '' when nothing was dropped."""
+    by_entry = {entry: counts for entry, counts in drops.get("by_entry", {}).items() if counts[0]}
+    if not by_entry:
+        return ""
+    limit = drops["seq_length"]
+    parts = [f"{count} dropped as longer than train.seq_length {limit} (the longest {longest} tokens)"
+             for count, longest in by_entry.values()]
+    if len(by_entry) > 1:
+        parts = [f"{entry}: {part}" for entry, part in zip(by_entry, parts)]
+    keep = f"train.seq_length: {max(longest for _, longest in by_entry.values())} keeps them"
+    if drops.get("truncation") == "drop":
+        keep += ", data.truncation: truncate shortens them to fit"
+    return "; ".join(parts) + f"; {keep}"
 
 
 def parent_problems(model_path: str, need: str = "causal", allow_pickle: bool = False) -> list[str]:
