@@ -26,7 +26,7 @@ input, so post-processed logits such as Gemma's soft-capping fall back), and no 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -256,3 +256,44 @@ def supervised_forward(model: torch.nn.Module, inputs: dict, head: torch.nn.Line
     losses = torch.zeros(labels.shape, dtype=torch.float32, device=rows.device)
     losses[mask] = rows
     return objective, losses
+
+
+def chunked_rows(fn: Callable[..., torch.Tensor], hidden: torch.Tensor, head: Optional[torch.nn.Linear],
+                 *rows: torch.Tensor, chunk: Optional[int] = None) -> torch.Tensor:
+    """[N] fp32 values of `fn(logits, *row_chunks)` over `hidden` [N, H] rows under `head`,
+    `chunk` rows at a time (default: ~200 MB of fp32 logits per chunk); differentiable, and each
+    chunk's logits are recomputed in the backward (activation checkpointing per chunk), so
+    `chunk x V` logits are alive at a time, never `N x V`. `fn` maps one chunk's fp32 logits
+    [c, V] and the same rows of each of `rows` (a teacher's hidden rows, sampled tokens) to [c]
+    values: a per-token divergence whose gradient is not known before the forward, unlike the
+    cross-entropy of `fused_weighted_cross_entropy`. `head` None: `hidden` already holds logits
+    (a model the chunked head cannot drive, `head_split`)."""
+    from torch.utils.checkpoint import checkpoint
+
+    if head is None:
+        return torch.cat([fn(hidden[s].float(), *(r[s] for r in rows)) for s in _row_slices(hidden, chunk, hidden.shape[-1])]
+                         or [hidden.new_zeros(0, dtype=torch.float32)])
+    weight, bias = head.weight, head.bias
+
+    def one(h: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(h, weight)
+        with torch.autocast(h.device.type, enabled=False):
+            logits = F.linear(h.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).float()
+            return fn(logits, *parts)
+
+    out = [checkpoint(one, hidden[s], *(r[s] for r in rows), use_reentrant=False)
+           for s in _row_slices(hidden, chunk, weight.shape[0])]
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def _row_slices(hidden: torch.Tensor, chunk: Optional[int], vocab: int) -> list[slice]:
+    size = chunk or max(1, CHUNK_ROWS * 49152 // vocab)
+    return [slice(start, start + size) for start in range(0, hidden.shape[0], size)]
+
+
+def hidden_forward(model: torch.nn.Module, head: torch.nn.Module, **inputs) -> torch.Tensor:
+    """`model(**inputs)` with its final hidden states in place of the logits (the head swapped for
+    the identity for the forward, through DDP / PEFT wrappers, so their hooks run as always): the
+    rows `chunked_rows` takes. `logits_to_keep` in `inputs` keeps those positions as usual."""
+    with _hidden_states_as_logits(_unwrapped_causal_lm(model), head):
+        return model(**inputs).logits

@@ -1,0 +1,135 @@
+"""On-policy distillation: the loss registry against TRL 1.16's own functions (called directly on the
+same student/teacher tensors and masks), the top-k teacher form, and the `distill` stage.
+
+Peers: trl 1.16.0, trl/trainer/distillation_trainer.py `_chunked_divergence_loss` (the stable
+DistillationTrainer's loss) and trl/experimental/gkd/gkd_trainer.py `GKDTrainer.generalized_jsd_loss`.
+Tolerance 1e-6 in fp32 (AMD EPYC, 2 cores).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from pipeline.algorithms import distill as dl
+from pipeline.engine import supervised_head as sh
+
+V, HS, HT = 50, 16, 24
+
+
+def _tensors(seed: int = 0):
+    """Student/teacher hidden states [B, K, H] (the teacher wider), heads, completion tokens, and
+    a ragged mask with a hole (a tool result inside a completion)."""
+    g = torch.Generator().manual_seed(seed)
+    hs, ht = torch.randn(3, 5, HS, generator=g), torch.randn(3, 5, HT, generator=g)
+    ws, wt = torch.randn(V, HS, generator=g) * 0.5, torch.randn(V, HT, generator=g) * 0.5
+    tokens = torch.randint(0, V, (3, 5), generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 1, 1, 0]])
+    return hs, ht, ws, wt, tokens, mask
+
+
+def _heads(ws: torch.Tensor, wt: torch.Tensor) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    student = torch.nn.Linear(HS, V, bias=False)
+    student.weight = torch.nn.Parameter(ws.clone())
+    teacher = torch.nn.Linear(HT, V, bias=False)
+    teacher.weight = torch.nn.Parameter(wt.clone(), requires_grad=False)
+    return student, teacher
+
+
+def _relay(loss_type: str, hs, ht, ws, wt, tokens, mask, beta: float, temperature: float, top_k: int = 0):
+    """Relay's loss and its gradients (hidden, head weight), in chunks of 2 rows."""
+    h = hs.clone().requires_grad_(True)
+    student, teacher = _heads(ws, wt)
+    keep = mask.bool()
+    per = dl.per_token_losses(loss_type, h[keep], student, dl.Teacher(ht[keep], teacher, top_k), tokens[keep],
+                              beta=beta, temperature=temperature)
+    loss = dl.global_token_loss(per, keep.sum())
+    loss.backward()
+    return loss.detach(), h.grad, student.weight.grad
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Two rows per chunk, so every test crosses chunk borders."""
+    monkeypatch.setattr(dl, "chunked_rows", functools.partial(sh.chunked_rows, chunk=2))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_jsd_equals_trl_chunked_divergence(beta, temperature):
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    hs, ht, ws, wt, tokens, mask = _tensors()
+    loss, grad_h, grad_w = _relay("jsd", hs, ht, ws, wt, tokens, mask, beta, temperature)
+    h, w = hs.clone().requires_grad_(True), ws.clone().requires_grad_(True)
+    ref, _, _ = _chunked_divergence_loss(h, ht, w, wt, mask, beta, num_items_in_batch=mask.sum(), temperature=temperature)
+    ref.backward()
+    assert torch.allclose(loss, ref.detach(), atol=1e-6, rtol=0), (float(loss), float(ref))
+    assert torch.allclose(grad_h, h.grad, atol=1e-6, rtol=0)
+    assert torch.allclose(grad_w, w.grad, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_jsd_equals_gkd_generalized_jsd(beta, temperature):
+    from trl.experimental.gkd import GKDTrainer
+
+    hs, ht, ws, wt, tokens, mask = _tensors(1)
+    loss, grad_h, grad_w = _relay("jsd", hs, ht, ws, wt, tokens, mask, beta, temperature)
+    h, w = hs.clone().requires_grad_(True), ws.clone().requires_grad_(True)
+    labels = tokens.masked_fill(mask == 0, -100)
+    ref = GKDTrainer.generalized_jsd_loss(h @ w.T, ht @ wt.T, labels=labels, beta=beta, temperature=temperature,
+                                          num_items_in_batch=mask.sum())
+    ref.backward()
+    assert torch.allclose(loss, ref.detach(), atol=1e-6, rtol=0), (float(loss), float(ref))
+    assert torch.allclose(grad_h, h.grad, atol=1e-6, rtol=0)
+    assert torch.allclose(grad_w, w.grad, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_topk_at_full_vocabulary_is_the_full_form(beta):
+    hs, ht, ws, wt, tokens, mask = _tensors(2)
+    full = _relay("jsd", hs, ht, ws, wt, tokens, mask, beta, 0.7)
+    topk = _relay("jsd", hs, ht, ws, wt, tokens, mask, beta, 0.7, top_k=V)
+    for a, b in zip(full, topk):
+        assert torch.isfinite(b).all()
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
+    # a smaller support is another objective (the negative control), still finite
+    part = _relay("jsd", hs, ht, ws, wt, tokens, mask, beta, 0.7, top_k=5)
+    assert torch.isfinite(part[1]).all() and not torch.allclose(full[0], part[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("loss_type,estimator", [("reverse_kl_k1", dl.k1), ("reverse_kl_k3", dl.k3)])
+def test_reverse_kl_reward_form(loss_type, estimator):
+    """Its value is the per-token KL estimate of the sampled tokens; its gradient the policy
+    gradient of the per-token reward -k (k held fixed) through log p_s of the sampled token."""
+    hs, ht, ws, wt, tokens, mask = _tensors(3)
+    hs, ht = hs * 0.3, ht * 0.3  # flatter distributions: k3 = exp(r) - 1 - r stays O(1), as in training
+    loss, grad_h, grad_w = _relay(loss_type, hs, ht, ws, wt, tokens, mask, 0.5, 0.7)
+    keep = mask.bool()
+    h, w = hs.clone().requires_grad_(True), ws.clone().requires_grad_(True)
+    own = torch.log_softmax(h[keep] @ w.T / 0.7, -1).gather(-1, tokens[keep, None]).squeeze(-1)
+    target = torch.log_softmax(ht[keep] @ wt.T / 0.7, -1).gather(-1, tokens[keep, None]).squeeze(-1)
+    k = estimator(own, target).detach()
+    assert torch.allclose(loss, k.sum() / keep.sum(), atol=1e-6, rtol=1e-6)
+    (k * own).sum().div(keep.sum()).backward()
+    assert torch.allclose(grad_h, h.grad, atol=1e-6, rtol=1e-6)
+    assert torch.allclose(grad_w, w.grad, atol=1e-6, rtol=1e-6)
+    assert dl.LOSSES[loss_type].on_policy_only
+
+
+def test_chunked_rows_never_builds_all_logits(monkeypatch):
+    """The head runs on at most `chunk` rows at a time, forward and backward."""
+    seen = []
+    linear = torch.nn.functional.linear
+
+    def spy(x, w, b=None):
+        seen.append(x.shape[0])
+        return linear(x, w, b)
+
+    hs, ht, ws, wt, tokens, mask = _tensors()
+    monkeypatch.setattr(sh.F, "linear", spy)
+    _relay("jsd", hs, ht, ws, wt, tokens, mask, 0.5, 1.0)
+    assert seen and max(seen) <= 2
