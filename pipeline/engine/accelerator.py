@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -40,16 +42,15 @@ def combination_problems(cfg: StageConfig) -> list[str]:
     installed and whether output_dir holds a checkpoint to resume.
     """
     engine = cfg.distributed.engine
-    cuda = torch.cuda.is_available()
     out = []
-    if engine == "deepspeed" and not cuda:
-        # Measured with accelerate 1.15 / deepspeed 0.19: with cpu=True accelerate drops the
-        # DeepSpeed plugin silently (plain gloo DDP); with cpu=False it starts DeepSpeed but
-        # reports one process per rank, so every rank would train on the same batches.
-        out.append("distributed.engine: deepspeed needs a CUDA GPU (none is visible; accelerate cannot run DeepSpeed on CPU); "
-                   "on CPU use distributed.engine ddp")
-    elif engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+    if engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         out.append("distributed.engine: deepspeed needs the deepspeed package (pip install deepspeed); or use ddp or fsdp")
+    if engine == "deepspeed" and cfg.model.finetuning == "qlora" and zero_stage(cfg.distributed.deepspeed_config) == 3:
+        # transformers refuses a device_map under ZeRO-3's zero.Init, and bitsandbytes places (and
+        # quantises) the 4-bit weights only through one; ZeRO-2 and DDP keep whole weights.
+        out.append("model.finetuning: qlora cannot load under DeepSpeed ZeRO-3 (its 4-bit weights are placed through a "
+                   "device_map, which ZeRO-3's partitioned loading refuses); use a ZeRO-2 config "
+                   "(deepspeed_configs/zero2.json), distributed.engine ddp, or model.finetuning lora")
     if engine == "deepspeed" and _would_resume(cfg):
         # ZeRO partitions the optimizer state (and under ZeRO-3 the weights) over ranks; the
         # checkpoint holds rank 0's optimizer share only, so a resume would be silently wrong.
@@ -72,6 +73,16 @@ def combination_problems(cfg: StageConfig) -> list[str]:
     return out
 
 
+def zero_stage(path: Optional[str]) -> Optional[int]:
+    """The ZeRO stage a DeepSpeed JSON asks for (None: no readable file, its own config problem)."""
+    try:
+        data = json.loads(Path(path).read_text()) if path else None
+    except (OSError, ValueError):
+        return None
+    zero = data.get("zero_optimization") if isinstance(data, dict) else None
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else None
+
+
 def _would_resume(cfg: StageConfig) -> bool:
     return newest_identity(Path(cfg.output_dir) / "checkpoints", cfg.checkpoint) is not None
 
@@ -85,6 +96,56 @@ def is_zero3(accelerator) -> bool:
     """Whether DeepSpeed ZeRO-3 partitions the parameters over ranks."""
     plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
     return plugin is not None and accelerator.num_processes > 1 and plugin.zero_stage == 3
+
+
+def is_partitioned(module: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions parameters of `module`: on any number of ranks, one
+    included (a partitioned parameter's own tensor is then empty, its size is `ds_shape`)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def zero3_state(module: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """`module`'s state (or its trainable parameters) with every ZeRO-3 partition gathered, as
+    CPU copies keyed like `state_dict()` (tied weights under each of their names). One parameter
+    gathered at a time, so the peak is the largest tensor, not the model; every rank must call
+    it (the gathers are collectives, in the same order on every rank) and every rank gets it."""
+    import deepspeed
+
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if trainable_only and not param.requires_grad:
+            continue
+        if id(param) not in done:
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=hasattr(param, "ds_id")):
+                done[id(param)] = param.detach().to("cpu", copy=True)
+        out[name] = done[id(param)]
+    if not trainable_only:  # buffers are never partitioned; non-persistent ones are no state
+        keys = module.state_dict().keys()
+        out.update({n: b.detach().to("cpu", copy=True) for n, b in module.named_buffers() if n in keys})
+    return out
+
+
+@contextlib.contextmanager
+def without_zero3_init(accelerator):
+    """Models loaded in the body load whole, not partitioned by `deepspeed.zero.Init`.
+
+    accelerate's DeepSpeed plugin registers its config with transformers, so under ZeRO-3 every
+    `from_pretrained` after `setup_accelerator` partitions the weights over all ranks, a
+    collective. A copy loaded on rank 0 alone (the export's fresh model, the LoRA merge) would
+    wait for the other ranks forever, or on one rank come out with empty weights."""
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    config = getattr(plugin, "dschf", None)
+    if config is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(config)
 
 
 @contextlib.contextmanager
@@ -102,6 +163,16 @@ def full_parameters(accelerator, model: torch.nn.Module):
         return
     with fsdp.gathered(model):
         yield
+
+
+def torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer whose param groups carry the learning rate (what a scheduler drives):
+    beneath accelerate's wrapper, and under ZeRO beneath DeepSpeed's, which is no
+    torch.optim.Optimizer (LambdaLR refuses it) and steps the torch optimizer it holds."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    return inner
 
 
 def optimizer_state(model: torch.nn.Module, optimizer, accelerator) -> dict:
@@ -138,20 +209,24 @@ def setup_accelerator(cfg: StageConfig):
         ValueError: unknown engine, deepspeed without a config file, deepspeed without a GPU.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin
 
     mixed = resolve_precision(cfg.train.precision)
     engine = cfg.distributed.engine
-    # Without a GPU, accelerate only sets up multi-process CPU training (gloo) when told cpu=True.
+    cuda = torch.cuda.is_available()
+    # Without a GPU, accelerate only sets up multi-process CPU training (gloo) when told cpu=True;
+    # DeepSpeed is the exception (see _deepspeed_on_cpu).
     kwargs: dict[str, Any] = {"mixed_precision": mixed, "step_scheduler_with_optimizer": False,
-                              "cpu": not torch.cuda.is_available()}
+                              "cpu": not cuda and engine != "deepspeed"}
     if engine != "deepspeed":  # DeepSpeed takes the count from its plugin
         kwargs["gradient_accumulation_steps"] = cfg.train.grad_accum
     if engine == "deepspeed":
-        if not torch.cuda.is_available():  # see combination_problems, which reports it up front
-            raise ValueError("distributed.engine deepspeed needs a GPU (accelerate cannot run DeepSpeed on CPU); use ddp or fsdp")
         if not cfg.distributed.deepspeed_config:
             raise ValueError("distributed.deepspeed_config: required when distributed.engine is deepspeed")
+        _world_of_one()
+        if not cuda:
+            kwargs["kwargs_handlers"] = _deepspeed_on_cpu()
+        from accelerate.utils import DeepSpeedPlugin
+
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
             hf_ds_config=cfg.distributed.deepspeed_config,
             gradient_accumulation_steps=cfg.train.grad_accum,
@@ -169,15 +244,77 @@ def setup_accelerator(cfg: StageConfig):
     return accelerator
 
 
+def _deepspeed_on_cpu() -> list:
+    """The Accelerator's kwargs handlers that start DeepSpeed on a CPU.
+
+    accelerate's own CPU path (cpu=True) drops the DeepSpeed plugin (plain gloo DDP). With
+    cpu=False and no GPU it finds no backend: DeepSpeed's process group starts, but accelerate
+    reads "no backend" as one process and every rank calls itself process 0 of 1. Naming gloo
+    (DeepSpeed's CPU accelerator's backend) makes it read the world size and rank from the group.
+    DS_ACCELERATOR=cpu before DeepSpeed is imported spares its accelerator probe and warning.
+    """
+    from accelerate.utils import InitProcessGroupKwargs
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return [InitProcessGroupKwargs(backend="gloo")]
+
+
+def _world_of_one() -> None:
+    """Give a process started without a launcher (no LOCAL_RANK) the environment of a one-rank
+    torchrun. DeepSpeed needs a process group even for one process, and without these variables
+    its `init_distributed` (called by `zero.Init` at model load and by `deepspeed.initialize`)
+    looks for MPI instead (mpi4py) and fails."""
+    import socket
+
+    if "LOCAL_RANK" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": str(port)})
+
+
 def prepare_training(accelerator, model: torch.nn.Module, cfg: StageConfig) -> tuple[torch.nn.Module, Any]:
     """The trained module and its optimizer, ready for the engine: under fsdp the model sharded
     in place (pipeline.engine.fsdp) and the optimizer built over its shards, only the optimizer
     given to accelerate; otherwise both through `accelerator.prepare` (DDP, DeepSpeed)."""
     if cfg.distributed.engine != "fsdp":
+        fill_hidden_size_autos(accelerator, model)
         return accelerator.prepare(model, build_optimizer(model, cfg.train))
     fsdp.shard_model(model, accelerator.device, sharding=cfg.distributed.fsdp_sharding,
                      mixed=resolve_precision(cfg.train.precision))
     return model, accelerator.prepare(build_optimizer(model, cfg.train))
+
+
+HIDDEN_SIZE_AUTOS = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+                     "stage3_param_persistence_threshold": lambda h: 10 * h}
+"""The DeepSpeed keys accelerate fills from `model.config.hidden_size` when "auto" (its formulas)."""
+
+
+def fill_hidden_size_autos(accelerator, model: torch.nn.Module) -> None:
+    """Fill the "auto" ZeRO sizes of the DeepSpeed config from the hidden size of the first
+    module inside `model` that has a config, as accelerate would from `model.config`: accelerate
+    raises at `prepare` for a model without a `config` of its own (PPO's and GRPO's ActorCritic,
+    which holds the policy). A no-op without DeepSpeed, or where no module has a hidden size
+    (accelerate then names the keys itself)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    zero = plugin.deepspeed_config.get("zero_optimization", {})
+    if not any(zero.get(key) == "auto" for key in HIDDEN_SIZE_AUTOS):
+        return
+    hidden = None
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        hidden = getattr(config, "hidden_size", None) or max(getattr(config, "hidden_sizes", None) or [0]) or None
+        if hidden:
+            break
+    if hidden is None:
+        return
+    for key, value in HIDDEN_SIZE_AUTOS.items():
+        if zero.get(key) == "auto":
+            zero[key] = value(int(hidden))
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -212,9 +349,9 @@ def trainable_state(model: torch.nn.Module, accelerator) -> dict[str, torch.Tens
     names = {n for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
     if is_fsdp(model):
         return fsdp.full_tensors((n, p) for n, p in model.named_parameters() if n in names)
-    if accelerator.num_processes > 1 and accelerator.distributed_type.name == "DEEPSPEED":
-        full = accelerator.get_state_dict(model)
-        return {k: v for k, v in full.items() if k in names}
+    if is_partitioned(model):
+        state = zero3_state(accelerator.unwrap_model(model), trainable_only=True)
+        return {n: v for n, v in state.items() if n in names}
     return {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters() if n in names}
 
 
