@@ -247,7 +247,7 @@ def from_pretrained_kwargs(model_cfg: ModelConfig, lora_cfg: Optional[LoraConfig
 
     Raises:
         ValueError: bad dtype / attention name (see resolve_dtype, check_attn_implementation),
-            flash_attention_2 in fp32, or finetuning 'qlora' without a LoRA config.
+            flash_attention_2 in fp32, or finetuning 'qlora' without a LoRA config or under ZeRO-3.
     """
     dtype = resolve_dtype(model_cfg.dtype)
     attn = check_attn_implementation(model_cfg.attn_implementation)
@@ -265,10 +265,22 @@ def from_pretrained_kwargs(model_cfg: ModelConfig, lora_cfg: Optional[LoraConfig
     if model_cfg.finetuning == "qlora":
         if lora_cfg is None:
             raise ValueError("model.finetuning is 'qlora' but no LoRA config was given: QLoRA trains LoRA adapters")
+        if zero3_init_active():  # found with the config problems first (accelerator.combination_problems)
+            raise ValueError("model.finetuning: qlora cannot load under DeepSpeed ZeRO-3 (transformers refuses the device_map "
+                             "that places its 4-bit weights); use ZeRO-2, ddp, or model.finetuning lora")
         kwargs["quantization_config"] = _quantization_config(lora_cfg, dtype)
         # bitsandbytes quantises while placing weights; without a device map nothing is placed.
         kwargs["device_map"] = {"": torch.cuda.current_device()} if torch.cuda.is_available() else {"": "cpu"}
     return kwargs
+
+
+def zero3_init_active() -> bool:
+    """Whether `from_pretrained` builds models inside `deepspeed.zero.Init` here (accelerate's
+    DeepSpeed plugin for a ZeRO-3 config is alive): each weight is partitioned over the ranks as
+    it is created, so a parameter's own tensor is empty and `ds_shape` is its size."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
 
 
 def _from_pretrained(path: str, kind: str, kwargs: dict[str, Any]) -> torch.nn.Module:
@@ -289,7 +301,9 @@ def _from_pretrained(path: str, kind: str, kwargs: dict[str, Any]) -> torch.nn.M
 
 def _set_pad(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
     """Resize embeddings for added tokens and write the pad id into the model's configs."""
-    rows = model.get_input_embeddings().weight.shape[0]
+    weight = model.get_input_embeddings().weight
+    # Under zero.Init the weight is this rank's partition (empty); ds_shape is its whole size.
+    rows = weight.ds_shape[0] if hasattr(weight, "ds_shape") else weight.shape[0]
     if len(tokenizer) > rows:
         log.warning("resizing embeddings from %d to %d rows for tokens added to the tokenizer", rows, len(tokenizer))
         model.resize_token_embeddings(len(tokenizer))
