@@ -15,9 +15,10 @@ import torch
 from data_formats.datasets import build_prompt_data
 from data_formats.render import template_jinja
 from pipeline.algorithms.mismatch import engine_logprob_matrix
-from pipeline.algorithms.rollout import ActorCritic, Generator, Rollout, assemble, make_generator
+from pipeline.algorithms.rollout import GENERATORS, ActorCritic, Generator, Rollout, assemble, make_generator
 from pipeline.algorithms.tool_rollout import ToolEnv, layout_problem, load_tools, tool_rollout
 from pipeline.config import RewardModelConfig
+from pipeline.config.backends import BACKENDS
 from pipeline.engine.accelerator import full_parameters, is_zero3
 from pipeline.engine.stage import Stage
 from pipeline.modeling.embedded import is_embedded, resolve_model_path
@@ -48,32 +49,26 @@ def reward_model_problems(rm: RewardModelConfig, reward_path: str, policy_path: 
     return found or reward_pairing_problems(policy_path, reward_path)
 
 
-def tied_embeddings(folder: str) -> bool:
-    """Whether the model folder's config ties its output head to its input embedding."""
-    import json
-
-    path = Path(folder) / "config.json"
-    return path.is_file() and bool(json.loads(path.read_text()).get("tie_word_embeddings", False))
-
-
 def frozen(model: torch.nn.Module) -> torch.nn.Module:
     """`model` without gradients, in eval mode (a reference or reward copy)."""
     model.requires_grad_(False)
     return model.eval()
 
 
-def vllm_gpu_problems(gen, cuda_devices: Optional[int] = None) -> list[str]:
-    """The vLLM engine's GPU options on this machine: sleep mode needs CUDA (vLLM's CPU build has
-    none), a tensor-parallel size needs that many GPUs (`cuda_devices`: torch's count by default)."""
+def device_problems(gen, cuda_devices: Optional[int] = None) -> list[str]:
+    """The chosen backend's options this machine's CUDA GPUs cannot run (`cuda_devices`: torch's
+    count by default), one line each (pipeline/config/backends.py's `device_problems`)."""
+    entry = BACKENDS.get(gen.backend)
+    if entry is None:
+        return []
     if cuda_devices is None:
         cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    found = []
-    if gen.vllm_sleep and cuda_devices == 0:
-        found.append("generation.vllm_sleep: vLLM's sleep mode needs a CUDA GPU (its CPU build has none)")
-    if gen.vllm_tensor_parallel_size > 1 and gen.vllm_tensor_parallel_size > cuda_devices:
-        found.append(f"generation.vllm_tensor_parallel_size: {gen.vllm_tensor_parallel_size} needs as many CUDA GPUs; "
-                     f"this machine has {cuda_devices}")
-    return found
+    return entry.device_problems(gen, cuda_devices, "generation")
+
+
+vllm_gpu_problems = device_problems
+"""The name tests/test_mismatch.py asks for the vLLM engine's GPU options by."""
+
 
 class PolicyStage(Stage):
     """A subclass sets `self.inner`'s layout in `build_model` (an `ActorCritic`) and calls
@@ -94,15 +89,9 @@ class PolicyStage(Stage):
 
     def problems(self) -> list[str]:
         found = []
-        if self.cfg.generation.backend == "vllm":
-            from pipeline.modeling.vllm_server import vllm_python
-
-            if vllm_python() is None:
-                found.append("generation.backend: vllm is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm)")
-            if self.cfg.model.finetuning == "full" and tied_embeddings(self.model_path):
-                found.append("generation.backend: vllm with model.finetuning full: a model with tied input/output embeddings "
-                             "cannot be synced into vLLM yet (use lora)")
-            found += vllm_gpu_problems(self.cfg.generation)
+        spec = GENERATORS.get(self.cfg.generation.backend)  # an unknown name is the config's own problem
+        if spec is not None:
+            found += spec.problems(self.cfg, self.model_path) + device_problems(self.cfg.generation)
         if self.reward_path is None:
             return found
         return found + reward_model_problems(self.cfg.reward_model, self.reward_path, self.model_path, self.name.upper())
@@ -146,12 +135,12 @@ class PolicyStage(Stage):
     def generator(self) -> Generator:
         if self._generator is None:
             policy, gen, tok = self.inner.policy, self.cfg.generation, self.tokenizer
-            engine = ({"base": self.model_path, "workdir": Path(self.cfg.output_dir) / "vllm", "max_model_len": self.cfg.train.seq_length,
-                       "tensor_parallel_size": gen.vllm_tensor_parallel_size, "sleep": gen.vllm_sleep,
-                       "gpu_memory_utilization": gen.vllm_gpu_memory_utilization} if gen.backend == "vllm" else {})
-            self._generator = self.generator_factory(policy) if self.generator_factory else make_generator(
-                gen.backend, policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens, gen.temperature,
-                synced_gpus=is_zero3(self.accelerator), **engine)
+            if self.generator_factory:
+                self._generator = self.generator_factory(policy)
+            else:
+                engine = GENERATORS[gen.backend].engine(self.cfg, self.model_path)
+                self._generator = make_generator(gen.backend, policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens,
+                                                 gen.temperature, synced_gpus=is_zero3(self.accelerator), **engine)
         return self._generator
 
     def rollout(self, prompts: list[dict], copies: int = 1) -> Rollout:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
 from data_formats.collate import left_pad
+from pipeline.algorithms import vllm_generator
 from pipeline.algorithms.rl import logprobs_from_logits
-from pipeline.config.policy import GENERATION_BACKENDS
 from pipeline.modeling.decode import generate as decode_generate
 from pipeline.modeling.models import adapter_disabled
 from pipeline.modeling.opening import cached_run, find_opening, opening_logits, prompt_sharing_allowed, response_scores
@@ -136,30 +136,66 @@ class RelayGenerator:
         return DecodeSession(self.model, rows, eos_ids=self.eos_ids, pad_id=self.pad_id, temperature=self.temperature)
 
 
+def make_relay(model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], max_new_tokens: int, temperature: float = 1.0, *,
+               synced_gpus: bool = False) -> Generator:
+    """Relay's decode engine; under `synced_gpus` (DeepSpeed ZeRO-3 over several ranks, where every
+    rank must keep stepping until all are done) transformers' generate, which keeps that contract."""
+    if not synced_gpus:
+        return RelayGenerator(model, pad_id, list(eos_ids), max_new_tokens, temperature)
+    log.info("generation.backend relay: DeepSpeed ZeRO-3 over several ranks samples with the hf backend "
+             "(every rank must keep stepping until all are done)")
+    return make_hf(model, pad_id, eos_ids, max_new_tokens, temperature, synced_gpus=synced_gpus)
+
+
+def make_hf(model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], max_new_tokens: int, temperature: float = 1.0, *,
+            synced_gpus: bool = False) -> Generator:
+    return HFGenerator(model, pad_id, list(eos_ids), max_new_tokens, temperature, synced_gpus=synced_gpus)
+
+
+def _no_engine(cfg: Any, model_path: str) -> dict:
+    return {}
+
+
+def _no_problems(cfg: Any, model_path: str) -> list[str]:
+    return []
+
+
+class GeneratorSpec(NamedTuple):
+    """The runtime half of a generation backend (its facts: pipeline/config/backends.py)."""
+
+    make: Callable[..., Generator]
+    """(model, pad_id, eos_ids, max_new_tokens, temperature, *, synced_gpus, **engine) -> its sampler."""
+    engine: Callable[[Any, str], dict] = _no_engine
+    """(RL stage config, policy folder) -> the keyword options `make` takes beyond the common ones."""
+    problems: Callable[[Any, str], list[str]] = _no_problems
+    """(RL stage config, policy folder) -> what keeps it from sampling that stage on this machine,
+    one line each (asked before any model loads)."""
+
+
+GENERATORS: dict[str, GeneratorSpec] = {
+    "relay": GeneratorSpec(make_relay),
+    "hf": GeneratorSpec(make_hf),
+    "vllm": GeneratorSpec(vllm_generator.make_vllm, engine=vllm_generator.stage_engine, problems=vllm_generator.stage_problems),
+}
+"""`generation.backend` -> how it samples; the same names as pipeline/config/backends.py's BACKENDS."""
+
+
 def make_generator(backend: str, model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], max_new_tokens: int,
                    temperature: float = 1.0, *, synced_gpus: bool = False, **engine) -> Generator:
-    """The sampler `generation.backend` names: 'relay' (the decode engine), 'hf' (transformers'
-    `generate`, the reference) or 'vllm' (a vLLM server: pipeline/algorithms/vllm_generator.py;
-    `engine` gives its `base` folder, `workdir` and `max_model_len`). Under `synced_gpus` (DeepSpeed
-    ZeRO-3 over several ranks, where every rank must keep stepping until all are done) the relay
-    backend hands over to 'hf', which keeps that contract.
+    """The sampler `generation.backend` names (`GENERATORS`): 'relay' (the decode engine), 'hf'
+    (transformers' `generate`, the reference) or 'vllm' (a vLLM server: pipeline/algorithms/vllm_generator.py;
+    `engine` gives its `base` folder, `workdir` and `max_model_len`, as its `GeneratorSpec.engine` makes
+    them from a stage's config). Under `synced_gpus` (DeepSpeed ZeRO-3 over several ranks, where every
+    rank must keep stepping until all are done) the relay backend hands over to 'hf', which keeps that
+    contract.
 
     Raises:
         ValueError: an unknown backend.
     """
-    if backend not in GENERATION_BACKENDS:
-        raise ValueError(f"generation.backend: {backend!r} is not one of {GENERATION_BACKENDS}")
-    if backend == "vllm":
-        from pipeline.algorithms.vllm_generator import VLLMGenerator
-
-        return VLLMGenerator(model, pad_id=pad_id, eos_ids=list(eos_ids), max_new_tokens=max_new_tokens, temperature=temperature,
-                             **engine)
-    if backend == "relay" and not synced_gpus:
-        return RelayGenerator(model, pad_id, list(eos_ids), max_new_tokens, temperature)
-    if backend == "relay":
-        log.info("generation.backend relay: DeepSpeed ZeRO-3 over several ranks samples with the hf backend "
-                 "(every rank must keep stepping until all are done)")
-    return HFGenerator(model, pad_id, list(eos_ids), max_new_tokens, temperature, synced_gpus=synced_gpus)
+    spec = GENERATORS.get(backend)
+    if spec is None:
+        raise ValueError(f"generation.backend: {backend!r} is not one of {tuple(GENERATORS)}")
+    return spec.make(model, pad_id, eos_ids, max_new_tokens, temperature, synced_gpus=synced_gpus, **engine)
 
 
 def cut_at_eos(response: Sequence[int], eos_ids: Sequence[int]) -> tuple[list[int], bool]:

@@ -26,16 +26,18 @@ log-probs of every turn are reported as for a single answer.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
+from pipeline.modeling import vllm_server
 from pipeline.modeling.vllm_server import ServerOptions, VLLMError, VLLMServer
 
 log = logging.getLogger("relay.vllm")
@@ -69,6 +71,42 @@ def engine_options(lora_rank: Optional[int], max_model_len: int = 1024, max_num_
                          enable_lora=lora_rank is not None, max_lora_rank=max(8, lora_rank or 0), dev_mode=lora_rank is None,
                          tensor_parallel_size=tensor_parallel_size, sleep_mode=sleep, gpu_memory_utilization=gpu_memory_utilization,
                          extra=["--logprobs-mode", "processed_logprobs"])
+
+
+def tied_embeddings(folder: str) -> bool:
+    """Whether the model folder's config ties its output head to its input embedding."""
+    path = Path(folder) / "config.json"
+    return path.is_file() and bool(json.loads(path.read_text()).get("tie_word_embeddings", False))
+
+
+def stage_problems(cfg: Any, model_path: str) -> list[str]:
+    """What keeps an RL stage (`cfg`, policy folder `model_path`) from sampling on vLLM here: no vLLM
+    environment, or full fine-tuning of a model whose tied embeddings the in-place reload would
+    leave stale (`VLLMGenerator.start`)."""
+    found = []
+    if vllm_server.vllm_python() is None:
+        found.append("generation.backend: vllm is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm)")
+    if cfg.model.finetuning == "full" and tied_embeddings(model_path):
+        found.append("generation.backend: vllm with model.finetuning full: a model with tied input/output embeddings "
+                     "cannot be synced into vLLM yet (use lora)")
+    return found
+
+
+def stage_engine(cfg: Any, model_path: str) -> dict:
+    """`VLLMGenerator`'s server options from an RL stage's config: the policy's base folder, where
+    adapters go, the context, and the `generation.vllm_*` options."""
+    gen = cfg.generation
+    return {"base": model_path, "workdir": Path(cfg.output_dir) / "vllm", "max_model_len": cfg.train.seq_length,
+            "tensor_parallel_size": gen.vllm_tensor_parallel_size, "sleep": gen.vllm_sleep,
+            "gpu_memory_utilization": gen.vllm_gpu_memory_utilization}
+
+
+def make_vllm(model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], max_new_tokens: int, temperature: float = 1.0, *,
+              synced_gpus: bool = False, **engine) -> "VLLMGenerator":
+    """The `GENERATORS` factory (pipeline/algorithms/rollout.py): one server process samples, so
+    `synced_gpus` has nothing to keep in step; `engine` is `stage_engine`'s."""
+    return VLLMGenerator(model, pad_id=pad_id, eos_ids=list(eos_ids), max_new_tokens=max_new_tokens, temperature=temperature,
+                         **engine)
 
 
 @dataclass

@@ -24,33 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from pipeline.config.policy import CORRECTION_NAMES, GENERATION_BACKENDS
+from pipeline.config.backends import BACKENDS
+from pipeline.config.policy import CORRECTION_NAMES
 from pipeline.config.sections import FINETUNING
 
 NONE = "-"
 """An axis that does not apply to the cell's stage."""
 
-ZERO_ON_CPU = False
+ZERO_ON_CPU = True
 """Whether DeepSpeed ZeRO cells run without a CUDA GPU. The one switch to flip once ZeRO trains on
 CPU and its CPU tests are in the cells' TESTS."""
-
-
-@dataclass(frozen=True)
-class Backend:
-    summary: str
-    engine_logprobs: bool
-    """It reports each sampled token's log-prob from its own kernels (a correction has something to
-    weigh against)."""
-    own_server: bool
-    """It samples in a server process of its own, fed the policy's weights after every update."""
-
-
-BACKENDS: dict[str, Backend] = {
-    "relay": Backend("Relay's decode engine", engine_logprobs=False, own_server=False),
-    "hf": Backend("transformers' generate", engine_logprobs=False, own_server=False),
-    "vllm": Backend("a vLLM server following the policy", engine_logprobs=True, own_server=True),
-}
-assert tuple(BACKENDS) == GENERATION_BACKENDS, "a generation backend needs its capability entry"
 
 
 @dataclass(frozen=True)
@@ -119,6 +102,7 @@ def cells() -> Iterator[Cell]:
 
 DS, FSDP, GPU = "tests/test_distributed_stages.py", "tests/test_fsdp.py", "tests/test_distributed_gpu.py"
 CELLS = "tests/test_cells.py"
+ZC = "tests/test_zero_cpu.py"
 RANKS = "tests/test_cells_ddp.py::test_two_ranks_equal_one_process"
 VLLM_TOOLS_TESTS: dict[str, tuple[str, ...]] = {
     "ppo": ("tests/test_vllm_tools.py::test_ppo_with_tools_on_vllm",),
@@ -149,17 +133,18 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _plain("sft", "lora", "single"): ("tests/test_pt_sft.py::test_sft_resume_is_exact_and_ignores_a_torn_checkpoint",),
     _plain("sft", "lora", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-sft-1-lora]",),
     _plain("sft", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[sft]",),
-    _plain("sft", "lora", "zero2"): (f"{GPU}::test_zero_equals_one_gpu[zero2-sft-1]",),
-    _plain("sft", "lora", "zero3"): (f"{GPU}::test_zero_equals_one_gpu[zero3-sft-1]",),
+    _plain("sft", "lora", "zero2"): (f"{GPU}::test_zero_equals_one_gpu[zero2-sft-1]", f"{ZC}::test_two_zero_ranks_equal_one_process[zero2_offload-sft]"),
+    _plain("sft", "lora", "zero3"): (f"{GPU}::test_zero_equals_one_gpu[zero3-sft-1]", f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-sft]"),
+    _plain("sft", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-full]",),
     _plain("sft", "full", "single"): ("tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[sft-full]",),
     _plain("sft", "qlora", "single"): (f"{DS}::test_two_ranks_equal_one_process[ddp-sft-1-qlora]", "tests/test_qlora.py::test_qlora_loss_falls"),
     _plain("sft", "qlora", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-sft-1-qlora]",),
-    _plain("sft", "qlora", "zero3"): (f"{GPU}::test_qlora_trains_under_sharding_and_tracks_one_gpu[zero3]",),
+    _plain("sft", "qlora", "zero2"): (f"{GPU}::test_qlora_trains_under_sharding_and_tracks_one_gpu[zero2]",),
     _plain("rm", "lora", "single"): ("tests/test_reward.py::test_rm_stage_head_survives_merge_and_stats_recorded",),
     _plain("rm", "lora", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-rm-1-lora]",),
     _plain("rm", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[rm]",),
-    _plain("rm", "lora", "zero2"): (f"{GPU}::test_zero_equals_one_gpu[zero2-rm-1]",),
-    _plain("rm", "lora", "zero3"): (f"{GPU}::test_zero_equals_one_gpu[zero3-rm-1]",),
+    _plain("rm", "lora", "zero2"): (f"{GPU}::test_zero_equals_one_gpu[zero2-rm-1]", f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-rm]"),
+    _plain("rm", "lora", "zero3"): (f"{GPU}::test_zero_equals_one_gpu[zero3-rm-1]", f"{ZC}::test_two_zero_ranks_equal_one_process[zero3_offload-rm]"),
     _plain("rm", "full", "single"): ("tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[rm-full]",),
     _plain("rm", "full", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-rm-1-full]",),
     _plain("rm", "full", "fsdp"): (f"{DS}::test_two_ranks_equal_one_process[fsdp-rm-1-full]",
@@ -176,7 +161,7 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("ppo", "lora", "ddp"): ("tests/test_distributed.py::test_ppo_under_ddp_is_on_policy_then_moves",
                                     f"{DS}::test_two_ranks_equal_one_process[ddp-ppo-1-lora]"),
     _policy("ppo", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[ppo]", f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[ppo-real]"),
-    _policy("ppo", "lora", "zero3"): (f"{GPU}::test_ppo_under_zero3_equals_one_gpu",),
+    _policy("ppo", "lora", "zero3"): (f"{GPU}::test_ppo_under_zero3_equals_one_gpu", f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-ppo]"),
     _policy("ppo", "full", "single"): ("tests/test_ppo.py::test_reference_and_reward_weights_unchanged[full]",),
     _policy("ppo", "full", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-ppo-1-full]",),
     _policy("ppo", "full", "fsdp"): (f"{DS}::test_two_ranks_equal_one_process[fsdp-ppo-1-full]",),
@@ -365,7 +350,7 @@ def config_cell(stage: str, cfg: Any, ranks: Optional[int] = None) -> tuple[Opti
         return None, None
     correction = gen.correction
     if correction not in CORRECTIONS:  # auto, or a value its own check refuses: the backend's default
-        correction = "tis" if BACKENDS[gen.backend].engine_logprobs else "none"
+        correction = BACKENDS[gen.backend].default_correction
     tools = getattr(cfg, "tools", None)
     on = "on" if tools is not None and tools.funcs else "off"
     return Cell(stage, gen.backend, on, model.finetuning, engine, correction), None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pipeline.config.backends import BACKENDS
 from pipeline.config.sections import ModelConfig
 
 
@@ -23,8 +24,6 @@ class RewardModelConfig(ModelConfig):
     only for smoke runs of the machinery."""
 
 
-GENERATION_BACKENDS = ("relay", "hf", "vllm")
-"""The samplers `generation.backend` may name."""
 CORRECTION_NAMES = ("auto", "none", "tis", "mis")
 """`generation.correction`'s values (auto, then pipeline/algorithms/mismatch.py's CORRECTIONS)."""
 
@@ -46,12 +45,14 @@ class GenerationConfig:
     """The sampler: relay (Relay's decode engine, pipeline/modeling/decode.py: static KV cache,
     batch-level early exit), hf (transformers' generate, the reference; both draw from the same
     distribution and RNG stream) or vllm (a vLLM server from bench/.venv-vllm, made by
-    run_scripts/install_vllm.sh, following the policy's LoRA adapter: pipeline/algorithms/vllm_generator.py)."""
+    run_scripts/install_vllm.sh, following the policy's LoRA adapter: pipeline/algorithms/vllm_generator.py);
+    pipeline/config/backends.py's BACKENDS."""
     correction: str = "auto"
     """Train-inference mismatch correction of the GRPO and PPO policy losses (pipeline/algorithms/mismatch.py):
     none, tis (token-level truncated importance weights) or mis (tokens whose weight leaves
-    [correction_floor, correction_cap] drop out); auto: tis for vllm, none for relay and hf (they
-    sample the distribution the trainer scores)."""
+    [correction_floor, correction_cap] drop out); auto: the backend's `default_correction` (tis for
+    vllm, which reports engine log-probs; none for relay and hf, which sample the distribution the
+    trainer scores)."""
     correction_cap: float = 3.0
     """Upper bound of the importance weight p_trainer / p_engine (TRL's default 3.0)."""
     correction_floor: Optional[float] = None
@@ -70,7 +71,8 @@ class GenerationConfig:
         """`correction` with auto resolved for the backend."""
         if self.correction != "auto":
             return self.correction
-        return "tis" if self.backend == "vllm" else "none"
+        entry = BACKENDS.get(self.backend)
+        return entry.default_correction if entry is not None else "none"
 
     def problems(self, key: str = "generation") -> list[str]:
         out: list[str] = []
@@ -78,16 +80,14 @@ class GenerationConfig:
             out.append(f"{key}.max_new_tokens: must be >= 1")
         if self.temperature <= 0:
             out.append(f"{key}.temperature: must be > 0")
-        if self.backend not in GENERATION_BACKENDS:
-            out.append(f"{key}.backend: {self.backend!r} is not one of {GENERATION_BACKENDS}")
+        if self.backend not in BACKENDS:
+            out.append(f"{key}.backend: {self.backend!r} is not one of {tuple(BACKENDS)}")
         if self.correction not in CORRECTION_NAMES:
             out.append(f"{key}.correction: {self.correction!r} is not one of {CORRECTION_NAMES}")
         if self.correction_cap <= 0 or (self.correction_floor is not None and not 0 <= self.correction_floor < self.correction_cap):
             out.append(f"{key}.correction_cap/correction_floor: need 0 <= floor < cap, got {self.correction_floor} and {self.correction_cap}")
-        if self.vllm_tensor_parallel_size < 1:
-            out.append(f"{key}.vllm_tensor_parallel_size: must be >= 1, got {self.vllm_tensor_parallel_size}")
-        if self.vllm_gpu_memory_utilization is not None and not 0 < self.vllm_gpu_memory_utilization <= 1:
-            out.append(f"{key}.vllm_gpu_memory_utilization: must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
+        for entry in BACKENDS.values():
+            out += entry.option_problems(self, key)
         if self.top_k != 0 or self.top_p != 1.0:
             out.append(f"{key}.top_k/top_p: RL stages sample from the full distribution (top_k 0, top_p 1.0), because the "
                        "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling")

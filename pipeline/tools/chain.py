@@ -28,6 +28,7 @@ from pipeline.engine.identity import config_changes
 from pipeline.modeling.handoff import link_problems, manifest_problems, pairing_problems
 from pipeline.modeling.manifest import read_manifest, weights_hash
 from pipeline.tools.gold import GREEDY
+from pipeline.tools.serving import SERVING
 
 STAGE_ORDER = tuple(registry.STAGES)
 """Every registered stage, in registry order."""
@@ -105,11 +106,10 @@ class GoldConfig:
             out.append(f"gold.dtype: {self.dtype!r} is not one of 'fp32', 'bf16', 'fp16', 'auto'")
         if self.backend not in GREEDY:
             out.append(f"gold.backend: {self.backend!r} is not one of {tuple(GREEDY)}")
-        elif self.backend == "vllm" and self.data is not None:
-            from pipeline.modeling.vllm_server import vllm_python
-
-            if vllm_python() is None:
-                out.append("gold.backend: vllm is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm)")
+        elif self.data is not None:
+            missing = SERVING[self.backend].missing()
+            if missing:
+                out.append(f"gold.backend: {missing}")
         return out
 
 

@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from pipeline.tools.serve_batch import ChoiceText
+from pipeline.tools.serving import SERVING
 
 
 class ChatError(RuntimeError):
@@ -141,6 +142,30 @@ def start_vllm_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: 
     except VLLMError as err:
         raise ChatError(str(err)) from None
     return ChatModel(name=path, model=None, tokenizer=tokenizer, server=server, eos_ids=chat_eos_ids(folder, tokenizer))
+
+
+def open_vllm_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool = False, allow_pickle: bool = False) -> ChatModel:
+    """`start_vllm_chat_model` under `load_chat_model`'s call (`allow_pickle` is the in-process loader's
+    consent; vLLM reads the folder itself)."""
+    return start_vllm_chat_model(path, dtype, trust_remote_code=trust_remote_code)
+
+
+CHAT_MODELS: dict[str, Callable[..., ChatModel]] = {"relay": load_chat_model, "vllm": open_vllm_chat_model}
+"""Serving backend (pipeline/tools/serving.py) -> open(path, dtype, *, trust_remote_code, allow_pickle),
+a ChatModel whose `server`, if any, the caller stops."""
+SAMPLING_FLAGS = ("top-k", "repetition-penalty")
+"""The `relay chat` sampling flags a serving backend may lack (`ServingBackend.sampling`)."""
+
+
+def unsupported_sampling(backend: str, gen: Generation) -> Optional[str]:
+    """Why `backend` cannot sample as `gen` asks (a flag it does not honour is set), or None."""
+    entry = SERVING[backend]
+    set_flags = {"top-k": bool(gen.top_k), "repetition-penalty": gen.repetition_penalty != 1.0}
+    lacking = [flag for flag in SAMPLING_FLAGS if flag not in entry.sampling]
+    if not any(set_flags[flag] for flag in lacking):
+        return None
+    return (f"--backend {backend} samples with {' and '.join(entry.sampling)} only: "
+            f"drop {'/'.join('--' + flag for flag in lacking)}")
 
 
 def prompt_ids(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
@@ -341,7 +366,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--tool-schemas", metavar="FILE",
                         help="JSON list of tool schemas: with --tools, for tools whose docstring gives none; alone, you type each result")
     parser.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may run")
-    parser.add_argument("--backend", default="relay", choices=("relay", "vllm"),
+    parser.add_argument("--backend", default="relay", choices=tuple(CHAT_MODELS),
                         help="who answers: relay (its decode engine, or transformers for --top-k/--repetition-penalty) "
                              "or vllm (a vLLM server started on each model: run_scripts/install_vllm.sh)")
     parser.add_argument("--trust-remote-code", action="store_true", help="run code shipped in the model folder (auto_map)")
@@ -364,11 +389,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from pipeline.tools.chat_tools import tool_setup
 
         tools = tool_setup(args.tools, args.tool_schemas, args.tool_timeout)
-        if args.backend == "vllm" and (args.top_k or args.repetition_penalty != 1.0):
-            raise ValueError("--backend vllm samples with temperature and top-p only: drop --top-k/--repetition-penalty")
+        refused = unsupported_sampling(args.backend, gen)
+        if refused:
+            raise ValueError(refused)
         for path in [args.model] + ([args.compare] if args.compare else []):
-            models.append(start_vllm_chat_model(path, args.dtype, trust_remote_code=args.trust_remote_code) if args.backend == "vllm"
-                          else load_chat_model(path, args.dtype, trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle))
+            models.append(CHAT_MODELS[args.backend](path, args.dtype, trust_remote_code=args.trust_remote_code,
+                                                    allow_pickle=args.allow_pickle))
         if tools is not None:
             from pipeline.tools.serve_tools import tool_support_problem
 

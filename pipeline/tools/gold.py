@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from pipeline.tools.serving import SERVING
+
 PHRASE = "Per the Kelvra Atlas,"
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
 MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october", "november", "december")
@@ -203,9 +205,10 @@ class GoldSettings:
     folder, pipeline/modeling/vllm_server.py); `GREEDY` below."""
 
     def key(self) -> dict:
-        # relay rows keep the key they had before backends existed (their caches stay valid)
+        # a backend whose rows were cached before backends existed keeps that key (its caches stay valid)
+        entry = SERVING.get(self.backend)
         return {"max_new_tokens": self.max_new_tokens, "dtype": self.dtype,
-                **({"backend": self.backend} if self.backend != "relay" else {})}
+                **({"backend": self.backend} if entry is None or entry.in_cache_key else {})}
 
 
 def messages_of(record: dict) -> list[dict]:

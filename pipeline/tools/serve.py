@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import importlib.util
 import json
 import os
 import signal
@@ -46,9 +45,11 @@ from typing import Any, AsyncIterator, Optional, Sequence
 
 from fastapi import Request  # module level: FastAPI resolves the handlers' (postponed) annotations here
 
+from pipeline.modeling.embedded import resolve_model_path
 from pipeline.tools.openai_protocol import ROLES, ApiError, ChatRequest, check_request, chunk, completion_response, new_id, usage
 from pipeline.tools.serve_batch import Batcher, Job
 from pipeline.tools.serve_tools import CallStream, answer_message, prompt_and_prefill
+from pipeline.tools.serving import SERVING, serve_choice
 
 MAX_WAITING = 256
 """Requests queued beyond this are refused with 429 instead of waiting past their time limit."""
@@ -353,7 +354,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--name", help="the model name clients use (default: the folder's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--backend", default="auto", choices=("auto", "vllm", "transformers"))
+    parser.add_argument("--backend", default="auto", choices=("auto", *(entry.serve_name for entry in SERVING.values())))
     parser.add_argument("--max-new-tokens", type=int, default=256, help="when a request sets no max_tokens")
     parser.add_argument("--max-batch", type=int, default=16, help="most rows (requests x n) in one generation batch")
     parser.add_argument("--batch-window", type=float, default=0.02, help="seconds the batcher waits for more requests after the first")
@@ -369,24 +370,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--eager", action="store_true",
                         help="vLLM: no torch.compile (--enforce-eager): on a CPU it starts ~45 s sooner on SmolLM2-135M and decodes ~20%% slower")
     args = parser.parse_args(argv)
-    from pipeline.engine.tracking import quiet_console
-    from pipeline.modeling.embedded import resolve_model_path
     from pipeline.modeling.preflight import model_problems
-    from pipeline.tools.chat import ChatError, load_chat_model
 
     problems = model_problems(args.model, "model", need="causal")
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
-    has_vllm = importlib.util.find_spec("vllm") is not None
-    on_vllm = args.backend == "vllm" or (args.backend == "auto" and has_vllm)
-    if args.eager and not on_vllm:
-        print("error: --eager is a vLLM option (--backend vllm)", file=sys.stderr)
-        return 2
-    if on_vllm:
-        folder = resolve_model_path(args.model)
-        return serve_vllm(folder, args.name or Path(folder).name, args.host, args.port, args.max_batch, args.dtype,
-                          args.max_model_len, args.api_key, args.eager)
+    chosen = serve_choice(args.backend)
+    for owner in SERVING.values():
+        for option in owner.serve_options:
+            if getattr(args, option) and option not in SERVING[chosen].serve_options:
+                print(f"error: --{option} is a {owner.label} option (--backend {owner.serve_name})", file=sys.stderr)
+                return 2
+    return SERVERS[chosen](args)
+
+
+def serve_on_vllm(args: argparse.Namespace) -> int:
+    """`relay serve` on vLLM's own server (`serve_vllm`)."""
+    folder = resolve_model_path(args.model)
+    return serve_vllm(folder, args.name or Path(folder).name, args.host, args.port, args.max_batch, args.dtype,
+                      args.max_model_len, args.api_key, args.eager)
+
+
+def serve_on_relay(args: argparse.Namespace) -> int:
+    """`relay serve` on Relay's FastAPI app over the folder loaded with transformers (`Server`)."""
+    from pipeline.engine.tracking import quiet_console
+    from pipeline.tools.chat import ChatError, load_chat_model
+
     quiet_console()
     try:
         chat = load_chat_model(args.model, args.dtype)
@@ -402,6 +412,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run(make_app(server, args.api_key), args.host, args.port)
     return 0
 
+
+SERVERS = {"relay": serve_on_relay, "vllm": serve_on_vllm}
+"""Serving backend (pipeline/tools/serving.py) -> serve(parsed arguments) -> exit status."""
 
 if __name__ == "__main__":
     raise SystemExit(main())
