@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import torch
 
-from pipeline.algorithms import rl
+from pipeline.algorithms import rl  # noqa: F401 - tests reach rl's functions through this module
 from pipeline.algorithms.advantages import ADVANTAGE_EPS, group_advantages  # noqa: F401 - the stage's and tests' names
 from pipeline.algorithms.grpo_losses import LOSS_TYPES, GRPOLossOut, Totals, grpo_loss, high_entropy_mask  # noqa: F401
 from pipeline.algorithms.rollout import ActorCritic, Rollout, chunks
@@ -60,8 +60,8 @@ def score_completions(model: ActorCritic, rollout: Rollout, *, micro: int, tempe
         ids, mask = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
         with autocast():
             if old:
-                logits, _ = model(ids, mask, P, critic=False)
-                out["old"].append(rl.logprobs_from_logits(logits.float() / temperature, ids[:, P:]).cpu())
+                policy, _ = model(ids, mask, P, critic=False, temperature=temperature)
+                out["old"].append(policy.logp.cpu())
             if reference:
                 out["ref"].append(model.reference_logprobs(ids, mask, P, temperature).cpu())
     return {k: torch.cat(v) for k, v in out.items()}
@@ -100,14 +100,14 @@ def grpo_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, sc
             ids, attn = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
             mask = mask_all[rows].to(device)
             with accelerator.autocast():
-                logits, _ = model(ids, attn, P, critic=False)
-            logits = logits.float() / temperature
-            logp = rl.logprobs_from_logits(logits, ids[:, P:])
+                policy, _ = model(ids, attn, P, critic=False, temperature=temperature,
+                                  entropy=g.top_entropy_quantile < 1.0)
+            logp = policy.logp
             old = scored["old"][rows].to(device) if "old" in scored else logp.detach()
             ref = scored["ref"][rows].to(device) if "ref" in scored else None
             # untrained positions (padding, a tool rollout's inserted results): their log-probs are never read
             logp, old, ref = (None if t is None else t.masked_fill(mask == 0, 0.0) for t in (logp, old, ref))
-            keep = _entropy_filter(logits, mask, g.top_entropy_quantile, accelerator)
+            keep = _entropy_filter(policy.entropy, mask, g.top_entropy_quantile, accelerator)
             weight = scored["is_weight"][rows].to(device) if "is_weight" in scored else None  # mismatch correction
             out = grpo_loss(logp, old, advantages[rows].to(device), mask, ref_logp=ref, objective=objective, totals=totals,
                             token_filter=keep, is_weight=weight)
@@ -131,12 +131,12 @@ def grpo_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, sc
 
 
 @torch.no_grad()
-def _entropy_filter(logits: torch.Tensor, mask: torch.Tensor, quantile: float, accelerator):
+def _entropy_filter(entropies, mask: torch.Tensor, quantile: float, accelerator):
     """The high-entropy loss tokens of a micro-batch (None when quantile is 1: every token), the
-    threshold taken over every rank's micro-batch tokens as TRL's `get_high_entropy_mask` does."""
+    threshold taken over every rank's micro-batch tokens as TRL's `get_high_entropy_mask` does.
+    `entropies` [B, R]: each position's, from the policy's forward (`PolicyOut.entropy`)."""
     if quantile >= 1.0:
         return None
-    entropies = rl.entropy_from_logits(logits)
     pool = entropies[mask.bool()]
     if accelerator.num_processes > 1:
         pad = -1e9  # entropies are >= 0, so the sentinel cannot collide with a value

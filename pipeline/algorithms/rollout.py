@@ -1,6 +1,7 @@
 """The policy side shared by the RL stages (PPO, GRPO): generation behind a small `Generator`
 protocol, turning generated ids into padded batches with response masks (`Rollout`), the
-response-token logits (`policy_logits`) and the two-backbone actor-critic module. PPO's scoring
+response tokens' log-probs and entropies (`policy_logprobs`, through the chunked LM head: no
+[B, R, V] logits) or logits (`policy_logits`) and the two-backbone actor-critic module. PPO's scoring
 and update are pipeline/algorithms/ppo.py, GRPO's pipeline/algorithms/grpo.py.
 
 Memory design (LoRA/QLoRA): the policy is a LoRA on the SFT model and the reference policy is the
@@ -21,7 +22,8 @@ import torch
 
 from data_formats.collate import left_pad
 from pipeline.algorithms import vllm_generator
-from pipeline.algorithms.rl import logprobs_from_logits
+from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits
+from pipeline.engine.supervised_head import head_split, hidden_states_as_logits, sampled_token_logps
 from pipeline.modeling.decode import generate as decode_generate
 from pipeline.modeling.models import adapter_disabled
 from pipeline.modeling.opening import cached_run, find_opening, opening_logits, prompt_sharing_allowed, response_scores
@@ -315,6 +317,45 @@ def policy_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
     return out.logits[:, :-1]
 
 
+class PolicyOut(NamedTuple):
+    """The policy's side of an RL forward at the sampling temperature (`policy_logprobs`)."""
+
+    logp: torch.Tensor
+    """[B, R] fp32 log-prob of each response token, differentiable."""
+    entropy: Optional[torch.Tensor] = None
+    """[B, R] fp32 entropy of each position's distribution, without gradient; None unless asked."""
+
+
+_FULL_LOGITS = False
+"""Private switch: True takes the full-vocabulary logits path everywhere (bench/rl_memory.py's
+'before' side); the chunked head is the path wherever `head_split` allows it."""
+
+
+def policy_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
+                    temperature: float, entropy: bool = False) -> PolicyOut:
+    """log p(token) of each response token under softmax(logits / temperature) in fp32 (and each
+    position's entropy when `entropy`), as `rl.logprobs_from_logits(policy_logits(...).float() /
+    temperature, ...)` computes them, without the [B, R, V] logits: the backbone's hidden states
+    at the response positions (`policy_logits`' forwards with the head swapped for the identity:
+    shared prompts and openings run once as there) go through the LM head in chunks of rows
+    (pipeline.engine.supervised_head.sampled_token_logps), whose backward recomputes each chunk.
+    Where the chunked head is not exact or safe (`head_split`: a LoRA'd or post-processed head,
+    weights an engine shards) the full logits run as before."""
+    tokens = input_ids[:, prompt_width:]
+    head = None if _FULL_LOGITS else head_split(model)
+    if head is None:
+        logits = policy_logits(model, input_ids, attention_mask, prompt_width).float() / temperature
+        logp = logprobs_from_logits(logits, tokens)
+        if not entropy:
+            return PolicyOut(logp)
+        with torch.no_grad():
+            return PolicyOut(logp, entropy_from_logits(logits))
+    with hidden_states_as_logits(model, head):
+        hidden = policy_logits(model, input_ids, attention_mask, prompt_width)  # [B, R, H]
+    logp, ent = sampled_token_logps(hidden.reshape(-1, hidden.shape[-1]), head, tokens.reshape(-1), temperature, entropy)
+    return PolicyOut(logp.view(tokens.shape), None if ent is None else ent.view(tokens.shape))
+
+
 def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """(one row of each distinct prompt [U], each row's index into those [B]) when some rows share
     their prompt (the same ids and mask in the first `prompt_width` columns); None when none do."""
@@ -366,25 +407,33 @@ class ActorCritic(torch.nn.Module):
         self.__dict__["reward"] = reward
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                policy: bool = True, critic: bool = True) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(logits [B, R, V], values [B, R]) for the R response tokens: position t-1 predicts token t.
+                policy: bool = True, critic: bool = True, *, temperature: Optional[float] = None,
+                entropy: bool = False) -> tuple[Optional[torch.Tensor | PolicyOut], Optional[torch.Tensor]]:
+        """(policy, values [B, R]) for the R response tokens: position t-1 predicts token t.
 
+        With a `temperature` the policy's part is a `PolicyOut` (log-probs of the response tokens,
+        entropies when `entropy`) computed without the full-vocabulary logits (`policy_logprobs`),
+        what the RL updates and scoring use; without, the logits [B, R, V]. The head runs inside
+        this forward either way, so an engine wrapping the module sees it.
         `policy=False` / `critic=False` skips that model (its result is None).
         """
-        logits = policy_logits(self.policy, input_ids, attention_mask, prompt_width) if policy else None
+        out = None
+        if policy and temperature is not None:
+            out = policy_logprobs(self.policy, input_ids, attention_mask, prompt_width, temperature, entropy)
+        elif policy:
+            out = policy_logits(self.policy, input_ids, attention_mask, prompt_width)
         values = response_scores(self.critic, input_ids, attention_mask, prompt_width)[:, :-1] if critic else None
-        return logits, values
+        return out, values
 
     @torch.no_grad()
     def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, temperature: float) -> torch.Tensor:
         """log p_ref of each response token ([B, R])."""
         model = self.reference if self.reference is not None else self.policy
         ctx = contextlib.nullcontext() if self.reference is not None else adapter_disabled(self.policy)
+        # fp32 before the division (policy_logprobs): bf16 logits divided in bf16 round differently
+        # from the policy's own log-probs, a KL between identical models at step 0
         with ctx:
-            logits = policy_logits(model, input_ids, attention_mask, prompt_width)
-        # fp32 before the division: bf16 logits divided in bf16 round differently from the policy's
-        # own log-probs (which are cast first), a KL between identical models at step 0
-        return logprobs_from_logits(logits.float() / temperature, input_ids[:, prompt_width:])
+            return policy_logprobs(model, input_ids, attention_mask, prompt_width, temperature).logp
 
     @torch.no_grad()
     def reward_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:

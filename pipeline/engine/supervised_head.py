@@ -21,6 +21,12 @@ The path is taken only where it is exact and safe (`head_split`): the output hea
 `nn.Linear` and the model's logits are exactly `head(hidden)` (checked once per model on a tiny
 input, so post-processed logits such as Gemma's soft-capping fall back), and no sharded engine
 (FSDP, DeepSpeed) owns the head's weight. Elsewhere the full-logits path runs.
+
+The RL stages (PPO, GRPO) take the same path for their log-probs (`sampled_token_logps`): the
+log-prob of each sampled token at the sampling temperature, and its distribution's entropy where
+asked, chunk by chunk from the backbone's hidden states (pipeline.algorithms.rollout.policy_logprobs);
+at Qwen's 151936-token vocabulary the `[B, R, V]` logits of a 4096-token micro-batch are 2.5 GB
+each, and the full path keeps several (logits, their log-softmax, its gradient).
 """
 
 from __future__ import annotations
@@ -109,52 +115,86 @@ def fused_weighted_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, la
     return _FusedWeightedCE.apply(hidden, head.weight, head.bias, labels, coef.detach().float(), chunk)
 
 
+def _chunk_logp(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], temperature: float) -> torch.Tensor:
+    """One chunk's fp32 log-softmax of `h @ w.T + b` at `temperature`: the same operations, in the
+    same order, as `log_softmax(logits.float() / temperature)` on the full logits (the RL stages'
+    `rl.logprobs_from_logits`), so each row's numbers are those of that path."""
+    logits = F.linear(h, w, b).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return F.log_softmax(logits, dim=-1)
+
+
 class _ChunkedTokenLogps(torch.autograd.Function):
-    """log p(label_t) of each row, computed chunk by chunk; the backward recomputes each chunk's
-    logits from the saved rows (`chunk x V` floats alive at a time, never `N x V`)."""
+    """log p(label_t) of each row at a sampling temperature, computed chunk by chunk, with each
+    row's entropy as a second, non-differentiable output when asked (an empty tensor otherwise);
+    the backward recomputes each chunk's logits from the saved rows (`chunk x V` floats alive at a
+    time, never `N x V`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk):
+    def forward(ctx, hidden, weight, bias, labels, chunk, temperature, entropy):
         device, dtype = hidden.device, _compute_dtype(hidden, weight)
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=device)
-        lses = torch.empty_like(out)
+        ent = torch.empty(hidden.shape[0] if entropy else 0, dtype=torch.float32, device=device)
         with torch.autocast(device.type, enabled=False):
             w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
             for start in range(0, hidden.shape[0], chunk):
-                logits = F.linear(hidden[start:start + chunk].to(dtype), w, b).float()
-                lses[start:start + chunk] = torch.logsumexp(logits, dim=-1)
-                out[start:start + chunk] = logits.gather(1, labels[start:start + chunk].unsqueeze(1)).squeeze(1) - lses[start:start + chunk]
-                del logits
-        ctx.save_for_backward(hidden, weight, bias, labels, lses)
-        ctx.chunk, ctx.dtype = chunk, dtype
-        return out
+                rows = slice(start, start + chunk)
+                logp = _chunk_logp(hidden[rows].to(dtype), w, b, temperature)
+                out[rows] = logp.gather(1, labels[rows].unsqueeze(1)).squeeze(1)
+                if entropy:  # rl.entropy_from_logits' formula
+                    ent[rows] = -(logp.exp() * logp).sum(-1)
+                del logp
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.chunk, ctx.dtype, ctx.temperature = chunk, dtype, temperature
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, bias, labels, lses = ctx.saved_tensors
+    def backward(ctx, grad_out, _grad_ent):
+        hidden, weight, bias, labels = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
-        dtype, chunk, device = ctx.dtype, ctx.chunk, hidden.device
+        dtype, chunk, device, temperature = ctx.dtype, ctx.chunk, hidden.device, ctx.temperature
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=device) if need_b else None
         with torch.autocast(device.type, enabled=False):
             w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
             for start in range(0, hidden.shape[0], chunk):
-                h = hidden[start:start + chunk].to(dtype)
-                y = labels[start:start + chunk]
-                # d logp_t / d logits = onehot(y_t) - softmax_t, times the incoming gradient.
-                grad = F.linear(h, w, b).float().sub_(lses[start:start + chunk].unsqueeze(1)).exp_().neg_()
-                grad[torch.arange(grad.shape[0], device=device), y] += 1.0
-                grad.mul_(grad_out[start:start + chunk].float().unsqueeze(1))
-                _add_chunk_grads(grad, h, w, dtype, slice(start, start + chunk), grad_h, grad_w, grad_b)
-        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None, None, None)
+                rows = slice(start, start + chunk)
+                h = hidden[rows].to(dtype)
+                # d logp_t / d logits = (onehot(y_t) - softmax_t) / temperature, times the incoming gradient.
+                grad = _chunk_logp(h, w, b, temperature).exp_().neg_()
+                grad[torch.arange(grad.shape[0], device=device), labels[rows]] += 1.0
+                grad.mul_((grad_out[rows].float() / temperature).unsqueeze(1))
+                _add_chunk_grads(grad, h, w, dtype, rows, grad_h, grad_w, grad_b)
+        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
+                None, None, None, None)
 
 
 def token_logps(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, chunk: int = CHUNK_ROWS) -> torch.Tensor:
     """[N] fp32 log p(labels_t) of `hidden` [N, H] rows under `head`, differentiable (the
     backward recomputes each chunk's logits rather than keeping them)."""
-    return _ChunkedTokenLogps.apply(hidden, head.weight, head.bias, labels, chunk)
+    return _ChunkedTokenLogps.apply(hidden, head.weight, head.bias, labels, chunk, 1.0, False)[0]
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows per chunk for a `vocab`-wide head: CHUNK_ROWS at a 49k vocabulary, fewer at wider ones
+    (Qwen's 151936: 331 rows, the same ~200 MB of fp32 logits per chunk)."""
+    return max(1, CHUNK_ROWS * 49152 // vocab)
+
+
+def sampled_token_logps(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float,
+                        entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """([N] fp32 log p(tokens_t) under softmax(head(hidden_t) / temperature), differentiable with
+    respect to `hidden` [N, H] and the head; [N] fp32 entropies of those distributions, without
+    gradient, when `entropy`, else None). The RL stages' log-probs and entropies without the
+    `[N, V]` logits: equal to `rl.logprobs_from_logits` / `rl.entropy_from_logits` on the full
+    logits row for row (tests/test_rl_logprobs.py)."""
+    logp, ent = _ChunkedTokenLogps.apply(hidden, head.weight, head.bias, tokens, chunk_rows(head.weight.shape[0]),
+                                         float(temperature), entropy)
+    return logp, ent if entropy else None
 
 
 def labelled_token_logps(model: torch.nn.Module, inputs: dict, head: torch.nn.Linear, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,6 +233,14 @@ def _hidden_states_as_logits(causal: torch.nn.Module, head: torch.nn.Module):
         causal.set_output_embeddings(head)
 
 
+@contextlib.contextmanager
+def hidden_states_as_logits(model: torch.nn.Module, head: torch.nn.Module):
+    """`model`'s forward (through its DDP / PEFT wrappers) returns its final hidden states as
+    `.logits` for the body, at the positions `logits_to_keep` keeps."""
+    with _hidden_states_as_logits(_unwrapped_causal_lm(model), head):
+        yield
+
+
 def head_split(model: torch.nn.Module, accelerator=None) -> Optional[torch.nn.Linear]:
     """The model's output head when the supervised-rows path is exact and safe for it, else None.
 
@@ -207,8 +255,8 @@ def head_split(model: torch.nn.Module, accelerator=None) -> Optional[torch.nn.Li
     if not hasattr(causal, "get_output_embeddings") or not hasattr(causal, "set_output_embeddings"):
         return None
     head = causal.get_output_embeddings()
-    if type(head) is not torch.nn.Linear:
-        return None
+    if type(head) is not torch.nn.Linear or any(hasattr(p, "ds_id") for p in head.parameters()):
+        return None  # a LoRA'd or otherwise wrapped head; ZeRO-3's partitioned weight (gathered by module hooks only)
     if model is not causal and hasattr(model, "module") and head.weight.requires_grad:
         # DDP: a trainable head used outside the wrapper's forward is fine unless it is only
         # reachable there (an untied head); the tied case shares the input embedding.

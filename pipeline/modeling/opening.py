@@ -129,7 +129,8 @@ def opening_cache(call, forward: torch.nn.Module, opening: Opening, config):
 
 def opening_logits(model: torch.nn.Module, opening: Opening, prompt_width: int) -> torch.Tensor:
     """A causal LM's logits predicting each response token ([B, R, V], as
-    pipeline.algorithms.rollout.policy_logits), the opening run once."""
+    pipeline.algorithms.rollout.policy_logits), the opening run once; its final hidden states
+    ([B, R, H]) with the head swapped for the identity (rollout.policy_logprobs' chunked head)."""
     n, T = opening.shared, opening.input_ids.shape[1]
     cache = opening_cache(lambda **kw: model(**kw, logits_to_keep=1), model, opening, hf_model(model).config)
     mask = opening.attention_mask[:, : T - 1]
