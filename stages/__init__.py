@@ -133,6 +133,19 @@ STAGES: dict[str, StageInfo] = {
             Panel("completion length", "tokens", {"train": "grpo/completion_length"}),
         )),
     ),
+    "distill": StageInfo(
+        "distill:DistillStage",
+        parents=("sft", "pt"),
+        data_kind="prompt",
+        samples=True,
+        summary_keys=("loss_first", "loss_last", "kl_first", "kl_last", "eval_kl_first", "eval_kl_last"),
+        loss_curve=False,
+        plot=("distill", "On-policy distillation", (
+            Panel("per-token KL to the teacher", "KL(student || teacher), nats", {"train": "distill/kl", "eval": "eval/kl"}),
+            Panel("on-policy share", "1: the student's samples", {"train": "distill/on_policy"}),
+            Panel("generation time", "seconds", {"train": "distill/gen_time"}),
+        )),
+    ),
 }
 """name -> StageInfo, in the order stages are listed by default (the default chain is
 pt -> sft -> rm -> ppo; a pipeline config's `chain` picks any other)."""

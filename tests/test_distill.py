@@ -133,3 +133,115 @@ def test_chunked_rows_never_builds_all_logits(monkeypatch):
     monkeypatch.setattr(sh.F, "linear", spy)
     _relay("jsd", hs, ht, ws, wt, tokens, mask, 0.5, 1.0)
     assert seen and max(seen) <= 2
+
+
+# ------------------------------------------------------------------------------------------
+# The stage (tiny random models; the teacher another seed of the same shape and tokenizer)
+# ------------------------------------------------------------------------------------------
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from pipeline.config import ConfigError, load_config  # noqa: E402
+from stagerun import recording, run_stage  # noqa: E402
+
+
+@pytest.fixture
+def fresh_state():
+    from accelerate.state import AcceleratorState, GradientState
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    from tinymodels import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("teacher") / "model", seed=7)
+
+
+def _data(folder: Path) -> tuple[Path, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts, sft = folder / "prompts.jsonl", folder / "sft.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"count to {i}"}) + "\n" for i in range(8)))
+    sft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"add {i} and {i}"},
+                                                    {"role": "assistant", "content": f"{2 * i}"}]}) + "\n" for i in range(8)))
+    return prompts, sft
+
+
+def _args(model, teacher, data: Path, out: Path, *extra) -> list[str]:
+    prompts, sft = _data(data)
+    return ["--model.path", str(model), "--teacher.path", str(teacher), "--data.train", f"[{prompts}]", "--data.eval", "[]",
+            "--data.completions", f"[{sft}]", "--output_dir", str(out), "--train.seq_length", "64", "--train.batch_size", "2",
+            "--train.grad_accum", "2", "--train.learning_rate", "5e-3", "--train.warmup", "0", "--train.log_steps", "1",
+            "--train.eval_steps", "0", "--generation.max_new_tokens", "6", "--checkpoint.save_interval", "1000h", *extra]
+
+
+def _run(argv):
+    from stages.distill import DistillStage
+
+    return run_stage(recording(DistillStage), argv)
+
+
+@pytest.mark.parametrize("adapter", ["lora", "full"])
+def test_resume_equals_unbroken_and_the_manifest_names_the_teacher(adapter, tiny_model_dir, teacher_dir, tmp_path, monkeypatch,
+                                                                   fresh_state):
+    """lmbda 0.5: on-policy and off-policy steps both run; a run stopped after step 2 and resumed
+    trains as an unbroken one (the prompt cursor, the completion sampler and the student's RNG)."""
+    common = ["--train.max_steps", "4", "--distill.lmbda", "0.5", "--model.finetuning", adapter]
+    full = _run(_args(tiny_model_dir, teacher_dir, tmp_path / "data", tmp_path / "full", *common))
+    steps = full.history.steps
+    assert {r["distill/on_policy"] for r in steps} == {0.0, 1.0}
+    assert all(r["distill/kl"] > 0 and r["train/loss"] > 0 for r in steps)
+    monkeypatch.setenv("RELAY_STOP_AFTER_STEP", "2")
+    first = _run(_args(tiny_model_dir, teacher_dir, tmp_path / "data", tmp_path / "cut", *common))
+    assert first.step == 2
+    monkeypatch.delenv("RELAY_STOP_AFTER_STEP")
+    second = _run(_args(tiny_model_dir, teacher_dir, tmp_path / "data", tmp_path / "cut", *common))
+    assert [r["step"] for r in second.history.steps] == [1, 2, 3, 4]
+    for want, got in zip(steps[2:], second.history.steps[2:]):
+        for tag in ("train/loss", "train/grad_norm", "distill/kl", "distill/on_policy", "distill/completion_length"):
+            assert got[tag] == want[tag], tag
+    assert second.batch_ids == full.batch_ids[len(first.batch_ids):]
+    manifest = json.loads((tmp_path / "cut" / "merged" / "manifest.json").read_text())
+    assert manifest["teacher"]["path"] == str(teacher_dir) and manifest["teacher"]["weights_hash"]
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_in_one_line_before_any_model_loads(tiny_model_dir, teacher_dir, tmp_path,
+                                                                                        monkeypatch, fresh_state):
+    from transformers import AutoTokenizer
+
+    from stages import distill as stage
+
+    other = tmp_path / "other"
+    shutil.copytree(teacher_dir, other)
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<teacher_only>"])
+    tok.save_pretrained(other)
+    monkeypatch.setattr(stage, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    cfg = load_config(stage.DistillConfig, _args(tiny_model_dir, other, tmp_path / "data", tmp_path / "o"))
+    with pytest.raises(ConfigError) as err:
+        stage.DistillStage(cfg).run()
+    lines = [p for p in err.value.problems if p.startswith("teacher.path")]
+    assert len(lines) == 1 and str(tiny_model_dir) in lines[0] and str(other) in lines[0], err.value.problems
+
+
+def test_config_refusals(tiny_model_dir, teacher_dir, tmp_path, fresh_state):
+    from stages import distill as stage
+
+    with pytest.raises(ConfigError) as err:
+        load_config(stage.DistillConfig, _args(tiny_model_dir, teacher_dir, tmp_path / "data", tmp_path / "o",
+                                               "--distill.loss_type", "reverse_kl_k3", "--distill.lmbda", "0.5",
+                                               "--distill.beta", "0.2", "--teacher.top_k", "4"))
+    found = err.value.problems
+    assert any(p.startswith("distill.lmbda: the reverse_kl_k3 loss") for p in found)
+    assert any(p.startswith("distill.beta: only the jsd loss") for p in found)
+    assert any(p.startswith("teacher.top_k: only the jsd loss") for p in found)

@@ -104,6 +104,7 @@ DS, FSDP, GPU = "tests/test_distributed_stages.py", "tests/test_fsdp.py", "tests
 CELLS = "tests/test_cells.py"
 ZC = "tests/test_zero_cpu.py"
 RANKS = "tests/test_cells_ddp.py::test_two_ranks_equal_one_process"
+DISTILL = "tests/test_distill.py::test_resume_equals_unbroken_and_the_manifest_names_the_teacher"
 VLLM_TOOLS_TESTS: dict[str, tuple[str, ...]] = {
     "ppo": ("tests/test_vllm_tools.py::test_ppo_with_tools_on_vllm",),
     "grpo": ("tests/test_vllm_tools.py::test_grpo_with_tools_on_vllm",),
@@ -196,6 +197,8 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("ppo", "lora", "ddp", tools="on"): (f"{RANKS}[ddp-ppo-tools]",),
     _policy("ppo", "lora", "ddp", backend="hf"): ("tests/test_cells_ddp.py::test_the_hf_backend_under_ddp_samples_as_relay[ppo]",),
     _policy("grpo", "lora", "ddp", backend="hf"): ("tests/test_cells_ddp.py::test_the_hf_backend_under_ddp_samples_as_relay[grpo]",),
+    _policy("distill", "lora", "single"): (f"{DISTILL}[lora]",),
+    _policy("distill", "full", "single"): (f"{DISTILL}[full]",),
 }
 for _stage, _nodes in VLLM_TOOLS_TESTS.items():
     TESTS[_policy(_stage, "lora", "single", backend="vllm", tools="on", correction="tis")] = _nodes

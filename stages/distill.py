@@ -1,0 +1,324 @@
+"""On-policy distillation stage: a student learns a frozen teacher's next-token distribution on its
+own samples.
+
+    torchrun --nproc_per_node 1 stages/distill.py --config configs/distill.yaml [--teacher.path outputs/ppo/merged]
+
+Each step (`DistillStage.train_step`) is on-policy with probability `distill.lmbda` (GKD's share of
+batches the student samples; the draw is seeded by train.seed and the step, so a resumed run makes
+the same draws): a batch of prompts is sampled by the student with the generation backends PPO and
+GRPO use (relay, hf, vllm: pipeline/algorithms/rollout.py), else a batch of the dataset's own
+completions (`data.completions`, SFT conversations; every assistant turn is scored). The teacher
+(`teacher.path`, a model folder with the student's tokenizer, loaded frozen in its own dtype) scores
+the same ids and the loss is `distill.loss_type` of pipeline/algorithms/distill.py: TRL 1.16's
+generalized JSD (`beta`, `temperature`, token-level over the global batch), over the teacher's
+top-k plus a tail bucket with `teacher.top_k`, or the reverse KL as a per-token reward (k1/k3). Both
+models' logits are formed a chunk of rows at a time (pipeline/engine/supervised_head.py).
+
+Resume is the engine's (adapters or full weights, optimizer, scheduler, RNG, the prompt cursor) plus
+the completion sampler's position (`state_dict`), so a restarted run trains as an unbroken one.
+merged/'s manifest names the teacher (path and weights hash).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from data_formats.datasets import build_sft_data
+from pipeline.algorithms import distill as dl
+from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
+from pipeline.algorithms.rollout import ActorCritic, Rollout, assemble_masked
+from pipeline.config import GenerationConfig, ModelConfig, PromptDataConfig, StageConfig
+from pipeline.engine.checkpoint import seeded_fork
+from pipeline.engine.stage import Stage, main
+from pipeline.engine.stage_checks import data_problems
+from pipeline.engine.steps import optimizer_step
+from pipeline.engine.supervised_head import head_split, hidden_forward
+from pipeline.modeling.embedded import resolve_model_path
+from pipeline.modeling.handoff import fact_problems, folder_facts
+from pipeline.modeling.manifest import weights_hash
+from pipeline.modeling.models import load_model, train_without_dropout
+from pipeline.modeling.scoring import position_ids_from_mask
+
+# ------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DistillData(PromptDataConfig):
+    train: list[str] = field(default_factory=lambda: ["data/sample/ppo/train.jsonl"])
+    """Prompts the student samples on on-policy steps (any prompt format PPO and GRPO read)."""
+    eval: list[str] = field(default_factory=lambda: ["data/sample/ppo/valid.jsonl"])
+    """Held-out prompts for `eval/kl` (one sampled completion each)."""
+    completions: list[str] = field(default_factory=list)
+    """SFT conversations for the off-policy steps (the share 1 - distill.lmbda): the dataset's own
+    answers, every assistant turn scored against the teacher. Needed when lmbda < 1."""
+
+
+@dataclass
+class TeacherConfig(ModelConfig):
+    """The frozen teacher, loaded in process in its own dtype without gradients. Its `finetuning`
+    and `gradient_checkpointing` are not read."""
+
+    path: str = ""
+    """Required: a model folder sharing the student's tokenizer (a chain's RL model, a larger model)."""
+    top_k: int = 0
+    """> 0: the loss reads the teacher's top-k log-probs and one tail bucket (what a served teacher
+    returns); 0: its whole distribution."""
+
+
+@dataclass
+class DistillSection:
+    """TRL's DistillationConfig / GKDConfig names."""
+
+    loss_type: str = "jsd"
+    """pipeline/algorithms/distill.py's LOSSES: jsd | reverse_kl_k1 | reverse_kl_k3."""
+    beta: float = 0.5
+    """jsd: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), between: the generalized JSD."""
+    temperature: float = 1.0
+    """Both distributions' temperature in the loss (TRL's `temperature`; sampling reads generation.temperature)."""
+    lmbda: float = 1.0
+    """The share of steps on the student's own samples (GKD's lmbda); the rest on data.completions."""
+
+    def problems(self, key: str = "distill") -> list[str]:
+        out = []
+        spec = dl.LOSSES.get(self.loss_type)
+        if spec is None:
+            out.append(f"{key}.loss_type: {self.loss_type!r} is not one of {', '.join(map(repr, dl.LOSS_TYPES))}")
+        if not 0.0 <= self.beta <= 1.0:
+            out.append(f"{key}.beta: must be in [0, 1], got {self.beta}")
+        if not self.temperature > 0:
+            out.append(f"{key}.temperature: must be > 0, got {self.temperature}")
+        if not 0.0 <= self.lmbda <= 1.0:
+            out.append(f"{key}.lmbda: must be in [0, 1], got {self.lmbda}")
+        if spec is not None and self.beta != DistillSection.beta and "beta" not in spec.options:
+            out.append(f"{key}.beta: only the {', '.join(n for n, s in dl.LOSSES.items() if 'beta' in s.options)} loss reads it "
+                       f"(loss_type is {self.loss_type!r})")
+        if spec is not None and spec.on_policy_only and self.lmbda != 1.0:
+            out.append(f"{key}.lmbda: the {self.loss_type} loss scores the student's own samples only (set lmbda: 1)")
+        return out
+
+
+@dataclass
+class DistillConfig(StageConfig):
+    output_dir: str = "outputs/distill"
+    """Everything goes here: checkpoints/, runs/, adapter/, merged/ (the student), summary.json."""
+    data: DistillData = field(default_factory=DistillData)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    distill: DistillSection = field(default_factory=DistillSection)
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if not self.teacher.path:
+            out.append("teacher.path: required (a model folder sharing the student's tokenizer)")
+        if self.teacher.top_k < 0:
+            out.append(f"teacher.top_k: must be >= 0, got {self.teacher.top_k}")
+        if self.teacher.top_k and self.distill.loss_type != "jsd":
+            out.append(f"teacher.top_k: only the jsd loss reads the teacher's top-k (loss_type is {self.distill.loss_type!r})")
+        if self.distill.lmbda < 1.0 and not self.data.completions:
+            out.append("data.completions: distill.lmbda < 1 trains that share of steps on SFT conversations; name them")
+        if self.train.batch_size % self.train.grad_accum:
+            out.append(f"train.grad_accum: {self.train.grad_accum} does not divide train.batch_size {self.train.batch_size}")
+        return out + data_problems(self.data.completions, "data.completions") + self.generation.room_problems(self.train.seq_length)
+
+
+def teacher_problems(teacher_path: str, student_path: str) -> list[str]:
+    """One line when the teacher is no folder or does not tokenise as the student (it scores the
+    student's ids), naming both folders."""
+    if not Path(teacher_path).is_dir():
+        return [f"teacher.path: {teacher_path!r} is not a model folder"]
+    found = [p for p in fact_problems("student", folder_facts(student_path), "teacher", folder_facts(teacher_path))
+             if not p.startswith("chat template")]
+    if found:
+        return [f"teacher.path: the student {student_path} and the teacher {teacher_path} do not share a tokenizer "
+                f"({'; '.join(found)})"]
+    return []
+
+
+# ------------------------------------------------------------------------------------------
+# The stage
+# ------------------------------------------------------------------------------------------
+
+
+class DistillStage(PolicyStage):
+    name = "distill"
+    config_class = DistillConfig
+    reward_model_required = False
+
+    def __init__(self, cfg: DistillConfig, *, generator_factory: Optional[GeneratorFactory] = None):
+        """`generator_factory(policy)` swaps the sampler (as PPO's and GRPO's)."""
+        Stage.__init__(self, cfg)  # PolicyStage's reads a reward model, which distillation has none of
+        self.reward_path = None
+        self.generator_factory = generator_factory
+        self._generator = None
+        self.tools: dict = {}
+        self.teacher_path = resolve_model_path(cfg.teacher.path) if cfg.teacher.path else ""
+        self.teacher: Optional[torch.nn.Module] = None
+        self.completions: list[dict] = []
+        self.completion_cursor = {"epoch": 0, "position": 0}
+        """Where the off-policy steps are in their seeded shuffle of data.completions (rides in checkpoints)."""
+
+    def problems(self) -> list[str]:
+        return super().problems() + (teacher_problems(self.teacher_path, self.model_path) if self.teacher_path else [])
+
+    def build_data(self) -> list[str]:
+        """Prompts (and eval prompts) as PPO's; data.completions' SFT conversations when lmbda < 1."""
+        problems = self.build_prompts()
+        cfg = self.cfg
+        if cfg.distill.lmbda < 1.0:
+            section = dataclasses.replace(cfg.data, train=list(cfg.data.completions), eval=[], eval_fraction=0.0)
+            self.completions = build_sft_data(section, self.tokenizer, self.template, cfg.train.seq_length, "train").samples
+            problems += self.fill_problems(len(self.completions), "usable completion(s)", "off-policy batch")
+        return problems
+
+    def build_model(self) -> torch.nn.Module:
+        """The student (LoRA or full), and the frozen teacher beside it, out of the trained module."""
+        cfg = self.cfg
+        student = load_model(cfg.model, cfg.lora, kind="causal", tokenizer=self.tokenizer)
+        spec = dataclasses.replace(cfg.teacher, path=self.teacher_path, finetuning="full", gradient_checkpointing=False)
+        self.teacher = frozen(load_model(spec, None, kind="causal", tokenizer=self.tokenizer)).to(self.accelerator.device)
+        return ActorCritic(train_without_dropout(student), None)
+
+    def linear_models(self) -> list:
+        return [self.inner, self.teacher]
+
+    def on_policy(self, step: int) -> bool:
+        """Whether step `step` (0-based) samples the student: one draw of its own generator seeded by
+        train.seed and the step, the same on every rank and on a resumed run."""
+        lmbda = self.cfg.distill.lmbda
+        if lmbda >= 1.0 or lmbda <= 0.0:
+            return lmbda >= 1.0
+        draw = torch.rand(1, generator=torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + step))
+        return bool(draw.item() < lmbda)
+
+    def completion_batch(self) -> Rollout:
+        """The next train.batch_size conversations of data.completions (a seeded shuffle per pass)
+        laid out as a rollout: the prompt up to the first trained token, every assistant token trained."""
+        cur, n, size = self.completion_cursor, len(self.completions), self.cfg.train.batch_size
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.train.seed + cur["epoch"])).tolist()
+        if cur["position"] + size > n:
+            cur["epoch"], cur["position"] = cur["epoch"] + 1, 0
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.train.seed + cur["epoch"])).tolist()
+        picked = [self.completions[i] for i in order[cur["position"]:cur["position"] + size]]
+        cur["position"] += size
+        prompts, responses, trained = [], [], []
+        for sample in picked:
+            ids, labels = sample["input_ids"], sample["labels"]
+            start = next(i for i, label in enumerate(labels) if label != -100)
+            prompts.append(ids[:start])
+            responses.append(ids[start:])
+            trained.append([int(label != -100) for label in labels[start:]])
+        return assemble_masked(prompts, responses, trained, [True] * len(picked), self.tokenizer.pad_token_id)
+
+    def token_losses(self, rollout: Rollout, rows: slice, grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """([n] each trained token's loss, [n] its reverse KL to the teacher, no grad) of `rows`."""
+        cfg, device, d = self.cfg, self.accelerator.device, self.cfg.distill
+        ids, attn = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
+        mask = rollout.response_mask[rows].to(device).bool()
+        inputs = {"input_ids": ids, "attention_mask": attn, "position_ids": position_ids_from_mask(attn),
+                  "logits_to_keep": ids.shape[1] - rollout.prompt_width + 1, "use_cache": False}
+        tokens = ids[:, rollout.prompt_width:][mask]
+        with self.accelerator.autocast():
+            with torch.no_grad():
+                t_head = head_split(self.teacher)
+                t_rows = hidden_forward(self.teacher, t_head, **inputs) if t_head is not None else self.teacher(**inputs).logits
+            teacher = dl.Teacher(t_rows[:, :-1][mask], t_head, cfg.teacher.top_k)
+            policy = self.inner.policy
+            s_head = head_split(policy, self.accelerator)
+            with torch.set_grad_enabled(grad):
+                s_rows = (hidden_forward(policy, s_head, **inputs) if s_head is not None else policy(**inputs).logits)[:, :-1][mask]
+                losses = dl.per_token_losses(d.loss_type, s_rows, s_head, teacher, tokens, beta=d.beta, temperature=d.temperature)
+            with torch.no_grad():
+                kl = dl.per_token_losses("jsd", s_rows.detach(), s_head, dl.Teacher(teacher.rows, t_head), tokens, beta=1.0,
+                                         temperature=d.temperature)
+        return losses, kl
+
+    def train_step(self) -> dict[str, float]:
+        """A batch (the student's samples with probability lmbda, else the dataset's completions), the
+        teacher's scores and one optimizer step of the distillation loss over it."""
+        cfg, acc = self.cfg, self.accelerator
+        started = time.perf_counter()
+        on_policy = self.on_policy(self.step)
+        if on_policy:
+            (indices,) = self.next_sample_indices(grad_accum=1)
+            rollout = self.rollout([self.train_samples[i] for i in indices])
+        else:
+            rollout = self.completion_batch()
+        gen_time = time.perf_counter() - started
+        accum = cfg.train.grad_accum
+        micro = rollout.input_ids.shape[0] // accum
+        tokens = rollout.response_mask.sum().double()
+        if acc.num_processes > 1:
+            tokens = acc.reduce(tokens.to(acc.device), reduction="sum").cpu()
+        scale = accum * acc.num_processes  # the losses are shares of the step's token sum already
+        sums = torch.zeros(2, dtype=torch.float64)
+
+        def micro_batch(k: int) -> torch.Tensor:
+            losses, kl = self.token_losses(rollout, slice(k * micro, (k + 1) * micro))
+            loss = dl.global_token_loss(losses, float(tokens))
+            acc.backward(loss * scale)
+            sums[0] += float(loss.detach())
+            sums[1] += float(kl.sum())
+            return loss
+
+        out = optimizer_step(self.model, self.optimizer, acc, accum, micro_batch, step=self.step + 1,
+                             max_grad_norm=cfg.train.max_grad_norm)
+        if acc.num_processes > 1:
+            sums = acc.reduce(sums.to(acc.device), reduction="sum").cpu()
+        return {"train/loss": float(sums[0]), "train/grad_norm": out.grad_norm,
+                "distill/kl": float(sums[1] / tokens.clamp(min=1)), "distill/on_policy": float(on_policy),
+                "distill/gen_time": gen_time if on_policy else 0.0,
+                "distill/gen_time_frac": gen_time / (time.perf_counter() - started),
+                "distill/completion_length": float(rollout.response_mask.sum(1).float().mean())}
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[dict[str, float]]:
+        """eval/kl: the student's per-token reverse KL to the teacher on one sampled completion per
+        held-out prompt, under a forked RNG seeded the same way at every evaluation."""
+        if not self.eval_samples or self.accelerator.num_processes > 1:
+            return None
+        cfg, total, count = self.cfg, 0.0, 0.0
+        with seeded_fork(cfg.train.seed + 1):
+            for start in range(0, len(self.eval_samples), cfg.train.batch_size):
+                rollout = self.rollout(self.eval_samples[start:start + cfg.train.batch_size])
+                _, kl = self.token_losses(rollout, slice(None), grad=False)
+                total, count = total + float(kl.sum()), count + kl.numel()
+        return {"eval/kl": total / max(count, 1.0), "eval/loss": total / max(count, 1.0)}
+
+    def state_dict(self) -> dict:
+        return {"completion_cursor": dict(self.completion_cursor)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.completion_cursor = dict(state.get("completion_cursor", self.completion_cursor))
+
+    def manifest_extras(self) -> dict:
+        """The teacher the student learned from (the driver can tell when it changed)."""
+        return {"teacher": {"path": self.teacher_path, "weights_hash": weights_hash(self.teacher_path),
+                            "loss_type": self.cfg.distill.loss_type, "top_k": self.cfg.teacher.top_k}}
+
+    def release(self) -> None:
+        super().release()
+        self.teacher = None
+
+    def progress(self, figures: dict[str, float]) -> dict[str, str]:
+        return {"loss": f"{figures['train/loss']:.4f}", "kl": f"{figures['distill/kl']:.4f}"}
+
+    def summary(self) -> dict:
+        return {**self.history.pick(loss_first="train/loss:first", loss_last="train/loss", kl_first="distill/kl:first",
+                                    kl_last="distill/kl", eval_kl_first="eval/kl:first", eval_kl_last="eval/kl"),
+                **self.run_figures()}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(DistillStage))
