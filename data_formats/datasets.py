@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from data_formats.collate import IGNORE_INDEX
 from data_formats.conversation import Conversation
 from data_formats.render import Template, render, render_prompt, render_scored
+from data_formats.sampling import SourceMix
 from data_formats.sources import Problem, file_entries
 from data_formats.tools import has_tools
 from data_formats.token_cache import Built, Check, build_cached, key_parts
@@ -288,13 +289,49 @@ def build_pt_data(cfg, tokenizer, seq_length: int, split: str) -> list[dict]:
 
 
 def _pt_rows(cfg, tokenizer, seq_length: int, split: str, check: Check) -> Built:
-    """build_pt_data's rows, with info {'documents'}."""
+    """build_pt_data's rows, with info {'documents'}. A weighted training split (cfg.weights)
+    packs each entry's documents apart, each row marked with its entry's index (`entry`), so the mix
+    draws rows of one source."""
     records = split_records(cfg, "pt", split, check, text_field=cfg.text_field)
     texts = [r.value for r in records]
     docs = []
     for start in tqdm(range(0, len(texts), 1000), desc=f"tokenizing pt {split}", disable=len(texts) < 1000):
         docs += tokenizer(texts[start:start + 1000], add_special_tokens=False)["input_ids"]
-    return Built(chunk_documents(docs, tokenizer.eos_token_id, seq_length), {"documents": len(docs)})
+    if split != "train" or not getattr(cfg, "weights", None):
+        return Built(chunk_documents(docs, tokenizer.eos_token_id, seq_length), {"documents": len(docs)})
+    entries = split_entries(cfg, split)
+    index = {entry: k for k, entry in enumerate(entries)}
+    entry_of = file_entries(entries)
+    rows = []
+    for k in range(len(entries)):
+        mine = [doc for doc, r in zip(docs, records) if index[entry_of.get(r.file, r.file)] == k]
+        rows += [{**row, "entry": k} for row in chunk_documents(mine, tokenizer.eos_token_id, seq_length)]
+    return Built(rows, {"documents": len(docs)})
+
+
+def source_mix(cfg, samples: list, seed: int) -> Optional[SourceMix]:
+    """The weighted mix of the training entries (cfg.weights) over the built `samples`, or None
+    when the split is not weighted. A sample's entry is its `entry` (PT rows) or the entry that
+    reads the file its `source` (FILE:LINE) names.
+
+    Raises:
+        ValueError: a sample that names no entry's file.
+    """
+    if not getattr(cfg, "weights", None):
+        return None
+    entries = list(cfg.train)
+    index = {entry: k for k, entry in enumerate(entries)}
+    entry_of = file_entries(entries)
+    owners = []
+    for sample in samples:
+        if "entry" in sample:
+            owners.append(int(sample["entry"]))
+            continue
+        file = str(sample.get("source", "")).rpartition(":")[0]
+        if file not in entry_of:
+            raise ValueError(f"data.weights: cannot tell which data.train entry the sample from {sample.get('source')!r} came from")
+        owners.append(index[entry_of[file]])
+    return SourceMix(entries, list(cfg.weights), cfg.mix_stop, seed, owners)
 
 
 def fit_pair(prompts: tuple[list[int], list[int]], responses: tuple[list[int], list[int]],

@@ -25,17 +25,18 @@ def sft_cfg(model, train: list[Path], out: Path, *extra: str):
     argv = ["--model.path", str(model), "--data.train", "[" + ",".join(map(str, train)) + "]", "--output_dir", str(out),
             "--train.seq_length", "48", "--train.batch_size", "2", "--train.grad_accum", "1", "--train.learning_rate", "5e-3",
             "--train.warmup", "1", "--train.log_steps", "1", "--train.eval_steps", "0", "--checkpoint.save_interval", "1000h",
+            "--data.eval", "[]",
             *extra]
     return load_config(SFTConfig, argv)
 
 
-def fill_line(cfg) -> str:
-    """The 'cannot fill' line of the problems validation reports."""
+def fill_line(cfg, marker: str = "cannot fill") -> str:
+    """The line holding `marker` of the problems validation reports."""
     from stages.sft import SFTStage
 
     with pytest.raises(ConfigError) as err:
         SFTStage(cfg).validate()
-    return next(line.strip(" -") for line in str(err.value).splitlines() if "cannot fill" in line)
+    return next(line for line in err.value.problems if marker in line)
 
 
 # ------------------------------------------------------------------------------------------
@@ -58,3 +59,112 @@ def test_the_line_names_each_source_when_several_drop(tiny_model_dir, tmp_path):
     line = fill_line(sft_cfg(tiny_model_dir, [a, b], tmp_path / "o"))
     assert f"{a}: 1 dropped as longer than train.seq_length 48" in line
     assert f"{b}: 2 dropped as longer than train.seq_length 48" in line
+
+
+# ------------------------------------------------------------------------------------------
+# The weighted mix
+# ------------------------------------------------------------------------------------------
+
+
+def three_sources(sizes=(1000, 1000, 1000), stop="all_exhausted", seed=7):
+    from data_formats.sampling import SourceMix
+
+    owners = [k for k, n in enumerate(sizes) for _ in range(n)]
+    return SourceMix(["general", "domain", "code"], [0.6, 0.3, 0.1], stop, seed, owners)
+
+
+def test_three_sources_weighted_6_3_1_are_drawn_within_two_percent_over_5000_draws():
+    from data_formats.sampling import DataCursor, next_micro_batches
+
+    mix, cursor, drawn = three_sources(), DataCursor(), []
+    while len(drawn) < 5000:  # 500 steps of 10, across epochs (the 0.1 source needs ~10,000 draws to run out)
+        groups, cursor = next_micro_batches(3000, cursor, seed=7, batch_size=5, grad_accum=1, world_size=2, rank=0,
+                                            order_of=mix.epoch_order)
+        other, _ = next_micro_batches(3000, DataCursor(cursor.epoch, cursor.samples - 10), seed=7, batch_size=5,
+                                      grad_accum=1, world_size=2, rank=1, order_of=mix.epoch_order)
+        drawn += groups[0] + other[0]
+    fractions = [sum(mix.entry_of[i] == k for i in drawn) / len(drawn) for k in range(3)]
+    assert all(abs(got - want) <= 0.02 for got, want in zip(fractions, (0.6, 0.3, 0.1))), fractions
+    assert len(set(drawn)) < len(drawn)  # across the 'all_exhausted' restarts, the big sources repeat
+
+
+def test_first_exhausted_ends_the_epoch_with_the_last_sample_of_one_source_and_repeats_none():
+    mix = three_sources((50, 200, 400), "first_exhausted")
+    for epoch in range(3):
+        order = mix.epoch_order(epoch)
+        assert len(set(order)) == len(order)
+        counts = [sum(mix.entry_of[i] == k for i in order) for k in range(3)]
+        finished = [k for k in range(3) if counts[k] == mix.sizes[k]]
+        assert len(finished) == 1 and mix.entry_of[order[-1]] == finished[0]
+    assert mix.epoch_order(0) != mix.epoch_order(1)
+
+
+def test_all_exhausted_ends_once_every_source_gave_all_and_oversamples_the_rest():
+    mix = three_sources((50, 30, 10), "all_exhausted")
+    order = mix.epoch_order(0)
+    assert set(order) == set(range(90))  # every sample of every source
+    last = mix.entry_of[order[-1]]
+    assert sum(mix.entry_of[i] == last for i in order) == mix.sizes[last]  # the epoch ends on a first pass
+    assert len(order) > 90  # the others started over
+
+
+def test_a_number_of_samples_fixes_each_epochs_length():
+    mix = three_sources((5, 5, 5), 37)
+    assert [len(mix.epoch_order(e)) for e in range(3)] == [37, 37, 37]
+    assert len(set(mix.epoch_order(0))) == 15
+
+
+def test_the_mix_is_a_pure_function_of_the_seed():
+    assert three_sources(seed=1).epoch_order(2) == three_sources(seed=1).epoch_order(2) != three_sources(seed=2).epoch_order(2)
+
+
+def test_weights_that_do_not_match_the_entries_are_config_problems(tiny_model_dir, tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [chat("q", "a")] * 4)
+    with pytest.raises(ConfigError) as err:
+        sft_cfg(tiny_model_dir, [a], tmp_path / "o", "--data.weights", "[0.5, 0.5]", "--data.mix_stop", "sometimes")
+    assert "data.weights: 2 weight(s) for 1 data.train entr(ies); give one per entry, in their order" in err.value.problems
+    assert any(p.startswith("data.mix_stop: must be first_exhausted, all_exhausted or a number") for p in err.value.problems)
+    with pytest.raises(ConfigError) as err:
+        sft_cfg(tiny_model_dir, [a], tmp_path / "o", "--data.weights", "[0]")
+    assert err.value.problems == ["data.weights: every weight must be > 0 (leave an entry out instead), got [0.0]"]
+    assert sft_cfg(tiny_model_dir, [a], tmp_path / "o", "--data.weights", "[1]", "--data.mix_stop", "5000").data.mix_stop == 5000
+
+
+def test_a_weighted_source_that_yields_nothing_is_named_in_the_one_line(tiny_model_dir, tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [chat(f"q {i}", "a") for i in range(6)])
+    b = write_jsonl(tmp_path / "b.jsonl", [chat("tell me " * 40, "x")] * 2)
+    line = fill_line(sft_cfg(tiny_model_dir, [a, b], tmp_path / "o", "--data.weights", "[0.7, 0.3]"), "yields 0")
+    assert line.startswith(f"data.weights: {b} (weight 0.3) yields 0 sample(s): 2 dropped as longer than train.seq_length 48")
+
+
+def write_sources(folder: Path) -> list[Path]:
+    return [write_jsonl(folder / f"{name}.jsonl", [chat(f"{name} question {i}", f"{name} answer {i}") for i in range(n)])
+            for name, n in (("general", 12), ("domain", 8), ("code", 6))]
+
+
+def test_a_weighted_sft_run_resumes_mid_epoch_with_the_same_later_batches(tiny_model_dir, tmp_path, monkeypatch):
+    from stagerun import recording, run_stage
+    from stages.sft import SFTStage
+
+    sources = write_sources(tmp_path / "data")
+    # epochs of 10 samples, steps of 2 x 2: the cut at step 3 (12 samples) is 2 samples into epoch 1
+    extra = ("--data.weights", "[0.6, 0.3, 0.1]", "--data.mix_stop", "10", "--train.max_steps", "6",
+             "--train.grad_accum", "2", "--lora.dropout", "0.1")
+    full = run_stage(recording(SFTStage), sft_cfg(tiny_model_dir, sources, tmp_path / "full", *extra))
+    monkeypatch.setenv("RELAY_STOP_AFTER_STEP", "3")
+    first = run_stage(recording(SFTStage), sft_cfg(tiny_model_dir, sources, tmp_path / "cut", *extra))
+    assert first.step == 3 and (first.cursor.epoch, first.cursor.samples) == (1, 2)
+    monkeypatch.delenv("RELAY_STOP_AFTER_STEP")
+    second = run_stage(recording(SFTStage), sft_cfg(tiny_model_dir, sources, tmp_path / "cut", *extra))
+    assert second.batch_ids == full.batch_ids[3:]
+    for want, got in zip(full.history.steps[3:], second.history.steps[3:]):
+        assert got == {**want, "train/tokens_per_s": got["train/tokens_per_s"]}
+    assert full.cursor.epoch == 2
+    # per-source figures: every step's global batch (2 x 2 samples) is split over the entries
+    for record in full.history.steps:
+        assert sum(record[f"data/samples/{s}"] for s in map(str, sources)) == 4
+        assert all(record[f"data/tokens/{s}"] >= 0 for s in map(str, sources))
+    manifest = json.loads((tmp_path / "cut" / "merged" / "manifest.json").read_text())
+    assert manifest["data_mix"] == {"sources": [{"entry": str(s), "weight": pytest.approx(w), "samples": n}
+                                                for s, w, n in zip(sources, (0.6, 0.3, 0.1), (12, 8, 6))],
+                                    "stop": 10, "seed": 42}

@@ -326,16 +326,48 @@ class DataConfig:
     tokenized (a JSONL line is never held whole). Default 8 MiB: hundreds of times a long training
     sample, and what a broken export (a whole corpus on one line) usually exceeds. Raise it for PT
     corpora of very large single documents."""
+    weights: Optional[list[float]] = None
+    """Sampling probability of each `train` entry, in their order (normalised to sum 1): every
+    training sample is drawn from entry k with probability weights[k], from that entry's own
+    shuffled order (LLaMA-Factory's interleave_probs, OpenRLHF's dataset_probs). E.g. a domain
+    corpus and general text mixed back in: `train: [medical.jsonl, general.jsonl]`,
+    `weights: [0.7, 0.3]`. Seeded by train.seed; recorded in the manifest (`data_mix`); TensorBoard
+    shows data/samples/<entry> and data/tokens/<entry> per step. None: the entries are pooled and
+    shuffled together."""
+    mix_stop: Union[int, str] = "first_exhausted"
+    """When an epoch of a weighted mix ends (data.weights): 'first_exhausted' as soon as one entry
+    has given all its samples (no sample repeats within an epoch); 'all_exhausted' once every entry
+    has, an entry that runs out starting over reshuffled (small entries are oversampled); or a
+    number of samples per epoch, entries starting over as needed. A streamed PT corpus never ends:
+    its entries start over when they run out, whatever this says."""
 
     def problems(self, key: str = "data") -> list[str]:
         out: list[str] = []
         _choice(out, f"{key}.on_error", self.on_error, ("strict", "skip"))
+        out.extend(self.mix_problems(key))
         if self.max_record_bytes < 1:
             out.append(f"{key}.max_record_bytes: must be >= 1, got {self.max_record_bytes!r}")
         if not 0 <= self.eval_fraction < 1:
             out.append(f"{key}.eval_fraction: must be in [0, 1), got {self.eval_fraction!r}")
         if not self.train:
             out.append(f"{key}.train: no training data given")
+        return out
+
+    def mix_problems(self, key: str = "data") -> list[str]:
+        """Weights that do not match the entries, and stopping policies that are none."""
+        out: list[str] = []
+        stop = self.mix_stop
+        if isinstance(stop, bool) or (isinstance(stop, int) and stop < 1) or (
+                isinstance(stop, str) and stop not in ("first_exhausted", "all_exhausted")):
+            out.append(f"{key}.mix_stop: must be first_exhausted, all_exhausted or a number of samples >= 1, got {stop!r}")
+        if self.weights is None:
+            return out
+        if len(self.weights) != len(self.train):
+            out.append(f"{key}.weights: {len(self.weights)} weight(s) for {len(self.train)} {key}.train entr(ies); "
+                       f"give one per entry, in their order")
+        bad = [w for w in self.weights if not w > 0]
+        if bad:
+            out.append(f"{key}.weights: every weight must be > 0 (leave an entry out instead), got {bad}")
         return out
 
 

@@ -42,7 +42,7 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from data_formats.datasets import overlong_drops
+from data_formats.datasets import overlong_drops, source_mix
 from data_formats.render import make_template, template_jinja
 from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
 from data_formats.sources import DataError
@@ -172,6 +172,10 @@ class Stage:
         """The sample indices the current step drew (named when a step fails)."""
         self.skipped_records: dict = {}
         """What data.on_error=skip left out: {count, by_split: {split: {reason: count}}} (the manifest's)."""
+        self.mix = None
+        """The weighted mix of the training entries (data.weights; built with the fill check), else None."""
+        self.mix_figures: dict = {}
+        """The last step's samples and tokens per weighted entry (logged with the step's figures)."""
 
     # ---- what a stage provides -----------------------------------------------------------
 
@@ -259,7 +263,8 @@ class Stage:
     def fill_problems(self, count: int, what: str, batch: str = "micro-batch") -> list[str]:
         """The one problem line when `count` training items cannot fill one batch on every rank,
         with the reason when records were dropped as overlong (stage_checks.fill_problem)."""
-        return fill_problem(count, what, batch, self.cfg.train.batch_size, launched_world_size(), overlong_drops("train"))
+        self.mix = source_mix(self.cfg.data, self.train_samples, self.cfg.train.seed) if self.train_samples else None
+        return fill_problem(count, what, batch, self.cfg.train.batch_size, launched_world_size(), overlong_drops("train"), self.mix)
 
     def all_manifest_extras(self) -> dict:
         """`manifest_extras` plus the engine's own: the config changes accepted on resume."""
@@ -268,6 +273,8 @@ class Stage:
             extras["skipped_records"] = self.skipped_records
         if self.resume_changes:
             extras["resume_changes"] = self.resume_changes
+        if self.mix is not None:
+            extras["data_mix"] = self.mix.describe()
         return extras
 
     def progress(self, figures: dict[str, float]) -> dict[str, str]:
@@ -407,6 +414,7 @@ class Stage:
                     raise NonFiniteError(f"{err}; the step's samples: {self.describe_step_samples()}") from None
                 self.scheduler.step()
                 self.step += 1
+                figures, self.mix_figures = {**figures, **self.mix_figures}, {}
                 record = {"step": self.step, "train/lr": lr, **figures}
                 self.history.steps.append(record)
                 self.check_divergence()
@@ -540,9 +548,18 @@ class Stage:
         """This rank's sample indices of the next optimizer step's micro-batches (advances the
         cursor; the order is a pure function of the seed, the epoch and the global batch)."""
         t, acc = self.cfg.train, self.accelerator
-        groups, self.cursor = next_micro_batches(len(self.train_samples), self.cursor, seed=t.seed, batch_size=t.batch_size,
-                                                 grad_accum=t.grad_accum if grad_accum is None else grad_accum,
-                                                 world_size=acc.num_processes, rank=acc.process_index)
+
+        def draw(rank: int):
+            return next_micro_batches(len(self.train_samples), self.cursor, seed=t.seed, batch_size=t.batch_size,
+                                      grad_accum=t.grad_accum if grad_accum is None else grad_accum,
+                                      world_size=acc.num_processes, rank=rank,
+                                      order_of=self.mix.epoch_order if self.mix is not None else None)
+
+        if self.mix is not None:  # every rank's share: the figures count the global batch
+            drawn = [i for r in range(acc.num_processes) for group in draw(r)[0] for i in group]
+            for key, value in self.mix.step_figures(self.train_samples, drawn).items():
+                self.mix_figures[key] = self.mix_figures.get(key, 0.0) + value
+        groups, self.cursor = draw(acc.process_index)
         self.step_indices = groups
         return groups
 

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from data_formats.sampling import SourceMix
 from data_formats.sources import expand_entry
 from pipeline.modeling.handoff import manifest_problems
 from pipeline.modeling.preflight import model_problems
@@ -25,15 +26,33 @@ def data_problems(entries: Sequence[str], key: str) -> list[str]:
     return out
 
 
-def fill_problem(count: int, what: str, batch: str, size: int, world: int, drops: Optional[dict] = None) -> list[str]:
+def fill_problem(count: int, what: str, batch: str, size: int, world: int, drops: Optional[dict] = None,
+                 mix: Optional[SourceMix] = None) -> list[str]:
     """The one line when `count` training items cannot fill one batch of `size` on each of `world`
     ranks, with the reason when the build dropped records as overlong (`drops`,
-    data_formats.datasets.overlong_drops): a reason in a warning above the line is missed."""
-    if count >= size * world:
+    data_formats.datasets.overlong_drops): a reason in a warning above the line is missed. With a
+    weighted mix (`mix`), a weighted entry that yields nothing is such a line too, naming it, and so
+    is an entry too small for data.mix_stop first_exhausted to fill one batch per epoch."""
+    drops = drops or {}
+    if count < size * world:
+        line = f"data.train: {count} {what} cannot fill one {batch} of {size} x {world} rank(s)"
+        reason = overlong_reason(drops)
+        return [f"{line}: {reason}" if reason else line]
+    if mix is None:
         return []
-    line = f"data.train: {count} {what} cannot fill one {batch} of {size} x {world} rank(s)"
-    reason = overlong_reason(drops or {})
-    return [f"{line}: {reason}" if reason else line]
+    empty = [k for k, n in enumerate(mix.sizes) if n == 0]
+    if empty:
+        parts = []
+        for k in empty:
+            reason = overlong_reason({**drops, "by_entry": {mix.names[k]: drops.get("by_entry", {}).get(mix.names[k], [0, 0])}})
+            parts.append(f"{mix.names[k]} (weight {mix.weights[k]:.3g}) yields 0 {what}" + (f": {reason}" if reason else ""))
+        return ["data.weights: " + "; ".join(parts) + " (a weighted entry must give samples)"]
+    if mix.shortest_epoch() < size * world:
+        k = mix.sizes.index(min(mix.sizes))
+        return [f"data.weights: {mix.names[k]} gives {mix.sizes[k]} {what}, fewer than one {batch} of {size} x {world} "
+                f"rank(s), so a data.mix_stop first_exhausted epoch can end before one is filled; use all_exhausted "
+                f"or a number of samples"]
+    return []
 
 
 def overlong_reason(drops: dict) -> str:
