@@ -41,6 +41,7 @@ from pipeline.algorithms import advantages as adv
 from pipeline.algorithms import grpo as algo
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.grpo_config import GRPOSection
+from pipeline.algorithms.judge import JudgeConfig, JudgeReward
 from pipeline.algorithms.mismatch import correction_weights
 from pipeline.algorithms.mismatch import logprob_diff as mismatch_diff
 from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
@@ -94,15 +95,18 @@ class GRPOConfig(StageConfig):
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     grpo: GRPOSection = field(default_factory=GRPOSection)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """An LLM judge behind an OpenAI-compatible endpoint as one more reward (pipeline/algorithms/judge.py)."""
 
     def problems(self) -> list[str]:
-        out = super().problems() + tools_problems(self.tools)
+        out = super().problems() + tools_problems(self.tools) + self.judge.problems()
         rows = self.train.batch_size * self.grpo.num_generations
         if rows % self.train.grad_accum:
             out.append(f"train.grad_accum: {self.train.grad_accum} does not divide the {rows} completions of a step "
                        f"(train.batch_size x grpo.num_generations)")
-        if not self.grpo.reward_funcs and not self.reward_model.path:
-            out.append("grpo.reward_funcs / reward_model.path: no reward (name a reward function or a reward model)")
+        if not self.grpo.reward_funcs and not self.reward_model.path and not self.judge.enabled:
+            out.append("grpo.reward_funcs / reward_model.path / judge.base_url: no reward (name a reward function, a reward "
+                       "model or a judge)")
         out += self.generation.room_problems(self.train.seq_length)
         out += self.grpo.generation_problems(self.generation.max_new_tokens)
         return out
@@ -123,6 +127,7 @@ class GRPOStage(PolicyStage):
         """`generator_factory(policy)` swaps the sampler (as PPO's)."""
         super().__init__(cfg, generator_factory=generator_factory)
         self.funcs: list = []
+        self.judge: Optional[JudgeReward] = None
         self.reward_log = rw.RewardLog()
         """What the reward functions logged (TRL's log_metric, log_extra) at the latest call."""
         self.last_rollout = None
@@ -132,6 +137,8 @@ class GRPOStage(PolicyStage):
         """Prompts (eval prompts only when evaluation is on) and the reward functions."""
         problems = self.build_prompts()
         self.funcs = [rw.load_reward_func(spec) for spec in self.cfg.grpo.reward_funcs]
+        if self.cfg.judge.enabled:
+            problems += self.cfg.judge.record_problems([_columns(s) for s in self.train_samples + self.eval_samples])
         return problems
 
     def build_model(self) -> torch.nn.Module:
@@ -151,15 +158,17 @@ class GRPOStage(PolicyStage):
         # The update's forward must reproduce the rollout's log-probs (the first ratio is 1).
         return ActorCritic(train_without_dropout(policy), None, reference, reward)
 
-    def rewards(self, samples: list[dict], rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
+    def rewards(self, samples: list[dict], rollout, tag: Optional[int] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
         """The summed reward of each completion ([N]), each source's own ([N] by name: the reward
-        functions' names, 'rm', 'overlong' (DAPO's shaping), 'missing_eos' (-generation.missing_eos_penalty
+        functions' names, 'rm', 'judge', 'overlong' (DAPO's shaping), 'missing_eos' (-generation.missing_eos_penalty
         for an unfinished one)) and each source's weight in the sum. `samples`: each completion's
         prompt sample; the reward functions are called as TRL calls them (pipeline.algorithms.rewards),
-        and a None they return is left out of the sum (TRL's nansum).
+        and a None they return is left out of the sum (TRL's nansum). `tag`: the optimizer step the
+        judge's cache files the replies under (default: the step being trained).
 
         Raises:
             ValueError: a reward function returned the wrong number of values or a non-number.
+            JudgeError: a judge request failed and judge.on_failure is null.
         """
         cfg, g = self.cfg, self.cfg.grpo
         texts = None if rollout.conversations else [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
@@ -179,6 +188,8 @@ class GRPOStage(PolicyStage):
                                                  rollout.prompt_width).float().cpu()
                       for rows in chunks(len(completions), self.cfg.train.batch_size)]
             parts["rm"], weights["rm"] = torch.cat(scores), cfg.reward_model.weight
+        if cfg.judge.enabled:
+            parts["judge"], weights["judge"] = self.judge_scores(prompts, completions, columns, tag), cfg.judge.weight
         if g.overlong_buffer:
             lengths = rollout.response_mask.sum(1)
             parts["overlong"] = adv.overlong_penalty(lengths, cfg.generation.max_new_tokens, g.overlong_buffer, g.overlong_penalty)
@@ -190,6 +201,23 @@ class GRPOStage(PolicyStage):
         for name, values in parts.items():
             total += torch.nan_to_num(weights[name] * values, nan=0.0)
         return total, parts, weights
+
+    def judge_scores(self, prompts: list, completions: list, columns: list[dict], tag: Optional[int]) -> torch.Tensor:
+        """The judge's score of each completion's final answer to its prompt's last user turn."""
+        j = self.cfg.judge
+        if self.judge is None:
+            cache = Path(self.cfg.output_dir) / "judge_cache" / f"rank{self.accelerator.process_index}.jsonl"
+            self.judge = JudgeReward(j, cache)
+            self.judge.open(self.step)  # a resumed run sees the replies an unbroken one had cached by now
+        answers = [rw.final_answer(c) for c in completions]
+        golds = None
+        if j.gold_column:
+            golds = [None if c.get(j.gold_column) is None else bool(rw.final_answer_match([None], [a], answer=[c[j.gold_column]])[0])
+                     for a, c in zip(answers, columns)]
+        refs = [None if not j.reference_column else str(c.get(j.reference_column)) for c in columns]
+        scores = self.judge.score([rw.text_of(p) for p in prompts], answers, refs,
+                                  tag=self.step + 1 if tag is None else tag, golds=golds)
+        return torch.tensor(scores)
 
     def sample_groups(self) -> tuple[list[dict], object, torch.Tensor, dict, dict, dict[str, float]]:
         """This step's prompts, rollout (G per prompt), rewards (total, parts, weights) and the
@@ -272,7 +300,7 @@ class GRPOStage(PolicyStage):
                  "grpo/frac_reward_zero_std": float((group_std == 0).float().mean()),
                  "grpo/completion_length": float(rollout.response_mask.sum(1).float().mean()),
                  **{f"grpo/reward/{name}": float(v.nanmean()) for name, v in parts.items()}, **dynamic,
-                 **self.reward_log.means()}
+                 **self.reward_log.means(), **(self.judge.take_figures() if self.judge is not None else {})}
         local["grpo/clipfrac"] = update["clipfrac"]
         if "kl" in update:
             local["grpo/kl"] = update["kl"]
@@ -320,7 +348,7 @@ class GRPOStage(PolicyStage):
                                                acc.process_index, cfg.train.eval_batches):
                 batch = [self.eval_samples[i] for i in indices]
                 rollout = self.rollout(batch, 1)
-                total, parts, _ = self.rewards(batch, rollout)
+                total, parts, _ = self.rewards(batch, rollout, tag=self.step)
                 for name, values in {"eval/reward": total, **{f"eval/reward/{k}": v for k, v in parts.items()}, "n": torch.ones(len(batch))}.items():
                     sums[name] = sums.get(name, torch.tensor(0.0)) + values.sum() * counts
         names = list(sums)
@@ -328,11 +356,14 @@ class GRPOStage(PolicyStage):
         if acc.num_processes > 1:
             totals = acc.reduce(totals.to(acc.device), reduction="sum").cpu()
         n = float(totals[names.index("n")]) or float("nan")
+        if self.judge is not None:
+            self.judge.take_figures()  # the step figures count training's requests only
         return {k: float(v) / n for k, v in zip(names, totals) if k != "n"}
 
     def manifest_extras(self) -> dict:
         """The rewards the policy was optimised for (the RM's path and weights hash, if any)."""
-        return {"reward_funcs": list(self.cfg.grpo.reward_funcs), **self.reward_model_record()}
+        judge = {"judge": {"base_url": self.cfg.judge.base_url, "model": self.cfg.judge.model}} if self.cfg.judge.enabled else {}
+        return {"reward_funcs": list(self.cfg.grpo.reward_funcs), **self.reward_model_record(), **judge}
 
     def release(self) -> None:
         super().release()

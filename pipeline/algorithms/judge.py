@@ -1,0 +1,367 @@
+"""An LLM judge as a reward: a rubric sent to any OpenAI-compatible chat endpoint (`relay serve`,
+vLLM's server, a hosted API), its reply parsed into a score.
+
+For answers no rule can check (medical, legal, support), a keyword reward gets hacked and a reward
+model needs preference data; a judge the user already runs needs neither. What a hand-written HTTP
+call inside a reward function lacks is here:
+
+- `max_concurrency`: at most that many requests in flight (a thread pool of that size);
+- `timeout` and `retries` (connection errors, timeouts, 429 and 5xx are retried with a doubling
+  backoff; other 4xx and an unparsable reply are not: a retry would get the same answer);
+- `on_failure`: the score a completion gets when its request still fails, counted in
+  `judge/failures` and logged; null stops the run instead. Never a silent 0;
+- a cache keyed on the full request (endpoint, model, messages, sampling): identical completions
+  in a group cost one request, and a resumed run reuses the replies its first life received. Each
+  cached reply is tagged with the optimizer step that asked for it, and a run resumed at step s
+  sees only the replies tagged <= s, exactly the cache an unbroken run held at that point, so the
+  cache never makes a resumed run differ from an unbroken one;
+- the API key is read from the environment variable `api_key_env` names at request time: neither
+  the key nor the header is stored in the config, the cache, a log line or an error message.
+
+The score parser: with `score_range: [lo, hi]` the first number of the reply (or the first group of
+`pattern`'s last match) must lie in the range and is normalised to [0, 1]; with `choices: {label:
+score}` the last whole-word label in the reply (or `pattern`'s group) is mapped to its score.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import string
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+log = logging.getLogger("relay.judge")
+
+DEFAULT_TEMPLATE = ("Rate how well the answer responds to the question, from 0 (useless or wrong) to 10 (correct, "
+                    "complete and clear). Reply with the number only.\n\nQuestion:\n{question}\n\nAnswer:\n{answer}")
+FIELDS = ("question", "answer", "reference")
+RETRIED_STATUS = (408, 409, 429, 500, 502, 503, 504)
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+class JudgeError(RuntimeError):
+    """A judge request failed and `on_failure` is null; the message is one line."""
+
+
+@dataclass
+class JudgeConfig:
+    base_url: Optional[str] = None
+    """The OpenAI-compatible endpoint up to /v1 (http://127.0.0.1:8000/v1 for `relay serve`); null: no judge."""
+    model: str = ""
+    """The model name the endpoint serves (the request's `model`)."""
+    api_key_env: Optional[str] = None
+    """The environment variable holding the API key (sent as a Bearer token); null: no key. The key
+    itself never goes into a config, a cache, a log or a manifest."""
+    template: str = DEFAULT_TEMPLATE
+    """The rubric sent as the user message, with {question}, {answer} and, when reference_column is
+    set, {reference} (write literal braces as {{ }})."""
+    system: Optional[str] = None
+    """An optional system message before the rubric."""
+    reference_column: Optional[str] = None
+    """The prompt record field filled into {reference} (a reference answer, a policy excerpt)."""
+    score_range: Optional[list[float]] = field(default_factory=lambda: [0.0, 10.0])
+    """[lo, hi]: the reply's number must lie in it and is normalised to [0, 1]. Null with choices."""
+    choices: Optional[dict[str, float]] = None
+    """{label: score}: the reply's label mapped to its score (e.g. {"PASS": 1.0, "FAIL": 0.0}); set score_range null."""
+    pattern: Optional[str] = None
+    """A regex whose first group, in its last match, is the number or label (null: the first number /
+    the last label anywhere in the reply)."""
+    weight: float = 1.0
+    """Weight of the judge's score in the summed reward."""
+    max_concurrency: int = 8
+    """Requests in flight at most."""
+    timeout: float = 30.0
+    """Seconds a request may take."""
+    retries: int = 2
+    """Further attempts after a timeout, a connection error, 429 or 5xx."""
+    retry_backoff: float = 1.0
+    """Seconds before the first retry, doubling after each."""
+    on_failure: Optional[float] = None
+    """The score of a completion whose request still fails (or whose reply cannot be parsed), counted in
+    judge/failures; null: such a failure stops the run."""
+    max_tokens: int = 16
+    """The judge's reply length."""
+    temperature: float = 0.0
+    """The judge's sampling temperature (0: greedy, a reproducible judge)."""
+    cache: bool = True
+    """Reuse replies to identical requests, in memory and in OUTPUT_DIR/judge_cache/ (a resumed run reuses them)."""
+    gold_column: Optional[str] = None
+    """A prompt record field with the verified answer: judge/gold_agreement is the share of completions
+    where the judge's pass (score >= pass_score) agrees with the answer stating it (the reward-hacking signal)."""
+    pass_score: float = 0.5
+    """The score at or above which the judge counts as passing an answer (for judge/gold_agreement)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.base_url)
+
+    def problems(self, key: str = "judge") -> list[str]:
+        """Every problem with the section, one line each (nothing is contacted)."""
+        if not self.enabled:
+            return []
+        out: list[str] = []
+        if not re.match(r"https?://", self.base_url or ""):
+            out.append(f"{key}.base_url: {self.base_url!r} is not an http(s) URL")
+        if not self.model:
+            out.append(f"{key}.model: required (the name the endpoint serves)")
+        if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            out.append(f"{key}.api_key_env: {self.api_key_env!r} is not an environment variable name (give the variable's "
+                       f"name, never the key)")
+        elif self.api_key_env and self.api_key_env not in os.environ:
+            out.append(f"{key}.api_key_env: the environment variable {self.api_key_env} is not set")
+        try:
+            names = {f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None}
+        except ValueError as err:
+            names, _ = set(), out.append(f"{key}.template: {err} (write literal braces as {{{{ }}}})")
+        for name in sorted(names - set(FIELDS)):
+            out.append(f"{key}.template: unknown field {{{name}}} (known: {', '.join('{%s}' % f for f in FIELDS)})")
+        if "answer" not in names and not out:
+            out.append(f"{key}.template: has no {{answer}}; the judge would never see the completion")
+        if "reference" in names and not self.reference_column:
+            out.append(f"{key}.template: uses {{reference}} but {key}.reference_column is not set")
+        if (self.score_range is None) == (self.choices is None):
+            out.append(f"{key}.score_range/choices: set exactly one (a number in a range, or labels mapped to scores)")
+        elif self.score_range is not None and (len(self.score_range) != 2 or not self.score_range[0] < self.score_range[1]):
+            out.append(f"{key}.score_range: must be [lo, hi] with lo < hi, got {self.score_range}")
+        elif self.choices is not None and not self.choices:
+            out.append(f"{key}.choices: empty")
+        if self.pattern is not None:
+            try:
+                if re.compile(self.pattern).groups < 1:
+                    out.append(f"{key}.pattern: needs one capturing group (the number or label)")
+            except re.error as err:
+                out.append(f"{key}.pattern: not a regex ({err})")
+        for name, low in (("max_concurrency", 1), ("max_tokens", 1), ("retries", 0)):
+            if getattr(self, name) < low:
+                out.append(f"{key}.{name}: must be >= {low}, got {getattr(self, name)}")
+        if self.timeout <= 0 or self.retry_backoff < 0:
+            out.append(f"{key}.timeout/retry_backoff: must be > 0 and >= 0")
+        if self.on_failure is not None and not math.isfinite(self.on_failure):
+            out.append(f"{key}.on_failure: must be a finite score or null (stop the run), got {self.on_failure}")
+        return out
+
+    def record_problems(self, records: Sequence[dict], key: str = "judge") -> list[str]:
+        """The prompt records' fields the section needs: the reference column in every record."""
+        col = self.reference_column
+        if not self.enabled or not col:
+            return []
+        missing = sum(1 for r in records if r.get(col) is None)
+        return [f"{key}.reference_column: {missing} of {len(records)} prompt records have no {col!r} field"] if missing else []
+
+
+def parse_score(reply: str, cfg: JudgeConfig) -> Optional[float]:
+    """The score a reply gives (module docstring), or None when it gives none (pure)."""
+    if cfg.pattern is not None:
+        found = list(re.finditer(cfg.pattern, reply))
+        token = found[-1].group(1) if found else None
+    elif cfg.choices is not None:
+        labels = sorted(cfg.choices, key=len, reverse=True)
+        found = list(re.finditer(r"(?<!\w)(" + "|".join(map(re.escape, labels)) + r")(?!\w)", reply))
+        token = found[-1].group(1) if found else None
+    else:
+        first = NUMBER.search(reply)
+        token = first.group(0) if first else None
+    if token is None:
+        return None
+    if cfg.choices is not None:
+        return cfg.choices.get(token.strip())
+    try:
+        value = float(token)
+    except ValueError:
+        return None
+    lo, hi = cfg.score_range
+    return (value - lo) / (hi - lo) if lo <= value <= hi else None
+
+
+def render_messages(cfg: JudgeConfig, question: str, answer: str, reference: Optional[str] = None) -> list[dict]:
+    """The chat messages of one judge request (pure)."""
+    text = cfg.template.format(question=question, answer=answer, reference="" if reference is None else reference)
+    return ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [{"role": "user", "content": text}]
+
+
+def request_body(cfg: JudgeConfig, messages: list[dict]) -> dict:
+    return {"model": cfg.model, "messages": messages, "temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
+
+
+def request_key(cfg: JudgeConfig, body: dict) -> str:
+    """The cache key: a hash of the endpoint and the full request body (never the API key)."""
+    return hashlib.sha256(json.dumps([cfg.base_url, body], sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class Outcome:
+    score: Optional[float]
+    reply: Optional[str]
+    error: Optional[str]
+    seconds: float
+    attempts: int
+
+
+@dataclass
+class JudgeStats:
+    """Counts since the last `take_figures` (and `totals` over the run)."""
+
+    requests: int = 0
+    cache_hits: int = 0
+    failures: int = 0
+    attempts: int = 0
+    seconds: float = 0.0
+    agree: int = 0
+    judged_gold: int = 0
+
+    def add(self, other: "JudgeStats") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+class JudgeReward:
+    """Scores completions through the judge endpoint (`score`), with the cache and the counts."""
+
+    def __init__(self, cfg: JudgeConfig, cache_file: Optional[Path] = None):
+        self.cfg = cfg
+        self.cache_file = Path(cache_file) if cache_file is not None and cfg.cache else None
+        self.cache: dict[str, tuple[int, float, str]] = {}
+        """key -> (step tag, score, reply)."""
+        self.opened = False
+        self.pending = JudgeStats()
+        self.totals = JudgeStats()
+
+    # --- cache -------------------------------------------------------------------------------
+
+    def open(self, steps_done: int) -> None:
+        """Load the disk cache as an unbroken run held it after `steps_done` optimizer steps: entries
+        tagged <= steps_done (none on a fresh start), rewriting the file without the rest."""
+        self.opened = True
+        if self.cache_file is None:
+            return
+        kept = []
+        if steps_done > 0 and self.cache_file.is_file():
+            for line in self.cache_file.read_text(encoding="utf-8").splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a crash
+                    continue
+                if entry.get("tag", math.inf) <= steps_done:
+                    self.cache[entry["key"]] = (entry["tag"], entry["score"], entry["reply"])
+                    kept.append(line)
+        self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+        self.cache_file.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        if kept:
+            log.info("judge: %d cached replies reused from %s", len(kept), self.cache_file)
+
+    def _remember(self, new: dict[str, tuple[int, float, str]]) -> None:
+        if not self.cfg.cache or not new:
+            return
+        self.cache.update(new)
+        if self.cache_file is not None:
+            with open(self.cache_file, "a", encoding="utf-8") as fh:
+                for key, (tag, score, reply) in new.items():
+                    fh.write(json.dumps({"tag": tag, "key": key, "score": score, "reply": reply}) + "\n")
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def _headers(self) -> dict:
+        headers = {"Content-Type": "application/json"}
+        env = self.cfg.api_key_env
+        if env:
+            key = os.environ.get(env)
+            if not key:
+                raise JudgeError(f"judge.api_key_env: the environment variable {env} is not set")
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    def _post(self, body: dict, headers: dict) -> Outcome:
+        """One request with its retries; never raises (the error is in the outcome, without headers)."""
+        cfg = self.cfg
+        url = cfg.base_url.rstrip("/") + "/chat/completions"
+        data = json.dumps(body).encode()
+        started, error, attempt = time.perf_counter(), None, 0
+        for attempt in range(1, cfg.retries + 2):
+            if attempt > 1:
+                time.sleep(cfg.retry_backoff * 2 ** (attempt - 2))
+            try:
+                request = urllib.request.Request(url, data=data, headers=headers, method="POST")
+                with urllib.request.urlopen(request, timeout=cfg.timeout) as response:
+                    payload = json.loads(response.read().decode("utf-8"))
+                reply = payload["choices"][0]["message"].get("content") or ""
+            except urllib.error.HTTPError as err:
+                error = f"HTTP {err.code}"
+                if err.code in RETRIED_STATUS:
+                    continue
+                break
+            except (TimeoutError, OSError) as err:  # URLError, socket.timeout, connection refused/reset
+                reason = getattr(err, "reason", err)
+                error = "timeout" if isinstance(reason, TimeoutError) or "timed out" in str(reason) else f"connection: {reason}"
+                continue
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+                error = "not an OpenAI chat.completion response"
+                break
+            score = parse_score(reply, cfg)
+            seconds = time.perf_counter() - started
+            if score is None:
+                return Outcome(None, reply, f"unparsable reply {reply[:60]!r}", seconds, attempt)
+            return Outcome(score, reply, None, seconds, attempt)
+        return Outcome(None, None, error, time.perf_counter() - started, attempt)
+
+    def score(self, questions: Sequence[str], answers: Sequence[str], references: Optional[Sequence[Optional[str]]] = None,
+              *, tag: int = 0, golds: Optional[Sequence[Optional[bool]]] = None) -> list[float]:
+        """One score per answer. Identical requests (in this call or cached) cost one request; the
+        rest run `max_concurrency` at a time. `tag`: the optimizer step asking (see `open`);
+        `golds`: whether each answer states the verified answer (None: unknown), for the agreement count.
+
+        Raises:
+            JudgeError: a request failed and on_failure is null, or the key's variable is unset.
+        """
+        if not self.opened:
+            self.open(0)
+        cfg = self.cfg
+        references = references if references is not None else [None] * len(answers)
+        bodies = [request_body(cfg, render_messages(cfg, q, a, r)) for q, a, r in zip(questions, answers, references)]
+        keys = [request_key(cfg, b) for b in bodies]
+        todo = {k: b for k, b in zip(keys, bodies) if k not in self.cache}
+        headers = self._headers() if todo else {}
+        with ThreadPoolExecutor(max_workers=min(cfg.max_concurrency, max(1, len(todo)))) as pool:
+            outcomes = dict(zip(todo, pool.map(lambda body: self._post(body, headers), todo.values())))
+        stats = JudgeStats(requests=len(todo), cache_hits=len(keys) - len(todo),
+                           attempts=sum(o.attempts for o in outcomes.values()),
+                           seconds=sum(o.seconds for o in outcomes.values()))
+        failed = {k: o for k, o in outcomes.items() if o.score is None}
+        self._remember({k: (tag, o.score, o.reply) for k, o in outcomes.items() if o.score is not None})
+        if failed:
+            first = next(iter(failed.values())).error
+            if cfg.on_failure is None:
+                raise JudgeError(f"judge: {len(failed)} of {len(todo)} requests to {cfg.base_url} failed (first: {first}); "
+                                 f"set judge.on_failure to a fallback score to train through failures")
+            log.warning("judge: %d of %d requests failed (first: %s); they score judge.on_failure = %s",
+                        len(failed), len(todo), first, cfg.on_failure)
+        scores = [cfg.on_failure if k in failed else (outcomes[k].score if k in outcomes else self.cache[k][1]) for k in keys]
+        stats.failures = sum(1 for k in keys if k in failed)
+        for value, gold, k in zip(scores, golds or [], keys):
+            if gold is not None and k not in failed:
+                stats.judged_gold += 1
+                stats.agree += int((value >= cfg.pass_score) == bool(gold))
+        self.pending.add(stats)
+        self.totals.add(stats)
+        return [float(v) for v in scores]
+
+    def take_figures(self, prefix: str = "judge/") -> dict[str, float]:
+        """The counts since the last call as tracker figures, then reset: requests, cache_hits,
+        failures (completions that got on_failure), latency_s (mean per request, retries included;
+        0 when the cache answered everything) and, with gold_column, gold_agreement (NaN when every
+        request failed). The same names every call: ranks average them in one all-reduce."""
+        s, self.pending = self.pending, JudgeStats()
+        out = {f"{prefix}requests": float(s.requests), f"{prefix}cache_hits": float(s.cache_hits),
+               f"{prefix}failures": float(s.failures), f"{prefix}latency_s": s.seconds / s.requests if s.requests else 0.0}
+        if self.cfg.gold_column:
+            out[f"{prefix}gold_agreement"] = s.agree / s.judged_gold if s.judged_gold else math.nan
+        return out

@@ -1,0 +1,277 @@
+"""The LLM-judge reward (pipeline/algorithms/judge.py) against a stub OpenAI server on loopback: the
+stub checks every request with `relay serve`'s own parser (pipeline/tools/openai_protocol.py),
+answers with a chat.completion, and counts requests and how many are in flight at once."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from pipeline.algorithms.judge import JudgeConfig, JudgeError, JudgeReward, parse_score
+from pipeline.config import ConfigError
+from pipeline.tools.openai_protocol import ApiError, check_request, completion_response
+from stagerun import run_stage
+from stages import grpo
+from test_grpo import make_cfg, peaked_policy  # noqa: F401  (a fixture)
+
+SERVED = "stub-judge"
+KEY = "sk-test-9f3c1d7e5b2a"
+
+
+def answer_of(body: dict) -> str:
+    return body["messages"][-1]["content"].split("Answer:\n", 1)[-1]
+
+
+def default_reply(answer: str) -> str:
+    """Deterministic: a resumed run and an unbroken one get the same score for the same answer."""
+    return str(len(answer) % 11)
+
+
+class Stub:
+    """A ThreadingHTTPServer answering /v1/chat/completions; `reply(answer)` says what (None: HTTP
+    500; a float: sleep that long first, then answer)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.bodies: list[dict] = []
+        self.auth: set = set()
+        self.in_flight = self.max_in_flight = 0
+        self.delay = 0.0
+        self.reply = default_reply
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with stub.lock:
+                    stub.in_flight += 1
+                    stub.max_in_flight = max(stub.max_in_flight, stub.in_flight)
+                    stub.bodies.append(body)
+                    stub.auth.add(self.headers.get("Authorization"))
+                try:
+                    check_request(body, SERVED)  # what `relay serve` would accept
+                    time.sleep(stub.delay)
+                    text = stub.reply(answer_of(body))
+                    if isinstance(text, tuple):  # (seconds, text): a slow judge
+                        time.sleep(text[0])
+                        text = text[1]
+                    if text is None:
+                        self._send(500, {"error": {"message": "boom"}})
+                    else:
+                        self._send(200, completion_response("chatcmpl-1", SERVED, [text], ["stop"], 1, 1))
+                except ApiError as err:
+                    self._send(err.status, {"error": {"message": str(err)}})
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                finally:
+                    with stub.lock:
+                        stub.in_flight -= 1
+
+            def _send(self, status, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def reset(self):
+        self.bodies.clear()
+        self.auth.clear()
+        self.in_flight = self.max_in_flight = 0
+        self.delay, self.reply = 0.0, default_reply
+
+
+@pytest.fixture(scope="module")
+def stub():
+    s = Stub()
+    yield s
+    s.server.shutdown()
+    s.server.server_close()
+
+
+@pytest.fixture
+def fresh(stub):
+    stub.reset()
+    return stub
+
+
+def judge_cfg(url: str, **kw) -> JudgeConfig:
+    return JudgeConfig(**{"base_url": url, "model": SERVED, "retry_backoff": 0.0, "timeout": 5.0, **kw})
+
+
+def test_parser_numbers_in_range_and_choices():
+    cfg = JudgeConfig(base_url="http://x/v1", model="m")
+    assert parse_score("7", cfg) == 0.7 and parse_score("Score: 10/10", cfg) == 1.0
+    assert parse_score("11", cfg) is None and parse_score("no idea", cfg) is None
+    choice = JudgeConfig(base_url="http://x/v1", model="m", score_range=None, choices={"PASS": 1.0, "FAIL": -1.0})
+    assert parse_score("Looks wrong. FAIL", choice) == -1.0 and parse_score("PASSED", choice) is None
+    pat = JudgeConfig(base_url="http://x/v1", model="m", score_range=[1, 5], pattern=r"Rating: (\d)")
+    assert parse_score("step 1 ... Rating: 5", pat) == 1.0 and parse_score("1", pat) is None
+
+
+def test_config_problems_before_anything_runs(monkeypatch):
+    monkeypatch.delenv("RELAY_NO_SUCH_KEY", raising=False)
+    bad = JudgeConfig(base_url="127.0.0.1:8000", model="", api_key_env="RELAY_NO_SUCH_KEY",
+                      template="{question} {reference} {answr}", choices={"A": 1.0}, max_concurrency=0)
+    text = "\n".join(bad.problems())
+    for part in ("base_url", "judge.model", "RELAY_NO_SUCH_KEY is not set", "{answr}", "reference_column",
+                 "score_range/choices", "max_concurrency"):
+        assert part in text, (part, text)
+    assert "api_key_env" in "\n".join(JudgeConfig(base_url="http://x/v1", model="m", api_key_env="sk-abc-123").problems())
+    assert JudgeConfig().problems() == []  # no base_url: no judge
+
+
+def test_requests_are_distinct_uncached_ones_and_in_flight_stays_under_the_limit(fresh, tmp_path):
+    fresh.delay = 0.05
+    judge = JudgeReward(judge_cfg(fresh.url, max_concurrency=3), tmp_path / "cache.jsonl")
+    answers = [f"answer {i}" for i in range(12)] + ["answer 0", "answer 1"]  # two repeats in the call
+    scores = judge.score(["Q?"] * len(answers), answers, tag=1)
+    assert scores == [int(default_reply(a)) / 10 for a in answers]
+    assert len(fresh.bodies) == 12 and 1 < fresh.max_in_flight <= 3
+    again = judge.score(["Q?", "Q?"], ["answer 5", "new one"], tag=2)  # one cached, one new
+    assert again[0] == scores[5] and len(fresh.bodies) == 13
+    figures = judge.take_figures()
+    assert figures["judge/requests"] == 13 and figures["judge/cache_hits"] == 3 and figures["judge/failures"] == 0
+    assert figures["judge/latency_s"] >= 0.05
+    assert judge.take_figures()["judge/requests"] == 0  # reset after reading
+
+
+def test_timeout_unparsable_and_server_error_get_the_fallback_counted(fresh, tmp_path, caplog):
+    fresh.reply = lambda a: (1.0, "9") if a == "slow" else "I cannot say" if a == "garbled" else None if a == "down" else "8"
+    judge = JudgeReward(judge_cfg(fresh.url, timeout=0.3, retries=1, on_failure=-1.0), tmp_path / "cache.jsonl")
+    scores = judge.score(["Q"] * 4, ["slow", "garbled", "down", "fine"], tag=1)
+    assert scores == [-1.0, -1.0, -1.0, 0.8]
+    per_answer = [answer_of(b) for b in fresh.bodies]
+    assert per_answer.count("slow") == 2 and per_answer.count("down") == 2  # retried once
+    assert per_answer.count("garbled") == 1  # an unparsable reply is not retried
+    assert judge.take_figures()["judge/failures"] == 3
+    assert "3 of 4 requests failed" in caplog.text
+    cached = [json.loads(line) for line in (tmp_path / "cache.jsonl").read_text().splitlines()]
+    assert [c["score"] for c in cached] == [0.8]  # failures are not cached: a later step asks again
+
+    strict = JudgeReward(judge_cfg(fresh.url, on_failure=None))
+    with pytest.raises(JudgeError, match=r"1 of 1 requests .* failed \(first: unparsable"):
+        strict.score(["Q"], ["garbled"])
+
+
+def test_connection_refused_is_a_counted_failure(tmp_path):
+    judge = JudgeReward(judge_cfg("http://127.0.0.1:9/v1", retries=0, on_failure=0.25))
+    assert judge.score(["Q"], ["a"]) == [0.25]
+    assert judge.take_figures()["judge/failures"] == 1
+
+
+def test_a_resumed_cache_holds_what_an_unbroken_run_held(fresh, tmp_path):
+    """Replies tagged with a later step than the checkpoint's were received by a life that crashed
+    after it; an unbroken run had not asked for them yet, so the resumed run must not see them."""
+    path = tmp_path / "cache.jsonl"
+    first = JudgeReward(judge_cfg(fresh.url), path)
+    for tag in (1, 2, 3):
+        first.score(["Q"], [f"step {tag}"], tag=tag)
+    assert len(fresh.bodies) == 3
+    resumed = JudgeReward(judge_cfg(fresh.url), path)
+    resumed.open(2)
+    resumed.score(["Q"] * 3, ["step 1", "step 2", "step 3"], tag=3)
+    assert [answer_of(b) for b in fresh.bodies[3:]] == ["step 3"]  # 1 and 2 reused, 3 asked again
+    restarted = JudgeReward(judge_cfg(fresh.url), path)
+    restarted.open(0)  # a fresh run in the same folder starts empty
+    assert restarted.cache == {} and path.read_text() == ""
+
+
+def test_the_real_openai_client_reads_the_stub_as_the_judge_does(fresh):
+    """The stub speaks the protocol the `openai` package speaks: the judge and the client get the same reply."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=fresh.url, api_key=KEY, max_retries=0)
+    cfg = judge_cfg(fresh.url)
+    from pipeline.algorithms.judge import render_messages
+
+    reply = client.chat.completions.create(model=SERVED, messages=render_messages(cfg, "Q", "hello"), max_tokens=16,
+                                           temperature=0.0).choices[0].message.content
+    assert parse_score(reply, cfg) == JudgeReward(cfg).score(["Q"], ["hello"])[0] == 0.5
+
+
+# ------------------------------------------------------------------------------------------
+# GRPO with a judge reward beside a rule reward
+# ------------------------------------------------------------------------------------------
+
+
+def grpo_cfg(out, model, prompts, url, **train):
+    cfg = make_cfg(out, model, prompts, max_steps=2, learning_rate=5e-3, **train)
+    cfg.grpo.reward_funcs = ["pipeline.algorithms.rewards:house_phrase"]
+    cfg.judge = judge_cfg(url, api_key_env="RELAY_TEST_JUDGE_KEY", max_concurrency=2, on_failure=0.0, gold_column="answer")
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def judged_prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("judge_data") / "prompts.jsonl"
+    # One question throughout: with one-token answers sampled cold from a peaked policy, step 2 repeats some of
+    # step 1's requests, which only the cache on disk can answer after a restart.
+    path.write_text("".join(json.dumps({"prompt": "Which word comes next?", "answer": "e"}) + "\n" for _ in range(8)))
+    return path
+
+
+def test_grpo_two_steps_with_judge_and_rule_reward_and_resume(fresh, tmp_path, peaked_policy, judged_prompts, monkeypatch):
+    monkeypatch.setenv("RELAY_TEST_JUDGE_KEY", KEY)
+
+    def run(out, stop=None, resume=False):
+        cfg = grpo_cfg(out, peaked_policy, judged_prompts, fresh.url)
+        cfg.generation.max_new_tokens, cfg.generation.temperature = 1, 0.02
+        cfg.checkpoint.resume = resume
+        if stop is None:
+            monkeypatch.delenv("RELAY_STOP_AFTER_STEP", raising=False)
+        else:
+            monkeypatch.setenv("RELAY_STOP_AFTER_STEP", str(stop))
+        steps = {}
+        stage = run_stage(grpo.GRPOStage, cfg, on_step=lambda st, m: steps.__setitem__(st.step, (m, st.last_rollout)))
+        return stage, steps
+
+    _, unbroken = run(tmp_path / "a")
+    for step, (m, ro) in unbroken.items():
+        assert set(ro["parts"]) == {"house_phrase", "judge"}
+        assert {"judge/requests", "judge/cache_hits", "judge/failures", "judge/latency_s", "judge/gold_agreement"} <= set(m)
+        assert m["judge/failures"] == 0 and m["grpo/reward/judge"] == float(ro["parts"]["judge"].mean())
+    asked = [(b["messages"][-1]["content"]) for b in fresh.bodies]
+    completions = sum(2 * 4 for _ in unbroken)  # prompts x generations per step
+    hits = sum(m["judge/cache_hits"] for m, _ in unbroken.values())
+    assert len(asked) == len(set(asked)) == completions - hits
+    assert sum(m["judge/requests"] for m, _ in unbroken.values()) == len(asked)
+    assert fresh.auth == {f"Bearer {KEY}"} and fresh.max_in_flight <= 2
+    for path in (tmp_path / "a").rglob("*"):  # the key is in no file the run wrote
+        if path.is_file():
+            assert KEY.encode() not in path.read_bytes(), path
+    manifest = json.loads((tmp_path / "a" / "merged" / "manifest.json").read_text())
+    assert SERVED in json.dumps(manifest)  # what judged the policy is recorded (its endpoint and model)
+
+    seen = [set(map(tuple, unbroken[s][1]["rollout"].responses)) for s in (1, 2)]
+    assert seen[0] & seen[1]  # step 2 repeats a step-1 request (else the resume check below proves nothing)
+
+    first, before = run(tmp_path / "b", stop=1)
+    asked_before = len(fresh.bodies)
+    resumed, after = run(tmp_path / "b", resume=True)
+    assert sorted(before) == [1] and sorted(after) == [2]
+    for step, (m, ro) in {**before, **after}.items():
+        assert torch.equal(ro["rewards"], unbroken[step][1]["rewards"]), step
+        assert m["train/loss"] == unbroken[step][0]["train/loss"], step
+    # the resumed life asked only for what step 1's replies (cached on disk) did not answer
+    assert len(fresh.bodies) - asked_before == unbroken[2][0]["judge/requests"]
+
+
+def test_grpo_config_refuses_a_key_in_place_of_its_variable(tmp_path, tiny_model_dir, judged_prompts):
+    cfg = grpo_cfg(tmp_path, tiny_model_dir, judged_prompts, "http://127.0.0.1:9/v1")
+    cfg.judge.api_key_env = "sk-live-abc123"
+    with pytest.raises(ConfigError, match="judge.api_key_env"):
+        grpo.GRPOStage(cfg).validate()
