@@ -275,3 +275,15 @@ def test_grpo_config_refuses_a_key_in_place_of_its_variable(tmp_path, tiny_model
     cfg.judge.api_key_env = "sk-live-abc123"
     with pytest.raises(ConfigError, match="judge.api_key_env"):
         grpo.GRPOStage(cfg).validate()
+
+
+def test_ppo_reward_fn_hook_scores_decoded_responses(fresh, tiny_model_dir):
+    """PPO takes a judge through its `reward_fn` constructor hook."""
+    from transformers import AutoTokenizer
+
+    from pipeline.algorithms.judge import ppo_reward_fn
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = [tok.encode("hello", add_special_tokens=False) + [tok.eos_token_id], tok.encode("hi there", add_special_tokens=False)]
+    scores = ppo_reward_fn(JudgeReward(judge_cfg(fresh.url)), tok)(["<prompt>", "<prompt>"], ids)
+    assert scores.tolist() == pytest.approx([0.5, 0.8]) and [answer_of(b) for b in fresh.bodies] == ["hello", "hi there"]

@@ -38,7 +38,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 log = logging.getLogger("relay.judge")
 
@@ -365,3 +365,17 @@ class JudgeReward:
         if self.cfg.gold_column:
             out[f"{prefix}gold_agreement"] = s.agree / s.judged_gold if s.judged_gold else math.nan
         return out
+
+
+def ppo_reward_fn(judge: JudgeReward, tokenizer, step: Callable[[], int] = lambda: 0):
+    """PPO's `reward_fn(prompt_texts, response_ids) -> [B]` (stages/ppo.py's constructor hook) scored
+    by the judge. PPO hands a reward_fn the prompt as the chat template rendered it, not the record,
+    so the judge sees that text as {question} and no reference or gold column; `step()` gives the
+    cache tag (the stage's optimizer step + 1)."""
+    import torch
+
+    def reward(prompt_texts: Sequence[str], response_ids: Sequence[Sequence[int]]):
+        answers = [tokenizer.decode(list(r), skip_special_tokens=True) for r in response_ids]
+        return torch.tensor(judge.score(list(prompt_texts), answers, tag=step()))
+
+    return reward
