@@ -99,10 +99,10 @@ def epoch_tail(n: int, batch_size: int, world_size: int) -> int:
 MIX_STOPS = ("first_exhausted", "all_exhausted")
 """The named ends of a weighted epoch (besides a number of samples), as `datasets.interleave_datasets`
 names its stopping strategies."""
-_BLOCK = 4096
+DRAW_BLOCK = 4096
 
 
-def _seed_of(*parts: int) -> int:
+def seed_of(*parts: int) -> int:
     """A generator seed for `parts` (a hash: nearby seeds, epochs and sources draw unrelated orders)."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
@@ -128,12 +128,12 @@ def mixed_epoch_order(sizes: Sequence[int], weights: Sequence[float], stop: Unio
         raise ValueError("no weighted source has a sample")
     offsets = [sum(sizes[:k]) for k in range(len(sizes))]
     probs = torch.tensor([float(weights[k]) if k in live else 0.0 for k in range(len(sizes))], dtype=torch.float64)
-    generator = torch.Generator().manual_seed(_seed_of(seed, epoch, "mix"))
+    generator = torch.Generator().manual_seed(seed_of(seed, epoch, "mix"))
     orders = {k: _source_order(sizes[k], seed, epoch, k, 0) for k in live}
     taken, passes, exhausted, out = dict.fromkeys(live, 0), dict.fromkeys(live, 0), set(), []
     target = stop if isinstance(stop, int) else None
     while True:
-        for k in torch.multinomial(probs, _BLOCK, replacement=True, generator=generator).tolist():
+        for k in torch.multinomial(probs, DRAW_BLOCK, replacement=True, generator=generator).tolist():
             if taken[k] == sizes[k]:
                 passes[k] += 1
                 orders[k], taken[k] = _source_order(sizes[k], seed, epoch, k, passes[k]), 0
@@ -147,7 +147,7 @@ def mixed_epoch_order(sizes: Sequence[int], weights: Sequence[float], stop: Unio
 
 
 def _source_order(n: int, seed: int, epoch: int, source: int, passes: int) -> list[int]:
-    generator = torch.Generator().manual_seed(_seed_of(seed, epoch, source, passes))
+    generator = torch.Generator().manual_seed(seed_of(seed, epoch, source, passes))
     return torch.randperm(n, generator=generator).tolist()
 
 

@@ -11,6 +11,11 @@ a bad record must be reported as FILE:LINE, which the datasets JSON reader canno
 must be exact; with our reader the whole resume state is the number of records read this epoch
 plus the unfinished row, which `state_dict` returns as plain JSON. Resuming re-reads (without
 tokenizing) the records already consumed this epoch.
+
+A weighted corpus (data.weights) is a `MixedTextStream`: one stream per entry, each packing its own
+documents, and each row drawn from entry k with probability weights[k] by a seeded draw that is a
+pure function of the row's number, so its resume state is the rows drawn plus each stream's own.
+A streamed entry never ends (it starts over), so data.mix_stop does not apply to a stream.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import logging
 from collections import deque
 from typing import Iterator, Optional, Sequence
 
+import torch
+
 from data_formats.datasets import DocumentPacker
+from data_formats.sampling import DRAW_BLOCK, seed_of
 from data_formats.sources import MAX_RECORD_BYTES, Problem
 from data_formats.validate import apply_policy, entry_records, iter_parsed
 
@@ -105,3 +113,48 @@ class PackedTextStream:
         self.packer.current, self.packer.lengths = list(state["current"]), list(state["lengths"])
         self._documents_this_epoch = int(state["documents_this_epoch"])
         self._items = None
+
+
+class MixedTextStream:
+    """Packed PT rows drawn by weight from one `PackedTextStream` per entry (module docstring)."""
+
+    def __init__(self, entries: Sequence[str], weights: Sequence[float], seed: int, tokenizer, seq_length: int, **options):
+        if len(weights) != len(entries):
+            raise ValueError(f"{len(weights)} weight(s) for {len(entries)} entr(ies)")
+        self.names = list(entries)
+        self.streams = [PackedTextStream([entry], tokenizer, seq_length, **options) for entry in entries]
+        total = float(sum(weights))
+        self.probs = torch.tensor([float(w) / total for w in weights], dtype=torch.float64)
+        self.seed, self.rows = seed, 0
+        self._block: tuple[int, list[int]] = (-1, [])
+
+    def source_of(self, row: int) -> int:
+        """The entry row number `row` is drawn from (a pure function of the seed and `row`)."""
+        block = row // DRAW_BLOCK
+        if self._block[0] != block:
+            generator = torch.Generator().manual_seed(seed_of(self.seed, "stream", block))
+            self._block = (block, torch.multinomial(self.probs, DRAW_BLOCK, replacement=True, generator=generator).tolist())
+        return self._block[1][row % DRAW_BLOCK]
+
+    def next_row(self) -> dict:
+        """The next row, from the entry its draw names (see PackedTextStream.next_row for what it raises)."""
+        k = self.source_of(self.rows)
+        self.rows += 1
+        return self.streams[k].next_row()
+
+    def state_dict(self) -> dict:
+        return {"rows": self.rows, "streams": [stream.state_dict() for stream in self.streams]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows = int(state["rows"])
+        for stream, saved in zip(self.streams, state["streams"]):
+            stream.load_state_dict(saved)
+
+
+def open_stream(data, tokenizer, seq_length: int, seed: int):
+    """The training stream of a PT data section: a `MixedTextStream` when it weighs its entries
+    (data.weights), else one `PackedTextStream` over all of them."""
+    options = dict(fmt=data.format, text_field=data.text_field, on_error=data.on_error, max_record_bytes=data.max_record_bytes)
+    if data.weights:
+        return MixedTextStream(data.train, data.weights, seed, tokenizer, seq_length, **options)
+    return PackedTextStream(data.train, tokenizer, seq_length, **options)

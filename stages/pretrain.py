@@ -28,7 +28,7 @@ if __package__ in (None, ""):
 
 from data_formats.collate import Collator
 from data_formats.datasets import build_pt_data
-from data_formats.streaming import PackedTextStream, stream_problems
+from data_formats.streaming import open_stream, stream_problems
 from data_formats.validate import apply_policy
 from pipeline.config import StageConfig, TextDataConfig
 from pipeline.engine.language_modeling import LanguageModelStage
@@ -129,8 +129,7 @@ def stream_train(cfg: PTConfig, tokenizer):
     data = cfg.data
     apply_policy(stream_problems(data.train, fmt=data.format, text_field=data.text_field, max_record_bytes=data.max_record_bytes),
                  data.on_error, "pt train data (streamed)")
-    return PackedTextStream(data.train, tokenizer, cfg.train.seq_length, fmt=data.format, text_field=data.text_field,
-                            on_error=data.on_error, max_record_bytes=data.max_record_bytes)
+    return open_stream(data, tokenizer, cfg.train.seq_length, cfg.train.seed)
 
 
 if __name__ == "__main__":

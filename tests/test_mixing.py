@@ -168,3 +168,60 @@ def test_a_weighted_sft_run_resumes_mid_epoch_with_the_same_later_batches(tiny_m
     assert manifest["data_mix"] == {"sources": [{"entry": str(s), "weight": pytest.approx(w), "samples": n}
                                                 for s, w, n in zip(sources, (0.6, 0.3, 0.1), (12, 8, 6))],
                                     "stop": 10, "seed": 42}
+
+
+# ------------------------------------------------------------------------------------------
+# PT: packed rows of one entry each, in memory and streamed
+# ------------------------------------------------------------------------------------------
+
+
+def write_corpora(folder: Path) -> list[Path]:
+    return [write_jsonl(folder / f"{name}.jsonl", [{"text": f"{word} " * (5 + i % 7)} for i in range(n)])
+            for name, word, n in (("general", "apple", 40), ("domain", "zebra", 30))]
+
+
+def entry_of_row(tokenizer, row: dict) -> int:
+    """0 for a row of 'apple' text, 1 for 'zebra' (a row may cut a word: told apart by its letters)."""
+    letters = set(tokenizer.decode(row["input_ids"]).replace(tokenizer.eos_token, ""))
+    assert not ({"p", "l"} & letters and {"z", "b", "r"} & letters), letters
+    return 1 if {"z", "b", "r"} & letters else 0
+
+
+def pt_cfg(model, train: list[Path], out: Path, *extra: str):
+    from stages.pretrain import PTConfig
+
+    argv = ["--model.path", str(model), "--data.train", "[" + ",".join(map(str, train)) + "]", "--output_dir", str(out),
+            "--train.seq_length", "16", "--train.batch_size", "2", "--data.weights", "[0.75, 0.25]", *extra]
+    return load_config(PTConfig, argv)
+
+
+def test_weighted_pt_rows_are_packed_per_entry(tiny_model_dir, tmp_path):
+    from stages.pretrain import PTStage
+
+    corpora = write_corpora(tmp_path / "data")
+    stage = PTStage(pt_cfg(tiny_model_dir, corpora, tmp_path / "o"))
+    stage.validate()
+    assert stage.mix is not None and all(stage.mix.sizes)
+    for row, k in zip(stage.train_samples, stage.mix.entry_of):
+        assert entry_of_row(stage.tokenizer, row) == k
+
+
+def test_a_weighted_stream_draws_by_weight_and_resumes_exactly(tiny_model_dir, tmp_path):
+    from data_formats.streaming import open_stream
+    from pipeline.modeling.models import load_tokenizer
+
+    corpora = write_corpora(tmp_path / "data")
+    data = pt_cfg(tiny_model_dir, corpora, tmp_path / "o", "--data.streaming", "true").data
+    tokenizer = load_tokenizer(str(tiny_model_dir), False, None)
+    stream = open_stream(data, tokenizer, 16, seed=3)
+    rows = [stream.next_row() for _ in range(60)]
+    again = open_stream(data, tokenizer, 16, seed=3)
+    for i in range(25):
+        again.next_row()
+    saved = json.loads(json.dumps(again.state_dict()))
+    resumed = open_stream(data, tokenizer, 16, seed=3)
+    resumed.load_state_dict(saved)
+    assert [resumed.next_row() for _ in range(35)] == rows[25:]
+    sources = [stream.source_of(i) for i in range(2000)]
+    assert abs(sources.count(0) / 2000 - 0.75) <= 0.02
+    assert [entry_of_row(tokenizer, row) for row in rows] == sources[:60]
