@@ -165,7 +165,9 @@ def fresh_state():
 def teacher_dir(tmp_path_factory):
     from tinymodels import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("teacher") / "model", seed=7)
+    # wider than the student and sharper (a larger init scale): a teacher worth learning from
+    return make_tiny_model(tmp_path_factory.mktemp("teacher") / "model", seed=7, hidden_size=96, intermediate_size=192,
+                           initializer_range=0.2)
 
 
 def _data(folder: Path) -> tuple[Path, Path]:
@@ -245,3 +247,75 @@ def test_config_refusals(tiny_model_dir, teacher_dir, tmp_path, fresh_state):
     assert any(p.startswith("distill.lmbda: the reverse_kl_k3 loss") for p in found)
     assert any(p.startswith("distill.beta: only the jsd loss") for p in found)
     assert any(p.startswith("teacher.top_k: only the jsd loss") for p in found)
+
+
+class _Scripted:
+    """A sampler that answers each prompt (by its ids) with a fixed completion."""
+
+    def __init__(self, answers: dict):
+        self.answers = answers
+
+    def generate(self, prompts, *, max_new_tokens=None):
+        return [list(self.answers[tuple(p)]) for p in prompts]
+
+
+def test_two_steps_equal_trl_distillation_trainer(tiny_model_dir, teacher_dir, tmp_path, monkeypatch, fresh_state):
+    """The first two losses of the stage equal TRL 1.16's DistillationTrainer on the same student,
+    teacher, prompts and completions (both samplers replaced by the same fixed completions, one
+    ragged), full fine-tuning, AdamW, constant LR, clipping at 1.0; fp32 on the default kernels."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DistillationConfig, DistillationTrainer
+
+    from stages.distill import DistillStage
+
+    monkeypatch.setenv("RELAY_CPU_ONEDNN", "0")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = ["count to 1", "count to 2"]
+    prompt_ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                          return_dict=False) for t in texts]
+    prompt_ids = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompt_ids]
+    assert len(prompt_ids[0]) == len(prompt_ids[1])  # no left padding: TRL passes no position ids
+    completions = [tok.encode("one two three", add_special_tokens=False) + [tok.eos_token_id],
+                   tok.encode("four", add_special_tokens=False) + [tok.eos_token_id]]
+    answers = {tuple(p): c for p, c in zip(prompt_ids, completions)}
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in texts))
+    argv = ["--model.path", str(tiny_model_dir), "--model.finetuning", "full", "--teacher.path", str(teacher_dir),
+            "--data.train", f"[{prompts}]", "--data.eval", "[]", "--output_dir", str(tmp_path / "relay"),
+            "--train.seq_length", "64", "--train.batch_size", "2", "--train.grad_accum", "1", "--train.max_steps", "2",
+            "--train.learning_rate", "5e-3", "--train.lr_schedule", "constant", "--train.warmup", "0",
+            "--train.max_grad_norm", "1.0", "--train.beta2", "0.999", "--train.eval_steps", "0", "--train.log_steps", "1",
+            "--generation.max_new_tokens", "6", "--distill.beta", "0.5", "--checkpoint.save_interval", "1000h"]
+    stage = run_stage(DistillStage, argv, generator_factory=lambda policy: _Scripted(answers))
+    relay = [r["train/loss"] for r in stage.history.steps]
+
+    seen = []
+
+    def scripted(self, ids, images, multimodal_fields, has_tool_images=False):
+        seen.extend(tuple(p) for p in ids)
+        return [list(answers[tuple(p)]) for p in ids]
+
+    monkeypatch.setattr(DistillationTrainer, "_generate_single_turn", scripted)
+    args = DistillationConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                              max_steps=2, learning_rate=5e-3, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+                              beta=0.5, temperature=1.0, max_completion_length=6, logging_steps=1, report_to="none",
+                              use_cpu=True, bf16=False, save_strategy="no", seed=0, weight_decay=0.0)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": t}]} for t in texts])
+    trainer = DistillationTrainer(model=str(tiny_model_dir), teacher_model=str(teacher_dir), args=args, train_dataset=dataset,
+                                  processing_class=tok)
+    losses = []
+    compute = trainer.compute_loss
+
+    def recorded(*a, **k):
+        out = compute(*a, **k)
+        losses.append(float((out[0] if isinstance(out, tuple) else out).detach()))
+        return out
+
+    trainer.compute_loss = recorded
+    trainer.train()
+    assert set(seen) == set(answers)
+    assert len(losses) == 2 and len(relay) == 2
+    assert abs(relay[0] - losses[0]) < 1e-6 and abs(relay[1] - losses[1]) < 1e-6, (relay, losses)
+    assert relay[1] != relay[0]
