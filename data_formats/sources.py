@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
+from data_formats.conversation import RecordError
+from data_formats.formats import llamafactory_registry
+
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 _GLOB_CHARS = "*?["
 MAX_RECORD_BYTES = 8 * 1024 * 1024
@@ -117,8 +120,13 @@ def expand_entry(entry: str) -> tuple[list[Path], Optional[str]]:
     """The files a data path entry names, or ([], dataset name) when it is not a local path.
 
     Folders expand to their supported files, globs to every file they match (an unsupported one
-    is then reported by `read_file`), sorted, so the order is reproducible.
+    is then reported by `read_file`), sorted, so the order is reproducible. A LLaMA-Factory
+    registry entry (`FOLDER/dataset_info.json:NAME`) names the registry and its entry's files (a
+    change to either is a change of the data), or its hub dataset.
     """
+    registry = llamafactory_registry.split_entry(entry)
+    if registry is not None:
+        return _registry_files(entry, registry[0])
     if any(c in entry for c in _GLOB_CHARS):
         return sorted(Path(p) for p in globlib.glob(entry, recursive=True) if Path(p).is_file()), None
     path = Path(entry)
@@ -138,6 +146,17 @@ def file_entries(entries: Iterable[str]) -> dict[str, str]:
         for name in [dataset] if dataset is not None else map(str, files):
             out.setdefault(name, entry)
     return out
+
+
+def _registry_files(entry: str, registry: Path) -> tuple[list[Path], Optional[str]]:
+    try:
+        found = llamafactory_registry.resolve(entry)
+    except llamafactory_registry.RegistryError:
+        return [registry], None  # validation reports the entry's problem in one line
+    if found.hub is not None:
+        return [], found.hub
+    files, _ = expand_entry(str(found.data))
+    return [registry, *files], None
 
 
 def _decode(data: bytes) -> tuple[Optional[str], Optional[str]]:
@@ -309,6 +328,9 @@ def read_file(path: Path, task: str, max_bytes: int = MAX_RECORD_BYTES) -> Itera
 
 def read_entry(entry: str, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[RawRecord]:
     """Raw records of one data path entry (file, folder, glob or dataset name)."""
+    if llamafactory_registry.split_entry(entry) is not None:
+        yield from _read_registry_entry(entry, max_bytes)
+        return
     task = entry_task_name(entry)
     files, dataset = expand_entry(entry)
     if dataset is not None:
@@ -318,6 +340,27 @@ def read_entry(entry: str, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[RawRec
         yield RawRecord(entry, 0, task, error="no files match")
     for path in files:
         yield from read_file(path, task, max_bytes)
+
+
+def _read_registry_entry(entry: str, max_bytes: int) -> Iterator[RawRecord]:
+    """The records of a LLaMA-Factory registry entry, each rewritten by the entry's columns and tags
+    (data_formats.formats.llamafactory_registry), with the FILE:LINE of the file it came from; the
+    task is the entry's dataset name."""
+    name = entry.rpartition(":")[2]
+    try:
+        spec = llamafactory_registry.resolve(entry)
+    except llamafactory_registry.RegistryError as err:
+        yield RawRecord(entry, 0, name, error=str(err).removeprefix(f"{entry}: "))
+        return
+    raws = _read_dataset(spec.hub, name, max_bytes) if spec.hub is not None else read_entry(str(spec.data), max_bytes)
+    for raw in raws:
+        if raw.error is not None:
+            yield RawRecord(raw.file, raw.line, name, error=raw.error)
+            continue
+        try:
+            yield RawRecord(raw.file, raw.line, name, record=llamafactory_registry.convert(raw.record, spec), raw=raw.raw)
+        except RecordError as err:
+            yield RawRecord(raw.file, raw.line, name, error=str(err))
 
 
 def _read_dataset(name: str, task: str, max_bytes: int) -> Iterator[RawRecord]:

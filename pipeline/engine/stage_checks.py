@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from data_formats.formats import llamafactory_registry
 from data_formats.sampling import SourceMix
 from data_formats.sources import expand_entry
 from pipeline.modeling.handoff import manifest_problems
@@ -16,10 +17,15 @@ from pipeline.modeling.preflight import model_problems
 
 
 def data_problems(entries: Sequence[str], key: str) -> list[str]:
-    """Data path entries that name no file (a missing path or an empty folder/glob)."""
+    """Data path entries that name no file (a missing path or an empty folder/glob), and LLaMA-Factory
+    registry entries Relay cannot honour (data_formats.formats.llamafactory_registry)."""
 
     out = []
     for entry in entries:
+        refused = llamafactory_registry.problem(entry)
+        if refused is not None:
+            out.append(f"{key}: {refused}")
+            continue
         files, dataset = expand_entry(entry)
         if dataset is None and (not files or not all(f.is_file() for f in files)):
             out.append(f"{key}: {entry!r} names no data file")
