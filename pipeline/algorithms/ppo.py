@@ -22,8 +22,8 @@ import torch
 
 from pipeline.algorithms import rl
 from pipeline.algorithms.mismatch import correction_weights
-from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
-from pipeline.algorithms.rollout import ActorCritic, Rollout, chunks
+from pipeline.algorithms.rl import policy_loss, value_loss
+from pipeline.algorithms.rollout import ActorCritic, PolicyOut, Rollout, chunks
 from pipeline.algorithms.tool_rollout import gae_over_turns
 from pipeline.engine.fsdp import runs_unwrapped
 from pipeline.engine.steps import all_reduce_sum, optimizer_step, rank_mean
@@ -49,10 +49,10 @@ class Experience:
     raw_scores: torch.Tensor  # [B]
     scores: torch.Tensor  # [B], after normalisation, clipping and the EOS penalty
     entropy: torch.Tensor  # [B, R] entropy of the rollout policy
-    held_logits: Optional[torch.Tensor] = None
-    """The scoring pass's policy logits still attached to their graph, when the update's first
-    micro-batch is the whole rollout in order (`holds_first_forward`): that micro-batch reuses them
-    instead of running the same forward again. Released once used."""
+    held_logits: Optional[PolicyOut] = None
+    """The scoring pass's policy log-probs (`PolicyOut`) still attached to their graph, when the
+    update's first micro-batch is the whole rollout in order (`holds_first_forward`): that
+    micro-batch reuses them instead of running the same forward again. Released once used."""
     held_values: Optional[torch.Tensor] = None
     """The critic's values from the same scoring pass, attached to their graph likewise (the first
     micro-batch's value loss reuses them). Released once used."""
@@ -78,7 +78,7 @@ def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperatu
     'values' out; `hold` needs them.
 
     `hold` (see `holds_first_forward`): the policy's and the critic's forwards run with gradients
-    on, and their logits and values come back as 'held' and 'held_values', attached to their
+    on, and their log-probs (`PolicyOut`) and values come back as 'held' and 'held_values', attached to their
     graphs, for the update's first micro-batch: one policy and one critic forward fewer a step
     (the critic's hold comes with the shared-prefix prefill). The numbers are those of the
     forwards the update would run, so its ratio is still exactly 1. Both graphs stay alive from
@@ -92,13 +92,12 @@ def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperatu
         with autocast():
             if hold:
                 with torch.enable_grad():
-                    held, held_values = model(ids, mask, P)
-                logits, value = held.detach(), held_values.detach()
+                    held, held_values = model(ids, mask, P, temperature=temperature, entropy=True)
+                policy, value = held, held_values.detach()
             else:
-                logits, value = model(ids, mask, P, critic=values)
-            logits = logits.float() / temperature
-            out["old"].append(logprobs_from_logits(logits, ids[:, P:]).cpu())
-            out["entropy"].append(entropy_from_logits(logits).cpu())
+                policy, value = model(ids, mask, P, critic=values, temperature=temperature, entropy=True)
+            out["old"].append(policy.logp.detach().cpu())
+            out["entropy"].append(policy.entropy.cpu())
             if value is not None:
                 out["values"].append(value.float().cpu())
             out["ref"].append(model.reference_logprobs(ids, mask, P, temperature).cpu())
@@ -167,7 +166,7 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
     activations are alive at a time (about half the peak memory of the joint pass, the same
     gradients: the two models share no parameters). The joint pass is for wrapped engines (DDP,
     DeepSpeed, FSDP), which expect one forward per backward over the whole module. `held` /
-    `held_values`: the scoring pass's policy logits / critic values, still attached to their
+    `held_values`: the scoring pass's policy log-probs (`PolicyOut`) / critic values, still attached to their
     graphs (`Experience`), used in place of that model's forward (`separate` only).
 
     Returns the micro-batch's statistics (`ratio_dev`: max |ratio - 1| over its response tokens).
@@ -178,8 +177,8 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
     mask, old = exp.rollout.response_mask[idx].to(device), exp.old_logprobs[idx].to(device)
     is_weight = None if exp.is_weight is None else exp.is_weight[idx].to(device)
 
-    def policy_part(logits):
-        logp = logprobs_from_logits(logits.float() / temperature, ids[:, P:]).masked_fill(mask == 0, 0.0)
+    def policy_part(policy: PolicyOut):
+        logp = policy.logp.masked_fill(mask == 0, 0.0)
         return logp, policy_loss(logp, old, exp.advantages[idx].to(device), mask, cliprange, weight=is_weight)
 
     def value_part(values):
@@ -190,13 +189,13 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
         weight = float(mask.sum()) / step_tokens * accelerator.gradient_accumulation_steps * accelerator.num_processes
 
     if separate:
-        logits = held
-        if logits is None:
+        policy = held
+        if policy is None:
             with accelerator.autocast():
-                logits, _ = model(ids, attn, P, critic=False)
-        logp, pol = policy_part(logits)
+                policy, _ = model(ids, attn, P, critic=False, temperature=temperature)
+        logp, pol = policy_part(policy)
         accelerator.backward(pol.loss * weight)
-        del logits
+        del policy
         values = held_values
         if values is None:
             with accelerator.autocast():
@@ -205,8 +204,8 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
         accelerator.backward(vf_coef * vloss * weight)
     else:
         with accelerator.autocast():
-            logits, values = model(ids, attn, P)
-        logp, pol = policy_part(logits)
+            policy, values = model(ids, attn, P, temperature=temperature)
+        logp, pol = policy_part(policy)
         vloss, vclip = value_part(values)
         accelerator.backward((pol.loss + vf_coef * vloss) * weight)
     return micro_batch_figures(pol, vloss, vclip, vf_coef, logp, old, mask)
