@@ -1,7 +1,6 @@
 """Two processes on CPU (torchrun, gloo): PPO with its real sampler under DDP (the joint
-policy/critic pass) is on-policy and moves; DeepSpeed runs only on a GPU (accelerate cannot
-start it on CPU), so Relay refuses it on CPU up front (`combination_problems`); FSDP runs on CPU
-(FSDP2, tests/test_fsdp.py). Every stage x engine x grad_accum
+policy/critic pass) is on-policy and moves; DeepSpeed ZeRO runs on CPU ranks too
+(tests/test_zero_cpu.py); FSDP runs on CPU (FSDP2, tests/test_fsdp.py). Every stage x engine x grad_accum
 against one process: test_distributed_stages.py; GPU-only checks: test_distributed_gpu.py."""
 
 import json
@@ -24,43 +23,6 @@ def torchrun(argv, tmp_path, stage="sft.py"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "stages" / stage), *argv]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusals only apply without a GPU")
-@pytest.mark.parametrize("engine,stage", [("deepspeed", "sft"), ("deepspeed", "ppo"), ("deepspeed", "rm")])
-def test_gpu_engines_are_refused_up_front_on_cpu(engine, stage, tiny_model_dir, tiny_reward_dir, tmp_path):
-    """One line naming the combination and the one that works, with the other config problems,
-    before the tokenizer or any model loads (measured before: accelerate silently ran DDP for fsdp)."""
-    from pipeline.config import ConfigError
-    from stages.ppo import PPOStage
-    from stages.reward import RMStage
-    from stages.sft import SFTStage
-
-    cls = {"sft": SFTStage, "rm": RMStage, "ppo": PPOStage}[stage]
-    argv = ["--model.path", str(tiny_model_dir), "--distributed.engine", engine, "--data.train", f"[{tmp_path / 'missing.jsonl'}]",
-            "--distributed.deepspeed_config", str(ROOT / "deepspeed_configs" / "zero3.json")]
-    if stage == "ppo":
-        argv += ["--reward_model.path", str(tiny_reward_dir)]
-    stage_obj = cls(load_config(cls.config_class, argv))
-    with pytest.raises(ConfigError) as err:
-        stage_obj.validate()
-    lines = err.value.problems
-    refusal = [line for line in lines if line.startswith(f"distributed.engine: {engine} needs a CUDA GPU")]
-    assert len(refusal) == 1 and refusal[0].endswith("on CPU use distributed.engine ddp"), lines
-    assert any("names no data file" in line for line in lines)  # listed with the other problems
-    assert stage_obj.tokenizer is None  # nothing loaded
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal only applies without a GPU")
-def test_deepspeed_is_refused_clearly_on_cpu(tiny_model_dir, tmp_path):
-    from stages.sft import SFTConfig
-
-    from pipeline.engine.accelerator import setup_accelerator
-
-    cfg = load_config(SFTConfig, ["--model.path", str(tiny_model_dir), "--distributed.engine", "deepspeed",
-                                  "--distributed.deepspeed_config", str(ROOT / "deepspeed_configs" / "zero2.json")])
-    with pytest.raises(ValueError, match="needs a GPU"):
-        setup_accelerator(cfg)
 
 
 def test_resuming_a_deepspeed_run_is_refused_up_front(tiny_model_dir, tmp_path, monkeypatch):

@@ -1,9 +1,10 @@
 """GPU-only distributed checks (skipped without CUDA; CI never depends on them): DeepSpeed ZeRO-2,
-ZeRO-3 and ZeRO-3 offload for SFT and RM with grad_accum 1 and 4 equal the one-GPU plain run with
-the same global batch; PPO under ZeRO-3 equals it too; QLoRA trains under ZeRO-3 and under FSDP
-and tracks the one-GPU QLoRA run; bf16 tracks fp32 within a stated tolerance; resuming a ZeRO run
+ZeRO-2 offload, ZeRO-3 and ZeRO-3 offload for SFT and RM with grad_accum 1 and 4 equal the one-GPU
+plain run with the same global batch; PPO under ZeRO-3 equals it too; QLoRA trains under ZeRO-2
+and tracks the one-GPU QLoRA run (under ZeRO-3 and FSDP it is refused up front:
+tests/test_zero_cpu.py, tests/test_fsdp.py); bf16 tracks fp32 within a stated tolerance; resuming a ZeRO run
 is refused up front (its optimizer state is sharded). FSDP's equivalence and exact resume are
-tests/test_distributed_stages.py (two GPUs).
+tests/test_distributed_stages.py (two GPUs); ZeRO on two CPU ranks: tests/test_zero_cpu.py.
 
 Ranks: min(2, GPUs). On one GPU the DeepSpeed runs are one rank (ZeRO's partitioning, its engine
 stepping once per optimizer step, its clipping and precision are still what runs); NCCL cannot
@@ -25,7 +26,7 @@ from test_distributed_stages import LOSS_KEYS, figures, launch, merged_weights, 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: DeepSpeed/FSDP/QLoRA on CUDA")
 RANKS = max(1, min(2, torch.cuda.device_count())) if torch.cuda.is_available() else 1
-ZERO = {"zero2": "zero2.json", "zero3": "zero3.json", "zero3_offload": "zero3_offload.json"}
+ZERO = {"zero2": "zero2.json", "zero2_offload": "zero2_offload.json", "zero3": "zero3.json", "zero3_offload": "zero3_offload.json"}
 REL_FP32 = 1e-3
 """DeepSpeed reduces and partitions in its own order: fp32 curves agree to ~1e-5; 1e-3 is the bound."""
 REL_QLORA = 1e-2
@@ -92,11 +93,11 @@ def test_ppo_under_zero3_equals_one_gpu(setup):
     assert (got / "ppo" / "merged" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize("engine", ["zero3"])  # FSDP2 cannot shard 4-bit weights: refused up front (test_fsdp.py)
+@pytest.mark.parametrize("engine", ["zero2"])  # ZeRO-3 and FSDP2 refuse 4-bit weights up front (test_zero_cpu.py, test_fsdp.py)
 def test_qlora_trains_under_sharding_and_tracks_one_gpu(engine, setup):
     qlora = ["--model.finetuning", "qlora", "--model.dtype", "bf16", "--train.precision", "bf16"]
     one = run(setup, [{"stage": "sft", "argv": argv(setup, "sft", 1, 1, f"qlora-{engine}-one/sft", *qlora)}], f"qlora-{engine}-one", 1)
-    flags = deepspeed("zero3") if engine == "zero3" else ["--distributed.engine", "fsdp"]
+    flags = deepspeed(engine)
     got = run(setup, [{"stage": "sft", "argv": argv(setup, "sft", 1, RANKS, f"qlora-{engine}/sft", *qlora, *flags)}], f"qlora-{engine}", RANKS)
     assert_same(got / "sft", one / "sft", "sft", REL_QLORA)
     assert merged_weights(got / "sft")

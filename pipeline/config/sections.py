@@ -279,8 +279,8 @@ class TrackingConfig:
 @dataclass
 class DistributedConfig:
     engine: str = "ddp"
-    """Data-parallel engine: ddp, deepspeed (both through accelerate; deepspeed needs CUDA) or fsdp
-    (torch's FSDP2, on CPU over gloo or on CUDA over nccl)."""
+    """Data-parallel engine: ddp, deepspeed (both through accelerate; DeepSpeed ZeRO on a CUDA GPU,
+    or on CPU ranks over gloo) or fsdp (torch's FSDP2, on CPU over gloo or on CUDA over nccl)."""
     deepspeed_config: Optional[str] = None
     """DeepSpeed JSON (see deepspeed_configs/); required when engine is deepspeed."""
     fsdp_sharding: str = "FULL_SHARD"

@@ -241,6 +241,10 @@ def setup_accelerator(cfg: StageConfig):
         ds["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
         ds["gradient_accumulation_steps"] = cfg.train.grad_accum
         ds["train_batch_size"] = cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes
+        if not cuda:
+            # On a CPU an offloaded optimizer is where it always was: the step stays Relay's fused
+            # torch AdamW (accelerate would swap in DeepSpeedCPUAdam, compiled on first use).
+            ds.setdefault("zero_force_ds_cpu_optimizer", False)
     return accelerator
 
 

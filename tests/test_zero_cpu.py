@@ -1,0 +1,187 @@
+"""DeepSpeed ZeRO on CPU: two torchrun ranks over gloo (DeepSpeed's CPU accelerator) train as one
+process does, under ZeRO-2 and ZeRO-3, with and without the optimizer offloaded to the CPU (on a
+CPU the offloaded step is Relay's torch AdamW, `zero_force_ds_cpu_optimizer` false: DeepSpeedCPUAdam
+would be compiled on first use, minutes on a 2-core machine; on a GPU it is DeepSpeed's): LoRA
+SFT, RM and PPO (ActorCritic has no `config`: the "auto" ZeRO sizes come from the policy's) and
+full-weight SFT. Per step: the loss and grad_norm (every rank logs the same); the exported
+adapter, merged model and checkpoint equal the one-process ones, whole: ZeRO-3 partitions every
+parameter above stage3_param_persistence_threshold (10 x hidden size = 640 elements for the tiny
+model), so the LoRA runs use r 16 (16 x 64 = 1024 elements) and a saved partition would be an
+empty tensor. QLoRA under ZeRO-3 is refused up front.
+
+Two launches (tests/distrun.py runs many stages in one interpreter): one plain process with the
+references, and two ranks running every ZeRO run. Tolerances are the DDP tests'
+(tests/test_distributed_stages.py); the per-step figures differ by ~1e-7.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_distributed_stages import ABS, LOSS_KEYS, REL, STEPS, WEIGHTS_ABS, history, launch, merged_weights, stage_argv, write_data
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "deepspeed_configs"
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="ZeRO on CPU ranks (gloo); on CUDA: tests/test_distributed_gpu.py")
+PERSISTENCE = 10 * 64
+"""accelerate's "auto" stage3_param_persistence_threshold for the tiny model (hidden size 64)."""
+REFERENCES = {"sft": ("sft", "lora"), "rm": ("rm", "lora"), "full": ("sft", "full"), "ppo": ("ppo", "lora")}
+"""The one-process runs: name -> (stage, model.finetuning)."""
+ZERO = {"zero2-rm": "rm", "zero2_offload-sft": "sft", "zero3-sft": "sft", "zero3_offload-rm": "rm", "zero3-full": "full",
+        "zero3-ppo": "ppo"}
+"""The two-rank runs: '<DeepSpeed config>-<reference>'."""
+TRAINED_ABS = 1e-4
+"""The trained tensors themselves (checkpoint, adapter), max |difference|: Adam divides each
+gradient by its own RMS, so the two runs' reduction-order noise on near-zero gradients becomes a
+few % of one step (lr 5e-3), as for full fine-tuning's weights (WEIGHTS_ABS); measured 3.4e-5.
+The merged LoRA weights hold the product of two such tensors, within WEIGHTS_ABS['lora']."""
+
+
+def argv(name: str, world: int, out: Path, setup) -> list[str]:
+    root, data, model, reward = setup
+    stage, mode = REFERENCES[name]
+    per_rank = (8 if stage == "ppo" else 4) // world
+    # RM starts from a reward model: a fresh head's initial draw is not the same under zero.Init.
+    args = stage_argv(stage, 1, per_rank, out, data, reward if stage == "rm" else model, reward)
+    args[args.index("--lora.r") + 1] = "16"
+    return args + ["--model.finetuning", mode]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model_dir, tiny_reward_dir):
+    root = tmp_path_factory.mktemp("zero_cpu")
+    return root, write_data(root / "data"), tiny_model_dir, tiny_reward_dir
+
+
+@pytest.fixture(scope="module")
+def launches(setup):
+    root = setup[0]
+    refs = [{"stage": REFERENCES[n][0], "argv": argv(n, 1, root / "one" / n, setup)} for n in REFERENCES]
+    launch(refs, root / "one", 1)
+    runs = []
+    for name, ref in ZERO.items():
+        config = name.split("-")[0]
+        flags = ["--distributed.engine", "deepspeed", "--distributed.deepspeed_config", str(CONFIGS / f"{config}.json")]
+        runs.append({"stage": REFERENCES[ref][0], "argv": argv(ref, 2, root / "zero" / name, setup) + flags})
+    launch(runs, root / "zero", 2, torchrun=True)
+    return root
+
+
+def tensors(folder: Path, pattern: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(folder.glob(pattern)):
+        out.update(load_file(str(file)))
+    return out
+
+
+def assert_whole_and_equal(got: dict, want: dict, tol: float) -> None:
+    assert got and got.keys() == want.keys()
+    assert all(got[k].numel() > 0 and got[k].shape == want[k].shape for k in got), "a saved tensor is a ZeRO-3 partition"
+    assert max(float((got[k].float() - want[k].float()).abs().max()) for k in got) < tol
+
+
+@pytest.mark.parametrize("name", list(ZERO))
+def test_two_zero_ranks_equal_one_process(name, launches):
+    ref = ZERO[name]
+    stage, mode = REFERENCES[ref]
+    got_dir, want_dir = launches / "zero" / name, launches / "one" / ref
+    got, want = history(got_dir), history(want_dir)
+    assert len(got) == len(want) == STEPS
+    for key in LOSS_KEYS[stage]:
+        assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=REL, abs=ABS), key
+    assert [s["train/grad_norm"] for s in history(got_dir, 1)] == [s["train/grad_norm"] for s in got]
+    assert max(s["train/grad_norm"] for s in got) > 0.05  # clipping was active
+    # The RM's merged score head is itself a trained tensor (modules_to_save), not a LoRA product.
+    assert_whole_and_equal(merged_weights(got_dir), merged_weights(want_dir), TRAINED_ABS if stage == "rm" else WEIGHTS_ABS[mode])
+    # The checkpoint's trainable weights (gathered from every rank's partitions).
+    assert_whole_and_equal(tensors(got_dir / "checkpoints", "*/model.safetensors"), tensors(want_dir / "checkpoints", "*/model.safetensors"),
+                           TRAINED_ABS)
+    if mode == "lora":
+        assert_whole_and_equal(tensors(got_dir / "adapter", "*.safetensors"), tensors(want_dir / "adapter", "*.safetensors"), TRAINED_ABS)
+
+
+def test_the_lora_runs_save_tensors_zero3_partitions(launches):
+    """Negative control for the exports above: the adapters hold tensors over the persistence
+    threshold, which ZeRO-3 partitions, so a save without the gather would hold empty ones."""
+    adapter = tensors(launches / "zero" / "zero3-sft" / "adapter", "*.safetensors")
+    assert max(t.numel() for t in adapter.values()) > PERSISTENCE
+
+
+def test_qlora_under_zero3_is_refused_up_front(tiny_model_dir, tmp_path):
+    """One line, with the other config problems, before the tokenizer or any model loads:
+    transformers refuses the device_map that places bitsandbytes' 4-bit weights under zero.Init."""
+    from pipeline.config import ConfigError, load_config
+    from stages.sft import SFTStage
+
+    argv_ = ["--model.path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out"), "--model.finetuning", "qlora",
+             "--distributed.engine", "deepspeed", "--distributed.deepspeed_config", str(CONFIGS / "zero3.json")]
+    stage = SFTStage(load_config(SFTStage.config_class, argv_))
+    with pytest.raises(ConfigError) as err:
+        stage.validate()
+    lines = [p for p in err.value.problems if p.startswith("model.finetuning: qlora cannot load under DeepSpeed ZeRO-3")]
+    assert len(lines) == 1 and "zero2" in lines[0], err.value.problems
+    assert stage.tokenizer is None
+    ok = SFTStage(load_config(SFTStage.config_class, argv_[:-1] + [str(CONFIGS / "zero2.json")]))
+    assert not any(p.startswith("model.finetuning: qlora") for p in _problems(ok))
+
+
+def _problems(stage) -> list[str]:
+    from pipeline.config import ConfigError
+
+    try:
+        stage.validate()
+    except ConfigError as err:
+        return err.problems
+    return []
+
+
+class _Holder(torch.nn.Module):
+    """ActorCritic's shape: the policy inside, no `config` of its own."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self.policy = policy
+
+
+def test_zero3_auto_sizes_are_filled_from_the_policy_inside(tiny_model_dir):
+    """accelerate fills these three "auto" values from `model.config.hidden_size` and raises for
+    a model without a `config` (PPO's and GRPO's ActorCritic); they come from the policy's."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.engine.accelerator import fill_hidden_size_autos
+
+    config = json.loads((CONFIGS / "zero3.json").read_text())
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config)))
+    holder = _Holder(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    assert not hasattr(holder, "config")
+    fill_hidden_size_autos(accelerator, holder)
+    zero = config["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"], zero["stage3_param_persistence_threshold"]) == (4096, 3686, 640)
+
+
+def test_the_pad_check_reads_a_partitioned_embedding_whole(tiny_model_dir):
+    """Under zero.Init the embedding weight is this rank's (empty) partition: the pad check reads
+    `ds_shape`, and does not resize an embedding that already has a row per token (it resized
+    Qwen's 151936 rows to the tokenizer's 151665, and drew random numbers doing so)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.modeling import models
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    weight = model.get_input_embeddings().weight
+    weight.ds_shape = tuple(weight.shape)
+    weight.data = torch.empty(0)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("resized a partitioned embedding")
+
+    model.resize_token_embeddings = refuse
+    models._set_pad(model, tokenizer)
+    assert model.config.pad_token_id == tokenizer.pad_token_id
