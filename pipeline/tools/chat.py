@@ -25,7 +25,16 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from data_formats.tools import template_tools
+from pipeline.config import ModelConfig
+from pipeline.engine.tracking import quiet_console
+from pipeline.modeling import models as modeling
+from pipeline.modeling import decode, vllm_server
+from pipeline.modeling.embedded import resolve_model_path
+from pipeline.modeling.preflight import model_problems
+from pipeline.tools.chat_tools import answer_with_tools, tool_setup
 from pipeline.tools.serve_batch import ChoiceText
+from pipeline.tools.serve_tools import tool_support_problem
 from pipeline.tools.serving import SERVING
 
 
@@ -86,17 +95,12 @@ def load_chat_tokenizer(path: str, *, trust_remote_code: bool = False, allow_pic
         ChatError: the folder is no causal LM (preflight: missing, an adapter, a reward model, no
             weights or tokenizer) or its tokenizer has no chat template.
     """
-    from pipeline.config import ModelConfig
-    from pipeline.modeling.embedded import resolve_model_path
-    from pipeline.modeling.models import load_tokenizer, remote_code_problems
-    from pipeline.modeling.preflight import model_problems
-
     found = model_problems(path, "--model", need="causal", allow_pickle=allow_pickle)
-    found = found or remote_code_problems(ModelConfig(path=path, trust_remote_code=trust_remote_code), "--model")
+    found = found or modeling.remote_code_problems(ModelConfig(path=path, trust_remote_code=trust_remote_code), "--model")
     if found:
         raise ChatError("; ".join(found))
     folder = resolve_model_path(path)
-    tokenizer = load_tokenizer(folder, trust_remote_code)
+    tokenizer = modeling.load_tokenizer(folder, trust_remote_code)
     if not getattr(tokenizer, "chat_template", None):
         raise ChatError(f"{folder}: the tokenizer has no chat template, so there is no chat format to prompt it with")
     return tokenizer
@@ -111,13 +115,10 @@ def load_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool =
         ChatError: see `load_chat_tokenizer`.
         OSError: transformers could not load what preflight let through (its error names it).
     """
-    from pipeline.config import ModelConfig
-    from pipeline.modeling.embedded import resolve_model_path
-    from pipeline.modeling.models import load_model
-
     tokenizer = load_chat_tokenizer(path, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
-    model = load_model(ModelConfig(path=resolve_model_path(path), finetuning="full", dtype=dtype, trust_remote_code=trust_remote_code,
-                                   allow_pickle=allow_pickle), None, kind="causal", tokenizer=tokenizer)
+    cfg = ModelConfig(path=resolve_model_path(path), finetuning="full", dtype=dtype, trust_remote_code=trust_remote_code,
+                      allow_pickle=allow_pickle)
+    model = modeling.load_model(cfg, None, kind="causal", tokenizer=tokenizer)
     model.eval()
     model.requires_grad_(False)
     return ChatModel(name=path, model=model, tokenizer=tokenizer)
@@ -130,16 +131,14 @@ def start_vllm_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: 
     Raises:
         ChatError: see `load_chat_tokenizer`; vLLM absent or its server failed to start.
     """
-    from pipeline.modeling.embedded import resolve_model_path
-    from pipeline.modeling.vllm_server import ServerOptions, VLLMError, VLLMServer
-
     if trust_remote_code:
         raise ChatError("--backend vllm: --trust-remote-code is not passed on to vLLM")
     tokenizer = load_chat_tokenizer(path)
     folder = resolve_model_path(path)
     try:
-        server = VLLMServer(folder, ServerOptions(name="chat", max_num_seqs=2, dtype="float32" if dtype == "fp32" else "auto")).start()
-    except VLLMError as err:
+        options = vllm_server.ServerOptions(name="chat", max_num_seqs=2, dtype="float32" if dtype == "fp32" else "auto")
+        server = vllm_server.VLLMServer(folder, options).start()
+    except vllm_server.VLLMError as err:
         raise ChatError(str(err)) from None
     return ChatModel(name=path, model=None, tokenizer=tokenizer, server=server, eos_ids=chat_eos_ids(folder, tokenizer))
 
@@ -171,8 +170,6 @@ def unsupported_sampling(backend: str, gen: Generation) -> Optional[str]:
 def prompt_ids(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
     """Token ids of the conversation so far plus the assistant opener (the generation prompt);
     `tools`: the tool schemas (function objects) the template shows."""
-    from data_formats.tools import template_tools
-
     extra = {"tools": template_tools(tools)} if tools else {}
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     # The template already writes any BOS it wants; adding special tokens again would double it.
@@ -220,8 +217,6 @@ def reply(chat: ChatModel, messages: list[dict], gen: Generation, stream: bool =
     """The model's next assistant turn (printed token by token when `stream`), from Relay's decode
     engine; with top_k or a repetition penalty (knobs the engine does not have) from transformers'
     generate. `tools`: the tool schemas in the prompt."""
-    from pipeline.modeling.decode import generate
-
     ids = prompt_ids(chat.tokenizer, messages, tools)
     if chat.server is not None:
         return vllm_reply(chat, ids, gen, stream)
@@ -229,7 +224,7 @@ def reply(chat: ChatModel, messages: list[dict], gen: Generation, stream: bool =
         return hf_reply(chat, ids, gen, stream)
     eos = eos_ids_of(chat.model, chat.tokenizer)
     printer = StreamPrinter(chat.tokenizer) if stream else None
-    out = generate(chat.model, [ids], max_new_tokens=gen.max_new_tokens, eos_ids=eos, pad_id=chat.tokenizer.pad_token_id,
+    out = decode.generate(chat.model, [ids], max_new_tokens=gen.max_new_tokens, eos_ids=eos, pad_id=chat.tokenizer.pad_token_id,
                    temperature=gen.temperature, top_p=gen.top_p if gen.temperature > 0 else 1.0, on_token=printer)
     if printer is not None:
         printer.close()
@@ -241,10 +236,8 @@ def reply(chat: ChatModel, messages: list[dict], gen: Generation, stream: bool =
 def vllm_reply(chat: ChatModel, ids: list[int], gen: Generation, stream: bool) -> str:
     """`reply` from the vLLM server (`--backend vllm`): greedy at temperature 0, else sampled with a
     seed drawn from torch's RNG (so --seed repeats a session); printed whole when `stream`."""
-    from pipeline.modeling.vllm_server import completion_ids
-
     seed = int(torch.randint(0, 2**31 - 1, ())) if gen.temperature > 0 else None
-    (tokens,) = completion_ids(chat.server, [ids], gen.max_new_tokens, chat.eos_ids, temperature=gen.temperature,
+    (tokens,) = vllm_server.completion_ids(chat.server, [ids], gen.max_new_tokens, chat.eos_ids, temperature=gen.temperature,
                                top_p=gen.top_p if gen.temperature > 0 else 1.0, seed=seed)
     chat.last_answer_cut = len(tokens) >= gen.max_new_tokens
     text = chat.tokenizer.decode(tokens, skip_special_tokens=True).strip()
@@ -285,8 +278,6 @@ def start_messages(system: Optional[str]) -> list[dict]:
 
 def tool_reply(chat: ChatModel, history: list[dict], gen: Generation, setup, read: Callable[[str], str] = input) -> str:
     """The model's answer to the last user turn, with its tool calls shown and answered (chat_tools)."""
-    from pipeline.tools.chat_tools import answer_with_tools
-
     answer = answer_with_tools(lambda messages: reply(chat, messages, gen, tools=setup.schemas), history, setup.tools,
                                setup.timeout, read)
     print(f"bot> {answer}")
@@ -376,8 +367,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from pipeline.engine.tracking import quiet_console
-
     args = parse_args(argv)
     quiet_console()
     torch.manual_seed(args.seed)
@@ -386,8 +375,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if (args.tools or args.tool_schemas) and args.compare:
             raise ValueError("--tools/--tool-schemas chat with one model: drop --compare")
-        from pipeline.tools.chat_tools import tool_setup
-
         tools = tool_setup(args.tools, args.tool_schemas, args.tool_timeout)
         refused = unsupported_sampling(args.backend, gen)
         if refused:
@@ -396,8 +383,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             models.append(CHAT_MODELS[args.backend](path, args.dtype, trust_remote_code=args.trust_remote_code,
                                                     allow_pickle=args.allow_pickle))
         if tools is not None:
-            from pipeline.tools.serve_tools import tool_support_problem
-
             problem = tool_support_problem(models[0].tokenizer)
             if problem:
                 raise ChatError(f"--tools: {problem}")
