@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from data_formats.conversation import RecordError
-from data_formats.formats import llamafactory_registry
+from data_formats import llamafactory_registry
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 _GLOB_CHARS = "*?["
@@ -344,7 +344,7 @@ def read_entry(entry: str, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[RawRec
 
 def _read_registry_entry(entry: str, max_bytes: int) -> Iterator[RawRecord]:
     """The records of a LLaMA-Factory registry entry, each rewritten by the entry's columns and tags
-    (data_formats.formats.llamafactory_registry), with the FILE:LINE of the file it came from; the
+    (data_formats.llamafactory_registry), with the FILE:LINE of the file it came from; the
     task is the entry's dataset name."""
     name = entry.rpartition(":")[2]
     try:

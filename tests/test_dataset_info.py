@@ -1,5 +1,5 @@
 """LLaMA-Factory's dataset registry read as it is: a data entry `FOLDER/dataset_info.json:NAME`
-(data_formats.formats.llamafactory_registry) yields exactly what pointing at the entry's file
+(data_formats.llamafactory_registry) yields exactly what pointing at the entry's file
 yields, for LLaMA-Factory's own registry entries of its demo files (tests/data/peers/LLaMA-Factory,
 SOURCES.md) and for entries that rename columns and tags; what Relay cannot honour is one line
 naming the entry."""

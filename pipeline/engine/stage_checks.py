@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from data_formats.formats import llamafactory_registry
+from data_formats import llamafactory_registry
 from data_formats.sampling import SourceMix
 from data_formats.sources import expand_entry
 from pipeline.modeling.handoff import manifest_problems
@@ -18,7 +18,7 @@ from pipeline.modeling.preflight import model_problems
 
 def data_problems(entries: Sequence[str], key: str) -> list[str]:
     """Data path entries that name no file (a missing path or an empty folder/glob), and LLaMA-Factory
-    registry entries Relay cannot honour (data_formats.formats.llamafactory_registry)."""
+    registry entries Relay cannot honour (data_formats.llamafactory_registry)."""
 
     out = []
     for entry in entries:

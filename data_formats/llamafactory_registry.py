@@ -28,8 +28,9 @@ datasets (`hf_hub_url`, `ms_hub_url`, `om_hub_url`, `script_url`, `cloud_file_na
 data.max_samples), a `formatting` other than alpaca or sharegpt, and columns or tags LLaMA-Factory
 does not document.
 
-Not a `Format` of the format registry: a registry entry names a file and how its columns map, and
-its records then go through the registry's own layouts.
+Not a `Format` of the format registry (data_formats/formats) but a kind of data entry beside files,
+folders and datasets (data_formats.sources): a registry entry names a file and how its columns
+map, and its records then go through the format registry's own layouts.
 """
 
 from __future__ import annotations
