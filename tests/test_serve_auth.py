@@ -113,8 +113,8 @@ def test_vllm_backend_gets_the_key_and_roles_in_its_environment(monkeypatch, tin
         def wait(self):
             return 0
 
-    real = serve.importlib.util.find_spec
-    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
     monkeypatch.setattr(vllm_server, "launch", lambda cmd, env: calls.append((cmd, env)) or Proc())
     monkeypatch.setattr(vllm_server, "stop_group", stopped.append)
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
