@@ -12,6 +12,7 @@
     relay export RUN_OR_MERGED_DIR --out DIR [--gguf]       # a shippable model folder + model card
     relay serve DIR [--port 8000]                           # OpenAI-compatible /v1/chat/completions
     relay bundle --out DIR | --check DIR                    # wheels for an offline CUDA torch node
+    relay sample --model DIR --data.train [P.jsonl] --out F.jsonl --mode sft|dpo   # scored samples -> SFT/DPO data
 
 The per-stage scripts (`stages/*.py`, `run_scripts/run_*.sh`) stay; `relay train` runs the same
 scripts (through torchrun when --nproc > 1). Every subcommand's `--help` lists its options.
@@ -54,8 +55,9 @@ COMMANDS = {
     "serve": ("pipeline.tools.serve", "serve a model folder on an OpenAI-compatible HTTP API"),
     "embedded": ("pipeline.modeling.embedded", "locate (converting once) the embedded model folder"),
     "bundle": ("pipeline.tools.bundle", "download the wheels an offline CUDA torch node needs (or check a bundle)"),
+    "sample": ("pipeline.tools.sample", "sample N answers per prompt, score them, write best-of-N SFT or best/worst DPO data"),
 }
-LOADS_MODELS = ("chat", "merge", "export", "serve")
+LOADS_MODELS = ("chat", "merge", "export", "serve", "sample")
 """Subcommands that load models: their loading bars and known-harmless warnings are silenced."""
 PIPELINE_KEYS = ("stages", "chain", "output_root", "base_model")
 USAGE_LINE = re.compile(r"stages/(\w+)\.py|run_scripts/run_(\w+)\.sh")

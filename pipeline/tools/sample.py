@@ -1,0 +1,279 @@
+"""`relay sample`: prompts -> N sampled answers each from a model folder -> scores (reward functions,
+a reward model, an LLM judge: the rewards GRPO sums) -> an SFT file (best-of-N above a threshold,
+rejection sampling) or a DPO file (best vs worst with a margin), with the scores kept as extra fields.
+
+    relay sample --model outputs/sft/merged --data.train [data/sample/ppo/train.jsonl] --out samples.jsonl \\
+        --mode dpo --num_samples 4 --reward_model outputs/rm/merged --margin 0.5 --seed 0
+    relay sample --config sample.yaml [--key value ...]
+
+The prompts are read and rendered as PPO's and GRPO's (`data:` is their prompt section); the answers
+come from the RL samplers (pipeline/algorithms/rollout.py, `backend` relay or hf) under `seed`, so the
+same seed gives the same file (with a deterministic judge: temperature 0, or its cache). The file is
+what `relay validate --kind sft|dpo` and the SFT and DPO stages read: SFT records are {"messages"}
+conversations; DPO records {"prompt", "chosen", "rejected"}, texts for a text prompt, else messages.
+Answers cut at max_new_tokens (no end-of-turn token) are left out unless `keep_unfinished`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from pipeline.algorithms.judge import JudgeConfig
+from pipeline.config import PromptDataConfig
+
+MODES = ("sft", "dpo")
+BACKENDS = ("relay", "hf")
+log = logging.getLogger("relay.sample")
+
+
+@dataclass
+class SampleConfig:
+    model: str = ""
+    """The model folder that answers (a merged model, or 'embedded')."""
+    data: PromptDataConfig = field(default_factory=lambda: PromptDataConfig(train=[], eval=[]))
+    """The prompts: data.train lists the files, rendered as PPO's prompts (template, system_prompt, max_prompt_length)."""
+    out: str = ""
+    """The JSONL file written (its folder is created; judge_cache/ goes beside it)."""
+    mode: str = "dpo"
+    """sft: each prompt's best answer when it scores >= threshold; dpo: its best (chosen) and worst
+    (rejected) answers when chosen >= rejected + margin and they differ."""
+    num_samples: int = 4
+    """Answers sampled per prompt (N >= 2 for dpo)."""
+    threshold: Optional[float] = None
+    """sft: the least score kept (null: every prompt's best)."""
+    margin: float = 0.0
+    """dpo: the least score gap between chosen and rejected (a tie is never a pair)."""
+    seed: int = 0
+    """Seeds the sampling: the same seed, model and prompts give the same file."""
+    max_new_tokens: int = 128
+    """Longest answer sampled."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    backend: str = "relay"
+    """The sampler: relay (Relay's decode engine) or hf (transformers' generate)."""
+    batch_size: int = 8
+    """Prompts sampled together (each with its num_samples answers)."""
+    seq_length: int = 1024
+    """Longest prompt + answer in tokens (longer prompts are handled by data.truncation)."""
+    keep_unfinished: bool = False
+    """Consider answers cut at max_new_tokens without an end-of-turn token."""
+    reward_funcs: list[str] = field(default_factory=list)
+    """Reward functions "module:function" or "path/file.py:function", called as GRPO calls them."""
+    reward_weights: Optional[list[float]] = None
+    """One weight per reward function (null: 1 each)."""
+    reward_model: Optional[str] = None
+    """A reward model folder (the RM stage's merged/) scoring each whole answer; null: none."""
+    reward_model_weight: float = 1.0
+    """Weight of the reward model's score in the summed score."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """An LLM judge (GRPO's judge: section, pipeline/algorithms/judge.py); base_url null: none."""
+
+    def problems(self) -> list[str]:
+        from pipeline.algorithms import rewards as rw
+
+        out: list[str] = []
+        if not self.model:
+            out.append("model: required (the model folder that answers)")
+        if not self.out:
+            out.append("out: required (the JSONL file to write)")
+        if not self.data.train:
+            out.append("data.train: no prompt files")
+        if self.mode not in MODES:
+            out.append(f"mode: {self.mode!r} is not one of {MODES}")
+        if self.num_samples < (2 if self.mode == "dpo" else 1):
+            out.append(f"num_samples: {self.mode} needs at least {2 if self.mode == 'dpo' else 1}, got {self.num_samples}")
+        if self.backend not in BACKENDS:
+            out.append(f"backend: {self.backend!r} is not one of {BACKENDS} (vllm follows a training policy's adapter; "
+                       f"serve the folder with `relay serve --backend vllm` for a fixed model)")
+        if self.margin < 0:
+            out.append(f"margin: must be >= 0, got {self.margin}")
+        if self.max_new_tokens < 1 or self.seq_length <= self.max_new_tokens:
+            out.append(f"max_new_tokens/seq_length: need 1 <= max_new_tokens < seq_length, got {self.max_new_tokens}/{self.seq_length}")
+        if self.temperature <= 0 or self.batch_size < 1:
+            out.append("temperature/batch_size: must be > 0 and >= 1")
+        if not self.reward_funcs and not self.reward_model and not self.judge.enabled:
+            out.append("reward_funcs / reward_model / judge.base_url: nothing scores the answers")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            out.append(f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward functions")
+        out += [f"reward_funcs: {p}" for p in filter(None, map(rw.reward_func_problem, self.reward_funcs))]
+        return out + self.data.problems() + self.judge.problems()
+
+
+# ------------------------------------------------------------------------------------------
+# Choosing what to keep (pure)
+# ------------------------------------------------------------------------------------------
+
+
+def best_of_n(answers: Sequence[str], scores: Sequence[float], threshold: Optional[float]) -> Optional[int]:
+    """The index of the best answer (the first of equals), or None when it scores below `threshold`."""
+    if not answers:
+        return None
+    best = max(range(len(answers)), key=lambda i: (scores[i], -i))
+    return best if threshold is None or scores[best] >= threshold else None
+
+
+def best_and_worst(answers: Sequence[str], scores: Sequence[float], margin: float) -> Optional[tuple[int, int]]:
+    """(chosen, rejected): the best and the worst answer (the first of equals), or None when the gap
+    is under `margin`, a tie, or the two texts are the same."""
+    if len(answers) < 2:
+        return None
+    best = max(range(len(answers)), key=lambda i: (scores[i], -i))
+    worst = min(range(len(answers)), key=lambda i: (scores[i], i))
+    if scores[best] <= scores[worst] or scores[best] < scores[worst] + margin or answers[best] == answers[worst]:
+        return None
+    return best, worst
+
+
+def make_record(prompt, messages: list[dict], answers: Sequence[str], scores: Sequence[float], mode: str, pick) -> dict:
+    """The SFT or DPO record of one prompt, every sampled answer's score beside it. SFT: the prompt's
+    `messages` and the answer (one layout for the whole file: a validator reads a file's layout from
+    its first record); DPO: TRL's preference type, texts for a text `prompt`, else messages."""
+    def turn(text):
+        return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+
+    extra = {"scores": [round(float(s), 6) for s in scores]}
+    if mode == "sft":
+        return {"messages": list(messages) + [{"role": "assistant", "content": answers[pick]}], "score": extra["scores"][pick], **extra}
+    chosen, rejected = pick
+    return {"prompt": prompt, "chosen": turn(answers[chosen]), "rejected": turn(answers[rejected]),
+            "chosen_score": extra["scores"][chosen], "rejected_score": extra["scores"][rejected], **extra}
+
+
+# ------------------------------------------------------------------------------------------
+# Sampling and scoring
+# ------------------------------------------------------------------------------------------
+
+
+class Scorer:
+    """The summed score of answers: reward functions, a reward model and a judge, weighted."""
+
+    def __init__(self, cfg: SampleConfig, tokenizer, device):
+        from pipeline.algorithms import rewards as rw
+        from pipeline.algorithms.judge import JudgeReward
+
+        self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
+        self.funcs = [rw.load_reward_func(spec) for spec in cfg.reward_funcs]
+        self.rm = None
+        if cfg.reward_model:
+            from pipeline.config import ModelConfig
+            from pipeline.modeling.models import load_model
+
+            self.rm = load_model(ModelConfig(path=cfg.reward_model, finetuning="full"), None, kind="reward",
+                                 tokenizer=tokenizer).to(device).eval()
+        self.judge = None
+        if cfg.judge.enabled:
+            self.judge = JudgeReward(cfg.judge, Path(cfg.out).parent / "judge_cache" / f"{Path(cfg.out).stem}.jsonl")
+            # Every earlier reply to the same request is reused (no training state to stay equal
+            # to): a rerun with another threshold or margin asks the judge nothing new.
+            self.judge.open(steps_done=1)
+
+    def __call__(self, samples: list[dict], rollout, texts: list[str]) -> list[float]:
+        import torch
+
+        from pipeline.algorithms import rewards as rw
+        from pipeline.algorithms.rollout import ActorCritic, chunks
+
+        cfg = self.cfg
+        completions = rw.trl_completions(samples, texts)
+        prompts, columns = [rw.trl_prompt(s) for s in samples], [json.loads(s.get("columns") or "{}") for s in samples]
+        total = torch.zeros(len(texts), dtype=torch.float64)
+        for spec, func, weight in zip(cfg.reward_funcs, self.funcs, cfg.reward_weights or [1.0] * len(self.funcs)):
+            values = rw.call_reward(func, spec, prompts, completions, [list(r) for r in rollout.responses], columns)
+            total += torch.nan_to_num(weight * torch.tensor(values, dtype=torch.float64), nan=0.0)
+        if self.rm is not None:
+            scorer = ActorCritic(self.rm, None, None, self.rm)
+            for rows in chunks(len(texts), cfg.batch_size):
+                total[rows] += cfg.reward_model_weight * scorer.reward_scores(
+                    rollout.input_ids[rows].to(self.device), rollout.attention_mask[rows].to(self.device), rollout.prompt_width).double().cpu()
+        if self.judge is not None:
+            j = cfg.judge
+            refs = [None if not j.reference_column else str(c.get(j.reference_column)) for c in columns]
+            scores = self.judge.score([rw.text_of(p) for p in prompts], [rw.final_answer(c) for c in completions], refs)
+            total += j.weight * torch.tensor(scores, dtype=torch.float64)
+        return total.tolist()
+
+
+def run(cfg: SampleConfig) -> dict:
+    """Sample, score and write `cfg.out`; returns the counts (prompts, records, skipped).
+
+    Raises:
+        DataError: bad prompt records; OSError: an unreadable model folder; JudgeError: a failed judge
+        request with judge.on_failure null.
+    """
+    import numpy as np
+    import torch
+
+    from data_formats.datasets import build_prompt_data
+    from data_formats.render import make_template
+    from pipeline.algorithms import rewards as rw
+    from pipeline.algorithms.rollout import assemble, make_generator
+    from pipeline.config import ModelConfig
+    from pipeline.modeling.models import load_model, load_tokenizer
+
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    tok = load_tokenizer(cfg.model)
+    template = make_template(cfg.data, tok)
+    samples = build_prompt_data(cfg.data, tok, template, "train", min(cfg.data.max_prompt_length, cfg.seq_length - cfg.max_new_tokens))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    policy = load_model(ModelConfig(path=cfg.model, finetuning="full"), None, kind="causal", tokenizer=tok).to(device).eval()
+    eos = [tok.eos_token_id]
+    generator = make_generator(cfg.backend, policy, tok.pad_token_id, eos, cfg.max_new_tokens, cfg.temperature)
+    scorer = Scorer(cfg, tok, device)
+    n, counts, records = cfg.num_samples, {"prompts": len(samples), "records": 0, "skipped": 0}, []
+    for start in range(0, len(samples), cfg.batch_size):
+        batch = samples[start:start + cfg.batch_size]
+        rows = [s for s in batch for _ in range(n)]
+        ids = [s["prompt_ids"] for s in rows]
+        with torch.no_grad():
+            rollout = assemble(ids, generator.generate(ids), tok.pad_token_id, eos)
+        texts = [tok.decode(r, skip_special_tokens=True) for r in rollout.responses]
+        scores = scorer(rows, rollout, texts)
+        for j, sample in enumerate(batch):
+            keep = [i for i in range(j * n, (j + 1) * n) if cfg.keep_unfinished or bool(rollout.finished[i])]
+            answers, marks = [texts[i] for i in keep], [scores[i] for i in keep]
+            pick = best_of_n(answers, marks, cfg.threshold) if cfg.mode == "sft" else best_and_worst(answers, marks, cfg.margin)
+            if pick is None:
+                counts["skipped"] += 1
+                continue
+            records.append(make_record(rw.trl_prompt(sample), rw.prompt_messages(sample), answers, marks, cfg.mode, pick))
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    counts["records"] = len(records)
+    if scorer.judge is not None:
+        counts.update({k.split("/")[-1]: v for k, v in scorer.judge.take_figures().items()})
+    return counts
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from pipeline.algorithms.judge import JudgeError
+    from pipeline.config import ConfigError, load_config
+    from data_formats.sources import DataError
+
+    try:
+        cfg = load_config(SampleConfig, argv, prog="relay sample")
+    except ConfigError as err:
+        for problem in err.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        counts = run(cfg)
+    except (DataError, JudgeError, OSError, ValueError) as err:
+        print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return 1
+    print(f"{cfg.out}: {counts['records']} {cfg.mode} records from {counts['prompts']} prompts "
+          f"({counts['skipped']} skipped: {'below the threshold' if cfg.mode == 'sft' else 'gap under the margin'} "
+          f"or no finished answer)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
