@@ -32,7 +32,7 @@ from data_formats.collate import IGNORE_INDEX
 from data_formats.conversation import Conversation
 from data_formats.render import Template, render, render_prompt, render_scored
 from data_formats.sampling import SourceMix
-from data_formats.sources import Problem, file_entries
+from data_formats.sources import Problem, entry_task_name, file_entries
 from data_formats.tools import has_tools
 from data_formats.token_cache import Built, Check, build_cached, key_parts
 from data_formats.validate import Parsed, apply_policy, every_record_bad, read_and_parse
@@ -331,7 +331,9 @@ def source_mix(cfg, samples: list, seed: int) -> Optional[SourceMix]:
         if file not in entry_of:
             raise ValueError(f"data.weights: cannot tell which data.train entry the sample from {sample.get('source')!r} came from")
         owners.append(index[entry_of[file]])
-    return SourceMix(entries, list(cfg.weights), cfg.mix_stop, seed, owners)
+    labels = [entry_task_name(entry) for entry in entries]
+    labels = [label if labels.count(label) == 1 else f"{label}#{k}" for k, label in enumerate(labels)]
+    return SourceMix(entries, list(cfg.weights), cfg.mix_stop, seed, owners, labels)
 
 
 def fit_pair(prompts: tuple[list[int], list[int]], responses: tuple[list[int], list[int]],

@@ -169,6 +169,8 @@ class SourceMix:
     seed: int
     entry_of: list[int]
     """The entry (an index into `names`) each of the split's samples came from."""
+    labels: list[str] = field(default_factory=list)
+    """Short names of the entries for the logged figures (default: `names`)."""
     members: list[list[int]] = field(default_factory=list, repr=False)
     """The indices into the split's samples of each entry's samples."""
     _cache: dict = field(default_factory=dict, repr=False)
@@ -176,6 +178,7 @@ class SourceMix:
     def __post_init__(self):
         total = float(sum(self.weights))
         self.weights = [float(w) / total for w in self.weights]
+        self.labels = list(self.labels) or list(self.names)
         self.members = [[] for _ in self.names]
         for i, k in enumerate(self.entry_of):
             self.members[k].append(i)
@@ -200,9 +203,9 @@ class SourceMix:
         return min(live) if self.stop == "first_exhausted" else max(live)
 
     def step_figures(self, samples: Sequence, indices: Sequence[int]) -> dict[str, float]:
-        """`data/samples/<entry>` and `data/tokens/<entry>` of the global batch `indices`."""
+        """`data/samples/<label>` and `data/tokens/<label>` of the global batch `indices`."""
         figures = {}
-        for k, name in enumerate(self.names):
+        for k, name in enumerate(self.labels):
             chosen = [i for i in indices if self.entry_of[i] == k]
             figures[f"data/samples/{name}"] = float(len(chosen))
             figures[f"data/tokens/{name}"] = float(sum(sample_tokens(samples[i]) for i in chosen))

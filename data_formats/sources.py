@@ -107,7 +107,10 @@ class RawRecord:
 
 def entry_task_name(entry: str) -> str:
     """Task name of a data path entry: a file's stem, a folder's name, a glob's folder name, or
-    the last part of a dataset name."""
+    the last part of a dataset name; a LLaMA-Factory registry entry's dataset name."""
+    registry = llamafactory_registry.split_entry(entry)
+    if registry is not None:
+        return registry[1]
     if any(c in entry for c in _GLOB_CHARS):
         return Path(entry.split("*")[0].split("?")[0].split("[")[0]).name or Path(entry).parent.name
     path = Path(entry)
