@@ -333,8 +333,7 @@ class DataConfig:
     corpus and general text mixed back in: `train: [medical.jsonl, general.jsonl]`,
     `weights: [0.7, 0.3]`. Seeded by train.seed; recorded in the manifest (`data_mix`); TensorBoard
     shows data/samples/<name> and data/tokens/<name> per step (an entry's task name, its file stem).
-    None: the entries are pooled and
-    shuffled together."""
+    None: the entries are pooled and shuffled together."""
     mix_stop: Union[int, str] = "first_exhausted"
     """When an epoch of a weighted mix ends (data.weights): 'first_exhausted' as soon as one entry
     has given all its samples (no sample repeats within an epoch); 'all_exhausted' once every entry
