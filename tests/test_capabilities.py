@@ -79,7 +79,7 @@ def test_known_refusals_are_the_tables():
     assert cap.refusal(cap.Cell("grpo", "vllm", "off", "lora", "single", "tis")) is None
     assert cap.refusal(cap.Cell("sft", adapter="qlora", engine="fsdp")).startswith("distributed.engine: fsdp cannot shard QLoRA")
     zero = cap.Cell("sft", adapter="lora", engine="zero3")
-    assert cap.refusal(zero, cuda=True) is None and "CUDA GPU only" in cap.refusal(zero, cuda=False)
+    assert cap.refusal(zero, cuda=True) is None and cap.refusal(zero, cuda=False) is None  # ZeRO trains on CPU ranks too
     assert cap.refusal(cap.Cell("ppo", "relay", "off", "lora", "single", "tis")).startswith("generation.correction: tis")
     assert cap.refusal(cap.Cell("sft", adapter="qlora", engine="single")) is None  # bitsandbytes' 4-bit runs on CPU
 
