@@ -75,14 +75,14 @@ LAST_MODULES = ("test_vllm.py", "test_vllm_tools.py")
 while the rest of the suite runs, and these tests wait for it (tests/test_vllm.py)."""
 
 
-LONGEST_FIRST = ("test_driver.py", "test_bench.py", "test_fsdp.py", "test_vllm.py", "test_distributed_stages.py",
-                 "test_signals.py", "test_decode.py", "test_reward.py", "test_multinode.py", "test_tool_rollout.py",
-                 "test_pt_sft.py")
+LONGEST_FIRST = ("test_driver.py", "test_zero_cpu.py", "test_bench.py", "test_fsdp.py", "test_vllm.py", "test_cells_ddp.py",
+                 "test_distributed_stages.py", "test_vllm_tools.py", "test_signals.py", "test_decode.py", "test_reward.py",
+                 "test_cells.py", "test_distill.py", "test_multinode.py", "test_tool_rollout.py", "test_pt_sft.py")
 """The order of the modules in xdist workers (run_scripts/test.sh runs `--dist loadfile
 --no-loadscope-reorder`: a module to a worker, handed out in collection order): the longest first
-(`--durations`, 2026-11-26: 40-190 s each), so that two workers end together instead of one
-finishing a long module alone; the rest follow in their usual order. The vLLM module comes fourth:
-the background install of its environment (~3 min from nothing) has finished by then."""
+(by `--durations`), so that two workers end together instead of one finishing a long module alone;
+the rest follow in their usual order. The vLLM modules come after a few long ones: the background
+install of their environment has finished by then."""
 
 
 def pytest_collection_modifyitems(session, config, items):
