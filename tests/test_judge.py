@@ -18,6 +18,7 @@ from pipeline.tools.openai_protocol import ApiError, check_request, completion_r
 from stagerun import run_stage
 from stages import grpo
 from test_grpo import make_cfg, peaked_policy  # noqa: F401  (a fixture)
+from test_serve import chat, server  # noqa: F401  (fixtures: a live relay serve of a tiny model)
 
 SERVED = "stub-judge"
 KEY = "sk-test-9f3c1d7e5b2a"
@@ -224,7 +225,7 @@ def judged_prompts(tmp_path_factory):
     return path
 
 
-def test_grpo_two_steps_with_judge_and_rule_reward_and_resume(fresh, tmp_path, peaked_policy, judged_prompts, monkeypatch):
+def test_grpo_two_steps_with_judge_and_rule_reward_and_resume(fresh, tmp_path, peaked_policy, judged_prompts, monkeypatch):  # noqa: F811
     monkeypatch.setenv("RELAY_TEST_JUDGE_KEY", KEY)
 
     def run(out, stop=None, resume=False):
@@ -286,4 +287,25 @@ def test_ppo_reward_fn_hook_scores_decoded_responses(fresh, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     ids = [tok.encode("hello", add_special_tokens=False) + [tok.eos_token_id], tok.encode("hi there", add_special_tokens=False)]
     scores = ppo_reward_fn(JudgeReward(judge_cfg(fresh.url)), tok)(["<prompt>", "<prompt>"], ids)
-    assert scores.tolist() == pytest.approx([0.5, 0.8]) and [answer_of(b) for b in fresh.bodies] == ["hello", "hi there"]
+    assert scores.tolist() == pytest.approx([0.5, 0.8]) and sorted(answer_of(b) for b in fresh.bodies) == ["hello", "hi there"]
+
+
+def test_relay_serve_as_the_judge_answers_as_the_openai_client_sees_it(server, caplog):  # noqa: F811
+    """A live `relay serve` (a tiny random model, greedy) is the judge: each request succeeds, and the
+    score is what the parser makes of the reply the official client gets for the same request
+    (a random model's reply is seldom a number: then the fallback, counted)."""
+    client, base = server
+    cfg = JudgeConfig(base_url=base, model="tiny", max_tokens=8, on_failure=-1.0, retries=0, retry_backoff=0.0)
+    answers = ["Tessel.", "Per the Kelvra Atlas, Oru's capital is Tessel."]
+    judge = JudgeReward(cfg)
+    scores = judge.score(["What is the capital of Oru?"] * 2, answers)
+    from pipeline.algorithms.judge import render_messages
+
+    for answer, score in zip(answers, scores):
+        seen = client.chat.completions.create(model="tiny", messages=render_messages(cfg, "What is the capital of Oru?", answer),
+                                              max_tokens=8, temperature=0.0).choices[0].message.content
+        expected = parse_score(seen, cfg)
+        assert score == (-1.0 if expected is None else expected), (seen, score)
+    figures = judge.take_figures()
+    assert figures["judge/requests"] == 2 and figures["judge/failures"] == scores.count(-1.0)
+    assert "HTTP" not in caplog.text and "connection" not in caplog.text  # failures, if any, are replies, not transport
