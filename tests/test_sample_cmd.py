@@ -127,3 +127,11 @@ def test_a_judge_scores_the_samples(tmp_path, tiny_model_dir, prompt_files):
         assert r["score"] == int(default_reply(r["messages"][-1]["content"])) / 10 == max(r["scores"])
     assert again["requests"] == 0 and len(stub.bodies) == asked and again["cache_hits"] == 16
     assert (tmp_path / "judge_cache" / "judged.jsonl").is_file()
+
+
+def test_relay_sample_names_a_missing_model_and_prompt_file(tmp_path, capsys):
+    code = cli.main(["sample", "--model", str(tmp_path / "no_such_model"), "--out", str(tmp_path / "x.jsonl"),
+                     "--data.train", f"[{tmp_path / 'none.jsonl'}]", "--reward_funcs", "[test_sample_cmd:answer_length]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and not (tmp_path / "x.jsonl").exists()
+    assert "no_such_model" in err and "none.jsonl" in err, err

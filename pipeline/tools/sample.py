@@ -104,6 +104,16 @@ class SampleConfig:
         out += [f"reward_funcs: {p}" for p in filter(None, map(rw.reward_func_problem, self.reward_funcs))]
         return out + self.data.problems() + self.judge.problems()
 
+    def file_problems(self) -> list[str]:
+        """The model folders and prompt files, looked at without loading anything."""
+        from pipeline.engine.stage_checks import data_problems
+        from pipeline.modeling.preflight import model_problems
+
+        out = model_problems(self.model, "model", need="causal") + data_problems(self.data.train, "data.train")
+        if self.reward_model:
+            out += model_problems(self.reward_model, "reward_model", need="reward")
+        return out
+
 
 # ------------------------------------------------------------------------------------------
 # Choosing what to keep (pure)
@@ -260,8 +270,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         cfg = load_config(SampleConfig, argv, prog="relay sample")
+        problems = cfg.file_problems()
     except ConfigError as err:
-        for problem in err.problems:
+        problems = err.problems
+    if problems:
+        for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
