@@ -309,3 +309,27 @@ def test_relay_serve_as_the_judge_answers_as_the_openai_client_sees_it(server, c
     figures = judge.take_figures()
     assert figures["judge/requests"] == 2 and figures["judge/failures"] == scores.count(-1.0)
     assert "HTTP" not in caplog.text and "connection" not in caplog.text  # failures, if any, are replies, not transport
+
+
+def test_a_yaml_judge_section_loads_and_saves_without_the_key(tmp_path, tiny_model_dir, judged_prompts, monkeypatch):
+    from pipeline.config import load_config, to_dict
+
+    monkeypatch.setenv("RELAY_TEST_JUDGE_KEY", KEY)
+    path = tmp_path / "grpo.yaml"
+    path.write_text(f"""model: {{path: {tiny_model_dir}}}
+data: {{train: [{judged_prompts}], eval: []}}
+judge:
+  base_url: http://127.0.0.1:8000/v1
+  model: merged
+  api_key_env: RELAY_TEST_JUDGE_KEY
+  score_range: null
+  choices: {{PASS: 1.0, FAIL: 0.0}}
+  on_failure: 0.0
+""")
+    cfg = load_config(grpo.GRPOConfig, ["--config", str(path), "--judge.max_concurrency", "3"])
+    assert cfg.judge.choices == {"PASS": 1.0, "FAIL": 0.0} and cfg.judge.max_concurrency == 3 and not cfg.grpo.reward_funcs
+    saved = json.dumps(to_dict(cfg))
+    assert "RELAY_TEST_JUDGE_KEY" in saved and KEY not in saved
+    path.write_text(path.read_text().replace("  model: merged\n", "  model: merged\n  max_concurency: 2\n"))
+    with pytest.raises(ConfigError, match="judge.max_concurency: unknown key; did you mean 'judge.max_concurrency'"):
+        load_config(grpo.GRPOConfig, ["--config", str(path)])
