@@ -377,7 +377,7 @@ def test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs(
                                                                                    monkeypatch):
     """The same step with the log-probs at every untrained position poisoned (-1e4, which makes
     the k3 KL there overflow) gives the same loss and gradient norm."""
-    from pipeline.algorithms import grpo as algo
+    from pipeline.algorithms import rollout as rollout_module
     from stages import grpo
 
     figures = {}
@@ -387,12 +387,16 @@ def test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs(
         stage.validate()
         stage.build()
         assert "<tools>" in stage.train_samples[0]["text"]  # the configured tool's schema is in the prompt
-        if poison:
-            real, seen = algo.rl.logprobs_from_logits, {}
+        if poison:  # every log-prob the step reads comes through rollout.policy_logprobs (policy and reference)
+            real, seen = rollout_module.policy_logprobs, {}
             original_rollout = stage.rollout
             monkeypatch.setattr(stage, "rollout", lambda *a, **k: seen.setdefault("r", original_rollout(*a, **k)))
-            monkeypatch.setattr(algo.rl, "logprobs_from_logits",
-                                lambda logits, ids: real(logits, ids).masked_fill(seen["r"].response_mask.to(logits.device) == 0, -1e4))
+
+            def poisoned(*args, **kwargs):
+                out = real(*args, **kwargs)
+                untrained = seen["r"].response_mask.to(out.logp.device) == 0
+                return out._replace(logp=out.logp.masked_fill(untrained, -1e4))
+            monkeypatch.setattr(rollout_module, "policy_logprobs", poisoned)
         figures[poison] = stage.train_step()
         rollout = stage.last_rollout["rollout"]
         inserted = (rollout.response_mask == 0) & (rollout.attention_mask[:, rollout.prompt_width:] == 1)
