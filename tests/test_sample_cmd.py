@@ -96,6 +96,9 @@ def test_sft_file_keeps_the_best_above_the_threshold(tmp_path, tiny_model_dir, p
     assert [r["score"] for r in kept] == [s for s in (r["score"] for r in records(tmp_path / "all.jsonl")) if s >= threshold]
     assert all(r["score"] >= threshold for r in kept) and counts["skipped"] == 7 - len(kept) > 0
     assert validates(tmp_path / "kept.jsonl", "sft") == len(kept)
+    # a random model never ends its answers within 6 tokens: without keep_unfinished nothing is kept, and said why
+    counts = run(make(tmp_path, tiny_model_dir, prompt_files, "finished.jsonl", mode="sft", seed=1, keep_unfinished=False))
+    assert counts["records"] == 0 and counts["skipped"] == counts["unfinished"] == 7
 
 
 def test_relay_sample_refuses_a_bad_config_in_lines_before_loading(tmp_path, capsys):

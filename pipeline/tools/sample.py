@@ -210,7 +210,8 @@ class Scorer:
 
 
 def run(cfg: SampleConfig) -> dict:
-    """Sample, score and write `cfg.out`; returns the counts (prompts, records, skipped).
+    """Sample, score and write `cfg.out`; returns the counts (prompts, records, skipped, and of
+    those `unfinished`: too few answers ended within max_new_tokens; with a judge its figures).
 
     Raises:
         DataError: bad prompt records; OSError: an unreadable model folder; JudgeError: a failed judge
@@ -237,7 +238,7 @@ def run(cfg: SampleConfig) -> dict:
     eos = [tok.eos_token_id]
     generator = make_generator(cfg.backend, policy, tok.pad_token_id, eos, cfg.max_new_tokens, cfg.temperature)
     scorer = Scorer(cfg, tok, device)
-    n, counts, records = cfg.num_samples, {"prompts": len(samples), "records": 0, "skipped": 0}, []
+    n, counts, records = cfg.num_samples, {"prompts": len(samples), "records": 0, "skipped": 0, "unfinished": 0}, []
     for start in range(0, len(samples), cfg.batch_size):
         batch = samples[start:start + cfg.batch_size]
         rows = [s for s in batch for _ in range(n)]
@@ -252,6 +253,7 @@ def run(cfg: SampleConfig) -> dict:
             pick = best_of_n(answers, marks, cfg.threshold) if cfg.mode == "sft" else best_and_worst(answers, marks, cfg.margin)
             if pick is None:
                 counts["skipped"] += 1
+                counts["unfinished"] += len(answers) < (1 if cfg.mode == "sft" else 2)
                 continue
             records.append(make_record(rw.trl_prompt(sample), rw.prompt_messages(sample), answers, marks, cfg.mode, pick))
     out = Path(cfg.out)
@@ -282,9 +284,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (DataError, JudgeError, OSError, ValueError) as err:
         print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 1
-    print(f"{cfg.out}: {counts['records']} {cfg.mode} records from {counts['prompts']} prompts "
-          f"({counts['skipped']} skipped: {'below the threshold' if cfg.mode == 'sft' else 'gap under the margin'} "
-          f"or no finished answer)")
+    print(f"{cfg.out}: {counts['records']} {cfg.mode} records from {counts['prompts']} prompts; skipped: "
+          f"{counts['skipped'] - counts['unfinished']} {'below the threshold' if cfg.mode == 'sft' else 'with no pair over the margin'}, "
+          f"{counts['unfinished']} with too few answers finished within max_new_tokens")
     return 0
 
 
