@@ -24,8 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pipeline.algorithms.judge import JudgeConfig
-from pipeline.config import PromptDataConfig
+from data_formats.datasets import build_prompt_data
+from data_formats.render import make_template
+from data_formats.sources import DataError
+from pipeline.algorithms import rewards as rw
+from pipeline.algorithms.judge import JudgeConfig, JudgeError, JudgeReward
+from pipeline.algorithms.rollout import ActorCritic, assemble, chunks, make_generator
+from pipeline.config import ConfigError, ModelConfig, PromptDataConfig, load_config
+from pipeline.engine.stage_checks import data_problems
+from pipeline.modeling.models import load_model, load_tokenizer
+from pipeline.modeling.preflight import model_problems
 
 MODES = ("sft", "dpo")
 BACKENDS = ("relay", "hf")
@@ -75,7 +83,6 @@ class SampleConfig:
     """An LLM judge (GRPO's judge: section, pipeline/algorithms/judge.py); base_url null: none."""
 
     def problems(self) -> list[str]:
-        from pipeline.algorithms import rewards as rw
 
         out: list[str] = []
         if not self.model:
@@ -106,8 +113,6 @@ class SampleConfig:
 
     def file_problems(self) -> list[str]:
         """The model folders and prompt files, looked at without loading anything."""
-        from pipeline.engine.stage_checks import data_problems
-        from pipeline.modeling.preflight import model_problems
 
         out = model_problems(self.model, "model", need="causal") + data_problems(self.data.train, "data.train")
         if self.reward_model:
@@ -164,15 +169,11 @@ class Scorer:
     """The summed score of answers: reward functions, a reward model and a judge, weighted."""
 
     def __init__(self, cfg: SampleConfig, tokenizer, device):
-        from pipeline.algorithms import rewards as rw
-        from pipeline.algorithms.judge import JudgeReward
 
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         self.funcs = [rw.load_reward_func(spec) for spec in cfg.reward_funcs]
         self.rm = None
         if cfg.reward_model:
-            from pipeline.config import ModelConfig
-            from pipeline.modeling.models import load_model
 
             self.rm = load_model(ModelConfig(path=cfg.reward_model, finetuning="full"), None, kind="reward",
                                  tokenizer=tokenizer).to(device).eval()
@@ -186,8 +187,6 @@ class Scorer:
     def __call__(self, samples: list[dict], rollout, texts: list[str]) -> list[float]:
         import torch
 
-        from pipeline.algorithms import rewards as rw
-        from pipeline.algorithms.rollout import ActorCritic, chunks
 
         cfg = self.cfg
         completions = rw.trl_completions(samples, texts)
@@ -220,12 +219,6 @@ def run(cfg: SampleConfig) -> dict:
     import numpy as np
     import torch
 
-    from data_formats.datasets import build_prompt_data
-    from data_formats.render import make_template
-    from pipeline.algorithms import rewards as rw
-    from pipeline.algorithms.rollout import assemble, make_generator
-    from pipeline.config import ModelConfig
-    from pipeline.modeling.models import load_model, load_tokenizer
 
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -266,9 +259,6 @@ def run(cfg: SampleConfig) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from pipeline.algorithms.judge import JudgeError
-    from pipeline.config import ConfigError, load_config
-    from data_formats.sources import DataError
 
     try:
         cfg = load_config(SampleConfig, argv, prog="relay sample")
