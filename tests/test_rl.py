@@ -95,7 +95,7 @@ def test_ppo_with_tools_advantages_carry_the_reward_model_score():
     """With KL 0 the only signal is the sequence score: it must land on the last sampled token and
     reach every sampled token's advantage through GAE over turns (gamma = lam = 1: each sampled
     token's advantage is score - V_t), never an inserted one."""
-    from pipeline.algorithms.tool_rollout import gae_over_turns
+    from pipeline.algorithms.rl import gae_over_turns
 
     mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1]])
     rewards = rl.token_rewards(torch.tensor([3.0]), torch.zeros(1, 7), mask, kl_coef=0.1)

@@ -649,7 +649,7 @@ def test_gae_over_turns_skips_inserted_tokens():
     """Without gaps it is rl.gae; with an inserted block it is rl.gae of the sampled tokens alone
     (the value after a call's last token is the next turn's first), 0 on inserted positions."""
     from pipeline.algorithms import rl
-    from pipeline.algorithms.tool_rollout import gae_over_turns
+    from pipeline.algorithms.rl import gae_over_turns
 
     g = torch.Generator().manual_seed(0)
     rewards, values = torch.randn(2, 7, generator=g, dtype=torch.float64), torch.randn(2, 7, generator=g, dtype=torch.float64)

@@ -24,7 +24,6 @@ from pipeline.algorithms import rl
 from pipeline.algorithms.mismatch import correction_weights
 from pipeline.algorithms.rl import policy_loss, value_loss
 from pipeline.algorithms.rollout import ActorCritic, PolicyOut, Rollout, chunks
-from pipeline.algorithms.tool_rollout import gae_over_turns
 from pipeline.engine.fsdp import runs_unwrapped
 from pipeline.engine.steps import all_reduce_sum, optimizer_step, rank_mean
 
@@ -138,7 +137,7 @@ def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str
     old, ref = (s[k].masked_fill(mask == 0, 0.0) for k in ("old", "ref"))
     kl = rl.kl_per_token(old, ref, cfg.ppo.kl_estimator) * mask
     rewards = rl.token_rewards(scores, kl, mask, kl_coef)
-    advantages, returns = gae_over_turns(rewards, s["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
+    advantages, returns = rl.gae_over_turns(rewards, s["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
     total = lambda t: all_reduce_sum(t, accelerator)  # noqa: E731 (a sum over ranks)
     if cfg.ppo.whiten_advantages and float(total(mask.sum().double().view(1))[0]) > 1:
         advantages = rl.masked_whiten(advantages, mask, all_reduce=total)

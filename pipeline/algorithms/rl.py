@@ -213,6 +213,24 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, (advantages + values) * mask
 
 
+def gae_over_turns(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                   lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gae` over each row's trained (sampled) tokens only: the tokens Relay inserted between
+    turns (tool results, template text) are the environment's step, not the policy's, so the next
+    value after a call's last token is the first token of the next sampled turn's, not 0 (plain GAE
+    would end the episode at every tool call). Equal to `gae` where a row's mask has no gaps;
+    advantages and returns are 0 on untrained positions."""
+    keep = mask.bool()
+    width = int(keep.sum(1).max()) if keep.any() else 0
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]  # trained positions first, in order
+    packed_mask = torch.gather(keep, 1, order)
+    advantages, returns = gae(torch.gather(rewards, 1, order), torch.gather(values, 1, order), packed_mask, gamma, lam)
+    out_adv, out_ret = torch.zeros_like(rewards, dtype=advantages.dtype), torch.zeros_like(rewards, dtype=returns.dtype)
+    out_adv.scatter_(1, order, advantages * packed_mask)
+    out_ret.scatter_(1, order, returns * packed_mask)
+    return out_adv, out_ret
+
+
 @dataclass
 class PolicyLossOut:
     loss: torch.Tensor

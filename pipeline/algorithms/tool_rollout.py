@@ -387,29 +387,3 @@ def layout_problem(tokenizer, template: Template) -> Optional[str]:
         return (f"the chat template writes tool calls as {text.strip()[:80]!r}, which Relay's call reader "
                 "(<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>) does not read back")
     return None
-
-
-# ------------------------------------------------------------------------------------------
-# PPO over a tool rollout's turns
-# ------------------------------------------------------------------------------------------
-
-
-def gae_over_turns(rewards, values, mask, gamma: float, lam: float):
-    """`rl.gae` over each row's trained (sampled) tokens only: the tokens Relay inserted between
-    turns (tool results, template text) are the environment's step, not the policy's, so the next
-    value after a call's last token is the first token of the next sampled turn's, not 0 (plain GAE
-    would end the episode at every tool call). Equal to `rl.gae` where a row's mask has no gaps;
-    advantages and returns are 0 on untrained positions."""
-    import torch
-
-    from pipeline.algorithms import rl
-
-    keep = mask.bool()
-    width = int(keep.sum(1).max()) if keep.any() else 0
-    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]  # trained positions first, in order
-    packed_mask = torch.gather(keep, 1, order)
-    advantages, returns = rl.gae(torch.gather(rewards, 1, order), torch.gather(values, 1, order), packed_mask, gamma, lam)
-    out_adv, out_ret = torch.zeros_like(rewards, dtype=advantages.dtype), torch.zeros_like(rewards, dtype=returns.dtype)
-    out_adv.scatter_(1, order, advantages * packed_mask)
-    out_ret.scatter_(1, order, returns * packed_mask)
-    return out_adv, out_ret
