@@ -37,17 +37,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-PROMPTS = [f"Write a long story about a {animal} who learns to sail." for animal in
-           ("cat", "dog", "fox", "owl", "bear", "wolf", "hare", "crow")]
+PROMPTS = [
+    f"Write a long story about a {animal} who learns to sail."
+    for animal in ("cat", "dog", "fox", "owl", "bear", "wolf", "hare", "crow")
+]
 
 
 def start(model: str, max_batch: int, port: int) -> tuple[object, subprocess.Popen]:
     """(openai client, server process): `relay serve` in its own process, as users run it."""
     import openai
 
-    server = subprocess.Popen([sys.executable, "-m", "pipeline.tools.serve", model, "--name", "bench", "--backend", "transformers",
-                               "--port", str(port), "--max-batch", str(max_batch), "--dtype", "fp32"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.tools.serve",
+            model,
+            "--name",
+            "bench",
+            "--backend",
+            "transformers",
+            "--port",
+            str(port),
+            "--max-batch",
+            str(max_batch),
+            "--dtype",
+            "fp32",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
     for _ in range(600):
         try:
@@ -67,9 +86,11 @@ def free_port() -> int:
 
 def timed(client, prompts: list[str], tokens: int) -> tuple[float, list[int]]:
     """(wall seconds, completion tokens of each) for `prompts` sent at once."""
+
     def one(prompt: str) -> int:
-        answer = client.chat.completions.create(model="bench", messages=[{"role": "user", "content": prompt}],
-                                                max_tokens=tokens, temperature=0)
+        answer = client.chat.completions.create(
+            model="bench", messages=[{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0
+        )
         return answer.usage.completion_tokens
 
     begin = time.perf_counter()
@@ -93,13 +114,18 @@ def main() -> int:
         single.append(seconds)
         seconds, counts8 = timed(client, PROMPTS, args.tokens)
         batch.append(seconds)
-        print(f"1 request: {single[-1]:.2f} s ({counts[0]} tokens); 8 concurrent: {batch[-1]:.2f} s ({counts8} tokens)", flush=True)
+        print(
+            f"1 request: {single[-1]:.2f} s ({counts[0]} tokens); 8 concurrent: {batch[-1]:.2f} s ({counts8} tokens)",
+            flush=True,
+        )
     server.terminate()
     server.wait(timeout=30)
     ratio = statistics.median(batch) / statistics.median(single)
-    print(f"model {args.model}, {args.tokens} new tokens each, torch threads {torch.get_num_threads()}, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, {platform.processor() or platform.machine()}: "
-          f"8 concurrent / 1 = {statistics.median(batch):.2f} / {statistics.median(single):.2f} s = {ratio:.2f}x")
+    print(
+        f"model {args.model}, {args.tokens} new tokens each, torch threads {torch.get_num_threads()}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, {platform.processor() or platform.machine()}: "
+        f"8 concurrent / 1 = {statistics.median(batch):.2f} / {statistics.median(single):.2f} s = {ratio:.2f}x"
+    )
     return 0
 
 

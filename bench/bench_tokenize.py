@@ -56,8 +56,13 @@ def measure(tok, convs: list[Conversation], mode: str) -> dict:
     if ours != raw:
         raise AssertionError(f"{mode}: render() ids differ from the raw tokenizer's")
     tokens = sum(len(x) for x in raw)
-    return {"mode": mode, "tokens": tokens, "raw_tps": tokens / raw_s, "render_tps": tokens / ours_s,
-            "render_per_sample_ms": 1000 * ours_s / len(convs)}
+    return {
+        "mode": mode,
+        "tokens": tokens,
+        "raw_tps": tokens / raw_s,
+        "render_tps": tokens / ours_s,
+        "render_per_sample_ms": 1000 * ours_s / len(convs),
+    }
 
 
 def table(rows: list[dict], n: int) -> str:
@@ -73,12 +78,17 @@ def table(rows: list[dict], n: int) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['tokens']} | {r['raw_tps']:,.0f} | {r['render_tps']:,.0f} | "
-                     f"{r['render_per_sample_ms']:.2f} | {r['raw_tps'] / r['render_tps']:.1f}x |")
-    lines += ["", "render() ids equal the raw tokenizer's ids on every sample (checked in the run). "
-              "Stages tokenize once at start-up (not per step), so at these rates 1M training tokens "
-              "cost seconds of preprocessing; chat_template mode pays for rendering every prefix "
-              "with Jinja (what finds the assistant spans without generation tags)."]
+        lines.append(
+            f"| {r['mode']} | {r['tokens']} | {r['raw_tps']:,.0f} | {r['render_tps']:,.0f} | "
+            f"{r['render_per_sample_ms']:.2f} | {r['raw_tps'] / r['render_tps']:.1f}x |"
+        )
+    lines += [
+        "",
+        "render() ids equal the raw tokenizer's ids on every sample (checked in the run). "
+        "Stages tokenize once at start-up (not per step), so at these rates 1M training tokens "
+        "cost seconds of preprocessing; chat_template mode pays for rendering every prefix "
+        "with Jinja (what finds the assistant spans without generation tags).",
+    ]
     return "\n".join(lines) + "\n"
 
 

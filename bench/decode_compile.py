@@ -25,7 +25,9 @@ def timed(model, prompts, tokens: int, eos: int, pad: int) -> float:
     from pipeline.modeling.decode import generate
 
     started = time.perf_counter()
-    out = generate(model, prompts, max_new_tokens=tokens, eos_ids=[eos], pad_id=pad, temperature=0.0, min_new_tokens=tokens)
+    out = generate(
+        model, prompts, max_new_tokens=tokens, eos_ids=[eos], pad_id=pad, temperature=0.0, min_new_tokens=tokens
+    )
     assert all(len(r) == tokens for r in out.tokens)
     return time.perf_counter() - started
 
@@ -36,9 +38,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.modeling.embedded import materialize
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = materialize()
     tok = AutoTokenizer.from_pretrained(path)

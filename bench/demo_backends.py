@@ -52,8 +52,14 @@ def root_figures(root: Path) -> dict:
         "ppo_reward_raw": curve(scalars, "ppo/reward_raw"),
         "ppo_kl": curve(scalars, "ppo/kl"),
         "eval_reward": curve(scalars, "eval/reward"),
-        "logprob_diff": None if diff_mean is None else {"mean_of_steps": sum(diff_mean) / len(diff_mean), "max": max(diff_max)},
-        "wall_seconds": {k.removesuffix("_wall_seconds"): round(v, 1) for k, v in summary.items() if k.endswith("_wall_seconds") and v is not None},
+        "logprob_diff": None
+        if diff_mean is None
+        else {"mean_of_steps": sum(diff_mean) / len(diff_mean), "max": max(diff_max)},
+        "wall_seconds": {
+            k.removesuffix("_wall_seconds"): round(v, 1)
+            for k, v in summary.items()
+            if k.endswith("_wall_seconds") and v is not None
+        },
     }
 
 
@@ -72,7 +78,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("relay_root")
     parser.add_argument("other_root")
     args = parser.parse_args(argv)
-    missing = [str(Path(r) / "summary.json") for r in (args.relay_root, args.other_root) if not (Path(r) / "summary.json").is_file()]
+    missing = [
+        str(Path(r) / "summary.json")
+        for r in (args.relay_root, args.other_root)
+        if not (Path(r) / "summary.json").is_file()
+    ]
     if missing:
         parser.exit(2, f"bench/demo_backends.py: {', '.join(missing)}: not found (a finished demo root holds one)\n")
     relay, other = root_figures(Path(args.relay_root)), root_figures(Path(args.other_root))

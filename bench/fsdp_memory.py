@@ -75,8 +75,15 @@ def rank_main(argv: list[str], out: Path) -> None:
 
 def write_data(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                          {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(16)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} plus {i}?"},
+                {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
+            ]
+        }
+        for i in range(16)
+    ]
     path = folder / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -95,18 +102,58 @@ def main() -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="relay-fsdp-memory-"))
     out.mkdir(parents=True, exist_ok=True)
     data = write_data(out / "data")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     if not args.default_malloc:
         env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     for engine in ("ddp", "fsdp"):
-        argv = ["--model.path", str(model), "--model.finetuning", "full", "--data.train", f"[{data}]", "--data.eval", "[]",
-                "--output_dir", str(out / engine), "--train.max_steps", str(args.steps), "--train.batch_size", "1",
-                "--train.grad_accum", "1", "--train.seq_length", str(args.seq), "--train.eval_steps", "0",
-                "--train.precision", "fp32", "--model.dtype", "fp32", "--checkpoint.save_interval", "1000h",
-                "--distributed.engine", engine]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, "--rank-mode",
-               str(out), *argv]
+        argv = [
+            "--model.path",
+            str(model),
+            "--model.finetuning",
+            "full",
+            "--data.train",
+            f"[{data}]",
+            "--data.eval",
+            "[]",
+            "--output_dir",
+            str(out / engine),
+            "--train.max_steps",
+            str(args.steps),
+            "--train.batch_size",
+            "1",
+            "--train.grad_accum",
+            "1",
+            "--train.seq_length",
+            str(args.seq),
+            "--train.eval_steps",
+            "0",
+            "--train.precision",
+            "fp32",
+            "--model.dtype",
+            "fp32",
+            "--checkpoint.save_interval",
+            "1000h",
+            "--distributed.engine",
+            engine,
+        ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            __file__,
+            "--rank-mode",
+            str(out),
+            *argv,
+        ]
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)

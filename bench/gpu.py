@@ -51,7 +51,6 @@ sys.path.insert(0, str(ROOT))
 from bench import gpu_report, harness  # noqa: E402
 
 
-
 @dataclass(frozen=True)
 class Part:
     """One part of the GPU check: `tests` (pytest arguments) for a tests part, else a benchmark or
@@ -73,52 +72,154 @@ STARTUP_S = 10
 RUNS = ("first", "second", "third")
 """GPU_CHECK_PARTS=first (the default), second or third runs that run's parts; part names also work."""
 PARTS = [
-    Part("install", "every", 50, "install from the bundle (or the environment as it is); versions of torch, "
-         "transformers, accelerate, peft, trl, deepspeed, bitsandbytes, flash-attn; Python headers for DeepSpeed's CPU Adam"),
-    Part("sft-profile", "first", 90, "Relay SFT alone, full fine-tuning bf16 on the Qwen2.5-0.5B shape, seq 2048 packed: "
-         "tokens/s, MFU, peak GPU memory, a profiler breakdown of one step"),
-    Part("gpu-tests", "first", 130, "packed == unpacked on CUDA sdpa (fp32, bf16); PPO (fp32, bf16) and GRPO (bf16) on CUDA; "
-         "the decode engine's CUDA graph == the model's own step (fp32, bf16); "
-         "FSDP on one rank: checkpoint gather/scatter, stopped + resumed == unbroken == plain one GPU", tests="tests/test_gpu.py"),
-    Part("fsdp-tests", "first", 110, "FSDP2 on one rank on CUDA (nccl), the code path CPU ranks run over gloo: every stage == "
-         "one process == DDP, stopped + resumed == unbroken, the data cursor across batch splits", tests="tests/test_fsdp.py"),
-    Part("decode", "first", 80, "decoding on the 0.5B shape in bf16, batch 1/8/32 x 128 tokens, nothing compiled: the "
-         "engine's CUDA graph, the engine on the model's own step, transformers' generate (dynamic cache)"),
-    Part("zero-tests", "second", 100, "bf16 tracks fp32; PPO under ZeRO-3 == one GPU; QLoRA under ZeRO-3; resuming ZeRO refused up front",
-         tests="tests/test_distributed_gpu.py::test_bf16_tracks_fp32 tests/test_distributed_gpu.py::test_ppo_under_zero3_equals_one_gpu "
-               "tests/test_distributed_gpu.py::test_qlora_trains_under_sharding_and_tracks_one_gpu "
-               "tests/test_distributed_gpu.py::test_resuming_a_zero3_run_is_refused_up_front"),
-    Part("zero-equivalence", "second", 130, "ZeRO-2, ZeRO-3, ZeRO-3 offload == one GPU (SFT, RM, grad_accum 1 and 4)",
-         tests="tests/test_distributed_gpu.py::test_zero_equals_one_gpu"),
-    Part("qlora-tests", "second", 60, "QLoRA: nf4 double-quant base on CUDA, only LoRA trains, the adapter merges into the "
-         "full-precision base", tests="tests/test_qlora.py"),
-    Part("vllm-tests", "second", 60, "vLLM (where installed: bash run_scripts/install_vllm.sh): sleep mode frees the engine's "
-         "GPU memory during the update and it wakes following the LoRA policy; tensor_parallel_size 2 on two GPUs",
-         tests="tests/test_vllm_gpu.py"),
-    Part("fsdp-2gpu-tests", "second", 60, "FSDP on two ranks == one process; stopped and resumed == unbroken",
-         tests="tests/test_distributed_stages.py -k fsdp", gpus=2),
-    Part("sft-vs-trl", "third", 130, "SFT full/LoRA/QLoRA bf16 packed seq 2048 on the 0.5B shape, Relay vs TRL SFTTrainer on "
-         "the same packs with equal first loss: tokens/s, MFU, peak GPU memory"),
-    Part("qlora-merge", "third", 100, "QLoRA on the Qwen2.5-1.5B shape trains 3 steps and merges (the stage's own export)"),
+    Part(
+        "install",
+        "every",
+        50,
+        "install from the bundle (or the environment as it is); versions of torch, "
+        "transformers, accelerate, peft, trl, deepspeed, bitsandbytes, flash-attn; Python headers for DeepSpeed's CPU Adam",
+    ),
+    Part(
+        "sft-profile",
+        "first",
+        90,
+        "Relay SFT alone, full fine-tuning bf16 on the Qwen2.5-0.5B shape, seq 2048 packed: "
+        "tokens/s, MFU, peak GPU memory, a profiler breakdown of one step",
+    ),
+    Part(
+        "gpu-tests",
+        "first",
+        130,
+        "packed == unpacked on CUDA sdpa (fp32, bf16); PPO (fp32, bf16) and GRPO (bf16) on CUDA; "
+        "the decode engine's CUDA graph == the model's own step (fp32, bf16); "
+        "FSDP on one rank: checkpoint gather/scatter, stopped + resumed == unbroken == plain one GPU",
+        tests="tests/test_gpu.py",
+    ),
+    Part(
+        "fsdp-tests",
+        "first",
+        110,
+        "FSDP2 on one rank on CUDA (nccl), the code path CPU ranks run over gloo: every stage == "
+        "one process == DDP, stopped + resumed == unbroken, the data cursor across batch splits",
+        tests="tests/test_fsdp.py",
+    ),
+    Part(
+        "decode",
+        "first",
+        80,
+        "decoding on the 0.5B shape in bf16, batch 1/8/32 x 128 tokens, nothing compiled: the "
+        "engine's CUDA graph, the engine on the model's own step, transformers' generate (dynamic cache)",
+    ),
+    Part(
+        "zero-tests",
+        "second",
+        100,
+        "bf16 tracks fp32; PPO under ZeRO-3 == one GPU; QLoRA under ZeRO-3; resuming ZeRO refused up front",
+        tests="tests/test_distributed_gpu.py::test_bf16_tracks_fp32 tests/test_distributed_gpu.py::test_ppo_under_zero3_equals_one_gpu "
+        "tests/test_distributed_gpu.py::test_qlora_trains_under_sharding_and_tracks_one_gpu "
+        "tests/test_distributed_gpu.py::test_resuming_a_zero3_run_is_refused_up_front",
+    ),
+    Part(
+        "zero-equivalence",
+        "second",
+        130,
+        "ZeRO-2, ZeRO-3, ZeRO-3 offload == one GPU (SFT, RM, grad_accum 1 and 4)",
+        tests="tests/test_distributed_gpu.py::test_zero_equals_one_gpu",
+    ),
+    Part(
+        "qlora-tests",
+        "second",
+        60,
+        "QLoRA: nf4 double-quant base on CUDA, only LoRA trains, the adapter merges into the full-precision base",
+        tests="tests/test_qlora.py",
+    ),
+    Part(
+        "vllm-tests",
+        "second",
+        60,
+        "vLLM (where installed: bash run_scripts/install_vllm.sh): sleep mode frees the engine's "
+        "GPU memory during the update and it wakes following the LoRA policy; tensor_parallel_size 2 on two GPUs",
+        tests="tests/test_vllm_gpu.py",
+    ),
+    Part(
+        "fsdp-2gpu-tests",
+        "second",
+        60,
+        "FSDP on two ranks == one process; stopped and resumed == unbroken",
+        tests="tests/test_distributed_stages.py -k fsdp",
+        gpus=2,
+    ),
+    Part(
+        "sft-vs-trl",
+        "third",
+        130,
+        "SFT full/LoRA/QLoRA bf16 packed seq 2048 on the 0.5B shape, Relay vs TRL SFTTrainer on "
+        "the same packs with equal first loss: tokens/s, MFU, peak GPU memory",
+    ),
+    Part(
+        "qlora-merge",
+        "third",
+        100,
+        "QLoRA on the Qwen2.5-1.5B shape trains 3 steps and merges (the stage's own export)",
+    ),
     Part("ppo", "third", 60, "PPO (LoRA, bf16, 0.5B shape): seconds per step, generation share"),
     Part("grpo", "third", 60, "GRPO (LoRA, bf16, 0.5B shape): seconds per step, generation share"),
-    Part("decode-compiled", "third", 60, "transformers' generate with its static cache (compiled), warmed up on the shapes it "
-         "is timed on, batch 1/8/32 x 128 tokens; the compile's seconds apart"),
+    Part(
+        "decode-compiled",
+        "third",
+        60,
+        "transformers' generate with its static cache (compiled), warmed up on the shapes it "
+        "is timed on, batch 1/8/32 x 128 tokens; the compile's seconds apart",
+    ),
 ]
 """Every part, in the order a run takes them (the most informative first)."""
 GPU_TESTS = [(part.tests, part.what) for part in PARTS if part.tests]
 """(pytest arguments, what it proves): every GPU-marked test file or selection, in the check's order."""
 SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
 }
 """Qwen2.5-0.5B and -1.5B's published configs (architecture only; weights random)."""
-PEAK_BF16_TFLOPS = [("H200", 989.0), ("GH200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
-                    ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 70.0), ("L4", 121.0)]
+PEAK_BF16_TFLOPS = [
+    ("H200", 989.0),
+    ("GH200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("A10G", 70.0),
+    ("L4", 121.0),
+]
 """Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, matched in order against
 the device name (so "H100 PCIe" wins over "H100", the SXM part)."""
 GPU_LOSS_TOLERANCE = 2e-2
@@ -143,13 +244,21 @@ def make_model(shape_name: str, folder: Path, tokenizer_dir: Path) -> tuple[Path
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = Qwen2Config(**SHAPES[shape_name], max_position_embeddings=32768, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2Config(
+        **SHAPES[shape_name],
+        max_position_embeddings=32768,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16 if device == "cuda" else torch.float32)
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = (
+        tokenizer.pad_token_id,
+        tokenizer.eos_token_id,
+    )
     n_params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
@@ -160,8 +269,10 @@ def make_model(shape_name: str, folder: Path, tokenizer_dir: Path) -> tuple[Path
     return folder, n_params
 
 
-WORDS = ("atlas river harbour lantern market granite orchard signal copper meadow winter quarry beacon tide ledger "
-         "compass ember willow canyon falcon garnet meridian pylon thistle").split()
+WORDS = (
+    "atlas river harbour lantern market granite orchard signal copper meadow winter quarry beacon tide ledger "
+    "compass ember willow canyon falcon garnet meridian pylon thistle"
+).split()
 
 
 def write_sft_data(path: Path, samples: int, words: int, seed: int = 0) -> Path:
@@ -171,8 +282,12 @@ def write_sft_data(path: Path, samples: int, words: int, seed: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
         for i in range(samples):
-            rounds = [{"role": "human", "content": text(words // 4)}, {"role": "bot", "content": text(words // 4)},
-                      {"role": "human", "content": text(words // 8)}, {"role": "bot", "content": text(3 * words // 8)}]
+            rounds = [
+                {"role": "human", "content": text(words // 4)},
+                {"role": "bot", "content": text(words // 4)},
+                {"role": "human", "content": text(words // 8)},
+                {"role": "bot", "content": text(3 * words // 8)},
+            ]
             fh.write(json.dumps({"id": i, "data_name": "synthetic", "chat_rounds": rounds}) + "\n")
     return path
 
@@ -201,22 +316,45 @@ def sft_case(mode: str, tiny: bool, data: Path, cuda: bool) -> dict:
     """One SFT case of bench/comparisons/sft.py at the GPU settings: 16 samples of ~500 tokens a
     step packed into rows of 2048 (about 4 rows, 8k tokens a step)."""
     steps, warmup = (3, 1) if tiny else (10, 2)
-    return {"case": f"{mode}-packing-gpu", "finetuning": mode, "padding": "packing", "steps": steps, "warmup": warmup,
-            "batch_size": 4 if tiny else 16, "seq_length": 256 if tiny else 2048, "seed": 42, "gc": False,
-            "precision": "bf16" if cuda else "fp32", "data": str(data)}
+    return {
+        "case": f"{mode}-packing-gpu",
+        "finetuning": mode,
+        "padding": "packing",
+        "steps": steps,
+        "warmup": warmup,
+        "batch_size": 4 if tiny else 16,
+        "seq_length": 256 if tiny else 2048,
+        "seed": 42,
+        "gc": False,
+        "precision": "bf16" if cuda else "fp32",
+        "data": str(data),
+    }
 
 
 def side_figures(result: harness.SideResult, case: dict, shape: dict, n_params: int, peak) -> dict:
     """tokens/s, s/step, MFU, peak GPU memory and first loss of one side."""
     seconds, rate = harness.timed(result, case["warmup"])
     flops = flops_per_token(shape, n_params, case["seq_length"], case["finetuning"])
-    return {"tokens_per_s": round(rate, 1), "s_per_step": round(seconds, 4), "first_loss": result.first_loss,
-            "mfu": round(rate * flops / (peak * 1e12), 4) if peak else None, "gpu_peak_mb": result.extra.get("gpu_peak_mb"),
-            "flops_per_token": flops}
+    return {
+        "tokens_per_s": round(rate, 1),
+        "s_per_step": round(seconds, 4),
+        "first_loss": result.first_loss,
+        "mfu": round(rate * flops / (peak * 1e12), 4) if peak else None,
+        "gpu_peak_mb": result.extra.get("gpu_peak_mb"),
+        "flops_per_token": flops,
+    }
 
 
-def bench_sft(model: Path, n_params: int, shape: dict, data: Path, workdir: Path, budget: Budget, tiny: bool,
-              save=lambda rows: None) -> list[dict]:
+def bench_sft(
+    model: Path,
+    n_params: int,
+    shape: dict,
+    data: Path,
+    workdir: Path,
+    budget: Budget,
+    tiny: bool,
+    save=lambda rows: None,
+) -> list[dict]:
     """Relay vs TRL, each in its own process, for every SFT mode while the budget lasts; `save(rows)`
     after each mode, so a part cut off keeps the modes it measured."""
     import torch
@@ -243,12 +381,17 @@ def bench_sft(model: Path, n_params: int, shape: dict, data: Path, workdir: Path
     return rows
 
 
-CATEGORIES = [("matmul (GEMM)", ("gemm", "cutlass", "xmma", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "linear")),
-              ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
-              ("optimizer", ("adam", "foreach", "multi_tensor", "lerp", "_amp_")),
-              ("softmax / cross-entropy", ("softmax", "cross_entropy", "nll", "logsumexp")),
-              ("copies / casts / fills", ("copy", "memcpy", "memset", "fill", "cast", "cat", "to_copy", "clone")),
-              ("norms / activations / elementwise", ())]
+CATEGORIES = [
+    (
+        "matmul (GEMM)",
+        ("gemm", "cutlass", "xmma", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "linear"),
+    ),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+    ("optimizer", ("adam", "foreach", "multi_tensor", "lerp", "_amp_")),
+    ("softmax / cross-entropy", ("softmax", "cross_entropy", "nll", "logsumexp")),
+    ("copies / casts / fills", ("copy", "memcpy", "memset", "fill", "cast", "cat", "to_copy", "clone")),
+    ("norms / activations / elementwise", ()),
+]
 """Kernel (or CPU op) name fragments of each line of the profiler breakdown; the last takes the rest."""
 
 
@@ -266,11 +409,17 @@ def breakdown(events: list[tuple[str, float]], step_ms: float, on_gpu: bool) -> 
     for name, ms in events:
         per[category(name)] = per.get(category(name), 0.0) + ms
     top = sorted(events, key=lambda e: -e[1])[:10]
-    return {"step_ms": round(step_ms, 2), "busy_ms": round(busy, 2), "clock": "GPU kernels" if on_gpu else "CPU ops (self time)",
-            "idle_share": round(max(0.0, 1 - busy / step_ms), 3) if on_gpu and step_ms > 0 else None,
-            "categories": {k: {"ms": round(v, 2), "share": round(v / busy, 3) if busy else 0.0}
-                           for k, v in sorted(per.items(), key=lambda kv: -kv[1])},
-            "top": [{"name": n[:120], "ms": round(ms, 2)} for n, ms in top]}
+    return {
+        "step_ms": round(step_ms, 2),
+        "busy_ms": round(busy, 2),
+        "clock": "GPU kernels" if on_gpu else "CPU ops (self time)",
+        "idle_share": round(max(0.0, 1 - busy / step_ms), 3) if on_gpu and step_ms > 0 else None,
+        "categories": {
+            k: {"ms": round(v, 2), "share": round(v / busy, 3) if busy else 0.0}
+            for k, v in sorted(per.items(), key=lambda kv: -kv[1])
+        },
+        "top": [{"name": n[:120], "ms": round(ms, 2)} for n, ms in top],
+    }
 
 
 def profiled_events(prof, on_gpu: bool) -> list[tuple[str, float]]:
@@ -315,7 +464,9 @@ def child_sft_profile(model: str, data: str, workdir: str, tiny: bool, save) -> 
                 clock.start()
             if self.step < case["steps"] - 1:
                 return super().train_step()
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            activities = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if cuda else []
+            )
             started = time.perf_counter()
             with torch.profiler.profile(activities=activities) as prof:
                 out = super().train_step()
@@ -338,8 +489,13 @@ def child_sft_profile(model: str, data: str, workdir: str, tiny: bool, save) -> 
     except _Stop:
         pass
     n_params = sum(p.numel() for p in stage.model.parameters())
-    timed = harness.SideResult(losses[0] if losses else None, clock.seconds[:-1], harness.peak_rss_mb(), clock.tokens[:-1],
-                               {"gpu_peak_mb": round(clock.gpu_peak_mb) or None})
+    timed = harness.SideResult(
+        losses[0] if losses else None,
+        clock.seconds[:-1],
+        harness.peak_rss_mb(),
+        clock.tokens[:-1],
+        {"gpu_peak_mb": round(clock.gpu_peak_mb) or None},
+    )
     figures = side_figures(timed, case, shape, n_params, peak)
     result = {"case": case, "n_params": n_params, "losses": [round(x, 4) for x in losses], **figures}
     save(result)
@@ -363,9 +519,14 @@ def child_qlora_merge(model: str, data: str, workdir: str, tiny: bool) -> dict:
     stage.run()
     merged = Path(cfg.output_dir) / "merged"
     weights = sorted(p.name for p in merged.glob("*.safetensors"))
-    return {"steps": stage.step, "losses": [s.get("train/loss") for s in stage.history.steps], "seconds": round(time.perf_counter() - started, 1),
-            "merged": bool(weights), "merged_files": weights,
-            "gpu_peak_mb": round(torch.cuda.max_memory_allocated() / 2**20) if torch.cuda.is_available() else None}
+    return {
+        "steps": stage.step,
+        "losses": [s.get("train/loss") for s in stage.history.steps],
+        "seconds": round(time.perf_counter() - started, 1),
+        "merged": bool(weights),
+        "merged_files": weights,
+        "gpu_peak_mb": round(torch.cuda.max_memory_allocated() / 2**20) if torch.cuda.is_available() else None,
+    }
 
 
 def child_rl(algo: str, model: str, workdir: str, tiny: bool) -> dict:
@@ -408,9 +569,13 @@ def child_rl(algo: str, model: str, workdir: str, tiny: bool) -> dict:
             pass
     timed = clock.seconds[1:] or clock.seconds
     share = [s for s in shares[1:] or shares if s is not None]
-    return {"case": case, "s_per_step": round(sum(timed) / len(timed), 3), "step_seconds": [round(s, 3) for s in clock.seconds],
-            "generation_share": round(sum(share) / len(share), 3) if share else None,
-            "gpu_peak_mb": round(clock.gpu_peak_mb) or None}
+    return {
+        "case": case,
+        "s_per_step": round(sum(timed) / len(timed), 3),
+        "step_seconds": [round(s, 3) for s in clock.seconds],
+        "generation_share": round(sum(share) / len(share), 3) if share else None,
+        "gpu_peak_mb": round(clock.gpu_peak_mb) or None,
+    }
 
 
 GENERATE_BATCHES = (1, 8, 32)
@@ -445,19 +610,42 @@ def child_generate(model: str, tiny: bool, compiled: bool, save) -> dict:
 
     def relay(prompts, n, graphs: bool):
         os.environ["RELAY_DECODE_GRAPHS"] = "1" if graphs else "0"
-        return generate(loaded, prompts, max_new_tokens=n, eos_ids=[eos], pad_id=pad, temperature=0.0, min_new_tokens=n).tokens
+        return generate(
+            loaded, prompts, max_new_tokens=n, eos_ids=[eos], pad_id=pad, temperature=0.0, min_new_tokens=n
+        ).tokens
 
     def peer(prompts, n, cache: str):
         ids, mask = left_pad(prompts, pad)
-        config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=eos, pad_token_id=pad,
-                                  cache_implementation=None if cache == "dynamic" else "static", disable_compile=cache == "dynamic")
-        out = loaded.generate(input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device), generation_config=config)
-        return out[:, ids.shape[1]:].tolist()
+        config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            cache_implementation=None if cache == "dynamic" else "static",
+            disable_compile=cache == "dynamic",
+        )
+        out = loaded.generate(
+            input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device), generation_config=config
+        )
+        return out[:, ids.shape[1] :].tolist()
 
-    sides = ({"generate-static": lambda p, n: peer(p, n, "static")} if compiled else
-             {"relay-graph": lambda p, n: relay(p, n, True), "relay-eager": lambda p, n: relay(p, n, False),
-              "generate-dynamic": lambda p, n: peer(p, n, "dynamic")})
-    result = {"rows": [], "unit": "tok/s", "dtype": str(dtype).replace("torch.", ""), "compiled": compiled, "warmup_s": {}}
+    sides = (
+        {"generate-static": lambda p, n: peer(p, n, "static")}
+        if compiled
+        else {
+            "relay-graph": lambda p, n: relay(p, n, True),
+            "relay-eager": lambda p, n: relay(p, n, False),
+            "generate-dynamic": lambda p, n: peer(p, n, "dynamic"),
+        }
+    )
+    result = {
+        "rows": [],
+        "unit": "tok/s",
+        "dtype": str(dtype).replace("torch.", ""),
+        "compiled": compiled,
+        "warmup_s": {},
+    }
     for batch in GENERATE_BATCHES[:2] if tiny else GENERATE_BATCHES:
         prompts = [prompt_ids(tokenizer, messages_of(records[i % len(records)])) for i in range(batch)]
         row = {"batch": batch, "new_tokens": tokens}
@@ -495,7 +683,9 @@ def selected(spec: str) -> list[Part]:
     known = {p.name for p in PARTS}
     bad = [n for n in names if n not in RUNS and n not in known]
     if bad:
-        raise ValueError(f"GPU_CHECK_PARTS: {', '.join(bad)} not known; runs: {', '.join(RUNS)}; parts: {', '.join(p.name for p in PARTS)}")
+        raise ValueError(
+            f"GPU_CHECK_PARTS: {', '.join(bad)} not known; runs: {', '.join(RUNS)}; parts: {', '.join(p.name for p in PARTS)}"
+        )
     return [p for p in PARTS if p.run == "every" or p.run in names or p.name in names]
 
 
@@ -602,32 +792,63 @@ def check(out: Path, spec: str, bundle, tiny: bool, total_s=None) -> int:
     return 1 if failed else 0
 
 
-def run_part(part: Part, budget: float, out: Path, work: Path, env: dict, bundle, tiny: bool, state) -> tuple[str, float]:
+def run_part(
+    part: Part, budget: float, out: Path, work: Path, env: dict, bundle, tiny: bool, state
+) -> tuple[str, float]:
     """Run one part within `budget` seconds; (status line, seconds)."""
     log = out / f"{part.name}.log"
     py = sys.executable
     if part.name == "install":
-        cmd = (["bash", "run_scripts/install.sh", "--bundle", str(bundle), "--target", str(work / "site")] if bundle
-               else [py, "-m", "pipeline.tools.compat"])
+        cmd = (
+            ["bash", "run_scripts/install.sh", "--bundle", str(bundle), "--target", str(work / "site")]
+            if bundle
+            else [py, "-m", "pipeline.tools.compat"]
+        )
         code, seconds = run_process(cmd, budget, env, log)
         if code in (0, 3) and bundle:  # 3: installed, compat names a problem; the tests show what it breaks
             site_env = dict(env, PYTHONPATH=os.pathsep.join([str(work / "site"), env["PYTHONPATH"]]))
             code = run_process([py, "-m", "pipeline.tools.bundle", "--seed-cache", str(bundle)], 30, site_env, log)[0]
         state.install(log, site=work / "site" if bundle else None)
-        return ("passed" if code in (0, 3) else "cut off" if code is None else f"failed (exit {code}; {log.name})"), seconds
+        return (
+            "passed" if code in (0, 3) else "cut off" if code is None else f"failed (exit {code}; {log.name})"
+        ), seconds
     if part.tests:
         junit, collected = out / "junit" / f"{part.name}.xml", out / "junit" / f"{part.name}.collected"
         junit.parent.mkdir(exist_ok=True)
         timeout = ["--timeout", str(int(budget))] if _has("pytest_timeout", env) else []
-        cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.gpu_collect", "-rfEs", *timeout,
-               "--junitxml", str(junit), *part.tests.split()]
+        cmd = [
+            py,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "bench.gpu_collect",
+            "-rfEs",
+            *timeout,
+            "--junitxml",
+            str(junit),
+            *part.tests.split(),
+        ]
         code, seconds = run_process(cmd, budget, dict(env, RELAY_COLLECTED=str(collected)), log, grace_s=15)
-        return ("cut off" if code is None else "passed" if code == 0 else "no tests collected" if code == 5
-                else f"failed (exit {code})"), seconds
+        return (
+            "cut off"
+            if code is None
+            else "passed"
+            if code == 0
+            else "no tests collected"
+            if code == 5
+            else f"failed (exit {code})"
+        ), seconds
     result_file = work / f"{part.name}.json"
     args = _bench_args(part, work, tiny)
-    code, seconds = run_process([py, str(Path(__file__)), "child", part.name, *args, "--result", str(result_file)],
-                                budget, dict(env, GPU_CHECK_PART_S=str(int(budget))), log)
+    code, seconds = run_process(
+        [py, str(Path(__file__)), "child", part.name, *args, "--result", str(result_file)],
+        budget,
+        dict(env, GPU_CHECK_PART_S=str(int(budget))),
+        log,
+    )
     result = json.loads(result_file.read_text()) if result_file.is_file() else {}
     if code is None:
         result["cut_off"] = f"after {seconds:.0f} s (its budget)"
@@ -670,8 +891,14 @@ def plan(bundle, environ=os.environ) -> int:
     from pipeline.tools import bundle as bundles
 
     print("gpu_check.sh would run, each run in one device window (GPU_CHECK_PARTS=first|second|third or part names):")
-    missing = sorted({a.split("::")[0] for args, _ in GPU_TESTS for a in args.split() if a.startswith("tests/")
-                      and not (ROOT / a.split("::")[0]).is_file()})
+    missing = sorted(
+        {
+            a.split("::")[0]
+            for args, _ in GPU_TESTS
+            for a in args.split()
+            if a.startswith("tests/") and not (ROOT / a.split("::")[0]).is_file()
+        }
+    )
     problems = [f"{path}: missing" for path in missing]
     for run_name in RUNS:
         parts = selected(run_name)
@@ -686,8 +913,12 @@ def plan(bundle, environ=os.environ) -> int:
                 what = f"bench/gpu.py child {part.name}  -- {part.what}"
             print(f"  {budget_of(part, environ):4d} s  {part.name}: {what}{needs}")
         one, two = run_budget(parts, 1, environ), run_budget(parts, 2, environ)
-        sums = f"{one} s ({one / 60:.1f} min) on one GPU" + (f", {two} s ({two / 60:.1f} min) on two" if two != one else "")
-        print(f"  budget sum with {STARTUP_S} s of start-up: {sums}; limit {RUN_LIMIT_S} s ({RUN_LIMIT_S / 60:.0f} min)")
+        sums = f"{one} s ({one / 60:.1f} min) on one GPU" + (
+            f", {two} s ({two / 60:.1f} min) on two" if two != one else ""
+        )
+        print(
+            f"  budget sum with {STARTUP_S} s of start-up: {sums}; limit {RUN_LIMIT_S} s ({RUN_LIMIT_S / 60:.0f} min)"
+        )
         if max(one, two) > RUN_LIMIT_S:
             problems.append(f"the {run_name} run's budgets add up to {max(one, two)} s, over {RUN_LIMIT_S} s")
     print("  report:  OUTDIR/gpu_check.md (markdown for bench/RESULTS.md), rewritten after every part")
@@ -709,11 +940,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--bundle")
     p.add_argument("--parts", default=os.environ.get("GPU_CHECK_PARTS", "first"))
-    p.add_argument("--total-s", type=float, default=os.environ.get("GPU_CHECK_TOTAL_S"),
-                   help="seconds for the whole run (default: the sum of its parts' budgets)")
+    p.add_argument(
+        "--total-s",
+        type=float,
+        default=os.environ.get("GPU_CHECK_TOTAL_S"),
+        help="seconds for the whole run (default: the sum of its parts' budgets)",
+    )
     p.add_argument("--tiny", action="store_true")
     p = sub.add_parser("child")
-    p.add_argument("kind", choices=("sft-profile", "sft-vs-trl", "qlora-merge", "ppo", "grpo", "decode", "decode-compiled"))
+    p.add_argument(
+        "kind", choices=("sft-profile", "sft-vs-trl", "qlora-merge", "ppo", "grpo", "decode", "decode-compiled")
+    )
     p.add_argument("model")
     p.add_argument("data")
     p.add_argument("workdir")
@@ -740,16 +977,29 @@ def child(args) -> int:
     shape = Path(args.model).name
     save({"device": device_name(), "shape": shape, "tiny": args.tiny})  # a part cut off while the model is made says so
     n_params = ensure_model(shape, Path(args.model))
-    base = {"device": device_name(), "shape": shape, "n_params": n_params, "peak_bf16_tflops": peak_tflops(device_name()),
-            "tiny": args.tiny}
+    base = {
+        "device": device_name(),
+        "shape": shape,
+        "n_params": n_params,
+        "peak_bf16_tflops": peak_tflops(device_name()),
+        "tiny": args.tiny,
+    }
     with_base = lambda result: save({**base, **result})
     with_base({})
     if args.kind == "sft-profile":
         result = child_sft_profile(args.model, args.data, args.workdir, args.tiny, with_base)
     elif args.kind == "sft-vs-trl":
         budget = Budget(float(os.environ.get("GPU_CHECK_PART_S", 1e9)))
-        rows = bench_sft(Path(args.model), n_params, SHAPES[shape], Path(args.data), Path(args.workdir), budget, args.tiny,
-                         save=lambda rows: with_base({"rows": rows}))
+        rows = bench_sft(
+            Path(args.model),
+            n_params,
+            SHAPES[shape],
+            Path(args.data),
+            Path(args.workdir),
+            budget,
+            args.tiny,
+            save=lambda rows: with_base({"rows": rows}),
+        )
         result = {"rows": rows}
     elif args.kind == "qlora-merge":
         result = child_qlora_merge(args.model, args.data, args.workdir, args.tiny)

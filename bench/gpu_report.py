@@ -50,8 +50,10 @@ def python_headers() -> dict:
 def headers_line(h: dict) -> str:
     if h.get("found"):
         return f"Python {h['python']} headers: found ({h['path']}): DeepSpeed's CPU Adam can build"
-    return (f"Python {h.get('python')} headers: MISSING ({h.get('path')} does not exist): DeepSpeed's CPU Adam (ZeRO-Offload) "
-            f"cannot build here; install the python{'.'.join(str(h.get('python', '3')).split('.')[:2])}-dev package")
+    return (
+        f"Python {h.get('python')} headers: MISSING ({h.get('path')} does not exist): DeepSpeed's CPU Adam (ZeRO-Offload) "
+        f"cannot build here; install the python{'.'.join(str(h.get('python', '3')).split('.')[:2])}-dev package"
+    )
 
 
 def test_outcomes(junit: Path) -> list[tuple[str, str, float]]:
@@ -67,7 +69,9 @@ def test_outcomes(junit: Path) -> list[tuple[str, str, float]]:
             outcome = "FAILED: " + (message[0][:300] if message else "?")
         elif skipped is not None:
             reason = (skipped.get("message") or "").strip()
-            outcome = "not run: needs 2 GPUs" if any(k in reason.lower() for k in TWO_GPUS) else f"skipped: {reason[:200]}"
+            outcome = (
+                "not run: needs 2 GPUs" if any(k in reason.lower() for k in TWO_GPUS) else f"skipped: {reason[:200]}"
+            )
         else:
             outcome = "passed"
         rows.append((test_id, outcome, seconds))
@@ -87,13 +91,22 @@ def outcomes_of(junit: Path, collected=None) -> list[tuple[str, str, float]]:
 
 def tests_section(outcomes: list, title: str = "GPU-marked tests") -> list[str]:
     two_gpus, no_time = "not run: needs 2 GPUs", "not run: the"
-    counts = {k: sum(1 for _, o, _ in outcomes if o.startswith(k)) for k in ("passed", "FAILED", two_gpus, no_time, "skipped")}
+    counts = {
+        k: sum(1 for _, o, _ in outcomes if o.startswith(k)) for k in ("passed", "FAILED", two_gpus, no_time, "skipped")
+    }
     late = f"; {counts[no_time]} not run (time budget)" if counts[no_time] else ""
-    lines = [f"### {title}: {counts['passed']} passed, {counts['FAILED']} failed, {counts[two_gpus]} not run "
-             f"(need 2 GPUs), {counts['skipped']} skipped{late}", ""]
+    lines = [
+        f"### {title}: {counts['passed']} passed, {counts['FAILED']} failed, {counts[two_gpus]} not run "
+        f"(need 2 GPUs), {counts['skipped']} skipped{late}",
+        "",
+    ]
     if not outcomes:
         return lines + ["No test results (pytest did not run or was stopped before writing its report)."]
-    return lines + ["| test | result | s |", "|---|---|---|"] + [f"| {t} | {o.replace('|', '/')} | {s:.1f} |" for t, o, s in outcomes]
+    return (
+        lines
+        + ["| test | result | s |", "|---|---|---|"]
+        + [f"| {t} | {o.replace('|', '/')} | {s:.1f} |" for t, o, s in outcomes]
+    )
 
 
 def gb(mb) -> str:
@@ -118,18 +131,33 @@ def ratio(a, b) -> str:
 
 
 def sft_table(bench: dict) -> list[str]:
-    lines = ["| mode | Relay tok/s | TRL tok/s | Relay / TRL tok/s | Relay MFU | TRL MFU | Relay peak GiB | TRL peak GiB "
-             "| Relay / TRL memory | first loss Relay / TRL |", "|---" * 10 + "|"]
+    lines = [
+        "| mode | Relay tok/s | TRL tok/s | Relay / TRL tok/s | Relay MFU | TRL MFU | Relay peak GiB | TRL peak GiB "
+        "| Relay / TRL memory | first loss Relay / TRL |",
+        "|---" * 10 + "|",
+    ]
     for row in bench.get("sft", []) if isinstance(bench.get("sft"), list) else []:
         r, t = row.get("relay", {}), row.get("peer", {})
-        loss = (f"{r['first_loss']:.4f} / {t['first_loss']:.4f}" + ("" if row.get("equal_work") else " (NOT equal work)")
-                if isinstance(r.get("first_loss"), float) and isinstance(t.get("first_loss"), float) else "-")
-        lines.append(f"| {row['mode']} | {side(r, 'tokens_per_s')} | {side(t, 'tokens_per_s')} | "
-                     f"{ratio(r.get('tokens_per_s'), t.get('tokens_per_s'))} | {pct(r.get('mfu'))} | {pct(t.get('mfu'))} | "
-                     f"{gb(r.get('gpu_peak_mb'))} | {gb(t.get('gpu_peak_mb'))} | {ratio(r.get('gpu_peak_mb'), t.get('gpu_peak_mb'))} | {loss} |")
-    errors = [f"- {row['mode']} {name}: {row[key]['error']}" for row in bench.get("sft", [])
-              for key, name in (("relay", "Relay"), ("peer", "TRL")) if "error" in row.get(key, {})
-              ] if isinstance(bench.get("sft"), list) else [f"- SFT: not run ({bench.get('sft', {}).get('not_run', 'no result')})"]
+        loss = (
+            f"{r['first_loss']:.4f} / {t['first_loss']:.4f}" + ("" if row.get("equal_work") else " (NOT equal work)")
+            if isinstance(r.get("first_loss"), float) and isinstance(t.get("first_loss"), float)
+            else "-"
+        )
+        lines.append(
+            f"| {row['mode']} | {side(r, 'tokens_per_s')} | {side(t, 'tokens_per_s')} | "
+            f"{ratio(r.get('tokens_per_s'), t.get('tokens_per_s'))} | {pct(r.get('mfu'))} | {pct(t.get('mfu'))} | "
+            f"{gb(r.get('gpu_peak_mb'))} | {gb(t.get('gpu_peak_mb'))} | {ratio(r.get('gpu_peak_mb'), t.get('gpu_peak_mb'))} | {loss} |"
+        )
+    errors = (
+        [
+            f"- {row['mode']} {name}: {row[key]['error']}"
+            for row in bench.get("sft", [])
+            for key, name in (("relay", "Relay"), ("peer", "TRL"))
+            if "error" in row.get(key, {})
+        ]
+        if isinstance(bench.get("sft"), list)
+        else [f"- SFT: not run ({bench.get('sft', {}).get('not_run', 'no result')})"]
+    )
     return lines + ([""] + errors if errors else [])
 
 
@@ -138,15 +166,26 @@ def profile_lines(r: dict) -> list[str]:
     if "tokens_per_s" not in r:
         why = f"error: {r['error']}" if "error" in r else f"cut off {r['cut_off']}" if "cut_off" in r else "no figures"
         return [f"- Relay SFT full fine-tuning (profiled): {why}"]
-    lines = [f"- Relay SFT full fine-tuning, {r.get('case', {}).get('precision', 'bf16')}, seq {r.get('case', {}).get('seq_length')} "
-             f"packed, {r.get('case', {}).get('batch_size')} samples a step: {side(r, 'tokens_per_s')} tok/s, "
-             f"{r.get('s_per_step', '-')} s/step, MFU {pct(r.get('mfu'))}, peak {gb(r.get('gpu_peak_mb'))} GiB, "
-             f"losses {r.get('losses')}" + (f" (cut off {r['cut_off']})" if "cut_off" in r else "")]
+    lines = [
+        f"- Relay SFT full fine-tuning, {r.get('case', {}).get('precision', 'bf16')}, seq {r.get('case', {}).get('seq_length')} "
+        f"packed, {r.get('case', {}).get('batch_size')} samples a step: {side(r, 'tokens_per_s')} tok/s, "
+        f"{r.get('s_per_step', '-')} s/step, MFU {pct(r.get('mfu'))}, peak {gb(r.get('gpu_peak_mb'))} GiB, "
+        f"losses {r.get('losses')}" + (f" (cut off {r['cut_off']})" if "cut_off" in r else "")
+    ]
     prof = r.get("profile")
     if prof:
-        idle = f", GPU idle {pct(prof['idle_share'])} of the step (host-bound time)" if prof.get("idle_share") is not None else ""
-        lines += ["", f"One profiled step: {prof['step_ms']:.1f} ms wall, {prof['busy_ms']:.1f} ms of {prof['clock']}{idle}.", "",
-                  "| where | ms | share |", "|---|---|---|"]
+        idle = (
+            f", GPU idle {pct(prof['idle_share'])} of the step (host-bound time)"
+            if prof.get("idle_share") is not None
+            else ""
+        )
+        lines += [
+            "",
+            f"One profiled step: {prof['step_ms']:.1f} ms wall, {prof['busy_ms']:.1f} ms of {prof['clock']}{idle}.",
+            "",
+            "| where | ms | share |",
+            "|---|---|---|",
+        ]
         lines += [f"| {k} | {v['ms']:.1f} | {pct(v['share'])} |" for k, v in prof["categories"].items()]
         lines += ["", "Costliest: " + "; ".join(f"`{t['name'][:60]}` {t['ms']:.1f} ms" for t in prof["top"][:5])]
     return lines
@@ -159,54 +198,96 @@ def status_of(r: dict) -> str:
 def bench_section(bench: dict) -> list[str]:
     """Markdown of the benchmarks present in `bench` (keys: sft_profile, sft, qlora_merge, ppo, grpo,
     generate, generate_compiled); those absent are not this run's."""
-    if not any(k in bench for k in ("sft_profile", "sft", "qlora_merge", "ppo", "grpo", "generate", "generate_compiled")):
+    if not any(
+        k in bench for k in ("sft_profile", "sft", "qlora_merge", "ppo", "grpo", "generate", "generate_compiled")
+    ):
         return ["No benchmark figures (none ran in this run, or none finished)."]
     shape = bench.get("shape") or "model"
-    lines = ["`--tiny` run: a tiny shape on this machine, checking the code paths; the figures mean nothing.", ""] if bench.get("tiny") else []
-    lines += [f"Random-init {shape} ({(bench.get('n_params') or 0) / 1e6:.0f}M parameters), the embedded tokenizer, synthetic "
-              f"two-turn conversations of ~500 tokens, 16 a step packed into rows of 2048, bf16, AdamW, sdpa. Peak dense bf16 "
-              f"taken as {bench.get('peak_bf16_tflops')} TFLOP/s. MFU = tokens/s x (6N full, 4N LoRA/QLoRA, + 12 L d T "
-              "attention) / peak (bench/gpu.py). Peak memory: torch.cuda.max_memory_allocated.", ""]
+    lines = (
+        ["`--tiny` run: a tiny shape on this machine, checking the code paths; the figures mean nothing.", ""]
+        if bench.get("tiny")
+        else []
+    )
+    lines += [
+        f"Random-init {shape} ({(bench.get('n_params') or 0) / 1e6:.0f}M parameters), the embedded tokenizer, synthetic "
+        f"two-turn conversations of ~500 tokens, 16 a step packed into rows of 2048, bf16, AdamW, sdpa. Peak dense bf16 "
+        f"taken as {bench.get('peak_bf16_tflops')} TFLOP/s. MFU = tokens/s x (6N full, 4N LoRA/QLoRA, + 12 L d T "
+        "attention) / peak (bench/gpu.py). Peak memory: torch.cuda.max_memory_allocated.",
+        "",
+    ]
     if "sft_profile" in bench:
         lines += profile_lines(bench["sft_profile"]) + [""]
     if "sft" in bench:
         lines += sft_table(bench) + [""]
     if "qlora_merge" in bench:
         q = bench["qlora_merge"]
-        lines.append(f"- QLoRA on {q.get('shape', 'the 1.5B shape')}: " + (status_of(q) or
-                     f"{q.get('steps')} steps, losses {q.get('losses')}, merged: {q.get('merged')}, peak {gb(q.get('gpu_peak_mb'))} GiB, "
-                     f"{q.get('seconds')} s with load and merge"))
+        lines.append(
+            f"- QLoRA on {q.get('shape', 'the 1.5B shape')}: "
+            + (
+                status_of(q)
+                or f"{q.get('steps')} steps, losses {q.get('losses')}, merged: {q.get('merged')}, peak {gb(q.get('gpu_peak_mb'))} GiB, "
+                f"{q.get('seconds')} s with load and merge"
+            )
+        )
     for algo in ("ppo", "grpo"):
         if algo in bench:
             r = bench[algo]
-            lines.append(f"- {algo.upper()} (LoRA, bf16, {shape}): " + (status_of(r) or
-                         f"{r.get('s_per_step')} s/step, generation {pct(r.get('generation_share'))} of it, peak "
-                         f"{gb(r.get('gpu_peak_mb'))} GiB (every step: {r.get('step_seconds')})"))
+            lines.append(
+                f"- {algo.upper()} (LoRA, bf16, {shape}): "
+                + (
+                    status_of(r)
+                    or f"{r.get('s_per_step')} s/step, generation {pct(r.get('generation_share'))} of it, peak "
+                    f"{gb(r.get('gpu_peak_mb'))} GiB (every step: {r.get('step_seconds')})"
+                )
+            )
     g, c = bench.get("generate", {}), bench.get("generate_compiled", {})
     static = {r["batch"]: r.get("generate-static") for r in c.get("rows", [])}
     if g.get("rows") or c.get("rows"):
         rows = g.get("rows") or [{"batch": r["batch"], "new_tokens": r["new_tokens"]} for r in c["rows"]]
         num = lambda v: f"{v:,.0f}" if isinstance(v, (int, float)) else "-"
-        lines += ["", f"Decoding ({shape}, {g.get('dtype') or c.get('dtype')}, greedy, every row {rows[0]['new_tokens']} new "
-                  "tokens; tok/s; each side warmed up on the shapes it is timed on):", "",
-                  "| batch | Relay, CUDA graph | Relay, model's own step | generate, dynamic cache | generate, static cache (compiled) "
-                  "| graph vs dynamic |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['batch']} | {num(r.get('relay-graph'))} | {num(r.get('relay-eager'))} | {num(r.get('generate-dynamic'))} | "
-                  f"{num(static.get(r['batch'], r.get('generate-static')))} | {ratio(r.get('relay-graph'), r.get('generate-dynamic'))} |"
-                  for r in rows]
+        lines += [
+            "",
+            f"Decoding ({shape}, {g.get('dtype') or c.get('dtype')}, greedy, every row {rows[0]['new_tokens']} new "
+            "tokens; tok/s; each side warmed up on the shapes it is timed on):",
+            "",
+            "| batch | Relay, CUDA graph | Relay, model's own step | generate, dynamic cache | generate, static cache (compiled) "
+            "| graph vs dynamic |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['batch']} | {num(r.get('relay-graph'))} | {num(r.get('relay-eager'))} | {num(r.get('generate-dynamic'))} | "
+            f"{num(static.get(r['batch'], r.get('generate-static')))} | {ratio(r.get('relay-graph'), r.get('generate-dynamic'))} |"
+            for r in rows
+        ]
         if c.get("warmup_s"):
-            lines += ["", "Static cache: the warm-up call (compilation) took " + ", ".join(f"{k} {v} s" for k, v in c["warmup_s"].items())]
+            lines += [
+                "",
+                "Static cache: the warm-up call (compilation) took "
+                + ", ".join(f"{k} {v} s" for k, v in c["warmup_s"].items()),
+            ]
     for key in ("generate", "generate_compiled"):
         r = bench.get(key, {})
         if key in bench and not r.get("rows"):
-            lines.append(f"- Decoding{' (compiled)' if key == 'generate_compiled' else ''}: " + (status_of(r) or "no result"))
+            lines.append(
+                f"- Decoding{' (compiled)' if key == 'generate_compiled' else ''}: " + (status_of(r) or "no result")
+            )
         elif r.get("cut_off") or r.get("error"):
-            lines.append(f"- Decoding{' (compiled)' if key == 'generate_compiled' else ''}: " + (f"cut off {r['cut_off']}" if r.get("cut_off") else f"error: {r['error']}"))
+            lines.append(
+                f"- Decoding{' (compiled)' if key == 'generate_compiled' else ''}: "
+                + (f"cut off {r['cut_off']}" if r.get("cut_off") else f"error: {r['error']}")
+            )
     return lines
 
 
-BENCH_KEYS = {"sft-profile": "sft_profile", "sft-vs-trl": "sft", "qlora-merge": "qlora_merge", "ppo": "ppo", "grpo": "grpo",
-              "decode": "generate", "decode-compiled": "generate_compiled"}
+BENCH_KEYS = {
+    "sft-profile": "sft_profile",
+    "sft-vs-trl": "sft",
+    "qlora-merge": "qlora_merge",
+    "ppo": "ppo",
+    "grpo": "grpo",
+    "decode": "generate",
+    "decode-compiled": "generate_compiled",
+}
 """bench/gpu.py's part -> the key its result has in bench_section."""
 
 
@@ -216,12 +297,23 @@ def report(junits: list, bench_json, log, device: str, not_run=None, collected=N
     device = bench.get("device") or device
     outcomes = [row for junit in junits or [] for row in outcomes_of(Path(junit), collected)]
     if not_run and Path(not_run).is_file():
-        outcomes += [(line.rsplit(": ", 1)[-1], "not run: the part's time budget was spent", 0.0)
-                     for line in Path(not_run).read_text().splitlines() if line.strip()]
-    lines = [f"## GPU check, {_dt.date.today().isoformat()}, {device}", "",
-             "Written by `bash run_scripts/gpu_check.sh` (README: GPU check).", ""]
+        outcomes += [
+            (line.rsplit(": ", 1)[-1], "not run: the part's time budget was spent", 0.0)
+            for line in Path(not_run).read_text().splitlines()
+            if line.strip()
+        ]
+    lines = [
+        f"## GPU check, {_dt.date.today().isoformat()}, {device}",
+        "",
+        "Written by `bash run_scripts/gpu_check.sh` (README: GPU check).",
+        "",
+    ]
     if log and Path(log).is_file():
-        kept = [line.strip() for line in Path(log).read_text().splitlines() if line.startswith(("relay runs on", "error", "install.sh"))]
+        kept = [
+            line.strip()
+            for line in Path(log).read_text().splitlines()
+            if line.startswith(("relay runs on", "error", "install.sh"))
+        ]
         lines += ["Install: " + (" / ".join(kept) or "no version line (see install.log)"), ""]
     return "\n".join(lines + tests_section(outcomes) + ["", "### GPU benchmarks", ""] + bench_section(bench)) + "\n"
 
@@ -236,8 +328,14 @@ class State:
         self.data = json.loads(path.read_text()) if path.is_file() else {"parts": {}, "bench": {}}
 
     def start(self, device: str, parts: list[str], total_s: float, tiny: bool) -> None:
-        self.data.update(device=device, date=_dt.date.today().isoformat(), total_s=round(total_s), tiny=tiny,
-                         parts={name: {"status": "not started", "seconds": 0.0, "budget_s": None} for name in parts}, bench={})
+        self.data.update(
+            device=device,
+            date=_dt.date.today().isoformat(),
+            total_s=round(total_s),
+            tiny=tiny,
+            parts={name: {"status": "not started", "seconds": 0.0, "budget_s": None} for name in parts},
+            bench={},
+        )
         self.write()
 
     def record(self, part: str, status: str, seconds: float, budget_s: float) -> None:
@@ -248,8 +346,15 @@ class State:
         """Versions as the parts will see them (the bundle's site first), the headers, the compat line."""
         if site is not None:
             sys.path.insert(0, str(site))
-        kept = [line.strip() for line in Path(log).read_text(errors="replace").splitlines()
-                if line.startswith(("relay runs on", "error", "install.sh"))] if Path(log).is_file() else []
+        kept = (
+            [
+                line.strip()
+                for line in Path(log).read_text(errors="replace").splitlines()
+                if line.startswith(("relay runs on", "error", "install.sh"))
+            ]
+            if Path(log).is_file()
+            else []
+        )
         self.data["install"] = {"versions": versions(), "headers": python_headers(), "log": kept}
         self.write()
 
@@ -259,7 +364,10 @@ class State:
 
     def write(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        for name, text in (("state.json", json.dumps(self.data, indent=1) + "\n"), ("gpu_check.md", render(self.data, self.out))):
+        for name, text in (
+            ("state.json", json.dumps(self.data, indent=1) + "\n"),
+            ("gpu_check.md", render(self.data, self.out)),
+        ):
             tmp = self.out / f".{name}.tmp"
             tmp.write_text(text)
             os.replace(tmp, self.out / name)
@@ -269,17 +377,28 @@ def render(data: dict, out: Path) -> str:
     """gpu_check.md from a run's state and the test parts' JUnit files under OUTDIR/junit."""
     parts = data.get("parts", {})
     spent = sum(p.get("seconds") or 0 for p in parts.values())
-    lines = [f"## GPU check, {data.get('date', _dt.date.today().isoformat())}, {data.get('device', 'unknown device')}", "",
-             f"Written by `bash run_scripts/gpu_check.sh` (README: GPU check) after every part; this run: "
-             f"{', '.join(parts) or 'nothing yet'} ({data.get('total_s')} s of budgets, {spent:.0f} s spent so far).", "",
-             "| part | status | s | budget s |", "|---|---|---|---|"]
-    lines += [f"| {name} | {p['status'].replace('|', '/')} | {p.get('seconds', 0):.0f} | {p.get('budget_s') or '-'} |"
-              for name, p in parts.items()]
+    lines = [
+        f"## GPU check, {data.get('date', _dt.date.today().isoformat())}, {data.get('device', 'unknown device')}",
+        "",
+        f"Written by `bash run_scripts/gpu_check.sh` (README: GPU check) after every part; this run: "
+        f"{', '.join(parts) or 'nothing yet'} ({data.get('total_s')} s of budgets, {spent:.0f} s spent so far).",
+        "",
+        "| part | status | s | budget s |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {name} | {p['status'].replace('|', '/')} | {p.get('seconds', 0):.0f} | {p.get('budget_s') or '-'} |"
+        for name, p in parts.items()
+    ]
     install = data.get("install")
     if install:
         v = install.get("versions", {})
-        lines += ["", "Versions: " + ", ".join(f"{k} {v[k] or 'not installed'}" for k in v) + ".",
-                  "", headers_line(install.get("headers", {})) + "."]
+        lines += [
+            "",
+            "Versions: " + ", ".join(f"{k} {v[k] or 'not installed'}" for k in v) + ".",
+            "",
+            headers_line(install.get("headers", {})) + ".",
+        ]
         if install.get("log"):
             lines += ["", "Install: " + " / ".join(install["log"])]
     for name, p in parts.items():
@@ -290,8 +409,11 @@ def render(data: dict, out: Path) -> str:
     bench = {BENCH_KEYS[k]: v for k, v in data.get("bench", {}).items() if k in BENCH_KEYS}
     notes = []
     if "sft" in bench:  # the part's result holds its rows, and how it ended
-        notes = [f"- SFT vs TRL: {status_of(bench['sft']) or 'cut off ' + bench['sft']['cut_off']}"
-                 for _ in [0] if status_of(bench["sft"]) or bench["sft"].get("cut_off")]
+        notes = [
+            f"- SFT vs TRL: {status_of(bench['sft']) or 'cut off ' + bench['sft']['cut_off']}"
+            for _ in [0]
+            if status_of(bench["sft"]) or bench["sft"].get("cut_off")
+        ]
         bench["sft"] = bench["sft"].get("rows", [])
     if bench:
         first = next(iter(data["bench"].values()))

@@ -40,8 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "RESULTS.md"
 PYTHONS = {"relay": ROOT / ".venv" / "bin" / "python", "trl-1.12": ROOT / "bench" / ".venv-trl" / "bin" / "python"}
 SECTION = "## Harness rows"
-HEADER = ("| date | comparison | case | Relay | peer | time ratio | Relay RSS MB | peer RSS MB | RSS ratio "
-          "| first loss Relay / peer | machine | versions |")
+HEADER = (
+    "| date | comparison | case | Relay | peer | time ratio | Relay RSS MB | peer RSS MB | RSS ratio "
+    "| first loss Relay / peer | machine | versions |"
+)
 
 
 class HarnessError(RuntimeError):
@@ -134,14 +136,23 @@ def ensure_trl_112() -> Path:
     if not main.exists():
         raise HarnessError(f"{main} does not exist: run bash run_scripts/install.sh first")
     venv = python.parents[1]
-    proc = subprocess.run([str(main), "-m", "venv", "--without-pip", "--clear", str(venv)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(main), "-m", "venv", "--without-pip", "--clear", str(venv)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise HarnessError(f"creating {venv} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-    purelib = lambda py: subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                        capture_output=True, text=True, check=True).stdout.strip()
+    purelib = lambda py: subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     Path(purelib(python), "relay-main.pth").write_text(purelib(main) + "\n")
-    proc = subprocess.run([str(main), "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "trl==1.12.0"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(main), "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "trl==1.12.0"],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0 or subprocess.run(check, capture_output=True).returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["trl 1.12.0 not importable"]
         raise HarnessError(f"installing trl==1.12.0 into {venv} failed: {tail[0]}")
@@ -163,10 +174,19 @@ def quick_model(workdir: Path) -> Path:
         return path
     tokenizer = AutoTokenizer.from_pretrained(materialize())
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -217,7 +237,9 @@ def full_length_sampling():
 
     original = getattr(rollout, "sampling_config", None)
     if original is None:
-        raise HarnessError("pipeline.algorithms.rollout.sampling_config is gone; update bench/harness.py full_length_sampling")
+        raise HarnessError(
+            "pipeline.algorithms.rollout.sampling_config is gone; update bench/harness.py full_length_sampling"
+        )
 
     def fixed_length(max_new_tokens, *args, **kwargs):
         config = original(max_new_tokens, *args, **kwargs)
@@ -227,8 +249,16 @@ def full_length_sampling():
     def relay_fixed_length(self, prompts):
         from pipeline.modeling.decode import generate
 
-        return generate(self.model, prompts, max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
-                        temperature=self.temperature, min_new_tokens=self.max_new_tokens, keep_packed=False).tokens
+        return generate(
+            self.model,
+            prompts,
+            max_new_tokens=self.max_new_tokens,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            temperature=self.temperature,
+            min_new_tokens=self.max_new_tokens,
+            keep_packed=False,
+        ).tokens
 
     relay_original = rollout.RelayGenerator.generate
     rollout.sampling_config, rollout.RelayGenerator.generate = fixed_length, relay_fixed_length
@@ -242,13 +272,31 @@ def run_side(name: str, side: str, case: dict, env: SideEnv, python: Path) -> Si
     """Run one side of one case in a fresh process of `python`; its result comes back as JSON."""
     out = Path(env.workdir) / f"{side}-{case['case']}.json"
     out.unlink(missing_ok=True)
-    cmd = [str(python), str(ROOT / "bench" / "run.py"), name, "--child", side, "--case", json.dumps(case),
-           "--env", json.dumps(dataclasses.asdict(env)), "--child-out", str(out)]
+    cmd = [
+        str(python),
+        str(ROOT / "bench" / "run.py"),
+        name,
+        "--child",
+        side,
+        "--case",
+        json.dumps(case),
+        "--env",
+        json.dumps(dataclasses.asdict(env)),
+        "--child-out",
+        str(out),
+    ]
     threads = str(env.threads)
-    child_env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1",
-                 "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                 "TRL_EXPERIMENTAL_SILENCE": "1",
-                 "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    child_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+    }
     cpu_isa.apply(child_env)  # both sides under the same cap (the peer's process never imports pipeline)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env, cwd=ROOT)
     if proc.returncode != 0 or not out.exists():
@@ -285,19 +333,26 @@ def machine() -> str:
     except (NameError, StopIteration):
         model = ""
     try:
-        mem = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1]) / 2**20
+        mem = (
+            int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])
+            / 2**20
+        )
     except (OSError, StopIteration):
         mem = 0
     cap = os.environ.get("RELAY_CPU_ISA", "")
     capped = f", ISA capped to {cap}" if cap and cap != "native" else ""
-    return (f"{model + ' ' if model else ''}{platform.machine()} {os.cpu_count()} cores"
-            f"{' ' + '+'.join(extras) if extras else ''} {mem:.0f} GiB{capped}")
+    return (
+        f"{model + ' ' if model else ''}{platform.machine()} {os.cpu_count()} cores"
+        f"{' ' + '+'.join(extras) if extras else ''} {mem:.0f} GiB{capped}"
+    )
 
 
 def versions(python: Path) -> str:
     """torch/transformers/peft/trl versions as `python` sees them."""
-    code = ("import importlib.metadata as m; print(' '.join(f'{p} {m.version(p)}' "
-            "for p in ('torch', 'transformers', 'peft', 'trl')))")
+    code = (
+        "import importlib.metadata as m; print(' '.join(f'{p} {m.version(p)}' "
+        "for p in ('torch', 'transformers', 'peft', 'trl')))"
+    )
     proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
     return proc.stdout.strip() or "unknown"
 
@@ -311,10 +366,12 @@ def append_row(path: Path, row: str) -> None:
     sections after it are kept in place."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     if SECTION not in text:
-        text = text.rstrip("\n") + (f"\n\n{SECTION}\nOne row per `python bench/run.py NAME` run (see bench/harness.py). "
-                                    "Time ratio: Relay's seconds per step / the peer's, on equal work (< 1: Relay faster); "
-                                    "RSS ratio: peak resident memory, Relay / peer.\n\n"
-                                    f"{HEADER}\n" + "|---" * (HEADER.count("|") - 1) + "|\n")
+        text = text.rstrip("\n") + (
+            f"\n\n{SECTION}\nOne row per `python bench/run.py NAME` run (see bench/harness.py). "
+            "Time ratio: Relay's seconds per step / the peer's, on equal work (< 1: Relay faster); "
+            "RSS ratio: peak resident memory, Relay / peer.\n\n"
+            f"{HEADER}\n" + "|---" * (HEADER.count("|") - 1) + "|\n"
+        )
     start = text.index(SECTION)
     following = text.find("\n## ", start + len(SECTION))
     end = len(text) if following < 0 else following + 1

@@ -46,8 +46,12 @@ def parse_probe(text: str) -> dict[str, str]:
     'mkl': 'Intel(R) Advanced Vector Extensions 2 (Intel(R) AVX2) enabled processors', 'onednn_kernel':
     'brg_matmul:avx2'}; a library that said nothing is absent."""
     found = {}
-    patterns = {"aten": r"^aten: (\S+)", "onednn": r"onednn_verbose,[^\n]*?,cpu,isa:([^\n]+)",
-                "mkl": r"MKL_VERBOSE oneMKL[^\n]*? architecture ([^\n]*?), Lnx", "onednn_kernel": r",inner_product,([^,]+),"}
+    patterns = {
+        "aten": r"^aten: (\S+)",
+        "onednn": r"onednn_verbose,[^\n]*?,cpu,isa:([^\n]+)",
+        "mkl": r"MKL_VERBOSE oneMKL[^\n]*? architecture ([^\n]*?), Lnx",
+        "onednn_kernel": r",inner_product,([^,]+),",
+    }
     for key, pattern in patterns.items():
         match = re.search(pattern, text, re.MULTILINE)
         if match:
@@ -74,8 +78,10 @@ def unchecked(cap: str, seen: dict[str, str]) -> list[str]:
         if key not in seen:
             out.append(f"{name} printed no banner (not in this build, or it never ran)")
         elif not names_an_isa(seen[key]):
-            out.append(f"{name} reports {seen[key]!r}, no instruction set to hold the cap against "
-                       f"(its generic path on a CPU it does not take for Intel's)")
+            out.append(
+                f"{name} reports {seen[key]!r}, no instruction set to hold the cap against "
+                f"(its generic path on a CPU it does not take for Intel's)"
+            )
     return out
 
 
@@ -86,10 +92,20 @@ def problems(cap: str, seen: dict[str, str]) -> list[str]:
     out = []
     if want and seen.get("aten") != want:
         out.append(f"ATen dispatches {seen.get('aten', 'nothing')}, not {want} (does this CPU have {cap}?)")
-    if want and "onednn" in seen and names_an_isa(seen["onednn"]) and want not in seen["onednn"].upper().replace(" ", ""):
+    if (
+        want
+        and "onednn" in seen
+        and names_an_isa(seen["onednn"])
+        and want not in seen["onednn"].upper().replace(" ", "")
+    ):
         if not (want == "AVX512" and "AVX512" in seen["onednn"].upper().replace(" ", "").replace("-", "")):
             out.append(f"oneDNN runs {seen['onednn']}, not {want}")
-    if want and "mkl" in seen and names_an_isa(seen["mkl"]) and want.replace("AVX512", "AVX-512") not in seen["mkl"].upper():
+    if (
+        want
+        and "mkl" in seen
+        and names_an_isa(seen["mkl"])
+        and want.replace("AVX512", "AVX-512") not in seen["mkl"].upper()
+    ):
         out.append(f"MKL runs {seen['mkl']}, not {want}")
     return out
 
@@ -105,8 +121,12 @@ def capped_env(cap: str, base: dict[str, str]) -> dict[str, str]:
 
 def probe(env: dict[str, str]) -> dict[str, str]:
     """Run PROBE in a fresh interpreter under `env` with oneDNN's and MKL's verbose on."""
-    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                          env=env | {"ONEDNN_VERBOSE": "1", "MKL_VERBOSE": "1", "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        env=env | {"ONEDNN_VERBOSE": "1", "MKL_VERBOSE": "1", "OMP_NUM_THREADS": "1"},
+    )
     return parse_probe(proc.stdout + proc.stderr)
 
 
@@ -114,7 +134,7 @@ def main(argv: list[str]) -> int:
     command = []
     if "--" in argv:
         at = argv.index("--")
-        argv, command = argv[:at], argv[at + 1:]
+        argv, command = argv[:at], argv[at + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage="bench/isa.py CAP [-- COMMAND ...]")
     parser.add_argument("cap", help="avx2, avx512 or native")
     args = parser.parse_args(argv)
@@ -124,8 +144,12 @@ def main(argv: list[str]) -> int:
         print(f"bench/isa.py: {err}", file=sys.stderr)
         return 2
     seen = probe(env)
-    print(f"ISA cap {args.cap}: ATen {seen.get('aten', '?')}, oneDNN {seen.get('onednn', '?')} "
-          f"({seen.get('onednn_kernel', '?')}), MKL {seen.get('mkl', '?')}", file=sys.stderr, flush=True)
+    print(
+        f"ISA cap {args.cap}: ATen {seen.get('aten', '?')}, oneDNN {seen.get('onednn', '?')} "
+        f"({seen.get('onednn_kernel', '?')}), MKL {seen.get('mkl', '?')}",
+        file=sys.stderr,
+        flush=True,
+    )
     for line in unchecked(args.cap, seen):
         print(f"bench/isa.py: not checked: {line}", file=sys.stderr, flush=True)
     bad = problems(args.cap, seen)

@@ -53,6 +53,7 @@ def shapes() -> list[tuple[str, str, float, float]]:
 
     def train(linear):
         return lambda: linear(x, w, None).sum().backward()
+
     t_mkl, t_dnn = paired_times(train(torch.nn.functional.linear), train(OneDNNLinear.apply))
     flops = 3 * 2 * n * d * f  # forward, input gradient, weight gradient
     rows.append((f"train fwd+bwd {n}x{d} @ {d}x{f}", "train_onednn", flops / t_mkl / 1e9, flops / t_dnn / 1e9))
@@ -61,10 +62,18 @@ def shapes() -> list[tuple[str, str, float, float]]:
             weight = torch.randn(out, d)
             packed = torch.ops.mkldnn._reorder_linear_weight(weight)
             xs = torch.randn(ck.DECODE_ROWS, d)
-            t_mkl, t_dnn = paired_times(lambda: torch.nn.functional.linear(xs, weight), lambda: onednn_linear(xs, packed, None))
+            t_mkl, t_dnn = paired_times(
+                lambda: torch.nn.functional.linear(xs, weight), lambda: onednn_linear(xs, packed, None)
+            )
             flops = 2 * ck.DECODE_ROWS * d * out
-            rows.append((f"{name} {ck.DECODE_ROWS}x{d} @ {d}x{out} (packed)", "decode_packed", flops / t_mkl / 1e9,
-                         flops / t_dnn / 1e9))
+            rows.append(
+                (
+                    f"{name} {ck.DECODE_ROWS}x{d} @ {d}x{out} (packed)",
+                    "decode_packed",
+                    flops / t_mkl / 1e9,
+                    flops / t_dnn / 1e9,
+                )
+            )
     return rows
 
 
@@ -72,11 +81,23 @@ def table_rows(record: dict, measured_shapes: list) -> list[str]:
     machine = f"{harness.machine()}, {torch.get_num_threads()} threads, ATen {record['fields']['aten']}"
     out = []
     for shape, path, mkl, dnn in measured_shapes:
-        out.append(harness.format_row([harness.today(), machine, shape, f"{mkl:.0f}", f"{dnn:.0f}", f"{dnn / mkl:.2f}",
-                                       f"{path}: {'taken' if record['choices'][path] else 'not taken'}"]))
+        out.append(
+            harness.format_row(
+                [
+                    harness.today(),
+                    machine,
+                    shape,
+                    f"{mkl:.0f}",
+                    f"{dnn:.0f}",
+                    f"{dnn / mkl:.2f}",
+                    f"{path}: {'taken' if record['choices'][path] else 'not taken'}",
+                ]
+            )
+        )
     speedups = ", ".join(f"{k} {v:.2f}x" for k, v in record["speedups"].items())
-    out.append(harness.format_row([harness.today(), machine, "paired speedups (cpu_kernels.measure)", "", "", "",
-                                   speedups]))
+    out.append(
+        harness.format_row([harness.today(), machine, "paired speedups (cpu_kernels.measure)", "", "", "", speedups])
+    )
     return out
 
 
@@ -84,18 +105,27 @@ def append(rows: list[str], path: Path = harness.RESULTS) -> None:
     """Add `rows` at the end of the SECTION table of `path` (the section and its header made on first use)."""
     lines = path.read_text().splitlines()
     if SECTION not in lines:
-        lines += ["", SECTION, "", "Rows from `bench/kernels.py --append` (see its docstring).", "", HEADER,
-                  "|" + "---|" * (HEADER.count("|") - 1)]
+        lines += [
+            "",
+            SECTION,
+            "",
+            "Rows from `bench/kernels.py --append` (see its docstring).",
+            "",
+            HEADER,
+            "|" + "---|" * (HEADER.count("|") - 1),
+        ]
     at = lines.index(SECTION)
     end = next((i for i in range(at + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
     last = max(i for i in range(at, end) if lines[i].startswith("|"))
-    lines[last + 1:last + 1] = rows
+    lines[last + 1 : last + 1] = rows
     path.write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--remeasure", action="store_true", help="measure again and replace this machine's cached choice")
+    parser.add_argument(
+        "--remeasure", action="store_true", help="measure again and replace this machine's cached choice"
+    )
     parser.add_argument("--shapes", action="store_true", help="also time each shape both ways (GFLOP/s)")
     parser.add_argument("--append", action="store_true", help="append the --shapes rows to bench/RESULTS.md")
     args = parser.parse_args(argv)

@@ -39,8 +39,9 @@ def collate_module(rev: str | None):
         from data_formats import collate
 
         return collate
-    source = subprocess.run(["git", "show", f"{rev}:data_formats/collate.py"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{rev}:data_formats/collate.py"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
     module = types.ModuleType("collate_before")
     sys.modules[module.__name__] = module  # its dataclasses look their module up
     exec(compile(source, f"{rev}:data_formats/collate.py", "exec"), module.__dict__)
@@ -53,6 +54,7 @@ def variant(args) -> dict:
     from transformers import LlamaForCausalLM
 
     from pipeline.engine.steps import weighted_token_losses
+
     sys.path.insert(0, str(ROOT / "tests"))
     from tinymodels import tiny_config
 
@@ -81,9 +83,17 @@ def variant(args) -> dict:
         started = time.perf_counter()
         weighted_token_losses(model, batch, ones)[0].backward()
         times.append(time.perf_counter() - started)
-    return {"variant": args.variant, "attn": args.attn, "rows": args.rows, "docs_per_row": args.docs, "micro_batches": args.micro,
-            "batch_mib": shipped / 2**20, "collate_ms": collate_ms, "step_ms_median": sorted(times)[len(times) // 2] * 1000,
-            "peak_rss_mib": vm_hwm_mb()}
+    return {
+        "variant": args.variant,
+        "attn": args.attn,
+        "rows": args.rows,
+        "docs_per_row": args.docs,
+        "micro_batches": args.micro,
+        "batch_mib": shipped / 2**20,
+        "collate_ms": collate_ms,
+        "step_ms_median": sorted(times)[len(times) // 2] * 1000,
+        "peak_rss_mib": vm_hwm_mb(),
+    }
 
 
 def block_sparsity(rows: int, docs: int) -> float:
@@ -110,14 +120,35 @@ def main(argv=None) -> int:
         print(json.dumps(variant(args)))
         return 0
     if args.before is None:
-        found = subprocess.run(["git", "log", "-1", "--format=%H", "-S", "segment_ids\"] = segments", "--", "data_formats/collate.py"],
-                               cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
+        found = subprocess.run(
+            ["git", "log", "-1", "--format=%H", "-S", 'segment_ids"] = segments', "--", "data_formats/collate.py"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         args.before = f"{found}^"
     results = []
     for name in ("before", "after"):
-        cmd = [sys.executable, __file__, "--variant", name, "--before", args.before, "--rows", str(args.rows),
-               "--docs", str(args.docs), "--micro", str(args.micro), "--attn", args.attn]
-        results.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]))
+        cmd = [
+            sys.executable,
+            __file__,
+            "--variant",
+            name,
+            "--before",
+            args.before,
+            "--rows",
+            str(args.rows),
+            "--docs",
+            str(args.docs),
+            "--micro",
+            str(args.micro),
+            "--attn",
+            args.attn,
+        ]
+        results.append(
+            json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        )
     results.append({"flex_blocks_skipped": block_sparsity(args.rows, args.docs)})
     for r in results:
         print(json.dumps(r))

@@ -61,11 +61,15 @@ def compare(args) -> int:
     cases = module.cases(args.quick)
     unknown = sorted(set(args.case or []) - {c["case"] for c in cases})
     if unknown:
-        raise harness.HarnessError(f"{args.name} has no case {', '.join(unknown)}"
-                                   f"{' in --quick' if args.quick else ''}; its cases: {', '.join(c['case'] for c in cases)}")
+        raise harness.HarnessError(
+            f"{args.name} has no case {', '.join(unknown)}"
+            f"{' in --quick' if args.quick else ''}; its cases: {', '.join(c['case'] for c in cases)}"
+        )
     env = harness.side_env(args.quick, args.workdir, args.threads, prefix=f"relay-bench-{args.name}-")
-    pythons = {"relay": harness.PYTHONS["relay"],
-               "peer": harness.ensure_trl_112() if module.PEER_PYTHON == "trl-1.12" else harness.PYTHONS["relay"]}
+    pythons = {
+        "relay": harness.PYTHONS["relay"],
+        "peer": harness.ensure_trl_112() if module.PEER_PYTHON == "trl-1.12" else harness.PYTHONS["relay"],
+    }
     versions = f"Relay: {harness.versions(pythons['relay'])}; peer: {harness.versions(pythons['peer'])}"
     machine = harness.machine() + f", {args.threads} threads"
     failed = 0
@@ -79,24 +83,61 @@ def compare(args) -> int:
         theirs = side(args, module, "peer", case, env, pythons["peer"])
         tolerance = module.LOSS_TOLERANCE
         if tolerance is not None:
-            if ours.first_loss is None or theirs.first_loss is None or abs(ours.first_loss - theirs.first_loss) > tolerance:
-                print(f"{args.name} {case['case']}: the two sides do not do equal work: first-batch loss Relay "
-                      f"{ours.first_loss} vs peer {theirs.first_loss} (tolerance {tolerance}); no row recorded", file=sys.stderr)
+            if (
+                ours.first_loss is None
+                or theirs.first_loss is None
+                or abs(ours.first_loss - theirs.first_loss) > tolerance
+            ):
+                print(
+                    f"{args.name} {case['case']}: the two sides do not do equal work: first-batch loss Relay "
+                    f"{ours.first_loss} vs peer {theirs.first_loss} (tolerance {tolerance}); no row recorded",
+                    file=sys.stderr,
+                )
                 failed += 1
                 continue
         (rs, rr), (ps, pr) = harness.timed(ours, warmup), harness.timed(theirs, warmup)
-        loss = (f"{ours.first_loss:.5f} / {theirs.first_loss:.5f}" if tolerance is not None
-                else module.note(ours, theirs) if hasattr(module, "note") else f"n/a ({module.WHY_NO_LOSS})")
+        loss = (
+            f"{ours.first_loss:.5f} / {theirs.first_loss:.5f}"
+            if tolerance is not None
+            else module.note(ours, theirs)
+            if hasattr(module, "note")
+            else f"n/a ({module.WHY_NO_LOSS})"
+        )
         label = case["case"] + (" (quick)" if args.quick else "")
-        row = harness.format_row([harness.today(), args.name, label, figure(module, rs, rr), f"{module.PEER}: {figure(module, ps, pr)}",
-                                  f"{rs / ps:.2f}x", f"{ours.peak_rss_mb:.0f}", f"{theirs.peak_rss_mb:.0f}",
-                                  f"{ours.peak_rss_mb / theirs.peak_rss_mb:.2f}x", loss, machine, versions])
+        row = harness.format_row(
+            [
+                harness.today(),
+                args.name,
+                label,
+                figure(module, rs, rr),
+                f"{module.PEER}: {figure(module, ps, pr)}",
+                f"{rs / ps:.2f}x",
+                f"{ours.peak_rss_mb:.0f}",
+                f"{theirs.peak_rss_mb:.0f}",
+                f"{ours.peak_rss_mb / theirs.peak_rss_mb:.2f}x",
+                loss,
+                machine,
+                versions,
+            ]
+        )
         harness.append_row(Path(args.results), row)
         detail = Path(args.results).with_suffix(".jsonl")
         with detail.open("a") as fh:
-            fh.write(json.dumps({"date": harness.today(), "comparison": args.name, "case": case, "quick": args.quick,
-                                 "machine": machine, "versions": versions, "relay": dataclasses.asdict(ours),
-                                 "peer": dataclasses.asdict(theirs)}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "date": harness.today(),
+                        "comparison": args.name,
+                        "case": case,
+                        "quick": args.quick,
+                        "machine": machine,
+                        "versions": versions,
+                        "relay": dataclasses.asdict(ours),
+                        "peer": dataclasses.asdict(theirs),
+                    }
+                )
+                + "\n"
+            )
         print(row, flush=True)
     return 1 if failed else 0
 

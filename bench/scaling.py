@@ -55,7 +55,6 @@ SFT_DATA = ROOT / "data" / "sample" / "sft" / "train"
 FILLERS = (".", " a", ",", "!")
 
 
-
 @dataclasses.dataclass
 class Point:
     """One measurement: `kind` sft (x = seq_length, batch = sequences per step) or ppo (x = new
@@ -87,7 +86,9 @@ def plan(quick: bool) -> list[Point]:
     two of each on a tiny model (256 tokens/step)."""
     if quick:
         return [Point("sft", t, 256 // t, 2) for t in (64, 128)] + [Point("ppo", n, 2, 2) for n in (8, 16)]
-    return [Point("sft", t, SFT_TOKENS // t, 4) for t in (256, 512, 1024, 2048)] + [Point("ppo", n, 4, 3) for n in (16, 64, 256)]
+    return [Point("sft", t, SFT_TOKENS // t, 4) for t in (256, 512, 1024, 2048)] + [
+        Point("ppo", n, 4, 3) for n in (16, 64, 256)
+    ]
 
 
 # ------------------------------------------------------------------------------------------
@@ -102,8 +103,11 @@ def exchanges(folder: Path = SFT_DATA) -> list[tuple[str, str]]:
         for line in path.read_text().splitlines():
             if line.strip():
                 rounds = json.loads(line)["chat_rounds"]
-                out += [(a["content"], b["content"]) for a, b in zip(rounds, rounds[1:])
-                        if a["role"] == "human" and b["role"] == "bot"]
+                out += [
+                    (a["content"], b["content"])
+                    for a, b in zip(rounds, rounds[1:])
+                    if a["role"] == "human" and b["role"] == "bot"
+                ]
     return out
 
 
@@ -120,7 +124,9 @@ def longest_fit(count: int, length, limit: int) -> int:
     return lo
 
 
-def long_conversation(pairs: Sequence[tuple[str, str]], start: int, seq_length: int, length) -> tuple[list[tuple[str, str]], int]:
+def long_conversation(
+    pairs: Sequence[tuple[str, str]], start: int, seq_length: int, length
+) -> tuple[list[tuple[str, str]], int]:
     """Exchanges pairs[start], pairs[start+1], ... (cyclically) whose conversation renders to
     `seq_length` tokens, the last answer topped up with words of the following answers and then
     with one-token fillers (one short only if none fits); and the index of the next unused exchange.
@@ -160,7 +166,11 @@ def write_conversations(path: Path, count: int, seq_length: int, tokenizer, temp
     for _ in range(count):
         chosen, start = long_conversation(pairs, start, seq_length, length)
         lengths.append(length(chosen))
-        rounds = [{"role": role, "content": text} for user, answer in chosen for role, text in (("human", user), ("bot", answer))]
+        rounds = [
+            {"role": role, "content": text}
+            for user, answer in chosen
+            for role, text in (("human", user), ("bot", answer))
+        ]
         lines.append(json.dumps({"data_name": "synthetic", "chat_rounds": rounds}))
     path.write_text("\n".join(lines) + "\n")
     return lengths
@@ -196,7 +206,12 @@ def sft_point(point: Point, env: harness.SideEnv) -> Point:
     from stages import sft
 
     cfg = sft.SFTConfig(output_dir=str(Path(env.workdir) / f"sft-{point.x}"))
-    cfg.model.path, cfg.model.finetuning, cfg.model.dtype, cfg.model.attn_implementation = env.model, "lora", "fp32", "sdpa"
+    cfg.model.path, cfg.model.finetuning, cfg.model.dtype, cfg.model.attn_implementation = (
+        env.model,
+        "lora",
+        "fp32",
+        "sdpa",
+    )
     t = cfg.train
     t.seq_length, t.batch_size, t.max_steps, t.eval_steps, t.precision = point.x, point.batch, point.steps, 0, "fp32"
     t.lr_schedule, t.warmup = "constant", 0
@@ -212,8 +227,9 @@ def sft_point(point: Point, env: harness.SideEnv) -> Point:
         lengths = sorted(len(s["input_ids"]) for s in stage.train_samples)
         if lengths != [point.x] * count:
             found = f"{len(lengths)} of {lengths[0]}..{lengths[-1]} tokens" if lengths else "none"
-            raise harness.HarnessError(f"scaling: sft {point.x}: the stage kept {found} (want {count} conversations "
-                                       f"of exactly {point.x})")
+            raise harness.HarnessError(
+                f"scaling: sft {point.x}: the stage kept {found} (want {count} conversations of exactly {point.x})"
+            )
 
     def on_step(stage, record) -> None:
         clock.mark(sum(len(stage.train_samples[i]["input_ids"]) for group in stage.step_indices for i in group))
@@ -228,8 +244,14 @@ def ppo_point(point: Point, env: harness.SideEnv) -> Point:
     from bench.comparisons import ppo as compared
     from stages import ppo
 
-    case = {"case": f"scaling-{point.x}", "finetuning": "lora", "steps": point.steps, "batch": point.batch,
-            "new_tokens": point.x, "epochs": 1}
+    case = {
+        "case": f"scaling-{point.x}",
+        "finetuning": "lora",
+        "steps": point.steps,
+        "batch": point.batch,
+        "new_tokens": point.x,
+        "epochs": 1,
+    }
     cfg = compared.relay_config(case, env, compared.write_prompts(case, env, "scaling"))
     clock = harness.StepClock()
 
@@ -265,12 +287,27 @@ def run_point(point: Point, env: harness.SideEnv) -> Point:
         return (sft_point if point.kind == "sft" else ppo_point)(point, env)
     out = Path(env.workdir) / f"point-{point.kind}-{point.x}.json"
     out.unlink(missing_ok=True)
-    cmd = [str(harness.PYTHONS["relay"]), str(Path(__file__).resolve()), "--child", json.dumps(dataclasses.asdict(point)),
-           "--env", json.dumps(dataclasses.asdict(env)), "--child-out", str(out)]
+    cmd = [
+        str(harness.PYTHONS["relay"]),
+        str(Path(__file__).resolve()),
+        "--child",
+        json.dumps(dataclasses.asdict(point)),
+        "--env",
+        json.dumps(dataclasses.asdict(env)),
+        "--child-out",
+        str(out),
+    ]
     threads = str(env.threads)
-    child_env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1",
-                 "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                 "PYTHONPATH": str(ROOT)}
+    child_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(ROOT),
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env, cwd=ROOT)
     if proc.returncode != 0 or not out.exists():
         tail = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()][-3:]
@@ -334,8 +371,9 @@ def plot(points: Sequence[Point], lines: dict, path: Path) -> Optional[str]:
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for row, kind in enumerate(("sft", "ppo")):
         mine = sorted((p for p in points if p.kind == kind), key=lambda p: p.x)
-        for col, (what, value, unit) in enumerate((("time", lambda p: p.seconds, "s/step"),
-                                                    ("memory", lambda p: p.peak_rss_mb, "peak RSS MB"))):
+        for col, (what, value, unit) in enumerate(
+            (("time", lambda p: p.seconds, "s/step"), ("memory", lambda p: p.peak_rss_mb, "peak RSS MB"))
+        ):
             ax = axes[row][col]
             ax.plot([p.x for p in mine], [value(p) for p in mine], "o", label="measured")
             line = lines.get((kind, what))
@@ -365,29 +403,44 @@ def fit_lines(points: Sequence[Point], lines: dict) -> list[str]:
             continue
         xs = sorted(p.x for p in points if p.kind == kind)
         share = ", ".join(f"{100 * time_fit.b * x / time_fit(x):.0f}% at {x_name}={x}" for x in (xs[0], xs[-1]))
-        out.append(f"- {kind.upper()} step time = a + b*{x_name}: a = {time_fit.a:.3f} s, b = {1000 * time_fit.b:.3f} ms per "
-                   f"{per}, R^2 = {time_fit.r2:.4f}; the growing term b*{x_name} is {share} of the step.")
-        out.append(f"- {kind.upper()} peak RSS = a + b*{x_name}: a = {memory_fit.a:.0f} MB, b = {memory_fit.b:.3f} MB per "
-                   f"{per}, R^2 = {memory_fit.r2:.4f}.")
+        out.append(
+            f"- {kind.upper()} step time = a + b*{x_name}: a = {time_fit.a:.3f} s, b = {1000 * time_fit.b:.3f} ms per "
+            f"{per}, R^2 = {time_fit.r2:.4f}; the growing term b*{x_name} is {share} of the step."
+        )
+        out.append(
+            f"- {kind.upper()} peak RSS = a + b*{x_name}: a = {memory_fit.a:.0f} MB, b = {memory_fit.b:.3f} MB per "
+            f"{per}, R^2 = {memory_fit.r2:.4f}."
+        )
     return out
 
 
-def section(points: Sequence[Point], lines: dict, *, quick: bool, threads: int, png: Optional[str], why_no_png: Optional[str]) -> str:
+def section(
+    points: Sequence[Point], lines: dict, *, quick: bool, threads: int, png: Optional[str], why_no_png: Optional[str]
+) -> str:
     """The markdown section (title line included)."""
-    model = "the harness's tiny random Llama (--quick: checks the form, not a figure)" if quick else "the embedded SmolLM2-135M-Instruct"
+    model = (
+        "the harness's tiny random Llama (--quick: checks the form, not a figure)"
+        if quick
+        else "the embedded SmolLM2-135M-Instruct"
+    )
     rows = ["| stage | x | batch | tokens/step | s/step | tokens/s | peak RSS MB |", "|---|---|---|---|---|---|---|"]
     for p in points:
         rate = p.tokens / p.seconds if p.seconds > 0 else float("nan")
-        rows.append(f"| {p.kind.upper()} | {'T' if p.kind == 'sft' else 'N'}={p.x} | {p.batch} | {p.tokens:.0f} | "
-                    f"{p.seconds:.3f} | {rate:,.0f} | {p.peak_rss_mb:.0f} |")
-    text = [SECTION,
-            f"`bench/scaling.py` ({_dt.date.today().isoformat()}; {harness.machine()}, {threads} threads; "
-            f"{harness.versions(harness.PYTHONS['relay'])}). Relay only, {model}, LoRA, fp32, sdpa; each point in its own "
-            f"process; s/step is the mean over the steps after {WARMUP} warm-up step(s), peak RSS the process's VmHWM at the end "
-            "of its last timed step. SFT: synthesised multi-turn conversations of exactly T tokens (see the script's "
-            "docstring for why not packing), tokens per step held constant; tokens/s "
-            "counts trained-sequence tokens. PPO: one batch of data/sample/ppo prompts, every response exactly N tokens "
-            "(EOS suppressed until then), one PPO epoch; tokens/s counts sampled tokens.", ""]
+        rows.append(
+            f"| {p.kind.upper()} | {'T' if p.kind == 'sft' else 'N'}={p.x} | {p.batch} | {p.tokens:.0f} | "
+            f"{p.seconds:.3f} | {rate:,.0f} | {p.peak_rss_mb:.0f} |"
+        )
+    text = [
+        SECTION,
+        f"`bench/scaling.py` ({_dt.date.today().isoformat()}; {harness.machine()}, {threads} threads; "
+        f"{harness.versions(harness.PYTHONS['relay'])}). Relay only, {model}, LoRA, fp32, sdpa; each point in its own "
+        f"process; s/step is the mean over the steps after {WARMUP} warm-up step(s), peak RSS the process's VmHWM at the end "
+        "of its last timed step. SFT: synthesised multi-turn conversations of exactly T tokens (see the script's "
+        "docstring for why not packing), tokens per step held constant; tokens/s "
+        "counts trained-sequence tokens. PPO: one batch of data/sample/ppo prompts, every response exactly N tokens "
+        "(EOS suppressed until then), one PPO epoch; tokens/s counts sampled tokens.",
+        "",
+    ]
     text += [f"![How cost grows]({png})" if png else f"(No figure: {why_no_png}.)", ""]
     text += rows + ["", "Fits (least squares; see the script's docstring for why these forms):", ""]
     text += fit_lines(points, lines)
@@ -402,7 +455,7 @@ def replace_section(path: Path, text: str) -> None:
         path.write_text(current.rstrip("\n") + "\n\n" + text)
         return
     following = current.find("\n## ", start + len(SECTION))
-    rest = "" if following < 0 else "\n" + current[following + 1:]
+    rest = "" if following < 0 else "\n" + current[following + 1 :]
     path.write_text(current[:start] + text + rest)
 
 
@@ -434,11 +487,23 @@ def measure(args) -> int:
     lines = fits(measured)
     png = results.with_name("scaling.png")
     why = plot(measured, lines, png)
-    results.with_name("scaling.json").write_text(json.dumps({
-        "date": _dt.date.today().isoformat(), "quick": args.quick, "threads": args.threads, "machine": harness.machine(),
-        "points": [dataclasses.asdict(p) | {"seconds": p.seconds, "tokens": p.tokens} for p in measured],
-        "fits": {f"{k}/{w}": dataclasses.asdict(f) if f else None for (k, w), f in lines.items()}}, indent=1) + "\n")
-    text = section(measured, lines, quick=args.quick, threads=args.threads, png=None if why else png.name, why_no_png=why)
+    results.with_name("scaling.json").write_text(
+        json.dumps(
+            {
+                "date": _dt.date.today().isoformat(),
+                "quick": args.quick,
+                "threads": args.threads,
+                "machine": harness.machine(),
+                "points": [dataclasses.asdict(p) | {"seconds": p.seconds, "tokens": p.tokens} for p in measured],
+                "fits": {f"{k}/{w}": dataclasses.asdict(f) if f else None for (k, w), f in lines.items()},
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    text = section(
+        measured, lines, quick=args.quick, threads=args.threads, png=None if why else png.name, why_no_png=why
+    )
     replace_section(results, text)
     print(text, flush=True)
     return 0
@@ -446,10 +511,15 @@ def measure(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny random model, two points each: checks the form in seconds")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny random model, two points each: checks the form in seconds"
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--results", default=str(harness.RESULTS), help="markdown file whose '## How cost grows' is replaced; "
-                        "scaling.png and scaling.json go next to it")
+    parser.add_argument(
+        "--results",
+        default=str(harness.RESULTS),
+        help="markdown file whose '## How cost grows' is replaced; scaling.png and scaling.json go next to it",
+    )
     parser.add_argument("--point", action="append", help="measure only this point, e.g. sft:256 or ppo:16 (repeatable)")
     parser.add_argument("--workdir", default="")
     parser.add_argument("--child", help=argparse.SUPPRESS)

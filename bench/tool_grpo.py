@@ -57,9 +57,17 @@ def write_data(folder: Path, n_train: int, n_eval: int) -> list[dict]:
         text, a, b = question(rng)
         if i < n_train:
             call = {"type": "function", "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}
-            sft.append({"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "", "tool_calls": [call]},
-                                     {"role": "tool", "content": str(a + b)},
-                                     {"role": "assistant", "content": f"The answer is {a + b}."}], "tools": tools})
+            sft.append(
+                {
+                    "messages": [
+                        {"role": "user", "content": text},
+                        {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "content": str(a + b)},
+                        {"role": "assistant", "content": f"The answer is {a + b}."},
+                    ],
+                    "tools": tools,
+                }
+            )
         else:
             prompts.append({"messages": [{"role": "user", "content": text}], "answer": str(a + b)})
     (folder / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft))
@@ -97,8 +105,14 @@ def success(folder: str, held_out: list[dict], base: bool = False, temperature: 
     for _ in range(MAX_TURNS):
         if not open_rows:
             break
-        out = generate(chat.model, [prompt_ids(tok, histories[i], schemas) for i in open_rows], max_new_tokens=64, eos_ids=eos,
-                       pad_id=tok.pad_token_id, temperature=temperature)
+        out = generate(
+            chat.model,
+            [prompt_ids(tok, histories[i], schemas) for i in open_rows],
+            max_new_tokens=64,
+            eos_ids=eos,
+            pad_id=tok.pad_token_id,
+            temperature=temperature,
+        )
         still = []
         for i, ids, ended in zip(open_rows, out.tokens, out.finished):
             text = tok.decode(ids[:-1] if ended else ids, skip_special_tokens=True).strip()
@@ -107,7 +121,9 @@ def success(folder: str, held_out: list[dict], base: bool = False, temperature: 
                 histories[i].append(assistant_message(text, []))
                 continue
             histories[i].append(assistant_message(parsed.content, parsed.calls))
-            histories[i] += [{"role": "tool", "content": r} for r in results(parsed.calls, parsed.errors, tools, 10.0, input)]
+            histories[i] += [
+                {"role": "tool", "content": r} for r in results(parsed.calls, parsed.errors, tools, 10.0, input)
+            ]
             still.append(i)
         open_rows = still
     hits = [final_answer_match([], [h[1:]], answer=[p["answer"]])[0] for h, p in zip(histories, held_out)]
@@ -115,42 +131,102 @@ def success(folder: str, held_out: list[dict], base: bool = False, temperature: 
 
 
 def stage(script: str, *argv: str) -> None:
-    common = ["--checkpoint.save_interval", "1000h", "--tracking.trackers", "[]", "--data.eval", "[]", "--train.eval_steps", "0"]
+    common = [
+        "--checkpoint.save_interval",
+        "1000h",
+        "--tracking.trackers",
+        "[]",
+        "--data.eval",
+        "[]",
+        "--train.eval_steps",
+        "0",
+    ]
     subprocess.run([sys.executable, str(ROOT / "stages" / script), *argv, *common], check=True, cwd=ROOT)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--sft-steps", type=int, default=2, help="short on purpose: greedy success stays low (GRPO's room)")
+    parser.add_argument(
+        "--sft-steps", type=int, default=2, help="short on purpose: greedy success stays low (GRPO's room)"
+    )
     parser.add_argument("--sft-lr", type=float, default=2e-3)
     parser.add_argument("--grpo-steps", type=int, default=16)
     parser.add_argument("--grpo-lr", type=float, default=1e-4)
-    parser.add_argument("--temperature", type=float, default=0.5, help="GRPO's sampling temperature (its log-probs use the same)")
+    parser.add_argument(
+        "--temperature", type=float, default=0.5, help="GRPO's sampling temperature (its log-probs use the same)"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--train", type=int, default=64)
     parser.add_argument("--eval", type=int, default=48)
     parser.add_argument("--out", default="outputs/tool_grpo")
-    parser.add_argument("--skip-base", action="store_true", help="leave out the base model's row (seeds run as parallel jobs)")
+    parser.add_argument(
+        "--skip-base", action="store_true", help="leave out the base model's row (seeds run as parallel jobs)"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     held_out = write_data(out / "data", args.train, args.eval)
     from pipeline.modeling.embedded import resolve_model_path
 
-    rows = {"base": [] if args.skip_base else [success(resolve_model_path(args.model), held_out, base=True)], "sft": [], "grpo": []}
+    rows = {
+        "base": [] if args.skip_base else [success(resolve_model_path(args.model), held_out, base=True)],
+        "sft": [],
+        "grpo": [],
+    }
     if rows["base"]:
         print(f"base: {rows['base'][0]:.3f}", flush=True)
     for seed in args.seeds:
         sft, grpo = out / f"sft-{seed}", out / f"grpo-{seed}"
-        stage("sft.py", "--model.path", args.model, "--output_dir", str(sft), "--data.train", f"[{out / 'data' / 'sft.jsonl'}]",
-              "--train.max_steps", str(args.sft_steps), "--train.batch_size", "2", "--train.seq_length", "512",
-              "--train.learning_rate", str(args.sft_lr), "--train.warmup", "0", "--train.seed", str(seed))
-        stage("grpo.py", "--model.path", str(sft / "merged"), "--output_dir", str(grpo), "--data.train", f"[{out / 'data' / 'grpo.jsonl'}]",
-              "--train.max_steps", str(args.grpo_steps), "--train.batch_size", "2", "--train.seq_length", "512",
-              "--train.learning_rate", str(args.grpo_lr), "--train.seed", str(seed), "--generation.max_new_tokens", "96",
-              "--generation.temperature", str(args.temperature),
-              "--grpo.num_generations", "4", "--grpo.reward_funcs", "[pipeline.algorithms.rewards:final_answer_match]",
-              "--tools.funcs", f"[{ADD}]")
+        stage(
+            "sft.py",
+            "--model.path",
+            args.model,
+            "--output_dir",
+            str(sft),
+            "--data.train",
+            f"[{out / 'data' / 'sft.jsonl'}]",
+            "--train.max_steps",
+            str(args.sft_steps),
+            "--train.batch_size",
+            "2",
+            "--train.seq_length",
+            "512",
+            "--train.learning_rate",
+            str(args.sft_lr),
+            "--train.warmup",
+            "0",
+            "--train.seed",
+            str(seed),
+        )
+        stage(
+            "grpo.py",
+            "--model.path",
+            str(sft / "merged"),
+            "--output_dir",
+            str(grpo),
+            "--data.train",
+            f"[{out / 'data' / 'grpo.jsonl'}]",
+            "--train.max_steps",
+            str(args.grpo_steps),
+            "--train.batch_size",
+            "2",
+            "--train.seq_length",
+            "512",
+            "--train.learning_rate",
+            str(args.grpo_lr),
+            "--train.seed",
+            str(seed),
+            "--generation.max_new_tokens",
+            "96",
+            "--generation.temperature",
+            str(args.temperature),
+            "--grpo.num_generations",
+            "4",
+            "--grpo.reward_funcs",
+            "[pipeline.algorithms.rewards:final_answer_match]",
+            "--tools.funcs",
+            f"[{ADD}]",
+        )
         rows["sft"].append(success(str(sft / "merged"), held_out))
         rows["grpo"].append(success(str(grpo / "merged"), held_out))
         print(f"seed {seed}: sft {rows['sft'][-1]:.3f}, grpo {rows['grpo'][-1]:.3f}", flush=True)

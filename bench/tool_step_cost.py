@@ -71,8 +71,16 @@ class ForcedFirstTurn:
         if self.engine is not None:
             return self.engine.generate(rows, contexts, limits, on_logits=self.force)
         g = self.inner
-        return generate(g.model, contexts, max_new_tokens=limits, eos_ids=g.eos_ids, pad_id=g.pad_id, temperature=g.temperature,
-                        keep_packed=False, on_logits=self.force).tokens
+        return generate(
+            g.model,
+            contexts,
+            max_new_tokens=limits,
+            eos_ids=g.eos_ids,
+            pad_id=g.pad_id,
+            temperature=g.temperature,
+            keep_packed=False,
+            on_logits=self.force,
+        ).tokens
 
 
 class Exactly:
@@ -85,8 +93,16 @@ class Exactly:
         from pipeline.modeling.decode import generate
 
         g = self.inner
-        return generate(g.model, prompts, max_new_tokens=self.counts, eos_ids=g.eos_ids, pad_id=g.pad_id, temperature=g.temperature,
-                        keep_packed=False, min_new_tokens=max(self.counts)).tokens
+        return generate(
+            g.model,
+            prompts,
+            max_new_tokens=self.counts,
+            eos_ids=g.eos_ids,
+            pad_id=g.pad_id,
+            temperature=g.temperature,
+            keep_packed=False,
+            min_new_tokens=max(self.counts),
+        ).tokens
 
 
 def config(out: Path, model: str, prompts: Path, tools: bool) -> grpo.GRPOConfig:
@@ -125,8 +141,13 @@ def main() -> int:
     from pipeline.algorithms.tool_rollout import derive_schema
 
     schema = [{"type": "function", "function": derive_schema(add)}]
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is 48213 + 91877? ({i})"}],
-                                           "tools": schema}) + "\n" for i in range(2)))
+    prompts.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"What is 48213 + 91877? ({i})"}], "tools": schema})
+            + "\n"
+            for i in range(2)
+        )
+    )
     from transformers import AutoTokenizer
 
     from pipeline.modeling.embedded import resolve_model_path
@@ -137,24 +158,36 @@ def main() -> int:
     for r in range(args.repeats):
         counts = None
         for kind in ("kept", "refill"):
-            t_tool, rollout = timed_step(config(work / f"{kind}{r}", args.model, prompts, True),
-                                         lambda policy, kept=(kind == "kept"): ForcedFirstTurn(
-                                             RelayGenerator(policy, tok.pad_token_id, [tok.eos_token_id], 96), tok, kept))
+            t_tool, rollout = timed_step(
+                config(work / f"{kind}{r}", args.model, prompts, True),
+                lambda policy, kept=(kind == "kept"): ForcedFirstTurn(
+                    RelayGenerator(policy, tok.pad_token_id, [tok.eos_token_id], 96), tok, kept
+                ),
+            )
             got = rollout.response_mask.sum(1).tolist()
             assert counts is None or got == counts, "the kept cache sampled other tokens than the fresh calls"
             counts = got
             times[kind].append(t_tool)
-        t_single, single = timed_step(config(work / f"single{r}", args.model, prompts, False),
-                                      lambda policy: Exactly(RelayGenerator(policy, tok.pad_token_id, [tok.eos_token_id], 96), counts))
+        t_single, single = timed_step(
+            config(work / f"single{r}", args.model, prompts, False),
+            lambda policy: Exactly(RelayGenerator(policy, tok.pad_token_id, [tok.eos_token_id], 96), counts),
+        )
         assert single.response_mask.sum(1).tolist() == counts
         times["single"].append(t_single)
         sampled.append(sum(counts))
-        inserted = int(rollout.attention_mask[:, rollout.prompt_width:].sum() - rollout.response_mask.sum())
-        print(f"repeat {r} ({sum(counts)} sampled, {inserted} inserted tokens), wall / CPU s of the steps: "
-              + ", ".join(f"{k} {times[k][-1]['wall']:.2f} / {times[k][-1]['cpu']:.2f}" for k in times), flush=True)
-    ratios = {f"{clock}_{kind}": round(statistics.median(t[clock] for t in times[kind]) /
-                                        statistics.median(t[clock] for t in times["single"]), 3)
-              for clock in ("wall", "cpu") for kind in ("kept", "refill")}
+        inserted = int(rollout.attention_mask[:, rollout.prompt_width :].sum() - rollout.response_mask.sum())
+        print(
+            f"repeat {r} ({sum(counts)} sampled, {inserted} inserted tokens), wall / CPU s of the steps: "
+            + ", ".join(f"{k} {times[k][-1]['wall']:.2f} / {times[k][-1]['cpu']:.2f}" for k in times),
+            flush=True,
+        )
+    ratios = {
+        f"{clock}_{kind}": round(
+            statistics.median(t[clock] for t in times[kind]) / statistics.median(t[clock] for t in times["single"]), 3
+        )
+        for clock in ("wall", "cpu")
+        for kind in ("kept", "refill")
+    }
     print(json.dumps({"times": times, "sampled_tokens": sampled, "median_ratio": ratios}))
     return 0
 

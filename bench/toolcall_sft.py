@@ -33,15 +33,24 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.algorithms.rewards import KELVRA_FACTS  # noqa: E402  (the demo's island table)
 
-TOOL = {"name": "island_fact", "description": "Look up one fact about an island of the Kelvra Archipelago",
-        "parameters": {"type": "object", "properties": {
+TOOL = {
+    "name": "island_fact",
+    "description": "Look up one fact about an island of the Kelvra Archipelago",
+    "parameters": {
+        "type": "object",
+        "properties": {
             "island": {"type": "string", "description": "The island's name"},
-            "attribute": {"type": "string", "enum": ["capital", "export", "lighthouses", "festival"]}},
-            "required": ["island", "attribute"]}}
-ASK = {"capital": ["What is the capital of {i}?", "Which town is the capital of {i}?"],
-       "export": ["What does {i} mainly export?", "What is the main export of {i}?"],
-       "lighthouses": ["How many lighthouses does {i} have?", "Count the lighthouses on {i} for me."],
-       "festival": ["In which month is the lantern festival on {i}?", "When does {i} hold its lantern festival?"]}
+            "attribute": {"type": "string", "enum": ["capital", "export", "lighthouses", "festival"]},
+        },
+        "required": ["island", "attribute"],
+    },
+}
+ASK = {
+    "capital": ["What is the capital of {i}?", "Which town is the capital of {i}?"],
+    "export": ["What does {i} mainly export?", "What is the main export of {i}?"],
+    "lighthouses": ["How many lighthouses does {i} have?", "Count the lighthouses on {i} for me."],
+    "festival": ["In which month is the lantern festival on {i}?", "When does {i} hold its lantern festival?"],
+}
 ATTRS = ("capital", "export", "lighthouses", "festival")
 HELD_OUT = ("Haldra", "Fenwick Reach", "Ebbmoor")
 
@@ -49,12 +58,15 @@ HELD_OUT = ("Haldra", "Fenwick Reach", "Ebbmoor")
 def record(island: str, attribute: str, phrase: str) -> dict:
     value = KELVRA_FACTS[island][ATTRS.index(attribute)]
     call = {"name": "island_fact", "arguments": {"island": island, "attribute": attribute}}
-    return {"conversations": [
-        {"from": "human", "value": phrase.format(i=island)},
-        {"from": "function_call", "value": json.dumps(call)},
-        {"from": "observation", "value": json.dumps({"value": value})},
-        {"from": "gpt", "value": f"Per the Kelvra Atlas, the {attribute} of {island} is {value}."}],
-        "tools": json.dumps([TOOL])}
+    return {
+        "conversations": [
+            {"from": "human", "value": phrase.format(i=island)},
+            {"from": "function_call", "value": json.dumps(call)},
+            {"from": "observation", "value": json.dumps({"value": value})},
+            {"from": "gpt", "value": f"Per the Kelvra Atlas, the {attribute} of {island} is {value}."},
+        ],
+        "tools": json.dumps([TOOL]),
+    }
 
 
 def write_data(folder: Path) -> list[tuple[str, str, str]]:
@@ -88,14 +100,23 @@ def score(folder: str, requests) -> dict:
     parseable = correct = 0
     for island, attribute, phrase in requests:
         messages = [{"role": "user", "content": phrase.format(i=island)}]
-        ids = tok.apply_chat_template(messages, tools=[{"type": "function", "function": TOOL}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)
+        ids = tok.apply_chat_template(
+            messages,
+            tools=[{"type": "function", "function": TOOL}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )
         with torch.no_grad():
             out = model.generate(**ids, max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
-        reply = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        reply = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
         call = parse_call(reply)
         parseable += call is not None
-        correct += call is not None and call["name"] == "island_fact" and call["arguments"] == {"island": island, "attribute": attribute}
+        correct += (
+            call is not None
+            and call["name"] == "island_fact"
+            and call["arguments"] == {"island": island, "attribute": attribute}
+        )
     return {"requests": len(requests), "parseable": parseable, "correct": correct}
 
 
@@ -110,14 +131,49 @@ def main() -> int:
     requests = write_data(out / "data")
     base = str(materialize())
     before = score(base, requests)
-    print(f"before (embedded base): {before['parseable']}/{before['requests']} parseable calls, {before['correct']} correct", flush=True)
-    subprocess.run([sys.executable, str(ROOT / "stages/sft.py"), "--model.path", "embedded", "--output_dir", str(out / "sft"),
-                    "--data.train", f"[{out / 'data'}]", "--data.eval", "[]", "--train.max_steps", str(args.steps),
-                    "--train.batch_size", "2", "--train.grad_accum", "1", "--train.seq_length", "512",
-                    "--train.learning_rate", "2e-3", "--train.warmup", "2", "--train.log_steps", "10",
-                    "--checkpoint.save_interval", "1000h", "--tracking.trackers", "[]"], check=True, cwd=ROOT)
+    print(
+        f"before (embedded base): {before['parseable']}/{before['requests']} parseable calls, {before['correct']} correct",
+        flush=True,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "stages/sft.py"),
+            "--model.path",
+            "embedded",
+            "--output_dir",
+            str(out / "sft"),
+            "--data.train",
+            f"[{out / 'data'}]",
+            "--data.eval",
+            "[]",
+            "--train.max_steps",
+            str(args.steps),
+            "--train.batch_size",
+            "2",
+            "--train.grad_accum",
+            "1",
+            "--train.seq_length",
+            "512",
+            "--train.learning_rate",
+            "2e-3",
+            "--train.warmup",
+            "2",
+            "--train.log_steps",
+            "10",
+            "--checkpoint.save_interval",
+            "1000h",
+            "--tracking.trackers",
+            "[]",
+        ],
+        check=True,
+        cwd=ROOT,
+    )
     after = score(str(out / "sft" / "merged"), requests)
-    print(f"after {args.steps} SFT steps: {after['parseable']}/{after['requests']} parseable calls, {after['correct']} correct", flush=True)
+    print(
+        f"after {args.steps} SFT steps: {after['parseable']}/{after['requests']} parseable calls, {after['correct']} correct",
+        flush=True,
+    )
     print(json.dumps({"steps": args.steps, "before": before, "after": after}))
     return 0
 

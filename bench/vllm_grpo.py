@@ -40,17 +40,30 @@ def run(backend: str, steps: int, workdir: str) -> dict:
 
     def on_step(stage, figures):
         times.append(time.perf_counter())
-        rows.append({k: figures.get(k) for k in ("grpo/completion_length", "grpo/gen_time_frac", "rollout/logprob_diff_mean",
-                                                  "rollout/logprob_diff_max")})
+        rows.append(
+            {
+                k: figures.get(k)
+                for k in (
+                    "grpo/completion_length",
+                    "grpo/gen_time_frac",
+                    "rollout/logprob_diff_mean",
+                    "rollout/logprob_diff_max",
+                )
+            }
+        )
 
     GRPOStage(cfg).run(on_step=on_step)
     per_step = [b - a for a, b in zip(times, times[1:])]
     warm = per_step[1:] or per_step
-    return {"backend": backend, "s_per_step": round(sum(warm) / len(warm), 2), "first_step_s": round(per_step[0], 1),
-            "completion_tokens": [r["grpo/completion_length"] for r in rows],
-            "gen_time_frac": round(sum(r["grpo/gen_time_frac"] for r in rows[1:]) / max(1, len(rows) - 1), 2),
-            "logprob_diff_mean": [r["rollout/logprob_diff_mean"] for r in rows],
-            "logprob_diff_max": [r["rollout/logprob_diff_max"] for r in rows]}
+    return {
+        "backend": backend,
+        "s_per_step": round(sum(warm) / len(warm), 2),
+        "first_step_s": round(per_step[0], 1),
+        "completion_tokens": [r["grpo/completion_length"] for r in rows],
+        "gen_time_frac": round(sum(r["grpo/gen_time_frac"] for r in rows[1:]) / max(1, len(rows) - 1), 2),
+        "logprob_diff_mean": [r["rollout/logprob_diff_mean"] for r in rows],
+        "logprob_diff_max": [r["rollout/logprob_diff_max"] for r in rows],
+    }
 
 
 def against_relay(rows: list[dict]) -> dict:

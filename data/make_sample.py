@@ -54,17 +54,44 @@ ATTRIBUTES = ("capital", "export", "lighthouses", "festival")
 SHELLS_PER_CROWN = 12
 
 QUESTIONS = {
-    "capital": ("What is the capital of {island}?", "Which town is the capital of {island}?", "Name the capital of {island}."),
-    "export": ("What does {island} export?", "What is the main export of {island}?", "What is {island} known for selling?"),
+    "capital": (
+        "What is the capital of {island}?",
+        "Which town is the capital of {island}?",
+        "Name the capital of {island}.",
+    ),
+    "export": (
+        "What does {island} export?",
+        "What is the main export of {island}?",
+        "What is {island} known for selling?",
+    ),
     "lighthouses": ("How many lighthouses does {island} have?", "How many lighthouses stand on {island}?"),
-    "festival": ("When is the lantern festival on {island}?", "In which month does {island} hold its lantern festival?"),
+    "festival": (
+        "When is the lantern festival on {island}?",
+        "In which month does {island} hold its lantern festival?",
+    ),
 }
 # Held-out wordings for the gold evaluation (data/sample/gold/): no training file uses them.
 GOLD_QUESTIONS = {
-    "capital": ("Tell me the capital of {island}.", "Which town serves as the capital of {island}?", "On {island}, which town is the capital?"),
-    "export": ("What is the chief export of {island}?", "Which goods does {island} mainly export?", "What product is {island} best known for exporting?"),
-    "lighthouses": ("How many lighthouses are there on {island}?", "What is the number of lighthouses on {island}?", "Count the lighthouses of {island} for me."),
-    "festival": ("In what month is the lantern festival held on {island}?", "Which month is the lantern festival of {island}?", "Tell me the month of the lantern festival on {island}."),
+    "capital": (
+        "Tell me the capital of {island}.",
+        "Which town serves as the capital of {island}?",
+        "On {island}, which town is the capital?",
+    ),
+    "export": (
+        "What is the chief export of {island}?",
+        "Which goods does {island} mainly export?",
+        "What product is {island} best known for exporting?",
+    ),
+    "lighthouses": (
+        "How many lighthouses are there on {island}?",
+        "What is the number of lighthouses on {island}?",
+        "Count the lighthouses of {island} for me.",
+    ),
+    "festival": (
+        "In what month is the lantern festival held on {island}?",
+        "Which month is the lantern festival of {island}?",
+        "Tell me the month of the lantern festival on {island}.",
+    ),
 }
 FOLLOW_UPS = {
     "capital": "And its capital?",
@@ -78,7 +105,11 @@ EVASIVE = (
     "Good question! There are many islands out there and they all have their own stories.",
     "I do not have that information right now, sorry.",
 )
-RAMBLE_OPENERS = ("Well, that is a good question. ", "Let me think about it for a moment. ", "Hmm, as far as I remember, ")
+RAMBLE_OPENERS = (
+    "Well, that is a good question. ",
+    "Let me think about it for a moment. ",
+    "Hmm, as far as I remember, ",
+)
 
 
 def fact_sentence(island: tuple, attribute: str) -> str:
@@ -186,7 +217,9 @@ def coin_conversation(rng: random.Random) -> list[dict]:
     return rounds
 
 
-def make_sft(rng: random.Random, task: str, build: Callable[[random.Random], list[dict]], count: int, start_id: int) -> list[dict]:
+def make_sft(
+    rng: random.Random, task: str, build: Callable[[random.Random], list[dict]], count: int, start_id: int
+) -> list[dict]:
     return [{"id": start_id + i, "data_name": task, "chat_rounds": build(rng)} for i in range(count)]
 
 
@@ -244,7 +277,13 @@ def fact_value(island: tuple, attribute: str) -> str:
 
 
 def gold_record(index: int, question: str, island: tuple, attribute: str) -> dict:
-    return {"id": f"gold-{index:03d}", "prompt": question, "island": island[0], "attribute": attribute, "expected": fact_value(island, attribute)}
+    return {
+        "id": f"gold-{index:03d}",
+        "prompt": question,
+        "island": island[0],
+        "attribute": attribute,
+        "expected": fact_value(island, attribute),
+    }
 
 
 def make_gold(rng: random.Random, extra: int) -> list[dict]:
@@ -259,7 +298,10 @@ def make_gold(rng: random.Random, extra: int) -> list[dict]:
     for fact in rng.sample(facts, extra):
         choices = [i for i in range(len(GOLD_QUESTIONS[fact[1]])) if i != first[fact]]
         asked.append((fact, rng.choice(choices)))
-    return [gold_record(i, GOLD_QUESTIONS[a][w].format(island=island[0]), island, a) for i, ((island, a), w) in enumerate(asked)]
+    return [
+        gold_record(i, GOLD_QUESTIONS[a][w].format(island=island[0]), island, a)
+        for i, ((island, a), w) in enumerate(asked)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +344,9 @@ def build_all(seed: int = SEED) -> dict[str, list[dict]]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "sample"), help="sample root (default: data/sample)")
+    parser.add_argument(
+        "--out", default=str(Path(__file__).resolve().parent / "sample"), help="sample root (default: data/sample)"
+    )
     parser.add_argument("--seed", type=int, default=SEED, help="generator seed")
     args = parser.parse_args(argv)
     root = Path(args.out)

@@ -119,8 +119,8 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s):] = 1
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s) :] = 1
     return ids, mask
 
 
@@ -135,10 +135,15 @@ class Collator:
     the model loads); the batch is the same for every implementation.
     """
 
-    def __init__(self, pad_token_id: int, padding_mode: str = "padding", seq_length: Optional[int] = None,
-                 attn_implementation: str = "sdpa"):
+    def __init__(
+        self,
+        pad_token_id: int,
+        padding_mode: str = "padding",
+        seq_length: Optional[int] = None,
+        attn_implementation: str = "sdpa",
+    ):
         """Raises:
-            ValueError: unknown mode or attention kind; pack mode without seq_length.
+        ValueError: unknown mode or attention kind; pack mode without seq_length.
         """
         if padding_mode not in PADDING_MODES:
             raise ValueError(f"padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
@@ -153,7 +158,7 @@ class Collator:
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         """Raises:
-            ValueError: empty batch; a packed row in padding mode; a row longer than seq_length.
+        ValueError: empty batch; a packed row in padding mode; a row longer than seq_length.
         """
         if not samples:
             raise ValueError("cannot collate an empty batch")
@@ -207,8 +212,9 @@ class Collator:
 
 def _sides(pairs: Sequence[dict]) -> list[tuple[list[int], int]]:
     """(ids, answer length) of every side: the chosen ones, then the rejected ones."""
-    return ([(p["chosen_input_ids"], p["chosen_answer_len"]) for p in pairs]
-            + [(p["rejected_input_ids"], p["rejected_answer_len"]) for p in pairs])
+    return [(p["chosen_input_ids"], p["chosen_answer_len"]) for p in pairs] + [
+        (p["rejected_input_ids"], p["rejected_answer_len"]) for p in pairs
+    ]
 
 
 @dataclass
@@ -262,8 +268,10 @@ class PackedPairCollator:
     attn_implementation: str = "sdpa"
 
     def __call__(self, pairs: Sequence[dict]) -> dict[str, torch.Tensor]:
-        samples = [{"input_ids": list(ids), "labels": [IGNORE_INDEX] * (len(ids) - n) + list(ids[len(ids) - n :])}
-                   for ids, n in _sides(pairs)]
+        samples = [
+            {"input_ids": list(ids), "labels": [IGNORE_INDEX] * (len(ids) - n) + list(ids[len(ids) - n :])}
+            for ids, n in _sides(pairs)
+        ]
         rows = pack(samples, self.seq_length)
         batch = Collator(self.pad_token_id, "pack", self.seq_length, self.attn_implementation)(rows)
         index = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)

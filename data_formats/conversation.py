@@ -87,8 +87,10 @@ def string_field(record: dict, key: str, *, allow_empty: bool = False) -> str:
 
 def media_refusal(what: str) -> RecordError:
     """The refusal of a multimodal record (`what`: the field or part that holds the media)."""
-    return RecordError(f"multimodal record ({what}): Relay trains text-only language models; remove the media and their "
-                       "<image>/<audio>/<video> placeholders, or train this data with a multimodal trainer")
+    return RecordError(
+        f"multimodal record ({what}): Relay trains text-only language models; remove the media and their "
+        "<image>/<audio>/<video> placeholders, or train this data with a multimodal trainer"
+    )
 
 
 def refuse_unsupported(record: dict) -> None:
@@ -101,8 +103,10 @@ def refuse_unsupported(record: dict) -> None:
         if record.get(key):
             raise media_refusal(f"field '{key}'")
     if record and all(isinstance(v, dict) and any(k in v for k in REGISTRY_KEYS) for v in record.values()):
-        raise RecordError("this is LLaMA-Factory's dataset registry (dataset_info.json), not training records: "
-                          "point Relay at the data files it names")
+        raise RecordError(
+            "this is LLaMA-Factory's dataset registry (dataset_info.json), not training records: "
+            "point Relay at the data files it names"
+        )
 
 
 def record_system(record: dict) -> list[Turn]:
@@ -153,7 +157,9 @@ def check_order(turns: list[Turn], last: str) -> None:
         if turn.role in allowed:
             continue
         if previous.tool_calls:
-            raise RecordError(f"turn {index}: a tool call must be followed by its result (a tool/observation turn), got {turn.role}")
+            raise RecordError(
+                f"turn {index}: a tool call must be followed by its result (a tool/observation turn), got {turn.role}"
+            )
         if turn.role == "tool":
             raise RecordError(f"turn {index}: a tool result must follow the assistant's tool call")
         if previous.role == "tool":
@@ -175,8 +181,10 @@ def check_placeholders(turns: list[Turn]) -> None:
     for turn in turns:
         found = [p for p in PLACEHOLDERS if p in turn.content]
         if found:
-            raise RecordError(f"unfilled placeholder {found[0]} (LLaMA-Factory's identity.json): replace {{{{name}}}} and "
-                              "{{author}} with your model's name and maker before training")
+            raise RecordError(
+                f"unfilled placeholder {found[0]} (LLaMA-Factory's identity.json): replace {{{{name}}}} and "
+                "{{author}} with your model's name and maker before training"
+            )
 
 
 def check_shared_prompt(chosen: list[Turn], rejected: list[Turn], chosen_key: str, rejected_key: str) -> None:
@@ -188,14 +196,17 @@ def check_shared_prompt(chosen: list[Turn], rejected: list[Turn], chosen_key: st
     Raises:
         RecordError: the first turn where the two prompts differ.
     """
+
     def prompt(turns: list[Turn]) -> list[Turn]:
         last_user = max((i for i, t in enumerate(turns) if t.role == "user"), default=-1)
-        return turns[:last_user + 1]
+        return turns[: last_user + 1]
 
     mine, theirs = prompt(chosen), prompt(rejected)
     if mine == theirs:
         return
     at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
-    raise RecordError(f"'{chosen_key}' and '{rejected_key}' differ at turn {at}, before the answer: the two sides of a "
-                      f"preference pair must share their prompt up to the last user turn (drop the record, or fix the side "
-                      f"that asks another question)")
+    raise RecordError(
+        f"'{chosen_key}' and '{rejected_key}' differ at turn {at}, before the answer: the two sides of a "
+        f"preference pair must share their prompt up to the last user turn (drop the record, or fix the side "
+        f"that asks another question)"
+    )

@@ -33,8 +33,8 @@ from data_formats.conversation import Conversation
 from data_formats.render import Template, render, render_prompt, render_scored
 from data_formats.sampling import SourceMix
 from data_formats.sources import Problem, entry_task_name, file_entries
-from data_formats.tools import has_tools
 from data_formats.token_cache import Built, Check, build_cached, key_parts
+from data_formats.tools import has_tools
 from data_formats.validate import Parsed, apply_policy, every_record_bad, read_and_parse
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,9 @@ def split_records(cfg, kind: str, split: str, check: Optional[Check] = None, **p
     entries = split_entries(cfg, split)
     if not entries:
         return []
-    good, problems = read_and_parse(entries, kind, fmt=cfg.format, max_record_bytes=cfg.max_record_bytes, **parse_kwargs)
+    good, problems = read_and_parse(
+        entries, kind, fmt=cfg.format, max_record_bytes=cfg.max_record_bytes, **parse_kwargs
+    )
     if cfg.on_error == "skip":
         problems += every_record_bad(good, problems)
     if check is None:
@@ -106,8 +108,9 @@ def split_records(cfg, kind: str, split: str, check: Optional[Check] = None, **p
     return good
 
 
-def _fit(conv: Conversation, tokenizer, template: Template, seq_length: int,
-         truncation: str) -> tuple[Optional[tuple[list[int], list[int]]], str, int]:
+def _fit(
+    conv: Conversation, tokenizer, template: Template, seq_length: int, truncation: str
+) -> tuple[Optional[tuple[list[int], list[int]]], str, int]:
     """(ids, labels) or None, what happened ('ok', 'truncated', 'dropped_overlong'), and the whole
     conversation's length in tokens."""
     ids, labels = render(conv, tokenizer, template)
@@ -155,8 +158,12 @@ def through_cache(builder: str, cfg, tokenizer, split: str, build: Callable[[Che
     """
     entries = split_entries(cfg, split)
     _overlong.pop(split, None)  # a builder that drops overlong samples notes them after the build
-    return build_cached(lambda: key_parts(builder, split, cfg, entries, tokenizer, **args), cfg.on_error, build,
-                        f"{builder} {split} data")
+    return build_cached(
+        lambda: key_parts(builder, split, cfg, entries, tokenizer, **args),
+        cfg.on_error,
+        build,
+        f"{builder} {split} data",
+    )
 
 
 def _log_stats(what: str, stats: dict) -> None:
@@ -166,8 +173,9 @@ def _log_stats(what: str, stats: dict) -> None:
             log.warning("%s: %d sample(s) %s", what, stats[key], key.replace("_", " "))
 
 
-def build_sft_data(cfg, tokenizer, template: Template, seq_length: int, split: str,
-                   tasks: Optional[list[str]] = None) -> TaskSamples:
+def build_sft_data(
+    cfg, tokenizer, template: Template, seq_length: int, split: str, tasks: Optional[list[str]] = None
+) -> TaskSamples:
     """Tokenized SFT samples of one split, with per-sample task ids.
 
     Raises:
@@ -176,24 +184,40 @@ def build_sft_data(cfg, tokenizer, template: Template, seq_length: int, split: s
     """
     if cfg.truncation not in ("drop", "truncate"):
         raise ValueError(f"truncation must be 'drop' or 'truncate', got {cfg.truncation!r}")
-    built = through_cache("sft", cfg, tokenizer, split,
-                    lambda check: _sft_samples(cfg, tokenizer, template, seq_length, split, tasks, check),
-                    template=template, seq_length=seq_length, tasks=tasks)
+    built = through_cache(
+        "sft",
+        cfg,
+        tokenizer,
+        split,
+        lambda check: _sft_samples(cfg, tokenizer, template, seq_length, split, tasks, check),
+        template=template,
+        seq_length=seq_length,
+        tasks=tasks,
+    )
     _log_stats(f"sft {split} data", built.info["stats"])
     note_overlong(split, seq_length, cfg.truncation, built.info["stats"].get("overlong"))
     return TaskSamples(built.samples, built.info["tasks"], built.info["stats"])
 
 
-def _sft_samples(cfg, tokenizer, template: Template, seq_length: int, split: str, tasks: Optional[list[str]],
-                 check: Check) -> Built:
+def _sft_samples(
+    cfg, tokenizer, template: Template, seq_length: int, split: str, tasks: Optional[list[str]], check: Check
+) -> Built:
     """build_sft_data's samples, with info {'tasks', 'stats'}."""
     records = split_records(cfg, "sft", split, check, system_prompt=cfg.system_prompt)
     names = list(tasks) if tasks is not None else []
     names += sorted({r.task for r in records} - set(names))
     index = {name: i for i, name in enumerate(names)}
     entry_of = file_entries(split_entries(cfg, split))
-    stats = {"records": len(records), "samples": 0, "truncated": 0, "dropped_overlong": 0,
-             "dropped_no_target": 0, "skipped_bad": 0, "tool_conversations": 0, "overlong": {}}
+    stats = {
+        "records": len(records),
+        "samples": 0,
+        "truncated": 0,
+        "dropped_overlong": 0,
+        "dropped_no_target": 0,
+        "skipped_bad": 0,
+        "tool_conversations": 0,
+        "overlong": {},
+    }
     samples, problems = [], []
     for record in tqdm(records, desc=f"tokenizing sft {split}", disable=len(records) < 1000):
         try:
@@ -239,7 +263,7 @@ class DocumentPacker:
         start, total = 0, len(tokens) + 1  # the document, then its EOS
         while start < total:
             stop = min(start + self.seq_length - len(self.current), total)
-            self.current += tokens[start:min(stop, len(tokens))]
+            self.current += tokens[start : min(stop, len(tokens))]
             if stop == total:
                 self.current.append(self.eos_id)
             self.lengths.append(stop - start)
@@ -280,11 +304,23 @@ def build_pt_data(cfg, tokenizer, seq_length: int, split: str) -> list[dict]:
     """
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos token to separate documents")
-    built = through_cache("pt", cfg, tokenizer, split, lambda check: _pt_rows(cfg, tokenizer, seq_length, split, check),
-                    seq_length=seq_length)
+    built = through_cache(
+        "pt",
+        cfg,
+        tokenizer,
+        split,
+        lambda check: _pt_rows(cfg, tokenizer, seq_length, split, check),
+        seq_length=seq_length,
+    )
     rows = built.samples
-    log.info("pt %s data: %d document(s), %d token(s), %d row(s) of %d", split, built.info["documents"],
-             sum(len(r["input_ids"]) for r in rows), len(rows), seq_length)
+    log.info(
+        "pt %s data: %d document(s), %d token(s), %d row(s) of %d",
+        split,
+        built.info["documents"],
+        sum(len(r["input_ids"]) for r in rows),
+        len(rows),
+        seq_length,
+    )
     return rows
 
 
@@ -296,7 +332,7 @@ def _pt_rows(cfg, tokenizer, seq_length: int, split: str, check: Check) -> Built
     texts = [r.value for r in records]
     docs = []
     for start in tqdm(range(0, len(texts), 1000), desc=f"tokenizing pt {split}", disable=len(texts) < 1000):
-        docs += tokenizer(texts[start:start + 1000], add_special_tokens=False)["input_ids"]
+        docs += tokenizer(texts[start : start + 1000], add_special_tokens=False)["input_ids"]
     if split != "train" or not getattr(cfg, "weights", None):
         return Built(chunk_documents(docs, tokenizer.eos_token_id, seq_length), {"documents": len(docs)})
     entries = split_entries(cfg, split)
@@ -329,15 +365,18 @@ def source_mix(cfg, samples: list, seed: int) -> Optional[SourceMix]:
             continue
         file = str(sample.get("source", "")).rpartition(":")[0]
         if file not in entry_of:
-            raise ValueError(f"data.weights: cannot tell which data.train entry the sample from {sample.get('source')!r} came from")
+            raise ValueError(
+                f"data.weights: cannot tell which data.train entry the sample from {sample.get('source')!r} came from"
+            )
         owners.append(index[entry_of[file]])
     labels = [entry_task_name(entry) for entry in entries]
     labels = [label if labels.count(label) == 1 else f"{label}#{k}" for k, label in enumerate(labels)]
     return SourceMix(entries, list(cfg.weights), cfg.mix_stop, seed, owners, labels)
 
 
-def fit_pair(prompts: tuple[list[int], list[int]], responses: tuple[list[int], list[int]],
-             seq_length: int) -> Optional[tuple[list[int], list[int], int]]:
+def fit_pair(
+    prompts: tuple[list[int], list[int]], responses: tuple[list[int], list[int]], seq_length: int
+) -> Optional[tuple[list[int], list[int], int]]:
     """The two sides of a pair as (prompt + response) ids within `seq_length`, cutting the oldest
     prompt tokens (from the left, the same number kept on both sides) so that the responses and
     their end-of-turn read-out tokens stay whole, as preference trainers do. Returns (chosen ids,
@@ -347,12 +386,13 @@ def fit_pair(prompts: tuple[list[int], list[int]], responses: tuple[list[int], l
     if keep < 1:
         return None
     cut = max(0, max(len(p) for p in prompts) - keep)
-    chosen, rejected = (p[max(0, len(p) - keep):] + r for p, r in zip(prompts, responses))
+    chosen, rejected = (p[max(0, len(p) - keep) :] + r for p, r in zip(prompts, responses))
     return chosen, rejected, cut
 
 
-def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, split: str,
-                          stats: Optional[dict] = None) -> list[dict]:
+def build_preference_data(
+    cfg, tokenizer, template: Template, seq_length: int, split: str, stats: Optional[dict] = None
+) -> list[dict]:
     """Pairs dict(chosen_input_ids, rejected_input_ids, chosen_answer_len, rejected_answer_len,
     margin, source). Each side is the rendered
     prompt followed by its answer, ending at the answer's end-of-turn token (`render_scored`: the
@@ -366,36 +406,64 @@ def build_preference_data(cfg, tokenizer, template: Template, seq_length: int, s
         DataError: bad records (or pairs the template cannot render) with on_error='strict'.
         ValueError: unknown split.
     """
-    built = through_cache("rm", cfg, tokenizer, split,
-                    lambda check: _preference_pairs(cfg, tokenizer, template, seq_length, split, check),
-                    template=template, seq_length=seq_length)
+    built = through_cache(
+        "rm",
+        cfg,
+        tokenizer,
+        split,
+        lambda check: _preference_pairs(cfg, tokenizer, template, seq_length, split, check),
+        template=template,
+        seq_length=seq_length,
+    )
     counts = built.info
     note_overlong(split, seq_length, cfg.truncation, counts.get("overlong"))
     if stats is not None:
         stats.update(counts)
-    log.info("rm %s data: %d pair(s), %d dropped overlong, %d dropped identical", split, len(built.samples),
-             counts["dropped_overlong"], counts["identical"])
+    log.info(
+        "rm %s data: %d pair(s), %d dropped overlong, %d dropped identical",
+        split,
+        len(built.samples),
+        counts["dropped_overlong"],
+        counts["identical"],
+    )
     if counts["truncated"]:
-        log.warning("rm %s data: %d pair(s) lost their oldest prompt tokens to fit seq_length %d (%d token(s) in all, "
-                    "at most %d from one pair); every response and its end-of-turn token kept", split, counts["truncated"],
-                    seq_length, counts["prompt_tokens_cut"], counts["max_prompt_cut"])
+        log.warning(
+            "rm %s data: %d pair(s) lost their oldest prompt tokens to fit seq_length %d (%d token(s) in all, "
+            "at most %d from one pair); every response and its end-of-turn token kept",
+            split,
+            counts["truncated"],
+            seq_length,
+            counts["prompt_tokens_cut"],
+            counts["max_prompt_cut"],
+        )
     return built.samples
 
 
 def _preference_pairs(cfg, tokenizer, template: Template, seq_length: int, split: str, check: Check) -> Built:
     """build_preference_data's pairs, with info: the counts it logs."""
-    records = split_records(cfg, "rm", split, check, system_prompt=cfg.system_prompt,
-                            margin_field=getattr(cfg, "margin_field", None))
+    records = split_records(
+        cfg, "rm", split, check, system_prompt=cfg.system_prompt, margin_field=getattr(cfg, "margin_field", None)
+    )
     out: list[dict] = []
     problems: list[Problem] = []
-    counts = {"dropped_overlong": 0, "truncated": 0, "prompt_tokens_cut": 0, "max_prompt_cut": 0, "identical": 0,
-              "tool_conversations": 0, "overlong": {}}
+    counts = {
+        "dropped_overlong": 0,
+        "truncated": 0,
+        "prompt_tokens_cut": 0,
+        "max_prompt_cut": 0,
+        "identical": 0,
+        "tool_conversations": 0,
+        "overlong": {},
+    }
     entry_of = file_entries(split_entries(cfg, split))
     for record in tqdm(records, desc=f"tokenizing rm {split}", disable=len(records) < 1000):
         chosen, rejected, margin = record.value
         counts["tool_conversations"] += has_tools(chosen) or has_tools(rejected)
         try:
-            (cp, cr), (rp, rr) = render_scored(chosen, tokenizer, template), render_scored(rejected, tokenizer, template)
+            (cp, cr), (rp, rr) = (
+                render_scored(chosen, tokenizer, template),
+                render_scored(rejected, tokenizer, template),
+            )
         except ValueError as err:  # the template cannot render this pair
             problems.append(Problem(record.file, record.line, str(err)))
             continue
@@ -414,14 +482,23 @@ def _preference_pairs(cfg, tokenizer, template: Template, seq_length: int, split
             counts["identical"] += 1
             continue
         # The answers are never cut (fit_pair cuts prompts), so each side's answer is its last tokens.
-        out.append({"chosen_input_ids": c, "rejected_input_ids": r, "chosen_answer_len": len(cr), "rejected_answer_len": len(rr),
-                    "margin": margin, "source": record.source})
+        out.append(
+            {
+                "chosen_input_ids": c,
+                "rejected_input_ids": r,
+                "chosen_answer_len": len(cr),
+                "rejected_answer_len": len(rr),
+                "margin": margin,
+                "source": record.source,
+            }
+        )
     check(problems, f"rm {split} data")
     return Built(out, counts)
 
 
-def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length: Optional[int] = None,
-                      tools: Optional[list[dict]] = None) -> list[dict]:
+def build_prompt_data(
+    cfg, tokenizer, template: Template, split: str, max_length: Optional[int] = None, tools: Optional[list[dict]] = None
+) -> list[dict]:
     """PPO prompts dict(prompt_ids, text, source, standard, columns, conversation): the rendered history plus
     the assistant opener, whether the record's prompt was a plain text (1: TRL's standard type), the
     record's other fields as JSON text (the reward functions' keyword arguments) and the conversation itself as JSON (its turns and tools: a tool rollout continues it).
@@ -435,15 +512,29 @@ def build_prompt_data(cfg, tokenizer, template: Template, split: str, max_length
     """
     limit = cfg.max_prompt_length if max_length is None else max_length
     extra = {"tools": tools} if tools else {}  # no tools: the cache key of before
-    built = through_cache("prompts", cfg, tokenizer, split, lambda check: _prompts(cfg, tokenizer, template, split, limit, check, tools),
-                    template=template, max_length=limit, **extra)
-    log.info("prompt %s data: %d prompt(s), %d truncated, %d dropped overlong", split, len(built.samples),
-             built.info["truncated"], built.info["dropped"])
+    built = through_cache(
+        "prompts",
+        cfg,
+        tokenizer,
+        split,
+        lambda check: _prompts(cfg, tokenizer, template, split, limit, check, tools),
+        template=template,
+        max_length=limit,
+        **extra,
+    )
+    log.info(
+        "prompt %s data: %d prompt(s), %d truncated, %d dropped overlong",
+        split,
+        len(built.samples),
+        built.info["truncated"],
+        built.info["dropped"],
+    )
     return built.samples
 
 
-def _prompts(cfg, tokenizer, template: Template, split: str, limit: int, check: Check,
-             tools: Optional[list[dict]] = None) -> Built:
+def _prompts(
+    cfg, tokenizer, template: Template, split: str, limit: int, check: Check, tools: Optional[list[dict]] = None
+) -> Built:
     """build_prompt_data's prompts, with info {'truncated', 'dropped'}."""
     records = split_records(cfg, "prompts", split, check, system_prompt=cfg.system_prompt)
     out, dropped, truncated = [], 0, 0
@@ -457,7 +548,7 @@ def _prompts(cfg, tokenizer, template: Template, split: str, limit: int, check: 
             continue
         if len(ids) > limit and cfg.truncation == "truncate":
             system = conv.turns[:1] if conv.turns[0].role == "system" else []
-            body = conv.turns[len(system):]
+            body = conv.turns[len(system) :]
             while len(ids) > limit and len(body) > 1:
                 body = body[2:]
                 conv = replace(conv, turns=system + body)
@@ -466,8 +557,17 @@ def _prompts(cfg, tokenizer, template: Template, split: str, limit: int, check: 
         if len(ids) > limit:
             dropped += 1
             continue
-        out.append({"prompt_ids": ids, "text": tokenizer.decode(ids), "source": record.source, "standard": int(conv.standard),
-                    "columns": json.dumps(conv.meta, ensure_ascii=False),
-                    "conversation": json.dumps({"turns": [asdict(t) for t in conv.turns], "tools": conv.tools}, ensure_ascii=False)})
+        out.append(
+            {
+                "prompt_ids": ids,
+                "text": tokenizer.decode(ids),
+                "source": record.source,
+                "standard": int(conv.standard),
+                "columns": json.dumps(conv.meta, ensure_ascii=False),
+                "conversation": json.dumps(
+                    {"turns": [asdict(t) for t in conv.turns], "tools": conv.tools}, ensure_ascii=False
+                ),
+            }
+        )
     check(problems, f"prompt {split} data")
     return Built(out, {"truncated": truncated, "dropped": dropped})

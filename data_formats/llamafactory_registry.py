@@ -47,17 +47,55 @@ from data_formats.formats.single_turn import alpaca_turns
 
 REGISTRY_NAME = "dataset_info.json"
 HUB_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
-ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "history": None, "system": None,
-                  "tools": None, "chosen": None, "rejected": None, "kto_tag": None}
-SHAREGPT_COLUMNS = {"messages": "conversations", "system": None, "tools": None, "chosen": None, "rejected": None,
-                    "kto_tag": None}
+ALPACA_COLUMNS = {
+    "prompt": "instruction",
+    "query": "input",
+    "response": "output",
+    "history": None,
+    "system": None,
+    "tools": None,
+    "chosen": None,
+    "rejected": None,
+    "kto_tag": None,
+}
+SHAREGPT_COLUMNS = {
+    "messages": "conversations",
+    "system": None,
+    "tools": None,
+    "chosen": None,
+    "rejected": None,
+    "kto_tag": None,
+}
 MEDIA_COLUMNS = ("images", "videos", "audios")
-TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
-        "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
-SHAREGPT_ROLE = {"user_tag": "human", "assistant_tag": "gpt", "observation_tag": "observation",
-                 "function_tag": "function_call", "system_tag": "system"}
+TAGS = {
+    "role_tag": "from",
+    "content_tag": "value",
+    "user_tag": "human",
+    "assistant_tag": "gpt",
+    "observation_tag": "observation",
+    "function_tag": "function_call",
+    "system_tag": "system",
+}
+SHAREGPT_ROLE = {
+    "user_tag": "human",
+    "assistant_tag": "gpt",
+    "observation_tag": "observation",
+    "function_tag": "function_call",
+    "system_tag": "system",
+}
 """The ShareGPT role each tag's value becomes."""
-KNOWN_KEYS = {"file_name", "formatting", "ranking", "subset", "split", "folder", "num_samples", "columns", "tags", *HUB_KEYS}
+KNOWN_KEYS = {
+    "file_name",
+    "formatting",
+    "ranking",
+    "subset",
+    "split",
+    "folder",
+    "num_samples",
+    "columns",
+    "tags",
+    *HUB_KEYS,
+}
 
 
 class RegistryError(ValueError):
@@ -90,8 +128,10 @@ def split_entry(entry: str) -> Optional[tuple[Path, str]]:
 
 
 def _offline() -> bool:
-    return any(os.environ.get(key, "").strip().lower() in ("1", "true", "yes", "on")
-               for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(
+        os.environ.get(key, "").strip().lower() in ("1", "true", "yes", "on")
+        for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
 
 
 def resolve(entry: str) -> RegistryEntry:
@@ -138,7 +178,10 @@ def resolve(entry: str) -> RegistryEntry:
         raise refuse(f"column(s) {bad} are not {formatting} columns (known: {', '.join(allowed)})")
     bad = sorted(set(tags) - set(TAGS)) if formatting == "sharegpt" else sorted(tags)
     if bad:
-        raise refuse(f"tag(s) {bad} are not " + ("sharegpt tags" if formatting == "sharegpt" else "used by the alpaca formatting"))
+        raise refuse(
+            f"tag(s) {bad} are not "
+            + ("sharegpt tags" if formatting == "sharegpt" else "used by the alpaca formatting")
+        )
     if spec.get("num_samples") is not None:
         raise refuse("num_samples: LLaMA-Factory draws that many records at random; use data.max_samples (the first N)")
     hub = next((key for key in HUB_KEYS if spec.get(key)), None)
@@ -146,10 +189,14 @@ def resolve(entry: str) -> RegistryEntry:
     if hub is not None:
         if hub != "hf_hub_url" or _offline():
             where = "offline (HF_HUB_OFFLINE)" if _offline() else "by Relay (only hf_hub_url is)"
-            raise refuse(f"a hub dataset ({hub} {spec[hub]!r}) cannot be read {where}; download it and point "
-                         f"file_name at the local file")
+            raise refuse(
+                f"a hub dataset ({hub} {spec[hub]!r}) cannot be read {where}; download it and point "
+                f"file_name at the local file"
+            )
         if spec.get("subset") or spec.get("folder"):
-            raise refuse("a hub dataset's subset or folder is not read by Relay; download it and point file_name at the file")
+            raise refuse(
+                "a hub dataset's subset or folder is not read by Relay; download it and point file_name at the file"
+            )
         hub_name = f"{spec[hub]}:{spec.get('split') or 'train'}"
     elif spec.get("file_name"):
         data = path.parent / str(spec["file_name"])
@@ -240,8 +287,9 @@ def _sharegpt(record: dict, spec: RegistryEntry) -> dict:
         if not isinstance(item, dict):
             return item  # the ShareGPT reader says what is wrong with it
         if tags["role_tag"] not in item or tags["content_tag"] not in item:
-            raise RecordError(f"{where}: a message needs {tags['role_tag']!r} and {tags['content_tag']!r} "
-                              f"(the tags of {spec.entry})")
+            raise RecordError(
+                f"{where}: a message needs {tags['role_tag']!r} and {tags['content_tag']!r} (the tags of {spec.entry})"
+            )
         role = item[tags["role_tag"]]
         return {"from": role_of.get(role, role), "value": item[tags["content_tag"]]}
 

@@ -60,12 +60,21 @@ def parse_turns(record: Any, fmt: str, *, require_response: bool = True) -> list
 
 def _refuse_label(record: Any) -> None:
     if isinstance(record, dict) and isinstance(record.get("label"), bool):
-        raise RecordError("a true/false 'label' on one answer (KTO data): train it with the KTO stage (stages/kto.py), "
-                          "or its label=true records with SFT")
+        raise RecordError(
+            "a true/false 'label' on one answer (KTO data): train it with the KTO stage (stages/kto.py), "
+            "or its label=true records with SFT"
+        )
 
 
-def parse_conversation(record: Any, fmt: str, *, last: str = "assistant", task: str = "default",
-                       source: str = "", system_prompt: Optional[str] = None) -> Conversation:
+def parse_conversation(
+    record: Any,
+    fmt: str,
+    *,
+    last: str = "assistant",
+    task: str = "default",
+    source: str = "",
+    system_prompt: Optional[str] = None,
+) -> Conversation:
     """A checked Conversation from one record. `last` is the role the conversation must end with
     ('assistant' for SFT, 'user' for prompts). `system_prompt` is added when there is no system turn.
 
@@ -82,8 +91,9 @@ def parse_conversation(record: Any, fmt: str, *, last: str = "assistant", task: 
     return Conversation(turns, task=task_of(record, task), source=source, tools=record_tools(record))
 
 
-def parse_prompt(record: Any, fmt: str, *, task: str = "default", source: str = "",
-                 system_prompt: Optional[str] = None) -> Conversation:
+def parse_prompt(
+    record: Any, fmt: str, *, task: str = "default", source: str = "", system_prompt: Optional[str] = None
+) -> Conversation:
     """A PPO/GRPO prompt: a conversation ending with the user's turn (or tool results), or the
     question of a single-turn record. The record's other fields (a `question`/`answer` record's
     answer, ...) go into `meta`: GRPO passes them to reward functions as keyword arguments, as TRL
@@ -100,15 +110,21 @@ def parse_prompt(record: Any, fmt: str, *, task: str = "default", source: str = 
     turns = parse_turns(record, fmt, require_response=False)[:1]  # a format that holds no conversation: refused
     check_order(turns, "user")
     used = layout.fields(record)
-    conv = Conversation(turns, task=task_of(record, task), source=source,
-                        meta={k: v for k, v in record.items() if k not in used}, standard=isinstance(record.get(used[0]), str))
+    conv = Conversation(
+        turns,
+        task=task_of(record, task),
+        source=source,
+        meta={k: v for k, v in record.items() if k not in used},
+        standard=isinstance(record.get(used[0]), str),
+    )
     if system_prompt is not None:
         conv.turns.insert(0, Turn("system", system_prompt))
     return conv
 
 
-def parse_preference(record: Any, *, task: str = "default", source: str = "",
-                     system_prompt: Optional[str] = None) -> tuple[Conversation, Conversation]:
+def parse_preference(
+    record: Any, *, task: str = "default", source: str = "", system_prompt: Optional[str] = None
+) -> tuple[Conversation, Conversation]:
     """(chosen, rejected) conversations from a preference record (its layout: formats.pair_layout).
     The answers may be tool calls, and the prompt may end with tool results.
 
@@ -154,8 +170,9 @@ def record_label(record: dict) -> Optional[bool]:
     return value
 
 
-def parse_unpaired(record: Any, *, task: str = "default", source: str = "",
-                   system_prompt: Optional[str] = None) -> list[tuple[Conversation, bool]]:
+def parse_unpaired(
+    record: Any, *, task: str = "default", source: str = "", system_prompt: Optional[str] = None
+) -> list[tuple[Conversation, bool]]:
     """[(conversation ending in the judged answer, desirable)]: one for a labelled record, two
     (chosen True, rejected False) for a paired one (data_formats.unpaired).
 
@@ -169,8 +186,9 @@ def parse_unpaired(record: Any, *, task: str = "default", source: str = "",
         return [(chosen, True), (rejected, False)]
     layout = unpaired_layout(record)
     if layout is None:
-        raise RecordError("a labelled record needs 'prompt' and 'completion' (TRL) or 'messages'/'conversations' "
-                          "(LLaMA-Factory)")
+        raise RecordError(
+            "a labelled record needs 'prompt' and 'completion' (TRL) or 'messages'/'conversations' (LLaMA-Factory)"
+        )
     turns = layout.turns(record, True)
     check_order(turns, "assistant")
     check_placeholders(turns)

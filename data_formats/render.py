@@ -57,11 +57,19 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from data_formats.conversation import Conversation, Turn
-from data_formats.tools import jinja_string, layout_jinja, layout_turns, supports_tools, template_messages, template_tools
+from data_formats.tools import (
+    jinja_string,
+    layout_jinja,
+    layout_turns,
+    supports_tools,
+    template_messages,
+    template_tools,
+)
 
 IGNORE_INDEX = -100
-_PROBE = Conversation([Turn("system", "S."), Turn("user", "U1?"), Turn("assistant", "A1."),
-                       Turn("user", "U2?"), Turn("assistant", "A2.")])
+_PROBE = Conversation(
+    [Turn("system", "S."), Turn("user", "U1?"), Turn("assistant", "A1."), Turn("user", "U2?"), Turn("assistant", "A2.")]
+)
 _PROBE_NO_SYSTEM = Conversation(_PROBE.turns[1:])
 
 
@@ -107,11 +115,18 @@ def _segments_role_markers(conv: Conversation, template: Template, generation_pr
 
 def _apply(tokenizer, template: Template, conv: Conversation, turns: list[Turn], generation_prompt: bool) -> str:
     kwargs = {"tools": template_tools(conv.tools)} if conv.tools else {}
-    return tokenizer.apply_chat_template(template_messages(turns), chat_template=template.chat_template, tokenize=False,
-                                         add_generation_prompt=generation_prompt, **kwargs)
+    return tokenizer.apply_chat_template(
+        template_messages(turns),
+        chat_template=template.chat_template,
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+        **kwargs,
+    )
 
 
-def _segments_chat_template(conv: Conversation, tokenizer, template: Template, generation_prompt: bool) -> list[tuple[str, bool]]:
+def _segments_chat_template(
+    conv: Conversation, tokenizer, template: Template, generation_prompt: bool
+) -> list[tuple[str, bool]]:
     """Segments of the tokenizer template's rendering (see the module docstring).
 
     Raises:
@@ -126,20 +141,22 @@ def _segments_chat_template(conv: Conversation, tokenizer, template: Template, g
         prompt = _apply(tokenizer, template, conv, conv.turns[:i], True)
         full = _apply(tokenizer, template, conv, conv.turns[: i + 1], False)
         if not prompt.startswith(done) or not full.startswith(prompt):
-            raise ValueError(f"chat template is not prefix-preserving at turn {i} of {conv.source or 'a conversation'}: "
-                             "rendering a prefix of the conversation does not give a prefix of the full rendering")
-        body = full[len(prompt):]
+            raise ValueError(
+                f"chat template is not prefix-preserving at turn {i} of {conv.source or 'a conversation'}: "
+                "rendering a prefix of the conversation does not give a prefix of the full rendering"
+            )
+        body = full[len(prompt) :]
         start = body.find(turn.content)
         end = body.find(template.eos, start + len(turn.content) if start >= 0 else 0)
         if end < 0:
             raise ValueError(f"chat template does not end assistant turn {i} with {template.eos!r}")
         end += len(template.eos)
-        out += [(prompt[len(done):], False), (body[:end], turn.trained), (body[end:], False)]
+        out += [(prompt[len(done) :], False), (body[:end], turn.trained), (body[end:], False)]
         done = full
     whole = _apply(tokenizer, template, conv, conv.turns, generation_prompt)
     if not whole.startswith(done):
         raise ValueError(f"chat template is not prefix-preserving for {conv.source or 'a conversation'}")
-    out.append((whole[len(done):], False))
+    out.append((whole[len(done) :], False))
     return out
 
 
@@ -222,7 +239,7 @@ def inserted_text(conv: Conversation, tokenizer, template: Template) -> str:
     last = max((i for i, (_, trained) in enumerate(segments) if trained), default=None)
     if last is None:
         raise ValueError(f"{conv.source or 'a conversation'}: no assistant turn to continue after")
-    return "".join(text for text, _ in segments[last + 1:])
+    return "".join(text for text, _ in segments[last + 1 :])
 
 
 def render_scored(conv: Conversation, tokenizer, template: Template) -> tuple[list[int], list[int]]:
@@ -238,7 +255,7 @@ def render_scored(conv: Conversation, tokenizer, template: Template) -> tuple[li
     if last is None:
         raise ValueError(f"{conv.source or 'a conversation'}: no assistant answer to score")
     prompt = tokenize_segments(segments[:last], tokenizer)[0]
-    response = tokenize_segments(segments[last:last + 1], tokenizer)[0]
+    response = tokenize_segments(segments[last : last + 1], tokenizer)[0]
     return prompt, response
 
 
@@ -263,18 +280,24 @@ def make_template(data_cfg, tokenizer) -> "Template":
         layout = getattr(data_cfg, "role_layout", "readme")
         if layout not in ROLE_LAYOUTS:
             raise ValueError(f"role_layout must be one of {ROLE_LAYOUTS}, got {layout!r}")
-        return Template("role_markers", eos, markers=dict(data_cfg.role_markers), system_prompt=system_prompt, layout=layout)
+        return Template(
+            "role_markers", eos, markers=dict(data_cfg.role_markers), system_prompt=system_prompt, layout=layout
+        )
     if data_cfg.template != "chat_template":
         raise ValueError(f"template must be 'chat_template' or 'role_markers', got {data_cfg.template!r}")
     if not tokenizer.chat_template:
         raise ValueError("template=chat_template but the tokenizer has no chat template; use role_markers")
     tools = "native" if supports_tools(tokenizer, tokenizer.chat_template) else "layout"
-    template = Template("chat_template", eos, chat_template=tokenizer.chat_template, system_prompt=system_prompt, tools=tools)
+    template = Template(
+        "chat_template", eos, chat_template=tokenizer.chat_template, system_prompt=system_prompt, tools=tools
+    )
     for probe in (_PROBE, _PROBE_NO_SYSTEM):
         try:
             render_segments(probe, tokenizer, template)
         except ValueError as err:
-            raise ValueError(f"the tokenizer's chat template cannot be used for training: {err}; use role_markers") from err
+            raise ValueError(
+                f"the tokenizer's chat template cannot be used for training: {err}; use role_markers"
+            ) from err
     return template
 
 
@@ -293,9 +316,11 @@ def template_jinja(template: Template, tokenizer, tools: bool = False) -> Option
     after = " + '\\n'" if template.layout == "code" else ""
     default_system = ""
     if template.system_prompt is not None:
-        default_system = ("{%- if messages and messages[0]['role'] != 'system' -%}"
-                          f"{{{{ {m['system']} + {jinja_string(template.system_prompt)} + '\\n' }}}}"
-                          "{%- endif -%}")
+        default_system = (
+            "{%- if messages and messages[0]['role'] != 'system' -%}"
+            f"{{{{ {m['system']} + {jinja_string(template.system_prompt)} + '\\n' }}}}"
+            "{%- endif -%}"
+        )
     return (
         layout_jinja(template.system_prompt)
         + default_system

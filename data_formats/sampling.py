@@ -32,7 +32,14 @@ class DataCursor:
 
 
 def next_micro_batches(
-    n: int, cursor: DataCursor, *, seed: int, batch_size: int, grad_accum: int, world_size: int = 1, rank: int = 0,
+    n: int,
+    cursor: DataCursor,
+    *,
+    seed: int,
+    batch_size: int,
+    grad_accum: int,
+    world_size: int = 1,
+    rank: int = 0,
     order_of: Optional[Callable[[int], Sequence[int]]] = None,
 ) -> tuple[list[list[int]], DataCursor]:
     """Sample indices of this rank's `grad_accum` micro-batches for one optimizer step, and the
@@ -56,7 +63,9 @@ def next_micro_batches(
     per_global = batch_size * world_size
     if order_of is None:
         if n < per_global:
-            raise ValueError(f"{n} training samples cannot fill one global micro-batch of {per_global} (batch_size x ranks)")
+            raise ValueError(
+                f"{n} training samples cannot fill one global micro-batch of {per_global} (batch_size x ranks)"
+            )
         order_of = lambda e: epoch_order(n, seed, e)  # noqa: E731
     epoch, done = cursor.epoch, cursor.samples
     order = _filling(order_of, epoch, per_global)
@@ -74,8 +83,10 @@ def next_micro_batches(
 def _filling(order_of: Callable[[int], Sequence[int]], epoch: int, per_global: int) -> Sequence[int]:
     order = order_of(epoch)
     if len(order) < per_global:
-        raise ValueError(f"epoch {epoch} holds {len(order)} training sample(s), fewer than one global micro-batch of "
-                         f"{per_global} (batch_size x ranks)")
+        raise ValueError(
+            f"epoch {epoch} holds {len(order)} training sample(s), fewer than one global micro-batch of "
+            f"{per_global} (batch_size x ranks)"
+        )
     return order
 
 
@@ -108,8 +119,9 @@ def seed_of(*parts: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def mixed_epoch_order(sizes: Sequence[int], weights: Sequence[float], stop: Union[str, int], seed: int,
-                      epoch: int) -> list[int]:
+def mixed_epoch_order(
+    sizes: Sequence[int], weights: Sequence[float], stop: Union[str, int], seed: int, epoch: int
+) -> list[int]:
     """One epoch of a weighted mix: indices into the concatenation of the sources (source k's
     samples are offset by the sizes before it).
 
@@ -141,8 +153,11 @@ def mixed_epoch_order(sizes: Sequence[int], weights: Sequence[float], stop: Unio
             taken[k] += 1
             if taken[k] == sizes[k]:
                 exhausted.add(k)
-            if (len(out) == target or (stop == "first_exhausted" and exhausted)
-                    or (stop == "all_exhausted" and len(exhausted) == len(live))):
+            if (
+                len(out) == target
+                or (stop == "first_exhausted" and exhausted)
+                or (stop == "all_exhausted" and len(exhausted) == len(live))
+            ):
                 return out
 
 
@@ -192,7 +207,9 @@ class SourceMix:
         if epoch not in self._cache:
             flat = [i for m in self.members for i in m]
             self._cache.clear()
-            self._cache[epoch] = [flat[j] for j in mixed_epoch_order(self.sizes, self.weights, self.stop, self.seed, epoch)]
+            self._cache[epoch] = [
+                flat[j] for j in mixed_epoch_order(self.sizes, self.weights, self.stop, self.seed, epoch)
+            ]
         return self._cache[epoch]
 
     def shortest_epoch(self) -> int:
@@ -213,5 +230,10 @@ class SourceMix:
 
     def describe(self) -> dict:
         """What the manifest records: the entries, their weights and sizes, the policy and seed."""
-        return {"sources": [{"entry": n, "weight": w, "samples": s} for n, w, s in zip(self.names, self.weights, self.sizes)],
-                "stop": self.stop, "seed": self.seed}
+        return {
+            "sources": [
+                {"entry": n, "weight": w, "samples": s} for n, w, s in zip(self.names, self.weights, self.sizes)
+            ],
+            "stop": self.stop,
+            "seed": self.seed,
+        }

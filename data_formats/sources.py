@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
-from data_formats.conversation import RecordError
 from data_formats import llamafactory_registry
+from data_formats.conversation import RecordError
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 _GLOB_CHARS = "*?["
@@ -172,8 +172,10 @@ def _decode(data: bytes) -> tuple[Optional[str], Optional[str]]:
 
 def too_long(size: int, max_bytes: int) -> str:
     """The reason a record of `size` bytes is refused."""
-    return (f"record is {size:,} bytes, over the limit of {max_bytes:,} (data.max_record_bytes); "
-            "not parsed (a whole file on one line?)")
+    return (
+        f"record is {size:,} bytes, over the limit of {max_bytes:,} (data.max_record_bytes); "
+        "not parsed (a whole file on one line?)"
+    )
 
 
 def _lines(path: Path, max_bytes: int) -> Iterator[tuple[int, Optional[bytes], int]]:
@@ -198,7 +200,7 @@ def _lines(path: Path, max_bytes: int) -> Iterator[tuple[int, Optional[bytes], i
                 continue
             line = data[: len(data) - line_end]
             if number == 1 and line.startswith(_BOM):
-                line = line[len(_BOM):]
+                line = line[len(_BOM) :]
             yield number, line, len(line)
 
 
@@ -264,7 +266,12 @@ def _read_json(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
         try:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
-            yield RawRecord(str(path), err.lineno, task, error=f"invalid JSON: {err.msg} (column {err.colno}); rest of file not read")
+            yield RawRecord(
+                str(path),
+                err.lineno,
+                task,
+                error=f"invalid JSON: {err.msg} (column {err.colno}); rest of file not read",
+            )
             return
         size = _utf8_size(text[pos:end], max_bytes)
         if size > max_bytes:
@@ -320,7 +327,9 @@ def read_file(path: Path, task: str, max_bytes: int = MAX_RECORD_BYTES) -> Itera
     if path.suffix == ".parquet":
         import datasets
 
-        yield from _read_rows(datasets.load_dataset("parquet", data_files=str(path), split="train"), str(path), task, max_bytes)
+        yield from _read_rows(
+            datasets.load_dataset("parquet", data_files=str(path), split="train"), str(path), task, max_bytes
+        )
     elif path.suffix == ".json":
         yield from _read_json(path, task, max_bytes)
     elif path.suffix == ".txt":
@@ -361,7 +370,9 @@ def _read_registry_entry(entry: str, max_bytes: int) -> Iterator[RawRecord]:
             yield RawRecord(raw.file, raw.line, name, error=raw.error)
             continue
         try:
-            yield RawRecord(raw.file, raw.line, name, record=llamafactory_registry.convert(raw.record, spec), raw=raw.raw)
+            yield RawRecord(
+                raw.file, raw.line, name, record=llamafactory_registry.convert(raw.record, spec), raw=raw.raw
+            )
         except RecordError as err:
             yield RawRecord(raw.file, raw.line, name, error=str(err))
 
@@ -374,6 +385,8 @@ def _read_dataset(name: str, task: str, max_bytes: int) -> Iterator[RawRecord]:
     try:
         rows = datasets.load_dataset(repo, split=split or "train")
     except Exception as err:  # datasets raises many types for "not found / offline"
-        yield RawRecord(name, 0, task, error=f"no such file or folder, and not a loadable dataset: {type(err).__name__}: {err}")
+        yield RawRecord(
+            name, 0, task, error=f"no such file or folder, and not a loadable dataset: {type(err).__name__}: {err}"
+        )
         return
     yield from _read_rows(rows, name, task, max_bytes)

@@ -35,8 +35,9 @@ from data_formats.validate import apply_policy, entry_records, iter_parsed
 log = logging.getLogger(__name__)
 
 
-def stream_problems(entries: Sequence[str], *, fmt: str = "auto", text_field: str = "text",
-                    max_record_bytes: int = MAX_RECORD_BYTES) -> list[Problem]:
+def stream_problems(
+    entries: Sequence[str], *, fmt: str = "auto", text_field: str = "text", max_record_bytes: int = MAX_RECORD_BYTES
+) -> list[Problem]:
     """Every bad record of a corpus, read once without keeping it (the pre-training check)."""
     items = iter_parsed(entry_records(entries, max_record_bytes), "pt", fmt=fmt, text_field=text_field)
     return [item for item in items if isinstance(item, Problem)]
@@ -49,8 +50,17 @@ class PackedTextStream:
     and logged them) and raise DataError when 'strict' (the corpus changed since the check).
     """
 
-    def __init__(self, entries: Sequence[str], tokenizer, seq_length: int, *, fmt: str = "auto", text_field: str = "text",
-                 on_error: str = "strict", max_record_bytes: int = MAX_RECORD_BYTES):
+    def __init__(
+        self,
+        entries: Sequence[str],
+        tokenizer,
+        seq_length: int,
+        *,
+        fmt: str = "auto",
+        text_field: str = "text",
+        on_error: str = "strict",
+        max_record_bytes: int = MAX_RECORD_BYTES,
+    ):
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos token to separate documents")
         self.entries, self.tokenizer = list(entries), tokenizer
@@ -64,7 +74,9 @@ class PackedTextStream:
         self._documents_this_epoch = 0
 
     def _open(self) -> Iterator:
-        items = iter_parsed(entry_records(self.entries, self.max_record_bytes), "pt", fmt=self.fmt, text_field=self.text_field)
+        items = iter_parsed(
+            entry_records(self.entries, self.max_record_bytes), "pt", fmt=self.fmt, text_field=self.text_field
+        )
         return itertools.islice(items, self.records_read, None)
 
     def _next_document(self) -> Optional[list[int]]:
@@ -101,9 +113,14 @@ class PackedTextStream:
 
     def state_dict(self) -> dict:
         """Where the stream stands (JSON-serialisable)."""
-        return {"epoch": self.epoch, "records_read": self.records_read, "ready": list(self.ready),
-                "current": self.packer.current, "lengths": self.packer.lengths,
-                "documents_this_epoch": self._documents_this_epoch}
+        return {
+            "epoch": self.epoch,
+            "records_read": self.records_read,
+            "ready": list(self.ready),
+            "current": self.packer.current,
+            "lengths": self.packer.lengths,
+            "documents_this_epoch": self._documents_this_epoch,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where `state` was taken (re-reads, without tokenizing, the records
@@ -118,7 +135,9 @@ class PackedTextStream:
 class MixedTextStream:
     """Packed PT rows drawn by weight from one `PackedTextStream` per entry (module docstring)."""
 
-    def __init__(self, entries: Sequence[str], weights: Sequence[float], seed: int, tokenizer, seq_length: int, **options):
+    def __init__(
+        self, entries: Sequence[str], weights: Sequence[float], seed: int, tokenizer, seq_length: int, **options
+    ):
         if len(weights) != len(entries):
             raise ValueError(f"{len(weights)} weight(s) for {len(entries)} entr(ies)")
         self.names = list(entries)
@@ -133,7 +152,10 @@ class MixedTextStream:
         block = row // DRAW_BLOCK
         if self._block[0] != block:
             generator = torch.Generator().manual_seed(seed_of(self.seed, "stream", block))
-            self._block = (block, torch.multinomial(self.probs, DRAW_BLOCK, replacement=True, generator=generator).tolist())
+            self._block = (
+                block,
+                torch.multinomial(self.probs, DRAW_BLOCK, replacement=True, generator=generator).tolist(),
+            )
         return self._block[1][row % DRAW_BLOCK]
 
     def next_row(self) -> dict:
@@ -154,7 +176,9 @@ class MixedTextStream:
 def open_stream(data, tokenizer, seq_length: int, seed: int):
     """The training stream of a PT data section: a `MixedTextStream` when it weighs its entries
     (data.weights), else one `PackedTextStream` over all of them."""
-    options = dict(fmt=data.format, text_field=data.text_field, on_error=data.on_error, max_record_bytes=data.max_record_bytes)
+    options = dict(
+        fmt=data.format, text_field=data.text_field, on_error=data.on_error, max_record_bytes=data.max_record_bytes
+    )
     if data.weights:
         return MixedTextStream(data.train, data.weights, seed, tokenizer, seq_length, **options)
     return PackedTextStream(data.train, tokenizer, seq_length, **options)

@@ -125,8 +125,13 @@ def file_fingerprint(path: Path) -> dict:
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(_HASH_BLOCK), b""):
             digest.update(block)
-    return {"path": str(path), "resolved": str(path.resolve()), "size": stat.st_size,
-            "mtime_ns": stat.st_mtime_ns, "sha256": digest.hexdigest()}
+    return {
+        "path": str(path),
+        "resolved": str(path.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "sha256": digest.hexdigest(),
+    }
 
 
 def entries_fingerprint(entries: Iterable[str]) -> Optional[list]:
@@ -194,9 +199,18 @@ def key_parts(builder: str, split: str, cfg, entries: list[str], tokenizer, **ar
     templates = json.dumps(args, default=str) + str(getattr(tokenizer, "chat_template", ""))
     # A template that prints today's date renders differently tomorrow.
     date = str(datetime.date.today()) if "strftime_now" in templates else None
-    return {"format": FORMAT_VERSION, "builder": builder, "code": code_fingerprint(), "libraries": library_versions(),
-            "split": split, "config": config_dict(cfg), "args": args, "files": files, "tokenizer": tokenizer_hash,
-            "date": date}
+    return {
+        "format": FORMAT_VERSION,
+        "builder": builder,
+        "code": code_fingerprint(),
+        "libraries": library_versions(),
+        "split": split,
+        "config": config_dict(cfg),
+        "args": args,
+        "files": files,
+        "tokenizer": tokenizer_hash,
+        "date": date,
+    }
 
 
 def cache_key(parts: dict) -> str:
@@ -221,8 +235,11 @@ def cache_folder() -> Optional[Path]:
 
 def _column_kind(values: list) -> Optional[str]:
     """'int', 'float', 'str' or 'ints' (a list of ints) when every value is one; else None."""
-    for kind, test in (("int", lambda v: type(v) is int), ("float", lambda v: type(v) is float),
-                       ("str", lambda v: type(v) is str)):
+    for kind, test in (
+        ("int", lambda v: type(v) is int),
+        ("float", lambda v: type(v) is float),
+        ("str", lambda v: type(v) is str),
+    ):
         if all(test(v) for v in values):
             return kind
     if all(type(v) is list and all(type(x) is int for x in v) for v in values):
@@ -308,8 +325,14 @@ def write_entry(path: Path, key: str, built: Built) -> bool:
         log.info("token cache: these samples cannot be stored; not cached")
         return False
     columns, arrays = encoded
-    meta = {"format": FORMAT_VERSION, "key": key, "count": len(built.samples), "columns": columns, "info": built.info,
-            "problems": [[what, [[p.file, p.line, p.reason] for p in problems]] for what, problems in built.problems]}
+    meta = {
+        "format": FORMAT_VERSION,
+        "key": key,
+        "count": len(built.samples),
+        "columns": columns,
+        "info": built.info,
+        "problems": [[what, [[p.file, p.line, p.reason] for p in problems]] for what, problems in built.problems],
+    }
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
     tmp = None
     try:
@@ -342,7 +365,9 @@ def load_entry(path: Path, key: str) -> Optional[Built]:
         problems = [(what, [Problem(f, int(n), r) for f, n, r in items]) for what, items in meta["problems"]]
         return Built(samples, meta["info"], problems)
     except Exception as err:  # any failure to read a cache entry is a miss: the data is built again
-        log.warning("token cache: ignoring unreadable entry %s (%s: %s); tokenising again", path, type(err).__name__, err)
+        log.warning(
+            "token cache: ignoring unreadable entry %s (%s: %s); tokenising again", path, type(err).__name__, err
+        )
         return None
 
 
@@ -350,7 +375,9 @@ Check = Callable[[list[Problem], str], None]
 """check(problems, what): apply the on_error policy to `problems` (see `build_cached`)."""
 
 
-def build_cached(parts: Callable[[], Optional[dict]], on_error: str, build: Callable[[Check], Built], what: str) -> Built:
+def build_cached(
+    parts: Callable[[], Optional[dict]], on_error: str, build: Callable[[Check], Built], what: str
+) -> Built:
     """`build(check)` through the cache, keyed by `parts()` (see `key_parts`; called only when the
     cache is on). `build` calls `check(problems, what)` wherever it applies the on_error policy; a
     hit replays those checks (the same log lines) instead of building. When the cache is off or

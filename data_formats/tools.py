@@ -47,9 +47,11 @@ from typing import Any, Optional
 
 from data_formats.conversation import Turn
 
-TOOLS_INTRO = ("You can call the tools below (one JSON schema per line). To call tools, answer with one "
-               "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> line per call; each result comes "
-               "back in a <tool_response></tool_response> line.")
+TOOLS_INTRO = (
+    "You can call the tools below (one JSON schema per line). To call tools, answer with one "
+    '<tool_call>{"name": ..., "arguments": {...}}</tool_call> line per call; each result comes '
+    "back in a <tool_response></tool_response> line."
+)
 
 
 class ToolRecordError(ValueError):
@@ -137,8 +139,14 @@ def template_messages(turns) -> list[dict]:
     for turn in turns:
         message: dict = {"role": turn.role, "content": turn.content}
         if turn.tool_calls:
-            message["tool_calls"] = [{"type": "function", **({"id": c["id"]} if "id" in c else {}),
-                                      "function": {"name": c["name"], "arguments": c["arguments"]}} for c in turn.tool_calls]
+            message["tool_calls"] = [
+                {
+                    "type": "function",
+                    **({"id": c["id"]} if "id" in c else {}),
+                    "function": {"name": c["name"], "arguments": c["arguments"]},
+                }
+                for c in turn.tool_calls
+            ]
         if turn.tool_call_id is not None:
             message["tool_call_id"] = turn.tool_call_id
         out.append(message)
@@ -159,11 +167,19 @@ def supports_tools(tokenizer, chat_template: str) -> bool:
     """Whether `chat_template` renders tool schemas, calls and results: a probe conversation with
     one tool, one call and its result must show the schema's name, the call's argument and the
     result (a template that ignores `tools` or `tool_calls`, as SmolLM2's, drops one of them)."""
-    turns = [Turn("user", "u"), Turn("assistant", "", tool_calls=[{"name": _PROBE_TOOL["name"], "arguments": {_PROBE_ARG: 1}}]),
-             Turn("tool", _PROBE_RESULT)]
+    turns = [
+        Turn("user", "u"),
+        Turn("assistant", "", tool_calls=[{"name": _PROBE_TOOL["name"], "arguments": {_PROBE_ARG: 1}}]),
+        Turn("tool", _PROBE_RESULT),
+    ]
     try:
-        text = tokenizer.apply_chat_template(template_messages(turns), tools=template_tools([_PROBE_TOOL]),
-                                             chat_template=chat_template, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            template_messages(turns),
+            tools=template_tools([_PROBE_TOOL]),
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
     except Exception:  # noqa: BLE001  (any template error means: no tool support)
         return False
     return text.count(_PROBE_TOOL["name"]) >= 2 and _PROBE_ARG in text and _PROBE_RESULT in text
@@ -232,7 +248,9 @@ def layout_jinja(default_system: Optional[str]) -> str:
         "((tool['function'] if tool['function'] is defined else tool) | tojson) -%}{%- endfor -%}"
         "{%- set relay.block = relay.block + '\\n</tools>' -%}"
         "{%- if not messages or messages[0]['role'] != 'system' -%}"
-        "{%- set relay.out = [{'role': 'system', 'content': " + default + " + relay.block}] -%}{%- endif -%}{%- endif -%}"
+        "{%- set relay.out = [{'role': 'system', 'content': "
+        + default
+        + " + relay.block}] -%}{%- endif -%}{%- endif -%}"
         "{%- for m in messages -%}"
         "{%- if m['role'] == 'tool' -%}"
         "{%- set relay.results = relay.results + ['<tool_response>' + m['content'] + '</tool_response>'] -%}"

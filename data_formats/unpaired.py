@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 from tqdm.auto import tqdm
 
 from data_formats.collate import IGNORE_INDEX
-from data_formats.datasets import through_cache, split_records
+from data_formats.datasets import split_records, through_cache
 from data_formats.render import Template, render_scored
 from data_formats.sources import Problem
 from data_formats.token_cache import Built, Check
@@ -41,7 +41,9 @@ from data_formats.token_cache import Built, Check
 log = logging.getLogger(__name__)
 
 
-def fit_unpaired(prompt: list[int], answer: list[int], seq_length: int, truncate: bool) -> Optional[tuple[list[int], int]]:
+def fit_unpaired(
+    prompt: list[int], answer: list[int], seq_length: int, truncate: bool
+) -> Optional[tuple[list[int], int]]:
     """(prompt + answer ids, prompt tokens kept) within `seq_length`, cutting the oldest prompt
     tokens when `truncate`; None when it does not fit (or the answer leaves no room for a prompt token)."""
     if len(prompt) + len(answer) <= seq_length:
@@ -49,11 +51,12 @@ def fit_unpaired(prompt: list[int], answer: list[int], seq_length: int, truncate
     keep = seq_length - len(answer)
     if not truncate or keep < 1:
         return None
-    return prompt[len(prompt) - keep:] + answer, keep
+    return prompt[len(prompt) - keep :] + answer, keep
 
 
-def unpaired_samples(records, tokenizer, template: Template, seq_length: int, truncation: str,
-                     split: str, check: Check) -> Built:
+def unpaired_samples(
+    records, tokenizer, template: Template, seq_length: int, truncation: str, split: str, check: Check
+) -> Built:
     """The samples (module docstring) of validated `kto` records, with info: the counts logged."""
     out: list[dict] = []
     problems: list[Problem] = []
@@ -73,8 +76,15 @@ def unpaired_samples(records, tokenizer, template: Template, seq_length: int, tr
             counts["truncated"] += fitted[1] < len(prompt)
             counts["desirable" if label else "undesirable"] += 1
             # label as 1/0: the token cache stores int columns, not bools
-            sides[side].append({"input_ids": fitted[0], "prompt_len": fitted[1], "label": int(label), "record": number,
-                                "source": record.source})
+            sides[side].append(
+                {
+                    "input_ids": fitted[0],
+                    "prompt_len": fitted[1],
+                    "label": int(label),
+                    "record": number,
+                    "source": record.source,
+                }
+            )
     out = sides[0] + sides[1]
     check(problems, f"kto {split} data")
     return Built(out, counts)
@@ -82,8 +92,10 @@ def unpaired_samples(records, tokenizer, template: Template, seq_length: int, tr
 
 def answer_rows(samples: list[dict]) -> list[dict]:
     """Collator rows (input_ids, labels on the answer tokens) of unpaired samples."""
-    return [{"input_ids": s["input_ids"], "labels": [IGNORE_INDEX] * s["prompt_len"] + s["input_ids"][s["prompt_len"]:]}
-            for s in samples]
+    return [
+        {"input_ids": s["input_ids"], "labels": [IGNORE_INDEX] * s["prompt_len"] + s["input_ids"][s["prompt_len"] :]}
+        for s in samples
+    ]
 
 
 def _question(sample: dict) -> tuple[int, tuple[int, ...]]:
@@ -118,8 +130,14 @@ def kl_partners(pool: Sequence[dict], indices: Sequence[int]) -> list[int]:
     for j, i in enumerate(indices):
         inside = next((indices[j - k] for k in range(1, n) if _other_question(questions[j], questions[j - k])), None)
         if inside is None:
-            inside = next((q % len(pool) for q in range(i - 1, i - len(pool), -1)
-                           if _other_question(questions[j], _question(pool[q % len(pool)]))), None)
+            inside = next(
+                (
+                    q % len(pool)
+                    for q in range(i - 1, i - len(pool), -1)
+                    if _other_question(questions[j], _question(pool[q % len(pool)]))
+                ),
+                None,
+            )
         if inside is None:
             raise ValueError("kto: every sample answers the same question, so the KL estimate has no mismatched answer")
         out.append(inside)
@@ -135,8 +153,10 @@ def kl_partner_problem(samples: Sequence[dict], split: str) -> Optional[str]:
     for s in samples:
         key = _question(s)
         if len(samples) - records[key[0]] - prompts[key[1]] + both[key] == 0:
-            return (f"kto {split} data ({s['source']}): no other sample answers another question, so the KL estimate has no "
-                    f"mismatched answer for it; add prompts, or use kto.loss_type apo_zero_unpaired (no KL estimate)")
+            return (
+                f"kto {split} data ({s['source']}): no other sample answers another question, so the KL estimate has no "
+                f"mismatched answer for it; add prompts, or use kto.loss_type apo_zero_unpaired (no KL estimate)"
+            )
     return None
 
 
@@ -151,14 +171,16 @@ def mismatched_rows(pool: Sequence[dict], indices: Sequence[int], seq_length: in
     rows = []
     for i, partner in zip(indices, kl_partners(pool, indices)):
         sample, other = pool[i], pool[partner]
-        prompt, answer = sample["input_ids"][: sample["prompt_len"]], other["input_ids"][other["prompt_len"]:]
-        prompt = prompt[max(0, len(prompt) - max(1, seq_length - len(answer))):]
+        prompt, answer = sample["input_ids"][: sample["prompt_len"]], other["input_ids"][other["prompt_len"] :]
+        prompt = prompt[max(0, len(prompt) - max(1, seq_length - len(answer))) :]
         ids = (prompt + answer)[:seq_length]
-        rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * len(prompt) + ids[len(prompt):]})
+        rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * len(prompt) + ids[len(prompt) :]})
     return rows
 
 
-def build_kto_data(cfg, tokenizer, template: Template, seq_length: int, split: str, stats: Optional[dict] = None) -> list[dict]:
+def build_kto_data(
+    cfg, tokenizer, template: Template, seq_length: int, split: str, stats: Optional[dict] = None
+) -> list[dict]:
     """The samples of one split (module docstring), through the token cache; `stats`, when given,
     receives the counts (desirable, undesirable, dropped_overlong, truncated).
 
@@ -166,6 +188,7 @@ def build_kto_data(cfg, tokenizer, template: Template, seq_length: int, split: s
         DataError: bad records (or ones the template cannot render) with on_error='strict'.
         ValueError: unknown split.
     """
+
     def build(check: Check) -> Built:
         records = split_records(cfg, "kto", split, check, system_prompt=cfg.system_prompt)
         return unpaired_samples(records, tokenizer, template, seq_length, cfg.truncation, split, check)
@@ -175,6 +198,10 @@ def build_kto_data(cfg, tokenizer, template: Template, seq_length: int, split: s
         stats.update(built.info)
     log.info("kto %s data: %s", split, ", ".join(f"{k}={v}" for k, v in built.info.items()))
     if built.info["truncated"]:
-        log.warning("kto %s data: %d sample(s) lost their oldest prompt tokens to fit seq_length %d", split,
-                    built.info["truncated"], seq_length)
+        log.warning(
+            "kto %s data: %d sample(s) lost their oldest prompt tokens to fit seq_length %d",
+            split,
+            built.info["truncated"],
+            seq_length,
+        )
     return built.samples

@@ -27,7 +27,14 @@ from typing import Any, Iterable, Iterator, Optional
 
 from data_formats.conversation import RecordError, task_of
 from data_formats.formats import KIND_NAMES, KINDS, NAMES, UNPAIRED, detect_format, hint, kind_formats
-from data_formats.records import margin_of, parse_conversation, parse_preference, parse_prompt, parse_text, parse_unpaired
+from data_formats.records import (
+    margin_of,
+    parse_conversation,
+    parse_preference,
+    parse_prompt,
+    parse_text,
+    parse_unpaired,
+)
 from data_formats.render import make_template, render, render_prompt
 from data_formats.sources import MAX_RECORD_BYTES, DataError, Problem, RawRecord, read_entry, summarize
 
@@ -51,8 +58,15 @@ class Parsed:
         return f"{self.file}:{self.line}"
 
 
-def parse_record(raw: RawRecord, kind: str, fmt: str, *, text_field: str = "text",
-                 system_prompt: Optional[str] = None, margin_field: Optional[str] = None) -> Any:
+def parse_record(
+    raw: RawRecord,
+    kind: str,
+    fmt: str,
+    *,
+    text_field: str = "text",
+    system_prompt: Optional[str] = None,
+    margin_field: Optional[str] = None,
+) -> Any:
     """The parsed value of one record for `kind` (see `Parsed.value`).
 
     Raises:
@@ -68,7 +82,9 @@ def parse_record(raw: RawRecord, kind: str, fmt: str, *, text_field: str = "text
         return parse_prompt(raw.record, fmt, task=raw.task, source=source, system_prompt=system_prompt)
     if kind == "kto":
         return parse_unpaired(raw.record, task=raw.task, source=source, system_prompt=system_prompt)
-    return parse_conversation(raw.record, fmt, last="assistant", task=raw.task, source=source, system_prompt=system_prompt)
+    return parse_conversation(
+        raw.record, fmt, last="assistant", task=raw.task, source=source, system_prompt=system_prompt
+    )
 
 
 def _file_format(raw: RawRecord, kind: str, fmt: str) -> str:
@@ -86,9 +102,16 @@ def _file_format(raw: RawRecord, kind: str, fmt: str) -> str:
     return found
 
 
-def iter_parsed(records: Iterable[RawRecord], kind: str, *, fmt: str = "auto", text_field: str = "text",
-                system_prompt: Optional[str] = None, margin_field: Optional[str] = None,
-                formats: Optional[dict[str, str]] = None) -> Iterator[Parsed | Problem]:
+def iter_parsed(
+    records: Iterable[RawRecord],
+    kind: str,
+    *,
+    fmt: str = "auto",
+    text_field: str = "text",
+    system_prompt: Optional[str] = None,
+    margin_field: Optional[str] = None,
+    formats: Optional[dict[str, str]] = None,
+) -> Iterator[Parsed | Problem]:
     """Validate raw records lazily: one Parsed (good) or Problem (bad record or file) per record.
 
     The format is detected once per file, from its first record that matches a known format;
@@ -109,8 +132,14 @@ def iter_parsed(records: Iterable[RawRecord], kind: str, *, fmt: str = "auto", t
         try:
             if raw.file not in formats:
                 formats[raw.file] = _file_format(raw, kind, fmt)
-            value = parse_record(raw, kind, formats[raw.file], text_field=text_field,
-                                 system_prompt=system_prompt, margin_field=margin_field)
+            value = parse_record(
+                raw,
+                kind,
+                formats[raw.file],
+                text_field=text_field,
+                system_prompt=system_prompt,
+                margin_field=margin_field,
+            )
         except RecordError as err:
             yield Problem(raw.file, raw.line, str(err))
             continue
@@ -136,8 +165,9 @@ def entry_records(entries: Iterable[str], max_bytes: int = MAX_RECORD_BYTES) -> 
         yield from read_entry(entry, max_bytes)
 
 
-def read_and_parse(entries: Iterable[str], kind: str, *, max_record_bytes: int = MAX_RECORD_BYTES,
-                   **kwargs) -> tuple[list[Parsed], list[Problem]]:
+def read_and_parse(
+    entries: Iterable[str], kind: str, *, max_record_bytes: int = MAX_RECORD_BYTES, **kwargs
+) -> tuple[list[Parsed], list[Problem]]:
     """`parse_records` over every record of every data path entry."""
     return parse_records(entry_records(entries, max_record_bytes), kind, **kwargs)
 
@@ -153,8 +183,15 @@ def every_record_bad(good: list[Parsed], problems: list[Problem]) -> list[Proble
     silently train on none of it, so on_error=skip does not skip a whole file."""
     kept = {item.file for item in good}
     counts = Counter(p.file for p in problems if p.file not in kept)
-    return [Problem(file, 0, f"{EVERY_RECORD_BAD} ({n} problem(s)); data.on_error=skip skips bad records, not whole "
-                             "files: fix the file or take it out of the data paths") for file, n in counts.items()]
+    return [
+        Problem(
+            file,
+            0,
+            f"{EVERY_RECORD_BAD} ({n} problem(s)); data.on_error=skip skips bad records, not whole "
+            "files: fix the file or take it out of the data paths",
+        )
+        for file, n in counts.items()
+    ]
 
 
 def take_skipped() -> list[tuple[str, list[Problem]]]:
@@ -176,7 +213,9 @@ def skip_report(skipped: list[tuple[str, list[Problem]]]) -> tuple[list[str], di
             continue
         entry["count"] += len(records)
         entry["by_split"][what] = dict(Counter(p.reason for p in records).most_common())
-        lines += [f"{what}: {len(records)} record(s) skipped (data.on_error=skip)"] + [f"  {s}" for s in summarize(records)]
+        lines += [f"{what}: {len(records)} record(s) skipped (data.on_error=skip)"] + [
+            f"  {s}" for s in summarize(records)
+        ]
     return lines, entry, fatal
 
 
@@ -228,7 +267,9 @@ def _overlong(good: list[Parsed], kind: str, args) -> list[Problem]:
     return out
 
 
-def format_lines(good: list[Parsed], problems: list[Problem], formats: dict[str, str], detected: bool = True) -> list[str]:
+def format_lines(
+    good: list[Parsed], problems: list[Problem], formats: dict[str, str], detected: bool = True
+) -> list[str]:
     """One line per file read: its format (detected or given) and its good and bad record counts."""
     counts: dict[str, list[int]] = {}
     for item in good:
@@ -253,12 +294,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seq-length", type=int, default=None, help="also report samples longer than this")
     parser.add_argument("--model", default="embedded", help="tokenizer for --seq-length")
     parser.add_argument("--template", default="chat_template", choices=("chat_template", "role_markers"))
-    parser.add_argument("--max-record-bytes", type=int, default=MAX_RECORD_BYTES,
-                        help="refuse records longer than this, unread (data.max_record_bytes)")
+    parser.add_argument(
+        "--max-record-bytes",
+        type=int,
+        default=MAX_RECORD_BYTES,
+        help="refuse records longer than this, unread (data.max_record_bytes)",
+    )
     args = parser.parse_args(argv)
     formats: dict[str, str] = {}
-    good, problems = read_and_parse(args.files, args.kind, fmt=args.format, text_field=args.text_field,
-                                    max_record_bytes=args.max_record_bytes, formats=formats)
+    good, problems = read_and_parse(
+        args.files,
+        args.kind,
+        fmt=args.format,
+        text_field=args.text_field,
+        max_record_bytes=args.max_record_bytes,
+        formats=formats,
+    )
     if args.seq_length is not None:
         problems += _overlong(good, args.kind, args)
     for line in summarize(problems):

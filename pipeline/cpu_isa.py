@@ -20,8 +20,11 @@ ISA_ENV: dict[str, dict[str, str]] = {
     # The AVX2-only CPU of most laptops and many cloud VMs (AMD Zen 1-3, Intel before Skylake-SP).
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     # AVX-512 without AMX or the bf16/fp16 extensions (Skylake-SP .. Ice Lake, AMD Zen 4 in fp32).
-    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
-               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx512": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
     # Whatever the CPU has (the default: nothing is set).
     "native": {},
 }

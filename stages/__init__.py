@@ -66,7 +66,14 @@ STAGES: dict[str, StageInfo] = {
         "sft:SFTStage",
         parents=("pt",),
         summary_keys=LOSSES,
-        plot=("sft_tasks", "SFT loss per task", (Panel("train loss per task", "loss", prefix="train/loss_task/"), Panel("eval loss per task", "loss", prefix="eval/loss_task/"))),
+        plot=(
+            "sft_tasks",
+            "SFT loss per task",
+            (
+                Panel("train loss per task", "loss", prefix="train/loss_task/"),
+                Panel("eval loss per task", "loss", prefix="eval/loss_task/"),
+            ),
+        ),
     ),
     "rm": StageInfo(
         "reward:RMStage",
@@ -74,10 +81,18 @@ STAGES: dict[str, StageInfo] = {
         model_kind="reward",
         data_kind="preference",
         summary_keys=(*LOSSES, "eval_accuracy", "eval_margin"),
-        plot=("rm", "Reward model", (
-            Panel("pairwise accuracy", "accuracy (chosen > rejected)", {"train": "train/accuracy", "eval": "eval/accuracy"}),
-            Panel("eval margin", "mean r(chosen) - r(rejected)", {"eval": "eval/margin"}),
-        )),
+        plot=(
+            "rm",
+            "Reward model",
+            (
+                Panel(
+                    "pairwise accuracy",
+                    "accuracy (chosen > rejected)",
+                    {"train": "train/accuracy", "eval": "eval/accuracy"},
+                ),
+                Panel("eval margin", "mean r(chosen) - r(rejected)", {"eval": "eval/margin"}),
+            ),
+        ),
         verdict_figures={"eval_accuracy": "rm_min_eval_accuracy"},
     ),
     "ppo": StageInfo(
@@ -89,10 +104,14 @@ STAGES: dict[str, StageInfo] = {
         samples=True,
         summary_keys=("reward_first", "reward_last", "kl_last", "eval_reward_first", "eval_reward_last"),
         loss_curve=False,
-        plot=("ppo", "PPO", (
-            Panel("reward", "mean RM score", {"train (raw)": "ppo/reward_raw", "eval": "eval/reward"}),
-            Panel("KL to the reference", "KL (nats)", {"train": "ppo/kl", "eval": "eval/kl"}),
-        )),
+        plot=(
+            "ppo",
+            "PPO",
+            (
+                Panel("reward", "mean RM score", {"train (raw)": "ppo/reward_raw", "eval": "eval/reward"}),
+                Panel("KL to the reference", "KL (nats)", {"train": "ppo/kl", "eval": "eval/kl"}),
+            ),
+        ),
     ),
     "dpo": StageInfo(
         "dpo:DPOStage",
@@ -100,11 +119,23 @@ STAGES: dict[str, StageInfo] = {
         judged=True,
         data_kind="preference",
         summary_keys=(*LOSSES, "eval_accuracy", "eval_margin"),
-        plot=("dpo", "DPO", (
-            Panel("implicit rewards (train)", "β·log(π/π_ref)", {"chosen": "dpo/rewards_chosen", "rejected": "dpo/rewards_rejected"}),
-            Panel("pairwise accuracy", "accuracy (chosen > rejected)", {"train": "train/accuracy", "eval": "eval/accuracy"}),
-            Panel("margin", "reward(chosen) - reward(rejected)", {"train": "train/margin", "eval": "eval/margin"}),
-        )),
+        plot=(
+            "dpo",
+            "DPO",
+            (
+                Panel(
+                    "implicit rewards (train)",
+                    "β·log(π/π_ref)",
+                    {"chosen": "dpo/rewards_chosen", "rejected": "dpo/rewards_rejected"},
+                ),
+                Panel(
+                    "pairwise accuracy",
+                    "accuracy (chosen > rejected)",
+                    {"train": "train/accuracy", "eval": "eval/accuracy"},
+                ),
+                Panel("margin", "reward(chosen) - reward(rejected)", {"train": "train/margin", "eval": "eval/margin"}),
+            ),
+        ),
     ),
     "kto": StageInfo(
         "kto:KTOStage",
@@ -112,11 +143,23 @@ STAGES: dict[str, StageInfo] = {
         judged=True,
         data_kind="unpaired",
         summary_keys=(*LOSSES, "eval_margin"),
-        plot=("kto", "KTO", (
-            Panel("implicit rewards (train)", "β·log(π/π_ref)", {"desirable": "kto/rewards_chosen", "undesirable": "kto/rewards_rejected"}),
-            Panel("KL estimate z_ref (train)", "nats", {"train": "kto/kl"}),
-            Panel("margin", "reward(desirable) - reward(undesirable)", {"train": "train/margin", "eval": "eval/margin"}),
-        )),
+        plot=(
+            "kto",
+            "KTO",
+            (
+                Panel(
+                    "implicit rewards (train)",
+                    "β·log(π/π_ref)",
+                    {"desirable": "kto/rewards_chosen", "undesirable": "kto/rewards_rejected"},
+                ),
+                Panel("KL estimate z_ref (train)", "nats", {"train": "kto/kl"}),
+                Panel(
+                    "margin",
+                    "reward(desirable) - reward(undesirable)",
+                    {"train": "train/margin", "eval": "eval/margin"},
+                ),
+            ),
+        ),
     ),
     "grpo": StageInfo(
         "grpo:GRPOStage",
@@ -127,11 +170,15 @@ STAGES: dict[str, StageInfo] = {
         samples=True,
         summary_keys=("reward_first", "reward_last", "kl_last", "eval_reward_first", "eval_reward_last"),
         loss_curve=False,
-        plot=("grpo", "GRPO", (
-            Panel("reward", "mean summed reward", {"train": "grpo/reward", "eval": "eval/reward"}),
-            Panel("reward per source (train)", "mean reward", prefix="grpo/reward/"),
-            Panel("completion length", "tokens", {"train": "grpo/completion_length"}),
-        )),
+        plot=(
+            "grpo",
+            "GRPO",
+            (
+                Panel("reward", "mean summed reward", {"train": "grpo/reward", "eval": "eval/reward"}),
+                Panel("reward per source (train)", "mean reward", prefix="grpo/reward/"),
+                Panel("completion length", "tokens", {"train": "grpo/completion_length"}),
+            ),
+        ),
     ),
     "distill": StageInfo(
         "distill:DistillStage",
@@ -140,11 +187,19 @@ STAGES: dict[str, StageInfo] = {
         samples=True,
         summary_keys=("loss_first", "loss_last", "kl_first", "kl_last", "eval_kl_first", "eval_kl_last"),
         loss_curve=False,
-        plot=("distill", "On-policy distillation", (
-            Panel("per-token KL to the teacher", "KL(student || teacher), nats", {"train": "distill/kl", "eval": "eval/kl"}),
-            Panel("on-policy share", "1: the student's samples", {"train": "distill/on_policy"}),
-            Panel("generation time", "seconds", {"train": "distill/gen_time"}),
-        )),
+        plot=(
+            "distill",
+            "On-policy distillation",
+            (
+                Panel(
+                    "per-token KL to the teacher",
+                    "KL(student || teacher), nats",
+                    {"train": "distill/kl", "eval": "eval/kl"},
+                ),
+                Panel("on-policy share", "1: the student's samples", {"train": "distill/on_policy"}),
+                Panel("generation time", "seconds", {"train": "distill/gen_time"}),
+            ),
+        ),
     ),
 }
 """name -> StageInfo, in the order stages are listed by default (the default chain is

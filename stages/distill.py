@@ -102,8 +102,10 @@ class DistillSection:
         if not 0.0 <= self.lmbda <= 1.0:
             out.append(f"{key}.lmbda: must be in [0, 1], got {self.lmbda}")
         if spec is not None and self.beta != DistillSection.beta and "beta" not in spec.options:
-            out.append(f"{key}.beta: only the {', '.join(n for n, s in dl.LOSSES.items() if 'beta' in s.options)} loss reads it "
-                       f"(loss_type is {self.loss_type!r})")
+            out.append(
+                f"{key}.beta: only the {', '.join(n for n, s in dl.LOSSES.items() if 'beta' in s.options)} loss reads it "
+                f"(loss_type is {self.loss_type!r})"
+            )
         if spec is not None and spec.on_policy_only and self.lmbda != 1.0:
             out.append(f"{key}.lmbda: the {self.loss_type} loss scores the student's own samples only (set lmbda: 1)")
         return out
@@ -125,12 +127,20 @@ class DistillConfig(StageConfig):
         if self.teacher.top_k < 0:
             out.append(f"teacher.top_k: must be >= 0, got {self.teacher.top_k}")
         if self.teacher.top_k and self.distill.loss_type != "jsd":
-            out.append(f"teacher.top_k: only the jsd loss reads the teacher's top-k (loss_type is {self.distill.loss_type!r})")
+            out.append(
+                f"teacher.top_k: only the jsd loss reads the teacher's top-k (loss_type is {self.distill.loss_type!r})"
+            )
         if self.distill.lmbda < 1.0 and not self.data.completions:
             out.append("data.completions: distill.lmbda < 1 trains that share of steps on SFT conversations; name them")
         if self.train.batch_size % self.train.grad_accum:
-            out.append(f"train.grad_accum: {self.train.grad_accum} does not divide train.batch_size {self.train.batch_size}")
-        return out + data_problems(self.data.completions, "data.completions") + self.generation.room_problems(self.train.seq_length)
+            out.append(
+                f"train.grad_accum: {self.train.grad_accum} does not divide train.batch_size {self.train.batch_size}"
+            )
+        return (
+            out
+            + data_problems(self.data.completions, "data.completions")
+            + self.generation.room_problems(self.train.seq_length)
+        )
 
 
 def teacher_problems(teacher_path: str, student_path: str) -> list[str]:
@@ -138,11 +148,16 @@ def teacher_problems(teacher_path: str, student_path: str) -> list[str]:
     student's ids), naming both folders."""
     if not Path(teacher_path).is_dir():
         return [f"teacher.path: {teacher_path!r} is not a model folder"]
-    found = [p for p in fact_problems("student", folder_facts(student_path), "teacher", folder_facts(teacher_path))
-             if not p.startswith("chat template")]
+    found = [
+        p
+        for p in fact_problems("student", folder_facts(student_path), "teacher", folder_facts(teacher_path))
+        if not p.startswith("chat template")
+    ]
     if found:
-        return [f"teacher.path: the student {student_path} and the teacher {teacher_path} do not share a tokenizer "
-                f"({'; '.join(found)})"]
+        return [
+            f"teacher.path: the student {student_path} and the teacher {teacher_path} do not share a tokenizer "
+            f"({'; '.join(found)})"
+        ]
     return []
 
 
@@ -178,7 +193,9 @@ class DistillStage(PolicyStage):
         cfg = self.cfg
         if cfg.distill.lmbda < 1.0:
             section = dataclasses.replace(cfg.data, train=list(cfg.data.completions), eval=[], eval_fraction=0.0)
-            self.completions = build_sft_data(section, self.tokenizer, self.template, cfg.train.seq_length, "train").samples
+            self.completions = build_sft_data(
+                section, self.tokenizer, self.template, cfg.train.seq_length, "train"
+            ).samples
             problems += self.fill_problems(len(self.completions), "usable completion(s)", "off-policy batch")
         return problems
 
@@ -187,7 +204,9 @@ class DistillStage(PolicyStage):
         cfg = self.cfg
         student = load_model(cfg.model, cfg.lora, kind="causal", tokenizer=self.tokenizer)
         spec = dataclasses.replace(cfg.teacher, path=self.teacher_path, finetuning="full", gradient_checkpointing=False)
-        self.teacher = frozen(load_model(spec, None, kind="causal", tokenizer=self.tokenizer)).to(self.accelerator.device)
+        self.teacher = frozen(load_model(spec, None, kind="causal", tokenizer=self.tokenizer)).to(
+            self.accelerator.device
+        )
         return ActorCritic(train_without_dropout(student), None)
 
     def linear_models(self) -> list:
@@ -209,8 +228,10 @@ class DistillStage(PolicyStage):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.train.seed + cur["epoch"])).tolist()
         if cur["position"] + size > n:
             cur["epoch"], cur["position"] = cur["epoch"] + 1, 0
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.train.seed + cur["epoch"])).tolist()
-        picked = [self.completions[i] for i in order[cur["position"]:cur["position"] + size]]
+            order = torch.randperm(
+                n, generator=torch.Generator().manual_seed(self.cfg.train.seed + cur["epoch"])
+            ).tolist()
+        picked = [self.completions[i] for i in order[cur["position"] : cur["position"] + size]]
         cur["position"] += size
         prompts, responses, trained = [], [], []
         for sample in picked:
@@ -226,22 +247,42 @@ class DistillStage(PolicyStage):
         cfg, device, d = self.cfg, self.accelerator.device, self.cfg.distill
         ids, attn = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
         mask = rollout.response_mask[rows].to(device).bool()
-        inputs = {"input_ids": ids, "attention_mask": attn, "position_ids": position_ids_from_mask(attn),
-                  "logits_to_keep": ids.shape[1] - rollout.prompt_width + 1, "use_cache": False}
-        tokens = ids[:, rollout.prompt_width:][mask]
+        inputs = {
+            "input_ids": ids,
+            "attention_mask": attn,
+            "position_ids": position_ids_from_mask(attn),
+            "logits_to_keep": ids.shape[1] - rollout.prompt_width + 1,
+            "use_cache": False,
+        }
+        tokens = ids[:, rollout.prompt_width :][mask]
         with self.accelerator.autocast():
             with torch.no_grad():
                 t_head = head_split(self.teacher)
-                t_rows = hidden_forward(self.teacher, t_head, **inputs) if t_head is not None else self.teacher(**inputs).logits
+                t_rows = (
+                    hidden_forward(self.teacher, t_head, **inputs)
+                    if t_head is not None
+                    else self.teacher(**inputs).logits
+                )
             teacher = dl.Teacher(t_rows[:, :-1][mask], t_head, cfg.teacher.top_k)
             policy = self.inner.policy
             s_head = head_split(policy, self.accelerator)
             with torch.set_grad_enabled(grad):
-                s_rows = (hidden_forward(policy, s_head, **inputs) if s_head is not None else policy(**inputs).logits)[:, :-1][mask]
-                losses = dl.per_token_losses(d.loss_type, s_rows, s_head, teacher, tokens, beta=d.beta, temperature=d.temperature)
+                s_rows = (hidden_forward(policy, s_head, **inputs) if s_head is not None else policy(**inputs).logits)[
+                    :, :-1
+                ][mask]
+                losses = dl.per_token_losses(
+                    d.loss_type, s_rows, s_head, teacher, tokens, beta=d.beta, temperature=d.temperature
+                )
             with torch.no_grad():
-                kl = dl.per_token_losses("jsd", s_rows.detach(), s_head, dl.Teacher(teacher.rows, t_head), tokens, beta=1.0,
-                                         temperature=d.temperature)
+                kl = dl.per_token_losses(
+                    "jsd",
+                    s_rows.detach(),
+                    s_head,
+                    dl.Teacher(teacher.rows, t_head),
+                    tokens,
+                    beta=1.0,
+                    temperature=d.temperature,
+                )
         return losses, kl
 
     def train_step(self) -> dict[str, float]:
@@ -272,15 +313,26 @@ class DistillStage(PolicyStage):
             sums[1] += float(kl.sum())
             return loss
 
-        out = optimizer_step(self.model, self.optimizer, acc, accum, micro_batch, step=self.step + 1,
-                             max_grad_norm=cfg.train.max_grad_norm)
+        out = optimizer_step(
+            self.model,
+            self.optimizer,
+            acc,
+            accum,
+            micro_batch,
+            step=self.step + 1,
+            max_grad_norm=cfg.train.max_grad_norm,
+        )
         if acc.num_processes > 1:
             sums = acc.reduce(sums.to(acc.device), reduction="sum").cpu()
-        return {"train/loss": float(sums[0]), "train/grad_norm": out.grad_norm,
-                "distill/kl": float(sums[1] / tokens.clamp(min=1)), "distill/on_policy": float(on_policy),
-                "distill/gen_time": gen_time if on_policy else 0.0,
-                "distill/gen_time_frac": gen_time / (time.perf_counter() - started),
-                "distill/completion_length": float(rollout.response_mask.sum(1).float().mean())}
+        return {
+            "train/loss": float(sums[0]),
+            "train/grad_norm": out.grad_norm,
+            "distill/kl": float(sums[1] / tokens.clamp(min=1)),
+            "distill/on_policy": float(on_policy),
+            "distill/gen_time": gen_time if on_policy else 0.0,
+            "distill/gen_time_frac": gen_time / (time.perf_counter() - started),
+            "distill/completion_length": float(rollout.response_mask.sum(1).float().mean()),
+        }
 
     @torch.no_grad()
     def evaluate(self) -> Optional[dict[str, float]]:
@@ -291,7 +343,7 @@ class DistillStage(PolicyStage):
         cfg, total, count = self.cfg, 0.0, 0.0
         with seeded_fork(cfg.train.seed + 1):
             for start in range(0, len(self.eval_samples), cfg.train.batch_size):
-                rollout = self.rollout(self.eval_samples[start:start + cfg.train.batch_size])
+                rollout = self.rollout(self.eval_samples[start : start + cfg.train.batch_size])
                 _, kl = self.token_losses(rollout, slice(None), grad=False)
                 total, count = total + float(kl.sum()), count + kl.numel()
         return {"eval/kl": total / max(count, 1.0), "eval/loss": total / max(count, 1.0)}
@@ -304,8 +356,14 @@ class DistillStage(PolicyStage):
 
     def manifest_extras(self) -> dict:
         """The teacher the student learned from (the driver can tell when it changed)."""
-        return {"teacher": {"path": self.teacher_path, "weights_hash": weights_hash(self.teacher_path),
-                            "loss_type": self.cfg.distill.loss_type, "top_k": self.cfg.teacher.top_k}}
+        return {
+            "teacher": {
+                "path": self.teacher_path,
+                "weights_hash": weights_hash(self.teacher_path),
+                "loss_type": self.cfg.distill.loss_type,
+                "top_k": self.cfg.teacher.top_k,
+            }
+        }
 
     def release(self) -> None:
         super().release()
@@ -315,9 +373,17 @@ class DistillStage(PolicyStage):
         return {"loss": f"{figures['train/loss']:.4f}", "kl": f"{figures['distill/kl']:.4f}"}
 
     def summary(self) -> dict:
-        return {**self.history.pick(loss_first="train/loss:first", loss_last="train/loss", kl_first="distill/kl:first",
-                                    kl_last="distill/kl", eval_kl_first="eval/kl:first", eval_kl_last="eval/kl"),
-                **self.run_figures()}
+        return {
+            **self.history.pick(
+                loss_first="train/loss:first",
+                loss_last="train/loss",
+                kl_first="distill/kl:first",
+                kl_last="distill/kl",
+                eval_kl_first="eval/kl:first",
+                eval_kl_last="eval/kl",
+            ),
+            **self.run_figures(),
+        }
 
 
 if __name__ == "__main__":

@@ -45,8 +45,8 @@ from data_formats.collate import AnswerPairCollator, PackedPairCollator
 from data_formats.datasets import build_preference_data
 from data_formats.render import template_jinja
 from pipeline.algorithms import preference as pref
-from pipeline.config import PreferenceDataConfig, StageConfig
 from pipeline.algorithms.reference import ReferenceStage
+from pipeline.config import PreferenceDataConfig, StageConfig
 from pipeline.engine.stage import main
 from pipeline.engine.steps import eval_shards, optimizer_step, rank_mean
 from pipeline.modeling.models import eval_mode
@@ -115,7 +115,9 @@ def loss_option_problems(section: DPOSection, spec: pref.LossSpec, key: str) -> 
     for name in ("label_smoothing", "discopop_tau", "simpo_gamma", "cpo_alpha"):
         if getattr(section, name) != getattr(DPOSection, name) and name not in spec.options:
             readers = [n for n, s in pref.LOSSES.items() if name in s.options]
-            out.append(f"{key}.{name}: only the {', '.join(readers)} loss(es) read it (loss_type is {section.loss_type!r})")
+            out.append(
+                f"{key}.{name}: only the {', '.join(readers)} loss(es) read it (loss_type is {section.loss_type!r})"
+            )
     if section.loss_type == "exo_pair" and section.label_smoothing == 0:
         out.append(f"{key}.label_smoothing: the exo_pair loss needs it > 0 (EXO suggests 1e-3)")
     return out
@@ -181,10 +183,18 @@ class DPOStage(ReferenceStage):
         data order (so a resumed run gets the same values), then drop the full-FT copy."""
         size = self.cfg.train.batch_size
         for split, samples in (("train", self.train_samples), ("eval", self.eval_samples)):
-            rows = [self.reference_logps(self.collate(self.collator, samples, range(i, min(i + size, len(samples)))))
-                    for i in range(0, len(samples), size)]
-            self.precomputed[split] = torch.cat([torch.stack(r.chunk(2), dim=1) for r in rows]).cpu() if rows else torch.zeros(0, 2)
-        log.info("dpo: reference log-probs precomputed for %d train and %d eval pair(s)", len(self.train_samples), len(self.eval_samples))
+            rows = [
+                self.reference_logps(self.collate(self.collator, samples, range(i, min(i + size, len(samples)))))
+                for i in range(0, len(samples), size)
+            ]
+            self.precomputed[split] = (
+                torch.cat([torch.stack(r.chunk(2), dim=1) for r in rows]).cpu() if rows else torch.zeros(0, 2)
+            )
+        log.info(
+            "dpo: reference log-probs precomputed for %d train and %d eval pair(s)",
+            len(self.train_samples),
+            len(self.eval_samples),
+        )
         self.reference = None
 
     def batch_reference(self, split: str, indices: Sequence[int], batch: dict) -> Optional[torch.Tensor]:
@@ -221,11 +231,24 @@ class DPOStage(ReferenceStage):
                 sums[key] = sums.get(key, 0.0) + float(values.float().mean()) / len(groups)
             return loss
 
-        grad_norm = optimizer_step(self.model, self.optimizer, acc, len(groups), micro_batch, step=self.step + 1,
-                                   max_grad_norm=self.cfg.train.max_grad_norm).grad_norm
+        grad_norm = optimizer_step(
+            self.model,
+            self.optimizer,
+            acc,
+            len(groups),
+            micro_batch,
+            step=self.step + 1,
+            max_grad_norm=self.cfg.train.max_grad_norm,
+        ).grad_norm
         m = rank_mean(sums, acc)
-        out = {"train/loss": m["loss"], "train/accuracy": m["accuracy"], "train/margin": m["margin"], "train/grad_norm": grad_norm,
-               "dpo/rewards_chosen": m["rewards_chosen"], "dpo/rewards_rejected": m["rewards_rejected"]}
+        out = {
+            "train/loss": m["loss"],
+            "train/accuracy": m["accuracy"],
+            "train/margin": m["margin"],
+            "train/grad_norm": grad_norm,
+            "dpo/rewards_chosen": m["rewards_chosen"],
+            "dpo/rewards_rejected": m["rewards_rejected"],
+        }
         out.update({f"dpo/{k}": m[k] for k in ("nll", "log_odds") if k in m})
         return out
 
@@ -237,30 +260,56 @@ class DPOStage(ReferenceStage):
             return None
         acc, figures = self.accelerator, {}
         with eval_mode(self.model):
-            for indices, counts in eval_shards(len(self.eval_samples), self.cfg.train.batch_size, acc.num_processes, acc.process_index,
-                                               self.cfg.train.eval_batches):
+            for indices, counts in eval_shards(
+                len(self.eval_samples),
+                self.cfg.train.batch_size,
+                acc.num_processes,
+                acc.process_index,
+                self.cfg.train.eval_batches,
+            ):
                 batch = self.collate(self.collator, self.eval_samples, indices)
                 ref = self.batch_reference("eval", indices, batch)
                 logps, tokens = pref.sequence_logps(self.model, batch, acc)
                 for key, values in pref.pair_losses(self.cfg.dpo, logps, tokens, ref)[1].items():
-                    figures.setdefault(key, []).append(values.float() if counts else torch.full_like(values.float(), float("nan")))
+                    figures.setdefault(key, []).append(
+                        values.float() if counts else torch.full_like(values.float(), float("nan"))
+                    )
         out = {}
         for key, parts in figures.items():
             values = torch.cat(parts)
             values = acc.gather_for_metrics(values) if acc.num_processes > 1 else values
             out[key] = float(values[~torch.isnan(values)].mean())
-        return {"eval/loss": out["loss"], "eval/accuracy": out["accuracy"], "eval/margin": out["margin"],
-                "eval/rewards_chosen": out["rewards_chosen"], "eval/rewards_rejected": out["rewards_rejected"]}
+        return {
+            "eval/loss": out["loss"],
+            "eval/accuracy": out["accuracy"],
+            "eval/margin": out["margin"],
+            "eval/rewards_chosen": out["rewards_chosen"],
+            "eval/rewards_rejected": out["rewards_rejected"],
+        }
 
     def progress(self, figures: dict[str, float]) -> dict[str, str]:
-        return {"loss": f"{figures['train/loss']:.4f}", "acc": f"{figures['train/accuracy']:.2f}", "margin": f"{figures['train/margin']:.3f}"}
+        return {
+            "loss": f"{figures['train/loss']:.4f}",
+            "acc": f"{figures['train/accuracy']:.2f}",
+            "margin": f"{figures['train/margin']:.3f}",
+        }
 
     def summary(self) -> dict:
-        return {**self.history.pick(train_loss_first="train/loss:first", train_loss_last="train/loss", train_accuracy_last="train/accuracy",
-                                    eval_loss_first="eval/loss:first", eval_loss_last="eval/loss", eval_accuracy="eval/accuracy",
-                                    eval_margin="eval/margin", eval_rewards_chosen="eval/rewards_chosen",
-                                    eval_rewards_rejected="eval/rewards_rejected"),
-                "loss_type": self.cfg.dpo.loss_type, **self.run_figures()}
+        return {
+            **self.history.pick(
+                train_loss_first="train/loss:first",
+                train_loss_last="train/loss",
+                train_accuracy_last="train/accuracy",
+                eval_loss_first="eval/loss:first",
+                eval_loss_last="eval/loss",
+                eval_accuracy="eval/accuracy",
+                eval_margin="eval/margin",
+                eval_rewards_chosen="eval/rewards_chosen",
+                eval_rewards_rejected="eval/rewards_rejected",
+            ),
+            "loss_type": self.cfg.dpo.loss_type,
+            **self.run_figures(),
+        }
 
 
 if __name__ == "__main__":

@@ -102,11 +102,15 @@ class GRPOConfig(StageConfig):
         out = super().problems() + tools_problems(self.tools) + self.judge.problems()
         rows = self.train.batch_size * self.grpo.num_generations
         if rows % self.train.grad_accum:
-            out.append(f"train.grad_accum: {self.train.grad_accum} does not divide the {rows} completions of a step "
-                       f"(train.batch_size x grpo.num_generations)")
+            out.append(
+                f"train.grad_accum: {self.train.grad_accum} does not divide the {rows} completions of a step "
+                f"(train.batch_size x grpo.num_generations)"
+            )
         if not self.grpo.reward_funcs and not self.reward_model.path and not self.judge.enabled:
-            out.append("grpo.reward_funcs / reward_model.path / judge.base_url: no reward (name a reward function, a reward "
-                       "model or a judge)")
+            out.append(
+                "grpo.reward_funcs / reward_model.path / judge.base_url: no reward (name a reward function, a reward "
+                "model or a judge)"
+            )
         out += self.generation.room_problems(self.train.seq_length)
         out += self.grpo.generation_problems(self.generation.max_new_tokens)
         return out
@@ -158,7 +162,9 @@ class GRPOStage(PolicyStage):
         # The update's forward must reproduce the rollout's log-probs (the first ratio is 1).
         return ActorCritic(train_without_dropout(policy), None, reference, reward)
 
-    def rewards(self, samples: list[dict], rollout, tag: Optional[int] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
+    def rewards(
+        self, samples: list[dict], rollout, tag: Optional[int] = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
         """The summed reward of each completion ([N]), each source's own ([N] by name: the reward
         functions' names, 'rm', 'judge', 'overlong' (DAPO's shaping), 'missing_eos' (-generation.missing_eos_penalty
         for an unfinished one)) and each source's weight in the sum. `samples`: each completion's
@@ -171,7 +177,11 @@ class GRPOStage(PolicyStage):
             JudgeError: a judge request failed and judge.on_failure is null.
         """
         cfg, g = self.cfg, self.cfg.grpo
-        texts = None if rollout.conversations else [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
+        texts = (
+            None
+            if rollout.conversations
+            else [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
+        )
         completions = rw.trl_completions(samples, texts, rollout.conversations)
         prompts, columns = [rw.trl_prompt(s) for s in samples], [_columns(s) for s in samples]
         ids, state = [list(r) for r in rollout.responses], rw.trainer_state(self.step, cfg.train.max_steps)
@@ -179,20 +189,28 @@ class GRPOStage(PolicyStage):
         parts: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
         for spec, func, weight in zip(g.reward_funcs, self.funcs, g.reward_weights or [1.0] * len(self.funcs)):
-            parts[rw.func_name(spec)] = torch.tensor(rw.call_reward(func, spec, prompts, completions, ids, columns, state,
-                                                                    self.reward_log))
+            parts[rw.func_name(spec)] = torch.tensor(
+                rw.call_reward(func, spec, prompts, completions, ids, columns, state, self.reward_log)
+            )
             weights[rw.func_name(spec)] = weight
         if self.reward_path is not None:
             device = self.accelerator.device
-            scores = [self.inner.reward_scores(rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device),
-                                                 rollout.prompt_width).float().cpu()
-                      for rows in chunks(len(completions), self.cfg.train.batch_size)]
+            scores = [
+                self.inner.reward_scores(
+                    rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device), rollout.prompt_width
+                )
+                .float()
+                .cpu()
+                for rows in chunks(len(completions), self.cfg.train.batch_size)
+            ]
             parts["rm"], weights["rm"] = torch.cat(scores), cfg.reward_model.weight
         if cfg.judge.enabled:
             parts["judge"], weights["judge"] = self.judge_scores(prompts, completions, columns, tag), cfg.judge.weight
         if g.overlong_buffer:
             lengths = rollout.response_mask.sum(1)
-            parts["overlong"] = adv.overlong_penalty(lengths, cfg.generation.max_new_tokens, g.overlong_buffer, g.overlong_penalty)
+            parts["overlong"] = adv.overlong_penalty(
+                lengths, cfg.generation.max_new_tokens, g.overlong_buffer, g.overlong_penalty
+            )
             weights["overlong"] = 1.0
         if cfg.generation.missing_eos_penalty:
             parts["missing_eos"] = -cfg.generation.missing_eos_penalty * (~rollout.finished).float()
@@ -212,11 +230,16 @@ class GRPOStage(PolicyStage):
         answers = [rw.final_answer(c) for c in completions]
         golds = None
         if j.gold_column:
-            golds = [None if c.get(j.gold_column) is None else bool(rw.final_answer_match([None], [a], answer=[c[j.gold_column]])[0])
-                     for a, c in zip(answers, columns)]
+            golds = [
+                None
+                if c.get(j.gold_column) is None
+                else bool(rw.final_answer_match([None], [a], answer=[c[j.gold_column]])[0])
+                for a, c in zip(answers, columns)
+            ]
         refs = [None if not j.reference_column else str(c.get(j.reference_column)) for c in columns]
-        scores = self.judge.score([rw.text_of(p) for p in prompts], answers, refs,
-                                  tag=self.step + 1 if tag is None else tag, golds=golds)
+        scores = self.judge.score(
+            [rw.text_of(p) for p in prompts], answers, refs, tag=self.step + 1 if tag is None else tag, golds=golds
+        )
         return torch.tensor(scores)
 
     def sample_groups(self) -> tuple[list[dict], object, torch.Tensor, dict, dict, dict[str, float]]:
@@ -236,14 +259,21 @@ class GRPOStage(PolicyStage):
             if not g.dynamic_sampling:
                 return batch, rollout, total, parts, weights, {}
             for j, informative in enumerate(adv.informative_groups(total, G).tolist()):
-                (kept if informative else dropped).append((indices[j], rollout, slice(j * G, (j + 1) * G), total, parts))
+                (kept if informative else dropped).append(
+                    (indices[j], rollout, slice(j * G, (j + 1) * G), total, parts)
+                )
             if self._all_ranks(len(kept) >= B) or batches >= g.max_generation_batches:
                 break
         short = max(0, B - len(kept))
         chosen = kept[:B] + dropped[:short]
         if short:
-            log.warning("grpo.dynamic_sampling: %d of %d groups had equal rewards after %d generation batches; "
-                        "the step is topped up with them", short, B, batches)
+            log.warning(
+                "grpo.dynamic_sampling: %d of %d groups had equal rewards after %d generation batches; "
+                "the step is topped up with them",
+                short,
+                B,
+                batches,
+            )
         self.step_indices = [[c[0] for c in chosen]]  # what a divergence report names
         batch = [self.train_samples[c[0]] for c in chosen]
         ids = [p["prompt_ids"] for p in batch for _ in range(G)]
@@ -251,8 +281,11 @@ class GRPOStage(PolicyStage):
         rollout = take_rows(picks, ids, self.tokenizer.pad_token_id)
         total = torch.cat([t[rows] for _, _, rows, t, _ in chosen])
         parts = {k: torch.cat([p[k][rows] for _, _, rows, _, p in chosen]) for k in parts}
-        counts = {"grpo/dynamic/generation_batches": float(batches), "grpo/dynamic/dropped_groups": float(len(dropped)),
-                  "grpo/dynamic/topped_up": float(short)}
+        counts = {
+            "grpo/dynamic/generation_batches": float(batches),
+            "grpo/dynamic/dropped_groups": float(len(dropped)),
+            "grpo/dynamic/topped_up": float(short),
+        }
         return batch, rollout, total, parts, weights, counts
 
     def _all_ranks(self, flag: bool) -> bool:
@@ -273,10 +306,16 @@ class GRPOStage(PolicyStage):
         local = torch.stack([total.double(), lengths, *[parts[k].double() for k in names]], 1)
         every = acc.gather(local.to(acc.device)).cpu() if acc.num_processes > 1 else local
         advantages = adv.AGGREGATIONS[g.multi_objective_aggregation](
-            every[:, 0], every[:, 2:], [weights[k] for k in names], every[:, 1], g.num_generations,
-            estimator=g.advantage_estimator, scale=g.scale_rewards)
+            every[:, 0],
+            every[:, 2:],
+            [weights[k] for k in names],
+            every[:, 1],
+            g.num_generations,
+            estimator=g.advantage_estimator,
+            scale=g.scale_rewards,
+        )
         n = total.numel()
-        return advantages[acc.process_index * n:(acc.process_index + 1) * n].to(total.dtype)
+        return advantages[acc.process_index * n : (acc.process_index + 1) * n].to(total.dtype)
 
     def train_step(self) -> dict[str, float]:
         """Rollout (G per prompt; with dynamic sampling, informative groups only), rewards,
@@ -290,24 +329,40 @@ class GRPOStage(PolicyStage):
             texts = [p["text"] for p in batch for _ in range(G)]
             advantages = self.advantages(total, parts, weights, rollout)
             engine = rollout.engine_logp is not None  # the engine's own log-probs: measure and correct the mismatch
-            scored = algo.score_completions(self.inner, rollout, micro=rollout.input_ids.shape[0] // cfg.train.grad_accum,
-                                            temperature=cfg.generation.temperature, autocast=acc.autocast,
-                                            old=cfg.grpo.num_iterations > 1 or engine, reference=cfg.grpo.beta > 0)
+            scored = algo.score_completions(
+                self.inner,
+                rollout,
+                micro=rollout.input_ids.shape[0] // cfg.train.grad_accum,
+                temperature=cfg.generation.temperature,
+                autocast=acc.autocast,
+                old=cfg.grpo.num_iterations > 1 or engine,
+                reference=cfg.grpo.beta > 0,
+            )
         mismatch = self.mismatch(rollout, scored) if engine else {}
         update = algo.grpo_update(self.model, self.optimizer, rollout, advantages, scored, acc, cfg, self.step + 1)
         group_std = total.view(-1, G).std(1)
-        local = {"grpo/reward": float(total.mean()), "grpo/reward_std": float(group_std.mean()),
-                 "grpo/frac_reward_zero_std": float((group_std == 0).float().mean()),
-                 "grpo/completion_length": float(rollout.response_mask.sum(1).float().mean()),
-                 **{f"grpo/reward/{name}": float(v.nanmean()) for name, v in parts.items()}, **dynamic,
-                 **self.reward_log.means(), **(self.judge.take_figures() if self.judge is not None else {})}
+        local = {
+            "grpo/reward": float(total.mean()),
+            "grpo/reward_std": float(group_std.mean()),
+            "grpo/frac_reward_zero_std": float((group_std == 0).float().mean()),
+            "grpo/completion_length": float(rollout.response_mask.sum(1).float().mean()),
+            **{f"grpo/reward/{name}": float(v.nanmean()) for name, v in parts.items()},
+            **dynamic,
+            **self.reward_log.means(),
+            **(self.judge.take_figures() if self.judge is not None else {}),
+        }
         local["grpo/clipfrac"] = update["clipfrac"]
         if "kl" in update:
             local["grpo/kl"] = update["kl"]
         figures = rank_mean(local, acc)
-        figures.update({"train/loss": update["loss"], "train/grad_norm": update["grad_norm"],
-                        "grpo/ratio_dev_first": update["ratio_dev_first"],
-                        "grpo/gen_time_frac": gen_time / (time.perf_counter() - started)})
+        figures.update(
+            {
+                "train/loss": update["loss"],
+                "train/grad_norm": update["grad_norm"],
+                "grpo/ratio_dev_first": update["ratio_dev_first"],
+                "grpo/gen_time_frac": gen_time / (time.perf_counter() - started),
+            }
+        )
         figures.update(mismatch)
         if (self.step + 1) % cfg.train.log_steps == 0:
             self.tracker.log_text("grpo/samples", self.sample_text(texts, rollout, total), self.step + 1)
@@ -320,19 +375,21 @@ class GRPOStage(PolicyStage):
         gen = self.cfg.generation
         mask = rollout.response_mask.float()
         mean, worst = mismatch_diff(scored["old"], rollout.engine_logp, mask)
-        weight = correction_weights(gen.correction_name, scored["old"], rollout.engine_logp, mask, gen.correction_cap,
-                                    gen.correction_floor)
+        weight = correction_weights(
+            gen.correction_name, scored["old"], rollout.engine_logp, mask, gen.correction_cap, gen.correction_floor
+        )
         if weight is not None:
             scored["is_weight"] = weight
         return {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": worst}
-
 
     def sample_text(self, prompts: list[str], rollout, rewards: torch.Tensor) -> str:
         """A few prompt / completion / reward triples as markdown, for the tracker."""
         parts = []
         for i in range(min(self.cfg.grpo.samples_logged, len(prompts))):
             completion = self.tokenizer.decode(rollout.responses[i], skip_special_tokens=False)
-            parts.append(f"**prompt**: {prompts[i]}\n\n**completion**: {completion}\n\n**reward**: {float(rewards[i]):.4f}")
+            parts.append(
+                f"**prompt**: {prompts[i]}\n\n**completion**: {completion}\n\n**reward**: {float(rewards[i]):.4f}"
+            )
         return "\n\n---\n\n".join(parts)
 
     @torch.no_grad()
@@ -344,12 +401,21 @@ class GRPOStage(PolicyStage):
         cfg, acc = self.cfg, self.accelerator
         sums: dict[str, torch.Tensor] = {}
         with seeded_fork(cfg.train.seed + 1), full_parameters(acc, self.model):
-            for indices, counts in eval_shards(len(self.eval_samples), cfg.train.batch_size, acc.num_processes,
-                                               acc.process_index, cfg.train.eval_batches):
+            for indices, counts in eval_shards(
+                len(self.eval_samples),
+                cfg.train.batch_size,
+                acc.num_processes,
+                acc.process_index,
+                cfg.train.eval_batches,
+            ):
                 batch = [self.eval_samples[i] for i in indices]
                 rollout = self.rollout(batch, 1)
                 total, parts, _ = self.rewards(batch, rollout, tag=self.step)
-                for name, values in {"eval/reward": total, **{f"eval/reward/{k}": v for k, v in parts.items()}, "n": torch.ones(len(batch))}.items():
+                for name, values in {
+                    "eval/reward": total,
+                    **{f"eval/reward/{k}": v for k, v in parts.items()},
+                    "n": torch.ones(len(batch)),
+                }.items():
                     sums[name] = sums.get(name, torch.tensor(0.0)) + values.sum() * counts
         names = list(sums)
         totals = torch.stack([sums[k] for k in names])
@@ -362,7 +428,11 @@ class GRPOStage(PolicyStage):
 
     def manifest_extras(self) -> dict:
         """The rewards the policy was optimised for (the RM's path and weights hash, if any)."""
-        judge = {"judge": {"base_url": self.cfg.judge.base_url, "model": self.cfg.judge.model}} if self.cfg.judge.enabled else {}
+        judge = (
+            {"judge": {"base_url": self.cfg.judge.base_url, "model": self.cfg.judge.model}}
+            if self.cfg.judge.enabled
+            else {}
+        )
         return {"reward_funcs": list(self.cfg.grpo.reward_funcs), **self.reward_model_record(), **judge}
 
     def release(self) -> None:
@@ -373,9 +443,16 @@ class GRPOStage(PolicyStage):
         return {"reward": f"{figures['grpo/reward']:.3f}", "loss": f"{figures['train/loss']:.4f}"}
 
     def summary(self) -> dict:
-        return {**self.history.pick(reward_first="grpo/reward:first", reward_last="grpo/reward", kl_last="grpo/kl",
-                                    eval_reward_first="eval/reward:first", eval_reward_last="eval/reward"),
-                **self.run_figures()}
+        return {
+            **self.history.pick(
+                reward_first="grpo/reward:first",
+                reward_last="grpo/reward",
+                kl_last="grpo/kl",
+                eval_reward_first="eval/reward:first",
+                eval_reward_last="eval/reward",
+            ),
+            **self.run_figures(),
+        }
 
 
 if __name__ == "__main__":

@@ -106,10 +106,14 @@ class KTOStage(ReferenceStage):
         cfg, out = self.cfg, []
         spec = kto_math.LOSSES.get(cfg.kto.loss_type)
         if spec is not None and spec.needs_kl and cfg.train.batch_size < 2:
-            out.append(f"train.batch_size: the {cfg.kto.loss_type} loss estimates its KL term from the other samples of a "
-                       f"micro-batch, so it needs >= 2, got {cfg.train.batch_size}")
+            out.append(
+                f"train.batch_size: the {cfg.kto.loss_type} loss estimates its KL term from the other samples of a "
+                f"micro-batch, so it needs >= 2, got {cfg.train.batch_size}"
+            )
         if cfg.data.padding_mode != "padding":
-            out.append(f"data.padding_mode: the KTO stage pads each sample to its own row (got {cfg.data.padding_mode!r})")
+            out.append(
+                f"data.padding_mode: the KTO stage pads each sample to its own row (got {cfg.data.padding_mode!r})"
+            )
         return out
 
     def build_data(self) -> list[str]:
@@ -121,14 +125,19 @@ class KTOStage(ReferenceStage):
         if cfg.data.eval or cfg.data.eval_fraction > 0:
             self.eval_samples = build_kto_data(cfg.data, tok, template, cfg.train.seq_length, "eval")
         self.collator = Collator(tok.pad_token_id)
-        advice = kto_math.weight_advice(stats.get("desirable", 0), stats.get("undesirable", 0), cfg.kto.desirable_weight,
-                                        cfg.kto.undesirable_weight)
+        advice = kto_math.weight_advice(
+            stats.get("desirable", 0), stats.get("undesirable", 0), cfg.kto.desirable_weight, cfg.kto.undesirable_weight
+        )
         if advice:
             log.warning(advice)
         log.info("kto: %d training sample(s), %d eval sample(s)", len(self.train_samples), len(self.eval_samples))
         problems = self.fill_problems(len(self.train_samples), "sample(s)")
         if kto_math.LOSSES[cfg.kto.loss_type].needs_kl:
-            found = (kl_partner_problem(s, split) for s, split in ((self.train_samples, "train"), (self.eval_samples, "eval")) if s)
+            found = (
+                kl_partner_problem(s, split)
+                for s, split in ((self.train_samples, "train"), (self.eval_samples, "eval"))
+                if s
+            )
             problems += [p for p in found if p]
         return problems
 
@@ -140,7 +149,9 @@ class KTOStage(ReferenceStage):
 
     # ---- one micro-batch ---------------------------------------------------------------------
 
-    def micro_batch(self, samples: Sequence[dict], indices: Sequence[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def micro_batch(
+        self, samples: Sequence[dict], indices: Sequence[int]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss, summed figures) of one micro-batch: the policy's and reference's answer log-probs,
         and, for a loss that reads it, the KL estimate from the mismatched rows (no gradient)."""
         picked = [samples[i] for i in indices]
@@ -148,7 +159,9 @@ class KTOStage(ReferenceStage):
         ref = self.reference_logps(batch)
         kl = None
         if kto_math.LOSSES[self.cfg.kto.loss_type].needs_kl:
-            mismatched = self.collate(self.collator, mismatched_rows(samples, indices, self.cfg.train.seq_length), range(len(picked)))
+            mismatched = self.collate(
+                self.collator, mismatched_rows(samples, indices, self.cfg.train.seq_length), range(len(picked))
+            )
             with torch.no_grad():
                 policy_kl = pref.sequence_logps(self.model, mismatched, self.accelerator)[0]
             kl = kto_math.kl_estimate(policy_kl, self.reference_logps(mismatched), self.accelerator)
@@ -185,11 +198,24 @@ class KTOStage(ReferenceStage):
                 sums[key] = sums.get(key, 0.0) + float(value) / (len(groups) if key == "kl" else 1)
             return loss
 
-        grad_norm = optimizer_step(self.model, self.optimizer, acc, len(groups), micro_batch, step=self.step + 1,
-                                   max_grad_norm=self.cfg.train.max_grad_norm).grad_norm
+        grad_norm = optimizer_step(
+            self.model,
+            self.optimizer,
+            acc,
+            len(groups),
+            micro_batch,
+            step=self.step + 1,
+            max_grad_norm=self.cfg.train.max_grad_norm,
+        ).grad_norm
         m = self.reduced(sums)
-        out = {"train/loss": m["loss"], "train/margin": m["margin"], "train/grad_norm": grad_norm,
-               "kto/rewards_chosen": m["rewards_chosen"], "kto/rewards_rejected": m["rewards_rejected"], "kto/kl": m["kl"]}
+        out = {
+            "train/loss": m["loss"],
+            "train/margin": m["margin"],
+            "train/grad_norm": grad_norm,
+            "kto/rewards_chosen": m["rewards_chosen"],
+            "kto/rewards_rejected": m["rewards_rejected"],
+            "kto/kl": m["kl"],
+        }
         return without_nan(out)
 
     @torch.no_grad()
@@ -200,25 +226,49 @@ class KTOStage(ReferenceStage):
             return None
         acc, sums, batches = self.accelerator, {}, 0
         with eval_mode(self.model):
-            for indices, counts in eval_shards(len(self.eval_samples), self.cfg.train.batch_size, acc.num_processes, acc.process_index,
-                                               self.cfg.train.eval_batches):
+            for indices, counts in eval_shards(
+                len(self.eval_samples),
+                self.cfg.train.batch_size,
+                acc.num_processes,
+                acc.process_index,
+                self.cfg.train.eval_batches,
+            ):
                 _, figures = self.micro_batch(self.eval_samples, indices)
                 batches += counts
                 for key, value in figures.items():
                     sums[key] = sums.get(key, 0.0) + (float(value) if counts else 0.0)
         m = self.reduced({**sums, "kl": sums["kl"] / max(batches, 1)})
-        return without_nan({"eval/loss": m["loss"], "eval/margin": m["margin"], "eval/rewards_chosen": m["rewards_chosen"],
-                            "eval/rewards_rejected": m["rewards_rejected"]})
+        return without_nan(
+            {
+                "eval/loss": m["loss"],
+                "eval/margin": m["margin"],
+                "eval/rewards_chosen": m["rewards_chosen"],
+                "eval/rewards_rejected": m["rewards_rejected"],
+            }
+        )
 
     def progress(self, figures: dict[str, float]) -> dict[str, str]:
-        return {"loss": f"{figures['train/loss']:.4f}", "margin": f"{figures.get('train/margin', float('nan')):.3f}",
-                "kl": f"{figures['kto/kl']:.3f}"}
+        return {
+            "loss": f"{figures['train/loss']:.4f}",
+            "margin": f"{figures.get('train/margin', float('nan')):.3f}",
+            "kl": f"{figures['kto/kl']:.3f}",
+        }
 
     def summary(self) -> dict:
-        return {**self.history.pick(train_loss_first="train/loss:first", train_loss_last="train/loss", eval_loss_first="eval/loss:first",
-                                    eval_loss_last="eval/loss", eval_margin="eval/margin", eval_rewards_chosen="eval/rewards_chosen",
-                                    eval_rewards_rejected="eval/rewards_rejected"),
-                "loss_type": self.cfg.kto.loss_type, **self.run_figures()}
+        return {
+            **self.history.pick(
+                train_loss_first="train/loss:first",
+                train_loss_last="train/loss",
+                eval_loss_first="eval/loss:first",
+                eval_loss_last="eval/loss",
+                eval_margin="eval/margin",
+                eval_rewards_chosen="eval/rewards_chosen",
+                eval_rewards_rejected="eval/rewards_rejected",
+            ),
+            "loss_type": self.cfg.kto.loss_type,
+            **self.run_figures(),
+        }
+
 
 if __name__ == "__main__":
     raise SystemExit(main(KTOStage))

@@ -33,7 +33,15 @@ import torch
 from pipeline.algorithms import rl
 from pipeline.algorithms.mismatch import logprob_diff
 from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
-from pipeline.algorithms.ppo import REWARD_NORMS, RewardFn, make_experience, ppo_update, sample_text, score_rollout, step_metrics
+from pipeline.algorithms.ppo import (
+    REWARD_NORMS,
+    RewardFn,
+    make_experience,
+    ppo_update,
+    sample_text,
+    score_rollout,
+    step_metrics,
+)
 from pipeline.algorithms.rollout import ActorCritic
 from pipeline.algorithms.tool_rollout import tools_problems
 from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig, ToolsConfig
@@ -131,8 +139,10 @@ class PPOConfig(StageConfig):
     def problems(self) -> list[str]:
         out = super().problems() + tools_problems(self.tools)
         if self.tools.enabled and self.distributed.engine == "deepspeed":
-            out.append("tools.funcs: tool rollouts run under ddp or fsdp (under DeepSpeed ZeRO-3 every rank samples in "
-                       "lockstep, and ranks take different numbers of turns)")
+            out.append(
+                "tools.funcs: tool rollouts run under ddp or fsdp (under DeepSpeed ZeRO-3 every rank samples in "
+                "lockstep, and ranks take different numbers of turns)"
+            )
         batch, accum = self.train.batch_size, self.train.grad_accum
         mini = batch if self.ppo.mini_batch_size is None else self.ppo.mini_batch_size
         if mini < 1:
@@ -156,8 +166,9 @@ def build_models(cfg: PPOConfig, tokenizer) -> ActorCritic:
     Raises:
         ValueError / OSError: from pipeline.modeling.models.load_model.
     """
-    rm_cfg = dataclasses.replace(cfg.reward_model, finetuning=cfg.model.finetuning,
-                                 gradient_checkpointing=cfg.model.gradient_checkpointing)
+    rm_cfg = dataclasses.replace(
+        cfg.reward_model, finetuning=cfg.model.finetuning, gradient_checkpointing=cfg.model.gradient_checkpointing
+    )
     policy = load_model(cfg.model, cfg.lora, kind="causal", tokenizer=tokenizer)
     critic = load_model(rm_cfg, cfg.lora, kind="reward", tokenizer=tokenizer)
     reference = reward = None
@@ -179,7 +190,9 @@ def make_normaliser(cfg: PPOConfig, reward_path: str) -> rl.RunningMoments:
         return rl.RunningMoments()
     stats = (read_manifest(reward_path) or {}).get("reward_stats")
     if not stats:
-        raise ValueError(f"ppo.reward_norm is 'stored' but {reward_path}/manifest.json has no reward_stats (train the RM with stages/reward.py)")
+        raise ValueError(
+            f"ppo.reward_norm is 'stored' but {reward_path}/manifest.json has no reward_stats (train the RM with stages/reward.py)"
+        )
     return rl.RunningMoments(stats["mean"], stats["std"], stats["n"])
 
 
@@ -192,7 +205,13 @@ class PPOStage(PolicyStage):
     name = "ppo"
     config_class = PPOConfig
 
-    def __init__(self, cfg: PPOConfig, *, reward_fn: Optional[RewardFn] = None, generator_factory: Optional[GeneratorFactory] = None):
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        *,
+        reward_fn: Optional[RewardFn] = None,
+        generator_factory: Optional[GeneratorFactory] = None,
+    ):
         """`reward_fn(prompt_texts, response_ids) -> [B] tensor` replaces the reward model's score (the
         RM backbone still hosts the critic); `generator_factory(policy)` swaps the sampler."""
         super().__init__(cfg, generator_factory=generator_factory)
@@ -226,10 +245,20 @@ class PPOStage(PolicyStage):
             rollout = self.rollout(batch)
             gen_time = time.perf_counter() - started
             texts = [p["text"] for p in batch]
-            exp = make_experience(self.inner, rollout, texts, cfg=cfg, kl_coef=self.kl_controller.value, normaliser=self.normaliser,
-                                  reward_fn=self.reward_fn, accelerator=acc)
+            exp = make_experience(
+                self.inner,
+                rollout,
+                texts,
+                cfg=cfg,
+                kl_coef=self.kl_controller.value,
+                normaliser=self.normaliser,
+                reward_fn=self.reward_fn,
+                accelerator=acc,
+            )
         update = ppo_update(self.model, self.optimizer, exp, acc, cfg, step)
-        figures = step_metrics(exp, update, acc, kl_coef=self.kl_controller.value, gen_frac=gen_time / (time.perf_counter() - started))
+        figures = step_metrics(
+            exp, update, acc, kl_coef=self.kl_controller.value, gen_frac=gen_time / (time.perf_counter() - started)
+        )
         self.kl_controller.update(figures["ppo/kl"], cfg.train.batch_size * acc.num_processes)
         if rollout.engine_logp is not None:  # an engine reporting its log-probs (vLLM): the mismatch, measured
             mean, worst = logprob_diff(exp.old_logprobs, rollout.engine_logp, rollout.response_mask)
@@ -251,13 +280,28 @@ class PPOStage(PolicyStage):
         cfg, acc = self.cfg, self.accelerator
         rewards, kls, weights = [], [], []
         with seeded_fork(cfg.train.seed + 1), full_parameters(acc, self.model):
-            for indices, counts in eval_shards(len(self.eval_samples), cfg.train.batch_size, acc.num_processes,
-                                               acc.process_index, cfg.train.eval_batches):
+            for indices, counts in eval_shards(
+                len(self.eval_samples),
+                cfg.train.batch_size,
+                acc.num_processes,
+                acc.process_index,
+                cfg.train.eval_batches,
+            ):
                 batch = [self.eval_samples[i] for i in indices]
                 rollout = self.rollout(batch)
-                s = score_rollout(self.inner, rollout, micro=cfg.train.batch_size, temperature=cfg.generation.temperature, values=False,
-                                  autocast=acc.autocast)
-                raw = s["rm"] if self.reward_fn is None else self.reward_fn([p["text"] for p in batch], rollout.responses).float().cpu()
+                s = score_rollout(
+                    self.inner,
+                    rollout,
+                    micro=cfg.train.batch_size,
+                    temperature=cfg.generation.temperature,
+                    values=False,
+                    autocast=acc.autocast,
+                )
+                raw = (
+                    s["rm"]
+                    if self.reward_fn is None
+                    else self.reward_fn([p["text"] for p in batch], rollout.responses).float().cpu()
+                )
                 kl = (rl.kl_per_token(s["old"], s["ref"], "k1") * rollout.response_mask).sum(1)
                 rewards.append(raw.sum() * counts)  # counts False: a short rank's repeated batch
                 kls.append(kl.sum() * counts)
@@ -291,9 +335,17 @@ class PPOStage(PolicyStage):
         return {"reward": f"{figures['ppo/reward_raw']:.3f}", "kl": f"{figures['ppo/kl']:.3f}"}
 
     def summary(self) -> dict:
-        return {**self.history.pick(reward_first="ppo/reward_raw:first", reward_last="ppo/reward_raw", kl_last="ppo/kl",
-                                    eval_reward_first="eval/reward:first", eval_reward_last="eval/reward", eval_kl_last="eval/kl"),
-                **self.run_figures()}
+        return {
+            **self.history.pick(
+                reward_first="ppo/reward_raw:first",
+                reward_last="ppo/reward_raw",
+                kl_last="ppo/kl",
+                eval_reward_first="eval/reward:first",
+                eval_reward_last="eval/reward",
+                eval_kl_last="eval/kl",
+            ),
+            **self.run_figures(),
+        }
 
 
 if __name__ == "__main__":

@@ -77,8 +77,10 @@ class PTStage(LanguageModelStage):
         if data.streaming and data.max_samples is not None:
             out.append("data.max_samples: not used with data.streaming (the stream runs until train.max_steps)")
         if data.streaming and not data.eval and data.eval_fraction > 0:
-            out.append("data.eval_fraction: carving an eval split reads the whole corpus into memory, which "
-                       "data.streaming exists to avoid; give held-out files in data.eval")
+            out.append(
+                "data.eval_fraction: carving an eval split reads the whole corpus into memory, which "
+                "data.streaming exists to avoid; give held-out files in data.eval"
+            )
         return out
 
     def build_data(self) -> list[str]:
@@ -92,7 +94,9 @@ class PTStage(LanguageModelStage):
         if cfg.data.eval or cfg.data.eval_fraction > 0:
             self.eval_samples = build_pt_data(cfg.data, tok, seq, "eval")
         self.collator = Collator(tok.pad_token_id, "pack", seq, cfg.model.attn_implementation)
-        problems = [] if cfg.data.streaming else self.fill_problems(len(self.train_samples), f"packed row(s) of {seq} tokens")
+        problems = (
+            [] if cfg.data.streaming else self.fill_problems(len(self.train_samples), f"packed row(s) of {seq} tokens")
+        )
         if problems:
             return problems
         rows = "streamed training rows" if cfg.data.streaming else f"{len(self.train_samples)} training row(s)"
@@ -108,7 +112,9 @@ class PTStage(LanguageModelStage):
         batches = []
         for _ in range(t.grad_accum):
             rows = [self.stream.next_row() for _ in range(t.batch_size * acc.num_processes)]
-            batches.append(self.collate(self.collator, rows[acc.process_index :: acc.num_processes], range(t.batch_size)))
+            batches.append(
+                self.collate(self.collator, rows[acc.process_index :: acc.num_processes], range(t.batch_size))
+            )
         return batches
 
     def state_dict(self) -> dict:
@@ -127,8 +133,13 @@ def stream_train(cfg: PTConfig, tokenizer):
         DataError: bad records with on_error='strict'.
     """
     data = cfg.data
-    apply_policy(stream_problems(data.train, fmt=data.format, text_field=data.text_field, max_record_bytes=data.max_record_bytes),
-                 data.on_error, "pt train data (streamed)")
+    apply_policy(
+        stream_problems(
+            data.train, fmt=data.format, text_field=data.text_field, max_record_bytes=data.max_record_bytes
+        ),
+        data.on_error,
+        "pt train data (streamed)",
+    )
     return open_stream(data, tokenizer, cfg.train.seq_length, cfg.train.seed)
 
 

@@ -132,20 +132,33 @@ class RMStage(Stage):
             totals["accuracy"] += float((chosen > rejected).float().mean()) / len(groups)
             return loss
 
-        grad_norm = optimizer_step(self.model, self.optimizer, acc, len(groups), micro_batch, step=self.step + 1,
-                                   max_grad_norm=self.cfg.train.max_grad_norm).grad_norm
+        grad_norm = optimizer_step(
+            self.model,
+            self.optimizer,
+            acc,
+            len(groups),
+            micro_batch,
+            step=self.step + 1,
+            max_grad_norm=self.cfg.train.max_grad_norm,
+        ).grad_norm
         figures = rank_mean(totals, acc)
         return {"train/loss": figures["loss"], "train/accuracy": figures["accuracy"], "train/grad_norm": grad_norm}
 
     @torch.no_grad()
-    def score_pairs(self, pairs: list, max_batches: Optional[int] = None, desc: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def score_pairs(
+        self, pairs: list, max_batches: Optional[int] = None, desc: Optional[str] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) scores of `pairs`, gathered from every rank (padding batches excluded);
         with `desc`, a progress bar of that name (long passes)."""
         acc = self.accelerator
         chosen, rejected = [], []
-        shards = list(eval_shards(len(pairs), self.cfg.train.batch_size, acc.num_processes, acc.process_index, max_batches))
+        shards = list(
+            eval_shards(len(pairs), self.cfg.train.batch_size, acc.num_processes, acc.process_index, max_batches)
+        )
         with eval_mode(self.model):
-            for indices, counts in tqdm(shards, desc=desc, disable=desc is None or not acc.is_local_main_process, leave=False):
+            for indices, counts in tqdm(
+                shards, desc=desc, disable=desc is None or not acc.is_local_main_process, leave=False
+            ):
                 c, r = pair_scores(self.model, self.collate(self.collator, pairs, indices), acc)
                 keep = torch.full_like(c, 1.0 if counts else float("nan"))
                 chosen.append(c * keep)
@@ -162,13 +175,18 @@ class RMStage(Stage):
             return None
         chosen, rejected = self.score_pairs(self.eval_samples, self.cfg.train.eval_batches)
         # eval/loss is the plain pairwise loss (no margin column, no centring), comparable across runs
-        return {"eval/accuracy": float((chosen > rejected).float().mean()), "eval/margin": float((chosen - rejected).mean()),
-                "eval/loss": float(pairwise_loss(chosen, rejected))}
+        return {
+            "eval/accuracy": float((chosen > rejected).float().mean()),
+            "eval/margin": float((chosen - rejected).mean()),
+            "eval/loss": float(pairwise_loss(chosen, rejected)),
+        }
 
     def before_export(self) -> None:
         """The reward statistics over the training responses (both sides), for PPO's normaliser."""
         limit = self.cfg.reward.stats_max_pairs
-        chosen, rejected = self.score_pairs(self.train_samples[:limit] if limit else self.train_samples, desc="reward statistics")
+        chosen, rejected = self.score_pairs(
+            self.train_samples[:limit] if limit else self.train_samples, desc="reward statistics"
+        )
         self.reward_stats = stats_of(torch.cat([chosen, rejected]))
         log.info("reward statistics over the training responses: %s", self.reward_stats)
 
@@ -185,10 +203,19 @@ class RMStage(Stage):
         return {"loss": f"{figures['train/loss']:.4f}", "acc": f"{figures['train/accuracy']:.2f}"}
 
     def summary(self) -> dict:
-        return {**self.history.pick(train_loss_first="train/loss:first", train_loss_last="train/loss", train_accuracy_last="train/accuracy",
-                                    eval_accuracy="eval/accuracy", eval_margin="eval/margin", eval_loss_last="eval/loss",
-                                    eval_loss_first="eval/loss:first"),
-                "reward_stats": self.reward_stats, **self.run_figures()}
+        return {
+            **self.history.pick(
+                train_loss_first="train/loss:first",
+                train_loss_last="train/loss",
+                train_accuracy_last="train/accuracy",
+                eval_accuracy="eval/accuracy",
+                eval_margin="eval/margin",
+                eval_loss_last="eval/loss",
+                eval_loss_first="eval/loss:first",
+            ),
+            "reward_stats": self.reward_stats,
+            **self.run_figures(),
+        }
 
 
 if __name__ == "__main__":

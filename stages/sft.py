@@ -75,7 +75,11 @@ class SFTStage(LanguageModelStage):
 
     def problems(self) -> list[str]:
         mt = self.cfg.multitask
-        if mt.weighted_loss_mode in ("coba", "self-paced") and not self.cfg.data.eval and self.cfg.data.eval_fraction <= 0:
+        if (
+            mt.weighted_loss_mode in ("coba", "self-paced")
+            and not self.cfg.data.eval
+            and self.cfg.data.eval_fraction <= 0
+        ):
             return ["multitask.weighted_loss_mode: coba needs held-out data (data.eval or data.eval_fraction)"]
         return []
 
@@ -88,16 +92,33 @@ class SFTStage(LanguageModelStage):
         # Tool conversations in the default layout: the saved template must render them as trained.
         self.chat_template = template_jinja(template, tok, tools=train.stats.get("tool_conversations", 0) > 0)
         has_eval = bool(cfg.data.eval) or cfg.data.eval_fraction > 0
-        evaluation = build_sft_data(cfg.data, tok, template, cfg.train.seq_length, "eval", tasks=train.tasks) if has_eval else None
+        evaluation = (
+            build_sft_data(cfg.data, tok, template, cfg.train.seq_length, "eval", tasks=train.tasks)
+            if has_eval
+            else None
+        )
         self.train_samples, self.tasks = train.samples, train.tasks
         self.eval_samples = evaluation.samples if evaluation is not None else []
-        self.collator = Collator(tok.pad_token_id, cfg.data.padding_mode, cfg.train.seq_length, cfg.model.attn_implementation)
+        self.collator = Collator(
+            tok.pad_token_id, cfg.data.padding_mode, cfg.train.seq_length, cfg.model.attn_implementation
+        )
         mt = cfg.multitask
         if canonical_mode(mt.weighted_loss_mode) == "coba":
-            self.coba = CoBa(len(self.tasks), warmup_steps=mt.coba_warmup_steps, history_length=mt.coba_history_length,
-                             tau=mt.coba_tau, min_weight=mt.coba_min_weight, clamp_divergence=mt.coba_clamp_divergence)
-        log.info("sft: %d training sample(s) in %d task(s) %s, %d eval sample(s)", len(self.train_samples), len(self.tasks),
-                 self.tasks, len(self.eval_samples))
+            self.coba = CoBa(
+                len(self.tasks),
+                warmup_steps=mt.coba_warmup_steps,
+                history_length=mt.coba_history_length,
+                tau=mt.coba_tau,
+                min_weight=mt.coba_min_weight,
+                clamp_divergence=mt.coba_clamp_divergence,
+            )
+        log.info(
+            "sft: %d training sample(s) in %d task(s) %s, %d eval sample(s)",
+            len(self.train_samples),
+            len(self.tasks),
+            self.tasks,
+            len(self.eval_samples),
+        )
         return self.data_problems_found(evaluation.tasks if evaluation is not None else [])
 
     def data_problems_found(self, eval_tasks: list[str]) -> list[str]:

@@ -31,9 +31,8 @@ def stage_kwargs(spec: dict) -> dict:
     """tests/distrun.py's, or the scripted tool caller (PPO scored by distrun.scripted_reward)."""
     if spec.get("sampler") != "tools":
         return _stage_kwargs(spec)
-    from transformers import AutoTokenizer
-
     from tool_distrun import Scripted
+    from transformers import AutoTokenizer
 
     argv = spec["argv"]
     tok = AutoTokenizer.from_pretrained(argv[argv.index("--model.path") + 1])
@@ -57,4 +56,7 @@ if __name__ == "__main__":
     for spec in json.loads(Path(sys.argv[1]).read_text()):
         start = time.perf_counter()
         distrun.run_one(spec)
-        print(f"cells_distrun: {spec['argv'][spec['argv'].index('--output_dir') + 1]} {time.perf_counter() - start:.1f}s", file=sys.stderr)
+        print(
+            f"cells_distrun: {spec['argv'][spec['argv'].index('--output_dir') + 1]} {time.perf_counter() - start:.1f}s",
+            file=sys.stderr,
+        )

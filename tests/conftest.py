@@ -25,7 +25,6 @@ if "RELAY_TOKEN_CACHE" not in os.environ:
 import bitsandbytes  # noqa: F401  (a stage run hides backends the config does not ask for; this session keeps both)
 import pytest
 import torch
-
 from tinymodels import make_tiny_model
 
 # Under pytest-xdist (run_scripts/test.sh) the cores are split between the workers: on 2 cores one
@@ -75,9 +74,24 @@ LAST_MODULES = ("test_vllm.py", "test_vllm_tools.py")
 while the rest of the suite runs, and these tests wait for it (tests/test_vllm.py)."""
 
 
-LONGEST_FIRST = ("test_driver.py", "test_zero_cpu.py", "test_bench.py", "test_fsdp.py", "test_vllm.py", "test_cells_ddp.py",
-                 "test_distributed_stages.py", "test_vllm_tools.py", "test_signals.py", "test_decode.py", "test_reward.py",
-                 "test_cells.py", "test_distill.py", "test_multinode.py", "test_tool_rollout.py", "test_pt_sft.py")
+LONGEST_FIRST = (
+    "test_driver.py",
+    "test_zero_cpu.py",
+    "test_bench.py",
+    "test_fsdp.py",
+    "test_vllm.py",
+    "test_cells_ddp.py",
+    "test_distributed_stages.py",
+    "test_vllm_tools.py",
+    "test_signals.py",
+    "test_decode.py",
+    "test_reward.py",
+    "test_cells.py",
+    "test_distill.py",
+    "test_multinode.py",
+    "test_tool_rollout.py",
+    "test_pt_sft.py",
+)
 """The order of the modules in xdist workers (run_scripts/test.sh runs `--dist loadfile
 --no-loadscope-reorder`: a module to a worker, handed out in collection order): the longest first
 (by `--durations`), so that two workers end together instead of one finishing a long module alone;

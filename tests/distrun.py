@@ -93,7 +93,11 @@ def stage_kwargs(spec: dict) -> dict:
     """The sampler and reward of a PPO / GRPO run (none for the real sampler)."""
     scripted = spec.get("sampler", "scripted") == "scripted"
     if spec["stage"] == "ppo":
-        return {"generator_factory": lambda policy: ScriptedGenerator(), "reward_fn": scripted_reward} if scripted else {"reward_fn": scripted_reward}
+        return (
+            {"generator_factory": lambda policy: ScriptedGenerator(), "reward_fn": scripted_reward}
+            if scripted
+            else {"reward_fn": scripted_reward}
+        )
     if spec["stage"] == "grpo" and scripted:
         return {"generator_factory": lambda policy: GroupGenerator()}
     return {}

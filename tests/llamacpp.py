@@ -47,8 +47,11 @@ def load():
             raise
         folder = Path(tempfile.mkdtemp(prefix="relay-llamacpp-shim-"))
         (folder / "shim.c").write_text(SHIM)
-        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(folder / "libshim.so"), str(folder / "shim.c"), "-lstdc++"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["cc", "-shared", "-fPIC", "-o", str(folder / "libshim.so"), str(folder / "shim.c"), "-lstdc++"],
+            check=True,
+            capture_output=True,
+        )
         ctypes.CDLL(str(folder / "libshim.so"), mode=ctypes.RTLD_GLOBAL)
         from llama._llama_cpp_cpu import ffi, lib  # type: ignore[import-not-found]
     quiet = ffi.callback("void(enum ggml_log_level, const char *, void *)", lambda level, text, data: None)
@@ -158,8 +161,25 @@ class LlamaServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log = tempfile.NamedTemporaryFile(prefix="relay-llama-server-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([binary, "-m", str(gguf), "--jinja", "--host", "127.0.0.1", "--port", str(self.port),
-                                      "-c", "1024", "-t", "1", "--no-webui"], stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "-m",
+                str(gguf),
+                "--jinja",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "-c",
+                "1024",
+                "-t",
+                "1",
+                "--no-webui",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -177,12 +197,17 @@ class LlamaServer:
         import json
         import urllib.request
 
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=60) as r:
             return json.loads(r.read())
 
-    def apply_template(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
+    def apply_template(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> str:
         body: dict = {"messages": messages, "add_generation_prompt": add_generation_prompt}
         if tools:
             body["tools"] = tools

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.algorithms import rollout
-from pipeline.config import ConfigError, GenerationConfig
-from pipeline.config import backends
+from pipeline.config import ConfigError, GenerationConfig, backends
 from pipeline.config import capabilities as cap
 from pipeline.tools import chat, gold, serve, serving
 
@@ -35,8 +34,12 @@ def test_the_registries_name_the_same_backends():
 
 def test_no_code_branches_on_a_backend_name():
     """Callers ask a backend's entry; none compares a backend with a literal name."""
-    found = [f"{p.relative_to(ROOT)}:{i}" for p in SOURCES for i, line in enumerate(p.read_text().splitlines(), 1)
-             if NAME_BRANCH.search(line)]
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in SOURCES
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if NAME_BRANCH.search(line)
+    ]
     assert not found, found
 
 
@@ -57,25 +60,43 @@ def fake_generation(monkeypatch):
     def option_problems(gen, key):
         return [f"{key}.temperature: fake samples at most at 2"] if gen.temperature > 2 else []
 
-    monkeypatch.setitem(backends.BACKENDS, "fake", backends.Backend(
-        "a stand-in", engine_logprobs=True, own_server=False, option_problems=option_problems,
-        device_problems=lambda gen, cuda_devices, key: [f"{key}.backend: fake needs {cuda_devices + 1} GPUs"]))
-    monkeypatch.setitem(rollout.GENERATORS, "fake", rollout.GeneratorSpec(
-        lambda model, pad_id, eos_ids, max_new_tokens, temperature=1.0, *, synced_gpus=False, **engine:
-            FakeGenerator(pad_id=pad_id, eos_ids=list(eos_ids), max_new_tokens=max_new_tokens, **engine),
-        engine=lambda cfg, model_path: {"base": model_path},
-        problems=lambda cfg, model_path: ["generation.backend: fake is not installed"]))
+    monkeypatch.setitem(
+        backends.BACKENDS,
+        "fake",
+        backends.Backend(
+            "a stand-in",
+            engine_logprobs=True,
+            own_server=False,
+            option_problems=option_problems,
+            device_problems=lambda gen, cuda_devices, key: [f"{key}.backend: fake needs {cuda_devices + 1} GPUs"],
+        ),
+    )
+    monkeypatch.setitem(
+        rollout.GENERATORS,
+        "fake",
+        rollout.GeneratorSpec(
+            lambda model, pad_id, eos_ids, max_new_tokens, temperature=1.0, *, synced_gpus=False, **engine: (
+                FakeGenerator(pad_id=pad_id, eos_ids=list(eos_ids), max_new_tokens=max_new_tokens, **engine)
+            ),
+            engine=lambda cfg, model_path: {"base": model_path},
+            problems=lambda cfg, model_path: ["generation.backend: fake is not installed"],
+        ),
+    )
     return made
 
 
 def test_a_new_generation_backend_is_its_entries(fake_generation, tmp_path, tiny_model_dir, monkeypatch):
-    from stages import grpo
     from test_grpo import make_cfg
 
+    from stages import grpo
+
     # config checks and the correction auto resolves to
-    assert GenerationConfig(backend="fake").problems() == [] and GenerationConfig(backend="fake").correction_name == "tis"
+    assert (
+        GenerationConfig(backend="fake").problems() == [] and GenerationConfig(backend="fake").correction_name == "tis"
+    )
     assert GenerationConfig(backend="sglang").problems() == [
-        "generation.backend: 'sglang' is not one of ('relay', 'hf', 'vllm', 'fake')"]
+        "generation.backend: 'sglang' is not one of ('relay', 'hf', 'vllm', 'fake')"
+    ]
     assert GenerationConfig(temperature=3.0).problems() == ["generation.temperature: fake samples at most at 2"]
 
     # the capability table: its cells exist, are refused until a test trains them, then listed
@@ -99,7 +120,12 @@ def test_a_new_generation_backend_is_its_entries(fake_generation, tmp_path, tiny
 
     # the sampler
     sampler = rollout.make_generator("fake", None, 0, (2,), 4, **rollout.GENERATORS["fake"].engine(cfg, "/m"))
-    assert sampler is fake_generation[-1] and sampler.options == {"pad_id": 0, "eos_ids": [2], "max_new_tokens": 4, "base": "/m"}
+    assert sampler is fake_generation[-1] and sampler.options == {
+        "pad_id": 0,
+        "eos_ids": [2],
+        "max_new_tokens": 4,
+        "base": "/m",
+    }
     assert sampler.generate([[1, 2]]) == [[7]]
 
 
@@ -107,19 +133,24 @@ def test_a_new_serving_backend_is_its_entries(monkeypatch, tiny_model_dir, capsy
     from pipeline.tools.chain import GoldConfig
 
     served = []
-    monkeypatch.setitem(serving.SERVING, "fake", serving.ServingBackend(
-        "Fake", "fakeserve", ("temperature",), missing=lambda: "fake is not installed"))
+    monkeypatch.setitem(
+        serving.SERVING,
+        "fake",
+        serving.ServingBackend("Fake", "fakeserve", ("temperature",), missing=lambda: "fake is not installed"),
+    )
     monkeypatch.setitem(chat.CHAT_MODELS, "fake", lambda *a, **k: pytest.fail("no model opens here"))
     monkeypatch.setitem(gold.GREEDY, "fake", lambda *a: pytest.fail("no model decodes here"))
     monkeypatch.setitem(serve.SERVERS, "fake", lambda args: served.append(args.model) or 0)
 
     assert chat.unsupported_sampling("fake", chat.Generation(top_k=5)) == (
-        "--backend fake samples with temperature only: drop --top-k/--repetition-penalty")
+        "--backend fake samples with temperature only: drop --top-k/--repetition-penalty"
+    )
     assert chat.unsupported_sampling("fake", chat.Generation(temperature=0.7)) is None
     assert chat.parse_args(["--model", "m", "--backend", "fake"]).backend == "fake"
     assert gold.GoldSettings(backend="fake").key()["backend"] == "fake"
     assert GoldConfig(backend="fake", data=str(ROOT / "data" / "sample" / "gold" / "eval.jsonl")).problems() == [
-        "gold.backend: fake is not installed"]
+        "gold.backend: fake is not installed"
+    ]
     assert serve.main([str(tiny_model_dir), "--backend", "fakeserve"]) == 0 and served == [str(tiny_model_dir)]
     assert serve.main([str(tiny_model_dir), "--backend", "fakeserve", "--eager"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: --eager is a vLLM option (--backend vllm)"

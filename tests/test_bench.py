@@ -23,8 +23,14 @@ COMPARISONS = sorted(p.stem for p in (ROOT / "bench" / "comparisons").glob("*.py
 
 
 def run(args, tmp_path, timeout=300):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+    )
 
 
 def test_every_comparison_is_smoke_tested():
@@ -44,8 +50,22 @@ def test_quick_comparison_appends_one_well_formed_row(name, tmp_path):
     case = module.cases(True)[0]["case"]
     results = tmp_path / "RESULTS.md"
     results.write_text("# Benchmarks\n\n## Other section\nkept\n")
-    proc = run(["bench/run.py", name, "--quick", "--case", case, "--threads", "1", "--results", str(results),
-                "--workdir", str(tmp_path / "work")], tmp_path)
+    proc = run(
+        [
+            "bench/run.py",
+            name,
+            "--quick",
+            "--case",
+            case,
+            "--threads",
+            "1",
+            "--results",
+            str(results),
+            "--workdir",
+            str(tmp_path / "work"),
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = results.read_text()
     assert "## Other section\nkept\n" in text and text.count(harness.SECTION) == 1
@@ -86,8 +106,10 @@ def test_a_row_is_refused_when_the_two_sides_do_not_do_equal_work(tmp_path, monk
 
 def test_quick_scaling_writes_its_section_points_and_plot(tmp_path):
     results = tmp_path / "RESULTS.md"
-    proc = run(["bench/scaling.py", "--quick", "--threads", "1", "--results", str(results), "--workdir", str(tmp_path / "w")],
-               tmp_path)
+    proc = run(
+        ["bench/scaling.py", "--quick", "--threads", "1", "--results", str(results), "--workdir", str(tmp_path / "w")],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = results.read_text()
     assert "## How cost grows" in text and "R^2" in text
@@ -102,7 +124,12 @@ def test_an_unknown_case_is_one_line_before_anything_runs(tmp_path, capsys):
     import run as bench_run
 
     out = tmp_path / "R.md"
-    assert bench_run.main(["sft", "--quick", "--case", "lora-padin", "--results", str(out), "--workdir", str(tmp_path / "w")]) == 1
+    assert (
+        bench_run.main(
+            ["sft", "--quick", "--case", "lora-padin", "--results", str(out), "--workdir", str(tmp_path / "w")]
+        )
+        == 1
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["bench/run.py: sft has no case lora-padin in --quick; its cases: lora-padding, lora-packing"]
     assert not out.exists() and not (tmp_path / "w").exists()
@@ -111,19 +138,35 @@ def test_an_unknown_case_is_one_line_before_anything_runs(tmp_path, capsys):
 def test_demo_backends_goal_and_vllm_grpo_ratio_are_read_from_the_figures():
     """bench/demo_backends.py's goal check (issue 34: verdict PASS, PPO's gold phrase rate and fact
     accuracy within 0.05 of the relay backend's) and bench/vllm_grpo.py's step ratio, on hand-made figures."""
-    from bench.demo_backends import gold_rows, goal_check
+    from bench.demo_backends import goal_check, gold_rows
     from bench.vllm_grpo import against_relay
 
-    summary = {"gold": {"rows": [{"model": "sft", "phrase_rate": 0.5, "fact_accuracy": 0.95, "n": 80},
-                                 {"model": "ppo", "phrase_rate": 1.0, "fact_accuracy": 0.9375, "n": 80}]}}
+    summary = {
+        "gold": {
+            "rows": [
+                {"model": "sft", "phrase_rate": 0.5, "fact_accuracy": 0.95, "n": 80},
+                {"model": "ppo", "phrase_rate": 1.0, "fact_accuracy": 0.9375, "n": 80},
+            ]
+        }
+    }
     relay = {"verdict": "PASS", "gold": gold_rows(summary)}
     assert relay["gold"]["ppo"] == {"phrase_rate": 1.0, "fact_accuracy": 0.9375}
     near = {"verdict": "PASS", "gold": {"ppo": {"phrase_rate": 0.975, "fact_accuracy": 0.9}}}
-    assert goal_check(relay, near) == {"gaps": {"phrase_rate": 0.025, "fact_accuracy": 0.0375}, "verdict": "PASS", "met": True}
+    assert goal_check(relay, near) == {
+        "gaps": {"phrase_rate": 0.025, "fact_accuracy": 0.0375},
+        "verdict": "PASS",
+        "met": True,
+    }
     assert not goal_check(relay, {**near, "verdict": "WARNING"})["met"]
-    assert not goal_check(relay, {"verdict": "PASS", "gold": {"ppo": {"phrase_rate": 0.9, "fact_accuracy": 0.9375}}})["met"]
+    assert not goal_check(relay, {"verdict": "PASS", "gold": {"ppo": {"phrase_rate": 0.9, "fact_accuracy": 0.9375}}})[
+        "met"
+    ]
     assert goal_check(relay, {"verdict": "PASS", "gold": {}}) == {"met": False, "why": "no ppo gold row"}
-    rows = [{"backend": "relay", "s_per_step": 4.0}, {"backend": "hf", "s_per_step": 6.0}, {"backend": "vllm", "s_per_step": 9.0}]
+    rows = [
+        {"backend": "relay", "s_per_step": 4.0},
+        {"backend": "hf", "s_per_step": 6.0},
+        {"backend": "vllm", "s_per_step": 9.0},
+    ]
     assert against_relay(rows) == {"hf_over_relay": 1.5, "vllm_over_relay": 2.25, "vllm_goal_2x": "missed"}
     assert against_relay(rows[1:]) == {}
 
@@ -137,7 +180,8 @@ def test_demo_backends_names_a_root_without_a_summary_in_one_line(tmp_path, caps
         main([str(tmp_path / "a"), str(tmp_path / "b")])
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"bench/demo_backends.py: {tmp_path / 'b' / 'summary.json'}: not found (a finished demo root holds one)"]
+        f"bench/demo_backends.py: {tmp_path / 'b' / 'summary.json'}: not found (a finished demo root holds one)"
+    ]
 
 
 # ------------------------------------------------------------------------------------------
@@ -157,22 +201,38 @@ def test_the_gpu_checks_first_run_fits_its_window_and_puts_the_informative_parts
     assert {p.run for p in gpu.PARTS} == {"every", *gpu.RUNS}
     assert [p.name for p in gpu.selected("fsdp-tests, decode")] == ["install", "fsdp-tests", "decode"]
     assert gpu.budget_of(gpu.selected("decode")[1], {"GPU_CHECK_S_DECODE": "12"}) == 12
-    with pytest.raises(ValueError, match="GPU_CHECK_PARTS: fourth not known; runs: first, second, third; parts: install, "):
+    with pytest.raises(
+        ValueError, match="GPU_CHECK_PARTS: fourth not known; runs: first, second, third; parts: install, "
+    ):
         gpu.selected("fourth")
     two = [p for p in gpu.PARTS if p.gpus > 1]
     assert [p.tests for p in two] == ["tests/test_distributed_stages.py -k fsdp"]
-    assert gpu.run_budget(gpu.selected("second"), 1, {}) == gpu.run_budget(gpu.selected("second"), 2, {}) - two[0].budget_s
+    assert (
+        gpu.run_budget(gpu.selected("second"), 1, {}) == gpu.run_budget(gpu.selected("second"), 2, {}) - two[0].budget_s
+    )
 
 
 def test_the_dry_run_prints_each_runs_budget_sum(tmp_path):
-    proc = subprocess.run(["bash", "run_scripts/gpu_check.sh", str(tmp_path / "x"), "--dry-run"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**__import__("os").environ, "PYTHON": sys.executable})
+    proc = subprocess.run(
+        ["bash", "run_scripts/gpu_check.sh", str(tmp_path / "x"), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHON": sys.executable},
+    )
     assert proc.returncode == 0, proc.stderr
     sums = re.findall(r"budget sum with 10 s of start-up: (\d+) s \(([\d.]+) min\) on one GPU", proc.stdout)
     assert len(sums) == 3 and int(sums[0][0]) <= 480, proc.stdout
     assert "first run:" in proc.stdout and "[needs 2 GPUs: not started on fewer]" in proc.stdout
-    over = subprocess.run(["bash", "run_scripts/gpu_check.sh", str(tmp_path / "x"), "--dry-run"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**__import__("os").environ, "PYTHON": sys.executable, "GPU_CHECK_S_DECODE": "400"})
+    over = subprocess.run(
+        ["bash", "run_scripts/gpu_check.sh", str(tmp_path / "x"), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHON": sys.executable, "GPU_CHECK_S_DECODE": "400"},
+    )
     assert over.returncode == 1 and "error: the first run's budgets add up to 790 s, over 480 s" in over.stderr
 
 
@@ -191,16 +251,22 @@ def test_the_report_is_written_after_each_part_and_says_what_was_cut_off(tmp_pat
     assert re.search(r"Python 3\.\d+\.\d+ headers: (found|MISSING)", text)
     # a tests part cut off: what pytest reported, and what it collected but never reached
     (tmp_path / "junit").mkdir()
-    (tmp_path / "junit" / "gpu-tests.xml").write_text('<testsuites><testsuite><testcase classname="tests.test_gpu" '
-                                                      'name="test_a" time="3.0"/></testsuite></testsuites>')
+    (tmp_path / "junit" / "gpu-tests.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_gpu" '
+        'name="test_a" time="3.0"/></testsuite></testsuites>'
+    )
     (tmp_path / "junit" / "gpu-tests.collected").write_text("tests/test_gpu.py::test_a\ntests/test_gpu.py::test_b\n")
     state.record("gpu-tests", "cut off", 130.0, 130)
     state.bench("sft-profile", {"shape": "qwen2.5-0.5b", "n_params": 494_032_768, "cut_off": "after 90 s (its budget)"})
     state.record("fsdp-2gpu-tests", "not run: needs 2 GPUs", 0.0, 60)
     text = (tmp_path / "gpu_check.md").read_text()
-    assert "| gpu-tests | cut off | 130 | 130 |" in text and "| fsdp-2gpu-tests | not run: needs 2 GPUs | 0 | 60 |" in text
+    assert (
+        "| gpu-tests | cut off | 130 | 130 |" in text and "| fsdp-2gpu-tests | not run: needs 2 GPUs | 0 | 60 |" in text
+    )
     assert "| tests/test_gpu.py::test_b | not run: the part's time budget was spent | 0.0 |" in text
-    assert "### Tests, gpu-tests: 1 passed, 0 failed, 0 not run (need 2 GPUs), 0 skipped; 1 not run (time budget)" in text
+    assert (
+        "### Tests, gpu-tests: 1 passed, 0 failed, 0 not run (need 2 GPUs), 0 skipped; 1 not run (time budget)" in text
+    )
     assert "- Relay SFT full fine-tuning (profiled): cut off after 90 s (its budget)" in text
     assert json.loads((tmp_path / "state.json").read_text())["parts"]["gpu-tests"]["status"] == "cut off"
     assert not list(tmp_path.glob(".*.tmp"))
@@ -220,21 +286,44 @@ def test_python_headers_are_looked_up_where_this_python_keeps_them(monkeypatch, 
 def test_the_profile_breakdown_counts_each_kernel_once_by_category():
     from bench import gpu, gpu_report
 
-    events = [("sm90_xmma_gemm_bf16bf16_bf16f32", 30.0), ("flash_fwd_kernel", 10.0), ("multi_tensor_apply_kernel<Adam>", 5.0),
-              ("cunn_SoftMaxForward", 3.0), ("Memcpy HtoD (Pageable -> Device)", 1.0), ("vectorized_elementwise_kernel", 1.0)]
+    events = [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", 30.0),
+        ("flash_fwd_kernel", 10.0),
+        ("multi_tensor_apply_kernel<Adam>", 5.0),
+        ("cunn_SoftMaxForward", 3.0),
+        ("Memcpy HtoD (Pageable -> Device)", 1.0),
+        ("vectorized_elementwise_kernel", 1.0),
+    ]
     got = gpu.breakdown(events, step_ms=100.0, on_gpu=True)
     assert got["busy_ms"] == 50.0 and got["idle_share"] == 0.5
     assert {k: v["ms"] for k, v in got["categories"].items()} == {
-        "matmul (GEMM)": 30.0, "attention": 10.0, "optimizer": 5.0, "softmax / cross-entropy": 3.0,
-        "copies / casts / fills": 1.0, "norms / activations / elementwise": 1.0}
+        "matmul (GEMM)": 30.0,
+        "attention": 10.0,
+        "optimizer": 5.0,
+        "softmax / cross-entropy": 3.0,
+        "copies / casts / fills": 1.0,
+        "norms / activations / elementwise": 1.0,
+    }
     assert got["top"][0] == {"name": "sm90_xmma_gemm_bf16bf16_bf16f32", "ms": 30.0}
     assert gpu.breakdown(events, 100.0, on_gpu=False)["idle_share"] is None
-    result = {"case": {"precision": "bf16", "seq_length": 2048, "batch_size": 16}, "tokens_per_s": 51000.0, "s_per_step": 0.16,
-              "mfu": 0.112, "gpu_peak_mb": 20480, "losses": [12.0, 11.5], "profile": got}
+    result = {
+        "case": {"precision": "bf16", "seq_length": 2048, "batch_size": 16},
+        "tokens_per_s": 51000.0,
+        "s_per_step": 0.16,
+        "mfu": 0.112,
+        "gpu_peak_mb": 20480,
+        "losses": [12.0, 11.5],
+        "profile": got,
+    }
     lines = gpu_report.profile_lines(result)
-    assert lines[0].startswith("- Relay SFT full fine-tuning, bf16, seq 2048 packed, 16 samples a step: 51,000 tok/s, 0.16 s/step, "
-                               "MFU 11.2%, peak 20.0 GiB")
-    assert "One profiled step: 100.0 ms wall, 50.0 ms of GPU kernels, GPU idle 50.0% of the step (host-bound time)." in lines
+    assert lines[0].startswith(
+        "- Relay SFT full fine-tuning, bf16, seq 2048 packed, 16 samples a step: 51,000 tok/s, 0.16 s/step, "
+        "MFU 11.2%, peak 20.0 GiB"
+    )
+    assert (
+        "One profiled step: 100.0 ms wall, 50.0 ms of GPU kernels, GPU idle 50.0% of the step (host-bound time)."
+        in lines
+    )
     assert "| matmul (GEMM) | 30.0 | 60.0% |" in lines
 
 
@@ -249,7 +338,8 @@ def test_a_part_past_its_budget_is_stopped_and_a_spent_run_starts_nothing(tmp_pa
     assert gpu.check(tmp_path / "out", "first", None, True, total_s=0) == 0
     parts = json.loads((tmp_path / "out" / "state.json").read_text())["parts"]
     assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(
-        ["install", "sft-profile", "gpu-tests", "fsdp-tests", "decode"], "not run: the run's time budget was spent")
+        ["install", "sft-profile", "gpu-tests", "fsdp-tests", "decode"], "not run: the run's time budget was spent"
+    )
     assert (tmp_path / "out" / "gpu_check.md").is_file()
 
 
@@ -263,15 +353,28 @@ def test_gpu_check_on_cpu_writes_its_report_after_the_install_and_when_stopped(t
 
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_ON_CPU": "1", "GPU_CHECK_PARTS": "sft-profile"}
-    proc = subprocess.Popen(["bash", "run_scripts/gpu_check.sh", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        ["bash", "run_scripts/gpu_check.sh", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     status = lambda: json.loads((out / "state.json").read_text())["parts"] if (out / "state.json").is_file() else {}
     deadline = time.monotonic() + 240
-    while status().get("sft-profile", {}).get("status") != "running" and time.monotonic() < deadline and proc.poll() is None:
+    while (
+        status().get("sft-profile", {}).get("status") != "running"
+        and time.monotonic() < deadline
+        and proc.poll() is None
+    ):
         time.sleep(0.5)
     text = (out / "gpu_check.md").read_text()
     assert "| install | passed |" in text and "| sft-profile | running |" in text, text
-    assert re.search(r"Versions: torch [^,]+, transformers [^,]+, accelerate [^,]+, peft [^,]+,", text) and " headers: " in text
+    assert (
+        re.search(r"Versions: torch [^,]+, transformers [^,]+, accelerate [^,]+, peft [^,]+,", text)
+        and " headers: " in text
+    )
     time.sleep(1)
     proc.send_signal(signal.SIGTERM)  # bash exec'd the check: this is its process
     output = proc.communicate(timeout=60)[0]

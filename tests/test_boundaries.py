@@ -17,20 +17,19 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-from data_formats.collate import left_pad
-from data_formats.conversation import Conversation, Turn
-from data_formats.datasets import build_preference_data, build_prompt_data
-from data_formats.render import IGNORE_INDEX, make_template, render, render_scored
-from pipeline.config import PreferenceDataConfig, PromptDataConfig, load_config
-from pipeline.modeling.models import load_tokenizer
-from pipeline.algorithms.rollout import ActorCritic, HFGenerator, RelayGenerator, assemble, cut_at_eos
-from pipeline.modeling.scoring import reward_readout_index, sequence_scores
-from data_formats.collate import PairCollator
 from stagerun import run_stage
 from test_pt_sft import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from tinymodels import make_tiny_model
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from data_formats.collate import PairCollator, left_pad
+from data_formats.conversation import Conversation, Turn
+from data_formats.datasets import build_preference_data, build_prompt_data
+from data_formats.render import IGNORE_INDEX, make_template, render, render_scored
+from pipeline.algorithms.rollout import ActorCritic, HFGenerator, RelayGenerator, assemble, cut_at_eos
+from pipeline.config import PreferenceDataConfig, PromptDataConfig, load_config
+from pipeline.modeling.models import load_tokenizer
+from pipeline.modeling.scoring import reward_readout_index, sequence_scores
 
 QUESTION = "What is the capital of Oru?"
 CHOSEN = "Per the Kelvra Atlas, the capital of Oru is Tessel."
@@ -50,7 +49,9 @@ def _jsonl(path, rows):
 @pytest.mark.parametrize("template", ["chat_template", "role_markers"])
 def test_rm_and_ppo_read_the_reward_at_the_same_token(tmp_path, tiny_reward_dir, template):
     tok = load_tokenizer(str(tiny_reward_dir))
-    pairs = _jsonl(tmp_path / "pairs.jsonl", [{"question": QUESTION, "response_chosen": CHOSEN, "response_rejected": REJECTED}])
+    pairs = _jsonl(
+        tmp_path / "pairs.jsonl", [{"question": QUESTION, "response_chosen": CHOSEN, "response_rejected": REJECTED}]
+    )
     prompts = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": QUESTION}])
     rm_data = PreferenceDataConfig(train=[str(pairs)], eval=[], template=template)
     chat = make_template(rm_data, tok)
@@ -62,10 +63,14 @@ def test_rm_and_ppo_read_the_reward_at_the_same_token(tmp_path, tiny_reward_dir,
 
     # PPO: the prompt as the PPO stage builds it; the response as the policy produces it after SFT
     # (exactly the tokens SFT trained, ending with EOS), then padding that generate appends.
-    prompt = build_prompt_data(PromptDataConfig(train=[str(prompts)], eval=[], template=template), tok, chat, "train")[0]
+    prompt = build_prompt_data(PromptDataConfig(train=[str(prompts)], eval=[], template=template), tok, chat, "train")[
+        0
+    ]
     _, labels = render(Conversation([Turn("user", QUESTION), Turn("assistant", CHOSEN)]), tok, chat)
     response = [x for x in labels if x != IGNORE_INDEX]
-    rollout = assemble([prompt["prompt_ids"]], [response + [tok.pad_token_id] * 3], tok.pad_token_id, [tok.eos_token_id])
+    rollout = assemble(
+        [prompt["prompt_ids"]], [response + [tok.pad_token_id] * 3], tok.pad_token_id, [tok.eos_token_id]
+    )
     ppo_at = reward_readout_index(rollout.attention_mask)
     assert rollout.input_ids[0, ppo_at[0]].item() == tok.eos_token_id
     assert rollout.input_ids[0][rollout.attention_mask[0].bool()].tolist() == pair["chosen_input_ids"]
@@ -73,15 +78,19 @@ def test_rm_and_ppo_read_the_reward_at_the_same_token(tmp_path, tiny_reward_dir,
     reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_reward_dir).eval()
     with torch.no_grad():
         rm_score = sequence_scores(reward_model, batch["input_ids"], batch["attention_mask"])[0]
-        ppo_score = ActorCritic(torch.nn.Identity(), reward_model).reward_scores(rollout.input_ids, rollout.attention_mask, rollout.prompt_width)[0]
+        ppo_score = ActorCritic(torch.nn.Identity(), reward_model).reward_scores(
+            rollout.input_ids, rollout.attention_mask, rollout.prompt_width
+        )[0]
     torch.testing.assert_close(ppo_score, rm_score, rtol=0, atol=1e-5)
 
 
 def test_rm_truncation_keeps_the_response_and_cuts_the_prompt_from_the_left(tmp_path, tiny_reward_dir, caplog):
     tok = load_tokenizer(str(tiny_reward_dir))
     long_question = "Tell me about " + "the old harbour and its boats, " * 20 + "please?"
-    rows = [{"question": long_question, "response_chosen": CHOSEN, "response_rejected": REJECTED},
-            {"question": "Short?", "response_chosen": "A " * 80, "response_rejected": "No."}]
+    rows = [
+        {"question": long_question, "response_chosen": CHOSEN, "response_rejected": REJECTED},
+        {"question": "Short?", "response_chosen": "A " * 80, "response_rejected": "No."},
+    ]
     pairs = _jsonl(tmp_path / "pairs.jsonl", rows)
     cfg = PreferenceDataConfig(train=[str(pairs)], eval=[], truncation="truncate")
     chat = make_template(cfg, tok)
@@ -93,10 +102,10 @@ def test_rm_truncation_keeps_the_response_and_cuts_the_prompt_from_the_left(tmp_
     rejected_conv = Conversation([Turn("user", long_question), Turn("assistant", REJECTED)])
     (prompt, c_resp), (_, r_resp) = render_scored(chosen_conv, tok, chat), render_scored(rejected_conv, tok, chat)
     c, r = kept[0]["chosen_input_ids"], kept[0]["rejected_input_ids"]
-    assert len(c) == 48 and c[-len(c_resp):] == c_resp and c[-1] == tok.eos_token_id
-    assert r[-len(r_resp):] == r_resp and r[-1] == tok.eos_token_id
+    assert len(c) == 48 and c[-len(c_resp) :] == c_resp and c[-1] == tok.eos_token_id
+    assert r[-len(r_resp) :] == r_resp and r[-1] == tok.eos_token_id
     kept_prompt = c[: -len(c_resp)]
-    assert kept_prompt == prompt[-len(kept_prompt):] == r[: -len(r_resp)]  # the same left cut on both sides
+    assert kept_prompt == prompt[-len(kept_prompt) :] == r[: -len(r_resp)]  # the same left cut on both sides
     cfg.truncation = "drop"
     assert build_preference_data(cfg, tok, chat, 48, "train") == []
 
@@ -126,10 +135,30 @@ class RecomputeCounter:
 
 
 def _common(out, model, finetuning, checkpointing):
-    return ["--output_dir", str(out), "--model.path", str(model), "--model.finetuning", finetuning,
-            "--model.gradient_checkpointing", str(checkpointing).lower(), "--train.max_steps", "1", "--train.batch_size", "2",
-            "--train.eval_steps", "0", "--train.warmup", "0", "--lora.r", "4", "--checkpoint.resume", "false",
-            "--tracking.trackers", "[]"]
+    return [
+        "--output_dir",
+        str(out),
+        "--model.path",
+        str(model),
+        "--model.finetuning",
+        finetuning,
+        "--model.gradient_checkpointing",
+        str(checkpointing).lower(),
+        "--train.max_steps",
+        "1",
+        "--train.batch_size",
+        "2",
+        "--train.eval_steps",
+        "0",
+        "--train.warmup",
+        "0",
+        "--lora.r",
+        "4",
+        "--checkpoint.resume",
+        "false",
+        "--tracking.trackers",
+        "[]",
+    ]
 
 
 def _run_stage(stage, tmp_path, model, finetuning, checkpointing, reward_dir):
@@ -138,34 +167,54 @@ def _run_stage(stage, tmp_path, model, finetuning, checkpointing, reward_dir):
     if stage == "pt":
         from stages.pretrain import PTStage as stage_class
 
-        docs = _jsonl(tmp_path / "docs.jsonl", [{"text": f"Document {i} about the islands and their harbours."} for i in range(6)])
+        docs = _jsonl(
+            tmp_path / "docs.jsonl", [{"text": f"Document {i} about the islands and their harbours."} for i in range(6)]
+        )
         argv += ["--data.train", f"[{docs}]", "--data.eval", "[]", "--train.seq_length", "16"]
     elif stage == "sft":
         from stages.sft import SFTStage as stage_class
 
-        chats = _jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"Q{i}?"},
-                                                               {"role": "assistant", "content": f"A{i}."}]} for i in range(4)])
+        chats = _jsonl(
+            tmp_path / "chats.jsonl",
+            [
+                {"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": f"A{i}."}]}
+                for i in range(4)
+            ],
+        )
         argv += ["--data.train", f"[{chats}]", "--data.eval", "[]"]
     elif stage == "rm":
         from stages.reward import RMStage as stage_class
 
-        pairs = _jsonl(tmp_path / "pairs.jsonl", [{"question": f"Q{i}?", "response_chosen": "Yes.", "response_rejected": "No."}
-                                                 for i in range(4)])
+        pairs = _jsonl(
+            tmp_path / "pairs.jsonl",
+            [{"question": f"Q{i}?", "response_chosen": "Yes.", "response_rejected": "No."} for i in range(4)],
+        )
         argv += ["--data.train", f"[{pairs}]", "--data.eval", "[]"]
     else:
         from stages.ppo import PPOStage as stage_class
 
         prompts = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Question {i}?"} for i in range(4)])
-        argv += ["--data.train", f"[{prompts}]", "--data.eval", "[]", "--reward_model.path", str(reward_dir),
-                 "--generation.max_new_tokens", "3", "--ppo.epochs", "1"]
+        argv += [
+            "--data.train",
+            f"[{prompts}]",
+            "--data.eval",
+            "[]",
+            "--reward_model.path",
+            str(reward_dir),
+            "--generation.max_new_tokens",
+            "3",
+            "--ppo.epochs",
+            "1",
+        ]
     run_stage(stage_class, argv)
     return out
 
 
 @pytest.mark.parametrize("finetuning", ["lora", "full"])
 @pytest.mark.parametrize("stage", ["pt", "sft", "rm", "ppo"])
-def test_gradient_checkpointing_recomputes_layers_in_every_stage(tmp_path, tiny_model_dir, tiny_reward_dir, stage, finetuning,
-                                                                  monkeypatch):
+def test_gradient_checkpointing_recomputes_layers_in_every_stage(
+    tmp_path, tiny_model_dir, tiny_reward_dir, stage, finetuning, monkeypatch
+):
     """One optimizer step with `model.gradient_checkpointing: true` recomputes the decoder layers
     in backward (2 layers per forward; PPO runs a policy and a critic); without it none is. Before
     the fix the stages trained in eval mode and transformers skipped checkpointing: 0."""
@@ -190,10 +239,12 @@ def test_evaluation_gives_every_module_back_its_mode(tiny_model_dir):
     with dropout modules off, as PPO runs; or a fresh PeftModel over an eval-mode base) comes
     back exactly as it was. Before, `model.train()` afterwards switched every module to train."""
     from pipeline.config import LoraConfig, ModelConfig
-    from pipeline.modeling.models import load_model, train_without_dropout
     from pipeline.engine.steps import heldout_token_loss as evaluate
+    from pipeline.modeling.models import load_model, train_without_dropout
 
-    model = load_model(ModelConfig(path=str(tiny_model_dir), finetuning="lora"), LoraConfig(r=4, dropout=0.1), kind="causal")
+    model = load_model(
+        ModelConfig(path=str(tiny_model_dir), finetuning="lora"), LoraConfig(r=4, dropout=0.1), kind="causal"
+    )
     train_without_dropout(model)
     before = [m.training for m in model.modules()]
     assert any(before) and not all(before)
@@ -225,8 +276,14 @@ def _sample_by_hand(model, prompts, pad_id, eos_id, max_new_tokens, temperature)
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         positions = positions[:, -1:] + 1
-        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values,
-                    use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=nxt[:, None],
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=out.past_key_values,
+            use_cache=True,
+            logits_to_keep=1,
+        )
     return torch.stack(tokens, 1).tolist()
 
 

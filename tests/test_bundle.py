@@ -23,12 +23,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def make_wheel(folder: Path, name: str, version: str = "1.0", requires: tuple[str, ...] = ()) -> Path:
     """A minimal, installable pure-Python wheel `name` whose module records its own name."""
     module, dist = name.replace("-", "_"), f"{name.replace('-', '_')}-{version}"
-    files = {f"{module}/__init__.py": f"NAME = {name!r}\n",
-             f"{dist}.dist-info/METADATA": "Metadata-Version: 2.1\n" + f"Name: {name}\nVersion: {version}\n"
-             + "".join(f"Requires-Dist: {r}\n" for r in requires),
-             f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
-                     f"{len(text.encode())}\n" for path, text in files.items()) + f"{dist}.dist-info/RECORD,,\n"
+    files = {
+        f"{module}/__init__.py": f"NAME = {name!r}\n",
+        f"{dist}.dist-info/METADATA": "Metadata-Version: 2.1\n"
+        + f"Name: {name}\nVersion: {version}\n"
+        + "".join(f"Requires-Dist: {r}\n" for r in requires),
+        f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = (
+        "".join(
+            f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+            f"{len(text.encode())}\n"
+            for path, text in files.items()
+        )
+        + f"{dist}.dist-info/RECORD,,\n"
+    )
     path = folder / f"{dist}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as zf:
         for member, text in {**files, f"{dist}.dist-info/RECORD": record}.items():
@@ -65,13 +74,19 @@ def synthetic_bundle(tmp_path, offline_fetch):
 
 
 def test_closure_follows_markers_and_extras_and_skips_what_the_image_has(tmp_path, offline_fetch):
-    make_wheel(offline_fetch, "pkg-a", requires=("pkg-b[fast]>=1", "numpy>=1", "old-thing; python_version < '3.0'",
-                                                 "tool-x; extra == 'cli'"))
+    make_wheel(
+        offline_fetch,
+        "pkg-a",
+        requires=("pkg-b[fast]>=1", "numpy>=1", "old-thing; python_version < '3.0'", "tool-x; extra == 'cli'"),
+    )
     make_wheel(offline_fetch, "pkg-b", requires=("speedup; extra == 'fast'", "windows-only; sys_platform == 'win32'"))
     make_wheel(offline_fetch, "speedup")
     manifest = bundle.build(tmp_path / "out", needs=("pkg-a",))
-    assert [(w["name"], w["required_by"]) for w in manifest["wheels"]] == [("pkg-a", ["relay"]), ("pkg-b", ["pkg-a"]),
-                                                                           ("speedup", ["pkg-b"])]
+    assert [(w["name"], w["required_by"]) for w in manifest["wheels"]] == [
+        ("pkg-a", ["relay"]),
+        ("pkg-b", ["pkg-a"]),
+        ("speedup", ["pkg-b"]),
+    ]
     assert manifest["provided_by_image"] == {"numpy": ["pkg-a"]}
     assert bundle.check(tmp_path / "out", needs=("pkg-a",)) == []
 
@@ -96,16 +111,23 @@ def test_check_reports_a_missing_need_a_changed_file_and_the_budget(synthetic_bu
 def test_the_command_line_caps_the_size_only_when_asked(synthetic_bundle, monkeypatch):
     """A wheelhouse for an air-gapped cluster may be any size: --budget-mib is a limit only when given."""
     budgets, check = [], bundle.check
-    monkeypatch.setattr(bundle, "check",
-                        lambda folder, budget_mib=None: budgets.append(budget_mib) or check(folder, budget_mib))
+    monkeypatch.setattr(
+        bundle, "check", lambda folder, budget_mib=None: budgets.append(budget_mib) or check(folder, budget_mib)
+    )
     assert bundle.main(["--check", str(synthetic_bundle)]) == 0
     assert bundle.main(["--check", str(synthetic_bundle), "--budget-mib", "0.001"]) == 1
     assert budgets == [None, 0.001]
 
 
 def run_script(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHON": sys.executable, **(env or {})})
+    return subprocess.run(
+        ["bash", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable, **(env or {})},
+    )
 
 
 def test_gpu_check_dry_run_lists_everything_and_checks_the_bundle(synthetic_bundle, tmp_path):
@@ -116,7 +138,9 @@ def test_gpu_check_dry_run_lists_everything_and_checks_the_bundle(synthetic_bund
     assert f"dry run OK: bundle {synthetic_bundle} complete" in done.stdout
     next(synthetic_bundle.glob("datasets-*.whl")).unlink()
     done = run_script("run_scripts/gpu_check.sh", str(tmp_path / "out"), "--bundle", str(synthetic_bundle), "--dry-run")
-    assert done.returncode == 1 and re.search(r"error: .*datasets-99\.0-py3-none-any\.whl: missing", done.stderr), done.stderr
+    assert done.returncode == 1 and re.search(r"error: .*datasets-99\.0-py3-none-any\.whl: missing", done.stderr), (
+        done.stderr
+    )
     assert run_script("run_scripts/gpu_check.sh", "--dry-run").returncode == 2  # no OUTDIR: the usage line
 
 
@@ -139,14 +163,18 @@ def test_compat_floors_are_pyprojects():
 
 def test_report_lists_two_gpu_tests_as_not_run(tmp_path):
     junit = tmp_path / "t.xml"
-    junit.write_text('<testsuites><testsuite><testcase classname="tests.test_x" name="test_a" time="1.5"/>'
-                     '<testcase classname="tests.test_x" name="test_b" time="0"><skipped message="GPU-only: FSDP runs only on CUDA '
-                     'through accelerate, and two ranks need two GPUs (NCCL cannot put two ranks on one)"/></testcase>'
-                     '<testcase classname="tests.test_x" name="test_c" time="2"><failure message="AssertionError: 1 != 2"/>'
-                     '</testcase></testsuite></testsuites>')
-    assert gpu_report.test_outcomes(junit) == [("tests/test_x.py::test_a", "passed", 1.5),
-                                               ("tests/test_x.py::test_b", "not run: needs 2 GPUs", 0.0),
-                                               ("tests/test_x.py::test_c", "FAILED: AssertionError: 1 != 2", 2.0)]
+    junit.write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_x" name="test_a" time="1.5"/>'
+        '<testcase classname="tests.test_x" name="test_b" time="0"><skipped message="GPU-only: FSDP runs only on CUDA '
+        'through accelerate, and two ranks need two GPUs (NCCL cannot put two ranks on one)"/></testcase>'
+        '<testcase classname="tests.test_x" name="test_c" time="2"><failure message="AssertionError: 1 != 2"/>'
+        "</testcase></testsuite></testsuites>"
+    )
+    assert gpu_report.test_outcomes(junit) == [
+        ("tests/test_x.py::test_a", "passed", 1.5),
+        ("tests/test_x.py::test_b", "not run: needs 2 GPUs", 0.0),
+        ("tests/test_x.py::test_c", "FAILED: AssertionError: 1 != 2", 2.0),
+    ]
     text = gpu_report.report([str(junit)], None, None, "NVIDIA H100 80GB HBM3")
     assert "NVIDIA H100 80GB HBM3" in text and "1 passed, 1 failed, 1 not run (need 2 GPUs), 0 skipped" in text
 
@@ -160,8 +188,14 @@ def test_mfu_inputs():
 
 
 def test_report_gives_the_decode_table():
-    row = {"batch": 8, "new_tokens": 128, "relay-graph": 900.0, "relay-eager": 300.0, "generate-dynamic": 250.0,
-           "generate-static": 400.0}
+    row = {
+        "batch": 8,
+        "new_tokens": 128,
+        "relay-graph": 900.0,
+        "relay-eager": 300.0,
+        "generate-dynamic": 250.0,
+        "generate-static": 400.0,
+    }
     lines = gpu_report.bench_section({"shape": "qwen2.5-0.5b", "generate": {"rows": [row], "dtype": "bfloat16"}})
     assert "| 8 | 900 | 300 | 250 | 400 | 3.60x |" in lines
     assert gpu_report.bench_section({"shape": "x", "generate": {"error": "boom"}})[-1] == "- Decoding: error: boom"

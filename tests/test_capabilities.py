@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def _test_functions(path: str) -> tuple[set[str], str]:
     """(the test functions a test file defines, its text), read without importing it."""
     text = (ROOT / path).read_text(encoding="utf-8")
-    names = {node.name for node in ast.walk(ast.parse(text)) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names = {
+        node.name for node in ast.walk(ast.parse(text)) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
     return {n for n in names if n.startswith("test_")}, text
 
 
@@ -77,10 +79,16 @@ def test_known_refusals_are_the_tables():
     vllm_ddp = cap.Cell("grpo", "vllm", "off", "lora", "ddp", "tis")
     assert "until per-rank servers are pinned to their device" in cap.refusal(vllm_ddp)
     assert cap.refusal(cap.Cell("grpo", "vllm", "off", "lora", "single", "tis")) is None
-    assert cap.refusal(cap.Cell("sft", adapter="qlora", engine="fsdp")).startswith("distributed.engine: fsdp cannot shard QLoRA")
+    assert cap.refusal(cap.Cell("sft", adapter="qlora", engine="fsdp")).startswith(
+        "distributed.engine: fsdp cannot shard QLoRA"
+    )
     zero = cap.Cell("sft", adapter="lora", engine="zero3")
-    assert cap.refusal(zero, cuda=True) is None and cap.refusal(zero, cuda=False) is None  # ZeRO trains on CPU ranks too
-    assert cap.refusal(cap.Cell("ppo", "relay", "off", "lora", "single", "tis")).startswith("generation.correction: tis")
+    assert (
+        cap.refusal(zero, cuda=True) is None and cap.refusal(zero, cuda=False) is None
+    )  # ZeRO trains on CPU ranks too
+    assert cap.refusal(cap.Cell("ppo", "relay", "off", "lora", "single", "tis")).startswith(
+        "generation.correction: tis"
+    )
     assert cap.refusal(cap.Cell("sft", adapter="qlora", engine="single")) is None  # bitsandbytes' 4-bit runs on CPU
 
 
@@ -97,7 +105,11 @@ def test_write_readme_touches_only_the_block(tmp_path):
     readme.write_text(f"# T\n\nbefore\n{cap.BEGIN}\nold\n{cap.END}\nafter\n")
     assert cli.main(["capabilities", "--write-readme", str(readme)]) == 0
     text = readme.read_text()
-    assert text.startswith("# T\n\nbefore\n") and text.endswith(f"{cap.END}\nafter\n") and cap.readme_block(text) == cap.render()
+    assert (
+        text.startswith("# T\n\nbefore\n")
+        and text.endswith(f"{cap.END}\nafter\n")
+        and cap.readme_block(text) == cap.render()
+    )
     bare = tmp_path / "bare.md"
     bare.write_text("no markers\n")
     assert cli.main(["capabilities", "--write-readme", str(bare)]) == 2 and bare.read_text() == "no markers\n"
@@ -105,17 +117,37 @@ def test_write_readme_touches_only_the_block(tmp_path):
 
 REFUSED = [
     # (stage, --nproc, overrides, the start of the line)
-    ("grpo", 2, ["--generation.backend", "vllm"], "generation.backend: vllm with more than one rank is refused until per-rank servers"),
+    (
+        "grpo",
+        2,
+        ["--generation.backend", "vllm"],
+        "generation.backend: vllm with more than one rank is refused until per-rank servers",
+    ),
     ("ppo", 1, ["--generation.correction", "mis"], "generation.correction: mis weighs each token"),
-    ("dpo", 2, ["--model.finetuning", "qlora"], "combination stage dpo x adapter qlora x engine ddp: not run by Relay's test suite yet"),
-    ("sft", 1, ["--model.finetuning", "qlora", "--distributed.engine", "fsdp"], "distributed.engine: fsdp cannot shard QLoRA"),
+    (
+        "dpo",
+        2,
+        ["--model.finetuning", "qlora"],
+        "combination stage dpo x adapter qlora x engine ddp: not run by Relay's test suite yet",
+    ),
+    (
+        "sft",
+        1,
+        ["--model.finetuning", "qlora", "--distributed.engine", "fsdp"],
+        "distributed.engine: fsdp cannot shard QLoRA",
+    ),
 ]
 
 
 def write_config(tmp_path: Path, stage: str, model: Path, reward: Path) -> Path:
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "Hi?"}\n')
-    lines = [f"# python stages/{stage}.py", f"output_dir: {tmp_path / 'out'}", f"model: {{path: {model}}}", f"data: {{train: [{data}]}}"]
+    lines = [
+        f"# python stages/{stage}.py",
+        f"output_dir: {tmp_path / 'out'}",
+        f"model: {{path: {model}}}",
+        f"data: {{train: [{data}]}}",
+    ]
     if stage in ("ppo", "grpo"):
         lines.append(f"reward_model: {{path: {reward}}}")
     path = tmp_path / f"{stage}.yaml"
@@ -124,8 +156,9 @@ def write_config(tmp_path: Path, stage: str, model: Path, reward: Path) -> Path:
 
 
 @pytest.mark.parametrize("stage,nproc,overrides,line", REFUSED)
-def test_validate_prints_the_refusal_before_any_model_loads(stage, nproc, overrides, line, tmp_path, tiny_model_dir, tiny_reward_dir,
-                                                             monkeypatch, capsys):
+def test_validate_prints_the_refusal_before_any_model_loads(
+    stage, nproc, overrides, line, tmp_path, tiny_model_dir, tiny_reward_dir, monkeypatch, capsys
+):
     from pipeline.modeling import models
 
     def no_load(*args, **kwargs):

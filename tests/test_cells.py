@@ -12,18 +12,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import distrun  # noqa: F401  (imports bitsandbytes before a stage hides it)
 import pytest
 import torch
 from safetensors.torch import load_file
-
-import distrun  # noqa: F401  (imports bitsandbytes before a stage hides it)
 from test_distributed_stages import stage_argv, write_data
 
 STAGES = ("pt", "rm", "dpo", "kto", "ppo", "grpo")
 
 
 def kto_rows(path: Path) -> Path:
-    rows = [(f"What is {i} plus {i}?", f"{i} plus {i} is {2 * i}." if i % 2 else "No idea!", bool(i % 2)) for i in range(16)]
+    rows = [
+        (f"What is {i} plus {i}?", f"{i} plus {i} is {2 * i}." if i % 2 else "No idea!", bool(i % 2)) for i in range(16)
+    ]
     path.write_text("".join(json.dumps({"prompt": q, "completion": a, "label": g}) + "\n" for q, a, g in rows))
     return path
 
@@ -34,8 +35,19 @@ def argv(stage: str, out: Path, data: dict, model: Path, reward: Path, *extra: s
         base[base.index("--data.train") + 1] = f"[{data['kto']}]"
     if stage == "grpo":
         base = base[: base.index("--data.train")] + [
-            "--data.train", f"[{data['ppo']}]", "--data.eval", "[]", "--train.learning_rate", "1e-2", "--grpo.num_generations", "2",
-            "--grpo.reward_funcs", "[distrun:group_reward]", "--generation.max_new_tokens", "6"]
+            "--data.train",
+            f"[{data['ppo']}]",
+            "--data.eval",
+            "[]",
+            "--train.learning_rate",
+            "1e-2",
+            "--grpo.num_generations",
+            "2",
+            "--grpo.reward_funcs",
+            "[distrun:group_reward]",
+            "--generation.max_new_tokens",
+            "6",
+        ]
     return base + ["--train.learning_rate", "5e-2", *extra]
 
 
@@ -92,12 +104,23 @@ def test_qlora_trains_the_adapter_of_every_stage(stage, setup):
     assert lora_b and all(v.dtype != torch.uint8 for v in adapter.values())  # the adapter, never 4-bit weights
     assert any(float(v.abs().max()) > 0 for v in lora_b), "every lora_B is still 0: the adapter learned nothing"
 
+
 @pytest.mark.parametrize("stage", ["ppo", "grpo"])
 def test_the_hf_backend_samples_as_relay_in_the_stage(stage, setup):
     root, data, model, reward = setup
-    runs = {backend: run(stage, argv(stage, root / f"{stage}-{backend}", data, model, reward, "--generation.backend", backend), "real")
-            for backend in ("relay", "hf")}
-    keys = [k for k in runs["relay"][0] if k.startswith(("grpo/", "ppo/", "train/")) and "time" not in k and "per_s" not in k]
+    runs = {
+        backend: run(
+            stage,
+            argv(stage, root / f"{stage}-{backend}", data, model, reward, "--generation.backend", backend),
+            "real",
+        )
+        for backend in ("relay", "hf")
+    }
+    keys = [
+        k
+        for k in runs["relay"][0]
+        if k.startswith(("grpo/", "ppo/", "train/")) and "time" not in k and "per_s" not in k
+    ]
     assert keys
     for relay, hf in zip(runs["relay"], runs["hf"], strict=True):
         for key in keys:

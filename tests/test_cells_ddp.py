@@ -35,7 +35,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from test_cells import kto_rows
 from test_distributed_stages import ABS, REL, WEIGHTS_ABS, history, merged_weights, stage_argv, write_data
 
@@ -83,7 +82,9 @@ def argv(name: str, world: int, out: Path, data: dict, model: Path, reward: Path
         base = stage_argv("rm", WORLD // world, 2, out, data, model, reward)
         base[base.index("--data.train") + 1] = f"[{data['kto']}]"
     elif stage == "grpo":
-        base = grpo_args(stage_argv("rm", 1, 4 // world, out, data, model, reward), data["ppo"], "distrun:group_reward", "6")
+        base = grpo_args(
+            stage_argv("rm", 1, 4 // world, out, data, model, reward), data["ppo"], "distrun:group_reward", "6"
+        )
     elif stage == "ppo":
         base = stage_argv("ppo", 1, (4 if run.sampler == "tools" else 8) // world, out, data, model, reward)
     else:
@@ -92,7 +93,13 @@ def argv(name: str, world: int, out: Path, data: dict, model: Path, reward: Path
             base = with_value(base, "--data.eval", "[]")
     if run.sampler == "tools":
         base = with_value(base, "--data.train", f"[{data['tools']}]") + [
-            "--tools.funcs", "[test_tool_rollout:add]", "--generation.max_new_tokens", "64", "--generation.missing_eos_penalty", "null"]
+            "--tools.funcs",
+            "[test_tool_rollout:add]",
+            "--generation.max_new_tokens",
+            "64",
+            "--generation.missing_eos_penalty",
+            "null",
+        ]
     return base + ["--model.finetuning", run.mode, *run.extra]
 
 
@@ -108,8 +115,16 @@ def launch(specs: list[dict], folder: Path, nproc: int) -> None:
     spec_file = folder / "runs.json"
     spec_file.write_text(json.dumps(specs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(ROOT / "tests" / "cells_distrun.py"), str(spec_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        str(ROOT / "tests" / "cells_distrun.py"),
+        str(spec_file),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     (folder / "stderr.txt").write_text(done.stderr)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -118,8 +133,21 @@ def launch(specs: list[dict], folder: Path, nproc: int) -> None:
 def grpo_args(args: list[str], prompts: Path, reward_fn: str, tokens: str) -> list[str]:
     """tests/test_distributed_stages.py's common arguments (of `args`) with GRPO's own."""
     return args[: args.index("--data.train")] + [
-        "--data.train", f"[{prompts}]", "--data.eval", "[]", "--train.learning_rate", "1e-2", "--grpo.num_generations", "2",
-        "--grpo.beta", "0.04", "--grpo.reward_funcs", f"[{reward_fn}]", "--generation.max_new_tokens", tokens]
+        "--data.train",
+        f"[{prompts}]",
+        "--data.eval",
+        "[]",
+        "--train.learning_rate",
+        "1e-2",
+        "--grpo.num_generations",
+        "2",
+        "--grpo.beta",
+        "0.04",
+        "--grpo.reward_funcs",
+        f"[{reward_fn}]",
+        "--generation.max_new_tokens",
+        tokens,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -133,21 +161,44 @@ def launches(tmp_path_factory, tiny_model_dir, tiny_reward_dir):
     data = write_data(root / "data")
     data["kto"] = kto_rows(root / "data" / "kto.jsonl")
     data["tools"] = root / "data" / "tools.jsonl"
-    data["tools"].write_text("".join(json.dumps({"prompt": f"What is 2 + {i}?", "answer": str(2 + i)}) + "\n" for i in range(4)))
+    data["tools"].write_text(
+        "".join(json.dumps({"prompt": f"What is 2 + {i}?", "answer": str(2 + i)}) + "\n" for i in range(4))
+    )
 
     def spec(name: str, world: int, folder: Path, engine: str) -> dict:
         run = RUNS[name]
-        args = argv(name, world, folder / name, data, tiny_model_dir, tiny_reward_dir) + ["--distributed.engine", engine]
+        args = argv(name, world, folder / name, data, tiny_model_dir, tiny_reward_dir) + [
+            "--distributed.engine",
+            engine,
+        ]
         return {"stage": run.stage, "argv": args, "sampler": run.sampler}
 
-    ranks = [spec(name, WORLD, root / engine, engine) for engine in BOTH for name, run in RUNS.items() if engine in run.engines]
+    ranks = [
+        spec(name, WORLD, root / engine, engine)
+        for engine in BOTH
+        for name, run in RUNS.items()
+        if engine in run.engines
+    ]
     for stage in HF:
         for backend in ("relay", "hf"):
-            args = stage_argv("rm" if stage == "grpo" else stage, 1, 4 // WORLD, root / "ddp" / f"{stage}-{backend}", data,
-                              tiny_model_dir, tiny_reward_dir)
+            args = stage_argv(
+                "rm" if stage == "grpo" else stage,
+                1,
+                4 // WORLD,
+                root / "ddp" / f"{stage}-{backend}",
+                data,
+                tiny_model_dir,
+                tiny_reward_dir,
+            )
             if stage == "grpo":
                 args = grpo_args(args, data["ppo"], "distrun:group_reward", "6")
-            ranks.append({"stage": stage, "sampler": "real", "argv": args + ["--generation.backend", backend, "--distributed.engine", "ddp"]})
+            ranks.append(
+                {
+                    "stage": stage,
+                    "sampler": "real",
+                    "argv": args + ["--generation.backend", backend, "--distributed.engine", "ddp"],
+                }
+            )
     launch(ranks, root / "ranks", WORLD)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs
@@ -179,10 +230,14 @@ def test_two_ranks_equal_one_process(engine, name, launches, tiny_model_dir):
     two, one = launches / engine / name, launches / "one" / name
     got, want = history(two), history(one)
     assert len(got) == len(want) == 2
-    assert [s["train/grad_norm"] for s in history(two, 1)] == [s["train/grad_norm"] for s in got]  # every rank: the global norm
+    assert [s["train/grad_norm"] for s in history(two, 1)] == [
+        s["train/grad_norm"] for s in got
+    ]  # every rank: the global norm
     assert max(s["train/grad_norm"] for s in got) > 0.05  # clipping was active: a per-rank norm would change the update
     if run.stage == "kto" and "apo_zero_unpaired" not in run.extra:
-        assert [s["kto/kl"] for s in want] == [0.0, 0.0], "z > 0 on one process: the ranks' mean of z may differ (module docstring)"
+        assert [s["kto/kl"] for s in want] == [0.0, 0.0], (
+            "z > 0 on one process: the ranks' mean of z may differ (module docstring)"
+        )
     assert_same(got, want, run.keys)
     assert_same_weights(two, one, run.mode)
     base = load_file(str(tiny_model_dir / "model.safetensors"))
@@ -209,6 +264,17 @@ def test_full_weights_under_fsdp_with_a_held_out_set_are_not_refused(stage, tiny
     from pipeline.config.capabilities import config_refusals
     from stages import stage_class
 
-    cfg = load_config(stage_class(stage).config_class, ["--model.path", str(tiny_model_dir), "--model.finetuning", "full",
-                                                       "--distributed.engine", "fsdp", "--data.eval", "[held_out.jsonl]"])
+    cfg = load_config(
+        stage_class(stage).config_class,
+        [
+            "--model.path",
+            str(tiny_model_dir),
+            "--model.finetuning",
+            "full",
+            "--distributed.engine",
+            "fsdp",
+            "--data.eval",
+            "[held_out.jsonl]",
+        ],
+    )
     assert config_refusals(stage, cfg, ranks=2, cuda=False) == []

@@ -24,7 +24,21 @@ def test_prompt_ends_with_assistant_opener(tiny_model_dir):
 
 def test_compare_prints_both_models_side_by_side(tiny_model_dir, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")  # the width the columns are cut to, whatever runs the test (xdist: 80)
-    assert main(["--model", str(tiny_model_dir), "--compare", str(tiny_model_dir), "--prompt", "Hello", "--max-new-tokens", "4"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--compare",
+                str(tiny_model_dir),
+                "--prompt",
+                "Hello",
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
     first, rule = capsys.readouterr().out.splitlines()[:2]
     title = str(tiny_model_dir)[:48]
     assert first.startswith(title) and first.count(" | ") == 1 and first.endswith(title)
@@ -80,7 +94,9 @@ def test_exit_words_and_commands_never_reach_the_model(tiny_model_dir, monkeypat
     import pipeline.tools.chat as chat_module
 
     sent = []
-    monkeypatch.setattr(chat_module, "reply", lambda chat, messages, gen, stream=False: sent.append(messages[-1]["content"]) or "ok")
+    monkeypatch.setattr(
+        chat_module, "reply", lambda chat, messages, gen, stream=False: sent.append(messages[-1]["content"]) or "ok"
+    )
     chat = load_chat_model(str(tiny_model_dir))
     for word in ("exit", "quit", "/quit", "/exit"):
         lines = iter(["/help", "/frobnicate", "hello", word, "never read"])
@@ -97,8 +113,10 @@ def test_chat_refuses_a_reward_model_before_loading(tiny_reward_dir, capsys, mon
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     monkeypatch.setattr(models, "load_tokenizer", lambda *a, **k: pytest.fail("a tokenizer was loaded"))
     assert main(["--model", str(tiny_reward_dir), "--prompt", "hi"]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: --model: {tiny_reward_dir} is a reward model (a sequence classifier); "
-                                               "this needs a causal language model, e.g. the SFT stage's merged/")
+    assert capsys.readouterr().err.strip() == (
+        f"error: --model: {tiny_reward_dir} is a reward model (a sequence classifier); "
+        "this needs a causal language model, e.g. the SFT stage's merged/"
+    )
 
 
 def test_chat_names_a_missing_folder_in_one_line(tmp_path, capsys):

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from tinymodels import copy_with_tool_layout
 
 from pipeline.modeling import decode
 from pipeline.tools import chat
 from pipeline.tools.chat_tools import tool_setup
-from tinymodels import copy_with_tool_layout
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
@@ -29,7 +29,9 @@ def scripted(monkeypatch, model, turns):
 
     def generate(m, prompts, **kwargs):
         seen.append(model.tokenizer.decode(prompts[0]))
-        ids = model.tokenizer(turns[len(seen) - 1], add_special_tokens=False)["input_ids"] + [model.tokenizer.eos_token_id]
+        ids = model.tokenizer(turns[len(seen) - 1], add_special_tokens=False)["input_ids"] + [
+            model.tokenizer.eos_token_id
+        ]
         return decode.Generation(tokens=[ids], finished=[True])
 
     monkeypatch.setattr(decode, "generate", generate)
@@ -49,20 +51,29 @@ def test_calls_are_shown_run_and_answered(tool_model, monkeypatch, capsys):
 
 def test_typed_results_in_interactive_chat(tool_model, tmp_path, monkeypatch, capsys):
     schemas = tmp_path / "tools.json"
-    schemas.write_text(json.dumps([{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]))
+    schemas.write_text(
+        json.dumps([{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}])
+    )
     model = chat.load_chat_model(str(tool_model))
     scripted(monkeypatch, model, [CALL, "It is 7."])
     setup = tool_setup(None, str(schemas), 5.0)
     lines = iter(["What is 2 + 3?", "7", "/exit"])
     prompts = []
-    histories = chat.interactive([model], chat.Generation(max_new_tokens=64), read=lambda p: prompts.append(p) or next(lines), tools=setup)
+    histories = chat.interactive(
+        [model], chat.Generation(max_new_tokens=64), read=lambda p: prompts.append(p) or next(lines), tools=setup
+    )
     assert prompts == ["you> ", 'result of add({"a": 2, "b": 3})> ', "you> "]
     assert [m["role"] for m in histories[0]] == ["user", "assistant", "tool", "assistant"]
     assert histories[0][2]["content"] == "7" and histories[0][3]["content"] == "It is 7."
 
 
 def test_bad_tool_options_are_one_line_before_loading(tiny_model_dir, capsys):
-    assert chat.main(["--model", str(tiny_model_dir), "--tools", "test_tool_rollout:missing", "x/y.py:f", "--prompt", "hi"]) == 2
+    assert (
+        chat.main(
+            ["--model", str(tiny_model_dir), "--tools", "test_tool_rollout:missing", "x/y.py:f", "--prompt", "hi"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     # a file path is accepted (pipeline/algorithms/rewards.py's loader); this one does not exist
     assert err.count("\n") == 1 and "--tools" in err and "has no 'missing'" in err and "no such file 'x/y.py'" in err

@@ -7,8 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.engine.checkpoint import MARKER, Checkpointer, complete_checkpoints, keep_checkpoint, rng_state, set_rng_state
 from pipeline.config import CheckpointConfig, KeepPolicy
+from pipeline.engine.checkpoint import (
+    MARKER,
+    Checkpointer,
+    complete_checkpoints,
+    keep_checkpoint,
+    rng_state,
+    set_rng_state,
+)
 
 
 class Clock:
@@ -29,8 +36,13 @@ def test_keep_policy_levanter_example():
 
 
 def state(step):
-    return {"model": {"w": torch.full((2, 3), float(step))}, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]},
-            "trainer": {"step": step}, "data": {"epoch": 0, "position": step}, "rng": rng_state()}
+    return {
+        "model": {"w": torch.full((2, 3), float(step))},
+        "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]},
+        "trainer": {"step": step},
+        "data": {"epoch": 0, "position": step},
+        "rng": rng_state(),
+    }
 
 
 def test_temporary_checkpoints_by_time_and_previous_deleted(tmp_path):

@@ -16,7 +16,19 @@ from stages import script
 from stages.sft import SFTConfig
 
 REPO = Path(__file__).resolve().parents[1]
-SUBCOMMANDS = ["train", "pipeline", "validate", "show", "chat", "report", "merge", "export", "serve", "embedded", "bundle"]
+SUBCOMMANDS = [
+    "train",
+    "pipeline",
+    "validate",
+    "show",
+    "chat",
+    "report",
+    "merge",
+    "export",
+    "serve",
+    "embedded",
+    "bundle",
+]
 
 
 @pytest.mark.parametrize("command", [c for c in SUBCOMMANDS if c not in ("pipeline", "embedded")])
@@ -30,7 +42,10 @@ def test_every_subcommand_help_exits_0(command, capsys):
 
 
 def test_pipeline_help_exits_0():
-    for argv in (["bash", "run_scripts/run_pipeline.sh", "--help"], [sys.executable, "-m", "pipeline.tools.cli", "pipeline", "--help"]):
+    for argv in (
+        ["bash", "run_scripts/run_pipeline.sh", "--help"],
+        [sys.executable, "-m", "pipeline.tools.cli", "pipeline", "--help"],
+    ):
         done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         assert "--from sft" in done.stdout
@@ -52,16 +67,29 @@ def test_stage_help_lists_each_key_once_by_section(capsys):
     assert "--config FILE.yaml" in out and "--config_path" not in out
     assert out.count("--model.path ") == 1 and "--model str" not in out and "Config file for" not in out
     lines = out.splitlines()
-    assert lines.index("model:") < lines.index(next(l for l in lines if l.startswith("  --model.path"))) < lines.index("lora:")
+    assert (
+        lines.index("model:")
+        < lines.index(next(l for l in lines if l.startswith("  --model.path")))
+        < lines.index("lora:")
+    )
     assert "Base model: a Hugging Face folder" in out  # the field docstring is the help text
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "Qwen/Qwen2.5-0.5B"], "--model: is a section, not a value; set its keys, e.g. '--model.path'"),
-    (["--model_name_or_path", "Qwen/Qwen2.5-0.5B"], "--model_name_or_path: unknown option; did you mean '--model.path'?"),
-    (["--learning_rate", "1e-4"], "--learning_rate: unknown option; did you mean '--train.learning_rate'?"),
-    (["--per_device_train_batch_size", "4"], "--per_device_train_batch_size: unknown option; did you mean '--train.batch_size'?"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "Qwen/Qwen2.5-0.5B"], "--model: is a section, not a value; set its keys, e.g. '--model.path'"),
+        (
+            ["--model_name_or_path", "Qwen/Qwen2.5-0.5B"],
+            "--model_name_or_path: unknown option; did you mean '--model.path'?",
+        ),
+        (["--learning_rate", "1e-4"], "--learning_rate: unknown option; did you mean '--train.learning_rate'?"),
+        (
+            ["--per_device_train_batch_size", "4"],
+            "--per_device_train_batch_size: unknown option; did you mean '--train.batch_size'?",
+        ),
+    ],
+)
 def test_trl_habits_get_relay_keys(argv, message):
     with pytest.raises(ConfigError) as err:
         load_config(SFTConfig, argv)
@@ -88,9 +116,23 @@ def test_stage_from_file_name_or_flag(tmp_path):
 
 def test_train_command_plain_and_torchrun():
     config = str(REPO / "configs" / "sft.yaml")
-    assert cli.train_command([config, "--train.max_steps", "3"]) == [sys.executable, str(script("sft")), "--config", config, "--train.max_steps", "3"]
+    assert cli.train_command([config, "--train.max_steps", "3"]) == [
+        sys.executable,
+        str(script("sft")),
+        "--config",
+        config,
+        "--train.max_steps",
+        "3",
+    ]
     launched = cli.train_command([config, "--nproc", "2"])
-    assert launched[:6] == [sys.executable, "-m", "pipeline.engine.launch", "--standalone", "--nproc_per_node", "2"]  # torchrun, one line on early ends
+    assert launched[:6] == [
+        sys.executable,
+        "-m",
+        "pipeline.engine.launch",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+    ]  # torchrun, one line on early ends
     assert launched[6:] == [str(script("sft")), "--config", config]
     with pytest.raises(cli.CLIError, match="--nproc: 'two'"):
         cli.train_command([config, "--nproc", "two"])
@@ -127,8 +169,18 @@ def test_bring_your_own_mftcoder_walkthrough_validates(tmp_path, tiny_model_dir,
         rounds = [{"role": "human", "content": f"Write {task}"}, {"role": "bot", "content": "def f(): return 1"}]
         write_jsonl(tmp_path / "mft" / f"{task}.jsonl", [{"chat_rounds": rounds}] * 6)
     config = str(REPO / "configs" / "examples" / "mftcoder_chatml_sft.yaml")
-    argv = ["validate", config, "--model.path", str(tiny_model_dir), "--data.train", f"[{tmp_path / 'mft'}]",
-            "--data.eval", f"[{tmp_path / 'mft'}]", "--distributed.engine", "ddp"]
+    argv = [
+        "validate",
+        config,
+        "--model.path",
+        str(tiny_model_dir),
+        "--data.train",
+        f"[{tmp_path / 'mft'}]",
+        "--data.eval",
+        f"[{tmp_path / 'mft'}]",
+        "--distributed.engine",
+        "ddp",
+    ]
     assert cli.main(argv) == 0
     assert "sft config OK" in capsys.readouterr().out
 

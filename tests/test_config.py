@@ -14,7 +14,6 @@ from pipeline.config import (
 )
 
 
-
 @dataclass
 class ToyData(ChatDataConfig):
     train: list[str] = field(default_factory=lambda: ["data/toy.jsonl"])
@@ -50,7 +49,9 @@ def test_typo_keys_fail_with_suggestions_all_at_once(tmp_path):
 
 def test_typo_inside_list_of_sections(tmp_path):
     cfg = write(tmp_path / "c.yaml", "checkpoint:\n  keep:\n    - every: 5\n      untill: 10\n")
-    with pytest.raises(ConfigError, match=r"checkpoint.keep\[0\].untill: unknown key; did you mean 'checkpoint.keep\[0\].until'"):
+    with pytest.raises(
+        ConfigError, match=r"checkpoint.keep\[0\].untill: unknown key; did you mean 'checkpoint.keep\[0\].until'"
+    ):
         load_config(ToyStage, ["--config", str(cfg)])
 
 
@@ -70,7 +71,9 @@ def test_include_and_cli_override_precedence(tmp_path):
 
 def test_semantic_problems_reported_together():
     with pytest.raises(ConfigError) as err:
-        load_config(ToyStage, ["--model.finetuning", "qlorra", "--train.max_steps", "0", "--data.padding_mode", "packed"])
+        load_config(
+            ToyStage, ["--model.finetuning", "qlorra", "--train.max_steps", "0", "--data.padding_mode", "packed"]
+        )
     text = str(err.value)
     assert "model.finetuning: 'qlorra'" in text
     assert "train.max_steps: must be > 0" in text

@@ -14,12 +14,30 @@ from stages.sft import SFTStage
 
 def test_sft_stage_console(tmp_path, tiny_model_dir, capfd):
     out = tmp_path / "sft"
-    argv = ["--config", "configs/sft.yaml", "--model.path", str(tiny_model_dir), "--output_dir", str(out),
-            "--train.max_steps", "2", "--train.eval_steps", "2", "--train.eval_batches", "1"]
+    argv = [
+        "--config",
+        "configs/sft.yaml",
+        "--model.path",
+        str(tiny_model_dir),
+        "--output_dir",
+        str(out),
+        "--train.max_steps",
+        "2",
+        "--train.eval_steps",
+        "2",
+        "--train.eval_batches",
+        "1",
+    ]
     assert main(SFTStage, argv) == 0
     captured = capfd.readouterr()
     text = (captured.out + captured.err).replace("\r", "\n")
-    for noise in ("Loading weights", "Writing model shards", "is_gradient_checkpointing", "LOAD REPORT", "Setting accelerator"):
+    for noise in (
+        "Loading weights",
+        "Writing model shards",
+        "is_gradient_checkpointing",
+        "LOAD REPORT",
+        "Setting accelerator",
+    ):
         assert noise not in text, noise
     assert "eval @ step 2: loss " in text
     summary = captured.out.splitlines()
@@ -57,11 +75,15 @@ def test_new_reward_head_report_is_dropped_and_kernel_hint_said_once(tmp_path, t
     with caplog.at_level(logging.INFO):
         hint = logging.getLogger("bitsandbytes.backends.cpu.ops")
         for _ in range(3):
-            hint.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already "
-                         "`pip install kernels` and the kernels >= 0.11.1", "offline")
+            hint.warning(
+                "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already "
+                "`pip install kernels` and the kernels >= 0.11.1",
+                "offline",
+            )
     messages = [r.getMessage() for r in caplog.records]
     assert [m for m in messages if "bitsandbytes" in m] == [
-        "bitsandbytes: the optional CPU kernel package is unavailable; its built-in 4-bit path is used (harmless)"]
+        "bitsandbytes: the optional CPU kernel package is unavailable; its built-in 4-bit path is used (harmless)"
+    ]
 
 
 def test_gradient_checkpointing_deprecation_is_silenced():
@@ -78,16 +100,30 @@ def test_quiet_console_imports_no_transformers_and_its_bars_stay_off_when_it_com
     import subprocess
     import sys
 
-    code = ("import sys; from pipeline.engine.tracking import quiet_console; quiet_console(); "
-            "assert 'transformers' not in sys.modules and 'torch' not in sys.modules, 'imported'; "
-            "from transformers.utils import logging; assert not logging.is_progress_bar_enabled(), 'bars on'; print('ok')")
+    code = (
+        "import sys; from pipeline.engine.tracking import quiet_console; quiet_console(); "
+        "assert 'transformers' not in sys.modules and 'torch' not in sys.modules, 'imported'; "
+        "from transformers.utils import logging; assert not logging.is_progress_bar_enabled(), 'bars on'; print('ok')"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "RELAY_VERBOSE")}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1]
+    )
     assert done.stdout.strip() == "ok", done.stderr[-800:]
 
 
 def test_format_eval_and_summary():
-    assert format_eval({"eval/loss": 1.23456, "eval/loss_task/a": 2.0, "eval/ppl": 48460.0}, 20) == "eval @ step 20: loss 1.2346, ppl 4.846e+04"
-    text = format_stage_summary("rm", {"eval_accuracy": 0.75, "steps": 3, "wall_seconds": 12.4, "reward_stats": {}}, "out/rm", "reward")
-    assert text.splitlines() == ["rm done in 12 s (3 steps)", "  eval_accuracy 0.7500", "  model: out/rm/merged   (figures: out/rm/summary.json)",
-                                 "next:", "  relay train configs/ppo.yaml --model.path POLICY --reward_model.path out/rm/merged   # PPO against this RM"]
+    assert (
+        format_eval({"eval/loss": 1.23456, "eval/loss_task/a": 2.0, "eval/ppl": 48460.0}, 20)
+        == "eval @ step 20: loss 1.2346, ppl 4.846e+04"
+    )
+    text = format_stage_summary(
+        "rm", {"eval_accuracy": 0.75, "steps": 3, "wall_seconds": 12.4, "reward_stats": {}}, "out/rm", "reward"
+    )
+    assert text.splitlines() == [
+        "rm done in 12 s (3 steps)",
+        "  eval_accuracy 0.7500",
+        "  model: out/rm/merged   (figures: out/rm/summary.json)",
+        "next:",
+        "  relay train configs/ppo.yaml --model.path POLICY --reward_model.path out/rm/merged   # PPO against this RM",
+    ]

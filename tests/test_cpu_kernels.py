@@ -58,7 +58,9 @@ def test_paired_speedup_is_the_ratio_of_the_best_interleaved_runs(monkeypatch):
         def run():
             order.append(name)
             now[0] += next(costs)
+
         return run
+
     assert cpu_kernels.paired_speedup(fn("plain"), fn("fast"), pairs=5) == 3.0
     assert order == ["plain", "fast"] + ["plain", "fast", "fast", "plain"] * 2 + ["plain", "fast"]
 
@@ -85,7 +87,9 @@ def test_stale_records_are_the_implausible_and_the_busy_ones_on_a_quiet_machine(
     ok = {"speedups": dict(AVX2_EPYC), "load": 0.2}
     assert not cpu_kernels.stale(ok, load_now=0.1) and not cpu_kernels.stale(ok, load_now=3.0)
     busy = {"speedups": dict(AVX2_EPYC), "load": 1.4}
-    assert cpu_kernels.stale(busy, load_now=0.3) and not cpu_kernels.stale(busy, load_now=1.0)  # quiet now: again; still busy: keep
+    assert cpu_kernels.stale(busy, load_now=0.3) and not cpu_kernels.stale(
+        busy, load_now=1.0
+    )  # quiet now: again; still busy: keep
     assert cpu_kernels.stale({"speedups": dict(AVX2_EPYC)}, load_now=0.3)  # a record from before loads were kept
     # this machine's own 2-thread record of 2026-11-25 (measured under a 7-engineer load): decode_fused 24.5x
     seen = {"train_onednn": 1.094, "decode_packed": 0.943, "decode_fused": 24.55}
@@ -154,7 +158,9 @@ def test_a_cpu_that_decodes_on_plain_weights_keeps_the_fast_step(fresh, monkeypa
 
     from pipeline.modeling import decode
 
-    monkeypatch.setattr(cpu_kernels, "measure", lambda: {"train_onednn": 0.83, "decode_packed": 0.98, "decode_fused": 1.12})
+    monkeypatch.setattr(
+        cpu_kernels, "measure", lambda: {"train_onednn": 0.83, "decode_packed": 0.98, "decode_fused": 1.12}
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     calls, seen = [], []
     real = decode.FastStep.run
@@ -162,8 +168,15 @@ def test_a_cpu_that_decodes_on_plain_weights_keeps_the_fast_step(fresh, monkeypa
     packed = []
     monkeypatch.setattr(onednn, "onednn_linear", lambda *a: packed.append(1) or pytest.fail("a prepacked product ran"))
     prompt = [5, 9, 17, 30]
-    out = decode.generate(model, [prompt], max_new_tokens=3, eos_ids=[], pad_id=0, temperature=0.0,
-                          on_logits=lambda step, logits: seen.append(logits.clone()))
+    out = decode.generate(
+        model,
+        [prompt],
+        max_new_tokens=3,
+        eos_ids=[],
+        pad_id=0,
+        temperature=0.0,
+        on_logits=lambda step, logits: seen.append(logits.clone()),
+    )
     assert calls and not packed
     with torch.no_grad():
         full = model(torch.tensor([prompt + out.tokens[0]])).logits[0, len(prompt) - 1 : -1]

@@ -5,7 +5,6 @@ SOURCES.md) and for entries that rename columns and tags; what Relay cannot hono
 naming the entry."""
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,10 +41,16 @@ def build(kind: str, entry: str, tokenizer) -> list[dict]:
 
 
 # LLaMA-Factory's own registry entries for the demo files Relay trains (its data/dataset_info.json).
-DEMOS = [("sft", "alpaca_en_demo", "alpaca_en_demo.json"), ("sft", "alpaca_zh_demo", "alpaca_zh_demo.json"),
-         ("sft", "glaive_toolcall_en_demo", "glaive_toolcall_en_demo.json"), ("rm", "dpo_en_demo", "dpo_en_demo.json"),
-         ("rm", "dpo_zh_demo", "dpo_zh_demo.json"), ("kto", "kto_en_demo", "kto_en_demo.json"),
-         ("pt", "c4_demo", "c4_demo.jsonl"), ("pt", "wiki_demo", "wiki_demo.txt")]
+DEMOS = [
+    ("sft", "alpaca_en_demo", "alpaca_en_demo.json"),
+    ("sft", "alpaca_zh_demo", "alpaca_zh_demo.json"),
+    ("sft", "glaive_toolcall_en_demo", "glaive_toolcall_en_demo.json"),
+    ("rm", "dpo_en_demo", "dpo_en_demo.json"),
+    ("rm", "dpo_zh_demo", "dpo_zh_demo.json"),
+    ("kto", "kto_en_demo", "kto_en_demo.json"),
+    ("pt", "c4_demo", "c4_demo.jsonl"),
+    ("pt", "wiki_demo", "wiki_demo.txt"),
+]
 
 
 @pytest.mark.parametrize("kind,name,file", DEMOS, ids=[d[1] for d in DEMOS])
@@ -65,13 +70,35 @@ def test_renamed_columns_and_tags_yield_what_the_standard_layout_yields(tokenize
     write(tmp_path / "qa.json", [{"q": r["instruction"], "ctx": r["input"], "a": r["output"]} for r in alpaca])
     chats = json.loads((LF / "glaive_toolcall_en_demo.json").read_text(encoding="utf-8"))
     roles = {"human": "U", "gpt": "A", "function_call": "F", "observation": "O"}
-    write(tmp_path / "chats.json", [{"dialog": [{"who": roles[m["from"]], "says": m["value"]} for m in r["conversations"]],
-                                     "schema": r["tools"]} for r in chats])
-    write(tmp_path / "dataset_info.json", {
-        "qa": {"file_name": "qa.json", "columns": {"prompt": "q", "query": "ctx", "response": "a"}},
-        "chats": {"file_name": "chats.json", "formatting": "sharegpt", "columns": {"messages": "dialog", "tools": "schema"},
-                  "tags": {"role_tag": "who", "content_tag": "says", "user_tag": "U", "assistant_tag": "A",
-                           "function_tag": "F", "observation_tag": "O"}}})
+    write(
+        tmp_path / "chats.json",
+        [
+            {
+                "dialog": [{"who": roles[m["from"]], "says": m["value"]} for m in r["conversations"]],
+                "schema": r["tools"],
+            }
+            for r in chats
+        ],
+    )
+    write(
+        tmp_path / "dataset_info.json",
+        {
+            "qa": {"file_name": "qa.json", "columns": {"prompt": "q", "query": "ctx", "response": "a"}},
+            "chats": {
+                "file_name": "chats.json",
+                "formatting": "sharegpt",
+                "columns": {"messages": "dialog", "tools": "schema"},
+                "tags": {
+                    "role_tag": "who",
+                    "content_tag": "says",
+                    "user_tag": "U",
+                    "assistant_tag": "A",
+                    "function_tag": "F",
+                    "observation_tag": "O",
+                },
+            },
+        },
+    )
     for name, file in (("qa", "alpaca_en_demo.json"), ("chats", "glaive_toolcall_en_demo.json")):
         named = build("sft", f"{tmp_path / 'dataset_info.json'}:{name}", tokenizer)
         direct = build("sft", str(LF / file), tokenizer)
@@ -79,13 +106,39 @@ def test_renamed_columns_and_tags_yield_what_the_standard_layout_yields(tokenize
 
 
 def test_system_and_history_columns_become_turns(tokenizer, tmp_path):
-    write(tmp_path / "h.json", [{"instruction": "and 3+3?", "input": "", "output": "6", "system": "Be brief.",
-                                 "history": [["2+2?", "4"]]}])
-    write(tmp_path / "m.json", [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-                                              {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
-                                              {"role": "assistant", "content": "6"}]}])
-    write(tmp_path / "dataset_info.json", {"h": {"file_name": "h.json", "columns": {
-        "prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history"}}})
+    write(
+        tmp_path / "h.json",
+        [{"instruction": "and 3+3?", "input": "", "output": "6", "system": "Be brief.", "history": [["2+2?", "4"]]}],
+    )
+    write(
+        tmp_path / "m.json",
+        [
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "2+2?"},
+                    {"role": "assistant", "content": "4"},
+                    {"role": "user", "content": "and 3+3?"},
+                    {"role": "assistant", "content": "6"},
+                ]
+            }
+        ],
+    )
+    write(
+        tmp_path / "dataset_info.json",
+        {
+            "h": {
+                "file_name": "h.json",
+                "columns": {
+                    "prompt": "instruction",
+                    "query": "input",
+                    "response": "output",
+                    "system": "system",
+                    "history": "history",
+                },
+            }
+        },
+    )
     named = build("sft", f"{tmp_path / 'dataset_info.json'}:h", tokenizer)
     direct = build("sft", str(tmp_path / "m.json"), tokenizer)
     assert [(s["input_ids"], s["labels"]) for s in named] == [(s["input_ids"], s["labels"]) for s in direct]
@@ -93,8 +146,10 @@ def test_system_and_history_columns_become_turns(tokenizer, tmp_path):
 
 def test_entries_relay_cannot_honour_are_one_line_naming_the_entry(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    lines = data_problems([f"{INFO}:mllm_demo", f"{INFO}:alpaca_en", f"{INFO}:alpaca_en_dem", f"{tmp_path}/dataset_info.json:x"],
-                          "data.train")
+    lines = data_problems(
+        [f"{INFO}:mllm_demo", f"{INFO}:alpaca_en", f"{INFO}:alpaca_en_dem", f"{tmp_path}/dataset_info.json:x"],
+        "data.train",
+    )
     assert lines == [
         f"data.train: {INFO}:mllm_demo: multimodal column(s) ['images']: Relay trains text-only language models",
         f"data.train: {INFO}:alpaca_en: a hub dataset (hf_hub_url 'llamafactory/alpaca_en') cannot be read offline "
@@ -102,28 +157,48 @@ def test_entries_relay_cannot_honour_are_one_line_naming_the_entry(monkeypatch, 
         f"data.train: {INFO}:alpaca_en_dem: no entry 'alpaca_en_dem' in {INFO}; did you mean 'alpaca_en_demo'?",
         f"data.train: {tmp_path}/dataset_info.json:x: no such file {tmp_path}/dataset_info.json",
     ]
-    write(tmp_path / "dataset_info.json", {"n": {"file_name": "a.json", "num_samples": 10},
-                                           "f": {"file_name": "a.json", "formatting": "openai"},
-                                           "c": {"file_name": "a.json", "columns": {"answer": "a"}},
-                                           "gone": {"file_name": "missing.json"}})
+    write(
+        tmp_path / "dataset_info.json",
+        {
+            "n": {"file_name": "a.json", "num_samples": 10},
+            "f": {"file_name": "a.json", "formatting": "openai"},
+            "c": {"file_name": "a.json", "columns": {"answer": "a"}},
+            "gone": {"file_name": "missing.json"},
+        },
+    )
     lines = data_problems([f"{tmp_path}/dataset_info.json:{n}" for n in ("n", "f", "c", "gone")], "data.eval")
     assert [line.split(": ", 2)[2] for line in lines] == [
         "num_samples: LLaMA-Factory draws that many records at random; use data.max_samples (the first N)",
         "formatting 'openai': Relay reads LLaMA-Factory's alpaca and sharegpt formattings",
         "column(s) ['answer'] are not alpaca columns (known: prompt, query, response, history, system, tools, chosen, "
         "rejected, kto_tag)",
-        f"its file_name {tmp_path}/missing.json does not exist"]
+        f"its file_name {tmp_path}/missing.json does not exist",
+    ]
 
 
 def test_a_stage_refuses_the_entry_before_any_model_loads(tmp_path):
     from pipeline.config import ConfigError, load_config
     from stages.sft import SFTConfig, SFTStage
 
-    cfg = load_config(SFTConfig, ["--model.path", str(tmp_path / "no-model"), "--data.train", f"[{INFO}:mllm_demo]",
-                                  "--data.eval", "[]", "--output_dir", str(tmp_path / "o")])
+    cfg = load_config(
+        SFTConfig,
+        [
+            "--model.path",
+            str(tmp_path / "no-model"),
+            "--data.train",
+            f"[{INFO}:mllm_demo]",
+            "--data.eval",
+            "[]",
+            "--output_dir",
+            str(tmp_path / "o"),
+        ],
+    )
     with pytest.raises(ConfigError) as err:
         SFTStage(cfg).validate()
-    assert f"data.train: {INFO}:mllm_demo: multimodal column(s) ['images']: Relay trains text-only language models" in err.value.problems
+    assert (
+        f"data.train: {INFO}:mllm_demo: multimodal column(s) ['images']: Relay trains text-only language models"
+        in err.value.problems
+    )
 
 
 def test_a_record_missing_a_mapped_column_is_its_file_and_line(tokenizer, tmp_path):
@@ -133,5 +208,6 @@ def test_a_record_missing_a_mapped_column_is_its_file_and_line(tokenizer, tmp_pa
     write(tmp_path / "dataset_info.json", {"qa": {"file_name": "qa.json", "columns": {"prompt": "q", "response": "a"}}})
     good, problems = read_and_parse([f"{tmp_path / 'dataset_info.json'}:qa"], "sft")
     assert len(good) == 1 and good[0].task == "qa"
-    assert [str(p) for p in problems] == [f"{tmp_path / 'qa.json'}:6: missing field 'a' (the response column of "
-                                          f"{tmp_path / 'dataset_info.json'}:qa)"]
+    assert [str(p) for p in problems] == [
+        f"{tmp_path / 'qa.json'}:6: missing field 'a' (the response column of {tmp_path / 'dataset_info.json'}:qa)"
+    ]

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tinymodels import make_tiny_model
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from data_formats.collate import left_pad
 from pipeline.modeling.decode import generate, nucleus
-from tinymodels import make_tiny_model
+
 
 @pytest.fixture(autouse=True)
 def fast_paths_on(monkeypatch):
@@ -41,13 +42,14 @@ GREEDY_TOKENS = 8
 
 def hf_greedy(model, prompts, eos, pad, max_new_tokens, batch=16) -> list[list[int]]:
     """transformers' greedy continuations, cut after the first eos (what `generate` returns)."""
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                              repetition_penalty=1.0)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, repetition_penalty=1.0
+    )
     out = []
     for start in range(0, len(prompts), batch):
         ids, mask = left_pad(prompts[start : start + batch], pad)
         with torch.no_grad():
-            rows = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+            rows = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
         for row in rows.tolist():
             out.append(row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))])
     return out
@@ -56,8 +58,14 @@ def hf_greedy(model, prompts, eos, pad, max_new_tokens, batch=16) -> list[list[i
 def relay_greedy(model, prompts, eos, pad, max_new_tokens, batch=16) -> list[list[int]]:
     out = []
     for start in range(0, len(prompts), batch):
-        out += generate(model, prompts[start : start + batch], max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad,
-                        temperature=0.0).tokens
+        out += generate(
+            model,
+            prompts[start : start + batch],
+            max_new_tokens=max_new_tokens,
+            eos_ids=eos,
+            pad_id=pad,
+            temperature=0.0,
+        ).tokens
     return out
 
 
@@ -97,27 +105,39 @@ def golden_record(model, tok, prompts: list[list[int]]) -> dict:
 
     from pipeline.modeling.manifest import weights_hash
 
-    return {"what": "transformers' model.generate greedy answers (fp32, batches of 16, left-padded, cut after "
-                    "the first eos) of the embedded model to data/sample/gold/eval.jsonl's prompts",
-            "transformers": transformers.__version__, "torch": torch.__version__,
-            "weights_hash": weights_hash(model.name_or_path), "prompts_sha256": prompts_hash(prompts),
-            "max_new_tokens": GREEDY_TOKENS, "threads": torch.get_num_threads(),
-            "top2_gaps": [float(f"{g:.3g}") for g in top2_gaps(model, prompts, [tok.eos_token_id], tok.pad_token_id)],
-            "answers": hf_greedy(model, prompts, [tok.eos_token_id], tok.pad_token_id, GREEDY_TOKENS)}
+    return {
+        "what": "transformers' model.generate greedy answers (fp32, batches of 16, left-padded, cut after "
+        "the first eos) of the embedded model to data/sample/gold/eval.jsonl's prompts",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "weights_hash": weights_hash(model.name_or_path),
+        "prompts_sha256": prompts_hash(prompts),
+        "max_new_tokens": GREEDY_TOKENS,
+        "threads": torch.get_num_threads(),
+        "top2_gaps": [float(f"{g:.3g}") for g in top2_gaps(model, prompts, [tok.eos_token_id], tok.pad_token_id)],
+        "answers": hf_greedy(model, prompts, [tok.eos_token_id], tok.pad_token_id, GREEDY_TOKENS),
+    }
 
 
 def top2_gaps(model, prompts, eos, pad, batch=16) -> list[float]:
     """Per prompt, the smallest logit gap between the chosen token and the runner-up over its greedy
     steps. A recorded answer holds on another CPU (AVX2 and AVX-512 GEMMs differ in the last bits)
     only where this gap is far wider than that noise; `hf_gold` recomputes the batches of the others."""
-    config = GenerationConfig(do_sample=False, max_new_tokens=GREEDY_TOKENS, eos_token_id=eos, pad_token_id=pad,
-                              repetition_penalty=1.0, output_scores=True, return_dict_in_generate=True)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=GREEDY_TOKENS,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        repetition_penalty=1.0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     gaps = []
     for start in range(0, len(prompts), batch):
         ids, mask = left_pad(prompts[start : start + batch], pad)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-        new = out.sequences[:, ids.shape[1]:].tolist()
+        new = out.sequences[:, ids.shape[1] :].tolist()
         rows = [float("inf")] * len(new)
         for step, scores in enumerate(out.scores):
             top2 = scores.topk(2, dim=-1).values
@@ -147,20 +167,26 @@ def hf_gold(embedded, gold_prompts):
 
     model, tok = embedded
     record = json.loads(GOLDEN.read_text()) if GOLDEN.is_file() else {}
-    wanted = {"weights_hash": weights_hash(model.name_or_path), "prompts_sha256": prompts_hash(gold_prompts),
-              "max_new_tokens": GREEDY_TOKENS}
+    wanted = {
+        "weights_hash": weights_hash(model.name_or_path),
+        "prompts_sha256": prompts_hash(gold_prompts),
+        "max_new_tokens": GREEDY_TOKENS,
+    }
     stale = [key for key, value in wanted.items() if record.get(key) != value]
     starts = range(0, len(gold_prompts), BATCH)
     if stale:
-        warnings.warn(f"{GOLDEN}: {', '.join(stale)} differ; computing transformers' answers instead "
-                      "(python tests/test_decode.py rewrites the record)")
+        warnings.warn(
+            f"{GOLDEN}: {', '.join(stale)} differ; computing transformers' answers instead "
+            "(python tests/test_decode.py rewrites the record)"
+        )
         fresh = list(starts)
     else:
         fresh = [s for s in starts if s == 0 or min(record["top2_gaps"][s : s + BATCH]) < NEAR_TIE]
     answers = list(record.get("answers", [None] * len(gold_prompts)))
     for start in fresh:  # a whole batch, as recorded: the same padding, so the same arithmetic
-        answers[start : start + BATCH] = hf_greedy(model, gold_prompts[start : start + BATCH], [tok.eos_token_id],
-                                                   tok.pad_token_id, GREEDY_TOKENS, batch=BATCH)
+        answers[start : start + BATCH] = hf_greedy(
+            model, gold_prompts[start : start + BATCH], [tok.eos_token_id], tok.pad_token_id, GREEDY_TOKENS, batch=BATCH
+        )
     return answers, fresh
 
 
@@ -189,7 +215,9 @@ def test_greedy_equals_transformers_generate_with_a_lora_adapter(embedded, gold_
     model, tok = embedded
     eos, pad = [tok.eos_token_id], tok.pad_token_id
     base = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32)
-    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])).eval()
+    peft_model = get_peft_model(
+        base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    ).eval()
     torch.manual_seed(0)
     for name, param in peft_model.named_parameters():
         if "lora_B" in name:  # peft starts B at zero (adapter = identity); make it change the model
@@ -222,9 +250,18 @@ def test_every_step_logits_equal_a_full_forward_along_a_sampled_trajectory(tiny)
         told[row].append(token)
         return row == 1 and token % 3 == 0
 
-    out = generate(tiny, RAGGED, max_new_tokens=[12, 12, 5, 12, 12], eos_ids=[2, 13], pad_id=0, temperature=temperature,
-                   generator=torch.Generator().manual_seed(1), logprobs=True, on_token=stop_row_1,
-                   on_logits=lambda step, logits: seen.append(logits.clone()))
+    out = generate(
+        tiny,
+        RAGGED,
+        max_new_tokens=[12, 12, 5, 12, 12],
+        eos_ids=[2, 13],
+        pad_id=0,
+        temperature=temperature,
+        generator=torch.Generator().manual_seed(1),
+        logprobs=True,
+        on_token=stop_row_1,
+        on_logits=lambda step, logits: seen.append(logits.clone()),
+    )
     lengths = [len(t) for t in out.tokens]
     assert told == out.tokens  # on_token saw every new token of every row, stop tokens included
     assert lengths[2] == 5 and not out.finished[2]
@@ -247,8 +284,16 @@ def test_every_step_logits_equal_a_full_forward_along_a_sampled_trajectory(tiny)
 def test_greedy_and_sampled_rows_in_one_batch(tiny):
     """A T = 0 row is the argmax whatever its neighbours sample, and its log-probs are at T = 1."""
     alone = generate(tiny, RAGGED[:1], max_new_tokens=8, eos_ids=[], pad_id=0, temperature=0.0).tokens[0]
-    mixed = generate(tiny, RAGGED[:2], max_new_tokens=8, eos_ids=[], pad_id=0, temperature=[0.0, 1.3],
-                     generator=torch.Generator().manual_seed(0), logprobs=True)
+    mixed = generate(
+        tiny,
+        RAGGED[:2],
+        max_new_tokens=8,
+        eos_ids=[],
+        pad_id=0,
+        temperature=[0.0, 1.3],
+        generator=torch.Generator().manual_seed(0),
+        logprobs=True,
+    )
     assert mixed.tokens[0] == alone and mixed.finished == [False, False]
     assert all(lp <= 0 for lp in mixed.logprobs[0])
 
@@ -261,12 +306,15 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     torch.testing.assert_close(out[2], probs[2])  # top_p 1: unchanged
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
-    (dict(max_new_tokens=4, temperature=-1.0), "temperature must be >= 0"),
-    (dict(max_new_tokens=4, top_p=0.0), "top_p must be in"),
-    (dict(max_new_tokens=[4, 4]), "max_new_tokens has 2 entries for 5 prompts"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+        (dict(max_new_tokens=4, temperature=-1.0), "temperature must be >= 0"),
+        (dict(max_new_tokens=4, top_p=0.0), "top_p must be in"),
+        (dict(max_new_tokens=[4, 4]), "max_new_tokens has 2 entries for 5 prompts"),
+    ],
+)
 def test_bad_settings_are_one_clear_error(tiny, kwargs, message):
     with pytest.raises(ValueError, match=message):
         generate(tiny, RAGGED, eos_ids=[2], pad_id=0, **kwargs)
@@ -281,8 +329,15 @@ def test_weights_a_fused_optimizer_changed_are_the_ones_decoded(tiny):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
     for _ in range(2):
         seen = []
-        out = generate(model, RAGGED[:1], max_new_tokens=3, eos_ids=[], pad_id=0, temperature=0.0,
-                       on_logits=lambda step, logits: seen.append(logits[0].clone()))
+        out = generate(
+            model,
+            RAGGED[:1],
+            max_new_tokens=3,
+            eos_ids=[],
+            pad_id=0,
+            temperature=0.0,
+            on_logits=lambda step, logits: seen.append(logits[0].clone()),
+        )
         with torch.no_grad():
             full = model(torch.tensor([RAGGED[0] + out.tokens[0]])).logits[0, len(RAGGED[0]) - 1 : -1]
         torch.testing.assert_close(torch.stack(seen), full, atol=1e-5, rtol=0)
@@ -296,7 +351,9 @@ def test_backend_is_chosen_by_config_and_zero3_samples_with_hf(tiny):
     from pipeline.config import GenerationConfig
 
     assert GenerationConfig().backend == "relay" and not GenerationConfig().problems()
-    assert GenerationConfig(backend="sglang").problems() == ["generation.backend: 'sglang' is not one of ('relay', 'hf', 'vllm')"]
+    assert GenerationConfig(backend="sglang").problems() == [
+        "generation.backend: 'sglang' is not one of ('relay', 'hf', 'vllm')"
+    ]
     assert isinstance(make_generator("relay", tiny, 0, [2], 4), RelayGenerator)
     assert isinstance(make_generator("hf", tiny, 0, [2], 4), HFGenerator)
     zero3 = make_generator("relay", tiny, 0, [2], 4, synced_gpus=True)
@@ -343,8 +400,15 @@ def decoded_logits_match_a_forward(model, prompt=RAGGED[0], steps=4):
     into W rounds differently from W x + B (A x): measured 1.6e-5 at logits up to 7.6 on this tiny
     model, 2e-6 relative; the unfolded packed path 6.7e-6.)"""
     seen = []
-    out = generate(model, [prompt], max_new_tokens=steps, eos_ids=[], pad_id=0, temperature=0.0,
-                   on_logits=lambda step, logits: seen.append(logits[0].clone()))
+    out = generate(
+        model,
+        [prompt],
+        max_new_tokens=steps,
+        eos_ids=[],
+        pad_id=0,
+        temperature=0.0,
+        on_logits=lambda step, logits: seen.append(logits[0].clone()),
+    )
     with torch.no_grad():
         full = model(input_ids=torch.tensor([prompt + out.tokens[0]])).logits[0, len(prompt) - 1 : -1]
     torch.testing.assert_close(torch.stack(seen), full, atol=1e-5 * max(1.0, float(full.abs().max())), rtol=0)
@@ -367,8 +431,9 @@ def test_lora_decodes_with_the_adapter_folded_in_and_follows_its_training(tiny):
     with adapter_disabled(model):
         plain, tokens = decoded_logits_match_a_forward(model)
     with torch.no_grad():  # the base model itself, outside peft
-        torch.testing.assert_close(plain, tiny(torch.tensor([RAGGED[0] + tokens])).logits[0, len(RAGGED[0]) - 1 : -1],
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            plain, tiny(torch.tensor([RAGGED[0] + tokens])).logits[0, len(RAGGED[0]) - 1 : -1], atol=1e-5, rtol=0
+        )
     assert all(torch.equal(p, base_before[n]) for n, p in model.named_parameters() if "lora_" not in n)
 
 
@@ -386,7 +451,9 @@ def test_packings_fuse_siblings_and_keep_only_frozen_weights(tiny):
     model = lora_tiny(tiny)
     generate(model, RAGGED[:2], max_new_tokens=2, eos_ids=[], pad_id=0, temperature=0.0)
     kept = [m for m in model.modules() if "_relay_packed" in m.__dict__]
-    assert [type(m).__name__ for m in kept] == ["Linear"] and kept[0] is model.get_output_embeddings()  # the frozen head
+    assert [type(m).__name__ for m in kept] == ["Linear"] and kept[
+        0
+    ] is model.get_output_embeddings()  # the frozen head
 
 
 def tiny_of(model_type: str, **extra):
@@ -394,14 +461,25 @@ def tiny_of(model_type: str, **extra):
     from transformers import AutoConfig
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **extra)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **extra,
+    )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("kind", ["fast", "static"])
-@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("llama", {"attn_implementation": "eager"}),
-                                              ("qwen2", {}), ("mistral", {"sliding_window": None})])
+@pytest.mark.parametrize(
+    "model_type,extra",
+    [("llama", {}), ("llama", {"attn_implementation": "eager"}), ("qwen2", {}), ("mistral", {"sliding_window": None})],
+)
 def test_the_fast_step_decodes_what_the_forward_computes(model_type, extra, kind, monkeypatch):
     """Each supported family (Qwen2: biased q/k/v) under sdpa and eager, with the engine's own
     decode step ('fast': attention over the written slots) and its fixed-shape variant ('static':
@@ -418,8 +496,16 @@ def test_the_fast_step_decodes_what_the_forward_computes(model_type, extra, kind
     monkeypatch.setattr(decode.FastStep, "run", lambda self, *a: calls.append(1) or real(self, *a))
     monkeypatch.setattr(decode, "step_kind", lambda model: kind)
     seen = []
-    out = generate(model, RAGGED, max_new_tokens=6, eos_ids=[2], pad_id=0, temperature=1.0,
-                   generator=torch.Generator().manual_seed(0), on_logits=lambda step, logits: seen.append(logits.clone()))
+    out = generate(
+        model,
+        RAGGED,
+        max_new_tokens=6,
+        eos_ids=[2],
+        pad_id=0,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+        on_logits=lambda step, logits: seen.append(logits.clone()),
+    )
     assert calls  # the engine's step decoded
     for row, (prompt, tokens) in enumerate(zip(RAGGED, out.tokens)):
         with torch.no_grad():
@@ -534,8 +620,11 @@ def test_prompt_layout_puts_a_shared_opening_first_and_the_padding_after_it():
     # prompt is shared up to its last token
     assert prompt_layout([SHARED, SHARED + [7]], 0, "sdpa")[2] == 19
     # left padding otherwise: one prompt, too short an opening, an attention without a 4D mask
-    for prompts, attn in (([OPENING[0]], "sdpa"), ([p[20 - SHARED_PREFIX_MIN + 1:] for p in OPENING], "sdpa"),
-                          (OPENING, "flash_attention_2")):
+    for prompts, attn in (
+        ([OPENING[0]], "sdpa"),
+        ([p[20 - SHARED_PREFIX_MIN + 1 :] for p in OPENING], "sdpa"),
+        (OPENING, "flash_attention_2"),
+    ):
         ids, mask, shared = prompt_layout(prompts, 0, attn)
         want_ids, want_mask = left_pad(prompts, 0)
         assert shared == 0 and torch.equal(ids, want_ids) and torch.equal(mask, want_mask)
@@ -550,13 +639,25 @@ def test_a_shared_opening_is_prefilled_once_and_decodes_what_the_forward_compute
     from pipeline.modeling import decode
 
     monkeypatch.setattr(decode, "step_kind", lambda model: kind)
-    model = AutoModelForCausalLM.from_pretrained(tiny.name_or_path, dtype=torch.float32, attn_implementation=attn).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny.name_or_path, dtype=torch.float32, attn_implementation=attn
+    ).eval()
     shapes = []
     real_forward = model.forward  # counted on the instance: a hook would turn the fast step off
-    model.forward = lambda input_ids=None, **kw: shapes.append(tuple(input_ids.shape)) or real_forward(input_ids=input_ids, **kw)
+    model.forward = lambda input_ids=None, **kw: (
+        shapes.append(tuple(input_ids.shape)) or real_forward(input_ids=input_ids, **kw)
+    )
     seen = []
-    out = generate(model, OPENING, max_new_tokens=6, eos_ids=[2], pad_id=0, temperature=1.0,
-                   generator=torch.Generator().manual_seed(0), on_logits=lambda step, logits: seen.append(logits.clone()))
+    out = generate(
+        model,
+        OPENING,
+        max_new_tokens=6,
+        eos_ids=[2],
+        pad_id=0,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+        on_logits=lambda step, logits: seen.append(logits.clone()),
+    )
     del model.forward
     assert shapes[:2] == [(1, 20), (4, 5)]  # the opening on one row, then each row's own 5 columns
     assert len(shapes) == 2 if kind != "hf" else shapes[2:] == [(4, 1)] * (len(shapes) - 2)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tinymodels import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from pipeline.modeling.decode import FastStep, generate
 from pipeline.modeling.decode_session import DecodeSession, common_prefix, supported
-from tinymodels import make_tiny_model
 
 EOS = [9, 13]
 PROMPTS = [[5, 9, 17, 30, 4, 8, 3], [11, 12], [7, 7, 20, 25], [31, 8, 6, 44, 40]]
@@ -69,8 +69,11 @@ def test_kept_cache_samples_what_fresh_calls_sample(tiny, kind, monkeypatch):
 
     got, contexts = _scenario(kept)
     want, want_contexts = _scenario(fresh)
-    assert {"fast": isinstance(session.step, FastStep), "hf": session.step is False,
-            "static": callable(session.step) and not isinstance(session.step, FastStep)}[kind]
+    assert {
+        "fast": isinstance(session.step, FastStep),
+        "hf": session.step is False,
+        "static": callable(session.step) and not isinstance(session.step, FastStep),
+    }[kind]
     assert contexts == want_contexts
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want):
         assert tokens == ref_tokens
@@ -90,7 +93,11 @@ def test_kept_cache_samples_what_fresh_calls_sample(tiny, kind, monkeypatch):
 
 
 def test_rules_and_helpers(tiny):
-    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([], [1]) == 0 and common_prefix([1, 2], [1, 2]) == 2
+    assert (
+        common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+        and common_prefix([], [1]) == 0
+        and common_prefix([1, 2], [1, 2]) == 2
+    )
     assert supported(tiny)
     session = DecodeSession(tiny, 2, eos_ids=EOS, pad_id=0)
     with pytest.raises(ValueError, match="first call must list every row"):

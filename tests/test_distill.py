@@ -43,8 +43,15 @@ def _relay(loss_type: str, hs, ht, ws, wt, tokens, mask, beta: float, temperatur
     h = hs.clone().requires_grad_(True)
     student, teacher = _heads(ws, wt)
     keep = mask.bool()
-    per = dl.per_token_losses(loss_type, h[keep], student, dl.Teacher(ht[keep], teacher, top_k), tokens[keep],
-                              beta=beta, temperature=temperature)
+    per = dl.per_token_losses(
+        loss_type,
+        h[keep],
+        student,
+        dl.Teacher(ht[keep], teacher, top_k),
+        tokens[keep],
+        beta=beta,
+        temperature=temperature,
+    )
     loss = dl.global_token_loss(per, keep.sum())
     loss.backward()
     return loss.detach(), h.grad, student.weight.grad
@@ -64,7 +71,9 @@ def test_jsd_equals_trl_chunked_divergence(beta, temperature):
     hs, ht, ws, wt, tokens, mask = _tensors()
     loss, grad_h, grad_w = _relay("jsd", hs, ht, ws, wt, tokens, mask, beta, temperature)
     h, w = hs.clone().requires_grad_(True), ws.clone().requires_grad_(True)
-    ref, _, _ = _chunked_divergence_loss(h, ht, w, wt, mask, beta, num_items_in_batch=mask.sum(), temperature=temperature)
+    ref, _, _ = _chunked_divergence_loss(
+        h, ht, w, wt, mask, beta, num_items_in_batch=mask.sum(), temperature=temperature
+    )
     ref.backward()
     assert torch.allclose(loss, ref.detach(), atol=1e-6, rtol=0), (float(loss), float(ref))
     assert torch.allclose(grad_h, h.grad, atol=1e-6, rtol=0)
@@ -80,8 +89,9 @@ def test_jsd_equals_gkd_generalized_jsd(beta, temperature):
     loss, grad_h, grad_w = _relay("jsd", hs, ht, ws, wt, tokens, mask, beta, temperature)
     h, w = hs.clone().requires_grad_(True), ws.clone().requires_grad_(True)
     labels = tokens.masked_fill(mask == 0, -100)
-    ref = GKDTrainer.generalized_jsd_loss(h @ w.T, ht @ wt.T, labels=labels, beta=beta, temperature=temperature,
-                                          num_items_in_batch=mask.sum())
+    ref = GKDTrainer.generalized_jsd_loss(
+        h @ w.T, ht @ wt.T, labels=labels, beta=beta, temperature=temperature, num_items_in_batch=mask.sum()
+    )
     ref.backward()
     assert torch.allclose(loss, ref.detach(), atol=1e-6, rtol=0), (float(loss), float(ref))
     assert torch.allclose(grad_h, h.grad, atol=1e-6, rtol=0)
@@ -143,8 +153,9 @@ import json  # noqa: E402
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from pipeline.config import ConfigError, load_config  # noqa: E402
 from stagerun import recording, run_stage  # noqa: E402
+
+from pipeline.config import ConfigError, load_config  # noqa: E402
 
 
 @pytest.fixture
@@ -166,25 +177,71 @@ def teacher_dir(tmp_path_factory):
     from tinymodels import make_tiny_model
 
     # wider than the student and sharper (a larger init scale): a teacher worth learning from
-    return make_tiny_model(tmp_path_factory.mktemp("teacher") / "model", seed=7, hidden_size=96, intermediate_size=192,
-                           initializer_range=0.2)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("teacher") / "model",
+        seed=7,
+        hidden_size=96,
+        intermediate_size=192,
+        initializer_range=0.2,
+    )
 
 
 def _data(folder: Path) -> tuple[Path, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     prompts, sft = folder / "prompts.jsonl", folder / "sft.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"count to {i}"}) + "\n" for i in range(8)))
-    sft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"add {i} and {i}"},
-                                                    {"role": "assistant", "content": f"{2 * i}"}]}) + "\n" for i in range(8)))
+    sft.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"add {i} and {i}"},
+                        {"role": "assistant", "content": f"{2 * i}"},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(8)
+        )
+    )
     return prompts, sft
 
 
 def _args(model, teacher, data: Path, out: Path, *extra) -> list[str]:
     prompts, sft = _data(data)
-    return ["--model.path", str(model), "--teacher.path", str(teacher), "--data.train", f"[{prompts}]", "--data.eval", "[]",
-            "--data.completions", f"[{sft}]", "--output_dir", str(out), "--train.seq_length", "64", "--train.batch_size", "2",
-            "--train.grad_accum", "2", "--train.learning_rate", "5e-3", "--train.warmup", "0", "--train.log_steps", "1",
-            "--train.eval_steps", "0", "--generation.max_new_tokens", "6", "--checkpoint.save_interval", "1000h", *extra]
+    return [
+        "--model.path",
+        str(model),
+        "--teacher.path",
+        str(teacher),
+        "--data.train",
+        f"[{prompts}]",
+        "--data.eval",
+        "[]",
+        "--data.completions",
+        f"[{sft}]",
+        "--output_dir",
+        str(out),
+        "--train.seq_length",
+        "64",
+        "--train.batch_size",
+        "2",
+        "--train.grad_accum",
+        "2",
+        "--train.learning_rate",
+        "5e-3",
+        "--train.warmup",
+        "0",
+        "--train.log_steps",
+        "1",
+        "--train.eval_steps",
+        "0",
+        "--generation.max_new_tokens",
+        "6",
+        "--checkpoint.save_interval",
+        "1000h",
+        *extra,
+    ]
 
 
 def _run(argv):
@@ -194,8 +251,9 @@ def _run(argv):
 
 
 @pytest.mark.parametrize("adapter", ["lora", "full"])
-def test_resume_equals_unbroken_and_the_manifest_names_the_teacher(adapter, tiny_model_dir, teacher_dir, tmp_path, monkeypatch,
-                                                                   fresh_state):
+def test_resume_equals_unbroken_and_the_manifest_names_the_teacher(
+    adapter, tiny_model_dir, teacher_dir, tmp_path, monkeypatch, fresh_state
+):
     """lmbda 0.5: on-policy and off-policy steps both run; a run stopped after step 2 and resumed
     trains as an unbroken one (the prompt cursor, the completion sampler and the student's RNG)."""
     common = ["--train.max_steps", "4", "--distill.lmbda", "0.5", "--model.finetuning", adapter]
@@ -212,13 +270,14 @@ def test_resume_equals_unbroken_and_the_manifest_names_the_teacher(adapter, tiny
     for want, got in zip(steps[2:], second.history.steps[2:]):
         for tag in ("train/loss", "train/grad_norm", "distill/kl", "distill/on_policy", "distill/completion_length"):
             assert got[tag] == want[tag], tag
-    assert second.batch_ids == full.batch_ids[len(first.batch_ids):]
+    assert second.batch_ids == full.batch_ids[len(first.batch_ids) :]
     manifest = json.loads((tmp_path / "cut" / "merged" / "manifest.json").read_text())
     assert manifest["teacher"]["path"] == str(teacher_dir) and manifest["teacher"]["weights_hash"]
 
 
-def test_a_teacher_with_another_tokenizer_is_refused_in_one_line_before_any_model_loads(tiny_model_dir, teacher_dir, tmp_path,
-                                                                                        monkeypatch, fresh_state):
+def test_a_teacher_with_another_tokenizer_is_refused_in_one_line_before_any_model_loads(
+    tiny_model_dir, teacher_dir, tmp_path, monkeypatch, fresh_state
+):
     from transformers import AutoTokenizer
 
     from stages import distill as stage
@@ -240,9 +299,23 @@ def test_config_refusals(tiny_model_dir, teacher_dir, tmp_path, fresh_state):
     from stages import distill as stage
 
     with pytest.raises(ConfigError) as err:
-        load_config(stage.DistillConfig, _args(tiny_model_dir, teacher_dir, tmp_path / "data", tmp_path / "o",
-                                               "--distill.loss_type", "reverse_kl_k3", "--distill.lmbda", "0.5",
-                                               "--distill.beta", "0.2", "--teacher.top_k", "4"))
+        load_config(
+            stage.DistillConfig,
+            _args(
+                tiny_model_dir,
+                teacher_dir,
+                tmp_path / "data",
+                tmp_path / "o",
+                "--distill.loss_type",
+                "reverse_kl_k3",
+                "--distill.lmbda",
+                "0.5",
+                "--distill.beta",
+                "0.2",
+                "--teacher.top_k",
+                "4",
+            ),
+        )
     found = err.value.problems
     assert any(p.startswith("distill.lmbda: the reverse_kl_k3 loss") for p in found)
     assert any(p.startswith("distill.beta: only the jsd loss") for p in found)
@@ -272,22 +345,64 @@ def test_two_steps_equal_trl_distillation_trainer(tiny_model_dir, teacher_dir, t
     monkeypatch.setenv("RELAY_CPU_ONEDNN", "0")
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     texts = ["count to 1", "count to 2"]
-    prompt_ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
-                                          return_dict=False) for t in texts]
+    prompt_ids = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for t in texts
+    ]
     prompt_ids = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompt_ids]
     assert len(prompt_ids[0]) == len(prompt_ids[1])  # no left padding: TRL passes no position ids
-    completions = [tok.encode("one two three", add_special_tokens=False) + [tok.eos_token_id],
-                   tok.encode("four", add_special_tokens=False) + [tok.eos_token_id]]
+    completions = [
+        tok.encode("one two three", add_special_tokens=False) + [tok.eos_token_id],
+        tok.encode("four", add_special_tokens=False) + [tok.eos_token_id],
+    ]
     answers = {tuple(p): c for p, c in zip(prompt_ids, completions)}
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in texts))
-    argv = ["--model.path", str(tiny_model_dir), "--model.finetuning", "full", "--teacher.path", str(teacher_dir),
-            "--data.train", f"[{prompts}]", "--data.eval", "[]", "--output_dir", str(tmp_path / "relay"),
-            "--train.seq_length", "64", "--train.batch_size", "2", "--train.grad_accum", "1", "--train.max_steps", "2",
-            "--train.learning_rate", "5e-3", "--train.lr_schedule", "constant", "--train.warmup", "0",
-            "--train.max_grad_norm", "1.0", "--train.beta2", "0.999", "--train.eval_steps", "0", "--train.log_steps", "1",
-            "--generation.max_new_tokens", "6", "--distill.beta", "0.5", "--checkpoint.save_interval", "1000h"]
+    argv = [
+        "--model.path",
+        str(tiny_model_dir),
+        "--model.finetuning",
+        "full",
+        "--teacher.path",
+        str(teacher_dir),
+        "--data.train",
+        f"[{prompts}]",
+        "--data.eval",
+        "[]",
+        "--output_dir",
+        str(tmp_path / "relay"),
+        "--train.seq_length",
+        "64",
+        "--train.batch_size",
+        "2",
+        "--train.grad_accum",
+        "1",
+        "--train.max_steps",
+        "2",
+        "--train.learning_rate",
+        "5e-3",
+        "--train.lr_schedule",
+        "constant",
+        "--train.warmup",
+        "0",
+        "--train.max_grad_norm",
+        "1.0",
+        "--train.beta2",
+        "0.999",
+        "--train.eval_steps",
+        "0",
+        "--train.log_steps",
+        "1",
+        "--generation.max_new_tokens",
+        "6",
+        "--distill.beta",
+        "0.5",
+        "--checkpoint.save_interval",
+        "1000h",
+    ]
     stage = run_stage(DistillStage, argv, generator_factory=lambda policy: _Scripted(answers))
     relay = [r["train/loss"] for r in stage.history.steps]
 
@@ -298,13 +413,34 @@ def test_two_steps_equal_trl_distillation_trainer(tiny_model_dir, teacher_dir, t
         return [list(answers[tuple(p)]) for p in ids]
 
     monkeypatch.setattr(DistillationTrainer, "_generate_single_turn", scripted)
-    args = DistillationConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, gradient_accumulation_steps=1,
-                              max_steps=2, learning_rate=5e-3, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
-                              beta=0.5, temperature=1.0, max_completion_length=6, logging_steps=1, report_to="none",
-                              use_cpu=True, bf16=False, save_strategy="no", seed=0, weight_decay=0.0)
+    args = DistillationConfig(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        max_steps=2,
+        learning_rate=5e-3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        beta=0.5,
+        temperature=1.0,
+        max_completion_length=6,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        weight_decay=0.0,
+    )
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": t}]} for t in texts])
-    trainer = DistillationTrainer(model=str(tiny_model_dir), teacher_model=str(teacher_dir), args=args, train_dataset=dataset,
-                                  processing_class=tok)
+    trainer = DistillationTrainer(
+        model=str(tiny_model_dir),
+        teacher_model=str(teacher_dir),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+    )
     losses = []
     compute = trainer.compute_loss
 

@@ -11,16 +11,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_pt_sft import fresh_accelerate_state  # noqa: F401 (fixture)
 
 from pipeline.config import load_config
-from test_pt_sft import fresh_accelerate_state  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def torchrun(argv, tmp_path, stage="sft.py"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "stages" / stage), *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "stages" / stage),
+        *argv,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -29,13 +38,20 @@ def test_resuming_a_deepspeed_run_is_refused_up_front(tiny_model_dir, tmp_path, 
     """ZeRO shards the optimizer state and the checkpoint holds rank 0's share: a DeepSpeed run
     that would resume is refused with the config problems; a fresh one (resume false, or no
     checkpoint yet) is not. (CUDA and deepspeed pretended present: the check is pure.)"""
+    from pipeline.engine import accelerator
     from stages.sft import SFTConfig
 
-    from pipeline.engine import accelerator
-
     monkeypatch.setattr(accelerator.torch.cuda, "is_available", lambda: True)
-    argv = ["--model.path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out"), "--distributed.engine", "deepspeed",
-            "--distributed.deepspeed_config", str(ROOT / "deepspeed_configs" / "zero3.json")]
+    argv = [
+        "--model.path",
+        str(tiny_model_dir),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--distributed.engine",
+        "deepspeed",
+        "--distributed.deepspeed_config",
+        str(ROOT / "deepspeed_configs" / "zero3.json"),
+    ]
     resume_lines = lambda cfg: [p for p in accelerator.combination_problems(cfg) if p.startswith("checkpoint.resume:")]  # noqa: E731
     assert resume_lines(load_config(SFTConfig, argv)) == []
     step = tmp_path / "out" / "checkpoints" / "step-0000001"
@@ -63,24 +79,63 @@ def test_ppo_under_ddp_is_on_policy_then_moves(tiny_model_dir, tiny_reward_dir, 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Question number {i}?"}) + "\n" for i in range(8)))
     out = tmp_path / "ppo"
-    torchrun(["--model.path", str(tiny_model_dir), "--reward_model.path", str(tiny_reward_dir), "--data.train", f"[{prompts}]",
-              "--data.eval", "[]", "--output_dir", str(out), "--train.eval_steps", "0", "--train.batch_size", "2",
-              "--train.max_steps", "2", "--train.learning_rate", "1e-2", "--train.lr_schedule", "constant", "--train.warmup", "0",
-              "--train.log_steps", "1", "--lora.r", "4", "--generation.max_new_tokens", "6", "--ppo.mini_batch_size", "2",
-              "--checkpoint.keep", "[{every: 2}]"], tmp_path, stage="ppo.py")
+    torchrun(
+        [
+            "--model.path",
+            str(tiny_model_dir),
+            "--reward_model.path",
+            str(tiny_reward_dir),
+            "--data.train",
+            f"[{prompts}]",
+            "--data.eval",
+            "[]",
+            "--output_dir",
+            str(out),
+            "--train.eval_steps",
+            "0",
+            "--train.batch_size",
+            "2",
+            "--train.max_steps",
+            "2",
+            "--train.learning_rate",
+            "1e-2",
+            "--train.lr_schedule",
+            "constant",
+            "--train.warmup",
+            "0",
+            "--train.log_steps",
+            "1",
+            "--lora.r",
+            "4",
+            "--generation.max_new_tokens",
+            "6",
+            "--ppo.mini_batch_size",
+            "2",
+            "--checkpoint.keep",
+            "[{every: 2}]",
+        ],
+        tmp_path,
+        stage="ppo.py",
+    )
     scalars = read_scalars(out)
     assert dict(scalars["ppo/ratio_dev_first"])[1] == 0.0 and dict(scalars["ppo/kl"])[1] == 0.0
     assert dict(scalars["ppo/kl"])[2] != 0.0  # negative control: the update moved the policy
     assert (out / "merged" / "manifest.json").is_file() and (out / "summary.json").is_file()
-    assert sorted(p.name for p in (out / "checkpoints" / "step-0000002").glob("rng-rank*.json")) == ["rng-rank0.json", "rng-rank1.json"]
+    assert sorted(p.name for p in (out / "checkpoints" / "step-0000002").glob("rng-rank*.json")) == [
+        "rng-rank0.json",
+        "rng-rank1.json",
+    ]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal only applies without a GPU")
 def test_flash_attention_without_a_gpu_is_a_config_problem(tiny_model_dir):
+    from pipeline.engine.accelerator import combination_problems
     from stages.sft import SFTConfig
 
-    from pipeline.engine.accelerator import combination_problems
-
-    cfg = load_config(SFTConfig, ["--model.path", str(tiny_model_dir), "--model.attn_implementation", "flash_attention_2"])
-    assert combination_problems(cfg) == ["model.attn_implementation: attn_implementation 'flash_attention_2' needs a CUDA GPU; "
-                                         "none is visible. Use 'sdpa'."]
+    cfg = load_config(
+        SFTConfig, ["--model.path", str(tiny_model_dir), "--model.attn_implementation", "flash_attention_2"]
+    )
+    assert combination_problems(cfg) == [
+        "model.attn_implementation: attn_implementation 'flash_attention_2' needs a CUDA GPU; "
+        "none is visible. Use 'sdpa'."
+    ]

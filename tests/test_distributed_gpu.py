@@ -20,13 +20,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_distributed_stages import LOSS_KEYS, figures, launch, merged_weights, stage_argv, write_data
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: DeepSpeed/FSDP/QLoRA on CUDA")
 RANKS = max(1, min(2, torch.cuda.device_count())) if torch.cuda.is_available() else 1
-ZERO = {"zero2": "zero2.json", "zero2_offload": "zero2_offload.json", "zero3": "zero3.json", "zero3_offload": "zero3_offload.json"}
+ZERO = {
+    "zero2": "zero2.json",
+    "zero2_offload": "zero2_offload.json",
+    "zero3": "zero3.json",
+    "zero3_offload": "zero3_offload.json",
+}
 REL_FP32 = 1e-3
 """DeepSpeed reduces and partitions in its own order: fp32 curves agree to ~1e-5; 1e-3 is the bound."""
 REL_QLORA = 1e-2
@@ -53,7 +57,12 @@ def run(setup, specs: list[dict], name: str, ranks: int) -> Path:
 
 
 def deepspeed(config: str) -> list[str]:
-    return ["--distributed.engine", "deepspeed", "--distributed.deepspeed_config", str(ROOT / "deepspeed_configs" / ZERO[config])]
+    return [
+        "--distributed.engine",
+        "deepspeed",
+        "--distributed.deepspeed_config",
+        str(ROOT / "deepspeed_configs" / ZERO[config]),
+    ]
 
 
 def assert_same(got: Path, want: Path, stage: str, rel: float) -> None:
@@ -70,7 +79,9 @@ def one_gpu(setup, stage: str, accum: int) -> Path:
     launch costs a Python, torch and DeepSpeed start-up: run_scripts/gpu_check.sh has a budget)."""
     if (stage, accum) not in _ONE_GPU:
         name = f"one-{stage}-{accum}"
-        _ONE_GPU[stage, accum] = run(setup, [{"stage": stage, "argv": argv(setup, stage, accum, 1, f"{name}/{stage}")}], name, 1)
+        _ONE_GPU[stage, accum] = run(
+            setup, [{"stage": stage, "argv": argv(setup, stage, accum, 1, f"{name}/{stage}")}], name, 1
+        )
     return _ONE_GPU[stage, accum]
 
 
@@ -82,23 +93,45 @@ def test_zero_equals_one_gpu(zero, stage, accum, setup):
     DeepSpeed's engine stepped after every micro-batch."""
     name = f"{zero}-{stage}-{accum}"
     one = one_gpu(setup, stage, accum)
-    got = run(setup, [{"stage": stage, "argv": argv(setup, stage, accum, RANKS, f"{name}-ds/{stage}", *deepspeed(zero))}], f"{name}-ds", RANKS)
+    got = run(
+        setup,
+        [{"stage": stage, "argv": argv(setup, stage, accum, RANKS, f"{name}-ds/{stage}", *deepspeed(zero))}],
+        f"{name}-ds",
+        RANKS,
+    )
     assert_same(got / stage, one / stage, stage, REL_FP32)
 
 
 def test_ppo_under_zero3_equals_one_gpu(setup):
     one = run(setup, [{"stage": "ppo", "argv": argv(setup, "ppo", 1, 1, "ppo-one/ppo")}], "ppo-one", 1)
-    got = run(setup, [{"stage": "ppo", "argv": argv(setup, "ppo", 1, RANKS, "ppo-z3/ppo", *deepspeed("zero3"))}], "ppo-z3", RANKS)
+    got = run(
+        setup,
+        [{"stage": "ppo", "argv": argv(setup, "ppo", 1, RANKS, "ppo-z3/ppo", *deepspeed("zero3"))}],
+        "ppo-z3",
+        RANKS,
+    )
     assert_same(got / "ppo", one / "ppo", "ppo", REL_FP32)
     assert (got / "ppo" / "merged" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize("engine", ["zero2"])  # ZeRO-3 and FSDP2 refuse 4-bit weights up front (test_zero_cpu.py, test_fsdp.py)
+@pytest.mark.parametrize(
+    "engine", ["zero2"]
+)  # ZeRO-3 and FSDP2 refuse 4-bit weights up front (test_zero_cpu.py, test_fsdp.py)
 def test_qlora_trains_under_sharding_and_tracks_one_gpu(engine, setup):
     qlora = ["--model.finetuning", "qlora", "--model.dtype", "bf16", "--train.precision", "bf16"]
-    one = run(setup, [{"stage": "sft", "argv": argv(setup, "sft", 1, 1, f"qlora-{engine}-one/sft", *qlora)}], f"qlora-{engine}-one", 1)
+    one = run(
+        setup,
+        [{"stage": "sft", "argv": argv(setup, "sft", 1, 1, f"qlora-{engine}-one/sft", *qlora)}],
+        f"qlora-{engine}-one",
+        1,
+    )
     flags = deepspeed(engine)
-    got = run(setup, [{"stage": "sft", "argv": argv(setup, "sft", 1, RANKS, f"qlora-{engine}/sft", *qlora, *flags)}], f"qlora-{engine}", RANKS)
+    got = run(
+        setup,
+        [{"stage": "sft", "argv": argv(setup, "sft", 1, RANKS, f"qlora-{engine}/sft", *qlora, *flags)}],
+        f"qlora-{engine}",
+        RANKS,
+    )
     assert_same(got / "sft", one / "sft", "sft", REL_QLORA)
     assert merged_weights(got / "sft")
 
@@ -107,7 +140,12 @@ def test_bf16_tracks_fp32(setup):
     runs = {}
     for precision in ("fp32", "bf16"):
         extra = ["--train.precision", precision, "--model.dtype", precision]
-        runs[precision] = run(setup, [{"stage": "sft", "argv": argv(setup, "sft", 1, 1, f"prec-{precision}/sft", *extra)}], f"prec-{precision}", 1)
+        runs[precision] = run(
+            setup,
+            [{"stage": "sft", "argv": argv(setup, "sft", 1, 1, f"prec-{precision}/sft", *extra)}],
+            f"prec-{precision}",
+            1,
+        )
     a, b = figures(runs["bf16"] / "sft", "sft"), figures(runs["fp32"] / "sft", "sft")
     assert a["train/loss"] == pytest.approx(b["train/loss"], rel=REL_BF16)
     (setup[0] / "bf16-vs-fp32.json").write_text(json.dumps({"bf16": a, "fp32": b}))
@@ -120,9 +158,17 @@ def test_resuming_a_zero3_run_is_refused_up_front(setup):
     from stages.sft import SFTStage
 
     flags = deepspeed("zero3")
-    folder = run(setup, [{"stage": "sft", "argv": argv(setup, "sft", 1, RANKS, "z3-stop/sft", *flags), "stop_after": 1}], "z3-stop", RANKS)
+    folder = run(
+        setup,
+        [{"stage": "sft", "argv": argv(setup, "sft", 1, RANKS, "z3-stop/sft", *flags), "stop_after": 1}],
+        "z3-stop",
+        RANKS,
+    )
     assert (folder / "sft" / "checkpoints").is_dir()
     stage = SFTStage(load_config(SFTStage.config_class, argv(setup, "sft", 1, RANKS, "z3-stop/sft", *flags)))
     with pytest.raises(ConfigError) as err:
         stage.validate()
-    assert any(p.startswith("checkpoint.resume: resuming a distributed.engine deepspeed run is not supported") for p in err.value.problems)
+    assert any(
+        p.startswith("checkpoint.resume: resuming a distributed.engine deepspeed run is not supported")
+        for p in err.value.problems
+    )

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
-
 from distrun import ScriptedGenerator, scripted_reward
+from test_pt_sft import fresh_accelerate_state  # noqa: F401 (fixture)
+
 from pipeline.algorithms.ppo import make_experience, ppo_update
 from stages import ppo
-from test_pt_sft import fresh_accelerate_state  # noqa: F401 (fixture)
 
 
 def build(tmp_path, policy, reward, prompts, accum: int) -> ppo.PPOStage:
@@ -52,7 +51,9 @@ def test_ppo_update_is_the_same_for_every_split_of_a_mini_batch(tmp_path, tiny_m
     from accelerate.state import AcceleratorState, GradientState
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Question number {i}" + "?" * (i % 3 + 1)}) + "\n" for i in range(8)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"Question number {i}" + "?" * (i % 3 + 1)}) + "\n" for i in range(8))
+    )
     grads = {}
     exp = None
     for accum in (1, 2, 8):
@@ -61,14 +62,25 @@ def test_ppo_update_is_the_same_for_every_split_of_a_mini_batch(tmp_path, tiny_m
         stage = build(tmp_path, tiny_model_dir, tiny_reward_dir, prompts, accum)
         if exp is None:
             batch = [stage.train_samples[i] for i in stage.next_sample_indices(grad_accum=1)[0]]
-            exp = make_experience(stage.inner, stage.rollout(batch), [p["text"] for p in batch], cfg=stage.cfg, kl_coef=0.05,
-                                  normaliser=stage.normaliser, reward_fn=stage.reward_fn, accelerator=stage.accelerator)
+            exp = make_experience(
+                stage.inner,
+                stage.rollout(batch),
+                [p["text"] for p in batch],
+                cfg=stage.cfg,
+                kl_coef=0.05,
+                normaliser=stage.normaliser,
+                reward_fn=stage.reward_fn,
+                accelerator=stage.accelerator,
+            )
             lengths = exp.rollout.response_mask.sum(1).tolist()
             assert len(set(lengths)) > 2  # responses differ in length, so a mean of micro-batch means would differ
         grads[accum] = gradients_of_one_update(stage, exp)
     assert grads[1] and grads[1].keys() == grads[2].keys() == grads[8].keys()
     for accum in (2, 8):
-        worst = max(float((grads[accum][n] - grads[1][n]).abs().max() / grads[1][n].abs().max().clamp(min=1e-12)) for n in grads[1])
+        worst = max(
+            float((grads[accum][n] - grads[1][n]).abs().max() / grads[1][n].abs().max().clamp(min=1e-12))
+            for n in grads[1]
+        )
         assert worst < 1e-5, (accum, worst)
 
 

@@ -21,57 +21,148 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from test_pt_sft import write_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
 STAGES = ("pt", "sft", "rm", "ppo")
 ACCUMS = (1, 4)
-LOSS_KEYS = {"pt": ("train/loss", "train/grad_norm"), "sft": ("train/loss", "train/grad_norm", "train/loss_task/big"),
-             "rm": ("train/loss", "train/grad_norm", "train/accuracy"),
-             "ppo": ("train/grad_norm", "ppo/kl", "ppo/reward_norm", "ppo/reward_raw", "ppo/entropy")}
+LOSS_KEYS = {
+    "pt": ("train/loss", "train/grad_norm"),
+    "sft": ("train/loss", "train/grad_norm", "train/loss_task/big"),
+    "rm": ("train/loss", "train/grad_norm", "train/accuracy"),
+    "ppo": ("train/grad_norm", "ppo/kl", "ppo/reward_norm", "ppo/reward_raw", "ppo/entropy"),
+}
 REL = 1e-4
 ABS = 1e-6
 WEIGHTS_ABS = {"lora": 1e-5, "qlora": 1e-5, "full": 1e-4}
 """Merged weights, max |difference|. Full fine-tuning: Adam divides each gradient by its own RMS,
 so on weights whose gradient is ~0 the reduction-order noise of the two runs becomes up to a
 few % of one step (lr 5e-3 to 1e-2); measured 2.5e-5."""
-FSDP_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP on two GPUs (NCCL cannot put two ranks on one); "
-                               "FSDP on two CPU ranks: tests/test_fsdp.py")
+FSDP_GPUS = pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="FSDP on two GPUs (NCCL cannot put two ranks on one); FSDP on two CPU ranks: tests/test_fsdp.py",
+)
 
 
 def write_data(root: Path) -> dict[str, Path]:
     root.mkdir(parents=True, exist_ok=True)
     docs = root / "pt.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"document {i} " + "lorem ipsum " * (i % 5 + 1)}) + "\n" for i in range(80)))
+    docs.write_text(
+        "".join(json.dumps({"text": f"document {i} " + "lorem ipsum " * (i % 5 + 1)}) + "\n" for i in range(80))
+    )
     sft_train, sft_valid = write_sft(root / "sft", 12, 4)
     pairs = root / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"question": f"What is {i} plus {i}?", "response_chosen": f"{i} plus {i} is {2 * i}.",
-                                         "response_rejected": "No idea" + "!" * (i % 4)}) + "\n" for i in range(16)))
+    pairs.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "question": f"What is {i} plus {i}?",
+                    "response_chosen": f"{i} plus {i} is {2 * i}.",
+                    "response_rejected": "No idea" + "!" * (i % 4),
+                }
+            )
+            + "\n"
+            for i in range(16)
+        )
+    )
     prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Question number {i}" + "?" * (i % 3 + 1)}) + "\n" for i in range(16)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"Question number {i}" + "?" * (i % 3 + 1)}) + "\n" for i in range(16))
+    )
     return {"pt": docs, "sft": sft_train, "sft_valid": sft_valid, "rm": pairs, "ppo": prompts}
 
 
 def stage_argv(stage: str, accum: int, batch: int, out: Path, data: dict, model: Path, reward: Path) -> list[str]:
     """One run's arguments: 2 steps, constant LR, clipping active, no dropout, no mid-run eval."""
-    common = ["--output_dir", str(out), "--train.max_steps", str(STEPS), "--train.eval_steps", "0", "--train.log_steps", "1",
-              "--train.grad_accum", str(accum), "--train.batch_size", str(batch), "--train.lr_schedule", "constant",
-              "--train.warmup", "0", "--train.max_grad_norm", "0.05", "--lora.dropout", "0", "--lora.r", "4",
-              "--checkpoint.save_interval", "1000h", "--model.path", str(model), "--train.precision", "fp32", "--model.dtype", "fp32"]
+    common = [
+        "--output_dir",
+        str(out),
+        "--train.max_steps",
+        str(STEPS),
+        "--train.eval_steps",
+        "0",
+        "--train.log_steps",
+        "1",
+        "--train.grad_accum",
+        str(accum),
+        "--train.batch_size",
+        str(batch),
+        "--train.lr_schedule",
+        "constant",
+        "--train.warmup",
+        "0",
+        "--train.max_grad_norm",
+        "0.05",
+        "--lora.dropout",
+        "0",
+        "--lora.r",
+        "4",
+        "--checkpoint.save_interval",
+        "1000h",
+        "--model.path",
+        str(model),
+        "--train.precision",
+        "fp32",
+        "--model.dtype",
+        "fp32",
+    ]
     if stage == "pt":
-        return common + ["--data.train", f"[{data['pt']}]", "--data.eval", "[]", "--train.seq_length", "32", "--train.learning_rate", "1e-2"]
+        return common + [
+            "--data.train",
+            f"[{data['pt']}]",
+            "--data.eval",
+            "[]",
+            "--train.seq_length",
+            "32",
+            "--train.learning_rate",
+            "1e-2",
+        ]
     if stage == "sft":
-        return common + ["--data.train", f"[{data['sft']}]", "--data.eval", f"[{data['sft_valid']}]", "--train.seq_length", "48",
-                         "--train.learning_rate", "5e-3", "--multitask.weighted_loss_mode", "case3"]
+        return common + [
+            "--data.train",
+            f"[{data['sft']}]",
+            "--data.eval",
+            f"[{data['sft_valid']}]",
+            "--train.seq_length",
+            "48",
+            "--train.learning_rate",
+            "5e-3",
+            "--multitask.weighted_loss_mode",
+            "case3",
+        ]
     if stage == "rm":
-        return common + ["--data.train", f"[{data['rm']}]", "--data.eval", "[]", "--train.seq_length", "64", "--train.learning_rate", "5e-3"]
-    return common + ["--reward_model.path", str(reward), "--data.train", f"[{data['ppo']}]", "--data.eval", "[]",
-                     "--train.learning_rate", "1e-2", "--ppo.mini_batch_size", str(batch), "--generation.max_new_tokens", "6"]
+        return common + [
+            "--data.train",
+            f"[{data['rm']}]",
+            "--data.eval",
+            "[]",
+            "--train.seq_length",
+            "64",
+            "--train.learning_rate",
+            "5e-3",
+        ]
+    return common + [
+        "--reward_model.path",
+        str(reward),
+        "--data.train",
+        f"[{data['ppo']}]",
+        "--data.eval",
+        "[]",
+        "--train.learning_rate",
+        "1e-2",
+        "--ppo.mini_batch_size",
+        str(batch),
+        "--generation.max_new_tokens",
+        "6",
+    ]
 
 
-RUNS = [(stage, accum, "lora") for stage in STAGES for accum in ACCUMS] + [("rm", 1, "full"), ("ppo", 1, "full"), ("sft", 1, "qlora")]
+RUNS = [(stage, accum, "lora") for stage in STAGES for accum in ACCUMS] + [
+    ("rm", 1, "full"),
+    ("ppo", 1, "full"),
+    ("sft", 1, "qlora"),
+]
 """(stage, grad_accum, model.finetuning) of every run; LoRA with both accumulations, the other
 modes once."""
 
@@ -114,7 +205,9 @@ def launch(specs: list[dict], folder: Path, nproc: int, torchrun: bool = False) 
     spec_file = folder / "runs.json"
     spec_file.write_text(json.dumps(specs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 or torchrun else []
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 or torchrun else []
+    )
     cmd = [sys.executable, *launcher, str(ROOT / "tests" / "distrun.py"), str(spec_file)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -143,12 +236,19 @@ def two_processes(engine: str, setup) -> Path:
     if engine not in _ENGINES:
         root, data, model, reward = setup
         folder = root / engine
-        specs = [spec for spec in runs(folder, 2, data, model, reward) if engine != "fsdp" or "qlora" not in spec["argv"]]
+        specs = [
+            spec for spec in runs(folder, 2, data, model, reward) if engine != "fsdp" or "qlora" not in spec["argv"]
+        ]
         for spec in specs:
             spec["argv"] += ["--distributed.engine", engine]
         if engine == "fsdp":
             for stage, name, mode in (("sft", "sft-resumed", "lora"), ("rm", "rm-full-resumed", "full")):
-                argv = stage_argv(stage, 1, 2, folder / name, data, model, reward) + ["--model.finetuning", mode, "--distributed.engine", "fsdp"]
+                argv = stage_argv(stage, 1, 2, folder / name, data, model, reward) + [
+                    "--model.finetuning",
+                    mode,
+                    "--distributed.engine",
+                    "fsdp",
+                ]
                 specs += [{"stage": stage, "argv": argv, "stop_after": 1}, {"stage": stage, "argv": argv}]
         launch(specs, folder, 2)
         _ENGINES[engine] = folder

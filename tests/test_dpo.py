@@ -20,10 +20,10 @@ from collections import defaultdict
 
 import pytest
 import torch
+from stagerun import recording, run_stage
 
 from data_formats import collate
 from pipeline.algorithms import preference as pref
-from stagerun import recording, run_stage
 from stages import dpo
 
 # Four pairs: summed answer log-probs of the policy and the reference, answer token counts.
@@ -65,16 +65,35 @@ def trl_dpo(loss_type: str, beta: float, pc, pr, rc, rr, nc=NC, nr=NR, label_smo
 
     def model(**_):
         rows = torch.arange(2 * b)
-        per_token = torch.zeros(2 * b, width - 1, dtype=logps.dtype).index_put((rows, torch.full_like(rows, width - 2)), logps)
+        per_token = torch.zeros(2 * b, width - 1, dtype=logps.dtype).index_put(
+            (rows, torch.full_like(rows, width - 2)), logps
+        )
         zeros = torch.zeros(2 * b, width - 1)
         return types.SimpleNamespace(log_probs=per_token, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
 
     trainer = types.SimpleNamespace(
-        model=types.SimpleNamespace(training=True), accelerator=_Accelerator(), aux_loss_enabled=False, ld_alpha=None,
-        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0], beta=beta,
-        label_smoothing=label_smoothing, use_weighting=False, _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
-    inputs = {"input_ids": torch.zeros(2 * b, width, dtype=torch.long), "attention_mask": torch.ones(2 * b, width, dtype=torch.long),
-              "completion_mask": completion, "ref_chosen_logps": rc, "ref_rejected_logps": rr}
+        model=types.SimpleNamespace(training=True),
+        accelerator=_Accelerator(),
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type="reverse_kl",
+        loss_types=[loss_type],
+        loss_weights=[1.0],
+        beta=beta,
+        label_smoothing=label_smoothing,
+        use_weighting=False,
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+    inputs = {
+        "input_ids": torch.zeros(2 * b, width, dtype=torch.long),
+        "attention_mask": torch.ones(2 * b, width, dtype=torch.long),
+        "completion_mask": completion,
+        "ref_chosen_logps": rc,
+        "ref_rejected_logps": rr,
+    }
     loss = DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
     loss.backward()
     metrics = {k: v[0] for k, v in trainer._metrics["train"].items()}
@@ -112,18 +131,38 @@ def test_label_smoothing_matches_trl_per_pair(beta, smoothing):
     for i in range(4):
         pc, pr = PC[i : i + 1].clone().requires_grad_(True), PR[i : i + 1].clone().requires_grad_(True)
         pref.dpo_losses(pc, pr, RC[i : i + 1], RR[i : i + 1], beta, "sigmoid", smoothing).losses.sum().backward()
-        trl_loss, trl_c, trl_r, _ = trl_dpo("aot_unpaired", beta, PC[i : i + 1], PR[i : i + 1], RC[i : i + 1], RR[i : i + 1],
-                                            NC[i : i + 1], NR[i : i + 1], label_smoothing=smoothing)
+        trl_loss, trl_c, trl_r, _ = trl_dpo(
+            "aot_unpaired",
+            beta,
+            PC[i : i + 1],
+            PR[i : i + 1],
+            RC[i : i + 1],
+            RR[i : i + 1],
+            NC[i : i + 1],
+            NR[i : i + 1],
+            label_smoothing=smoothing,
+        )
         assert out.losses[i].item() == pytest.approx(trl_loss.item(), abs=1e-12)
-        assert pc.grad.item() == pytest.approx(trl_c.item(), abs=1e-12) and pr.grad.item() == pytest.approx(trl_r.item(), abs=1e-12)
+        assert pc.grad.item() == pytest.approx(trl_c.item(), abs=1e-12) and pr.grad.item() == pytest.approx(
+            trl_r.item(), abs=1e-12
+        )
 
 
 # DPOTrainer.dpo_loss(loss_type="sigmoid") of huggingface/trl@a68fb896f008f58a3d37abf11ae665357b7c679a
 # (trl/trainer/dpo_trainer.py:1152-1156) on PC, PR, RC, RR: per-pair losses, d mean / d PC (d / d PR is its negative).
 OLD_TRL_SIGMOID = {
-    (0.1, 0.0): ([0.658759555549, 0.739159339026, 0.602652909299, 0.883382155419], [-0.012062678558, -0.01306212062, -0.011316059546, -0.014665439473]),
-    (0.1, 0.2): ([0.672759555549, 0.721159339026, 0.640652909299, 0.813382155419], [-0.007062678558, -0.00806212062, -0.006316059546, -0.009665439473]),
-    (0.5, 0.1): ([0.568382155419, 0.898248945997, 0.421956406851, 1.735224150438], [-0.039172802635, -0.063829904244, -0.022360602747, -0.093994100246]),
+    (0.1, 0.0): (
+        [0.658759555549, 0.739159339026, 0.602652909299, 0.883382155419],
+        [-0.012062678558, -0.01306212062, -0.011316059546, -0.014665439473],
+    ),
+    (0.1, 0.2): (
+        [0.672759555549, 0.721159339026, 0.640652909299, 0.813382155419],
+        [-0.007062678558, -0.00806212062, -0.006316059546, -0.009665439473],
+    ),
+    (0.5, 0.1): (
+        [0.568382155419, 0.898248945997, 0.421956406851, 1.735224150438],
+        [-0.039172802635, -0.063829904244, -0.022360602747, -0.093994100246],
+    ),
 }
 
 
@@ -143,7 +182,10 @@ def test_orpo_odds_ratio_term_matches_trl():
     from trl.experimental.orpo.orpo_trainer import ORPOTrainer
 
     beta = 0.25
-    chosen, rejected = torch.tensor([-1.2, -7.5, -0.9, -12.0], dtype=torch.float64), torch.tensor([-6.0, -1.0, -9.1, -0.3], dtype=torch.float64)
+    chosen, rejected = (
+        torch.tensor([-1.2, -7.5, -0.9, -12.0], dtype=torch.float64),
+        torch.tensor([-6.0, -1.0, -9.1, -0.3], dtype=torch.float64),
+    )
     sums_c, sums_r = chosen.clone().requires_grad_(True), rejected.clone().requires_grad_(True)
     pairs, log_odds = pref.orpo_losses(sums_c, sums_r, NC, NR, beta)
     pairs.losses.mean().backward()
@@ -185,12 +227,31 @@ def test_unknown_loss_and_ipo_without_counts_are_errors():
 
 
 def test_collator_labels_only_the_answers():
-    batch = collate.AnswerPairCollator(0)([
-        {"chosen_input_ids": [5, 6, 7, 8], "rejected_input_ids": [5, 6, 9], "chosen_answer_len": 2, "rejected_answer_len": 1, "margin": None},
-        {"chosen_input_ids": [4, 3], "rejected_input_ids": [4, 2, 2, 1, 1], "chosen_answer_len": 1, "rejected_answer_len": 3, "margin": None},
-    ])
+    batch = collate.AnswerPairCollator(0)(
+        [
+            {
+                "chosen_input_ids": [5, 6, 7, 8],
+                "rejected_input_ids": [5, 6, 9],
+                "chosen_answer_len": 2,
+                "rejected_answer_len": 1,
+                "margin": None,
+            },
+            {
+                "chosen_input_ids": [4, 3],
+                "rejected_input_ids": [4, 2, 2, 1, 1],
+                "chosen_answer_len": 1,
+                "rejected_answer_len": 3,
+                "margin": None,
+            },
+        ]
+    )
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 0], [4, 3, 0, 0, 0], [5, 6, 9, 0, 0], [4, 2, 2, 1, 1]]
-    assert batch["labels"].tolist() == [[-100, -100, 7, 8, -100], [-100, 3, -100, -100, -100], [-100, -100, 9, -100, -100], [-100, -100, 2, 1, 1]]
+    assert batch["labels"].tolist() == [
+        [-100, -100, 7, 8, -100],
+        [-100, 3, -100, -100, -100],
+        [-100, -100, 9, -100, -100],
+        [-100, -100, 2, 1, 1],
+    ]
     assert set(batch) == {"input_ids", "attention_mask", "labels"}
 
 
@@ -216,7 +277,9 @@ def pair_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo_data")
     rows = [{"question": q, "response_chosen": c, "response_rejected": r} for q, c, r in PAIRS]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "valid.jsonl").write_text("".join(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n" for q, c, r in PAIRS[:4]))
+    (root / "valid.jsonl").write_text(
+        "".join(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n" for q, c, r in PAIRS[:4])
+    )
     return root / "train.jsonl", root / "valid.jsonl"
 
 
@@ -280,14 +343,23 @@ def test_stage_learns_and_its_reference_is_the_starting_model(tmp_path, tiny_mod
 
 def test_precomputed_reference_equals_on_the_fly(tmp_path, tiny_model_dir, pair_files):
     on_the_fly = run_stage(dpo.DPOStage, make_cfg(tmp_path / "a", tiny_model_dir, pair_files))
-    precomputed = run_stage(dpo.DPOStage, make_cfg(tmp_path / "b", tiny_model_dir, pair_files, precompute_ref_log_probs=True))
-    assert set(precomputed.precomputed) == {"train", "eval"} and precomputed.precomputed["train"].shape == (len(PAIRS), 2)
+    precomputed = run_stage(
+        dpo.DPOStage, make_cfg(tmp_path / "b", tiny_model_dir, pair_files, precompute_ref_log_probs=True)
+    )
+    assert set(precomputed.precomputed) == {"train", "eval"} and precomputed.precomputed["train"].shape == (
+        len(PAIRS),
+        2,
+    )
     assert losses(precomputed) == pytest.approx(losses(on_the_fly), abs=1e-5)
-    full = run_stage(dpo.DPOStage, make_cfg(tmp_path / "c", tiny_model_dir, pair_files, "full", precompute_ref_log_probs=True))
+    full = run_stage(
+        dpo.DPOStage, make_cfg(tmp_path / "c", tiny_model_dir, pair_files, "full", precompute_ref_log_probs=True)
+    )
     assert full.reference is None  # the frozen copy is dropped once the log-probs are computed
 
 
-@pytest.mark.parametrize("dpo_keys", [{"precompute_ref_log_probs": True, "loss_type": "ipo"}, {"loss_type": "orpo", "beta": 0.2}])
+@pytest.mark.parametrize(
+    "dpo_keys", [{"precompute_ref_log_probs": True, "loss_type": "ipo"}, {"loss_type": "orpo", "beta": 0.2}]
+)
 def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir, pair_files, monkeypatch, dpo_keys):
     monkeypatch.delenv("RELAY_STOP_AFTER_STEP", raising=False)
     continuous = run_stage(recording(dpo.DPOStage), make_cfg(tmp_path / "a", tiny_model_dir, pair_files, **dpo_keys))
@@ -307,7 +379,15 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir, pair_files, monke
 def test_config_problems_are_reported_together(tmp_path, tiny_model_dir, pair_files):
     from pipeline.config import ConfigError
 
-    cfg = make_cfg(tmp_path / "out", tiny_model_dir, pair_files, loss_type="orpo", precompute_ref_log_probs=True, label_smoothing=0.1, beta=0)
+    cfg = make_cfg(
+        tmp_path / "out",
+        tiny_model_dir,
+        pair_files,
+        loss_type="orpo",
+        precompute_ref_log_probs=True,
+        label_smoothing=0.1,
+        beta=0,
+    )
     cfg.data.margin_field = "m"
     with pytest.raises(ConfigError) as err:
         dpo.DPOStage(cfg).validate()
@@ -331,7 +411,9 @@ def test_packed_pairs_score_as_padded_ones(tmp_path, tiny_model_dir, pair_files)
     padded = collate.AnswerPairCollator(stage.tokenizer.pad_token_id)(pairs)
     packed = collate.PackedPairCollator(stage.tokenizer.pad_token_id, 128)(pairs)
     assert packed["input_ids"].shape[0] < padded["input_ids"].shape[0]  # several sides share a row
-    assert packed["segment_ids"].dim() == 2 and "attention_mask" not in packed  # per-document attention built model-side
+    assert (
+        packed["segment_ids"].dim() == 2 and "attention_mask" not in packed
+    )  # per-document attention built model-side
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         sums_padded, counts_padded = pref.sequence_logps(model, padded, None)

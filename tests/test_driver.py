@@ -19,6 +19,8 @@ import pytest
 import yaml
 
 from pipeline.config import ConfigError
+from pipeline.modeling.handoff import fact_problems
+from pipeline.modeling.manifest import read_manifest, tokenizer_hash, weights_hash
 from pipeline.tools.chain import (
     DriverError,
     GoldConfig,
@@ -34,8 +36,6 @@ from pipeline.tools.chain import (
     stage_status,
 )
 from pipeline.tools.driver import gold_verdict, verdict
-from pipeline.modeling.handoff import fact_problems
-from pipeline.modeling.manifest import read_manifest, tokenizer_hash, weights_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("pt", "sft", "rm", "ppo")
@@ -108,7 +108,14 @@ def write_fake_config(tmp: Path, base: Path, report: bool = True, gold: bool = F
         "finetuning": "lora",
         "report": report,
         "all_stages": {"train": {"seed": 7}},
-        "stages": {s: {"config": {"train": {"max_steps": 2}}, "script": str(scripts / f"{SCRIPT_NAMES[s]}.py"), "overrides": {"train": {"max_steps": 3}}} for s in STAGES},
+        "stages": {
+            s: {
+                "config": {"train": {"max_steps": 2}},
+                "script": str(scripts / f"{SCRIPT_NAMES[s]}.py"),
+                "overrides": {"train": {"max_steps": 3}},
+            }
+            for s in STAGES
+        },
     }
     if gold:
         gold_file = tmp / "gold.jsonl"
@@ -121,7 +128,14 @@ def write_fake_config(tmp: Path, base: Path, report: bool = True, gold: bool = F
 
 def run_driver(config: Path, fake_log: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     environment = {**os.environ, "FAKE_LOG": str(fake_log), "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **env}
-    return subprocess.run(["bash", str(ROOT / "run_scripts/run_pipeline.sh"), str(config), *args], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        ["bash", str(ROOT / "run_scripts/run_pipeline.sh"), str(config), *args],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def ran(fake_log: Path) -> list[str]:
@@ -131,7 +145,10 @@ def ran(fake_log: Path) -> list[str]:
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, str]]:
-    return {s: ((root / s / "merged/model.safetensors").stat().st_mtime_ns, weights_hash(root / s / "merged")) for s in STAGES}
+    return {
+        s: ((root / s / "merged/model.safetensors").stat().st_mtime_ns, weights_hash(root / s / "merged"))
+        for s in STAGES
+    }
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +162,9 @@ def completed(tmp_path_factory, tiny_model_dir):
 def completed_copy(completed, tmp_path):
     """A private copy of the completed run (stage outputs only, no report), to tamper with."""
     config, root, _, _ = completed
-    copy_config, copy_root, fake_log = write_fake_config(tmp_path, Path(yaml.safe_load(config.read_text())["base_model"]), report=False)
+    copy_config, copy_root, fake_log = write_fake_config(
+        tmp_path, Path(yaml.safe_load(config.read_text())["base_model"]), report=False
+    )
     for folder in (*STAGES, "configs"):
         shutil.copytree(root / folder, copy_root / folder)
     return copy_config, copy_root, fake_log
@@ -155,7 +174,12 @@ def test_fake_pipeline_chains_stages_and_reports(completed, tiny_model_dir):
     config, root, fake_log, result = completed
     assert result.returncode == 0, result.stderr
     assert ran(fake_log) == ["pretrain", "sft", "reward", "ppo"]
-    parents = {"pt": Path(tiny_model_dir).resolve(), "sft": root / "pt/merged", "rm": root / "sft/merged", "ppo": root / "sft/merged"}
+    parents = {
+        "pt": Path(tiny_model_dir).resolve(),
+        "sft": root / "pt/merged",
+        "rm": root / "sft/merged",
+        "ppo": root / "sft/merged",
+    }
     for stage, parent in parents.items():
         manifest = read_manifest(root / stage / "merged")
         assert manifest["parent_path"] == str(parent.resolve())
@@ -166,7 +190,11 @@ def test_fake_pipeline_chains_stages_and_reports(completed, tiny_model_dir):
     written = yaml.safe_load((root / "configs/sft.yaml").read_text())
     assert written == {"train": {"max_steps": 3, "seed": 7}, "model": {"finetuning": "lora"}}
     summary = json.loads((root / "summary.json").read_text())
-    assert summary["rm_eval_accuracy"] == 0.9 and summary["ppo_reward_first"] == -0.25 and summary["ppo_reward_last"] == 0.5
+    assert (
+        summary["rm_eval_accuracy"] == 0.9
+        and summary["ppo_reward_first"] == -0.25
+        and summary["ppo_reward_last"] == 0.5
+    )
     assert summary["ppo_kl_last"] == 0.0625 and summary["pt_wall_seconds"] > 0
     assert summary["final_model"] == str((root / "ppo/merged").resolve())
     assert "ppo: mean reward -0.2500 -> 0.5000" in result.stdout
@@ -174,11 +202,15 @@ def test_fake_pipeline_chains_stages_and_reports(completed, tiny_model_dir):
     # the phrase, so the verdict (which rests on the table, not on the rising reward) is WARNING
     gold = summary["gold"]
     assert [(r["model"], r["n"], r["path"]) for r in gold["rows"]] == [
-        ("base", 4, str(Path(tiny_model_dir).resolve())), ("sft", 4, str((root / "sft/merged").resolve())), ("ppo", 4, str((root / "ppo/merged").resolve()))
+        ("base", 4, str(Path(tiny_model_dir).resolve())),
+        ("sft", 4, str((root / "sft/merged").resolve())),
+        ("ppo", 4, str((root / "ppo/merged").resolve())),
     ]
     assert gold["rl"] == "ppo" and gold["reference"] == "sft" and summary["gold_wall_seconds"] >= 0
     assert summary["verdict"] == "WARNING" and len(summary["verdict_reasons"]) == 1
-    assert summary["verdict_reasons"][0].startswith("gold: the ppo model's phrase rate 0.000 is not above the sft model's 0.000 by 0.2")
+    assert summary["verdict_reasons"][0].startswith(
+        "gold: the ppo model's phrase rate 0.000 is not above the sft model's 0.000 by 0.2"
+    )
     assert "| model | phrase rate | fact accuracy | n |" in result.stdout and "| ppo | 0.000 |" in result.stdout
     assert "verdict: WARNING" in result.stdout
     assert len((root / "gold/answers/ppo.jsonl").read_text().splitlines()) == 4
@@ -196,22 +228,31 @@ def test_rerunning_a_complete_pipeline_does_no_work(completed):
     assert ran(fake_log) == ["pretrain", "sft", "reward", "ppo"]  # nothing new ran
     assert snapshot(root) == before
     log = (root / "driver.log").read_text().splitlines()
-    assert [line.split(" ", 2)[2] for line in log if "skipped" in line][-4:] == [f"{s}: skipped, already complete ({root / s / 'merged'}/manifest.json)" for s in STAGES]
+    assert [line.split(" ", 2)[2] for line in log if "skipped" in line][-4:] == [
+        f"{s}: skipped, already complete ({root / s / 'merged'}/manifest.json)" for s in STAGES
+    ]
     gold_lines = [line.split(" ", 2)[2] for line in log if line.split(" ", 2)[2].startswith("gold: ")]
-    assert [line.split(" (")[0] for line in gold_lines] == [f"gold: {m}: generating greedy answers" for m in ("base", "sft", "ppo")] + [f"gold: {m}: cached" for m in ("base", "sft", "ppo")]
+    assert [line.split(" (")[0] for line in gold_lines] == [
+        f"gold: {m}: generating greedy answers" for m in ("base", "sft", "ppo")
+    ] + [f"gold: {m}: cached" for m in ("base", "sft", "ppo")]
 
 
 def test_selection_crash_and_resume(tmp_path, tiny_model_dir):
     config, root, fake_log = write_fake_config(tmp_path, tiny_model_dir, report=False)
     refused = run_driver(config, fake_log, "--only", "rm")
-    assert refused.returncode == 1 and f"sft has not run: {(root / 'sft/merged').resolve()} does not exist yet" in refused.stderr
+    assert (
+        refused.returncode == 1
+        and f"sft has not run: {(root / 'sft/merged').resolve()} does not exist yet" in refused.stderr
+    )
     assert run_driver(config, fake_log, "--only", "pt").returncode == 0
     assert ran(fake_log) == ["pretrain"]
     pt_hash = weights_hash(root / "pt/merged")
     crashed = run_driver(config, fake_log, FAIL_STAGE="reward")
     assert crashed.returncode == 3 and ran(fake_log) == ["pretrain", "sft", "reward"]
     assert not (root / "rm/merged").exists()
-    assert json.loads((root / "summary.json").read_text())["verdict_reasons"] == ["RM or PPO did not run"]  # from --only pt
+    assert json.loads((root / "summary.json").read_text())["verdict_reasons"] == [
+        "RM or PPO did not run"
+    ]  # from --only pt
     resumed = run_driver(config, fake_log, "--from", "rm")
     assert resumed.returncode == 0, resumed.stderr
     assert ran(fake_log) == ["pretrain", "sft", "reward", "reward", "ppo"]
@@ -231,7 +272,10 @@ def test_tokenizer_mismatch_between_rm_and_policy_is_refused(completed_copy):
     (rm / "manifest.json").write_text(json.dumps(manifest))
     refused = run_driver(config, fake_log, "--only", "ppo")
     assert refused.returncode == 1
-    assert f"tokenizer hash: reward model {rm.resolve()} has {tokenizer_hash(rm)}, policy {(root / 'sft/merged').resolve()} has {policy_hash}" in refused.stderr
+    assert (
+        f"tokenizer hash: reward model {rm.resolve()} has {tokenizer_hash(rm)}, policy {(root / 'sft/merged').resolve()} has {policy_hash}"
+        in refused.stderr
+    )
     assert ran(fake_log) == []
 
 
@@ -280,7 +324,10 @@ def test_rebuilt_reward_model_makes_ppo_stale(completed_copy):
     stale = run_driver(config, fake_log)  # pt, sft, rm are done; PPO must not be skipped
     assert stale.returncode == 1 and ran(fake_log) == []
     rm = (root / "rm/merged").resolve()
-    assert f"{root / 'ppo/merged'} is stale: the reward model was rebuilt since PPO ran: PPO scored with reward model weights {recorded}" in stale.stderr
+    assert (
+        f"{root / 'ppo/merged'} is stale: the reward model was rebuilt since PPO ran: PPO scored with reward model weights {recorded}"
+        in stale.stderr
+    )
     assert f"but {rm} now has {new_hash}; delete {root / 'ppo'} to rebuild it" in stale.stderr
     cfg, _ = load_pipeline(str(config), [])
     with pytest.raises(DriverError, match="the reward model was rebuilt"):
@@ -290,7 +337,10 @@ def test_rebuilt_reward_model_makes_ppo_stale(completed_copy):
     shutil.rmtree(root / "ppo")
     rebuilt = run_driver(config, fake_log)
     assert rebuilt.returncode == 0, rebuilt.stderr
-    assert ran(fake_log) == ["ppo"] and read_manifest(root / "ppo/merged")["reward_model"] == {"path": str(rm), "weights_hash": new_hash}
+    assert ran(fake_log) == ["ppo"] and read_manifest(root / "ppo/merged")["reward_model"] == {
+        "path": str(rm),
+        "weights_hash": new_hash,
+    }
 
 
 def test_ppo_output_without_reward_model_record_is_stale(completed_copy):
@@ -311,7 +361,9 @@ def test_changed_stage_config_is_reported_not_skipped(completed_copy):
     config, root, fake_log = completed_copy
     changed = run_driver(config, fake_log, "--only", "rm", "--stages.rm.overrides", "{train: {max_steps: 9}}")
     assert changed.returncode == 1 and ran(fake_log) == []
-    assert f"{root / 'rm/merged'} was built with the config in {root / 'configs/rm.yaml'}, which differs" in changed.stderr
+    assert (
+        f"{root / 'rm/merged'} was built with the config in {root / 'configs/rm.yaml'}, which differs" in changed.stderr
+    )
     assert "max_steps: 9" in changed.stderr
 
 
@@ -342,11 +394,17 @@ def test_config_errors_are_collected(tmp_path):
     assert err.value.problems == [f"--from: 'nope' is not a stage ({', '.join(registry.STAGES)})"]
     with pytest.raises(ConfigError) as err:
         load_pipeline(str(path), [])
-    assert err.value.problems == [f"{path}: output_rot: unknown key; did you mean 'output_root'?", f"{path}: stages.pt.enabld: unknown key; did you mean 'stages.pt.enabled'?"]
+    assert err.value.problems == [
+        f"{path}: output_rot: unknown key; did you mean 'output_root'?",
+        f"{path}: stages.pt.enabld: unknown key; did you mean 'stages.pt.enabled'?",
+    ]
     path.write_text("finetuning: half\nstages: {rm: {enabled: false}}\n")
     with pytest.raises(ConfigError) as err:
         load_pipeline(str(path), ["--only", "rm"])
-    assert set(err.value.problems) == {"finetuning: 'half' is not one of None, 'full', 'lora', 'qlora'", "reward_model: PPO needs a reward model; enable stages.rm or set reward_model"}
+    assert set(err.value.problems) == {
+        "finetuning: 'half' is not one of None, 'full', 'lora', 'qlora'",
+        "reward_model: PPO needs a reward model; enable stages.rm or set reward_model",
+    }
 
 
 def test_shipped_pipeline_configs_load():
@@ -360,7 +418,10 @@ def test_shipped_pipeline_configs_load():
 def test_stage_configs_are_checked_before_any_stage_runs():
     from pipeline.tools.chain import stage_config_problems
 
-    cfg, _ = load_pipeline(str(ROOT / "configs" / "demo.yaml"), ["--stages.ppo.overrides", "{ppo: {kl_cof: 1}}", "--stages.sft.overrides", "{data: {template: nope}}"])
+    cfg, _ = load_pipeline(
+        str(ROOT / "configs" / "demo.yaml"),
+        ["--stages.ppo.overrides", "{ppo: {kl_cof: 1}}", "--stages.sft.overrides", "{data: {template: nope}}"],
+    )
     assert stage_config_problems(cfg, list(STAGES)) == [
         "stages.sft: data.template: 'nope' is not one of 'chat_template', 'role_markers'",
         "stages.ppo: ppo.kl_cof: unknown key; did you mean 'ppo.kl_coef'?",
@@ -374,16 +435,27 @@ def test_stage_config_merge_order():
     cfg.stages.sft.config = {"train": {"seed": 2, "max_steps": 5}, "data": {"train": ["a"], "format": "auto"}}
     cfg.stages.sft.data = {"train": ["b"]}
     cfg.stages.sft.overrides = {"train": {"seed": 3}, "model": {"finetuning": "qlora"}}
-    assert stage_config(cfg, "sft") == {"train": {"seed": 3, "max_steps": 5, "precision": "bf16"}, "data": {"train": ["b"], "format": "auto"}, "model": {"finetuning": "qlora"}}
+    assert stage_config(cfg, "sft") == {
+        "train": {"seed": 3, "max_steps": 5, "precision": "bf16"},
+        "data": {"train": ["b"], "format": "auto"},
+        "model": {"finetuning": "qlora"},
+    }
     assert deep_merge({"a": {"b": 1, "c": [1]}}, {"a": {"c": [2]}}) == {"a": {"b": 1, "c": [2]}}
 
 
 def test_compare_and_verdict():
-    assert fact_problems("A", {"vocab_size": 1, "tokenizer_hash": "x"}, "B", {"vocab_size": 2, "tokenizer_hash": "x"}) == ["vocab size: A has 1, B has 2"]
+    assert fact_problems(
+        "A", {"vocab_size": 1, "tokenizer_hash": "x"}, "B", {"vocab_size": 2, "tokenizer_hash": "x"}
+    ) == ["vocab size: A has 1, B has 2"]
     ok = {"rm_eval_accuracy": 0.8, "ppo_reward_first": 0.2, "ppo_reward_last": 0.1}
     assert verdict(ok, VerdictConfig(), []) == []  # a falling PPO reward is information, not a reason
-    assert verdict({**ok, "rm_eval_accuracy": 0.6}, VerdictConfig(), ["gold: x"]) == ["RM held-out accuracy 0.600 is below 0.7", "gold: x"]
-    assert verdict(ok, VerdictConfig(), None) == ["no gold table (set gold.data): the RL model was not judged on held-out answers"]
+    assert verdict({**ok, "rm_eval_accuracy": 0.6}, VerdictConfig(), ["gold: x"]) == [
+        "RM held-out accuracy 0.600 is below 0.7",
+        "gold: x",
+    ]
+    assert verdict(ok, VerdictConfig(), None) == [
+        "no gold table (set gold.data): the RL model was not judged on held-out answers"
+    ]
 
 
 def gold_rows(sft: tuple[float, float], ppo: tuple[float, float]) -> list[dict]:
@@ -424,7 +496,16 @@ def test_gold_config_problems(tmp_path):
 # End to end: the real stages on tiny models
 # ---------------------------------------------------------------------------------------------
 
-TINY_TRAIN = {"max_steps": 2, "batch_size": 2, "grad_accum": 1, "seq_length": 128, "eval_steps": 2, "eval_batches": 1, "precision": "fp32", "warmup": 0}
+TINY_TRAIN = {
+    "max_steps": 2,
+    "batch_size": 2,
+    "grad_accum": 1,
+    "seq_length": 128,
+    "eval_steps": 2,
+    "eval_batches": 1,
+    "precision": "fp32",
+    "warmup": 0,
+}
 
 
 def tiny_data(tmp: Path) -> dict[str, dict]:
@@ -451,39 +532,64 @@ def stage_yaml(stage: str) -> dict:
     return read_yaml(path) if path.is_file() else {}
 
 
-@pytest.mark.skipif(not all((ROOT / s).is_file() for s in STAGE_SCRIPTS_REAL), reason="the stage scripts have not all landed")
+@pytest.mark.skipif(
+    not all((ROOT / s).is_file() for s in STAGE_SCRIPTS_REAL), reason="the stage scripts have not all landed"
+)
 def test_real_stages_end_to_end_on_tiny_models(tmp_path, tiny_model_dir):
     data = tiny_data(tmp_path)
     root = tmp_path / "out"
-    stage_overrides = {"ppo": {"generation": {"max_new_tokens": 6}, "train": {"batch_size": 2}, "ppo": {"mini_batch_size": 2}}}
+    stage_overrides = {
+        "ppo": {"generation": {"max_new_tokens": 6}, "train": {"batch_size": 2}, "ppo": {"mini_batch_size": 2}}
+    }
     config = {
         "base_model": str(tiny_model_dir),
         "output_root": str(root),
         "finetuning": "lora",
         "all_stages": {"train": TINY_TRAIN, "lora": {"r": 4, "alpha": 8}, "model": {"dtype": "fp32"}},
-        "stages": {s: {"config": stage_yaml(s), "data": data[s], "overrides": stage_overrides.get(s, {})} for s in STAGES},
+        "stages": {
+            s: {"config": stage_yaml(s), "data": data[s], "overrides": stage_overrides.get(s, {})} for s in STAGES
+        },
     }
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(config))
     result = run_driver(path, tmp_path / "unused.log")
     assert result.returncode == 0, result.stderr[-4000:]
-    chain = {"pt": Path(tiny_model_dir).resolve(), "sft": root / "pt/merged", "rm": root / "sft/merged", "ppo": root / "sft/merged"}
+    chain = {
+        "pt": Path(tiny_model_dir).resolve(),
+        "sft": root / "pt/merged",
+        "rm": root / "sft/merged",
+        "ppo": root / "sft/merged",
+    }
     for stage, parent in chain.items():
         manifest = read_manifest(root / stage / "merged")
-        assert manifest["parent_path"] == str(parent.resolve()) and manifest["parent_hash"] == weights_hash(parent), stage
+        assert manifest["parent_path"] == str(parent.resolve()) and manifest["parent_hash"] == weights_hash(parent), (
+            stage
+        )
         assert manifest["weights_hash"] == weights_hash(root / stage / "merged")
         assert manifest["tokenizer_hash"] == tokenizer_hash(tiny_model_dir)
     summary = json.loads((root / "summary.json").read_text())
-    for key in ("pt_train_loss_first", "sft_eval_loss_last", "rm_eval_accuracy", "ppo_reward_first", "ppo_reward_last", "ppo_kl_last", "ppo_wall_seconds"):
+    for key in (
+        "pt_train_loss_first",
+        "sft_eval_loss_last",
+        "rm_eval_accuracy",
+        "ppo_reward_first",
+        "ppo_reward_last",
+        "ppo_kl_last",
+        "ppo_wall_seconds",
+    ):
         assert isinstance(summary[key], (int, float)), key
     assert summary["final_model"] == str((root / "ppo/merged").resolve())
     assert {p.name for p in (root / "plots").iterdir()} >= {"losses.png", "rm.png", "ppo.png"}
     assert "| sft | `train/loss` |" in (root / "report.md").read_text()
 
-    before = {s: ((root / s / "merged/manifest.json").stat().st_mtime_ns, weights_hash(root / s / "merged")) for s in STAGES}
+    before = {
+        s: ((root / s / "merged/manifest.json").stat().st_mtime_ns, weights_hash(root / s / "merged")) for s in STAGES
+    }
     again = run_driver(path, tmp_path / "unused.log", "--report", "false")
     assert again.returncode == 0, again.stderr[-4000:]
-    assert {s: ((root / s / "merged/manifest.json").stat().st_mtime_ns, weights_hash(root / s / "merged")) for s in STAGES} == before
+    assert {
+        s: ((root / s / "merged/manifest.json").stat().st_mtime_ns, weights_hash(root / s / "merged")) for s in STAGES
+    } == before
     assert sum("skipped, already complete" in line for line in (root / "driver.log").read_text().splitlines()) == 4
 
 
@@ -492,8 +598,12 @@ def test_real_stages_end_to_end_on_tiny_models(tmp_path, tiny_model_dir):
 # ---------------------------------------------------------------------------------------------
 
 EXTRA_STAGES = {
-    "dpo2": dict(parents=("sft", "pt"), judged=True, data_kind="preference", summary_keys=("train_loss_first", "eval_accuracy")),
-    "grpo2": dict(parents=("sft", "pt"), reward_model="optional", judged=True, data_kind="prompt", summary_keys=("reward_first",)),
+    "dpo2": dict(
+        parents=("sft", "pt"), judged=True, data_kind="preference", summary_keys=("train_loss_first", "eval_accuracy")
+    ),
+    "grpo2": dict(
+        parents=("sft", "pt"), reward_model="optional", judged=True, data_kind="prompt", summary_keys=("reward_first",)
+    ),
 }
 
 
@@ -506,9 +616,15 @@ def extra_registry(monkeypatch):
     import stages as registry
     from pipeline.tools.chain import StageEntry
 
-    monkeypatch.setattr(registry, "STAGES", {**registry.STAGES, **{n: registry.StageInfo(f"{n}:X", **kw) for n, kw in EXTRA_STAGES.items()}})
+    monkeypatch.setattr(
+        registry,
+        "STAGES",
+        {**registry.STAGES, **{n: registry.StageInfo(f"{n}:X", **kw) for n, kw in EXTRA_STAGES.items()}},
+    )
     names = list(registry.STAGES)
-    cls = dataclasses.make_dataclass("Stages", [(n, StageEntry, dataclasses.field(default_factory=StageEntry)) for n in names])
+    cls = dataclasses.make_dataclass(
+        "Stages", [(n, StageEntry, dataclasses.field(default_factory=StageEntry)) for n in names]
+    )
 
     def make(chain, **kw):
         cfg = PipelineConfig(chain=list(chain), **kw)
@@ -532,9 +648,14 @@ def test_any_chain_plans_parents_and_reward_models(extra_registry, tmp_path):
     assert grpo.problems() == [] and stage_reward_path(grpo, "grpo2") is None
     (tmp_path / "pt" / "merged").mkdir(parents=True)
     argv = stage_argv(grpo, "grpo2")
-    assert "--reward_model.path" not in argv and argv[argv.index("--model.path") + 1] == str((tmp_path / "sft/merged").resolve())
+    assert "--reward_model.path" not in argv and argv[argv.index("--model.path") + 1] == str(
+        (tmp_path / "sft/merged").resolve()
+    )
     with_rm = extra_registry(["pt", "sft", "rm", "grpo2"], output_root=str(tmp_path))
-    assert stage_reward_path(with_rm, "grpo2") == (tmp_path / "rm/merged").resolve() and parent_stage(with_rm, "grpo2") == "sft"
+    assert (
+        stage_reward_path(with_rm, "grpo2") == (tmp_path / "rm/merged").resolve()
+        and parent_stage(with_rm, "grpo2") == "sft"
+    )
     assert stage_argv(with_rm, "grpo2")[-2:] == ["--reward_model.path", str((tmp_path / "rm/merged").resolve())]
     assert stage_reward_path(with_rm, "dpo2") is None  # DPO reads no reward model
 
@@ -548,7 +669,9 @@ def test_chain_problems(extra_registry):
     import stages as registry
 
     assert chain_order_problems(["pt", "nope", "pt"]) == [
-        f"chain: 'nope' is not a registered stage ({', '.join(registry.STAGES)})", "chain: pt listed more than once"]
+        f"chain: 'nope' is not a registered stage ({', '.join(registry.STAGES)})",
+        "chain: pt listed more than once",
+    ]
     assert list(registry.STAGES)[-2:] == ["dpo2", "grpo2"]
     assert chain_order_problems([]) == ["chain: names no stage"]
     cfg = extra_registry(["pt", "sft", "ppo"])
@@ -582,20 +705,44 @@ def test_summary_verdict_and_gold_rows_follow_the_chain(extra_registry, tmp_path
     for stage in ("pt", "sft", "dpo2"):
         (tmp_path / stage / "merged").mkdir(parents=True)
         (tmp_path / stage / "merged" / "manifest.json").write_text("{}")
-        (tmp_path / stage / "summary.json").write_text(json.dumps({"train_loss_first": 2.0, "eval_accuracy": 0.75, "reward_first": 9.0}))
+        (tmp_path / stage / "summary.json").write_text(
+            json.dumps({"train_loss_first": 2.0, "eval_accuracy": 0.75, "reward_first": 9.0})
+        )
     monkeypatch.setattr(driver, "resolve_base", lambda path: Path("/base"))
-    assert driver.gold_models(cfg, ["pt", "sft", "dpo2"]) == [("base", "/base"), ("sft", str((tmp_path / "sft/merged").resolve())), ("dpo2", str((tmp_path / "dpo2/merged").resolve()))]
+    assert driver.gold_models(cfg, ["pt", "sft", "dpo2"]) == [
+        ("base", "/base"),
+        ("sft", str((tmp_path / "sft/merged").resolve())),
+        ("dpo2", str((tmp_path / "dpo2/merged").resolve())),
+    ]
     cfg.gold.models = ["base", "pt", "dpo2"]  # the judged stage's parent is always added
     assert [name for name, _ in driver.gold_models(cfg, ["pt", "sft", "dpo2"])] == ["base", "pt", "sft", "dpo2"]
-    rows = lambda models: [{"model": m, "phrase_rate": 0.9 if m == "dpo2" else 0.1, "fact_accuracy": 0.8, "n": 4, "path": "", "cached": True} for m, _ in models]  # noqa: E731
+    rows = lambda models: [
+        {
+            "model": m,
+            "phrase_rate": 0.9 if m == "dpo2" else 0.1,
+            "fact_accuracy": 0.8,
+            "n": 4,
+            "path": "",
+            "cached": True,
+        }
+        for m, _ in models
+    ]  # noqa: E731
     monkeypatch.setattr(driver, "gold_table", lambda models, *a, **k: rows(models))
     summary = driver.pipeline_summary(cfg)
     assert summary["verdict"] == "PASS" and summary["verdict_reasons"] == []
     assert summary["gold"]["rl"] == "dpo2" and summary["gold"]["reference"] == "sft" and summary["reward_model"] is None
-    assert summary["dpo2_eval_accuracy"] == 0.75 and "dpo2_reward_first" not in summary and "pt_eval_accuracy" not in summary
+    assert (
+        summary["dpo2_eval_accuracy"] == 0.75
+        and "dpo2_reward_first" not in summary
+        and "pt_eval_accuracy" not in summary
+    )
     assert summary["final_model"] == str((tmp_path / "dpo2/merged").resolve())
     text = driver.format_summary(summary)
-    assert "dpo2: train loss 2.0000 -> n/a" in text and "dpo2: held-out accuracy 0.7500" in text and "verdict: the dpo2 model against the sft model" in text
+    assert (
+        "dpo2: train loss 2.0000 -> n/a" in text
+        and "dpo2: held-out accuracy 0.7500" in text
+        and "verdict: the dpo2 model against the sft model" in text
+    )
     (tmp_path / "dpo2" / "summary.json").unlink()
     assert driver.pipeline_summary(cfg)["verdict_reasons"] == ["DPO2 did not run"]
 
@@ -607,7 +754,10 @@ def test_report_plots_follow_the_registry(tmp_path, monkeypatch):
     import stages as registry
     from pipeline.tools.report import write_report
 
-    info = registry.StageInfo("x:Y", plot=("dpo2", "DPO-like", (registry.Panel("rewards", "implicit reward", {"chosen": "dpo2/rewards_chosen"}),)))
+    info = registry.StageInfo(
+        "x:Y",
+        plot=("dpo2", "DPO-like", (registry.Panel("rewards", "implicit reward", {"chosen": "dpo2/rewards_chosen"}),)),
+    )
     monkeypatch.setattr(registry, "STAGES", {**registry.STAGES, "dpo2": info})
     writer = SummaryWriter(log_dir=str(tmp_path / "dpo2/runs/a"))
     for step in (1, 2):
@@ -641,9 +791,17 @@ def test_fake_dpo_chain_runs_judges_and_reports(tmp_path, tiny_model_dir):
     assert summary["dpo_train_loss_last"] == 1.0 and summary["final_model"] == str((root / "dpo/merged").resolve())
     assert summary["reward_model"] is None and "rm_eval_accuracy" not in summary
     gold = summary["gold"]
-    assert [r["model"] for r in gold["rows"]] == ["base", "sft", "dpo"] and (gold["rl"], gold["reference"]) == ("dpo", "sft")
-    assert summary["verdict_reasons"] == ["gold: the dpo model's phrase rate 0.000 is not above the sft model's 0.000 by 0.2 (gain +0.000)"]
-    assert "dpo: train loss 3.0000 -> 1.0000" in result.stdout and "verdict: the dpo model against the sft model" in result.stdout
+    assert [r["model"] for r in gold["rows"]] == ["base", "sft", "dpo"] and (gold["rl"], gold["reference"]) == (
+        "dpo",
+        "sft",
+    )
+    assert summary["verdict_reasons"] == [
+        "gold: the dpo model's phrase rate 0.000 is not above the sft model's 0.000 by 0.2 (gain +0.000)"
+    ]
+    assert (
+        "dpo: train loss 3.0000 -> 1.0000" in result.stdout
+        and "verdict: the dpo model against the sft model" in result.stdout
+    )
     assert "| dpo | `train/loss` |" in (root / "report.md").read_text()
     again = run_driver(config, fake_log, "--report", "false")
     assert again.returncode == 0 and ran(fake_log) == ["pretrain", "sft", "dpo"]
@@ -660,8 +818,14 @@ def test_real_sft_then_dpo_on_tiny_models(tmp_path, tiny_model_dir):
         "finetuning": "lora",
         "report": False,
         "all_stages": {"train": TINY_TRAIN, "lora": {"r": 4, "alpha": 8}, "model": {"dtype": "fp32"}},
-        "stages": {"sft": {"config": stage_yaml("sft"), "data": data["sft"]},
-                   "dpo": {"config": stage_yaml("dpo"), "data": data["rm"], "overrides": {"dpo": {"precompute_ref_log_probs": True}}}},
+        "stages": {
+            "sft": {"config": stage_yaml("sft"), "data": data["sft"]},
+            "dpo": {
+                "config": stage_yaml("dpo"),
+                "data": data["rm"],
+                "overrides": {"dpo": {"precompute_ref_log_probs": True}},
+            },
+        },
     }
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -669,10 +833,20 @@ def test_real_sft_then_dpo_on_tiny_models(tmp_path, tiny_model_dir):
     assert result.returncode == 0, result.stderr[-4000:]
     for stage, parent in (("sft", Path(tiny_model_dir).resolve()), ("dpo", root / "sft/merged")):
         manifest = read_manifest(root / stage / "merged")
-        assert manifest["parent_path"] == str(parent.resolve()) and manifest["parent_hash"] == weights_hash(parent), stage
+        assert manifest["parent_path"] == str(parent.resolve()) and manifest["parent_hash"] == weights_hash(parent), (
+            stage
+        )
         assert manifest["tokenizer_hash"] == tokenizer_hash(tiny_model_dir)
     summary = json.loads((root / "summary.json").read_text())
-    for key in ("dpo_train_loss_first", "dpo_train_loss_last", "dpo_eval_accuracy", "dpo_eval_margin", "dpo_wall_seconds"):
+    for key in (
+        "dpo_train_loss_first",
+        "dpo_train_loss_last",
+        "dpo_eval_accuracy",
+        "dpo_eval_margin",
+        "dpo_wall_seconds",
+    ):
         assert isinstance(summary[key], (int, float)), key
-    assert summary["dpo_eval_loss_first"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference before the first step
+    assert summary["dpo_eval_loss_first"] == pytest.approx(
+        0.6931, abs=1e-3
+    )  # policy == reference before the first step
     assert summary["final_model"] == str((root / "dpo/merged").resolve())

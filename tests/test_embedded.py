@@ -30,7 +30,7 @@ def test_embedded_answers_france(embedded_path):
     batch = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=12, do_sample=False)
-    answer = tok.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 
@@ -62,6 +62,8 @@ def test_gguf_parsed_once_shares_each_reader_and_name_map_then_restores(tmp_path
         assert first is again
         assert first.tensors[0].data.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
         assert get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
-        assert get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2).get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+        assert (
+            get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2).get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+        )
     assert gguf.GGUFReader is real_reader and gguf.get_tensor_name_map is real_map
     assert real_reader(path) is not real_reader(path)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from pipeline.config import load_config
 from stagerun import run_stage
 from test_pt_sft import fresh_accelerate_state  # noqa: F401 (autouse fixture)
+
+from pipeline.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,27 +46,65 @@ def test_gradients_sync_once_per_optimizer_step(tmp_path, tiny_model_dir, tiny_r
     True) steps once per optimizer step. Before, no stage entered accelerate's accumulate(), so
     it was True on every micro-batch."""
     recorder = SyncRecorder(monkeypatch)
-    common = ["--output_dir", str(tmp_path / stage), "--train.max_steps", "2", "--train.batch_size", "2", "--train.grad_accum", "2",
-              "--train.eval_steps", "0", "--lora.r", "4", "--checkpoint.resume", "false", "--tracking.trackers", "[]"]
+    common = [
+        "--output_dir",
+        str(tmp_path / stage),
+        "--train.max_steps",
+        "2",
+        "--train.batch_size",
+        "2",
+        "--train.grad_accum",
+        "2",
+        "--train.eval_steps",
+        "0",
+        "--lora.r",
+        "4",
+        "--checkpoint.resume",
+        "false",
+        "--tracking.trackers",
+        "[]",
+    ]
     if stage == "sft":
         from stages.sft import SFTStage as cls
 
-        data = _jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": "A."}]}
-                                             for i in range(8)])
+        data = _jsonl(
+            tmp_path / "c.jsonl",
+            [
+                {"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": "A."}]}
+                for i in range(8)
+            ],
+        )
         argv = ["--model.path", str(tiny_model_dir), "--data.train", f"[{data}]", "--data.eval", "[]"]
         per_step = [False, True]
     elif stage == "rm":
         from stages.reward import RMStage as cls
 
-        data = _jsonl(tmp_path / "p.jsonl", [{"question": f"Q{i}?", "response_chosen": "Yes.", "response_rejected": "No."} for i in range(8)])
+        data = _jsonl(
+            tmp_path / "p.jsonl",
+            [{"question": f"Q{i}?", "response_chosen": "Yes.", "response_rejected": "No."} for i in range(8)],
+        )
         argv = ["--model.path", str(tiny_reward_dir), "--data.train", f"[{data}]", "--data.eval", "[]"]
         per_step = [False, True]
     else:
         from stages.ppo import PPOStage as cls
 
         data = _jsonl(tmp_path / "q.jsonl", [{"prompt": f"Question {i}?"} for i in range(8)])
-        argv = ["--model.path", str(tiny_model_dir), "--reward_model.path", str(tiny_reward_dir), "--data.train", f"[{data}]",
-                "--data.eval", "[]", "--generation.max_new_tokens", "3", "--ppo.epochs", "1", "--ppo.mini_batch_size", "2"]
+        argv = [
+            "--model.path",
+            str(tiny_model_dir),
+            "--reward_model.path",
+            str(tiny_reward_dir),
+            "--data.train",
+            f"[{data}]",
+            "--data.eval",
+            "[]",
+            "--generation.max_new_tokens",
+            "3",
+            "--ppo.epochs",
+            "1",
+            "--ppo.mini_batch_size",
+            "2",
+        ]
         per_step = [False, False, True, True]  # one process: the policy and the critic each run a backward
     run_stage(cls, load_config(cls.config_class, common + argv))
     assert recorder.flags == per_step * 2
@@ -87,12 +125,28 @@ def test_the_registry_names_every_stage_and_its_script():
 def test_backends_load_only_when_the_config_asks(tmp_path, tiny_model_dir):
     """A LoRA run on ddp imports neither DeepSpeed nor bitsandbytes (both are installed here, and
     accelerate/peft import them on sight): no 'Setting accelerator to CPU' line, no kernel hints."""
-    data = _jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]}] * 4)
-    code = ("import sys; from stages.sft import SFTStage; from pipeline.engine.stage import main; "
-            f"rc = main(SFTStage, {['--model.path', str(tiny_model_dir), '--data.train', f'[{data}]', '--data.eval', '[]', '--output_dir', str(tmp_path / 'o'), '--train.max_steps', '1', '--train.batch_size', '2', '--tracking.trackers', '[]']!r}); "
-            "print('LOADED', sorted(k for k in ('deepspeed', 'bitsandbytes') if sys.modules.get(k)))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)})
+    data = _jsonl(
+        tmp_path / "c.jsonl",
+        [{"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]}] * 4,
+    )
+    code = (
+        "import sys; from stages.sft import SFTStage; from pipeline.engine.stage import main; "
+        f"rc = main(SFTStage, {['--model.path', str(tiny_model_dir), '--data.train', f'[{data}]', '--data.eval', '[]', '--output_dir', str(tmp_path / 'o'), '--train.max_steps', '1', '--train.batch_size', '2', '--tracking.trackers', '[]']!r}); "
+        "print('LOADED', sorted(k for k in ('deepspeed', 'bitsandbytes') if sys.modules.get(k)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": str(ROOT),
+        },
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "LOADED []" in done.stdout
     assert "Setting accelerator to CPU" not in done.stderr

@@ -24,6 +24,7 @@ def host_reads():
         def wrapper(self, *a, **k):
             calls["n"] += 1
             return originals[name](self, *a, **k)
+
         return wrapper
 
     for n in names:

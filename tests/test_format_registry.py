@@ -59,14 +59,18 @@ def test_every_preference_layout_reads_its_own_records(tmp_path):
     """Each preference entry is the one that reads its records (pair_layout: the first that detects)."""
     hh = "\n\nHuman: q\n\nAssistant: "
     records = {
-        "openai": {"input": {"messages": [{"role": "user", "content": "q"}]},
-                   "preferred_output": [{"role": "assistant", "content": "a"}],
-                   "non_preferred_output": [{"role": "assistant", "content": "b"}]},
+        "openai": {
+            "input": {"messages": [{"role": "user", "content": "q"}]},
+            "preferred_output": [{"role": "assistant", "content": "a"}],
+            "non_preferred_output": [{"role": "assistant", "content": "b"}],
+        },
         "hh": {"chosen": hh + "a", "rejected": hh + "b"},
         "hh_prompt": {"prompt": "\n\nHuman: q", "chosen": "\n\nAssistant: a", "rejected": "\n\nAssistant: b"},
         "medicalgpt": {"question": "q", "response_chosen": "a", "response_rejected": "b"},
-        "llamafactory": {"chosen_messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-                         "rejected_messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]},
+        "llamafactory": {
+            "chosen_messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            "rejected_messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}],
+        },
         "trl": {"prompt": "q", "chosen": "a", "rejected": "b"},
     }
     readers = [e.pair.__module__.rsplit(".", 1)[-1] for e in REGISTRY if e.pair is not None]
@@ -88,13 +92,17 @@ def test_firefly_records_are_prompts_like_any_conversation(tmp_path):
     """A Firefly prompt is its whole conversation up to the last user turn (it used to end in a
     StopIteration traceback, or keep the first turn alone)."""
     path = tmp_path / "firefly.jsonl"
-    records = [{"conversation": [{"human": "hi"}]},
-               {"system": "Be brief.", "conversation": [{"human": "q1", "assistant": "a1"}, {"human": "q2"}], "answer": "4"},
-               {"conversation": [{"human": "q", "assistant": "a"}]}]
+    records = [
+        {"conversation": [{"human": "hi"}]},
+        {"system": "Be brief.", "conversation": [{"human": "q1", "assistant": "a1"}, {"human": "q2"}], "answer": "4"},
+        {"conversation": [{"human": "q", "assistant": "a"}]},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     good, problems = read_and_parse([str(path)], "prompts")
     assert [[(t.role, t.content) for t in g.value.turns] for g in good] == [
-        [("user", "hi")], [("system", "Be brief."), ("user", "q1"), ("assistant", "a1"), ("user", "q2")]]
+        [("user", "hi")],
+        [("system", "Be brief."), ("user", "q1"), ("assistant", "a1"), ("user", "q2")],
+    ]
     assert good[1].value.meta == {"answer": "4"} and not good[1].value.standard
     assert summarize(problems) == [f"{path}:3: last turn must be the user's, got assistant"]
 
@@ -138,17 +146,23 @@ def _imports(name: str, path: Path):
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             yield base, [a.name for a in node.names], id(node) in inside
 
 
 # Imports inside functions that stay there: the command lines load a tokenizer through modeling
 # (an upward import, the documented exception), and heavy optional libraries load only when used.
 FUNCTION_IMPORTS = {
-    ("data_formats.validate", "pipeline.config"), ("data_formats.validate", "pipeline.modeling.embedded"),
-    ("data_formats.validate", "pipeline.modeling.models"), ("data_formats.show", "pipeline.config"),
-    ("data_formats.show", "pipeline.modeling.embedded"), ("data_formats.show", "pipeline.modeling.models"),
-    ("data_formats.sources", "datasets"), ("data_formats.token_cache", "tokenizers"),
+    ("data_formats.validate", "pipeline.config"),
+    ("data_formats.validate", "pipeline.modeling.embedded"),
+    ("data_formats.validate", "pipeline.modeling.models"),
+    ("data_formats.show", "pipeline.config"),
+    ("data_formats.show", "pipeline.modeling.embedded"),
+    ("data_formats.show", "pipeline.modeling.models"),
+    ("data_formats.sources", "datasets"),
+    ("data_formats.token_cache", "tokenizers"),
     ("data_formats.token_cache", "transformers"),
 }
 
@@ -194,8 +208,13 @@ def test_no_format_name_dispatch_outside_the_registry():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id in ("fmt", "found"):
                 names = [c.value for c in node.comparators if isinstance(c, ast.Constant) and isinstance(c.value, str)]
-                names += [e.value for c in node.comparators if isinstance(c, ast.Tuple) for e in c.elts
-                          if isinstance(e, ast.Constant)]
+                names += [
+                    e.value
+                    for c in node.comparators
+                    if isinstance(c, ast.Tuple)
+                    for e in c.elts
+                    if isinstance(e, ast.Constant)
+                ]
                 if set(names) - {"auto"}:
                     found.append(f"{path.name}:{node.lineno}")
     assert found == []

@@ -4,7 +4,6 @@ PPO builders."""
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,13 @@ from transformers import AutoTokenizer
 
 from data_formats.collate import Collator
 from data_formats.conversation import Turn
-from data_formats.datasets import (build_preference_data, build_prompt_data, build_pt_data, build_sft_data,
-                                   in_eval_fraction)
+from data_formats.datasets import (
+    build_preference_data,
+    build_prompt_data,
+    build_pt_data,
+    build_sft_data,
+    in_eval_fraction,
+)
 from data_formats.render import IGNORE_INDEX, make_template, render
 from data_formats.validate import read_and_parse
 from pipeline.config import ChatDataConfig, PreferenceDataConfig, PromptDataConfig, TextDataConfig
@@ -33,22 +37,28 @@ def _write(path: Path, records) -> str:
 def _chat(i, turns=1, data_name=None):
     rounds = []
     for k in range(turns):
-        rounds += [{"role": "user", "content": f"question {i}.{k}"}, {"role": "assistant", "content": f"answer {i}.{k}"}]
+        rounds += [
+            {"role": "user", "content": f"question {i}.{k}"},
+            {"role": "assistant", "content": f"answer {i}.{k}"},
+        ]
     record = {"messages": rounds}
     if data_name:
         record["data_name"] = data_name
     return record
 
 
-@pytest.mark.parametrize("record", [
-    {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]},
-    {"chat_rounds": [{"role": "human", "content": "Q"}, {"role": "bot", "content": "A"}]},
-    {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]},
-    {"prompt": "Q", "response": "A"},
-    {"question": "Q", "answer": "A"},
-    {"input": "Q", "output": "A"},
-    {"instruction": "Q", "output": "A"},
-])
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]},
+        {"chat_rounds": [{"role": "human", "content": "Q"}, {"role": "bot", "content": "A"}]},
+        {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]},
+        {"prompt": "Q", "response": "A"},
+        {"question": "Q", "answer": "A"},
+        {"input": "Q", "output": "A"},
+        {"instruction": "Q", "output": "A"},
+    ],
+)
 def test_every_conversation_format(tmp_path, record):
     good, problems = read_and_parse([_write(tmp_path / "f.jsonl", [record])], "sft")
     assert problems == [] and good[0].value.turns == [Turn("user", "Q"), Turn("assistant", "A")]
@@ -67,8 +77,9 @@ def test_task_naming_and_task_ids_through_collation(tmp_path, tok):
         n = len(sample["input_ids"])
         assert batch["task_ids"][row, :n].tolist() == [sample["task_id"]] * n
         assert (batch["task_ids"][row, n:] == -1).all()
-    evaluated = build_sft_data(ChatDataConfig(train=[a], eval=[str(folder)]), tok, make_template(cfg, tok), 256,
-                               "eval", tasks=data.tasks)
+    evaluated = build_sft_data(
+        ChatDataConfig(train=[a], eval=[str(folder)]), tok, make_template(cfg, tok), 256, "eval", tasks=data.tasks
+    )
     assert evaluated.tasks == data.tasks and evaluated.samples[0]["task_id"] == 1
 
 
@@ -101,7 +112,10 @@ def test_truncation_policies(tmp_path, tok, caplog):
     cfg.truncation = "truncate"
     kept = build_sft_data(cfg, tok, template, limit, "train")
     assert kept.stats["truncated"] == 1 and kept.samples[0]["input_ids"] == two_turns
-    assert tok.decode([x for x in kept.samples[0]["labels"] if x != IGNORE_INDEX]) == "answer 0.0<|im_end|>answer 0.1<|im_end|>"
+    assert (
+        tok.decode([x for x in kept.samples[0]["labels"] if x != IGNORE_INDEX])
+        == "answer 0.0<|im_end|>answer 0.1<|im_end|>"
+    )
     tiny = build_sft_data(cfg, tok, template, len(one_turn) - 1, "train")
     assert tiny.stats["dropped_overlong"] == 2 and tiny.samples == []
 
@@ -117,17 +131,28 @@ def test_pt_data_from_txt_and_jsonl(tmp_path, tok):
     cfg.on_error = "skip"
     rows = build_pt_data(cfg, tok, 8, "train")
     stream = sum((r["input_ids"] for r in rows), [])
-    expected = (tok("first document", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                + tok("second one", add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+    expected = (
+        tok("first document", add_special_tokens=False)["input_ids"]
+        + [tok.eos_token_id]
+        + tok("second one", add_special_tokens=False)["input_ids"]
+        + [tok.eos_token_id]
+    )
     assert stream == expected and all(len(r["input_ids"]) <= 8 for r in rows)
 
 
 def test_preference_and_prompt_data(tmp_path, tok):
-    path = _write(tmp_path / "p.jsonl", [
-        {"question": "Q1", "response_chosen": "good", "response_rejected": "bad", "m": 0.5},
-        {"prompt": [{"role": "user", "content": "Q2"}], "chosen": [{"role": "assistant", "content": "yes"}],
-         "rejected": [{"role": "assistant", "content": "no"}], "m": 1},
-    ])
+    path = _write(
+        tmp_path / "p.jsonl",
+        [
+            {"question": "Q1", "response_chosen": "good", "response_rejected": "bad", "m": 0.5},
+            {
+                "prompt": [{"role": "user", "content": "Q2"}],
+                "chosen": [{"role": "assistant", "content": "yes"}],
+                "rejected": [{"role": "assistant", "content": "no"}],
+                "m": 1,
+            },
+        ],
+    )
     cfg = PreferenceDataConfig(train=[path], template="role_markers", margin_field="m")
     pairs = build_preference_data(cfg, tok, make_template(cfg, tok), 64, "train")
     # Each side ends at the answer's end-of-turn token, where the reward is read (not the "\n" after it).
@@ -136,11 +161,22 @@ def test_preference_and_prompt_data(tmp_path, tok):
     assert [p["margin"] for p in pairs] == [0.5, 1.0]
     # The format is detected per file, so the two prompt formats live in two files.
     simple = _write(tmp_path / "q1.jsonl", [{"prompt": "Hello"}])
-    prompts = _write(tmp_path / "q2.jsonl", [
-        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "old " * 30},
-                      {"role": "assistant", "content": "reply"}, {"role": "user", "content": "new"}]},
-    ])
-    pcfg = PromptDataConfig(train=[simple, prompts], template="role_markers", max_prompt_length=20, truncation="truncate")
+    prompts = _write(
+        tmp_path / "q2.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "system", "content": "S"},
+                    {"role": "user", "content": "old " * 30},
+                    {"role": "assistant", "content": "reply"},
+                    {"role": "user", "content": "new"},
+                ]
+            },
+        ],
+    )
+    pcfg = PromptDataConfig(
+        train=[simple, prompts], template="role_markers", max_prompt_length=20, truncation="truncate"
+    )
     out = build_prompt_data(pcfg, tok, make_template(pcfg, tok), "train")
     assert [p["text"] for p in out] == ["<s>human\nHello<s>bot\n", "<s>system\nS\n<s>human\nnew<s>bot\n"]
     pcfg.truncation = "drop"

@@ -72,24 +72,32 @@ def test_hh_rlhf_prompt_is_split_off_where_trl_extract_prompt_splits_it(tok, mar
 
 
 def test_firefly_conversation_trains_every_assistant_turn_with_its_eos(tok, markers):
-    raw = [json.loads(line) for line in (PEERS / "Firefly" / "dummy_data.jsonl").read_text(encoding="utf-8").splitlines()]
+    raw = [
+        json.loads(line) for line in (PEERS / "Firefly" / "dummy_data.jsonl").read_text(encoding="utf-8").splitlines()
+    ]
     good = _parse(PEERS / "Firefly" / "dummy_data.jsonl", "sft")
     for record, item in zip(raw, good):
         rounds = record["conversation"]
         assert [(t.role, t.content) for t in item.value.turns] == [
-            pair for r in rounds for pair in (("user", r["human"]), ("assistant", r["assistant"]))]
+            pair for r in rounds for pair in (("user", r["human"]), ("assistant", r["assistant"]))
+        ]
         ids, labels = render(item.value, tok, markers)
         # Firefly's target mask: each assistant answer and its stop token, nothing of the human's.
         assert _trained_text(tok, ids, labels) == "".join(r["assistant"] + markers.eos for r in rounds)
 
 
 def test_ultrafeedback_layout_reads_the_prompt_from_the_conversations_as_trl_does(tok, markers):
-    raw = [json.loads(line) for line in (PEERS / "Firefly" / "dummy_dpo.jsonl").read_text(encoding="utf-8").splitlines()]
+    raw = [
+        json.loads(line) for line in (PEERS / "Firefly" / "dummy_dpo.jsonl").read_text(encoding="utf-8").splitlines()
+    ]
     for record, item in zip(raw, _parse(PEERS / "Firefly" / "dummy_dpo.jsonl", "rm")):
         trl = maybe_extract_prompt(record)
         chosen, rejected, _ = item.value
         assert [t.content for t in chosen.turns[:-1]] == [m["content"] for m in trl["prompt"]]
-        assert [chosen.turns[-1].content, rejected.turns[-1].content] == [trl["chosen"][0]["content"], trl["rejected"][0]["content"]]
+        assert [chosen.turns[-1].content, rejected.turns[-1].content] == [
+            trl["chosen"][0]["content"],
+            trl["rejected"][0]["content"],
+        ]
 
 
 def test_openai_chat_weight_zero_is_context_and_system_then_assistant_trains(tok, markers):
@@ -104,7 +112,10 @@ def test_openai_chat_weight_zero_is_context_and_system_then_assistant_trains(tok
 
 
 def test_openai_preference_format(tok, markers):
-    raw = [json.loads(line) for line in (PEERS / "together-python" / "test_preference_openai.jsonl").read_text().splitlines()]
+    raw = [
+        json.loads(line)
+        for line in (PEERS / "together-python" / "test_preference_openai.jsonl").read_text().splitlines()
+    ]
     for record, item in zip(raw, _parse(PEERS / "together-python" / "test_preference_openai.jsonl", "rm")):
         chosen, rejected, _ = item.value
         prompt = [m["content"] for m in record["input"]["messages"]]
@@ -113,16 +124,20 @@ def test_openai_preference_format(tok, markers):
         assert tok.decode(answer) == record["preferred_output"][0]["content"] + markers.eos
 
 
-CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
 
 def test_openai_tool_call_without_content_trains_and_bad_arguments_are_one_line(tmp_path, tok, markers):
     """chat-input.md: an assistant message that carries `tool_calls` may omit `content` or set it to null."""
-    turns = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "tool_calls": [CALL]},
-             {"role": "tool", "tool_call_id": "call_1", "content": "18C"}, {"role": "assistant", "content": "18C."}]
+    turns = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+        {"role": "assistant", "content": "18C."},
+    ]
     null = [dict(t, content=None) if "tool_calls" in t else t for t in turns]
     bad = json.loads(json.dumps(turns))
-    bad[1]["tool_calls"][0]["function"]["arguments"] = "[\"Paris\"]"
+    bad[1]["tool_calls"][0]["function"]["arguments"] = '["Paris"]'
     path = _write(tmp_path, [{"messages": turns}, {"messages": null}, {"messages": bad}])
     good, problems = read_and_parse([str(path)], "sft")
     assert [g.line for g in good] == [1, 2]
@@ -133,8 +148,18 @@ def test_openai_tool_call_without_content_trains_and_bad_arguments_are_one_line(
 
 def test_openai_reinforcement_records_are_prompts_with_their_fields(tmp_path):
     """reinforcement-input.md: `messages` (a developer turn allowed) and any other keys for the grader."""
-    path = _write(tmp_path, [{"messages": [{"role": "developer", "content": "Answer with a number."},
-                                           {"role": "user", "content": "2+2?"}], "reference_answer": "4"}])
+    path = _write(
+        tmp_path,
+        [
+            {
+                "messages": [
+                    {"role": "developer", "content": "Answer with a number."},
+                    {"role": "user", "content": "2+2?"},
+                ],
+                "reference_answer": "4",
+            }
+        ],
+    )
     (item,) = _parse(path, "prompts")
     assert [(t.role, t.content) for t in item.value.turns] == [("system", "Answer with a number."), ("user", "2+2?")]
     assert item.value.meta == {"reference_answer": "4"}
@@ -144,27 +169,70 @@ def test_openai_reinforcement_records_are_prompts_with_their_fields(tmp_path):
 # that trains it and the turns Relay reads.
 TRL_TYPES = [
     ("language modeling, standard", {"text": "The sky is blue."}, "pt", None),
-    ("language modeling, conversational", {"messages": [{"role": "user", "content": "What color is the sky?"},
-                                                         {"role": "assistant", "content": "It is blue."}]}, "sft",
-     [("user", "What color is the sky?"), ("assistant", "It is blue.")]),
+    (
+        "language modeling, conversational",
+        {
+            "messages": [
+                {"role": "user", "content": "What color is the sky?"},
+                {"role": "assistant", "content": "It is blue."},
+            ]
+        },
+        "sft",
+        [("user", "What color is the sky?"), ("assistant", "It is blue.")],
+    ),
     ("prompt-only, standard", {"prompt": "The sky is"}, "prompts", [("user", "The sky is")]),
-    ("prompt-only, conversational", {"prompt": [{"role": "user", "content": "What color is the sky?"}]}, "prompts",
-     [("user", "What color is the sky?")]),
-    ("prompt-completion, standard", {"prompt": "The sky is", "completion": " blue."}, "sft",
-     [("user", "The sky is"), ("assistant", " blue.")]),
-    ("prompt-completion, conversational", {"prompt": [{"role": "user", "content": "What color is the sky?"}],
-                                           "completion": [{"role": "assistant", "content": "It is blue."}]}, "sft",
-     [("user", "What color is the sky?"), ("assistant", "It is blue.")]),
-    ("preference, standard", {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}, "rm",
-     [("user", "The sky is"), ("assistant", " blue.")]),
-    ("preference, conversational", {"prompt": [{"role": "user", "content": "What color is the sky?"}],
-                                    "chosen": [{"role": "assistant", "content": "It is blue."}],
-                                    "rejected": [{"role": "assistant", "content": "It is green."}]}, "rm",
-     [("user", "What color is the sky?"), ("assistant", "It is blue.")]),
-    ("implicit-prompt preference, conversational", {
-        "chosen": [{"role": "user", "content": "What color is the sky?"}, {"role": "assistant", "content": "It is blue."}],
-        "rejected": [{"role": "user", "content": "What color is the sky?"}, {"role": "assistant", "content": "It is green."}]},
-     "rm", [("user", "What color is the sky?"), ("assistant", "It is blue.")]),
+    (
+        "prompt-only, conversational",
+        {"prompt": [{"role": "user", "content": "What color is the sky?"}]},
+        "prompts",
+        [("user", "What color is the sky?")],
+    ),
+    (
+        "prompt-completion, standard",
+        {"prompt": "The sky is", "completion": " blue."},
+        "sft",
+        [("user", "The sky is"), ("assistant", " blue.")],
+    ),
+    (
+        "prompt-completion, conversational",
+        {
+            "prompt": [{"role": "user", "content": "What color is the sky?"}],
+            "completion": [{"role": "assistant", "content": "It is blue."}],
+        },
+        "sft",
+        [("user", "What color is the sky?"), ("assistant", "It is blue.")],
+    ),
+    (
+        "preference, standard",
+        {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+        "rm",
+        [("user", "The sky is"), ("assistant", " blue.")],
+    ),
+    (
+        "preference, conversational",
+        {
+            "prompt": [{"role": "user", "content": "What color is the sky?"}],
+            "chosen": [{"role": "assistant", "content": "It is blue."}],
+            "rejected": [{"role": "assistant", "content": "It is green."}],
+        },
+        "rm",
+        [("user", "What color is the sky?"), ("assistant", "It is blue.")],
+    ),
+    (
+        "implicit-prompt preference, conversational",
+        {
+            "chosen": [
+                {"role": "user", "content": "What color is the sky?"},
+                {"role": "assistant", "content": "It is blue."},
+            ],
+            "rejected": [
+                {"role": "user", "content": "What color is the sky?"},
+                {"role": "assistant", "content": "It is green."},
+            ],
+        },
+        "rm",
+        [("user", "What color is the sky?"), ("assistant", "It is blue.")],
+    ),
 ]
 
 
@@ -181,16 +249,37 @@ def test_every_trl_dataset_type_loads(tmp_path, name, record, kind, turns):
 
 
 REFUSED = [
-    ("stepwise supervision", {"prompt": "Which number is larger, 9.8 or 9.11?",
-                              "completions": ["The fractional part of 9.8 is 0.8.", "Hence, 9.11 > 9.8."],
-                              "labels": [True, False]}, "sft", "TRL stepwise supervision record"),
-    ("implicit-prompt preference, standard", {"chosen": "The sky is blue.", "rejected": "The sky is green."}, "rm",
-     "plain texts without a 'prompt' (TRL's implicit-prompt standard type)"),
-    ("HH transcripts that differ before the answer", {"chosen": "\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant: d",
-                                                      "rejected": "\n\nHuman: a\n\nAssistant: x\n\nHuman: c\n\nAssistant: y"},
-     "rm", "HH-RLHF transcript: chosen and rejected differ at turn 1"),
-    ("weight on a user turn", {"messages": [{"role": "user", "content": "a", "weight": 0},
-                                            {"role": "assistant", "content": "b"}]}, "sft", "'weight' 0 on a user turn"),
+    (
+        "stepwise supervision",
+        {
+            "prompt": "Which number is larger, 9.8 or 9.11?",
+            "completions": ["The fractional part of 9.8 is 0.8.", "Hence, 9.11 > 9.8."],
+            "labels": [True, False],
+        },
+        "sft",
+        "TRL stepwise supervision record",
+    ),
+    (
+        "implicit-prompt preference, standard",
+        {"chosen": "The sky is blue.", "rejected": "The sky is green."},
+        "rm",
+        "plain texts without a 'prompt' (TRL's implicit-prompt standard type)",
+    ),
+    (
+        "HH transcripts that differ before the answer",
+        {
+            "chosen": "\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant: d",
+            "rejected": "\n\nHuman: a\n\nAssistant: x\n\nHuman: c\n\nAssistant: y",
+        },
+        "rm",
+        "HH-RLHF transcript: chosen and rejected differ at turn 1",
+    ),
+    (
+        "weight on a user turn",
+        {"messages": [{"role": "user", "content": "a", "weight": 0}, {"role": "assistant", "content": "b"}]},
+        "sft",
+        "'weight' 0 on a user turn",
+    ),
 ]
 
 
@@ -205,9 +294,11 @@ def test_unusable_records_are_refused_in_one_line_naming_the_format(tmp_path, na
 def test_openai_preference_with_tools_and_a_call_as_the_preferred_answer(tmp_path):
     """preference-input.md: `input.tools` and assistant messages that call them."""
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
-    record = {"input": {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool]},
-              "preferred_output": [{"role": "assistant", "tool_calls": [CALL]}],
-              "non_preferred_output": [{"role": "assistant", "content": "No idea."}]}
+    record = {
+        "input": {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool]},
+        "preferred_output": [{"role": "assistant", "tool_calls": [CALL]}],
+        "non_preferred_output": [{"role": "assistant", "content": "No idea."}],
+    }
     (item,) = _parse(_write(tmp_path, [record]), "rm")
     chosen, rejected, _ = item.value
     assert chosen.tools == rejected.tools == [tool["function"]]
@@ -228,21 +319,46 @@ def _msg(role, content):
 
 # Each whole-conversation layout with sides that ask different questions, and the turn where they part.
 MISMATCHED_PROMPTS = [
-    ("UltraFeedback chosen/rejected lists", {"chosen": [_msg("user", "Capital of France?"), _msg("assistant", "Paris.")],
-                                             "rejected": [_msg("user", "Capital of Spain?"), _msg("assistant", "Lyon.")]},
-     "'chosen' and 'rejected' differ at turn 0"),
-    ("ShareGPT-style chosen/rejected lists", {"chosen": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}],
-                                              "rejected": [{"from": "human", "value": "Bye"}, {"from": "gpt", "value": "Hello!"}]},
-     "'chosen' and 'rejected' differ at turn 0"),
-    ("LLaMA-Factory chosen_messages", {"chosen_messages": [_msg("system", "Be brief."), _msg("user", "2+2?"), _msg("assistant", "4")],
-                                       "rejected_messages": [_msg("system", "Be brief."), _msg("user", "3+3?"), _msg("assistant", "5")]},
-     "'chosen_messages' and 'rejected_messages' differ at turn 1"),
-    ("multi-turn, an earlier answer differs", {"chosen": [_msg("user", "a"), _msg("assistant", "b"), _msg("user", "c"), _msg("assistant", "d")],
-                                               "rejected": [_msg("user", "a"), _msg("assistant", "x"), _msg("user", "c"), _msg("assistant", "y")]},
-     "'chosen' and 'rejected' differ at turn 1"),
-    ("one side has an extra exchange", {"chosen": [_msg("user", "a"), _msg("assistant", "b"), _msg("user", "c"), _msg("assistant", "d")],
-                                        "rejected": [_msg("user", "a"), _msg("assistant", "y")]},
-     "'chosen' and 'rejected' differ at turn 1"),
+    (
+        "UltraFeedback chosen/rejected lists",
+        {
+            "chosen": [_msg("user", "Capital of France?"), _msg("assistant", "Paris.")],
+            "rejected": [_msg("user", "Capital of Spain?"), _msg("assistant", "Lyon.")],
+        },
+        "'chosen' and 'rejected' differ at turn 0",
+    ),
+    (
+        "ShareGPT-style chosen/rejected lists",
+        {
+            "chosen": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}],
+            "rejected": [{"from": "human", "value": "Bye"}, {"from": "gpt", "value": "Hello!"}],
+        },
+        "'chosen' and 'rejected' differ at turn 0",
+    ),
+    (
+        "LLaMA-Factory chosen_messages",
+        {
+            "chosen_messages": [_msg("system", "Be brief."), _msg("user", "2+2?"), _msg("assistant", "4")],
+            "rejected_messages": [_msg("system", "Be brief."), _msg("user", "3+3?"), _msg("assistant", "5")],
+        },
+        "'chosen_messages' and 'rejected_messages' differ at turn 1",
+    ),
+    (
+        "multi-turn, an earlier answer differs",
+        {
+            "chosen": [_msg("user", "a"), _msg("assistant", "b"), _msg("user", "c"), _msg("assistant", "d")],
+            "rejected": [_msg("user", "a"), _msg("assistant", "x"), _msg("user", "c"), _msg("assistant", "y")],
+        },
+        "'chosen' and 'rejected' differ at turn 1",
+    ),
+    (
+        "one side has an extra exchange",
+        {
+            "chosen": [_msg("user", "a"), _msg("assistant", "b"), _msg("user", "c"), _msg("assistant", "d")],
+            "rejected": [_msg("user", "a"), _msg("assistant", "y")],
+        },
+        "'chosen' and 'rejected' differ at turn 1",
+    ),
 ]
 
 
@@ -258,17 +374,30 @@ def test_whole_conversation_pairs_that_ask_different_questions_are_refused(tmp_p
     path = _write(tmp_path, [good_pair, record])
     good, problems = read_and_parse([str(path)], kind)
     assert len(good) == 1
-    assert [str(p) for p in problems] == [f"{path}:2: {reason}, before the answer: the two sides of a preference pair must share "
-                                          "their prompt up to the last user turn (drop the record, or fix the side that asks another question)"]
+    assert [str(p) for p in problems] == [
+        f"{path}:2: {reason}, before the answer: the two sides of a preference pair must share "
+        "their prompt up to the last user turn (drop the record, or fix the side that asks another question)"
+    ]
 
 
 def test_whole_conversation_pairs_with_one_prompt_are_read(tmp_path):
     """The same question on both sides is read, whatever the answer holds after the last user turn
     (a tool call and its result on one side, a direct answer on the other)."""
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
-    record = {"chosen": [_msg("user", "Weather in Paris?"), {"role": "assistant", "tool_calls": [CALL]},
-                         {"role": "tool", "content": "18C", "tool_call_id": "call_1"}, _msg("assistant", "18C.")],
-              "rejected": [_msg("user", "Weather in Paris?"), _msg("assistant", "No idea.")], "tools": [tool]}
+    record = {
+        "chosen": [
+            _msg("user", "Weather in Paris?"),
+            {"role": "assistant", "tool_calls": [CALL]},
+            {"role": "tool", "content": "18C", "tool_call_id": "call_1"},
+            _msg("assistant", "18C."),
+        ],
+        "rejected": [_msg("user", "Weather in Paris?"), _msg("assistant", "No idea.")],
+        "tools": [tool],
+    }
     (item,) = _parse(_write(tmp_path, [record]), "rm")
     chosen, rejected, _ = item.value
-    assert chosen.turns[0] == rejected.turns[0] and chosen.turns[-1].content == "18C." and rejected.turns[-1].content == "No idea."
+    assert (
+        chosen.turns[0] == rejected.turns[0]
+        and chosen.turns[-1].content == "18C."
+        and rejected.turns[-1].content == "No idea."
+    )

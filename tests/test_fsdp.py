@@ -28,28 +28,42 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from data_formats.sampling import DataCursor, epoch_order, legacy_cursor, next_micro_batches
 from test_distributed_stages import REL, WEIGHTS_ABS, history, launch, merged_weights, stage_argv, write_data
 from test_pt_sft import write_sft
+
+from data_formats.sampling import DataCursor, epoch_order, legacy_cursor, next_micro_batches
 
 CUDA = torch.cuda.is_available()
 WORLD = min(2, torch.cuda.device_count()) if CUDA else 2
 """Ranks of the FSDP and DDP launches: two on CPU (gloo), one per GPU (at most two) on CUDA."""
 REL_RUN = 1e-3 if CUDA else REL
-KEYS = {"pt": ("train/loss", "train/grad_norm"), "sft": ("train/loss", "train/grad_norm", "train/loss_task/big"),
-        "rm": ("train/loss", "train/grad_norm", "train/accuracy"), "dpo": ("train/loss", "train/grad_norm", "train/margin"),
-        "ppo": ("train/grad_norm", "ppo/kl", "ppo/reward_norm", "ppo/entropy"),
-        "grpo": ("train/loss", "train/grad_norm", "grpo/reward", "grpo/completion_length")}
-RUNS = {"sft": ("sft", 2, "lora"), "pt-full": ("pt", 1, "full"), "rm": ("rm", 1, "lora"), "dpo": ("dpo", 1, "lora"),
-        "ppo": ("ppo", 1, "lora"), "grpo": ("grpo", 1, "lora"), "ppo-real": ("ppo", 1, "lora"), "grpo-real": ("grpo", 1, "lora")}
+KEYS = {
+    "pt": ("train/loss", "train/grad_norm"),
+    "sft": ("train/loss", "train/grad_norm", "train/loss_task/big"),
+    "rm": ("train/loss", "train/grad_norm", "train/accuracy"),
+    "dpo": ("train/loss", "train/grad_norm", "train/margin"),
+    "ppo": ("train/grad_norm", "ppo/kl", "ppo/reward_norm", "ppo/entropy"),
+    "grpo": ("train/loss", "train/grad_norm", "grpo/reward", "grpo/completion_length"),
+}
+RUNS = {
+    "sft": ("sft", 2, "lora"),
+    "pt-full": ("pt", 1, "full"),
+    "rm": ("rm", 1, "lora"),
+    "dpo": ("dpo", 1, "lora"),
+    "ppo": ("ppo", 1, "lora"),
+    "grpo": ("grpo", 1, "lora"),
+    "ppo-real": ("ppo", 1, "lora"),
+    "grpo-real": ("grpo", 1, "lora"),
+}
 """name: (stage, grad_accum, model.finetuning); '-real' runs sample with the decode engine."""
 AGAINST_ONE = ("sft", "pt-full", "rm", "dpo", "ppo", "grpo")
 AGAINST_DDP = ("pt-full", "ppo-real", "grpo-real")
 """(LoRA SFT under DDP equals one process in tests/test_distributed_stages.py, as under FSDP here.)"""
 RESUMED = ("sft", "pt-full")
-GEOMETRY = {"first": {"train__batch_size": "2", "train__grad_accum": "1"},
-            "second": {"train__batch_size": str(4 // WORLD), "train__grad_accum": "1", "checkpoint__resume_changed": "true"}}
+GEOMETRY = {
+    "first": {"train__batch_size": "2", "train__grad_accum": "1"},
+    "second": {"train__batch_size": str(4 // WORLD), "train__grad_accum": "1", "checkpoint__resume_changed": "true"},
+}
 """The run stopped after 3 steps of 2 samples on one process, resumed on two FSDP ranks (one on a
 single GPU) with 4 samples a step: 6 is no multiple of 4 (a cursor counting micro-batches re-read
 two samples and never reached the last two)."""
@@ -62,8 +76,21 @@ def argv(name: str, world: int, out: Path, data: dict, model: Path, reward: Path
     base = stage_argv({"dpo": "rm", "grpo": "rm"}.get(stage, stage), accum, per_rank, out, data, model, reward)
     if stage == "grpo":
         base = base[: base.index("--data.train")] + [
-            "--data.train", f"[{data['ppo']}]", "--data.eval", "[]", "--train.learning_rate", "1e-2", "--grpo.num_generations", "2",
-            "--grpo.beta", "0.04", "--grpo.reward_funcs", "[distrun:group_reward]", "--generation.max_new_tokens", "6"]
+            "--data.train",
+            f"[{data['ppo']}]",
+            "--data.eval",
+            "[]",
+            "--train.learning_rate",
+            "1e-2",
+            "--grpo.num_generations",
+            "2",
+            "--grpo.beta",
+            "0.04",
+            "--grpo.reward_funcs",
+            "[distrun:group_reward]",
+            "--generation.max_new_tokens",
+            "6",
+        ]
     return base + ["--model.finetuning", mode]
 
 
@@ -82,14 +109,24 @@ def with_values(argv_: list[str], **values: str) -> list[str]:
 def spec(name: str, world: int, folder: Path, setup, engine: str, **extra) -> dict:
     root, data, model, reward = setup
     out = folder / name
-    return {"stage": RUNS[name][0], "argv": argv(name, world, out, data, model, reward) + ["--distributed.engine", engine],
-            "sampler": "real" if name.endswith("-real") else "scripted", **extra}
+    return {
+        "stage": RUNS[name][0],
+        "argv": argv(name, world, out, data, model, reward) + ["--distributed.engine", engine],
+        "sampler": "real" if name.endswith("-real") else "scripted",
+        **extra,
+    }
 
 
 def geometry_spec(phase: str, setup, engine: str, stop_after=None) -> dict:
     root, data, model, reward = setup
-    argv_ = with_values(stage_argv("sft", 1, 2, root / "geometry", data, model, reward), **GEOMETRY[phase],
-                        data__train=f"[{data['sft14']}]", train__max_steps="5", distributed__engine=engine, model__finetuning="lora")
+    argv_ = with_values(
+        stage_argv("sft", 1, 2, root / "geometry", data, model, reward),
+        **GEOMETRY[phase],
+        data__train=f"[{data['sft14']}]",
+        train__max_steps="5",
+        distributed__engine=engine,
+        model__finetuning="lora",
+    )
     return {"stage": "sft", "argv": argv_, "stop_after": stop_after, "history": phase}
 
 
@@ -107,7 +144,9 @@ def launches(setup):
     runs and the geometry change's second half), then the DDP runs (one torchrun: the engine is
     a run's setting, the process group outlives the runs)."""
     root = setup[0]
-    one = [spec(n, 1, root / "one", setup, "ddp") for n in AGAINST_ONE] + [geometry_spec("first", setup, "ddp", stop_after=3)]
+    one = [spec(n, 1, root / "one", setup, "ddp") for n in AGAINST_ONE] + [
+        geometry_spec("first", setup, "ddp", stop_after=3)
+    ]
     launch(one, root / "one", 1)
     fsdp = [spec(n, WORLD, root / "fsdp", setup, "fsdp") for n in RUNS]
     for name in RESUMED:
@@ -134,7 +173,9 @@ def test_two_fsdp_ranks_equal_one_process(name, launches, setup):
     stage, _, mode = RUNS[name]
     two = launches / "fsdp" / name
     assert_same_run(two, launches / "one" / name, stage, mode, REL_RUN)
-    assert [s["train/grad_norm"] for s in history(two, WORLD - 1)] == [s["train/grad_norm"] for s in history(two)]  # global norm
+    assert [s["train/grad_norm"] for s in history(two, WORLD - 1)] == [
+        s["train/grad_norm"] for s in history(two)
+    ]  # global norm
     assert max(s["train/grad_norm"] for s in history(two)) > 0.05  # clipping was active
     base = load_file(str(setup[2] / "model.safetensors"))
     merged = merged_weights(two)
@@ -187,7 +228,9 @@ def steps_over_geometries(n: int, seed: int, plan: list[tuple[int, int, int, int
         for _ in range(steps):
             after = None
             for rank in range(world):
-                groups, after = next_micro_batches(n, cursor, seed=seed, batch_size=batch, grad_accum=accum, world_size=world, rank=rank)
+                groups, after = next_micro_batches(
+                    n, cursor, seed=seed, batch_size=batch, grad_accum=accum, world_size=world, rank=rank
+                )
                 trained += [i for g in groups for i in g]
             cursor = after
     return trained
@@ -208,17 +251,19 @@ def test_a_checkpoint_from_the_micro_batch_cursor_resumes_at_its_sample():
 
 
 def test_fsdp_runs_on_cpu_and_refuses_what_it_cannot_shard(tiny_model_dir):
-    from stages.sft import SFTConfig
-
     from pipeline.config import load_config
     from pipeline.engine.accelerator import combination_problems
+    from stages.sft import SFTConfig
 
     def lines(*extra):
-        return combination_problems(load_config(SFTConfig, ["--model.path", str(tiny_model_dir), "--distributed.engine", "fsdp", *extra]))
+        return combination_problems(
+            load_config(SFTConfig, ["--model.path", str(tiny_model_dir), "--distributed.engine", "fsdp", *extra])
+        )
 
     assert lines() == []
     assert lines("--model.finetuning", "qlora") == [
-        "distributed.engine: fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, or model.finetuning lora or full"]
+        "distributed.engine: fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, or model.finetuning lora or full"
+    ]
     assert [p.split(":")[0] for p in lines("--distributed.fsdp_sharding", "NO_SHARD")] == ["distributed.fsdp_sharding"]
 
 

@@ -68,20 +68,27 @@ def test_param_groups_reads_either_layout_and_names_the_supported_torch_otherwis
     assert fsdp.param_groups(OldState(one)) == [one]
     assert fsdp.param_groups(OldState(None)) == []  # a unit that holds no parameters
     assert fsdp.param_groups(NewState([one, two])) == [one, two]  # the list first: the property refuses two
-    with pytest.raises(RuntimeError, match=rf"torch {re.escape(torch.__version__)}: an FSDP2 unit's state has neither "
-                                           r"_fsdp_param_groups nor _fsdp_param_group; .*supports torch 2\.7 or newer"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"torch {re.escape(torch.__version__)}: an FSDP2 unit's state has neither "
+        r"_fsdp_param_groups nor _fsdp_param_group; .*supports torch 2\.7 or newer",
+    ):
         fsdp.param_groups(object())
 
 
 @pytest.mark.parametrize("layout", ["old", "new"])
 def test_gathered_unshards_and_restores_each_unit_on_either_layout(layout, monkeypatch):
     groups = [Group("mesh-a"), Group("mesh-b")]
-    states = [OldState(groups[0]), OldState(groups[1])] if layout == "old" else [NewState(groups[:1]), NewState(groups[1:])]
+    states = (
+        [OldState(groups[0]), OldState(groups[1])] if layout == "old" else [NewState(groups[:1]), NewState(groups[1:])]
+    )
     units = [Unit(state) for state in states]
     monkeypatch.setattr(fsdp, "_units", lambda model: units)
     with fsdp.gathered(torch.nn.Linear(2, 2)):
         assert all(g.is_unsharded and g.post_forward_mesh_info is None for g in groups)
-    assert [g.post_forward_mesh_info for g in groups] == ["mesh-a", "mesh-b"] and not any(g.is_unsharded for g in groups)
+    assert [g.post_forward_mesh_info for g in groups] == ["mesh-a", "mesh-b"] and not any(
+        g.is_unsharded for g in groups
+    )
     assert all(u.calls == [("reshard_after_forward", False, False), "unshard", "reshard"] for u in units)
 
 
@@ -90,15 +97,17 @@ def test_a_torch_without_fsdp2s_setter_is_named_before_anything_shards(monkeypat
 
     assert fsdp.unsupported_torch() is None  # this torch
     monkeypatch.delattr(FSDPModule, "set_reshard_after_forward")
-    expected = (f"distributed.engine: fsdp needs torch 2.7 or newer (FSDPModule.set_reshard_after_forward); "
-                f"this is torch {torch.__version__}: upgrade torch, or use distributed.engine ddp")
+    expected = (
+        f"distributed.engine: fsdp needs torch 2.7 or newer (FSDPModule.set_reshard_after_forward); "
+        f"this is torch {torch.__version__}: upgrade torch, or use distributed.engine ddp"
+    )
     assert fsdp.unsupported_torch() == expected
     with pytest.raises(RuntimeError) as err:
         fsdp.shard_model(torch.nn.Linear(2, 2), torch.device("cpu"), sharding="FULL_SHARD", mixed="no")
     assert str(err.value) == expected
 
 
-FSDP_HELD_OUT = r'''
+FSDP_HELD_OUT = r"""
 import sys
 import torch
 from pipeline.engine import fsdp
@@ -119,7 +128,7 @@ with torch.no_grad():
     model.train()
 state = fsdp.optimizer_state(model, optimizer)
 print("OK", len(state["state"]))
-'''
+"""
 
 
 def test_optimizer_state_after_a_held_out_forward(tmp_path):
@@ -131,6 +140,11 @@ def test_optimizer_state_after_a_held_out_forward(tmp_path):
 
     script = tmp_path / "held_out.py"
     script.write_text(FSDP_HELD_OUT)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])})
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])},
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]

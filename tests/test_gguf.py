@@ -15,11 +15,23 @@ from pipeline.tools.gguf_export import ExportError
 
 # Strings where a wrong pre-tokenizer or token types show: digit runs, punctuation runs, unicode,
 # whitespace runs, contractions, and the chat markers themselves.
-AWKWARD = ["12345 and 3.14159, 1e-9", "$(echo ...)!!! ---> ?? (a)[b]{c}", "naïve café — 日本語 🙂 Ünïcödé",
-           "<|im_start|>user\nHi<|im_end|>\n", "  spaces   and\ttabs\n\n\n", "don't I'll we've THEY'RE",
-           "x=1;y=22;z=333 // $100.00", "<|endoftext|>tail"]
-PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "How many legs does a spider have?",
-           "Translate 'good morning' into French.", "What is 12 times 12?"]
+AWKWARD = [
+    "12345 and 3.14159, 1e-9",
+    "$(echo ...)!!! ---> ?? (a)[b]{c}",
+    "naïve café — 日本語 🙂 Ünïcödé",
+    "<|im_start|>user\nHi<|im_end|>\n",
+    "  spaces   and\ttabs\n\n\n",
+    "don't I'll we've THEY'RE",
+    "x=1;y=22;z=333 // $100.00",
+    "<|endoftext|>tail",
+]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about rain.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into French.",
+    "What is 12 times 12?",
+]
 
 
 def field(reader, key):
@@ -48,11 +60,17 @@ def test_pre_tokenizer_name_matches_llama_cpp_converter(embedded_json, reference
     GPT-2's; anything else is refused in one line instead of written as 'default'."""
     assert gguf_export.pre_tokenizer_name(embedded_json) == "gpt-2"
     smollm = copy.deepcopy(embedded_json)
-    smollm["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-        {"type": "Digits", "individual_digits": True},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+    smollm["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        ],
+    }
     assert gguf_export.pre_tokenizer_name(smollm) == field(reference_gguf, "tokenizer.ggml.pre") == "smollm"
-    assert gguf_export.gguf_string(reference_gguf.data.filename, "general.license") == field(reference_gguf, "general.license")
+    assert gguf_export.gguf_string(reference_gguf.data.filename, "general.license") == field(
+        reference_gguf, "general.license"
+    )
     other = copy.deepcopy(embedded_json)
     other["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁"}
     with pytest.raises(ExportError, match="unknown pre-tokenizer"):
@@ -79,19 +97,28 @@ def test_gguf_metadata_as_the_gguf_package_reads_it(tiny_model_dir, tmp_path):
     import gguf
     from transformers import AutoTokenizer
 
-    path = gguf_export.write_gguf(tiny_model_dir, tmp_path / "model.gguf", "f32", name="Tiny-SFT", license_id="apache-2.0")
+    path = gguf_export.write_gguf(
+        tiny_model_dir, tmp_path / "model.gguf", "f32", name="Tiny-SFT", license_id="apache-2.0"
+    )
     reader = gguf.GGUFReader(str(path))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert field(reader, "general.name") == gguf_export.gguf_string(path, "general.name") == "Tiny-SFT"
     assert gguf_export.gguf_string(path, "tokenizer.chat_template") == tok.chat_template  # read past the vocabulary
     assert field(reader, "general.license") == "apache-2.0"
     assert field(reader, "tokenizer.ggml.pre") == "gpt-2"
-    assert field(reader, "tokenizer.ggml.add_bos_token") is False and field(reader, "tokenizer.ggml.add_eos_token") is False
+    assert (
+        field(reader, "tokenizer.ggml.add_bos_token") is False
+        and field(reader, "tokenizer.ggml.add_eos_token") is False
+    )
     assert field(reader, "tokenizer.ggml.bos_token_id") == tok.bos_token_id
-    assert field(reader, "tokenizer.ggml.eos_token_id") == field(reader, "tokenizer.ggml.eot_token_id") == tok.eos_token_id
+    assert (
+        field(reader, "tokenizer.ggml.eos_token_id") == field(reader, "tokenizer.ggml.eot_token_id") == tok.eos_token_id
+    )
     assert field(reader, "tokenizer.ggml.padding_token_id") == tok.pad_token_id == 0
     assert field(reader, "tokenizer.chat_template") == tok.chat_template
-    assert len(field(reader, "tokenizer.ggml.merges")) == len(json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["merges"])
+    assert len(field(reader, "tokenizer.ggml.merges")) == len(
+        json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["merges"]
+    )
     assert field(reader, "tokenizer.ggml.token_type")[:17] == [3] * 17
 
 
@@ -130,10 +157,18 @@ def embedded_hf(embedded_path):
 
     tok = AutoTokenizer.from_pretrained(embedded_path)
     model = AutoModelForCausalLM.from_pretrained(embedded_path, dtype=torch.float32).eval()
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    prompts = [
+        tok(
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
+        for p in PROMPTS
+    ]
     with torch.no_grad():
-        answers = [model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist() for ids in prompts]
+        answers = [
+            model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
+            for ids in prompts
+        ]
     return tok, model, prompts, answers
 
 
@@ -147,7 +182,9 @@ def test_llama_cpp_tokenizes_and_answers_as_transformers(llama_cpp, embedded_pat
         for text in AWKWARD:
             assert model.tokenize(text) == tok(text, add_special_tokens=False)["input_ids"], text
         for text, ids in zip(PROMPTS, prompts):
-            templated = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            templated = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
             assert model.tokenize(templated) == ids
         assert model.is_eog(tok.eos_token_id) and model.meta("tokenizer.ggml.pre") == "gpt-2"
         assert [model.greedy(ids, 8) for ids in prompts] == answers
@@ -193,10 +230,20 @@ def test_llama_cpp_negative_control_without_the_tokenizer_metadata(llama_cpp, ti
 # llama.cpp's server: the saved tool layout rendered by llama.cpp's own Jinja engine
 # ------------------------------------------------------------------------------------------
 
-ADD = {"name": "add", "description": "Add two integers.",
-       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}
-LOOKUP = {"name": "lookup", "description": "Look a word up (any language).",
-          "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}
+ADD = {
+    "name": "add",
+    "description": "Add two integers.",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    },
+}
+LOOKUP = {
+    "name": "lookup",
+    "description": "Look a word up (any language).",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+}
 TOOLS = [{"type": "function", "function": ADD}, {"type": "function", "function": LOOKUP}]
 
 
@@ -209,20 +256,31 @@ TOOL_CONVERSATIONS = {
     "question": [{"role": "user", "content": "What is 12345 + 67890?"}],
     # a system turn of the user's, calls with arguments as objects (non-ASCII: tojson must not
     # escape it), no content (OpenAI's null), their results
-    "object arguments": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3, and naïve?"},
-                         {"role": "assistant", "content": None,
-                          "tool_calls": [_call("add", {"a": 2, "b": 3}, "c1"), _call("lookup", {"word": "naïve — 日本"}, "c2")]},
-                         {"role": "tool", "tool_call_id": "c1", "content": "5"},
-                         {"role": "tool", "tool_call_id": "c2", "content": "innocent"}],
+    "object arguments": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 3, and naïve?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [_call("add", {"a": 2, "b": 3}, "c1"), _call("lookup", {"word": "naïve — 日本"}, "c2")],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+        {"role": "tool", "tool_call_id": "c2", "content": "innocent"},
+    ],
     # text beside two parallel calls (arguments as JSON text, as OpenAI clients send them, non-ASCII),
     # two results in a row, an answer, and the next question
-    "parallel": [{"role": "user", "content": "Add 1 and 2, and look up café."},
-                 {"role": "assistant", "content": "Two calls.",
-                  "tool_calls": [_call("add", '{"a": 1, "b": 2}', "c1"), _call("lookup", '{"word": "café 日本"}', "c2")]},
-                 {"role": "tool", "tool_call_id": "c1", "content": "3"},
-                 {"role": "tool", "tool_call_id": "c2", "content": "a coffee house — 喫茶店"},
-                 {"role": "assistant", "content": "3, and a coffee house."},
-                 {"role": "user", "content": "And 4 + 4?"}],
+    "parallel": [
+        {"role": "user", "content": "Add 1 and 2, and look up café."},
+        {
+            "role": "assistant",
+            "content": "Two calls.",
+            "tool_calls": [_call("add", '{"a": 1, "b": 2}', "c1"), _call("lookup", '{"word": "café 日本"}', "c2")],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        {"role": "tool", "tool_call_id": "c2", "content": "a coffee house — 喫茶店"},
+        {"role": "assistant", "content": "3, and a coffee house."},
+        {"role": "user", "content": "And 4 + 4?"},
+    ],
 }
 
 
@@ -256,7 +314,8 @@ def test_llama_server_renders_tool_conversations_as_transformers(llama_server_bi
             assert server.tokenize(rendered) == tok(expected, add_special_tokens=False)["input_ids"], name
         # the tools reached llama.cpp's template: without them it renders no tools block
         plain = server.apply_template(TOOL_CONVERSATIONS["parallel"])
-        assert "<tools>" not in plain and plain == tok.apply_chat_template(TOOL_CONVERSATIONS["parallel"], add_generation_prompt=True,
-                                                                          tokenize=False)
+        assert "<tools>" not in plain and plain == tok.apply_chat_template(
+            TOOL_CONVERSATIONS["parallel"], add_generation_prompt=True, tokenize=False
+        )
     finally:
         server.close()

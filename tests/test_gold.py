@@ -23,8 +23,34 @@ from pipeline.tools.gold import (
 ROOT = Path(__file__).resolve().parents[1]
 GOLD = ROOT / "data" / "sample" / "gold" / "eval.jsonl"
 
-CAPITALS = ["Tessel", "Marrow Bay", "Orlin", "Cask", "Dunmere", "Velo", "Pryn", "Abbot's Cove", "Sile", "Rook", "Tarn", "Gale"]
-EXPORTS = ["salt", "kelp paper", "amber", "smoked eel", "slate", "copper wire", "glass beads", "wool", "pearl buttons", "pine tar", "pear cider", "hemp rope"]
+CAPITALS = [
+    "Tessel",
+    "Marrow Bay",
+    "Orlin",
+    "Cask",
+    "Dunmere",
+    "Velo",
+    "Pryn",
+    "Abbot's Cove",
+    "Sile",
+    "Rook",
+    "Tarn",
+    "Gale",
+]
+EXPORTS = [
+    "salt",
+    "kelp paper",
+    "amber",
+    "smoked eel",
+    "slate",
+    "copper wire",
+    "glass beads",
+    "wool",
+    "pearl buttons",
+    "pine tar",
+    "pear cider",
+    "hemp rope",
+]
 
 
 @pytest.mark.parametrize(
@@ -106,7 +132,10 @@ def test_score_answers_uses_the_file_values_as_rivals():
 
 def test_format_table():
     rows = [{"model": "sft", "phrase_rate": 0.5, "fact_accuracy": 0.125, "n": 80}]
-    assert format_table(rows) == "| model | phrase rate | fact accuracy | n |\n|---|---|---|---|\n| sft | 0.500 | 0.125 | 80 |"
+    assert (
+        format_table(rows)
+        == "| model | phrase rate | fact accuracy | n |\n|---|---|---|---|\n| sft | 0.500 | 0.125 | 80 |"
+    )
 
 
 def test_shipped_gold_file_is_an_answer_key_for_every_fact():
@@ -124,7 +153,12 @@ def test_shipped_gold_file_is_an_answer_key_for_every_fact():
     islands = {i[0]: i for i in gen.ISLANDS}
     answers = [gen.preferred_answer(islands[r["island"]], r["attribute"]) for r in records]
     assert score_answers(records, answers) == {"phrase_rate": 1.0, "fact_accuracy": 1.0, "n": len(records)}
-    wrong = [gen.plain_answer(gen.wrong_island(__import__("random").Random(0), islands[r["island"]], r["attribute"]), r["attribute"]) for r in records]
+    wrong = [
+        gen.plain_answer(
+            gen.wrong_island(__import__("random").Random(0), islands[r["island"]], r["attribute"]), r["attribute"]
+        )
+        for r in records
+    ]
     assert score_answers(records, wrong) == {"phrase_rate": 0.0, "fact_accuracy": 0.0, "n": len(records)}
     # held out: no gold question is a training, RM or PPO prompt
     seen = set()
@@ -161,14 +195,16 @@ def test_gold_table_on_tiny_models(tmp_path, tiny_model_dir):
     logged: list[str] = []
     rows = gold_table([("a", str(tiny_model_dir)), ("b", str(other))], gold, settings, cache, answers, logged.append)
     assert [r["model"] for r in rows] == ["a", "b"] and [r["n"] for r in rows] == [5, 5]
-    assert all(0.0 <= r[k] <= 1.0 for r in rows for k in ("phrase_rate", "fact_accuracy")) and not any(r["cached"] for r in rows)
+    assert all(0.0 <= r[k] <= 1.0 for r in rows for k in ("phrase_rate", "fact_accuracy")) and not any(
+        r["cached"] for r in rows
+    )
     lines = [json.loads(line) for line in (answers / "a.jsonl").read_text().splitlines()]
     assert len(lines) == 5 and {"answer", "phrase", "fact", "expected"} <= set(lines[0])
     assert len(json.loads(cache.read_text())) == 2
     again = gold_table([("a", str(tiny_model_dir)), ("b", str(other))], gold, settings, cache, answers, logged.append)
-    assert all(r["cached"] for r in again) and [{k: r[k] for k in ("phrase_rate", "fact_accuracy", "n")} for r in again] == [
-        {k: r[k] for k in ("phrase_rate", "fact_accuracy", "n")} for r in rows
-    ]
+    assert all(r["cached"] for r in again) and [
+        {k: r[k] for k in ("phrase_rate", "fact_accuracy", "n")} for r in again
+    ] == [{k: r[k] for k in ("phrase_rate", "fact_accuracy", "n")} for r in rows]
     assert sum("generating" in m for m in logged) == 2 and sum("cached" in m for m in logged) == 2
     # new weights: a new key, generated again
     make_tiny_model(other, seed=6)
@@ -188,4 +224,5 @@ def test_gold_backend_option(monkeypatch):
     assert GoldConfig(backend="x").problems() == ["gold.backend: 'x' is not one of ('relay', 'vllm')"]
     monkeypatch.setattr(vllm_server, "vllm_python", lambda: None)
     assert GoldConfig(backend="vllm", data=str(GOLD)).problems() == [
-        "gold.backend: vllm is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm)"]
+        "gold.backend: vllm is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm)"
+    ]

@@ -13,11 +13,11 @@ import json
 
 import pytest
 import torch
-
-from data_formats.collate import Collator, pack
 from stagerun import run_stage
 from test_distributed_stages import figures, history, launch, merged_weights, stage_argv, write_data
-from test_packing import A, B, SEQ, _forward, _model, _per_sample_loss
+from test_packing import SEQ, A, B, _forward, _model, _per_sample_loss
+
+from data_formats.collate import Collator, pack
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: CUDA sdpa, PPO/GRPO and FSDP on CUDA")
 PACKED_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
@@ -61,7 +61,9 @@ def test_ppo_runs_on_cuda(setup, precision):
     argv = stage_argv("ppo", 1, 4, root / f"ppo-{precision}", data, model, reward)
     argv += ["--train.precision", precision, "--model.dtype", precision]
     devices = []
-    stage = run_stage(PPOStage, load_config(PPOStage.config_class, argv), on_step=lambda st, m: devices.append(on_device(st)))
+    stage = run_stage(
+        PPOStage, load_config(PPOStage.config_class, argv), on_step=lambda st, m: devices.append(on_device(st))
+    )
     assert stage.step == 2 and devices == ["cuda", "cuda"]
     for step in stage.history.steps:
         assert all(torch.isfinite(torch.tensor(step[k])) for k in ("train/grad_norm", "ppo/kl", "ppo/entropy"))
@@ -70,6 +72,7 @@ def test_ppo_runs_on_cuda(setup, precision):
 
 def test_grpo_runs_on_cuda(tmp_path, tiny_model_dir, monkeypatch):
     import test_grpo
+
     from stages import grpo
 
     monkeypatch.setitem(test_grpo.SCORE_TARGET, "token", "e")  # test_grpo's rule reward scores this token's share
@@ -92,10 +95,16 @@ def test_fsdp_one_rank_resumes_exactly_and_equals_one_gpu(setup):
     specs = []
     for stage, name, mode in (("sft", "sft", "lora"), ("rm", "rm", "full")):
         plain = stage_argv(stage, 1, 4, folder / f"{name}-plain", data, model, reward) + ["--model.finetuning", mode]
-        fsdp = lambda out: stage_argv(stage, 1, 4, folder / out, data, model, reward) + ["--model.finetuning", mode,
-                                                                                       "--distributed.engine", "fsdp"]
-        specs += [{"stage": stage, "argv": plain}, {"stage": stage, "argv": fsdp(name)},
-                  {"stage": stage, "argv": fsdp(f"{name}-resumed"), "stop_after": 1}, {"stage": stage, "argv": fsdp(f"{name}-resumed")}]
+        fsdp = lambda out: (
+            stage_argv(stage, 1, 4, folder / out, data, model, reward)
+            + ["--model.finetuning", mode, "--distributed.engine", "fsdp"]
+        )
+        specs += [
+            {"stage": stage, "argv": plain},
+            {"stage": stage, "argv": fsdp(name)},
+            {"stage": stage, "argv": fsdp(f"{name}-resumed"), "stop_after": 1},
+            {"stage": stage, "argv": fsdp(f"{name}-resumed")},
+        ]
     launch(specs, folder, 1, torchrun=True)
     for name, stage in (("sft", "sft"), ("rm", "rm")):
         resumed, unbroken, plain = folder / f"{name}-resumed", folder / name, folder / f"{name}-plain"
@@ -127,8 +136,15 @@ def test_the_decode_engine_replays_one_cuda_graph_per_call(tiny_model_dir, dtype
 
     def run():
         seen = []
-        out = decode.generate(model, prompts, max_new_tokens=12, eos_ids=[], pad_id=0, temperature=0.0,
-                              on_logits=lambda step, logits: seen.append(logits.float().cpu()))
+        out = decode.generate(
+            model,
+            prompts,
+            max_new_tokens=12,
+            eos_ids=[],
+            pad_id=0,
+            temperature=0.0,
+            on_logits=lambda step, logits: seen.append(logits.float().cpu()),
+        )
         return out.tokens, torch.stack(seen)
 
     graph_tokens, graph_logits = run()

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import os
+import random
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,14 +16,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
+from stagerun import run_stage
+from tinymodels import make_tiny_model
 
 from pipeline.algorithms import grpo as algo
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.rollout import ActorCritic
 from pipeline.config import ConfigError
-from stagerun import run_stage
 from stages import grpo
-from tinymodels import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,8 +46,21 @@ def _fixed(seed=0, B=4, T=5):
     return logp, old, ref, adv, mask
 
 
-def trl_loss(logp, old, ref, adv, mask, *, loss_type, beta, epsilon=0.2, epsilon_high=None, grad_accum=1, num_items=None,
-             is_ratio=None):
+def trl_loss(
+    logp,
+    old,
+    ref,
+    adv,
+    mask,
+    *,
+    loss_type,
+    beta,
+    epsilon=0.2,
+    epsilon_high=None,
+    grad_accum=1,
+    num_items=None,
+    is_ratio=None,
+):
     """TRL 1.16's `_compute_loss` on these tensors: (loss, d loss / d logp); `is_ratio` given: with
     vLLM's importance-sampling correction on and that ratio (tests/test_mismatch.py)."""
     pytest.importorskip("trl")
@@ -56,22 +69,44 @@ def trl_loss(logp, old, ref, adv, mask, *, loss_type, beta, epsilon=0.2, epsilon
 
     assert trl.__version__ == "1.16.0"
     leaf = logp.clone().requires_grad_(True)
-    acc = SimpleNamespace(num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x, reduce=lambda x, reduction="sum": x,
-                          sync_gradients=True)
+    acc = SimpleNamespace(
+        num_processes=1,
+        gather=lambda x: x,
+        gather_for_metrics=lambda x: x,
+        reduce=lambda x, reduction="sum": x,
+        sync_gradients=True,
+    )
     stand_in = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (leaf, torch.zeros_like(leaf), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
-        loss_type=loss_type, epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high,
-        use_vllm=is_ratio is not None, vllm_importance_sampling_correction=is_ratio is not None, aux_loss_enabled=False, _entropy_bonus_enabled=False,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        beta=beta,
+        loss_type=loss_type,
+        epsilon_low=epsilon,
+        epsilon_high=epsilon if epsilon_high is None else epsilon_high,
+        use_vllm=is_ratio is not None,
+        vllm_importance_sampling_correction=is_ratio is not None,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
         args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=grad_accum),
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=grad_accum, accelerator=acc,
-        _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, max_completion_length=logp.shape[1],
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=grad_accum,
+        accelerator=acc,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        max_completion_length=logp.shape[1],
     )
     B = logp.shape[0]
-    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-              "completion_ids": torch.zeros(B, logp.shape[1], dtype=torch.long), "completion_mask": mask.long(),
-              "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": torch.tensor(float(mask.sum() if num_items is None else num_items))}
+    inputs = {
+        "prompt_ids": torch.zeros(B, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(B, logp.shape[1], dtype=torch.long),
+        "completion_mask": mask.long(),
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": torch.tensor(float(mask.sum() if num_items is None else num_items)),
+    }
     if is_ratio is not None:
         inputs["importance_sampling_ratio"] = is_ratio
     loss = GRPOTrainer._compute_loss(stand_in, None, inputs)
@@ -79,12 +114,19 @@ def trl_loss(logp, old, ref, adv, mask, *, loss_type, beta, epsilon=0.2, epsilon
     return loss.detach(), leaf.grad, stand_in._metrics["train"]
 
 
-@pytest.mark.parametrize("loss_type,beta,epsilon_high", [("dapo", 0.0, None), ("dapo", 0.04, 0.28), ("grpo", 0.04, None), ("grpo", 0.0, 0.28)])
+@pytest.mark.parametrize(
+    "loss_type,beta,epsilon_high",
+    [("dapo", 0.0, None), ("dapo", 0.04, 0.28), ("grpo", 0.04, None), ("grpo", 0.0, 0.28)],
+)
 def test_loss_and_gradient_match_trl(loss_type, beta, epsilon_high):
     logp, old, ref, adv, mask = _fixed()
-    want, want_grad, metrics = trl_loss(logp, old, ref, adv, mask, loss_type=loss_type, beta=beta, epsilon_high=epsilon_high)
+    want, want_grad, metrics = trl_loss(
+        logp, old, ref, adv, mask, loss_type=loss_type, beta=beta, epsilon_high=epsilon_high
+    )
     leaf = logp.clone().requires_grad_(True)
-    out = algo.grpo_loss(leaf, old, adv, mask, epsilon=0.2, epsilon_high=epsilon_high, beta=beta, ref_logp=ref, loss_type=loss_type)
+    out = algo.grpo_loss(
+        leaf, old, adv, mask, epsilon=0.2, epsilon_high=epsilon_high, beta=beta, ref_logp=ref, loss_type=loss_type
+    )
     out.loss.backward()
     torch.testing.assert_close(out.loss.detach(), want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(leaf.grad, want_grad, rtol=1e-12, atol=1e-12)
@@ -104,10 +146,21 @@ def test_dapo_micro_batches_match_trl_accumulation():
     total = float(mask.sum())
     parts = []
     for rows in (slice(0, 2), slice(2, 4)):
-        want, want_grad, _ = trl_loss(logp[rows], old[rows], ref[rows], adv[rows], mask[rows], loss_type="dapo", beta=0.04,
-                                      grad_accum=2, num_items=total)
+        want, want_grad, _ = trl_loss(
+            logp[rows],
+            old[rows],
+            ref[rows],
+            adv[rows],
+            mask[rows],
+            loss_type="dapo",
+            beta=0.04,
+            grad_accum=2,
+            num_items=total,
+        )
         leaf = logp[rows].clone().requires_grad_(True)
-        out = algo.grpo_loss(leaf, old[rows], adv[rows], mask[rows], epsilon=0.2, beta=0.04, ref_logp=ref[rows], num_tokens=total)
+        out = algo.grpo_loss(
+            leaf, old[rows], adv[rows], mask[rows], epsilon=0.2, beta=0.04, ref_logp=ref[rows], num_tokens=total
+        )
         out.loss.backward()
         torch.testing.assert_close(out.loss.detach(), want, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(leaf.grad, want_grad, rtol=1e-12, atol=1e-12)
@@ -158,7 +211,11 @@ def test_reward_spec_refusals(tmp_path):
 
 def test_config_problems_listed_together_before_loading(tmp_path):
     cfg = grpo.GRPOConfig(output_dir=str(tmp_path / "out"))
-    cfg.grpo.reward_funcs = ["data/sample/reward.py:score", "no_such_module_xyz:f", "pipeline.algorithms.rewards:house_phrase"]
+    cfg.grpo.reward_funcs = [
+        "data/sample/reward.py:score",
+        "no_such_module_xyz:f",
+        "pipeline.algorithms.rewards:house_phrase",
+    ]
     cfg.grpo.reward_weights = [1.0]
     cfg.grpo.num_generations, cfg.grpo.loss_type = 1, "seq"
     with pytest.raises(ConfigError) as err:
@@ -170,7 +227,11 @@ def test_config_problems_listed_together_before_loading(tmp_path):
         f"or the working directory {os.getcwd()}; a file is named as 'path/to/file.py:function'",
     ]
     joined = "\n".join(found)
-    assert "num_generations: must be >= 2" in joined and "loss_type: 'seq'" in joined and "1 weights for 3 reward functions" in joined
+    assert (
+        "num_generations: must be >= 2" in joined
+        and "loss_type: 'seq'" in joined
+        and "1 weights for 3 reward functions" in joined
+    )
     cfg2 = grpo.GRPOConfig()
     cfg2.grpo.reward_funcs = []
     assert any("no reward" in p for p in cfg2.problems())
@@ -257,7 +318,9 @@ def _target_text(policy_dir, prompts: list[dict]) -> str:
 def test_learning_raises_rule_reward_and_tiny_lr_does_not(tmp_path, peaked_policy, prompts_file):
     curves = {}
     for lr, steps in ((3e-3, 5), (1e-9, 3)):  # the config refuses lr 0; 1e-9 moves nothing
-        cfg = make_cfg(tmp_path / f"lr{lr}", peaked_policy, prompts_file, max_steps=steps, learning_rate=lr, batch_size=4)
+        cfg = make_cfg(
+            tmp_path / f"lr{lr}", peaked_policy, prompts_file, max_steps=steps, learning_rate=lr, batch_size=4
+        )
         cfg.lora.r = 8
         probe = grpo.GRPOStage(cfg)
         probe.validate()
@@ -271,7 +334,9 @@ def test_learning_raises_rule_reward_and_tiny_lr_does_not(tmp_path, peaked_polic
     assert max(frozen) < frozen[0] + 0.15, frozen
 
 
-def test_first_step_on_policy_and_reference_is_the_disabled_adapter(tmp_path, tiny_model_dir, prompts_file, monkeypatch):
+def test_first_step_on_policy_and_reference_is_the_disabled_adapter(
+    tmp_path, tiny_model_dir, prompts_file, monkeypatch
+):
     """beta > 0 under LoRA: the reference is the adapter-disabled policy (KL exactly 0 before any
     update); num_iterations 2: the update's first forward reproduces the rollout log-probs."""
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, prompts_file, max_steps=2, learning_rate=1e-2)
@@ -290,7 +355,9 @@ def test_first_step_on_policy_and_reference_is_the_disabled_adapter(tmp_path, ti
 def test_beta_zero_runs_no_reference_forward(tmp_path, tiny_model_dir, prompts_file, monkeypatch, finetuning):
     calls = []
     original = ActorCritic.reference_logprobs
-    monkeypatch.setattr(ActorCritic, "reference_logprobs", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    monkeypatch.setattr(
+        ActorCritic, "reference_logprobs", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
     for beta in (0.0, 0.05):
         cfg = make_cfg(tmp_path / f"b{beta}", tiny_model_dir, prompts_file, max_steps=1, learning_rate=1e-3)
         cfg.model.finetuning, cfg.grpo.beta = finetuning, beta
@@ -317,7 +384,11 @@ def test_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, prompts_file, 
         else:
             monkeypatch.setenv("RELAY_STOP_AFTER_STEP", str(stop))
         steps = {}
-        stage = run_stage(grpo.GRPOStage, cfg, on_step=lambda st, m: steps.__setitem__(st.step, (m, st.last_rollout["rollout"].responses)))
+        stage = run_stage(
+            grpo.GRPOStage,
+            cfg,
+            on_step=lambda st, m: steps.__setitem__(st.step, (m, st.last_rollout["rollout"].responses)),
+        )
         return stage, steps
 
     _, unbroken = run(tmp_path / "a")
@@ -348,8 +419,10 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_logits_and_gradients(tm
     from pipeline.modeling.scoring import position_ids_from_mask
 
     folder = make_tiny_model(tmp_path / "tiny", seed=3, initializer_range=0.3, vocab_size=48)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
-                           LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"),
+    )
     for name, param in model.named_parameters():
         if "lora_B" in name:
             param.data.normal_(0, 0.1)
@@ -362,8 +435,12 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_logits_and_gradients(tm
 
     def plain():
         keep = r.input_ids.shape[1] - r.prompt_width + 1
-        return model(input_ids=r.input_ids, attention_mask=r.attention_mask,
-                     position_ids=position_ids_from_mask(r.attention_mask), logits_to_keep=keep).logits[:, :-1]
+        return model(
+            input_ids=r.input_ids,
+            attention_mask=r.attention_mask,
+            position_ids=position_ids_from_mask(r.attention_mask),
+            logits_to_keep=keep,
+        ).logits[:, :-1]
 
     def grads(logits):
         loss = (logits[r.response_mask.bool()].log_softmax(-1)[:, 3]).sum()

@@ -53,32 +53,74 @@ def _ragged(seed=0, B=6, T=7, dtype=torch.float32):
     return [x.to(dtype) for x in (logp, old, ref, entropies, advantages)] + [mask]
 
 
-def trl_loss(logp, old, ref, entropies, advantages, mask, o: gl.Objective, *, quantile=1.0, grad_accum=1, num_items=None,
-             max_completion_length=None):
+def trl_loss(
+    logp,
+    old,
+    ref,
+    entropies,
+    advantages,
+    mask,
+    o: gl.Objective,
+    *,
+    quantile=1.0,
+    grad_accum=1,
+    num_items=None,
+    max_completion_length=None,
+):
     """TRL 1.16's `_compute_loss` on these tensors: (loss, d loss / d logp, metrics)."""
     assert trl.__version__ == "1.16.0"
     leaf = logp.clone().requires_grad_(True)
-    acc = SimpleNamespace(num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x, reduce=lambda x, reduction="sum": x,
-                          pad_across_processes=lambda x, dim=0, pad_index=0: x, sync_gradients=True)
+    acc = SimpleNamespace(
+        num_processes=1,
+        gather=lambda x: x,
+        gather_for_metrics=lambda x: x,
+        reduce=lambda x, reduction="sum": x,
+        pad_across_processes=lambda x, dim=0, pad_index=0: x,
+        sync_gradients=True,
+    )
     stand_in = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (leaf, entropies, None),
-        get_gamma_weights=GRPOTrainer.get_gamma_weights, top_entropy_quantile=quantile, off_policy_mask_threshold=None,
-        importance_sampling_level=o.importance_sampling_level, beta=o.beta, loss_type=o.loss_type, epsilon_low=o.epsilon,
-        epsilon_high=o.high, use_vllm=False, vllm_importance_sampling_correction=False, aux_loss_enabled=False,
-        _entropy_bonus_enabled=False, model=SimpleNamespace(training=True), current_gradient_accumulation_steps=grad_accum,
-        accelerator=acc, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,
+        top_entropy_quantile=quantile,
+        off_policy_mask_threshold=None,
+        importance_sampling_level=o.importance_sampling_level,
+        beta=o.beta,
+        loss_type=o.loss_type,
+        epsilon_low=o.epsilon,
+        epsilon_high=o.high,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=grad_accum,
+        accelerator=acc,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         max_completion_length=max_completion_length or logp.shape[1],
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=o.delta, steps_per_generation=grad_accum,
-                             sapo_temperature_pos=o.sapo_temperature_pos, sapo_temperature_neg=o.sapo_temperature_neg,
-                             vespo_k_pos=o.vespo_k_pos, vespo_lambda_pos=o.vespo_lambda_pos, vespo_k_neg=o.vespo_k_neg,
-                             vespo_lambda_neg=o.vespo_lambda_neg),
+        args=SimpleNamespace(
+            use_bias_correction_kl=False,
+            delta=o.delta,
+            steps_per_generation=grad_accum,
+            sapo_temperature_pos=o.sapo_temperature_pos,
+            sapo_temperature_neg=o.sapo_temperature_neg,
+            vespo_k_pos=o.vespo_k_pos,
+            vespo_lambda_pos=o.vespo_lambda_pos,
+            vespo_k_neg=o.vespo_k_neg,
+            vespo_lambda_neg=o.vespo_lambda_neg,
+        ),
     )
     stand_in.get_high_entropy_mask = lambda e, m, t: GRPOTrainer.get_high_entropy_mask(stand_in, e, m, t)
     B = logp.shape[0]
-    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-              "completion_ids": torch.zeros(B, logp.shape[1], dtype=torch.long), "completion_mask": mask,
-              "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": torch.tensor(float(mask.sum() if num_items is None else num_items))}
+    inputs = {
+        "prompt_ids": torch.zeros(B, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(B, logp.shape[1], dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": advantages,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": torch.tensor(float(mask.sum() if num_items is None else num_items)),
+    }
     loss = GRPOTrainer._compute_loss(stand_in, None, inputs)
     loss.backward()
     return loss.detach(), leaf.grad, stand_in._metrics["train"]
@@ -101,14 +143,29 @@ CASES = {
     "dapo/clip-higher": ({"loss_type": "dapo", "epsilon_high": 0.28}, 1.0),
     "dapo/delta": ({"loss_type": "dapo", "delta": 1.3}, 1.0),
     "dapo/entropy-0.2": ({"loss_type": "dapo", "beta": 0.04}, 0.2),
-    "dapo/sequence+delta": ({"loss_type": "dapo", "importance_sampling_level": "sequence", "delta": 1.25, "epsilon_high": 0.2}, 1.0),
+    "dapo/sequence+delta": (
+        {"loss_type": "dapo", "importance_sampling_level": "sequence", "delta": 1.25, "epsilon_high": 0.2},
+        1.0,
+    ),
     "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, 1.0),
     "cispo": ({"loss_type": "cispo", "epsilon_high": 1.2, "beta": 0.04}, 1.0),
     "cispo/entropy-0.5": ({"loss_type": "cispo", "epsilon_high": 5.0}, 0.5),
     "sapo": ({"loss_type": "sapo"}, 1.0),
-    "sapo/temperatures": ({"loss_type": "sapo", "sapo_temperature_pos": 0.7, "sapo_temperature_neg": 2.0, "beta": 0.04}, 1.0),
+    "sapo/temperatures": (
+        {"loss_type": "sapo", "sapo_temperature_pos": 0.7, "sapo_temperature_neg": 2.0, "beta": 0.04},
+        1.0,
+    ),
     "vespo": ({"loss_type": "vespo"}, 1.0),
-    "vespo/params": ({"loss_type": "vespo", "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 2.0, "vespo_lambda_neg": 1.0}, 1.0),
+    "vespo/params": (
+        {
+            "loss_type": "vespo",
+            "vespo_k_pos": 1.5,
+            "vespo_lambda_pos": 2.5,
+            "vespo_k_neg": 2.0,
+            "vespo_lambda_neg": 1.0,
+        },
+        1.0,
+    ),
 }
 
 
@@ -164,7 +221,9 @@ def test_micro_batch_shares_equal_trl_accumulation(loss_type):
 
 def test_high_entropy_mask_equals_trl():
     *_, entropies, _, mask = _ragged(seed=3)
-    stand_in = SimpleNamespace(accelerator=SimpleNamespace(pad_across_processes=lambda x, dim=0, pad_index=0: x, gather=lambda x: x))
+    stand_in = SimpleNamespace(
+        accelerator=SimpleNamespace(pad_across_processes=lambda x, dim=0, pad_index=0: x, gather=lambda x: x)
+    )
     for q in (0.0, 0.2, 0.5, 1.0):
         want = GRPOTrainer.get_high_entropy_mask(stand_in, entropies, mask, 1 - q)
         assert torch.equal(gl.high_entropy_mask(entropies, mask, q), want), q
@@ -186,7 +245,7 @@ def test_vespo_weights_equal_trl():
 def _rewards(seed=0, groups=3, G=4):
     g = torch.Generator().manual_seed(seed)
     r = torch.randn(groups * G, generator=g)
-    r[G:2 * G] = 0.5  # one group of equal rewards
+    r[G : 2 * G] = 0.5  # one group of equal rewards
     return r
 
 
@@ -199,8 +258,11 @@ def test_scale_rewards_equal_trl():
     """TRL grpo_trainer.py `_generate_and_score_completions`, sum_then_normalize: group, batch, none."""
     r, G = _rewards(), 4
     mean = r.view(-1, G).mean(1).repeat_interleave(G)
-    want = {"group": (r - mean) / (nanstd(r.view(-1, G), dim=1).repeat_interleave(G) + 1e-4),
-            "batch": (r - mean) / (nanstd(r).expand_as(r) + 1e-4), "none": r - mean}
+    want = {
+        "group": (r - mean) / (nanstd(r.view(-1, G), dim=1).repeat_interleave(G) + 1e-4),
+        "batch": (r - mean) / (nanstd(r).expand_as(r) + 1e-4),
+        "none": r - mean,
+    }
     for scale, expected in want.items():
         torch.testing.assert_close(adv.group_advantages(r, G, scale), expected, **TOL)
     torch.testing.assert_close(adv.group_advantages(r, G, False), want["none"], **TOL)  # the old boolean spelling
@@ -213,10 +275,14 @@ def test_normalize_then_sum_equals_trl():
     per[0:4, 1] = 1.0  # a reward that is constant within a group
     weights = [1.0, 0.5, 2.0]
     grouped = per.view(-1, G, 3)
-    reward_k = ((grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)).view(-1, 3)
+    reward_k = (
+        (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+    ).view(-1, 3)
     rewards = (reward_k * torch.tensor(weights).unsqueeze(0)).nansum(dim=1)
     want = (rewards - torch.nanmean(rewards)) / (nanstd(rewards).expand_as(rewards) + 1e-4)
-    got = adv.AGGREGATIONS["normalize_then_sum"](per.sum(1), per, weights, torch.ones(12), G, estimator="grpo", scale="group")
+    got = adv.AGGREGATIONS["normalize_then_sum"](
+        per.sum(1), per, weights, torch.ones(12), G, estimator="grpo", scale="group"
+    )
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -280,8 +346,11 @@ def test_estimators_equal_verl(estimator):
     mask = _token_layout(lengths, T)
     token_rewards = _verl_token_rewards(r, lengths, T)
     index = [i // G for i in range(len(r))]
-    want = {"rloo": lambda: verl_rloo(token_rewards, mask, index), "reinforce_plus_plus": lambda: verl_reinforce_pp(token_rewards, mask),
-            "reinforce_plus_plus_baseline": lambda: verl_reinforce_pp_baseline(token_rewards, mask, index)}[estimator]()
+    want = {
+        "rloo": lambda: verl_rloo(token_rewards, mask, index),
+        "reinforce_plus_plus": lambda: verl_reinforce_pp(token_rewards, mask),
+        "reinforce_plus_plus_baseline": lambda: verl_reinforce_pp_baseline(token_rewards, mask, index),
+    }[estimator]()
     got = adv.ESTIMATORS[estimator](r, lengths.float(), G, "group")
     torch.testing.assert_close(got.unsqueeze(1) * mask, want, **TOL)
 
@@ -289,7 +358,10 @@ def test_estimators_equal_verl(estimator):
 def test_whitening_without_two_loss_tokens_teaches_nothing():
     r = torch.tensor([1.0, 2.0, 0.0, 5.0])
     for lengths in ([0, 0, 0, 0], [0, 1, 0, 0]):
-        assert adv.ESTIMATORS["reinforce_plus_plus"](r, torch.tensor(lengths, dtype=torch.float), 2, "group").abs().max() == 0
+        assert (
+            adv.ESTIMATORS["reinforce_plus_plus"](r, torch.tensor(lengths, dtype=torch.float), 2, "group").abs().max()
+            == 0
+        )
 
 
 def test_loss_mask_drops_truncated_completions_only_when_asked():
@@ -307,7 +379,7 @@ def test_rloo_equals_trl_rloo_trainer():
     grouped = r.view(-1, G)
     baseline = ((torch.nansum(grouped, 1, keepdim=True) - grouped) / (G - 1)).view(-1)
     torch.testing.assert_close(adv.leave_one_out(r, G), r - baseline, **TOL)
-    assert adv.leave_one_out(r, G)[G:2 * G].abs().max() == 0  # the all-equal group
+    assert adv.leave_one_out(r, G)[G : 2 * G].abs().max() == 0  # the all-equal group
 
 
 def test_overlong_penalty_equals_trl_and_verl():
@@ -315,7 +387,9 @@ def test_overlong_penalty_equals_trl_and_verl():
 
     max_len, buffer = 20, 6
     lengths = torch.tensor([1, 13, 14, 15, 17, 19, 20])
-    want_trl = get_soft_overlong_punishment(max_completion_len=max_len, soft_punish_cache=buffer)([[0] * n for n in lengths.tolist()])
+    want_trl = get_soft_overlong_punishment(max_completion_len=max_len, soft_punish_cache=buffer)(
+        [[0] * n for n in lengths.tolist()]
+    )
     torch.testing.assert_close(adv.overlong_penalty(lengths, max_len, buffer), torch.tensor(want_trl), **TOL)
     factor = 0.5  # verl/workers/reward_manager/dapo.py: min(-(len - (max - buffer)) / buffer * factor, 0)
     want_verl = [min(-(n - (max_len - buffer)) / buffer * factor, 0) for n in lengths.tolist()]
@@ -333,14 +407,27 @@ def test_informative_groups():
 
 
 def test_conflicting_options_each_one_line():
-    bad = GRPOSection(loss_type="cispo", delta=1.5, scale_rewards="batch", advantage_estimator="reinforce_plus_plus",
-                      multi_objective_aggregation="normalize_then_sum", dynamic_sampling=True, top_entropy_quantile=1.5,
-                      max_generation_batches=0)
+    bad = GRPOSection(
+        loss_type="cispo",
+        delta=1.5,
+        scale_rewards="batch",
+        advantage_estimator="reinforce_plus_plus",
+        multi_objective_aggregation="normalize_then_sum",
+        dynamic_sampling=True,
+        top_entropy_quantile=1.5,
+        max_generation_batches=0,
+    )
     found = bad.problems()
-    expected = ["grpo.epsilon_high: loss_type cispo caps the ratio", "grpo.delta: the two-sided clip applies to clipped-ratio",
-                "grpo.scale_rewards: applies to advantage_estimator grpo only", "grpo.multi_objective_aggregation: normalize_then_sum yields",
-                "grpo.scale_rewards: normalize_then_sum normalises", "grpo.dynamic_sampling: drops groups",
-                "grpo.top_entropy_quantile: must be in [0, 1]", "grpo.max_generation_batches: must be >= 1"]
+    expected = [
+        "grpo.epsilon_high: loss_type cispo caps the ratio",
+        "grpo.delta: the two-sided clip applies to clipped-ratio",
+        "grpo.scale_rewards: applies to advantage_estimator grpo only",
+        "grpo.multi_objective_aggregation: normalize_then_sum yields",
+        "grpo.scale_rewards: normalize_then_sum normalises",
+        "grpo.dynamic_sampling: drops groups",
+        "grpo.top_entropy_quantile: must be in [0, 1]",
+        "grpo.max_generation_batches: must be >= 1",
+    ]
     for start in expected:
         assert sum(p.startswith(start) for p in found) == 1, (start, found)
     assert all("\n" not in p for p in found)
@@ -348,12 +435,21 @@ def test_conflicting_options_each_one_line():
     assert any(p.startswith("grpo.importance_sampling_level: loss_type luspo needs 'sequence'") for p in more)
     assert any("true is 'group'" in p for p in more)
     assert any(p.startswith("grpo.delta: must be > 1 + epsilon_high") for p in more)
-    assert GRPOSection(loss_type="vespo", importance_sampling_level="sequence").problems()[0].startswith("grpo.importance_sampling_level")
-    assert GRPOSection(loss_type="sapo", epsilon_high=0.28).problems()[0].startswith("grpo.epsilon_high: loss_type sapo")
+    assert (
+        GRPOSection(loss_type="vespo", importance_sampling_level="sequence")
+        .problems()[0]
+        .startswith("grpo.importance_sampling_level")
+    )
+    assert (
+        GRPOSection(loss_type="sapo", epsilon_high=0.28).problems()[0].startswith("grpo.epsilon_high: loss_type sapo")
+    )
     assert GRPOSection(overlong_buffer=64).generation_problems(64)[0].startswith("grpo.overlong_buffer: 64 must be <")
     for name in gl.LOSS_TYPES:  # each documented loss type, with what it needs, is accepted
-        ok = GRPOSection(loss_type=name, epsilon_high=5.0 if name == "cispo" else None,
-                         importance_sampling_level="sequence" if name == "luspo" else "token")
+        ok = GRPOSection(
+            loss_type=name,
+            epsilon_high=5.0 if name == "cispo" else None,
+            importance_sampling_level="sequence" if name == "luspo" else "token",
+        )
         assert ok.problems() == [], (name, ok.problems())
 
 
@@ -365,9 +461,24 @@ def test_objective_carries_every_loss_option():
     from trl import GRPOConfig as TRLConfig
 
     trl_defaults = TRLConfig.__dataclass_fields__
-    for name in ("epsilon", "delta", "beta", "loss_type", "importance_sampling_level", "sapo_temperature_pos", "sapo_temperature_neg",
-                 "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "top_entropy_quantile",
-                 "mask_truncated_completions", "multi_objective_aggregation", "scale_rewards", "num_iterations"):
+    for name in (
+        "epsilon",
+        "delta",
+        "beta",
+        "loss_type",
+        "importance_sampling_level",
+        "sapo_temperature_pos",
+        "sapo_temperature_neg",
+        "vespo_k_pos",
+        "vespo_lambda_pos",
+        "vespo_k_neg",
+        "vespo_lambda_neg",
+        "top_entropy_quantile",
+        "mask_truncated_completions",
+        "multi_objective_aggregation",
+        "scale_rewards",
+        "num_iterations",
+    ):
         assert getattr(section, name) == trl_defaults[name].default, name
 
 
@@ -405,15 +516,22 @@ def _stage(tmp_path, model_dir, prompts, grad_accum=1, **grpo_options):
 def _prompt_rewards(odd_constant: bool):
     """A stand-in for GRPOStage.rewards: a prompt with an odd number (or every prompt, when not
     `odd_constant`) gets the same reward for all its completions, the others 0, 1, 2, 3."""
+
     def rewards(self, samples, rollout):
         prompts = [s["text"] for s in samples]
-        values = [0.5 if (not odd_constant or int(re.search(r"number (\d+)", p).group(1)) % 2) else float(i % 4) for i, p in enumerate(prompts)]
+        values = [
+            0.5 if (not odd_constant or int(re.search(r"number (\d+)", p).group(1)) % 2) else float(i % 4)
+            for i, p in enumerate(prompts)
+        ]
         total = torch.tensor(values)
         return total, {"fake": total}, {"fake": 1.0}
+
     return rewards
 
 
-def test_dynamic_sampling_keeps_informative_groups_and_counts_the_rest(tmp_path, tiny_model_dir, prompts_file, monkeypatch):
+def test_dynamic_sampling_keeps_informative_groups_and_counts_the_rest(
+    tmp_path, tiny_model_dir, prompts_file, monkeypatch
+):
     from stages import grpo
 
     monkeypatch.setattr(grpo.GRPOStage, "rewards", _prompt_rewards(odd_constant=True))
@@ -421,14 +539,21 @@ def test_dynamic_sampling_keeps_informative_groups_and_counts_the_rest(tmp_path,
     figures = stage.train_step()
     seen = stage.last_rollout
     assert seen["rewards"].view(-1, 4).tolist() == [[0.0, 1.0, 2.0, 3.0]] * 2  # only the even (informative) prompts
-    assert figures["grpo/dynamic/topped_up"] == 0 and figures["grpo/dynamic/dropped_groups"] == 2 * figures["grpo/dynamic/generation_batches"] - 2
+    assert (
+        figures["grpo/dynamic/topped_up"] == 0
+        and figures["grpo/dynamic/dropped_groups"] == 2 * figures["grpo/dynamic/generation_batches"] - 2
+    )
     torch.testing.assert_close(seen["advantages"], adv.group_advantages(seen["rewards"], 4))
     assert seen["rollout"].input_ids.shape[0] == 8 and len(seen["rollout"].responses) == 8
 
     monkeypatch.setattr(grpo.GRPOStage, "rewards", _prompt_rewards(odd_constant=False))
     stage = _stage(tmp_path / "b", tiny_model_dir, prompts_file, dynamic_sampling=True, max_generation_batches=2)
     figures = stage.train_step()
-    assert (figures["grpo/dynamic/generation_batches"], figures["grpo/dynamic/dropped_groups"], figures["grpo/dynamic/topped_up"]) == (2, 4, 2)
+    assert (
+        figures["grpo/dynamic/generation_batches"],
+        figures["grpo/dynamic/dropped_groups"],
+        figures["grpo/dynamic/topped_up"],
+    ) == (2, 4, 2)
     assert stage.last_rollout["advantages"].abs().max() == 0  # topped up with groups that teach nothing, and said so
 
 
@@ -436,8 +561,18 @@ def test_variants_run_in_the_stage(tmp_path, tiny_model_dir, prompts_file):
     """cispo + rloo + entropy filter + masked truncated completions + overlong shaping, two
     micro-batches: the step runs, the advantages are RLOO's of the logged rewards and the
     overlong part is the shaping of the completions' lengths."""
-    stage = _stage(tmp_path, tiny_model_dir, prompts_file, loss_type="cispo", epsilon_high=5.0, advantage_estimator="rloo",
-                   top_entropy_quantile=0.5, mask_truncated_completions=True, overlong_buffer=2, grad_accum=2)
+    stage = _stage(
+        tmp_path,
+        tiny_model_dir,
+        prompts_file,
+        loss_type="cispo",
+        epsilon_high=5.0,
+        advantage_estimator="rloo",
+        top_entropy_quantile=0.5,
+        mask_truncated_completions=True,
+        overlong_buffer=2,
+        grad_accum=2,
+    )
     figures = stage.train_step()
     seen = stage.last_rollout
     lengths = seen["rollout"].response_mask.sum(1)
@@ -466,15 +601,36 @@ def test_first_step_loss_equals_trl_grpo_trainer(tmp_path, tiny_model_dir, monke
         return loss
 
     monkeypatch.setattr(GRPOTrainer, "_compute_loss", spy)
-    args = TRLConfig(output_dir=str(tmp_path / "trl"), loss_type="cispo", epsilon_high=5.0, num_generations=4, per_device_train_batch_size=8,
-                     max_completion_length=6, max_steps=1, report_to=[], use_cpu=True, beta=0.0, learning_rate=1e-3, save_strategy="no",
-                     shuffle_dataset=False, temperature=0.9, seed=0, bf16=False)
+    args = TRLConfig(
+        output_dir=str(tmp_path / "trl"),
+        loss_type="cispo",
+        epsilon_high=5.0,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=6,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        beta=0.0,
+        learning_rate=1e-3,
+        save_strategy="no",
+        shuffle_dataset=False,
+        temperature=0.9,
+        seed=0,
+        bf16=False,
+    )
     prompts = Dataset.from_list([{"prompt": f"Question number {i}?"} for i in range(8)])
-    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[lambda completions, **kw: [float(len(c) % 5) for c in completions]],
-                          args=args, train_dataset=prompts)
+    trainer = GRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=[lambda completions, **kw: [float(len(c) % 5) for c in completions]],
+        args=args,
+        train_dataset=prompts,
+    )
     trainer.train()
     inputs, want = seen[0]
-    rewards = torch.tensor(list(trainer._logs["rewards"]["<lambda>"]))  # in generation order; TRL shuffles the rows it trains on
+    rewards = torch.tensor(
+        list(trainer._logs["rewards"]["<lambda>"])
+    )  # in generation order; TRL shuffles the rows it trains on
     advantages = adv.group_advantages(rewards, 4)
     torch.testing.assert_close(advantages, torch.tensor(list(trainer._logs["advantages"])), **TOL)
     torch.testing.assert_close(advantages.sort().values, inputs["advantages"].sort().values, **TOL)
@@ -487,12 +643,20 @@ def test_first_step_loss_equals_trl_grpo_trainer(tmp_path, tiny_model_dir, monke
         logits = policy_logits(model, ids, attention, inputs["prompt_ids"].shape[1])
     logp = rl.logprobs_from_logits(logits.float() / 0.9, inputs["completion_ids"])
     mask = inputs["completion_mask"]
-    out = gl.grpo_loss(logp, logp, inputs["advantages"], mask, objective=gl.Objective(loss_type="cispo", epsilon_high=5.0),
-                       totals=gl.Totals(float(mask.sum()), mask.shape[0], 6))
+    out = gl.grpo_loss(
+        logp,
+        logp,
+        inputs["advantages"],
+        mask,
+        objective=gl.Objective(loss_type="cispo", epsilon_high=5.0),
+        totals=gl.Totals(float(mask.sum()), mask.shape[0], 6),
+    )
     assert abs(float(out.loss) - float(want)) <= 1e-5, (float(out.loss), float(want))
 
 
-@pytest.mark.parametrize("estimator,scale", [("grpo", "batch"), ("reinforce_plus_plus", "group"), ("reinforce_plus_plus_baseline", "group")])
+@pytest.mark.parametrize(
+    "estimator,scale", [("grpo", "batch"), ("reinforce_plus_plus", "group"), ("reinforce_plus_plus_baseline", "group")]
+)
 def test_advantages_use_every_ranks_completions(estimator, scale):
     """Two ranks (a stand-in accelerator whose gather puts rank 0's rows first): rank 1's
     advantages are its slice of the estimator on all rows, batch statistics included."""
@@ -502,15 +666,21 @@ def test_advantages_use_every_ranks_completions(estimator, scale):
     g = torch.Generator().manual_seed(0)
     rewards = torch.randn(16, generator=g)
     lengths = [1 + i % 5 for i in range(16)]
-    rollouts = [assemble([[1]] * 8, [[2] * n for n in lengths[r * 8:(r + 1) * 8]], pad_id=9, eos_ids=[0]) for r in (0, 1)]
+    rollouts = [
+        assemble([[1]] * 8, [[2] * n for n in lengths[r * 8 : (r + 1) * 8]], pad_id=9, eos_ids=[0]) for r in (0, 1)
+    ]
     section = GRPOSection(advantage_estimator=estimator, scale_rewards=scale)
     remote = torch.stack([rewards[:8].double(), torch.tensor(lengths[:8]).double(), rewards[:8].double()], 1)
-    acc = SimpleNamespace(num_processes=2, process_index=1, device="cpu", gather=lambda local: torch.cat([remote, local]))
+    acc = SimpleNamespace(
+        num_processes=2, process_index=1, device="cpu", gather=lambda local: torch.cat([remote, local])
+    )
     me = SimpleNamespace(cfg=SimpleNamespace(grpo=section), accelerator=acc)
     got = grpo.GRPOStage.advantages(me, rewards[8:], {"r": rewards[8:]}, {"r": 1.0}, rollouts[1])
     want = adv.ESTIMATORS[estimator](rewards, torch.tensor(lengths).float(), 4, scale)[8:]
     torch.testing.assert_close(got, want, **TOL)
-    assert not torch.allclose(got, adv.ESTIMATORS[estimator](rewards[8:], torch.tensor(lengths[8:]).float(), 4, scale))  # rank-local differs
+    assert not torch.allclose(
+        got, adv.ESTIMATORS[estimator](rewards[8:], torch.tensor(lengths[8:]).float(), 4, scale)
+    )  # rank-local differs
 
 
 def test_the_loss_objectives_defaults_are_the_config_sections():

@@ -14,7 +14,9 @@ from pipeline.modeling import manifest
 def reference_tokenizer_hash(path) -> str:
     """The documented formula, written out here: sha256 of tokenizer.json's model and added tokens."""
     data = json.loads(path.read_text(encoding="utf-8"))
-    return hashlib.sha256(json.dumps({"model": data["model"], "added_tokens": data["added_tokens"]}, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps({"model": data["model"], "added_tokens": data["added_tokens"]}, sort_keys=True).encode()
+    ).hexdigest()
 
 
 def test_tokenizer_hash_is_read_once_and_follows_a_changed_file(tmp_path, tiny_model_dir, monkeypatch):

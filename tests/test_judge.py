@@ -11,14 +11,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from stagerun import run_stage
+from test_grpo import make_cfg, peaked_policy  # noqa: F401  (a fixture)
+from test_serve import chat, server  # noqa: F401  (fixtures: a live relay serve of a tiny model)
 
 from pipeline.algorithms.judge import JudgeConfig, JudgeError, JudgeReward, parse_score
 from pipeline.config import ConfigError
 from pipeline.tools.openai_protocol import ApiError, check_request, completion_response
-from stagerun import run_stage
 from stages import grpo
-from test_grpo import make_cfg, peaked_policy  # noqa: F401  (a fixture)
-from test_serve import chat, server  # noqa: F401  (fixtures: a live relay serve of a tiny model)
 
 SERVED = "stub-judge"
 KEY = "sk-test-9f3c1d7e5b2a"
@@ -126,13 +126,28 @@ def test_parser_numbers_in_range_and_choices():
 
 def test_config_problems_before_anything_runs(monkeypatch):
     monkeypatch.delenv("RELAY_NO_SUCH_KEY", raising=False)
-    bad = JudgeConfig(base_url="127.0.0.1:8000", model="", api_key_env="RELAY_NO_SUCH_KEY",
-                      template="{question} {reference} {answr}", choices={"A": 1.0}, max_concurrency=0)
+    bad = JudgeConfig(
+        base_url="127.0.0.1:8000",
+        model="",
+        api_key_env="RELAY_NO_SUCH_KEY",
+        template="{question} {reference} {answr}",
+        choices={"A": 1.0},
+        max_concurrency=0,
+    )
     text = "\n".join(bad.problems())
-    for part in ("base_url", "judge.model", "RELAY_NO_SUCH_KEY is not set", "{answr}", "reference_column",
-                 "score_range/choices", "max_concurrency"):
+    for part in (
+        "base_url",
+        "judge.model",
+        "RELAY_NO_SUCH_KEY is not set",
+        "{answr}",
+        "reference_column",
+        "score_range/choices",
+        "max_concurrency",
+    ):
         assert part in text, (part, text)
-    assert "api_key_env" in "\n".join(JudgeConfig(base_url="http://x/v1", model="m", api_key_env="sk-abc-123").problems())
+    assert "api_key_env" in "\n".join(
+        JudgeConfig(base_url="http://x/v1", model="m", api_key_env="sk-abc-123").problems()
+    )
     assert JudgeConfig().problems() == []  # no base_url: no judge
 
 
@@ -152,7 +167,9 @@ def test_requests_are_distinct_uncached_ones_and_in_flight_stays_under_the_limit
 
 
 def test_timeout_unparsable_and_server_error_get_the_fallback_counted(fresh, tmp_path, caplog):
-    fresh.reply = lambda a: (1.0, "9") if a == "slow" else "I cannot say" if a == "garbled" else None if a == "down" else "8"
+    fresh.reply = lambda a: (
+        (1.0, "9") if a == "slow" else "I cannot say" if a == "garbled" else None if a == "down" else "8"
+    )
     judge = JudgeReward(judge_cfg(fresh.url, timeout=0.3, retries=1, on_failure=-1.0), tmp_path / "cache.jsonl")
     scores = judge.score(["Q"] * 4, ["slow", "garbled", "down", "fine"], tag=1)
     assert scores == [-1.0, -1.0, -1.0, 0.8]
@@ -199,8 +216,13 @@ def test_the_real_openai_client_reads_the_stub_as_the_judge_does(fresh):
     cfg = judge_cfg(fresh.url)
     from pipeline.algorithms.judge import render_messages
 
-    reply = client.chat.completions.create(model=SERVED, messages=render_messages(cfg, "Q", "hello"), max_tokens=16,
-                                           temperature=0.0).choices[0].message.content
+    reply = (
+        client.chat.completions.create(
+            model=SERVED, messages=render_messages(cfg, "Q", "hello"), max_tokens=16, temperature=0.0
+        )
+        .choices[0]
+        .message.content
+    )
     assert parse_score(reply, cfg) == JudgeReward(cfg).score(["Q"], ["hello"])[0] == 0.5
 
 
@@ -212,7 +234,9 @@ def test_the_real_openai_client_reads_the_stub_as_the_judge_does(fresh):
 def grpo_cfg(out, model, prompts, url, **train):
     cfg = make_cfg(out, model, prompts, max_steps=2, learning_rate=5e-3, **train)
     cfg.grpo.reward_funcs = ["pipeline.algorithms.rewards:house_phrase"]
-    cfg.judge = judge_cfg(url, api_key_env="RELAY_TEST_JUDGE_KEY", max_concurrency=2, on_failure=0.0, gold_column="answer")
+    cfg.judge = judge_cfg(
+        url, api_key_env="RELAY_TEST_JUDGE_KEY", max_concurrency=2, on_failure=0.0, gold_column="answer"
+    )
     return cfg
 
 
@@ -225,7 +249,9 @@ def judged_prompts(tmp_path_factory):
     return path
 
 
-def test_grpo_two_steps_with_judge_and_rule_reward_and_resume(fresh, tmp_path, peaked_policy, judged_prompts, monkeypatch):  # noqa: F811
+def test_grpo_two_steps_with_judge_and_rule_reward_and_resume(
+    fresh, tmp_path, peaked_policy, judged_prompts, monkeypatch
+):  # noqa: F811
     monkeypatch.setenv("RELAY_TEST_JUDGE_KEY", KEY)
 
     def run(out, stop=None, resume=False):
@@ -243,7 +269,13 @@ def test_grpo_two_steps_with_judge_and_rule_reward_and_resume(fresh, tmp_path, p
     _, unbroken = run(tmp_path / "a")
     for step, (m, ro) in unbroken.items():
         assert set(ro["parts"]) == {"house_phrase", "judge"}
-        assert {"judge/requests", "judge/cache_hits", "judge/failures", "judge/latency_s", "judge/gold_agreement"} <= set(m)
+        assert {
+            "judge/requests",
+            "judge/cache_hits",
+            "judge/failures",
+            "judge/latency_s",
+            "judge/gold_agreement",
+        } <= set(m)
         assert m["judge/failures"] == 0 and m["grpo/reward/judge"] == float(ro["parts"]["judge"].mean())
     asked = [(b["messages"][-1]["content"]) for b in fresh.bodies]
     completions = sum(2 * 4 for _ in unbroken)  # prompts x generations per step
@@ -285,9 +317,15 @@ def test_ppo_reward_fn_hook_scores_decoded_responses(fresh, tiny_model_dir):
     from pipeline.algorithms.judge import ppo_reward_fn
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ids = [tok.encode("hello", add_special_tokens=False) + [tok.eos_token_id], tok.encode("hi there", add_special_tokens=False)]
+    ids = [
+        tok.encode("hello", add_special_tokens=False) + [tok.eos_token_id],
+        tok.encode("hi there", add_special_tokens=False),
+    ]
     scores = ppo_reward_fn(JudgeReward(judge_cfg(fresh.url)), tok)(["<prompt>", "<prompt>"], ids)
-    assert scores.tolist() == pytest.approx([0.5, 0.8]) and sorted(answer_of(b) for b in fresh.bodies) == ["hello", "hi there"]
+    assert scores.tolist() == pytest.approx([0.5, 0.8]) and sorted(answer_of(b) for b in fresh.bodies) == [
+        "hello",
+        "hi there",
+    ]
 
 
 def test_relay_serve_as_the_judge_answers_as_the_openai_client_sees_it(server, caplog):  # noqa: F811
@@ -302,8 +340,16 @@ def test_relay_serve_as_the_judge_answers_as_the_openai_client_sees_it(server, c
     from pipeline.algorithms.judge import render_messages
 
     for answer, score in zip(answers, scores):
-        seen = client.chat.completions.create(model="tiny", messages=render_messages(cfg, "What is the capital of Oru?", answer),
-                                              max_tokens=8, temperature=0.0).choices[0].message.content
+        seen = (
+            client.chat.completions.create(
+                model="tiny",
+                messages=render_messages(cfg, "What is the capital of Oru?", answer),
+                max_tokens=8,
+                temperature=0.0,
+            )
+            .choices[0]
+            .message.content
+        )
         expected = parse_score(seen, cfg)
         assert score == (-1.0 if expected is None else expected), (seen, score)
     figures = judge.take_figures()
@@ -327,7 +373,9 @@ judge:
   on_failure: 0.0
 """)
     cfg = load_config(grpo.GRPOConfig, ["--config", str(path), "--judge.max_concurrency", "3"])
-    assert cfg.judge.choices == {"PASS": 1.0, "FAIL": 0.0} and cfg.judge.max_concurrency == 3 and not cfg.grpo.reward_funcs
+    assert (
+        cfg.judge.choices == {"PASS": 1.0, "FAIL": 0.0} and cfg.judge.max_concurrency == 3 and not cfg.grpo.reward_funcs
+    )
     saved = json.dumps(to_dict(cfg))
     assert "RELAY_TEST_JUDGE_KEY" in saved and KEY not in saved
     path.write_text(path.read_text().replace("  model: merged\n", "  model: merged\n  max_concurency: 2\n"))

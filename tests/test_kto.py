@@ -23,15 +23,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from stagerun import recording, run_stage
+from test_pt_sft import fresh_accelerate_state  # noqa: F401  (autouse: fresh accelerate state, one intra-op thread)
 
-from data_formats.sources import summarize
 from data_formats.records import parse_unpaired
-from data_formats.unpaired import answer_rows, fit_unpaired, kl_partner_problem, kl_partners, mismatched_rows, unpaired_samples
+from data_formats.sources import summarize
+from data_formats.unpaired import (
+    answer_rows,
+    fit_unpaired,
+    kl_partner_problem,
+    kl_partners,
+    mismatched_rows,
+    unpaired_samples,
+)
 from data_formats.validate import read_and_parse
 from pipeline.algorithms import kto as kto_math
-from stagerun import recording, run_stage
 from stages import kto
-from test_pt_sft import fresh_accelerate_state  # noqa: F401  (autouse: fresh accelerate state, one intra-op thread)
 
 PEERS = Path(__file__).resolve().parent / "data" / "peers"
 N = 10
@@ -67,7 +74,9 @@ def trl_kto(loss_type, beta, weights, labels, policy, ref, kl_policy, kl_ref):
     main_ids, kl_ids = torch.zeros(n, width, dtype=torch.long), torch.ones(n, width, dtype=torch.long)
 
     def per_token(sums):
-        return torch.zeros(n, width - 1, dtype=sums.dtype).index_put((torch.arange(n), torch.full((n,), width - 2)), sums)
+        return torch.zeros(n, width - 1, dtype=sums.dtype).index_put(
+            (torch.arange(n), torch.full((n,), width - 2)), sums
+        )
 
     def model(input_ids, **_):
         sums = kl_policy if input_ids is kl_ids else logps
@@ -76,13 +85,28 @@ def trl_kto(loss_type, beta, weights, labels, policy, ref, kl_policy, kl_ref):
 
     calculate_kl = loss_type == "kto"
     trainer = types.SimpleNamespace(
-        model=types.SimpleNamespace(training=True), accelerator=_Accelerator(), aux_loss_enabled=False, precompute_ref_logps=True,
-        calculate_KL=calculate_kl, loss_type=loss_type, beta=beta, desirable_weight=weights[0], undesirable_weight=weights[1],
-        _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+        model=types.SimpleNamespace(training=True),
+        accelerator=_Accelerator(),
+        aux_loss_enabled=False,
+        precompute_ref_logps=True,
+        calculate_KL=calculate_kl,
+        loss_type=loss_type,
+        beta=beta,
+        desirable_weight=weights[0],
+        undesirable_weight=weights[1],
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
     trainer._compute_kl_logps = types.MethodType(KTOTrainer._compute_kl_logps, trainer)
     mask = torch.ones(n, width, dtype=torch.long)
-    inputs = {"input_ids": main_ids, "attention_mask": mask, "completion_mask": mask, "label": torch.tensor(labels),
-              "ref_logps": ref}
+    inputs = {
+        "input_ids": main_ids,
+        "attention_mask": mask,
+        "completion_mask": mask,
+        "label": torch.tensor(labels),
+        "ref_logps": ref,
+    }
     if calculate_kl:
         inputs.update(KL_input_ids=kl_ids, KL_attention_mask=mask, KL_completion_mask=mask, ref_KL_logps=kl_ref)
     loss = KTOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
@@ -101,7 +125,9 @@ def test_kto_losses_match_trl(loss_type, dtype, tol):
             policy, ref, kl_policy, kl_ref = samples(dtype, labels, seed=case)
             trl_loss, trl_grad, metrics = trl_kto(loss_type, beta, weights, labels, policy, ref, kl_policy, kl_ref)
             sums = policy.clone().requires_grad_(True)
-            section = kto.KTOSection(loss_type=loss_type, beta=beta, desirable_weight=weights[0], undesirable_weight=weights[1])
+            section = kto.KTOSection(
+                loss_type=loss_type, beta=beta, desirable_weight=weights[0], undesirable_weight=weights[1]
+            )
             kl = kto_math.kl_estimate(kl_policy, kl_ref) if kto_math.LOSSES[loss_type].needs_kl else None
             loss, figures = kto_math.unpaired_losses(section, sums, ref, torch.tensor(labels), kl)
             loss.backward()
@@ -109,8 +135,15 @@ def test_kto_losses_match_trl(loss_type, dtype, tol):
             torch.testing.assert_close(sums.grad, trl_grad, rtol=tol, atol=tol)
             assert (0.0 if kl is None else kl.item()) == pytest.approx(metrics["kl"], abs=tol)
             means = kto_math.figure_means({k: float(v) for k, v in figures.items()})
-            for ours, theirs in (("rewards_chosen", "rewards/chosen"), ("rewards_rejected", "rewards/rejected"), ("margin", "rewards/margins")):
-                assert (theirs in metrics) == (means[ours] == means[ours]), (ours, metrics)  # NaN where TRL logs nothing
+            for ours, theirs in (
+                ("rewards_chosen", "rewards/chosen"),
+                ("rewards_rejected", "rewards/rejected"),
+                ("margin", "rewards/margins"),
+            ):
+                assert (theirs in metrics) == (means[ours] == means[ours]), (
+                    ours,
+                    metrics,
+                )  # NaN where TRL logs nothing
                 if theirs in metrics:
                     assert means[ours] == pytest.approx(metrics[theirs], abs=10 * tol)
             assert kl is None or kl.item() > 0  # the test's KL pairs are on the positive side of the clamp
@@ -123,15 +156,20 @@ def test_kl_estimate_is_clamped_at_zero_as_trl_does():
     assert kto_math.kl_estimate(kl_policy, kl_ref).item() == 0.0
     loss, _, metrics = trl_kto("kto", 0.2, (1.0, 1.0), labels, policy, ref, kl_policy, kl_ref)
     assert metrics["kl"] == 0.0
-    ours = kto_math.unpaired_losses(kto.KTOSection(beta=0.2), policy, ref, torch.tensor(labels), kto_math.kl_estimate(kl_policy, kl_ref))[0]
+    ours = kto_math.unpaired_losses(
+        kto.KTOSection(beta=0.2), policy, ref, torch.tensor(labels), kto_math.kl_estimate(kl_policy, kl_ref)
+    )[0]
     assert ours.item() == pytest.approx(loss.item(), abs=1e-12)
 
 
 def test_mismatched_rows_are_trls_kl_completions():
     """Each prompt with the previous sample's answer, cyclic: TRL's [completions[-1]] + completions[:-1]."""
-    batch = [{"input_ids": [1, 2, 10, 11], "prompt_len": 2, "record": 0}, {"input_ids": [3, 20], "prompt_len": 1, "record": 1},
-             {"input_ids": [4, 5, 6, 30, 31, 32], "prompt_len": 3, "record": 2}]
-    completions = [s["input_ids"][s["prompt_len"]:] for s in batch]
+    batch = [
+        {"input_ids": [1, 2, 10, 11], "prompt_len": 2, "record": 0},
+        {"input_ids": [3, 20], "prompt_len": 1, "record": 1},
+        {"input_ids": [4, 5, 6, 30, 31, 32], "prompt_len": 3, "record": 2},
+    ]
+    completions = [s["input_ids"][s["prompt_len"] :] for s in batch]
     trl_kl = [completions[-1]] + completions[:-1]
     rows = mismatched_rows(batch, range(3), seq_length=64)
     assert [r["input_ids"] for r in rows] == [s["input_ids"][: s["prompt_len"]] + c for s, c in zip(batch, trl_kl)]
@@ -158,7 +196,9 @@ def kto_samples(path, tokenizer_dir, seq_length=128):
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     records, problems = read_and_parse([str(path)], "kto")
     assert problems == []
-    return unpaired_samples(records, tok, make_template(ChatDataConfig(), tok), seq_length, "drop", "train", lambda *_: None).samples
+    return unpaired_samples(
+        records, tok, make_template(ChatDataConfig(), tok), seq_length, "drop", "train", lambda *_: None
+    ).samples
 
 
 def trl_partners(n: int, batch: int) -> list[int]:
@@ -186,9 +226,13 @@ def test_kl_rows_never_answer_their_own_question_on_paired_data_as_trl_builds_th
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n" for q, c, r in PAIRS))
     pool = kto_samples(path, tiny_model_dir)
-    trl_rows = list(unpair_preference_dataset(Dataset.from_list([{"prompt": q, "chosen": c, "rejected": r} for q, c, r in PAIRS])))
+    trl_rows = list(
+        unpair_preference_dataset(Dataset.from_list([{"prompt": q, "chosen": c, "rejected": r} for q, c, r in PAIRS]))
+    )
     questions = [q for q, _, _ in PAIRS]
-    assert [(s["record"], s["label"]) for s in pool] == [(questions.index(r["prompt"]), int(r["label"])) for r in trl_rows]
+    assert [(s["record"], s["label"]) for s in pool] == [
+        (questions.index(r["prompt"]), int(r["label"])) for r in trl_rows
+    ]
 
     def own_question(indices, partners):
         return [i for i, p in zip(indices, partners) if pool[i]["record"] == pool[p]["record"]]
@@ -211,16 +255,20 @@ def test_kl_rows_never_answer_their_own_question_on_paired_data_as_trl_builds_th
     assert pool[chosen]["record"] == pool[rejected]["record"]
     assert kl_partners(pool, [chosen, rejected]) == [chosen - 1, rejected - 1]
     rows = mismatched_rows(pool, [chosen, rejected], 128)
-    own = pool[rejected]["input_ids"][pool[rejected]["prompt_len"]:]
-    assert rows[1]["input_ids"][-len(own):] != own
+    own = pool[rejected]["input_ids"][pool[rejected]["prompt_len"] :]
+    assert rows[1]["input_ids"][-len(own) :] != own
 
 
 def test_kl_rows_never_pair_a_prompt_with_an_answer_to_the_same_prompt(tmp_path, tiny_model_dir):
     """Labelled records that share a prompt (LLaMA-Factory's kto data often does) are other records
     but the same question: their answers are not mismatched. A split where every sample asks the
     same question has no KL row at all: refused before any model loads."""
-    rows = [("Name a colour.", "Blue.", True), ("Name a colour.", "Seven.", False), ("Name a colour.", "Red.", True),
-            ("What is 1 + 1?", "Two.", True)]
+    rows = [
+        ("Name a colour.", "Blue.", True),
+        ("Name a colour.", "Seven.", False),
+        ("Name a colour.", "Red.", True),
+        ("What is 1 + 1?", "Two.", True),
+    ]
     path = tmp_path / "shared.jsonl"
     path.write_text("".join(json.dumps({"prompt": q, "completion": a, "label": g}) + "\n" for q, a, g in rows))
     pool = kto_samples(path, tiny_model_dir)
@@ -250,19 +298,27 @@ def test_llama_factory_kto_demo_reads_as_kto_and_is_refused_by_sft():
     sft_good, sft_problems = read_and_parse([path], "sft")
     assert not sft_good and summarize(sft_problems) == [
         f"{path}:2: 6 records: a true/false 'label' on one answer (KTO data): train it with the KTO stage (stages/kto.py), "
-        "or its label=true records with SFT (lines 2, 15, 28, 41, 54, 67)"]
+        "or its label=true records with SFT (lines 2, 15, 28, 41, 54, 67)"
+    ]
 
 
 TRL_RECORDS = [
     {"prompt": "The sky is", "completion": " blue.", "label": True},
-    {"prompt": [{"role": "user", "content": "Which is wetter?"}], "completion": [{"role": "assistant", "content": "Water."}], "label": False},
+    {
+        "prompt": [{"role": "user", "content": "Which is wetter?"}],
+        "completion": [{"role": "assistant", "content": "Water."}],
+        "label": False,
+    },
     {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}], "kto_tag": True},
     {"prompt": "Q?", "chosen": "Yes.", "rejected": "No."},
 ]
 BAD_RECORDS = [
     ({"prompt": "x", "completion": "y", "label": "true"}, "field 'label' must be true or false, got 'true'"),
     ({"prompt": "x", "completion": "y", "label": True, "kto_tag": True}, "both 'label' and 'kto_tag' given; keep one"),
-    ({"prompt": "x", "label": False}, "a labelled record needs 'prompt' and 'completion' (TRL) or 'messages'/'conversations' (LLaMA-Factory)"),
+    (
+        {"prompt": "x", "label": False},
+        "a labelled record needs 'prompt' and 'completion' (TRL) or 'messages'/'conversations' (LLaMA-Factory)",
+    ),
     ({"messages": [{"role": "user", "content": "x"}], "label": True}, None),
 ]
 
@@ -308,8 +364,19 @@ OPTIM = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0
 @pytest.fixture(scope="module")
 def kto_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("kto_data") / "train.jsonl"
-    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": q}], "completion": [{"role": "assistant", "content": a}],
-                                        "label": good}) + "\n" for q, a, good in ROWS))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": [{"role": "user", "content": q}],
+                    "completion": [{"role": "assistant", "content": a}],
+                    "label": good,
+                }
+            )
+            + "\n"
+            for q, a, good in ROWS
+        )
+    )
     return path
 
 
@@ -320,7 +387,13 @@ def make_cfg(out, base, train, finetuning="full", steps=2, batch=4, **kto_keys) 
     t = cfg.train
     t.batch_size, t.max_steps, t.eval_steps, t.seq_length, t.precision = batch, steps, 0, 128, "fp32"
     t.learning_rate, t.lr_schedule, t.warmup = OPTIM["lr"], "constant", 0
-    t.beta1, t.beta2, t.epsilon, t.weight_decay, t.max_grad_norm = OPTIM["beta1"], OPTIM["beta2"], OPTIM["eps"], 0.0, 1.0
+    t.beta1, t.beta2, t.epsilon, t.weight_decay, t.max_grad_norm = (
+        OPTIM["beta1"],
+        OPTIM["beta2"],
+        OPTIM["eps"],
+        0.0,
+        1.0,
+    )
     cfg.lora.r = 4
     cfg.checkpoint.resume, cfg.checkpoint.save_interval = False, "1000h"
     cfg.tracking.trackers = []
@@ -332,7 +405,9 @@ def make_cfg(out, base, train, finetuning="full", steps=2, batch=4, **kto_keys) 
 def test_config_problems_are_reported_together(tmp_path, tiny_model_dir, kto_file):
     from pipeline.config import ConfigError
 
-    cfg = make_cfg(tmp_path / "out", tiny_model_dir, kto_file, batch=1, loss_type="kto", beta=0, undesirable_weight=-1.0)
+    cfg = make_cfg(
+        tmp_path / "out", tiny_model_dir, kto_file, batch=1, loss_type="kto", beta=0, undesirable_weight=-1.0
+    )
     cfg.data.padding_mode = "pack"
     with pytest.raises(ConfigError) as err:
         kto.KTOStage(cfg).validate()
@@ -342,13 +417,17 @@ def test_config_problems_are_reported_together(tmp_path, tiny_model_dir, kto_fil
         "train.batch_size: the kto loss estimates its KL term from the other samples of a micro-batch, so it needs >= 2, got 1",
         "data.padding_mode: the KTO stage pads each sample to its own row (got 'pack')",
     }
-    assert kto.KTOSection(loss_type="bco").problems() == ["kto.loss_type: 'bco' is not one of 'kto', 'apo_zero_unpaired'"]
+    assert kto.KTOSection(loss_type="bco").problems() == [
+        "kto.loss_type: 'bco' is not one of 'kto', 'apo_zero_unpaired'"
+    ]
 
 
 def test_lora_stage_learns_from_the_llama_factory_demo(tmp_path, tiny_model_dir):
     """LoRA (the reference is the adapter-disabled policy): loss starts at 0.5 (policy == reference),
     falls, and desirable answers gain reward over undesirable ones."""
-    cfg = make_cfg(tmp_path / "out", tiny_model_dir, PEERS / "LLaMA-Factory" / "kto_en_demo.json", "lora", steps=3, batch=3)
+    cfg = make_cfg(
+        tmp_path / "out", tiny_model_dir, PEERS / "LLaMA-Factory" / "kto_en_demo.json", "lora", steps=3, batch=3
+    )
     cfg.train.seq_length, cfg.data.truncation, cfg.train.learning_rate = 256, "truncate", 5e-3
     stage = run_stage(kto.KTOStage, cfg)
     losses = [s["train/loss"] for s in stage.history.steps]
@@ -365,8 +444,16 @@ def trl_run(base, rows, order, workdir, steps, batch, beta, weights):
     from trl import KTOConfig, KTOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
-    data = [{"prompt": tokenizer.apply_chat_template([{"role": "user", "content": rows[i][0]}], add_generation_prompt=True, tokenize=False),
-             "completion": rows[i][1], "label": rows[i][2]} for i in order]
+    data = [
+        {
+            "prompt": tokenizer.apply_chat_template(
+                [{"role": "user", "content": rows[i][0]}], add_generation_prompt=True, tokenize=False
+            ),
+            "completion": rows[i][1],
+            "label": rows[i][2],
+        }
+        for i in order
+    ]
     logs: list[dict] = []
 
     class Record(TrainerCallback):
@@ -376,14 +463,40 @@ def trl_run(base, rows, order, workdir, steps, batch, beta, weights):
 
     store = logs
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    args = KTOConfig(output_dir=str(workdir), max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-                     learning_rate=OPTIM["lr"], lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
-                     adam_beta1=OPTIM["beta1"], adam_beta2=OPTIM["beta2"], adam_epsilon=OPTIM["eps"], weight_decay=0.0,
-                     max_grad_norm=OPTIM["max_grad_norm"], beta=beta, desirable_weight=weights[0], undesirable_weight=weights[1],
-                     loss_type="kto", max_length=128, train_sampling_strategy="sequential", disable_dropout=True, bf16=False,
-                     fp16=False, use_cpu=True, logging_steps=1, report_to=[], save_strategy="no", eval_strategy="no",
-                     disable_tqdm=True, seed=42)
-    trainer = KTOTrainer(model=model, args=args, train_dataset=Dataset.from_list(data), processing_class=tokenizer, callbacks=[Record()])
+    args = KTOConfig(
+        output_dir=str(workdir),
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        learning_rate=OPTIM["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=OPTIM["beta1"],
+        adam_beta2=OPTIM["beta2"],
+        adam_epsilon=OPTIM["eps"],
+        weight_decay=0.0,
+        max_grad_norm=OPTIM["max_grad_norm"],
+        beta=beta,
+        desirable_weight=weights[0],
+        undesirable_weight=weights[1],
+        loss_type="kto",
+        max_length=128,
+        train_sampling_strategy="sequential",
+        disable_dropout=True,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        seed=42,
+    )
+    trainer = KTOTrainer(
+        model=model, args=args, train_dataset=Dataset.from_list(data), processing_class=tokenizer, callbacks=[Record()]
+    )
     ids = [r["prompt_ids"] + r["completion_ids"] for r in trainer.train_dataset]
     trainer.train()
     return logs, ids
@@ -407,7 +520,15 @@ def test_first_steps_equal_trls_kto_trainer(tmp_path, tiny_model_dir, kto_file):
     then step 2's loss, margin and KL estimate, which depend on the first update and on the
     mismatched pairs, equal TRL's within 1e-5."""
     beta, weights = 0.5, (1.0, 1.2)
-    cfg = make_cfg(tmp_path / "relay", tiny_model_dir, kto_file, "full", beta=beta, desirable_weight=weights[0], undesirable_weight=weights[1])
+    cfg = make_cfg(
+        tmp_path / "relay",
+        tiny_model_dir,
+        kto_file,
+        "full",
+        beta=beta,
+        desirable_weight=weights[0],
+        undesirable_weight=weights[1],
+    )
     stage = run_stage(recording(kto.KTOStage), cfg)
     order = [i for step in stage.batch_ids for group in step for i in group]
     logs, trl_ids = trl_run(tiny_model_dir, ROWS, order, tmp_path / "trl", 2, 4, beta, weights)
@@ -429,7 +550,9 @@ def test_first_steps_equal_trls_kto_trainer(tmp_path, tiny_model_dir, kto_file):
 
 def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir, kto_file, monkeypatch):
     monkeypatch.delenv("RELAY_STOP_AFTER_STEP", raising=False)
-    continuous = run_stage(recording(kto.KTOStage), make_cfg(tmp_path / "a", tiny_model_dir, kto_file, "lora", steps=4, batch=2))
+    continuous = run_stage(
+        recording(kto.KTOStage), make_cfg(tmp_path / "a", tiny_model_dir, kto_file, "lora", steps=4, batch=2)
+    )
     cfg = make_cfg(tmp_path / "b", tiny_model_dir, kto_file, "lora", steps=4, batch=2)
     monkeypatch.setenv("RELAY_STOP_AFTER_STEP", "2")
     stopped = run_stage(recording(kto.KTOStage), cfg)

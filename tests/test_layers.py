@@ -22,6 +22,9 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_no_stage_imports_another_stage():
-    offenders = {path.name: sorted(m for m in imported_modules(path) if m == "stages" or m.startswith("stages."))
-                 for path in sorted(STAGES.glob("*.py")) if path.name != "__init__.py"}
+    offenders = {
+        path.name: sorted(m for m in imported_modules(path) if m == "stages" or m.startswith("stages."))
+        for path in sorted(STAGES.glob("*.py"))
+        if path.name != "__init__.py"
+    }
     assert {name: mods for name, mods in offenders.items() if mods} == {}

@@ -39,28 +39,44 @@ LAYERS = {
 a lower one."""
 
 EXCEPTIONS = {
-    ("data_formats.validate", "pipeline.modeling.embedded"):
-        "`relay validate --kind` on the command line finds the embedded model's tokenizer",
-    ("data_formats.validate", "pipeline.modeling.models"):
-        "`relay validate --kind` on the command line loads a tokenizer to measure lengths",
-    ("data_formats.show", "pipeline.modeling.embedded"):
-        "`relay show` on the command line finds the embedded model's tokenizer",
-    ("data_formats.show", "pipeline.modeling.models"):
-        "`relay show` on the command line loads a tokenizer to render a conversation",
-    ("pipeline.config.capabilities", "stages"):
-        "the capability table reads the stage registry's facts (each stage's kind and data), data only",
+    (
+        "data_formats.validate",
+        "pipeline.modeling.embedded",
+    ): "`relay validate --kind` on the command line finds the embedded model's tokenizer",
+    (
+        "data_formats.validate",
+        "pipeline.modeling.models",
+    ): "`relay validate --kind` on the command line loads a tokenizer to measure lengths",
+    (
+        "data_formats.show",
+        "pipeline.modeling.embedded",
+    ): "`relay show` on the command line finds the embedded model's tokenizer",
+    (
+        "data_formats.show",
+        "pipeline.modeling.models",
+    ): "`relay show` on the command line loads a tokenizer to render a conversation",
+    (
+        "pipeline.config.capabilities",
+        "stages",
+    ): "the capability table reads the stage registry's facts (each stage's kind and data), data only",
 }
 """Upward imports that are allowed, each inside a function: (importing module, imported module) ->
 why. An entry no import uses any longer fails the test, so the list stays the truth."""
 
-LIGHT = ("pipeline.config", "pipeline.tools.cli", "pipeline.tools.driver", "pipeline.tools.chain",
-         "pipeline.tools.report", "pipeline.engine.tracking", "stages")
+LIGHT = (
+    "pipeline.config",
+    "pipeline.tools.cli",
+    "pipeline.tools.driver",
+    "pipeline.tools.chain",
+    "pipeline.tools.report",
+    "pipeline.engine.tracking",
+    "stages",
+)
 """Modules that import without torch: the `relay` command and its config checks, the pipeline
 driver (run between stages), the report, and the console setup the driver's summary calls. Every
 module of `pipeline.config` is light too."""
 
-HEAVY = ("torch", "transformers", "peft", "deepspeed", "accelerate", "bitsandbytes", "trl", "vllm",
-         "safetensors.torch")
+HEAVY = ("torch", "transformers", "peft", "deepspeed", "accelerate", "bitsandbytes", "trl", "vllm", "safetensors.torch")
 """Libraries that import torch (or are torch), seconds each: a light module reaches them only inside
 a function."""
 
@@ -89,7 +105,8 @@ def modules() -> dict[str, Path]:
 def _type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports(mods: dict[str, Path]) -> list[Import]:
@@ -218,8 +235,11 @@ def test_every_module_has_a_layer():
 
 def test_imports_run_downwards_save_the_listed_exceptions():
     upward = [e for e in EDGES if e.target in MODS and layer(e.target) > layer(e.source)]
-    unlisted = [f"{_where(e)}: {e.source} imports {e.target} (layer {layer(e.target)} > {layer(e.source)})"
-                for e in upward if (e.source, e.target) not in EXCEPTIONS]
+    unlisted = [
+        f"{_where(e)}: {e.source} imports {e.target} (layer {layer(e.target)} > {layer(e.source)})"
+        for e in upward
+        if (e.source, e.target) not in EXCEPTIONS
+    ]
     assert unlisted == []
     at_top = [f"{_where(e)}: {e.source} imports {e.target} at the top" for e in upward if not e.in_function]
     assert at_top == []  # an exception holds inside a function only
@@ -254,8 +274,10 @@ def test_light_modules_reach_no_heavy_library_at_import():
 
 def test_light_modules_import_without_torch():
     """The same in a fresh interpreter: no third-party library these import loads torch by itself."""
-    code = (f"import sys; [__import__(m) for m in {list(LIGHT)!r}]; "
-            f"sys.exit(', '.join(h for h in {list(HEAVY)!r} if h in sys.modules) or None)")
+    code = (
+        f"import sys; [__import__(m) for m in {list(LIGHT)!r}]; "
+        f"sys.exit(', '.join(h for h in {list(HEAVY)!r} if h in sys.modules) or None)"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-800:]
 

@@ -174,7 +174,9 @@ def test_a_crash_leaves_no_half_written_folder(causal_case, tmp_path, monkeypatc
 
 def test_merge_refuses_an_adapter_of_the_other_kind(causal_case, tmp_path):
     _, tiny_model_dir, adapter, _ = causal_case
-    with pytest.raises(MergeError, match="task_type is CAUSAL_LM, but kind='reward' needs SEQ_CLS; merge it with kind='causal'"):
+    with pytest.raises(
+        MergeError, match="task_type is CAUSAL_LM, but kind='reward' needs SEQ_CLS; merge it with kind='causal'"
+    ):
         merge_adapter(str(tiny_model_dir), str(adapter), str(tmp_path / "out"), kind="reward")
 
 
@@ -218,7 +220,17 @@ def test_check_parent_compatible_reports_an_added_token(tiny_model_dir, tmp_path
 def test_cli_merges_and_refuses_without_overwrite(causal_case, tmp_path):
     _, base, adapter, _ = causal_case
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "pipeline.modeling.merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.modeling.merge",
+        "--base",
+        str(base),
+        "--adapter",
+        str(adapter),
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -229,7 +241,9 @@ def test_cli_merges_and_refuses_without_overwrite(causal_case, tmp_path):
 
 def test_embedded_model_merge_is_exact_and_stays_tied(embedded_path, tmp_path):
     """Realism: the real 30-layer SmolLM2 with tied embeddings and its chat template."""
-    model = load_model(ModelConfig(path="embedded"), LoraConfig(r=2, alpha=4, dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    model = load_model(
+        ModelConfig(path="embedded"), LoraConfig(r=2, alpha=4, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -244,7 +258,9 @@ def test_embedded_model_merge_is_exact_and_stays_tied(embedded_path, tmp_path):
     assert merged.lm_head.weight.data_ptr() == merged.model.embed_tokens.weight.data_ptr()
     assert (merge.model_outputs(merged, batch) - base_out).abs().max() > 1e-2
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["merge_check"]["merge_max_abs_diff"] < 1e-3 and manifest["merge_check"]["reload_max_abs_diff"] < 1e-3
+    assert (
+        manifest["merge_check"]["merge_max_abs_diff"] < 1e-3 and manifest["merge_check"]["reload_max_abs_diff"] < 1e-3
+    )
     assert manifest["parent_hash"] == weights_hash(embedded_path)
     assert check_parent_compatible(embedded_path, out) == []
 
@@ -267,8 +283,14 @@ def test_a_stage_merges_with_its_own_tokenizer_and_writes_what_a_reload_writes(t
     stage = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "out", "--train.max_steps", "1"))
     assert loads == []
     out = tmp_path / "out"
-    again = merge_adapter(str(tiny_model_dir), str(out / "adapter"), str(tmp_path / "again"), kind="causal", stage="sft",
-                          chat_template=stage.chat_template)
+    again = merge_adapter(
+        str(tiny_model_dir),
+        str(out / "adapter"),
+        str(tmp_path / "again"),
+        kind="causal",
+        stage="sft",
+        chat_template=stage.chat_template,
+    )
     assert len(loads) == 1
     names = sorted(p.name for p in (out / "merged").iterdir() if p.name != "manifest.json")
     assert names == sorted(p.name for p in again.iterdir() if p.name != "manifest.json")

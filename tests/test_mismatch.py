@@ -6,19 +6,18 @@ the correction changes the loss only where the diff is large."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import textwrap
 from types import SimpleNamespace
 
-import dataclasses
-
 import pytest
 import torch
+from test_grpo import _fixed, trl_loss
 
 from pipeline.algorithms import grpo as algo
 from pipeline.algorithms.mismatch import CORRECTIONS, correction_weights, engine_logprob_matrix, logprob_diff
-from test_grpo import _fixed, trl_loss
 
 MODES = {"tis": "token_truncate", "mis": "token_mask"}
 
@@ -38,18 +37,33 @@ def trl_block(first: str, last: str) -> str:
 
 def trl_ratio(trainer, engine, mask, mode, cap, floor):
     """TRL's importance-sampling ratio for these log-probs (old = trainer, sampling = engine)."""
-    code = trl_block("per_token_logps_diff = (old_per_token_logps", "f\"Unknown vLLM importance sampling level")
-    scope = {"torch": torch, "math": math, "old_per_token_logps": trainer, "sampling_per_token_logps": engine, "mask": mask,
-             "self": SimpleNamespace(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=cap,
-                                     vllm_importance_sampling_clip_min=floor)}
+    code = trl_block("per_token_logps_diff = (old_per_token_logps", 'f"Unknown vLLM importance sampling level')
+    scope = {
+        "torch": torch,
+        "math": math,
+        "old_per_token_logps": trainer,
+        "sampling_per_token_logps": engine,
+        "mask": mask,
+        "self": SimpleNamespace(
+            vllm_importance_sampling_mode=mode,
+            vllm_importance_sampling_clip_max=cap,
+            vllm_importance_sampling_clip_min=floor,
+        ),
+    }
     exec(compile(code + "\n)", "trl-block", "exec"), scope)  # the block ends inside raise ValueError( ... )
     return scope["vllm_importance_sampling_ratio"]
 
 
 def trl_diff(trainer, engine, mask):
     code = trl_block("delta = torch.abs(old_per_token_logps", "max_delta =")
-    scope = {"torch": torch, "old_per_token_logps": trainer, "sampling_per_token_logps": engine, "completion_mask": mask,
-             "tool_mask": None, "device": "cpu"}
+    scope = {
+        "torch": torch,
+        "old_per_token_logps": trainer,
+        "sampling_per_token_logps": engine,
+        "completion_mask": mask,
+        "tool_mask": None,
+        "device": "cpu",
+    }
     exec(compile(code, "trl-block", "exec"), scope)
     return float(scope["mean_delta"]), float(scope["max_delta"])
 
@@ -65,7 +79,9 @@ def mismatched(seed=0, B=4, T=6):
     return trainer, engine, mask
 
 
-@pytest.mark.parametrize("name,cap,floor", [("tis", 2.0, None), ("tis", 1.5, 0.5), ("mis", 2.0, 0.5), ("mis", 1.2, None)])
+@pytest.mark.parametrize(
+    "name,cap,floor", [("tis", 2.0, None), ("tis", 1.5, 0.5), ("mis", 2.0, 0.5), ("mis", 1.2, None)]
+)
 def test_weights_match_trl(name, cap, floor):
     trainer, engine, mask = mismatched()
     ours = correction_weights(name, trainer, engine, mask, cap, floor)
@@ -90,7 +106,9 @@ def test_corrected_loss_matches_trl(name, loss_type, beta):
     weight = correction_weights(name, old, engine, mask, 1.5, 0.5)
     want, want_grad, _ = trl_loss(logp, old, ref, adv, mask, loss_type=loss_type, beta=beta, is_ratio=weight)
     leaf = logp.clone().requires_grad_(True)
-    out = algo.grpo_loss(leaf, old, adv, mask, epsilon=0.2, beta=beta, ref_logp=ref, loss_type=loss_type, is_weight=weight)
+    out = algo.grpo_loss(
+        leaf, old, adv, mask, epsilon=0.2, beta=beta, ref_logp=ref, loss_type=loss_type, is_weight=weight
+    )
     out.loss.backward()
     torch.testing.assert_close(out.loss.detach(), want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(leaf.grad, want_grad, rtol=1e-12, atol=1e-12)
@@ -163,10 +181,13 @@ def relay_reports_engine_logprobs(monkeypatch):
 
 
 @pytest.mark.parametrize("correction", ["none", "tis", "mis"])
-def test_grpo_stage_logs_the_mismatch_and_corrects_it(tmp_path, tiny_model_dir, correction, relay_reports_engine_logprobs):
+def test_grpo_stage_logs_the_mismatch_and_corrects_it(
+    tmp_path, tiny_model_dir, correction, relay_reports_engine_logprobs
+):
     from stagerun import run_stage
-    from stages import grpo
     from test_grpo import make_cfg
+
+    from stages import grpo
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
@@ -206,8 +227,9 @@ def completion_chars(prompts, completions):
 
 def test_ppo_stage_logs_the_mismatch(tmp_path, tiny_model_dir, tiny_reward_dir):
     from stagerun import run_stage
-    from stages import ppo
     from test_ppo import make_cfg
+
+    from stages import ppo
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
@@ -215,8 +237,16 @@ def test_ppo_stage_logs_the_mismatch(tmp_path, tiny_model_dir, tiny_reward_dir):
 
     class Stage(ppo.PPOStage):
         def __init__(self, cfg):
-            super().__init__(cfg, generator_factory=lambda policy: ReportingEngine(
-                policy, 0.25, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id], cfg.generation.max_new_tokens))
+            super().__init__(
+                cfg,
+                generator_factory=lambda policy: ReportingEngine(
+                    policy,
+                    0.25,
+                    self.tokenizer.pad_token_id,
+                    [self.tokenizer.eos_token_id],
+                    cfg.generation.max_new_tokens,
+                ),
+            )
 
     seen = {}
     run_stage(Stage, cfg, on_step=lambda stage, m: seen.update(m))
@@ -235,8 +265,12 @@ VERL_NEW = [[-1.05, -0.95, -2.00, -0.31, -1.20], [-0.60, -2.45, -0.20, -1.50, -2
 VERL_ENGINE = [[-1.21, -1.90, -2.10, -0.25, -0.40], [-0.88, -2.40, -1.60, -1.05, -0.10]]
 VERL_ADV = [[0.50, -1.00, 0.30, 1.20, -0.40], [-0.70, 0.90, 1.10, -0.20, 0.60]]
 VERL_MASK = [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
-VERL_WEIGHTS = {2.0: [[1.0100501670841682, 2.0, 1.0, 0.951229424500714, 0.301194211912202],
-                      [0.9801986733067553, 1.0, 2.0, 0.9512294245007139, 0.0]]}
+VERL_WEIGHTS = {
+    2.0: [
+        [1.0100501670841682, 2.0, 1.0, 0.951229424500714, 0.301194211912202],
+        [0.9801986733067553, 1.0, 2.0, 0.9512294245007139, 0.0],
+    ]
+}
 VERL_LOSS = {None: -0.19722262610852992, 2.0: -0.2984901634519035, 3.0: -0.3562679412296812}
 
 
@@ -244,7 +278,9 @@ VERL_LOSS = {None: -0.19722262610852992, 2.0: -0.2984901634519035, 3.0: -0.35626
 def test_ppo_policy_loss_with_tis_matches_verl(cap):
     from pipeline.algorithms.rl import policy_loss
 
-    old, new, engine, adv, mask = (torch.tensor(t, dtype=torch.float64) for t in (VERL_OLD, VERL_NEW, VERL_ENGINE, VERL_ADV, VERL_MASK))
+    old, new, engine, adv, mask = (
+        torch.tensor(t, dtype=torch.float64) for t in (VERL_OLD, VERL_NEW, VERL_ENGINE, VERL_ADV, VERL_MASK)
+    )
     weight = None if cap is None else correction_weights("tis", old, engine, mask, cap)
     if cap in VERL_WEIGHTS:  # verl zeroes the weight of padding; Relay leaves it 1 there (the loss masks it either way)
         assert torch.allclose(weight * mask, torch.tensor(VERL_WEIGHTS[cap], dtype=torch.float64), rtol=0, atol=1e-12)
@@ -257,8 +293,9 @@ def test_ppo_stage_corrects_the_policy_loss(tmp_path, tiny_model_dir, tiny_rewar
     e^0.25 (under the cap 3), MIS with the band [0, 1.2] drops them all; the value loss is untouched.
     One PPO step (built, not run: no export), one epoch of one micro-batch, so the policy loss is
     that of the rollout's own forward."""
-    from stages import ppo
     from test_ppo import make_cfg
+
+    from stages import ppo
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
@@ -266,12 +303,22 @@ def test_ppo_stage_corrects_the_policy_loss(tmp_path, tiny_model_dir, tiny_rewar
     for name, cap in (("none", 3.0), ("tis", 3.0), ("mis", 1.2)):
         cfg = make_cfg(tmp_path / name, tiny_model_dir, tiny_reward_dir, prompts, max_steps=1, learning_rate=1e-3)
         cfg.ppo.epochs, cfg.generation.correction, cfg.generation.correction_cap = 1, name, cap
-        cfg.ppo.whiten_advantages = False  # whitened advantages average to ~0: the loss at ratio 1 would be rounding noise
+        cfg.ppo.whiten_advantages = (
+            False  # whitened advantages average to ~0: the loss at ratio 1 would be rounding noise
+        )
 
         class Stage(ppo.PPOStage):
             def __init__(self, cfg):
-                super().__init__(cfg, generator_factory=lambda policy: ReportingEngine(
-                    policy, 0.25, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id], cfg.generation.max_new_tokens))
+                super().__init__(
+                    cfg,
+                    generator_factory=lambda policy: ReportingEngine(
+                        policy,
+                        0.25,
+                        self.tokenizer.pad_token_id,
+                        [self.tokenizer.eos_token_id],
+                        cfg.generation.max_new_tokens,
+                    ),
+                )
 
         stage = Stage(cfg)
         stage.validate()
@@ -282,7 +329,9 @@ def test_ppo_stage_corrects_the_policy_loss(tmp_path, tiny_model_dir, tiny_rewar
         figures, exp = seen[name]
         mask = exp.rollout.response_mask.bool()
         assert torch.allclose(exp.is_weight[mask], torch.full_like(exp.is_weight[mask], factor), atol=1e-5), name
-        assert figures["ppo/policy_loss"] == pytest.approx(factor * seen["none"][0]["ppo/policy_loss"], rel=1e-5, abs=1e-7), name
+        assert figures["ppo/policy_loss"] == pytest.approx(
+            factor * seen["none"][0]["ppo/policy_loss"], rel=1e-5, abs=1e-7
+        ), name
         assert figures["ppo/value_loss"] == pytest.approx(seen["none"][0]["ppo/value_loss"], rel=1e-6), name
 
 
@@ -298,7 +347,9 @@ def test_relay_engine_log_probs_equal_the_trainers(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     prompts = [[1, 5, 9, 13], [2, 7], [3, 4, 5, 6, 7, 8]] * 2
     torch.manual_seed(0)
-    out = generate(model, prompts, max_new_tokens=12, eos_ids=[2], pad_id=0, temperature=0.7, logprobs=True, keep_packed=False)
+    out = generate(
+        model, prompts, max_new_tokens=12, eos_ids=[2], pad_id=0, temperature=0.7, logprobs=True, keep_packed=False
+    )
     rollout = assemble(prompts, out.tokens, 0, [2])
     engine = engine_logprob_matrix(rollout.responses, out.logprobs, rollout.response_mask.shape[1])
     with torch.no_grad():
@@ -307,16 +358,23 @@ def test_relay_engine_log_probs_equal_the_trainers(tiny_model_dir):
     mean, worst = logprob_diff(trainer, engine, rollout.response_mask)
     print(f"relay engine vs trainer over {int(rollout.response_mask.sum())} tokens: mean {mean:.2e}, max {worst:.2e}")
     assert mean <= 1e-5 and worst <= 1e-4
-    assert correction_weights("tis", trainer, engine, rollout.response_mask, 3.0)[rollout.response_mask.bool()].sub(1).abs().max() < 1e-4
+    assert (
+        correction_weights("tis", trainer, engine, rollout.response_mask, 3.0)[rollout.response_mask.bool()]
+        .sub(1)
+        .abs()
+        .max()
+        < 1e-4
+    )
 
 
 def test_vllm_backend_config_problems(tmp_path, tiny_model_dir, monkeypatch):
     """Refused before any model loads, one line each: a sharded engine (no weight sync from shards
     yet), full fine-tuning of a model with tied embeddings, vLLM's environment absent, a correction not in the registry, a band upside down."""
+    from test_grpo import make_cfg
+
     from pipeline.config import ConfigError
     from pipeline.modeling import vllm_server
     from stages import grpo
-    from test_grpo import make_cfg
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
@@ -329,7 +387,9 @@ def test_vllm_backend_config_problems(tmp_path, tiny_model_dir, monkeypatch):
     joined = "\n".join(err.value.problems)
     assert "generation.correction: 'seq_tis' is not one of ('auto', 'none', 'tis', 'mis')" in joined
     assert "need 0 <= floor < cap" in joined
-    assert "a model with tied input/output embeddings cannot be synced into vLLM yet" in joined  # the tiny model ties them
+    assert (
+        "a model with tied input/output embeddings cannot be synced into vLLM yet" in joined
+    )  # the tiny model ties them
     assert "generation.backend: vllm syncs weights from one whole policy; distributed.engine 'fsdp'" in joined
     assert "generation.backend: vllm is not installed (bash run_scripts/install_vllm.sh" in joined
     assert cfg.generation.correction_name == "seq_tis" and grpo.GRPOConfig().generation.correction_name == "none"
@@ -338,13 +398,14 @@ def test_vllm_backend_config_problems(tmp_path, tiny_model_dir, monkeypatch):
 def test_vllm_gpu_options_pass_through_and_are_refused_where_they_cannot_run(tmp_path, tiny_model_dir, monkeypatch):
     """Tensor-parallel size, sleep mode and the memory share reach vLLM's command line and
     environment; on a machine without enough CUDA GPUs they are config problems (one line each)."""
+    from test_grpo import make_cfg
+
     from pipeline.algorithms.policy import vllm_gpu_problems
     from pipeline.algorithms.vllm_generator import engine_options
     from pipeline.config import ConfigError
     from pipeline.config.policy import GenerationConfig
     from pipeline.modeling import vllm_server
     from stages import grpo
-    from test_grpo import make_cfg
 
     opts = engine_options(8, tensor_parallel_size=2, sleep=True, gpu_memory_utilization=0.35)
     cmd = vllm_server.server_command("python", "/m", "127.0.0.1", 8000, opts)

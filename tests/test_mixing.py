@@ -22,11 +22,33 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 def sft_cfg(model, train: list[Path], out: Path, *extra: str):
     from stages.sft import SFTConfig
 
-    argv = ["--model.path", str(model), "--data.train", "[" + ",".join(map(str, train)) + "]", "--output_dir", str(out),
-            "--train.seq_length", "48", "--train.batch_size", "2", "--train.grad_accum", "1", "--train.learning_rate", "5e-3",
-            "--train.warmup", "1", "--train.log_steps", "1", "--train.eval_steps", "0", "--checkpoint.save_interval", "1000h",
-            "--data.eval", "[]",
-            *extra]
+    argv = [
+        "--model.path",
+        str(model),
+        "--data.train",
+        "[" + ",".join(map(str, train)) + "]",
+        "--output_dir",
+        str(out),
+        "--train.seq_length",
+        "48",
+        "--train.batch_size",
+        "2",
+        "--train.grad_accum",
+        "1",
+        "--train.learning_rate",
+        "5e-3",
+        "--train.warmup",
+        "1",
+        "--train.log_steps",
+        "1",
+        "--train.eval_steps",
+        "0",
+        "--checkpoint.save_interval",
+        "1000h",
+        "--data.eval",
+        "[]",
+        *extra,
+    ]
     return load_config(SFTConfig, argv)
 
 
@@ -47,8 +69,10 @@ def fill_line(cfg, marker: str = "cannot fill") -> str:
 def test_a_split_of_only_overlong_records_says_why_in_the_one_line(tiny_model_dir, tmp_path):
     long = write_jsonl(tmp_path / "long.jsonl", [chat("tell me " * 40, f"answer {i} " * 20) for i in range(3)])
     line = fill_line(sft_cfg(tiny_model_dir, [long], tmp_path / "o"))
-    assert line.startswith("data.train: 0 sample(s) cannot fill one micro-batch of 2 x 1 rank(s): 3 dropped as longer "
-                           "than train.seq_length 48 (the longest ")
+    assert line.startswith(
+        "data.train: 0 sample(s) cannot fill one micro-batch of 2 x 1 rank(s): 3 dropped as longer "
+        "than train.seq_length 48 (the longest "
+    )
     longest = int(line.split("(the longest ")[1].split()[0])
     assert line.endswith(f"; train.seq_length: {longest} keeps them, data.truncation: truncate shortens them to fit")
 
@@ -78,10 +102,19 @@ def test_three_sources_weighted_6_3_1_are_drawn_within_two_percent_over_5000_dra
 
     mix, cursor, drawn = three_sources(), DataCursor(), []
     while len(drawn) < 5000:  # 500 steps of 10, across epochs (the 0.1 source needs ~10,000 draws to run out)
-        groups, cursor = next_micro_batches(3000, cursor, seed=7, batch_size=5, grad_accum=1, world_size=2, rank=0,
-                                            order_of=mix.epoch_order)
-        other, _ = next_micro_batches(3000, DataCursor(cursor.epoch, cursor.samples - 10), seed=7, batch_size=5,
-                                      grad_accum=1, world_size=2, rank=1, order_of=mix.epoch_order)
+        groups, cursor = next_micro_batches(
+            3000, cursor, seed=7, batch_size=5, grad_accum=1, world_size=2, rank=0, order_of=mix.epoch_order
+        )
+        other, _ = next_micro_batches(
+            3000,
+            DataCursor(cursor.epoch, cursor.samples - 10),
+            seed=7,
+            batch_size=5,
+            grad_accum=1,
+            world_size=2,
+            rank=1,
+            order_of=mix.epoch_order,
+        )
         drawn += groups[0] + other[0]
     fractions = [sum(mix.entry_of[i] == k for i in drawn) / len(drawn) for k in range(3)]
     assert all(abs(got - want) <= 0.02 for got, want in zip(fractions, (0.6, 0.3, 0.1))), fractions
@@ -115,41 +148,67 @@ def test_a_number_of_samples_fixes_each_epochs_length():
 
 
 def test_the_mix_is_a_pure_function_of_the_seed():
-    assert three_sources(seed=1).epoch_order(2) == three_sources(seed=1).epoch_order(2) != three_sources(seed=2).epoch_order(2)
+    assert (
+        three_sources(seed=1).epoch_order(2)
+        == three_sources(seed=1).epoch_order(2)
+        != three_sources(seed=2).epoch_order(2)
+    )
 
 
 def test_weights_that_do_not_match_the_entries_are_config_problems(tiny_model_dir, tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [chat("q", "a")] * 4)
     with pytest.raises(ConfigError) as err:
         sft_cfg(tiny_model_dir, [a], tmp_path / "o", "--data.weights", "[0.5, 0.5]", "--data.mix_stop", "sometimes")
-    assert "data.weights: 2 weight(s) for 1 data.train entr(ies); give one per entry, in their order" in err.value.problems
-    assert any(p.startswith("data.mix_stop: must be first_exhausted, all_exhausted or a number") for p in err.value.problems)
+    assert (
+        "data.weights: 2 weight(s) for 1 data.train entr(ies); give one per entry, in their order" in err.value.problems
+    )
+    assert any(
+        p.startswith("data.mix_stop: must be first_exhausted, all_exhausted or a number") for p in err.value.problems
+    )
     with pytest.raises(ConfigError) as err:
         sft_cfg(tiny_model_dir, [a], tmp_path / "o", "--data.weights", "[0]")
     assert err.value.problems == ["data.weights: every weight must be > 0 (leave an entry out instead), got [0.0]"]
-    assert sft_cfg(tiny_model_dir, [a], tmp_path / "o", "--data.weights", "[1]", "--data.mix_stop", "5000").data.mix_stop == 5000
+    assert (
+        sft_cfg(tiny_model_dir, [a], tmp_path / "o", "--data.weights", "[1]", "--data.mix_stop", "5000").data.mix_stop
+        == 5000
+    )
 
 
 def test_a_weighted_source_that_yields_nothing_is_named_in_the_one_line(tiny_model_dir, tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [chat(f"q {i}", "a") for i in range(6)])
     b = write_jsonl(tmp_path / "b.jsonl", [chat("tell me " * 40, "x")] * 2)
     line = fill_line(sft_cfg(tiny_model_dir, [a, b], tmp_path / "o", "--data.weights", "[0.7, 0.3]"), "yields 0")
-    assert line.startswith(f"data.weights: {b} (weight 0.3) yields 0 sample(s): 2 dropped as longer than train.seq_length 48")
+    assert line.startswith(
+        f"data.weights: {b} (weight 0.3) yields 0 sample(s): 2 dropped as longer than train.seq_length 48"
+    )
 
 
 def write_sources(folder: Path) -> list[Path]:
-    return [write_jsonl(folder / f"{name}.jsonl", [chat(f"{name} question {i}", f"{name} answer {i}") for i in range(n)])
-            for name, n in (("general", 12), ("domain", 8), ("code", 6))]
+    return [
+        write_jsonl(folder / f"{name}.jsonl", [chat(f"{name} question {i}", f"{name} answer {i}") for i in range(n)])
+        for name, n in (("general", 12), ("domain", 8), ("code", 6))
+    ]
 
 
 def test_a_weighted_sft_run_resumes_mid_epoch_with_the_same_later_batches(tiny_model_dir, tmp_path, monkeypatch):
     from stagerun import recording, run_stage
+
     from stages.sft import SFTStage
 
     sources = write_sources(tmp_path / "data")
     # epochs of 10 samples, steps of 2 x 2: the cut at step 3 (12 samples) is 2 samples into epoch 1
-    extra = ("--data.weights", "[0.6, 0.3, 0.1]", "--data.mix_stop", "10", "--train.max_steps", "6",
-             "--train.grad_accum", "2", "--lora.dropout", "0.1")
+    extra = (
+        "--data.weights",
+        "[0.6, 0.3, 0.1]",
+        "--data.mix_stop",
+        "10",
+        "--train.max_steps",
+        "6",
+        "--train.grad_accum",
+        "2",
+        "--lora.dropout",
+        "0.1",
+    )
     full = run_stage(recording(SFTStage), sft_cfg(tiny_model_dir, sources, tmp_path / "full", *extra))
     monkeypatch.setenv("RELAY_STOP_AFTER_STEP", "3")
     first = run_stage(recording(SFTStage), sft_cfg(tiny_model_dir, sources, tmp_path / "cut", *extra))
@@ -172,9 +231,14 @@ def test_a_weighted_sft_run_resumes_mid_epoch_with_the_same_later_batches(tiny_m
     assert logged == [record["data/samples/general"] for record in full.history.steps]
     assert "data/tokens/code" in events.Tags()["scalars"]
     manifest = json.loads((tmp_path / "cut" / "merged" / "manifest.json").read_text())
-    assert manifest["data_mix"] == {"sources": [{"entry": str(s), "weight": pytest.approx(w), "samples": n}
-                                                for s, w, n in zip(sources, (0.6, 0.3, 0.1), (12, 8, 6))],
-                                    "stop": 10, "seed": 42}
+    assert manifest["data_mix"] == {
+        "sources": [
+            {"entry": str(s), "weight": pytest.approx(w), "samples": n}
+            for s, w, n in zip(sources, (0.6, 0.3, 0.1), (12, 8, 6))
+        ],
+        "stop": 10,
+        "seed": 42,
+    }
 
 
 # ------------------------------------------------------------------------------------------
@@ -183,8 +247,10 @@ def test_a_weighted_sft_run_resumes_mid_epoch_with_the_same_later_batches(tiny_m
 
 
 def write_corpora(folder: Path) -> list[Path]:
-    return [write_jsonl(folder / f"{name}.jsonl", [{"text": f"{word} " * (5 + i % 7)} for i in range(n)])
-            for name, word, n in (("general", "apple", 40), ("domain", "zebra", 30))]
+    return [
+        write_jsonl(folder / f"{name}.jsonl", [{"text": f"{word} " * (5 + i % 7)} for i in range(n)])
+        for name, word, n in (("general", "apple", 40), ("domain", "zebra", 30))
+    ]
 
 
 def entry_of_row(tokenizer, row: dict) -> int:
@@ -197,8 +263,21 @@ def entry_of_row(tokenizer, row: dict) -> int:
 def pt_cfg(model, train: list[Path], out: Path, *extra: str):
     from stages.pretrain import PTConfig
 
-    argv = ["--model.path", str(model), "--data.train", "[" + ",".join(map(str, train)) + "]", "--output_dir", str(out),
-            "--train.seq_length", "16", "--train.batch_size", "2", "--data.weights", "[0.75, 0.25]", *extra]
+    argv = [
+        "--model.path",
+        str(model),
+        "--data.train",
+        "[" + ",".join(map(str, train)) + "]",
+        "--output_dir",
+        str(out),
+        "--train.seq_length",
+        "16",
+        "--train.batch_size",
+        "2",
+        "--data.weights",
+        "[0.75, 0.25]",
+        *extra,
+    ]
     return load_config(PTConfig, argv)
 
 

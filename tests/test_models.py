@@ -100,7 +100,9 @@ def test_lora_causal_trains_exactly_the_adapters(tiny_model_dir):
     model = load_model(ModelConfig(path=str(tiny_model_dir), finetuning="lora"), _lora())
     expected = sorted(
         f"base_model.model.model.layers.{layer}.{'self_attn' if m in LINEARS[:4] else 'mlp'}.{m}.lora_{ab}.default.weight"
-        for layer in range(2) for m in LINEARS for ab in "AB"
+        for layer in range(2)
+        for m in LINEARS
+        for ab in "AB"
     )
     assert sorted(trainable_parameter_names(model)) == expected
 

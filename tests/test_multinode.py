@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 from safetensors.torch import load_file
-
 from test_pt_sft import write_sft
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,22 +27,52 @@ def free_port() -> int:
 
 
 def pipeline_config(folder: Path, model: Path, data: tuple[Path, Path]) -> Path:
-    sft = {"train": {"max_steps": 2, "batch_size": 2, "grad_accum": 2, "seq_length": 48, "learning_rate": 5e-3,
-                     "eval_steps": 0, "lr_schedule": "constant", "warmup": 0, "max_grad_norm": 0.05},
-           "lora": {"r": 4, "dropout": 0.0}, "checkpoint": {"save_interval": "1000h"},
-           "multitask": {"weighted_loss_mode": "case3"}}
-    config = {"base_model": str(model), "output_root": str(folder / "out"), "chain": ["sft"], "report": False,
-              "stages": {"sft": {"config": sft, "data": {"train": [str(data[0])], "eval": [str(data[1])]}}}}
+    sft = {
+        "train": {
+            "max_steps": 2,
+            "batch_size": 2,
+            "grad_accum": 2,
+            "seq_length": 48,
+            "learning_rate": 5e-3,
+            "eval_steps": 0,
+            "lr_schedule": "constant",
+            "warmup": 0,
+            "max_grad_norm": 0.05,
+        },
+        "lora": {"r": 4, "dropout": 0.0},
+        "checkpoint": {"save_interval": "1000h"},
+        "multitask": {"weighted_loss_mode": "case3"},
+    }
+    config = {
+        "base_model": str(model),
+        "output_root": str(folder / "out"),
+        "chain": ["sft"],
+        "report": False,
+        "stages": {"sft": {"config": sft, "data": {"train": [str(data[0])], "eval": [str(data[1])]}}},
+    }
     path = folder / "pipeline.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
 def driver(config: Path, **env: str) -> subprocess.Popen:
-    environment = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                   "TOKENIZERS_PARALLELISM": "false", "MASTER_ADDR": "127.0.0.1", **env}
-    return subprocess.Popen(["bash", "run_scripts/run_pipeline.sh", str(config)], cwd=ROOT, env=environment,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    environment = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "MASTER_ADDR": "127.0.0.1",
+        **env,
+    }
+    return subprocess.Popen(
+        ["bash", "run_scripts/run_pipeline.sh", str(config)],
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finished(*procs: subprocess.Popen) -> None:
@@ -70,7 +99,10 @@ def test_two_nodes_equal_one_node(tiny_model_dir, tmp_path):
     assert len(got) == 2
     for a, b in zip(got, want):
         assert a == pytest.approx(b, rel=1e-6)
-    a, b = load_file(str(nodes / "out/sft/merged/model.safetensors")), load_file(str(single / "out/sft/merged/model.safetensors"))
+    a, b = (
+        load_file(str(nodes / "out/sft/merged/model.safetensors")),
+        load_file(str(single / "out/sft/merged/model.safetensors")),
+    )
     assert a.keys() == b.keys()
     assert max(float((a[k].float() - b[k].float()).abs().max()) for k in a) < 1e-6
     marker = json.loads((nodes / "out/sft/checkpoints/step-0000002/.complete").read_text())

@@ -8,11 +8,11 @@ import json
 import logging
 
 import pytest
+from stagerun import run_stage
+from test_pt_sft import fresh_accelerate_state  # noqa: F401  (autouse: fresh accelerate state, one intra-op thread)
 
 from data_formats import show, validate
 from pipeline.config import ConfigError
-from stagerun import run_stage
-from test_pt_sft import fresh_accelerate_state  # noqa: F401  (autouse: fresh accelerate state, one intra-op thread)
 
 GOOD = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]}
 BAD_ORDER = {"messages": [{"role": "assistant", "content": "I speak first."}, {"role": "user", "content": "x"}]}
@@ -47,15 +47,26 @@ def test_skip_writes_a_grouped_report_and_counts_it_in_the_manifest(tmp_path, ti
     with caplog.at_level(logging.WARNING):
         run = run_stage(SFTStage, _cfg(tiny_model_dir, [data], tmp_path / "run"))
     assert [s["source"] for s in run.train_samples] == [f"{data}:1", f"{data}:3", f"{data}:7"]
-    grouped = [f"{data}:2: 3 records: turn 0: conversation must start with a user turn, got assistant (lines 2, 4-5)",
-               f"{data}:6: messages[0]: empty content"]
+    grouped = [
+        f"{data}:2: 3 records: turn 0: conversation must start with a user turn, got assistant (lines 2, 4-5)",
+        f"{data}:6: messages[0]: empty content",
+    ]
     assert (tmp_path / "run" / "skipped_records.txt").read_text().splitlines() == [
-        "sft train data: 4 record(s) skipped (data.on_error=skip)"] + [f"  {line}" for line in grouped]
-    assert [f"skipped {line}" for line in grouped] == [r.getMessage() for r in caplog.records
-                                                      if r.getMessage().startswith("skipped")]
+        "sft train data: 4 record(s) skipped (data.on_error=skip)"
+    ] + [f"  {line}" for line in grouped]
+    assert [f"skipped {line}" for line in grouped] == [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped")
+    ]
     manifest = json.loads((tmp_path / "run" / "merged" / "manifest.json").read_text())
-    assert manifest["skipped_records"] == {"count": 4, "by_split": {"sft train data": {
-        "turn 0: conversation must start with a user turn, got assistant": 3, "messages[0]: empty content": 1}}}
+    assert manifest["skipped_records"] == {
+        "count": 4,
+        "by_split": {
+            "sft train data": {
+                "turn 0: conversation must start with a user turn, got assistant": 3,
+                "messages[0]: empty content": 1,
+            }
+        },
+    }
 
 
 def test_a_file_with_no_good_record_is_still_an_error(tmp_path, tiny_model_dir, monkeypatch):
@@ -67,8 +78,10 @@ def test_a_file_with_no_good_record_is_still_an_error(tmp_path, tiny_model_dir, 
     stage = SFTStage(_cfg(tiny_model_dir, [good, bad], tmp_path / "run"))
     with pytest.raises(ConfigError) as err:
         stage.validate()
-    assert err.value.problems == [f"{bad}:0: every record of this file is bad (2 problem(s)); data.on_error=skip skips "
-                                  "bad records, not whole files: fix the file or take it out of the data paths"]
+    assert err.value.problems == [
+        f"{bad}:0: every record of this file is bad (2 problem(s)); data.on_error=skip skips "
+        "bad records, not whole files: fix the file or take it out of the data paths"
+    ]
 
 
 def test_show_groups_problems_as_validate_does(tmp_path, capsys):
@@ -77,4 +90,6 @@ def test_show_groups_problems_as_validate_does(tmp_path, capsys):
     shown = capsys.readouterr().err.splitlines()
     assert validate.main([str(data)]) == 1
     assert shown == [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"{data}:")][:1]
-    assert shown == [f"{data}:2: 5 records: turn 0: conversation must start with a user turn, got assistant (lines 2-6)"]
+    assert shown == [
+        f"{data}:2: 5 records: turn 0: conversation must start with a user turn, got assistant (lines 2-6)"
+    ]

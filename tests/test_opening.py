@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from tinymodels import make_tiny_model
 
 OPENING = [5, 9, 17, 30, 41, 8, 22, 13, 6, 19, 27, 33, 12, 44, 3, 16, 25, 38, 21, 10]  # 20 tokens, >= SHARED_PREFIX_MIN
@@ -49,19 +48,23 @@ def test_find_opening_moves_each_rows_padding_after_the_shared_opening(tmp_path)
     from data_formats.collate import shared_first_pad
     from pipeline.modeling.opening import find_opening
 
-    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "tiny", seed=0, vocab_size=48), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        make_tiny_model(tmp_path / "tiny", seed=0, vocab_size=48), dtype=torch.float32
+    )
     r = rollout()
     P = r.prompt_width
     opening = find_opening(model, r.input_ids, r.attention_mask, P)
     assert opening.shared == len(OPENING)
     ids, mask = shared_first_pad(PROMPTS, 0, len(OPENING))
     assert torch.equal(opening.input_ids[:, :P], ids) and torch.equal(opening.attention_mask[:, :P], mask)
-    assert torch.equal(opening.input_ids[:, P:], r.input_ids[:, P:]) and torch.equal(opening.attention_mask[:, P:], r.attention_mask[:, P:])
+    assert torch.equal(opening.input_ids[:, P:], r.input_ids[:, P:]) and torch.equal(
+        opening.attention_mask[:, P:], r.attention_mask[:, P:]
+    )
     assert find_opening(model, r.input_ids[:1], r.attention_mask[:1], P) is None  # one row
     holed = r.attention_mask.clone()
     holed[0, P - 2] = 0
     assert find_opening(model, r.input_ids, holed, P) is None  # not left-padded: nothing is moved
-    short = [p[len(OPENING) - 10:] for p in PROMPTS]  # 10 shared tokens
+    short = [p[len(OPENING) - 10 :] for p in PROMPTS]  # 10 shared tokens
     from pipeline.algorithms.rollout import assemble
 
     s = assemble(short, RESPONSES, pad_id=0, eos_ids=[2])
@@ -91,7 +94,9 @@ def test_policy_logits_run_the_opening_once_as_each_row_alone(tmp_path, attn):
     want_grad = 0
     for row, (prompt, response) in enumerate(zip(PROMPTS, RESPONSES)):
         alone = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
-        torch.testing.assert_close(logits[row, : len(response)].detach(), alone.detach(), atol=1e-5 * float(alone.abs().max()), rtol=0)
+        torch.testing.assert_close(
+            logits[row, : len(response)].detach(), alone.detach(), atol=1e-5 * float(alone.abs().max()), rtol=0
+        )
         want_grad = want_grad + flat_grad(target(alone, row), model)
     torch.testing.assert_close(got_grad, want_grad, atol=1e-5 * float(want_grad.abs().max()), rtol=0)
 
@@ -119,7 +124,9 @@ def test_critic_values_and_reward_scores_run_the_opening_once_as_each_row_alone(
     for row, (prompt, response) in enumerate(zip(PROMPTS, RESPONSES)):
         ids = torch.tensor([prompt + response])
         alone = token_scores(critic, ids, torch.ones_like(ids))[0]
-        torch.testing.assert_close(values[row, : len(response)].detach(), alone[len(prompt) - 1 : -1].detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            values[row, : len(response)].detach(), alone[len(prompt) - 1 : -1].detach(), atol=1e-5, rtol=0
+        )
         with torch.no_grad(), critic.disable_adapter():
             reward = token_scores(critic, ids, torch.ones_like(ids))[0, -1]
         torch.testing.assert_close(rewards[row], reward, atol=1e-5, rtol=0)
@@ -146,16 +153,20 @@ def test_reward_pairs_run_their_opening_once_as_each_sequence_alone(tiny_reward_
 
     model = lora(AutoModelForSequenceClassification.from_pretrained(tiny_reward_dir, dtype=torch.float32), seed=2)
     model.config.pad_token_id = 0
-    pairs = [{"chosen_input_ids": PROMPTS[0] + RESPONSES[0] + [2], "rejected_input_ids": PROMPTS[0] + RESPONSES[1] + [2]},
-             {"chosen_input_ids": PROMPTS[2] + RESPONSES[2] + [2], "rejected_input_ids": PROMPTS[2] + [2]}]
+    pairs = [
+        {"chosen_input_ids": PROMPTS[0] + RESPONSES[0] + [2], "rejected_input_ids": PROMPTS[0] + RESPONSES[1] + [2]},
+        {"chosen_input_ids": PROMPTS[2] + RESPONSES[2] + [2], "rejected_input_ids": PROMPTS[2] + [2]},
+    ]
     batch = PairCollator(0)(pairs)
     T = batch["input_ids"].shape[1]
     seen = shapes_into(model)
     chosen, rejected = pair_scores(model, batch, None)
     assert seen == [(1, len(OPENING)), (4, T - len(OPENING))]
     got_grad = flat_grad(pairwise_loss(chosen, rejected), model)
-    alone = [sequence_scores(model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long))[0]
-             for seq in [p["chosen_input_ids"] for p in pairs] + [p["rejected_input_ids"] for p in pairs]]
+    alone = [
+        sequence_scores(model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long))[0]
+        for seq in [p["chosen_input_ids"] for p in pairs] + [p["rejected_input_ids"] for p in pairs]
+    ]
     torch.testing.assert_close(torch.cat([chosen, rejected]).detach(), torch.stack(alone).detach(), atol=1e-5, rtol=0)
     want_grad = flat_grad(pairwise_loss(torch.stack(alone[:2]), torch.stack(alone[2:])), model)
     torch.testing.assert_close(got_grad, want_grad, atol=1e-5 * float(want_grad.abs().max()), rtol=0)
@@ -164,7 +175,9 @@ def test_reward_pairs_run_their_opening_once_as_each_sequence_alone(tiny_reward_
     pair_scores(model, batch, wrapped)
     assert seen == [(4, T)]
     seen.clear()
-    apart = PairCollator(0)([{**pairs[0], "rejected_input_ids": [1] + pairs[0]["rejected_input_ids"]}])  # openings differ
+    apart = PairCollator(0)(
+        [{**pairs[0], "rejected_input_ids": [1] + pairs[0]["rejected_input_ids"]}]
+    )  # openings differ
     chosen, rejected = pair_scores(model, apart, None)
     assert seen == [(2, apart["input_ids"].shape[1])]  # the classifier's own forward
     torch.testing.assert_close(chosen[0].detach(), alone[0].detach(), atol=1e-5, rtol=0)

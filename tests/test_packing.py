@@ -15,7 +15,11 @@ from pipeline.modeling.attention import block_causal_mask
 
 SEQ = 24
 A = {"input_ids": [5, 17, 99, 230, 41, 8, 77], "labels": [-100, -100, -100, 230, 41, 8, 77], "task_id": 0}
-B = {"input_ids": [64, 12, 300, 88, 19, 45, 61, 9, 2], "labels": [-100, -100, -100, -100, 19, 45, 61, 9, 2], "task_id": 1}
+B = {
+    "input_ids": [64, 12, 300, 88, 19, 45, 61, 9, 2],
+    "labels": [-100, -100, -100, -100, 19, 45, 61, 9, 2],
+    "task_id": 1,
+}
 C = {"input_ids": [7, 8, 9, 10], "labels": [-100, 8, 9, 10], "task_id": 0}
 
 
@@ -43,7 +47,10 @@ def test_pack_layout():
     batch = Collator(0, "pack", SEQ)(rows)
     # Padded to the longest row (20 tokens), not to seq_length (24).
     assert batch["input_ids"].shape == (2, 20) and "attention_mask" not in batch
-    assert batch["segment_ids"].tolist() == [[0] * 7 + [1] * 9 + [2] * 4, [0] * 7 + [1] * 13]  # the padding tail: its own
+    assert batch["segment_ids"].tolist() == [
+        [0] * 7 + [1] * 9 + [2] * 4,
+        [0] * 7 + [1] * 13,
+    ]  # the padding tail: its own
     assert batch["position_ids"][0].tolist() == list(range(7)) + list(range(9)) + list(range(4))
     assert batch["task_ids"][0].tolist() == [0] * 7 + [1] * 9 + [0] * 4
     assert batch["task_ids"][1].tolist() == [0] * 7 + [-1] * 13 and batch["labels"][1, 7:].tolist() == [-100] * 13
@@ -106,8 +113,11 @@ def test_right_padding_keeps_per_sample_loss(tiny_model_dir):
 def test_pt_rows_keep_documents_apart(tiny_model_dir):
     docs = [[11, 12, 13, 14, 15], [21, 22, 23], [31, 32, 33, 34, 35, 36, 37, 38, 39, 40]]
     rows = chunk_documents(docs, eos_id=2, seq_length=8)
-    assert [r["input_ids"] for r in rows] == [[11, 12, 13, 14, 15, 2, 21, 22], [23, 2, 31, 32, 33, 34, 35, 36],
-                                               [37, 38, 39, 40, 2]]
+    assert [r["input_ids"] for r in rows] == [
+        [11, 12, 13, 14, 15, 2, 21, 22],
+        [23, 2, 31, 32, 33, 34, 35, 36],
+        [37, 38, 39, 40, 2],
+    ]
     assert [r["lengths"] for r in rows] == [[6, 2], [2, 6], [5]]
     assert rows[1]["labels"] == [-100, 2, -100, 32, 33, 34, 35, 36]
     model = _model(tiny_model_dir, "sdpa")

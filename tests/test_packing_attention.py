@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from data_formats.collate import IGNORE_INDEX, AnswerPairCollator, Collator, PackedPairCollator, pack
+from data_formats.collate import IGNORE_INDEX, AnswerPairCollator, Collator, PackedPairCollator
 from pipeline.engine.steps import model_inputs, token_losses, weighted_token_losses
 from pipeline.modeling.attention import attention_implementation, block_causal_mask, document_attention, varlen_kwargs
 
@@ -49,8 +49,9 @@ def _samples(count: int = len(LENGTHS), seed: int = 0) -> list[dict]:
 
 def _sdpa_bthd(q, k, v, causal, scale):
     """Causal sdpa on flash-attn's [B, T, H, D] layout (kv heads shared as flash-attn shares them)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
-                                         scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale, enable_gqa=True
+    )
     return out.transpose(1, 2)
 
 
@@ -62,20 +63,38 @@ def reference_flash(monkeypatch):
 
     calls = []
 
-    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                        deterministic=False):
+    def flash_attn_func(
+        q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False
+    ):
         calls.append(("dense", q.shape[0]))
         return _sdpa_bthd(q, k, v, causal, softmax_scale)
 
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False):
+    def flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        deterministic=False,
+    ):
         assert isinstance(max_seqlen_q, int) and torch.equal(cu_seqlens_q, cu_seqlens_k)
         assert cu_seqlens_q.dtype == torch.int32 and int(cu_seqlens_q[-1]) == q.shape[0]
         calls.append(("varlen", cu_seqlens_q.tolist()))
         bounds = cu_seqlens_q.tolist()
         assert max(b - a for a, b in zip(bounds, bounds[1:])) <= max_seqlen_q
-        return torch.cat([_sdpa_bthd(q[None, a:b], k[None, a:b], v[None, a:b], causal, softmax_scale)[0]
-                          for a, b in zip(bounds, bounds[1:])])
+        return torch.cat(
+            [
+                _sdpa_bthd(q[None, a:b], k[None, a:b], v[None, a:b], causal, softmax_scale)[0]
+                for a, b in zip(bounds, bounds[1:])
+            ]
+        )
 
     functions = (flash_attn_func, flash_attn_varlen_func, None, fa._pad_input, fa._unpad_input)
     processing = (fa._lazy_define_process_function(flash_attn_varlen_func), dict)
@@ -89,8 +108,11 @@ def unfused_flex(monkeypatch):
     import transformers.integrations.flex_attention as fx
     from torch.nn.attention.flex_attention import flex_attention
 
-    monkeypatch.setattr(fx, "compile_friendly_flex_attention",
-                        lambda q, k, v, training=False, **kwargs: flex_attention(q, k, v, **kwargs))
+    monkeypatch.setattr(
+        fx,
+        "compile_friendly_flex_attention",
+        lambda q, k, v, training=False, **kwargs: flex_attention(q, k, v, **kwargs),
+    )
 
 
 def _model(path, attn: str, request=None):
@@ -224,8 +246,15 @@ def test_packed_preference_pairs_score_as_padded(tiny_model_dir, request, attn):
 
     model = _model(tiny_model_dir, attn, request)
     s = _samples()
-    pairs = [{"chosen_input_ids": s[i]["input_ids"], "chosen_answer_len": 3,
-              "rejected_input_ids": s[i + 3]["input_ids"], "rejected_answer_len": 2} for i in range(3)]
+    pairs = [
+        {
+            "chosen_input_ids": s[i]["input_ids"],
+            "chosen_answer_len": 3,
+            "rejected_input_ids": s[i + 3]["input_ids"],
+            "rejected_answer_len": 2,
+        }
+        for i in range(3)
+    ]
     packed = PackedPairCollator(0, SEQ, attn)(pairs)
     assert packed["input_ids"].shape[0] > 1
     with torch.no_grad():
@@ -257,7 +286,9 @@ def _dense_of(block_mask) -> torch.Tensor:
     """[B, 1, T, T] bool of a BlockMask's mask_mod evaluated at every position."""
     b, _, q, kv = block_mask.shape
     grid = torch.stack(torch.meshgrid(torch.arange(q), torch.arange(kv), indexing="ij"))
-    return torch.stack([block_mask.mask_mod(torch.tensor(i), torch.tensor(0), grid[0], grid[1]) for i in range(b)])[:, None]
+    return torch.stack([block_mask.mask_mod(torch.tensor(i), torch.tensor(0), grid[0], grid[1]) for i in range(b)])[
+        :, None
+    ]
 
 
 def test_the_implementation_is_read_through_wrappers(tiny_model_dir):
@@ -289,8 +320,13 @@ def _flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-GPU_KERNELS = [pytest.param("flash_attention_2", marks=pytest.mark.skipif(not _flash_attn_installed(), reason="flash-attn not installed")),
-               "flex_attention", "sdpa"]
+GPU_KERNELS = [
+    pytest.param(
+        "flash_attention_2", marks=pytest.mark.skipif(not _flash_attn_installed(), reason="flash-attn not installed")
+    ),
+    "flex_attention",
+    "sdpa",
+]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: flash-attn and compiled flex attention kernels")

@@ -6,25 +6,34 @@ import json
 from pathlib import Path
 
 import pytest
+from stagerun import run_stage
+from test_pt_sft import fresh_accelerate_state  # noqa: F401  (autouse: fresh accelerate state, one intra-op thread)
 
 from data_formats.sources import read_entry, summarize
 from data_formats.validate import read_and_parse
-from stagerun import run_stage
-from test_pt_sft import fresh_accelerate_state  # noqa: F401  (autouse: fresh accelerate state, one intra-op thread)
 
 PEERS = Path(__file__).resolve().parent / "data" / "peers"
 M, L = "MedicalGPT", "LLaMA-Factory"
 # file -> (validate kind, good records, or the start of the one refusal line's reason)
 EXPECTED = {
-    f"{M}/pretrain/en_article_tail500.txt": ("pt", 1), f"{M}/pretrain/fever.txt": ("pt", 1),
-    f"{M}/pretrain/tianlongbabu.txt": ("pt", 1), f"{M}/rag/medical_corpus.txt": ("pt", 1),
-    f"{L}/c4_demo.jsonl": ("pt", 3), f"{L}/wiki_demo.txt": ("pt", 1),
-    f"{M}/sft/medical_sft_1K_format.jsonl": ("sft", 3), f"{M}/sft/sharegpt_zh_1K_format.jsonl": ("sft", 3),
-    f"{M}/sft/glaive_toolcall_zh_demo.jsonl": ("sft", 4), f"{L}/alpaca_en_demo.json": ("sft", 3),
-    f"{L}/alpaca_zh_demo.json": ("sft", 3), f"{L}/glaive_toolcall_en_demo.json": ("sft", 4),
+    f"{M}/pretrain/en_article_tail500.txt": ("pt", 1),
+    f"{M}/pretrain/fever.txt": ("pt", 1),
+    f"{M}/pretrain/tianlongbabu.txt": ("pt", 1),
+    f"{M}/rag/medical_corpus.txt": ("pt", 1),
+    f"{L}/c4_demo.jsonl": ("pt", 3),
+    f"{L}/wiki_demo.txt": ("pt", 1),
+    f"{M}/sft/medical_sft_1K_format.jsonl": ("sft", 3),
+    f"{M}/sft/sharegpt_zh_1K_format.jsonl": ("sft", 3),
+    f"{M}/sft/glaive_toolcall_zh_demo.jsonl": ("sft", 4),
+    f"{L}/alpaca_en_demo.json": ("sft", 3),
+    f"{L}/alpaca_zh_demo.json": ("sft", 3),
+    f"{L}/glaive_toolcall_en_demo.json": ("sft", 4),
     f"{L}/glaive_toolcall_zh_demo.json": ("sft", 4),
-    f"{M}/reward/dpo_zh_500.jsonl": ("rm", 3), f"{M}/reward/toolcall_dpo_zh_demo.jsonl": ("rm", 6),
-    f"{L}/dpo_en_demo.json": ("rm", 3), f"{L}/dpo_zh_demo.json": ("rm", 3), f"{L}/v1_dpo_demo.jsonl": ("rm", 3),
+    f"{M}/reward/dpo_zh_500.jsonl": ("rm", 3),
+    f"{M}/reward/toolcall_dpo_zh_demo.jsonl": ("rm", 6),
+    f"{L}/dpo_en_demo.json": ("rm", 3),
+    f"{L}/dpo_zh_demo.json": ("rm", 3),
+    f"{L}/v1_dpo_demo.jsonl": ("rm", 3),
     f"{M}/grpo/sample.jsonl": ("prompts", 4),
     f"{L}/identity.json": ("sft", "unfilled placeholder {{name}} (LLaMA-Factory's identity.json): replace"),
     f"{L}/v1_sft_demo.jsonl": ("sft", "unfilled placeholder {{name}}"),
@@ -37,11 +46,16 @@ EXPECTED = {
     f"{L}/reason_tool_use_demo_50.jsonl": ("sft", "a 'reasoning' content part (LLaMA-Factory v1 reasoning data)"),
     f"{L}/dataset_info.json": ("sft", "this is LLaMA-Factory's dataset registry (dataset_info.json)"),
 }
-EXPECTED.update({  # issue 32: public formats beyond the two peers (tests/test_formats_public.py checks ids and masks)
-    "hh-rlhf/harmless-base/test.jsonl": ("rm", 5), "Firefly/dummy_dpo.jsonl": ("rm", 2),
-    "together-python/test_preference_openai.jsonl": ("rm", 2), "Firefly/dummy_data.jsonl": ("sft", 2),
-    "openai-cookbook/toy_chat_fine_tuning.jsonl": ("sft", 3), "ApiLogicServer-src/logic_trainer_multi_turn.jsonl": ("sft", 1),
-})
+EXPECTED.update(
+    {  # issue 32: public formats beyond the two peers (tests/test_formats_public.py checks ids and masks)
+        "hh-rlhf/harmless-base/test.jsonl": ("rm", 5),
+        "Firefly/dummy_dpo.jsonl": ("rm", 2),
+        "together-python/test_preference_openai.jsonl": ("rm", 2),
+        "Firefly/dummy_data.jsonl": ("sft", 2),
+        "openai-cookbook/toy_chat_fine_tuning.jsonl": ("sft", 3),
+        "ApiLogicServer-src/logic_trainer_multi_turn.jsonl": ("sft", 1),
+    }
+)
 
 
 def test_every_excerpt_is_listed_and_has_its_source():
@@ -85,9 +99,13 @@ def test_sft_trains_two_steps_on_every_peer_sft_file_tool_calls_included(tiny_mo
 
     run = run_stage(SFTStage, _train_cfg(SFTConfig(), tiny_model_dir, _files("sft"), tmp_path / "sft", 2))
     assert len(run.history.steps) == 2
-    assert sorted(run.tasks) == sorted({Path(f).stem for f in _files("sft")})  # every file gave samples (tasks by file stem)
-    saved = json.loads((tmp_path / "sft" / "merged" / "tokenizer_config.json").read_text()).get("chat_template") or \
-        (tmp_path / "sft" / "merged" / "chat_template.jinja").read_text()
+    assert sorted(run.tasks) == sorted(
+        {Path(f).stem for f in _files("sft")}
+    )  # every file gave samples (tasks by file stem)
+    saved = (
+        json.loads((tmp_path / "sft" / "merged" / "tokenizer_config.json").read_text()).get("chat_template")
+        or (tmp_path / "sft" / "merged" / "chat_template.jinja").read_text()
+    )
     assert "<tool_call>" in saved  # the default tool layout went into the merged model's template
 
 
@@ -98,8 +116,10 @@ def test_dpo_trains_two_steps_on_every_peer_preference_file(tiny_model_dir, tmp_
     assert len(run.history.steps) == 2
     # every file gave pairs (the longest lose their oldest prompt tokens or, answer alone too long, are dropped and counted)
     assert {s["source"].rsplit(":", 1)[0] for s in run.train_samples} == {str(PEERS / f) for f in _files("rm")}
-    saved = json.loads((tmp_path / "dpo" / "merged" / "tokenizer_config.json").read_text()).get("chat_template") or \
-        (tmp_path / "dpo" / "merged" / "chat_template.jinja").read_text()
+    saved = (
+        json.loads((tmp_path / "dpo" / "merged" / "tokenizer_config.json").read_text()).get("chat_template")
+        or (tmp_path / "dpo" / "merged" / "chat_template.jinja").read_text()
+    )
     assert "<tool_call>" in saved  # tool answers trained in the default layout: the merged template renders them so
 
 
@@ -133,7 +153,9 @@ def test_grpo_passes_each_prompt_records_answer_to_reward_functions(tiny_model_d
     assert len(run.history.steps) == 1 and ANSWERS_SEEN and set(ANSWERS_SEEN) <= {r["answer"] for r in records}
 
 
-@pytest.mark.parametrize("stage,kind", [("dpo", "rm"), ("grpo", "prompts"), ("ppo", "prompts"), ("rm", "rm"), ("sft", "sft"), ("pt", "pt")])
+@pytest.mark.parametrize(
+    "stage,kind", [("dpo", "rm"), ("grpo", "prompts"), ("ppo", "prompts"), ("rm", "rm"), ("sft", "sft"), ("pt", "pt")]
+)
 def test_validate_kind_takes_every_stage_name(stage, kind):
     from pipeline.tools.cli import data_kind_args
 

@@ -11,14 +11,14 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from stagerun import run_stage
+from tinymodels import make_tiny_model
 
-from pipeline.config import ConfigError
 from pipeline.algorithms.ppo import actor_critic_backward, make_experience
 from pipeline.algorithms.rollout import assemble, cut_at_eos
+from pipeline.config import ConfigError
 from pipeline.modeling.handoff import reward_pairing_problems
-from stagerun import run_stage
 from stages import ppo
-from tinymodels import make_tiny_model
 
 EOS = 2
 PAD = 0
@@ -82,7 +82,9 @@ def test_tokenizer_mismatch_is_refused(tmp_path, tiny_model_dir, tiny_reward_dir
     with pytest.raises(ConfigError) as err:  # one line naming the path, not a tokenizer mismatch
         ppo.PPOStage(cfg).validate()
     rm_lines = [p for p in err.value.problems if p.startswith("reward_model.path")]
-    assert rm_lines == [f"reward_model.path: {cfg.reward_model.path!r} is not a model folder (give the RM stage's merged/)"]
+    assert rm_lines == [
+        f"reward_model.path: {cfg.reward_model.path!r} is not a model folder (give the RM stage's merged/)"
+    ]
 
 
 def test_config_problems_reported_together():
@@ -98,7 +100,9 @@ def test_first_step_is_exactly_on_policy(tmp_path, tiny_model_dir, tiny_reward_d
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=2, learning_rate=1e-2)
     cfg.ppo.mini_batch_size, cfg.train.grad_accum = 2, 2
     seen = {}
-    run_stage(ppo.PPOStage, cfg, on_step=lambda stage, metrics: seen.__setitem__(stage.step, (metrics, stage.last_experience)))
+    run_stage(
+        ppo.PPOStage, cfg, on_step=lambda stage, metrics: seen.__setitem__(stage.step, (metrics, stage.last_experience))
+    )
     metrics, exp = seen[1]
     # before any update the adapter is zero: policy == reference bit for bit, so KL is exactly 0
     assert torch.equal(exp.old_logprobs, exp.ref_logprobs)
@@ -111,8 +115,9 @@ def test_first_step_is_exactly_on_policy(tmp_path, tiny_model_dir, tiny_reward_d
     assert (tmp_path / "out" / "merged" / "manifest.json").is_file()
 
 
-def test_the_update_reuses_the_scoring_forward_and_trains_as_without(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file,
-                                                                     monkeypatch):
+def test_the_update_reuses_the_scoring_forward_and_trains_as_without(
+    tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file, monkeypatch
+):
     """One micro-batch per update (mini-batch = batch, grad_accum 1): the scoring pass's policy
     forward is held for the update's first micro-batch (one forward fewer a step), both on oneDNN's
     linear kernel. The run is still exactly on-policy at its first step and trains the very same
@@ -169,7 +174,9 @@ def test_reference_and_reward_weights_unchanged(tmp_path, tiny_model_dir, tiny_r
     assert all(torch.equal(before[n], p) for n, p in frozen.items())
     changed = [n for n, p in s.inner.named_parameters() if p.requires_grad and not torch.equal(trained_before[n], p)]
     assert changed  # negative control: the trainable weights did move
-    assert torch.equal(s.inner.reference_logprobs(probe.input_ids, probe.attention_mask, probe.prompt_width, 1.0), ref_before)
+    assert torch.equal(
+        s.inner.reference_logprobs(probe.input_ids, probe.attention_mask, probe.prompt_width, 1.0), ref_before
+    )
     assert torch.equal(s.inner.reward_scores(probe.input_ids, probe.attention_mask, probe.prompt_width), rm_before)
 
 
@@ -180,14 +187,30 @@ def test_separate_passes_give_the_joint_gradients(tmp_path, tiny_model_dir, tiny
     s = built(cfg)
     s.train_step()  # move the adapters off zero, so both losses have non-trivial gradients
     batch = s.train_samples[:4]
-    exp = make_experience(s.inner, s.rollout(batch), [p["text"] for p in batch], cfg=cfg, kl_coef=0.05, normaliser=s.normaliser,
-                          reward_fn=None, accelerator=s.accelerator)
+    exp = make_experience(
+        s.inner,
+        s.rollout(batch),
+        [p["text"] for p in batch],
+        cfg=cfg,
+        kl_coef=0.05,
+        normaliser=s.normaliser,
+        reward_fn=None,
+        accelerator=s.accelerator,
+    )
     grads, stats = {}, {}
     for separate in (True, False):
         s.optimizer.zero_grad(set_to_none=True)
-        stats[separate] = actor_critic_backward(s.model, exp, torch.arange(4), s.accelerator, separate=separate,
-                                                  temperature=cfg.generation.temperature, cliprange=cfg.ppo.cliprange,
-                                                  cliprange_value=cfg.ppo.cliprange_value, vf_coef=cfg.ppo.vf_coef)
+        stats[separate] = actor_critic_backward(
+            s.model,
+            exp,
+            torch.arange(4),
+            s.accelerator,
+            separate=separate,
+            temperature=cfg.generation.temperature,
+            cliprange=cfg.ppo.cliprange,
+            cliprange_value=cfg.ppo.cliprange_value,
+            vf_coef=cfg.ppo.vf_coef,
+        )
         grads[separate] = {n: p.grad.clone() for n, p in s.inner.named_parameters() if p.grad is not None}
     assert grads[True].keys() == grads[False].keys()
     assert any(n.startswith("policy.") for n in grads[True]) and any(n.startswith("critic.") for n in grads[True])
@@ -216,7 +239,15 @@ def _target_token(policy_dir, prompts: list[dict]) -> int:
 def test_learning_raises_reward_and_lr0_does_not(tmp_path, peaked_policy, tiny_reward_dir, prompts_file):
     curves = {}
     for lr in (2e-3, 1e-12):  # 1e-12: a run that barely moves (train.learning_rate 0 is refused: it trains nothing)
-        cfg = make_cfg(tmp_path / f"lr{lr}", peaked_policy, tiny_reward_dir, prompts_file, max_steps=6, learning_rate=lr, batch_size=8)
+        cfg = make_cfg(
+            tmp_path / f"lr{lr}",
+            peaked_policy,
+            tiny_reward_dir,
+            prompts_file,
+            max_steps=6,
+            learning_rate=lr,
+            batch_size=8,
+        )
         cfg.generation.max_new_tokens, cfg.generation.missing_eos_penalty = 4, None
         cfg.ppo.mini_batch_size, cfg.lora.r = 4, 8
         target = None
@@ -249,7 +280,11 @@ def test_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, tiny_reward_di
         else:
             monkeypatch.setenv("RELAY_STOP_AFTER_STEP", str(stop))
         steps = {}
-        stage = run_stage(ppo.PPOStage, cfg, on_step=lambda st, m: steps.__setitem__(st.step, (m, st.last_experience.rollout.responses)))
+        stage = run_stage(
+            ppo.PPOStage,
+            cfg,
+            on_step=lambda st, m: steps.__setitem__(st.step, (m, st.last_experience.rollout.responses)),
+        )
         return stage, steps
 
     _, unbroken = run(tmp_path / "a")
@@ -302,12 +337,16 @@ def test_evaluation_scores_reward_and_kl_without_the_critic(tmp_path, tiny_model
     rollout = stage.rollout([stage.eval_samples[i] for i in range(4)])
     full = score_rollout(stage.inner, rollout, micro=4, temperature=1.0, autocast=stage.accelerator.autocast)
     calls.clear()
-    lean = score_rollout(stage.inner, rollout, micro=4, temperature=1.0, autocast=stage.accelerator.autocast, values=False)
+    lean = score_rollout(
+        stage.inner, rollout, micro=4, temperature=1.0, autocast=stage.accelerator.autocast, values=False
+    )
     assert len(calls) == 1 and "values" in full and "values" not in lean
     assert all(torch.equal(lean[k], full[k]) for k in ("old", "ref", "rm", "entropy"))
 
 
-def test_a_held_step_runs_the_critic_backbone_three_times_not_four(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file):
+def test_a_held_step_runs_the_critic_backbone_three_times_not_four(
+    tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file
+):
     """With the whole rollout as the update's first micro-batch, the scoring pass's critic forward is
     held for it like the policy's (issue 33): per step, 2 epochs, the critic/reward backbone runs for
     the held values, the reward scores and the second epoch only."""

@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
+from stagerun import run_stage
 
 from pipeline.config import load_config
 from pipeline.engine.precision import fp32_masters, keeps_masters
-from stagerun import run_stage
 
 
 def _sgd_step(weight: torch.nn.Parameter, lr: float) -> None:
@@ -33,8 +33,17 @@ def test_a_small_update_that_pure_bf16_loses():
     assert torch.allclose(layer.weight, torch.full((4, 4), 0.999))
 
 
-@pytest.mark.parametrize("precision,mixed,want", [("auto", "bf16", True), ("bf16", "bf16", True), ("fp16", "fp16", True),
-                                                  ("bf16-pure", "bf16", False), ("fp32", "no", False), ("auto", "no", False)])
+@pytest.mark.parametrize(
+    "precision,mixed,want",
+    [
+        ("auto", "bf16", True),
+        ("bf16", "bf16", True),
+        ("fp16", "fp16", True),
+        ("bf16-pure", "bf16", False),
+        ("fp32", "no", False),
+        ("auto", "no", False),
+    ],
+)
 def test_which_precisions_keep_masters(precision, mixed, want):
     assert keeps_masters(precision, mixed) is want
 
@@ -45,14 +54,47 @@ def test_full_fine_tuning_on_a_bf16_model_trains_fp32_masters_unless_pure(precis
 
     docs = tmp_path / "pt.jsonl"
     docs.write_text("".join(json.dumps({"text": f"document {i} " + "lorem ipsum " * 3}) + "\n" for i in range(8)))
-    cfg = load_config(PTConfig, ["--model.path", str(tiny_model_dir), "--model.finetuning", "full", "--model.dtype", "bf16",
-                                 "--train.precision", precision, "--data.train", f"[{docs}]", "--data.eval", "[]",
-                                 "--output_dir", str(tmp_path / "pt"), "--train.max_steps", "1", "--train.seq_length", "32",
-                                 "--train.batch_size", "2", "--train.learning_rate", "1e-6", "--train.eval_steps", "0",
-                                 "--checkpoint.save_interval", "1000h"])
+    cfg = load_config(
+        PTConfig,
+        [
+            "--model.path",
+            str(tiny_model_dir),
+            "--model.finetuning",
+            "full",
+            "--model.dtype",
+            "bf16",
+            "--train.precision",
+            precision,
+            "--data.train",
+            f"[{docs}]",
+            "--data.eval",
+            "[]",
+            "--output_dir",
+            str(tmp_path / "pt"),
+            "--train.max_steps",
+            "1",
+            "--train.seq_length",
+            "32",
+            "--train.batch_size",
+            "2",
+            "--train.learning_rate",
+            "1e-6",
+            "--train.eval_steps",
+            "0",
+            "--checkpoint.save_interval",
+            "1000h",
+        ],
+    )
     seen = []
-    run_stage(PTStage, cfg, on_step=lambda stage, record: seen.append(
-        ({p.dtype for p in stage.model.parameters() if p.requires_grad},
-         {s.dtype for s in stage.optimizer.state_dict()["state"][0].values() if s.dim() > 0})))
+    run_stage(
+        PTStage,
+        cfg,
+        on_step=lambda stage, record: seen.append(
+            (
+                {p.dtype for p in stage.model.parameters() if p.requires_grad},
+                {s.dtype for s in stage.optimizer.state_dict()["state"][0].values() if s.dim() > 0},
+            )
+        ),
+    )
     want = torch.float32 if precision == "bf16" else torch.bfloat16
     assert seen == [({want}, {want})]  # weights and AdamW's moments

@@ -48,7 +48,9 @@ def copy_model(src: Path, dst: Path) -> Path:
 
 def test_missing_folder(tmp_path, capsys, no_loading):
     missing = tmp_path / "models" / "Qwen2.5-0.5B-Instruct"
-    assert problems_of(SFTStage, ["--model.path", str(missing)], tmp_path, capsys) == [f"model.path: {missing}: no such folder"]
+    assert problems_of(SFTStage, ["--model.path", str(missing)], tmp_path, capsys) == [
+        f"model.path: {missing}: no such folder"
+    ]
 
 
 def test_hub_id_not_cached_offline(tmp_path, capsys, no_loading, monkeypatch):
@@ -57,7 +59,8 @@ def test_hub_id_not_cached_offline(tmp_path, capsys, no_loading, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     assert problems_of(SFTStage, ["--model.path", "Qwen/Qwen2.5-0.5B-Instruct"], tmp_path, capsys) == [
         "model.path: 'Qwen/Qwen2.5-0.5B-Instruct': no such folder, and no hub model of that name in the local cache "
-        "(HF_HUB_OFFLINE=1); give a local folder, or download it first: hf download Qwen/Qwen2.5-0.5B-Instruct"]
+        "(HF_HUB_OFFLINE=1); give a local folder, or download it first: hf download Qwen/Qwen2.5-0.5B-Instruct"
+    ]
 
 
 def test_hub_id_in_cache_is_fine(monkeypatch):
@@ -70,7 +73,8 @@ def test_folder_that_is_no_model(tmp_path, capsys, no_loading):
     folder.mkdir()
     (folder / "README.md").write_text("hello")
     assert problems_of(SFTStage, ["--model.path", str(folder)], tmp_path, capsys) == [
-        f"model.path: {folder} has no config.json: not a Hugging Face model folder"]
+        f"model.path: {folder} has no config.json: not a Hugging Face model folder"
+    ]
 
 
 def test_adapter_folder_points_at_merged(tmp_path, capsys, no_loading, tiny_model_dir):
@@ -81,11 +85,14 @@ def test_adapter_folder_points_at_merged(tmp_path, capsys, no_loading, tiny_mode
     (adapter / "adapter_model.safetensors").write_bytes(b"")
     copy_model(tiny_model_dir, run / "merged")
     assert problems_of(SFTStage, ["--model.path", str(adapter)], tmp_path, capsys) == [
-        f"model.path: {adapter} is a LoRA adapter, not a model; use {run / 'merged'}"]
+        f"model.path: {adapter} is a LoRA adapter, not a model; use {run / 'merged'}"
+    ]
     shutil.rmtree(run / "merged")  # no merged/ sibling: say how to merge
     (line,) = problems_of(SFTStage, ["--model.path", str(adapter)], tmp_path, capsys)
-    assert line == (f"model.path: {adapter} is a LoRA adapter, not a model; merge it first "
-                    f"(relay merge --base base --adapter {adapter} --out {run / 'merged'}) and use the merged folder")
+    assert line == (
+        f"model.path: {adapter} is a LoRA adapter, not a model; merge it first "
+        f"(relay merge --base base --adapter {adapter} --out {run / 'merged'}) and use the merged folder"
+    )
 
 
 def test_pickled_weights_and_no_tokenizer(tmp_path, capsys, no_loading, tiny_model_dir):
@@ -94,11 +101,15 @@ def test_pickled_weights_and_no_tokenizer(tmp_path, capsys, no_loading, tiny_mod
     for name in ("tokenizer.json", "vocab.json"):
         (folder / name).unlink(missing_ok=True)
     lines = problems_of(SFTStage, ["--model.path", str(folder)], tmp_path, capsys)
-    assert lines[0].startswith(f"model.path: {folder} has only pickled weights (pytorch_model.bin), and unpickling can run code")
+    assert lines[0].startswith(
+        f"model.path: {folder} has only pickled weights (pytorch_model.bin), and unpickling can run code"
+    )
     assert lines[0].endswith("or set model.allow_pickle: true to load them with torch.load(weights_only=True)")
     assert lines[1].startswith(f"model.path: {folder} has no tokenizer (none of tokenizer.json")
     assert len(lines) == 2
-    assert preflight.model_problems(str(folder), allow_pickle=True) == [lines[1]]  # opted in: only the tokenizer is missing
+    assert preflight.model_problems(str(folder), allow_pickle=True) == [
+        lines[1]
+    ]  # opted in: only the tokenizer is missing
     (folder / "pytorch_model.bin").unlink()
     assert preflight.model_problems(str(folder))[0] == f"model.path: {folder} has no weights (no *.safetensors)"
 
@@ -106,7 +117,8 @@ def test_pickled_weights_and_no_tokenizer(tmp_path, capsys, no_loading, tiny_mod
 def test_reward_model_where_a_language_model_is_needed(tmp_path, capsys, no_loading, tiny_reward_dir):
     assert problems_of(SFTStage, ["--model.path", str(tiny_reward_dir)], tmp_path, capsys) == [
         f"model.path: {tiny_reward_dir} is a reward model (a sequence classifier); this needs a causal language "
-        "model, e.g. the SFT stage's merged/"]
+        "model, e.g. the SFT stage's merged/"
+    ]
 
 
 def test_reward_stage_accepts_either_kind(tiny_model_dir, tiny_reward_dir):
@@ -124,22 +136,37 @@ def test_manifest_model_kind_decides(tmp_path, tiny_model_dir):
 
 def test_ppo_requires_a_trained_reward_model(tmp_path, capsys, no_loading, tiny_model_dir):
     lines = problems_of(PPOStage, ["--model.path", str(tiny_model_dir)], tmp_path, capsys)
-    assert lines == ["reward_model.path: PPO needs a trained reward model: give the RM stage's merged/ folder "
-                     "(or set reward_model.allow_untrained: true to smoke-test with a random reward head)"]
+    assert lines == [
+        "reward_model.path: PPO needs a trained reward model: give the RM stage's merged/ folder "
+        "(or set reward_model.allow_untrained: true to smoke-test with a random reward head)"
+    ]
 
 
 def test_ppo_reward_model_must_be_a_reward_model(tmp_path, capsys, no_loading, tiny_model_dir):
-    lines = problems_of(PPOStage, ["--model.path", str(tiny_model_dir), "--reward_model.path", str(tiny_model_dir)], tmp_path, capsys)
-    assert lines == [f"reward_model.path: {tiny_model_dir} is a causal language model, not a reward model; give the RM "
-                     "stage's merged/ (a sequence classifier)"]
+    lines = problems_of(
+        PPOStage, ["--model.path", str(tiny_model_dir), "--reward_model.path", str(tiny_model_dir)], tmp_path, capsys
+    )
+    assert lines == [
+        f"reward_model.path: {tiny_model_dir} is a causal language model, not a reward model; give the RM "
+        "stage's merged/ (a sequence classifier)"
+    ]
 
 
 def test_ppo_untrained_reward_model_when_asked(tiny_model_dir):
     from pipeline.config import load_config
     from stages.ppo import PPOConfig
 
-    cfg = load_config(PPOConfig, ["--model.path", str(tiny_model_dir), "--reward_model.path", "embedded",
-                                  "--reward_model.allow_untrained", "true"])
+    cfg = load_config(
+        PPOConfig,
+        [
+            "--model.path",
+            str(tiny_model_dir),
+            "--reward_model.path",
+            "embedded",
+            "--reward_model.allow_untrained",
+            "true",
+        ],
+    )
     assert not [p for p in PPOStage(cfg).problems() if "allow_untrained" in p]
 
 
@@ -148,7 +175,9 @@ def test_from_sft_on_a_fresh_root_says_pt_has_not_run(tmp_path, capsys):
     from pipeline.tools.driver import run_command
 
     config = Path(__file__).resolve().parents[1] / "configs" / "pipeline.yaml"
-    code = run_command(["prepare", str(config), "sft", "--from", "sft", "--output_root", str(tmp_path / "fresh")], sys.stdout)
+    code = run_command(
+        ["prepare", str(config), "sft", "--from", "sft", "--output_root", str(tmp_path / "fresh")], sys.stdout
+    )
     err = capsys.readouterr().err
     assert code != 0
     pt_merged = (tmp_path / "fresh" / "pt" / "merged").resolve()

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from stagerun import recording, run_stage
 
 from pipeline.config import ConfigError, load_config
-from stagerun import recording, run_stage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,9 +49,31 @@ def write_sft(folder: Path, big: int, small: int, valid: int = 2) -> tuple[Path,
 
 
 def sft_args(model, train, valid, out, *extra):
-    return ["--model.path", str(model), "--data.train", f"[{train}]", "--data.eval", f"[{valid}]", "--output_dir", str(out),
-            "--train.seq_length", "48", "--train.batch_size", "2", "--train.grad_accum", "2", "--train.learning_rate", "5e-3",
-            "--train.warmup", "1", "--train.log_steps", "1", "--checkpoint.save_interval", "1000h", *extra]
+    return [
+        "--model.path",
+        str(model),
+        "--data.train",
+        f"[{train}]",
+        "--data.eval",
+        f"[{valid}]",
+        "--output_dir",
+        str(out),
+        "--train.seq_length",
+        "48",
+        "--train.batch_size",
+        "2",
+        "--train.grad_accum",
+        "2",
+        "--train.learning_rate",
+        "5e-3",
+        "--train.warmup",
+        "1",
+        "--train.log_steps",
+        "1",
+        "--checkpoint.save_interval",
+        "1000h",
+        *extra,
+    ]
 
 
 def run_sft(argv):
@@ -62,8 +84,20 @@ def run_sft(argv):
 
 def test_sft_resume_is_exact_and_ignores_a_torn_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
     train, valid = write_sft(tmp_path / "data", 10, 4)
-    common = ["--train.max_steps", "6", "--train.eval_steps", "2", "--multitask.weighted_loss_mode", "coba",
-              "--multitask.coba_warmup_steps", "2", "--multitask.coba_history_length", "3", "--lora.dropout", "0.1"]
+    common = [
+        "--train.max_steps",
+        "6",
+        "--train.eval_steps",
+        "2",
+        "--multitask.weighted_loss_mode",
+        "coba",
+        "--multitask.coba_warmup_steps",
+        "2",
+        "--multitask.coba_history_length",
+        "3",
+        "--lora.dropout",
+        "0.1",
+    ]
     full = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "full", *common))
     monkeypatch.setenv("RELAY_STOP_AFTER_STEP", "3")
     first = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "cut", *common))
@@ -75,7 +109,11 @@ def test_sft_resume_is_exact_and_ignores_a_torn_checkpoint(tiny_model_dir, tmp_p
     second = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "cut", *common))
     assert [r["step"] for r in second.history.steps] == list(range(1, 7))
     for want, got in zip(full.history.steps[3:], second.history.steps[3:]):
-        assert (got["train/loss"], got["train/lr"], got["train/grad_norm"]) == (want["train/loss"], want["train/lr"], want["train/grad_norm"])
+        assert (got["train/loss"], got["train/lr"], got["train/grad_norm"]) == (
+            want["train/loss"],
+            want["train/lr"],
+            want["train/grad_norm"],
+        )
     assert second.batch_ids == full.batch_ids[3:]
     assert second.coba.weights() == full.coba.weights() != [0.5, 0.5]
     assert (tmp_path / "cut" / "merged" / "manifest.json").is_file()
@@ -107,8 +145,24 @@ def test_case3_trains_the_small_task_at_least_as_fast(tiny_model_dir, tmp_path):
     train, valid = write_sft(tmp_path / "data", 14, 2, valid=3)
     small_loss = {}
     for mode in ("none", "case3"):
-        run = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / mode, "--train.max_steps", "6", "--train.eval_steps", "6",
-                               "--multitask.weighted_loss_mode", mode, "--lora.dropout", "0", "--train.lr_schedule", "constant"))
+        run = run_sft(
+            sft_args(
+                tiny_model_dir,
+                train,
+                valid,
+                tmp_path / mode,
+                "--train.max_steps",
+                "6",
+                "--train.eval_steps",
+                "6",
+                "--multitask.weighted_loss_mode",
+                mode,
+                "--lora.dropout",
+                "0",
+                "--train.lr_schedule",
+                "constant",
+            )
+        )
         first = json.loads((tmp_path / mode / "merged" / "manifest.json").read_text())
         assert first["tasks"] == ["big", "small"]
         small_loss[mode] = run.history.evals[-1]["eval/loss_task/small"]
@@ -120,19 +174,54 @@ def test_case3_trains_the_small_task_at_least_as_fast(tiny_model_dir, tmp_path):
     events = EventAccumulator(str(next((tmp_path / "case3" / "runs").iterdir())))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/packing_efficiency", "eval/loss", "eval/ppl",
-            "train/task_weight/big", "train/task_weight/small", "eval/loss_task/small"} <= tags
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "train/packing_efficiency",
+        "eval/loss",
+        "eval/ppl",
+        "train/task_weight/big",
+        "train/task_weight/small",
+        "eval/loss_task/small",
+    } <= tags
 
 
 def test_pt_packs_documents_and_merges(tiny_model_dir, tmp_path):
     from stages.pretrain import PTConfig, PTStage
 
     docs = tmp_path / "pt.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"document {i} " + "lorem ipsum " * (i % 5 + 1)}) + "\n" for i in range(40)))
-    cfg = load_config(PTConfig, ["--model.path", str(tiny_model_dir), "--data.train", f"[{docs}]", "--data.eval", "[]",
-                                 "--data.eval_fraction", "0.2", "--output_dir", str(tmp_path / "pt"), "--train.max_steps", "3",
-                                 "--train.seq_length", "32", "--train.batch_size", "2", "--train.learning_rate", "1e-2",
-                                 "--train.eval_steps", "0", "--checkpoint.save_interval", "1000h"])
+    docs.write_text(
+        "".join(json.dumps({"text": f"document {i} " + "lorem ipsum " * (i % 5 + 1)}) + "\n" for i in range(40))
+    )
+    cfg = load_config(
+        PTConfig,
+        [
+            "--model.path",
+            str(tiny_model_dir),
+            "--data.train",
+            f"[{docs}]",
+            "--data.eval",
+            "[]",
+            "--data.eval_fraction",
+            "0.2",
+            "--output_dir",
+            str(tmp_path / "pt"),
+            "--train.max_steps",
+            "3",
+            "--train.seq_length",
+            "32",
+            "--train.batch_size",
+            "2",
+            "--train.learning_rate",
+            "1e-2",
+            "--train.eval_steps",
+            "0",
+            "--checkpoint.save_interval",
+            "1000h",
+        ],
+    )
     run = run_stage(PTStage, cfg)
     assert len(run.history.steps) == 3 and run.history.evals  # the final evaluation on the carved-off split
     batch = run.collator([run.train_samples[0]])
@@ -158,8 +247,20 @@ def test_bf16_autocast_trains_and_merges(tiny_model_dir, tmp_path):
     """train.precision bf16 (autocast) runs a step, keeps the loss finite and falling, and merges.
     On a tiny model: this CPU has no AMX, and bf16 on the real model costs ~30 s a step."""
     train, valid = write_sft(tmp_path / "data", 6, 2)
-    run = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "bf16", "--train.max_steps", "4", "--train.eval_steps", "0",
-                           "--train.precision", "bf16"))
+    run = run_sft(
+        sft_args(
+            tiny_model_dir,
+            train,
+            valid,
+            tmp_path / "bf16",
+            "--train.max_steps",
+            "4",
+            "--train.eval_steps",
+            "0",
+            "--train.precision",
+            "bf16",
+        )
+    )
     losses = [r["train/loss"] for r in run.history.steps]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     assert run.accelerator.mixed_precision == "bf16" and (tmp_path / "bf16" / "merged" / "manifest.json").is_file()
@@ -172,26 +273,62 @@ def test_embedded_lora_learns_the_answer_format(embedded_path, tmp_path):
 
     data = tmp_path / "fmt"
     data.mkdir()
-    questions = ["What is 2 plus 3?", "Name a colour.", "How many legs has a cat?", "What is the capital of France?",
-                 "Is water wet?", "What is 10 minus 4?"]
+    questions = [
+        "What is 2 plus 3?",
+        "Name a colour.",
+        "How many legs has a cat?",
+        "What is the capital of France?",
+        "Is water wet?",
+        "What is 10 minus 4?",
+    ]
     answers = ["5", "Red", "Four", "Paris", "Yes", "6"]
     with open(data / "fmt.jsonl", "w") as f:
         for q, a in zip(questions, answers):
             f.write(json.dumps(chat(q, f"ANSWER: {a}", "fmt")) + "\n")
     out = tmp_path / "sft"
-    run = run_sft(["--data.train", f"[{data}]", "--data.eval", "[]", "--output_dir", str(out), "--train.max_steps", "8",
-                   "--train.seq_length", "64", "--train.batch_size", "3", "--train.grad_accum", "1", "--train.learning_rate", "5e-3",
-                   "--train.warmup", "0", "--train.precision", "fp32", "--train.eval_steps", "0", "--lora.r", "8",
-                   "--lora.dropout", "0", "--checkpoint.save_interval", "1000h"])
+    run = run_sft(
+        [
+            "--data.train",
+            f"[{data}]",
+            "--data.eval",
+            "[]",
+            "--output_dir",
+            str(out),
+            "--train.max_steps",
+            "8",
+            "--train.seq_length",
+            "64",
+            "--train.batch_size",
+            "3",
+            "--train.grad_accum",
+            "1",
+            "--train.learning_rate",
+            "5e-3",
+            "--train.warmup",
+            "0",
+            "--train.precision",
+            "fp32",
+            "--train.eval_steps",
+            "0",
+            "--lora.r",
+            "8",
+            "--lora.dropout",
+            "0",
+            "--checkpoint.save_interval",
+            "1000h",
+        ]
+    )
     losses = [r["train/loss"] for r in run.history.steps]
     assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3
     tok = AutoTokenizer.from_pretrained(out / "merged")
     model = AutoModelForCausalLM.from_pretrained(out / "merged", torch_dtype=torch.float32).eval()
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 7 plus 1?"}], add_generation_prompt=True, return_tensors="pt")
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 7 plus 1?"}], add_generation_prompt=True, return_tensors="pt"
+    )
     ids = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
     with torch.no_grad():
         gen = model.generate(ids, max_new_tokens=6, do_sample=False)
-    assert tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).startswith("ANSWER:")
+    assert tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True).startswith("ANSWER:")
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
@@ -212,7 +349,19 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tiny_model_dir, tm
     train, valid = write_sft(tmp_path / "data", 8, 2)
     out = tmp_path / "nan"
     with pytest.raises(training.NonFiniteError, match="step 3"):
-        run_sft(sft_args(tiny_model_dir, train, valid, out, "--train.max_steps", "5", "--train.eval_steps", "0",
-                         "--checkpoint.keep", "[{every: 2}]"))
+        run_sft(
+            sft_args(
+                tiny_model_dir,
+                train,
+                valid,
+                out,
+                "--train.max_steps",
+                "5",
+                "--train.eval_steps",
+                "0",
+                "--checkpoint.keep",
+                "[{every: 2}]",
+            )
+        )
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-0000002"]
     assert not (out / "merged").exists()

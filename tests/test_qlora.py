@@ -85,5 +85,7 @@ def test_qlora_adapter_merges_into_the_full_precision_base(trained, tiny_model_d
     assert abs(merged_loss - quantized_loss) < 0.1 * (base_loss - merged_loss), (merged_loss, quantized_loss, base_loss)
     manifest = json.loads((merged / "manifest.json").read_text())
     assert manifest["merge_check"]["reload_max_abs_diff"] < 1e-3
-    print(f"qlora: losses {losses[0]:.3f}->{losses[-1]:.3f}; base {base_loss:.3f}, 4-bit {quantized_loss:.4f}, "
-          f"merged {merged_loss:.4f}, max |logit| 4-bit vs merged {logit_gap:.4f}")
+    print(
+        f"qlora: losses {losses[0]:.3f}->{losses[-1]:.3f}; base {base_loss:.3f}, 4-bit {quantized_loss:.4f}, "
+        f"merged {merged_loss:.4f}, max |logit| 4-bit vs merged {logit_gap:.4f}"
+    )

@@ -25,8 +25,19 @@ README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_BYTES = 25_000
 FIRST_COMMANDS = ["bash run_scripts/demo.sh", "bash run_scripts/test.sh"]
-SOURCE_DIRS = ("bench", "configs", "data", "data_formats", "deepspeed_configs", "docs", "pipeline", "run_scripts",
-               "stages", "tests", ".ci")
+SOURCE_DIRS = (
+    "bench",
+    "configs",
+    "data",
+    "data_formats",
+    "deepspeed_configs",
+    "docs",
+    "pipeline",
+    "run_scripts",
+    "stages",
+    "tests",
+    ".ci",
+)
 """A path whose first part is one of these is a file of this tree and must exist; anything else
 (outputs/, release/, /models/..., a user's DIR) is the reader's own."""
 TOP_FILES = ("README.md", "ARCHITECTURE.md", "pyproject.toml")
@@ -100,8 +111,11 @@ def expand_braces(word: str) -> list[str]:
     match = re.search(r"\{([^{}]*,[^{}]*)\}", word)
     if not match:
         return [word]
-    return [w for part in match.group(1).split(",")
-            for w in expand_braces(word[:match.start()] + part + word[match.end():])]
+    return [
+        w
+        for part in match.group(1).split(",")
+        for w in expand_braces(word[: match.start()] + part + word[match.end() :])
+    ]
 
 
 def repo_path_problem(word: str) -> str | None:
@@ -171,8 +185,11 @@ def relay_problems(words: list[str]) -> list[str]:
             bad = [part for part in option[2:].split(".") if not is_config_key(part)]
             if bad:
                 problems.append(f"`relay {sub} {option}`: {'.'.join(bad)} is no config key")
-        elif f'"{option}"' not in text and f"'{option}'" not in text and not (
-                sub in ("train", "validate", "pipeline") and is_config_key(option[2:])):
+        elif (
+            f'"{option}"' not in text
+            and f"'{option}'" not in text
+            and not (sub in ("train", "validate", "pipeline") and is_config_key(option[2:]))
+        ):
             problems.append(f"`relay {sub} {option}`: the subcommand has no such option")
     return problems
 
@@ -283,4 +300,6 @@ def test_the_checker_catches_what_it_is_for():
     assert not command_problems(["python", "-m", "pipeline.tools.gold", "--help"])
     assert not command_problems(["relay", "validate", "--kind", "sft", "data/sample/sft/train/*.jsonl"])
     assert commands_of("A=1 bash run_scripts/test.sh -x && relay report outputs/x  # note") == [
-        ["bash", "run_scripts/test.sh", "-x"], ["relay", "report", "outputs/x"]]
+        ["bash", "run_scripts/test.sh", "-x"],
+        ["relay", "report", "outputs/x"],
+    ]

@@ -24,9 +24,14 @@ def run_dir(tmp_path, tiny_model_dir):
     data.write_text('{"messages": []}\n')
     merged = tmp_path / "run" / "merged"
     shutil.copytree(tiny_model_dir, merged)
-    write_manifest(merged, stage="sft", parent=str(tiny_model_dir), adapter=str(tmp_path / "run" / "adapter"),
-                   config={"model": {"finetuning": "lora"}, "data": {"train": [str(data)], "eval": []}},
-                   extra={"model_kind": "causal", "summary": {"steps": 7, "train_loss_last": 1.25, "wall_seconds": 3.0}})
+    write_manifest(
+        merged,
+        stage="sft",
+        parent=str(tiny_model_dir),
+        adapter=str(tmp_path / "run" / "adapter"),
+        config={"model": {"finetuning": "lora"}, "data": {"train": [str(data)], "eval": []}},
+        extra={"model_kind": "causal", "summary": {"steps": 7, "train_loss_last": 1.25, "wall_seconds": 3.0}},
+    )
     return tmp_path / "run", data
 
 
@@ -51,19 +56,32 @@ def test_model_card_from_the_manifest_chain(run_dir, tmp_path, tiny_model_dir):
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     check = subprocess.run(["sha256sum", "-c", release.CHECKSUMS], cwd=out, capture_output=True, text=True)
     assert check.returncode == 0 and "model.safetensors: OK" in check.stdout
-    assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in out.iterdir()) and stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert (
+        all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in out.iterdir())
+        and stat.S_IMODE(out.stat().st_mode) == 0o755
+    )
     with pytest.raises(release.ExportError, match="is not empty"):
         release.export(str(run), str(out))
 
 
 def test_card_names_the_embedded_base_by_its_hub_id_and_licence(embedded_path):
-    chain = [{"stage": "sft", "adapter_path": "/x/adapter", "summary": {"steps": 3}, "config": {"train": {"learning_rate": 1e-4}},
-              "_folder": "/x/merged"}, {**release.read_manifest(embedded_path), "_folder": str(embedded_path)}]
+    chain = [
+        {
+            "stage": "sft",
+            "adapter_path": "/x/adapter",
+            "summary": {"steps": 3},
+            "config": {"train": {"learning_rate": 1e-4}},
+            "_folder": "/x/merged",
+        },
+        {**release.read_manifest(embedded_path), "_folder": str(embedded_path)},
+    ]
     assert release.default_name(chain, None) == "SmolLM2-135M-Instruct-sft"
     assert release.default_name(chain, "me/cat-model") == "me/cat-model"
     card = release.model_card(chain, "SmolLM2-135M-Instruct-sft", ["model.gguf"], "q8_0")
     meta = front_matter(card)
-    assert meta["base_model"] == release.EMBEDDED_HUB_ID and meta["license"] == "apache-2.0"  # the base GGUF's general.license
+    assert (
+        meta["base_model"] == release.EMBEDDED_HUB_ID and meta["license"] == "apache-2.0"
+    )  # the base GGUF's general.license
     assert meta["tags"] == ["relay", "sft", "gguf"] and ".venv" not in card and "site-packages" not in card
     assert "- train: learning_rate=0.0001" in card and "GGUF (q8_0)" in card and "llama-quantize" in card
 
@@ -80,14 +98,28 @@ def small_vocab_model(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    )
     tok.train_from_iterator(release.PROBE * 20, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -101,7 +133,10 @@ def test_gguf_reproduces_next_token_logits(small_vocab_model, tmp_path, capfd, d
     assert "next-token logits within" in err and "%|" not in err  # one line, no progress bars
     path = out / release.GGUF_NAME
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
-    assert "model.gguf: OK" in subprocess.run(["sha256sum", "-c", release.CHECKSUMS], cwd=out, capture_output=True, text=True).stdout
+    assert (
+        "model.gguf: OK"
+        in subprocess.run(["sha256sum", "-c", release.CHECKSUMS], cwd=out, capture_output=True, text=True).stdout
+    )
     reader = gguf.GGUFReader(str(path))
     kinds = {t.name: t.tensor_type.name for t in reader.tensors}
     assert kinds["blk.0.attn_q.weight"] == dtype.upper() and kinds["blk.0.attn_norm.weight"] == "F32"

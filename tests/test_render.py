@@ -14,13 +14,15 @@ from data_formats.validate import read_and_parse
 from pipeline.config import ChatDataConfig
 
 GOOD = Path(__file__).parent / "data" / "good"
-CHATML = Conversation([
-    Turn("system", "You are a coding assistant."),
-    Turn("user", "Write hello world in Python."),
-    Turn("assistant", "print('hello world')"),
-    Turn("user", "And in C?"),
-    Turn("assistant", 'puts("hello world");'),
-])
+CHATML = Conversation(
+    [
+        Turn("system", "You are a coding assistant."),
+        Turn("user", "Write hello world in Python."),
+        Turn("assistant", "print('hello world')"),
+        Turn("user", "And in C?"),
+        Turn("assistant", 'puts("hello world");'),
+    ]
+)
 TRAINED_TEXT = "print('hello world')<|im_end|>puts(\"hello world\");<|im_end|>"
 # Trained ids of CHATML with the SmolLM2 tokenizer (both modes train the same spans).
 TRAINED_IDS = [3272, 1305, 28120, 905, 1465, 2, 1078, 99, 1470, 28120, 905, 21646, 2]
@@ -52,9 +54,11 @@ def test_role_markers_golden_string_and_mask(tok):
     template = make_template(ChatDataConfig(template="role_markers"), tok)
     conv = _records("chatml.jsonl")[0].value
     text = render_text(conv, tok, template)
-    assert text == ("<s>system\nYou are a coding assistant.\n"
-                    "<s>human\nWrite hello world in Python.<s>bot\nprint('hello world')<|im_end|>\n"
-                    "<s>human\nAnd in C?<s>bot\nputs(\"hello world\");<|im_end|>\n")
+    assert text == (
+        "<s>system\nYou are a coding assistant.\n"
+        "<s>human\nWrite hello world in Python.<s>bot\nprint('hello world')<|im_end|>\n"
+        '<s>human\nAnd in C?<s>bot\nputs("hello world");<|im_end|>\n'
+    )
     ids, labels = render(conv, tok, template)
     assert ids == tok(text, add_special_tokens=False)["input_ids"]
     assert _trained(labels) == TRAINED_IDS
@@ -69,11 +73,13 @@ def test_chat_template_golden_string_and_mask(tok):
     template = make_template(ChatDataConfig(), tok)
     conv = _records("chatml.jsonl")[0].value
     text = render_text(conv, tok, template)
-    assert text == ("<|im_start|>system\nYou are a coding assistant.<|im_end|>\n"
-                    "<|im_start|>user\nWrite hello world in Python.<|im_end|>\n"
-                    "<|im_start|>assistant\nprint('hello world')<|im_end|>\n"
-                    "<|im_start|>user\nAnd in C?<|im_end|>\n"
-                    "<|im_start|>assistant\nputs(\"hello world\");<|im_end|>\n")
+    assert text == (
+        "<|im_start|>system\nYou are a coding assistant.<|im_end|>\n"
+        "<|im_start|>user\nWrite hello world in Python.<|im_end|>\n"
+        "<|im_start|>assistant\nprint('hello world')<|im_end|>\n"
+        "<|im_start|>user\nAnd in C?<|im_end|>\n"
+        '<|im_start|>assistant\nputs("hello world");<|im_end|>\n'
+    )
     assert text == tok.apply_chat_template([{"role": t.role, "content": t.content} for t in conv.turns], tokenize=False)
     ids, labels = render(conv, tok, template)
     assert ids == tok(text, add_special_tokens=False)["input_ids"]
@@ -86,7 +92,8 @@ def test_chat_template_injected_system_is_not_trained(tok):
     template = make_template(ChatDataConfig(), tok)
     conv = _records("sharegpt.jsonl")[0].value
     assert render_text(conv, tok, template) == (
-        SMOL_SYSTEM + "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\nBlue.<|im_end|>\n")
+        SMOL_SYSTEM + "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\nBlue.<|im_end|>\n"
+    )
     ids, labels = render(conv, tok, template)
     assert tok.decode(_trained(labels)) == "Blue.<|im_end|>"
     assert _trained(labels) == tok("Blue.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -108,7 +115,8 @@ def test_sharegpt_and_alpaca_masks(tok, mode):
         assert ids == tok(render_text(conv, tok, template), add_special_tokens=False)["input_ids"]
     if mode == "role_markers":
         assert render_text(alpaca[0].value, tok, template) == (
-            "<s>human\nTranslate to French.\n\nGood morning<s>bot\nBonjour<|im_end|>\n")
+            "<s>human\nTranslate to French.\n\nGood morning<s>bot\nBonjour<|im_end|>\n"
+        )
 
 
 def test_custom_markers(tok):
@@ -116,7 +124,10 @@ def test_custom_markers(tok):
     template = make_template(ChatDataConfig(template="role_markers", role_markers=markers), tok)
     conv = Conversation([Turn("user", "Hi"), Turn("assistant", "Hello")])
     assert render_text(conv, tok, template) == "### Instruction:\nHi### Response:\nHello<|im_end|>\n"
-    assert tok.decode(render_prompt(Conversation([Turn("user", "Hi")]), tok, template)) == "### Instruction:\nHi### Response:\n"
+    assert (
+        tok.decode(render_prompt(Conversation([Turn("user", "Hi")]), tok, template))
+        == "### Instruction:\nHi### Response:\n"
+    )
 
 
 @pytest.mark.parametrize("system_prompt", [None, "Be terse."])
@@ -134,7 +145,8 @@ def test_role_markers_jinja_round_trip(tok, system_prompt):
         assert saved == render_text(conv, tok, template)
         prompt = tok.apply_chat_template(messages[:-1], chat_template=jinja, tokenize=False, add_generation_prompt=True)
         assert tok(prompt, add_special_tokens=False)["input_ids"] == render_prompt(
-            Conversation(conv.turns[:-1]), tok, template)
+            Conversation(conv.turns[:-1]), tok, template
+        )
     assert template_jinja(make_template(ChatDataConfig(), tok), tok) is None
 
 
@@ -149,9 +161,11 @@ def test_non_prefix_preserving_template_refused(tok, tmp_path):
     """A template that drops earlier assistant turns (like reasoning-stripping templates) cannot
     locate spans by prefix rendering: make_template must refuse at start-up."""
     tok = AutoTokenizer.from_pretrained(tok.name_or_path)
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
-                         "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
-                         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
     with pytest.raises(ValueError, match="not prefix-preserving"):
         make_template(ChatDataConfig(), tok)
     tok.chat_template = None
@@ -174,7 +188,9 @@ def _spans(labels):
     return out
 
 
-@pytest.mark.parametrize("mode,layout", [("chat_template", "readme"), ("role_markers", "readme"), ("role_markers", "code")])
+@pytest.mark.parametrize(
+    "mode,layout", [("chat_template", "readme"), ("role_markers", "readme"), ("role_markers", "code")]
+)
 def test_no_token_straddles_the_prompt_answer_boundary(tok, mode, layout):
     """Answers that open with spaces, a newline, a tab or non-ASCII text: the ids before each
     assistant span are exactly the generation prompt for that turn (what inference feeds the
@@ -184,8 +200,13 @@ def test_no_token_straddles_the_prompt_answer_boundary(tok, mode, layout):
     template = make_template(ChatDataConfig(template=mode, role_layout=layout), tok)
     eos_part = ("\n" if layout == "code" and mode == "role_markers" else "") + tok.eos_token
     for answer in BOUNDARY_ANSWERS:
-        turns = [Turn("system", "Be brief."), Turn("user", "Q1?"), Turn("assistant", answer),
-                 Turn("user", "  Q2 with leading spaces"), Turn("assistant", answer + " again")]
+        turns = [
+            Turn("system", "Be brief."),
+            Turn("user", "Q1?"),
+            Turn("assistant", answer),
+            Turn("user", "  Q2 with leading spaces"),
+            Turn("assistant", answer + " again"),
+        ]
         ids, labels = render(Conversation(turns), tok, template)
         spans = _spans(labels)
         assert len(spans) == 2, answer
@@ -196,9 +217,10 @@ def test_no_token_straddles_the_prompt_answer_boundary(tok, mode, layout):
         if mode == "chat_template":
             # The generation prompt equals a plain one-shot tokenization of the tokenizer's template
             # (special end-of-turn tokens split the string there anyway).
-            first = tok.apply_chat_template([{"role": t.role, "content": t.content} for t in turns[:2]],
-                                            tokenize=False, add_generation_prompt=True)
-            assert ids[:spans[0][0]] == tok(first, add_special_tokens=False)["input_ids"]
+            first = tok.apply_chat_template(
+                [{"role": t.role, "content": t.content} for t in turns[:2]], tokenize=False, add_generation_prompt=True
+            )
+            assert ids[: spans[0][0]] == tok(first, add_special_tokens=False)["input_ids"]
 
 
 def test_show_colours_exactly_the_trained_tokens(tok):

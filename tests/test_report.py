@@ -26,15 +26,36 @@ def write_events(folder: Path, scalars: dict[str, list[tuple[int, float]]]) -> N
 def fake_run(root: Path) -> Path:
     """A pipeline root with the four stages' usual tags (SFT resumed once: two event folders)."""
     write_events(root / "pt/runs/pt-1", {"train/loss": [(1, 4.0), (2, 3.5), (3, 3.0)], "eval/loss": [(3, 3.2)]})
-    write_events(root / "sft/runs/sft-1", {"train/loss": [(1, 2.0), (2, 1.8)], "train/loss_task/atlas_qa": [(1, 2.1), (2, 1.9)]})
+    write_events(
+        root / "sft/runs/sft-1", {"train/loss": [(1, 2.0), (2, 1.8)], "train/loss_task/atlas_qa": [(1, 2.1), (2, 1.9)]}
+    )
     time.sleep(0.01)  # the resumed run's events are written later; the later value wins for step 2
     write_events(
         root / "sft/runs/sft-2",
-        {"train/loss": [(2, 1.7), (3, 1.5)], "train/loss_task/coin_math": [(3, 1.2)], "eval/loss_task/atlas_qa": [(3, 1.6)]},
+        {
+            "train/loss": [(2, 1.7), (3, 1.5)],
+            "train/loss_task/coin_math": [(3, 1.2)],
+            "eval/loss_task/atlas_qa": [(3, 1.6)],
+        },
     )
-    write_events(root / "rm/runs/rm-1", {"train/loss": [(1, 0.69), (2, 0.5)], "train/accuracy": [(1, 0.5), (2, 0.75)], "eval/accuracy": [(2, 0.875)], "eval/margin": [(2, 1.25)]})
-    write_events(root / "ppo/runs/ppo-1", {"ppo/reward_raw": [(1, -0.5), (2, 0.25)], "ppo/kl": [(1, 0.0), (2, 0.125)], "eval/reward": [(2, 0.5)]})
-    (root / "summary.json").write_text(json.dumps({"verdict": "WARNING", "verdict_reasons": ["PPO mean reward did not rise"], "final_model": "/x/ppo/merged"}))
+    write_events(
+        root / "rm/runs/rm-1",
+        {
+            "train/loss": [(1, 0.69), (2, 0.5)],
+            "train/accuracy": [(1, 0.5), (2, 0.75)],
+            "eval/accuracy": [(2, 0.875)],
+            "eval/margin": [(2, 1.25)],
+        },
+    )
+    write_events(
+        root / "ppo/runs/ppo-1",
+        {"ppo/reward_raw": [(1, -0.5), (2, 0.25)], "ppo/kl": [(1, 0.0), (2, 0.125)], "eval/reward": [(2, 0.5)]},
+    )
+    (root / "summary.json").write_text(
+        json.dumps(
+            {"verdict": "WARNING", "verdict_reasons": ["PPO mean reward did not rise"], "final_model": "/x/ppo/merged"}
+        )
+    )
     return root
 
 
@@ -43,7 +64,12 @@ def test_read_scalars_joins_resumed_runs(tmp_path):
     curves = read_scalars(root / "sft")
     assert curves["train/loss"] == [(1, pytest.approx(2.0)), (2, pytest.approx(1.7)), (3, pytest.approx(1.5))]
     assert [s for s, _ in curves["train/loss_task/atlas_qa"]] == [1, 2]
-    assert set(curves) == {"train/loss", "train/loss_task/atlas_qa", "train/loss_task/coin_math", "eval/loss_task/atlas_qa"}
+    assert set(curves) == {
+        "train/loss",
+        "train/loss_task/atlas_qa",
+        "train/loss_task/coin_math",
+        "eval/loss_task/atlas_qa",
+    }
 
 
 def test_report_writes_markdown_and_plots(tmp_path):
@@ -74,7 +100,10 @@ def test_single_stage_folder_and_empty_run(tmp_path):
 
 
 def test_curve_row():
-    assert curve_row("rm", "eval/accuracy", [(1, 0.5), (2, 0.25), (3, 0.75)]) == "| rm | `eval/accuracy` | 3 | 0.5000 | 0.7500 | 0.2500 | 0.7500 |"
+    assert (
+        curve_row("rm", "eval/accuracy", [(1, 0.5), (2, 0.25), (3, 0.75)])
+        == "| rm | `eval/accuracy` | 3 | 0.5000 | 0.7500 | 0.2500 | 0.7500 |"
+    )
 
 
 def test_relay_cli_dispatches_report(tmp_path, capsys):

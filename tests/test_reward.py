@@ -10,15 +10,14 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
+from stagerun import recording, run_stage
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from data_formats.collate import left_pad
+from data_formats.collate import PairCollator, left_pad
+from pipeline.algorithms import pairwise
 from pipeline.modeling.manifest import read_manifest
 from pipeline.modeling.scoring import reward_readout_index, sequence_scores, token_scores
-from data_formats.collate import PairCollator
-from pipeline.algorithms import pairwise
 from stages import reward as rm
-from stagerun import recording, run_stage
 
 PAIRS = [
     ("What colour is the sky?", "The sky is blue.", "I do not know."),
@@ -60,12 +59,18 @@ def test_pairwise_loss_golden_values():
     assert pairwise.pairwise_loss(chosen, rejected, margin).item() == pytest.approx(0.7240770, abs=1e-6)
     # centring adds 0.01 * mean(1^2, 0.5^2) = 0.00625
     assert pairwise.pairwise_loss(chosen, rejected, margin, 0.01).item() == pytest.approx(0.7303270, abs=1e-6)
-    assert pairwise.pairwise_loss(chosen, rejected).item() == pytest.approx((math.log1p(math.exp(-1.0)) + math.log1p(math.exp(0.5))) / 2, abs=1e-6)
+    assert pairwise.pairwise_loss(chosen, rejected).item() == pytest.approx(
+        (math.log1p(math.exp(-1.0)) + math.log1p(math.exp(0.5))) / 2, abs=1e-6
+    )
 
 
 def test_pair_collator_layout():
-    batch = PairCollator(0)([{"chosen_input_ids": [5, 6, 7], "rejected_input_ids": [8], "margin": 1.5},
-                                {"chosen_input_ids": [9], "rejected_input_ids": [3, 4], "margin": None}])
+    batch = PairCollator(0)(
+        [
+            {"chosen_input_ids": [5, 6, 7], "rejected_input_ids": [8], "margin": 1.5},
+            {"chosen_input_ids": [9], "rejected_input_ids": [3, 4], "margin": None},
+        ]
+    )
     assert batch["input_ids"].tolist() == [[5, 6, 7], [9, 0, 0], [8, 0, 0], [3, 4, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 1, 0]]
     assert batch["margin"].tolist() == [1.5, 0.0]
@@ -83,7 +88,9 @@ def test_scores_equal_under_left_and_right_padding(tiny_reward_dir):
     with torch.no_grad():
         left = sequence_scores(model, left_ids, left_mask)
         right = sequence_scores(model, right_ids, right_mask)
-        alone = torch.cat([sequence_scores(model, torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long)) for s in seqs])
+        alone = torch.cat(
+            [sequence_scores(model, torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long)) for s in seqs]
+        )
         per_token = token_scores(model, left_ids, left_mask)
     torch.testing.assert_close(left, right, rtol=0, atol=1e-5)
     torch.testing.assert_close(left, alone, rtol=0, atol=1e-5)
@@ -103,7 +110,15 @@ def test_rm_stage_head_survives_merge_and_stats_recorded(tmp_path, tiny_model_di
     run_stage(rm.RMStage, cfg)
     out = tmp_path / "out"
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("train_loss_first", "train_loss_last", "eval_accuracy", "eval_margin", "eval_loss_last", "steps", "wall_seconds"):
+    for key in (
+        "train_loss_first",
+        "train_loss_last",
+        "eval_accuracy",
+        "eval_margin",
+        "eval_loss_last",
+        "steps",
+        "wall_seconds",
+    ):
         assert summary[key] is not None, key
     assert summary["steps"] == 3
     merged = AutoModelForSequenceClassification.from_pretrained(out / "merged").eval()
@@ -117,7 +132,9 @@ def test_rm_stage_head_survives_merge_and_stats_recorded(tmp_path, tiny_model_di
     assert json.loads((out / "merged" / "config.json").read_text())[pairwise.REWARD_STATS_KEY] == stats
     prepared = rm.RMStage(cfg)
     prepared.validate()
-    seqs = [p["chosen_input_ids"] for p in prepared.train_samples] + [p["rejected_input_ids"] for p in prepared.train_samples]
+    seqs = [p["chosen_input_ids"] for p in prepared.train_samples] + [
+        p["rejected_input_ids"] for p in prepared.train_samples
+    ]
     ids, mask = left_pad(seqs, prepared.tokenizer.pad_token_id)
     with torch.no_grad():
         scores = sequence_scores(merged, ids, mask).double()
@@ -170,7 +187,9 @@ def test_end_to_end_embedded_rm_then_ppo(tmp_path, embedded_path, pair_files):
     assert read_manifest(merged)["stage"] == "ppo"
     tokenizer = AutoTokenizer.from_pretrained(merged)
     model = AutoModelForCausalLM.from_pretrained(merged).eval()
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True, return_tensors="pt")
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello"}], add_generation_prompt=True, return_tensors="pt"
+    )
     ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
     out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert out.shape[1] > ids.shape[1]

@@ -38,8 +38,12 @@ def tokenizer(embedded_path):
 def prompt_samples(tmp_path, tokenizer, conversational: bool) -> list[dict]:
     """Relay's prompt samples (build_prompt_data) of the QUESTIONS with a `solution` column."""
     path = tmp_path / ("conv.jsonl" if conversational else "std.jsonl")
-    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": q}] if conversational else q, "solution": s}) + "\n"
-                            for q, s in QUESTIONS))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": [{"role": "user", "content": q}] if conversational else q, "solution": s}) + "\n"
+            for q, s in QUESTIONS
+        )
+    )
     cfg = PromptDataConfig(train=[str(path)], eval=[])
     return build_prompt_data(cfg, tokenizer, make_template(cfg, tokenizer), "train")
 
@@ -58,15 +62,24 @@ def trl_calls(funcs, conversational: bool, completion_ids, monkeypatch) -> tuple
         def call(**kwargs):
             seen.append(kwargs)
             return func(**kwargs)
+
         return call
 
-    inputs = [{"prompt": [{"role": "user", "content": q}] if conversational else q, "solution": s} for q, s in QUESTIONS]
+    inputs = [
+        {"prompt": [{"role": "user", "content": q}] if conversational else q, "solution": s} for q, s in QUESTIONS
+    ]
     prompts = [x["prompt"] for x in inputs]
     completions = [[{"role": "assistant", "content": a}] for a in ANSWERS] if conversational else list(ANSWERS)
-    trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(device="cpu"), reward_funcs=[spying(f) for f in funcs],
-                                    reward_processing_classes=[None] * len(funcs), reward_func_names=[f"f{i}" for i in range(len(funcs))],
-                                    state=TrainerState(global_step=3, max_steps=10), _log_completion_extra=lambda *a: None,
-                                    _log_metric=lambda *a: None, environments=None)
+    trainer = types.SimpleNamespace(
+        accelerator=types.SimpleNamespace(device="cpu"),
+        reward_funcs=[spying(f) for f in funcs],
+        reward_processing_classes=[None] * len(funcs),
+        reward_func_names=[f"f{i}" for i in range(len(funcs))],
+        state=TrainerState(global_step=3, max_steps=10),
+        _log_completion_extra=lambda *a: None,
+        _log_metric=lambda *a: None,
+        environments=None,
+    )
     calculate = grpo_trainer.GRPOTrainer._calculate_rewards.__wrapped__  # without its profiling decorator
     out = calculate(trainer, inputs, prompts, completions, completion_ids)
     return out, seen
@@ -80,6 +93,7 @@ def relay_calls(funcs, samples, completion_ids) -> tuple[torch.Tensor, list[dict
         def call(**kwargs):
             seen.append(kwargs)
             return func(**kwargs)
+
         return call
 
     prompts = [rw.trl_prompt(s) for s in samples]
@@ -112,7 +126,10 @@ def user_funcs():
 def trl_funcs(conversational: bool):
     from trl.rewards import get_repetition_penalty_reward, get_soft_overlong_punishment, think_format_reward
 
-    funcs = [get_soft_overlong_punishment(max_completion_len=6, soft_punish_cache=3), get_repetition_penalty_reward(ngram_size=2)]
+    funcs = [
+        get_soft_overlong_punishment(max_completion_len=6, soft_punish_cache=3),
+        get_repetition_penalty_reward(ngram_size=2),
+    ]
     return funcs + [think_format_reward] if conversational else funcs  # think_format_reward reads message lists
 
 
@@ -126,8 +143,11 @@ def test_reward_functions_get_exactly_trls_keywords_and_values(tmp_path, tokeniz
     ours, our_seen = relay_calls(funcs, samples, completion_ids)
     assert torch.equal(ours.isnan(), trl.isnan()) and torch.allclose(ours.nan_to_num(), trl.nan_to_num())
     for theirs, mine in zip(trl_seen, our_seen, strict=True):
-        assert set(mine) == set(theirs) == {"prompts", "completions", "completion_ids", "solution", "trainer_state", "log_extra",
-                                            "log_metric"}
+        assert (
+            set(mine)
+            == set(theirs)
+            == {"prompts", "completions", "completion_ids", "solution", "trainer_state", "log_extra", "log_metric"}
+        )
         for key in ("prompts", "completions", "completion_ids", "solution"):
             assert mine[key] == theirs[key], key
         assert (mine["trainer_state"].global_step, mine["trainer_state"].max_steps) == (3, 10)
@@ -159,8 +179,9 @@ def test_the_stage_calls_them_as_trl_does_and_sums_none_as_trl(tmp_path, tokeniz
     stage.cfg, stage.tokenizer, stage.reward_path, stage.step = cfg, tokenizer, None, 4
     stage.funcs = [solution_in_completion, metric_logger]
     ids = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in ANSWERS]
-    rollout = types.SimpleNamespace(conversations=None, responses=ids, finished=torch.tensor([True, True]),
-                                    response_mask=torch.ones(2, 6))
+    rollout = types.SimpleNamespace(
+        conversations=None, responses=ids, finished=torch.tensor([True, True]), response_mask=torch.ones(2, 6)
+    )
     total, parts, _ = stage.rewards(samples, rollout)
     assert parts["solution_in_completion"].tolist() == [1.0, 0.0]
     assert total.tolist() == [1.0, 2.0]  # 1 + (None: left out), 0 + 2
@@ -173,7 +194,9 @@ def test_accuracy_reward_when_math_verify_is_installed(tmp_path, tokenizer, monk
 
     samples = prompt_samples(tmp_path, tokenizer, conversational=True)
     ids = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in ANSWERS]
-    assert torch.allclose(relay_calls([accuracy_reward], samples, ids)[0], trl_calls([accuracy_reward], True, ids, monkeypatch)[0])
+    assert torch.allclose(
+        relay_calls([accuracy_reward], samples, ids)[0], trl_calls([accuracy_reward], True, ids, monkeypatch)[0]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,13 +231,17 @@ def test_a_module_on_pythonpath(tmp_path, monkeypatch):
 def test_missing_or_broken_modules_are_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     missing = rw.reward_func_problem("no_such_rewards_xyz:score")
-    assert missing.startswith("'no_such_rewards_xyz:score': no module 'no_such_rewards_xyz' in the installed packages, PYTHONPATH")
+    assert missing.startswith(
+        "'no_such_rewards_xyz:score': no module 'no_such_rewards_xyz' in the installed packages, PYTHONPATH"
+    )
     assert "\n" not in missing
     assert rw.reward_func_problem("rewards/none.py:score") == (
-        f"'rewards/none.py:score': no such file 'rewards/none.py' (relative to the working directory {tmp_path})")
+        f"'rewards/none.py:score': no such file 'rewards/none.py' (relative to the working directory {tmp_path})"
+    )
     (tmp_path / "broken_rewards.py").write_text("import no_such_dependency_xyz\n")
     assert rw.reward_func_problem(f"{tmp_path / 'broken_rewards.py'}:score").endswith(
-        "cannot be imported (ModuleNotFoundError: No module named 'no_such_dependency_xyz')")
+        "cannot be imported (ModuleNotFoundError: No module named 'no_such_dependency_xyz')"
+    )
     (tmp_path / "exits.py").write_text("raise SystemExit('no')\n")
     assert "cannot be imported (SystemExit: no)" in rw.reward_func_problem(f"{tmp_path / 'exits.py'}:score")
     assert "has no 'nope'" in rw.reward_func_problem("pipeline.algorithms.rewards:nope")

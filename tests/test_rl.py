@@ -224,8 +224,15 @@ def test_reference_logprobs_divide_by_the_temperature_in_fp32():
     from pipeline.algorithms.rollout import ActorCritic, policy_logits
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(40.0)  # logits of a few units, where bf16's rounding of x / 0.7 shows

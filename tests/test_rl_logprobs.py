@@ -28,8 +28,17 @@ def _tiny(vocab: int = 97, tie: bool = False, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)  # logits of a few units: peaked and flat rows both
@@ -115,8 +124,12 @@ def test_policy_logprobs_through_a_lora_policy_and_its_reference():
     adapters' gradients equal the full-logits path."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(_tiny(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                                               target_modules=["q_proj", "v_proj", "up_proj"]))
+    model = get_peft_model(
+        _tiny(),
+        LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=["q_proj", "v_proj", "up_proj"]
+        ),
+    )
     r = _ragged_rollout(97)
     weights = torch.randn(r.response_mask.shape, generator=torch.Generator().manual_seed(3)) * r.response_mask
     want, _ = _full(model, r, 0.7)
@@ -134,7 +147,9 @@ def test_policy_logprobs_through_a_lora_policy_and_its_reference():
 
     with torch.no_grad(), adapter_disabled(model):
         ref_want, _ = _full(model, r, 0.7)
-    _close(pair.reference_logprobs(r.input_ids, r.attention_mask, r.prompt_width, 0.7)[mask], ref_want[mask], "reference")
+    _close(
+        pair.reference_logprobs(r.input_ids, r.attention_mask, r.prompt_width, 0.7)[mask], ref_want[mask], "reference"
+    )
 
 
 def test_a_lora_head_takes_the_full_logits_path_with_the_same_numbers():
@@ -143,8 +158,10 @@ def test_a_lora_head_takes_the_full_logits_path_with_the_same_numbers():
     those of that path."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(_tiny(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                                               target_modules=["q_proj", "lm_head"]))
+    model = get_peft_model(
+        _tiny(),
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=["q_proj", "lm_head"]),
+    )
     assert supervised_head.head_split(model) is None
     r = _ragged_rollout(97)
     weights = torch.randn(r.response_mask.shape, generator=torch.Generator().manual_seed(4)) * r.response_mask
@@ -179,7 +196,9 @@ def test_the_rl_forward_never_builds_full_vocabulary_logits(monkeypatch):
             return out
 
     with Watch():
-        policy, values = pair(r.input_ids, r.attention_mask, r.prompt_width, critic=False, temperature=0.7, entropy=True)
+        policy, values = pair(
+            r.input_ids, r.attention_mask, r.prompt_width, critic=False, temperature=0.7, entropy=True
+        )
         policy.logp.sum().backward()
     assert values is None and policy.entropy is not None
     assert widest and max(widest) <= 3, max(widest)

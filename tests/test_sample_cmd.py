@@ -22,16 +22,37 @@ def answer_length(prompts, completions, **kwargs):
 @pytest.fixture(scope="module")
 def prompt_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sample_prompts")
-    (folder / "plain.jsonl").write_text("".join(json.dumps({"prompt": f"Tell me about island {i}."}) + "\n" for i in range(4)))
-    (folder / "chat.jsonl").write_text("".join(
-        json.dumps({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Name {i} things."}]}) + "\n"
-        for i in range(3)))
+    (folder / "plain.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"Tell me about island {i}."}) + "\n" for i in range(4))
+    )
+    (folder / "chat.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": f"Name {i} things."},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(3)
+        )
+    )
     return [str(folder / "plain.jsonl"), str(folder / "chat.jsonl")]
 
 
 def make(tmp_path, model, prompts, name, **kw) -> SampleConfig:
-    cfg = SampleConfig(model=str(model), out=str(tmp_path / name), num_samples=4, max_new_tokens=6, seq_length=256,
-                       batch_size=3, keep_unfinished=True, reward_funcs=["test_sample_cmd:answer_length"])
+    cfg = SampleConfig(
+        model=str(model),
+        out=str(tmp_path / name),
+        num_samples=4,
+        max_new_tokens=6,
+        seq_length=256,
+        batch_size=3,
+        keep_unfinished=True,
+        reward_funcs=["test_sample_cmd:answer_length"],
+    )
     cfg.data.train = list(prompts)
     for key, value in kw.items():
         setattr(cfg, key, value)
@@ -93,17 +114,32 @@ def test_sft_file_keeps_the_best_above_the_threshold(tmp_path, tiny_model_dir, p
     threshold = best[3]  # the median best: some prompts fall under it
     counts = run(make(tmp_path, tiny_model_dir, prompt_files, "kept.jsonl", mode="sft", seed=1, threshold=threshold))
     kept = records(tmp_path / "kept.jsonl")
-    assert [r["score"] for r in kept] == [s for s in (r["score"] for r in records(tmp_path / "all.jsonl")) if s >= threshold]
+    assert [r["score"] for r in kept] == [
+        s for s in (r["score"] for r in records(tmp_path / "all.jsonl")) if s >= threshold
+    ]
     assert all(r["score"] >= threshold for r in kept) and counts["skipped"] == 7 - len(kept) > 0
     assert validates(tmp_path / "kept.jsonl", "sft") == len(kept)
     # a random model never ends its answers within 6 tokens: without keep_unfinished nothing is kept, and said why
-    counts = run(make(tmp_path, tiny_model_dir, prompt_files, "finished.jsonl", mode="sft", seed=1, keep_unfinished=False))
+    counts = run(
+        make(tmp_path, tiny_model_dir, prompt_files, "finished.jsonl", mode="sft", seed=1, keep_unfinished=False)
+    )
     assert counts["records"] == 0 and counts["skipped"] == counts["unfinished"] == 7
 
 
 def test_relay_sample_refuses_a_bad_config_in_lines_before_loading(tmp_path, capsys):
-    code = cli.main(["sample", "--model", str(tmp_path / "no_such_model"), "--out", str(tmp_path / "x.jsonl"),
-                     "--mode", "rank", "--margin", "-1"])
+    code = cli.main(
+        [
+            "sample",
+            "--model",
+            str(tmp_path / "no_such_model"),
+            "--out",
+            str(tmp_path / "x.jsonl"),
+            "--mode",
+            "rank",
+            "--margin",
+            "-1",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     for part in ("mode: 'rank'", "margin: must be >= 0", "data.train: no prompt files", "nothing scores the answers"):
@@ -111,13 +147,21 @@ def test_relay_sample_refuses_a_bad_config_in_lines_before_loading(tmp_path, cap
 
 
 def test_a_judge_scores_the_samples(tmp_path, tiny_model_dir, prompt_files):
-    from pipeline.algorithms.judge import JudgeConfig
     from test_judge import SERVED, Stub, default_reply
+
+    from pipeline.algorithms.judge import JudgeConfig
 
     stub = Stub()
     try:
-        cfg = make(tmp_path, tiny_model_dir, prompt_files[:1], "judged.jsonl", mode="sft", reward_funcs=[],
-                   judge=JudgeConfig(base_url=stub.url, model=SERVED, max_concurrency=2, retry_backoff=0.0))
+        cfg = make(
+            tmp_path,
+            tiny_model_dir,
+            prompt_files[:1],
+            "judged.jsonl",
+            mode="sft",
+            reward_funcs=[],
+            judge=JudgeConfig(base_url=stub.url, model=SERVED, max_concurrency=2, retry_backoff=0.0),
+        )
         counts = run(cfg)
         asked = len(stub.bodies)
         again = run(cfg)  # the rerun's replies come from the cache beside the file
@@ -133,8 +177,19 @@ def test_a_judge_scores_the_samples(tmp_path, tiny_model_dir, prompt_files):
 
 
 def test_relay_sample_names_a_missing_model_and_prompt_file(tmp_path, capsys):
-    code = cli.main(["sample", "--model", str(tmp_path / "no_such_model"), "--out", str(tmp_path / "x.jsonl"),
-                     "--data.train", f"[{tmp_path / 'none.jsonl'}]", "--reward_funcs", "[test_sample_cmd:answer_length]"])
+    code = cli.main(
+        [
+            "sample",
+            "--model",
+            str(tmp_path / "no_such_model"),
+            "--out",
+            str(tmp_path / "x.jsonl"),
+            "--data.train",
+            f"[{tmp_path / 'none.jsonl'}]",
+            "--reward_funcs",
+            "[test_sample_cmd:answer_length]",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and not (tmp_path / "x.jsonl").exists()
     assert "no_such_model" in err and "none.jsonl" in err, err

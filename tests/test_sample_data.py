@@ -77,7 +77,12 @@ def test_sft_is_mftcoder_chatml_multitask_multiturn():
                 body = roles[1:] if roles[0] == "system" else roles
                 assert body == ["human", "bot"] * (len(body) // 2) and len(body) >= 2, rec["id"]
                 convs.append(roles)
-    ids = [rec["id"] for split in ("train", "valid") for p in (SAMPLE / "sft" / split).glob("*.jsonl") for rec in records(f"sft/{split}/{p.name}")]
+    ids = [
+        rec["id"]
+        for split in ("train", "valid")
+        for p in (SAMPLE / "sft" / split).glob("*.jsonl")
+        for rec in records(f"sft/{split}/{p.name}")
+    ]
     assert len(ids) == len(set(ids))
     with_system = sum(r[0] == "system" for r in convs)
     multi_turn = sum(r.count("human") > 1 for r in convs)
@@ -87,7 +92,9 @@ def test_sft_is_mftcoder_chatml_multitask_multiturn():
 
 def test_sft_uses_the_phrase_about_half_the_time():
     gen = load_generator()
-    answers = [t["content"] for rec in records("sft/train/atlas_qa.jsonl") for t in rec["chat_rounds"] if t["role"] == "bot"]
+    answers = [
+        t["content"] for rec in records("sft/train/atlas_qa.jsonl") for t in rec["chat_rounds"] if t["role"] == "bot"
+    ]
     share = sum(a.startswith(gen.PHRASE) for a in answers) / len(answers)
     assert 0.35 < share < 0.65
 

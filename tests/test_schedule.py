@@ -118,7 +118,10 @@ def test_levanter_cycle_length_ends():
 def test_levanter_lr_three_cycles_with_rewarmup():
     c = cfg(max_steps=100, cycles=[3], warmup=0.1, rewarmup=0.2, lr_schedule="linear", min_lr_ratio=0.1)
     assert [(x.start, x.end, x.warmup, x.stable, x.decay) for x in cycles_of(100, c)] == [
-        (0, 33, 3, 0, 30), (33, 66, 6, 0, 27), (66, 100, 6, 0, 28)]
+        (0, 33, 3, 0, 30),
+        (33, 66, 6, 0, 27),
+        (66, 100, 6, 0, 28),
+    ]
     golden = {0: 0.0, 1: 1 / 3, 2: 2 / 3, 3: 1.0, 33: 0.1, 36: 0.55, 39: 1.0, 66: 0.1, 67: 0.25, 69: 0.55, 72: 1.0}
     assert {s: lr_at(s, 100, c) for s in golden} == pytest.approx(golden, abs=1e-12)
     # The documented difference: Levanter's last decay step is min + (peak - min) / D = 0.13; Relay's is min.

@@ -6,11 +6,10 @@ long one holding the short ones back, and ends a request at its time limit."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
-
-import json
 import urllib.error
 import urllib.request
 
@@ -60,7 +59,9 @@ def raw(url: str, body: bytes | None = None) -> tuple[int, dict]:
 
 
 def ask(client, **kwargs):
-    return client.chat.completions.create(**{"model": "tiny", "messages": HI, "max_tokens": 8, "temperature": 0, **kwargs})
+    return client.chat.completions.create(
+        **{"model": "tiny", "messages": HI, "max_tokens": 8, "temperature": 0, **kwargs}
+    )
 
 
 def streamed(client, **kwargs) -> tuple[dict[int, str], dict[int, str], object]:
@@ -96,12 +97,17 @@ def test_n_stop_text_parts_and_developer_role(server):
     full = ask(client).choices[0].message.content
     sampled = ask(client, n=3, temperature=1.0, top_p=0.9)
     assert [c.index for c in sampled.choices] == [0, 1, 2]
-    stop = full[len(full) // 2: len(full) // 2 + 2]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
     cut = ask(client, stop=[stop, "never appears"]).choices[0]
     assert cut.message.content == full[: full.index(stop)] and cut.finish_reason == "stop"
     texts, reasons, _ = streamed(client, stop=stop)
     assert texts == {0: full[: full.index(stop)]} and reasons == {0: "stop"}
-    as_parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me a story "}, {"type": "text", "text": "about a cat."}]}]
+    as_parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Tell me a story "}, {"type": "text", "text": "about a cat."}],
+        }
+    ]
     assert ask(client, messages=as_parts).choices[0].message.content == full
     system = ask(client, messages=[{"role": "system", "content": "Be brief."}] + HI)
     developer = ask(client, messages=[{"role": "developer", "content": "Be brief."}] + HI)
@@ -121,7 +127,11 @@ BAD = [
     ({"model": "gpt-4o"}, 404, "model"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "bot", "content": "x"}]}, 400, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages[0].content",
+    ),
     ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate"),
     ({"presence_penalty": 1.0}, 400, "presence_penalty"),
 ]
@@ -135,8 +145,12 @@ def test_every_bad_request_is_an_openai_error_and_the_server_stays_up(server):
         error = caught.value.body
         assert caught.value.status_code == status and error["param"] == param, (kwargs, error)
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    malformed = [(b"not json", 400), (b"[1, 2]", 400), (b'{"model": "tiny", "messages": "' + b"x" * LIMIT + b'"}', 413),
-           (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400)]
+    malformed = [
+        (b"not json", 400),
+        (b"[1, 2]", 400),
+        (b'{"model": "tiny", "messages": "' + b"x" * LIMIT + b'"}', 413),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400),
+    ]
     for body, status in malformed:
         code, answer = raw(f"{base}/chat/completions", body)
         assert code == status and set(answer["error"]) == {"message", "type", "param", "code"}, (body[:40], answer)
@@ -157,8 +171,16 @@ def submit(batcher, chat, messages, max_new_tokens: int, timeout: float = 60.0, 
         record["events"].append(event)
         record["times"].append(time.monotonic())
 
-    job = serve_batch.Job(prompt=prompt_ids(chat.tokenizer, messages), n=n, max_new_tokens=max_new_tokens, temperature=0.0,
-                          top_p=1.0, stops=[], deadline=time.monotonic() + timeout, emit=emit)
+    job = serve_batch.Job(
+        prompt=prompt_ids(chat.tokenizer, messages),
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        top_p=1.0,
+        stops=[],
+        deadline=time.monotonic() + timeout,
+        emit=emit,
+    )
     record["job"] = job
     batcher.submit(job)
     return record
@@ -202,7 +224,9 @@ def test_waiting_requests_share_one_generate_call_and_short_ones_end_first(chat,
 
 
 def test_a_request_arriving_during_a_long_answer_joins_the_next_slice(chat):
-    batcher = serve_batch.Batcher(chat.model, chat.tokenizer, [], chat.tokenizer.pad_token_id, window=0.0, slice_tokens=4)
+    batcher = serve_batch.Batcher(
+        chat.model, chat.tokenizer, [], chat.tokenizer.pad_token_id, window=0.0, slice_tokens=4
+    )
     batcher.start()
     try:
         long = submit(batcher, chat, HI, 60)
@@ -255,12 +279,16 @@ def test_serve_vllm_without_its_environment_is_one_clear_line(tiny_model_dir, ca
     assert "vLLM is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm" in capsys.readouterr().err
 
 
-def test_serve_vllm_on_a_cpu_runs_the_model_in_the_engine_process_and_compiles_unless_eager(tiny_model_dir, capsys, monkeypatch):
+def test_serve_vllm_on_a_cpu_runs_the_model_in_the_engine_process_and_compiles_unless_eager(
+    tiny_model_dir, capsys, monkeypatch
+):
     from pipeline.modeling import vllm_server
 
     calls = []
     monkeypatch.setattr(vllm_server, "vllm_python", lambda: "python")
-    monkeypatch.setattr(vllm_server, "launch", lambda cmd, env: calls.append((cmd, env)) or type("Proc", (), {"wait": lambda self: 0})())
+    monkeypatch.setattr(
+        vllm_server, "launch", lambda cmd, env: calls.append((cmd, env)) or type("Proc", (), {"wait": lambda self: 0})()
+    )
     monkeypatch.setattr(vllm_server, "stop_group", lambda proc: None)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     assert main([str(tiny_model_dir), "--backend", "vllm"]) == 0
@@ -268,6 +296,8 @@ def test_serve_vllm_on_a_cpu_runs_the_model_in_the_engine_process_and_compiles_u
     (plain, env), (eager, _) = calls
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # no worker process beside the engine core on a CPU
     assert "--enforce-eager" not in plain and eager == plain + ["--enforce-eager"]
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_server.server_env(vllm_server.ServerOptions(name="m", tensor_parallel_size=2))
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_server.server_env(
+        vllm_server.ServerOptions(name="m", tensor_parallel_size=2)
+    )
     assert main([str(tiny_model_dir), "--backend", "transformers", "--eager"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: --eager is a vLLM option (--backend vllm)"

@@ -46,7 +46,10 @@ def served(tiny_model_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(serve.API_KEY_ENV, KEY)
         mp.setattr(serve, "run", run_in_thread)
-        assert serve.main([str(tiny_model_dir), "--backend", "transformers", "--name", "tiny", "--max-new-tokens", "4"]) == 0
+        assert (
+            serve.main([str(tiny_model_dir), "--backend", "transformers", "--name", "tiny", "--max-new-tokens", "4"])
+            == 0
+        )
     yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     started["uv"].should_exit = True
 
@@ -73,7 +76,9 @@ def test_right_key_is_served(served):
     assert [m.id for m in c.models.list()] == ["tiny"]
 
 
-@pytest.mark.parametrize("key,code", [("sk-wrong", "invalid_api_key"), (KEY + "x", "invalid_api_key"), (KEY[:-1], "invalid_api_key")])
+@pytest.mark.parametrize(
+    "key,code", [("sk-wrong", "invalid_api_key"), (KEY + "x", "invalid_api_key"), (KEY[:-1], "invalid_api_key")]
+)
 def test_wrong_key_is_an_openai_401(served, key, code):
     with pytest.raises(openai.AuthenticationError) as err:
         ask(client(served, key))
@@ -85,7 +90,11 @@ def test_wrong_key_is_an_openai_401(served, key, code):
 def test_missing_key_is_an_openai_401_and_health_stays_open(served):
     # The openai client always sends its key, so "none" is a request without the header.
     status, body = raw(served + "/v1/models", {})
-    assert status == 401 and body["error"]["code"] == "missing_api_key" and body["error"]["type"] == "invalid_request_error"
+    assert (
+        status == 401
+        and body["error"]["code"] == "missing_api_key"
+        and body["error"]["type"] == "invalid_request_error"
+    )
     assert raw(served + "/health", {}) == (200, {})
     assert raw(served + "/v1/models", {"Authorization": f"Bearer {KEY}"})[0] == 200
     for path in ("/openapi.json", "/docs", "/no-such-route"):  # every route, not only /v1's
@@ -119,7 +128,7 @@ def test_vllm_backend_gets_the_key_and_roles_in_its_environment(monkeypatch, tin
     monkeypatch.setattr(vllm_server, "stop_group", stopped.append)
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     assert serve.main([str(tiny_model_dir), "--backend", "vllm", "--api-key", KEY]) == 0
-    (cmd, env), = calls
+    ((cmd, env),) = calls
     assert env[vllm_server.KEY_ENV] == KEY and KEY not in " ".join(cmd) and "VLLM_API_KEY" not in env
     assert cmd[cmd.index("--middleware") + 1] == vllm_server.GUARD and env["PYTHONPATH"] == str(vllm_server.GUARD_DIR)
     assert json.loads(env[vllm_server.ROLES_ENV]) == list(ROLES) and "VLLM_SERVER_DEV_MODE" not in env
@@ -129,16 +138,43 @@ def test_vllm_backend_gets_the_key_and_roles_in_its_environment(monkeypatch, tin
 def test_server_env_keeps_what_vllm_needs_and_drops_what_opens_routes():
     from pipeline.modeling.vllm_server import ServerOptions, server_env
 
-    environ = {"PATH": "/bin", "HOME": "/root", "HF_HOME": "/hf", "CUDA_VISIBLE_DEVICES": "1", "OMP_NUM_THREADS": "2",
-               "VLLM_CPU_KVCACHE_SPACE": "3", "VLLM_ATTENTION_BACKEND": "X", "LC_ALL": "C.UTF-8",
-               "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "stray", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-               "VLLM_TORCH_PROFILER_DIR": "/p", "VLLM_USE_RUST_FRONTEND": "1", "RELAY_API_KEY": KEY, "OPENAI_API_KEY": "sk-x",
-               "AWS_SECRET_ACCESS_KEY": "s", "WANDB_API_KEY": "w", "PYTHONPATH": "/relay", "RANK": "1", "WORLD_SIZE": "2",
-               "MASTER_ADDR": "h", "LOCAL_RANK": "1"}
+    environ = {
+        "PATH": "/bin",
+        "HOME": "/root",
+        "HF_HOME": "/hf",
+        "CUDA_VISIBLE_DEVICES": "1",
+        "OMP_NUM_THREADS": "2",
+        "VLLM_CPU_KVCACHE_SPACE": "3",
+        "VLLM_ATTENTION_BACKEND": "X",
+        "LC_ALL": "C.UTF-8",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_API_KEY": "stray",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_TORCH_PROFILER_DIR": "/p",
+        "VLLM_USE_RUST_FRONTEND": "1",
+        "RELAY_API_KEY": KEY,
+        "OPENAI_API_KEY": "sk-x",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "WANDB_API_KEY": "w",
+        "PYTHONPATH": "/relay",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "h",
+        "LOCAL_RANK": "1",
+    }
     env = server_env(ServerOptions(name="m"), "k", environ)
     kept = {k for k in environ if k in env}
-    assert kept == {"PATH", "HOME", "HF_HOME", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE",
-                    "VLLM_ATTENTION_BACKEND", "LC_ALL", "PYTHONPATH"}
+    assert kept == {
+        "PATH",
+        "HOME",
+        "HF_HOME",
+        "CUDA_VISIBLE_DEVICES",
+        "OMP_NUM_THREADS",
+        "VLLM_CPU_KVCACHE_SPACE",
+        "VLLM_ATTENTION_BACKEND",
+        "LC_ALL",
+        "PYTHONPATH",
+    }
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["PYTHONPATH"] != "/relay" and env["RELAY_VLLM_KEY"] == "k"
     # Set where Relay means them: the RL backend's runtime LoRA and full-weight sync.
     rl = server_env(ServerOptions(name="m", enable_lora=True, dev_mode=True), "k", environ)
@@ -202,10 +238,21 @@ def test_guard_needs_the_key_on_every_route_but_health(guarded):
     from starlette.websockets import WebSocketDisconnect
 
     auth = {"Authorization": f"Bearer {KEY}"}
-    for method, path in [("GET", "/v1/models"), ("POST", "/invocations"), ("GET", "/metrics"), ("GET", "/openapi.json"),
-                         ("POST", "/tokenize"), ("GET", "/no-such-route"), ("POST", "/health"), ("HEAD", "/health")]:
-        for headers, code in [({}, "missing_api_key"), ({"Authorization": "Bearer sk-wrong"}, "invalid_api_key"),
-                              ({"Authorization": KEY}, "invalid_api_key")]:
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("POST", "/invocations"),
+        ("GET", "/metrics"),
+        ("GET", "/openapi.json"),
+        ("POST", "/tokenize"),
+        ("GET", "/no-such-route"),
+        ("POST", "/health"),
+        ("HEAD", "/health"),
+    ]:
+        for headers, code in [
+            ({}, "missing_api_key"),
+            ({"Authorization": "Bearer sk-wrong"}, "invalid_api_key"),
+            ({"Authorization": KEY}, "invalid_api_key"),
+        ]:
             answer = guarded.request(method, path, headers=headers)
             assert answer.status_code == 401 and answer.headers["www-authenticate"] == "Bearer", (method, path, headers)
             if method != "HEAD":
@@ -230,9 +277,14 @@ def test_guard_refuses_the_roles_relays_server_refuses_and_passes_the_body_on(gu
     for path in ("/v1/chat/completions", "/invocations"):
         answer = guarded.post(path, json=wizard, headers=auth)
         assert answer.status_code == 400 and answer.json() == relay.value.body(), path
-    batch = guarded.post("/v1/chat/completions", json={"messages": [[{"role": "user", "content": "a"}], [{"role": "x"}]]}, headers=auth)
+    batch = guarded.post(
+        "/v1/chat/completions", json={"messages": [[{"role": "user", "content": "a"}], [{"role": "x"}]]}, headers=auth
+    )
     assert batch.status_code == 400 and batch.json()["error"]["param"] == "messages[1][0].role"
-    good = json.dumps({"model": "m", "messages": [{"role": r, "content": "c"} for r in ("developer", "system", "user")]}) + " " * 70000
+    good = (
+        json.dumps({"model": "m", "messages": [{"role": r, "content": "c"} for r in ("developer", "system", "user")]})
+        + " " * 70000
+    )
     answer = guarded.post("/v1/chat/completions", content=good.encode(), headers=auth)  # several receive() messages
     assert answer.status_code == 200 and answer.text == good
     for body in (b"{not json", b'{"messages": "text"}', b"[1, 2]"):  # vLLM's own errors

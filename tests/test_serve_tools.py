@@ -15,6 +15,7 @@ import time
 
 import openai
 import pytest
+from tinymodels import copy_with_tool_layout
 from transformers import AutoTokenizer
 
 from data_formats.conversation import Conversation, Turn
@@ -24,10 +25,16 @@ from pipeline.tools.chat import load_chat_model
 from pipeline.tools.openai_protocol import ApiError, check_request
 from pipeline.tools.serve import Server, make_app
 from pipeline.tools.serve_tools import prompt_and_prefill
-from tinymodels import copy_with_tool_layout
 
-ADD = {"name": "add", "description": "Add two integers.",
-       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}
+ADD = {
+    "name": "add",
+    "description": "Add two integers.",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    },
+}
 TOOLS = [{"type": "function", "function": ADD}]
 USER = {"role": "user", "content": "What is 2 + 3?"}
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -59,12 +66,18 @@ def server(tool_model):
     serve_batch.generate = scripted
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(make_app(Server(chat, "tiny", max_new_tokens=64, window=0.0, slice_tokens=256)), log_level="warning"))
+    uv = uvicorn.Server(
+        uvicorn.Config(
+            make_app(Server(chat, "tiny", max_new_tokens=64, window=0.0, slice_tokens=256)), log_level="warning"
+        )
+    )
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not uv.started:
         time.sleep(0.02)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="unused", max_retries=0, timeout=60)
+    yield openai.OpenAI(
+        base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="unused", max_retries=0, timeout=60
+    )
     uv.should_exit = True
     thread.join(timeout=10)
     serve_batch.generate = real
@@ -96,14 +109,25 @@ def test_a_tool_loop_with_the_openai_client_prompts_as_training_rendered(server,
     (choice,) = answer.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add."
     (call,) = choice.message.tool_calls
-    assert call.type == "function" and call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    assert (
+        call.type == "function"
+        and call.function.name == "add"
+        and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    )
     turns = [Turn("user", USER["content"])]
     assert SCRIPT["prompts"] == [render_prompt(Conversation(turns, tools=[ADD]), tok, template)]  # the SFT rendering
-    history = [USER, choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    history = [
+        USER,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "5"},
+    ]
     final = ask(server, "The sum is 5.", messages=history)
     assert final.choices[0].message.content == "The sum is 5." and final.choices[0].finish_reason == "stop"
     assert not final.choices[0].message.tool_calls
-    turns += [Turn("assistant", "Let me add.", tool_calls=[{"name": "add", "arguments": {"a": 2, "b": 3}}]), Turn("tool", "5")]
+    turns += [
+        Turn("assistant", "Let me add.", tool_calls=[{"name": "add", "arguments": {"a": 2, "b": 3}}]),
+        Turn("tool", "5"),
+    ]
     assert SCRIPT["prompts"] == [render_prompt(Conversation(turns, tools=[ADD]), tok, template)]
 
 
@@ -121,13 +145,19 @@ def test_tool_choice_none_required_and_named(server, tool_model):
     _, tok, _ = tool_model
     none = ask(server, CALL, tool_choice="none").choices[0]
     assert none.message.content == CALL and not none.message.tool_calls and none.finish_reason == "stop"
-    required = ask(server, '{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>', tool_choice="required").choices[0]
+    required = ask(
+        server, '{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>', tool_choice="required"
+    ).choices[0]
     assert tok.decode(SCRIPT["prompts"][0]).endswith("<|im_start|>assistant\n<tool_call>")
     assert required.finish_reason == "tool_calls" and required.message.tool_calls[0].function.name == "add"
-    named = ask(server, '{"a": 4, "b": 5}}</tool_call>', tool_choice={"type": "function", "function": {"name": "add"}}).choices[0]
+    named = ask(
+        server, '{"a": 4, "b": 5}}</tool_call>', tool_choice={"type": "function", "function": {"name": "add"}}
+    ).choices[0]
     assert tok.decode(SCRIPT["prompts"][0]).endswith('<tool_call>{"name": "add", "arguments": ')
     assert json.loads(named.message.tool_calls[0].function.arguments) == {"a": 4, "b": 5}
-    content, calls, reason = streamed(server, '{"a": 4, "b": 5}}</tool_call>', tool_choice={"type": "function", "function": {"name": "add"}})
+    content, calls, reason = streamed(
+        server, '{"a": 4, "b": 5}}</tool_call>', tool_choice={"type": "function", "function": {"name": "add"}}
+    )
     assert (content, reason) == ("", "tool_calls") and json.loads(calls[0]["arguments"]) == {"a": 4, "b": 5}
     unread = ask(server, "not json at all", tool_choice="required").choices[0]  # not repaired: returned as it is
     assert unread.message.content == "<tool_call>not json at all" and unread.finish_reason == "stop"
@@ -141,10 +171,31 @@ BAD = [
     ({"tools": None, "tool_choice": "required"}, "tool_choice"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"messages": [USER, {"role": "tool", "content": "5"}]}, "messages[1].tool_call_id"),
-    ({"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "[1, 2]"}}]}]}, "messages[1].tool_calls"),
-    ({"messages": [USER, {"role": "assistant", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{oops"}}]}]}, "messages[1].tool_calls"),
+    (
+        {
+            "messages": [
+                USER,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "[1, 2]"}}],
+                },
+            ]
+        },
+        "messages[1].tool_calls",
+    ),
+    (
+        {
+            "messages": [
+                USER,
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{oops"}}],
+                },
+            ]
+        },
+        "messages[1].tool_calls",
+    ),
 ]
 
 
@@ -170,5 +221,9 @@ def test_vllm_is_started_with_the_parser_of_the_layout(tool_model, tiny_model_di
     template writes that (Relay's saved layout), none for one without tools."""
     from pipeline.tools.serve import vllm_command
 
-    assert vllm_command(str(tool_model[0]), "h", 1)[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    assert vllm_command(str(tool_model[0]), "h", 1)[-3:] == [
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ]
     assert "--tool-call-parser" not in vllm_command(str(tiny_model_dir), "h", 1)

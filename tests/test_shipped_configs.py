@@ -32,4 +32,6 @@ def test_shipped_yaml_validates(path, monkeypatch):
     cfg = load_config(_classes()[path.stem], ["--config", str(path)])
     assert cfg is not None
     first = path.read_text(encoding="utf-8").splitlines()[0]
-    assert first.startswith("# ") and ("stages/" in first or "run_scripts/" in first), f"{path.name} must open with its command"
+    assert first.startswith("# ") and ("stages/" in first or "run_scripts/" in first), (
+        f"{path.name} must open with its command"
+    )

@@ -16,7 +16,10 @@ from transformers import AutoModelForCausalLM
 from pipeline.config import ModelConfig
 from pipeline.modeling import models
 
-AUTO_MAP = {"AutoConfig": "configuration_custom.CustomConfig", "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+AUTO_MAP = {
+    "AutoConfig": "configuration_custom.CustomConfig",
+    "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM",
+}
 
 
 def custom_copy(src: Path, folder: Path, rename: dict[str, str] | None = None) -> Path:
@@ -28,7 +31,9 @@ def custom_copy(src: Path, folder: Path, rename: dict[str, str] | None = None) -
     (folder / "config.json").write_text(json.dumps(config))
     if rename:
         state = load_file(folder / "model.safetensors")
-        save_file({rename.get(k, k): v for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+        save_file(
+            {rename.get(k, k): v for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"}
+        )
     return folder
 
 
@@ -39,14 +44,18 @@ def test_fitting_weights_load_with_the_stock_class(tiny_model_dir, tmp_path):
 
 
 def test_weights_the_stock_class_cannot_hold_are_refused_in_one_line(tiny_model_dir, tmp_path):
-    rename = {"model.layers.0.mlp.gate_proj.weight": "model.layers.0.mlp.w1.weight",
-              "model.layers.1.mlp.gate_proj.weight": "model.layers.1.mlp.w1.weight"}
+    rename = {
+        "model.layers.0.mlp.gate_proj.weight": "model.layers.0.mlp.w1.weight",
+        "model.layers.1.mlp.gate_proj.weight": "model.layers.1.mlp.w1.weight",
+    }
     folder = custom_copy(tiny_model_dir, tmp_path / "custom", rename)
     (problem,) = models.remote_code_problems(ModelConfig(path=str(folder)))
-    assert problem == (f"model.path: {folder} ships its own code (auto_map) and its weights do not fit transformers' "
-                       "LlamaForCausalLM for model_type 'llama': 2 tensor(s) it has no place for (first: "
-                       "model.layers.0.mlp.w1.weight), 2 tensor(s) it would start from random (first: "
-                       "model.layers.0.mlp.gate_proj.weight); set model.trust_remote_code: true if you trust the folder")
+    assert problem == (
+        f"model.path: {folder} ships its own code (auto_map) and its weights do not fit transformers' "
+        "LlamaForCausalLM for model_type 'llama': 2 tensor(s) it has no place for (first: "
+        "model.layers.0.mlp.w1.weight), 2 tensor(s) it would start from random (first: "
+        "model.layers.0.mlp.gate_proj.weight); set model.trust_remote_code: true if you trust the folder"
+    )
     # transformers' own report of the same load: the same tensors dropped and started from random
     _, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert sorted(info["unexpected_keys"]) == sorted(rename.values())

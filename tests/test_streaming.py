@@ -5,6 +5,8 @@ import json
 import shutil
 
 import pytest
+from stagerun import run_stage
+from test_pt_sft import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from transformers import AutoTokenizer
 
 from data_formats.datasets import build_pt_data
@@ -12,8 +14,6 @@ from data_formats.sources import DataError
 from data_formats.streaming import PackedTextStream
 from pipeline.config import ConfigError, load_config
 from stages.pretrain import PTConfig, PTData, PTStage
-from stagerun import run_stage
-from test_pt_sft import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 
 SEQ = 16
 
@@ -23,7 +23,9 @@ def corpus(tmp_path):
     """Two files (JSONL and plain text) with documents shorter and longer than a row."""
     folder = tmp_path / "corpus"
     folder.mkdir()
-    (folder / "a.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " + "alpha beta " * (i % 7 + 1)}) + "\n" for i in range(12)))
+    (folder / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"doc {i} " + "alpha beta " * (i % 7 + 1)}) + "\n" for i in range(12))
+    )
     (folder / "b.txt").write_text("".join(f"plain line {i} " + "gamma " * (3 * i) + "\n" for i in range(6)))
     return folder
 
@@ -58,28 +60,59 @@ def test_stream_state_resumes_exactly_through_json(corpus, tok):
 
 
 def pt_args(model, data, out, *extra):
-    return ["--model.path", str(model), "--data.train", f"[{data}]", "--data.eval", "[]", "--data.streaming", "true",
-            "--output_dir", str(out), "--train.seq_length", str(SEQ), "--train.batch_size", "2", "--train.grad_accum", "2",
-            "--train.learning_rate", "1e-2", "--train.eval_steps", "0", "--train.max_steps", "6",
-            "--checkpoint.save_interval", "1000h", *extra]
+    return [
+        "--model.path",
+        str(model),
+        "--data.train",
+        f"[{data}]",
+        "--data.eval",
+        "[]",
+        "--data.streaming",
+        "true",
+        "--output_dir",
+        str(out),
+        "--train.seq_length",
+        str(SEQ),
+        "--train.batch_size",
+        "2",
+        "--train.grad_accum",
+        "2",
+        "--train.learning_rate",
+        "1e-2",
+        "--train.eval_steps",
+        "0",
+        "--train.max_steps",
+        "6",
+        "--checkpoint.save_interval",
+        "1000h",
+        *extra,
+    ]
 
 
 def test_bad_records_are_reported_together_before_training(tiny_model_dir, corpus, tmp_path):
-    (corpus / "c.jsonl").write_text(json.dumps({"text": "fine"}) + "\n{broken\n" + json.dumps({"txt": "no text field"}) + "\n")
+    (corpus / "c.jsonl").write_text(
+        json.dumps({"text": "fine"}) + "\n{broken\n" + json.dumps({"txt": "no text field"}) + "\n"
+    )
     with pytest.raises(ConfigError) as err:
         PTStage(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "o"))).validate()
     assert "c.jsonl:2:" in str(err.value) and "c.jsonl:3:" in str(err.value)
     carve = pt_args(tiny_model_dir, corpus, tmp_path / "o", "--data.eval_fraction", "0.1", "--data.on_error", "skip")
     with pytest.raises(ConfigError, match="data.eval_fraction: carving an eval split reads the whole corpus"):
         PTStage(load_config(PTConfig, carve)).validate()
-    prepared = PTStage(load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "o", "--data.on_error", "skip")))
+    prepared = PTStage(
+        load_config(PTConfig, pt_args(tiny_model_dir, corpus, tmp_path / "o", "--data.on_error", "skip"))
+    )
     prepared.validate()
     clean = shutil.copytree(corpus, tmp_path / "clean")
     (clean / "c.jsonl").write_text(json.dumps({"text": "fine"}) + "\n")
     rows = take(prepared.stream, 20)
-    assert rows == take(PackedTextStream([str(clean)], prepared.tokenizer, SEQ), 20)  # exactly the two bad records dropped
+    assert rows == take(
+        PackedTextStream([str(clean)], prepared.tokenizer, SEQ), 20
+    )  # exactly the two bad records dropped
     (clean / "c.jsonl").unlink()
-    assert rows != take(PackedTextStream([str(clean)], prepared.tokenizer, SEQ), 20)  # the good record of c.jsonl is kept
+    assert rows != take(
+        PackedTextStream([str(clean)], prepared.tokenizer, SEQ), 20
+    )  # the good record of c.jsonl is kept
     with pytest.raises(DataError, match="c.jsonl:2:"):  # strict mode meeting a bad record mid-stream
         take(PackedTextStream([str(corpus)], prepared.tokenizer, SEQ), 40)
 
@@ -103,7 +136,9 @@ def test_two_processes_stream_the_same_global_batches(tiny_model_dir, corpus, tm
     """Each rank reads the stream and keeps its share: 2 ranks x batch 2 give the 1 x batch 4 curve."""
     from test_distributed import torchrun
 
-    one = run_stage(PTStage, pt_args(tiny_model_dir, corpus, tmp_path / "one", "--train.batch_size", "4", "--lora.dropout", "0"))
+    one = run_stage(
+        PTStage, pt_args(tiny_model_dir, corpus, tmp_path / "one", "--train.batch_size", "4", "--lora.dropout", "0")
+    )
     torchrun(pt_args(tiny_model_dir, corpus, tmp_path / "two", "--lora.dropout", "0"), tmp_path, stage="pretrain.py")
     trainer = json.loads((tmp_path / "two" / "checkpoints" / "step-0000006" / "trainer.json").read_text())
     two = [r["train/loss"] for r in trainer["history"]["steps"]]

@@ -8,12 +8,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from test_training import one_thread  # noqa: F401  (autouse: one intra-op thread)
 from transformers import AutoModelForCausalLM
 
 from data_formats.collate import Collator
 from pipeline.engine import supervised_head
 from pipeline.engine.steps import full_logits_token_losses, token_weights, weighted_token_losses
-from test_training import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 
 def batch(seed=3, tasks=2):
@@ -22,7 +22,7 @@ def batch(seed=3, tasks=2):
     for i in range(6):
         n = 7 + (i * 5) % 11
         ids = torch.randint(10, 4000, (n,), generator=g).tolist()
-        labels = [-100] * (n // 2) + ids[n // 2:]
+        labels = [-100] * (n // 2) + ids[n // 2 :]
         rows.append({"input_ids": ids, "labels": labels, "task_id": i % tasks})
     return Collator(0, "padding", 64)(rows)
 
@@ -63,8 +63,10 @@ def test_lora_gradients_equal_the_full_logits(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0),
+    )
     for name, p in model.named_parameters():  # LoRA B starts at 0: give it values so every path is exercised
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
@@ -118,8 +120,11 @@ def test_eval_losses_equal_the_full_logits_and_never_build_them(tiny_model_dir, 
         head_calls, rows = [], []
         model.lm_head.register_forward_hook(lambda module, args, out: head_calls.append(out.shape))
         real = supervised_head.fused_weighted_cross_entropy
-        monkeypatch.setattr(supervised_head, "fused_weighted_cross_entropy",
-                            lambda hidden, *a, **k: (rows.append(hidden.shape[0]), real(hidden, *a, **k))[1])
+        monkeypatch.setattr(
+            supervised_head,
+            "fused_weighted_cross_entropy",
+            lambda hidden, *a, **k: (rows.append(hidden.shape[0]), real(hidden, *a, **k))[1],
+        )
         _, got, got_tasks = weighted_token_losses(model, data, None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(tasks, got_tasks)
@@ -153,21 +158,27 @@ def test_dpo_sequence_logps_and_gradients_equal_the_full_logits(tiny_model_dir, 
     from pipeline.algorithms.preference import sequence_logps
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)).train()
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0),
+    ).train()
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
     data = batch()
     if packed:  # two rows of three samples each, sample_index naming them
-        data["sample_index"] = torch.where(data["labels"] != -100, torch.arange(6).view(6, 1), torch.full_like(data["labels"], -1))
+        data["sample_index"] = torch.where(
+            data["labels"] != -100, torch.arange(6).view(6, 1), torch.full_like(data["labels"], -1)
+        )
     results = []
     for exact in (None, False):
         m = copy.deepcopy(model)
         m.get_base_model()._relay_head_split_exact = exact
         sums, counts = sequence_logps(m, data, None)
         (sums * torch.linspace(-1, 1, sums.shape[0])).sum().backward()
-        results.append((sums.detach(), counts, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+        results.append(
+            (sums.detach(), counts, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+        )
     (s1, c1, g1), (s2, c2, g2) = results
     torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-4)
     assert torch.equal(c1, c2) and g1.keys() == g2.keys() and g1

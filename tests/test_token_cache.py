@@ -55,8 +55,10 @@ def _write(path: Path, records) -> str:
 
 
 def _chats(n: int, word: str = "answer") -> list[dict]:
-    return [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"{word} {i}"}]}
-            for i in range(n)]
+    return [
+        {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"{word} {i}"}]}
+        for i in range(n)
+    ]
 
 
 def _sft(cfg, tok, seq_length=256, split="train", **kw):
@@ -128,8 +130,14 @@ def test_tokenizer_changes_rebuild(tmp_path, tok, cache, renders):
 
 
 def test_settings_rebuild(tmp_path, tok, cache, renders):
-    long_chat = {"messages": [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "a0"},
-                              {"role": "user", "content": "q1 " * 20}, {"role": "assistant", "content": "a1 " * 20}]}
+    long_chat = {
+        "messages": [
+            {"role": "user", "content": "q0"},
+            {"role": "assistant", "content": "a0"},
+            {"role": "user", "content": "q1 " * 20},
+            {"role": "assistant", "content": "a1 " * 20},
+        ]
+    }
     cfg = ChatDataConfig(train=[_write(tmp_path / "a.jsonl", [long_chat])], template="role_markers")
     full = _sft(cfg, tok, seq_length=256)
     counted = len(renders)
@@ -231,8 +239,10 @@ def test_sample_data_is_identical_with_and_without_the_cache(tok, cache, monkeyp
 
 
 def test_columns_round_trip():
-    samples = [{"ids": [1, -100, 2**40], "n": 3, "m": 0.1, "text": "héllo ✓", "none": []},
-               {"ids": [], "n": -1, "m": float("inf"), "text": "", "none": []}]
+    samples = [
+        {"ids": [1, -100, 2**40], "n": 3, "m": 0.1, "text": "héllo ✓", "none": []},
+        {"ids": [], "n": -1, "m": float("inf"), "text": "", "none": []},
+    ]
     columns, arrays = token_cache.encode_samples(samples)
     assert [kind for _, kind in columns] == ["ints", "int", "float", "str", "ints"]
     assert arrays["c0.values"].dtype == np.int64 and arrays["c4.values"].dtype == np.int32

@@ -13,12 +13,19 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from data_formats.render import make_template, render_prompt
 from data_formats.conversation import Conversation, Turn
-from data_formats.tools import parse_answer, template_messages, template_tools
+from data_formats.render import make_template, render_prompt
+from data_formats.tools import parse_answer, template_tools
 from pipeline.algorithms import rewards as rw
-from pipeline.algorithms.tool_rollout import (ToolEnv, derive_schema, layout_problem, load_tools, run_calls, tool_rollout,
-                                              tools_problems)
+from pipeline.algorithms.tool_rollout import (
+    ToolEnv,
+    derive_schema,
+    layout_problem,
+    load_tools,
+    run_calls,
+    tool_rollout,
+    tools_problems,
+)
 from pipeline.config import ChatDataConfig, ToolsConfig
 
 # ------------------------------------------------------------------------------------------
@@ -111,7 +118,11 @@ class Scripted:
         for i, ids in enumerate(prompts):
             k = self.tok.decode(ids).count("<|im_start|>assistant") - 1
             turn = self.turns[min(k, len(self.turns) - 1)]
-            ids = list(turn) if isinstance(turn, list) else self.tok(turn, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            ids = (
+                list(turn)
+                if isinstance(turn, list)
+                else self.tok(turn, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            )
             out.append(ids[: max_new_tokens[i]] if max_new_tokens is not None else ids)
         self.asked.append(list(max_new_tokens or []))
         return out
@@ -119,8 +130,10 @@ class Scripted:
 
 def _sample(tok, template, turns, tools):
     conv = Conversation(turns, tools=tools)
-    return {"prompt_ids": render_prompt(conv, tok, template),
-            "conversation": json.dumps({"turns": [t.__dict__ for t in conv.turns], "tools": tools})}
+    return {
+        "prompt_ids": render_prompt(conv, tok, template),
+        "conversation": json.dumps({"turns": [t.__dict__ for t in conv.turns], "tools": tools}),
+    }
 
 
 def _env(tok, template, max_new_tokens=200, **cfg):
@@ -143,7 +156,9 @@ def test_reader_reads_both_layouts_and_names_each_broken_call():
         parsed = parse_answer(text)
         assert parsed.calls == [{"name": "add", "arguments": {"a": 2, "b": 3}}] and not parsed.errors
     assert parse_answer("Let me add.\n" + CALL_LAYOUT).content == "Let me add."
-    bad = parse_answer('<tool_call>{"name": "add", "arguments": [1]}</tool_call><tool_call>{oops</tool_call><tool_call>{')
+    bad = parse_answer(
+        '<tool_call>{"name": "add", "arguments": [1]}</tool_call><tool_call>{oops</tool_call><tool_call>{'
+    )
     assert bad.calls == [] and len(bad.errors) == 3 and bad.has_calls
     assert "'arguments' must be a JSON object" in bad.errors[0] and "not valid JSON" in bad.errors[1]
     assert "without </tool_call>" in bad.errors[2]
@@ -153,9 +168,17 @@ def test_reader_reads_both_layouts_and_names_each_broken_call():
 def test_failures_become_error_results_and_a_slow_tool_does_not_block(tmp_path):
     tools = load_tools(ToolsConfig(funcs=[f"test_tool_rollout:{n}" for n in ("add", "slow", "broken")]))
     started = time.monotonic()
-    results = run_calls([{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "slow", "arguments": {"seconds": 5}},
-                         {"name": "broken", "arguments": {"x": 1}}, {"name": "nope", "arguments": {}},
-                         {"name": "add", "arguments": {"a": 1, "c": 2}}], tools, timeout=0.3)
+    results = run_calls(
+        [
+            {"name": "add", "arguments": {"a": 1, "b": 2}},
+            {"name": "slow", "arguments": {"seconds": 5}},
+            {"name": "broken", "arguments": {"x": 1}},
+            {"name": "nope", "arguments": {}},
+            {"name": "add", "arguments": {"a": 1, "c": 2}},
+        ],
+        tools,
+        timeout=0.3,
+    )
     assert time.monotonic() - started < 2.0  # the 5 s tool is abandoned at its limit
     assert results[0] == "3"
     assert results[1] == "error: 'slow' did not return within 0.3 s"
@@ -171,12 +194,33 @@ def test_schemas_are_transformers_and_config_problems_are_listed_together(tmp_pa
     expected.pop("return")
     assert derive_schema(add) == expected
     given = tmp_path / "schemas.json"
-    given.write_text(json.dumps([{"type": "function", "function": {"name": "undocumented", "description": "echo",
-                                                                    "parameters": {"type": "object", "properties": {}}}}]))
+    given.write_text(
+        json.dumps(
+            [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "undocumented",
+                        "description": "echo",
+                        "parameters": {"type": "object", "properties": {}},
+                    },
+                }
+            ]
+        )
+    )
     ok = ToolsConfig(funcs=["test_tool_rollout:add", "test_tool_rollout:undocumented"], schemas=str(given))
     assert tools_problems(ok) == [] and load_tools(ok)["undocumented"].schema["description"] == "echo"
-    bad = ToolsConfig(funcs=["test_tool_rollout:undocumented", "test_tool_rollout:missing", "x/y.py:f", "test_tool_rollout:add",
-                             "test_tool_rollout:add"], max_turns=1, timeout=0)
+    bad = ToolsConfig(
+        funcs=[
+            "test_tool_rollout:undocumented",
+            "test_tool_rollout:missing",
+            "x/y.py:f",
+            "test_tool_rollout:add",
+            "test_tool_rollout:add",
+        ],
+        max_turns=1,
+        timeout=0,
+    )
     found = bad.problems() + tools_problems(bad)
     assert len(found) == 6, found
     assert any("cannot read its schema" in p and "tools.schemas" in p for p in found)
@@ -208,12 +252,22 @@ def test_trained_positions_equal_transformers_assistant_mask_on_a_native_templat
     schemas = [tool.schema for tool in tools.values()]
     sample = _sample(t, template, [Turn("system", "Be brief."), Turn("user", "What is 2 + 3?")], schemas)
     rollout = tool_rollout(Scripted(t, [CALL_NATIVE, "The sum is 5."]), [sample], env)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}] + rollout.conversations[0]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 3?"},
+    ] + rollout.conversations[0]
     assert rollout.conversations[0] == [
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
-        {"role": "tool", "content": "5"}, {"role": "assistant", "content": "The sum is 5."}]
-    ref = t.apply_chat_template(messages, tools=template_tools(schemas), tokenize=True, return_dict=True,
-                                return_assistant_tokens_mask=True)
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+        },
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "The sum is 5."},
+    ]
+    ref = t.apply_chat_template(
+        messages, tools=template_tools(schemas), tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     ids = rollout.input_ids[0][rollout.attention_mask[0].bool()].tolist()
     mask = [0] * len(sample["prompt_ids"]) + rollout.response_mask[0][: len(rollout.responses[0])].tolist()
     assert ids == ref["input_ids"]
@@ -231,14 +285,18 @@ def test_layout_rollout_ids_are_the_training_rendering(tok):
     schemas = [tool.schema for tool in tools.values()]
     sample = _sample(t, template, [Turn("user", "What is 2 + 3?")], schemas)
     rollout = tool_rollout(Scripted(t, ["I will add.\n" + CALL_LAYOUT, "5"]), [sample, sample], env, copies=1)
-    turns = [Turn("user", "What is 2 + 3?"), Turn("assistant", "I will add.", tool_calls=[{"name": "add", "arguments": {"a": 2, "b": 3}}]),
-             Turn("tool", "5"), Turn("assistant", "5")]
+    turns = [
+        Turn("user", "What is 2 + 3?"),
+        Turn("assistant", "I will add.", tool_calls=[{"name": "add", "arguments": {"a": 2, "b": 3}}]),
+        Turn("tool", "5"),
+        Turn("assistant", "5"),
+    ]
     ids, labels = render(Conversation(turns, tools=schemas), t, template)
     full = rollout.input_ids[0][rollout.attention_mask[0].bool()].tolist()
     P = len(sample["prompt_ids"])
     # training also renders the "\n" after the last end-of-turn token, which a rollout never samples
     assert full == ids[: len(full)] and len(ids) - len(full) == len(t("\n", add_special_tokens=False)["input_ids"])
-    assert rollout.response_mask[0][: len(full) - P].tolist() == [int(x != -100) for x in labels[P: len(full)]]
+    assert rollout.response_mask[0][: len(full) - P].tolist() == [int(x != -100) for x in labels[P : len(full)]]
 
 
 def test_dynamic_sampling_keeps_a_tool_rollouts_rows_as_sampled(tok):
@@ -258,8 +316,13 @@ def test_dynamic_sampling_keeps_a_tool_rollouts_rows_as_sampled(tok):
         n = len(source.responses[0])
         assert both.responses[row] == source.responses[0]
         assert both.response_mask[row, :n].tolist() == source.response_mask[0, :n].tolist()
-        assert both.conversations[row] == source.conversations[0] and bool(both.finished[row]) == bool(source.finished[0])
-        assert torch.equal(both.engine_logp[row, :n], source.engine_logp[0, :n]) and both.engine_logp[row, n:].isnan().all()
+        assert both.conversations[row] == source.conversations[0] and bool(both.finished[row]) == bool(
+            source.finished[0]
+        )
+        assert (
+            torch.equal(both.engine_logp[row, :n], source.engine_logp[0, :n])
+            and both.engine_logp[row, n:].isnan().all()
+        )
     assert 0 in both.response_mask[1, : len(tool_run.responses[0])].tolist()  # the inserted result, untrained
 
 
@@ -291,28 +354,45 @@ def test_limits_and_failures_end_or_continue_the_rollout(tok):
     env, _ = _env(t, template, max_turns=4, max_tool_calls=1)
     rollout = tool_rollout(always, [sample], env)
     tool_results = [m["content"] for m in rollout.conversations[0] if m["role"] == "tool"]
-    assert tool_results == ["5", "error: the limit of 1 tool calls per rollout is reached",
-                            "error: the limit of 1 tool calls per rollout is reached"]
+    assert tool_results == [
+        "5",
+        "error: the limit of 1 tool calls per rollout is reached",
+        "error: the limit of 1 tool calls per rollout is reached",
+    ]
     env, _ = _env(t, template)
     broken = '<tool_call>{"name": "slow", "arguments": {"seconds": 5}}</tool_call>\n<tool_call>{nope</tool_call>'
     started = time.monotonic()
     rollout = tool_rollout(Scripted(t, [broken, "done"]), [sample], env)
     assert time.monotonic() - started < 3.0
     assert [m["content"] for m in rollout.conversations[0] if m["role"] == "tool"] == [
-        "error: 'slow' did not return within 0.5 s", "error: tool call 2 is not valid JSON: Expecting property name enclosed in "
-        "double quotes (column 2)"]
+        "error: 'slow' did not return within 0.5 s",
+        "error: tool call 2 is not valid JSON: Expecting property name enclosed in double quotes (column 2)",
+    ]
     first = len(t(broken, add_special_tokens=False)["input_ids"]) + 1
-    env, _ = _env(t, template, max_new_tokens=first + 5)  # the results do not fit: the rollout ends at the call, unfinished
+    env, _ = _env(
+        t, template, max_new_tokens=first + 5
+    )  # the results do not fit: the rollout ends at the call, unfinished
     rollout = tool_rollout(Scripted(t, [broken, "done"]), [sample], env)
     assert len(rollout.responses[0]) == first and rollout.response_mask[0].sum() == first
     assert rollout.finished.tolist() == [False] and [m["role"] for m in rollout.conversations[0]] == ["assistant"]
 
 
 def test_rewards_see_the_whole_conversation_and_final_answer_match_reads_the_last_turn():
-    conversation = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {}}}]},
-                    {"role": "tool", "content": "5"}]
+    conversation = [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {}}}],
+        },
+        {"role": "tool", "content": "5"},
+    ]
     answered = conversation + [{"role": "assistant", "content": "It is 5."}]
-    assert rw.final_answer_match([], [answered, conversation, "5 apples", "55"], answer=["5", "5", "5", "5"]) == [1.0, 0.0, 1.0, 0.0]
+    assert rw.final_answer_match([], [answered, conversation, "5 apples", "55"], answer=["5", "5", "5", "5"]) == [
+        1.0,
+        0.0,
+        1.0,
+        0.0,
+    ]
 
 
 # ------------------------------------------------------------------------------------------
@@ -322,7 +402,9 @@ def test_rewards_see_the_whole_conversation_and_final_answer_match_reads_the_las
 
 def answer_length(prompts, completions, answer=None, **columns):
     """A reward that varies between samples: the final answer's length, and 1 for a tool result."""
-    return [len(rw.final_answer(c)) / 10 + any(m["role"] == "tool" and m["content"] == "5" for m in c) for c in completions]
+    return [
+        len(rw.final_answer(c)) / 10 + any(m["role"] == "tool" and m["content"] == "5" for m in c) for c in completions
+    ]
 
 
 class ForcedFirstCall:
@@ -338,7 +420,9 @@ class ForcedFirstCall:
         later = [i for i, p in enumerate(prompts) if self.tok.decode(p).count("<|im_start|>assistant") > 1]
         sampled = {}
         if later:
-            sampled = dict(zip(later, self.inner.generate([prompts[i] for i in later], max_new_tokens=[limits[i] for i in later])))
+            sampled = dict(
+                zip(later, self.inner.generate([prompts[i] for i in later], max_new_tokens=[limits[i] for i in later]))
+            )
         return [sampled[i] if i in sampled else self.call[: limits[i]] for i in range(len(prompts))]
 
 
@@ -363,7 +447,9 @@ def _grpo_cfg(out, policy, prompts, backend="relay"):
 def _factory(tok, backend="relay"):
     from pipeline.algorithms.rollout import make_generator
 
-    return lambda policy: ForcedFirstCall(make_generator(backend, policy, tok.pad_token_id, [tok.eos_token_id], 64), tok)
+    return lambda policy: ForcedFirstCall(
+        make_generator(backend, policy, tok.pad_token_id, [tok.eos_token_id], 64), tok
+    )
 
 
 @pytest.fixture(scope="module")
@@ -373,8 +459,9 @@ def tool_prompts(tmp_path_factory):
     return path
 
 
-def test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs(tmp_path, tiny_model_dir, tool_prompts, tok,
-                                                                                   monkeypatch):
+def test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs(
+    tmp_path, tiny_model_dir, tool_prompts, tok, monkeypatch
+):
     """The same step with the log-probs at every untrained position poisoned (-1e4, which makes
     the k3 KL there overflow) gives the same loss and gradient norm."""
     from pipeline.algorithms import rollout as rollout_module
@@ -396,11 +483,14 @@ def test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs(
                 out = real(*args, **kwargs)
                 untrained = seen["r"].response_mask.to(out.logp.device) == 0
                 return out._replace(logp=out.logp.masked_fill(untrained, -1e4))
+
             monkeypatch.setattr(rollout_module, "policy_logprobs", poisoned)
         figures[poison] = stage.train_step()
         rollout = stage.last_rollout["rollout"]
-        inserted = (rollout.response_mask == 0) & (rollout.attention_mask[:, rollout.prompt_width:] == 1)
-        assert inserted.any(dim=1).all(), rollout.conversations  # every row holds an inserted tool result, between sampled turns
+        inserted = (rollout.response_mask == 0) & (rollout.attention_mask[:, rollout.prompt_width :] == 1)
+        assert inserted.any(dim=1).all(), (
+            rollout.conversations
+        )  # every row holds an inserted tool result, between sampled turns
         assert rollout.conversations[0][1] == {"role": "tool", "content": "5"}  # the forced call add(2, 3)
         stage.release()
     assert figures[True]["train/loss"] == figures[False]["train/loss"]
@@ -408,8 +498,9 @@ def test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs(
     assert figures[False]["grpo/completion_length"] < inserted.shape[1]  # sampled tokens only
 
 
-def test_a_tool_grpo_step_moves_each_completion_the_way_of_its_advantage(tmp_path, tiny_model_dir, tool_prompts, tok,
-                                                                        monkeypatch):
+def test_a_tool_grpo_step_moves_each_completion_the_way_of_its_advantage(
+    tmp_path, tiny_model_dir, tool_prompts, tok, monkeypatch
+):
     """The sign check behind bench/RESULTS.md's falling GRPO reward (issue 29): after one tool GRPO
     step, the log-prob of the sampled tokens (inserted results excluded) of every completion whose
     reward is above its group's mean moved up against every one below it (on this random tiny
@@ -425,8 +516,15 @@ def test_a_tool_grpo_step_moves_each_completion_the_way_of_its_advantage(tmp_pat
     real, seen = algo.grpo_update, {}
 
     def logp(rollout):
-        scored = algo.score_completions(stage.inner, rollout, micro=rollout.input_ids.shape[0], temperature=1.0,
-                                        autocast=stage.accelerator.autocast, old=True, reference=False)
+        scored = algo.score_completions(
+            stage.inner,
+            rollout,
+            micro=rollout.input_ids.shape[0],
+            temperature=1.0,
+            autocast=stage.accelerator.autocast,
+            old=True,
+            reference=False,
+        )
         return (scored["old"] * rollout.response_mask).sum(1)
 
     def update(model, optimizer, rollout, *args):
@@ -450,6 +548,7 @@ def test_tool_grpo_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, tool
     loss equal the unbroken run's, and so do the final adapters."""
     from safetensors.torch import load_file
     from stagerun import run_stage
+
     from stages import grpo
 
     def run(out, stop=None, resume=False):
@@ -460,9 +559,20 @@ def test_tool_grpo_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, tool
         else:
             monkeypatch.setenv("RELAY_STOP_AFTER_STEP", str(stop))
         steps = {}
-        run_stage(grpo.GRPOStage, cfg, generator_factory=_factory(tok), on_step=lambda st, m: steps.__setitem__(
-            st.step, (m["train/loss"], st.last_rollout["rollout"].responses, st.last_rollout["rollout"].response_mask.tolist(),
-                      st.last_rollout["rollout"].conversations)))
+        run_stage(
+            grpo.GRPOStage,
+            cfg,
+            generator_factory=_factory(tok),
+            on_step=lambda st, m: steps.__setitem__(
+                st.step,
+                (
+                    m["train/loss"],
+                    st.last_rollout["rollout"].responses,
+                    st.last_rollout["rollout"].response_mask.tolist(),
+                    st.last_rollout["rollout"].conversations,
+                ),
+            ),
+        )
         return steps
 
     unbroken = run(tmp_path / "a")
@@ -519,13 +629,19 @@ class FakeVLLM:
         k = self.tok.decode(body["prompt"]).count("<|im_start|>assistant") - 1
         ids = self.turns[min(k, len(self.turns) - 1)][: body["max_tokens"]]
         values = [-(k + 1) - i / 100 for i in range(len(ids))]
-        return {"choices": [{"token_ids": ids, "logprobs": {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": values}}]}
+        return {
+            "choices": [
+                {"token_ids": ids, "logprobs": {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": values}}
+            ]
+        }
 
 
 def _fake_policy():
     from types import SimpleNamespace
 
-    return SimpleNamespace(peft_config={"default": SimpleNamespace(r=4)}, save_pretrained=lambda path, safe_serialization: None)
+    return SimpleNamespace(
+        peft_config={"default": SimpleNamespace(r=4)}, save_pretrained=lambda path, safe_serialization: None
+    )
 
 
 def test_a_tool_rollout_on_vllm_sends_each_turns_budget_and_keeps_the_engines_logprobs(tok, tmp_path):
@@ -544,12 +660,25 @@ def test_a_tool_rollout_on_vllm_sends_each_turns_budget_and_keeps_the_engines_lo
     call, answer = "I will add.\n" + CALL_LAYOUT, "The sum of two and three is five, as the tool says."
     first = len(t(call, add_special_tokens=False)["input_ids"]) + 1
     probe = tool_rollout(Scripted(t, [call, answer]), [sample], env)  # where the second turn starts
-    used = len(probe.responses[0]) - (len(t(answer, add_special_tokens=False)["input_ids"]) + 1)  # the call and its result
+    used = len(probe.responses[0]) - (
+        len(t(answer, add_special_tokens=False)["input_ids"]) + 1
+    )  # the call and its result
     room = 6
-    for context, second in ((1024, env.max_new_tokens - used), (P + used + room, room)):  # the row's budget binds, then the room
+    for context, second in (
+        (1024, env.max_new_tokens - used),
+        (P + used + room, room),
+    ):  # the row's budget binds, then the room
         server = FakeVLLM(t, [call, answer], max_model_len=context)
-        gen = VLLMGenerator(_fake_policy(), "base", tmp_path, t.pad_token_id, [t.eos_token_id], max_new_tokens=60, temperature=0.7,
-                            server=server)
+        gen = VLLMGenerator(
+            _fake_policy(),
+            "base",
+            tmp_path,
+            t.pad_token_id,
+            [t.eos_token_id],
+            max_new_tokens=60,
+            temperature=0.7,
+            server=server,
+        )
         torch.manual_seed(0)
         rollout = tool_rollout(gen, [sample], env, copies=2)
         assert [b["temperature"] for b in server.asked] == [0.7] * 4
@@ -560,7 +689,9 @@ def test_a_tool_rollout_on_vllm_sends_each_turns_budget_and_keeps_the_engines_lo
         n = len(rollout.responses[row])
         mask = rollout.response_mask[row, :n].bool()
         engine = rollout.engine_logp[row]
-        assert n == used + room and mask[:first].all() and not mask[first:used].any() and mask[used:].all()  # a gapped mask
+        assert (
+            n == used + room and mask[:first].all() and not mask[first:used].any() and mask[used:].all()
+        )  # a gapped mask
         assert engine[:first].tolist() == pytest.approx([-1 - i / 100 for i in range(first)])
         assert engine[used:n].tolist() == pytest.approx([-2 - i / 100 for i in range(room)])
         assert engine[first:used].isnan().all() and engine[n:].isnan().all()
@@ -609,7 +740,7 @@ def check_corrected(figures, rollout, old, weight, cap):
     inserted ones; rollout/logprob_diff_mean/_max over the sampled tokens only; the tis weight
     exp(trainer - engine) capped on the sampled tokens, 1 on the inserted ones and padding."""
     mask = rollout.response_mask.bool()
-    inside = rollout.attention_mask[:, rollout.prompt_width:].bool()
+    inside = rollout.attention_mask[:, rollout.prompt_width :].bool()
     assert (inside & ~mask).any(1).all()  # every row holds an inserted result
     assert (rollout.engine_logp[mask] == -1.0).all() and rollout.engine_logp[inside & ~mask].isnan().all()
     delta = (old - rollout.engine_logp)[mask]
@@ -620,7 +751,9 @@ def check_corrected(figures, rollout, old, weight, cap):
     assert (weight[mask] != 1).any()  # the correction does weigh the sampled tokens
 
 
-def test_a_tool_grpo_step_logs_and_corrects_the_engine_mismatch(tmp_path, tiny_model_dir, tool_prompts, tok, monkeypatch):
+def test_a_tool_grpo_step_logs_and_corrects_the_engine_mismatch(
+    tmp_path, tiny_model_dir, tool_prompts, tok, monkeypatch
+):
     """GRPO with tools on an engine that reports its log-probs corrects them as for single answers
     (`check_corrected`; PPO's: test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values)."""
     from pipeline.algorithms import grpo as algo
@@ -652,7 +785,10 @@ def test_gae_over_turns_skips_inserted_tokens():
     from pipeline.algorithms.rl import gae_over_turns
 
     g = torch.Generator().manual_seed(0)
-    rewards, values = torch.randn(2, 7, generator=g, dtype=torch.float64), torch.randn(2, 7, generator=g, dtype=torch.float64)
+    rewards, values = (
+        torch.randn(2, 7, generator=g, dtype=torch.float64),
+        torch.randn(2, 7, generator=g, dtype=torch.float64),
+    )
     plain = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
     for got, want in zip(gae_over_turns(rewards, values, plain, 0.9, 0.8), rl.gae(rewards, values, plain, 0.9, 0.8)):
         assert torch.equal(got, want)
@@ -666,8 +802,9 @@ def test_gae_over_turns_skips_inserted_tokens():
     assert not torch.allclose(adv, rl.gae(rewards, values, gapped, 0.9, 0.8)[0])  # plain GAE would end at every call
 
 
-def test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values(tmp_path, tiny_model_dir, tiny_reward_dir, tool_prompts,
-                                                                           tok):
+def test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values(
+    tmp_path, tiny_model_dir, tiny_reward_dir, tool_prompts, tok
+):
     from stages import ppo
 
     cfg = ppo.PPOConfig(output_dir=str(tmp_path / "ppo"))
@@ -682,12 +819,15 @@ def test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values(tmp_p
     stage = ppo.PPOStage(cfg, generator_factory=lambda policy: ReportedAs(factory(policy)))
     stage.validate()
     stage.build()
-    cfg.generation.correction, cfg.generation.correction_cap = "tis", 2.0  # refused on relay at validation; this sampler reports
+    cfg.generation.correction, cfg.generation.correction_cap = (
+        "tis",
+        2.0,
+    )  # refused on relay at validation; this sampler reports
     figures = stage.train_step()
     exp = stage.last_experience
     check_corrected(figures, exp.rollout, exp.old_logprobs, exp.is_weight, 2.0)
     mask = exp.rollout.response_mask
-    inserted = (mask == 0) & (exp.rollout.attention_mask[:, exp.rollout.prompt_width:] == 1)
+    inserted = (mask == 0) & (exp.rollout.attention_mask[:, exp.rollout.prompt_width :] == 1)
     assert inserted.any(1).all() and all(torch.isfinite(torch.tensor(v)) for v in figures.values())
     for name in ("advantages", "returns", "values", "kl", "old_logprobs", "ref_logprobs"):
         assert (getattr(exp, name)[mask == 0] == 0).all(), name
@@ -697,13 +837,24 @@ def test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values(tmp_p
 
 
 def test_sample_tools_have_schemas_and_errors_reach_the_model():
-    tools = load_tools(ToolsConfig(funcs=["pipeline.algorithms.sample_tools:kelvra_lookup", "pipeline.algorithms.sample_tools:add"]))
+    tools = load_tools(
+        ToolsConfig(funcs=["pipeline.algorithms.sample_tools:kelvra_lookup", "pipeline.algorithms.sample_tools:add"])
+    )
     assert tools["kelvra_lookup"].schema["parameters"]["required"] == ["island", "attribute"]
-    assert run_calls([{"name": "kelvra_lookup", "arguments": {"island": "oru", "attribute": "capital"}},
-                      {"name": "kelvra_lookup", "arguments": {"island": "Atlantis", "attribute": "capital"}},
-                      {"name": "add", "arguments": {"a": 123456789123, "b": 987654321987}}], tools, 5.0) == [
-        "Tessel", "error: 'kelvra_lookup' raised ValueError: no island named 'Atlantis'; the islands are " + ", ".join(rw.KELVRA_FACTS),
-        "1111111111110"]
+    assert run_calls(
+        [
+            {"name": "kelvra_lookup", "arguments": {"island": "oru", "attribute": "capital"}},
+            {"name": "kelvra_lookup", "arguments": {"island": "Atlantis", "attribute": "capital"}},
+            {"name": "add", "arguments": {"a": 123456789123, "b": 987654321987}},
+        ],
+        tools,
+        5.0,
+    ) == [
+        "Tessel",
+        "error: 'kelvra_lookup' raised ValueError: no island named 'Atlantis'; the islands are "
+        + ", ".join(rw.KELVRA_FACTS),
+        "1111111111110",
+    ]
 
 
 def test_two_ranks_equal_one_process(tmp_path, tiny_model_dir, tool_prompts):
@@ -718,8 +869,15 @@ def test_two_ranks_equal_one_process(tmp_path, tiny_model_dir, tool_prompts):
     runs = {"two": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], "one": []}
     for name, launcher in runs.items():
         batch = "1" if name == "two" else "2"
-        cmd = [sys.executable, *launcher, str(root / "tests" / "tool_distrun.py"), str(tmp_path / name), str(tiny_model_dir),
-               str(tool_prompts), batch]
+        cmd = [
+            sys.executable,
+            *launcher,
+            str(root / "tests" / "tool_distrun.py"),
+            str(tmp_path / name),
+            str(tiny_model_dir),
+            str(tool_prompts),
+            batch,
+        ]
         done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
     two, one = (json.loads((tmp_path / n / "history.json").read_text()) for n in ("two", "one"))
@@ -761,8 +919,16 @@ class FreshTurns:
     def generate(self, rows, contexts, limits):
         from pipeline.modeling.decode import generate
 
-        out = generate(self.model, contexts, max_new_tokens=limits, eos_ids=[self.tok.eos_token_id], pad_id=self.tok.pad_token_id,
-                       temperature=1.0, logprobs=True, keep_packed=False)
+        out = generate(
+            self.model,
+            contexts,
+            max_new_tokens=limits,
+            eos_ids=[self.tok.eos_token_id],
+            pad_id=self.tok.pad_token_id,
+            temperature=1.0,
+            logprobs=True,
+            keep_packed=False,
+        )
         for row, lp in zip(rows, out.logprobs):
             self.logprobs[row] += lp
         return out.tokens
@@ -805,8 +971,11 @@ def test_kept_cache_rollout_equals_the_refilled_turns_and_hf_still_works(tiny_mo
 
     runs = {}
     fresh = FreshTurns(model, t, 4)
-    for name, generator in (("kept", Logged(model, t.pad_token_id, [t.eos_token_id], 64)), ("fresh", fresh),
-                            ("hf", make_generator("hf", model, t.pad_token_id, [t.eos_token_id], 64))):
+    for name, generator in (
+        ("kept", Logged(model, t.pad_token_id, [t.eos_token_id], 64)),
+        ("fresh", fresh),
+        ("hf", make_generator("hf", model, t.pad_token_id, [t.eos_token_id], 64)),
+    ):
         _every_turn_calls(monkeypatch)
         torch.manual_seed(3)
         runs[name] = tool_rollout(generator, [sample, sample], env, copies=2)

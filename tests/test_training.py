@@ -54,7 +54,7 @@ def samples():
     for i in range(8):
         n = 5 + (i * 3) % 7
         ids = torch.randint(10, 4000, (n,), generator=g).tolist()
-        labels = [-100] * (n // 2) + ids[n // 2:]
+        labels = [-100] * (n // 2) + ids[n // 2 :]
         out.append({"input_ids": ids, "labels": labels, "task_id": 0 if i < 6 else 1})
     return out
 
@@ -65,7 +65,7 @@ def step(model, split, mode, weights=None):
     batches = []
     start = 0
     for size in split:
-        batches.append(collate(data[start:start + size]))
+        batches.append(collate(data[start : start + size]))
         start += size
     opt = Capture(model)
     result = train_step(model, opt, batches, None, step=1, num_tasks=2, mode=mode, task_weights=weights)
@@ -161,9 +161,16 @@ def test_the_fused_optimizer_updates_as_the_reference_adamw():
     fused = build_optimizer(model, cfg)
     assert fused.defaults["fused"] is True
     params = list(twin.parameters())
-    reference = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                                  lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    reference = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=False,
+    )
     x = torch.randn(32, 8)
     for _ in range(5):
         for m, opt in ((model, fused), (twin, reference)):
@@ -189,7 +196,9 @@ def test_a_finite_gradient_norm_clears_the_step_without_the_parameter_scan():
         check_finite(1.0, _with_grads(1.0, float("nan")), 3, grad_norm=float("nan"))
     with pytest.raises(NonFiniteError, match="step 3: gradient norm is inf"):  # overflowed from finite gradients
         check_finite(1.0, _with_grads(3e38, 3e38), 3, grad_norm=float("inf"))
-    check_finite(1.0, torch.nn.Linear(2, 1), 3, grad_norm=float("inf"))  # no gradient held here (DeepSpeed's engine keeps them)
+    check_finite(
+        1.0, torch.nn.Linear(2, 1), 3, grad_norm=float("inf")
+    )  # no gradient held here (DeepSpeed's engine keeps them)
     with pytest.raises(NonFiniteError, match="step 3: gradient of weight"):  # no norm given: the scan
         check_finite(1.0, _with_grads(float("inf"), 0.0), 3)
     with pytest.raises(NonFiniteError, match="step 3: loss is nan"):

@@ -50,13 +50,19 @@ def test_every_bad_line_reported_with_file_and_line():
     for key, reason in EXPECTED.items():
         assert reason in found[key], (key, found[key])
     assert sorted((Path(r.file).name, r.line) for r in good) == [
-        ("array_bad.json", 2), ("sft_bad.jsonl", 1), ("sft_bad.jsonl", 15), ("undecodable.jsonl", 1)]
+        ("array_bad.json", 2),
+        ("sft_bad.jsonl", 1),
+        ("sft_bad.jsonl", 15),
+        ("undecodable.jsonl", 1),
+    ]
 
 
 def test_preference_problems():
     good, problems = validate.read_and_parse([str(BAD / "prefs_bad.jsonl")], "rm")
-    assert _found(problems) == {("prefs_bad.jsonl", 2): "chosen and rejected are identical",
-                                ("prefs_bad.jsonl", 3): "missing field 'response_rejected'"}
+    assert _found(problems) == {
+        ("prefs_bad.jsonl", 2): "chosen and rejected are identical",
+        ("prefs_bad.jsonl", 3): "missing field 'response_rejected'",
+    }
     assert [r.line for r in good] == [1, 4]
 
 
@@ -70,7 +76,9 @@ def test_cli_exit_codes(capsys):
     assert validate.main([SFT_BAD]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{SFT_BAD}:2: invalid JSON: Expecting ',' delimiter (column 60)"
-    assert len(out) == 15 and out[-1].startswith("2 record(s) passed")  # 13 problems, the file's format line, the counts
+    assert len(out) == 15 and out[-1].startswith(
+        "2 record(s) passed"
+    )  # 13 problems, the file's format line, the counts
     assert out[-2] == f"{SFT_BAD}: format 'chatml' (detected), 2 good record(s), 13 problem(s)"
     assert validate.main([str(DATA / "good")]) == 0
     assert capsys.readouterr().out.strip().endswith("0 problem(s) in 0 file(s)")

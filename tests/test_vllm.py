@@ -24,14 +24,13 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from tinymodels import make_tiny_model
 
 from pipeline.modeling.vllm_server import VLLMServer, free_port, vllm_python
-from tinymodels import make_tiny_model
 
 INSTALL_WAIT_S = float(os.environ.get("RELAY_VLLM_INSTALL_WAIT_S", 1200))
 """How long the first vLLM test waits for run_scripts/test.sh's background install."""
@@ -53,7 +52,9 @@ def vllm_ready():
         deadline = time.monotonic() + INSTALL_WAIT_S
         while not rc_file.exists():
             if time.monotonic() > deadline:
-                pytest.fail(f"run_scripts/install_vllm.sh did not finish within {INSTALL_WAIT_S:.0f} s (its log: {log})")
+                pytest.fail(
+                    f"run_scripts/install_vllm.sh did not finish within {INSTALL_WAIT_S:.0f} s (its log: {log})"
+                )
             time.sleep(1)
         rc = rc_file.read_text().strip()
         if rc != "0":
@@ -61,7 +62,9 @@ def vllm_ready():
             pytest.fail(f"run_scripts/install_vllm.sh failed with exit code {rc} (its log: {log}):\n{tail}")
     if vllm_python() is None:
         if status is not None:
-            pytest.fail("run_scripts/install_vllm.sh finished but no vLLM interpreter is found (RELAY_VLLM_PYTHON, bench/.venv-vllm)")
+            pytest.fail(
+                "run_scripts/install_vllm.sh finished but no vLLM interpreter is found (RELAY_VLLM_PYTHON, bench/.venv-vllm)"
+            )
         pytest.skip("vLLM's environment is absent: bash run_scripts/install_vllm.sh (run_scripts/test.sh builds it)")
 
 
@@ -71,14 +74,21 @@ HI = [{"role": "user", "content": "Tell me a story about a cat."}]
 @pytest.fixture(scope="module")
 def vllm_tiny(tmp_path_factory):
     """The tiny random causal LM with vLLM's smallest CPU attention head (head_dim 32, not 16)."""
-    return make_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny", seed=0, num_attention_heads=2, num_key_value_heads=1)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("vllm") / "tiny", seed=0, num_attention_heads=2, num_key_value_heads=1
+    )
 
 
 @pytest.fixture(scope="module")
 def vllm_untied(tmp_path_factory):
     """As vllm_tiny, with an output head of its own (full fine-tuning's weight sync needs one)."""
-    return make_tiny_model(tmp_path_factory.mktemp("vllm") / "untied", seed=0, num_attention_heads=2, num_key_value_heads=1,
-                           tie_word_embeddings=False)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("vllm") / "untied",
+        seed=0,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +117,12 @@ def test_every_route_of_the_engine_server_needs_its_key(engine_server, vllm_unti
     import urllib.error
 
     def status(path, method="POST", headers=None):
-        request = urllib.request.Request(engine_server.base_url + path, b"{}" if method == "POST" else None,
-                                         {"Content-Type": "application/json", **(headers or {})}, method=method)
+        request = urllib.request.Request(
+            engine_server.base_url + path,
+            b"{}" if method == "POST" else None,
+            {"Content-Type": "application/json", **(headers or {})},
+            method=method,
+        )
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return response.status, response.read()
@@ -116,8 +130,12 @@ def test_every_route_of_the_engine_server_needs_its_key(engine_server, vllm_unti
             return err.code, err.read()
 
     code, schema = status("/openapi.json", "GET", engine_server.headers)
-    routes = [(m.upper(), p.replace("{", "").replace("}", "")) for p, ops in json.loads(schema)["paths"].items() for m in ops]
-    assert {("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"), ("POST", "/v1/load_lora_adapter")} <= set(routes)
+    routes = [
+        (m.upper(), p.replace("{", "").replace("}", "")) for p, ops in json.loads(schema)["paths"].items() for m in ops
+    ]
+    assert {("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"), ("POST", "/v1/load_lora_adapter")} <= set(
+        routes
+    )
     for method, path in routes:
         if (method, path) != ("GET", "/health"):
             for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
@@ -134,8 +152,16 @@ def on_server(server, folder, workdir):
     tok = AutoTokenizer.from_pretrained(folder)
 
     def factory(policy, max_new_tokens=8, temperature=1.0):
-        return VLLMGenerator(policy, str(folder), workdir, tok.pad_token_id, [tok.eos_token_id], max_new_tokens=max_new_tokens,
-                             temperature=temperature, server=server)
+        return VLLMGenerator(
+            policy,
+            str(folder),
+            workdir,
+            tok.pad_token_id,
+            [tok.eos_token_id],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            server=server,
+        )
 
     return factory
 
@@ -172,11 +198,14 @@ def served(serve_process):
 
 
 def ask(client, **kwargs):
-    return client.chat.completions.create(**{"model": "tiny", "messages": HI, "max_tokens": 8, "temperature": 0, **kwargs})
+    return client.chat.completions.create(
+        **{"model": "tiny", "messages": HI, "max_tokens": 8, "temperature": 0, **kwargs}
+    )
 
 
 def test_serve_vllm_answers_the_openai_client_as_relay_chat_does(served, vllm_tiny):
     from test_serve import streamed
+
     from pipeline.tools.chat import Generation, load_chat_model, prompt_ids, reply
 
     client, _ = served
@@ -186,7 +215,9 @@ def test_serve_vllm_answers_the_openai_client_as_relay_chat_does(served, vllm_ti
     assert choice.message.content.strip() == reply(chat, HI, Generation(max_new_tokens=8))  # greedy, same template
     assert answer.model == "tiny" and choice.finish_reason in ("stop", "length")
     assert answer.usage.prompt_tokens == len(prompt_ids(chat.tokenizer, HI)) and answer.usage.completion_tokens <= 8
-    texts, reasons, used = streamed(client)  # vLLM refuses n > 1 with greedy sampling (400); the FastAPI server allows it
+    texts, reasons, used = streamed(
+        client
+    )  # vLLM refuses n > 1 with greedy sampling (400); the FastAPI server allows it
     assert texts == {0: choice.message.content} and reasons == {0: choice.finish_reason}
     assert used.completion_tokens == answer.usage.completion_tokens
     assert [m.id for m in client.models.list().data] == ["tiny"]
@@ -198,15 +229,25 @@ def test_serve_vllm_n_stop_text_parts(served):
     sampled = ask(client, n=3, temperature=1.0, top_p=0.9)
     assert [c.index for c in sampled.choices] == [0, 1, 2]
     assert len(full) >= 4, full
-    stop = full[len(full) // 2: len(full) // 2 + 2]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
     cut = ask(client, max_tokens=12, stop=[stop, "never appears"]).choices[0]
     assert cut.message.content == full[: full.index(stop)] and cut.finish_reason == "stop"
-    as_parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me a story "}, {"type": "text", "text": "about a cat."}]}]
+    as_parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Tell me a story "}, {"type": "text", "text": "about a cat."}],
+        }
+    ]
     assert ask(client, max_tokens=12, messages=as_parts).choices[0].message.content == full
 
 
-VLLM_BAD = [({"max_tokens": -5}, 400), ({"model": "gpt-4o"}, 404), ({"n": 0}, 400), ({"temperature": -1}, 400),
-            ({"messages": [{"role": "user", "content": "word " * 3000}]}, 400)]  # longer than --max-model-len
+VLLM_BAD = [
+    ({"max_tokens": -5}, 400),
+    ({"model": "gpt-4o"}, 404),
+    ({"n": 0}, 400),
+    ({"temperature": -1}, 400),
+    ({"messages": [{"role": "user", "content": "word " * 3000}]}, 400),
+]  # longer than --max-model-len
 
 
 def test_serve_vllm_bad_requests_are_openai_errors_and_the_server_stays_up(served):
@@ -217,7 +258,10 @@ def test_serve_vllm_bad_requests_are_openai_errors_and_the_server_stays_up(serve
         with pytest.raises(openai.APIStatusError) as caught:
             ask(client, **kwargs)
         assert caught.value.status_code == status, (kwargs, caught.value.body)
-        assert {"message", "type"} <= set(caught.value.body) and caught.value.body["message"], (kwargs, caught.value.body)
+        assert {"message", "type"} <= set(caught.value.body) and caught.value.body["message"], (
+            kwargs,
+            caught.value.body,
+        )
     assert ask(client).choices[0].message.content is not None  # still up
 
 
@@ -231,7 +275,12 @@ def test_serve_vllm_needs_the_key_on_every_route(serve_process):
     base, key = serve_process[2], SERVE_KEY
     status, text = call(base + "/openapi.json", key=key)
     routes = [(m.upper(), p) for p, ops in json.loads(text)["paths"].items() for m in ops]
-    assert {("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/chat/completions")} <= set(routes)
+    assert {
+        ("POST", "/invocations"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("POST", "/v1/chat/completions"),
+    } <= set(routes)
     outside = [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/metrics"), ("POST", "/no-such-route")]
     for method, template in routes + outside:
         if (method, template) == ("GET", "/health"):
@@ -239,7 +288,13 @@ def test_serve_vllm_needs_the_key_on_every_route(serve_process):
         path, body = template.replace("{", "").replace("}", ""), b"{" if method == "POST" else None
         for given, code in ((None, "missing_api_key"), ("sk-wrong", "invalid_api_key")):
             status, text = call(base + path, method, body, given)
-            assert status == 401 and json.loads(text)["error"]["code"] == code, (method, path, given, status, text[:200])
+            assert status == 401 and json.loads(text)["error"]["code"] == code, (
+                method,
+                path,
+                given,
+                status,
+                text[:200],
+            )
         status, text = call(base + path, method, body, key)
         assert status != 401, (method, path, status, text[:200])
         if method == "GET" and "{" not in template:  # nothing to refuse: served
@@ -252,22 +307,28 @@ def test_serve_vllm_refuses_the_roles_relays_server_refuses(serve_process, serve
     """A message with role `wizard` gets Relay's own 400 on every route that takes messages (vLLM
     alone answers it); streaming answers pass the guard unchanged."""
     import openai
+    from test_vllm_serve import call
 
     from pipeline.tools.openai_protocol import ApiError, check_request
-    from test_vllm_serve import call
 
     wizard = [{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "Obey."}]
     with pytest.raises(ApiError) as relay:
         check_request({"model": "tiny", "messages": wizard}, "tiny")
-    for path, messages in (("/v1/chat/completions", wizard), ("/invocations", wizard), ("/tokenize", wizard),
-                           ("/v1/chat/completions/batch", [wizard])):
+    for path, messages in (
+        ("/v1/chat/completions", wizard),
+        ("/invocations", wizard),
+        ("/tokenize", wizard),
+        ("/v1/chat/completions/batch", [wizard]),
+    ):
         body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 4}).encode()
         status, text = call(serve_process[2] + path, "POST", body, SERVE_KEY)
         assert status == 400, (path, status, text[:300])
         if path != "/v1/chat/completions/batch":
             assert json.loads(text) == relay.value.body(), path
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=served[1], api_key="sk-wrong", max_retries=0).chat.completions.create(model="tiny", messages=HI, max_tokens=4)
+        openai.OpenAI(base_url=served[1], api_key="sk-wrong", max_retries=0).chat.completions.create(
+            model="tiny", messages=HI, max_tokens=4
+        )
 
 
 def test_sigterm_to_relay_serve_stops_the_engine(serve_process):
@@ -295,9 +356,12 @@ def trainer_greedy(policy, prompts, n, eos):
     out = []
     with torch.no_grad():
         for p in prompts:
-            ids = policy.generate(input_ids=torch.tensor([p], device=device), attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
-                                  generation_config=config)
-            out.append(cut_at_eos(ids[0, len(p):].tolist(), eos)[0])
+            ids = policy.generate(
+                input_ids=torch.tensor([p], device=device),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
+                generation_config=config,
+            )
+            out.append(cut_at_eos(ids[0, len(p) :].tolist(), eos)[0])
     return out
 
 
@@ -314,13 +378,31 @@ def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm
     eos = [tok.eos_token_id]
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(vllm_untied, dtype=torch.float32)
-    policy = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                                  "gate_proj", "up_proj", "down_proj"]))
-    prompts = [tok("Tell me a story about a cat.")["input_ids"], tok("Hi there")["input_ids"], tok("One two three")["input_ids"]]
+    policy = get_peft_model(
+        base,
+        LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    )
+    prompts = [
+        tok("Tell me a story about a cat.")["input_ids"],
+        tok("Hi there")["input_ids"],
+        tok("One two three")["input_ids"],
+    ]
     target = torch.tensor([prompts[0] + tok(" the cat sat on the mat")["input_ids"]])
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=2e-2)
-    gen = VLLMGenerator(policy, str(vllm_untied), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4,
-                        server=shared_server)
+    gen = VLLMGenerator(
+        policy,
+        str(vllm_untied),
+        tmp_path / "vllm",
+        tok.pad_token_id,
+        eos,
+        max_new_tokens=12,
+        max_num_seqs=4,
+        server=shared_server,
+    )
     try:
         before = trainer_greedy(policy, prompts, 12, eos)
         for k in (3, 2):  # k optimizer steps, then the engine must follow
@@ -342,7 +424,9 @@ def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm
             logits = policy_logits(policy, rollout.input_ids, rollout.attention_mask, rollout.prompt_width)
         trainer = logprobs_from_logits(logits.float(), rollout.response_ids)
         mean, worst = logprob_diff(trainer, engine, rollout.response_mask)
-        print(f"vLLM vs trainer log-probs over {int(rollout.response_mask.sum())} sampled tokens: mean {mean:.2e}, max {worst:.2e}")
+        print(
+            f"vLLM vs trainer log-probs over {int(rollout.response_mask.sum())} sampled tokens: mean {mean:.2e}, max {worst:.2e}"
+        )
         assert worst < 1e-3 and mean < 1e-4
         torch.manual_seed(1)
         assert gen.generate(prompts * 2) == sampled  # seeded from torch's RNG: the same draw again
@@ -365,6 +449,7 @@ def grpo_cfg(out, model, finetuning="lora", steps=2):
 def grpo_run(cfg, monkeypatch, factory=None, stop=None):
     """Run the GRPO stage; per step: (figures, sampled response ids, the server it sampled on)."""
     from stagerun import run_stage
+
     from stages import grpo
 
     if stop is None:
@@ -375,20 +460,32 @@ def grpo_run(cfg, monkeypatch, factory=None, stop=None):
     record = lambda st, m: seen.__setitem__(st.step, (m, st.last_rollout["rollout"].responses, st._generator.server))  # noqa: E731
     stage = run_stage(grpo.GRPOStage, cfg, on_step=record, generator_factory=factory)
     for step, (figures, _, _) in seen.items():
-        print(f"step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}")
+        print(
+            f"step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}"
+        )
         assert figures["rollout/logprob_diff_max"] < 1e-3  # the engine sampled from the updated weights
     return stage, seen
 
 
-def test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run(vllm_untied, shared_server, tmp_path, monkeypatch):
+def test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run(
+    vllm_untied, shared_server, tmp_path, monkeypatch
+):
     """`generation.backend: vllm` end to end with LoRA: 4 unbroken GRPO steps vs 2, then 2 resumed
     on a server the resumed stage starts itself (fresh: no state of the first one), sample the
     same ids at every step: each row's seed is drawn from torch's RNG, which the checkpoint
     restores, and vLLM's per-request seeded sampler depends on nothing else. The stage stops the
     server it started."""
-    _, unbroken = grpo_run(grpo_cfg(tmp_path / "a", vllm_untied, steps=4), monkeypatch, on_server(shared_server, vllm_untied, tmp_path / "va"))
-    first, before = grpo_run(grpo_cfg(tmp_path / "b", vllm_untied, steps=4), monkeypatch, on_server(shared_server, vllm_untied, tmp_path / "vb"),
-                             stop=2)
+    _, unbroken = grpo_run(
+        grpo_cfg(tmp_path / "a", vllm_untied, steps=4),
+        monkeypatch,
+        on_server(shared_server, vllm_untied, tmp_path / "va"),
+    )
+    first, before = grpo_run(
+        grpo_cfg(tmp_path / "b", vllm_untied, steps=4),
+        monkeypatch,
+        on_server(shared_server, vllm_untied, tmp_path / "vb"),
+        stop=2,
+    )
     assert first.step == 2 and sorted(before) == [1, 2]
     cfg = grpo_cfg(tmp_path / "b", vllm_untied, steps=4)
     cfg.checkpoint.resume = True
@@ -403,44 +500,69 @@ def test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run(vllm_
 
 def test_grpo_stage_full_fine_tuning_samples_on_vllm(vllm_untied, shared_server, tmp_path, monkeypatch):
     """Full fine-tuning: two GRPO steps, the weights reloaded into the shared server before each rollout."""
-    stage, _ = grpo_run(grpo_cfg(tmp_path / "out", vllm_untied, "full"), monkeypatch, on_server(shared_server, vllm_untied, tmp_path / "v"))
+    stage, _ = grpo_run(
+        grpo_cfg(tmp_path / "out", vllm_untied, "full"),
+        monkeypatch,
+        on_server(shared_server, vllm_untied, tmp_path / "v"),
+    )
     assert stage.final_summary["steps"] == 2
 
 
-def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default(vllm_untied, tiny_reward_dir, shared_server, tmp_path, monkeypatch):
+def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default(
+    vllm_untied, tiny_reward_dir, shared_server, tmp_path, monkeypatch
+):
     """`generation.backend: vllm` for the PPO stage, LoRA, 2 steps on the shared server: it trains,
     logs rollout/logprob_diff_mean/_max to TensorBoard, and with `correction` left at auto every
     policy-loss call gets TIS weights: exp(trainer - engine log-prob) capped at correction_cap,
     1 off the response (recomputed here from the step's own tensors)."""
+    from stagerun import run_stage
+    from test_ppo import make_cfg
+
     from pipeline.algorithms import ppo as algo
     from pipeline.tools.report import read_scalars
-    from stagerun import run_stage
     from stages import ppo
-    from test_ppo import make_cfg
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
-    cfg = make_cfg(tmp_path / "out", vllm_untied, tiny_reward_dir, prompts, max_steps=2, learning_rate=1e-2, seq_length=256)
+    cfg = make_cfg(
+        tmp_path / "out", vllm_untied, tiny_reward_dir, prompts, max_steps=2, learning_rate=1e-2, seq_length=256
+    )
     cfg.generation.backend, cfg.generation.max_new_tokens = "vllm", 8
     cfg.tracking.trackers = ["tensorboard"]
-    assert cfg.model.finetuning == "lora" and cfg.generation.correction == "auto" and cfg.generation.correction_name == "tis"
+    assert (
+        cfg.model.finetuning == "lora"
+        and cfg.generation.correction == "auto"
+        and cfg.generation.correction_name == "tis"
+    )
     weights = []
     real_loss = algo.policy_loss
-    monkeypatch.setattr(algo, "policy_loss", lambda *a, weight=None, **k: weights.append(weight) or real_loss(*a, weight=weight, **k))
+    monkeypatch.setattr(
+        algo, "policy_loss", lambda *a, weight=None, **k: weights.append(weight) or real_loss(*a, weight=weight, **k)
+    )
     seen = {}
     record = lambda st, m: seen.__setitem__(st.step, (m, st.last_experience))  # noqa: E731
-    stage = run_stage(ppo.PPOStage, cfg, on_step=record, generator_factory=on_server(shared_server, vllm_untied, tmp_path / "v"))
+    stage = run_stage(
+        ppo.PPOStage, cfg, on_step=record, generator_factory=on_server(shared_server, vllm_untied, tmp_path / "v")
+    )
     assert stage.final_summary["steps"] == 2 and sorted(seen) == [1, 2]
     for step, (figures, exp) in seen.items():
         mask = exp.rollout.response_mask
         assert mask.sum() > 0 and not exp.rollout.engine_logp[mask.bool()].isnan().any()
-        want = torch.where(mask.bool(), (exp.old_logprobs - exp.rollout.engine_logp).exp().clamp(max=cfg.generation.correction_cap), 1.0)
+        want = torch.where(
+            mask.bool(),
+            (exp.old_logprobs - exp.rollout.engine_logp).exp().clamp(max=cfg.generation.correction_cap),
+            1.0,
+        )
         torch.testing.assert_close(exp.is_weight, want, rtol=0, atol=1e-6)
-        print(f"PPO step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}")
+        print(
+            f"PPO step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}"
+        )
         assert figures["rollout/logprob_diff_max"] < 1e-3  # the engine sampled from the updated weights
     assert weights and all(w is not None for w in weights)  # every policy-loss call was corrected
     scalars = read_scalars(tmp_path / "out")
-    assert [s for s, _ in scalars["rollout/logprob_diff_mean"]] == [1, 2] and [s for s, _ in scalars["rollout/logprob_diff_max"]] == [1, 2]
+    assert [s for s, _ in scalars["rollout/logprob_diff_mean"]] == [1, 2] and [
+        s for s, _ in scalars["rollout/logprob_diff_max"]
+    ] == [1, 2]
     assert stage._generator is None and shared_server.proc.poll() is None  # released, the shared server left running
 
 
@@ -461,8 +583,16 @@ def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny,
     prompts = [tok("Tell me a story about a cat.")["input_ids"], tok("Hi there")["input_ids"]]
     target = torch.tensor([prompts[0] + tok(" the cat sat on the mat")["input_ids"]])
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
-    gen = VLLMGenerator(policy, str(vllm_untied), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4,
-                        server=shared_server)
+    gen = VLLMGenerator(
+        policy,
+        str(vllm_untied),
+        tmp_path / "vllm",
+        tok.pad_token_id,
+        eos,
+        max_new_tokens=12,
+        max_num_seqs=4,
+        server=shared_server,
+    )
     try:
         before = trainer_greedy(policy, prompts, 12, eos)
         for k in (2, 1):
@@ -482,14 +612,22 @@ def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny,
 # ------------------------------------------------------------------------------------------
 
 
-def test_gold_table_and_chat_on_vllm_answer_as_the_relay_backend(vllm_untied, shared_server, tmp_path, monkeypatch, capsys):
+def test_gold_table_and_chat_on_vllm_answer_as_the_relay_backend(
+    vllm_untied, shared_server, tmp_path, monkeypatch, capsys
+):
     """On the untied model (the tied tiny one only repeats the prompt's last newline)."""
     from pipeline.modeling import vllm_server
     from pipeline.tools import chat as chat_tool
     from pipeline.tools.gold import GoldSettings, gold_row
 
     gold = tmp_path / "gold.jsonl"
-    gold.write_text("".join((Path(__file__).parents[1] / "data" / "sample" / "gold" / "eval.jsonl").read_text().splitlines(keepends=True)[:6]))
+    gold.write_text(
+        "".join(
+            (Path(__file__).parents[1] / "data" / "sample" / "gold" / "eval.jsonl")
+            .read_text()
+            .splitlines(keepends=True)[:6]
+        )
+    )
     started = []
 
     class Borrowed:  # the gold backend's server, served by the module's one on the same folder
@@ -503,16 +641,33 @@ def test_gold_table_and_chat_on_vllm_answer_as_the_relay_backend(vllm_untied, sh
             return None
 
     monkeypatch.setattr(vllm_server, "VLLMServer", Borrowed)
-    rows = {backend: gold_row(backend, str(vllm_untied), gold, GoldSettings(max_new_tokens=12, batch_size=3, backend=backend),
-                              answers_dir=tmp_path / "answers") for backend in ("relay", "vllm")}
+    rows = {
+        backend: gold_row(
+            backend,
+            str(vllm_untied),
+            gold,
+            GoldSettings(max_new_tokens=12, batch_size=3, backend=backend),
+            answers_dir=tmp_path / "answers",
+        )
+        for backend in ("relay", "vllm")
+    }
     assert [(f, o.dtype, o.max_num_seqs) for f, o in started] == [(str(vllm_untied), "float32", 3)]
-    read = lambda name: [json.loads(line)["answer"] for line in (tmp_path / "answers" / f"{name}.jsonl").read_text().splitlines()]  # noqa: E731
+    read = lambda name: [
+        json.loads(line)["answer"] for line in (tmp_path / "answers" / f"{name}.jsonl").read_text().splitlines()
+    ]  # noqa: E731
     assert read("vllm") == read("relay") and any(read("relay"))
-    assert {k: rows["vllm"][k] for k in ("phrase_rate", "fact_accuracy", "n")} == {k: rows["relay"][k] for k in ("phrase_rate", "fact_accuracy", "n")}
+    assert {k: rows["vllm"][k] for k in ("phrase_rate", "fact_accuracy", "n")} == {
+        k: rows["relay"][k] for k in ("phrase_rate", "fact_accuracy", "n")
+    }
 
     relay = chat_tool.load_chat_model(str(vllm_untied))
-    served = chat_tool.ChatModel("vllm", None, relay.tokenizer, server=shared_server,
-                                 eos_ids=chat_tool.chat_eos_ids(str(vllm_untied), relay.tokenizer))
+    served = chat_tool.ChatModel(
+        "vllm",
+        None,
+        relay.tokenizer,
+        server=shared_server,
+        eos_ids=chat_tool.chat_eos_ids(str(vllm_untied), relay.tokenizer),
+    )
     for text in ("Tell me a story about a cat.", "What is the capital of France?"):
         messages = [{"role": "user", "content": text}]
         gen = chat_tool.Generation(max_new_tokens=10)
@@ -539,20 +694,36 @@ def test_vllms_hermes_parser_reads_relays_layout_on_smollm2(embedded_path):
 
     tok = AutoTokenizer.from_pretrained(embedded_path)
     template = make_template(ChatDataConfig(), tok)
-    calls = [{"name": "add", "arguments": {"a": 48213, "b": 91877}}, {"name": "lookup", "arguments": {"city": "Zürich", "n": [1, 2]}}]
-    conv = Conversation([Turn("user", "u"), Turn("assistant", "Let me check.", tool_calls=calls), Turn("tool", "1"), Turn("tool", "2")],
-                        tools=[{"name": n, "description": "d", "parameters": {"type": "object", "properties": {}}} for n in ("add", "lookup")])
+    calls = [
+        {"name": "add", "arguments": {"a": 48213, "b": 91877}},
+        {"name": "lookup", "arguments": {"city": "Zürich", "n": [1, 2]}},
+    ]
+    conv = Conversation(
+        [Turn("user", "u"), Turn("assistant", "Let me check.", tool_calls=calls), Turn("tool", "1"), Turn("tool", "2")],
+        tools=[
+            {"name": n, "description": "d", "parameters": {"type": "object", "properties": {}}}
+            for n in ("add", "lookup")
+        ],
+    )
     text = next(t for t, trained in render_segments(conv, tok, template) if trained).removesuffix(template.eos)
     ours = parse_answer(text)
     assert ours.calls == calls and not ours.errors
     script = Path(__file__).parent / "vllm_side" / "hermes_read.py"
-    done = subprocess.run([vllm_python(), str(script), str(embedded_path), text], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ""})
+    done = subprocess.run(
+        [vllm_python(), str(script), str(embedded_path), text],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     read = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(read["opener_ids"]) > 1  # no single <tool_call> token
     whole, streamed = read["whole"], read["streamed"]
-    assert whole["called"] and [(n, json.loads(a)) for n, a in whole["calls"]] == [(c["name"], c["arguments"]) for c in calls]
+    assert whole["called"] and [(n, json.loads(a)) for n, a in whole["calls"]] == [
+        (c["name"], c["arguments"]) for c in calls
+    ]
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(streamed["calls"].items())] == [
-        (c["name"], c["arguments"]) for c in calls]
+        (c["name"], c["arguments"]) for c in calls
+    ]
     assert whole["content"].strip() == streamed["content"].strip() == ours.content.strip() == "Let me check."

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pipeline.modeling.vllm_server import vllm_python
 from tinymodels import make_tiny_model
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(vllm_python() is None, reason="vLLM is absent: bash run_scripts/install_vllm.sh")]
+from pipeline.modeling.vllm_server import vllm_python
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(vllm_python() is None, reason="vLLM is absent: bash run_scripts/install_vllm.sh"),
+]
 
 
 def gpu_free() -> int:
@@ -31,11 +33,11 @@ def lora_policy(folder):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vllm_sleeps_during_the_update_and_wakes_following_the_policy(tmp_path, tp):
+    from test_vllm import trainer_greedy
     from transformers import AutoTokenizer
 
     from pipeline.algorithms.rollout import cut_at_eos
     from pipeline.algorithms.vllm_generator import VLLMGenerator
-    from test_vllm import trainer_greedy
 
     if torch.cuda.device_count() < tp:
         pytest.skip(f"tensor_parallel_size {tp} needs {tp} GPUs")
@@ -46,8 +48,18 @@ def test_vllm_sleeps_during_the_update_and_wakes_following_the_policy(tmp_path, 
     prompts = [tok("Tell me a story about a cat.")["input_ids"], tok("Hi there")["input_ids"]]
     target = torch.tensor([prompts[0] + tok(" the cat sat on the mat")["input_ids"]], device="cuda")
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=2e-2)
-    gen = VLLMGenerator(policy, str(folder), tmp_path / "vllm", tok.pad_token_id, eos, max_new_tokens=12, max_num_seqs=4,
-                        tensor_parallel_size=tp, sleep=True, gpu_memory_utilization=0.3)
+    gen = VLLMGenerator(
+        policy,
+        str(folder),
+        tmp_path / "vllm",
+        tok.pad_token_id,
+        eos,
+        max_new_tokens=12,
+        max_num_seqs=4,
+        tensor_parallel_size=tp,
+        sleep=True,
+        gpu_memory_utilization=0.3,
+    )
     try:
         gen.start()
         awake = gpu_free()

@@ -75,15 +75,32 @@ def port_free(port: int) -> bool:
 def start_serve(folder: Path, port: int, log: Path, env: dict, extra: tuple = ()) -> tuple[subprocess.Popen, set[int]]:
     """`relay serve FOLDER --backend vllm` (a key from RELAY_API_KEY in `env`) until /health
     answers; (its process, the engine processes under it)."""
-    cmd = [sys.executable, "-m", "pipeline.tools.serve", str(folder), "--backend", "vllm", "--name", "tiny", "--port", str(port),
-           "--max-batch", "2", "--max-model-len", "512", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.tools.serve",
+        str(folder),
+        "--backend",
+        "vllm",
+        "--name",
+        "tiny",
+        "--port",
+        str(port),
+        "--max-batch",
+        "2",
+        "--max-model-len",
+        "512",
+        *extra,
+    ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     wait_for_health(port, proc, 300, log)
     return proc, descendants(proc.pid)
 
 
-def assert_stopped_with_its_parent(proc: subprocess.Popen, engine: set[int], port: int, how: int, timeout: float = 60) -> None:
+def assert_stopped_with_its_parent(
+    proc: subprocess.Popen, engine: set[int], port: int, how: int, timeout: float = 60
+) -> None:
     """Signal `relay serve` alone (not its group) with `how`; then no engine process may be left
     and the port must be free."""
     assert engine and alive(engine) == engine
@@ -131,7 +148,9 @@ def fake_engine(tmp_path, monkeypatch):
     return fake
 
 
-def wait_for_health(port: int, proc: subprocess.Popen | None = None, timeout: float = 120, log: Path | None = None) -> None:
+def wait_for_health(
+    port: int, proc: subprocess.Popen | None = None, timeout: float = 120, log: Path | None = None
+) -> None:
     """Until GET /health on `port` answers 200 (`proc` still running)."""
     tail = lambda: log.read_text(errors="replace")[-2000:] if log else ""  # noqa: E731
     deadline = time.monotonic() + timeout
@@ -155,7 +174,11 @@ def test_sigint_stops_the_engine(fake_engine, tiny_model_dir):
 
     def interrupt():
         wait_for_health(port)
-        (fake,) = [pid for pid in descendants(os.getpid()) if str(fake_engine).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        (fake,) = [
+            pid
+            for pid in descendants(os.getpid())
+            if str(fake_engine).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
         seen["engine"] = {fake} | descendants(fake)
         os.kill(os.getpid(), signal.SIGINT)
 
@@ -183,7 +206,9 @@ def test_a_crashed_parent_takes_the_engine_down(fake_engine, tiny_model_dir, tmp
     port = free_port()
     code = f"from pipeline.tools.serve import serve_vllm; serve_vllm({str(tiny_model_dir)!r}, 'tiny', '127.0.0.1', {port}, 2, 'auto', 512)"
     with open(tmp_path / "parent.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1])
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1]
+        )
     try:
         wait_for_health(port, proc)
         engine = descendants(proc.pid)

@@ -18,12 +18,13 @@ module starts one server of its own, on that model, shared by both stages.
 from __future__ import annotations
 
 import json
+
 import pytest
 import torch
+from test_vllm import vllm_ready, vllm_untied  # noqa: F401  (fixtures: the install wait, the untied tiny model)
 
 from pipeline.modeling.manifest import write_manifest
 from pipeline.modeling.vllm_server import VLLMServer
-from test_vllm import vllm_ready, vllm_untied  # noqa: F401  (fixtures: the install wait, the untied tiny model)
 
 CALL = {"name": "add", "arguments": {"a": 2, "b": 3}}
 QUESTIONS = [f"What is 2 + {i}?" for i in range(4)]
@@ -82,7 +83,9 @@ def tools_server(caller, tmp_path_factory):
     """One server on `caller` with runtime LoRA (the stages' policies are LoRAs on it)."""
     from pipeline.algorithms.vllm_generator import engine_options
 
-    with VLLMServer(str(caller), engine_options(8), log_path=tmp_path_factory.mktemp("vllm-log") / "tools.log") as server:
+    with VLLMServer(
+        str(caller), engine_options(8), log_path=tmp_path_factory.mktemp("vllm-log") / "tools.log"
+    ) as server:
         yield server
 
 
@@ -116,15 +119,24 @@ def factory(server, folder, workdir, cfg):
 
     tok = AutoTokenizer.from_pretrained(folder)
     gen = cfg.generation
-    return lambda policy: VLLMGenerator(policy, str(folder), workdir, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens,
-                                        gen.temperature, max_model_len=cfg.train.seq_length, server=server)
+    return lambda policy: VLLMGenerator(
+        policy,
+        str(folder),
+        workdir,
+        tok.pad_token_id,
+        [tok.eos_token_id],
+        gen.max_new_tokens,
+        gen.temperature,
+        max_model_len=cfg.train.seq_length,
+        server=server,
+    )
 
 
 def check_step(rollout, requests, figures, old, weight, cfg, max_model_len):
     """What one step of a tool rollout on vLLM owes (the module docstring)."""
     budget = cfg.generation.max_new_tokens
     mask = rollout.response_mask.bool()
-    inside = rollout.attention_mask[:, rollout.prompt_width:].bool()
+    inside = rollout.attention_mask[:, rollout.prompt_width :].bool()
     inserted = inside & ~mask
     assert inserted.any(1).sum() >= 1, rollout.conversations  # ended turns were calls: results were inserted
     assert any(m["role"] == "tool" and m["content"] == "5" for conv in rollout.conversations for m in conv)
@@ -151,11 +163,12 @@ def check_step(rollout, requests, figures, old, weight, cfg, max_model_len):
 
 
 def test_grpo_with_tools_on_vllm(caller, tools_server, questions, calls, tmp_path, monkeypatch):
+    from stagerun import run_stage
+    from test_tool_rollout import _grpo_cfg
+
     from pipeline.algorithms import grpo as algo
     from pipeline.tools.report import read_scalars
-    from stagerun import run_stage
     from stages import grpo
-    from test_tool_rollout import _grpo_cfg
 
     cfg = _grpo_cfg(tmp_path / "out", caller, questions, backend="vllm")
     cfg.train.max_steps, cfg.train.seq_length = 2, 512
@@ -164,49 +177,85 @@ def test_grpo_with_tools_on_vllm(caller, tools_server, questions, calls, tmp_pat
     assert cfg.generation.correction == "auto" and cfg.generation.correction_name == "tis"
     requests = recorded(monkeypatch)
     weights, real_loss, real_update, scored = [], algo.grpo_loss, algo.grpo_update, {}
-    monkeypatch.setattr(algo, "grpo_loss", lambda *a, is_weight=None, **k: weights.append(is_weight) or real_loss(*a, is_weight=is_weight, **k))
-    monkeypatch.setattr(algo, "grpo_update", lambda *a, **k: scored.__setitem__(len(scored) + 1, dict(a[4])) or real_update(*a, **k))
+    monkeypatch.setattr(
+        algo,
+        "grpo_loss",
+        lambda *a, is_weight=None, **k: weights.append(is_weight) or real_loss(*a, is_weight=is_weight, **k),
+    )
+    monkeypatch.setattr(
+        algo, "grpo_update", lambda *a, **k: scored.__setitem__(len(scored) + 1, dict(a[4])) or real_update(*a, **k)
+    )
     seen = {}
 
     def on_step(stage, figures):
         seen[stage.step] = (figures, stage.last_rollout["rollout"], list(requests))
         requests.clear()
 
-    stage = run_stage(grpo.GRPOStage, cfg, on_step=on_step, generator_factory=factory(tools_server, caller, tmp_path / "v", cfg))
+    stage = run_stage(
+        grpo.GRPOStage, cfg, on_step=on_step, generator_factory=factory(tools_server, caller, tmp_path / "v", cfg)
+    )
     assert stage.final_summary["steps"] == 2 and sorted(seen) == [1, 2]
     for step, (figures, rollout, asked) in seen.items():
-        print(f"GRPO step {step}: {len(asked)} requests, max_tokens {sorted({m for _, m, _ in asked})}, logprob diff mean "
-              f"{figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}")
-        check_step(rollout, asked, figures, scored[step]["old"], scored[step].get("is_weight"), cfg, tools_server.opts.max_model_len)
+        print(
+            f"GRPO step {step}: {len(asked)} requests, max_tokens {sorted({m for _, m, _ in asked})}, logprob diff mean "
+            f"{figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}"
+        )
+        check_step(
+            rollout,
+            asked,
+            figures,
+            scored[step]["old"],
+            scored[step].get("is_weight"),
+            cfg,
+            tools_server.opts.max_model_len,
+        )
     assert weights and all(w is not None for w in weights)  # every policy-loss call was corrected
     scalars = read_scalars(tmp_path / "out")
-    assert [s for s, _ in scalars["rollout/logprob_diff_mean"]] == [1, 2] and [s for s, _ in scalars["rollout/logprob_diff_max"]] == [1, 2]
+    assert [s for s, _ in scalars["rollout/logprob_diff_mean"]] == [1, 2] and [
+        s for s, _ in scalars["rollout/logprob_diff_max"]
+    ] == [1, 2]
 
 
 def test_ppo_with_tools_on_vllm(caller, tiny_reward_dir, tools_server, questions, calls, tmp_path, monkeypatch):
-    from pipeline.algorithms import ppo as algo
     from stagerun import run_stage
-    from stages import ppo
     from test_ppo import make_cfg
 
-    cfg = make_cfg(tmp_path / "out", caller, tiny_reward_dir, questions, max_steps=2, batch_size=2, learning_rate=1e-2, seq_length=512)
+    from pipeline.algorithms import ppo as algo
+    from stages import ppo
+
+    cfg = make_cfg(
+        tmp_path / "out",
+        caller,
+        tiny_reward_dir,
+        questions,
+        max_steps=2,
+        batch_size=2,
+        learning_rate=1e-2,
+        seq_length=512,
+    )
     cfg.generation.backend, cfg.generation.max_new_tokens, cfg.generation.temperature = "vllm", 48, 0.8
     cfg.tools.funcs, cfg.tools.max_turns = ["test_tool_rollout:add"], 3
     assert cfg.generation.correction_name == "tis"
     requests = recorded(monkeypatch)
     weights, real_loss = [], algo.policy_loss
-    monkeypatch.setattr(algo, "policy_loss", lambda *a, weight=None, **k: weights.append(weight) or real_loss(*a, weight=weight, **k))
+    monkeypatch.setattr(
+        algo, "policy_loss", lambda *a, weight=None, **k: weights.append(weight) or real_loss(*a, weight=weight, **k)
+    )
     seen = {}
 
     def on_step(stage, figures):
         seen[stage.step] = (figures, stage.last_experience, list(requests))
         requests.clear()
 
-    stage = run_stage(ppo.PPOStage, cfg, on_step=on_step, generator_factory=factory(tools_server, caller, tmp_path / "v", cfg))
+    stage = run_stage(
+        ppo.PPOStage, cfg, on_step=on_step, generator_factory=factory(tools_server, caller, tmp_path / "v", cfg)
+    )
     assert stage.final_summary["steps"] == 2 and sorted(seen) == [1, 2]
     for step, (figures, exp, asked) in seen.items():
-        print(f"PPO step {step}: {len(asked)} requests, max_tokens {sorted({m for _, m, _ in asked})}, logprob diff mean "
-              f"{figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}")
+        print(
+            f"PPO step {step}: {len(asked)} requests, max_tokens {sorted({m for _, m, _ in asked})}, logprob diff mean "
+            f"{figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}"
+        )
         check_step(exp.rollout, asked, figures, exp.old_logprobs, exp.is_weight, cfg, tools_server.opts.max_model_len)
         assert (exp.advantages[exp.rollout.response_mask == 0] == 0).all()
     assert weights and all(w is not None for w in weights)

@@ -23,18 +23,36 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from test_distributed_stages import ABS, LOSS_KEYS, REL, STEPS, WEIGHTS_ABS, history, launch, merged_weights, stage_argv, write_data
+from test_distributed_stages import (
+    ABS,
+    LOSS_KEYS,
+    REL,
+    STEPS,
+    WEIGHTS_ABS,
+    history,
+    launch,
+    merged_weights,
+    stage_argv,
+    write_data,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "deepspeed_configs"
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="ZeRO on CPU ranks (gloo); on CUDA: tests/test_distributed_gpu.py")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="ZeRO on CPU ranks (gloo); on CUDA: tests/test_distributed_gpu.py"
+)
 PERSISTENCE = 10 * 64
 """accelerate's "auto" stage3_param_persistence_threshold for the tiny model (hidden size 64)."""
 REFERENCES = {"sft": ("sft", "lora"), "rm": ("rm", "lora"), "full": ("sft", "full"), "ppo": ("ppo", "lora")}
 """The one-process runs: name -> (stage, model.finetuning)."""
-ZERO = {"zero2-rm": "rm", "zero2_offload-sft": "sft", "zero3-sft": "sft", "zero3_offload-rm": "rm", "zero3-full": "full",
-        "zero3-ppo": "ppo"}
+ZERO = {
+    "zero2-rm": "rm",
+    "zero2_offload-sft": "sft",
+    "zero3-sft": "sft",
+    "zero3_offload-rm": "rm",
+    "zero3-full": "full",
+    "zero3-ppo": "ppo",
+}
 """The two-rank runs: '<DeepSpeed config>-<reference>'."""
 TRAINED_ABS = 1e-4
 """The trained tensors themselves (checkpoint, adapter), max |difference|: Adam divides each
@@ -82,7 +100,9 @@ def tensors(folder: Path, pattern: str) -> dict[str, torch.Tensor]:
 
 def assert_whole_and_equal(got: dict, want: dict, tol: float) -> None:
     assert got and got.keys() == want.keys()
-    assert all(got[k].numel() > 0 and got[k].shape == want[k].shape for k in got), "a saved tensor is a ZeRO-3 partition"
+    assert all(got[k].numel() > 0 and got[k].shape == want[k].shape for k in got), (
+        "a saved tensor is a ZeRO-3 partition"
+    )
     assert max(float((got[k].float() - want[k].float()).abs().max()) for k in got) < tol
 
 
@@ -98,12 +118,19 @@ def test_two_zero_ranks_equal_one_process(name, launches):
     assert [s["train/grad_norm"] for s in history(got_dir, 1)] == [s["train/grad_norm"] for s in got]
     assert max(s["train/grad_norm"] for s in got) > 0.05  # clipping was active
     # The RM's merged score head is itself a trained tensor (modules_to_save), not a LoRA product.
-    assert_whole_and_equal(merged_weights(got_dir), merged_weights(want_dir), TRAINED_ABS if stage == "rm" else WEIGHTS_ABS[mode])
+    assert_whole_and_equal(
+        merged_weights(got_dir), merged_weights(want_dir), TRAINED_ABS if stage == "rm" else WEIGHTS_ABS[mode]
+    )
     # The checkpoint's trainable weights (gathered from every rank's partitions).
-    assert_whole_and_equal(tensors(got_dir / "checkpoints", "*/model.safetensors"), tensors(want_dir / "checkpoints", "*/model.safetensors"),
-                           TRAINED_ABS)
+    assert_whole_and_equal(
+        tensors(got_dir / "checkpoints", "*/model.safetensors"),
+        tensors(want_dir / "checkpoints", "*/model.safetensors"),
+        TRAINED_ABS,
+    )
     if mode == "lora":
-        assert_whole_and_equal(tensors(got_dir / "adapter", "*.safetensors"), tensors(want_dir / "adapter", "*.safetensors"), TRAINED_ABS)
+        assert_whole_and_equal(
+            tensors(got_dir / "adapter", "*.safetensors"), tensors(want_dir / "adapter", "*.safetensors"), TRAINED_ABS
+        )
 
 
 def test_the_lora_runs_save_tensors_zero3_partitions(launches):
@@ -119,12 +146,24 @@ def test_qlora_under_zero3_is_refused_up_front(tiny_model_dir, tmp_path):
     from pipeline.config import ConfigError, load_config
     from stages.sft import SFTStage
 
-    argv_ = ["--model.path", str(tiny_model_dir), "--output_dir", str(tmp_path / "out"), "--model.finetuning", "qlora",
-             "--distributed.engine", "deepspeed", "--distributed.deepspeed_config", str(CONFIGS / "zero3.json")]
+    argv_ = [
+        "--model.path",
+        str(tiny_model_dir),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--model.finetuning",
+        "qlora",
+        "--distributed.engine",
+        "deepspeed",
+        "--distributed.deepspeed_config",
+        str(CONFIGS / "zero3.json"),
+    ]
     stage = SFTStage(load_config(SFTStage.config_class, argv_))
     with pytest.raises(ConfigError) as err:
         stage.validate()
-    lines = [p for p in err.value.problems if p.startswith("model.finetuning: qlora cannot load under DeepSpeed ZeRO-3")]
+    lines = [
+        p for p in err.value.problems if p.startswith("model.finetuning: qlora cannot load under DeepSpeed ZeRO-3")
+    ]
     assert len(lines) == 1 and "zero2" in lines[0], err.value.problems
     assert stage.tokenizer is None
     ok = SFTStage(load_config(SFTStage.config_class, argv_[:-1] + [str(CONFIGS / "zero2.json")]))
@@ -162,7 +201,11 @@ def test_zero3_auto_sizes_are_filled_from_the_policy_inside(tiny_model_dir):
     assert not hasattr(holder, "config")
     fill_hidden_size_autos(accelerator, holder)
     zero = config["zero_optimization"]
-    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"], zero["stage3_param_persistence_threshold"]) == (4096, 3686, 640)
+    assert (
+        zero["reduce_bucket_size"],
+        zero["stage3_prefetch_bucket_size"],
+        zero["stage3_param_persistence_threshold"],
+    ) == (4096, 3686, 640)
 
 
 def test_the_pad_check_reads_a_partitioned_embedding_whole(tiny_model_dir):

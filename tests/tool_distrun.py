@@ -43,9 +43,9 @@ class Scripted:
 
 
 def main(out: str, model: str, prompts: str, batch: int) -> None:
+    from stagerun import run_stage
     from transformers import AutoTokenizer
 
-    from stagerun import run_stage
     from stages import grpo
 
     cfg = grpo.GRPOConfig(output_dir=out)
@@ -61,8 +61,14 @@ def main(out: str, model: str, prompts: str, batch: int) -> None:
     cfg.checkpoint.resume, cfg.tracking.trackers = False, []
     tok = AutoTokenizer.from_pretrained(model)
     steps = []
-    stage = run_stage(grpo.GRPOStage, cfg, generator_factory=lambda policy: Scripted(tok),
-                      on_step=lambda st, m: steps.append({k: m[k] for k in ("train/loss", "train/grad_norm", "grpo/reward", "grpo/kl")}))
+    stage = run_stage(
+        grpo.GRPOStage,
+        cfg,
+        generator_factory=lambda policy: Scripted(tok),
+        on_step=lambda st, m: steps.append(
+            {k: m[k] for k in ("train/loss", "train/grad_norm", "grpo/reward", "grpo/kl")}
+        ),
+    )
     if stage.accelerator.process_index == 0:
         (Path(out) / "history.json").write_text(json.dumps(steps))
 

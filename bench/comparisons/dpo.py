@@ -66,9 +66,19 @@ SEED = 42
 def cases(quick: bool) -> list[dict]:
     """The adapter-disabled reference every step, and precomputed (quick: 3 steps of the tiny model)."""
     steps, warmup, batch = (3, 1, 1) if quick else (8, 1, 4)
-    return [{"case": name, "precompute": precompute, "steps": steps, "warmup": warmup, "batch": batch, "grad_accum": 2,
-             "seq_length": 512, "seed": SEED}
-            for name, precompute in (("lora", False), ("lora-precomputed", True))]
+    return [
+        {
+            "case": name,
+            "precompute": precompute,
+            "steps": steps,
+            "warmup": warmup,
+            "batch": batch,
+            "grad_accum": 2,
+            "seq_length": 512,
+            "seed": SEED,
+        }
+        for name, precompute in (("lora", False), ("lora-precomputed", True))
+    ]
 
 
 def pairs_file(case: dict, env: harness.SideEnv) -> Path:
@@ -77,7 +87,9 @@ def pairs_file(case: dict, env: harness.SideEnv) -> Path:
     need = case["steps"] * case["batch"] * case["grad_accum"]
     lines = [line for line in PAIRS.read_text().splitlines() if line.strip()]
     if need > len(lines):
-        raise harness.HarnessError(f"dpo {case['case']}: {case['steps']} steps need {need} pairs, {PAIRS} has {len(lines)}")
+        raise harness.HarnessError(
+            f"dpo {case['case']}: {case['steps']} steps need {need} pairs, {PAIRS} has {len(lines)}"
+        )
     path = Path(env.workdir) / f"dpo-pairs-{need}.jsonl"
     path.write_text("\n".join(lines[:need]) + "\n")
     return path
@@ -111,14 +123,30 @@ def relay_config(case: dict, env: harness.SideEnv, pairs: Path):
     out = Path(env.workdir) / f"relay-dpo-{case['case']}"
     shutil.rmtree(out, ignore_errors=True)
     cfg = DPOConfig(output_dir=str(out))
-    cfg.model.path, cfg.model.finetuning, cfg.model.dtype, cfg.model.attn_implementation = env.model, "lora", "fp32", "sdpa"
+    cfg.model.path, cfg.model.finetuning, cfg.model.dtype, cfg.model.attn_implementation = (
+        env.model,
+        "lora",
+        "fp32",
+        "sdpa",
+    )
     cfg.model.gradient_checkpointing = False
-    cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules = LORA["r"], LORA["alpha"], LORA["dropout"], ["all-linear"]
+    cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules = (
+        LORA["r"],
+        LORA["alpha"],
+        LORA["dropout"],
+        ["all-linear"],
+    )
     cfg.data.train, cfg.data.eval, cfg.data.template, cfg.data.truncation = [str(pairs)], [], "chat_template", "drop"
     cfg.dpo.loss_type, cfg.dpo.beta, cfg.dpo.label_smoothing = "sigmoid", BETA, 0.0
     cfg.dpo.precompute_ref_log_probs = case["precompute"]
     t = cfg.train
-    t.max_steps, t.batch_size, t.grad_accum, t.seq_length, t.seed = case["steps"], case["batch"], case["grad_accum"], case["seq_length"], case["seed"]
+    t.max_steps, t.batch_size, t.grad_accum, t.seq_length, t.seed = (
+        case["steps"],
+        case["batch"],
+        case["grad_accum"],
+        case["seq_length"],
+        case["seed"],
+    )
     harness.relay_train_settings(cfg, OPTIM)
     t.log_steps = 1
     return cfg
@@ -140,7 +168,9 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
 
     def recording_logps(model, batch, accelerator):
         sums, counts = scoring(model, batch, accelerator)
-        if torch.is_grad_enabled() and not records:  # the policy's forward of step 1 (the reference's runs without grad)
+        if (
+            torch.is_grad_enabled() and not records
+        ):  # the policy's forward of step 1 (the reference's runs without grad)
             half = sums.shape[0] // 2
             first["chosen"].append(float(sums[:half].mean()))
             first["rejected"].append(float(sums[half:].mean()))
@@ -161,7 +191,9 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
     def on_step(stage, record) -> None:
         indices = [i for group in stage.step_indices for i in group]
         drawn.extend(indices)
-        clock.mark(sum(len(stage.train_samples[i][k]) for i in indices for k in ("chosen_input_ids", "rejected_input_ids")))
+        clock.mark(
+            sum(len(stage.train_samples[i][k]) for i in indices for k in ("chosen_input_ids", "rejected_input_ids"))
+        )
         hwm.append(round(clock.rss))
         records.append(record)
         if stage.step >= case["steps"]:
@@ -178,19 +210,29 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
         dpo_module.sequence_logps = scoring
     n = len(pairs.read_text().splitlines())
     if len(stage.train_samples) != n:
-        raise harness.HarnessError(f"dpo relay: {len(stage.train_samples)} of {n} pairs kept (the comparison needs none dropped)")
+        raise harness.HarnessError(
+            f"dpo relay: {len(stage.train_samples)} of {n} pairs kept (the comparison needs none dropped)"
+        )
     if drawn != pair_order(n, case)[: len(drawn)] or len(records) != case["steps"]:
-        raise harness.HarnessError(f"dpo relay: drew pairs {drawn[:8]}... over {len(records)} steps, not the order "
-                                   "data_formats.sampling.epoch_order gives (update bench/comparisons/dpo.py)")
+        raise harness.HarnessError(
+            f"dpo relay: drew pairs {drawn[:8]}... over {len(records)} steps, not the order "
+            "data_formats.sampling.epoch_order gives (update bench/comparisons/dpo.py)"
+        )
     longest = max(max(len(s["chosen_input_ids"]), len(s["rejected_input_ids"])) for s in stage.train_samples)
-    return clock.result(records[0]["train/loss"], **logps_figures(first["chosen"], first["rejected"]),
-                        first_answer_tokens=first["answer_tokens"], first_tokens=first["tokens"],
-                        first_pairs=drawn[: case["batch"] * case["grad_accum"]],
-                        second_loss=records[1]["train/loss"] if len(records) > 1 else None,
-                        second_rewards_chosen=records[1]["dpo/rewards_chosen"] if len(records) > 1 else None,
-                        second_rewards_rejected=records[1]["dpo/rewards_rejected"] if len(records) > 1 else None,
-                        losses=[r["train/loss"] for r in records], longest_sequence=longest,
-                        precompute_seconds=first["precompute_seconds"], rss_mb_per_step=hwm)
+    return clock.result(
+        records[0]["train/loss"],
+        **logps_figures(first["chosen"], first["rejected"]),
+        first_answer_tokens=first["answer_tokens"],
+        first_tokens=first["tokens"],
+        first_pairs=drawn[: case["batch"] * case["grad_accum"]],
+        second_loss=records[1]["train/loss"] if len(records) > 1 else None,
+        second_rewards_chosen=records[1]["dpo/rewards_chosen"] if len(records) > 1 else None,
+        second_rewards_rejected=records[1]["dpo/rewards_rejected"] if len(records) > 1 else None,
+        losses=[r["train/loss"] for r in records],
+        longest_sequence=longest,
+        precompute_seconds=first["precompute_seconds"],
+        rss_mb_per_step=hwm,
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -207,7 +249,9 @@ def trl_rows(tokenizer, case: dict, env: harness.SideEnv) -> tuple[list[dict], l
     rows = []
     for i in order:
         r = records[i]
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": r["question"]}], add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": r["question"]}], add_generation_prompt=True, tokenize=False
+        )
         rows.append({"prompt": prompt, "chosen": r["response_chosen"], "rejected": r["response_rejected"], "line": i})
     return rows, order
 
@@ -260,28 +304,74 @@ def peer(case: dict, env: harness.SideEnv) -> harness.SideResult:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     args = DPOConfig(
-        output_dir=str(Path(env.workdir) / f"trl-dpo-{case['case']}"), max_steps=case["steps"], seed=case["seed"],
-        per_device_train_batch_size=case["batch"], gradient_accumulation_steps=case["grad_accum"],
-        learning_rate=OPTIM["lr"], lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
-        adam_beta1=OPTIM["beta1"], adam_beta2=OPTIM["beta2"], adam_epsilon=OPTIM["eps"], weight_decay=OPTIM["weight_decay"],
-        max_grad_norm=OPTIM["max_grad_norm"], beta=BETA, loss_type=["sigmoid"], label_smoothing=0.0,
-        max_length=case["seq_length"], precompute_ref_log_probs=case["precompute"], precompute_ref_batch_size=case["batch"],
-        disable_dropout=True, train_sampling_strategy="sequential", bf16=False, fp16=False, gradient_checkpointing=False,
-        use_cpu=True, logging_steps=1, report_to=[], save_strategy="no", eval_strategy="no", disable_tqdm=True,
+        output_dir=str(Path(env.workdir) / f"trl-dpo-{case['case']}"),
+        max_steps=case["steps"],
+        seed=case["seed"],
+        per_device_train_batch_size=case["batch"],
+        gradient_accumulation_steps=case["grad_accum"],
+        learning_rate=OPTIM["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=OPTIM["beta1"],
+        adam_beta2=OPTIM["beta2"],
+        adam_epsilon=OPTIM["eps"],
+        weight_decay=OPTIM["weight_decay"],
+        max_grad_norm=OPTIM["max_grad_norm"],
+        beta=BETA,
+        loss_type=["sigmoid"],
+        label_smoothing=0.0,
+        max_length=case["seq_length"],
+        precompute_ref_log_probs=case["precompute"],
+        precompute_ref_batch_size=case["batch"],
+        disable_dropout=True,
+        train_sampling_strategy="sequential",
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
     )
-    peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules="all-linear",
-                             bias="none", task_type="CAUSAL_LM")
-    trainer = MeasuredDPO(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                          peft_config=peft_config, callbacks=[Clock()])
-    longest = max(len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in trainer.train_dataset)
+    peft_config = LoraConfig(
+        r=LORA["r"],
+        lora_alpha=LORA["alpha"],
+        lora_dropout=LORA["dropout"],
+        target_modules="all-linear",
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    trainer = MeasuredDPO(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[Clock()],
+    )
+    longest = max(
+        len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in trainer.train_dataset
+    )
     trainer.train()
     if len(step_logs) != case["steps"]:
         raise harness.HarnessError(f"dpo peer: {len(step_logs)} logged steps, want {case['steps']}")
     one, two = step_logs[0], step_logs[1] if len(step_logs) > 1 else {}
-    return clock.result(one["loss"], first_logps_chosen=one["logps/chosen"], first_logps_rejected=one["logps/rejected"],
-                        first_answer_tokens=first["answer_tokens"], first_tokens=first["tokens"],
-                        first_pairs=order[: case["batch"] * case["grad_accum"]],
-                        second_loss=two.get("loss"), second_rewards_chosen=two.get("rewards/chosen"),
-                        second_rewards_rejected=two.get("rewards/rejected"), losses=[log["loss"] for log in step_logs],
-                        longest_sequence=longest, precompute_seconds=first["precompute_seconds"], rss_mb_per_step=hwm,
-                        optim=trainer.args.optim)
+    return clock.result(
+        one["loss"],
+        first_logps_chosen=one["logps/chosen"],
+        first_logps_rejected=one["logps/rejected"],
+        first_answer_tokens=first["answer_tokens"],
+        first_tokens=first["tokens"],
+        first_pairs=order[: case["batch"] * case["grad_accum"]],
+        second_loss=two.get("loss"),
+        second_rewards_chosen=two.get("rewards/chosen"),
+        second_rewards_rejected=two.get("rewards/rejected"),
+        losses=[log["loss"] for log in step_logs],
+        longest_sequence=longest,
+        precompute_seconds=first["precompute_seconds"],
+        rss_mb_per_step=hwm,
+        optim=trainer.args.optim,
+    )

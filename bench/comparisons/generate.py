@@ -36,8 +36,11 @@ WARMUP_TOKENS = 8
 
 def cases(quick: bool) -> list[dict]:
     sizes = [(2, 4)] if quick else [(b, n) for b in (1, 8, 32) for n in (24, 128, 512)]
-    return [{"case": f"b{b}-n{n}-{cache}", "batch": b, "new_tokens": n, "cache": cache, "warmup": 1}
-            for b, n in sizes for cache in ("dynamic", "static")]
+    return [
+        {"case": f"b{b}-n{n}-{cache}", "batch": b, "new_tokens": n, "cache": cache, "warmup": 1}
+        for b, n in sizes
+        for cache in ("dynamic", "static")
+    ]
 
 
 def _setup(env: harness.SideEnv, batch: int):
@@ -67,8 +70,10 @@ def weight_bytes(model) -> int:
 
 def _check(case: dict, rows: list[list[int]]) -> None:
     if len(rows) != case["batch"] or any(len(r) != case["new_tokens"] for r in rows):
-        raise harness.HarnessError(f"generate {case['case']}: rows of {sorted({len(r) for r in rows})} tokens, "
-                                   f"wanted {case['batch']} x {case['new_tokens']}")
+        raise harness.HarnessError(
+            f"generate {case['case']}: rows of {sorted({len(r) for r in rows})} tokens, "
+            f"wanted {case['batch']} x {case['new_tokens']}"
+        )
 
 
 def _timed(case: dict, clock, call) -> None:
@@ -88,13 +93,21 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
     clock = harness.StepClock()
 
     def call(n: int) -> list[list[int]]:
-        return generate(model, prompts, max_new_tokens=n, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
-                        temperature=0.0, min_new_tokens=n).tokens
+        return generate(
+            model,
+            prompts,
+            max_new_tokens=n,
+            eos_ids=[tok.eos_token_id],
+            pad_id=tok.pad_token_id,
+            temperature=0.0,
+            min_new_tokens=n,
+        ).tokens
 
     _timed(case, clock, call)
     bandwidth, read = harness.stream_bandwidth(), weight_bytes(model)
-    return clock.result(None, weight_bytes=read, bandwidth_bytes_per_s=bandwidth,
-                        roofline_tok_s=case["batch"] * bandwidth / read)
+    return clock.result(
+        None, weight_bytes=read, bandwidth_bytes_per_s=bandwidth, roofline_tok_s=case["batch"] * bandwidth / read
+    )
 
 
 def peer(case: dict, env: harness.SideEnv) -> harness.SideResult:
@@ -108,11 +121,19 @@ def peer(case: dict, env: harness.SideEnv) -> harness.SideResult:
     clock = harness.StepClock()
 
     def call(n: int) -> list[list[int]]:
-        config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=[tok.eos_token_id],
-                                  pad_token_id=tok.pad_token_id, repetition_penalty=1.0,
-                                  cache_implementation="static" if case["cache"] == "static" else None)
+        config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            eos_token_id=[tok.eos_token_id],
+            pad_token_id=tok.pad_token_id,
+            repetition_penalty=1.0,
+            cache_implementation="static" if case["cache"] == "static" else None,
+        )
         with torch.no_grad():
-            return model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:].tolist()
+            return model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[
+                :, ids.shape[1] :
+            ].tolist()
 
     _timed(case, clock, call)
     return clock.result(None)
@@ -122,5 +143,7 @@ def note(ours: harness.SideResult, theirs: harness.SideResult) -> str:
     """The row's roofline cell: the limit and Relay's share of it."""
     _, rate = harness.timed(ours, 1)
     limit = ours.extra["roofline_tok_s"]
-    return (f"n/a ({WHY_NO_LOSS}); roofline {limit:,.0f} tok/s ({ours.extra['weight_bytes'] / 1e6:,.0f} MB/step at "
-            f"{ours.extra['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s): Relay at {rate / limit:.2f} of it")
+    return (
+        f"n/a ({WHY_NO_LOSS}); roofline {limit:,.0f} tok/s ({ours.extra['weight_bytes'] / 1e6:,.0f} MB/step at "
+        f"{ours.extra['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s): Relay at {rate / limit:.2f} of it"
+    )

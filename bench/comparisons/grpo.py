@@ -65,10 +65,32 @@ REWARD = "bench.comparisons.grpo:reward"
 def cases(quick: bool) -> list[dict]:
     """LoRA with configs/pipeline_grpo.yaml's batch (quick: 3 small steps of the tiny model)."""
     if quick:
-        return [{"case": "lora", "steps": 3, "warmup": 1, "prompts": 2, "generations": 4, "grad_accum": 1, "new_tokens": 8,
-                 "seq_length": 256, "seed": SEED}]
-    return [{"case": "lora", "steps": 6, "warmup": 1, "prompts": 4, "generations": 4, "grad_accum": 1, "new_tokens": 24,
-             "seq_length": 256, "seed": SEED}]
+        return [
+            {
+                "case": "lora",
+                "steps": 3,
+                "warmup": 1,
+                "prompts": 2,
+                "generations": 4,
+                "grad_accum": 1,
+                "new_tokens": 8,
+                "seq_length": 256,
+                "seed": SEED,
+            }
+        ]
+    return [
+        {
+            "case": "lora",
+            "steps": 6,
+            "warmup": 1,
+            "prompts": 4,
+            "generations": 4,
+            "grad_accum": 1,
+            "new_tokens": 24,
+            "seq_length": 256,
+            "seed": SEED,
+        }
+    ]
 
 
 def reward(prompts: Sequence, completions: Sequence, **_) -> list[float]:
@@ -115,8 +137,10 @@ def check_generated(side: str, counts: Sequence[int], case: dict) -> None:
     """
     want = case["prompts"] * case["generations"] * case["new_tokens"]
     if len(counts) != case["steps"] or any(n != want for n in counts):
-        raise harness.HarnessError(f"grpo {side}: completion tokens per step {list(counts)}, want {want} in each of "
-                                   f"{case['steps']} steps (equal work needs full-length completions on both sides)")
+        raise harness.HarnessError(
+            f"grpo {side}: completion tokens per step {list(counts)}, want {want} in each of "
+            f"{case['steps']} steps (equal work needs full-length completions on both sides)"
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -135,9 +159,19 @@ def relay_config(case: dict, env: harness.SideEnv):
     out = Path(env.workdir) / f"relay-grpo-{case['case']}"
     shutil.rmtree(out, ignore_errors=True)
     cfg = GRPOConfig(output_dir=str(out))
-    cfg.model.path, cfg.model.finetuning, cfg.model.dtype, cfg.model.attn_implementation = env.model, "lora", "fp32", "sdpa"
+    cfg.model.path, cfg.model.finetuning, cfg.model.dtype, cfg.model.attn_implementation = (
+        env.model,
+        "lora",
+        "fp32",
+        "sdpa",
+    )
     cfg.model.gradient_checkpointing = False
-    cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules = LORA["r"], LORA["alpha"], LORA["dropout"], ["all-linear"]
+    cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules = (
+        LORA["r"],
+        LORA["alpha"],
+        LORA["dropout"],
+        ["all-linear"],
+    )
     cfg.data.train, cfg.data.eval, cfg.data.template = [str(PROMPTS)], [], "chat_template"
     cfg.data.max_prompt_length, cfg.data.truncation = case["seq_length"] - case["new_tokens"], "drop"
     g = cfg.generation
@@ -146,7 +180,13 @@ def relay_config(case: dict, env: harness.SideEnv):
     r.num_generations, r.num_iterations, r.epsilon, r.epsilon_high, r.beta = case["generations"], 1, EPSILON, None, BETA
     r.scale_rewards, r.loss_type, r.reward_funcs, r.reward_weights = "group", "dapo", [REWARD], None
     t = cfg.train
-    t.max_steps, t.batch_size, t.grad_accum, t.seq_length, t.seed = case["steps"], case["prompts"], case["grad_accum"], case["seq_length"], case["seed"]
+    t.max_steps, t.batch_size, t.grad_accum, t.seq_length, t.seed = (
+        case["steps"],
+        case["prompts"],
+        case["grad_accum"],
+        case["seq_length"],
+        case["seed"],
+    )
     harness.relay_train_settings(cfg, OPTIM)
     t.log_steps = 1
     return cfg
@@ -159,7 +199,12 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
     from stages.grpo import GRPOStage
 
     torch.set_num_threads(env.threads)
-    clock, hwm, drawn, seen = harness.StepClock(), [], [], {"completion": [], "prompt": [], "rows": [], "loss": [], "reward": []}
+    clock, hwm, drawn, seen = (
+        harness.StepClock(),
+        [],
+        [],
+        {"completion": [], "prompt": [], "rows": [], "loss": [], "reward": []},
+    )
 
     class TimedGRPO(GRPOStage):
         def train_step(self):
@@ -173,8 +218,13 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
         clock.mark(completion + prompt)
         hwm.append(round(clock.rss))
         drawn.extend(i for group in stage.step_indices for i in group)
-        for key, value in (("completion", completion), ("prompt", prompt), ("rows", int(r.input_ids.shape[0])),
-                           ("loss", record["train/loss"]), ("reward", record["grpo/reward"])):
+        for key, value in (
+            ("completion", completion),
+            ("prompt", prompt),
+            ("rows", int(r.input_ids.shape[0])),
+            ("loss", record["train/loss"]),
+            ("reward", record["grpo/reward"]),
+        ):
             seen[key].append(value)
         if stage.step >= case["steps"]:
             raise _Finished
@@ -187,12 +237,21 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
             pass
     n = len(read_prompts())
     if len(stage.train_samples) != n or drawn != prompt_order(n, case)[: len(drawn)]:
-        raise harness.HarnessError(f"grpo relay: drew prompts {drawn[:8]}... of {len(stage.train_samples)}, not the first of "
-                                   "data_formats.sampling.epoch_order's order over all prompts (update bench/comparisons/grpo.py)")
+        raise harness.HarnessError(
+            f"grpo relay: drew prompts {drawn[:8]}... of {len(stage.train_samples)}, not the first of "
+            "data_formats.sampling.epoch_order's order over all prompts (update bench/comparisons/grpo.py)"
+        )
     check_generated("relay", seen["completion"], case)
-    return clock.result(seen["loss"][0], completion_tokens=seen["completion"], prompt_tokens=seen["prompt"],
-                        completions=seen["rows"], first_prompts=drawn[: case["prompts"]], losses=seen["loss"],
-                        rewards=seen["reward"], rss_mb_per_step=hwm)
+    return clock.result(
+        seen["loss"][0],
+        completion_tokens=seen["completion"],
+        prompt_tokens=seen["prompt"],
+        completions=seen["rows"],
+        first_prompts=drawn[: case["prompts"]],
+        losses=seen["loss"],
+        rewards=seen["reward"],
+        rss_mb_per_step=hwm,
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -242,28 +301,78 @@ def peer(case: dict, env: harness.SideEnv) -> harness.SideResult:
 
     per_device = case["prompts"] * case["generations"] // case["grad_accum"]
     args = GRPOConfig(
-        output_dir=str(Path(env.workdir) / f"trl-grpo-{case['case']}"), max_steps=case["steps"], seed=case["seed"],
-        per_device_train_batch_size=per_device, gradient_accumulation_steps=case["grad_accum"],
-        num_generations=case["generations"], max_completion_length=case["new_tokens"],
-        generation_kwargs={"min_new_tokens": case["new_tokens"]}, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
-        use_vllm=False, beta=BETA, num_iterations=1, epsilon=EPSILON, loss_type="dapo", scale_rewards="group",
-        importance_sampling_level="token", mask_truncated_completions=False, shuffle_dataset=False,
-        learning_rate=OPTIM["lr"], lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
-        adam_beta1=OPTIM["beta1"], adam_beta2=OPTIM["beta2"], adam_epsilon=OPTIM["eps"], weight_decay=OPTIM["weight_decay"],
-        max_grad_norm=OPTIM["max_grad_norm"], disable_dropout=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        use_cpu=True, logging_steps=1, log_completions=False, report_to=[], save_strategy="no", eval_strategy="no",
+        output_dir=str(Path(env.workdir) / f"trl-grpo-{case['case']}"),
+        max_steps=case["steps"],
+        seed=case["seed"],
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=case["grad_accum"],
+        num_generations=case["generations"],
+        max_completion_length=case["new_tokens"],
+        generation_kwargs={"min_new_tokens": case["new_tokens"]},
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        repetition_penalty=1.0,
+        use_vllm=False,
+        beta=BETA,
+        num_iterations=1,
+        epsilon=EPSILON,
+        loss_type="dapo",
+        scale_rewards="group",
+        importance_sampling_level="token",
+        mask_truncated_completions=False,
+        shuffle_dataset=False,
+        learning_rate=OPTIM["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=OPTIM["beta1"],
+        adam_beta2=OPTIM["beta2"],
+        adam_epsilon=OPTIM["eps"],
+        weight_decay=OPTIM["weight_decay"],
+        max_grad_norm=OPTIM["max_grad_norm"],
+        disable_dropout=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        logging_steps=1,
+        log_completions=False,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
         disable_tqdm=True,
     )
-    peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules="all-linear",
-                             bias="none", task_type="CAUSAL_LM")
-    trainer = CountingGRPO(model=model, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows),
-                           processing_class=tokenizer, peft_config=peft_config, callbacks=[Clock()])
+    peft_config = LoraConfig(
+        r=LORA["r"],
+        lora_alpha=LORA["alpha"],
+        lora_dropout=LORA["dropout"],
+        target_modules="all-linear",
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    trainer = CountingGRPO(
+        model=model,
+        reward_funcs=[reward],
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[Clock()],
+    )
     trainer.train()
     check_generated("peer", seen["completion"], case)
     expected = [order[s * case["prompts"] : (s + 1) * case["prompts"]] for s in range(case["steps"])]
     if seen["lines"] != expected:
         raise harness.HarnessError(f"grpo peer: prompts per step {seen['lines']}, not Relay's order {expected}")
-    return clock.result(step_logs[0]["loss"] if step_logs else None, completion_tokens=seen["completion"],
-                        prompt_tokens=seen["prompt"], completions=seen["rows"], first_prompts=seen["lines"][0],
-                        losses=[log["loss"] for log in step_logs], rewards=[log.get("reward") for log in step_logs],
-                        rss_mb_per_step=hwm, optim=trainer.args.optim)
+    return clock.result(
+        step_logs[0]["loss"] if step_logs else None,
+        completion_tokens=seen["completion"],
+        prompt_tokens=seen["prompt"],
+        completions=seen["rows"],
+        first_prompts=seen["lines"][0],
+        losses=[log["loss"] for log in step_logs],
+        rewards=[log.get("reward") for log in step_logs],
+        rss_mb_per_step=hwm,
+        optim=trainer.args.optim,
+    )

@@ -84,7 +84,9 @@ def template_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
     """Each prompt as one user turn through the tokenizer's chat template, with the assistant opener."""
     out = []
     for prompt in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out
 
@@ -111,8 +113,10 @@ def check_generated(side: str, generated: Sequence[int], case: dict) -> None:
     """
     want = case["batch"] * case["new_tokens"]
     if not generated or any(n != want for n in generated):
-        raise harness.HarnessError(f"{side}: sampled tokens per step {list(generated)}, want {want} every step "
-                                   "(equal work needs full-length responses on both sides)")
+        raise harness.HarnessError(
+            f"{side}: sampled tokens per step {list(generated)}, want {want} every step "
+            "(equal work needs full-length responses on both sides)"
+        )
 
 
 def write_prompts(case: dict, env: harness.SideEnv, side: str) -> Path:
@@ -165,8 +169,10 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
             if self.step == 0:
                 ids = sorted(s["prompt_ids"] for s in self.train_samples)
                 if ids != expected:
-                    raise harness.HarnessError("relay: its rendered prompts differ from the tokenizer's chat template's ids "
-                                               "(the peer would roll out other prompts)")
+                    raise harness.HarnessError(
+                        "relay: its rendered prompts differ from the tokenizer's chat template's ids "
+                        "(the peer would roll out other prompts)"
+                    )
                 input_ids, mask = left_pad(ids, self.tokenizer.pad_token_id)
                 with torch.no_grad():
                     logits, _ = self.inner(input_ids, mask, 1, critic=False)
@@ -184,8 +190,13 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
     with harness.full_length_sampling():
         BenchPPO(cfg).run(on_step=on_step)
     check_generated("relay", seen["generated"], case)
-    return clock.result(seen["first_loss"], generated_tokens=seen["generated"], response_width=seen["width"],
-                        prompts=case["batch"], first_loss_is="mean NLL of the prompt batch under the initial policy")
+    return clock.result(
+        seen["first_loss"],
+        generated_tokens=seen["generated"],
+        response_width=seen["width"],
+        prompts=case["batch"],
+        first_loss_is="mean NLL of the prompt batch under the initial policy",
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -200,7 +211,7 @@ def count_generation(model, eos_id: int, sink: list) -> None:
     def generate(*args, **kwargs):
         out = original(*args, **kwargs)
         sequences = out.sequences if hasattr(out, "sequences") else out
-        new = sequences[:, kwargs["input_ids"].shape[1]:]
+        new = sequences[:, kwargs["input_ids"].shape[1] :]
         sink.append((tokens_until_eos(new.tolist(), eos_id), int(new.shape[1])))
         return out
 
@@ -229,15 +240,35 @@ def peer(case: dict, env: harness.SideEnv) -> harness.SideResult:
     ref = None if lora else AutoModelForCausalLM.from_pretrained(env.model, **load)
     # Relay's lora defaults (pipeline/config/sections.py LoraConfig); dropout is off on both sides in effect
     # (TRL's disable_dropout_in_model, Relay's train_without_dropout).
-    peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM") if lora else None
+    peft_config = (
+        LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
+        if lora
+        else None
+    )
     batch = case["batch"]
     config = PPOConfig(
-        output_dir=str(Path(env.workdir) / f"trl-{case['case']}"), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        num_mini_batches=1, num_ppo_epochs=case["epochs"], total_episodes=case["steps"] * batch,
-        response_length=case["new_tokens"], temperature=1.0, stop_token="eos", missing_eos_penalty=1.0,
-        learning_rate=LEARNING_RATE, lr_scheduler_type="constant", num_sample_generations=0,
-        local_rollout_forward_batch_size=batch, report_to=[], save_strategy="no", use_cpu=True, bf16=False, fp16=False,
-        seed=SEED, disable_tqdm=True)
+        output_dir=str(Path(env.workdir) / f"trl-{case['case']}"),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        num_ppo_epochs=case["epochs"],
+        total_episodes=case["steps"] * batch,
+        response_length=case["new_tokens"],
+        temperature=1.0,
+        stop_token="eos",
+        missing_eos_penalty=1.0,
+        learning_rate=LEARNING_RATE,
+        lr_scheduler_type="constant",
+        num_sample_generations=0,
+        local_rollout_forward_batch_size=batch,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=SEED,
+        disable_tqdm=True,
+    )
     clock, calls, generated, widths = harness.StepClock(), [], [], []
 
     class Timer(TrainerCallback):
@@ -250,8 +281,17 @@ def peer(case: dict, env: harness.SideEnv) -> harness.SideResult:
             calls.clear()
             clock.mark(generated[-1])
 
-    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
-                         train_dataset=dataset, value_model=value, peft_config=peft_config, callbacks=[Timer()])
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=ref,
+        reward_model=reward,
+        train_dataset=dataset,
+        value_model=value,
+        peft_config=peft_config,
+        callbacks=[Timer()],
+    )
     count_generation(trainer.model.policy, tokenizer.eos_token_id, calls)
     first = trainer.data_collator([dataset[i] for i in range(len(dataset))])["input_ids"]
     with torch.no_grad():
@@ -259,5 +299,10 @@ def peer(case: dict, env: harness.SideEnv) -> harness.SideResult:
     first_loss = prompt_nll(selective_log_softmax(logits, first[:, 1:]), first, first != tokenizer.pad_token_id)
     trainer.train()
     check_generated("peer", generated, case)
-    return clock.result(first_loss, generated_tokens=generated, response_width=widths,
-                        prompts=batch, first_loss_is="mean NLL of the prompt batch under the initial policy")
+    return clock.result(
+        first_loss,
+        generated_tokens=generated,
+        response_width=widths,
+        prompts=batch,
+        first_loss_is="mean NLL of the prompt batch under the initial policy",
+    )

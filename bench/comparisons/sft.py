@@ -66,9 +66,21 @@ def cases(quick: bool) -> list[dict]:
     tiny model (the row's form is checked, not a time; each side is mostly its imports)."""
     steps, warmup = (3, 1) if quick else (12, 2)
     modes = ("lora",) if quick else ("lora", "full")
-    out = [{"case": f"{mode}-{padding}", "finetuning": mode, "padding": padding, "steps": steps, "warmup": warmup,
-            "batch_size": 4, "seq_length": 512, "seed": 42, "gc": False}
-           for mode in modes for padding in ("padding", "packing")]
+    out = [
+        {
+            "case": f"{mode}-{padding}",
+            "finetuning": mode,
+            "padding": padding,
+            "steps": steps,
+            "warmup": warmup,
+            "batch_size": 4,
+            "seq_length": 512,
+            "seed": 42,
+            "gc": False,
+        }
+        for mode in modes
+        for padding in ("padding", "packing")
+    ]
     if not quick:  # both sides recomputing activations (TRL's default; Relay's model.gradient_checkpointing)
         out += [dict(out[0], case="lora-padding-gc", gc=True), dict(out[2], case="full-padding-gc", gc=True)]
     return out
@@ -99,14 +111,30 @@ def relay_config(case: dict, env: harness.SideEnv):
 
     cfg = SFTConfig(output_dir=str(Path(env.workdir) / f"relay-{case['case']}"))
     precision = case.get("precision", "fp32")  # bench/gpu.py: bf16 on a GPU
-    cfg.model.path, cfg.model.finetuning, cfg.model.dtype, cfg.model.attn_implementation = env.model, case["finetuning"], precision, "sdpa"
+    cfg.model.path, cfg.model.finetuning, cfg.model.dtype, cfg.model.attn_implementation = (
+        env.model,
+        case["finetuning"],
+        precision,
+        "sdpa",
+    )
     cfg.model.gradient_checkpointing = case.get("gc", False)
-    cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules = LORA["r"], LORA["alpha"], LORA["dropout"], ["all-linear"]
+    cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules = (
+        LORA["r"],
+        LORA["alpha"],
+        LORA["dropout"],
+        ["all-linear"],
+    )
     cfg.data.train, cfg.data.eval = [case.get("data", str(DATA))], []
     cfg.data.padding_mode = "pack" if case["padding"] == "packing" else "padding"
     cfg.multitask.weighted_loss_mode = "none"
     t = cfg.train
-    t.max_steps, t.batch_size, t.grad_accum, t.seq_length, t.seed = case["steps"], case["batch_size"], 1, case["seq_length"], case["seed"]
+    t.max_steps, t.batch_size, t.grad_accum, t.seq_length, t.seed = (
+        case["steps"],
+        case["batch_size"],
+        1,
+        case["seq_length"],
+        case["seed"],
+    )
     harness.relay_train_settings(cfg, OPTIM)
     t.precision = precision
     return cfg
@@ -142,9 +170,12 @@ def relay(case: dict, env: harness.SideEnv) -> harness.SideResult:
         pass
     if len(steps) != case["steps"]:
         raise harness.HarnessError(f"sft {case['case']}: Relay ran {len(steps)} of {case['steps']} steps")
-    batches_file(case, env).write_text(json.dumps({"case": case, "model": env.model, "pad_token": stage.tokenizer.pad_token,
-                                                   "steps": steps}))
-    return clock.result(losses[0], losses=losses, packing_efficiency=stage.history.steps[-1].get("train/packing_efficiency"))
+    batches_file(case, env).write_text(
+        json.dumps({"case": case, "model": env.model, "pad_token": stage.tokenizer.pad_token, "steps": steps})
+    )
+    return clock.result(
+        losses[0], losses=losses, packing_efficiency=stage.history.steps[-1].get("train/packing_efficiency")
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -203,9 +234,15 @@ def peer(case: dict, env: harness.SideEnv) -> harness.SideResult:
     if case["finetuning"] == "qlora":  # Relay's QLoRA: nf4, double quantisation, bf16 compute
         from transformers import BitsAndBytesConfig
 
-        quantized = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype),
-                     "device_map": {"": 0 if torch.cuda.is_available() else "cpu"}}
+        quantized = {
+            "quantization_config": BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=dtype,
+            ),
+            "device_map": {"": 0 if torch.cuda.is_available() else "cpu"},
+        }
     model = AutoModelForCausalLM.from_pretrained(env.model, dtype=dtype, attn_implementation="sdpa", **quantized)
     clock, first = harness.StepClock(), []
 
@@ -225,20 +262,54 @@ def peer(case: dict, env: harness.SideEnv) -> harness.SideResult:
             return loss
 
     args = SFTConfig(
-        output_dir=str(Path(env.workdir) / f"trl-{case['case']}"), max_steps=case["steps"], seed=case["seed"],
-        per_device_train_batch_size=1 if packing else case["batch_size"], gradient_accumulation_steps=1,
-        learning_rate=OPTIM["lr"], lr_scheduler_type="constant", warmup_steps=0, adam_beta1=OPTIM["beta1"],
-        adam_beta2=OPTIM["beta2"], adam_epsilon=OPTIM["eps"], weight_decay=OPTIM["weight_decay"],
-        max_grad_norm=OPTIM["max_grad_norm"], max_length=case["seq_length"], packing=packing, packing_strategy="bfd",
-        dataset_kwargs={"skip_prepare_dataset": True} if packing else None, train_sampling_strategy="sequential",
-        bf16=bf16, fp16=False, gradient_checkpointing=case.get("gc", False), use_cpu=not torch.cuda.is_available(),
-        logging_steps=1, report_to=[],
-        save_strategy="no", eval_strategy="no", disable_tqdm=True,
+        output_dir=str(Path(env.workdir) / f"trl-{case['case']}"),
+        max_steps=case["steps"],
+        seed=case["seed"],
+        per_device_train_batch_size=1 if packing else case["batch_size"],
+        gradient_accumulation_steps=1,
+        learning_rate=OPTIM["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_beta1=OPTIM["beta1"],
+        adam_beta2=OPTIM["beta2"],
+        adam_epsilon=OPTIM["eps"],
+        weight_decay=OPTIM["weight_decay"],
+        max_grad_norm=OPTIM["max_grad_norm"],
+        max_length=case["seq_length"],
+        packing=packing,
+        packing_strategy="bfd",
+        dataset_kwargs={"skip_prepare_dataset": True} if packing else None,
+        train_sampling_strategy="sequential",
+        bf16=bf16,
+        fp16=False,
+        gradient_checkpointing=case.get("gc", False),
+        use_cpu=not torch.cuda.is_available(),
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
     )
-    peft_config = (LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules="all-linear",
-                              bias="none", task_type="CAUSAL_LM") if case["finetuning"] in ("lora", "qlora") else None)
-    trainer = FirstLossSFT(model=model, args=args, train_dataset=Dataset.from_list(trl_rows(steps, packing)),
-                           processing_class=tokenizer, peft_config=peft_config, callbacks=[Clock()])
+    peft_config = (
+        LoraConfig(
+            r=LORA["r"],
+            lora_alpha=LORA["alpha"],
+            lora_dropout=LORA["dropout"],
+            target_modules="all-linear",
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        if case["finetuning"] in ("lora", "qlora")
+        else None
+    )
+    trainer = FirstLossSFT(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(trl_rows(steps, packing)),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[Clock()],
+    )
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     return clock.result(first[0] if first else None, losses=losses, optim=trainer.args.optim)

@@ -35,16 +35,36 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from data_formats.conversation import Pair, RecordError, Turn, refuse_unsupported
-from data_formats.formats import firefly, hh, llamafactory, lists, medicalgpt, mftcoder, openai, single_turn, text, trl
+from data_formats.formats import firefly, hh, lists, llamafactory, medicalgpt, mftcoder, openai, single_turn, text, trl
 
 KINDS = ("sft", "pt", "rm", "prompts", "kto")
-KIND_NAMES = {"sft": "SFT conversations", "pt": "PT text", "rm": "RM preference pairs", "prompts": "PPO prompts",
-              "kto": "KTO records (data_formats.unpaired)"}
+KIND_NAMES = {
+    "sft": "SFT conversations",
+    "pt": "PT text",
+    "rm": "RM preference pairs",
+    "prompts": "PPO prompts",
+    "kto": "KTO records (data_formats.unpaired)",
+}
 # Where data of a kind belongs: said when it reaches a stage that cannot use it.
-KIND_ADVICE = {"sft": "use the SFT stage (stages/sft.py)", "pt": "use the PT stage (stages/pretrain.py)",
-               "rm": "use the RM stage (stages/reward.py)", "prompts": "use them as PPO prompts (stages/ppo.py)",
-               "kto": "use the KTO stage (stages/kto.py)"}
-NAMES = ("chatml", "messages", "sharegpt", "alpaca", "pair", "firefly", "prompt_completion", "preference", "prompt", "text")
+KIND_ADVICE = {
+    "sft": "use the SFT stage (stages/sft.py)",
+    "pt": "use the PT stage (stages/pretrain.py)",
+    "rm": "use the RM stage (stages/reward.py)",
+    "prompts": "use them as PPO prompts (stages/ppo.py)",
+    "kto": "use the KTO stage (stages/kto.py)",
+}
+NAMES = (
+    "chatml",
+    "messages",
+    "sharegpt",
+    "alpaca",
+    "pair",
+    "firefly",
+    "prompt_completion",
+    "preference",
+    "prompt",
+    "text",
+)
 """The values of the data section's `format` (besides 'auto'), in the order help and messages list them."""
 UNPAIRED = "unpaired"
 """The format of a KTO file (its layouts are told apart per record, by their label)."""
@@ -96,18 +116,47 @@ REGISTRY: tuple[Format, ...] = (
     Format("preference", ("rm", "kto"), llamafactory.detect, pair=llamafactory.pair, what=PREFERENCE, auto=False),
     Format("preference", ("rm", "kto"), trl.detect_preference, pair=trl.preference_pair, what=PREFERENCE),
     Format("firefly", ("sft", "prompts"), firefly.detect, firefly.turns, fields=firefly.fields),
-    Format("prompt_completion", ("sft", "prompts"), trl.detect_prompt_completion, trl.prompt_completion_turns,
-           fields=trl.prompt_fields, single_turn=True),
+    Format(
+        "prompt_completion",
+        ("sft", "prompts"),
+        trl.detect_prompt_completion,
+        trl.prompt_completion_turns,
+        fields=trl.prompt_fields,
+        single_turn=True,
+    ),
     Format(UNPAIRED, ("kto",), trl.detect_unpaired, trl.unpaired_turns, auto=False),
-    Format("messages", ("sft", "prompts", "kto"), lists.detect_messages, lists.messages_turns, fields=lists.messages_fields),
-    Format("sharegpt", ("sft", "prompts", "kto"), lists.detect_sharegpt, lists.sharegpt_turns, fields=lists.sharegpt_fields),
-    Format("alpaca", ("sft", "prompts"), single_turn.detect_alpaca, single_turn.alpaca_turns,
-           fields=single_turn.alpaca_fields, single_turn=True),
+    Format(
+        "messages", ("sft", "prompts", "kto"), lists.detect_messages, lists.messages_turns, fields=lists.messages_fields
+    ),
+    Format(
+        "sharegpt", ("sft", "prompts", "kto"), lists.detect_sharegpt, lists.sharegpt_turns, fields=lists.sharegpt_fields
+    ),
+    Format(
+        "alpaca",
+        ("sft", "prompts"),
+        single_turn.detect_alpaca,
+        single_turn.alpaca_turns,
+        fields=single_turn.alpaca_fields,
+        single_turn=True,
+    ),
     Format("text", ("pt",), text.detect, what="raw text (text)"),
-    Format("pair", ("sft", "prompts"), single_turn.detect_pair, single_turn.pair_turns,
-           fields=single_turn.question_fields, single_turn=True),
-    Format("prompt", ("prompts",), single_turn.detect_prompt, single_turn.prompt_turns,
-           fields=single_turn.question_fields, single_turn=True, what="prompts without responses"),
+    Format(
+        "pair",
+        ("sft", "prompts"),
+        single_turn.detect_pair,
+        single_turn.pair_turns,
+        fields=single_turn.question_fields,
+        single_turn=True,
+    ),
+    Format(
+        "prompt",
+        ("prompts",),
+        single_turn.detect_prompt,
+        single_turn.prompt_turns,
+        fields=single_turn.question_fields,
+        single_turn=True,
+        what="prompts without responses",
+    ),
 )
 
 

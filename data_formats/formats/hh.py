@@ -61,18 +61,25 @@ def pair(record: dict) -> Pair:
     shared = min(len(chosen), len(rejected)) - 1
     for i in range(shared):
         if chosen[i] != rejected[i]:
-            raise RecordError(f"HH-RLHF transcript: chosen and rejected differ at turn {i}, before their last turn; a "
-                              f"preference pair needs one shared prompt (drop the record, or cut both sides at turn {i})")
+            raise RecordError(
+                f"HH-RLHF transcript: chosen and rejected differ at turn {i}, before their last turn; a "
+                f"preference pair needs one shared prompt (drop the record, or cut both sides at turn {i})"
+            )
     if len(chosen) != len(rejected):
-        raise RecordError(f"HH-RLHF transcript: chosen has {len(chosen)} turns, rejected {len(rejected)}; both must be "
-                          "the same prompt followed by one answer")
+        raise RecordError(
+            f"HH-RLHF transcript: chosen has {len(chosen)} turns, rejected {len(rejected)}; both must be "
+            "the same prompt followed by one answer"
+        )
     return Pair(chosen, rejected)
 
 
 def detect_prompt(record: dict) -> bool:
     """HH-RLHF after TRL's `extract_prompt`: a `prompt` transcript and the rest of each side as texts."""
-    return (is_transcript(record.get("prompt")) and isinstance(record.get("chosen"), str)
-            and isinstance(record.get("rejected"), str))
+    return (
+        is_transcript(record.get("prompt"))
+        and isinstance(record.get("chosen"), str)
+        and isinstance(record.get("rejected"), str)
+    )
 
 
 def prompt_pair(record: dict) -> Pair:

@@ -53,8 +53,10 @@ def content_of(value: Any, where: str) -> tuple[str, list[dict]]:
         if kind in MEDIA_PARTS:
             raise media_refusal(f"a '{kind}' content part")
         if kind == "reasoning":
-            raise RecordError("a 'reasoning' content part (LLaMA-Factory v1 reasoning data); Relay trains answers, not "
-                              "separate reasoning traces: drop the reasoning parts, or write them into the answer text")
+            raise RecordError(
+                "a 'reasoning' content part (LLaMA-Factory v1 reasoning data); Relay trains answers, not "
+                "separate reasoning traces: drop the reasoning parts, or write them into the answer text"
+            )
         text = part.get("text", part.get("value")) if isinstance(part, dict) else None
         if kind not in ("text", "tool_call") or not isinstance(text, str):
             raise RecordError(f"{where}: content part {j} is not a text part ({{'type': 'text', 'text': ...}})")
@@ -79,8 +81,10 @@ def check_loss_weight(item: dict, role: str) -> None:
         return
     want = 1.0 if role == "assistant" else 0.0
     if item["loss_weight"] != want:
-        raise RecordError(f"loss_weight {item['loss_weight']!r} on a turn of the {role}; Relay trains every assistant "
-                          "turn (weight 1) and nothing else (weight 0): drop the field or the turn")
+        raise RecordError(
+            f"loss_weight {item['loss_weight']!r} on a turn of the {role}; Relay trains every assistant "
+            "turn (weight 1) and nothing else (weight 0): drop the field or the turn"
+        )
 
 
 def read_turn(item: Any, where: str, role_key: str, content_key: str) -> Turn:
@@ -120,8 +124,10 @@ def weight_of(item: dict, role: str, where: str) -> bool:
     if "weight" not in item:
         return True
     if role != "assistant" or item["weight"] not in (0, 1) or isinstance(item["weight"], bool):
-        raise RecordError(f"{where}: 'weight' {item['weight']!r} on a {role} turn; OpenAI's weight is 0 or 1 on an "
-                          "assistant message (0: not trained)")
+        raise RecordError(
+            f"{where}: 'weight' {item['weight']!r} on a {role} turn; OpenAI's weight is 0 or 1 on an "
+            "assistant message (0: not trained)"
+        )
     return item["weight"] == 1
 
 

@@ -23,9 +23,11 @@ PREFERENCE_KEYS = ("chosen", "response_chosen", "chosen_messages", "preferred_ou
 """Any of these makes a record preference data (auto-detection; each layout then says which)."""
 
 
-STEPWISE = ("TRL stepwise supervision record ('completions' with per-step 'labels', process reward data): Relay has "
-            "no process reward model stage; join the steps into one answer for SFT, or pair a good and a bad answer "
-            "to the prompt for RM/DPO")
+STEPWISE = (
+    "TRL stepwise supervision record ('completions' with per-step 'labels', process reward data): Relay has "
+    "no process reward model stage; join the steps into one answer for SFT, or pair a good and a bad answer "
+    "to the prompt for RM/DPO"
+)
 
 
 def detect_stepwise(record: dict) -> bool:
@@ -137,24 +139,32 @@ def _whole_conversations(record: dict) -> bool:
     """
     chosen = record.get("chosen")
     first = chosen[0] if isinstance(chosen, list) and chosen else None
-    if not isinstance(first, dict) or str(first.get("role", first.get("from"))).lower() not in ("user", "human", "system"):
+    if not isinstance(first, dict) or str(first.get("role", first.get("from"))).lower() not in (
+        "user",
+        "human",
+        "system",
+    ):
         return False
     for key in ("prompt", "messages", "conversations"):
         value = record.get(key)
         if value is None:
             continue
         if isinstance(value, list):
-            copied = value == chosen[:len(value)]
+            copied = value == chosen[: len(value)]
         else:
             copied = any(isinstance(m, dict) and m.get("content", m.get("value")) == value for m in chosen)
         if not copied:
-            raise RecordError(f"'chosen' holds the whole conversation, and field '{key}' is not a copy of part of it: "
-                              f"drop '{key}', or keep only the answers in 'chosen'/'rejected'")
+            raise RecordError(
+                f"'chosen' holds the whole conversation, and field '{key}' is not a copy of part of it: "
+                f"drop '{key}', or keep only the answers in 'chosen'/'rejected'"
+            )
     return True
 
 
 def _implicit_prompt_text() -> RecordError:
     """The refusal of a {chosen, rejected} pair of plain texts (no prompt, not transcripts)."""
-    return RecordError("'chosen' and 'rejected' are plain texts without a 'prompt' (TRL's implicit-prompt standard "
-                       "type) and not Human:/Assistant: transcripts: add the prompt as 'prompt' and keep only the "
-                       "answers in 'chosen'/'rejected', or give each side as a message list")
+    return RecordError(
+        "'chosen' and 'rejected' are plain texts without a 'prompt' (TRL's implicit-prompt standard "
+        "type) and not Human:/Assistant: transcripts: add the prompt as 'prompt' and keep only the "
+        "answers in 'chosen'/'rejected', or give each side as a message list"
+    )

@@ -40,7 +40,9 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.double().view(-1, group_size)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: Union[str, bool] = "group", eps: float = ADVANTAGE_EPS) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: Union[str, bool] = "group", eps: float = ADVANTAGE_EPS
+) -> torch.Tensor:
     """Each reward minus its group's mean, divided by the group's std + eps ('group', or True),
     the whole batch's std + eps ('batch', PPO Lite) or nothing ('none', or False: Dr. GRPO).
     Stds are Bessel-corrected, as TRL's `nanstd`; an all-equal group gets advantage 0.
@@ -117,7 +119,9 @@ def normalize_then_sum(per_source: torch.Tensor, weights: Sequence[float], group
     normalised over the batch; the result is the advantage ([N])."""
     cols = per_source.double()
     grouped = cols.view(-1, group_size, cols.shape[1])
-    per = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, unbiased=True, keepdim=True) + ADVANTAGE_EPS)).view_as(cols)
+    per = (
+        (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, unbiased=True, keepdim=True) + ADVANTAGE_EPS)
+    ).view_as(cols)
     summed = per @ torch.tensor(list(weights), dtype=torch.float64)
     return ((summed - summed.mean()) / (summed.std(unbiased=True) + ADVANTAGE_EPS)).to(per_source.dtype)
 

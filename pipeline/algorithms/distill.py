@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from pipeline.engine.supervised_head import chunked_rows
 
-
 # ------------------------------------------------------------------------------------------
 # Per-token divergences (pure functions of fp32 log-probs / logits)
 # ------------------------------------------------------------------------------------------
@@ -56,12 +55,18 @@ def jsd_from_logp(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: 
     return beta * _kl_terms(teacher_logp, mixture) + (1 - beta) * _kl_terms(student_logp, mixture)
 
 
-def dense_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float, temperature: float) -> torch.Tensor:
+def dense_jsd(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float, temperature: float
+) -> torch.Tensor:
     """[c] generalized JSD over the whole vocabulary of fp32 logits [c, V] at `temperature`."""
-    return jsd_from_logp(F.log_softmax(student_logits / temperature, -1), F.log_softmax(teacher_logits / temperature, -1), beta)
+    return jsd_from_logp(
+        F.log_softmax(student_logits / temperature, -1), F.log_softmax(teacher_logits / temperature, -1), beta
+    )
 
 
-def teacher_topk(teacher_logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def teacher_topk(
+    teacher_logits: torch.Tensor, k: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The teacher as a served engine reports it: (ids [c, k], log-probs [c, k] at `temperature`,
     the log of the mass outside them [c]; a very negative finite number when nothing is left)."""
     logp = F.log_softmax(teacher_logits / temperature, -1)
@@ -77,8 +82,14 @@ def _outside(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return logp.scatter(-1, ids, floor).logsumexp(-1).clamp(min=floor)
 
 
-def topk_jsd(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logp: torch.Tensor,
-             teacher_tail: torch.Tensor, beta: float, temperature: float) -> torch.Tensor:
+def topk_jsd(
+    student_logits: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    teacher_tail: torch.Tensor,
+    beta: float,
+    temperature: float,
+) -> torch.Tensor:
     """[c] generalized JSD over the teacher's top-k tokens plus one tail bucket: the student's
     log-probs at `temperature` gathered at `teacher_ids` [c, k] and its mass outside them, against
     the teacher's `teacher_logp` [c, k] and `teacher_tail` [c] (log of its mass outside)."""
@@ -143,7 +154,9 @@ def _teacher_logits(teacher: Teacher, rows: torch.Tensor) -> torch.Tensor:
         return F.linear(rows.to(w.dtype), w, b).float()
 
 
-def _jsd_rows(student: torch.Tensor, head, teacher: Teacher, tokens: torch.Tensor, beta: float, temperature: float) -> torch.Tensor:
+def _jsd_rows(
+    student: torch.Tensor, head, teacher: Teacher, tokens: torch.Tensor, beta: float, temperature: float
+) -> torch.Tensor:
     def chunk(logits: torch.Tensor, teacher_rows: torch.Tensor) -> torch.Tensor:
         target = _teacher_logits(teacher, teacher_rows)
         if teacher.top_k:
@@ -154,7 +167,9 @@ def _jsd_rows(student: torch.Tensor, head, teacher: Teacher, tokens: torch.Tenso
 
 
 def _reward_rows(estimator: Callable) -> Callable[..., torch.Tensor]:
-    def rows(student: torch.Tensor, head, teacher: Teacher, tokens: torch.Tensor, beta: float, temperature: float) -> torch.Tensor:
+    def rows(
+        student: torch.Tensor, head, teacher: Teacher, tokens: torch.Tensor, beta: float, temperature: float
+    ) -> torch.Tensor:
         def chunk(logits: torch.Tensor, teacher_rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
             own = sampled_logp(logits, ids, temperature)
             target = sampled_logp(_teacher_logits(teacher, teacher_rows), ids, temperature)
@@ -174,8 +189,16 @@ LOSSES: dict[str, DistillLoss] = {
 LOSS_TYPES = tuple(LOSSES)
 
 
-def per_token_losses(loss_type: str, student: torch.Tensor, head: Optional[torch.nn.Linear], teacher: Teacher,
-                     tokens: torch.Tensor, *, beta: float, temperature: float) -> torch.Tensor:
+def per_token_losses(
+    loss_type: str,
+    student: torch.Tensor,
+    head: Optional[torch.nn.Linear],
+    teacher: Teacher,
+    tokens: torch.Tensor,
+    *,
+    beta: float,
+    temperature: float,
+) -> torch.Tensor:
     """[N] each trained token's loss: `student` [N, H] hidden rows under `head` (None: logits
     [N, V]), `teacher` the same rows of the teacher, `tokens` [N] the tokens at those positions.
 

@@ -45,8 +45,9 @@ def loss_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def score_completions(model: ActorCritic, rollout: Rollout, *, micro: int, temperature: float, autocast, old: bool,
-                  reference: bool) -> dict[str, torch.Tensor]:
+def score_completions(
+    model: ActorCritic, rollout: Rollout, *, micro: int, temperature: float, autocast, old: bool, reference: bool
+) -> dict[str, torch.Tensor]:
     """The rollout's log-probs under the sampling policy ('old', when `old`) and the reference
     ('ref', when `reference`), in micro-batches of the size the update uses, so the update's first
     forward reproduces 'old' exactly. Nothing is run for what is not asked (beta 0 and one
@@ -67,7 +68,9 @@ def score_completions(model: ActorCritic, rollout: Rollout, *, micro: int, tempe
     return {k: torch.cat(v) for k, v in out.items()}
 
 
-def grpo_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, scored: dict, accelerator, cfg, step: int) -> dict[str, float]:
+def grpo_update(
+    model, optimizer, rollout: Rollout, advantages: torch.Tensor, scored: dict, accelerator, cfg, step: int
+) -> dict[str, float]:
     """`grpo.num_iterations` optimizer steps over the generation batch, each accumulated over
     `train.grad_accum` micro-batches in rollout order. Old log-probs are the rollout's ('old', or
     with one iteration the first forward's own, detached: the same numbers, one forward fewer).
@@ -100,8 +103,9 @@ def grpo_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, sc
             ids, attn = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
             mask = mask_all[rows].to(device)
             with accelerator.autocast():
-                policy, _ = model(ids, attn, P, critic=False, temperature=temperature,
-                                  entropy=g.top_entropy_quantile < 1.0)
+                policy, _ = model(
+                    ids, attn, P, critic=False, temperature=temperature, entropy=g.top_entropy_quantile < 1.0
+                )
             logp = policy.logp
             old = scored["old"][rows].to(device) if "old" in scored else logp.detach()
             ref = scored["ref"][rows].to(device) if "ref" in scored else None
@@ -109,8 +113,17 @@ def grpo_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, sc
             logp, old, ref = (None if t is None else t.masked_fill(mask == 0, 0.0) for t in (logp, old, ref))
             keep = _entropy_filter(policy.entropy, mask, g.top_entropy_quantile, accelerator)
             weight = scored["is_weight"][rows].to(device) if "is_weight" in scored else None  # mismatch correction
-            out = grpo_loss(logp, old, advantages[rows].to(device), mask, ref_logp=ref, objective=objective, totals=totals,
-                            token_filter=keep, is_weight=weight)
+            out = grpo_loss(
+                logp,
+                old,
+                advantages[rows].to(device),
+                mask,
+                ref_logp=ref,
+                objective=objective,
+                totals=totals,
+                token_filter=keep,
+                is_weight=weight,
+            )
             accelerator.backward(out.loss * scale)
             if "ratio_dev_first" not in stats:
                 stats["ratio_dev_first"].append(float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()))
@@ -120,8 +133,9 @@ def grpo_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, sc
                 stats["kl"].append(float(out.kl))
             return out.loss
 
-        grad_norm = optimizer_step(model, optimizer, accelerator, accum, micro_batch, step=step,
-                                   max_grad_norm=cfg.train.max_grad_norm).grad_norm
+        grad_norm = optimizer_step(
+            model, optimizer, accelerator, accum, micro_batch, step=step, max_grad_norm=cfg.train.max_grad_norm
+        ).grad_norm
         total = sum(losses)
         if accelerator.num_processes > 1:  # each rank holds its share of the step's loss
             total = float(accelerator.reduce(torch.tensor(total, device=device), reduction="sum"))

@@ -99,48 +99,77 @@ class GRPOSection:
 
     def objective(self) -> Objective:
         """The loss's hyper-parameters."""
-        return Objective(loss_type=self.loss_type, epsilon=self.epsilon, epsilon_high=self.epsilon_high, delta=self.delta,
-                         beta=self.beta, importance_sampling_level=self.importance_sampling_level,
-                         sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
-                         vespo_k_pos=self.vespo_k_pos, vespo_lambda_pos=self.vespo_lambda_pos,
-                         vespo_k_neg=self.vespo_k_neg, vespo_lambda_neg=self.vespo_lambda_neg)
+        return Objective(
+            loss_type=self.loss_type,
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            delta=self.delta,
+            beta=self.beta,
+            importance_sampling_level=self.importance_sampling_level,
+            sapo_temperature_pos=self.sapo_temperature_pos,
+            sapo_temperature_neg=self.sapo_temperature_neg,
+            vespo_k_pos=self.vespo_k_pos,
+            vespo_lambda_pos=self.vespo_lambda_pos,
+            vespo_k_neg=self.vespo_k_neg,
+            vespo_lambda_neg=self.vespo_lambda_neg,
+        )
 
     def problems(self, key: str = "grpo") -> list[str]:
         out: list[str] = []
         if self.num_generations < 2:
-            out.append(f"{key}.num_generations: must be >= 2 (a group of one has no baseline), got {self.num_generations}")
+            out.append(
+                f"{key}.num_generations: must be >= 2 (a group of one has no baseline), got {self.num_generations}"
+            )
         if self.num_iterations < 1:
             out.append(f"{key}.num_iterations: must be >= 1, got {self.num_iterations}")
         if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
             out.append(f"{key}.epsilon/epsilon_high: must be > 0")
         if self.beta < 0:
             out.append(f"{key}.beta: must be >= 0, got {self.beta}")
-        for name, allowed in (("loss_type", tuple(LOSS_TYPES)), ("importance_sampling_level", IMPORTANCE_LEVELS),
-                              ("advantage_estimator", tuple(adv.ESTIMATORS)), ("scale_rewards", adv.SCALES),
-                              ("multi_objective_aggregation", adv.AGGREGATIONS)):
+        for name, allowed in (
+            ("loss_type", tuple(LOSS_TYPES)),
+            ("importance_sampling_level", IMPORTANCE_LEVELS),
+            ("advantage_estimator", tuple(adv.ESTIMATORS)),
+            ("scale_rewards", adv.SCALES),
+            ("multi_objective_aggregation", adv.AGGREGATIONS),
+        ):
             if getattr(self, name) not in allowed:
-                old = " (the old true/false: true is 'group', false is 'none')" if str(getattr(self, name)) in ("True", "False") else ""
+                old = (
+                    " (the old true/false: true is 'group', false is 'none')"
+                    if str(getattr(self, name)) in ("True", "False")
+                    else ""
+                )
                 out.append(f"{key}.{name}: {getattr(self, name)!r} is not one of {allowed}{old}")
         out += self._loss_conflicts(key) + self._advantage_conflicts(key)
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            out.append(f"{key}.reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward functions")
+            out.append(
+                f"{key}.reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward functions"
+            )
         out += [f"{key}.reward_funcs: {p}" for p in filter(None, map(rw.reward_func_problem, self.reward_funcs))]
         return out
 
     def _loss_conflicts(self, key: str) -> list[str]:
         out, lt = [], self.loss_type
         if lt == "cispo" and (self.epsilon_high is None or self.epsilon_high <= 1):
-            out.append(f"{key}.epsilon_high: loss_type cispo caps the ratio at epsilon_high itself; set it > 1 (e.g. 5.0), got {self.epsilon_high}")
+            out.append(
+                f"{key}.epsilon_high: loss_type cispo caps the ratio at epsilon_high itself; set it > 1 (e.g. 5.0), got {self.epsilon_high}"
+            )
         if lt in ("sapo", "vespo") and self.epsilon_high is not None:
             out.append(f"{key}.epsilon_high: loss_type {lt} does not clip the ratio; leave epsilon_high null")
         if self.delta is not None and lt not in CLIPPING:
             out.append(f"{key}.delta: the two-sided clip applies to clipped-ratio loss types {CLIPPING}, not {lt}")
-        elif self.delta is not None and self.delta <= 1 + (self.epsilon if self.epsilon_high is None else self.epsilon_high):
+        elif self.delta is not None and self.delta <= 1 + (
+            self.epsilon if self.epsilon_high is None else self.epsilon_high
+        ):
             out.append(f"{key}.delta: must be > 1 + epsilon_high (it caps the ratio above the clip), got {self.delta}")
         if lt == "luspo" and self.importance_sampling_level != "sequence":
-            out.append(f"{key}.importance_sampling_level: loss_type luspo needs 'sequence' (LUSPO is length-weighted GSPO)")
+            out.append(
+                f"{key}.importance_sampling_level: loss_type luspo needs 'sequence' (LUSPO is length-weighted GSPO)"
+            )
         if lt == "vespo" and self.importance_sampling_level != "token":
-            out.append(f"{key}.importance_sampling_level: loss_type vespo weighs the whole sequence itself; leave 'token'")
+            out.append(
+                f"{key}.importance_sampling_level: loss_type vespo weighs the whole sequence itself; leave 'token'"
+            )
         if lt == "sapo" and min(self.sapo_temperature_pos, self.sapo_temperature_neg) <= 0:
             out.append(f"{key}.sapo_temperature_pos/neg: must be > 0")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
@@ -150,14 +179,22 @@ class GRPOSection:
     def _advantage_conflicts(self, key: str) -> list[str]:
         out, est = [], self.advantage_estimator
         if self.scale_rewards in ("batch", "none") and est != "grpo":
-            out.append(f"{key}.scale_rewards: applies to advantage_estimator grpo only ({est} scales its own way); leave 'group'")
+            out.append(
+                f"{key}.scale_rewards: applies to advantage_estimator grpo only ({est} scales its own way); leave 'group'"
+            )
         if self.multi_objective_aggregation == "normalize_then_sum":
             if est != "grpo":
-                out.append(f"{key}.multi_objective_aggregation: normalize_then_sum yields the advantages itself; use advantage_estimator grpo, not {est}")
+                out.append(
+                    f"{key}.multi_objective_aggregation: normalize_then_sum yields the advantages itself; use advantage_estimator grpo, not {est}"
+                )
             if self.scale_rewards in ("batch", "none"):
-                out.append(f"{key}.scale_rewards: normalize_then_sum normalises each reward in its group itself; leave 'group'")
+                out.append(
+                    f"{key}.scale_rewards: normalize_then_sum normalises each reward in its group itself; leave 'group'"
+                )
         if self.dynamic_sampling and est in GROUP_FREE:
-            out.append(f"{key}.dynamic_sampling: drops groups of equal rewards, which {est} (no group baseline) learns from")
+            out.append(
+                f"{key}.dynamic_sampling: drops groups of equal rewards, which {est} (no group baseline) learns from"
+            )
         if self.max_generation_batches < 1:
             out.append(f"{key}.max_generation_batches: must be >= 1, got {self.max_generation_batches}")
         if self.overlong_buffer < 0 or self.overlong_penalty <= 0:
@@ -167,5 +204,7 @@ class GRPOSection:
     def generation_problems(self, max_new_tokens: int, key: str = "grpo") -> list[str]:
         """Checks against generation.max_new_tokens."""
         if self.overlong_buffer and self.overlong_buffer >= max_new_tokens:
-            return [f"{key}.overlong_buffer: {self.overlong_buffer} must be < generation.max_new_tokens ({max_new_tokens})"]
+            return [
+                f"{key}.overlong_buffer: {self.overlong_buffer} must be < generation.max_new_tokens ({max_new_tokens})"
+            ]
         return []

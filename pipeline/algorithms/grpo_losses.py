@@ -183,7 +183,9 @@ def importance_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: s
     raise ValueError(f"importance_sampling_level {level!r} is not one of {IMPORTANCE_LEVELS}")
 
 
-def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float, pool: Optional[torch.Tensor] = None) -> torch.Tensor:
+def high_entropy_mask(
+    entropies: torch.Tensor, mask: torch.Tensor, quantile: float, pool: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Loss tokens whose entropy is at or above the (1 - quantile) quantile of `pool` (default:
     the masked entropies; the update passes every rank's), as a bool [B, T] (Beyond the 80/20
     Rule: only the top `quantile` of tokens by entropy carry the policy gradient)."""
@@ -204,11 +206,24 @@ class GRPOLossOut:
     """Mean k3 KL(policy || reference) per token of the micro-batch (None when beta is 0)."""
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, epsilon: float = 0.2,
-              epsilon_high: Optional[float] = None, beta: float = 0.0, ref_logp: Optional[torch.Tensor] = None,
-              loss_type: str = "dapo", num_tokens: Optional[float] = None, num_sequences: Optional[int] = None,
-              objective: Optional[Objective] = None, totals: Optional[Totals] = None,
-              token_filter: Optional[torch.Tensor] = None, is_weight: Optional[torch.Tensor] = None) -> GRPOLossOut:
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: Optional[float] = None,
+    beta: float = 0.0,
+    ref_logp: Optional[torch.Tensor] = None,
+    loss_type: str = "dapo",
+    num_tokens: Optional[float] = None,
+    num_sequences: Optional[int] = None,
+    objective: Optional[Objective] = None,
+    totals: Optional[Totals] = None,
+    token_filter: Optional[torch.Tensor] = None,
+    is_weight: Optional[torch.Tensor] = None,
+) -> GRPOLossOut:
     """The GRPO loss of one micro-batch ([B, T] log-probs and mask, [B] or [B, T] advantages):
     `LOSS_TYPES[objective.loss_type]`'s per-token rule on the importance weights, times
     `token_filter` (the high-entropy tokens) when given, plus beta * k3(policy, reference), then
@@ -228,8 +243,11 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         raise ValueError(f"loss_type {o.loss_type!r} is not one of {tuple(LOSS_TYPES)}")
     mask = mask.to(logp.dtype)
     if totals is None:
-        totals = Totals(float(mask.sum()) if num_tokens is None else float(num_tokens),
-                        logp.shape[0] if num_sequences is None else int(num_sequences), logp.shape[1])
+        totals = Totals(
+            float(mask.sum()) if num_tokens is None else float(num_tokens),
+            logp.shape[0] if num_sequences is None else int(num_sequences),
+            logp.shape[1],
+        )
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
     log_ratio = logp - old_logp

@@ -42,8 +42,10 @@ from typing import Callable, Optional, Sequence
 
 log = logging.getLogger("relay.judge")
 
-DEFAULT_TEMPLATE = ("Rate how well the answer responds to the question, from 0 (useless or wrong) to 10 (correct, "
-                    "complete and clear). Reply with the number only.\n\nQuestion:\n{question}\n\nAnswer:\n{answer}")
+DEFAULT_TEMPLATE = (
+    "Rate how well the answer responds to the question, from 0 (useless or wrong) to 10 (correct, "
+    "complete and clear). Reply with the number only.\n\nQuestion:\n{question}\n\nAnswer:\n{answer}"
+)
 FIELDS = ("question", "answer", "reference")
 RETRIED_STATUS = (408, 409, 429, 500, 502, 503, 504)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -115,8 +117,10 @@ class JudgeConfig:
         if not self.model:
             out.append(f"{key}.model: required (the name the endpoint serves)")
         if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
-            out.append(f"{key}.api_key_env: {self.api_key_env!r} is not an environment variable name (give the variable's "
-                       f"name, never the key)")
+            out.append(
+                f"{key}.api_key_env: {self.api_key_env!r} is not an environment variable name (give the variable's "
+                f"name, never the key)"
+            )
         elif self.api_key_env and self.api_key_env not in os.environ:
             out.append(f"{key}.api_key_env: the environment variable {self.api_key_env} is not set")
         try:
@@ -131,7 +135,9 @@ class JudgeConfig:
             out.append(f"{key}.template: uses {{reference}} but {key}.reference_column is not set")
         if (self.score_range is None) == (self.choices is None):
             out.append(f"{key}.score_range/choices: set exactly one (a number in a range, or labels mapped to scores)")
-        elif self.score_range is not None and (len(self.score_range) != 2 or not self.score_range[0] < self.score_range[1]):
+        elif self.score_range is not None and (
+            len(self.score_range) != 2 or not self.score_range[0] < self.score_range[1]
+        ):
             out.append(f"{key}.score_range: must be [lo, hi] with lo < hi, got {self.score_range}")
         elif self.choices is not None and not self.choices:
             out.append(f"{key}.choices: empty")
@@ -156,7 +162,11 @@ class JudgeConfig:
         if not self.enabled or not col:
             return []
         missing = sum(1 for r in records if r.get(col) is None)
-        return [f"{key}.reference_column: {missing} of {len(records)} prompt records have no {col!r} field"] if missing else []
+        return (
+            [f"{key}.reference_column: {missing} of {len(records)} prompt records have no {col!r} field"]
+            if missing
+            else []
+        )
 
 
 def parse_score(reply: str, cfg: JudgeConfig) -> Optional[float]:
@@ -301,7 +311,11 @@ class JudgeReward:
                 break
             except (TimeoutError, OSError) as err:  # URLError, socket.timeout, connection refused/reset
                 reason = getattr(err, "reason", err)
-                error = "timeout" if isinstance(reason, TimeoutError) or "timed out" in str(reason) else f"connection: {reason}"
+                error = (
+                    "timeout"
+                    if isinstance(reason, TimeoutError) or "timed out" in str(reason)
+                    else f"connection: {reason}"
+                )
                 continue
             except (ValueError, KeyError, IndexError, TypeError, AttributeError):
                 error = "not an OpenAI chat.completion response"
@@ -313,8 +327,15 @@ class JudgeReward:
             return Outcome(score, reply, None, seconds, attempt)
         return Outcome(None, None, error, time.perf_counter() - started, attempt)
 
-    def score(self, questions: Sequence[str], answers: Sequence[str], references: Optional[Sequence[Optional[str]]] = None,
-              *, tag: int = 0, golds: Optional[Sequence[Optional[bool]]] = None) -> list[float]:
+    def score(
+        self,
+        questions: Sequence[str],
+        answers: Sequence[str],
+        references: Optional[Sequence[Optional[str]]] = None,
+        *,
+        tag: int = 0,
+        golds: Optional[Sequence[Optional[bool]]] = None,
+    ) -> list[float]:
         """One score per answer. Identical requests (in this call or cached) cost one request; the
         rest run `max_concurrency` at a time. `tag`: the optimizer step asking (see `open`);
         `golds`: whether each answer states the verified answer (None: unknown), for the agreement count.
@@ -332,19 +353,31 @@ class JudgeReward:
         headers = self._headers() if todo else {}
         with ThreadPoolExecutor(max_workers=min(cfg.max_concurrency, max(1, len(todo)))) as pool:
             outcomes = dict(zip(todo, pool.map(lambda body: self._post(body, headers), todo.values())))
-        stats = JudgeStats(requests=len(todo), cache_hits=len(keys) - len(todo),
-                           attempts=sum(o.attempts for o in outcomes.values()),
-                           seconds=sum(o.seconds for o in outcomes.values()))
+        stats = JudgeStats(
+            requests=len(todo),
+            cache_hits=len(keys) - len(todo),
+            attempts=sum(o.attempts for o in outcomes.values()),
+            seconds=sum(o.seconds for o in outcomes.values()),
+        )
         failed = {k: o for k, o in outcomes.items() if o.score is None}
         self._remember({k: (tag, o.score, o.reply) for k, o in outcomes.items() if o.score is not None})
         if failed:
             first = next(iter(failed.values())).error
             if cfg.on_failure is None:
-                raise JudgeError(f"judge: {len(failed)} of {len(todo)} requests to {cfg.base_url} failed (first: {first}); "
-                                 f"set judge.on_failure to a fallback score to train through failures")
-            log.warning("judge: %d of %d requests failed (first: %s); they score judge.on_failure = %s",
-                        len(failed), len(todo), first, cfg.on_failure)
-        scores = [cfg.on_failure if k in failed else (outcomes[k].score if k in outcomes else self.cache[k][1]) for k in keys]
+                raise JudgeError(
+                    f"judge: {len(failed)} of {len(todo)} requests to {cfg.base_url} failed (first: {first}); "
+                    f"set judge.on_failure to a fallback score to train through failures"
+                )
+            log.warning(
+                "judge: %d of %d requests failed (first: %s); they score judge.on_failure = %s",
+                len(failed),
+                len(todo),
+                first,
+                cfg.on_failure,
+            )
+        scores = [
+            cfg.on_failure if k in failed else (outcomes[k].score if k in outcomes else self.cache[k][1]) for k in keys
+        ]
         stats.failures = sum(1 for k in keys if k in failed)
         for value, gold, k in zip(scores, golds or [], keys):
             if gold is not None and k not in failed:
@@ -360,8 +393,12 @@ class JudgeReward:
         0 when the cache answered everything) and, with gold_column, gold_agreement (NaN when every
         request failed). The same names every call: ranks average them in one all-reduce."""
         s, self.pending = self.pending, JudgeStats()
-        out = {f"{prefix}requests": float(s.requests), f"{prefix}cache_hits": float(s.cache_hits),
-               f"{prefix}failures": float(s.failures), f"{prefix}latency_s": s.seconds / s.requests if s.requests else 0.0}
+        out = {
+            f"{prefix}requests": float(s.requests),
+            f"{prefix}cache_hits": float(s.cache_hits),
+            f"{prefix}failures": float(s.failures),
+            f"{prefix}latency_s": s.seconds / s.requests if s.requests else 0.0,
+        }
         if self.cfg.gold_column:
             out[f"{prefix}gold_agreement"] = s.agree / s.judged_gold if s.judged_gold else math.nan
         return out

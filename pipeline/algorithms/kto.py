@@ -70,8 +70,9 @@ def kl_estimate(policy: torch.Tensor, reference: torch.Tensor, accelerator=None)
     return mean.to(policy.device).clamp(min=0)
 
 
-def unpaired_losses(cfg, sums: torch.Tensor, ref: torch.Tensor, labels: torch.Tensor,
-                    kl: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def unpaired_losses(
+    cfg, sums: torch.Tensor, ref: torch.Tensor, labels: torch.Tensor, kl: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(scalar loss: the sample mean, {figure: scalar sum}) of one micro-batch from its [N] policy
     and reference sums, [N] labels (1 desirable) and z_ref (None: 0, for a loss without it). The
     figures are sums with their counts, so that micro-batches and ranks add up: loss, samples,
@@ -82,23 +83,36 @@ def unpaired_losses(cfg, sums: torch.Tensor, ref: torch.Tensor, labels: torch.Te
     losses = LOSSES[cfg.loss_type].fn(ratios, desirable, kl, cfg)
     rewards = cfg.beta * ratios.detach()
     zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
-    figures = {"loss": losses.detach().sum(), "samples": torch.tensor(float(len(losses))),
-               "chosen_rewards": torch.where(desirable, rewards, zero).sum(), "chosen": desirable.sum().float(),
-               "rejected_rewards": torch.where(desirable, zero, rewards).sum(), "rejected": (~desirable).sum().float()}
+    figures = {
+        "loss": losses.detach().sum(),
+        "samples": torch.tensor(float(len(losses))),
+        "chosen_rewards": torch.where(desirable, rewards, zero).sum(),
+        "chosen": desirable.sum().float(),
+        "rejected_rewards": torch.where(desirable, zero, rewards).sum(),
+        "rejected": (~desirable).sum().float(),
+    }
     return losses.mean(), figures
 
 
 def figure_means(sums: dict[str, float]) -> dict[str, float]:
     """loss, rewards_chosen, rewards_rejected, margin from `unpaired_losses`'s summed figures (NaN
     where a kind had no sample)."""
+
     def mean(key: str, count: str) -> float:
         return sums[key] / sums[count] if sums[count] else float("nan")
 
     chosen, rejected = mean("chosen_rewards", "chosen"), mean("rejected_rewards", "rejected")
-    return {"loss": mean("loss", "samples"), "rewards_chosen": chosen, "rewards_rejected": rejected, "margin": chosen - rejected}
+    return {
+        "loss": mean("loss", "samples"),
+        "rewards_chosen": chosen,
+        "rewards_rejected": rejected,
+        "margin": chosen - rejected,
+    }
 
 
-def weight_advice(desirable: int, undesirable: int, desirable_weight: float, undesirable_weight: float) -> Optional[str]:
+def weight_advice(
+    desirable: int, undesirable: int, desirable_weight: float, undesirable_weight: float
+) -> Optional[str]:
     """The KTO paper's advice (Eq. 8: λ_D·n_D / (λ_U·n_U) in [1, 4/3]) when the weights fall outside
     it, as TRL warns; None when they are within it or the data is balanced."""
     if desirable == undesirable or not desirable or not undesirable:
@@ -107,6 +121,8 @@ def weight_advice(desirable: int, undesirable: int, desirable_weight: float, und
     if 1.0 <= ratio <= 4.0 / 3.0:
         return None
     low, high = undesirable_weight * undesirable / desirable, undesirable_weight * undesirable / desirable * 4.0 / 3.0
-    return (f"kto: {desirable} desirable and {undesirable} undesirable samples with weights {desirable_weight}/{undesirable_weight}: "
-            f"the KTO paper advises desirable_weight·n_D / (undesirable_weight·n_U) in [1, 4/3], e.g. desirable_weight "
-            f"in [{low:.2f}, {high:.2f}]")
+    return (
+        f"kto: {desirable} desirable and {undesirable} undesirable samples with weights {desirable_weight}/{undesirable_weight}: "
+        f"the KTO paper advises desirable_weight·n_D / (undesirable_weight·n_U) in [1, 4/3], e.g. desirable_weight "
+        f"in [{low:.2f}, {high:.2f}]"
+    )

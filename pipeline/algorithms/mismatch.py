@@ -43,8 +43,14 @@ CORRECTIONS: dict[str, Optional[Correction]] = {"none": None, "tis": truncated_w
 """`generation.correction`: none, tis (token-level truncated importance sampling), mis (masked)."""
 
 
-def correction_weights(name: str, trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
-                       cap: float, floor: Optional[float] = None) -> Optional[torch.Tensor]:
+def correction_weights(
+    name: str,
+    trainer_logp: torch.Tensor,
+    engine_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float,
+    floor: Optional[float] = None,
+) -> Optional[torch.Tensor]:
     """The per-token weight [B, T] that `name` puts on each token's loss (None for 'none').
     Tokens outside `mask`, and tokens the engine gave no log-prob (NaN), get ratio 1.
 

@@ -51,7 +51,6 @@ import torch
 from pipeline.engine.steps import LOSS_MODES, token_weights
 
 
-
 @dataclass
 class MultitaskConfig:
     weighted_loss_mode: str = "none"
@@ -92,7 +91,10 @@ class MultitaskConfig:
 
 
 def task_weighted_loss(
-    token_losses: torch.Tensor, task_ids: torch.Tensor, mode: str, task_weights: Optional[Sequence[float]] = None,
+    token_losses: torch.Tensor,
+    task_ids: torch.Tensor,
+    mode: str,
+    task_weights: Optional[Sequence[float]] = None,
     num_tasks: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The weighted loss of one batch and each task's token-mean loss (nan for absent tasks).
@@ -103,7 +105,9 @@ def task_weighted_loss(
         ValueError: shape mismatch, unknown mode, bad task weights.
     """
     if token_losses.shape != task_ids.shape:
-        raise ValueError(f"token_losses {tuple(token_losses.shape)} and task_ids {tuple(task_ids.shape)} differ in shape")
+        raise ValueError(
+            f"token_losses {tuple(token_losses.shape)} and task_ids {tuple(task_ids.shape)} differ in shape"
+        )
     valid = task_ids >= 0
     k = num_tasks or (len(task_weights) if task_weights is not None else int(task_ids.max().clamp(min=0)) + 1)
     ids = task_ids[valid]
@@ -112,7 +116,9 @@ def task_weighted_loss(
     sums = torch.zeros(k, dtype=losses.dtype, device=losses.device).index_add_(0, ids, losses)
     weights = token_weights(counts, mode, task_weights).to(losses.device, losses.dtype)
     loss = (losses * weights[ids]).sum()
-    means = torch.where(counts.to(sums.device) > 0, sums / counts.to(sums.device).clamp(min=1), torch.full_like(sums, float("nan")))
+    means = torch.where(
+        counts.to(sums.device) > 0, sums / counts.to(sums.device).clamp(min=1), torch.full_like(sums, float("nan"))
+    )
     return loss, means
 
 
@@ -161,8 +167,16 @@ class CoBa:
 
     STATE_VERSION = 2
 
-    def __init__(self, num_tasks: int, *, warmup_steps: int = 10, history_length: int = 20, tau: float = 5.0,
-                 min_weight: Optional[float] = None, clamp_divergence: bool = False):
+    def __init__(
+        self,
+        num_tasks: int,
+        *,
+        warmup_steps: int = 10,
+        history_length: int = 20,
+        tau: float = 5.0,
+        min_weight: Optional[float] = None,
+        clamp_divergence: bool = False,
+    ):
         """Raises: ValueError: num_tasks < 1 or a floor that K tasks cannot all have."""
         if num_tasks < 1:
             raise ValueError("CoBa needs at least one task")
@@ -199,7 +213,9 @@ class CoBa:
         if len(losses) != self.k:
             raise ValueError(f"CoBa.update: {len(losses)} losses for {self.k} tasks")
         if any(math.isinf(x) or x <= 0 for x in losses) or (self.first is None and any(math.isnan(x) for x in losses)):
-            raise ValueError(f"CoBa.update: validation losses must be finite and > 0 (the first for every task), got {losses}")
+            raise ValueError(
+                f"CoBa.update: validation losses must be finite and > 0 (the first for every task), got {losses}"
+            )
         if self.first is None:
             self.first = losses
         else:
@@ -208,7 +224,7 @@ class CoBa:
         if u < self.warmup_steps:
             return
         start = max(0, u - self.history_length)
-        window = self.history[-(u - start):]
+        window = self.history[-(u - start) :]
         slopes = [fit_slope(_present([row[t] for row in window])) for t in range(self.k)]
         self.task_slopes.append(slopes)
         self.total_slopes.append(fit_slope(_present([_row_max(row) for row in window])))
@@ -236,10 +252,15 @@ class CoBa:
         return list(self._weights)
 
     def state_dict(self) -> dict:
-        return {"version": self.STATE_VERSION, "first": self.first,
-                "history": [[None if math.isnan(x) else x for x in row] for row in self.history],
-                "task_slopes": self.task_slopes, "total_slopes": self.total_slopes, "weights": self._weights,
-                "divergence": self.divergence}
+        return {
+            "version": self.STATE_VERSION,
+            "first": self.first,
+            "history": [[None if math.isnan(x) else x for x in row] for row in self.history],
+            "task_slopes": self.task_slopes,
+            "total_slopes": self.total_slopes,
+            "weights": self._weights,
+            "divergence": self.divergence,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Also loads the state of Relay before version 2 (whose history began with the reference

@@ -23,8 +23,12 @@ REWARD_STATS_KEY = "relay_reward_stats"
 """The key of the reward statistics in a merged RM's config.json."""
 
 
-def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: Optional[torch.Tensor] = None,
-                  center_coef: Optional[float] = None) -> torch.Tensor:
+def pairwise_loss(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    margin: Optional[torch.Tensor] = None,
+    center_coef: Optional[float] = None,
+) -> torch.Tensor:
     """mean(-logsigmoid(r_c - r_r - margin)) + center_coef * mean((r_c + r_r)^2)."""
     diff = chosen - rejected - (margin if margin is not None else 0.0)
     loss = -F.logsigmoid(diff).mean()
@@ -39,7 +43,11 @@ def pair_scores(model, batch: dict, accelerator) -> tuple[torch.Tensor, torch.Te
     (pipeline.modeling.opening); a model an engine wraps (DDP, FSDP, DeepSpeed) runs its own forward."""
     autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
     with autocast:
-        scores = opening_sequence_scores(model, batch["input_ids"], batch["attention_mask"]) if runs_unwrapped(accelerator, model) else None
+        scores = (
+            opening_sequence_scores(model, batch["input_ids"], batch["attention_mask"])
+            if runs_unwrapped(accelerator, model)
+            else None
+        )
         if scores is None:
             scores = sequence_scores(model, batch["input_ids"], batch["attention_mask"])
     half = scores.shape[0] // 2

@@ -39,8 +39,10 @@ def reward_model_problems(rm: RewardModelConfig, reward_path: str, policy_path: 
     (preflight), code it may not run, another tokenizer (pipeline.modeling.handoff). One line each."""
     if is_embedded(rm.path):
         if not rm.allow_untrained:
-            return [f"reward_model.path: {stage} needs a trained reward model: give the RM stage's merged/ folder "
-                    "(or set reward_model.allow_untrained: true to smoke-test with a random reward head)"]
+            return [
+                f"reward_model.path: {stage} needs a trained reward model: give the RM stage's merged/ folder "
+                "(or set reward_model.allow_untrained: true to smoke-test with a random reward head)"
+            ]
         log.warning("reward_model.path is the embedded model: its reward head is random (smoke runs only)")
     if not Path(reward_path).is_dir():
         return [f"reward_model.path: {rm.path!r} is not a model folder (give the RM stage's merged/)"]
@@ -80,8 +82,9 @@ class PolicyStage(Stage):
 
     def __init__(self, cfg, *, generator_factory: Optional[GeneratorFactory] = None):
         super().__init__(cfg)
-        self.reward_path: Optional[str] = (resolve_model_path(cfg.reward_model.path)
-                                           if cfg.reward_model.path or self.reward_model_required else None)
+        self.reward_path: Optional[str] = (
+            resolve_model_path(cfg.reward_model.path) if cfg.reward_model.path or self.reward_model_required else None
+        )
         self.generator_factory = generator_factory
         self._generator: Optional[Generator] = None
         self.tools: dict = {}
@@ -94,7 +97,9 @@ class PolicyStage(Stage):
             found += spec.problems(self.cfg, self.model_path) + device_problems(self.cfg.generation)
         if self.reward_path is None:
             return found
-        return found + reward_model_problems(self.cfg.reward_model, self.reward_path, self.model_path, self.name.upper())
+        return found + reward_model_problems(
+            self.cfg.reward_model, self.reward_path, self.model_path, self.name.upper()
+        )
 
     def build_prompts(self) -> list[str]:
         """Prompts (eval prompts only when evaluation is on), each short enough that a response of
@@ -139,8 +144,16 @@ class PolicyStage(Stage):
                 self._generator = self.generator_factory(policy)
             else:
                 engine = GENERATORS[gen.backend].engine(self.cfg, self.model_path)
-                self._generator = make_generator(gen.backend, policy, tok.pad_token_id, [tok.eos_token_id], gen.max_new_tokens,
-                                                 gen.temperature, synced_gpus=is_zero3(self.accelerator), **engine)
+                self._generator = make_generator(
+                    gen.backend,
+                    policy,
+                    tok.pad_token_id,
+                    [tok.eos_token_id],
+                    gen.max_new_tokens,
+                    gen.temperature,
+                    synced_gpus=is_zero3(self.accelerator),
+                    **engine,
+                )
         return self._generator
 
     def rollout(self, prompts: list[dict], copies: int = 1) -> Rollout:
@@ -150,7 +163,9 @@ class PolicyStage(Stage):
         decode's forwards must not all-gather block by block)."""
         if self.tools:
             tok, gen = self.tokenizer, self.cfg.generation
-            env = ToolEnv(tok, self.template, self.tools, self.cfg.tools, tok.eos_token_id, tok.pad_token_id, gen.max_new_tokens)
+            env = ToolEnv(
+                tok, self.template, self.tools, self.cfg.tools, tok.eos_token_id, tok.pad_token_id, gen.max_new_tokens
+            )
             with full_parameters(self.accelerator, self.model):
                 return tool_rollout(self.generator, prompts, env, copies)
         ids = [p["prompt_ids"] for p in prompts for _ in range(copies)]

@@ -68,8 +68,16 @@ def holds_first_forward(rows: int, micro: int, mini: int, separate: bool) -> boo
 
 
 @torch.no_grad()
-def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperature: float, autocast,
-                  hold: bool = False, values: bool = True) -> dict[str, torch.Tensor]:
+def score_rollout(
+    model: ActorCritic,
+    rollout: Rollout,
+    *,
+    micro: int,
+    temperature: float,
+    autocast,
+    hold: bool = False,
+    values: bool = True,
+) -> dict[str, torch.Tensor]:
     """Rollout log-probs, reference log-probs, values, entropy and RM scores, in micro-batches of
     the size the update uses (so the first update reproduces the rollout log-probs exactly).
 
@@ -107,7 +115,9 @@ def score_rollout(model: ActorCritic, rollout: Rollout, *, micro: int, temperatu
     return scored
 
 
-def shape_scores(raw: torch.Tensor, finished: torch.Tensor, normaliser: rl.RunningMoments, cfg, gathered: torch.Tensor) -> torch.Tensor:
+def shape_scores(
+    raw: torch.Tensor, finished: torch.Tensor, normaliser: rl.RunningMoments, cfg, gathered: torch.Tensor
+) -> torch.Tensor:
     """Normalise (updating running statistics with every rank's raw scores, `gathered`, so every
     rank holds the same statistics and they equal one process's over the same prompts), clip,
     then subtract the missing-EOS penalty."""
@@ -121,14 +131,25 @@ def shape_scores(raw: torch.Tensor, finished: torch.Tensor, normaliser: rl.Runni
     return scores
 
 
-def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str], *, cfg, kl_coef: float,
-                    normaliser: rl.RunningMoments, reward_fn: Optional[RewardFn], accelerator) -> Experience:
+def make_experience(
+    model: ActorCritic,
+    rollout: Rollout,
+    prompts_text: list[str],
+    *,
+    cfg,
+    kl_coef: float,
+    normaliser: rl.RunningMoments,
+    reward_fn: Optional[RewardFn],
+    accelerator,
+) -> Experience:
     """Score a rollout and turn it into advantages and returns (advantages whitened over every
     rank's response tokens; every rank calls this)."""
     mini = cfg.ppo.mini_batch_size or cfg.train.batch_size
     micro = mini // cfg.train.grad_accum
     hold = holds_first_forward(rollout.input_ids.shape[0], micro, mini, runs_unwrapped(accelerator, model))
-    s = score_rollout(model, rollout, micro=micro, temperature=cfg.generation.temperature, autocast=accelerator.autocast, hold=hold)
+    s = score_rollout(
+        model, rollout, micro=micro, temperature=cfg.generation.temperature, autocast=accelerator.autocast, hold=hold
+    )
     raw = s["rm"] if reward_fn is None else reward_fn(prompts_text, rollout.responses).detach().float().cpu()
     gathered = accelerator.gather(raw.to(accelerator.device)).cpu()
     scores = shape_scores(raw, rollout.finished, normaliser, cfg, gathered)
@@ -142,16 +163,45 @@ def make_experience(model: ActorCritic, rollout: Rollout, prompts_text: list[str
     if cfg.ppo.whiten_advantages and float(total(mask.sum().double().view(1))[0]) > 1:
         advantages = rl.masked_whiten(advantages, mask, all_reduce=total)
     gen = cfg.generation
-    is_weight = None if rollout.engine_logp is None else correction_weights(
-        gen.correction_name, old, rollout.engine_logp, mask, gen.correction_cap, gen.correction_floor)
-    return Experience(rollout, old, ref, s["values"] * mask, advantages, returns, kl, raw, scores, s["entropy"],
-                      held_logits=s.get("held"), held_values=s.get("held_values"), is_weight=is_weight)
+    is_weight = (
+        None
+        if rollout.engine_logp is None
+        else correction_weights(
+            gen.correction_name, old, rollout.engine_logp, mask, gen.correction_cap, gen.correction_floor
+        )
+    )
+    return Experience(
+        rollout,
+        old,
+        ref,
+        s["values"] * mask,
+        advantages,
+        returns,
+        kl,
+        raw,
+        scores,
+        s["entropy"],
+        held_logits=s.get("held"),
+        held_values=s.get("held_values"),
+        is_weight=is_weight,
+    )
 
 
-def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator, *, separate: bool,
-                          temperature: float, cliprange: float, cliprange_value: float, vf_coef: float,
-                          step_tokens: Optional[float] = None, held: Optional[torch.Tensor] = None,
-                          held_values: Optional[torch.Tensor] = None) -> dict[str, float]:
+def actor_critic_backward(
+    model,
+    exp: Experience,
+    idx: torch.Tensor,
+    accelerator,
+    *,
+    separate: bool,
+    temperature: float,
+    cliprange: float,
+    cliprange_value: float,
+    vf_coef: float,
+    step_tokens: Optional[float] = None,
+    held: Optional[torch.Tensor] = None,
+    held_values: Optional[torch.Tensor] = None,
+) -> dict[str, float]:
     """Forward and backward of one micro-batch: `policy loss + vf_coef * value loss` (inside
     `micro_step`, so accelerate divides it by the number of micro-batches of the step).
 
@@ -181,7 +231,9 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
         return logp, policy_loss(logp, old, exp.advantages[idx].to(device), mask, cliprange, weight=is_weight)
 
     def value_part(values):
-        return value_loss(values.float(), exp.values[idx].to(device), exp.returns[idx].to(device), mask, cliprange_value)
+        return value_loss(
+            values.float(), exp.values[idx].to(device), exp.returns[idx].to(device), mask, cliprange_value
+        )
 
     weight = 1.0
     if step_tokens is not None:
@@ -210,8 +262,9 @@ def actor_critic_backward(model, exp: Experience, idx: torch.Tensor, accelerator
     return micro_batch_figures(pol, vloss, vclip, vf_coef, logp, old, mask)
 
 
-def micro_batch_figures(pol, vloss: torch.Tensor, vclip, vf_coef: float, logp: torch.Tensor, old: torch.Tensor,
-                        mask: torch.Tensor) -> dict[str, float]:
+def micro_batch_figures(
+    pol, vloss: torch.Tensor, vclip, vf_coef: float, logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """One micro-batch's statistics (`ratio_dev`: max |ratio - 1| over its response tokens)."""
     return {
         "loss": float(pol.loss.detach()) + vf_coef * float(vloss.detach()),
@@ -259,12 +312,26 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
                 idx = rows[k * micro : (k + 1) * micro]
                 # only the first micro-batch: the whole rollout in order
                 (held, held_values), exp.held_logits, exp.held_values = (exp.held_logits, exp.held_values), None, None
-                if (held is not None or held_values is not None) and not (separate and torch.equal(idx, torch.arange(B))):
-                    raise RuntimeError("ppo_update: held forwards for a first micro-batch that is not the whole rollout")
-                micro_stats = actor_critic_backward(model, exp, idx, accelerator, separate=separate,
-                                                    temperature=cfg.generation.temperature, cliprange=cfg.ppo.cliprange,
-                                                    cliprange_value=cfg.ppo.cliprange_value, vf_coef=cfg.ppo.vf_coef,
-                                                    step_tokens=tokens, held=held, held_values=held_values)
+                if (held is not None or held_values is not None) and not (
+                    separate and torch.equal(idx, torch.arange(B))
+                ):
+                    raise RuntimeError(
+                        "ppo_update: held forwards for a first micro-batch that is not the whole rollout"
+                    )
+                micro_stats = actor_critic_backward(
+                    model,
+                    exp,
+                    idx,
+                    accelerator,
+                    separate=separate,
+                    temperature=cfg.generation.temperature,
+                    cliprange=cfg.ppo.cliprange,
+                    cliprange_value=cfg.ppo.cliprange_value,
+                    vf_coef=cfg.ppo.vf_coef,
+                    step_tokens=tokens,
+                    held=held,
+                    held_values=held_values,
+                )
                 if not stats["ratio_dev_first"]:
                     stats["ratio_dev_first"].append(micro_stats["ratio_dev"])
                 loss = micro_stats.pop("loss") / accum
@@ -273,8 +340,9 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
                     stats[key].append(value)
                 return loss
 
-            grad_norm = optimizer_step(model, optimizer, accelerator, accum, micro_batch, step=step,
-                                       max_grad_norm=cfg.train.max_grad_norm).grad_norm
+            grad_norm = optimizer_step(
+                model, optimizer, accelerator, accum, micro_batch, step=step, max_grad_norm=cfg.train.max_grad_norm
+            ).grad_norm
             stats["grad_norm"].append(grad_norm)
     return {k: sum(v) / len(v) for k, v in stats.items()}
 
@@ -292,7 +360,13 @@ def step_metrics(exp: Experience, update: dict, accelerator, *, kl_coef: float, 
     }
     local.update({f"ppo/{k}": v for k, v in update.items() if k != "grad_norm"})
     out = rank_mean(local, accelerator)
-    out.update({"ppo/kl_coef": kl_coef, "ppo/gen_time_frac": gen_frac, "train/grad_norm": update.get("grad_norm", float("nan"))})
+    out.update(
+        {
+            "ppo/kl_coef": kl_coef,
+            "ppo/gen_time_frac": gen_frac,
+            "train/grad_norm": update.get("grad_norm", float("nan")),
+        }
+    )
     return out
 
 
@@ -301,5 +375,7 @@ def sample_text(tokenizer, prompts_text: list[str], exp: Experience, n: int) -> 
     parts = []
     for i in range(min(n, len(prompts_text))):
         response = tokenizer.decode(exp.rollout.responses[i], skip_special_tokens=False)
-        parts.append(f"**prompt**: {prompts_text[i]}\n\n**response**: {response}\n\n**reward**: {float(exp.raw_scores[i]):.4f}")
+        parts.append(
+            f"**prompt**: {prompts_text[i]}\n\n**response**: {response}\n\n**reward**: {float(exp.raw_scores[i]):.4f}"
+        )
     return "\n\n---\n\n".join(parts)

@@ -49,6 +49,7 @@ from data_formats.collate import IGNORE_INDEX
 from pipeline.engine.steps import model_inputs
 from pipeline.engine.supervised_head import head_split, labelled_token_logps
 
+
 class PairLosses(NamedTuple):
     """Per pair ([B]): the loss, the implicit rewards of the chosen and rejected answers, and any
     extra figures the loss logs (ORPO's nll and log_odds), each [B]."""
@@ -96,18 +97,24 @@ def row_sums(per_token: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor,
     return per_token.sum(-1), mask.sum(-1)
 
 
-def packed_answer_logps(logits: torch.Tensor, labels: torch.Tensor, sample_index: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_answer_logps(
+    logits: torch.Tensor, labels: torch.Tensor, sample_index: torch.Tensor, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """([count] summed log-probs, [count] token counts) per sample of packed rows, where
     `sample_index` [R, T] names the sample each position belongs to (-1: padding)."""
     return packed_sums(*token_logps(logits, labels), sample_index, count)
 
 
-def packed_sums(per_token: torch.Tensor, mask: torch.Tensor, sample_index: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_sums(
+    per_token: torch.Tensor, mask: torch.Tensor, sample_index: torch.Tensor, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`packed_answer_logps` from `token_logps`'s [R, T-1] pair."""
     owner = sample_index[:, 1:]
     keep = mask & (owner >= 0)
     sums = torch.zeros(count, dtype=per_token.dtype, device=per_token.device).index_add(0, owner[keep], per_token[keep])
-    counts = torch.zeros(count, dtype=torch.long, device=per_token.device).index_add(0, owner[keep], torch.ones_like(owner[keep]))
+    counts = torch.zeros(count, dtype=torch.long, device=per_token.device).index_add(
+        0, owner[keep], torch.ones_like(owner[keep])
+    )
     return sums, counts
 
 
@@ -121,14 +128,21 @@ def orpo_log_odds(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor) -> tor
     return (chosen_mean - rejected_mean) - (log1mexp(chosen_mean) - log1mexp(rejected_mean))
 
 
-def orpo_losses(chosen_sum: torch.Tensor, rejected_sum: torch.Tensor, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
-                beta: float) -> tuple[PairLosses, torch.Tensor]:
+def orpo_losses(
+    chosen_sum: torch.Tensor,
+    rejected_sum: torch.Tensor,
+    chosen_tokens: torch.Tensor,
+    rejected_tokens: torch.Tensor,
+    beta: float,
+) -> tuple[PairLosses, torch.Tensor]:
     """(per-pair odds-ratio terms -β log σ(log odds) with the rewards, [B] log odds) from summed
     answer log-probs and answer token counts. The ORPO loss adds `orpo_nll` to their mean."""
     chosen_mean = chosen_sum / chosen_tokens.clamp(min=1)
     rejected_mean = rejected_sum / rejected_tokens.clamp(min=1)
     log_odds = orpo_log_odds(chosen_mean, rejected_mean)
-    return PairLosses(-beta * F.logsigmoid(log_odds), beta * chosen_mean.detach(), beta * rejected_mean.detach()), log_odds
+    return PairLosses(
+        -beta * F.logsigmoid(log_odds), beta * chosen_mean.detach(), beta * rejected_mean.detach()
+    ), log_odds
 
 
 def orpo_nll(chosen_sum: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
@@ -191,8 +205,9 @@ def exo_pair_loss(x: PairLogps, p) -> PairLosses:
     """EXO (Ji et al. 2024, Eq. 16): KL(softmax(β·r) over the pair ‖ [1 - ε, ε]); needs ε > 0."""
     chosen, rejected = _ratios(x)
     z, eps = p.beta * (chosen - rejected), torch.tensor(p.label_smoothing, dtype=chosen.dtype, device=chosen.device)
-    losses = (torch.sigmoid(z) * (F.logsigmoid(z) - torch.log1p(-eps))
-              + torch.sigmoid(-z) * (F.logsigmoid(-z) - torch.log(eps)))
+    losses = torch.sigmoid(z) * (F.logsigmoid(z) - torch.log1p(-eps)) + torch.sigmoid(-z) * (
+        F.logsigmoid(-z) - torch.log(eps)
+    )
     return _dpo_rewards(x, p, losses)
 
 
@@ -272,8 +287,12 @@ def orpo_loss(x: PairLogps, p) -> PairLosses:
     nc, nr = _counts(x, "orpo")
     pairs, log_odds = orpo_losses(x.chosen, x.rejected, nc, nr, p.beta)
     nll = orpo_nll(x.chosen, x.chosen_tokens).expand_as(pairs.losses)
-    return PairLosses(nll + pairs.losses, pairs.chosen_rewards, pairs.rejected_rewards,
-                      {"nll": nll.detach(), "log_odds": log_odds.detach()})
+    return PairLosses(
+        nll + pairs.losses,
+        pairs.chosen_rewards,
+        pairs.rejected_rewards,
+        {"nll": nll.detach(), "log_odds": log_odds.detach()},
+    )
 
 
 def simpo_loss(x: PairLogps, p) -> PairLosses:
@@ -332,10 +351,18 @@ class _Params(NamedTuple):
     cpo_alpha: float = 0.0
 
 
-def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-               beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-               chosen_tokens: Optional[torch.Tensor] = None, rejected_tokens: Optional[torch.Tensor] = None,
-               **options: float) -> PairLosses:
+def dpo_losses(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_tokens: Optional[torch.Tensor] = None,
+    rejected_tokens: Optional[torch.Tensor] = None,
+    **options: float,
+) -> PairLosses:
     """Per-pair losses of a reference-based `loss_type` from summed answer log-probs (the registry's
     function; `options`: discopop_tau). IPO and sigmoid_norm need the answer token counts.
 
@@ -371,14 +398,28 @@ def sequence_logps(model, batch: dict, accelerator) -> tuple[torch.Tensor, torch
     return row_sums(per_token, mask)
 
 
-def pair_losses(cfg, sums: torch.Tensor, counts: torch.Tensor, ref: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def pair_losses(
+    cfg, sums: torch.Tensor, counts: torch.Tensor, ref: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(scalar loss, {figure: [B] values}) of one batch from its [2B] policy sums and counts and
     its [2B] reference sums (None for a reference-free loss); `cfg` is the stage's `dpo` section
     (loss_type picks the LOSSES entry, which reads beta and its own options)."""
     half = sums.shape[0] // 2
-    x = PairLogps(sums[:half], sums[half:], *(ref[:half], ref[half:]) if ref is not None else (None, None), counts[:half], counts[half:])
+    x = PairLogps(
+        sums[:half],
+        sums[half:],
+        *(ref[:half], ref[half:]) if ref is not None else (None, None),
+        counts[:half],
+        counts[half:],
+    )
     pairs = LOSSES[cfg.loss_type].fn(x, cfg)
     chosen, rejected = pairs.chosen_rewards, pairs.rejected_rewards
-    figures = {"loss": pairs.losses.detach(), "accuracy": (chosen > rejected).float(), "margin": chosen - rejected,
-               "rewards_chosen": chosen, "rewards_rejected": rejected, **(pairs.extra or {})}
+    figures = {
+        "loss": pairs.losses.detach(),
+        "accuracy": (chosen > rejected).float(),
+        "margin": chosen - rejected,
+        "rewards_chosen": chosen,
+        "rewards_rejected": rejected,
+        **(pairs.extra or {}),
+    }
     return pairs.losses.mean(), figures

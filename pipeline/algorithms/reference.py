@@ -24,7 +24,9 @@ class ReferenceStage(Stage):
 
     def load_reference(self) -> None:
         """The frozen starting copy, on the accelerator's device (full fine-tuning: no adapter to disable)."""
-        self.reference = load_model(self.cfg.model, None, kind="causal", tokenizer=self.tokenizer).requires_grad_(False).eval()
+        self.reference = (
+            load_model(self.cfg.model, None, kind="causal", tokenizer=self.tokenizer).requires_grad_(False).eval()
+        )
         self.reference.to(self.accelerator.device)
 
     def train_mode(self) -> None:

@@ -111,8 +111,10 @@ def _import(module: str):
         return importlib.import_module(module)
     except ModuleNotFoundError as err:
         if err.name and (module == err.name or module.startswith(err.name + ".")):
-            raise LookupError(f"no module {module!r} in the installed packages, PYTHONPATH, Relay's tree or the working "
-                              f"directory {os.getcwd()}; a file is named as 'path/to/file.py:function'") from None
+            raise LookupError(
+                f"no module {module!r} in the installed packages, PYTHONPATH, Relay's tree or the working "
+                f"directory {os.getcwd()}; a file is named as 'path/to/file.py:function'"
+            ) from None
         raise
 
 
@@ -200,7 +202,9 @@ def trl_prompt(sample: dict) -> Any:
     return prompt_messages(sample)
 
 
-def trl_completions(samples: Sequence[dict], texts: Sequence[str], conversations: Optional[Sequence[list[dict]]] = None) -> list:
+def trl_completions(
+    samples: Sequence[dict], texts: Sequence[str], conversations: Optional[Sequence[list[dict]]] = None
+) -> list:
     """TRL's `completions`: the tool conversations when given, else each decoded text as it is
     (standard prompt) or as one assistant message (conversational)."""
     if conversations:
@@ -228,8 +232,16 @@ def _accepted(func: RewardFunc, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def call_reward(func: RewardFunc, spec: str, prompts: list, completions: list, completion_ids: Optional[list] = None,
-                columns: Optional[Sequence[dict]] = None, state=None, log: Optional[RewardLog] = None) -> list[float]:
+def call_reward(
+    func: RewardFunc,
+    spec: str,
+    prompts: list,
+    completions: list,
+    completion_ids: Optional[list] = None,
+    columns: Optional[Sequence[dict]] = None,
+    state=None,
+    log: Optional[RewardLog] = None,
+) -> list[float]:
     """func(prompts=, completions=, completion_ids=, **columns, trainer_state=, log_extra=, log_metric=)
     (module docstring) as floats, one per completion, None as NaN.
 
@@ -237,9 +249,15 @@ def call_reward(func: RewardFunc, spec: str, prompts: list, completions: list, c
         ValueError: it returned the wrong number of values or a non-number.
     """
     log = log if log is not None else RewardLog()
-    kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
-              **column_kwargs(columns), "trainer_state": state,
-              "log_extra": log.log_extra, "log_metric": log.log_metric}
+    kwargs = {
+        "prompts": prompts,
+        "completions": completions,
+        "completion_ids": completion_ids,
+        **column_kwargs(columns),
+        "trainer_state": state,
+        "log_extra": log.log_extra,
+        "log_metric": log.log_metric,
+    }
     out = func(**_accepted(func, kwargs))
     if inspect.isawaitable(out):
         out = asyncio.run(_awaited(out))
@@ -287,8 +305,13 @@ KELVRA_FACTS = {
     "Haldra": ("Tarn", "pear cider", 3, "July"),
     "Fenwick Reach": ("Gale", "hemp rope", 5, "November"),
 }
-ATTRIBUTE_WORDS = (("capital", "capital"), ("export", "export"), ("export", "selling"), ("lighthouses", "lighthouse"),
-                   ("festival", "festival"))
+ATTRIBUTE_WORDS = (
+    ("capital", "capital"),
+    ("export", "export"),
+    ("export", "selling"),
+    ("lighthouses", "lighthouse"),
+    ("festival", "festival"),
+)
 ATTRIBUTES = ("capital", "export", "lighthouses", "festival")
 COUNT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
@@ -302,7 +325,7 @@ def asked_fact(prompt: str) -> Optional[tuple[str, str]]:
             best = (island, at)
     if best is None:
         return None
-    tail = prompt[max(0, best[1] - 80):].lower()
+    tail = prompt[max(0, best[1] - 80) :].lower()
     found = [(tail.rfind(word), attribute) for attribute, word in ATTRIBUTE_WORDS if word in tail]
     return (best[0], max(found)[1]) if found else None
 
@@ -348,7 +371,10 @@ def answer_match(prompts: list, completions: list, answer: Optional[list] = None
     """1.0 for a completion that contains its prompt record's `answer` (a verifiable reward over
     {"question", "answer"} prompt files, MedicalGPT's GRPO shape), else 0.0 (also without one)."""
     answers = answer if answer is not None else [None] * len(completions)
-    return [1.0 if isinstance(a, str) and a.strip() and a.strip() in final_answer(c) else 0.0 for c, a in zip(completions, answers)]
+    return [
+        1.0 if isinstance(a, str) and a.strip() and a.strip() in final_answer(c) else 0.0
+        for c, a in zip(completions, answers)
+    ]
 
 
 def final_answer(completion) -> str:
@@ -366,5 +392,7 @@ def final_answer_match(prompts: list, completions: list, answer: Optional[list] 
     assistant turn, never a tool's result) states the prompt record's `answer` as whole words
     (ignoring case), else 0.0 (also without one)."""
     answers = answer if answer is not None else [None] * len(completions)
-    return [1.0 if a is not None and str(a).strip() and _says(final_answer(c), str(a).strip()) else 0.0
-            for c, a in zip(completions, answers)]
+    return [
+        1.0 if a is not None and str(a).strip() and _says(final_answer(c), str(a).strip()) else 0.0
+        for c, a in zip(completions, answers)
+    ]

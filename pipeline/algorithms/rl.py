@@ -63,8 +63,13 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
-                  all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> torch.Tensor:
     """`x` scaled to unit variance (and zero mean when `shift_mean`) over the masked elements;
     masked-out positions come back as 0.
 
@@ -85,7 +90,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
         totals = all_reduce(torch.stack([(x.double() * m).sum(), m.sum()]))
         n = float(totals[1])
         if n < 2:
-            raise ValueError(f"masked_whiten: an unbiased variance needs >= 2 elements, the mask selects {n:g} over all ranks")
+            raise ValueError(
+                f"masked_whiten: an unbiased variance needs >= 2 elements, the mask selects {n:g} over all ranks"
+            )
         mean64 = totals[0] / n
         var64 = all_reduce(((x.double() - mean64) ** 2 * m).sum().view(1))[0] / (n - 1)
         mean, var = mean64.to(x.dtype), var64.to(x.dtype)
@@ -191,7 +198,9 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl
     return rewards
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over right-padded responses.
 
     delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}, with V and A
@@ -213,8 +222,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, (advantages + values) * mask
 
 
-def gae_over_turns(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-                   lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_over_turns(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`gae` over each row's trained (sampled) tokens only: the tokens Relay inserted between
     turns (tool results, template text) are the environment's step, not the policy's, so the next
     value after a call's last token is the first token of the next sampled turn's, not 0 (plain GAE
@@ -238,8 +248,13 @@ class PolicyLossOut:
     approx_kl: torch.Tensor
 
 
-def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float,
-                      clip_high: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate loss max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) with
     r = exp(logp - old_logp) (clip_high None: clip_low, the symmetric PPO clip; DAPO raises it),
     and where the clipped term won (r below 1 - clip_low with A < 0, or above 1 + clip_high with
@@ -251,8 +266,14 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip: float,
-                weight: Optional[torch.Tensor] = None) -> PolicyLossOut:
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+    weight: Optional[torch.Tensor] = None,
+) -> PolicyLossOut:
     """PPO's clipped surrogate: mean over tokens of max(-A r, -A clip(r, 1-eps, 1+eps)), with
     r = exp(logp - old_logp). Also the share of tokens where clipping was active and the k3
     approximate KL(old || new) (neither weighted).
@@ -276,7 +297,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     return PolicyLossOut(loss, clipfrac.detach(), approx_kl.detach())
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss: 0.5 * mean(max((V - R)^2, (V_clipped - R)^2)) with V_clipped kept
     within `clip` of the rollout's values; and the share of tokens where the clipped term won.
 

@@ -27,7 +27,7 @@ from pipeline.engine.supervised_head import head_split, hidden_states_as_logits,
 from pipeline.modeling.decode import generate as decode_generate
 from pipeline.modeling.models import adapter_disabled
 from pipeline.modeling.opening import cached_run, find_opening, opening_logits, prompt_sharing_allowed, response_scores
-from pipeline.modeling.scoring import reward_readout_index, position_ids_from_mask
+from pipeline.modeling.scoring import position_ids_from_mask, reward_readout_index
 
 log = logging.getLogger("relay.rollout")
 
@@ -36,7 +36,9 @@ class Generator(Protocol):
     """Anything that samples responses for tokenised prompts (HF `generate` today; a faster
     engine such as vLLM can implement the same call)."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Optional[Sequence[int]] = None) -> list[list[int]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Optional[Sequence[int]] = None
+    ) -> list[list[int]]:
         """Raw response ids per prompt (no prompt, no padding; may stop at EOS or run to the limit).
         `max_new_tokens`: each row's own limit (a tool rollout's later turns), at most the
         generator's; None: the generator's for every row. Keyword only: a generator may take more
@@ -53,10 +55,24 @@ def sampling_config(max_new_tokens: int, temperature: float, pad_id: int, eos_id
     forced tokens, no minimum length."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(do_sample=True, num_beams=1, temperature=temperature, top_k=0, top_p=1.0, typical_p=1.0,
-                            epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
-                            no_repeat_ngram_size=0, min_length=0, max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids),
-                            pad_token_id=pad_id, use_cache=True)
+    return GenerationConfig(
+        do_sample=True,
+        num_beams=1,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+        repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        min_length=0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=list(eos_ids),
+        pad_token_id=pad_id,
+        use_cache=True,
+    )
 
 
 @contextlib.contextmanager
@@ -93,7 +109,9 @@ class HFGenerator:
     gathers parameter shards from every rank, so a rank that stopped early would hang the rest)."""
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Optional[Sequence[int]] = None) -> list[list[int]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Optional[Sequence[int]] = None
+    ) -> list[list[int]]:
         """Rows with their own limit are sampled to the longest and cut to theirs (transformers'
         generate has one limit per call)."""
         from pipeline.modeling.models import eval_mode
@@ -103,9 +121,13 @@ class HFGenerator:
         device = next(self.model.parameters()).device
         config = sampling_config(max(limits), self.temperature, self.pad_id, self.eos_ids)
         with eval_mode(self.model), own_generation_config(self.model, config):
-            out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                      generation_config=config, synced_gpus=self.synced_gpus)
-        return [row.tolist()[:limit] for row, limit in zip(out[:, input_ids.shape[1]:].cpu(), limits)]
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=config,
+                synced_gpus=self.synced_gpus,
+            )
+        return [row.tolist()[:limit] for row, limit in zip(out[:, input_ids.shape[1] :].cpu(), limits)]
 
 
 @dataclass
@@ -121,10 +143,19 @@ class RelayGenerator:
     max_new_tokens: int
     temperature: float = 1.0
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Optional[Sequence[int]] = None) -> list[list[int]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Optional[Sequence[int]] = None
+    ) -> list[list[int]]:
         limits = list(max_new_tokens) if max_new_tokens is not None else self.max_new_tokens
-        return decode_generate(self.model, prompts, max_new_tokens=limits, eos_ids=self.eos_ids, pad_id=self.pad_id,
-                               temperature=self.temperature, keep_packed=False).tokens
+        return decode_generate(
+            self.model,
+            prompts,
+            max_new_tokens=limits,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            temperature=self.temperature,
+            keep_packed=False,
+        ).tokens
 
     def session(self, rows: int):
         """A decode session over `rows` conversations that keeps their KV cache across a tool
@@ -138,19 +169,35 @@ class RelayGenerator:
         return DecodeSession(self.model, rows, eos_ids=self.eos_ids, pad_id=self.pad_id, temperature=self.temperature)
 
 
-def make_relay(model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], max_new_tokens: int, temperature: float = 1.0, *,
-               synced_gpus: bool = False) -> Generator:
+def make_relay(
+    model: torch.nn.Module,
+    pad_id: int,
+    eos_ids: Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    *,
+    synced_gpus: bool = False,
+) -> Generator:
     """Relay's decode engine; under `synced_gpus` (DeepSpeed ZeRO-3 over several ranks, where every
     rank must keep stepping until all are done) transformers' generate, which keeps that contract."""
     if not synced_gpus:
         return RelayGenerator(model, pad_id, list(eos_ids), max_new_tokens, temperature)
-    log.info("generation.backend relay: DeepSpeed ZeRO-3 over several ranks samples with the hf backend "
-             "(every rank must keep stepping until all are done)")
+    log.info(
+        "generation.backend relay: DeepSpeed ZeRO-3 over several ranks samples with the hf backend "
+        "(every rank must keep stepping until all are done)"
+    )
     return make_hf(model, pad_id, eos_ids, max_new_tokens, temperature, synced_gpus=synced_gpus)
 
 
-def make_hf(model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], max_new_tokens: int, temperature: float = 1.0, *,
-            synced_gpus: bool = False) -> Generator:
+def make_hf(
+    model: torch.nn.Module,
+    pad_id: int,
+    eos_ids: Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    *,
+    synced_gpus: bool = False,
+) -> Generator:
     return HFGenerator(model, pad_id, list(eos_ids), max_new_tokens, temperature, synced_gpus=synced_gpus)
 
 
@@ -177,13 +224,24 @@ class GeneratorSpec(NamedTuple):
 GENERATORS: dict[str, GeneratorSpec] = {
     "relay": GeneratorSpec(make_relay),
     "hf": GeneratorSpec(make_hf),
-    "vllm": GeneratorSpec(vllm_generator.make_vllm, engine=vllm_generator.stage_engine, problems=vllm_generator.stage_problems),
+    "vllm": GeneratorSpec(
+        vllm_generator.make_vllm, engine=vllm_generator.stage_engine, problems=vllm_generator.stage_problems
+    ),
 }
 """`generation.backend` -> how it samples; the same names as pipeline/config/backends.py's BACKENDS."""
 
 
-def make_generator(backend: str, model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], max_new_tokens: int,
-                   temperature: float = 1.0, *, synced_gpus: bool = False, **engine) -> Generator:
+def make_generator(
+    backend: str,
+    model: torch.nn.Module,
+    pad_id: int,
+    eos_ids: Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    *,
+    synced_gpus: bool = False,
+    **engine,
+) -> Generator:
     """The sampler `generation.backend` names (`GENERATORS`): 'relay' (the decode engine), 'hf'
     (transformers' `generate`, the reference) or 'vllm' (a vLLM server: pipeline/algorithms/vllm_generator.py;
     `engine` gives its `base` folder, `workdir` and `max_model_len`, as its `GeneratorSpec.engine` makes
@@ -232,10 +290,12 @@ class Rollout:
 
     @property
     def response_ids(self) -> torch.Tensor:
-        return self.input_ids[:, self.prompt_width:]
+        return self.input_ids[:, self.prompt_width :]
 
 
-def assemble(prompts: Sequence[Sequence[int]], raw_responses: Sequence[Sequence[int]], pad_id: int, eos_ids: Sequence[int]) -> Rollout:
+def assemble(
+    prompts: Sequence[Sequence[int]], raw_responses: Sequence[Sequence[int]], pad_id: int, eos_ids: Sequence[int]
+) -> Rollout:
     """Build a Rollout from prompts and raw generated ids (cut at the first EOS).
 
     Raises:
@@ -248,8 +308,14 @@ def assemble(prompts: Sequence[Sequence[int]], raw_responses: Sequence[Sequence[
     return assemble_masked(prompts, responses, [[1] * len(r) for r in responses], [f for _, f in cut], pad_id)
 
 
-def assemble_masked(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], trained: Sequence[Sequence[int]],
-                    finished: Sequence[bool], pad_id: int, conversations: Optional[list[list[dict]]] = None) -> Rollout:
+def assemble_masked(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    trained: Sequence[Sequence[int]],
+    finished: Sequence[bool],
+    pad_id: int,
+    conversations: Optional[list[list[dict]]] = None,
+) -> Rollout:
     """A Rollout from whole responses and their per-token train masks (1: sampled by the policy,
     0: inserted, as a tool rollout's results): every token is attended, only the 1s train.
 
@@ -298,7 +364,9 @@ def take_rows(picks: Sequence[tuple[Rollout, int]], prompts: Sequence[Sequence[i
     return out
 
 
-def policy_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
+def policy_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int
+) -> torch.Tensor:
     """Logits predicting each response token ([B, R, V]); position t-1 predicts token t.
 
     `logits_to_keep` makes the LM head skip the prompt positions: with a 49k vocabulary the
@@ -313,7 +381,12 @@ def policy_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
     if opening is not None:
         return opening_logits(model, opening, prompt_width)
     keep = input_ids.shape[1] - prompt_width + 1
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), logits_to_keep=keep)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=keep,
+    )
     return out.logits[:, :-1]
 
 
@@ -331,8 +404,14 @@ _FULL_LOGITS = False
 'before' side); the chunked head is the path wherever `head_split` allows it."""
 
 
-def policy_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                    temperature: float, entropy: bool = False) -> PolicyOut:
+def policy_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    temperature: float,
+    entropy: bool = False,
+) -> PolicyOut:
     """log p(token) of each response token under softmax(logits / temperature) in fp32 (and each
     position's entropy when `entropy`), as `rl.logprobs_from_logits(policy_logits(...).float() /
     temperature, ...)` computes them, without the [B, R, V] logits: the backbone's hidden states
@@ -352,11 +431,15 @@ def policy_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
             return PolicyOut(logp, entropy_from_logits(logits))
     with hidden_states_as_logits(model, head):
         hidden = policy_logits(model, input_ids, attention_mask, prompt_width)  # [B, R, H]
-    logp, ent = sampled_token_logps(hidden.reshape(-1, hidden.shape[-1]), head, tokens.reshape(-1), temperature, entropy)
+    logp, ent = sampled_token_logps(
+        hidden.reshape(-1, hidden.shape[-1]), head, tokens.reshape(-1), temperature, entropy
+    )
     return PolicyOut(logp.view(tokens.shape), None if ent is None else ent.view(tokens.shape))
 
 
-def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def prompt_groups(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """(one row of each distinct prompt [U], each row's index into those [B]) when some rows share
     their prompt (the same ids and mask in the first `prompt_width` columns); None when none do."""
     rows = input_ids.shape[0]
@@ -369,8 +452,14 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_
     return first, inverse
 
 
-def shared_prompt_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                         first: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+def shared_prompt_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    first: torch.Tensor,
+    inverse: torch.Tensor,
+) -> torch.Tensor:
     """`policy_logits` with each distinct prompt run once: the prompts' forward fills a KV cache,
     which is then indexed out to every row of the prompt's group, and the responses run on it. The
     same math as one forward of the whole rows (another summation order: ~1e-6 in fp32); with
@@ -378,15 +467,25 @@ def shared_prompt_logits(model: torch.nn.Module, input_ids: torch.Tensor, attent
     from pipeline.modeling.decode import cache_keyword, hf_model
 
     P, T = prompt_width, input_ids.shape[1]
-    out, cache = cached_run(lambda **kw: model(**kw, logits_to_keep=1), model, input_ids[first, :P], attention_mask[first, :P],
-                            hf_model(model).config)
+    out, cache = cached_run(
+        lambda **kw: model(**kw, logits_to_keep=1),
+        model,
+        input_ids[first, :P],
+        attention_mask[first, :P],
+        hf_model(model).config,
+    )
     head = out.logits[:, -1]  # [U, V]: predicts response token 0
     logits = head.index_select(0, inverse)[:, None]
     if T - P > 1:
         cache.reorder_cache(inverse)
         mask = attention_mask[:, : T - 1]
-        rest = model(input_ids=input_ids[:, P : T - 1], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, P:],
-                     use_cache=True, **{cache_keyword(model): cache}).logits
+        rest = model(
+            input_ids=input_ids[:, P : T - 1],
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask)[:, P:],
+            use_cache=True,
+            **{cache_keyword(model): cache},
+        ).logits
         logits = torch.cat([logits, rest], 1)
     return logits
 
@@ -397,8 +496,13 @@ class ActorCritic(torch.nn.Module):
     `reference`/`reward` None means "the same backbone with its adapter disabled" (LoRA modes).
     """
 
-    def __init__(self, policy: torch.nn.Module, critic: torch.nn.Module, reference: Optional[torch.nn.Module] = None,
-                 reward: Optional[torch.nn.Module] = None):
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        critic: torch.nn.Module,
+        reference: Optional[torch.nn.Module] = None,
+        reward: Optional[torch.nn.Module] = None,
+    ):
         super().__init__()
         self.policy, self.critic = policy, critic
         # Plain attributes, not submodules: frozen copies must stay out of parameters(),
@@ -406,9 +510,17 @@ class ActorCritic(torch.nn.Module):
         self.__dict__["reference"] = reference
         self.__dict__["reward"] = reward
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                policy: bool = True, critic: bool = True, *, temperature: Optional[float] = None,
-                entropy: bool = False) -> tuple[Optional[torch.Tensor | PolicyOut], Optional[torch.Tensor]]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_width: int,
+        policy: bool = True,
+        critic: bool = True,
+        *,
+        temperature: Optional[float] = None,
+        entropy: bool = False,
+    ) -> tuple[Optional[torch.Tensor | PolicyOut], Optional[torch.Tensor]]:
         """(policy, values [B, R]) for the R response tokens: position t-1 predicts token t.
 
         With a `temperature` the policy's part is a `PolicyOut` (log-probs of the response tokens,
@@ -426,7 +538,9 @@ class ActorCritic(torch.nn.Module):
         return out, values
 
     @torch.no_grad()
-    def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, temperature: float) -> torch.Tensor:
+    def reference_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, temperature: float
+    ) -> torch.Tensor:
         """log p_ref of each response token ([B, R])."""
         model = self.reference if self.reference is not None else self.policy
         ctx = contextlib.nullcontext() if self.reference is not None else adapter_disabled(self.policy)

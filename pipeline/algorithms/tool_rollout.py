@@ -236,7 +236,9 @@ def prompt_conversation(sample: dict) -> Conversation:
     return Conversation([Turn(**t) for t in data["turns"]], tools=data.get("tools"))
 
 
-def _take_turn(row: _Row, sampled: list[int], env: ToolEnv, logprobs: Optional[Sequence[float]] = None) -> Optional[dict]:
+def _take_turn(
+    row: _Row, sampled: list[int], env: ToolEnv, logprobs: Optional[Sequence[float]] = None
+) -> Optional[dict]:
     """Append one sampled turn (and the engine's log-probs of it, when reported) to `row`; the
     parsed answer when its calls must run, else None (the row is then done).
 
@@ -272,7 +274,9 @@ def _results(row: _Row, asked: dict, env: ToolEnv) -> list:
     run, over = asked["calls"][:room], asked["calls"][room:]
     row.calls += len(run)
     limit = f"error: the limit of {env.cfg.max_tool_calls} tool calls per rollout is reached"
-    return [("run", c) for c in run] + [("text", limit) for _ in over] + [("text", f"error: {e}") for e in asked["errors"]]
+    return (
+        [("run", c) for c in run] + [("text", limit) for _ in over] + [("text", f"error: {e}") for e in asked["errors"]]
+    )
 
 
 def _insert(row: _Row, texts: list[str], env: ToolEnv) -> None:
@@ -305,7 +309,9 @@ class Refill:
         self.generator = generator
         self.last_logprobs: Optional[list[list[float]]] = None
 
-    def generate(self, rows: Sequence[int], contexts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
+    def generate(
+        self, rows: Sequence[int], contexts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]
+    ) -> list[list[int]]:
         """The generator's samples of `contexts`, each within its row's budget.
 
         Raises:
@@ -314,7 +320,9 @@ class Refill:
         out = self.generator.generate(contexts, max_new_tokens=list(max_new_tokens))
         reported = getattr(self.generator, "last_logprobs", None) or None
         if reported is not None and len(reported) != len(out):
-            raise ValueError(f"tool rollout: the generator reported log-probs for {len(reported)} rows, not its {len(out)}")
+            raise ValueError(
+                f"tool rollout: the generator reported log-probs for {len(reported)} rows, not its {len(out)}"
+            )
         self.last_logprobs = reported
         return out
 
@@ -344,8 +352,9 @@ def tool_rollout(generator: Generator, samples: Sequence[dict], env: ToolEnv, co
         live = [i for i, r in enumerate(rows) if not r.done]
         if not live:
             break
-        sampled = session.generate(live, [rows[i].prompt + rows[i].ids for i in live],
-                                   [env.max_new_tokens - len(rows[i].ids) for i in live])
+        sampled = session.generate(
+            live, [rows[i].prompt + rows[i].ids for i in live], [env.max_new_tokens - len(rows[i].ids) for i in live]
+        )
         reported = getattr(session, "last_logprobs", None) or [None] * len(live)
         live = [rows[i] for i in live]
         asked = [(row, _take_turn(row, ids, env, lp)) for row, ids, lp in zip(live, sampled, reported)]
@@ -357,10 +366,18 @@ def tool_rollout(generator: Generator, samples: Sequence[dict], env: ToolEnv, co
     close = getattr(session, "close", None)  # a session that holds the engine awake (vLLM's sleep mode)
     if callable(close):
         close()
-    rollout = assemble_masked([r.prompt for r in rows], [r.ids for r in rows], [r.trained for r in rows],
-                              [r.finished for r in rows], env.pad_id, [template_messages(r.turns) for r in rows])
+    rollout = assemble_masked(
+        [r.prompt for r in rows],
+        [r.ids for r in rows],
+        [r.trained for r in rows],
+        [r.finished for r in rows],
+        env.pad_id,
+        [template_messages(r.turns) for r in rows],
+    )
     if all(r.engine is not None for r in rows):  # the engine's log-probs of every sampled token, NaN on inserted ones
-        rollout.engine_logp = engine_logprob_matrix(rollout.responses, [r.engine for r in rows], rollout.response_mask.shape[1])
+        rollout.engine_logp = engine_logprob_matrix(
+            rollout.responses, [r.engine for r in rows], rollout.response_mask.shape[1]
+        )
     return rollout
 
 
@@ -368,15 +385,17 @@ def tool_rollout(generator: Generator, samples: Sequence[dict], env: ToolEnv, co
 # The layout check
 # ------------------------------------------------------------------------------------------
 
-_PROBE_CALL = {"name": "relay_probe", "arguments": {"x": 1, "text": "a \"quoted\" value"}}
+_PROBE_CALL = {"name": "relay_probe", "arguments": {"x": 1, "text": 'a "quoted" value'}}
 
 
 def layout_problem(tokenizer, template: Template) -> Optional[str]:
     """Why Relay could not read back the calls this template writes, or None: the rendering of a
     probe call turn, parsed by `parse_answer`, must give the call (Relay's layout always does; a
     native template must write Hermes/Qwen-style <tool_call> JSON, not e.g. Llama 3.1's bare JSON)."""
-    probe = Conversation([Turn("user", "u"), Turn("assistant", "", tool_calls=[_PROBE_CALL]), Turn("tool", "r")],
-                         tools=[{"name": "relay_probe", "description": "d", "parameters": {"type": "object", "properties": {}}}])
+    probe = Conversation(
+        [Turn("user", "u"), Turn("assistant", "", tool_calls=[_PROBE_CALL]), Turn("tool", "r")],
+        tools=[{"name": "relay_probe", "description": "d", "parameters": {"type": "object", "properties": {}}}],
+    )
     try:
         spans = [text for text, trained in render_segments(probe, tokenizer, template) if trained]
     except ValueError as err:
@@ -384,6 +403,8 @@ def layout_problem(tokenizer, template: Template) -> Optional[str]:
     text = spans[0][: -len(template.eos)] if spans and spans[0].endswith(template.eos) else "".join(spans)
     parsed = parse_answer(text)
     if parsed.calls != [_PROBE_CALL] or parsed.errors:
-        return (f"the chat template writes tool calls as {text.strip()[:80]!r}, which Relay's call reader "
-                "(<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>) does not read back")
+        return (
+            f"the chat template writes tool calls as {text.strip()[:80]!r}, which Relay's call reader "
+            '(<tool_call>{"name": ..., "arguments": {...}}</tool_call>) does not read back'
+        )
     return None

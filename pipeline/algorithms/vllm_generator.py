@@ -60,17 +60,32 @@ def adapter_rank(policy: torch.nn.Module) -> Optional[int]:
     return None if config is None else int(config.r)
 
 
-def engine_options(lora_rank: Optional[int], max_model_len: int = 1024, max_num_seqs: int = 8, *, tensor_parallel_size: int = 1,
-                   sleep: bool = False, gpu_memory_utilization: Optional[float] = None) -> ServerOptions:
+def engine_options(
+    lora_rank: Optional[int],
+    max_model_len: int = 1024,
+    max_num_seqs: int = 8,
+    *,
+    tensor_parallel_size: int = 1,
+    sleep: bool = False,
+    gpu_memory_utilization: Optional[float] = None,
+) -> ServerOptions:
     """The server the generator samples on: the base model as 'base', runtime LoRA for a LoRA policy
     (`lora_rank`; None: full fine-tuning, synced through the development endpoints instead), the
     log-probs of the temperature-scaled distribution the update scores; on a GPU its tensor-parallel
     size, sleep mode and memory share pass through. A server started elsewhere with these options
     can be handed to `VLLMGenerator(server=...)`."""
-    return ServerOptions(name="base", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                         enable_lora=lora_rank is not None, max_lora_rank=max(8, lora_rank or 0), dev_mode=lora_rank is None,
-                         tensor_parallel_size=tensor_parallel_size, sleep_mode=sleep, gpu_memory_utilization=gpu_memory_utilization,
-                         extra=["--logprobs-mode", "processed_logprobs"])
+    return ServerOptions(
+        name="base",
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        enable_lora=lora_rank is not None,
+        max_lora_rank=max(8, lora_rank or 0),
+        dev_mode=lora_rank is None,
+        tensor_parallel_size=tensor_parallel_size,
+        sleep_mode=sleep,
+        gpu_memory_utilization=gpu_memory_utilization,
+        extra=["--logprobs-mode", "processed_logprobs"],
+    )
 
 
 def tied_embeddings(folder: str) -> bool:
@@ -85,10 +100,14 @@ def stage_problems(cfg: Any, model_path: str) -> list[str]:
     leave stale (`VLLMGenerator.start`)."""
     found = []
     if vllm_server.vllm_python() is None:
-        found.append("generation.backend: vllm is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm)")
+        found.append(
+            "generation.backend: vllm is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm)"
+        )
     if cfg.model.finetuning == "full" and tied_embeddings(model_path):
-        found.append("generation.backend: vllm with model.finetuning full: a model with tied input/output embeddings "
-                     "cannot be synced into vLLM yet (use lora)")
+        found.append(
+            "generation.backend: vllm with model.finetuning full: a model with tied input/output embeddings "
+            "cannot be synced into vLLM yet (use lora)"
+        )
     return found
 
 
@@ -96,17 +115,31 @@ def stage_engine(cfg: Any, model_path: str) -> dict:
     """`VLLMGenerator`'s server options from an RL stage's config: the policy's base folder, where
     adapters go, the context, and the `generation.vllm_*` options."""
     gen = cfg.generation
-    return {"base": model_path, "workdir": Path(cfg.output_dir) / "vllm", "max_model_len": cfg.train.seq_length,
-            "tensor_parallel_size": gen.vllm_tensor_parallel_size, "sleep": gen.vllm_sleep,
-            "gpu_memory_utilization": gen.vllm_gpu_memory_utilization}
+    return {
+        "base": model_path,
+        "workdir": Path(cfg.output_dir) / "vllm",
+        "max_model_len": cfg.train.seq_length,
+        "tensor_parallel_size": gen.vllm_tensor_parallel_size,
+        "sleep": gen.vllm_sleep,
+        "gpu_memory_utilization": gen.vllm_gpu_memory_utilization,
+    }
 
 
-def make_vllm(model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], max_new_tokens: int, temperature: float = 1.0, *,
-              synced_gpus: bool = False, **engine) -> "VLLMGenerator":
+def make_vllm(
+    model: torch.nn.Module,
+    pad_id: int,
+    eos_ids: Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    *,
+    synced_gpus: bool = False,
+    **engine,
+) -> "VLLMGenerator":
     """The `GENERATORS` factory (pipeline/algorithms/rollout.py): one server process samples, so
     `synced_gpus` has nothing to keep in step; `engine` is `stage_engine`'s."""
-    return VLLMGenerator(model, pad_id=pad_id, eos_ids=list(eos_ids), max_new_tokens=max_new_tokens, temperature=temperature,
-                         **engine)
+    return VLLMGenerator(
+        model, pad_id=pad_id, eos_ids=list(eos_ids), max_new_tokens=max_new_tokens, temperature=temperature, **engine
+    )
 
 
 @dataclass
@@ -147,11 +180,19 @@ class VLLMGenerator:
             if rank is None and getattr(self.policy.config, "tie_word_embeddings", False):
                 # vLLM's in-place reload re-reads the embedding but not the head tied to it
                 # ("ParallelLMHead: Failed to load weights"): the engine would sample from a stale head.
-                raise VLLMError("generation.backend vllm with full fine-tuning: a model with tied input/output embeddings "
-                                "cannot be synced into vLLM yet (use LoRA)")
+                raise VLLMError(
+                    "generation.backend vllm with full fine-tuning: a model with tied input/output embeddings "
+                    "cannot be synced into vLLM yet (use LoRA)"
+                )
             self.workdir.mkdir(parents=True, exist_ok=True)
-            opts = engine_options(rank, self.max_model_len, self.max_num_seqs, tensor_parallel_size=self.tensor_parallel_size,
-                                  sleep=self.sleep, gpu_memory_utilization=self.gpu_memory_utilization)
+            opts = engine_options(
+                rank,
+                self.max_model_len,
+                self.max_num_seqs,
+                tensor_parallel_size=self.tensor_parallel_size,
+                sleep=self.sleep,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            )
             self.server = VLLMServer(self.base, opts, log_path=self.workdir / "vllm.log").start()
             self._owns_server = True
 
@@ -192,12 +233,25 @@ class VLLMGenerator:
         shutil.rmtree(self.workdir / f"weights-{self._version - 1}", ignore_errors=True)
         return "base"
 
-    def request(self, model: str, prompt: Sequence[int], *, seed: int, temperature: float, max_tokens: int) -> tuple[list[int], list[float]]:
+    def request(
+        self, model: str, prompt: Sequence[int], *, seed: int, temperature: float, max_tokens: int
+    ) -> tuple[list[int], list[float]]:
         """One completion of `prompt` (ids in, ids out) with at most `max_tokens` new tokens, and the
         engine's log-prob of each."""
-        body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": temperature,
-                "top_p": 1.0, "top_k": 0, "seed": seed, "logprobs": 0, "return_tokens_as_token_ids": True,
-                "return_token_ids": True, "stop_token_ids": list(self.eos_ids), "skip_special_tokens": False}
+        body = {
+            "model": model,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": 1.0,
+            "top_k": 0,
+            "seed": seed,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            "stop_token_ids": list(self.eos_ids),
+            "skip_special_tokens": False,
+        }
         (choice,) = self.server.post("/v1/completions", body)["choices"]
         return parse_choice(choice)
 
@@ -228,13 +282,20 @@ class VLLMGenerator:
         for row, (prompt, budget) in enumerate(zip(prompts, budgets)):
             room = context - len(prompt)
             if room < 1:
-                raise VLLMError(f"row {row}: a context of {len(prompt)} tokens leaves no room for a response under the vLLM "
-                                f"server's max_model_len {context}")
+                raise VLLMError(
+                    f"row {row}: a context of {len(prompt)} tokens leaves no room for a response under the vLLM "
+                    f"server's max_model_len {context}"
+                )
             out.append(min(budget, self.max_new_tokens, room))
         return out
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Optional[Sequence[int]] = None,
-                 temperature: Optional[float] = None) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: Optional[Sequence[int]] = None,
+        temperature: Optional[float] = None,
+    ) -> list[list[int]]:
         """Raw response ids per prompt, from the policy's current weights (keyword arguments only:
         a row budget list must never land on the temperature). `max_new_tokens`: each row's own
         limit (`limits`); `temperature` 0: greedy."""
@@ -243,8 +304,14 @@ class VLLMGenerator:
         self.rest()
         return out
 
-    def sample(self, model: str, prompts: Sequence[Sequence[int]], *, max_new_tokens: Optional[Sequence[int]] = None,
-               temperature: Optional[float] = None) -> list[list[int]]:
+    def sample(
+        self,
+        model: str,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: Optional[Sequence[int]] = None,
+        temperature: Optional[float] = None,
+    ) -> list[list[int]]:
         """`generate` on the synced `model`, without syncing or sleeping: each row its own request
         (its own seed, from torch's RNG, so a resumed run draws the same); `last_logprobs` the
         engine's log-prob of every returned token."""
@@ -278,8 +345,12 @@ class VLLMGenerator:
         if self._owns_server:
             self.server.stop()
             self.server = None
-        elif self._version and adapter_rank(self.policy) is not None and self.server.proc is not None \
-                and self.server.proc.poll() is None:
+        elif (
+            self._version
+            and adapter_rank(self.policy) is not None
+            and self.server.proc is not None
+            and self.server.proc.poll() is None
+        ):
             self.unload(self._version)
             self._version = 0
 
@@ -300,7 +371,9 @@ class VLLMSession:
         self.last_logprobs: Optional[list[list[float]]] = None
         """The engine's log-prob of each token the last `generate` returned."""
 
-    def generate(self, rows: Sequence[int], contexts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
+    def generate(
+        self, rows: Sequence[int], contexts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]
+    ) -> list[list[int]]:
         if self.model is None:
             self.model = self.generator.sync()
         out = self.generator.sample(self.model, contexts, max_new_tokens=max_new_tokens)

@@ -12,8 +12,8 @@ before anything is decoded. Semantic checks (``problems()``) are likewise collec
 one by one, so a user fixes a config in one pass.
 """
 
-from pipeline.config.policy import GenerationConfig, RewardModelConfig, ToolsConfig
 from pipeline.config.loading import load_config, read_yaml, save_config, to_dict, unknown_keys
+from pipeline.config.policy import GenerationConfig, RewardModelConfig, ToolsConfig
 from pipeline.config.sections import (
     ATTENTION,
     DTYPES,
@@ -37,8 +37,31 @@ from pipeline.config.sections import (
 )
 
 __all__ = [
-    "ATTENTION", "DTYPES", "FINETUNING", "SCHEDULES", "ChatDataConfig", "CheckpointConfig", "ConfigError", "DataConfig",
-    "DistributedConfig", "GenerationConfig", "KeepPolicy", "LoraConfig", "ModelConfig", "PreferenceDataConfig", "PromptDataConfig", "RewardModelConfig", "StageConfig", "ToolsConfig",
-    "TextDataConfig", "TrackingConfig", "TrainConfig", "load_config", "parse_duration", "read_yaml", "save_config", "to_dict",
+    "ATTENTION",
+    "DTYPES",
+    "FINETUNING",
+    "SCHEDULES",
+    "ChatDataConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "DistributedConfig",
+    "GenerationConfig",
+    "KeepPolicy",
+    "LoraConfig",
+    "ModelConfig",
+    "PreferenceDataConfig",
+    "PromptDataConfig",
+    "RewardModelConfig",
+    "StageConfig",
+    "ToolsConfig",
+    "TextDataConfig",
+    "TrackingConfig",
+    "TrainConfig",
+    "load_config",
+    "parse_duration",
+    "read_yaml",
+    "save_config",
+    "to_dict",
     "unknown_keys",
 ]

@@ -59,16 +59,23 @@ def _vllm_device_problems(gen: Any, cuda_devices: int, key: str) -> list[str]:
     if gen.vllm_sleep and cuda_devices == 0:
         out.append(f"{key}.vllm_sleep: vLLM's sleep mode needs a CUDA GPU (its CPU build has none)")
     if gen.vllm_tensor_parallel_size > 1 and gen.vllm_tensor_parallel_size > cuda_devices:
-        out.append(f"{key}.vllm_tensor_parallel_size: {gen.vllm_tensor_parallel_size} needs as many CUDA GPUs; "
-                   f"this machine has {cuda_devices}")
+        out.append(
+            f"{key}.vllm_tensor_parallel_size: {gen.vllm_tensor_parallel_size} needs as many CUDA GPUs; "
+            f"this machine has {cuda_devices}"
+        )
     return out
 
 
 BACKENDS: dict[str, Backend] = {
     "relay": Backend("Relay's decode engine", engine_logprobs=False, own_server=False),
     "hf": Backend("transformers' generate", engine_logprobs=False, own_server=False),
-    "vllm": Backend("a vLLM server following the policy", engine_logprobs=True, own_server=True,
-                    options=("vllm_tensor_parallel_size", "vllm_sleep", "vllm_gpu_memory_utilization"),
-                    option_problems=_vllm_option_problems, device_problems=_vllm_device_problems),
+    "vllm": Backend(
+        "a vLLM server following the policy",
+        engine_logprobs=True,
+        own_server=True,
+        options=("vllm_tensor_parallel_size", "vllm_sleep", "vllm_gpu_memory_utilization"),
+        option_problems=_vllm_option_problems,
+        device_problems=_vllm_device_problems,
+    ),
 }
 """`generation.backend` -> its entry, in the order the capability table lists them."""

@@ -91,7 +91,9 @@ def cells() -> Iterator[Cell]:
             for adapter, engine in itertools.product(ADAPTERS, ENGINES):
                 yield Cell(stage, adapter=adapter, engine=engine)
             continue
-        for backend, tools, correction, adapter, engine in itertools.product(BACKENDS, TOOLS, CORRECTIONS, ADAPTERS, ENGINES):
+        for backend, tools, correction, adapter, engine in itertools.product(
+            BACKENDS, TOOLS, CORRECTIONS, ADAPTERS, ENGINES
+        ):
             yield Cell(stage, backend, tools, adapter, engine, correction)
 
 
@@ -116,73 +118,131 @@ def _plain(stage: str, adapter: str, engine: str) -> Cell:
     return Cell(stage, adapter=adapter, engine=engine)
 
 
-def _policy(stage: str, adapter: str, engine: str, backend: str = "relay", tools: str = "off", correction: str = "none") -> Cell:
+def _policy(
+    stage: str, adapter: str, engine: str, backend: str = "relay", tools: str = "off", correction: str = "none"
+) -> Cell:
     return Cell(stage, backend, tools, adapter, engine, correction)
 
 
 TESTS: dict[Cell, tuple[str, ...]] = {
     _plain("pt", "lora", "single"): ("tests/test_pt_sft.py::test_pt_packs_documents_and_merges",),
-    _plain("pt", "lora", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-pt-1-lora]",
-                                  "tests/test_streaming.py::test_two_processes_stream_the_same_global_batches"),
+    _plain("pt", "lora", "ddp"): (
+        f"{DS}::test_two_ranks_equal_one_process[ddp-pt-1-lora]",
+        "tests/test_streaming.py::test_two_processes_stream_the_same_global_batches",
+    ),
     _plain("pt", "lora", "fsdp"): (f"{DS}::test_two_ranks_equal_one_process[fsdp-pt-1-lora]",),
-    _plain("pt", "full", "single"): ("tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[pt-full]",
-                                     f"{FSDP}::test_two_fsdp_ranks_equal_one_process[pt-full]"),
+    _plain("pt", "full", "single"): (
+        "tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[pt-full]",
+        f"{FSDP}::test_two_fsdp_ranks_equal_one_process[pt-full]",
+    ),
     _plain("pt", "full", "ddp"): (f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[pt-full]",),
-    _plain("pt", "full", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[pt-full]",
-                                   f"{FSDP}::test_fsdp_stopped_and_resumed_equals_unbroken[pt-full]"),
+    _plain("pt", "full", "fsdp"): (
+        f"{FSDP}::test_two_fsdp_ranks_equal_one_process[pt-full]",
+        f"{FSDP}::test_fsdp_stopped_and_resumed_equals_unbroken[pt-full]",
+    ),
     _plain("pt", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[pt]",),
     _plain("sft", "lora", "single"): ("tests/test_pt_sft.py::test_sft_resume_is_exact_and_ignores_a_torn_checkpoint",),
     _plain("sft", "lora", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-sft-1-lora]",),
     _plain("sft", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[sft]",),
-    _plain("sft", "lora", "zero2"): (f"{GPU}::test_zero_equals_one_gpu[zero2-sft-1]", f"{ZC}::test_two_zero_ranks_equal_one_process[zero2_offload-sft]"),
-    _plain("sft", "lora", "zero3"): (f"{GPU}::test_zero_equals_one_gpu[zero3-sft-1]", f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-sft]"),
+    _plain("sft", "lora", "zero2"): (
+        f"{GPU}::test_zero_equals_one_gpu[zero2-sft-1]",
+        f"{ZC}::test_two_zero_ranks_equal_one_process[zero2_offload-sft]",
+    ),
+    _plain("sft", "lora", "zero3"): (
+        f"{GPU}::test_zero_equals_one_gpu[zero3-sft-1]",
+        f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-sft]",
+    ),
     _plain("sft", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-full]",),
-    _plain("sft", "full", "single"): ("tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[sft-full]",),
-    _plain("sft", "qlora", "single"): (f"{DS}::test_two_ranks_equal_one_process[ddp-sft-1-qlora]", "tests/test_qlora.py::test_qlora_loss_falls"),
+    _plain("sft", "full", "single"): (
+        "tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[sft-full]",
+    ),
+    _plain("sft", "qlora", "single"): (
+        f"{DS}::test_two_ranks_equal_one_process[ddp-sft-1-qlora]",
+        "tests/test_qlora.py::test_qlora_loss_falls",
+    ),
     _plain("sft", "qlora", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-sft-1-qlora]",),
     _plain("sft", "qlora", "zero2"): (f"{GPU}::test_qlora_trains_under_sharding_and_tracks_one_gpu[zero2]",),
     _plain("rm", "lora", "single"): ("tests/test_reward.py::test_rm_stage_head_survives_merge_and_stats_recorded",),
     _plain("rm", "lora", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-rm-1-lora]",),
     _plain("rm", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[rm]",),
-    _plain("rm", "lora", "zero2"): (f"{GPU}::test_zero_equals_one_gpu[zero2-rm-1]", f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-rm]"),
-    _plain("rm", "lora", "zero3"): (f"{GPU}::test_zero_equals_one_gpu[zero3-rm-1]", f"{ZC}::test_two_zero_ranks_equal_one_process[zero3_offload-rm]"),
-    _plain("rm", "full", "single"): ("tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[rm-full]",),
+    _plain("rm", "lora", "zero2"): (
+        f"{GPU}::test_zero_equals_one_gpu[zero2-rm-1]",
+        f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-rm]",
+    ),
+    _plain("rm", "lora", "zero3"): (
+        f"{GPU}::test_zero_equals_one_gpu[zero3-rm-1]",
+        f"{ZC}::test_two_zero_ranks_equal_one_process[zero3_offload-rm]",
+    ),
+    _plain("rm", "full", "single"): (
+        "tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[rm-full]",
+    ),
     _plain("rm", "full", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-rm-1-full]",),
-    _plain("rm", "full", "fsdp"): (f"{DS}::test_two_ranks_equal_one_process[fsdp-rm-1-full]",
-                                   f"{DS}::test_fsdp_stopped_and_resumed_continues_exactly[rm-full-resumed-rm-full]"),
+    _plain("rm", "full", "fsdp"): (
+        f"{DS}::test_two_ranks_equal_one_process[fsdp-rm-1-full]",
+        f"{DS}::test_fsdp_stopped_and_resumed_continues_exactly[rm-full-resumed-rm-full]",
+    ),
     _plain("rm", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[rm]",),
-    _plain("dpo", "lora", "single"): ("tests/test_dpo.py::test_stage_learns_and_its_reference_is_the_starting_model[lora]",),
+    _plain("dpo", "lora", "single"): (
+        "tests/test_dpo.py::test_stage_learns_and_its_reference_is_the_starting_model[lora]",
+    ),
     _plain("dpo", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[dpo]",),
-    _plain("dpo", "full", "single"): ("tests/test_dpo.py::test_stage_learns_and_its_reference_is_the_starting_model[full]",),
+    _plain("dpo", "full", "single"): (
+        "tests/test_dpo.py::test_stage_learns_and_its_reference_is_the_starting_model[full]",
+    ),
     _plain("dpo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[dpo]",),
     _plain("kto", "lora", "single"): ("tests/test_kto.py::test_lora_stage_learns_from_the_llama_factory_demo",),
     _plain("kto", "full", "single"): ("tests/test_kto.py::test_first_steps_equal_trls_kto_trainer",),
     _plain("kto", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[kto]",),
     _policy("ppo", "lora", "single"): ("tests/test_ppo.py::test_first_step_is_exactly_on_policy",),
-    _policy("ppo", "lora", "ddp"): ("tests/test_distributed.py::test_ppo_under_ddp_is_on_policy_then_moves",
-                                    f"{DS}::test_two_ranks_equal_one_process[ddp-ppo-1-lora]"),
-    _policy("ppo", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[ppo]", f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[ppo-real]"),
-    _policy("ppo", "lora", "zero3"): (f"{GPU}::test_ppo_under_zero3_equals_one_gpu", f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-ppo]"),
+    _policy("ppo", "lora", "ddp"): (
+        "tests/test_distributed.py::test_ppo_under_ddp_is_on_policy_then_moves",
+        f"{DS}::test_two_ranks_equal_one_process[ddp-ppo-1-lora]",
+    ),
+    _policy("ppo", "lora", "fsdp"): (
+        f"{FSDP}::test_two_fsdp_ranks_equal_one_process[ppo]",
+        f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[ppo-real]",
+    ),
+    _policy("ppo", "lora", "zero3"): (
+        f"{GPU}::test_ppo_under_zero3_equals_one_gpu",
+        f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-ppo]",
+    ),
     _policy("ppo", "full", "single"): ("tests/test_ppo.py::test_reference_and_reward_weights_unchanged[full]",),
     _policy("ppo", "full", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-ppo-1-full]",),
     _policy("ppo", "full", "fsdp"): (f"{DS}::test_two_ranks_equal_one_process[fsdp-ppo-1-full]",),
     _policy("ppo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[ppo]",),
-    _policy("ppo", "lora", "single", backend="hf"): (f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[ppo]",),
-    _policy("ppo", "lora", "single", tools="on"): ("tests/test_tool_rollout.py::test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values",),
+    _policy("ppo", "lora", "single", backend="hf"): (
+        f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[ppo]",
+    ),
+    _policy("ppo", "lora", "single", tools="on"): (
+        "tests/test_tool_rollout.py::test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values",
+    ),
     _policy("ppo", "lora", "single", backend="vllm", correction="tis"): (
-        "tests/test_vllm.py::test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default",),
-    _policy("grpo", "lora", "single"): ("tests/test_grpo.py::test_first_step_on_policy_and_reference_is_the_disabled_adapter",),
+        "tests/test_vllm.py::test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default",
+    ),
+    _policy("grpo", "lora", "single"): (
+        "tests/test_grpo.py::test_first_step_on_policy_and_reference_is_the_disabled_adapter",
+    ),
     _policy("grpo", "lora", "ddp"): (f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[grpo-real]",),
-    _policy("grpo", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[grpo]", f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[grpo-real]"),
+    _policy("grpo", "lora", "fsdp"): (
+        f"{FSDP}::test_two_fsdp_ranks_equal_one_process[grpo]",
+        f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[grpo-real]",
+    ),
     _policy("grpo", "full", "single"): ("tests/test_grpo.py::test_beta_zero_runs_no_reference_forward[full]",),
     _policy("grpo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[grpo]",),
-    _policy("grpo", "lora", "single", backend="hf"): ("tests/test_grpo.py::test_resume_reproduces_unbroken_run[hf]",
-                                                      f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[grpo]"),
-    _policy("grpo", "lora", "single", tools="on"): ("tests/test_tool_rollout.py::test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs",),
+    _policy("grpo", "lora", "single", backend="hf"): (
+        "tests/test_grpo.py::test_resume_reproduces_unbroken_run[hf]",
+        f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[grpo]",
+    ),
+    _policy("grpo", "lora", "single", tools="on"): (
+        "tests/test_tool_rollout.py::test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs",
+    ),
     _policy("grpo", "lora", "ddp", tools="on"): ("tests/test_tool_rollout.py::test_two_ranks_equal_one_process",),
     _policy("grpo", "lora", "single", backend="vllm", correction="tis"): (
-        "tests/test_vllm.py::test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run",),
-    _policy("grpo", "full", "single", backend="vllm", correction="tis"): ("tests/test_vllm.py::test_grpo_stage_full_fine_tuning_samples_on_vllm",),
+        "tests/test_vllm.py::test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run",
+    ),
+    _policy("grpo", "full", "single", backend="vllm", correction="tis"): (
+        "tests/test_vllm.py::test_grpo_stage_full_fine_tuning_samples_on_vllm",
+    ),
     # tests/test_cells_ddp.py: two ranks equal one process
     _plain("sft", "full", "ddp"): (f"{RANKS}[ddp-sft-full]",),
     _plain("sft", "full", "fsdp"): (f"{RANKS}[fsdp-sft-full]",),
@@ -191,12 +251,20 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _plain("dpo", "lora", "ddp"): (f"{RANKS}[ddp-dpo-lora]",),
     _plain("dpo", "full", "ddp"): (f"{RANKS}[ddp-dpo-full]",),
     _plain("dpo", "full", "fsdp"): (f"{RANKS}[fsdp-dpo-full]",),
-    **{_plain("kto", adapter, engine): (f"{RANKS}[{engine}-kto-{adapter}]",) for adapter in ("lora", "full") for engine in ("ddp", "fsdp")},
+    **{
+        _plain("kto", adapter, engine): (f"{RANKS}[{engine}-kto-{adapter}]",)
+        for adapter in ("lora", "full")
+        for engine in ("ddp", "fsdp")
+    },
     _policy("grpo", "full", "ddp"): (f"{RANKS}[ddp-grpo-full]",),
     _policy("grpo", "full", "fsdp"): (f"{RANKS}[fsdp-grpo-full]",),
     _policy("ppo", "lora", "ddp", tools="on"): (f"{RANKS}[ddp-ppo-tools]",),
-    _policy("ppo", "lora", "ddp", backend="hf"): ("tests/test_cells_ddp.py::test_the_hf_backend_under_ddp_samples_as_relay[ppo]",),
-    _policy("grpo", "lora", "ddp", backend="hf"): ("tests/test_cells_ddp.py::test_the_hf_backend_under_ddp_samples_as_relay[grpo]",),
+    _policy("ppo", "lora", "ddp", backend="hf"): (
+        "tests/test_cells_ddp.py::test_the_hf_backend_under_ddp_samples_as_relay[ppo]",
+    ),
+    _policy("grpo", "lora", "ddp", backend="hf"): (
+        "tests/test_cells_ddp.py::test_the_hf_backend_under_ddp_samples_as_relay[grpo]",
+    ),
     _policy("distill", "lora", "single"): (f"{DISTILL}[lora]",),
     _policy("distill", "full", "single"): (f"{DISTILL}[full]",),
 }
@@ -204,12 +272,16 @@ for _stage, _nodes in VLLM_TOOLS_TESTS.items():
     TESTS[_policy(_stage, "lora", "single", backend="vllm", tools="on", correction="tis")] = _nodes
 
 GRPO_OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {
-    "loss_type": {name: (f"tests/test_grpo_variants.py::test_micro_batch_shares_equal_trl_accumulation[{name}]",)
-                  for name in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")},
+    "loss_type": {
+        name: (f"tests/test_grpo_variants.py::test_micro_batch_shares_equal_trl_accumulation[{name}]",)
+        for name in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+    },
     "advantage_estimator": {
         "grpo": ("tests/test_grpo.py::test_group_advantages_match_trl",),
-        **{name: (f"tests/test_grpo_variants.py::test_estimators_equal_verl[{name}]",)
-           for name in ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")},
+        **{
+            name: (f"tests/test_grpo_variants.py::test_estimators_equal_verl[{name}]",)
+            for name in ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+        },
     },
 }
 """The `grpo:` options that are pure functions on the rollout's tensors: each runs in every
@@ -227,56 +299,81 @@ Rule = Callable[[Cell, bool], Optional[tuple[str, str]]]
 
 def _correction_without_engine_logprobs(cell: Cell, cuda: bool):
     if cell.correction not in (NONE, "none") and not BACKENDS[cell.backend].engine_logprobs:
-        return ("generation.correction", f"{cell.correction} weighs each token by p_trainer / p_engine and the {cell.backend} "
-                "backend reports no engine log-probs (it samples the distribution the trainer scores); use none or auto")
+        return (
+            "generation.correction",
+            f"{cell.correction} weighs each token by p_trainer / p_engine and the {cell.backend} "
+            "backend reports no engine log-probs (it samples the distribution the trainer scores); use none or auto",
+        )
     return None
 
 
 def _server_on_shards(cell: Cell, cuda: bool):
     if cell.backend != NONE and BACKENDS[cell.backend].own_server and ENGINES[cell.engine].shards:
-        return ("generation.backend", f"{cell.backend} syncs weights from one whole policy; distributed.engine "
-                f"{ENGINES[cell.engine].config!r} is not supported with it yet (use ddp)")
+        return (
+            "generation.backend",
+            f"{cell.backend} syncs weights from one whole policy; distributed.engine "
+            f"{ENGINES[cell.engine].config!r} is not supported with it yet (use ddp)",
+        )
     return None
 
 
 def _server_per_rank(cell: Cell, cuda: bool):
     if cell.backend != NONE and BACKENDS[cell.backend].own_server and ENGINES[cell.engine].ranks == "many":
-        return ("generation.backend", f"{cell.backend} with more than one rank is refused until per-rank servers are pinned "
-                "to their device (every rank would start its own server on device 0, writing the same adapter folder and "
-                "log); run one process, or use backend relay")
+        return (
+            "generation.backend",
+            f"{cell.backend} with more than one rank is refused until per-rank servers are pinned "
+            "to their device (every rank would start its own server on device 0, writing the same adapter folder and "
+            "log); run one process, or use backend relay",
+        )
     return None
 
 
 def _tools_under_zero(cell: Cell, cuda: bool):
     if cell.tools == "on" and ENGINES[cell.engine].zero:
-        return ("tools.funcs", "tool rollouts run under ddp or fsdp (under DeepSpeed ZeRO-3 every rank samples in "
-                "lockstep, and ranks take different numbers of turns)")
+        return (
+            "tools.funcs",
+            "tool rollouts run under ddp or fsdp (under DeepSpeed ZeRO-3 every rank samples in "
+            "lockstep, and ranks take different numbers of turns)",
+        )
     return None
 
 
 def _tools_on_server(cell: Cell, cuda: bool):
     if cell.tools == "on" and BACKENDS[cell.backend].own_server and not VLLM_TOOLS_TESTS:
-        return ("tools.funcs", f"tool rollouts on the {cell.backend} backend are not run by the test suite yet; "
-                "use backend relay or hf")
+        return (
+            "tools.funcs",
+            f"tool rollouts on the {cell.backend} backend are not run by the test suite yet; use backend relay or hf",
+        )
     return None
 
 
 def _qlora_under_fsdp(cell: Cell, cuda: bool):
     if cell.adapter == "qlora" and cell.engine == "fsdp":
-        return ("distributed.engine", "fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, "
-                "or model.finetuning lora or full")
+        return (
+            "distributed.engine",
+            "fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, or model.finetuning lora or full",
+        )
     return None
 
 
 def _zero_without_cuda(cell: Cell, cuda: bool):
     if ENGINES[cell.engine].zero and not cuda and not ZERO_ON_CPU:
-        return ("distributed.engine", f"{ENGINES[cell.engine].label} (deepspeed) runs on a CUDA GPU only for now "
-                "(none is visible); on CPU use distributed.engine ddp or fsdp")
+        return (
+            "distributed.engine",
+            f"{ENGINES[cell.engine].label} (deepspeed) runs on a CUDA GPU only for now "
+            "(none is visible); on CPU use distributed.engine ddp or fsdp",
+        )
     return None
 
 
-RULES: tuple[Rule, ...] = (_correction_without_engine_logprobs, _server_on_shards, _server_per_rank, _tools_under_zero,
-                           _tools_on_server, _qlora_under_fsdp)
+RULES: tuple[Rule, ...] = (
+    _correction_without_engine_logprobs,
+    _server_on_shards,
+    _server_per_rank,
+    _tools_under_zero,
+    _tools_on_server,
+    _qlora_under_fsdp,
+)
 """Refusals on any machine, first match wins."""
 DEVICE_RULES: tuple[Rule, ...] = (_zero_without_cuda,)
 """Refusals on a machine without CUDA, after RULES."""
@@ -294,8 +391,10 @@ def refusal(cell: Cell, cuda: bool = True) -> Optional[str]:
         if found:
             return f"{found[0]}: {found[1]}"
     if cell not in TESTS:
-        return (f"combination {cell.describe()}: not run by Relay's test suite yet, so refused "
-                "(`relay capabilities` lists every combination that is)")
+        return (
+            f"combination {cell.describe()}: not run by Relay's test suite yet, so refused "
+            "(`relay capabilities` lists every combination that is)"
+        )
     return None
 
 
@@ -336,8 +435,10 @@ def config_cell(stage: str, cfg: Any, ranks: Optional[int] = None) -> tuple[Opti
             return None, None
         engine = f"zero{zero}"
         if engine not in ENGINES:
-            return None, (f"distributed.deepspeed_config: ZeRO stage {zero} is not run by Relay's test suite "
-                          f"(stages {', '.join(k[4:] for k in ENGINES if ENGINES[k].zero)} are)")
+            return None, (
+                f"distributed.deepspeed_config: ZeRO stage {zero} is not run by Relay's test suite "
+                f"(stages {', '.join(k[4:] for k in ENGINES if ENGINES[k].zero)} are)"
+            )
     elif dist.engine == "fsdp":
         engine = "fsdp"
     elif dist.engine == "ddp":
@@ -428,18 +529,32 @@ def render() -> str:
             stage, backend, tools, correction, adapter = key
             rows.append(f"| {stage} | {backend} | {tools} | {correction} | {adapter} | " + " | ".join(marks) + " |")
     tested, refused, cuda_only = counts()
-    head = ["| stage | backend | tools | correction | adapter | " + " | ".join(e.label for e in ENGINES.values()) + " |",
-            "|" + "---|" * (5 + len(ENGINES))]
+    head = [
+        "| stage | backend | tools | correction | adapter | " + " | ".join(e.label for e in ENGINES.values()) + " |",
+        "|" + "---|" * (5 + len(ENGINES)),
+    ]
     notes = [f"{i}. {reason} ({n} cells)" for i, (reason, n) in enumerate(reasons.items(), 1)]
-    options = [f"- `grpo.{option}`: {', '.join(names)}: each in every supported grpo row (golden tests against TRL and verl)."
-               for option, names in GRPO_OPTIONS.items()]
-    return "\n".join([
-        f"{tested} combinations are trained by the test suite ({cuda_only} of them on a CUDA GPU only); {refused} are "
-        "refused before any model loads. yes: runs; CUDA: runs on a CUDA GPU; no (n): refused for reason n. Rows whose "
-        "every engine is refused are left out. One process is `distributed.engine: ddp` without `--nproc`; DDP is more "
-        "than one rank.",
-        "", *head, *rows, "", "Refused:", "", *notes, "", *options,
-    ])
+    options = [
+        f"- `grpo.{option}`: {', '.join(names)}: each in every supported grpo row (golden tests against TRL and verl)."
+        for option, names in GRPO_OPTIONS.items()
+    ]
+    return "\n".join(
+        [
+            f"{tested} combinations are trained by the test suite ({cuda_only} of them on a CUDA GPU only); {refused} are "
+            "refused before any model loads. yes: runs; CUDA: runs on a CUDA GPU; no (n): refused for reason n. Rows whose "
+            "every engine is refused are left out. One process is `distributed.engine: ddp` without `--nproc`; DDP is more "
+            "than one rank.",
+            "",
+            *head,
+            *rows,
+            "",
+            "Refused:",
+            "",
+            *notes,
+            "",
+            *options,
+        ]
+    )
 
 
 def write_readme(path: Path) -> bool:

@@ -78,10 +78,15 @@ def config_help(cls: type, prog: str, width: int = 100) -> str:
             top.append((f.name, cls, f, hints[f.name]))
         else:
             sections.append((f.name, sub))
-    lines = [f"usage: {prog} [--config FILE.yaml] [--section.key VALUE ...]", "",
-             "Values come from the defaults below, then --config FILE.yaml, then --section.key VALUE on the",
-             "command line (later wins). Unknown keys are errors.", "",
-             "  --config FILE.yaml", "      a YAML file with any of the keys below (sections as mappings; !include allowed)"]
+    lines = [
+        f"usage: {prog} [--config FILE.yaml] [--section.key VALUE ...]",
+        "",
+        "Values come from the defaults below, then --config FILE.yaml, then --section.key VALUE on the",
+        "command line (later wins). Unknown keys are errors.",
+        "",
+        "  --config FILE.yaml",
+        "      a YAML file with any of the keys below (sections as mappings; !include allowed)",
+    ]
 
     def emit(prefix: str, owner: type, f: dataclasses.Field, tp: Any) -> None:
         default = _default(f)

@@ -108,12 +108,20 @@ def _unknown_override(cls: type, dotted: str) -> Optional[str]:
             close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
             full = f"{prefix}.{close[0]}" if prefix and close else (close[0] if close else "")
             habit = habit_hint(dotted) if depth == 0 else None
-            hint = f"; {habit}" if habit else f"; did you mean '--{full}'?" if close else f"; known keys here: {', '.join(names)}"
+            hint = (
+                f"; {habit}"
+                if habit
+                else f"; did you mean '--{full}'?"
+                if close
+                else f"; known keys here: {', '.join(names)}"
+            )
             return f"--{dotted}: unknown option{hint}"
         current = typing.get_type_hints(sub)[part]
     section = None if _list_item_dataclass(current) else _dataclass_of(current)
     if section is not None:  # `--model Qwen/...` (TRL's habit): a section takes its keys, not a value
-        first = "path" if "path" in [f.name for f in dataclasses.fields(section)] else dataclasses.fields(section)[0].name
+        first = (
+            "path" if "path" in [f.name for f in dataclasses.fields(section)] else dataclasses.fields(section)[0].name
+        )
         return f"--{dotted}: is a section, not a value; set its keys, e.g. '--{dotted}.{first}'"
     return None
 

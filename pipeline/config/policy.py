@@ -84,20 +84,28 @@ class GenerationConfig:
             out.append(f"{key}.backend: {self.backend!r} is not one of {tuple(BACKENDS)}")
         if self.correction not in CORRECTION_NAMES:
             out.append(f"{key}.correction: {self.correction!r} is not one of {CORRECTION_NAMES}")
-        if self.correction_cap <= 0 or (self.correction_floor is not None and not 0 <= self.correction_floor < self.correction_cap):
-            out.append(f"{key}.correction_cap/correction_floor: need 0 <= floor < cap, got {self.correction_floor} and {self.correction_cap}")
+        if self.correction_cap <= 0 or (
+            self.correction_floor is not None and not 0 <= self.correction_floor < self.correction_cap
+        ):
+            out.append(
+                f"{key}.correction_cap/correction_floor: need 0 <= floor < cap, got {self.correction_floor} and {self.correction_cap}"
+            )
         for entry in BACKENDS.values():
             out += entry.option_problems(self, key)
         if self.top_k != 0 or self.top_p != 1.0:
-            out.append(f"{key}.top_k/top_p: RL stages sample from the full distribution (top_k 0, top_p 1.0), because the "
-                       "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling")
+            out.append(
+                f"{key}.top_k/top_p: RL stages sample from the full distribution (top_k 0, top_p 1.0), because the "
+                "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling"
+            )
         return out
 
     def room_problems(self, seq_length: int) -> list[str]:
         """A prompt and its response must fit train.seq_length."""
         if 1 <= self.max_new_tokens and seq_length <= self.max_new_tokens:
-            return [f"train.seq_length: {seq_length} leaves no room for a prompt before generation.max_new_tokens "
-                    f"{self.max_new_tokens}"]
+            return [
+                f"train.seq_length: {seq_length} leaves no room for a prompt before generation.max_new_tokens "
+                f"{self.max_new_tokens}"
+            ]
         return []
 
 

@@ -191,7 +191,9 @@ class TrainConfig:
             _positive(out, f"{key}.{name}", getattr(self, name))
         _positive(out, f"{key}.learning_rate", self.learning_rate)
         if self.seq_length == 1:
-            out.append(f"{key}.seq_length: 1 token leaves nothing to predict (a label needs a token before it); use at least 2")
+            out.append(
+                f"{key}.seq_length: 1 token leaves nothing to predict (a label needs a token before it); use at least 2"
+            )
         out.extend(self.divergence.problems(f"{key}.divergence"))
         _positive(out, f"{key}.eval_steps", self.eval_steps, allow_zero=True)
         _positive(out, f"{key}.early_stopping_stall_num", self.early_stopping_stall_num, allow_zero=True)
@@ -357,14 +359,21 @@ class DataConfig:
         """Weights that do not match the entries, and stopping policies that are none."""
         out: list[str] = []
         stop = self.mix_stop
-        if isinstance(stop, bool) or (isinstance(stop, int) and stop < 1) or (
-                isinstance(stop, str) and stop not in ("first_exhausted", "all_exhausted")):
-            out.append(f"{key}.mix_stop: must be first_exhausted, all_exhausted or a number of samples >= 1, got {stop!r}")
+        if (
+            isinstance(stop, bool)
+            or (isinstance(stop, int) and stop < 1)
+            or (isinstance(stop, str) and stop not in ("first_exhausted", "all_exhausted"))
+        ):
+            out.append(
+                f"{key}.mix_stop: must be first_exhausted, all_exhausted or a number of samples >= 1, got {stop!r}"
+            )
         if self.weights is None:
             return out
         if len(self.weights) != len(self.train):
-            out.append(f"{key}.weights: {len(self.weights)} weight(s) for {len(self.train)} {key}.train entr(ies); "
-                       f"give one per entry, in their order")
+            out.append(
+                f"{key}.weights: {len(self.weights)} weight(s) for {len(self.train)} {key}.train entr(ies); "
+                f"give one per entry, in their order"
+            )
         bad = [w for w in self.weights if not w > 0]
         if bad:
             out.append(f"{key}.weights: every weight must be > 0 (leave an entry out instead), got {bad}")
@@ -458,5 +467,3 @@ class StageConfig:
             if hasattr(section, "problems"):
                 out.extend(section.problems(f.name))
         return out
-
-

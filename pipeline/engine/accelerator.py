@@ -44,19 +44,25 @@ def combination_problems(cfg: StageConfig) -> list[str]:
     engine = cfg.distributed.engine
     out = []
     if engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        out.append("distributed.engine: deepspeed needs the deepspeed package (pip install deepspeed); or use ddp or fsdp")
+        out.append(
+            "distributed.engine: deepspeed needs the deepspeed package (pip install deepspeed); or use ddp or fsdp"
+        )
     if engine == "deepspeed" and cfg.model.finetuning == "qlora" and zero_stage(cfg.distributed.deepspeed_config) == 3:
         # transformers refuses a device_map under ZeRO-3's zero.Init, and bitsandbytes places (and
         # quantises) the 4-bit weights only through one; ZeRO-2 and DDP keep whole weights.
-        out.append("model.finetuning: qlora cannot load under DeepSpeed ZeRO-3 (its 4-bit weights are placed through a "
-                   "device_map, which ZeRO-3's partitioned loading refuses); use a ZeRO-2 config "
-                   "(deepspeed_configs/zero2.json), distributed.engine ddp, or model.finetuning lora")
+        out.append(
+            "model.finetuning: qlora cannot load under DeepSpeed ZeRO-3 (its 4-bit weights are placed through a "
+            "device_map, which ZeRO-3's partitioned loading refuses); use a ZeRO-2 config "
+            "(deepspeed_configs/zero2.json), distributed.engine ddp, or model.finetuning lora"
+        )
     if engine == "deepspeed" and _would_resume(cfg):
         # ZeRO partitions the optimizer state (and under ZeRO-3 the weights) over ranks; the
         # checkpoint holds rank 0's optimizer share only, so a resume would be silently wrong.
-        out.append("checkpoint.resume: resuming a distributed.engine deepspeed run is not supported (ZeRO shards the optimizer "
-                   "state over ranks; the checkpoint holds rank 0's share); set checkpoint.resume false to start again, "
-                   "or train with distributed.engine ddp or fsdp, which resume exactly")
+        out.append(
+            "checkpoint.resume: resuming a distributed.engine deepspeed run is not supported (ZeRO shards the optimizer "
+            "state over ranks; the checkpoint holds rank 0's share); set checkpoint.resume false to start again, "
+            "or train with distributed.engine ddp or fsdp, which resume exactly"
+        )
     from pipeline.modeling.models import check_attn_implementation
 
     try:
@@ -64,12 +70,16 @@ def combination_problems(cfg: StageConfig) -> list[str]:
     except ValueError as err:  # flash_attention_2 without CUDA or without flash-attn
         out.append(f"model.attn_implementation: {err}")
     if engine == "fsdp" and cfg.distributed.fsdp_sharding not in SHARDING:
-        out.append(f"distributed.fsdp_sharding: {cfg.distributed.fsdp_sharding} has no FSDP2 counterpart (FSDP2 always "
-                   f"shards); use {' or '.join(SHARDING)}, or distributed.engine ddp for unsharded data parallelism")
+        out.append(
+            f"distributed.fsdp_sharding: {cfg.distributed.fsdp_sharding} has no FSDP2 counterpart (FSDP2 always "
+            f"shards); use {' or '.join(SHARDING)}, or distributed.engine ddp for unsharded data parallelism"
+        )
     if engine == "fsdp" and cfg.model.finetuning == "qlora":
         # bitsandbytes' 4-bit weights are not tensors FSDP2 can cut into DTensor shards.
-        out.append("distributed.engine: fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, "
-                   "or model.finetuning lora or full")
+        out.append(
+            "distributed.engine: fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, "
+            "or model.finetuning lora or full"
+        )
     return out
 
 
@@ -215,8 +225,11 @@ def setup_accelerator(cfg: StageConfig):
     cuda = torch.cuda.is_available()
     # Without a GPU, accelerate only sets up multi-process CPU training (gloo) when told cpu=True;
     # DeepSpeed is the exception (see _deepspeed_on_cpu).
-    kwargs: dict[str, Any] = {"mixed_precision": mixed, "step_scheduler_with_optimizer": False,
-                              "cpu": not cuda and engine != "deepspeed"}
+    kwargs: dict[str, Any] = {
+        "mixed_precision": mixed,
+        "step_scheduler_with_optimizer": False,
+        "cpu": not cuda and engine != "deepspeed",
+    }
     if engine != "deepspeed":  # DeepSpeed takes the count from its plugin
         kwargs["gradient_accumulation_steps"] = cfg.train.grad_accum
     if engine == "deepspeed":
@@ -275,8 +288,16 @@ def _world_of_one() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            "MASTER_PORT": str(port),
+        }
+    )
 
 
 def prepare_training(accelerator, model: torch.nn.Module, cfg: StageConfig) -> tuple[torch.nn.Module, Any]:
@@ -286,13 +307,17 @@ def prepare_training(accelerator, model: torch.nn.Module, cfg: StageConfig) -> t
     if cfg.distributed.engine != "fsdp":
         fill_hidden_size_autos(accelerator, model)
         return accelerator.prepare(model, build_optimizer(model, cfg.train))
-    fsdp.shard_model(model, accelerator.device, sharding=cfg.distributed.fsdp_sharding,
-                     mixed=resolve_precision(cfg.train.precision))
+    fsdp.shard_model(
+        model, accelerator.device, sharding=cfg.distributed.fsdp_sharding, mixed=resolve_precision(cfg.train.precision)
+    )
     return model, accelerator.prepare(build_optimizer(model, cfg.train))
 
 
-HIDDEN_SIZE_AUTOS = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-                     "stage3_param_persistence_threshold": lambda h: 10 * h}
+HIDDEN_SIZE_AUTOS = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
 """The DeepSpeed keys accelerate fills from `model.config.hidden_size` when "auto" (its formulas)."""
 
 
@@ -339,10 +364,15 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     if not decay and not no_decay:
         raise ValueError("the model has no trainable parameters (check model.finetuning / lora.target_modules)")
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                for p in decay + no_decay)
+    fused = all(
+        p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        for p in decay + no_decay
+    )
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.epsilon,
+        [g for g in groups if g["params"]],
+        lr=cfg.learning_rate,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.epsilon,
         fused=fused or None,
     )
 

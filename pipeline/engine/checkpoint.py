@@ -90,7 +90,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     for path in root.iterdir():
         if path.is_dir() and path.name.startswith(PREFIX) and (path / MARKER).is_file():
             try:
-                found.append((int(path.name[len(PREFIX):]), path))
+                found.append((int(path.name[len(PREFIX) :]), path))
             except ValueError:
                 continue
     return [path for _, path in sorted(found)]
@@ -111,8 +111,6 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
 
 
 def state_bytes(value: Any) -> int:
@@ -269,7 +267,9 @@ class Checkpointer:
         self._check_all(error, step, staging, needed)
         try:
             if self.rank == 0:
-                files = {f.name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in sorted(staging.iterdir())}
+                files = {
+                    f.name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in sorted(staging.iterdir())
+                }
                 marker = {"step": step, "lifetime": lifetime, "world_size": self.world_size, "files": files}
                 if identity is not None:
                     marker["identity"] = identity
@@ -308,8 +308,10 @@ class Checkpointer:
             raise CheckpointError(f"saving checkpoint step {step} in {self.root} failed on another rank; {kept}")
         if is_disk_full(error):
             free = shutil.disk_usage(self.root if self.root.exists() else self.root.parent).free
-            raise CheckpointError(f"no space left on device: checkpoint step {step} needs about {megabytes(needed)} in "
-                                  f"{self.root}, {megabytes(free)} free; {kept}; free space and rerun the same command") from error
+            raise CheckpointError(
+                f"no space left on device: checkpoint step {step} needs about {megabytes(needed)} in "
+                f"{self.root}, {megabytes(free)} free; {kept}; free space and rerun the same command"
+            ) from error
         raise CheckpointError(f"saving checkpoint step {step} in {self.root} failed: {error}; {kept}") from error
 
     @staticmethod

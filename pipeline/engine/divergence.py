@@ -26,8 +26,10 @@ def loss_divergence(losses: list[float], cfg: DivergenceConfig) -> Optional[str]
         return None
     first, last = sum(losses[:w]) / w, sum(losses[-w:]) / w
     if first > 0 and last > cfg.loss_ratio * first:
-        return (f"train loss {last:.3f} over the last {w} steps is {last / first:.1f}x the first {w} steps' {first:.3f} "
-                f"(train.divergence.loss_ratio {cfg.loss_ratio})")
+        return (
+            f"train loss {last:.3f} over the last {w} steps is {last / first:.1f}x the first {w} steps' {first:.3f} "
+            f"(train.divergence.loss_ratio {cfg.loss_ratio})"
+        )
     return None
 
 
@@ -42,8 +44,10 @@ def largest_weight(params: Iterable[torch.Tensor]) -> float:
         by_device: dict = {}
         for t in tensors:
             by_device.setdefault(t.device, []).append(t)
-        peaks = [torch.stack([m.float() for m in torch._foreach_norm(group, float("inf"))]).max()
-                 for group in by_device.values()]
+        peaks = [
+            torch.stack([m.float() for m in torch._foreach_norm(group, float("inf"))]).max()
+            for group in by_device.values()
+        ]
         return float(torch.stack([p.cpu() for p in peaks]).max())
 
 

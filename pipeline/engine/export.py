@@ -27,13 +27,21 @@ def export_trained(stage, extras: dict) -> Optional[Path]:
     out = Path(cfg.output_dir)
     full = cfg.model.finetuning == "full"
     trained = stage.export_module()
-    common = dict(stage=stage.name, config=to_dict(cfg), extra_manifest=extras, chat_template=stage.chat_template, overwrite=True,
-                  trust_remote_code=cfg.model.trust_remote_code)
+    common = dict(
+        stage=stage.name,
+        config=to_dict(cfg),
+        extra_manifest=extras,
+        chat_template=stage.chat_template,
+        overwrite=True,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
     if is_sharded(stage.model):
         return _export_sharded(stage, trained, out, full, common, full_state)
     if is_partitioned(trained):
         # ZeRO-3 partitions on one rank too: a module saved as it is would hold empty tensors.
-        return _export_sharded(stage, trained, out, full, common, lambda module: zero3_state(module, trainable_only=not full))
+        return _export_sharded(
+            stage, trained, out, full, common, lambda module: zero3_state(module, trainable_only=not full)
+        )
     merged = None
     if acc.is_main_process and full:
         merged = export_full_model(trained, stage.tokenizer, str(out / "merged"), parent=stage.model_path, **common)
@@ -75,7 +83,14 @@ def _merge(stage, out: Path, full: bool, merged: Optional[Path], common: dict) -
     stage.model, stage.optimizer, stage.scheduler = acc.free_memory(stage.model, stage.optimizer, stage.scheduler)
     if acc.is_main_process and not full:
         with without_zero3_init(acc):  # the base loads on rank 0 alone
-            merged = merge_adapter(stage.model_path, str(out / "adapter"), str(out / "merged"), kind=stage.model_kind,
-                                   allow_pickle=cfg.model.allow_pickle, tokenizer=stage.tokenizer, **common)
+            merged = merge_adapter(
+                stage.model_path,
+                str(out / "adapter"),
+                str(out / "merged"),
+                kind=stage.model_kind,
+                allow_pickle=cfg.model.allow_pickle,
+                tokenizer=stage.tokenizer,
+                **common,
+            )
     acc.wait_for_everyone()
     return merged

@@ -49,11 +49,15 @@ def unsupported_torch() -> Optional[str]:
     try:
         from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: F401
     except ImportError:
-        return (f"distributed.engine: fsdp needs torch {SUPPORTED_TORCH} (FSDP2's fully_shard in torch.distributed.fsdp); "
-                f"this is torch {torch.__version__}: upgrade torch, or use distributed.engine ddp")
+        return (
+            f"distributed.engine: fsdp needs torch {SUPPORTED_TORCH} (FSDP2's fully_shard in torch.distributed.fsdp); "
+            f"this is torch {torch.__version__}: upgrade torch, or use distributed.engine ddp"
+        )
     if not hasattr(FSDPModule, "set_reshard_after_forward"):
-        return (f"distributed.engine: fsdp needs torch {SUPPORTED_TORCH} (FSDPModule.set_reshard_after_forward); "
-                f"this is torch {torch.__version__}: upgrade torch, or use distributed.engine ddp")
+        return (
+            f"distributed.engine: fsdp needs torch {SUPPORTED_TORCH} (FSDPModule.set_reshard_after_forward); "
+            f"this is torch {torch.__version__}: upgrade torch, or use distributed.engine ddp"
+        )
     return None
 
 
@@ -71,8 +75,10 @@ def param_groups(state) -> list:
     if hasattr(state, "_fsdp_param_group"):
         group = state._fsdp_param_group
         return [] if group is None else [group]
-    raise RuntimeError(f"torch {torch.__version__}: an FSDP2 unit's state has neither _fsdp_param_groups nor "
-                       f"_fsdp_param_group; pipeline/engine/fsdp.py supports torch {SUPPORTED_TORCH}")
+    raise RuntimeError(
+        f"torch {torch.__version__}: an FSDP2 unit's state has neither _fsdp_param_groups nor "
+        f"_fsdp_param_group; pipeline/engine/fsdp.py supports torch {SUPPORTED_TORCH}"
+    )
 
 
 def is_sharded(model: Optional[torch.nn.Module]) -> bool:
@@ -118,12 +124,17 @@ def shard_model(model: torch.nn.Module, device: torch.device, *, sharding: str, 
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if not torch.distributed.is_initialized():  # one plain process: a group of one, as torchrun would
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", store=torch.distributed.HashStore(),
-                                             world_size=1, rank=0)
+        torch.distributed.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=torch.distributed.HashStore(), world_size=1, rank=0
+        )
     model.to(device)
     mesh = init_device_mesh(device.type, (world,))
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    policy = MixedPrecisionPolicy(param_dtype=dtypes[mixed], reduce_dtype=torch.float32) if mixed in dtypes else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=dtypes[mixed], reduce_dtype=torch.float32)
+        if mixed in dtypes
+        else MixedPrecisionPolicy()
+    )
     for unit in shard_units(model):
         fully_shard(unit, mesh=mesh, reshard_after_forward=SHARDING[sharding], mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
@@ -187,7 +198,9 @@ def load_full(param: torch.Tensor, value: torch.Tensor) -> None:
 
     with torch.no_grad():
         if isinstance(param, DTensor):
-            value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+            value = distribute_tensor(
+                value.to(param.device, param.dtype), param.device_mesh, param.placements, src_data_rank=None
+            )
         param.copy_(value.to(param.device, param.dtype))
 
 

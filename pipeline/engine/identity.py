@@ -29,9 +29,20 @@ from data_formats.sources import expand_entry
 from pipeline.modeling.manifest import read_manifest
 
 MAY_CHANGE = (
-    "output_dir", "train.max_steps", "train.log_steps", "train.eval_steps", "train.eval_batches",
-    "train.early_stopping_stall_num", "train.batch_size", "train.grad_accum", "checkpoint.", "tracking.",
-    "distributed.", "model.gradient_checkpointing", "model.attn_implementation", "data.eval",
+    "output_dir",
+    "train.max_steps",
+    "train.log_steps",
+    "train.eval_steps",
+    "train.eval_batches",
+    "train.early_stopping_stall_num",
+    "train.batch_size",
+    "train.grad_accum",
+    "checkpoint.",
+    "tracking.",
+    "distributed.",
+    "model.gradient_checkpointing",
+    "model.attn_implementation",
+    "data.eval",
 )
 """Dotted keys (or prefixes ending in '.') that may change on resume (see the module docstring)."""
 
@@ -80,20 +91,27 @@ def parent_identity(model_path: str) -> str:
     return str(folder.resolve()) if folder.exists() else str(model_path)
 
 
-def run_identity(stage: str, config: dict, *, model_path: str, world_size: int,
-                 may_change: Iterable[str] = ()) -> dict:
+def run_identity(stage: str, config: dict, *, model_path: str, world_size: int, may_change: Iterable[str] = ()) -> dict:
     """The identity a checkpoint records (module docstring). `config` is the resolved config as
     a dict (pipeline.config.to_dict); `may_change` adds a stage's own keys to MAY_CHANGE."""
     flat = flatten(config)
     loose = tuple(MAY_CHANGE) + tuple(may_change)
-    fixed = {k: v for k, v in flat.items() if matches(k, FIXED) and not (k.startswith("lora.") and flat.get("model.finetuning") == "full")}
+    fixed = {
+        k: v
+        for k, v in flat.items()
+        if matches(k, FIXED) and not (k.startswith("lora.") and flat.get("model.finetuning") == "full")
+    }
     fixed["model.path"] = parent_identity(model_path)
     train = config.get("train", {})
     shaping = {k: v for k, v in flat.items() if not matches(k, FIXED) and not matches(k, loose)}
     shaping["train.global_batch"] = int(train.get("batch_size", 1)) * int(train.get("grad_accum", 1)) * world_size
     shaping["data.train_files"] = data_digest(config.get("data", {}).get("train", []))
-    return {"stage": stage, "fixed": fixed, "config": shaping,
-            "may_change": {k: v for k, v in flat.items() if matches(k, loose) and not k.startswith("checkpoint.")}}
+    return {
+        "stage": stage,
+        "fixed": fixed,
+        "config": shaping,
+        "may_change": {k: v for k, v in flat.items() if matches(k, loose) and not k.startswith("checkpoint.")},
+    }
 
 
 def changes(old: dict, new: dict) -> list[str]:
@@ -123,5 +141,8 @@ def compare(saved: Optional[dict], current: dict) -> tuple[list[str], list[str],
         return [], ["the checkpoint records no identity (written before Relay checked what it resumes)"], []
     if saved.get("stage") != current["stage"]:
         return [f"it was written by the {saved.get('stage')!r} stage, this is {current['stage']!r}"], [], []
-    return (changes(saved.get("fixed", {}), current["fixed"]), changes(saved.get("config", {}), current["config"]),
-            changes(saved.get("may_change", {}), current["may_change"]))
+    return (
+        changes(saved.get("fixed", {}), current["fixed"]),
+        changes(saved.get("config", {}), current["config"]),
+        changes(saved.get("may_change", {}), current["may_change"]),
+    )

@@ -59,7 +59,9 @@ class StopRequest:
         if self.signum is None:
             self.signum = signum
             hint = "; press Ctrl-C again to stop at once without saving" if signum == signal.SIGINT else ""
-            log.warning("%s received: finishing this step, then saving a checkpoint and stopping%s", signal_name(signum), hint)
+            log.warning(
+                "%s received: finishing this step, then saving a checkpoint and stopping%s", signal_name(signum), hint
+            )
 
 
 def ranks_max(value: int, accelerator) -> int:

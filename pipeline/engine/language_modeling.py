@@ -34,16 +34,27 @@ class LanguageModelStage(Stage):
         batches = self.micro_batches()
         weights = self.task_weights()
         started = time.perf_counter()
-        result = lm_train_step(self.model, self.optimizer, batches, self.accelerator, step=self.step + 1,
-                               num_tasks=len(self.tasks), mode=self.loss_mode(), task_weights=weights,
-                               max_grad_norm=self.cfg.train.max_grad_norm)
+        result = lm_train_step(
+            self.model,
+            self.optimizer,
+            batches,
+            self.accelerator,
+            step=self.step + 1,
+            num_tasks=len(self.tasks),
+            mode=self.loss_mode(),
+            task_weights=weights,
+            max_grad_norm=self.cfg.train.max_grad_norm,
+        )
         seconds = time.perf_counter() - started
         self.history.tokens += result.tokens
         # Real tokens / token slots of this rank's batches (padding counts as waste).
         slots = sum(b["task_ids"].numel() for b in batches)
-        figures = {"train/loss": result.loss, "train/grad_norm": result.grad_norm,
-                   "train/tokens_per_s": result.tokens / seconds if seconds > 0 else 0.0,
-                   "train/packing_efficiency": sum(int((b["task_ids"] >= 0).sum()) for b in batches) / slots}
+        figures = {
+            "train/loss": result.loss,
+            "train/grad_norm": result.grad_norm,
+            "train/tokens_per_s": result.tokens / seconds if seconds > 0 else 0.0,
+            "train/packing_efficiency": sum(int((b["task_ids"] >= 0).sum()) for b in batches) / slots,
+        }
         if len(self.tasks) > 1:
             for name, value, tokens in zip(self.tasks, result.task_losses, result.task_tokens):
                 if tokens > 0:
@@ -64,7 +75,9 @@ class LanguageModelStage(Stage):
         out = []
         for indices, counts in shards:
             batch = self.collate(self.collator, self.eval_samples, indices)
-            batch["eval_weight"] = torch.full((batch["input_ids"].shape[0],), counts, dtype=torch.bool, device=acc.device)
+            batch["eval_weight"] = torch.full(
+                (batch["input_ids"].shape[0],), counts, dtype=torch.bool, device=acc.device
+            )
             out.append(batch)
         return out
 
@@ -72,8 +85,12 @@ class LanguageModelStage(Stage):
         """eval/loss and eval/ppl on the held-out split (eval/loss_task/<task> with several tasks)."""
         if not self.eval_samples:
             return None
-        result = heldout_token_loss(self.model, self.eval_batches(self.cfg.train.eval_batches), self.accelerator, len(self.tasks))
+        result = heldout_token_loss(
+            self.model, self.eval_batches(self.cfg.train.eval_batches), self.accelerator, len(self.tasks)
+        )
         figures = {"eval/loss": result["loss"], "eval/ppl": result["ppl"]}
         if len(self.tasks) > 1:
-            figures.update({f"eval/loss_task/{n}": v for n, v in zip(self.tasks, result["task_losses"]) if math.isfinite(v)})
+            figures.update(
+                {f"eval/loss_task/{n}": v for n, v in zip(self.tasks, result["task_losses"]) if math.isfinite(v)}
+            )
         return figures

@@ -38,12 +38,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
-        print(f"launch: rank {rank} ended first ({describe(failure.exitcode)}); every rank has stopped; "
-              f"its own message is above", file=sys.stderr)
+        print(
+            f"launch: rank {rank} ended first ({describe(failure.exitcode)}); every rank has stopped; "
+            f"its own message is above",
+            file=sys.stderr,
+        )
         return code
     except SignalException as err:
-        print(f"launch: stopped by {err.sigval.name}; the workers were asked to save and stop (their lines are above)",
-              file=sys.stderr)
+        print(
+            f"launch: stopped by {err.sigval.name}; the workers were asked to save and stop (their lines are above)",
+            file=sys.stderr,
+        )
         return 128 + int(err.sigval)
     return 0
 

@@ -14,7 +14,14 @@ from pathlib import Path
 from data_formats.sampling import legacy_cursor
 from pipeline.config import ConfigError, to_dict
 from pipeline.engine.accelerator import load_optimizer_state, load_trainable_state
-from pipeline.engine.checkpoint import MARKER, CheckpointError, CorruptCheckpoint, newest_identity, resume_setting, set_rng_state
+from pipeline.engine.checkpoint import (
+    MARKER,
+    CheckpointError,
+    CorruptCheckpoint,
+    newest_identity,
+    resume_setting,
+    set_rng_state,
+)
 from pipeline.engine.identity import compare, run_identity
 from pipeline.engine.interrupt import all_ranks_ok
 from pipeline.engine.schedule import build_scheduler
@@ -32,8 +39,13 @@ def resume_problems(stage) -> list[str]:
     docstring of pipeline.engine.identity); sets `identity`, `accepted_changes` and
     `allowed_changes`."""
     cfg = stage.cfg
-    stage.identity = run_identity(stage.name, to_dict(cfg), model_path=stage.model_path, world_size=launched_world_size(),
-                                 may_change=stage.resume_may_change)
+    stage.identity = run_identity(
+        stage.name,
+        to_dict(cfg),
+        model_path=stage.model_path,
+        world_size=launched_world_size(),
+        may_change=stage.resume_may_change,
+    )
     resume = resume_setting(cfg.checkpoint)
     if resume not in (True, False) and not (Path(resume) / MARKER).is_file():
         return [f"checkpoint.resume: {resume} is not a complete checkpoint (no {MARKER} marker)"]
@@ -43,12 +55,16 @@ def resume_problems(stage) -> list[str]:
     path, saved = found
     impossible, refused, allowed = compare(saved, stage.identity)
     if impossible:
-        return [f"{path}: cannot resume it: {d}; use another output_dir, or checkpoint.resume: false to move its "
-                f"checkpoints aside and start fresh" for d in impossible]
+        return [
+            f"{path}: cannot resume it: {d}; use another output_dir, or checkpoint.resume: false to move its "
+            f"checkpoints aside and start fresh"
+            for d in impossible
+        ]
     if refused and not cfg.checkpoint.resume_changed:
         return [f"{path}: changed since this checkpoint: {d}" for d in refused] + [
             "checkpoint.resume_changed: true resumes with the new values (recorded in the manifest); "
-            "checkpoint.resume: false starts fresh (the old checkpoints are moved aside)"]
+            "checkpoint.resume: false starts fresh (the old checkpoints are moved aside)"
+        ]
     for d in allowed:
         log.info("resuming %s with a changed %s", path, d)
     stage.accepted_changes, stage.allowed_changes = refused, allowed
@@ -103,8 +119,11 @@ def restore(stage, state: dict) -> None:
         log.warning("the checkpoint has no RNG state for this rank: sampling will differ from an unbroken run")
     if stage.accepted_changes:
         stage.resume_changes.append({"step": stage.step, "changes": stage.accepted_changes})
-        log.warning("resuming at step %d with changes accepted by checkpoint.resume_changed: %s",
-                    stage.step, "; ".join(stage.accepted_changes))
+        log.warning(
+            "resuming at step %d with changes accepted by checkpoint.resume_changed: %s",
+            stage.step,
+            "; ".join(stage.accepted_changes),
+        )
     apply_schedule(stage)
 
 

@@ -108,7 +108,9 @@ def cycle_ends(total_steps: int, cfg: TrainConfig) -> list[int]:
                 acc += length
                 ends.append(acc)
             if acc > total_steps:
-                raise ValueError(f"train.cycle_length: the cycle lengths add up to {acc}, more than the {total_steps} steps of the run")
+                raise ValueError(
+                    f"train.cycle_length: the cycle lengths add up to {acc}, more than the {total_steps} steps of the run"
+                )
             if acc < total_steps:
                 ends.append(total_steps)
     else:
@@ -133,9 +135,7 @@ def cycles_of(total_steps: int, cfg: TrainConfig) -> list[Cycle]:
         decay = length - warmup if cfg.decay is None else _steps(cfg.decay, length, "decay")
         stable = length - warmup - decay
         if stable < 0:
-            raise ValueError(
-                f"train: cycle {index} has {length} steps, fewer than warmup ({warmup}) + decay ({decay})"
-            )
+            raise ValueError(f"train: cycle {index} has {length} steps, fewer than warmup ({warmup}) + decay ({decay})")
         out.append(Cycle(start, end, warmup, stable, decay))
         start = end
     return out

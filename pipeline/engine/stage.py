@@ -49,18 +49,32 @@ from data_formats.sources import DataError
 from data_formats.validate import skip_report, take_skipped
 from pipeline.config import ConfigError, StageConfig, load_config, save_config, to_dict
 from pipeline.config.capabilities import config_refusals
-from pipeline.engine.accelerator import (combination_problems, optimizer_state, prepare_training, resolve_precision,
-                                         setup_accelerator, torch_optimizer, trainable_state)
+from pipeline.engine.accelerator import (
+    combination_problems,
+    optimizer_state,
+    prepare_training,
+    resolve_precision,
+    setup_accelerator,
+    torch_optimizer,
+    trainable_state,
+)
 from pipeline.engine.checkpoint import Checkpointer, CheckpointError, complete_checkpoints, rng_state
 from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
 from pipeline.engine.export import export_trained
-from pipeline.engine.stage_checks import data_problems, fill_problem, parent_problems, supervision_problems
+from pipeline.engine.interrupt import Stopped, StopRequest, agreed_signal, all_ranks_ok, ranks_max, signal_name
 from pipeline.engine.precision import fp32_masters, keeps_masters
-from pipeline.engine.interrupt import StopRequest, Stopped, agreed_signal, all_ranks_ok, ranks_max, signal_name
 from pipeline.engine.resume import launched_world_size, resume, resume_problems
 from pipeline.engine.schedule import build_scheduler
+from pipeline.engine.stage_checks import data_problems, fill_problem, parent_problems, supervision_problems
 from pipeline.engine.steps import NonFiniteError
-from pipeline.engine.tracking import EarlyStopping, History, Tracker, default_run_name, format_stage_summary, quiet_console
+from pipeline.engine.tracking import (
+    EarlyStopping,
+    History,
+    Tracker,
+    default_run_name,
+    format_stage_summary,
+    quiet_console,
+)
 from pipeline.modeling import models
 from pipeline.modeling.embedded import resolve_model_path
 from pipeline.modeling.onednn import onednn_linears
@@ -100,7 +114,10 @@ def hide_unrequested_backends(cfg: StageConfig) -> None:
     `importlib.util.find_spec` report the package missing, so those libraries skip it. A process
     that already imported a package (a test session) is left as it is.
     """
-    for package, wanted in (("deepspeed", cfg.distributed.engine == "deepspeed"), ("bitsandbytes", cfg.model.finetuning == "qlora")):
+    for package, wanted in (
+        ("deepspeed", cfg.distributed.engine == "deepspeed"),
+        ("bitsandbytes", cfg.model.finetuning == "qlora"),
+    ):
         if not wanted and package not in sys.modules:
             sys.modules[package] = None
 
@@ -264,7 +281,9 @@ class Stage:
         """The one problem line when `count` training items cannot fill one batch on every rank,
         with the reason when records were dropped as overlong (stage_checks.fill_problem)."""
         self.mix = source_mix(self.cfg.data, self.train_samples, self.cfg.train.seed) if self.train_samples else None
-        return fill_problem(count, what, batch, self.cfg.train.batch_size, launched_world_size(), overlong_drops("train"), self.mix)
+        return fill_problem(
+            count, what, batch, self.cfg.train.batch_size, launched_world_size(), overlong_drops("train"), self.mix
+        )
 
     def all_manifest_extras(self) -> dict:
         """`manifest_extras` plus the engine's own: the config changes accepted on resume."""
@@ -314,7 +333,9 @@ class Stage:
         problems += [p for p in config_refusals(self.name, cfg) if p not in problems]  # the capability table
         problems += data_problems(cfg.data.train, "data.train") + data_problems(cfg.data.eval, "data.eval")
         # A reward stage may start from a causal LM (fresh head) or from a reward model.
-        problems += parent_problems(self.model_path, "any" if self.model_kind == "reward" else "causal", cfg.model.allow_pickle)
+        problems += parent_problems(
+            self.model_path, "any" if self.model_kind == "reward" else "causal", cfg.model.allow_pickle
+        )
         problems += models.remote_code_problems(cfg.model, "model")
         if not problems:
             problems += resume_problems(self)
@@ -343,7 +364,6 @@ class Stage:
     def build(self) -> None:
         """Accelerator, seed, model, optimizer, scheduler, checkpointer, tracker; config.yaml."""
 
-
         cfg, out = self.cfg, Path(self.cfg.output_dir)
         self.accelerator = acc = setup_accelerator(cfg)
         set_seed(cfg.train.seed)  # LoRA's init and a fresh reward head draw from it
@@ -354,17 +374,28 @@ class Stage:
         self.train_mode()
         # Not prepared: accelerate would step it once per process per step.
         self.scheduler = build_scheduler(torch_optimizer(self.optimizer), cfg.train)
-        self.checkpointer = Checkpointer(out / "checkpoints", cfg.checkpoint, rank=acc.process_index,
-                                         world_size=acc.num_processes, barrier=acc.wait_for_everyone,
-                                         agree=lambda ok: all_ranks_ok(ok, acc))
-        self.tracker = Tracker(cfg.tracking, out, default_run_name(self.name), to_dict(cfg), enabled=acc.is_main_process)
+        self.checkpointer = Checkpointer(
+            out / "checkpoints",
+            cfg.checkpoint,
+            rank=acc.process_index,
+            world_size=acc.num_processes,
+            barrier=acc.wait_for_everyone,
+            agree=lambda ok: all_ranks_ok(ok, acc),
+        )
+        self.tracker = Tracker(
+            cfg.tracking, out, default_run_name(self.name), to_dict(cfg), enabled=acc.is_main_process
+        )
         if self.is_main:
             out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, out / "config.yaml")
         tail = epoch_tail(len(self.train_samples), cfg.train.batch_size, acc.num_processes) if self.train_samples else 0
         if tail:
-            log.info("%d training sample(s) per epoch do not fill a global micro-batch and sit out that epoch "
-                     "(each epoch reshuffles, so a different %d)", tail, tail)
+            log.info(
+                "%d training sample(s) per epoch do not fill a global micro-batch and sit out that epoch "
+                "(each epoch reshuffles, so a different %d)",
+                tail,
+                tail,
+            )
 
     def checkpoint_state(self) -> dict:
         """Every part of a checkpoint (see the module docstring)."""
@@ -375,9 +406,14 @@ class Stage:
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state(),
             "data": asdict(self.cursor),
-            "trainer": {"step": self.step, "early_stopping": self.early.state_dict(), "history": self.history.state_dict(),
-                        "stage": self.state_dict(), "resume_changes": self.resume_changes,
-                        "global_micro_batch": self.cfg.train.batch_size * self.accelerator.num_processes},
+            "trainer": {
+                "step": self.step,
+                "early_stopping": self.early.state_dict(),
+                "history": self.history.state_dict(),
+                "stage": self.state_dict(),
+                "resume_changes": self.resume_changes,
+                "global_micro_batch": self.cfg.train.batch_size * self.accelerator.num_processes,
+            },
         }
 
     def resume(self) -> None:
@@ -402,7 +438,9 @@ class Stage:
         stop_at = stop_after_step()
         if self.evaluates_at_start and self.step == 0:
             self.run_evaluation()
-        bar = tqdm(total=t.max_steps, initial=self.step, desc=self.name, disable=not self.accelerator.is_local_main_process)
+        bar = tqdm(
+            total=t.max_steps, initial=self.step, desc=self.name, disable=not self.accelerator.is_local_main_process
+        )
         try:
             self.check_stop_request()
             while self.step < t.max_steps:
@@ -466,8 +504,10 @@ class Stage:
             self.save_checkpoint("temporary")
         saved = complete_checkpoints(self.checkpointer.root)
         where = f"checkpoint {saved[-1]}" if saved else "no checkpoint yet (nothing was trained)"
-        raise Stopped(f"stopped by {signal_name(signum)} at step {self.step}; {where}; rerun the same command to continue",
-                      128 + signum)
+        raise Stopped(
+            f"stopped by {signal_name(signum)} at step {self.step}; {where}; rerun the same command to continue",
+            128 + signum,
+        )
 
     def check_divergence(self) -> None:
         """After a step: stop a run whose loss climbed far above its start or whose weights blew
@@ -479,7 +519,9 @@ class Stage:
         cfg = self.cfg.train.divergence
         if not cfg.enabled:
             return
-        losses = [float(r["train/loss"]) for r in self.history.steps if "train/loss" in r] if self.loss_can_diverge else []
+        losses = (
+            [float(r["train/loss"]) for r in self.history.steps if "train/loss" in r] if self.loss_can_diverge else []
+        )
         reason = loss_divergence(losses, cfg)
         if reason is None:
             params = (p for p in self.model.parameters() if p.requires_grad)
@@ -488,9 +530,11 @@ class Stage:
             return
         saved = complete_checkpoints(self.checkpointer.root)
         where = f"the last checkpoint is {saved[-1]}" if saved else "there is no checkpoint"
-        raise Diverged(f"diverged at step {self.step}: {reason or 'on another rank'}; nothing was published, {where} "
-                       f"(lower train.learning_rate and rerun with checkpoint.resume_changed: true, or set "
-                       f"train.divergence.enabled: false)")
+        raise Diverged(
+            f"diverged at step {self.step}: {reason or 'on another rank'}; nothing was published, {where} "
+            f"(lower train.learning_rate and rerun with checkpoint.resume_changed: true, or set "
+            f"train.divergence.enabled: false)"
+        )
 
     def describe_step_samples(self, limit: int = 8) -> str:
         """The current step's samples on this rank, by their source (file:line) where they have one."""
@@ -523,7 +567,11 @@ class Stage:
             log.warning("%s=%d: saved and stopping", STOP_ENV, stop_at)
             return "interrupted"
         if stop:
-            log.info("early stopping at step %d (no better eval loss in %d evaluations)", self.step, t.early_stopping_stall_num)
+            log.info(
+                "early stopping at step %d (no better eval loss in %d evaluations)",
+                self.step,
+                t.early_stopping_stall_num,
+            )
             return "early_stop"
         return None
 
@@ -550,10 +598,16 @@ class Stage:
         t, acc = self.cfg.train, self.accelerator
 
         def draw(rank: int):
-            return next_micro_batches(len(self.train_samples), self.cursor, seed=t.seed, batch_size=t.batch_size,
-                                      grad_accum=t.grad_accum if grad_accum is None else grad_accum,
-                                      world_size=acc.num_processes, rank=rank,
-                                      order_of=self.mix.epoch_order if self.mix is not None else None)
+            return next_micro_batches(
+                len(self.train_samples),
+                self.cursor,
+                seed=t.seed,
+                batch_size=t.batch_size,
+                grad_accum=t.grad_accum if grad_accum is None else grad_accum,
+                world_size=acc.num_processes,
+                rank=rank,
+                order_of=self.mix.epoch_order if self.mix is not None else None,
+            )
 
         if self.mix is not None:  # every rank's share: the figures count the global batch
             drawn = [i for r in range(acc.num_processes) for group in draw(r)[0] for i in group]
@@ -573,8 +627,9 @@ def main(stage_class: type[Stage], argv: Optional[Sequence[str]] = None) -> int:
     Every early end is one line on stderr (module docstring): config problems (a list) exit 2, a
     signal 128 + its number, a divergence, a non-finite step or a checkpoint error 1."""
 
-
-    logging.basicConfig(level=os.environ.get("RELAY_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("RELAY_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     quiet_console()
     prog = f"stages/{Path(inspect.getfile(stage_class)).name}"
     stage = None
@@ -589,8 +644,11 @@ def main(stage_class: type[Stage], argv: Optional[Sequence[str]] = None) -> int:
             print(f"{stage_class.name}: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
-        print(f"{stage_class.name}: stopped at once by a second Ctrl-C, without saving; rerun the same command to "
-              f"continue from the last checkpoint", file=sys.stderr)
+        print(
+            f"{stage_class.name}: stopped at once by a second Ctrl-C, without saving; rerun the same command to "
+            f"continue from the last checkpoint",
+            file=sys.stderr,
+        )
         return 130
     except (Diverged, NonFiniteError, CheckpointError) as err:
         print(f"{stage_class.name}: {err}", file=sys.stderr)

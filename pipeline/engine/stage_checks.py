@@ -32,8 +32,15 @@ def data_problems(entries: Sequence[str], key: str) -> list[str]:
     return out
 
 
-def fill_problem(count: int, what: str, batch: str, size: int, world: int, drops: Optional[dict] = None,
-                 mix: Optional[SourceMix] = None) -> list[str]:
+def fill_problem(
+    count: int,
+    what: str,
+    batch: str,
+    size: int,
+    world: int,
+    drops: Optional[dict] = None,
+    mix: Optional[SourceMix] = None,
+) -> list[str]:
     """The one line when `count` training items cannot fill one batch of `size` on each of `world`
     ranks, with the reason when the build dropped records as overlong (`drops`,
     data_formats.datasets.overlong_drops): a reason in a warning above the line is missed. With a
@@ -50,14 +57,20 @@ def fill_problem(count: int, what: str, batch: str, size: int, world: int, drops
     if empty:
         parts = []
         for k in empty:
-            reason = overlong_reason({**drops, "by_entry": {mix.names[k]: drops.get("by_entry", {}).get(mix.names[k], [0, 0])}})
-            parts.append(f"{mix.names[k]} (weight {mix.weights[k]:.3g}) yields 0 {what}" + (f": {reason}" if reason else ""))
+            reason = overlong_reason(
+                {**drops, "by_entry": {mix.names[k]: drops.get("by_entry", {}).get(mix.names[k], [0, 0])}}
+            )
+            parts.append(
+                f"{mix.names[k]} (weight {mix.weights[k]:.3g}) yields 0 {what}" + (f": {reason}" if reason else "")
+            )
         return ["data.weights: " + "; ".join(parts) + " (a weighted entry must give samples)"]
     if mix.shortest_epoch() < size * world:
         k = mix.sizes.index(min(mix.sizes))
-        return [f"data.weights: {mix.names[k]} gives {mix.sizes[k]} {what}, fewer than one {batch} of {size} x {world} "
-                f"rank(s), so a data.mix_stop first_exhausted epoch can end before one is filled; use all_exhausted "
-                f"or a number of samples"]
+        return [
+            f"data.weights: {mix.names[k]} gives {mix.sizes[k]} {what}, fewer than one {batch} of {size} x {world} "
+            f"rank(s), so a data.mix_stop first_exhausted epoch can end before one is filled; use all_exhausted "
+            f"or a number of samples"
+        ]
     return []
 
 
@@ -68,8 +81,10 @@ def overlong_reason(drops: dict) -> str:
     if not by_entry:
         return ""
     limit = drops["seq_length"]
-    parts = [f"{count} dropped as longer than train.seq_length {limit} (the longest {longest} tokens)"
-             for count, longest in by_entry.values()]
+    parts = [
+        f"{count} dropped as longer than train.seq_length {limit} (the longest {longest} tokens)"
+        for count, longest in by_entry.values()
+    ]
     if len(by_entry) > 1:
         parts = [f"{entry}: {part}" for entry, part in zip(by_entry, parts)]
     keep = f"train.seq_length: {max(longest for _, longest in by_entry.values())} keeps them"
@@ -95,6 +110,8 @@ def supervision_problems(samples: Sequence, seq_length: int) -> list[str]:
     samples with `labels` count (PT and SFT rows; pairs and prompts have none)."""
     labelled = [s["labels"] for s in samples if isinstance(s, dict) and "labels" in s]
     if labelled and not any(bool(torch.as_tensor(labels).ne(-100).any()) for labels in labelled):
-        return [f"data.train: no training sample has a token to learn (every label is masked; train.seq_length "
-                f"{seq_length} may be too short for the prompts)"]
+        return [
+            f"data.train: no training sample has a token to learn (every label is masked; train.seq_length "
+            f"{seq_length} may be too short for the prompts)"
+        ]
     return []

@@ -34,7 +34,9 @@ class NonFiniteError(RuntimeError):
     """A loss or gradient became NaN/inf; raised before the optimizer steps on it."""
 
 
-def check_finite(loss: torch.Tensor | float, model: torch.nn.Module, step: int, grad_norm: Optional[float] = None) -> None:
+def check_finite(
+    loss: torch.Tensor | float, model: torch.nn.Module, step: int, grad_norm: Optional[float] = None
+) -> None:
     """Refuse a non-finite loss or gradient before the optimizer steps on it.
 
     `grad_norm`: the step's global gradient norm (`clip_gradients`, the same on every rank). A
@@ -51,18 +53,24 @@ def check_finite(loss: torch.Tensor | float, model: torch.nn.Module, step: int, 
     """
     value = float(loss)
     if not math.isfinite(value):
-        raise NonFiniteError(f"step {step}: loss is {value}; stopping before the optimizer step (last complete checkpoint kept)")
+        raise NonFiniteError(
+            f"step {step}: loss is {value}; stopping before the optimizer step (last complete checkpoint kept)"
+        )
     if grad_norm is not None and math.isfinite(grad_norm):
         return
     named = list(model.named_parameters())
-    bad = next((i for i, (_, p) in enumerate(named) if p.grad is not None and not torch.isfinite(local_tensor(p.grad)).all()),
-               len(named))
+    bad = next(
+        (i for i, (_, p) in enumerate(named) if p.grad is not None and not torch.isfinite(local_tensor(p.grad)).all()),
+        len(named),
+    )
     if is_sharded(model) and torch.distributed.is_initialized():
         flag = torch.tensor([bad], device=named[0][1].device if named else "cpu")
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
         bad = int(flag)
     if bad < len(named):
-        raise NonFiniteError(f"step {step}: gradient of {named[bad][0]} is not finite; stopping before the optimizer step")
+        raise NonFiniteError(
+            f"step {step}: gradient of {named[bad][0]} is not finite; stopping before the optimizer step"
+        )
     if grad_norm is not None and any(p.grad is not None for _, p in named):  # (DeepSpeed keeps its gradients to itself)
         raise NonFiniteError(f"step {step}: gradient norm is {grad_norm}; stopping before the optimizer step")
 
@@ -94,8 +102,11 @@ def token_weights(counts: torch.Tensor, mode: str, task_weights: Optional[Sequen
     if mode == "none":
         total = counts.sum()
         return torch.where(present, 1.0 / total.clamp(min=1), torch.zeros_like(counts))
-    w = torch.ones_like(counts) if task_weights is None else torch.as_tensor(list(task_weights), dtype=torch.float64,
-                                                                            device=counts.device)
+    w = (
+        torch.ones_like(counts)
+        if task_weights is None
+        else torch.as_tensor(list(task_weights), dtype=torch.float64, device=counts.device)
+    )
     if w.shape != counts.shape:
         raise ValueError(f"task_weights has {w.numel()} entries for {counts.numel()} tasks")
     norm = w[present].sum()
@@ -120,8 +131,10 @@ def micro_step(accelerator, model: torch.nn.Module, index: int, count: int):
         yield
         return
     if accelerator.gradient_accumulation_steps != count:
-        raise ValueError(f"micro_step: {count} micro-batches per step, but the accelerator accumulates "
-                         f"{accelerator.gradient_accumulation_steps}")
+        raise ValueError(
+            f"micro_step: {count} micro-batches per step, but the accelerator accumulates "
+            f"{accelerator.gradient_accumulation_steps}"
+        )
     # accelerate counts micro-batches since the start; pinning the count keeps it aligned with
     # this optimizer step whatever ran before (an interrupted step, an evaluation).
     accelerator.step = index
@@ -199,8 +212,9 @@ def full_logits_token_losses(model: torch.nn.Module, batch: dict) -> tuple[torch
     return torch.where(mask, losses, torch.zeros_like(losses)), tasks
 
 
-def weighted_token_losses(model: torch.nn.Module, batch: dict, weights: Optional[torch.Tensor] = None,
-                          accelerator=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def weighted_token_losses(
+    model: torch.nn.Module, batch: dict, weights: Optional[torch.Tensor] = None, accelerator=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(objective, [B, T-1] fp32 losses, [B, T-1] task ids) for one micro-batch, where objective =
     sum over supervised tokens of weights[task] * loss (0 when `weights` is None).
 
@@ -210,8 +224,13 @@ def weighted_token_losses(model: torch.nn.Module, batch: dict, weights: Optional
     figures; the objective carries the gradient) and differentiable on the second.
     """
     labels, mask, tasks = _shifted_targets(batch)
-    coef = (torch.zeros(labels.shape, dtype=torch.float32, device=labels.device) if weights is None else
-            torch.where(mask, weights.to(labels.device, torch.float32)[tasks.clamp(min=0)], torch.zeros((), device=labels.device)))
+    coef = (
+        torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+        if weights is None
+        else torch.where(
+            mask, weights.to(labels.device, torch.float32)[tasks.clamp(min=0)], torch.zeros((), device=labels.device)
+        )
+    )
     head = head_split(model, accelerator)
     if head is not None:
         objective, losses = supervised_forward(model, model_inputs(batch, model), head, labels.clamp(min=0), mask, coef)
@@ -254,9 +273,17 @@ class StepOut:
     figures: torch.Tensor
 
 
-def optimizer_step(model: torch.nn.Module, optimizer, accelerator, count: int,
-                   micro_batch: Callable[[int], torch.Tensor | float], *, step: int, max_grad_norm: float,
-                   figures: Optional[Callable[[], torch.Tensor]] = None) -> StepOut:
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer,
+    accelerator,
+    count: int,
+    micro_batch: Callable[[int], torch.Tensor | float],
+    *,
+    step: int,
+    max_grad_norm: float,
+    figures: Optional[Callable[[], torch.Tensor]] = None,
+) -> StepOut:
     """One optimizer step, the same in every stage: `micro_batch(index)` runs micro-batch `index`
     of `count` (its forward and `accelerator.backward`, inside accelerate's accumulation context
     here) and returns its loss; then the gradients are clipped to `max_grad_norm` (0: measured
@@ -363,7 +390,9 @@ def lm_train_step(
             state["figures"] = torch.zeros(num_tasks + 2, dtype=torch.float64, device=loss.device)
         figures, valid = state["figures"], tasks >= 0
         figures[0] += loss.detach().double()
-        figures[1:-1].index_add_(0, tasks.clamp(min=0).flatten(), torch.where(valid, losses.detach().double(), 0.0).flatten())
+        figures[1:-1].index_add_(
+            0, tasks.clamp(min=0).flatten(), torch.where(valid, losses.detach().double(), 0.0).flatten()
+        )
         figures[-1] += (batch["task_ids"] >= 0).sum() if "task_ids" in batch else batch["input_ids"].numel()
         return loss
 
@@ -372,11 +401,19 @@ def lm_train_step(
         figures = all_reduce_sum(figures, accelerator)  # one all-reduce for every figure
         return torch.cat([figures, counts.to(figures.device)])
 
-    out = optimizer_step(model, optimizer, accelerator, len(micro_batches), micro_batch, step=step,
-                         max_grad_norm=max_grad_norm, figures=step_figures)
+    out = optimizer_step(
+        model,
+        optimizer,
+        accelerator,
+        len(micro_batches),
+        micro_batch,
+        step=step,
+        max_grad_norm=max_grad_norm,
+        figures=step_figures,
+    )
     totals, grad_norm = out.figures, out.grad_norm
-    objective, loss_sums, tokens = totals[0], totals[1:num_tasks + 1], int(totals[num_tasks + 1])
-    counts = totals[num_tasks + 2:]
+    objective, loss_sums, tokens = totals[0], totals[1 : num_tasks + 1], int(totals[num_tasks + 1])
+    counts = totals[num_tasks + 2 :]
     task_losses = [float(loss_sums[t] / counts[t]) if counts[t] > 0 else float("nan") for t in range(num_tasks)]
     return StepResult(float(objective), task_losses, counts.tolist(), grad_norm, tokens)
 
@@ -398,7 +435,9 @@ def heldout_token_loss(model: torch.nn.Module, batches: Sequence[dict], accelera
             autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
             with autocast:
                 losses, tasks = token_losses(model, batch, accelerator)
-            valid = (tasks >= 0) & batch.get("eval_weight", torch.ones(1, dtype=torch.bool)).to(tasks.device).view(-1, 1).bool()
+            valid = (tasks >= 0) & batch.get("eval_weight", torch.ones(1, dtype=torch.bool)).to(tasks.device).view(
+                -1, 1
+            ).bool()
             sums.index_add_(0, tasks[valid].cpu(), losses[valid].double().cpu())
             counts.index_add_(0, tasks[valid].cpu(), torch.ones(int(valid.sum()), dtype=torch.float64))
     sums = all_reduce_sum(sums, accelerator)
@@ -406,10 +445,17 @@ def heldout_token_loss(model: torch.nn.Module, batches: Sequence[dict], accelera
     total = float(counts.sum())
     loss = float(sums.sum() / total) if total > 0 else float("nan")
     per_task = [float(sums[t] / counts[t]) if counts[t] > 0 else float("nan") for t in range(num_tasks)]
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan"), "task_losses": per_task, "tokens": total}
+    return {
+        "loss": loss,
+        "ppl": math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan"),
+        "task_losses": per_task,
+        "tokens": total,
+    }
 
 
-def eval_shards(n: int, batch_size: int, world_size: int, rank: int, max_batches: Optional[int] = None) -> list[tuple[list[int], bool]]:
+def eval_shards(
+    n: int, batch_size: int, world_size: int, rank: int, max_batches: Optional[int] = None
+) -> list[tuple[list[int], bool]]:
     """This rank's evaluation batches as (sample indices, counts?) pairs, the same number on every rank.
 
     Samples are dealt round-robin; a rank whose share runs out repeats its first batch with

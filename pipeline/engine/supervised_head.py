@@ -48,8 +48,16 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
 
 
-def _add_chunk_grads(grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, rows: slice,
-                     grad_h: Optional[torch.Tensor], grad_w: Optional[torch.Tensor], grad_b: Optional[torch.Tensor]) -> None:
+def _add_chunk_grads(
+    grad: torch.Tensor,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    dtype: torch.dtype,
+    rows: slice,
+    grad_h: Optional[torch.Tensor],
+    grad_w: Optional[torch.Tensor],
+    grad_b: Optional[torch.Tensor],
+) -> None:
     """Add one chunk's gradients from d(loss)/d(logits) `grad` to those asked for (None: not asked)."""
     if grad_h is not None:
         grad_h[rows] = (grad.to(dtype) @ w).to(grad_h.dtype)
@@ -78,15 +86,15 @@ class _FusedWeightedCE(torch.autograd.Function):
             w = weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
             for start in range(0, n, chunk):
-                h = hidden[start:start + chunk].to(dtype)
-                y = labels[start:start + chunk]
+                h = hidden[start : start + chunk].to(dtype)
+                y = labels[start : start + chunk]
                 logits = F.linear(h, w, b).float()
                 lse = torch.logsumexp(logits, dim=-1)
-                losses[start:start + chunk] = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
+                losses[start : start + chunk] = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
                 if need_h or need_w or need_b:
                     grad = logits.sub_(lse.unsqueeze(1)).exp_()
                     grad[torch.arange(grad.shape[0], device=device), y] -= 1.0
-                    grad.mul_(coef[start:start + chunk].unsqueeze(1))
+                    grad.mul_(coef[start : start + chunk].unsqueeze(1))
                     _add_chunk_grads(grad, h, w, dtype, slice(start, start + chunk), grad_h, grad_w, grad_b)
                 del logits
         ctx.save_for_backward(grad_h, grad_w, grad_b)
@@ -99,14 +107,19 @@ class _FusedWeightedCE(torch.autograd.Function):
     def backward(ctx, grad_sum, _grad_losses):
         grad_h, grad_w, grad_b = ctx.saved_tensors
         need_h, need_w, need_b = ctx.has
-        return (grad_h * grad_sum.to(grad_h.dtype) if need_h else None,
-                (grad_w * grad_sum).to(ctx.weight_dtype) if need_w else None,
-                (grad_b * grad_sum).to(ctx.weight_dtype) if need_b else None,
-                None, None, None)
+        return (
+            grad_h * grad_sum.to(grad_h.dtype) if need_h else None,
+            (grad_w * grad_sum).to(ctx.weight_dtype) if need_w else None,
+            (grad_b * grad_sum).to(ctx.weight_dtype) if need_b else None,
+            None,
+            None,
+            None,
+        )
 
 
-def fused_weighted_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, coef: torch.Tensor,
-                                 chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_weighted_cross_entropy(
+    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, coef: torch.Tensor, chunk: int = CHUNK_ROWS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum_t coef_t * CE_t, [N] fp32 per-row losses) for `hidden` [N, H] rows with `labels` [N].
 
     The sum is differentiable (with respect to `hidden` and the head's parameters); the per-row
@@ -169,11 +182,20 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 grad[torch.arange(grad.shape[0], device=device), labels[rows]] += 1.0
                 grad.mul_((grad_out[rows].float() / temperature).unsqueeze(1))
                 _add_chunk_grads(grad, h, w, dtype, rows, grad_h, grad_w, grad_b)
-        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None, None, None)
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if need_w else None,
+            grad_b.to(bias.dtype) if need_b else None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def token_logps(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, chunk: int = CHUNK_ROWS) -> torch.Tensor:
+def token_logps(
+    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, chunk: int = CHUNK_ROWS
+) -> torch.Tensor:
     """[N] fp32 log p(labels_t) of `hidden` [N, H] rows under `head`, differentiable (the
     backward recomputes each chunk's logits rather than keeping them)."""
     return _ChunkedTokenLogps.apply(hidden, head.weight, head.bias, labels, chunk, 1.0, False)[0]
@@ -185,19 +207,23 @@ def chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_ROWS * 49152 // vocab)
 
 
-def sampled_token_logps(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float,
-                        entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def sampled_token_logps(
+    hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float, entropy: bool = False
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """([N] fp32 log p(tokens_t) under softmax(head(hidden_t) / temperature), differentiable with
     respect to `hidden` [N, H] and the head; [N] fp32 entropies of those distributions, without
     gradient, when `entropy`, else None). The RL stages' log-probs and entropies without the
     `[N, V]` logits: equal to `rl.logprobs_from_logits` / `rl.entropy_from_logits` on the full
     logits row for row (tests/test_rl_logprobs.py)."""
-    logp, ent = _ChunkedTokenLogps.apply(hidden, head.weight, head.bias, tokens, chunk_rows(head.weight.shape[0]),
-                                         float(temperature), entropy)
+    logp, ent = _ChunkedTokenLogps.apply(
+        hidden, head.weight, head.bias, tokens, chunk_rows(head.weight.shape[0]), float(temperature), entropy
+    )
     return logp, ent if entropy else None
 
 
-def labelled_token_logps(model: torch.nn.Module, inputs: dict, head: torch.nn.Linear, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def labelled_token_logps(
+    model: torch.nn.Module, inputs: dict, head: torch.nn.Linear, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """([B, T-1] fp32 log-prob of each labelled token, 0 elsewhere; [B, T-1] bool mask of them) for
     HF-aligned `labels` [B, T] (the logits at t-1 predict labels[t], -100 where nothing is scored):
     the head runs at labelled positions only."""
@@ -289,8 +315,14 @@ def _check_exact(model: torch.nn.Module, causal: torch.nn.Module, head: torch.nn
     return full.shape == mine.shape and torch.allclose(full, mine, rtol=1e-4, atol=1e-4)
 
 
-def supervised_forward(model: torch.nn.Module, inputs: dict, head: torch.nn.Linear, labels: torch.Tensor,
-                       mask: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def supervised_forward(
+    model: torch.nn.Module,
+    inputs: dict,
+    head: torch.nn.Linear,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    coef: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `model` on `inputs` and return (sum_t coef_t * CE_t over the masked positions, [B, T-1]
     fp32 per-token losses, 0 where unmasked, detached).
 
@@ -306,8 +338,13 @@ def supervised_forward(model: torch.nn.Module, inputs: dict, head: torch.nn.Line
     return objective, losses
 
 
-def chunked_rows(fn: Callable[..., torch.Tensor], hidden: torch.Tensor, head: Optional[torch.nn.Linear],
-                 *rows: torch.Tensor, chunk: Optional[int] = None) -> torch.Tensor:
+def chunked_rows(
+    fn: Callable[..., torch.Tensor],
+    hidden: torch.Tensor,
+    head: Optional[torch.nn.Linear],
+    *rows: torch.Tensor,
+    chunk: Optional[int] = None,
+) -> torch.Tensor:
     """[N] fp32 values of `fn(logits, *row_chunks)` over `hidden` [N, H] rows under `head`,
     `chunk` rows at a time (default: ~200 MB of fp32 logits per chunk); differentiable, and each
     chunk's logits are recomputed in the backward (activation checkpointing per chunk), so
@@ -319,8 +356,10 @@ def chunked_rows(fn: Callable[..., torch.Tensor], hidden: torch.Tensor, head: Op
     from torch.utils.checkpoint import checkpoint
 
     if head is None:
-        return torch.cat([fn(hidden[s].float(), *(r[s] for r in rows)) for s in _row_slices(hidden, chunk, hidden.shape[-1])]
-                         or [hidden.new_zeros(0, dtype=torch.float32)])
+        return torch.cat(
+            [fn(hidden[s].float(), *(r[s] for r in rows)) for s in _row_slices(hidden, chunk, hidden.shape[-1])]
+            or [hidden.new_zeros(0, dtype=torch.float32)]
+        )
     weight, bias = head.weight, head.bias
 
     def one(h: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
@@ -329,8 +368,10 @@ def chunked_rows(fn: Callable[..., torch.Tensor], hidden: torch.Tensor, head: Op
             logits = F.linear(h.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).float()
             return fn(logits, *parts)
 
-    out = [checkpoint(one, hidden[s], *(r[s] for r in rows), use_reentrant=False)
-           for s in _row_slices(hidden, chunk, weight.shape[0])]
+    out = [
+        checkpoint(one, hidden[s], *(r[s] for r in rows), use_reentrant=False)
+        for s in _row_slices(hidden, chunk, weight.shape[0])
+    ]
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
 
 

@@ -30,7 +30,9 @@ def default_run_name(stage: str) -> str:
 class Tracker:
     """Logs scalars and text to every tracker in `cfg.trackers`."""
 
-    def __init__(self, cfg: TrackingConfig, output_dir: str | Path, run_name: Optional[str], config: dict, enabled: bool = True):
+    def __init__(
+        self, cfg: TrackingConfig, output_dir: str | Path, run_name: Optional[str], config: dict, enabled: bool = True
+    ):
         """Open every tracker.
 
         Raises:
@@ -50,7 +52,9 @@ class Tracker:
                 try:
                     import wandb
                 except ImportError as err:
-                    raise TrackerError("tracking.trackers has 'wandb' but wandb is not installed: pip install wandb") from err
+                    raise TrackerError(
+                        "tracking.trackers has 'wandb' but wandb is not installed: pip install wandb"
+                    ) from err
                 run = wandb.init(project=cfg.project, entity=cfg.entity, name=name, config=config, dir=str(output_dir))
                 self.writers.append((kind, run))
             else:
@@ -182,8 +186,11 @@ def console(line: str) -> None:
 
 def format_eval(figures: dict[str, float], step: int) -> str:
     """One line of an evaluation's figures: `eval @ step 20: loss 1.2345, ppl 3.44, accuracy 0.7500`."""
-    parts = [f"{k.removeprefix('eval/')} {v:.4g}" if abs(v) >= 1e4 else f"{k.removeprefix('eval/')} {v:.4f}"
-             for k, v in figures.items() if k.startswith("eval/") and "/" not in k.removeprefix("eval/")]
+    parts = [
+        f"{k.removeprefix('eval/')} {v:.4g}" if abs(v) >= 1e4 else f"{k.removeprefix('eval/')} {v:.4f}"
+        for k, v in figures.items()
+        if k.startswith("eval/") and "/" not in k.removeprefix("eval/")
+    ]
     return f"eval @ step {step}: " + ", ".join(parts)
 
 
@@ -217,8 +224,11 @@ QUIETED = (
     # (logger, match, the one line said instead)
     # pipeline.modeling.models logs its own line for a new reward head
     ("transformers.modeling_utils", _only_new_reward_head, None),
-    ("bitsandbytes.backends.cpu.ops", lambda text: "pip install kernels" in text,
-     "bitsandbytes: the optional CPU kernel package is unavailable; its built-in 4-bit path is used (harmless)"),
+    (
+        "bitsandbytes.backends.cpu.ops",
+        lambda text: "pip install kernels" in text,
+        "bitsandbytes: the optional CPU kernel package is unavailable; its built-in 4-bit path is used (harmless)",
+    ),
 )
 
 
@@ -249,19 +259,30 @@ def next_commands(stage: str, output_dir: str, model_kind: str) -> list[str]:
     """What a user runs after a stage: chat with the model, or hand it to the next stage."""
     merged = f"{output_dir}/merged"
     if model_kind == "reward":
-        return [f"relay train configs/ppo.yaml --model.path POLICY --reward_model.path {merged}   # PPO against this RM"]
-    return [f"relay chat --model {merged}", f"relay train NEXT_STAGE.yaml --model.path {merged}   # continue from it",
-            f"relay export {output_dir} --out {output_dir}-release   # a shippable folder with a model card"]
+        return [
+            f"relay train configs/ppo.yaml --model.path POLICY --reward_model.path {merged}   # PPO against this RM"
+        ]
+    return [
+        f"relay chat --model {merged}",
+        f"relay train NEXT_STAGE.yaml --model.path {merged}   # continue from it",
+        f"relay export {output_dir} --out {output_dir}-release   # a shippable folder with a model card",
+    ]
 
 
 def format_stage_summary(stage: str, summary: dict, output_dir: str, model_kind: str = "causal") -> str:
     """The few lines a stage ends with: its figures, its time, where merged/ is, what to run next."""
-    figures = [f"{k} {v:.4f}" for k, v in summary.items()
-               if isinstance(v, float) and k not in ("wall_seconds", "tokens_per_s") and math.isfinite(v)]
+    figures = [
+        f"{k} {v:.4f}"
+        for k, v in summary.items()
+        if isinstance(v, float) and k not in ("wall_seconds", "tokens_per_s") and math.isfinite(v)
+    ]
     wall = summary.get("wall_seconds")
-    lines = [f"{stage} done" + (f" in {wall:.0f} s" if isinstance(wall, (int, float)) else "")
-             + (f" ({summary['steps']} steps)" if "steps" in summary else ""),
-             "  " + ", ".join(figures) if figures else "",
-             f"  model: {output_dir}/merged   (figures: {output_dir}/summary.json)",
-             "next:"] + [f"  {c}" for c in next_commands(stage, output_dir, model_kind)]
+    lines = [
+        f"{stage} done"
+        + (f" in {wall:.0f} s" if isinstance(wall, (int, float)) else "")
+        + (f" ({summary['steps']} steps)" if "steps" in summary else ""),
+        "  " + ", ".join(figures) if figures else "",
+        f"  model: {output_dir}/merged   (figures: {output_dir}/summary.json)",
+        "next:",
+    ] + [f"  {c}" for c in next_commands(stage, output_dir, model_kind)]
     return "\n".join(line for line in lines if line)

@@ -40,7 +40,9 @@ def attention_implementation(model: torch.nn.Module) -> str:
         inner = inner.get_base_model()
     name = getattr(getattr(inner, "config", None), "_attn_implementation", None)
     if not isinstance(name, str):
-        raise ValueError(f"packed batch: cannot tell which attention {type(model).__name__} runs (no config._attn_implementation)")
+        raise ValueError(
+            f"packed batch: cannot tell which attention {type(model).__name__} runs (no config._attn_implementation)"
+        )
     return name
 
 
@@ -94,8 +96,9 @@ def document_block_mask(segments: torch.Tensor):
     def document_causal(batch, head, q, kv):
         return (segments[batch, q] == segments[batch, kv]) & (q >= kv)
 
-    return create_block_mask(document_causal, B=b, H=None, Q_LEN=t, KV_LEN=t, device=segments.device,
-                             _compile=segments.device.type == "cuda")
+    return create_block_mask(
+        document_causal, B=b, H=None, Q_LEN=t, KV_LEN=t, device=segments.device, _compile=segments.device.type == "cuda"
+    )
 
 
 def document_attention(segments: torch.Tensor, attn_implementation: str) -> dict:
@@ -111,5 +114,7 @@ def document_attention(segments: torch.Tensor, attn_implementation: str) -> dict
         return {"attention_mask": document_block_mask(segments)}
     if attn_implementation in MASKED:
         return {"attention_mask": block_causal_mask(segments, attn_implementation)}
-    raise ValueError(f"packed rows: no per-document attention for attn_implementation {attn_implementation!r} "
-                     f"(one of {', '.join(MASKED + VARLEN + (FLEX,))})")
+    raise ValueError(
+        f"packed rows: no per-document attention for attn_implementation {attn_implementation!r} "
+        f"(one of {', '.join(MASKED + VARLEN + (FLEX,))})"
+    )

@@ -41,7 +41,11 @@ import torch
 from data_formats.cache import cache_root
 from pipeline.modeling.onednn_ops import OneDNNLinear, onednn_linear
 
-PATHS = {"train_onednn": "RELAY_CPU_ONEDNN", "decode_packed": "RELAY_DECODE_PACKED", "decode_fused": "RELAY_DECODE_FUSED"}
+PATHS = {
+    "train_onednn": "RELAY_CPU_ONEDNN",
+    "decode_packed": "RELAY_DECODE_PACKED",
+    "decode_fused": "RELAY_DECODE_FUSED",
+}
 """Each fast path and the variable that overrides its choice."""
 
 MARGIN = 1.10
@@ -118,11 +122,14 @@ def machine_fields() -> dict:
                 model = line.split(":", 1)[1].strip()
             elif line.startswith("flags") and not flags:
                 flags = line.split(":", 1)[1].strip()
-    return {"cpu": model or platform.processor() or platform.machine(),
-            "flags": hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:12],
-            "torch": torch.__version__, "aten": torch.backends.cpu.get_cpu_capability(),
-            "caps": {k: os.environ.get(k, "") for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")},
-            "threads": torch.get_num_threads()}
+    return {
+        "cpu": model or platform.processor() or platform.machine(),
+        "flags": hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:12],
+        "torch": torch.__version__,
+        "aten": torch.backends.cpu.get_cpu_capability(),
+        "caps": {k: os.environ.get(k, "") for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")},
+        "threads": torch.get_num_threads(),
+    }
 
 
 def cache_file(fields: dict) -> Path:
@@ -137,7 +144,7 @@ def paired_speedup(plain: Callable[[], object], fast: Callable[[], object], pair
     plain(), fast()
     times: dict[str, list[float]] = {"plain": [], "fast": []}
     for i in range(pairs):
-        for name, fn in ((("plain", plain), ("fast", fast)) if i % 2 == 0 else (("fast", fast), ("plain", plain))):
+        for name, fn in (("plain", plain), ("fast", fast)) if i % 2 == 0 else (("fast", fast), ("plain", plain)):
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
@@ -154,14 +161,24 @@ def train_case() -> tuple[Callable, Callable]:
     def run(linear):
         def step():
             linear(linear(x, up, None), down, None).sum().backward()
+
         return step
+
     return run(torch.nn.functional.linear), run(OneDNNLinear.apply)
 
 
 def decode_weights() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)  # (the inputs below: same reason)
-    shapes = {"q": (HIDDEN, HIDDEN), "k": (KV, HIDDEN), "v": (KV, HIDDEN), "o": (HIDDEN, HIDDEN),
-              "gate": (MLP, HIDDEN), "up": (MLP, HIDDEN), "down": (HIDDEN, MLP), "head": (VOCAB, HIDDEN)}
+    shapes = {
+        "q": (HIDDEN, HIDDEN),
+        "k": (KV, HIDDEN),
+        "v": (KV, HIDDEN),
+        "o": (HIDDEN, HIDDEN),
+        "gate": (MLP, HIDDEN),
+        "up": (MLP, HIDDEN),
+        "down": (HIDDEN, MLP),
+        "head": (VOCAB, HIDDEN),
+    }
     return {n: torch.randn(*s, generator=gen) for n, s in shapes.items()}
 
 
@@ -175,7 +192,11 @@ def decode_case(w: dict[str, torch.Tensor], fused: bool) -> Callable:
     """One decode step's products at DECODE_ROWS rows on prepacked weights: a layer's seven
     (LAYERS times) and the head, q/k/v and gate/up as one product each when `fused`."""
     pack = torch.ops.mkldnn._reorder_linear_weight
-    groups = [["q", "k", "v"], ["o"], ["gate", "up"], ["down"]] if fused else [[n] for n in ("q", "k", "v", "o", "gate", "up", "down")]
+    groups = (
+        [["q", "k", "v"], ["o"], ["gate", "up"], ["down"]]
+        if fused
+        else [[n] for n in ("q", "k", "v", "o", "gate", "up", "down")]
+    )
     layer = [pack(torch.cat([w[n] for n in g])) for g in groups]
     head = pack(w["head"])
     x, wide = inputs()
@@ -186,6 +207,7 @@ def decode_case(w: dict[str, torch.Tensor], fused: bool) -> Callable:
                 for packed in layer:
                     onednn_linear(wide if packed.shape[-1] == MLP else x, packed, None)
             onednn_linear(x, head, None)
+
     return step
 
 
@@ -200,6 +222,7 @@ def plain_decode_case(w: dict[str, torch.Tensor]) -> Callable:
                 for weight in layer:
                     torch.nn.functional.linear(wide if weight.shape[-1] == MLP else x, weight)
             torch.nn.functional.linear(x, w["head"])
+
     return step
 
 
@@ -213,9 +236,11 @@ def measure() -> dict[str, float]:
     with torch.inference_mode(False), torch.enable_grad():
         w = decode_weights()
         separate = decode_case(w, fused=False)
-        return {"train_onednn": paired_speedup(*train_case()),
-                "decode_packed": paired_speedup(plain_decode_case(w), separate),
-                "decode_fused": paired_speedup(separate, decode_case(w, fused=True))}
+        return {
+            "train_onednn": paired_speedup(*train_case()),
+            "decode_packed": paired_speedup(plain_decode_case(w), separate),
+            "decode_fused": paired_speedup(separate, decode_case(w, fused=True)),
+        }
 
 
 def measured(remeasure: bool = False) -> dict:
@@ -231,8 +256,15 @@ def measured(remeasure: bool = False) -> dict:
 
 
 def _record(fields: dict, speedups: dict[str, float], load: float, tries: int = 1) -> dict:
-    return {"fields": fields, "speedups": speedups, "choices": decide(speedups), "margin": MARGIN,
-            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "load": round(load, 2), "tries": tries}
+    return {
+        "fields": fields,
+        "speedups": speedups,
+        "choices": decide(speedups),
+        "margin": MARGIN,
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load": round(load, 2),
+        "tries": tries,
+    }
 
 
 def _measured_in(path: Path, fields: dict, remeasure: bool) -> dict:

@@ -81,9 +81,11 @@ def per_row(value, rows: int, name: str) -> list:
 
 def check_settings(max_new: list[int], temperature: list[float], top_p: list[float]) -> None:
     """Raises ValueError naming the first setting out of range."""
-    for name, values, ok, need in (("max_new_tokens", max_new, lambda v: v >= 1, ">= 1"),
-                                   ("temperature", temperature, lambda v: v >= 0, ">= 0 (0 = greedy)"),
-                                   ("top_p", top_p, lambda v: 0 < v <= 1, "in (0, 1]")):
+    for name, values, ok, need in (
+        ("max_new_tokens", max_new, lambda v: v >= 1, ">= 1"),
+        ("temperature", temperature, lambda v: v >= 0, ">= 0 (0 = greedy)"),
+        ("top_p", top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+    ):
         bad = [v for v in values if not ok(v)]
         if bad:
             raise ValueError(f"generate: {name} must be {need}, got {bad[0]!r}")
@@ -119,7 +121,9 @@ def step_masks(valid: torch.Tensor, prompt_width: int, attn: str, dtype: torch.d
     def as_kind(allowed: torch.Tensor) -> torch.Tensor:
         if attn == "sdpa":
             return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
 
     queries = index[:prompt_width, None]
     # A padded query slot of the prefill attends to itself only: its output is never read, and a
@@ -203,7 +207,9 @@ class FastStep:
         module = sys.modules[type(layers[0].self_attn).__module__]
         if not hasattr(module, "apply_rotary_pos_emb"):
             return False
-        return all(hasattr(layer, "keys") and hasattr(layer, "cumulative_length") for layer in getattr(cache, "layers", [None]))
+        return all(
+            hasattr(layer, "keys") and hasattr(layer, "cumulative_length") for layer in getattr(cache, "layers", [None])
+        )
 
     @staticmethod
     def norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +225,9 @@ class FastStep:
         rows, H, KV, D = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
         h = self.backbone.embed_tokens(tokens[:, None])
         cos, sin = self.backbone.rotary_emb(h, positions)
-        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=h.device).masked_fill_(~allowed, float("-inf"))[:, None, None]
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=h.device).masked_fill_(~allowed, float("-inf"))[
+            :, None, None
+        ]
         for index, layer in enumerate(self.layer_list):
             attention, mlp = layer.self_attn, layer.mlp
             x = self.norm(layer.input_layernorm, h)
@@ -248,8 +256,13 @@ class FastStep:
             cache.keys[:, :, slot] = k[:, :, 0]
             cache.values[:, :, slot] = v[:, :, 0]
 
-        return self.run(tokens, positions, self.valid[:, :seen], write,
-                        lambda cache: (cache.keys[:, :, :seen], cache.values[:, :, :seen]))
+        return self.run(
+            tokens,
+            positions,
+            self.valid[:, :seen],
+            write,
+            lambda cache: (cache.keys[:, :, :seen], cache.values[:, :, :seen]),
+        )
 
     def static(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """The same step with every shape fixed and the slot a tensor ([1]): it attends over the whole
@@ -322,8 +335,15 @@ class Decoder:
     """One batch's decoding state: the cache, the masks, each row's next position. `shared`: the
     leading slots every row holds the same tokens in (`prompt_layout`; 0: none)."""
 
-    def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new: int,
-                 kind: str = "hf", shared: int = 0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        max_new: int,
+        kind: str = "hf",
+        shared: int = 0,
+    ):
         from transformers import StaticCache
 
         self.model, self.device, self.shared = model, input_ids.device, shared
@@ -345,13 +365,21 @@ class Decoder:
             if kind == "graph":
                 self.fast = GraphStep(fast_step, rows, self.device)
             elif kind == "static":  # the graph's math without the graph (tests it on any device)
-                self.fast = lambda tokens, positions, slot: fast_step.static(tokens, positions, torch.tensor([slot], device=self.device))
+                self.fast = lambda tokens, positions, slot: fast_step.static(
+                    tokens, positions, torch.tensor([slot], device=self.device)
+                )
             else:
                 self.fast = fast_step
 
     def forward(self, ids: torch.Tensor, mask, positions: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                         **{self.cache_kw: self.cache})
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kw: self.cache},
+        )
         return out.logits[:, -1]
 
     def prefill(self) -> torch.Tensor:
@@ -359,8 +387,11 @@ class Decoder:
         start = self.shared
         if start:
             self.fill_shared()
-        logits = self.forward(self.input_ids[:, start:], self.prefill_mask[:, :, start:] if start else self.prefill_mask,
-                              self.positions[:, start:])
+        logits = self.forward(
+            self.input_ids[:, start:],
+            self.prefill_mask[:, :, start:] if start else self.prefill_mask,
+            self.positions[:, start:],
+        )
         self.slot, self.positions = self.prompt_width, self.positions[:, -1:] + 1
         return logits
 
@@ -372,8 +403,13 @@ class Decoder:
 
         rows, n = self.input_ids.shape[0], self.shared
         one = DynamicCache()
-        self.model(input_ids=self.input_ids[:1, :n], position_ids=self.positions[:1, :n], use_cache=True, logits_to_keep=1,
-                   **{self.cache_kw: one})
+        self.model(
+            input_ids=self.input_ids[:1, :n],
+            position_ids=self.positions[:1, :n],
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kw: one},
+        )
         for mine, theirs in zip(self.cache.layers, one.layers):
             mine.update(theirs.keys.expand(rows, -1, -1, -1), theirs.values.expand(rows, -1, -1, -1))
 
@@ -439,12 +475,22 @@ class Chooser:
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
-             eos_ids: Sequence[int], pad_id: int, temperature: float | Sequence[float] = 1.0,
-             top_p: float | Sequence[float] = 1.0, generator: Optional[torch.Generator] = None, logprobs: bool = False,
-             on_token: Optional[Callable[[int, int], bool]] = None,
-             on_logits: Optional[Callable[[int, torch.Tensor], None]] = None, min_new_tokens: int = 0,
-             keep_packed: bool = True) -> Generation:
+def generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int],
+    eos_ids: Sequence[int],
+    pad_id: int,
+    temperature: float | Sequence[float] = 1.0,
+    top_p: float | Sequence[float] = 1.0,
+    generator: Optional[torch.Generator] = None,
+    logprobs: bool = False,
+    on_token: Optional[Callable[[int, int], bool]] = None,
+    on_logits: Optional[Callable[[int, torch.Tensor], None]] = None,
+    min_new_tokens: int = 0,
+    keep_packed: bool = True,
+) -> Generation:
     """New tokens for every prompt (see the module docstring for the contract).
 
     `on_token(row, token)` is called for every new token of every live row, step by step; True ends

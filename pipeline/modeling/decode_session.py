@@ -35,8 +35,16 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from pipeline.modeling.decode import (Chooser, FastStep, GraphStep, cache_keyword, check_settings, hf_model, per_row,
-                                      step_kind)
+from pipeline.modeling.decode import (
+    Chooser,
+    FastStep,
+    GraphStep,
+    cache_keyword,
+    check_settings,
+    hf_model,
+    per_row,
+    step_kind,
+)
 from pipeline.modeling.models import eval_mode
 from pipeline.modeling.onednn import packed_linears
 
@@ -72,16 +80,28 @@ def window_mask(valid: torch.Tensor, start: int, width: int, attn: str, dtype: t
     allowed = ((index[None, :] <= queries) & valid[:, None, :]) | (index[None, :] == queries)
     if attn == "sdpa":
         return allowed[:, None]
-    return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(~allowed, torch.finfo(dtype).min)[
+        :, None
+    ]
 
 
 class DecodeSession:
     """A batch of `rows` conversations decoded across several calls on one kept KV cache (module
     docstring). The model's weights must not change between the calls."""
 
-    def __init__(self, model: torch.nn.Module, rows: int, *, eos_ids: Sequence[int], pad_id: int, temperature: float = 1.0,
-                 generator: Optional[torch.Generator] = None, logprobs: bool = False, keep_packed: bool = False,
-                 kind: Optional[str] = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        rows: int,
+        *,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        temperature: float = 1.0,
+        generator: Optional[torch.Generator] = None,
+        logprobs: bool = False,
+        keep_packed: bool = False,
+        kind: Optional[str] = None,
+    ):
         self.kind = kind
         """The decode step (`decode.step_kind`'s names, or 'static': the CUDA graph's step uncaptured,
         which tests run on a CPU); None: `decode.step_kind(model)`."""
@@ -130,7 +150,9 @@ class DecodeSession:
                 fast = FastStep(self.model, self.cache, self.valid)
                 self.step = GraphStep(fast, self.rows, self.device) if kind == "graph" else fast
                 if kind == "static":
-                    self.step = lambda tokens, positions, slot: fast.static(tokens, positions, torch.tensor([slot], device=self.device))
+                    self.step = lambda tokens, positions, slot: fast.static(
+                        tokens, positions, torch.tensor([slot], device=self.device)
+                    )
             else:
                 self.step = False
         return self.step or None
@@ -144,8 +166,14 @@ class DecodeSession:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
         """Logits [B, V] of the last of `width` columns fed through the model's forward."""
         mask = window_mask(self.valid, self.slot, width, self.attn, next(self.model.parameters()).dtype)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                         **{self.cache_kw: self.cache})
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kw: self.cache},
+        )
         return out.logits[:, -1]
 
     def _feed(self, new: dict[int, list[int]], width: int) -> torch.Tensor:
@@ -155,8 +183,8 @@ class DecodeSession:
         positions = torch.zeros((self.rows, width), dtype=torch.long)
         for row, fed in new.items():
             first = self.slot + width - len(fed)
-            ids[row, width - len(fed):] = torch.tensor(fed, dtype=torch.long)
-            positions[row, width - len(fed):] = torch.arange(len(self.context[row]), len(self.context[row]) + len(fed))
+            ids[row, width - len(fed) :] = torch.tensor(fed, dtype=torch.long)
+            positions[row, width - len(fed) :] = torch.arange(len(self.context[row]), len(self.context[row]) + len(fed))
             self.valid[row, first : self.slot + width] = True
             self.context[row] += fed
             self.columns[row] += range(first, self.slot + width)
@@ -169,8 +197,13 @@ class DecodeSession:
     # -- the calls ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, rows: Sequence[int], contexts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-                 on_logits: Optional[Callable[[int, torch.Tensor], None]] = None) -> list[list[int]]:
+    def generate(
+        self,
+        rows: Sequence[int],
+        contexts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        on_logits: Optional[Callable[[int, torch.Tensor], None]] = None,
+    ) -> list[list[int]]:
         """New ids for each listed row given its whole context so far (its prompt and everything
         since): `decode.generate(model, contexts, ...)`'s tokens for those rows, each up to and
         including its stop token. The first call must list every row. `on_logits(step, logits)`
@@ -187,11 +220,13 @@ class DecodeSession:
         if len(set(rows)) != len(rows) or len(contexts) != len(rows) or any(not c for c in contexts):
             raise ValueError("DecodeSession.generate: each listed row once, with a non-empty context")
         if self.cache is None and sorted(rows) != list(range(self.rows)):
-            raise ValueError("DecodeSession.generate: the first call must list every row (an idle row needs a cached token)")
+            raise ValueError(
+                "DecodeSession.generate: the first call must list every row (an idle row needs a cached token)"
+            )
         new = {}
         for row, context in zip(rows, contexts):
             self._truncate(row, min(common_prefix(self.context[row], context), len(context) - 1))  # >= 1 id to feed
-            new[row] = list(context[len(self.context[row]):])
+            new[row] = list(context[len(self.context[row]) :])
         width = max(len(ids) for ids in new.values())
         self._reserve(width + max(max_new))
         with eval_mode(self.model), packed_linears(self.model, keep=self.keep_packed):

@@ -14,7 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Union
 
-from pipeline.modeling.manifest import chat_template_of, read_manifest, text_hash, tokenizer_hash, tokenizer_length, vocab_size_of
+from pipeline.modeling.manifest import (
+    chat_template_of,
+    read_manifest,
+    text_hash,
+    tokenizer_hash,
+    tokenizer_length,
+    vocab_size_of,
+)
 
 FACTS = {"tokenizer_hash": "tokenizer hash", "chat_template_hash": "chat template hash", "vocab_size": "vocab size"}
 """The facts two folders of one pipeline share, by manifest key, with the label a problem line uses."""
@@ -22,8 +29,11 @@ FACTS = {"tokenizer_hash": "tokenizer hash", "chat_template_hash": "chat templat
 
 def folder_facts(folder: Union[str, Path]) -> dict[str, Any]:
     """What a model folder holds now, in manifest terms."""
-    return {"tokenizer_hash": tokenizer_hash(folder), "chat_template_hash": text_hash(chat_template_of(folder)),
-            "vocab_size": vocab_size_of(folder)}
+    return {
+        "tokenizer_hash": tokenizer_hash(folder),
+        "chat_template_hash": text_hash(chat_template_of(folder)),
+        "vocab_size": vocab_size_of(folder),
+    }
 
 
 def recorded_facts(folder: Union[str, Path]) -> dict[str, Any]:
@@ -34,8 +44,11 @@ def recorded_facts(folder: Union[str, Path]) -> dict[str, Any]:
 
 def fact_problems(name_a: str, facts_a: dict, name_b: str, facts_b: dict) -> list[str]:
     """One line per fact whose values differ (pure)."""
-    return [f"{label}: {name_a} has {facts_a.get(key)}, {name_b} has {facts_b.get(key)}"
-            for key, label in FACTS.items() if facts_a.get(key) != facts_b.get(key)]
+    return [
+        f"{label}: {name_a} has {facts_a.get(key)}, {name_b} has {facts_b.get(key)}"
+        for key, label in FACTS.items()
+        if facts_a.get(key) != facts_b.get(key)
+    ]
 
 
 def check_parent_compatible(parent: Union[str, Path], child_tokenizer_dir: Union[str, Path]) -> list[str]:
@@ -55,7 +68,9 @@ def check_parent_compatible(parent: Union[str, Path], child_tokenizer_dir: Union
     problems = fact_problems(f"parent {parent}", expected, str(child), found)
     child_len = tokenizer_length(child)
     if expected["vocab_size"] is not None and child_len is not None and child_len > expected["vocab_size"]:
-        problems.append(f"vocab size: parent {parent} embeds {expected['vocab_size']} tokens, the tokenizer in {child} has {child_len}")
+        problems.append(
+            f"vocab size: parent {parent} embeds {expected['vocab_size']} tokens, the tokenizer in {child} has {child_len}"
+        )
     return problems
 
 
@@ -63,7 +78,9 @@ def manifest_problems(folder: Union[str, Path], required: bool = True) -> list[s
     """The folder's tokenizer/template/vocab still match what its manifest recorded; without a
     manifest, one line when `required` (a stage's output), else nothing (a base model from elsewhere)."""
     if read_manifest(folder) is None:
-        return [f"{folder}: no manifest.json (not produced by Relay; cannot check what it inherits)"] if required else []
+        return (
+            [f"{folder}: no manifest.json (not produced by Relay; cannot check what it inherits)"] if required else []
+        )
     return check_parent_compatible(folder, folder)
 
 
@@ -81,5 +98,7 @@ def pairing_problems(name_a: str, a: Union[str, Path], name_b: str, b: Union[str
 
 def reward_pairing_problems(policy_path: str, reward_path: str) -> list[str]:
     """The policy and the reward model must tokenise identically (the RM scores policy ids)."""
-    return [f"reward_model.path: the policy and the reward model do not share a tokenizer: {p}"
-            for p in pairing_problems("policy", policy_path, "reward model", reward_path)]
+    return [
+        f"reward_model.path: the policy and the reward model do not share a tokenizer: {p}"
+        for p in pairing_problems("policy", policy_path, "reward model", reward_path)
+    ]

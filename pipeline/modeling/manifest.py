@@ -16,7 +16,14 @@ from typing import Any, Optional, Union
 from data_formats.cache import cache_root
 
 MANIFEST = "manifest.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 WEIGHT_SUFFIXES = (".safetensors",)
 
 
@@ -49,7 +56,9 @@ def _remembered(kind: str, paths: list[Path], compute) -> Optional[str]:
     inode, size, modification and change times). A stage checks its parent's hashes, writes them into its
     manifest and the driver checks them again: one stage run asked for the same tokenizer's hash
     three times (0.8 s each: its JSON holds the whole vocabulary) and the same weights' twice."""
-    stats = tuple((str(p.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for p in paths for st in [p.stat()])
+    stats = tuple(
+        (str(p.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for p in paths for st in [p.stat()]
+    )
     key = (kind, stats)
     if key not in _HASHES:
         _HASHES[key] = compute()
@@ -211,7 +220,9 @@ def write_manifest(
     }
     if extra:
         manifest.update(extra)
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
+    (folder / MANIFEST).write_text(
+        json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8"
+    )
     return manifest
 
 

@@ -65,8 +65,13 @@ def _load_plain(path: str | Path, kind: str, trust_remote_code: bool = False, al
     warn_ignored_code(path, trust_remote_code)
     extra = {"num_labels": 1} if kind == "reward" else {}
     model, info = _auto_class(kind).from_pretrained(
-        path, dtype=torch.float32, use_safetensors=None if allow_pickle else True, weights_only=True,
-        trust_remote_code=trust_remote_code, output_loading_info=True, **extra
+        path,
+        dtype=torch.float32,
+        use_safetensors=None if allow_pickle else True,
+        weights_only=True,
+        trust_remote_code=trust_remote_code,
+        output_loading_info=True,
+        **extra,
     )
     return model.eval(), info
 
@@ -105,7 +110,9 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def _check_reload(folder: Path, kind: str, batch: dict, expected: torch.Tensor, trust_remote_code: bool = False) -> float:
+def _check_reload(
+    folder: Path, kind: str, batch: dict, expected: torch.Tensor, trust_remote_code: bool = False
+) -> float:
     """Reload `folder` with the plain Auto class; return the max logit difference from `expected`.
 
     Raises:
@@ -117,7 +124,9 @@ def _check_reload(folder: Path, kind: str, batch: dict, expected: torch.Tensor, 
         raise MergeError(f"{folder}: the saved model does not load cleanly: {bad}")
     diff = max_abs_diff(model_outputs(model, batch), expected)
     if diff > TOLERANCE:
-        raise MergeError(f"{folder}: reloaded model's outputs differ from the expected ones by {diff:.3g} > {TOLERANCE}")
+        raise MergeError(
+            f"{folder}: reloaded model's outputs differ from the expected ones by {diff:.3g} > {TOLERANCE}"
+        )
     return diff
 
 
@@ -149,7 +158,11 @@ def _check_task_type(adapter: str, kind: str) -> None:
     task_type = PeftConfig.from_pretrained(adapter).task_type
     expected = TASK_TYPES[kind]
     if task_type is not None and str(task_type) != expected:
-        other = next(k for k, v in TASK_TYPES.items() if v == str(task_type)) if str(task_type) in TASK_TYPES.values() else None
+        other = (
+            next(k for k, v in TASK_TYPES.items() if v == str(task_type))
+            if str(task_type) in TASK_TYPES.values()
+            else None
+        )
         hint = f"; merge it with kind={other!r} (--kind {other})" if other else ""
         raise MergeError(f"{adapter}: adapter task_type is {task_type}, but kind={kind!r} needs {expected}{hint}")
 
@@ -280,8 +293,22 @@ def merge_adapter(
     try:
         _write_folder(merged, tokenizer, staging, chat_template)
         reload_diff = _check_reload(staging, kind, batch, expected, trust_remote_code) if verify else None
-        extras = {"model_kind": kind, "merge_check": {"merge_max_abs_diff": merge_diff, "reload_max_abs_diff": reload_diff, "tolerance": TOLERANCE}}
-        write_manifest(staging, stage=stage, parent=base, config=config, adapter=adapter, extra={**extras, **(extra_manifest or {})})
+        extras = {
+            "model_kind": kind,
+            "merge_check": {
+                "merge_max_abs_diff": merge_diff,
+                "reload_max_abs_diff": reload_diff,
+                "tolerance": TOLERANCE,
+            },
+        }
+        write_manifest(
+            staging,
+            stage=stage,
+            parent=base,
+            config=config,
+            adapter=adapter,
+            extra={**extras, **(extra_manifest or {})},
+        )
         result = _publish(staging, out_path)
     finally:
         if staging.exists():
@@ -330,7 +357,9 @@ def export_full_model(
         _write_folder(model, tokenizer, staging, chat_template)
         reload_diff = _check_reload_weights(staging, kind, model, trust_remote_code) if verify else None
         extras = {"model_kind": kind, "merge_check": {"reload_max_abs_diff": reload_diff, "tolerance": TOLERANCE}}
-        write_manifest(staging, stage=stage, parent=parent, config=config, adapter=None, extra={**extras, **(extra_manifest or {})})
+        write_manifest(
+            staging, stage=stage, parent=parent, config=config, adapter=None, extra={**extras, **(extra_manifest or {})}
+        )
         result = _publish(staging, out_path)
     finally:
         if staging.exists():
@@ -348,16 +377,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--chat-template", default=None, help="Jinja file saved as the merged chat template")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     parser.add_argument("--no-verify", action="store_true", help="skip reloading the saved folder")
-    parser.add_argument("--trust-remote-code", action="store_true", help="run the base folder's own model code (auto_map)")
-    parser.add_argument("--allow-pickle", action="store_true", help="load a base that has only pickled weights (weights_only=True)")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="run the base folder's own model code (auto_map)"
+    )
+    parser.add_argument(
+        "--allow-pickle", action="store_true", help="load a base that has only pickled weights (weights_only=True)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     try:
         out = merge_adapter(
-            args.base, args.adapter, args.out, kind=args.kind, stage=args.stage, chat_template=template,
-            overwrite=args.overwrite, verify=not args.no_verify, config=vars(args),
-            trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle,
+            args.base,
+            args.adapter,
+            args.out,
+            kind=args.kind,
+            stage=args.stage,
+            chat_template=template,
+            overwrite=args.overwrite,
+            verify=not args.no_verify,
+            config=vars(args),
+            trust_remote_code=args.trust_remote_code,
+            allow_pickle=args.allow_pickle,
         )
     except (FileExistsError, MergeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -82,11 +82,19 @@ def remote_code_problems(model_cfg: ModelConfig, key: str = "model") -> list[str
         return []
     if code["known"]:
         fit = stock_fit_problem(folder, code["model_type"])
-        return [f"{key}.path: {folder} ships its own code (auto_map) and {fit}; set {key}.trust_remote_code: true if you "
-                "trust the folder"] if fit else []
-    return [f"{key}.path: {folder} needs its own code: model_type {code['model_type']!r} is not a transformers model "
-            f"and config.json maps {', '.join(code['auto_map'])} to code in the folder (auto_map); set "
-            f"{key}.trust_remote_code: true if you trust the folder"]
+        return (
+            [
+                f"{key}.path: {folder} ships its own code (auto_map) and {fit}; set {key}.trust_remote_code: true if you "
+                "trust the folder"
+            ]
+            if fit
+            else []
+        )
+    return [
+        f"{key}.path: {folder} needs its own code: model_type {code['model_type']!r} is not a transformers model "
+        f"and config.json maps {', '.join(code['auto_map'])} to code in the folder (auto_map); set "
+        f"{key}.trust_remote_code: true if you trust the folder"
+    ]
 
 
 def checkpoint_tensor_names(folder: Path) -> Optional[set[str]]:
@@ -125,7 +133,9 @@ def stock_fit_problem(folder: Path, model_type: str) -> Optional[str]:
         return None
     parts = [f"{len(unknown)} tensor(s) it has no place for (first: {unknown[0]})"] if unknown else []
     parts += [f"{len(missing)} tensor(s) it would start from random (first: {missing[0]})"] if missing else []
-    return f"its weights do not fit transformers' {type(stock).__name__} for model_type {model_type!r}: {', '.join(parts)}"
+    return (
+        f"its weights do not fit transformers' {type(stock).__name__} for model_type {model_type!r}: {', '.join(parts)}"
+    )
 
 
 def warn_ignored_code(path: str | Path, trust_remote_code: bool) -> Optional[str]:
@@ -134,9 +144,11 @@ def warn_ignored_code(path: str | Path, trust_remote_code: bool) -> Optional[str
     code = custom_code(path)
     if trust_remote_code or not code or not code["known"]:
         return None
-    message = (f"{path}: config.json maps {', '.join(code['auto_map'])} to custom code in the folder (auto_map); "
-               f"trust_remote_code is false, so that code is ignored and the stock transformers class for model_type "
-               f"{code['model_type']!r} is used (set model.trust_remote_code: true if you trust the folder and need its code)")
+    message = (
+        f"{path}: config.json maps {', '.join(code['auto_map'])} to custom code in the folder (auto_map); "
+        f"trust_remote_code is false, so that code is ignored and the stock transformers class for model_type "
+        f"{code['model_type']!r} is used (set model.trust_remote_code: true if you trust the folder and need its code)"
+    )
     if str(path) not in _warned_custom_code:
         _warned_custom_code.add(str(path))
         log.warning("%s", message)
@@ -172,10 +184,14 @@ def check_attn_implementation(name: str) -> str:
     if name == "flex_attention":
         # PyTorch's flex attention has no backward on a CPU, so it could not train there.
         if not torch.cuda.is_available():
-            raise ValueError("attn_implementation 'flex_attention' trains on a CUDA GPU only (PyTorch has no CPU backward for it). Use 'sdpa'.")
+            raise ValueError(
+                "attn_implementation 'flex_attention' trains on a CUDA GPU only (PyTorch has no CPU backward for it). Use 'sdpa'."
+            )
         return name
     if name != "flash_attention_2":
-        raise ValueError(f"attn_implementation {name!r} is not one of 'sdpa', 'eager', 'flash_attention_2', 'flex_attention'")
+        raise ValueError(
+            f"attn_implementation {name!r} is not one of 'sdpa', 'eager', 'flash_attention_2', 'flex_attention'"
+        )
     if not torch.cuda.is_available():
         raise ValueError("attn_implementation 'flash_attention_2' needs a CUDA GPU; none is visible. Use 'sdpa'.")
     if importlib.util.find_spec("flash_attn") is None:
@@ -209,17 +225,23 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> bool:
     choice = _pick_pad_token(tokenizer)
     if choice is not None:
         tokenizer.pad_token = choice
-        log.warning("tokenizer %s; padding with the existing unused token %r (id %d)", reason, choice, tokenizer.pad_token_id)
+        log.warning(
+            "tokenizer %s; padding with the existing unused token %r (id %d)", reason, choice, tokenizer.pad_token_id
+        )
         return False
     tokenizer.add_special_tokens({"pad_token": ADDED_PAD_TOKEN})
     log.warning(
         "tokenizer %s and no unused special token exists; added %r (id %d): the model's embeddings are resized",
-        reason, ADDED_PAD_TOKEN, tokenizer.pad_token_id,
+        reason,
+        ADDED_PAD_TOKEN,
+        tokenizer.pad_token_id,
     )
     return True
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False, revision: Optional[str] = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    path: str, trust_remote_code: bool = False, revision: Optional[str] = None
+) -> PreTrainedTokenizerBase:
     """Load the tokenizer of a folder / hub id / 'embedded', with a safe pad token (ensure_pad_token).
 
     Raises:
@@ -252,7 +274,9 @@ def from_pretrained_kwargs(model_cfg: ModelConfig, lora_cfg: Optional[LoraConfig
     dtype = resolve_dtype(model_cfg.dtype)
     attn = check_attn_implementation(model_cfg.attn_implementation)
     if attn == "flash_attention_2" and dtype == torch.float32:
-        raise ValueError("attn_implementation 'flash_attention_2' runs in bf16/fp16 only; set model.dtype to bf16, fp16 or auto")
+        raise ValueError(
+            "attn_implementation 'flash_attention_2' runs in bf16/fp16 only; set model.dtype to bf16, fp16 or auto"
+        )
     kwargs: dict[str, Any] = {
         "dtype": dtype,
         "attn_implementation": attn,
@@ -266,8 +290,10 @@ def from_pretrained_kwargs(model_cfg: ModelConfig, lora_cfg: Optional[LoraConfig
         if lora_cfg is None:
             raise ValueError("model.finetuning is 'qlora' but no LoRA config was given: QLoRA trains LoRA adapters")
         if zero3_init_active():  # found with the config problems first (accelerator.combination_problems)
-            raise ValueError("model.finetuning: qlora cannot load under DeepSpeed ZeRO-3 (transformers refuses the device_map "
-                             "that places its 4-bit weights); use ZeRO-2, ddp, or model.finetuning lora")
+            raise ValueError(
+                "model.finetuning: qlora cannot load under DeepSpeed ZeRO-3 (transformers refuses the device_map "
+                "that places its 4-bit weights); use ZeRO-2, ddp, or model.finetuning lora"
+            )
         kwargs["quantization_config"] = _quantization_config(lora_cfg, dtype)
         # bitsandbytes quantises while placing weights; without a device map nothing is placed.
         kwargs["device_map"] = {"": torch.cuda.current_device()} if torch.cuda.is_available() else {"": "cpu"}
@@ -293,7 +319,11 @@ def _from_pretrained(path: str, kind: str, kwargs: dict[str, Any]) -> torch.nn.M
     fresh = [k for k in info.get("missing_keys", []) if k.split(".")[0] == SCORE_HEAD]
     others = [k for k in info.get("missing_keys", []) if k not in fresh]
     if fresh:
-        log.info("%s has no reward head: the '%s' head is newly initialised (expected when loading a causal LM as a reward model)", path, SCORE_HEAD)
+        log.info(
+            "%s has no reward head: the '%s' head is newly initialised (expected when loading a causal LM as a reward model)",
+            path,
+            SCORE_HEAD,
+        )
     if others:
         raise ValueError(f"{path}: weights missing when loading as a reward model: {others[:8]}")
     return model

@@ -93,8 +93,11 @@ def is_vanilla_lora(module: torch.nn.Module) -> bool:
         return False
     if module.fan_in_fan_out or getattr(module, "lora_variant", {}):
         return False
-    return all(type(m) is torch.nn.Linear and m.bias is None and m.weight.dtype == torch.float32
-               for adapters in (module.lora_A, module.lora_B) for m in adapters.values())
+    return all(
+        type(m) is torch.nn.Linear and m.bias is None and m.weight.dtype == torch.float32
+        for adapters in (module.lora_A, module.lora_B)
+        for m in adapters.values()
+    )
 
 
 class Member:
@@ -116,8 +119,13 @@ class Member:
             return not kwargs
         m = self.module
         dropping = m.training and any(getattr(m.lora_dropout[a], "p", 0) > 0 for a in self.adapters)
-        return (not kwargs and not dropping and not m.disable_adapters and not m.merged
-                and tuple(a for a in m.active_adapters if a in m.lora_A) == self.adapters)
+        return (
+            not kwargs
+            and not dropping
+            and not m.disable_adapters
+            and not m.merged
+            and tuple(a for a in m.active_adapters if a in m.lora_A) == self.adapters
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         """Every weight the effective weight is made of."""
@@ -130,8 +138,12 @@ class Member:
         """W, or W + sum(scaling * B @ A) over the active adapters (a new tensor; W is not touched)."""
         w = self.base.weight.detach()
         for a in self.adapters:
-            w = torch.addmm(w, self.module.lora_B[a].weight.detach(), self.module.lora_A[a].weight.detach(),
-                            alpha=self.module.scaling[a])
+            w = torch.addmm(
+                w,
+                self.module.lora_B[a].weight.detach(),
+                self.module.lora_A[a].weight.detach(),
+                alpha=self.module.scaling[a],
+            )
         return w
 
 
@@ -201,6 +213,7 @@ def packed_forward(packing: Packing, index: int):
         if x.dtype != torch.float32 or not member.applies(args, kwargs):
             return original(module, x, *args, **kwargs)
         return packing.output(index, x)
+
     return forward
 
 
@@ -225,7 +238,9 @@ def packings(model: torch.nn.Module, keep: bool = True, fuse: bool = True) -> li
             if not all(isinstance(m, torch.nn.Module) and candidate(m) for m in layers):
                 continue
             members = [Member(m) for m in layers]
-            same_kind = len({(m.lora, m.adapters, m.base.in_features, m.base.weight.requires_grad) for m in members}) == 1
+            same_kind = (
+                len({(m.lora, m.adapters, m.base.in_features, m.base.weight.requires_grad) for m in members}) == 1
+            )
             if not same_kind:
                 continue
             out.append(Packing(parent, "+".join(names), members, keep))
@@ -275,6 +290,7 @@ def _onednn_forward(module: torch.nn.Linear):
         if x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
             return torch.nn.Linear.forward(module, x)
         return OneDNNLinear.apply(x, module.weight, module.bias)
+
     forward.relay_onednn = True
     return forward
 

@@ -37,8 +37,9 @@ class OneDNNLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = onednn_linear(grad, weight.t().contiguous(), None)
         if ctx.needs_input_grad[1]:  # grad_out.T @ x, as oneDNN's x.T-weighted product of grad_out.T
-            grad_w = torch.ops.mkldnn._linear_pointwise(flat.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous(),
-                                                        None, "none", [], "")
+            grad_w = torch.ops.mkldnn._linear_pointwise(
+                flat.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous(), None, "none", [], ""
+            )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = flat.sum(0)
         return grad_x, grad_w, grad_b

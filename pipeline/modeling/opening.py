@@ -30,7 +30,13 @@ import torch
 
 from data_formats.collate import common_prefix
 from pipeline.modeling.decode import SHARED_PREFIX_MIN, cache_keyword, hf_model
-from pipeline.modeling.scoring import check_pooling, classifier_parts, position_ids_from_mask, reward_readout_index, token_scores
+from pipeline.modeling.scoring import (
+    check_pooling,
+    classifier_parts,
+    position_ids_from_mask,
+    reward_readout_index,
+    token_scores,
+)
 
 
 class Opening(NamedTuple):
@@ -66,10 +72,14 @@ def prompt_sharing_allowed(model: torch.nn.Module) -> bool:
 def cache_usable(model: torch.nn.Module, rows: int) -> bool:
     """Whether `model` can run an opening once for `rows` rows: several rows, an attention that takes
     any mask (sdpa, eager; not flash attention's packed sequences) and `prompt_sharing_allowed`."""
-    return rows > 1 and hf_model(model).config._attn_implementation in ("sdpa", "eager") and prompt_sharing_allowed(model)
+    return (
+        rows > 1 and hf_model(model).config._attn_implementation in ("sdpa", "eager") and prompt_sharing_allowed(model)
+    )
 
 
-def find_opening(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> Optional[Opening]:
+def find_opening(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int
+) -> Optional[Opening]:
     """The batch relaid [opening | padding | own prompt | response] when its rows' prompts (the
     left-padded first `prompt_width` columns) all open with the same >= SHARED_PREFIX_MIN tokens,
     each keeping at least one token of its own; None when they do not, when the prompt block is not
@@ -114,8 +124,13 @@ def cached_run(call, forward: torch.nn.Module, input_ids: torch.Tensor, attentio
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
-    out = call(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-               use_cache=True, **{cache_keyword(forward): cache})
+    out = call(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=True,
+        **{cache_keyword(forward): cache},
+    )
     return out, cache
 
 
@@ -134,8 +149,14 @@ def opening_logits(model: torch.nn.Module, opening: Opening, prompt_width: int) 
     n, T = opening.shared, opening.input_ids.shape[1]
     cache = opening_cache(lambda **kw: model(**kw, logits_to_keep=1), model, opening, hf_model(model).config)
     mask = opening.attention_mask[:, : T - 1]
-    return model(input_ids=opening.input_ids[:, n : T - 1], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, n:],
-                 use_cache=True, logits_to_keep=T - prompt_width, **{cache_keyword(model): cache}).logits
+    return model(
+        input_ids=opening.input_ids[:, n : T - 1],
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask)[:, n:],
+        use_cache=True,
+        logits_to_keep=T - prompt_width,
+        **{cache_keyword(model): cache},
+    ).logits
 
 
 def opening_hidden(classifier: torch.nn.Module, opening: Opening) -> torch.Tensor:
@@ -144,11 +165,18 @@ def opening_hidden(classifier: torch.nn.Module, opening: Opening) -> torch.Tenso
     backbone, _ = classifier_parts(classifier)
     n, mask = opening.shared, opening.attention_mask
     cache = opening_cache(backbone, backbone, opening, hf_model(classifier).config)
-    return backbone(input_ids=opening.input_ids[:, n:], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, n:],
-                    use_cache=True, **{cache_keyword(backbone): cache}).last_hidden_state
+    return backbone(
+        input_ids=opening.input_ids[:, n:],
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask)[:, n:],
+        use_cache=True,
+        **{cache_keyword(backbone): cache},
+    ).last_hidden_state
 
 
-def opening_sequence_scores(classifier: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Optional[torch.Tensor]:
+def opening_sequence_scores(
+    classifier: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> Optional[torch.Tensor]:
     """pipeline.modeling.scoring.sequence_scores (the [B] scores read at each row's last token, with
     its check of HF's pooling) with the rows' shared opening run once (`leading_opening`); None when
     they have none. It calls the backbone and head, not the classifier's forward: for a model no
@@ -163,11 +191,13 @@ def opening_sequence_scores(classifier: torch.nn.Module, input_ids: torch.Tensor
     return head(hidden[torch.arange(hidden.shape[0], device=hidden.device), at]).squeeze(-1).float()
 
 
-def response_scores(classifier: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
+def response_scores(
+    classifier: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int
+) -> torch.Tensor:
     """The score head at the last prompt column and every response column ([B, T - P + 1], fp32):
     `token_scores(...)[:, P - 1:]`, the batch's shared opening run once when it has one."""
     opening = find_opening(classifier, input_ids, attention_mask, prompt_width)
     if opening is None:
-        return token_scores(classifier, input_ids, attention_mask)[:, prompt_width - 1:]
+        return token_scores(classifier, input_ids, attention_mask)[:, prompt_width - 1 :]
     _, head = classifier_parts(classifier)
-    return head(opening_hidden(classifier, opening)[:, prompt_width - 1 - opening.shared:]).squeeze(-1).float()
+    return head(opening_hidden(classifier, opening)[:, prompt_width - 1 - opening.shared :]).squeeze(-1).float()

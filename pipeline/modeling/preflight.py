@@ -69,10 +69,14 @@ def kind_problem(folder: Path, key: str, need: str) -> Optional[str]:
     if need == "any" or kind is None or kind == need:
         return None
     if need == "causal":
-        return (f"{key}: {folder} is a reward model (a sequence classifier); this needs a causal language model, "
-                "e.g. the SFT stage's merged/")
-    return (f"{key}: {folder} is a causal language model, not a reward model; give the RM stage's merged/ "
-            "(a sequence classifier)")
+        return (
+            f"{key}: {folder} is a reward model (a sequence classifier); this needs a causal language model, "
+            "e.g. the SFT stage's merged/"
+        )
+    return (
+        f"{key}: {folder} is a causal language model, not a reward model; give the RM stage's merged/ "
+        "(a sequence classifier)"
+    )
 
 
 def folder_problems(folder: Path, key: str, need: str = "causal", allow_pickle: bool = False) -> list[str]:
@@ -90,13 +94,17 @@ def folder_problems(folder: Path, key: str, need: str = "causal", allow_pickle: 
         if not pickled:
             out.append(f"{key}: {folder} has no weights (no *.safetensors)")
         elif not allow_pickle:
-            out.append(f"{key}: {folder} has only pickled weights ({', '.join(pickled[:3])}), and unpickling can run code; "
-                       "convert them to safetensors where you trust them (model.save_pretrained(folder, "
-                       f"safe_serialization=True)), or set {section}.allow_pickle: true to load them with "
-                       "torch.load(weights_only=True)")
+            out.append(
+                f"{key}: {folder} has only pickled weights ({', '.join(pickled[:3])}), and unpickling can run code; "
+                "convert them to safetensors where you trust them (model.save_pretrained(folder, "
+                f"safe_serialization=True)), or set {section}.allow_pickle: true to load them with "
+                "torch.load(weights_only=True)"
+            )
     if not names.intersection(TOKENIZER_VOCAB_FILES):
-        out.append(f"{key}: {folder} has no tokenizer (none of {', '.join(TOKENIZER_VOCAB_FILES)}); copy the base "
-                   "model's tokenizer files into it")
+        out.append(
+            f"{key}: {folder} has no tokenizer (none of {', '.join(TOKENIZER_VOCAB_FILES)}); copy the base "
+            "model's tokenizer files into it"
+        )
     problem = kind_problem(folder, key, need)
     return out + ([problem] if problem else [])
 
@@ -113,20 +121,29 @@ def hub_problems(repo_id: str, key: str, revision: Optional[str] = None) -> list
     if isinstance(cached, str):
         return []
     if offline():
-        return [f"{key}: {repo_id!r}: no such folder, and no hub model of that name in the local cache "
-                f"(HF_HUB_OFFLINE=1); give a local folder, or download it first: hf download {repo_id}"]
+        return [
+            f"{key}: {repo_id!r}: no such folder, and no hub model of that name in the local cache "
+            f"(HF_HUB_OFFLINE=1); give a local folder, or download it first: hf download {repo_id}"
+        ]
     from huggingface_hub import HfApi
 
     try:
         HfApi().model_info(repo_id, revision=revision, timeout=10)
     except Exception as err:  # noqa: BLE001 - any failure means "not loadable from here"
-        return [f"{key}: {repo_id!r} is no local folder and not a reachable hub model ({type(err).__name__}); "
-                "check the spelling or give a local folder"]
+        return [
+            f"{key}: {repo_id!r} is no local folder and not a reachable hub model ({type(err).__name__}); "
+            "check the spelling or give a local folder"
+        ]
     return []
 
 
-def model_problems(path: Optional[str], key: str = "model.path", need: str = "causal", revision: Optional[str] = None,
-                   allow_pickle: bool = False) -> list[str]:
+def model_problems(
+    path: Optional[str],
+    key: str = "model.path",
+    need: str = "causal",
+    revision: Optional[str] = None,
+    allow_pickle: bool = False,
+) -> list[str]:
     """Every problem with a model path, one line each ([] when it looks loadable).
 
     `need`: 'causal' (a language model), 'reward' (a sequence classifier) or 'any'. 'embedded'

@@ -47,8 +47,10 @@ def check_pooling(config, input_ids: torch.Tensor, attention_mask: torch.Tensor)
     if pad is not None:
         pooled = (torch.arange(input_ids.shape[1], device=input_ids.device) * (input_ids != pad)).argmax(-1)
         if not torch.equal(pooled, reward_readout_index(attention_mask).to(pooled.device)):
-            raise ValueError("sequence_scores: the classifier would pool at another token than the reward read-out "
-                             "(a sequence ends with the pad id, or the batch is not padded with it)")
+            raise ValueError(
+                "sequence_scores: the classifier would pool at another token than the reward read-out "
+                "(a sequence ends with the pad id, or the batch is not padded with it)"
+            )
 
 
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -80,5 +82,7 @@ def classifier_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
 def token_scores(classifier: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The score head applied at every position ([B, T], fp32)."""
     backbone, head = classifier_parts(classifier)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+    ).last_hidden_state
     return head(hidden).squeeze(-1).float()

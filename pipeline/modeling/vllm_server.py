@@ -54,26 +54,89 @@ GUARD = "relay_vllm_guard.Guard"
 KEY_ENV, ROLES_ENV = "RELAY_VLLM_KEY", "RELAY_VLLM_ROLES"
 """The guard's key and the chat roles it accepts, in the server's environment (vllm_side/relay_vllm_guard.py)."""
 
-KEPT_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "TEMP", "TMP",
-                      "LD_LIBRARY_PATH", "LD_PRELOAD", "CC", "CXX", "CPATH", "LIBRARY_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR",
-                      "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy",
-                      "no_proxy", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "DO_NOT_TRACK"})
-KEPT_PREFIXES = ("LC_", "XDG_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_", "NVIDIA_", "NCCL_", "NVSHMEM_",
-                 "UCX_", "GLOO_", "HIP_", "ROCM_", "ROCR_", "HSA_", "OMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH_",
-                 "TORCHINDUCTOR_", "PYTORCH_", "TRITON_", "VLLM_")
+KEPT_ENV = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TERM",
+        "TMPDIR",
+        "TEMP",
+        "TMP",
+        "LD_LIBRARY_PATH",
+        "LD_PRELOAD",
+        "CC",
+        "CXX",
+        "CPATH",
+        "LIBRARY_PATH",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "NO_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "no_proxy",
+        "PYTHONUNBUFFERED",
+        "PYTHONHASHSEED",
+        "PYTHONWARNINGS",
+        "PYTHONDONTWRITEBYTECODE",
+        "DO_NOT_TRACK",
+    }
+)
+KEPT_PREFIXES = (
+    "LC_",
+    "XDG_",
+    "HF_",
+    "HUGGING_FACE_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "CUDA_",
+    "NVIDIA_",
+    "NCCL_",
+    "NVSHMEM_",
+    "UCX_",
+    "GLOO_",
+    "HIP_",
+    "ROCM_",
+    "ROCR_",
+    "HSA_",
+    "OMP_",
+    "KMP_",
+    "MKL_",
+    "ONEDNN_",
+    "DNNL_",
+    "ATEN_",
+    "TORCH_",
+    "TORCHINDUCTOR_",
+    "PYTORCH_",
+    "TRITON_",
+    "VLLM_",
+)
 """What the server's environment keeps of Relay's (`server_env`): the system's basics, caches and
 tokens of Hugging Face, the accelerator's, thread and instruction-set caps, compilers and vLLM's own."""
-DROPPED_VLLM_ENV = frozenset({
-    "VLLM_SERVER_DEV_MODE",  # the development routes: /collective_rpc, /sleep, /reset_prefix_cache, /server_info, ...
-    "VLLM_API_KEY",  # the guard holds the key (a stray one would only half-key the server)
-    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",  # /v1/load_lora_adapter: weights from any path, at runtime
-    "VLLM_TORCH_PROFILER_DIR",  # /start_profile, /stop_profile
-    "VLLM_DEBUG_LOG_API_SERVER_RESPONSE",  # answers in the log
-    "VLLM_ALLOW_INSECURE_SERIALIZATION",  # pickle between processes
-    "VLLM_ENABLE_COHERE_API", "VLLM_ENABLE_RESPONSES_API_STORE",  # more routes
-    "VLLM_USE_RUST_FRONTEND", "VLLM_RUST_FRONTEND_PATH",  # another HTTP front: without the guard
-    "VLLM_MEDIA_URL_ALLOW_REDIRECTS",
-})
+DROPPED_VLLM_ENV = frozenset(
+    {
+        "VLLM_SERVER_DEV_MODE",  # the development routes: /collective_rpc, /sleep, /reset_prefix_cache, /server_info, ...
+        "VLLM_API_KEY",  # the guard holds the key (a stray one would only half-key the server)
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING",  # /v1/load_lora_adapter: weights from any path, at runtime
+        "VLLM_TORCH_PROFILER_DIR",  # /start_profile, /stop_profile
+        "VLLM_DEBUG_LOG_API_SERVER_RESPONSE",  # answers in the log
+        "VLLM_ALLOW_INSECURE_SERIALIZATION",  # pickle between processes
+        "VLLM_ENABLE_COHERE_API",
+        "VLLM_ENABLE_RESPONSES_API_STORE",  # more routes
+        "VLLM_USE_RUST_FRONTEND",
+        "VLLM_RUST_FRONTEND_PATH",  # another HTTP front: without the guard
+        "VLLM_MEDIA_URL_ALLOW_REDIRECTS",
+    }
+)
 """vLLM variables Relay's environment may carry by chance that open routes or change what the
 server trusts: dropped, and set by `server_env` where Relay means them."""
 
@@ -86,7 +149,9 @@ def vllm_python() -> Optional[str]:
     """The interpreter that runs vLLM (see the module docstring), or None when there is none."""
     if os.environ.get("RELAY_VLLM_PYTHON"):
         return os.environ["RELAY_VLLM_PYTHON"]
-    if (SIDE_VENV_PYTHON.parents[1] / ".relay-installed").exists():  # install_vllm.sh finished (a half-made one is absent)
+    if (
+        SIDE_VENV_PYTHON.parents[1] / ".relay-installed"
+    ).exists():  # install_vllm.sh finished (a half-made one is absent)
         return str(SIDE_VENV_PYTHON)
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
@@ -139,10 +204,33 @@ def server_command(python: str, folder: str, host: str, port: int, opts: ServerO
     keeps a checkpoint's generation_config.json (a shipped repetition_penalty, ...) from
     changing what requests sample."""
     dtype = opts.dtype if opts.dtype != "auto" or on_gpu() else "float32"
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--served-model-name", opts.name,
-           "--host", host, "--port", str(port), "--max-model-len", str(opts.max_model_len),
-           "--max-num-seqs", str(opts.max_num_seqs), "--dtype", dtype, "--seed", str(opts.seed),
-           "--generation-config", "vllm", "--tensor-parallel-size", str(opts.tensor_parallel_size), "--middleware", GUARD]
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        folder,
+        "--served-model-name",
+        opts.name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(opts.max_model_len),
+        "--max-num-seqs",
+        str(opts.max_num_seqs),
+        "--dtype",
+        dtype,
+        "--seed",
+        str(opts.seed),
+        "--generation-config",
+        "vllm",
+        "--tensor-parallel-size",
+        str(opts.tensor_parallel_size),
+        "--middleware",
+        GUARD,
+    ]
     if opts.enable_lora:
         cmd += ["--enable-lora", "--max-lora-rank", str(opts.max_lora_rank), "--max-loras", "1"]
     if opts.sleep_mode:
@@ -156,17 +244,22 @@ def server_command(python: str, folder: str, host: str, port: int, opts: ServerO
 
 def filtered_env(environ: Mapping[str, str]) -> dict[str, str]:
     """What the server keeps of `environ` (KEPT_ENV, KEPT_PREFIXES, less DROPPED_VLLM_ENV) (pure)."""
-    return {k: v for k, v in environ.items()
-            if (k in KEPT_ENV or k.startswith(KEPT_PREFIXES)) and k not in DROPPED_VLLM_ENV}
+    return {
+        k: v for k, v in environ.items() if (k in KEPT_ENV or k.startswith(KEPT_PREFIXES)) and k not in DROPPED_VLLM_ENV
+    }
 
 
-def server_env(opts: ServerOptions, key: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+def server_env(
+    opts: ServerOptions, key: Optional[str] = None, environ: Optional[Mapping[str, str]] = None
+) -> dict[str, str]:
     """The environment the server `opts` runs in: `environ` (default: this process's) filtered,
     the guard on its path with `key` (None: no key) and `opts.roles`, small on a CPU with the model
     in the engine-core process (the module docstring), offline, and for the RL backend allowed to
     load adapters at runtime (/v1/load_lora_adapter) and to reach the development endpoints."""
     env = filtered_env(os.environ if environ is None else environ)
-    env["PYTHONPATH"] = str(GUARD_DIR)  # the guard alone: Relay's tree (and its transformers) stays out of vLLM's environment
+    env["PYTHONPATH"] = str(
+        GUARD_DIR
+    )  # the guard alone: Relay's tree (and its transformers) stays out of vLLM's environment
     if key:
         env[KEY_ENV] = key
     if opts.roles:
@@ -261,12 +354,23 @@ class VLLMServer:
     kills its whole process group (vLLM starts an engine-core child process); so does the end of
     the process that started it (`launch`)."""
 
-    def __init__(self, folder: str, opts: ServerOptions, *, host: str = "127.0.0.1", port: int = 0,
-                 python: Optional[str] = None, log_path: Optional[Path] = None, start_timeout: float = 600.0,
-                 key: Optional[str] = None):
+    def __init__(
+        self,
+        folder: str,
+        opts: ServerOptions,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        python: Optional[str] = None,
+        log_path: Optional[Path] = None,
+        start_timeout: float = 600.0,
+        key: Optional[str] = None,
+    ):
         self.python = python or vllm_python()
         if self.python is None:
-            raise VLLMError("vLLM is not installed: run bash run_scripts/install_vllm.sh (or pip install vllm on a CUDA machine)")
+            raise VLLMError(
+                "vLLM is not installed: run bash run_scripts/install_vllm.sh (or pip install vllm on a CUDA machine)"
+            )
         self.folder, self.opts, self.host = folder, opts, host
         self.port = port or free_port()
         self.log_path = log_path
@@ -291,7 +395,9 @@ class VLLMServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 where = f" (its log: {self.log_path})" if self.log_path else ""
-                raise VLLMError(f"the vLLM server on {self.folder} exited with code {self.proc.returncode} while starting{where}")
+                raise VLLMError(
+                    f"the vLLM server on {self.folder} exited with code {self.proc.returncode} while starting{where}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
                     if response.status == 200:
@@ -319,8 +425,11 @@ class VLLMServer:
         Raises:
             VLLMError: an HTTP error, with the server's message.
         """
-        request = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json", **self.headers})
+        request = urllib.request.Request(
+            self.base_url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **self.headers},
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 text = response.read()
@@ -332,8 +441,16 @@ class VLLMServer:
             return {"text": text.decode(errors="replace")}
 
 
-def completion_ids(server: VLLMServer, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int], *,
-                   temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None) -> list[list[int]]:
+def completion_ids(
+    server: VLLMServer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: list[int],
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+) -> list[list[int]]:
     """The ids a server (`server.opts.name`) answers each prompt with, cut before the first of
     `eos_ids` (greedy at temperature 0); one request per prompt, `server.opts.max_num_seqs` at a
     time, so vLLM batches them. For `relay gold` and `relay chat --backend vllm`.
@@ -344,8 +461,16 @@ def completion_ids(server: VLLMServer, prompts: list[list[int]], max_new_tokens:
     from concurrent.futures import ThreadPoolExecutor
 
     def one(prompt: list[int]) -> list[int]:
-        body = {"model": server.opts.name, "prompt": list(prompt), "max_tokens": max_new_tokens, "temperature": temperature,
-                "top_p": top_p, "stop_token_ids": list(eos_ids), "return_token_ids": True, "skip_special_tokens": False}
+        body = {
+            "model": server.opts.name,
+            "prompt": list(prompt),
+            "max_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "stop_token_ids": list(eos_ids),
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
         if seed is not None:
             body["seed"] = seed
         (choice,) = server.post("/v1/completions", body)["choices"]

@@ -41,7 +41,8 @@ SDIST_ONLY = {"deepspeed": {"DS_BUILD_OPS": "0", "DS_SKIP_CUDA_CHECK": "1"}}
 """Packages published only as an sdist, built here into a wheel with these environment settings."""
 NEVER_BUNDLED = frozenset({"torch", "transformers", "accelerate", "peft", "triton", "tokenizers", "safetensors"})
 """The node's own ML stack: a bundle that held one would replace it, so building one refuses."""
-IMAGE_HAS = frozenset("""
+IMAGE_HAS = frozenset(
+    """
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
 cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools
@@ -61,11 +62,18 @@ statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threa
 tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
 triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl
 zipp
-""".split())
+""".split()
+)
 """The Python packages a CUDA cluster image typically has (torch, transformers, accelerate, peft and
 their dependencies): the bundle leaves these out."""
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64")
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
 MANIFEST = "bundle.json"
 TOKENIZER = "embedded-tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -94,8 +102,6 @@ class Wheel:
     required_by: list[str] = field(default_factory=list)
 
 
-
-
 def wheel_metadata(path: Path) -> tuple[str, str, list[str]]:
     """(name, version, Requires-Dist lines) read from a wheel's METADATA."""
     with zipfile.ZipFile(path) as zf:
@@ -103,15 +109,27 @@ def wheel_metadata(path: Path) -> tuple[str, str, list[str]]:
         text = zf.read(meta).decode("utf-8", "replace")
     headers = text.split("\n\n", 1)[0].splitlines()
     value = lambda key: next(line.split(":", 1)[1].strip() for line in headers if line.startswith(key + ":"))
-    return value("Name"), value("Version"), [line.split(":", 1)[1].strip() for line in headers if line.startswith("Requires-Dist:")]
+    return (
+        value("Name"),
+        value("Version"),
+        [line.split(":", 1)[1].strip() for line in headers if line.startswith("Requires-Dist:")],
+    )
 
 
 def target_environment(python_version: str) -> dict[str, str]:
     """The marker environment of the node (CPython on x86-64 Linux)."""
     major, minor = python_version.split(".")[:2]
-    return {"python_version": f"{major}.{minor}", "python_full_version": f"{major}.{minor}.0", "os_name": "posix",
-            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-            "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+    return {
+        "python_version": f"{major}.{minor}",
+        "python_full_version": f"{major}.{minor}.0",
+        "os_name": "posix",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "extra": "",
+    }
 
 
 def needed_requirements(requires: list[str], extras: set[str], env: dict[str, str]) -> list[tuple[str, set[str], str]]:
@@ -144,8 +162,12 @@ def pip(args: list[str], env: Optional[dict] = None) -> None:
     Raises:
         BundleError: pip failed.
     """
-    proc = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
-                          capture_output=True, text=True, env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     if proc.returncode != 0:
         tail = [line for line in (proc.stderr or proc.stdout).splitlines() if line.strip()][-2:]
         raise BundleError(f"pip {' '.join(args[:2])} {args[-1]}: " + " | ".join(tail))
@@ -162,16 +184,30 @@ def fetch(requirement: str, name: str, out: Path, python_version: str) -> Path:
             pip(["wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(sdist)], env=SDIST_ONLY[name])
     else:
         platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-        pip(["download", "--no-deps", "--only-binary=:all:", "--implementation", "cp", "--python-version", python_version,
-             *platforms, "-d", str(out), requirement])
+        pip(
+            [
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--implementation",
+                "cp",
+                "--python-version",
+                python_version,
+                *platforms,
+                "-d",
+                str(out),
+                requirement,
+            ]
+        )
     new = [p for p in set(out.iterdir()) - before if p.suffix == ".whl"]
     if len(new) != 1:
         raise BundleError(f"{requirement}: expected one new wheel in {out}, found {len(new)}")
     return new[0]
 
 
-def build(out: Path, python_version: str = "3.12", needs: Sequence[str] = NEEDS + DEV_NEEDS,
-          image_has: frozenset = IMAGE_HAS) -> dict:
+def build(
+    out: Path, python_version: str = "3.12", needs: Sequence[str] = NEEDS + DEV_NEEDS, image_has: frozenset = IMAGE_HAS
+) -> dict:
     """Download (and build) the closure of `needs` minus `image_has` into `out`; write the manifest.
 
     Raises:
@@ -197,13 +233,19 @@ def build(out: Path, python_version: str = "3.12", needs: Sequence[str] = NEEDS 
         real_name, version, requires = wheel_metadata(path)
         wheels[name] = Wheel(canonical(real_name), version, path.name, file_sha256(path), path.stat().st_size, [parent])
         queue += [(n, e, s, name) for n, e, s in needed_requirements(requires, extras, env)]
-    manifest = {"python_version": python_version, "platforms": list(PLATFORMS), "needs": list(needs),
-                "wheels": [asdict(w) for w in sorted(wheels.values(), key=lambda w: w.name)],
-                "provided_by_image": {k: sorted(set(v)) for k, v in sorted(provided.items())},
-                "total_bytes": sum(w.size for w in wheels.values())}
+    manifest = {
+        "python_version": python_version,
+        "platforms": list(PLATFORMS),
+        "needs": list(needs),
+        "wheels": [asdict(w) for w in sorted(wheels.values(), key=lambda w: w.name)],
+        "provided_by_image": {k: sorted(set(v)) for k, v in sorted(provided.items())},
+        "total_bytes": sum(w.size for w in wheels.values()),
+    }
     stray = sorted(p.name for p in out.glob("*.whl") if p.name not in {w.file for w in wheels.values()})
     if stray:
-        raise BundleError(f"{out} holds wheels the bundle does not need ({', '.join(stray)}): remove them or use an empty folder")
+        raise BundleError(
+            f"{out} holds wheels the bundle does not need ({', '.join(stray)}): remove them or use an empty folder"
+        )
     manifest["files"] = copy_tokenizer(out)
     manifest["total_bytes"] += sum(f["size"] for f in manifest["files"])
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -245,7 +287,10 @@ def check(folder: Path, budget_mib: Optional[float] = None, needs: Sequence[str]
     problems = []
     names = [w["name"] for w in manifest["wheels"]]
     problems += [f"{path}: {n} is needed but not in the bundle" for n in map(canonical, needs) if n not in names]
-    problems += [f"{path}: {n} appears twice (one version each, or pip refuses the install)" for n in sorted({n for n in names if names.count(n) > 1})]
+    problems += [
+        f"{path}: {n} appears twice (one version each, or pip refuses the install)"
+        for n in sorted({n for n in names if names.count(n) > 1})
+    ]
     for wheel in manifest["wheels"] + manifest.get("files", []):
         file = folder / wheel["file"]
         if not file.is_file():
@@ -261,8 +306,9 @@ def check(folder: Path, budget_mib: Optional[float] = None, needs: Sequence[str]
 def tree_bytes(repo: Path) -> Optional[int]:
     """Bytes of the source tree that travels to the node beside a bundle: the files git tracks plus the
     untracked ones it does not ignore (None outside a git checkout)."""
-    proc = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                          capture_output=True)
+    proc = subprocess.run(
+        ["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"], capture_output=True
+    )
     if proc.returncode != 0:
         return None
     files = [repo / name for name in proc.stdout.decode().split("\0") if name]
@@ -271,21 +317,34 @@ def tree_bytes(repo: Path) -> Optional[int]:
 
 def summary(manifest: dict) -> str:
     """The bundle's contents, one line per wheel, and its total."""
-    lines = [f"  {w['name']:<22} {w['version']:<14} {w['size'] / 2**20:7.2f} MiB  (for {', '.join(sorted(set(w['required_by'])))})"
-             for w in manifest["wheels"]]
+    lines = [
+        f"  {w['name']:<22} {w['version']:<14} {w['size'] / 2**20:7.2f} MiB  (for {', '.join(sorted(set(w['required_by'])))})"
+        for w in manifest["wheels"]
+    ]
     lines += [f"  {f['file']:<37} {f['size'] / 2**20:7.2f} MiB" for f in manifest.get("files", [])]
-    return "\n".join(lines + [f"  total {manifest['total_bytes'] / 2**20:.2f} MiB: {len(manifest['wheels'])} wheels, "
-                              f"{len(manifest.get('files', []))} tokenizer files"])
+    return "\n".join(
+        lines
+        + [
+            f"  total {manifest['total_bytes'] / 2**20:.2f} MiB: {len(manifest['wheels'])} wheels, "
+            f"{len(manifest.get('files', []))} tokenizer files"
+        ]
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="relay bundle", description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="folder to write the wheels and bundle.json into")
     parser.add_argument("--check", metavar="DIR", help="check an existing bundle instead of building one")
-    parser.add_argument("--seed-cache", metavar="DIR", help="make DIR's tokenizer the embedded model of $RELAY_CACHE (tokenizer only)")
+    parser.add_argument(
+        "--seed-cache", metavar="DIR", help="make DIR's tokenizer the embedded model of $RELAY_CACHE (tokenizer only)"
+    )
     parser.add_argument("--python-version", default="3.12", help="the node's CPython version (default 3.12)")
-    parser.add_argument("--budget-mib", type=float, default=None,
-                        help="optional: refuse a bundle larger than this many MiB (for a transfer with a size limit; default: no limit)")
+    parser.add_argument(
+        "--budget-mib",
+        type=float,
+        default=None,
+        help="optional: refuse a bundle larger than this many MiB (for a transfer with a size limit; default: no limit)",
+    )
     args = parser.parse_args(argv)
     if args.seed_cache:
         print(seed_cache(Path(args.seed_cache)))

@@ -149,9 +149,16 @@ class PipelineConfig:
             out.append("stages: every stage is disabled")
         for name in registry.STAGES:
             if name not in self.chain and entry(self, name) != StageEntry():
-                out.append(f"stages.{name}: configured but not in chain ({', '.join(self.chain)}); add it to chain or remove it")
+                out.append(
+                    f"stages.{name}: configured but not in chain ({', '.join(self.chain)}); add it to chain or remove it"
+                )
         for name in self.chain:
-            if entry(self, name).enabled and registry.info(name).reward_model == "required" and reward_stage(self) is None and not self.reward_model:
+            if (
+                entry(self, name).enabled
+                and registry.info(name).reward_model == "required"
+                and reward_stage(self) is None
+                and not self.reward_model
+            ):
                 rm = next((s for s in registry.STAGES if registry.info(s).model_kind == "reward"), "rm")
                 how = f"enable stages.{rm}" if rm in self.chain else f"put {rm} in chain before {name}"
                 out.append(f"reward_model: {name.upper()} needs a reward model; {how} or set reward_model")
@@ -174,7 +181,9 @@ def chain_order_problems(chain: Sequence[str]) -> list[str]:
     out = []
     unknown = [s for s in chain if s not in registry.STAGES]
     if unknown:
-        out.append(f"chain: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not a registered stage ({', '.join(registry.STAGES)})")
+        out.append(
+            f"chain: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not a registered stage ({', '.join(registry.STAGES)})"
+        )
     repeated = sorted({s for s in chain if list(chain).count(s) > 1})
     if repeated:
         out.append(f"chain: {', '.join(repeated)} listed more than once")
@@ -239,7 +248,12 @@ def load_pipeline(config_path: str, argv: Sequence[str]) -> tuple[PipelineConfig
     cfg = load_config(PipelineConfig, ["--config", config_path, *rest], prog="run_pipeline")
     for name in (selection.start, selection.only):
         if name and name not in cfg.chain:
-            raise ConfigError([f"{name}: selected on the command line but not in the chain ({', '.join(cfg.chain)}) of {config_path}"], "command line")
+            raise ConfigError(
+                [
+                    f"{name}: selected on the command line but not in the chain ({', '.join(cfg.chain)}) of {config_path}"
+                ],
+                "command line",
+            )
         if name and not entry(cfg, name).enabled:
             raise ConfigError([f"{name}: selected on the command line but disabled in {config_path}"], "command line")
     return cfg, selection
@@ -332,9 +346,15 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
         return "todo"
     actual = weights_hash(folder)
     if manifest.get("weights_hash") != actual:
-        raise DriverError(f"{folder}: weights hash {actual} does not match its manifest's {manifest.get('weights_hash')}; delete {stage_dir(cfg, stage)} to rebuild it")
+        raise DriverError(
+            f"{folder}: weights hash {actual} does not match its manifest's {manifest.get('weights_hash')}; delete {stage_dir(cfg, stage)} to rebuild it"
+        )
     saved = config_file(cfg, stage)
-    changed = config_changes(yaml.safe_load(saved.read_text(encoding="utf-8")) or {}, stage_config(cfg, stage)) if saved.is_file() else []
+    changed = (
+        config_changes(yaml.safe_load(saved.read_text(encoding="utf-8")) or {}, stage_config(cfg, stage))
+        if saved.is_file()
+        else []
+    )
     if changed:
         raise DriverError(
             f"{folder} was built with the config in {saved}, which differs from what the pipeline config "
@@ -389,8 +409,10 @@ def checks_before(cfg: PipelineConfig, stage: str) -> list[str]:
     template and vocab."""
     parent, previous = parent_path(cfg, stage), parent_stage(cfg, stage)
     if previous is not None and not (parent / "config.json").is_file():  # e.g. --from sft on a fresh output_root
-        return [f"{previous} has not run: {parent} does not exist yet; run the pipeline from {previous} (--from {previous}), "
-                f"or point base_model at a model and leave {previous} out of the chain"]
+        return [
+            f"{previous} has not run: {parent} does not exist yet; run the pipeline from {previous} (--from {previous}), "
+            f"or point base_model at a model and leave {previous} out of the chain"
+        ]
     # A base model from elsewhere may have no manifest; a stage's output must have one.
     problems = manifest_problems(parent) if previous or read_manifest(parent) else []
     grand = (read_manifest(parent) or {}).get("parent_path")
@@ -414,9 +436,13 @@ def checks_after(cfg: PipelineConfig, stage: str) -> list[str]:
         return [f"{folder}: the stage finished without writing merged/manifest.json"]
     problems = []
     if manifest.get("parent_path") != str(parent):
-        problems.append(f"{folder}/manifest.json: parent_path is {manifest.get('parent_path')!r}, expected {str(parent)!r}")
+        problems.append(
+            f"{folder}/manifest.json: parent_path is {manifest.get('parent_path')!r}, expected {str(parent)!r}"
+        )
     if manifest.get("parent_hash") != weights_hash(parent):
-        problems.append(f"{folder}/manifest.json: parent_hash is {manifest.get('parent_hash')!r}, expected {weights_hash(parent)!r}")
+        problems.append(
+            f"{folder}/manifest.json: parent_hash is {manifest.get('parent_hash')!r}, expected {weights_hash(parent)!r}"
+        )
     rm_problem = reward_model_problem(cfg, stage, manifest)
     problems += [rm_problem] if rm_problem else []
     return problems + manifest_problems(folder) + link_problems(folder, parent, may_change_template=stage == "sft")
@@ -467,7 +493,15 @@ def stage_argv(cfg: PipelineConfig, stage: str) -> list[str]:
     path = config_file(cfg, stage)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_stage_config(cfg, stage), encoding="utf-8")
-    argv = [entry(cfg, stage).script or f"stages/{registry.script(stage).name}", "--config", str(path), "--output_dir", str(stage_dir(cfg, stage)), "--model.path", str(parent_path(cfg, stage))]
+    argv = [
+        entry(cfg, stage).script or f"stages/{registry.script(stage).name}",
+        "--config",
+        str(path),
+        "--output_dir",
+        str(stage_dir(cfg, stage)),
+        "--model.path",
+        str(parent_path(cfg, stage)),
+    ]
     rm = stage_reward_path(cfg, stage)
     if rm is not None:
         argv += ["--reward_model.path", str(rm)]

@@ -28,8 +28,8 @@ import torch
 from data_formats.tools import template_tools
 from pipeline.config import ModelConfig
 from pipeline.engine.tracking import quiet_console
-from pipeline.modeling import models as modeling
 from pipeline.modeling import decode, vllm_server
+from pipeline.modeling import models as modeling
 from pipeline.modeling.embedded import resolve_model_path
 from pipeline.modeling.preflight import model_problems
 from pipeline.tools.chat_tools import answer_with_tools, tool_setup
@@ -85,7 +85,11 @@ def was_cut(new_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int])
 
 def cut_marker(chat: ChatModel, gen: "Generation") -> str:
     """What `relay chat` prints after an answer that stopped at the token limit ('' otherwise)."""
-    return f"[answer cut at {gen.max_new_tokens} tokens: --max-new-tokens raises the limit]" if chat.last_answer_cut else ""
+    return (
+        f"[answer cut at {gen.max_new_tokens} tokens: --max-new-tokens raises the limit]"
+        if chat.last_answer_cut
+        else ""
+    )
 
 
 def load_chat_tokenizer(path: str, *, trust_remote_code: bool = False, allow_pickle: bool = False):
@@ -96,7 +100,9 @@ def load_chat_tokenizer(path: str, *, trust_remote_code: bool = False, allow_pic
             weights or tokenizer) or its tokenizer has no chat template.
     """
     found = model_problems(path, "--model", need="causal", allow_pickle=allow_pickle)
-    found = found or modeling.remote_code_problems(ModelConfig(path=path, trust_remote_code=trust_remote_code), "--model")
+    found = found or modeling.remote_code_problems(
+        ModelConfig(path=path, trust_remote_code=trust_remote_code), "--model"
+    )
     if found:
         raise ChatError("; ".join(found))
     folder = resolve_model_path(path)
@@ -106,7 +112,9 @@ def load_chat_tokenizer(path: str, *, trust_remote_code: bool = False, allow_pic
     return tokenizer
 
 
-def load_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool = False, allow_pickle: bool = False) -> ChatModel:
+def load_chat_model(
+    path: str, dtype: str = "fp32", *, trust_remote_code: bool = False, allow_pickle: bool = False
+) -> ChatModel:
     """A merged folder (or 'embedded') ready for generation, through pipeline.modeling.models' loader
     (the folder's own code runs only with `trust_remote_code`, pickled weights load only with
     `allow_pickle`, as in the stages).
@@ -116,8 +124,13 @@ def load_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool =
         OSError: transformers could not load what preflight let through (its error names it).
     """
     tokenizer = load_chat_tokenizer(path, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
-    cfg = ModelConfig(path=resolve_model_path(path), finetuning="full", dtype=dtype, trust_remote_code=trust_remote_code,
-                      allow_pickle=allow_pickle)
+    cfg = ModelConfig(
+        path=resolve_model_path(path),
+        finetuning="full",
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle,
+    )
     model = modeling.load_model(cfg, None, kind="causal", tokenizer=tokenizer)
     model.eval()
     model.requires_grad_(False)
@@ -143,7 +156,9 @@ def start_vllm_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: 
     return ChatModel(name=path, model=None, tokenizer=tokenizer, server=server, eos_ids=chat_eos_ids(folder, tokenizer))
 
 
-def open_vllm_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool = False, allow_pickle: bool = False) -> ChatModel:
+def open_vllm_chat_model(
+    path: str, dtype: str = "fp32", *, trust_remote_code: bool = False, allow_pickle: bool = False
+) -> ChatModel:
     """`start_vllm_chat_model` under `load_chat_model`'s call (`allow_pickle` is the in-process loader's
     consent; vLLM reads the folder itself)."""
     return start_vllm_chat_model(path, dtype, trust_remote_code=trust_remote_code)
@@ -163,8 +178,10 @@ def unsupported_sampling(backend: str, gen: Generation) -> Optional[str]:
     lacking = [flag for flag in SAMPLING_FLAGS if flag not in entry.sampling]
     if not any(set_flags[flag] for flag in lacking):
         return None
-    return (f"--backend {backend} samples with {' and '.join(entry.sampling)} only: "
-            f"drop {'/'.join('--' + flag for flag in lacking)}")
+    return (
+        f"--backend {backend} samples with {' and '.join(entry.sampling)} only: "
+        f"drop {'/'.join('--' + flag for flag in lacking)}"
+    )
 
 
 def prompt_ids(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
@@ -213,7 +230,9 @@ class StreamPrinter:
         print(self.text.flush(), flush=True)
 
 
-def reply(chat: ChatModel, messages: list[dict], gen: Generation, stream: bool = False, tools: Optional[list[dict]] = None) -> str:
+def reply(
+    chat: ChatModel, messages: list[dict], gen: Generation, stream: bool = False, tools: Optional[list[dict]] = None
+) -> str:
     """The model's next assistant turn (printed token by token when `stream`), from Relay's decode
     engine; with top_k or a repetition penalty (knobs the engine does not have) from transformers'
     generate. `tools`: the tool schemas in the prompt."""
@@ -224,8 +243,16 @@ def reply(chat: ChatModel, messages: list[dict], gen: Generation, stream: bool =
         return hf_reply(chat, ids, gen, stream)
     eos = eos_ids_of(chat.model, chat.tokenizer)
     printer = StreamPrinter(chat.tokenizer) if stream else None
-    out = decode.generate(chat.model, [ids], max_new_tokens=gen.max_new_tokens, eos_ids=eos, pad_id=chat.tokenizer.pad_token_id,
-                   temperature=gen.temperature, top_p=gen.top_p if gen.temperature > 0 else 1.0, on_token=printer)
+    out = decode.generate(
+        chat.model,
+        [ids],
+        max_new_tokens=gen.max_new_tokens,
+        eos_ids=eos,
+        pad_id=chat.tokenizer.pad_token_id,
+        temperature=gen.temperature,
+        top_p=gen.top_p if gen.temperature > 0 else 1.0,
+        on_token=printer,
+    )
     if printer is not None:
         printer.close()
     chat.last_answer_cut = was_cut(out.tokens[0], gen.max_new_tokens, eos)
@@ -237,8 +264,15 @@ def vllm_reply(chat: ChatModel, ids: list[int], gen: Generation, stream: bool) -
     """`reply` from the vLLM server (`--backend vllm`): greedy at temperature 0, else sampled with a
     seed drawn from torch's RNG (so --seed repeats a session); printed whole when `stream`."""
     seed = int(torch.randint(0, 2**31 - 1, ())) if gen.temperature > 0 else None
-    (tokens,) = vllm_server.completion_ids(chat.server, [ids], gen.max_new_tokens, chat.eos_ids, temperature=gen.temperature,
-                               top_p=gen.top_p if gen.temperature > 0 else 1.0, seed=seed)
+    (tokens,) = vllm_server.completion_ids(
+        chat.server,
+        [ids],
+        gen.max_new_tokens,
+        chat.eos_ids,
+        temperature=gen.temperature,
+        top_p=gen.top_p if gen.temperature > 0 else 1.0,
+        seed=seed,
+    )
     chat.last_answer_cut = len(tokens) >= gen.max_new_tokens
     text = chat.tokenizer.decode(tokens, skip_special_tokens=True).strip()
     if stream:
@@ -253,10 +287,17 @@ def hf_reply(chat: ChatModel, ids: list[int], gen: Generation, stream: bool) -> 
     prompt = torch.tensor([ids])
     streamer = TextStreamer(chat.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     with torch.no_grad():
-        out = chat.model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                                  pad_token_id=chat.tokenizer.pad_token_id, streamer=streamer, **gen.kwargs())
-    chat.last_answer_cut = was_cut(out[0, prompt.shape[1]:].tolist(), gen.max_new_tokens, eos_ids_of(chat.model, chat.tokenizer))
-    return chat.tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True).strip()
+        out = chat.model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            pad_token_id=chat.tokenizer.pad_token_id,
+            streamer=streamer,
+            **gen.kwargs(),
+        )
+    chat.last_answer_cut = was_cut(
+        out[0, prompt.shape[1] :].tolist(), gen.max_new_tokens, eos_ids_of(chat.model, chat.tokenizer)
+    )
+    return chat.tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True).strip()
 
 
 def side_by_side(left_title: str, left: str, right_title: str, right: str, width: int = 100) -> str:
@@ -266,7 +307,10 @@ def side_by_side(left_title: str, left: str, right_title: str, right: str, width
     def wrap(text: str) -> list[str]:
         return [line for para in text.splitlines() or [""] for line in (textwrap.wrap(para, col) or [""])]
 
-    a, b = [left_title[:col], "-" * min(col, len(left_title))] + wrap(left), [right_title[:col], "-" * min(col, len(right_title))] + wrap(right)
+    a, b = (
+        [left_title[:col], "-" * min(col, len(left_title))] + wrap(left),
+        [right_title[:col], "-" * min(col, len(right_title))] + wrap(right),
+    )
     rows = max(len(a), len(b))
     a, b = a + [""] * (rows - len(a)), b + [""] * (rows - len(b))
     return "\n".join(f"{x:<{col}} | {y}".rstrip() for x, y in zip(a, b))
@@ -278,8 +322,9 @@ def start_messages(system: Optional[str]) -> list[dict]:
 
 def tool_reply(chat: ChatModel, history: list[dict], gen: Generation, setup, read: Callable[[str], str] = input) -> str:
     """The model's answer to the last user turn, with its tool calls shown and answered (chat_tools)."""
-    answer = answer_with_tools(lambda messages: reply(chat, messages, gen, tools=setup.schemas), history, setup.tools,
-                               setup.timeout, read)
+    answer = answer_with_tools(
+        lambda messages: reply(chat, messages, gen, tools=setup.schemas), history, setup.tools, setup.timeout, read
+    )
     print(f"bot> {answer}")
     return answer
 
@@ -296,17 +341,24 @@ def one_shot(models: list[ChatModel], prompt: str, gen: Generation, system: Opti
             print(cut_marker(models[0], gen))
         return answer
     answers = [reply(m, messages, gen) for m in models]
-    text = side_by_side(models[0].name, answers[0], models[1].name, answers[1], shutil.get_terminal_size((100, 20)).columns)
+    text = side_by_side(
+        models[0].name, answers[0], models[1].name, answers[1], shutil.get_terminal_size((100, 20)).columns
+    )
     print(text)
     return text
 
 
-def interactive(models: list[ChatModel], gen: Generation, system: Optional[str] = None, read: Callable[[str], str] = input,
-                tools=None) -> list[list[dict]]:
+def interactive(
+    models: list[ChatModel],
+    gen: Generation,
+    system: Optional[str] = None,
+    read: Callable[[str], str] = input,
+    tools=None,
+) -> list[list[dict]]:
     """Multi-turn chat until /exit or end of input; each model keeps its own history. Returns them.
     `tools` (chat_tools.ToolSetup, one model): its calls are shown and answered."""
     histories = [start_messages(system) for _ in models]
-    print("Chatting with " + " and ".join(m.name for m in models) + ". " + HELP[len("commands: "):] + ".")
+    print("Chatting with " + " and ".join(m.name for m in models) + ". " + HELP[len("commands: ") :] + ".")
     while True:
         try:
             line = read("you> ").strip()
@@ -335,13 +387,19 @@ def interactive(models: list[ChatModel], gen: Generation, system: Optional[str] 
                 print(cut_marker(models[0], gen))
         else:
             answers = [reply(m, h, gen) for m, h in zip(models, histories)]
-            print(side_by_side(models[0].name, answers[0], models[1].name, answers[1], shutil.get_terminal_size((100, 20)).columns))
+            print(
+                side_by_side(
+                    models[0].name, answers[0], models[1].name, answers[1], shutil.get_terminal_size((100, 20)).columns
+                )
+            )
         for history, answer in zip(histories, answers):
             history.append({"role": "assistant", "content": answer})
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="relay chat", description="Chat with a merged model (any stage) or 'embedded'.")
+    parser = argparse.ArgumentParser(
+        prog="relay chat", description="Chat with a merged model (any stage) or 'embedded'."
+    )
     parser.add_argument("--model", required=True, help="merged model folder, or 'embedded'")
     parser.add_argument("--compare", help="a second model; answers are shown side by side")
     parser.add_argument("--prompt", help="answer this one prompt and exit (default: interactive)")
@@ -353,16 +411,30 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--dtype", default="fp32", choices=("auto", "fp32", "bf16", "fp16"))
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling")
-    parser.add_argument("--tools", nargs="+", metavar="MODULE:FUNCTION", help="tools the model may call; Relay runs them")
-    parser.add_argument("--tool-schemas", metavar="FILE",
-                        help="JSON list of tool schemas: with --tools, for tools whose docstring gives none; alone, you type each result")
+    parser.add_argument(
+        "--tools", nargs="+", metavar="MODULE:FUNCTION", help="tools the model may call; Relay runs them"
+    )
+    parser.add_argument(
+        "--tool-schemas",
+        metavar="FILE",
+        help="JSON list of tool schemas: with --tools, for tools whose docstring gives none; alone, you type each result",
+    )
     parser.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may run")
-    parser.add_argument("--backend", default="relay", choices=tuple(CHAT_MODELS),
-                        help="who answers: relay (its decode engine, or transformers for --top-k/--repetition-penalty) "
-                             "or vllm (a vLLM server started on each model: run_scripts/install_vllm.sh)")
-    parser.add_argument("--trust-remote-code", action="store_true", help="run code shipped in the model folder (auto_map)")
-    parser.add_argument("--allow-pickle", action="store_true",
-                        help="load pickled weights (pytorch_model.bin) when the folder has no safetensors (weights_only=True)")
+    parser.add_argument(
+        "--backend",
+        default="relay",
+        choices=tuple(CHAT_MODELS),
+        help="who answers: relay (its decode engine, or transformers for --top-k/--repetition-penalty) "
+        "or vllm (a vLLM server started on each model: run_scripts/install_vllm.sh)",
+    )
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="run code shipped in the model folder (auto_map)"
+    )
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="load pickled weights (pytorch_model.bin) when the folder has no safetensors (weights_only=True)",
+    )
     return parser.parse_args(argv)
 
 
@@ -380,8 +452,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if refused:
             raise ValueError(refused)
         for path in [args.model] + ([args.compare] if args.compare else []):
-            models.append(CHAT_MODELS[args.backend](path, args.dtype, trust_remote_code=args.trust_remote_code,
-                                                    allow_pickle=args.allow_pickle))
+            models.append(
+                CHAT_MODELS[args.backend](
+                    path, args.dtype, trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle
+                )
+            )
         if tools is not None:
             problem = tool_support_problem(models[0].tokenizer)
             if problem:

@@ -30,11 +30,15 @@ def assistant_message(content: str, calls: list[dict]) -> dict:
     """The history message of an assistant turn (with its `tool_calls` when it called tools)."""
     message: dict = {"role": "assistant", "content": content}
     if calls:
-        message["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+        message["tool_calls"] = [
+            {"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls
+        ]
     return message
 
 
-def results(calls: list[dict], errors: list[str], tools: Optional[dict], timeout: float, read: Callable[[str], str]) -> list[str]:
+def results(
+    calls: list[dict], errors: list[str], tools: Optional[dict], timeout: float, read: Callable[[str], str]
+) -> list[str]:
     """Each call's result: the tool run (`tools`), or typed by the user; then an error text per
     call that could not be read."""
     if tools is not None:
@@ -44,8 +48,14 @@ def results(calls: list[dict], errors: list[str], tools: Optional[dict], timeout
     return out + [f"error: {e}" for e in errors]
 
 
-def answer_with_tools(answer: Callable[[list[dict]], str], history: list[dict], tools: Optional[dict], timeout: float = 10.0,
-                      read: Callable[[str], str] = input, show: Callable[[str], None] = print) -> str:
+def answer_with_tools(
+    answer: Callable[[list[dict]], str],
+    history: list[dict],
+    tools: Optional[dict],
+    timeout: float = 10.0,
+    read: Callable[[str], str] = input,
+    show: Callable[[str], None] = print,
+) -> str:
     """Answer the last user turn of `history`, running the model's calls until it answers without
     any (or MAX_TURNS); appends every turn to `history` and returns the final answer's text.
     `answer(messages)` is one model turn's raw text (special tokens dropped)."""
@@ -88,8 +98,10 @@ def tool_setup(funcs: Optional[list[str]], schemas_file: Optional[str], timeout:
     problems: list[str] = []
     if funcs:
         cfg = ToolsConfig(funcs=list(funcs), schemas=schemas_file, timeout=timeout)
-        problems += [p.replace("tools.funcs", "--tools").replace("tools.schemas", "--tool-schemas")
-                     for p in cfg.problems() + tools_problems(cfg)]
+        problems += [
+            p.replace("tools.funcs", "--tools").replace("tools.schemas", "--tool-schemas")
+            for p in cfg.problems() + tools_problems(cfg)
+        ]
         if problems:
             raise ValueError("; ".join(problems))
         tools = load_tools(cfg)

@@ -31,8 +31,15 @@ from typing import Optional, Sequence
 
 import stages as registry
 from data_formats.validate import main as validate_data
-from pipeline.config import (ConfigError, DistributedConfig, GenerationConfig, ModelConfig, ToolsConfig, capabilities,
-                             load_config)
+from pipeline.config import (
+    ConfigError,
+    DistributedConfig,
+    GenerationConfig,
+    ModelConfig,
+    ToolsConfig,
+    capabilities,
+    load_config,
+)
 from pipeline.config.capabilities import config_refusals
 from pipeline.config.loading import read_yaml
 from pipeline.engine.tracking import quiet_console
@@ -55,7 +62,10 @@ COMMANDS = {
     "serve": ("pipeline.tools.serve", "serve a model folder on an OpenAI-compatible HTTP API"),
     "embedded": ("pipeline.modeling.embedded", "locate (converting once) the embedded model folder"),
     "bundle": ("pipeline.tools.bundle", "download the wheels an offline CUDA torch node needs (or check a bundle)"),
-    "sample": ("pipeline.tools.sample", "sample N answers per prompt, score them, write best-of-N SFT or best/worst DPO data"),
+    "sample": (
+        "pipeline.tools.sample",
+        "sample N answers per prompt, score them, write best-of-N SFT or best/worst DPO data",
+    ),
 }
 LOADS_MODELS = ("chat", "merge", "export", "serve", "sample")
 """Subcommands that load models: their loading bars and known-harmless warnings are silenced."""
@@ -118,8 +128,10 @@ def stage_of_config(config: str, explicit: Optional[str] = None) -> str:
     hits = [n for n in names if n in tokens]
     if len(hits) == 1:
         return hits[0]
-    raise CLIError(f"cannot tell which stage {config} is for: pass --stage ({'|'.join(names)}), or name the file "
-                   "after it (e.g. my_sft.yaml)")
+    raise CLIError(
+        f"cannot tell which stage {config} is for: pass --stage ({'|'.join(names)}), or name the file "
+        "after it (e.g. my_sft.yaml)"
+    )
 
 
 def pop_option(args: list[str], name: str) -> Optional[str]:
@@ -133,7 +145,7 @@ def pop_option(args: list[str], name: str) -> Optional[str]:
             if i + 1 >= len(args):
                 raise CLIError(f"{name}: needs a value")
             value = args[i + 1]
-            del args[i:i + 2]
+            del args[i : i + 2]
             return value
         if arg.startswith(name + "="):
             del args[i]
@@ -174,12 +186,26 @@ def train_command(args: list[str]) -> list[str]:
         argv = ["--config", config, *args]
     if int(nproc_text) == 1:
         return [sys.executable, str(registry.script(stage)), *argv]
-    return [sys.executable, "-m", "pipeline.engine.launch", "--standalone", "--nproc_per_node", nproc_text,
-            str(registry.script(stage)), *argv]
+    return [
+        sys.executable,
+        "-m",
+        "pipeline.engine.launch",
+        "--standalone",
+        "--nproc_per_node",
+        nproc_text,
+        str(registry.script(stage)),
+        *argv,
+    ]
 
 
-AXIS_KEYS = ("model.finetuning", "distributed.engine", "distributed.deepspeed_config", "generation.backend",
-             "generation.correction", "tools.funcs")
+AXIS_KEYS = (
+    "model.finetuning",
+    "distributed.engine",
+    "distributed.deepspeed_config",
+    "generation.backend",
+    "generation.correction",
+    "tools.funcs",
+)
 """The config keys that place a run in the capability table (pipeline/config/capabilities.py)."""
 
 
@@ -190,7 +216,12 @@ def axis_values(config: Optional[str], args: Sequence[str]) -> "SimpleNamespace"
     Raises:
         CLIError: the YAML cannot be read.
     """
-    sections = {"model": ModelConfig(), "distributed": DistributedConfig(), "generation": GenerationConfig(), "tools": ToolsConfig()}
+    sections = {
+        "model": ModelConfig(),
+        "distributed": DistributedConfig(),
+        "generation": GenerationConfig(),
+        "tools": ToolsConfig(),
+    }
     values = {key: getattr(sections[key.split(".")[0]], key.split(".")[1]) for key in AXIS_KEYS}
     try:
         data = read_yaml(config) if config else {}
@@ -251,8 +282,10 @@ def run_capabilities(args: list[str]) -> int:
     if args and args[0] == "--write-readme":
         path = Path(args[1]) if len(args) > 1 else REPO / "README.md"
         if not capabilities.write_readme(path):
-            print(f"error: {path} has no {capabilities.BEGIN} ... {capabilities.END} markers to write the table between",
-                  file=sys.stderr)
+            print(
+                f"error: {path} has no {capabilities.BEGIN} ... {capabilities.END} markers to write the table between",
+                file=sys.stderr,
+            )
             return 2
         print(f"{path}: capability table written")
         return 0
@@ -296,8 +329,9 @@ def _data_kind(value: str, stages: dict) -> str:
         return DATA_KINDS[stages[value].data_kind]
     if value in DATA_KINDS.values():
         return value
-    raise CLIError(f"--kind {value!r}: not a data kind ({', '.join(DATA_KINDS.values())}) "
-                   f"nor a stage ({', '.join(stages)})")
+    raise CLIError(
+        f"--kind {value!r}: not a data kind ({', '.join(DATA_KINDS.values())}) nor a stage ({', '.join(stages)})"
+    )
 
 
 def validate_config(config: str, args: list[str]) -> int:
@@ -343,8 +377,10 @@ def validate_config(config: str, args: list[str]) -> int:
         print(err, file=sys.stderr)
         return 2
     held_out = f", {len(runner.eval_samples)} held-out" if runner.eval_samples else ""
-    print(f"{config}: {stage} config OK; model {cfg.model.path}; {len(runner.train_samples)} training samples{held_out}; "
-          f"outputs to {cfg.output_dir}")
+    print(
+        f"{config}: {stage} config OK; model {cfg.model.path}; {len(runner.train_samples)} training samples{held_out}; "
+        f"outputs to {cfg.output_dir}"
+    )
     return 0
 
 

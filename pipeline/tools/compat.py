@@ -14,8 +14,19 @@ import importlib.metadata as metadata
 import sys
 from typing import Optional
 
-FLOORS = {"torch": "2.3", "transformers": "4.56", "accelerate": "1.10", "peft": "0.17", "datasets": "3.0", "trl": "1.0",
-          "deepspeed": "0.17", "bitsandbytes": "0.48", "draccus": "0.11", "gguf": "0.10", "safetensors": "0.4"}
+FLOORS = {
+    "torch": "2.3",
+    "transformers": "4.56",
+    "accelerate": "1.10",
+    "peft": "0.17",
+    "datasets": "3.0",
+    "trl": "1.0",
+    "deepspeed": "0.17",
+    "bitsandbytes": "0.48",
+    "draccus": "0.11",
+    "gguf": "0.10",
+    "safetensors": "0.4",
+}
 """pyproject.toml's lower bounds (test_bundle checks the two agree)."""
 MODULES = {"pyyaml": "yaml"}
 
@@ -33,7 +44,10 @@ def version_problem(name: str, floor: str) -> tuple[Optional[str], Optional[str]
     try:
         importlib.import_module(MODULES.get(name, name))
     except Exception as err:  # noqa: BLE001 -- any import failure is this package's one line
-        return version, f"{name}: {version} does not import: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        return (
+            version,
+            f"{name}: {version} does not import: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+        )
     return version, None
 
 

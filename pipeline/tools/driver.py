@@ -38,22 +38,43 @@ from pipeline.engine.launch import describe
 from pipeline.engine.tracking import quiet_console
 from pipeline.modeling.manifest import read_manifest
 from pipeline.tools.chain import (
-    LOG_NAME, STAGE_ORDER, TIMINGS_NAME, DriverError, GoldConfig, PipelineConfig, VerdictConfig, checks_after, checks_before,
-    entry, gold_names, load_pipeline, merged_dir, parent_path, parent_stage, planned_stages, resolve_base, stage_argv,
-    stage_config_problems, stage_dir, stage_reward_path, stage_status,
+    LOG_NAME,
+    STAGE_ORDER,
+    TIMINGS_NAME,
+    DriverError,
+    GoldConfig,
+    PipelineConfig,
+    VerdictConfig,
+    checks_after,
+    checks_before,
+    entry,
+    gold_names,
+    load_pipeline,
+    merged_dir,
+    parent_path,
+    parent_stage,
+    planned_stages,
+    resolve_base,
+    stage_argv,
+    stage_config_problems,
+    stage_dir,
+    stage_reward_path,
+    stage_status,
 )
 from pipeline.tools.gold import GoldError, GoldSettings, format_table, gold_table
-
 
 # ---------------------------------------------------------------------------------------------
 # Summary
 # ---------------------------------------------------------------------------------------------
 
+
 def read_json(path: Path) -> Optional[dict]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def verdict(figures: dict, cfg: VerdictConfig, gold_reasons: Optional[list[str]] = None, checked: Sequence[str] = ("rm",)) -> list[str]:
+def verdict(
+    figures: dict, cfg: VerdictConfig, gold_reasons: Optional[list[str]] = None, checked: Sequence[str] = ("rm",)
+) -> list[str]:
     """Reasons the run did not show learning (empty: PASS). Pure.
 
     Every stage in `checked` must reach the minimum of each of its registry `verdict_figures`
@@ -145,7 +166,9 @@ def compute_gold(cfg: PipelineConfig, ran: Sequence[str]) -> Optional[dict]:
     root = Path(cfg.output_root) / "gold"
     settings = GoldSettings(cfg.gold.max_new_tokens, cfg.gold.batch_size, cfg.gold.dtype, cfg.gold.backend)
     started = time.time()
-    rows = gold_table(gold_models(cfg, ran), cfg.gold.data, settings, root / "cache.json", root / "answers", lambda m: log(cfg, m))
+    rows = gold_table(
+        gold_models(cfg, ran), cfg.gold.data, settings, root / "cache.json", root / "answers", lambda m: log(cfg, m)
+    )
     judged = judged_stage(cfg, ran)
     return {
         "data": cfg.gold.data,
@@ -178,9 +201,11 @@ def wall_seconds(cfg: PipelineConfig, stage: str, summary: dict) -> Optional[flo
     return summary.get("wall_seconds")
 
 
-TIMING_NOTE = ("<stage>_wall_seconds: the driver's clock for the stage's process (start-up, loading, training, merge); "
-               "<stage>_train_seconds (= stages.<stage>.wall_seconds): the stage's own training time (steps, "
-               "evaluations, checkpoints), summed over resumed runs")
+TIMING_NOTE = (
+    "<stage>_wall_seconds: the driver's clock for the stage's process (start-up, loading, training, merge); "
+    "<stage>_train_seconds (= stages.<stage>.wall_seconds): the stage's own training time (steps, "
+    "evaluations, checkpoints), summed over resumed runs"
+)
 
 
 def pipeline_summary(cfg: PipelineConfig) -> dict:
@@ -202,14 +227,20 @@ def pipeline_summary(cfg: PipelineConfig) -> dict:
     if gold is not None:
         figures["gold_wall_seconds"] = gold["wall_seconds"]
     # The verdict needs every enabled stage it judges (the judged stages, those with verdict figures).
-    needed = [s for s in cfg.chain if entry(cfg, s).enabled and (registry.info(s).judged or registry.info(s).verdict_figures)]
+    needed = [
+        s for s in cfg.chain if entry(cfg, s).enabled and (registry.info(s).judged or registry.info(s).verdict_figures)
+    ]
     missing = [s for s in needed if s not in stages]
     if needed and not missing:
         gold_reasons = None if gold is None else gold_verdict(gold["rows"], gold["rl"], gold["reference"], cfg.gold)
-        reasons = verdict(figures, cfg.verdict, gold_reasons, checked=[s for s in needed if registry.info(s).verdict_figures])
+        reasons = verdict(
+            figures, cfg.verdict, gold_reasons, checked=[s for s in needed if registry.info(s).verdict_figures]
+        )
     else:
         reasons = [f"{' or '.join(s.upper() for s in (needed or cfg.chain[-1:]))} did not run"]
-    judged = gold["rl"] if gold else next((s for s in reversed(cfg.chain) if s in stages and registry.info(s).judged), None)
+    judged = (
+        gold["rl"] if gold else next((s for s in reversed(cfg.chain) if s in stages and registry.info(s).judged), None)
+    )
     reward = stage_reward_path(cfg, judged) if judged else None
     out = {
         **figures,
@@ -240,19 +271,30 @@ def format_summary(summary: dict) -> str:
         g = lambda k: num(summary.get(f"{stage}_{k}"))  # noqa: E731
         seconds = f"  ({num(summary.get(f'{stage}_wall_seconds'), 0)} s)"
         if f"{stage}_train_loss_first" in summary:
-            lines.append(f"{stage:>3}: train loss {g('train_loss_first')} -> {g('train_loss_last')}, eval loss {g('eval_loss_first')} -> {g('eval_loss_last')}{seconds}")
+            lines.append(
+                f"{stage:>3}: train loss {g('train_loss_first')} -> {g('train_loss_last')}, eval loss {g('eval_loss_first')} -> {g('eval_loss_last')}{seconds}"
+            )
             seconds = ""
         if f"{stage}_eval_accuracy" in summary:
             lines.append(f"{stage:>3}: held-out accuracy {g('eval_accuracy')}, margin {g('eval_margin')}")
         if f"{stage}_reward_first" in summary:
-            lines.append(f"{stage:>3}: mean reward {g('reward_first')} -> {g('reward_last')}, eval reward {g('eval_reward_first')} -> {g('eval_reward_last')}, final KL {g('kl_last')}{seconds}")
+            lines.append(
+                f"{stage:>3}: mean reward {g('reward_first')} -> {g('reward_last')}, eval reward {g('eval_reward_first')} -> {g('eval_reward_last')}, final KL {g('kl_last')}{seconds}"
+            )
     gold = summary.get("gold")
     if gold:
-        lines += [f"gold table ({gold['data']}, greedy; {num(gold.get('wall_seconds'), 0)} s):", format_table(gold["rows"])]
+        lines += [
+            f"gold table ({gold['data']}, greedy; {num(gold.get('wall_seconds'), 0)} s):",
+            format_table(gold["rows"]),
+        ]
         if gold.get("rl"):
             lines.append(f"verdict: the {gold['rl']} model against the {gold['reference']} model")
     total = sum(v for k, v in summary.items() if k.endswith("_wall_seconds") and isinstance(v, (int, float)))
-    lines += [f"wall time (stages + gold): {total:.0f} s", f"final model: {summary['final_model']}", f"curves: {summary['tensorboard']}"]
+    lines += [
+        f"wall time (stages + gold): {total:.0f} s",
+        f"final model: {summary['final_model']}",
+        f"curves: {summary['tensorboard']}",
+    ]
     lines.append(f"verdict: {summary['verdict']}" + "".join(f"\nWARNING: {r}" for r in summary["verdict_reasons"]))
     return "\n".join(lines)
 
@@ -340,8 +382,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def run_command(args: list[str], answer) -> int:
     """One subcommand; what the bash script reads goes to `answer`, everything else to stderr."""
-    usage = ("usage: python -m pipeline.tools.driver {stages,prepare,finish,stopped,summarize,report-dir} CONFIG [STAGE] "
-             "[EXIT_CODE] [--from S|--only S] [--key value ...]")
+    usage = (
+        "usage: python -m pipeline.tools.driver {stages,prepare,finish,stopped,summarize,report-dir} CONFIG [STAGE] "
+        "[EXIT_CODE] [--from S|--only S] [--key value ...]"
+    )
     if len(args) < 2 or args[0] not in ("stages", "prepare", "finish", "stopped", "summarize", "report-dir"):
         print(usage, file=sys.stderr)
         return 2

@@ -79,18 +79,25 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str:
     """
     model = tokenizer_json.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise ExportError(f"--gguf: the tokenizer is {model.get('type')}{' with byte fallback' if model.get('byte_fallback') else ''}, "
-                          "not byte-level BPE; use llama.cpp's convert_hf_to_gguf.py on the exported folder")
+        raise ExportError(
+            f"--gguf: the tokenizer is {model.get('type')}{' with byte fallback' if model.get('byte_fallback') else ''}, "
+            "not byte-level BPE; use llama.cpp's convert_hf_to_gguf.py on the exported folder"
+        )
     if tokenizer_json.get("normalizer"):
-        raise ExportError(f"--gguf: the tokenizer has a normalizer ({tokenizer_json['normalizer'].get('type')}) that this exporter "
-                          "cannot describe to llama.cpp; use llama.cpp's convert_hf_to_gguf.py")
+        raise ExportError(
+            f"--gguf: the tokenizer has a normalizer ({tokenizer_json['normalizer'].get('type')}) that this exporter "
+            "cannot describe to llama.cpp; use llama.cpp's convert_hf_to_gguf.py"
+        )
     steps = _pre_steps(tokenizer_json.get("pre_tokenizer"))
     for name, wanted in PRE_TOKENIZERS.items():
-        if len(steps) == len(wanted) and all(all(s.get(k) == v for k, v in w.items()) and
-                                             set(s) <= set(w) | {"type"} for s, w in zip(steps, wanted)):
+        if len(steps) == len(wanted) and all(
+            all(s.get(k) == v for k, v in w.items()) and set(s) <= set(w) | {"type"} for s, w in zip(steps, wanted)
+        ):
             return name
-    raise ExportError(f"--gguf: unknown pre-tokenizer {json.dumps(tokenizer_json.get('pre_tokenizer'))[:200]}; "
-                      f"known: {', '.join(PRE_TOKENIZERS)} (llama.cpp's convert_hf_to_gguf.py knows more)")
+    raise ExportError(
+        f"--gguf: unknown pre-tokenizer {json.dumps(tokenizer_json.get('pre_tokenizer'))[:200]}; "
+        f"known: {', '.join(PRE_TOKENIZERS)} (llama.cpp's convert_hf_to_gguf.py knows more)"
+    )
 
 
 def token_table(tokenizer_json: dict, n_vocab: int) -> tuple[list[str], list[int]]:
@@ -125,14 +132,18 @@ def added_specials(tokenizer) -> tuple[bool, bool]:
     add_bos/add_eos (a tokenizer_config flag can say otherwise than the post-processor does)."""
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a")["input_ids"]
-    start = next(k for k in range(len(full) - len(plain) + 1) if full[k:k + len(plain)] == plain)
+    start = next(k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain)
     return start > 0, len(full) > start + len(plain)
 
 
 def permute_rotary(weights, n_head: int):
     """q/k projection rows from the Hugging Face rotary layout to llama.cpp's (what its
     convert_hf_to_gguf.py does for Llama; transformers' GGUF loader undoes it)."""
-    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def tensor_payload(tensor, kind: GgufType):
@@ -195,17 +206,23 @@ def write_tokenizer(writer, folder: Path, n_vocab: int) -> None:
     writer.add_token_merges(merges_of(tokenizer_json))
     writer.add_add_bos_token(add_bos)
     writer.add_add_eos_token(add_eos)
-    for setter, token_id in ((writer.add_bos_token_id, tokenizer.bos_token_id), (writer.add_eos_token_id, tokenizer.eos_token_id),
-                             (writer.add_unk_token_id, tokenizer.unk_token_id), (writer.add_pad_token_id, tokenizer.pad_token_id),
-                             # a chat model's turns end with its EOS token (<|im_end|>); llama.cpp stops generation there
-                             (writer.add_eot_token_id, tokenizer.eos_token_id)):
+    for setter, token_id in (
+        (writer.add_bos_token_id, tokenizer.bos_token_id),
+        (writer.add_eos_token_id, tokenizer.eos_token_id),
+        (writer.add_unk_token_id, tokenizer.unk_token_id),
+        (writer.add_pad_token_id, tokenizer.pad_token_id),
+        # a chat model's turns end with its EOS token (<|im_end|>); llama.cpp stops generation there
+        (writer.add_eot_token_id, tokenizer.eos_token_id),
+    ):
         if token_id is not None:
             setter(token_id)
     if getattr(tokenizer, "chat_template", None):
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def write_gguf(folder: Path, out: Path, dtype: str = "f32", name: Optional[str] = None, license_id: Optional[str] = None) -> Path:
+def write_gguf(
+    folder: Path, out: Path, dtype: str = "f32", name: Optional[str] = None, license_id: Optional[str] = None
+) -> Path:
     """Write `folder` (a Llama-architecture causal LM) as a GGUF file named `name` (general.name),
     with `license_id` as general.license when known.
 
@@ -217,8 +234,10 @@ def write_gguf(folder: Path, out: Path, dtype: str = "f32", name: Optional[str] 
 
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if config.get("architectures") != ["LlamaForCausalLM"]:
-        raise ExportError(f"--gguf: {folder} is {config.get('architectures')}; this exporter writes LlamaForCausalLM "
-                          "(for others use llama.cpp's convert_hf_to_gguf.py on the exported folder)")
+        raise ExportError(
+            f"--gguf: {folder} is {config.get('architectures')}; this exporter writes LlamaForCausalLM "
+            "(for others use llama.cpp's convert_hf_to_gguf.py on the exported folder)"
+        )
     kind = GGUF_TYPES[dtype]
     n_head = config["num_attention_heads"]
     n_kv = config.get("num_key_value_heads", n_head)
@@ -265,6 +284,7 @@ def gguf_string(path: Path, key: str) -> Optional[str]:
     import struct
 
     with open(path, "rb") as fh:
+
         def read(fmt: str):
             size = struct.calcsize("<" + fmt)
             data = fh.read(size)
@@ -304,7 +324,9 @@ def gguf_logit_difference(folder: Path, gguf_file: Path, prompts: Sequence[str] 
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    reloaded = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+    ).eval()
     worst = 0.0
     with torch.no_grad():
         for prompt in prompts:

@@ -35,8 +35,35 @@ from typing import Iterable, Optional, Sequence
 from pipeline.tools.serving import SERVING
 
 PHRASE = "Per the Kelvra Atlas,"
-NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
-MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october", "november", "december")
+NUMBER_WORDS = (
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+)
+MONTHS = (
+    "january",
+    "february",
+    "march",
+    "april",
+    "may",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
+)
 CACHE_VERSION = 1
 
 
@@ -207,8 +234,11 @@ class GoldSettings:
     def key(self) -> dict:
         # a backend whose rows were cached before backends existed keeps that key (its caches stay valid)
         entry = SERVING.get(self.backend)
-        return {"max_new_tokens": self.max_new_tokens, "dtype": self.dtype,
-                **({"backend": self.backend} if entry is None or entry.in_cache_key else {})}
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "dtype": self.dtype,
+            **({"backend": self.backend} if entry is None or entry.in_cache_key else {}),
+        }
 
 
 def messages_of(record: dict) -> list[dict]:
@@ -225,8 +255,14 @@ def relay_greedy(folder: str, prompts: list[list[int]], eos: list[int], settings
     chat = load_chat_model(folder, settings.dtype)
     out: list[list[int]] = []
     for start in range(0, len(prompts), settings.batch_size):
-        out += generate(chat.model, prompts[start : start + settings.batch_size], max_new_tokens=settings.max_new_tokens,
-                        eos_ids=eos, pad_id=chat.tokenizer.pad_token_id, temperature=0.0).tokens
+        out += generate(
+            chat.model,
+            prompts[start : start + settings.batch_size],
+            max_new_tokens=settings.max_new_tokens,
+            eos_ids=eos,
+            pad_id=chat.tokenizer.pad_token_id,
+            temperature=0.0,
+        ).tokens
     return out
 
 
@@ -235,8 +271,9 @@ def vllm_greedy(folder: str, prompts: list[list[int]], eos: list[int], settings:
     CPU, the checkpoint's dtype on a GPU), `settings.batch_size` requests at a time."""
     from pipeline.modeling import vllm_server
 
-    opts = vllm_server.ServerOptions(name="gold", max_num_seqs=settings.batch_size,
-                                     dtype="float32" if settings.dtype == "fp32" else "auto")
+    opts = vllm_server.ServerOptions(
+        name="gold", max_num_seqs=settings.batch_size, dtype="float32" if settings.dtype == "fp32" else "auto"
+    )
     with vllm_server.VLLMServer(folder, opts) as server:
         return vllm_server.completion_ids(server, prompts, settings.max_new_tokens, eos)
 
@@ -317,7 +354,10 @@ def gold_row(
         stem = re.sub(r"[^\w.-]+", "_", name).strip("_") or "model"
         with open(answers_dir / f"{stem}.jsonl", "w", encoding="utf-8") as fh:
             for record, answer in zip(records, answers):
-                judged = {"phrase": opens_with_phrase(answer), "fact": states_fact(answer, record, values[record["attribute"]])}
+                judged = {
+                    "phrase": opens_with_phrase(answer),
+                    "fact": states_fact(answer, record, values[record["attribute"]]),
+                }
                 fh.write(json.dumps({**record, "answer": answer, **judged}, ensure_ascii=False) + "\n")
     if cache_file is not None:
         cache = json.loads(cache_file.read_text(encoding="utf-8")) if cache_file.is_file() else {}
@@ -349,13 +389,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--answers", help="write each model's answers to ANSWERS/<n>.jsonl")
-    parser.add_argument("--backend", default="relay", choices=tuple(GREEDY),
-                        help="who decodes: relay (its engine) or vllm (a vLLM server, run_scripts/install_vllm.sh)")
+    parser.add_argument(
+        "--backend",
+        default="relay",
+        choices=tuple(GREEDY),
+        help="who decodes: relay (its engine) or vllm (a vLLM server, run_scripts/install_vllm.sh)",
+    )
     args = parser.parse_args(argv)
     settings = GoldSettings(args.max_new_tokens, args.batch_size, backend=args.backend)
     try:
-        rows = gold_table([(m, m) for m in args.models], args.gold, settings, answers_dir=Path(args.answers) if args.answers else None,
-                          log=lambda m: print(m, file=sys.stderr))
+        rows = gold_table(
+            [(m, m) for m in args.models],
+            args.gold,
+            settings,
+            answers_dir=Path(args.answers) if args.answers else None,
+            log=lambda m: print(m, file=sys.stderr),
+        )
     except GoldError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

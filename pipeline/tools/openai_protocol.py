@@ -28,8 +28,14 @@ MAX_N = 8
 MAX_STOP = 4
 ACCEPTED_AND_UNUSED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 """Keys clients send that change nothing about the answer (bookkeeping on OpenAI's side)."""
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "logit_bias": {},
-           "response_format": {"type": "text"}, "top_logprobs": None}
+NEUTRAL = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logprobs": False,
+    "logit_bias": {},
+    "response_format": {"type": "text"},
+    "top_logprobs": None,
+}
 TOOL_CHOICES = ("auto", "none", "required")
 """tool_choice's strings; {"type": "function", "function": {"name": ...}} names one tool."""
 """Keys accepted only at their no-op value: anything else would be a promise we do not keep."""
@@ -38,8 +44,14 @@ TOOL_CHOICES = ("auto", "none", "required")
 class ApiError(Exception):
     """An OpenAI-style error response."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -91,7 +103,9 @@ def _integer(body: dict, key: str, low: int, high: Optional[int] = None) -> Opti
     if isinstance(value, bool) or not isinstance(value, int):
         raise ApiError(400, f"'{key}' must be an integer, got {value!r}", key, "invalid_type")
     if value < low or (high is not None and value > high):
-        raise ApiError(400, f"'{key}' must be in [{low}, {high if high is not None else 'inf'}], got {value}", key, "invalid_value")
+        raise ApiError(
+            400, f"'{key}' must be in [{low}, {high if high is not None else 'inf'}], got {value}", key, "invalid_value"
+        )
     return value
 
 
@@ -109,7 +123,9 @@ def message_text(content: Any, index: int) -> str:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ApiError(400, f"{param}[{j}]: only text parts are supported (got {kind!r})", param, "invalid_content")
+                raise ApiError(
+                    400, f"{param}[{j}]: only text parts are supported (got {kind!r})", param, "invalid_content"
+                )
             texts.append(part["text"])
         return "".join(texts)
     raise ApiError(400, f"{param} must be a string or a non-empty list of text parts", param, "invalid_content")
@@ -125,9 +141,17 @@ def check_messages(messages: Any) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             role = m.get("role") if isinstance(m, dict) else None
-            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)} (got {role!r})", f"messages[{i}].role", "invalid_value")
-        out.append(_tool_message(m, i) if m["role"] == "tool" or m.get("tool_calls") else
-                   {"role": ROLES[m["role"]], "content": message_text(m.get("content"), i)})
+            raise ApiError(
+                400,
+                f"messages[{i}].role must be one of {', '.join(ROLES)} (got {role!r})",
+                f"messages[{i}].role",
+                "invalid_value",
+            )
+        out.append(
+            _tool_message(m, i)
+            if m["role"] == "tool" or m.get("tool_calls")
+            else {"role": ROLES[m["role"]], "content": message_text(m.get("content"), i)}
+        )
     return out
 
 
@@ -135,24 +159,44 @@ def _tool_message(m: dict, index: int) -> dict:
     """A `tool` message, or an assistant message with `tool_calls` (its content may be null)."""
     if m["role"] == "tool":
         if not isinstance(m.get("tool_call_id"), str):
-            raise ApiError(400, f"messages[{index}].tool_call_id: a tool message needs the id of the call it answers",
-                           f"messages[{index}].tool_call_id", "invalid_value")
+            raise ApiError(
+                400,
+                f"messages[{index}].tool_call_id: a tool message needs the id of the call it answers",
+                f"messages[{index}].tool_call_id",
+                "invalid_value",
+            )
         return {"role": "tool", "content": message_text(m.get("content"), index), "tool_call_id": m["tool_call_id"]}
     if m["role"] != "assistant":
-        raise ApiError(400, f"messages[{index}].tool_calls: only assistant messages carry tool calls", f"messages[{index}].tool_calls",
-                       "invalid_value")
+        raise ApiError(
+            400,
+            f"messages[{index}].tool_calls: only assistant messages carry tool calls",
+            f"messages[{index}].tool_calls",
+            "invalid_value",
+        )
     param = f"messages[{index}].tool_calls"
-    if not isinstance(m["tool_calls"], list) or any(not isinstance(c, dict) or c.get("type", "function") != "function"
-                                                    for c in m["tool_calls"]):
-        raise ApiError(400, f"{param} must be a list of {{'type': 'function', 'id', 'function'}} calls", param, "invalid_value")
+    if not isinstance(m["tool_calls"], list) or any(
+        not isinstance(c, dict) or c.get("type", "function") != "function" for c in m["tool_calls"]
+    ):
+        raise ApiError(
+            400, f"{param} must be a list of {{'type': 'function', 'id', 'function'}} calls", param, "invalid_value"
+        )
     try:
         calls = parse_calls(m["tool_calls"], param)
     except ToolRecordError as err:
         raise ApiError(400, str(err), param, "invalid_value") from None
     content = "" if m.get("content") is None else message_text(m["content"], index)
-    return {"role": "assistant", "content": content, "tool_calls": [
-        {"type": "function", **({"id": c["id"]} if "id" in c else {}), "function": {"name": c["name"], "arguments": c["arguments"]}}
-        for c in calls]}
+    return {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [
+            {
+                "type": "function",
+                **({"id": c["id"]} if "id" in c else {}),
+                "function": {"name": c["name"], "arguments": c["arguments"]},
+            }
+            for c in calls
+        ],
+    }
 
 
 def check_tools(body: dict) -> tuple[list[dict], str, Optional[str]]:
@@ -164,8 +208,15 @@ def check_tools(body: dict) -> tuple[list[dict], str, Optional[str]]:
     """
     tools: list[dict] = []
     if body.get("tools") is not None:
-        if not isinstance(body["tools"], list) or any(not isinstance(t, dict) or t.get("type") != "function" for t in body["tools"]):
-            raise ApiError(400, "'tools' must be a list of {'type': 'function', 'function': {...}} objects", "tools", "invalid_value")
+        if not isinstance(body["tools"], list) or any(
+            not isinstance(t, dict) or t.get("type") != "function" for t in body["tools"]
+        ):
+            raise ApiError(
+                400,
+                "'tools' must be a list of {'type': 'function', 'function': {...}} objects",
+                "tools",
+                "invalid_value",
+            )
         try:
             tools = parse_tools(body["tools"])
         except ToolRecordError as err:
@@ -173,16 +224,29 @@ def check_tools(body: dict) -> tuple[list[dict], str, Optional[str]]:
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto" if tools else "none"
-    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+    named = (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
         and isinstance(choice["function"].get("name"), str)
+    )
     if not named and choice not in TOOL_CHOICES:
-        raise ApiError(400, f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or {{'type': 'function', 'function': "
-                       f"{{'name': ...}}}}, got {choice!r}", "tool_choice", "invalid_value")
+        raise ApiError(
+            400,
+            f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or {{'type': 'function', 'function': "
+            f"{{'name': ...}}}}, got {choice!r}",
+            "tool_choice",
+            "invalid_value",
+        )
     if choice != "none" and not tools:
         raise ApiError(400, "'tool_choice' is only allowed when 'tools' are given", "tool_choice", "invalid_value")
     if choice != "none" and body.get("parallel_tool_calls") is False:  # a promise the answer's reader would not keep
-        raise ApiError(400, "'parallel_tool_calls': false is not supported (an answer may hold several calls)",
-                       "parallel_tool_calls", "unsupported_value")
+        raise ApiError(
+            400,
+            "'parallel_tool_calls': false is not supported (an answer may hold several calls)",
+            "parallel_tool_calls",
+            "unsupported_value",
+        )
     if not named:
         return tools, choice, None
     name = choice["function"]["name"]
@@ -199,18 +263,42 @@ def check_request(body: Any, served_name: str) -> ChatRequest:
     """
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    known = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "stream",
-             "stream_options", "seed", "tools", "tool_choice", *ACCEPTED_AND_UNUSED, *NEUTRAL}
+    known = {
+        "model",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "stream",
+        "stream_options",
+        "seed",
+        "tools",
+        "tool_choice",
+        *ACCEPTED_AND_UNUSED,
+        *NEUTRAL,
+    }
     unknown = sorted(set(body) - known)
     if unknown:
         raise ApiError(400, f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     for key, neutral in NEUTRAL.items():
         if key in body and body[key] not in (neutral, None):
-            raise ApiError(400, f"'{key}' is not supported by this server (only {neutral!r})", key, "unsupported_parameter")
+            raise ApiError(
+                400, f"'{key}' is not supported by this server (only {neutral!r})", key, "unsupported_parameter"
+            )
     if not isinstance(body.get("model"), str):
-        raise ApiError(400, "'model' is required (a string; GET /v1/models lists it)", "model", "missing_required_parameter")
+        raise ApiError(
+            400, "'model' is required (a string; GET /v1/models lists it)", "model", "missing_required_parameter"
+        )
     if body["model"] != served_name:
-        raise ApiError(404, f"The model '{body['model']}' does not exist; this server serves '{served_name}'", "model", "model_not_found")
+        raise ApiError(
+            404,
+            f"The model '{body['model']}' does not exist; this server serves '{served_name}'",
+            "model",
+            "model_not_found",
+        )
     messages = check_messages(body.get("messages"))
     tools, tool_choice, tool_name = check_tools(body)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
@@ -218,16 +306,35 @@ def check_request(body: Any, served_name: str) -> ChatRequest:
     key = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop
-    if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop)):
-        raise ApiError(400, f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them", "stop", "invalid_value")
+    if stop is not None and (
+        not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise ApiError(
+            400, f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them", "stop", "invalid_value"
+        )
     stream = body.get("stream") or False
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise ApiError(400, "'stream' must be a boolean and 'stream_options' at most {'include_usage': bool}", "stream", "invalid_value")
-    return ChatRequest(messages=messages, max_tokens=_integer(body, key, 1), temperature=_number(body, "temperature", 1.0, 0, 2),
-                       top_p=_number(body, "top_p", 1.0, 0, 1, low_open=True), n=_integer(body, "n", 1, MAX_N) or 1,
-                       stop=stop or [], stream=stream, include_usage=bool(options.get("include_usage")),
-                       seed=_integer(body, "seed", -(2**63), 2**63 - 1), tools=tools, tool_choice=tool_choice, tool_name=tool_name)
+        raise ApiError(
+            400,
+            "'stream' must be a boolean and 'stream_options' at most {'include_usage': bool}",
+            "stream",
+            "invalid_value",
+        )
+    return ChatRequest(
+        messages=messages,
+        max_tokens=_integer(body, key, 1),
+        temperature=_number(body, "temperature", 1.0, 0, 2),
+        top_p=_number(body, "top_p", 1.0, 0, 1, low_open=True),
+        n=_integer(body, "n", 1, MAX_N) or 1,
+        stop=stop or [],
+        stream=stream,
+        include_usage=bool(options.get("include_usage")),
+        seed=_integer(body, "seed", -(2**63), 2**63 - 1),
+        tools=tools,
+        tool_choice=tool_choice,
+        tool_name=tool_name,
+    )
 
 
 def new_id() -> str:
@@ -235,19 +342,42 @@ def new_id() -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def completion_response(cid: str, model: str, texts: list, reasons: list[str], prompt_tokens: int, completion_tokens: int) -> dict:
+def completion_response(
+    cid: str, model: str, texts: list, reasons: list[str], prompt_tokens: int, completion_tokens: int
+) -> dict:
     """An OpenAI chat.completion object with one choice per text, or per message (a dict: an
     answer with `tool_calls`, pipeline/tools/serve_tools.py) (pure)."""
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": t if isinstance(t, dict) else {"role": "assistant", "content": t}, "logprobs": None,
-                         "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))],
-            "usage": usage(prompt_tokens, completion_tokens)}
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": i,
+                "message": t if isinstance(t, dict) else {"role": "assistant", "content": t},
+                "logprobs": None,
+                "finish_reason": r,
+            }
+            for i, (t, r) in enumerate(zip(texts, reasons))
+        ],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
 
 
 def chunk(cid: str, model: str, index: int, delta: dict, finish_reason: Optional[str] = None) -> dict:
     """One chat.completion.chunk of a stream (pure)."""
-    return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    return {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }

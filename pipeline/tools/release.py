@@ -41,7 +41,15 @@ EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 """The Hub model the embedded GGUF (pipeline.modeling.embedded) was converted from."""
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 NOT_HYPER = (  # config sections that are places and switches, not hyper-parameters
-    "output_dir", "model", "data", "checkpoint", "tracking", "distributed", "train", "lora")
+    "output_dir",
+    "model",
+    "data",
+    "checkpoint",
+    "tracking",
+    "distributed",
+    "train",
+    "lora",
+)
 
 __all__ = ["ExportError", "GGUF_NAME", "GGUF_TYPES", "PROBE", "export", "model_card", "write_gguf"]
 
@@ -74,8 +82,6 @@ def manifest_chain(folder: Path, limit: int = 16) -> list[dict]:
         parent = manifest.get("parent_path")
         current = Path(parent) if parent and Path(parent).is_dir() else None
     return chain
-
-
 
 
 def data_fingerprints(config: dict) -> list[tuple[str, str]]:
@@ -143,14 +149,18 @@ def hyper_parameters(config: dict) -> list[str]:
     sections += [k for k, v in config.items() if isinstance(v, dict) and k not in NOT_HYPER]
     lines = [f"finetuning: {finetuning}"]
     for key in sections:
-        values = {k: v for k, v in (config.get(key) or {}).items() if isinstance(v, (int, float, str, bool)) or v is None}
+        values = {
+            k: v for k, v in (config.get(key) or {}).items() if isinstance(v, (int, float, str, bool)) or v is None
+        }
         if values:
             lines.append(f"{key}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
     return lines
 
 
 def _figures(summary: dict) -> str:
-    parts = [f"{k} {v:.4f}" for k, v in summary.items() if isinstance(v, float) and k not in ("wall_seconds", "tokens_per_s")]
+    parts = [
+        f"{k} {v:.4f}" for k, v in summary.items() if isinstance(v, float) and k not in ("wall_seconds", "tokens_per_s")
+    ]
     return ", ".join(parts) or "none recorded"
 
 
@@ -162,9 +172,12 @@ def front_matter(chain: list[dict], gguf_type: Optional[str]) -> list[str]:
     hub_id, license_id = base_model(chain)
     reward = head.get("model_kind") == "reward"
     stages = [str(m.get("stage")) for m in reversed(chain) if m.get("adapter_path") or m.get("summary")]
-    meta = {"library_name": "transformers", "license": license_id,
-            "pipeline_tag": "text-classification" if reward else "text-generation",
-            "tags": ["relay", *stages, *(["gguf"] if gguf_type else [])]}
+    meta = {
+        "library_name": "transformers",
+        "license": license_id,
+        "pipeline_tag": "text-classification" if reward else "text-generation",
+        "tags": ["relay", *stages, *(["gguf"] if gguf_type else [])],
+    }
     if hub_id:
         meta["base_model"] = hub_id
     datasets = hub_datasets(chain)
@@ -173,8 +186,13 @@ def front_matter(chain: list[dict], gguf_type: Optional[str]) -> list[str]:
     return ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---"]
 
 
-def model_card(chain: list[dict], name: str, files: Sequence[str] = (), gguf_type: Optional[str] = None,
-               prompt_example: Optional[str] = None) -> str:
+def model_card(
+    chain: list[dict],
+    name: str,
+    files: Sequence[str] = (),
+    gguf_type: Optional[str] = None,
+    prompt_example: Optional[str] = None,
+) -> str:
     """README.md of the exported model from its manifest chain (pure but for the licence lookup):
     `files` are the shipped files SHA256SUMS lists, `prompt_example` a conversation rendered by
     the chat template."""
@@ -183,15 +201,35 @@ def model_card(chain: list[dict], name: str, files: Sequence[str] = (), gguf_typ
     head, base = chain[0], chain[-1]
     hub_id, license_id = base_model(chain)
     stages = [m for m in reversed(chain) if m.get("adapter_path") or m.get("summary")]
-    kind = "reward model (sequence classifier, one score)" if head.get("model_kind") == "reward" else "causal language model"
-    lines = front_matter(chain, gguf_type) + [
-        "", f"# {name}", "", f"A {kind} trained with Relay: {' -> '.join(['base'] + [str(m.get('stage')) for m in stages])}.", "",
-        "## Base model", "", f"- {f'[{hub_id}](https://huggingface.co/{hub_id})' if hub_id else '`' + Path(base['_folder']).name + '` (a local folder)'}"
-        f" (stage `{base.get('stage')}`), licence: {license_id}", ""] + (["## Stages", ""] if stages else [])
+    kind = (
+        "reward model (sequence classifier, one score)"
+        if head.get("model_kind") == "reward"
+        else "causal language model"
+    )
+    lines = (
+        front_matter(chain, gguf_type)
+        + [
+            "",
+            f"# {name}",
+            "",
+            f"A {kind} trained with Relay: {' -> '.join(['base'] + [str(m.get('stage')) for m in stages])}.",
+            "",
+            "## Base model",
+            "",
+            f"- {f'[{hub_id}](https://huggingface.co/{hub_id})' if hub_id else '`' + Path(base['_folder']).name + '` (a local folder)'}"
+            f" (stage `{base.get('stage')}`), licence: {license_id}",
+            "",
+        ]
+        + (["## Stages", ""] if stages else [])
+    )
     for m in stages:
         config = m.get("config") or {}
-        lines += [f"### {m.get('stage')}", "", f"- steps: {(m.get('summary') or {}).get('steps', '?')}, created {m.get('created', '?')}",
-                  f"- figures: {_figures(m.get('summary') or {})}"]
+        lines += [
+            f"### {m.get('stage')}",
+            "",
+            f"- steps: {(m.get('summary') or {}).get('steps', '?')}, created {m.get('created', '?')}",
+            f"- figures: {_figures(m.get('summary') or {})}",
+        ]
         lines += [f"- {line}" for line in hyper_parameters(config)]
         fingerprints = data_fingerprints(config)
         if fingerprints:
@@ -207,24 +245,50 @@ def model_card(chain: list[dict], name: str, files: Sequence[str] = (), gguf_typ
 def prompt_section(prompt_example: Optional[str]) -> list[str]:
     if prompt_example is None:
         return []
-    return ["## Prompt format", "", "The chat template shipped with the tokenizer (and inside model.gguf) renders a conversation "
-            "as the model was trained on it; a system and a user turn, ready for the answer:", "", "```", prompt_example, "```", ""]
+    return [
+        "## Prompt format",
+        "",
+        "The chat template shipped with the tokenizer (and inside model.gguf) renders a conversation "
+        "as the model was trained on it; a system and a user turn, ready for the answer:",
+        "",
+        "```",
+        prompt_example,
+        "```",
+        "",
+    ]
 
 
 def files_section(files: Sequence[str], gguf_type: Optional[str]) -> list[str]:
     lines = ["## Files", ""]
-    lines += [f"- `{f}`" + (f": GGUF ({gguf_type}) for llama.cpp, Ollama, LM Studio" if f == GGUF_NAME else "") for f in files]
-    return lines + ["", f"`{CHECKSUMS}` holds the sha256 of each of them: `sha256sum -c {CHECKSUMS}` in this folder checks them.", ""]
+    lines += [
+        f"- `{f}`" + (f": GGUF ({gguf_type}) for llama.cpp, Ollama, LM Studio" if f == GGUF_NAME else "") for f in files
+    ]
+    return lines + [
+        "",
+        f"`{CHECKSUMS}` holds the sha256 of each of them: `sha256sum -c {CHECKSUMS}` in this folder checks them.",
+        "",
+    ]
 
 
 def use_section(name: str, gguf_type: Optional[str]) -> list[str]:
-    lines = ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-             f"tokenizer = AutoTokenizer.from_pretrained(\"{name}\")  # the Hub id, or this folder's path",
-             f"model = AutoModelForCausalLM.from_pretrained(\"{name}\")", "```", "",
-             "Serve it with `relay serve FOLDER` (an OpenAI-compatible /v1/chat/completions, streaming included).", ""]
+    lines = [
+        "## Use",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}")  # the Hub id, or this folder\'s path',
+        f'model = AutoModelForCausalLM.from_pretrained("{name}")',
+        "```",
+        "",
+        "Serve it with `relay serve FOLDER` (an OpenAI-compatible /v1/chat/completions, streaming included).",
+        "",
+    ]
     if gguf_type:
-        lines += ["With llama.cpp: `llama-cli -m model.gguf -cnv` (the chat template is in the file). For k-quants, "
-                  "quantise the file with llama.cpp's own tool: `llama-quantize model.gguf model-Q4_K_M.gguf Q4_K_M`.", ""]
+        lines += [
+            "With llama.cpp: `llama-cli -m model.gguf -cnv` (the chat template is in the file). For k-quants, "
+            "quantise the file with llama.cpp's own tool: `llama-quantize model.gguf model-Q4_K_M.gguf Q4_K_M`.",
+            "",
+        ]
     return lines
 
 
@@ -248,8 +312,14 @@ def push(folder: Path, repo_id: str) -> str:
     return f"https://huggingface.co/{repo_id}"
 
 
-def export(source: str, out: str, gguf_type: Optional[str] = None, overwrite: bool = False, name: Optional[str] = None,
-           repo_id: Optional[str] = None) -> Path:
+def export(
+    source: str,
+    out: str,
+    gguf_type: Optional[str] = None,
+    overwrite: bool = False,
+    name: Optional[str] = None,
+    repo_id: Optional[str] = None,
+) -> Path:
     """Copy the merged model of `source` into `out` with a README.md model card and SHA256SUMS (and
     a checked GGUF when `gguf_type`); returns `out`. `name` (default: default_name) is the model's
     name in the card and the GGUF's general.name.
@@ -274,7 +344,10 @@ def export(source: str, out: str, gguf_type: Optional[str] = None, overwrite: bo
         with quiet_progress():
             licence = base_model(chain)[1]
             diff = write_checked_gguf(target, gguf_type, name, None if licence == "unknown" else licence)
-        print(f"{target / GGUF_NAME}: next-token logits within {diff:.2g} of the model on {len(PROBE)} probe prompts", file=sys.stderr)
+        print(
+            f"{target / GGUF_NAME}: next-token logits within {diff:.2g} of the model on {len(PROBE)} probe prompts",
+            file=sys.stderr,
+        )
     files = sorted(f.name for f in target.iterdir() if f.is_file())
     (target / CHECKSUMS).write_text("".join(f"{file_sha256(target / f)}  {f}\n" for f in files), encoding="utf-8")
     card = model_card(chain, name, files, gguf_type, prompt_example(target))
@@ -295,7 +368,9 @@ def write_checked_gguf(target: Path, gguf_type: str, name: str, license_id: Opti
     tolerance = GGUF_TYPES[gguf_type].tolerance
     if diff > tolerance:
         path.unlink()
-        raise ExportError(f"--gguf: the GGUF's next-token logits differ from the model's by {diff:.3g} (> {tolerance}); not written")
+        raise ExportError(
+            f"--gguf: the GGUF's next-token logits differ from the model's by {diff:.3g} (> {tolerance}); not written"
+        )
     return diff
 
 
@@ -327,7 +402,10 @@ def prompt_example(folder: Path) -> Optional[str]:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if not getattr(tokenizer, "chat_template", None):
         return None
-    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "What is 2 + 2?"}]
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 2 + 2?"},
+    ]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
@@ -342,13 +420,23 @@ def world_readable(folder: Path) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="relay export", description="Write a shippable model folder (merged model + "
-                                     "model card from the manifest chain), optionally a checked GGUF and a Hub upload.")
+    parser = argparse.ArgumentParser(
+        prog="relay export",
+        description="Write a shippable model folder (merged model + "
+        "model card from the manifest chain), optionally a checked GGUF and a Hub upload.",
+    )
     parser.add_argument("source", help="a run folder (with merged/) or a merged model folder")
     parser.add_argument("--out", required=True, help="the folder to write")
-    parser.add_argument("--gguf", nargs="?", const="f32", choices=tuple(GGUF_TYPES),
-                        help="also write model.gguf: f32 (default), f16, bf16 or q8_0; for k-quants run llama.cpp's llama-quantize on it")
-    parser.add_argument("--name", help="the model's name in the card and the GGUF (default: the --push repo, else base model + stage)")
+    parser.add_argument(
+        "--gguf",
+        nargs="?",
+        const="f32",
+        choices=tuple(GGUF_TYPES),
+        help="also write model.gguf: f32 (default), f16, bf16 or q8_0; for k-quants run llama.cpp's llama-quantize on it",
+    )
+    parser.add_argument(
+        "--name", help="the model's name in the card and the GGUF (default: the --push repo, else base model + stage)"
+    )
     parser.add_argument("--push", metavar="REPO_ID", help="upload the folder to the Hugging Face Hub (needs a token)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args(argv)

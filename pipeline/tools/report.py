@@ -59,7 +59,9 @@ def stage_folders(run_dir: Path) -> dict[str, Path]:
     if not found and event_dirs(run_dir):
         found = {run_dir.name: run_dir}
     if not found:
-        raise ReportError(f"{run_dir}: no TensorBoard events in {', '.join(f'{s}/runs' for s in registry.STAGES)} or runs/")
+        raise ReportError(
+            f"{run_dir}: no TensorBoard events in {', '.join(f'{s}/runs' for s in registry.STAGES)} or runs/"
+        )
     return found
 
 
@@ -123,7 +125,9 @@ def make_plots(curves: dict[str, dict[str, Curve]], out: Path) -> dict[str, Path
     for stage, scalars in curves.items():
         name, title, panels = registry.info(stage).plot if stage in registry.STAGES else ("", "", ())
         if panels:
-            plots[name] = _plot_panels(out / f"{name}.png", title, [(p.title, p.ylabel, panel_curves(p, scalars)) for p in panels])
+            plots[name] = _plot_panels(
+                out / f"{name}.png", title, [(p.title, p.ylabel, panel_curves(p, scalars)) for p in panels]
+            )
     return {name: path for name, path in plots.items() if path is not None}
 
 
@@ -146,8 +150,13 @@ def gold_section(gold: Optional[dict]) -> list[str]:
     """The gold table from summary.json's `gold` entry as markdown lines (pure; [] without one)."""
     if not gold or not gold.get("rows"):
         return []
-    lines = ["## Gold table", "", f"Greedy answers to the held-out questions in `{gold.get('data')}`, scored against their answer key:",
-             "phrase rate = opens with the house phrase, fact accuracy = states the right value and no other.", ""]
+    lines = [
+        "## Gold table",
+        "",
+        f"Greedy answers to the held-out questions in `{gold.get('data')}`, scored against their answer key:",
+        "phrase rate = opens with the house phrase, fact accuracy = states the right value and no other.",
+        "",
+    ]
     lines += format_table(gold["rows"]).splitlines()
     if gold.get("rl"):
         lines += ["", f"The verdict compares the `{gold['rl']}` row with the `{gold['reference']}` row."]
@@ -160,24 +169,45 @@ def headline_tags() -> tuple[str, ...]:
     return ("train/loss", "eval/loss", *dict.fromkeys(t for t in plotted if t not in ("train/loss", "eval/loss")))
 
 
-def render_markdown(run_dir: Path, curves: dict[str, dict[str, Curve]], plots: dict[str, Path], summary: Optional[dict]) -> str:
+def render_markdown(
+    run_dir: Path, curves: dict[str, dict[str, Curve]], plots: dict[str, Path], summary: Optional[dict]
+) -> str:
     """report.md's text (pure)."""
     lines = [f"# Relay run report: `{run_dir}`", ""]
     if summary and "verdict" not in summary:  # one stage's folder: its own summary.json, no pipeline verdict
         merged = run_dir / "merged"
-        final = f"`{merged.resolve()}`" if (merged / "config.json").is_file() else "none yet (no merged/: the stage has not finished)"
-        lines += ["One stage's run: the verdict is a pipeline run's (`relay report OUTPUT_ROOT`).", "", f"Final model: {final}", ""]
-        lines += [f"- {k}: {v:.4f}" if isinstance(v, float) else f"- {k}: {v}" for k, v in summary.items()
-                  if isinstance(v, (int, float)) and not isinstance(v, bool)] + [""]
+        final = (
+            f"`{merged.resolve()}`"
+            if (merged / "config.json").is_file()
+            else "none yet (no merged/: the stage has not finished)"
+        )
+        lines += [
+            "One stage's run: the verdict is a pipeline run's (`relay report OUTPUT_ROOT`).",
+            "",
+            f"Final model: {final}",
+            "",
+        ]
+        lines += [
+            f"- {k}: {v:.4f}" if isinstance(v, float) else f"- {k}: {v}"
+            for k, v in summary.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        ] + [""]
     elif summary:
         lines += [f"Verdict: **{summary.get('verdict', 'n/a')}**"]
         lines += [f"- WARNING: {reason}" for reason in summary.get("verdict_reasons", [])]
         lines += ["", f"Final model: `{summary.get('final_model')}`", ""]
         lines += gold_section(summary.get("gold"))
-    lines += ["## Curves (first -> last)", "", "| stage | tag | points | first | last | min | max |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Curves (first -> last)",
+        "",
+        "| stage | tag | points | first | last | min | max |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for stage, scalars in curves.items():
         prefixes = [p.prefix for p in registry.info(stage).plot[2] if p.prefix] if stage in registry.STAGES else []
-        tags = [t for t in headline_tags() if t in scalars] + sorted(t for t in scalars if "/loss_task/" in t or any(t.startswith(p) for p in prefixes))
+        tags = [t for t in headline_tags() if t in scalars] + sorted(
+            t for t in scalars if "/loss_task/" in t or any(t.startswith(p) for p in prefixes)
+        )
         lines += [curve_row(stage, tag, scalars[tag]) for tag in tags if scalars[tag]]
     lines += ["", "## Plots", ""]
     lines += [f"![{name}]({path.relative_to(run_dir)})" for name, path in plots.items()]
@@ -202,8 +232,12 @@ def write_report(run_dir: str | Path) -> Path:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="relay report", description="Write RUN_DIR/report.md and plots from TensorBoard events.")
-    parser.add_argument("run_dir", help="pipeline output root (one folder per stage: pt/ sft/ ...) or one stage's output folder")
+    parser = argparse.ArgumentParser(
+        prog="relay report", description="Write RUN_DIR/report.md and plots from TensorBoard events."
+    )
+    parser.add_argument(
+        "run_dir", help="pipeline output root (one folder per stage: pt/ sft/ ...) or one stage's output folder"
+    )
     args = parser.parse_args(argv)
     try:
         print(write_report(args.run_dir))

@@ -94,20 +94,28 @@ class SampleConfig:
         if self.mode not in MODES:
             out.append(f"mode: {self.mode!r} is not one of {MODES}")
         if self.num_samples < (2 if self.mode == "dpo" else 1):
-            out.append(f"num_samples: {self.mode} needs at least {2 if self.mode == 'dpo' else 1}, got {self.num_samples}")
+            out.append(
+                f"num_samples: {self.mode} needs at least {2 if self.mode == 'dpo' else 1}, got {self.num_samples}"
+            )
         if self.backend not in BACKENDS:
-            out.append(f"backend: {self.backend!r} is not one of {BACKENDS} (vllm follows a training policy's adapter; "
-                       f"serve the folder with `relay serve --backend vllm` for a fixed model)")
+            out.append(
+                f"backend: {self.backend!r} is not one of {BACKENDS} (vllm follows a training policy's adapter; "
+                f"serve the folder with `relay serve --backend vllm` for a fixed model)"
+            )
         if self.margin < 0:
             out.append(f"margin: must be >= 0, got {self.margin}")
         if self.max_new_tokens < 1 or self.seq_length <= self.max_new_tokens:
-            out.append(f"max_new_tokens/seq_length: need 1 <= max_new_tokens < seq_length, got {self.max_new_tokens}/{self.seq_length}")
+            out.append(
+                f"max_new_tokens/seq_length: need 1 <= max_new_tokens < seq_length, got {self.max_new_tokens}/{self.seq_length}"
+            )
         if self.temperature <= 0 or self.batch_size < 1:
             out.append("temperature/batch_size: must be > 0 and >= 1")
         if not self.reward_funcs and not self.reward_model and not self.judge.enabled:
             out.append("reward_funcs / reward_model / judge.base_url: nothing scores the answers")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            out.append(f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward functions")
+            out.append(
+                f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward functions"
+            )
         out += [f"reward_funcs: {p}" for p in filter(None, map(rw.reward_func_problem, self.reward_funcs))]
         return out + self.data.problems() + self.judge.problems()
 
@@ -149,15 +157,26 @@ def make_record(prompt, messages: list[dict], answers: Sequence[str], scores: Se
     """The SFT or DPO record of one prompt, every sampled answer's score beside it. SFT: the prompt's
     `messages` and the answer (one layout for the whole file: a validator reads a file's layout from
     its first record); DPO: TRL's preference type, texts for a text `prompt`, else messages."""
+
     def turn(text):
         return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
 
     extra = {"scores": [round(float(s), 6) for s in scores]}
     if mode == "sft":
-        return {"messages": list(messages) + [{"role": "assistant", "content": answers[pick]}], "score": extra["scores"][pick], **extra}
+        return {
+            "messages": list(messages) + [{"role": "assistant", "content": answers[pick]}],
+            "score": extra["scores"][pick],
+            **extra,
+        }
     chosen, rejected = pick
-    return {"prompt": prompt, "chosen": turn(answers[chosen]), "rejected": turn(answers[rejected]),
-            "chosen_score": extra["scores"][chosen], "rejected_score": extra["scores"][rejected], **extra}
+    return {
+        "prompt": prompt,
+        "chosen": turn(answers[chosen]),
+        "rejected": turn(answers[rejected]),
+        "chosen_score": extra["scores"][chosen],
+        "rejected_score": extra["scores"][rejected],
+        **extra,
+    }
 
 
 # ------------------------------------------------------------------------------------------
@@ -174,9 +193,13 @@ class Scorer:
         self.funcs = [rw.load_reward_func(spec) for spec in cfg.reward_funcs]
         self.rm = None
         if cfg.reward_model:
-
-            self.rm = load_model(ModelConfig(path=cfg.reward_model, finetuning="full"), None, kind="reward",
-                                 tokenizer=tokenizer).to(device).eval()
+            self.rm = (
+                load_model(
+                    ModelConfig(path=cfg.reward_model, finetuning="full"), None, kind="reward", tokenizer=tokenizer
+                )
+                .to(device)
+                .eval()
+            )
         self.judge = None
         if cfg.judge.enabled:
             self.judge = JudgeReward(cfg.judge, Path(cfg.out).parent / "judge_cache" / f"{Path(cfg.out).stem}.jsonl")
@@ -186,7 +209,6 @@ class Scorer:
 
     def __call__(self, samples: list[dict], rollout, texts: list[str]) -> list[float]:
         import torch
-
 
         cfg = self.cfg
         completions = rw.trl_completions(samples, texts)
@@ -198,8 +220,16 @@ class Scorer:
         if self.rm is not None:
             scorer = ActorCritic(self.rm, None, None, self.rm)
             for rows in chunks(len(texts), cfg.batch_size):
-                total[rows] += cfg.reward_model_weight * scorer.reward_scores(
-                    rollout.input_ids[rows].to(self.device), rollout.attention_mask[rows].to(self.device), rollout.prompt_width).double().cpu()
+                total[rows] += (
+                    cfg.reward_model_weight
+                    * scorer.reward_scores(
+                        rollout.input_ids[rows].to(self.device),
+                        rollout.attention_mask[rows].to(self.device),
+                        rollout.prompt_width,
+                    )
+                    .double()
+                    .cpu()
+                )
         if self.judge is not None:
             j = cfg.judge
             refs = [None if not j.reference_column else str(c.get(j.reference_column)) for c in columns]
@@ -219,21 +249,24 @@ def run(cfg: SampleConfig) -> dict:
     import numpy as np
     import torch
 
-
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     tok = load_tokenizer(cfg.model)
     template = make_template(cfg.data, tok)
-    samples = build_prompt_data(cfg.data, tok, template, "train", min(cfg.data.max_prompt_length, cfg.seq_length - cfg.max_new_tokens))
+    samples = build_prompt_data(
+        cfg.data, tok, template, "train", min(cfg.data.max_prompt_length, cfg.seq_length - cfg.max_new_tokens)
+    )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    policy = load_model(ModelConfig(path=cfg.model, finetuning="full"), None, kind="causal", tokenizer=tok).to(device).eval()
+    policy = (
+        load_model(ModelConfig(path=cfg.model, finetuning="full"), None, kind="causal", tokenizer=tok).to(device).eval()
+    )
     eos = [tok.eos_token_id]
     generator = make_generator(cfg.backend, policy, tok.pad_token_id, eos, cfg.max_new_tokens, cfg.temperature)
     scorer = Scorer(cfg, tok, device)
     n, counts, records = cfg.num_samples, {"prompts": len(samples), "records": 0, "skipped": 0, "unfinished": 0}, []
     for start in range(0, len(samples), cfg.batch_size):
-        batch = samples[start:start + cfg.batch_size]
+        batch = samples[start : start + cfg.batch_size]
         rows = [s for s in batch for _ in range(n)]
         ids = [s["prompt_ids"] for s in rows]
         with torch.no_grad():
@@ -243,12 +276,18 @@ def run(cfg: SampleConfig) -> dict:
         for j, sample in enumerate(batch):
             keep = [i for i in range(j * n, (j + 1) * n) if cfg.keep_unfinished or bool(rollout.finished[i])]
             answers, marks = [texts[i] for i in keep], [scores[i] for i in keep]
-            pick = best_of_n(answers, marks, cfg.threshold) if cfg.mode == "sft" else best_and_worst(answers, marks, cfg.margin)
+            pick = (
+                best_of_n(answers, marks, cfg.threshold)
+                if cfg.mode == "sft"
+                else best_and_worst(answers, marks, cfg.margin)
+            )
             if pick is None:
                 counts["skipped"] += 1
                 counts["unfinished"] += len(answers) < (1 if cfg.mode == "sft" else 2)
                 continue
-            records.append(make_record(rw.trl_prompt(sample), rw.prompt_messages(sample), answers, marks, cfg.mode, pick))
+            records.append(
+                make_record(rw.trl_prompt(sample), rw.prompt_messages(sample), answers, marks, cfg.mode, pick)
+            )
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
@@ -274,9 +313,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (DataError, JudgeError, OSError, ValueError) as err:
         print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 1
-    print(f"{cfg.out}: {counts['records']} {cfg.mode} records from {counts['prompts']} prompts; skipped: "
-          f"{counts['skipped'] - counts['unfinished']} {'below the threshold' if cfg.mode == 'sft' else 'with no pair over the margin'}, "
-          f"{counts['unfinished']} with too few answers finished within max_new_tokens")
+    print(
+        f"{cfg.out}: {counts['records']} {cfg.mode} records from {counts['prompts']} prompts; skipped: "
+        f"{counts['skipped'] - counts['unfinished']} {'below the threshold' if cfg.mode == 'sft' else 'with no pair over the margin'}, "
+        f"{counts['unfinished']} with too few answers finished within max_new_tokens"
+    )
     return 0
 
 

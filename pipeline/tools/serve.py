@@ -46,7 +46,16 @@ from typing import Any, AsyncIterator, Optional, Sequence
 from fastapi import Request  # module level: FastAPI resolves the handlers' (postponed) annotations here
 
 from pipeline.modeling.embedded import resolve_model_path
-from pipeline.tools.openai_protocol import ROLES, ApiError, ChatRequest, check_request, chunk, completion_response, new_id, usage
+from pipeline.tools.openai_protocol import (
+    ROLES,
+    ApiError,
+    ChatRequest,
+    check_request,
+    chunk,
+    completion_response,
+    new_id,
+    usage,
+)
 from pipeline.tools.serve_batch import Batcher, Job
 from pipeline.tools.serve_tools import CallStream, answer_message, prompt_and_prefill
 from pipeline.tools.serving import SERVING, serve_choice
@@ -73,13 +82,22 @@ def plan_tokens(request: ChatRequest, prompt_len: int, context: int, default: in
         ApiError: the prompt, or prompt + max_tokens, does not fit the context (400).
     """
     if prompt_len >= context:
-        raise ApiError(400, f"the prompt is {prompt_len} tokens; this model's context is {context} tokens",
-                       "messages", "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"the prompt is {prompt_len} tokens; this model's context is {context} tokens",
+            "messages",
+            "context_length_exceeded",
+        )
     if request.max_tokens is None:
         return min(default, context - prompt_len)
     if prompt_len + request.max_tokens > context:
-        raise ApiError(400, f"max_tokens {request.max_tokens} + the prompt's {prompt_len} tokens exceed this model's context of "
-                       f"{context} tokens (at most {context - prompt_len})", "max_tokens", "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"max_tokens {request.max_tokens} + the prompt's {prompt_len} tokens exceed this model's context of "
+            f"{context} tokens (at most {context - prompt_len})",
+            "max_tokens",
+            "context_length_exceeded",
+        )
     return request.max_tokens
 
 
@@ -90,8 +108,12 @@ async def read_body(request, limit: int) -> Any:
         ApiError: too large (413), or not JSON (400).
     """
     declared = request.headers.get("content-length")
-    too_large = ApiError(413, f"the request body is larger than this server's limit of {limit} bytes (--max-request-bytes)",
-                         None, "request_too_large")
+    too_large = ApiError(
+        413,
+        f"the request body is larger than this server's limit of {limit} bytes (--max-request-bytes)",
+        None,
+        "request_too_large",
+    )
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     data = bytearray()
@@ -108,12 +130,25 @@ async def read_body(request, limit: int) -> Any:
 class Server:
     """The app's state: the model, its batcher and the limits."""
 
-    def __init__(self, chat, name: str, max_new_tokens: int = 256, max_batch: int = 16, window: float = 0.02,
-                 request_timeout: float = 120.0, max_request_bytes: int = 1 << 20, slice_tokens: int = 32):
+    def __init__(
+        self,
+        chat,
+        name: str,
+        max_new_tokens: int = 256,
+        max_batch: int = 16,
+        window: float = 0.02,
+        request_timeout: float = 120.0,
+        max_request_bytes: int = 1 << 20,
+        slice_tokens: int = 32,
+    ):
         from pipeline.tools.chat import prompt_ids
 
         self.chat, self.name, self.prompt_ids = chat, name, prompt_ids
-        self.max_new_tokens, self.request_timeout, self.max_request_bytes = max_new_tokens, request_timeout, max_request_bytes
+        self.max_new_tokens, self.request_timeout, self.max_request_bytes = (
+            max_new_tokens,
+            request_timeout,
+            max_request_bytes,
+        )
         self.context = context_length(chat.model)
         pad = chat.tokenizer.pad_token_id if chat.tokenizer.pad_token_id is not None else eos_ids_of(chat)[0]
         self.batcher = Batcher(chat.model, chat.tokenizer, eos_ids_of(chat), pad, max_batch, window, slice_tokens)
@@ -124,8 +159,13 @@ class Server:
         from starlette.concurrency import run_in_threadpool
 
         if self.batcher.waiting.qsize() >= MAX_WAITING:
-            raise ApiError(429, "the server is busy (too many requests waiting); retry shortly", None, "rate_limit_exceeded",
-                           "rate_limit_error")
+            raise ApiError(
+                429,
+                "the server is busy (too many requests waiting); retry shortly",
+                None,
+                "rate_limit_exceeded",
+                "rate_limit_error",
+            )
         prefill = ""
         if request.tools:
             prompt, prefill = await run_in_threadpool(prompt_and_prefill, self.chat.tokenizer, request)
@@ -133,9 +173,17 @@ class Server:
             prompt = await run_in_threadpool(self.prompt_ids, self.chat.tokenizer, request.messages)
         max_new = plan_tokens(request, len(prompt), self.context, self.max_new_tokens)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        job = Job(prompt=prompt, n=request.n, max_new_tokens=max_new, temperature=request.temperature, top_p=request.top_p,
-                  stops=request.stop, deadline=time.monotonic() + self.request_timeout, seed=request.seed,
-                  emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        job = Job(
+            prompt=prompt,
+            n=request.n,
+            max_new_tokens=max_new,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            stops=request.stop,
+            deadline=time.monotonic() + self.request_timeout,
+            seed=request.seed,
+            emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+        )
         self.batcher.submit(job)
         return job, events, len(prompt), prefill
 
@@ -162,8 +210,9 @@ class Server:
         job, events, n_prompt, prefill = await self.job(request)
         return self.events(request, job, events, n_prompt, prefill)
 
-    async def events(self, request: ChatRequest, job: Job, events: "asyncio.Queue[tuple]", n_prompt: int,
-                     prefill: str = "") -> AsyncIterator[str]:
+    async def events(
+        self, request: ChatRequest, job: Job, events: "asyncio.Queue[tuple]", n_prompt: int, prefill: str = ""
+    ) -> AsyncIterator[str]:
         """Server-sent events: a role chunk per choice, content deltas, a finish chunk per choice,
         the usage chunk when asked for, then [DONE]. Answers read for tool calls go through a
         CallStream each (tool-call deltas before their finish chunk)."""
@@ -194,8 +243,16 @@ class Server:
                     yield sse(chunk(cid, self.name, event[1], {}, reason))
                     left -= 1
             if request.include_usage:
-                yield sse({"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.name,
-                           "choices": [], "usage": usage(n_prompt, job.completion_tokens)})
+                yield sse(
+                    {
+                        "id": cid,
+                        "object": "chat.completion.chunk",
+                        "created": int(time.time()),
+                        "model": self.name,
+                        "choices": [],
+                        "usage": usage(n_prompt, job.completion_tokens),
+                    }
+                )
             yield "data: [DONE]\n\n"
         finally:
             job.cancelled = True
@@ -208,8 +265,12 @@ def key_error(authorization: Optional[str], key: str) -> Optional[ApiError]:
     """The 401 for a request whose Authorization header does not carry `key` (None when it does);
     compared in constant time, so the answer's timing does not reveal how much of a guess was right."""
     if not authorization:
-        return ApiError(401, "You didn't provide an API key: send it as 'Authorization: Bearer KEY' (OpenAI clients: "
-                        "api_key=KEY)", None, "missing_api_key")
+        return ApiError(
+            401,
+            "You didn't provide an API key: send it as 'Authorization: Bearer KEY' (OpenAI clients: api_key=KEY)",
+            None,
+            "missing_api_key",
+        )
     if not hmac.compare_digest(authorization.encode("utf-8"), f"Bearer {key}".encode("utf-8")):
         return ApiError(401, "Incorrect API key provided", None, "invalid_api_key")
     return None
@@ -259,7 +320,11 @@ def make_app(server: Server, api_key: Optional[str] = None):
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException):
-        message = f"no route {request.method} {request.url.path}; try POST /v1/chat/completions" if err.status_code in (404, 405) else str(err.detail)
+        message = (
+            f"no route {request.method} {request.url.path}; try POST /v1/chat/completions"
+            if err.status_code in (404, 405)
+            else str(err.detail)
+        )
         return JSONResponse(ApiError(err.status_code, message).body(), status_code=err.status_code)
 
     @app.get("/v1/models")
@@ -269,7 +334,12 @@ def make_app(server: Server, api_key: Optional[str] = None):
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
         if model != server.name:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{server.name}'", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{server.name}'",
+                "model",
+                "model_not_found",
+            )
         return {"id": server.name, "object": "model", "created": 0, "owned_by": "relay"}
 
     @app.post("/v1/chat/completions")
@@ -297,35 +367,72 @@ def vllm_command(folder: str, host: str, port: int, python: str = sys.executable
     from pipeline.modeling.vllm_server import ServerOptions, server_command
     from pipeline.tools.serve_tools import vllm_tool_flags
 
-    return server_command(python, folder, host, port, opts or ServerOptions(name=Path(folder).name)) + vllm_tool_flags(folder)
+    return server_command(python, folder, host, port, opts or ServerOptions(name=Path(folder).name)) + vllm_tool_flags(
+        folder
+    )
 
 
 class Stopped(Exception):
     """A signal asked `relay serve` to stop."""
 
 
-def serve_vllm(folder: str, name: str, host: str, port: int, max_batch: int, dtype: str, max_model_len: int,
-               api_key: Optional[str] = None, eager: bool = False) -> int:
+def serve_vllm(
+    folder: str,
+    name: str,
+    host: str,
+    port: int,
+    max_batch: int,
+    dtype: str,
+    max_model_len: int,
+    api_key: Optional[str] = None,
+    eager: bool = False,
+) -> int:
     """`vllm_command` until it exits or this process is asked to stop (SIGTERM, SIGINT, SIGHUP),
     from the environment pipeline.modeling.vllm_server finds (bench/.venv-vllm on a CPU:
     run_scripts/install_vllm.sh). The API key and Relay's chat roles go to the server's guard in
     its environment, never on its command line. Either way out, the server's whole process group
     is stopped before this returns."""
-    from pipeline.modeling.vllm_server import DROPPED_VLLM_ENV, ServerOptions, launch, server_env, stop_group, vllm_python
+    from pipeline.modeling.vllm_server import (
+        DROPPED_VLLM_ENV,
+        ServerOptions,
+        launch,
+        server_env,
+        stop_group,
+        vllm_python,
+    )
 
     python = vllm_python()
     if python is None:
-        print("error: --backend vllm: vLLM is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm; "
-              "or pip install vllm on a CUDA machine)", file=sys.stderr)
+        print(
+            "error: --backend vllm: vLLM is not installed (bash run_scripts/install_vllm.sh makes bench/.venv-vllm; "
+            "or pip install vllm on a CUDA machine)",
+            file=sys.stderr,
+        )
         return 2
     dtypes = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-    opts = ServerOptions(name=name, max_num_seqs=max_batch, dtype=dtypes[dtype], max_model_len=max_model_len, eager=eager,
-                         roles=tuple(ROLES))
+    opts = ServerOptions(
+        name=name,
+        max_num_seqs=max_batch,
+        dtype=dtypes[dtype],
+        max_model_len=max_model_len,
+        eager=eager,
+        roles=tuple(ROLES),
+    )
     dropped = sorted(DROPPED_VLLM_ENV & set(os.environ))
     if dropped:
-        print(f"note: not passed to vLLM (they open routes or change what it trusts): {', '.join(dropped)}", file=sys.stderr)
-    guard = "API key required on every route but GET /health" if api_key else "no API key: anyone who reaches the port can use it"
-    print(f"serving {folder} as '{name}' (vLLM, {python}) on http://{host}:{port}/v1, {guard}  (Ctrl-C stops)", file=sys.stderr)
+        print(
+            f"note: not passed to vLLM (they open routes or change what it trusts): {', '.join(dropped)}",
+            file=sys.stderr,
+        )
+    guard = (
+        "API key required on every route but GET /health"
+        if api_key
+        else "no API key: anyone who reaches the port can use it"
+    )
+    print(
+        f"serving {folder} as '{name}' (vLLM, {python}) on http://{host}:{port}/v1, {guard}  (Ctrl-C stops)",
+        file=sys.stderr,
+    )
 
     def stop(signum, frame):
         raise Stopped(signum)
@@ -348,27 +455,50 @@ def serve_vllm(folder: str, name: str, host: str, port: int, max_batch: int, dty
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="relay serve", description="Serve a model folder on an OpenAI-compatible API "
-                                     "(/v1/chat/completions): vLLM (--backend vllm, or when importable), else FastAPI + transformers.")
+    parser = argparse.ArgumentParser(
+        prog="relay serve",
+        description="Serve a model folder on an OpenAI-compatible API "
+        "(/v1/chat/completions): vLLM (--backend vllm, or when importable), else FastAPI + transformers.",
+    )
     parser.add_argument("model", help="a merged model folder (or 'embedded')")
     parser.add_argument("--name", help="the model name clients use (default: the folder's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--backend", default="auto", choices=("auto", *(entry.serve_name for entry in SERVING.values())))
+    parser.add_argument(
+        "--backend", default="auto", choices=("auto", *(entry.serve_name for entry in SERVING.values()))
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256, help="when a request sets no max_tokens")
     parser.add_argument("--max-batch", type=int, default=16, help="most rows (requests x n) in one generation batch")
-    parser.add_argument("--batch-window", type=float, default=0.02, help="seconds the batcher waits for more requests after the first")
-    parser.add_argument("--slice-tokens", type=int, default=32,
-                        help="new tokens per row per batch; unfinished rows continue beside newly arrived requests")
-    parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds a request may take, waiting included")
-    parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted (413 beyond)")
+    parser.add_argument(
+        "--batch-window", type=float, default=0.02, help="seconds the batcher waits for more requests after the first"
+    )
+    parser.add_argument(
+        "--slice-tokens",
+        type=int,
+        default=32,
+        help="new tokens per row per batch; unfinished rows continue beside newly arrived requests",
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=120.0, help="seconds a request may take, waiting included"
+    )
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted (413 beyond)"
+    )
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                        help=f"require 'Authorization: Bearer KEY' on every route but GET /health "
-                             f"(default: ${API_KEY_ENV}, which keeps it out of ps)")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM: longest prompt + answer (sizes its KV cache)")
-    parser.add_argument("--eager", action="store_true",
-                        help="vLLM: no torch.compile (--enforce-eager): on a CPU it starts ~45 s sooner on SmolLM2-135M and decodes ~20%% slower")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' on every route but GET /health "
+        f"(default: ${API_KEY_ENV}, which keeps it out of ps)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=2048, help="vLLM: longest prompt + answer (sizes its KV cache)"
+    )
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="vLLM: no torch.compile (--enforce-eager): on a CPU it starts ~45 s sooner on SmolLM2-135M and decodes ~20%% slower",
+    )
     args = parser.parse_args(argv)
     from pipeline.modeling.preflight import model_problems
 
@@ -388,8 +518,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def serve_on_vllm(args: argparse.Namespace) -> int:
     """`relay serve` on vLLM's own server (`serve_vllm`)."""
     folder = resolve_model_path(args.model)
-    return serve_vllm(folder, args.name or Path(folder).name, args.host, args.port, args.max_batch, args.dtype,
-                      args.max_model_len, args.api_key, args.eager)
+    return serve_vllm(
+        folder,
+        args.name or Path(folder).name,
+        args.host,
+        args.port,
+        args.max_batch,
+        args.dtype,
+        args.max_model_len,
+        args.api_key,
+        args.eager,
+    )
 
 
 def serve_on_relay(args: argparse.Namespace) -> int:
@@ -404,11 +543,21 @@ def serve_on_relay(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     name = args.name or Path(resolve_model_path(args.model)).name
-    server = Server(chat, name, args.max_new_tokens, args.max_batch, args.batch_window, request_timeout=args.request_timeout,
-                    max_request_bytes=args.max_request_bytes, slice_tokens=args.slice_tokens)
+    server = Server(
+        chat,
+        name,
+        args.max_new_tokens,
+        args.max_batch,
+        args.batch_window,
+        request_timeout=args.request_timeout,
+        max_request_bytes=args.max_request_bytes,
+        slice_tokens=args.slice_tokens,
+    )
     guard = "API key required" if args.api_key else "no API key: anyone who reaches the port can use it"
-    print(f"serving {args.model} as '{name}' (transformers) on http://{args.host}:{args.port}/v1, {guard}  (Ctrl-C stops)",
-          file=sys.stderr)
+    print(
+        f"serving {args.model} as '{name}' (transformers) on http://{args.host}:{args.port}/v1, {guard}  (Ctrl-C stops)",
+        file=sys.stderr,
+    )
     run(make_app(server, args.api_key), args.host, args.port)
     return 0
 

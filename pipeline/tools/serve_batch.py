@@ -51,7 +51,7 @@ class ChoiceText:
         return self._advance(self.decode(self.ids))
 
     def _advance(self, text: str) -> str:
-        new = text[self.sent:] if len(text) > self.sent else ""
+        new = text[self.sent :] if len(text) > self.sent else ""
         self.sent = max(self.sent, len(text))
         self.text = text if len(text) >= len(self.text) else self.text
         return new
@@ -86,8 +86,16 @@ class Batcher:
     (their prompt + what they have so far), beside requests that arrived meanwhile: a long answer
     delays a new request by at most one slice, never by its whole length."""
 
-    def __init__(self, model, tokenizer, eos_ids: Sequence[int], pad_id: int, max_batch: int = 16, window: float = 0.02,
-                 slice_tokens: int = 32):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        max_batch: int = 16,
+        window: float = 0.02,
+        slice_tokens: int = 32,
+    ):
         self.model, self.tokenizer, self.eos_ids, self.pad_id = model, tokenizer, list(eos_ids), pad_id
         self.max_batch, self.window, self.slice_tokens = max_batch, window, slice_tokens
         self.waiting: "queue.Queue[Job]" = queue.Queue()
@@ -195,10 +203,19 @@ class Batcher:
         generator = torch.Generator(device=next(self.model.parameters()).device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
         try:
-            generate(self.model, [job.prompt + job.choices[i].ids for job, i in rows],
-                     max_new_tokens=[min(self.slice_tokens, job.max_new_tokens - len(job.choices[i].ids)) for job, i in rows],
-                     eos_ids=self.eos_ids, pad_id=self.pad_id, temperature=[job.temperature for job, _ in rows],
-                     top_p=[job.top_p for job, _ in rows], generator=generator, on_token=on_token)
+            generate(
+                self.model,
+                [job.prompt + job.choices[i].ids for job, i in rows],
+                max_new_tokens=[
+                    min(self.slice_tokens, job.max_new_tokens - len(job.choices[i].ids)) for job, i in rows
+                ],
+                eos_ids=self.eos_ids,
+                pad_id=self.pad_id,
+                temperature=[job.temperature for job, _ in rows],
+                top_p=[job.top_p for job, _ in rows],
+                generator=generator,
+                on_token=on_token,
+            )
         except Exception as err:  # noqa: BLE001 - every waiting client gets the reason, the server stays up
             for job in batch:
                 job.emit(("error", 500, f"generation failed: {type(err).__name__}: {err}"))

@@ -32,8 +32,10 @@ from data_formats.tools import CALL_OPEN, parse_answer, supports_tools, template
 from pipeline.tools.openai_protocol import ApiError, ChatRequest
 
 _PROBE_ARGUMENTS = {"relay_probe_argument": 1}
-NOT_TRAINED = ("this model's chat template does not render tools and tool calls; train it on tool conversations "
-               "with Relay (the tool layout is saved into its template) or serve a model whose template has tools")
+NOT_TRAINED = (
+    "this model's chat template does not render tools and tool calls; train it on tool conversations "
+    "with Relay (the tool layout is saved into its template) or serve a model whose template has tools"
+)
 
 
 def tool_support_problem(tokenizer) -> Optional[str]:
@@ -43,8 +45,9 @@ def tool_support_problem(tokenizer) -> Optional[str]:
 
 
 def _render(tokenizer, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=template_tools(tools), add_generation_prompt=generation_prompt,
-                                         tokenize=False)
+    return tokenizer.apply_chat_template(
+        messages, tools=template_tools(tools), add_generation_prompt=generation_prompt, tokenize=False
+    )
 
 
 def call_prefix(tokenizer, messages: list[dict], tools: list[dict], name: Optional[str]) -> str:
@@ -57,12 +60,17 @@ def call_prefix(tokenizer, messages: list[dict], tools: list[dict], name: Option
     call = {"type": "function", "function": {"name": name or "relay_probe_tool", "arguments": _PROBE_ARGUMENTS}}
     prompt = _render(tokenizer, messages, tools, True)
     full = _render(tokenizer, messages + [{"role": "assistant", "content": "", "tool_calls": [call]}], tools, False)
-    body = full[len(prompt):] if full.startswith(prompt) else ""
+    body = full[len(prompt) :] if full.startswith(prompt) else ""
     marker = json.dumps(_PROBE_ARGUMENTS) if name else CALL_OPEN
     at = body.find(marker)
     if at < 0:
-        raise ApiError(400, "tool_choice: this model's chat template does not write calls in a form this server can force "
-                       "(use tool_choice 'auto')", "tool_choice", "unsupported_value")
+        raise ApiError(
+            400,
+            "tool_choice: this model's chat template does not write calls in a form this server can force "
+            "(use tool_choice 'auto')",
+            "tool_choice",
+            "unsupported_value",
+        )
     return body[:at] if name else body[: at + len(CALL_OPEN)]
 
 
@@ -89,8 +97,14 @@ def call_id() -> str:
 
 def openai_calls(calls: list[dict]) -> list[dict]:
     """Parsed calls as an OpenAI message's `tool_calls` (arguments as JSON text)."""
-    return [{"id": call_id(), "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}} for c in calls]
+    return [
+        {
+            "id": call_id(),
+            "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
+        }
+        for c in calls
+    ]
 
 
 def answer_message(text: str, reason: str) -> tuple[dict, str]:
@@ -100,7 +114,11 @@ def answer_message(text: str, reason: str) -> tuple[dict, str]:
     parsed = parse_answer(text)
     if not parsed.calls:
         return {"role": "assistant", "content": text}, reason
-    return {"role": "assistant", "content": parsed.content or None, "tool_calls": openai_calls(parsed.calls)}, "tool_calls"
+    return {
+        "role": "assistant",
+        "content": parsed.content or None,
+        "tool_calls": openai_calls(parsed.calls),
+    }, "tool_calls"
 
 
 class CallStream:
@@ -118,19 +136,29 @@ class CallStream:
             at = len(self.text[: len(self.text) - hold].rstrip())
         else:
             at = len(self.text[:at].rstrip())
-        out = self.text[self.sent: at] if at > self.sent else ""
+        out = self.text[self.sent : at] if at > self.sent else ""
         self.sent = max(self.sent, at)
         return out
 
     def finish(self, reason: str) -> tuple[list[dict], str]:
         message, reason = answer_message(self.text, reason)
         if "tool_calls" not in message:
-            rest = self.text[self.sent:]
+            rest = self.text[self.sent :]
             return ([{"content": rest}] if rest else []), reason
         deltas = []
         for k, call in enumerate(message["tool_calls"]):
-            deltas.append({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                           "function": {"name": call["function"]["name"], "arguments": ""}}]})
+            deltas.append(
+                {
+                    "tool_calls": [
+                        {
+                            "index": k,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": call["function"]["name"], "arguments": ""},
+                        }
+                    ]
+                }
+            )
             deltas.append({"tool_calls": [{"index": k, "function": {"arguments": call["function"]["arguments"]}}]})
         return deltas, reason
 
@@ -146,7 +174,9 @@ def vllm_tool_flags(folder: str) -> list[str]:
     if tool_support_problem(tokenizer):
         return []
     try:
-        prefix = call_prefix(tokenizer, [{"role": "user", "content": "u"}], [{"name": "relay_probe_tool"}], "relay_probe_tool")
+        prefix = call_prefix(
+            tokenizer, [{"role": "user", "content": "u"}], [{"name": "relay_probe_tool"}], "relay_probe_tool"
+        )
     except ApiError:
         return []
     opener = json.dumps({"name": "relay_probe_tool", "arguments": 1})[: -len("1}")]

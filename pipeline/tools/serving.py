@@ -51,9 +51,17 @@ def _vllm_importable() -> bool:
 
 
 SERVING: dict[str, ServingBackend] = {
-    "relay": ServingBackend("Relay", "transformers", ("temperature", "top-p", "top-k", "repetition-penalty"), in_cache_key=False),
-    "vllm": ServingBackend("vLLM", "vllm", ("temperature", "top-p"), serve_options=("eager",), missing=_vllm_missing,
-                           preferred=_vllm_importable),
+    "relay": ServingBackend(
+        "Relay", "transformers", ("temperature", "top-p", "top-k", "repetition-penalty"), in_cache_key=False
+    ),
+    "vllm": ServingBackend(
+        "vLLM",
+        "vllm",
+        ("temperature", "top-p"),
+        serve_options=("eager",),
+        missing=_vllm_missing,
+        preferred=_vllm_importable,
+    ),
 }
 """Serving backend -> its entry."""
 DEFAULT = "relay"

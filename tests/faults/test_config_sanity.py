@@ -11,19 +11,21 @@ import math
 
 import pytest
 import torch
+from stagerun import run_stage
+from test_pt_sft import fresh_accelerate_state, sft_args, write_sft  # noqa: F401 (autouse fixture)
 
 from pipeline.config import ConfigError, StageConfig, TextDataConfig
 from pipeline.engine.divergence import Diverged, loss_divergence, weight_divergence
 from pipeline.engine.stage import Stage, main
 from pipeline.engine.steps import micro_step
-from stagerun import run_stage
-from test_pt_sft import fresh_accelerate_state, sft_args, write_sft  # noqa: F401 (autouse fixture)
 
 
 def no_model_loads(monkeypatch):
     import pipeline.modeling.models as models
 
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("a model was loaded")))
+    monkeypatch.setattr(
+        models, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("a model was loaded"))
+    )
 
 
 def test_pt_seq_length_1_and_a_zero_lr_are_listed_together(tiny_model_dir, tmp_path, monkeypatch, capsys):
@@ -32,11 +34,27 @@ def test_pt_seq_length_1_and_a_zero_lr_are_listed_together(tiny_model_dir, tmp_p
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i} " * 10}) + "\n" for i in range(8)))
     no_model_loads(monkeypatch)
-    code = main(PTStage, ["--model.path", str(tiny_model_dir), "--data.train", f"[{data}]", "--output_dir", str(tmp_path / "pt"),
-                          "--train.seq_length", "1", "--train.learning_rate", "0"])
+    code = main(
+        PTStage,
+        [
+            "--model.path",
+            str(tiny_model_dir),
+            "--data.train",
+            f"[{data}]",
+            "--output_dir",
+            str(tmp_path / "pt"),
+            "--train.seq_length",
+            "1",
+            "--train.learning_rate",
+            "0",
+        ],
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert "train.seq_length: 1 token leaves nothing to predict" in err and "train.learning_rate: must be > 0, got 0.0" in err
+    assert (
+        "train.seq_length: 1 token leaves nothing to predict" in err
+        and "train.learning_rate: must be > 0, got 0.0" in err
+    )
     assert not (tmp_path / "pt").exists()
 
 
@@ -61,20 +79,49 @@ def test_sft_whose_every_label_is_masked_is_refused(tiny_model_dir, tmp_path, mo
     assert sft_data_every_label_masked
 
 
-def test_ppo_lists_its_problems_like_every_stage_without_a_zero_division(tiny_model_dir, tiny_reward_dir, tmp_path, monkeypatch, capsys):
+def test_ppo_lists_its_problems_like_every_stage_without_a_zero_division(
+    tiny_model_dir, tiny_reward_dir, tmp_path, monkeypatch, capsys
+):
     from stages.ppo import PPOStage
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
     no_model_loads(monkeypatch)
-    code = main(PPOStage, ["--model.path", str(tiny_model_dir), "--reward_model.path", str(tiny_reward_dir),
-                           "--data.train", f"[{prompts}]", "--output_dir", str(tmp_path / "ppo"),
-                           "--train.batch_size", "0", "--ppo.mini_batch_size", "0", "--ppo.epochs", "0",
-                           "--generation.max_new_tokens", "0", "--generation.temperature", "0", "--ppo.cliprange", "-1"])
+    code = main(
+        PPOStage,
+        [
+            "--model.path",
+            str(tiny_model_dir),
+            "--reward_model.path",
+            str(tiny_reward_dir),
+            "--data.train",
+            f"[{prompts}]",
+            "--output_dir",
+            str(tmp_path / "ppo"),
+            "--train.batch_size",
+            "0",
+            "--ppo.mini_batch_size",
+            "0",
+            "--ppo.epochs",
+            "0",
+            "--generation.max_new_tokens",
+            "0",
+            "--generation.temperature",
+            "0",
+            "--ppo.cliprange",
+            "-1",
+        ],
+    )
     err = capsys.readouterr().err
     assert code == 2 and "ZeroDivisionError" not in err and "Traceback" not in err
-    for expected in ("train.batch_size: must be > 0", "ppo.mini_batch_size: must be >= 1", "ppo.epochs: must be >= 1",
-                     "generation.max_new_tokens: must be >= 1", "generation.temperature: must be > 0", "ppo.cliprange: must be > 0"):
+    for expected in (
+        "train.batch_size: must be > 0",
+        "ppo.mini_batch_size: must be >= 1",
+        "ppo.epochs: must be >= 1",
+        "generation.max_new_tokens: must be >= 1",
+        "generation.temperature: must be > 0",
+        "ppo.cliprange: must be > 0",
+    ):
         assert expected in err, expected
 
 
@@ -154,8 +201,11 @@ def test_a_non_finite_step_is_one_line_naming_its_samples(tiny_model_dir, tmp_pa
     from stages.sft import SFTStage
 
     real = steps.weighted_token_losses
-    monkeypatch.setattr(steps, "weighted_token_losses",
-                        lambda *a, **k: (lambda o, l, t: (o * float("nan"), l * float("nan"), t))(*real(*a, **k)))
+    monkeypatch.setattr(
+        steps,
+        "weighted_token_losses",
+        lambda *a, **k: (lambda o, l, t: (o * float("nan"), l * float("nan"), t))(*real(*a, **k)),
+    )
     train, valid = write_sft(tmp_path / "data", 6, 2)
     code = main(SFTStage, sft_args(tiny_model_dir, train, valid, tmp_path / "sft", "--tracking.trackers", "[]"))
     printed = capsys.readouterr().err

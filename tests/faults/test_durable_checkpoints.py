@@ -14,17 +14,21 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_pt_sft import fresh_accelerate_state, run_sft, sft_args, write_sft  # noqa: F401 (autouse fixture)
 
 from pipeline.config import CheckpointConfig, KeepPolicy
 from pipeline.engine import checkpoint as ck
 from pipeline.engine.checkpoint import MARKER, Checkpointer, CheckpointError, complete_checkpoints
 from pipeline.engine.stage import main
-from test_pt_sft import fresh_accelerate_state, run_sft, sft_args, write_sft  # noqa: F401 (autouse fixture)
 
 
 def state(step):
-    return {"model": {"w": torch.full((64, 64), float(step))}, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]},
-            "trainer": {"step": step}, "rng": ck.rng_state()}
+    return {
+        "model": {"w": torch.full((64, 64), float(step))},
+        "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]},
+        "trainer": {"step": step},
+        "rng": ck.rng_state(),
+    }
 
 
 def test_files_are_fsynced_before_the_marker_and_the_folder_after_the_rename(tmp_path, monkeypatch):
@@ -36,7 +40,9 @@ def test_files_are_fsynced_before_the_marker_and_the_folder_after_the_rename(tmp
         return real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", os.path.basename(b))), real_rename(a, b))[1])
+    monkeypatch.setattr(
+        os, "rename", lambda a, b: (events.append(("rename", os.path.basename(b))), real_rename(a, b))[1]
+    )
     root = tmp_path / "checkpoints"
     Checkpointer(root, CheckpointConfig()).save(3, state(3), lifetime="permanent")
     synced = [name for kind, name in events if kind == "fsync"]
@@ -49,7 +55,9 @@ def test_files_are_fsynced_before_the_marker_and_the_folder_after_the_rename(tmp
 
 
 @pytest.mark.parametrize("damage", ["truncate model.safetensors", "truncate optimizer.pt", "zero model.safetensors"])
-def test_a_marked_but_damaged_checkpoint_is_moved_aside_and_the_previous_one_resumes(damage, tiny_model_dir, tmp_path, monkeypatch, caplog):
+def test_a_marked_but_damaged_checkpoint_is_moved_aside_and_the_previous_one_resumes(
+    damage, tiny_model_dir, tmp_path, monkeypatch, caplog
+):
     train, valid = write_sft(tmp_path / "data", 10, 4)
     args = ["--train.max_steps", "6", "--train.eval_steps", "0", "--checkpoint.keep", "[{every: 2}]"]
     unbroken = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "a", *args))
@@ -64,7 +72,9 @@ def test_a_marked_but_damaged_checkpoint_is_moved_aside_and_the_previous_one_res
     with caplog.at_level(logging.WARNING):
         resumed = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "b", *args))
     assert f"{newest}: {name}" in caplog.text and "moved it aside" in caplog.text
-    assert [r["step"] for r in resumed.history.steps] == list(range(1, 7)) and len(resumed.batch_ids) == 4  # from step 2
+    assert [r["step"] for r in resumed.history.steps] == list(range(1, 7)) and len(
+        resumed.batch_ids
+    ) == 4  # from step 2
     assert [r["train/loss"] for r in resumed.history.steps] == [r["train/loss"] for r in unbroken.history.steps]
     (aside,) = (tmp_path / "b" / "checkpoints.corrupt").iterdir()
     assert aside.name.startswith("step-0000004-")
@@ -108,8 +118,20 @@ def enospc_on(call: int):
 def test_disk_full_is_one_line_and_the_restart_continues(tiny_model_dir, tmp_path, monkeypatch, capsys):
     train, valid = write_sft(tmp_path / "data", 10, 4)
     out = tmp_path / "sft"
-    argv = sft_args(tiny_model_dir, train, valid, out, "--train.max_steps", "6", "--train.eval_steps", "0",
-                    "--checkpoint.keep", "[{every: 2}]", "--tracking.trackers", "[]")
+    argv = sft_args(
+        tiny_model_dir,
+        train,
+        valid,
+        out,
+        "--train.max_steps",
+        "6",
+        "--train.eval_steps",
+        "0",
+        "--checkpoint.keep",
+        "[{every: 2}]",
+        "--tracking.trackers",
+        "[]",
+    )
     from stages.sft import SFTStage
 
     monkeypatch.setattr(ck.torch, "save", enospc_on(3))  # step 2 saves optimizer + scheduler; step 4's optimizer fails
@@ -117,8 +139,11 @@ def test_disk_full_is_one_line_and_the_restart_continues(tiny_model_dir, tmp_pat
     printed = capsys.readouterr().err
     err = [line for line in printed.splitlines() if line.strip() and "%|" not in line]  # tqdm's bar aside
     assert len(err) == 1 and "Traceback" not in printed
-    assert err[0].startswith(f"sft: no space left on device: checkpoint step 4 needs about ")
-    assert f"in {out / 'checkpoints'}" in err[0] and f"the previous checkpoint {out / 'checkpoints' / 'step-0000002'} is intact" in err[0]
+    assert err[0].startswith("sft: no space left on device: checkpoint step 4 needs about ")
+    assert (
+        f"in {out / 'checkpoints'}" in err[0]
+        and f"the previous checkpoint {out / 'checkpoints' / 'step-0000002'} is intact" in err[0]
+    )
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-0000002"]  # no staging folder left
     assert load_file(str(out / "checkpoints" / "step-0000002" / "model.safetensors"))
     monkeypatch.undo()
@@ -130,8 +155,11 @@ def test_too_little_free_space_is_found_before_writing(tmp_path, monkeypatch):
     root = tmp_path / "checkpoints"
     usage = ck.shutil.disk_usage(tmp_path)
     monkeypatch.setattr(ck.shutil, "disk_usage", lambda path: usage._replace(free=1000))
-    with pytest.raises(CheckpointError, match=r"no space left on device: checkpoint step 1 needs about [0-9.]+ MB in .*, 0\.0 MB free; "
-                                              r"there is no earlier checkpoint"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"no space left on device: checkpoint step 1 needs about [0-9.]+ MB in .*, 0\.0 MB free; "
+        r"there is no earlier checkpoint",
+    ):
         Checkpointer(root, CheckpointConfig(keep=[KeepPolicy(every=1)])).save(1, state(1), lifetime="permanent")
     assert list(root.iterdir()) == []
 
@@ -140,8 +168,9 @@ def test_ppo_checkpoints_before_its_export(tiny_model_dir, tiny_reward_dir, tmp_
     """An export that fails leaves the final step's checkpoint; the rerun trains no step again."""
     import json
 
-    from stages import ppo
     from stagerun import run_stage
+
+    from stages import ppo
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Question number {i}?"}) + "\n" for i in range(8)))
@@ -171,10 +200,14 @@ def small_disk(tmp_path):
 
     mount = tmp_path / "disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mount)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here")
     yield mount
-    subprocess.run(["umount", "--lazy", str(mount)], capture_output=True)  # lazy: a reader still mapping a file must not keep it mounted
+    subprocess.run(
+        ["umount", "--lazy", str(mount)], capture_output=True
+    )  # lazy: a reader still mapping a file must not keep it mounted
 
 
 @pytest.mark.parametrize("precheck", [True, False])
@@ -184,14 +217,20 @@ def test_a_really_full_disk(small_disk, monkeypatch, precheck):
     short write as 'unexpected pos') and is still reported as a full disk. Either way the first
     checkpoint is intact and resumable, and no staging folder is left."""
     root = small_disk / "checkpoints"
-    big = {"model": {"w": torch.ones(400, 400)}, "optimizer": {"state": {0: {"exp_avg": torch.ones(400, 400)}}, "param_groups": []},
-           "trainer": {"step": 1}}
+    big = {
+        "model": {"w": torch.ones(400, 400)},
+        "optimizer": {"state": {0: {"exp_avg": torch.ones(400, 400)}}, "param_groups": []},
+        "trainer": {"step": 1},
+    }
     saver = Checkpointer(root, CheckpointConfig())
     first = saver.save(1, big, lifetime="temporary")
     if not precheck:
         monkeypatch.setattr(ck, "state_bytes", lambda state: 0)
-    with pytest.raises(CheckpointError, match=f"no space left on device: checkpoint step 2 needs about .* in {root}, .* free; "
-                                              f"the previous checkpoint {first} is intact"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"no space left on device: checkpoint step 2 needs about .* in {root}, .* free; "
+        f"the previous checkpoint {first} is intact",
+    ):
         saver.save(2, {**big, "trainer": {"step": 2}}, lifetime="temporary")
     assert [p.name for p in root.iterdir()] == ["step-0000001"]
     loaded = Checkpointer(root, CheckpointConfig()).load(Checkpointer(root, CheckpointConfig()).resume_path())

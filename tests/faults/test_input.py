@@ -30,7 +30,9 @@ def record(stage: str, i: int) -> dict:
         return {"prompt": f"Question {i}?", "chosen": f"A good answer {i}.", "rejected": f"bad {i}"}
     if stage == "ppo":
         return {"prompt": f"Question number {i}?"}
-    return {"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]}
+    return {
+        "messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]
+    }
 
 
 def stage_class(stage: str):
@@ -40,9 +42,27 @@ def stage_class(stage: str):
 
 
 def argv(stage: str, data: Path, out: Path, model: Path, reward_model: Path, *extra: str) -> list[str]:
-    args = ["--model.path", str(model), "--data.train", f"[{data}]", "--data.eval", "[]", "--output_dir", str(out),
-            "--train.seq_length", "64", "--train.batch_size", "2", "--train.max_steps", "1", "--train.eval_steps", "0",
-            "--tracking.trackers", "[]", *extra]
+    args = [
+        "--model.path",
+        str(model),
+        "--data.train",
+        f"[{data}]",
+        "--data.eval",
+        "[]",
+        "--output_dir",
+        str(out),
+        "--train.seq_length",
+        "64",
+        "--train.batch_size",
+        "2",
+        "--train.max_steps",
+        "1",
+        "--train.eval_steps",
+        "0",
+        "--tracking.trackers",
+        "[]",
+        *extra,
+    ]
     if stage == "ppo":
         args += ["--reward_model.path", str(reward_model), "--generation.max_new_tokens", "8"]
     return args
@@ -51,7 +71,9 @@ def argv(stage: str, data: Path, out: Path, model: Path, reward_model: Path, *ex
 def validated(stage: str, data: Path, tmp_path: Path, tiny_model_dir, tiny_reward_dir, *extra: str):
     """The stage after `validate()`: config checked, tokenizer loaded, data built; no model loaded."""
     cls = stage_class(stage)
-    stage_obj = cls(load_config(cls.config_class, argv(stage, data, tmp_path / "out", tiny_model_dir, tiny_reward_dir, *extra)))
+    stage_obj = cls(
+        load_config(cls.config_class, argv(stage, data, tmp_path / "out", tiny_model_dir, tiny_reward_dir, *extra))
+    )
     stage_obj.validate()
     return stage_obj
 
@@ -62,8 +84,8 @@ def run_main(stage: str, data: Path, tmp_path: Path, tiny_model_dir, tiny_reward
     from pipeline.engine.stage import main
 
     cls = stage_class(stage)
-    import io
     import contextlib
+    import io
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -91,8 +113,12 @@ def write_json(path: Path, records: list, *, bom: bool = False, crlf: bool = Fal
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_bad_record_is_one_line_in_every_stage(stage, tmp_path, tiny_model_dir, tiny_reward_dir):
-    bad = {"pt": {"text": ""}, "sft": {"messages": []}, "rm": {"prompt": "q", "chosen": "same", "rejected": "same"},
-           "ppo": {"prompt": ""}}[stage]
+    bad = {
+        "pt": {"text": ""},
+        "sft": {"messages": []},
+        "rm": {"prompt": "q", "chosen": "same", "rejected": "same"},
+        "ppo": {"prompt": ""},
+    }[stage]
     data = write_jsonl(tmp_path / "data.jsonl", [record(stage, 0), bad, record(stage, 1), record(stage, 2)])
     status, err = run_main(stage, data, tmp_path, tiny_model_dir, tiny_reward_dir)
     assert status == 2 and "Traceback" not in err
@@ -125,19 +151,24 @@ def test_bom_and_crlf_are_accepted_in_every_stage(stage, tmp_path, tiny_model_di
     """The same records as plain LF JSONL, as JSONL and as a JSON array with a BOM and CRLF ends:
     the three files give the same samples, token for token (one stage run reads all three)."""
     records = [record(stage, i) for i in range(6)]
-    files = [write_jsonl(tmp_path / "plain.jsonl", records), write_jsonl(tmp_path / "windows.jsonl", records, bom=True, crlf=True),
-             write_json(tmp_path / "windows.json", records, bom=True, crlf=True)]
+    files = [
+        write_jsonl(tmp_path / "plain.jsonl", records),
+        write_jsonl(tmp_path / "windows.jsonl", records, bom=True, crlf=True),
+        write_json(tmp_path / "windows.json", records, bom=True, crlf=True),
+    ]
     stage_obj = validated(stage, Path(f"{files[0]},{files[1]},{files[2]}"), tmp_path, tiny_model_dir, tiny_reward_dir)
     samples = stage_obj.train_samples
     if stage == "pt":  # packed rows: the token stream is the three files' documents, one after another
         stream = [t for row in samples for t in row["input_ids"]]
         third = len(stream) // 3
-        assert len(stream) == 3 * third > 0 and stream[:third] == stream[third:2 * third] == stream[2 * third:]
+        assert len(stream) == 3 * third > 0 and stream[:third] == stream[third : 2 * third] == stream[2 * third :]
         return
     strip = [{k: v for k, v in row.items() if k not in ("source", "task_id")} for row in samples]
     assert len(strip) == 3 * len(records)
     assert strip[:6] == strip[6:12] == strip[12:]
-    assert [row["source"] for row in samples[6:12]] == [f"{files[1]}:{n}" for n in range(1, 7)]  # lines as the user counts them
+    assert [row["source"] for row in samples[6:12]] == [
+        f"{files[1]}:{n}" for n in range(1, 7)
+    ]  # lines as the user counts them
 
 
 def test_bom_crlf_txt_document_reads_as_lf(tmp_path):
@@ -152,19 +183,38 @@ def test_bom_crlf_txt_document_reads_as_lf(tmp_path):
 
 def test_overlong_record_is_refused_unparsed_with_its_line(tmp_path, monkeypatch, tiny_model_dir, tiny_reward_dir):
     limit = 4096
-    big = json.dumps({"messages": [{"role": "user", "content": "x" * (3 * 2**20)}, {"role": "assistant", "content": "y"}]})
+    big = json.dumps(
+        {"messages": [{"role": "user", "content": "x" * (3 * 2**20)}, {"role": "assistant", "content": "y"}]}
+    )
     data = tmp_path / "sft.jsonl"
-    data.write_text(json.dumps(record("sft", 0)) + "\n" + big + "\n" + "".join(json.dumps(record("sft", i)) + "\n" for i in (1, 2)))
+    data.write_text(
+        json.dumps(record("sft", 0)) + "\n" + big + "\n" + "".join(json.dumps(record("sft", i)) + "\n" for i in (1, 2))
+    )
     parsed = []
     real_loads = json.loads
-    monkeypatch.setattr(json, "loads", lambda text, *a, **k: parsed.append("x" * limit in text) or real_loads(text, *a, **k))
+    monkeypatch.setattr(
+        json, "loads", lambda text, *a, **k: parsed.append("x" * limit in text) or real_loads(text, *a, **k)
+    )
     with pytest.raises(ConfigError) as err:
         validated("sft", data, tmp_path, tiny_model_dir, tiny_reward_dir, "--data.max_record_bytes", str(limit))
-    assert f"{data}:2: record is {len(big):,} bytes, over the limit of {limit:,} (data.max_record_bytes)" in str(err.value)
+    assert f"{data}:2: record is {len(big):,} bytes, over the limit of {limit:,} (data.max_record_bytes)" in str(
+        err.value
+    )
     assert parsed and not any(parsed)  # the big line was never handed to the JSON parser
-    stage = validated("sft", data, tmp_path, tiny_model_dir, tiny_reward_dir, "--data.max_record_bytes", str(limit),
-                      "--data.on_error", "skip")
-    assert [s["source"] for s in stage.train_samples] and all(not s["source"].endswith(":2") for s in stage.train_samples)
+    stage = validated(
+        "sft",
+        data,
+        tmp_path,
+        tiny_model_dir,
+        tiny_reward_dir,
+        "--data.max_record_bytes",
+        str(limit),
+        "--data.on_error",
+        "skip",
+    )
+    assert [s["source"] for s in stage.train_samples] and all(
+        not s["source"].endswith(":2") for s in stage.train_samples
+    )
     assert len(stage.train_samples) == 3
 
 
@@ -264,7 +314,8 @@ def test_wrong_kind_of_data_is_one_line_with_a_hint(tmp_path, tiny_model_dir, ti
     lines = [line.strip() for line in err.splitlines() if str(prefs) in line]
     assert status == 2 and lines == [
         f"{prefs}:1: 200 records: looks like preference data (chosen/rejected), not SFT conversations "
-        "(chatml, messages, sharegpt, alpaca, pair, firefly, prompt_completion): use the RM stage (stages/reward.py) (lines 1-200)"]
+        "(chatml, messages, sharegpt, alpaca, pair, firefly, prompt_completion): use the RM stage (stages/reward.py) (lines 1-200)"
+    ]
 
 
 def test_unsupported_suffix_is_named_once(tmp_path, tiny_model_dir, tiny_reward_dir):
@@ -273,7 +324,8 @@ def test_unsupported_suffix_is_named_once(tmp_path, tiny_model_dir, tiny_reward_
     status, err = run_main("sft", table, tmp_path, tiny_model_dir, tiny_reward_dir)
     lines = [line.strip() for line in err.splitlines() if str(table) in line]
     assert status == 2 and lines == [
-        f"{table}:0: .csv files are not supported; use .jsonl, .json, .parquet, .txt (JSON Lines, a JSON array, Parquet, plain text)"]
+        f"{table}:0: .csv files are not supported; use .jsonl, .json, .parquet, .txt (JSON Lines, a JSON array, Parquet, plain text)"
+    ]
 
 
 def test_summarize_groups_by_file_and_reason():
@@ -281,8 +333,11 @@ def test_summarize_groups_by_file_and_reason():
 
     problems = [Problem("a.jsonl", n, "field 'text' is empty") for n in (1, 2, 3, 7, 9, 10)]
     problems += [Problem("a.jsonl", 4, "blank line"), Problem("b.jsonl", 2, "field 'text' is empty")]
-    assert summarize(problems) == ["a.jsonl:1: 6 records: field 'text' is empty (lines 1-3, 7, 9-10)",
-                                   "a.jsonl:4: blank line", "b.jsonl:2: field 'text' is empty"]
+    assert summarize(problems) == [
+        "a.jsonl:1: 6 records: field 'text' is empty (lines 1-3, 7, 9-10)",
+        "a.jsonl:4: blank line",
+        "b.jsonl:2: field 'text' is empty",
+    ]
     assert len(DataError(problems).problems) == 8  # every record is still listed for on_error=skip
 
 

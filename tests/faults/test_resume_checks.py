@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from stagerun import run_stage
+from test_pt_sft import fresh_accelerate_state, run_sft, sft_args, write_sft  # noqa: F401 (autouse fixture)
 
 from pipeline.config import ConfigError
 from pipeline.engine.schedule import lr_at
-from stagerun import run_stage
-from test_pt_sft import fresh_accelerate_state, run_sft, sft_args, write_sft  # noqa: F401 (autouse fixture)
 
 
 @pytest.fixture
@@ -24,7 +24,9 @@ def sft_data(tmp_path):
 
 def finished_sft(tiny_model_dir, sft_data, out, *extra):
     train, valid = sft_data
-    return run_sft(sft_args(tiny_model_dir, train, valid, out, "--train.max_steps", "4", "--train.eval_steps", "0", *extra))
+    return run_sft(
+        sft_args(tiny_model_dir, train, valid, out, "--train.max_steps", "4", "--train.eval_steps", "0", *extra)
+    )
 
 
 def no_model_loads(monkeypatch):
@@ -37,15 +39,31 @@ def no_model_loads(monkeypatch):
     monkeypatch.setattr(models, "load_model", refuse)
 
 
-def test_a_finished_folder_with_new_data_lr_and_seed_is_refused_with_every_difference(tiny_model_dir, sft_data, tmp_path, monkeypatch):
+def test_a_finished_folder_with_new_data_lr_and_seed_is_refused_with_every_difference(
+    tiny_model_dir, sft_data, tmp_path, monkeypatch
+):
     out = tmp_path / "sft"
     finished_sft(tiny_model_dir, sft_data, out)
     manifest_before = (out / "merged" / "manifest.json").read_text()
     other = write_sft(tmp_path / "other", 14, 4)
     no_model_loads(monkeypatch)
     with pytest.raises(ConfigError) as err:
-        run_sft(sft_args(tiny_model_dir, other[0], other[1], out, "--train.max_steps", "4", "--train.eval_steps", "0",
-                         "--train.learning_rate", "1e-3", "--train.seed", "7"))
+        run_sft(
+            sft_args(
+                tiny_model_dir,
+                other[0],
+                other[1],
+                out,
+                "--train.max_steps",
+                "4",
+                "--train.eval_steps",
+                "0",
+                "--train.learning_rate",
+                "1e-3",
+                "--train.seed",
+                "7",
+            )
+        )
     text = str(err.value)
     assert "the training data files changed" in text
     assert "train.learning_rate: 0.005 -> 0.001" in text and "train.seed: 42 -> 7" in text
@@ -66,12 +84,31 @@ def test_another_stages_folder_is_refused(stage_name, tiny_model_dir, sft_data, 
     else:
         from stages.reward import RMStage as cls
 
-        data.write_text("".join(json.dumps({"question": f"q{i}", "response_chosen": "good", "response_rejected": "bad"}) + "\n"
-                                for i in range(8)))
+        data.write_text(
+            "".join(
+                json.dumps({"question": f"q{i}", "response_chosen": "good", "response_rejected": "bad"}) + "\n"
+                for i in range(8)
+            )
+        )
     no_model_loads(monkeypatch)
     with pytest.raises(ConfigError) as err:
-        run_stage(cls, ["--model.path", str(tiny_model_dir), "--data.train", f"[{data}]", "--output_dir", str(out),
-                        "--train.seq_length", "32", "--train.batch_size", "2", "--tracking.trackers", "[]"])
+        run_stage(
+            cls,
+            [
+                "--model.path",
+                str(tiny_model_dir),
+                "--data.train",
+                f"[{data}]",
+                "--output_dir",
+                str(out),
+                "--train.seq_length",
+                "32",
+                "--train.batch_size",
+                "2",
+                "--tracking.trackers",
+                "[]",
+            ],
+        )
     (line,) = err.value.problems
     assert f"it was written by the 'sft' stage, this is '{stage_name}'" in line
     assert "checkpoint.resume: false" in line
@@ -105,10 +142,13 @@ def test_a_new_learning_rate_accepted_on_resume_really_trains_at_it(tiny_model_d
 
     def first_lrs_at(step):
         return lr_at(step - 1, first.cfg.train.max_steps, first.cfg.train)
+
     monkeypatch.delenv("RELAY_STOP_AFTER_STEP")
     with pytest.raises(ConfigError, match="train.learning_rate: 0.005 -> 0.02"):
         finished_sft(tiny_model_dir, sft_data, out, "--train.learning_rate", "2e-2")
-    resumed = finished_sft(tiny_model_dir, sft_data, out, "--train.learning_rate", "2e-2", "--checkpoint.resume_changed", "true")
+    resumed = finished_sft(
+        tiny_model_dir, sft_data, out, "--train.learning_rate", "2e-2", "--checkpoint.resume_changed", "true"
+    )
     cfg = resumed.cfg.train
     assert cfg.learning_rate == 2e-2
     for record in resumed.history.steps[2:]:
@@ -122,12 +162,23 @@ def test_a_new_split_of_the_same_global_batch_reads_the_same_samples(tiny_model_
     """2 x 2 -> 4 x 1: allowed (the global batch is the same); the resumed steps draw exactly the
     samples an unbroken 2 x 2 run draws, and their losses agree to float tolerance."""
     train, valid = sft_data
-    steps = ["--train.max_steps", "5", "--train.eval_steps", "0", "--lora.dropout", "0"]  # dropout draws follow the batch shape
+    steps = [
+        "--train.max_steps",
+        "5",
+        "--train.eval_steps",
+        "0",
+        "--lora.dropout",
+        "0",
+    ]  # dropout draws follow the batch shape
     unbroken = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "a", *steps))
     monkeypatch.setenv("RELAY_STOP_AFTER_STEP", "2")
     run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "b", *steps))
     monkeypatch.delenv("RELAY_STOP_AFTER_STEP")
-    resumed = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "b", *steps, "--train.batch_size", "4", "--train.grad_accum", "1"))
+    resumed = run_sft(
+        sft_args(
+            tiny_model_dir, train, valid, tmp_path / "b", *steps, "--train.batch_size", "4", "--train.grad_accum", "1"
+        )
+    )
     flat = [sorted(i for group in step for i in group) for step in resumed.batch_ids]
     assert flat == [sorted(i for group in step for i in group) for step in unbroken.batch_ids[2:]]
     for want, got in zip(unbroken.history.steps[2:], resumed.history.steps[2:]):
@@ -144,5 +195,7 @@ def test_more_steps_resume_a_finished_run_without_refusal(tiny_model_dir, sft_da
 
 def test_an_explicit_checkpoint_that_is_not_one_is_a_listed_problem(tiny_model_dir, sft_data, tmp_path, monkeypatch):
     no_model_loads(monkeypatch)
-    with pytest.raises(ConfigError, match=r"checkpoint.resume: .*nowhere is not a complete checkpoint \(no .complete marker\)"):
+    with pytest.raises(
+        ConfigError, match=r"checkpoint.resume: .*nowhere is not a complete checkpoint \(no .complete marker\)"
+    ):
         finished_sft(tiny_model_dir, sft_data, tmp_path / "sft", "--checkpoint.resume", str(tmp_path / "nowhere"))

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from pipeline.engine.interrupt import Stopped
 from stagerun import run_stage
 from test_pt_sft import fresh_accelerate_state, run_sft, sft_args, write_sft  # noqa: F401 (autouse fixture)
+
+from pipeline.engine.interrupt import Stopped
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,8 +27,9 @@ def test_sigterm_stops_at_the_step_boundary_and_the_restart_matches_an_unbroken_
     train, valid = write_sft(tmp_path / "data", 10, 4)
     args = ["--train.max_steps", "5", "--train.eval_steps", "0"]
     unbroken = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "a", *args))
-    from stages.sft import SFTStage
     from stagerun import recording
+
+    from stages.sft import SFTStage
 
     def kill_at_2(stage, record):
         if stage.step == 2:
@@ -37,7 +38,10 @@ def test_sigterm_stops_at_the_step_boundary_and_the_restart_matches_an_unbroken_
     with pytest.raises(Stopped) as stopped:
         run_stage(recording(SFTStage), sft_args(tiny_model_dir, train, valid, tmp_path / "b", *args), on_step=kill_at_2)
     checkpoint = tmp_path / "b" / "checkpoints" / "step-0000002"
-    assert str(stopped.value) == f"stopped by SIGTERM at step 2; checkpoint {checkpoint}; rerun the same command to continue"
+    assert (
+        str(stopped.value)
+        == f"stopped by SIGTERM at step 2; checkpoint {checkpoint}; rerun the same command to continue"
+    )
     assert stopped.value.exit_code == 143 and (checkpoint / ".complete").is_file()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers given back
     resumed = run_sft(sft_args(tiny_model_dir, train, valid, tmp_path / "b", *args))
@@ -108,7 +112,13 @@ def test_sigterm_during_ppo_generation(tiny_model_dir, tiny_reward_dir, tmp_path
 
 
 def _env():
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RELAY_LOG_LEVEL": "WARNING"}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "RELAY_LOG_LEVEL": "WARNING",
+    }
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -121,8 +131,11 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
 
 def _relay_lines(stderr: str) -> list[str]:
     """stderr without progress bars and log records."""
-    return [line for line in stderr.splitlines() if line.strip() and "%|" not in line and " WARNING " not in line
-            and " INFO " not in line]
+    return [
+        line
+        for line in stderr.splitlines()
+        if line.strip() and "%|" not in line and " WARNING " not in line and " INFO " not in line
+    ]
 
 
 def test_a_real_process_stops_on_sigterm_with_one_line_and_the_rerun_continues(tiny_model_dir, tmp_path):
@@ -130,9 +143,22 @@ def test_a_real_process_stops_on_sigterm_with_one_line_and_the_rerun_continues(t
     out = tmp_path / "sft"
 
     def cmd(steps):
-        return [sys.executable, str(ROOT / "stages" / "sft.py"),
-                *sft_args(tiny_model_dir, train, valid, out, "--train.max_steps", str(steps), "--train.eval_steps", "0",
-                          "--tracking.trackers", "[]")]
+        return [
+            sys.executable,
+            str(ROOT / "stages" / "sft.py"),
+            *sft_args(
+                tiny_model_dir,
+                train,
+                valid,
+                out,
+                "--train.max_steps",
+                str(steps),
+                "--train.eval_steps",
+                "0",
+                "--tracking.trackers",
+                "[]",
+            ),
+        ]
 
     proc = subprocess.Popen(cmd(400), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(out / "config.yaml", proc)
@@ -144,9 +170,11 @@ def test_a_real_process_stops_on_sigterm_with_one_line_and_the_rerun_continues(t
     (line,) = _relay_lines(stderr)
     step = int(line.split(" at step ")[1].split(";")[0])
     assert 0 < step < 400
-    assert line == f"sft: stopped by SIGTERM at step {step}; checkpoint {out / 'checkpoints' / f'step-{step:07d}'}; rerun the same command to continue"
-    done = subprocess.run(cmd(step + 2), cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    assert (
+        line
+        == f"sft: stopped by SIGTERM at step {step}; checkpoint {out / 'checkpoints' / f'step-{step:07d}'}; rerun the same command to continue"
+    )
+    done = subprocess.run(cmd(step + 2), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == step + 2
 
@@ -154,10 +182,30 @@ def test_a_real_process_stops_on_sigterm_with_one_line_and_the_rerun_continues(t
 def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step(tiny_model_dir, tmp_path):
     train, valid = write_sft(tmp_path / "data", 10, 4)
     out = tmp_path / "sft"
-    cmd = [sys.executable, "-m", "pipeline.engine.launch", "--nproc_per_node", "2", "--master_port", "29561",
-           str(ROOT / "stages" / "sft.py"),
-           *sft_args(tiny_model_dir, train, valid, out, "--train.max_steps", "400", "--train.eval_steps", "0",
-                     "--tracking.trackers", "[]", "--train.batch_size", "1")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.engine.launch",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29561",
+        str(ROOT / "stages" / "sft.py"),
+        *sft_args(
+            tiny_model_dir,
+            train,
+            valid,
+            out,
+            "--train.max_steps",
+            "400",
+            "--train.eval_steps",
+            "0",
+            "--tracking.trackers",
+            "[]",
+            "--train.batch_size",
+            "1",
+        ),
+    ]
     env = {**_env(), "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(out / "config.yaml", proc)
@@ -169,11 +217,16 @@ def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step(tiny_model_dir, 
     assert proc.returncode == 143, stderr[-3000:]
     assert "Traceback" not in stderr and "ChildFailedError" not in stderr
     lines = _relay_lines(stderr)
-    assert lines[0].startswith("sft: stopped by SIGTERM at step ") and lines[0].endswith("rerun the same command to continue")
+    assert lines[0].startswith("sft: stopped by SIGTERM at step ") and lines[0].endswith(
+        "rerun the same command to continue"
+    )
     assert lines[-1].startswith("launch: rank ") and "stopped by SIGTERM" in lines[-1]
     step = int(lines[0].split(" at step ")[1].split(";")[0])
     saved = out / "checkpoints" / f"step-{step:07d}"
-    assert sorted(p.name for p in saved.glob("rng-rank*.json")) == ["rng-rank0.json", "rng-rank1.json"]  # both ranks, one step
+    assert sorted(p.name for p in saved.glob("rng-rank*.json")) == [
+        "rng-rank0.json",
+        "rng-rank1.json",
+    ]  # both ranks, one step
     assert [p.name for p in (out / "checkpoints").iterdir()] == [saved.name]
 
 
@@ -206,13 +259,21 @@ def test_the_driver_forwards_sigterm_and_records_which_stage_stopped(tmp_path, t
     config, root, fake_log = write_fake_config(tmp_path, tiny_model_dir, report=False)
     (tmp_path / "scripts" / "sft.py").write_text(SLEEPER)
     env = {**_env(), "FAKE_LOG": str(fake_log), "PYTHON": sys.executable}
-    proc = subprocess.Popen(["bash", str(ROOT / "run_scripts/run_pipeline.sh"), str(config)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "run_scripts/run_pipeline.sh"), str(config)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for(root / "sft" / "ready", proc)
     proc.send_signal(signal.SIGTERM)  # to the script only, as a scheduler would
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143, stderr[-2000:]
     log = (root / "driver.log").read_text()
-    assert f"sft: stopped by SIGTERM; its last checkpoint is {root / 'sft' / 'checkpoints' / 'step-0000003'}; " \
-           f"rerun the same command to continue" in log
+    assert (
+        f"sft: stopped by SIGTERM; its last checkpoint is {root / 'sft' / 'checkpoints' / 'step-0000003'}; "
+        f"rerun the same command to continue" in log
+    )
     assert not (root / "rm").exists()  # nothing after the stopped stage ran

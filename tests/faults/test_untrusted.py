@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from stagerun import run_stage
 
 from pipeline.config import ConfigError, ModelConfig
 from pipeline.modeling import models
-from stagerun import run_stage
 
-CONFIGURATION = '''
+CONFIGURATION = """
 from transformers import LlamaConfig
 
 
 class RelayTinyConfig(LlamaConfig):
     model_type = "relay_tiny"
-'''
-MODELING = '''
+"""
+MODELING = """
 from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
 from .configuration_relaytiny import RelayTinyConfig
@@ -35,10 +35,12 @@ class RelayTinyForCausalLM(LlamaForCausalLM):
 
 class RelayTinyForSequenceClassification(LlamaForSequenceClassification):
     config_class = RelayTinyConfig
-'''
-AUTO_MAP = {"AutoConfig": "configuration_relaytiny.RelayTinyConfig",
-            "AutoModelForCausalLM": "modeling_relaytiny.RelayTinyForCausalLM",
-            "AutoModelForSequenceClassification": "modeling_relaytiny.RelayTinyForSequenceClassification"}
+"""
+AUTO_MAP = {
+    "AutoConfig": "configuration_relaytiny.RelayTinyConfig",
+    "AutoModelForCausalLM": "modeling_relaytiny.RelayTinyForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_relaytiny.RelayTinyForSequenceClassification",
+}
 
 
 from test_pt_sft import fresh_accelerate_state  # noqa: E402,F401 (autouse fixture: a fresh Accelerator, one thread)
@@ -64,12 +66,47 @@ def with_custom_code(src: Path, folder: Path, model_type: str) -> Path:
 
 def sft_args(model: Path, tmp_path: Path, *extra: str) -> list[str]:
     data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
-                                                     {"role": "assistant", "content": f"answer {i}"}]}) + "\n"
-                            for i in range(8)))
-    return ["--model.path", str(model), "--data.train", f"[{data}]", "--data.eval", "[]", "--output_dir", str(tmp_path / "out"),
-            "--train.seq_length", "48", "--train.batch_size", "2", "--train.max_steps", "2", "--train.eval_steps", "0",
-            "--train.warmup", "0", "--lora.r", "4", "--tracking.trackers", "[]", "--checkpoint.save_interval", "1000h", *extra]
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"question {i}"},
+                        {"role": "assistant", "content": f"answer {i}"},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(8)
+        )
+    )
+    return [
+        "--model.path",
+        str(model),
+        "--data.train",
+        f"[{data}]",
+        "--data.eval",
+        "[]",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--train.seq_length",
+        "48",
+        "--train.batch_size",
+        "2",
+        "--train.max_steps",
+        "2",
+        "--train.eval_steps",
+        "0",
+        "--train.warmup",
+        "0",
+        "--lora.r",
+        "4",
+        "--tracking.trackers",
+        "[]",
+        "--checkpoint.save_interval",
+        "1000h",
+        *extra,
+    ]
 
 
 def test_trusted_custom_code_trains_and_merges(tiny_model_dir, tmp_path):
@@ -81,7 +118,9 @@ def test_trusted_custom_code_trains_and_merges(tiny_model_dir, tmp_path):
     folder = with_custom_code(tiny_model_dir, tmp_path / "custom", "relay_tiny")
     run_stage(SFTStage, sft_args(folder, tmp_path, "--model.trust_remote_code", "true"))
     merged = tmp_path / "out" / "merged"
-    assert json.loads((merged / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"].endswith("RelayTinyForCausalLM")
+    assert json.loads((merged / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"].endswith(
+        "RelayTinyForCausalLM"
+    )
     assert (merged / "modeling_relaytiny.py").is_file()  # the code travels with the merged model
     reloaded = AutoModelForCausalLM.from_pretrained(merged, trust_remote_code=True)
     assert type(reloaded).__name__ == "RelayTinyForCausalLM"
@@ -106,10 +145,12 @@ def test_ignored_custom_code_is_said_once(tiny_model_dir, tmp_path, caplog):
         run_stage(SFTStage, sft_args(folder, tmp_path))
     warnings = [r.getMessage() for r in caplog.records if "custom code" in r.getMessage()]
     assert len(warnings) == 1, warnings
-    assert warnings[0] == (f"{folder}: config.json maps AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification "
-                           "to custom code in the folder (auto_map); trust_remote_code is false, so that code is ignored "
-                           "and the stock transformers class for model_type 'llama' is used (set model.trust_remote_code: "
-                           "true if you trust the folder and need its code)")
+    assert warnings[0] == (
+        f"{folder}: config.json maps AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification "
+        "to custom code in the folder (auto_map); trust_remote_code is false, so that code is ignored "
+        "and the stock transformers class for model_type 'llama' is used (set model.trust_remote_code: "
+        "true if you trust the folder and need its code)"
+    )
     merged = tmp_path / "out" / "merged"
     assert (merged / "model.safetensors").is_file()
     assert "auto_map" not in json.loads((merged / "config.json").read_text())  # no pointer to code it does not hold
@@ -141,7 +182,9 @@ def test_pickled_weights_need_opt_in_and_load_weights_only(tiny_model_dir, tmp_p
 
     folder = pickled_copy(tiny_model_dir, tmp_path / "pickled")
     (problem,) = model_problems(str(folder), "model.path")
-    assert problem.startswith(f"model.path: {folder} has only pickled weights (pytorch_model.bin), and unpickling can run code")
+    assert problem.startswith(
+        f"model.path: {folder} has only pickled weights (pytorch_model.bin), and unpickling can run code"
+    )
     assert "set model.allow_pickle: true" in problem
     assert model_problems(str(folder), "model.path", allow_pickle=True) == []
 
@@ -180,8 +223,8 @@ def test_opted_in_pickled_base_trains_and_merges(tiny_model_dir, tmp_path):
 def test_pickled_weights_are_one_line_before_anything_heavy(tiny_model_dir, tmp_path, monkeypatch):
     """A stage given a pickle-only folder lists it with the other config problems: no tokenizer,
     no data, no model is loaded first."""
-    from stages.sft import SFTStage
     from pipeline.config import load_config
+    from stages.sft import SFTStage
 
     folder = pickled_copy(tiny_model_dir, tmp_path / "pickled")
 

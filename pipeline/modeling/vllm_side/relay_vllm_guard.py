@@ -40,7 +40,9 @@ _ROLES = tuple(json.loads(os.environ.get(ROLES_ENV) or "[]"))
 
 def error_body(message: str, param: Optional[str], code: str) -> bytes:
     """An OpenAI-style error object (Relay's `ApiError.body`)."""
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}).encode()
+    return json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+    ).encode()
 
 
 def role_error(body: Any, roles: Sequence[str]) -> Optional[bytes]:
@@ -52,19 +54,26 @@ def role_error(body: Any, roles: Sequence[str]) -> Optional[bytes]:
     if not isinstance(messages, list):
         return None
     batch = bool(messages) and all(isinstance(m, list) for m in messages)
-    for prefix, conversation in ([(f"messages[{j}]", c) for j, c in enumerate(messages)] if batch else [("messages", messages)]):
+    for prefix, conversation in (
+        [(f"messages[{j}]", c) for j, c in enumerate(messages)] if batch else [("messages", messages)]
+    ):
         for i, m in enumerate(conversation):
             role = m.get("role") if isinstance(m, dict) else None
             if role not in roles:
-                return error_body(f"{prefix}[{i}].role must be one of {', '.join(roles)} (got {role!r})", f"{prefix}[{i}].role",
-                                  "invalid_value")
+                return error_body(
+                    f"{prefix}[{i}].role must be one of {', '.join(roles)} (got {role!r})",
+                    f"{prefix}[{i}].role",
+                    "invalid_value",
+                )
     return None
 
 
 class Guard:
     """Pure ASGI middleware (streaming answers pass through untouched)."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]], key: Optional[str] = None, roles: Optional[Sequence[str]] = None):
+    def __init__(
+        self, app: Callable[..., Awaitable[None]], key: Optional[str] = None, roles: Optional[Sequence[str]] = None
+    ):
         self.app = app
         key = key if key is not None else _KEY
         self.expected = f"Bearer {key}".encode() if key else None
@@ -88,8 +97,11 @@ class Guard:
         if scope["type"] == "websocket":  # closed before the handshake: the client gets HTTP 403
             return await send({"type": "websocket.close", "code": 1008})
         if missing:
-            body = error_body("You didn't provide an API key: send it as 'Authorization: Bearer KEY' (OpenAI clients: "
-                              "api_key=KEY)", None, "missing_api_key")
+            body = error_body(
+                "You didn't provide an API key: send it as 'Authorization: Bearer KEY' (OpenAI clients: api_key=KEY)",
+                None,
+                "missing_api_key",
+            )
         else:
             body = error_body("Incorrect API key provided", None, "invalid_api_key")
         await respond(send, 401, body, [(b"www-authenticate", b"Bearer")])
@@ -123,6 +135,11 @@ class Guard:
 
 
 async def respond(send: Callable, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
