@@ -25,10 +25,17 @@ fi
 workers=${RELAY_TEST_WORKERS:-$([ "$(nproc)" -ge 2 ] && echo 2 || echo 1)}
 parallel=()
 [ "$workers" -le 1 ] || parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+# The linter and the formatter's check (pyproject.toml [tool.ruff]); a finding fails the command,
+# after the tests have run.
+lint=0
+.venv/bin/ruff check --quiet . || lint=1
+.venv/bin/ruff format --check --quiet . || lint=1
+[ "$lint" = 0 ] || echo "test.sh: ruff found problems (above): ruff check --fix . && ruff format ." >&2
 code=0
 .venv/bin/python -m pytest -q ${parallel[@]+"${parallel[@]}"} "$@" tests || code=$?
 # A run that never reached the vLLM tests (a selection) leaves no half-made install behind running.
 if [ -n "$vllm_pid" ] && [ ! -f "$RELAY_VLLM_INSTALL_STATUS.rc" ]; then
   kill -- "-$vllm_pid" 2>/dev/null || true
 fi
+[ "$code" != 0 ] || code=$lint
 exit $code
