@@ -41,7 +41,6 @@ from pipeline.config import GenerationConfig, ModelConfig, PromptDataConfig, Sta
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.stage import Stage, main
 from pipeline.engine.stage_checks import data_problems
-from pipeline.engine.steps import optimizer_step
 from pipeline.engine.supervised_head import head_split, hidden_forward
 from pipeline.modeling.embedded import resolve_model_path
 from pipeline.modeling.handoff import fact_problems, folder_facts
@@ -103,8 +102,8 @@ class DistillSection:
             out.append(f"{key}.lmbda: must be in [0, 1], got {self.lmbda}")
         if spec is not None and self.beta != DistillSection.beta and "beta" not in spec.options:
             out.append(
-                f"{key}.beta: only the {', '.join(n for n, s in dl.LOSSES.items() if 'beta' in s.options)} loss reads it "
-                f"(loss_type is {self.loss_type!r})"
+                f"{key}.beta: only the {', '.join(n for n, s in dl.LOSSES.items() if 'beta' in s.options)} loss "
+                f"reads it (loss_type is {self.loss_type!r})"
             )
         if spec is not None and spec.on_policy_only and self.lmbda != 1.0:
             out.append(f"{key}.lmbda: the {self.loss_type} loss scores the student's own samples only (set lmbda: 1)")
@@ -155,8 +154,8 @@ def teacher_problems(teacher_path: str, student_path: str) -> list[str]:
     ]
     if found:
         return [
-            f"teacher.path: the student {student_path} and the teacher {teacher_path} do not share a tokenizer "
-            f"({'; '.join(found)})"
+            f"teacher.path: the student {student_path} and "
+            f"the teacher {teacher_path} do not share a tokenizer ({'; '.join(found)})"
         ]
     return []
 
@@ -313,20 +312,12 @@ class DistillStage(PolicyStage):
             sums[1] += float(kl.sum())
             return loss
 
-        out = optimizer_step(
-            self.model,
-            self.optimizer,
-            acc,
-            accum,
-            micro_batch,
-            step=self.step + 1,
-            max_grad_norm=cfg.train.max_grad_norm,
-        )
+        grad_norm = self.optimizer_step(accum, micro_batch)
         if acc.num_processes > 1:
             sums = acc.reduce(sums.to(acc.device), reduction="sum").cpu()
         return {
             "train/loss": float(sums[0]),
-            "train/grad_norm": out.grad_norm,
+            "train/grad_norm": grad_norm,
             "distill/kl": float(sums[1] / tokens.clamp(min=1)),
             "distill/on_policy": float(on_policy),
             "distill/gen_time": gen_time if on_policy else 0.0,

@@ -48,7 +48,7 @@ from pipeline.algorithms import preference as pref
 from pipeline.algorithms.reference import ReferenceStage
 from pipeline.config import PreferenceDataConfig, StageConfig
 from pipeline.engine.stage import main
-from pipeline.engine.steps import eval_shards, optimizer_step, rank_mean
+from pipeline.engine.steps import eval_shards, rank_mean
 from pipeline.modeling.models import eval_mode
 
 log = logging.getLogger("relay.dpo")
@@ -231,15 +231,7 @@ class DPOStage(ReferenceStage):
                 sums[key] = sums.get(key, 0.0) + float(values.float().mean()) / len(groups)
             return loss
 
-        grad_norm = optimizer_step(
-            self.model,
-            self.optimizer,
-            acc,
-            len(groups),
-            micro_batch,
-            step=self.step + 1,
-            max_grad_norm=self.cfg.train.max_grad_norm,
-        ).grad_norm
+        grad_norm = self.optimizer_step(len(groups), micro_batch)
         m = rank_mean(sums, acc)
         out = {
             "train/loss": m["loss"],

@@ -46,7 +46,7 @@ from pipeline.algorithms import preference as pref
 from pipeline.algorithms.reference import ReferenceStage
 from pipeline.config import ChatDataConfig, StageConfig
 from pipeline.engine.stage import main
-from pipeline.engine.steps import all_reduce_sum, eval_shards, optimizer_step
+from pipeline.engine.steps import all_reduce_sum, eval_shards
 from pipeline.modeling.models import eval_mode
 
 log = logging.getLogger("relay.kto")
@@ -198,15 +198,7 @@ class KTOStage(ReferenceStage):
                 sums[key] = sums.get(key, 0.0) + float(value) / (len(groups) if key == "kl" else 1)
             return loss
 
-        grad_norm = optimizer_step(
-            self.model,
-            self.optimizer,
-            acc,
-            len(groups),
-            micro_batch,
-            step=self.step + 1,
-            max_grad_norm=self.cfg.train.max_grad_norm,
-        ).grad_norm
+        grad_norm = self.optimizer_step(len(groups), micro_batch)
         m = self.reduced(sums)
         out = {
             "train/loss": m["loss"],

@@ -39,7 +39,7 @@ from data_formats.render import template_jinja
 from pipeline.algorithms.pairwise import pair_scores, pairwise_loss, record_stats_in_config, stats_of
 from pipeline.config import PreferenceDataConfig, StageConfig
 from pipeline.engine.stage import Stage, main
-from pipeline.engine.steps import eval_shards, optimizer_step, rank_mean
+from pipeline.engine.steps import eval_shards, rank_mean
 from pipeline.modeling.models import eval_mode
 
 log = logging.getLogger("relay.rm")
@@ -132,15 +132,7 @@ class RMStage(Stage):
             totals["accuracy"] += float((chosen > rejected).float().mean()) / len(groups)
             return loss
 
-        grad_norm = optimizer_step(
-            self.model,
-            self.optimizer,
-            acc,
-            len(groups),
-            micro_batch,
-            step=self.step + 1,
-            max_grad_norm=self.cfg.train.max_grad_norm,
-        ).grad_norm
+        grad_norm = self.optimizer_step(len(groups), micro_batch)
         figures = rank_mean(totals, acc)
         return {"train/loss": figures["loss"], "train/accuracy": figures["accuracy"], "train/grad_norm": grad_norm}
 

@@ -66,7 +66,7 @@ from pipeline.engine.precision import fp32_masters, keeps_masters
 from pipeline.engine.resume import launched_world_size, resume, resume_problems
 from pipeline.engine.schedule import build_scheduler
 from pipeline.engine.stage_checks import data_problems, fill_problem, parent_problems, supervision_problems
-from pipeline.engine.steps import NonFiniteError
+from pipeline.engine.steps import NonFiniteError, optimizer_step
 from pipeline.engine.tracking import (
     EarlyStopping,
     History,
@@ -591,6 +591,24 @@ class Stage:
         return merged
 
     # ---- helpers subclasses share ------------------------------------------------------------
+
+    def optimizer_step(self, count: int, micro_batch) -> float:
+        """The engine's one optimizer step (`engine.steps.optimizer_step`) on this stage's model and
+        optimizer over `count` micro-batches, `micro_batch(index)` running one and returning its
+        loss; returns the gradient norm before clipping.
+
+        Raises:
+            NonFiniteError: a non-finite loss or gradient (the optimizer has not stepped).
+        """
+        return optimizer_step(
+            self.model,
+            self.optimizer,
+            self.accelerator,
+            count,
+            micro_batch,
+            step=self.step + 1,
+            max_grad_norm=self.cfg.train.max_grad_norm,
+        ).grad_norm
 
     def next_sample_indices(self, grad_accum: Optional[int] = None) -> list[list[int]]:
         """This rank's sample indices of the next optimizer step's micro-batches (advances the
