@@ -1,6 +1,7 @@
 """`relay serve` batching: 8 concurrent short requests vs one, through HTTP with the openai client.
 
-    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python bench/bench_serve.py [--model embedded] [--rounds 3] [--tokens 32]
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python bench/bench_serve.py \\
+        [--model embedded] [--rounds 3] [--tokens 32]
 
 `relay serve` runs in its own process (127.0.0.1, a free port) on the given model. Each round
 times one request alone, then 8 identical-length requests sent at once from 8 threads (greedy,

@@ -74,7 +74,8 @@ def table(rows: list[dict], n: int) -> str:
         f"Python {platform.python_version()}, transformers {transformers.__version__}, "
         f"tokenizers {tokenizers.__version__}, {platform.processor() or platform.machine()}.",
         "",
-        "| template | tokens | raw fast tokenizer (batched, tok/s) | render() with masks (tok/s) | render ms/sample | ratio |",
+        "| template | tokens | raw fast tokenizer (batched, "
+        "tok/s) | render() with masks (tok/s) | render ms/sample | ratio |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -77,7 +77,8 @@ PARTS = [
         "every",
         50,
         "install from the bundle (or the environment as it is); versions of torch, "
-        "transformers, accelerate, peft, trl, deepspeed, bitsandbytes, flash-attn; Python headers for DeepSpeed's CPU Adam",
+        "transformers, accelerate, peft, trl, deepspeed, "
+        "bitsandbytes, flash-attn; Python headers for DeepSpeed's CPU Adam",
     ),
     Part(
         "sft-profile",
@@ -115,7 +116,8 @@ PARTS = [
         "second",
         100,
         "bf16 tracks fp32; PPO under ZeRO-3 == one GPU; QLoRA under ZeRO-3; resuming ZeRO refused up front",
-        tests="tests/test_distributed_gpu.py::test_bf16_tracks_fp32 tests/test_distributed_gpu.py::test_ppo_under_zero3_equals_one_gpu "
+        tests="tests/test_distributed_gpu.py::test_bf16_tracks_fp32 "
+        "tests/test_distributed_gpu.py::test_ppo_under_zero3_equals_one_gpu "
         "tests/test_distributed_gpu.py::test_qlora_trains_under_sharding_and_tracks_one_gpu "
         "tests/test_distributed_gpu.py::test_resuming_a_zero3_run_is_refused_up_front",
     ),
@@ -684,7 +686,8 @@ def selected(spec: str) -> list[Part]:
     bad = [n for n in names if n not in RUNS and n not in known]
     if bad:
         raise ValueError(
-            f"GPU_CHECK_PARTS: {', '.join(bad)} not known; runs: {', '.join(RUNS)}; parts: {', '.join(p.name for p in PARTS)}"
+            f"GPU_CHECK_PARTS: {', '.join(bad)} not known; runs: {', '.join(RUNS)}; parts: "
+            f"{', '.join(p.name for p in PARTS)}"
         )
     return [p for p in PARTS if p.run == "every" or p.run in names or p.name in names]
 
@@ -906,7 +909,10 @@ def plan(bundle, environ=os.environ) -> int:
         for part in parts:
             needs = f" [needs {part.gpus} GPUs: not started on fewer]" if part.gpus > 1 else ""
             if part.name == "install":
-                what = f"bash run_scripts/install.sh --bundle {bundle or 'DIR'} --target <work>/site  (no index, --no-deps; torch kept) -- {part.what}"
+                what = (
+                    f"bash run_scripts/install.sh --bundle {bundle or 'DIR'} --target <work>/site  (no index, "
+                    f"--no-deps; torch kept) -- {part.what}"
+                )
             elif part.tests:
                 what = f"pytest {part.tests}  -- {part.what}"
             else:

@@ -51,7 +51,8 @@ def headers_line(h: dict) -> str:
     if h.get("found"):
         return f"Python {h['python']} headers: found ({h['path']}): DeepSpeed's CPU Adam can build"
     return (
-        f"Python {h.get('python')} headers: MISSING ({h.get('path')} does not exist): DeepSpeed's CPU Adam (ZeRO-Offload) "
+        f"Python {h.get('python')} headers: MISSING "
+        f"({h.get('path')} does not exist): DeepSpeed's CPU Adam (ZeRO-Offload) "
         f"cannot build here; install the python{'.'.join(str(h.get('python', '3')).split('.')[:2])}-dev package"
     )
 
@@ -146,7 +147,8 @@ def sft_table(bench: dict) -> list[str]:
         lines.append(
             f"| {row['mode']} | {side(r, 'tokens_per_s')} | {side(t, 'tokens_per_s')} | "
             f"{ratio(r.get('tokens_per_s'), t.get('tokens_per_s'))} | {pct(r.get('mfu'))} | {pct(t.get('mfu'))} | "
-            f"{gb(r.get('gpu_peak_mb'))} | {gb(t.get('gpu_peak_mb'))} | {ratio(r.get('gpu_peak_mb'), t.get('gpu_peak_mb'))} | {loss} |"
+            f"{gb(r.get('gpu_peak_mb'))} | {gb(t.get('gpu_peak_mb'))} | "
+            f"{ratio(r.get('gpu_peak_mb'), t.get('gpu_peak_mb'))} | {loss} |"
         )
     errors = (
         [
@@ -167,7 +169,8 @@ def profile_lines(r: dict) -> list[str]:
         why = f"error: {r['error']}" if "error" in r else f"cut off {r['cut_off']}" if "cut_off" in r else "no figures"
         return [f"- Relay SFT full fine-tuning (profiled): {why}"]
     lines = [
-        f"- Relay SFT full fine-tuning, {r.get('case', {}).get('precision', 'bf16')}, seq {r.get('case', {}).get('seq_length')} "
+        f"- Relay SFT full fine-tuning, {r.get('case', {}).get('precision', 'bf16')}, seq "
+        f"{r.get('case', {}).get('seq_length')} "
         f"packed, {r.get('case', {}).get('batch_size')} samples a step: {side(r, 'tokens_per_s')} tok/s, "
         f"{r.get('s_per_step', '-')} s/step, MFU {pct(r.get('mfu'))}, peak {gb(r.get('gpu_peak_mb'))} GiB, "
         f"losses {r.get('losses')}" + (f" (cut off {r['cut_off']})" if "cut_off" in r else "")
@@ -209,8 +212,10 @@ def bench_section(bench: dict) -> list[str]:
         else []
     )
     lines += [
-        f"Random-init {shape} ({(bench.get('n_params') or 0) / 1e6:.0f}M parameters), the embedded tokenizer, synthetic "
-        f"two-turn conversations of ~500 tokens, 16 a step packed into rows of 2048, bf16, AdamW, sdpa. Peak dense bf16 "
+        f"Random-init {shape} ({(bench.get('n_params') or 0) / 1e6:.0f}M "
+        "parameters), the embedded tokenizer, synthetic "
+        "two-turn conversations of ~500 tokens, 16 "
+        "a step packed into rows of 2048, bf16, AdamW, sdpa. Peak dense bf16 "
         f"taken as {bench.get('peak_bf16_tflops')} TFLOP/s. MFU = tokens/s x (6N full, 4N LoRA/QLoRA, + 12 L d T "
         "attention) / peak (bench/gpu.py). Peak memory: torch.cuda.max_memory_allocated.",
         "",
@@ -225,7 +230,8 @@ def bench_section(bench: dict) -> list[str]:
             f"- QLoRA on {q.get('shape', 'the 1.5B shape')}: "
             + (
                 status_of(q)
-                or f"{q.get('steps')} steps, losses {q.get('losses')}, merged: {q.get('merged')}, peak {gb(q.get('gpu_peak_mb'))} GiB, "
+                or f"{q.get('steps')} steps, losses {q.get('losses')}, merged: {q.get('merged')}, "
+                f"peak {gb(q.get('gpu_peak_mb'))} GiB, "
                 f"{q.get('seconds')} s with load and merge"
             )
         )
@@ -250,13 +256,16 @@ def bench_section(bench: dict) -> list[str]:
             f"Decoding ({shape}, {g.get('dtype') or c.get('dtype')}, greedy, every row {rows[0]['new_tokens']} new "
             "tokens; tok/s; each side warmed up on the shapes it is timed on):",
             "",
-            "| batch | Relay, CUDA graph | Relay, model's own step | generate, dynamic cache | generate, static cache (compiled) "
-            "| graph vs dynamic |",
+            "| batch | Relay, CUDA graph | Relay, model's "
+            "own step | generate, dynamic cache "
+            "| generate, static cache (compiled) | graph vs dynamic |",
             "|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {r['batch']} | {num(r.get('relay-graph'))} | {num(r.get('relay-eager'))} | {num(r.get('generate-dynamic'))} | "
-            f"{num(static.get(r['batch'], r.get('generate-static')))} | {ratio(r.get('relay-graph'), r.get('generate-dynamic'))} |"
+            f"| {r['batch']} | {num(r.get('relay-graph'))} | {num(r.get('relay-eager'))} | "
+            f"{num(r.get('generate-dynamic'))} | "
+            f"{num(static.get(r['batch'], r.get('generate-static')))} | "
+            f"{ratio(r.get('relay-graph'), r.get('generate-dynamic'))} |"
             for r in rows
         ]
         if c.get("warmup_s"):

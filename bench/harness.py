@@ -226,8 +226,8 @@ def relay_train_settings(cfg, optim: dict) -> None:
 @contextlib.contextmanager
 def full_length_sampling():
     """While open, Relay's generators (HFGenerator, RelayGenerator) sample exactly max_new_tokens
-    tokens (EOS suppressed until then), so both sides of an RL comparison generate the same number of tokens; restored after,
-    since `--quick` may run the peer in the same process.
+    tokens (EOS suppressed until then), so both sides of an RL comparison generate the same number of tokens; restored
+    after, since `--quick` may run the peer in the same process.
 
     Raises:
         HarnessError: pipeline/algorithms/rollout.py no longer builds its config with
@@ -329,14 +329,12 @@ def machine() -> str:
         pass
     extras = [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()]
     try:
-        model = next(l for l in info.splitlines() if l.startswith("model name")).split(":", 1)[1].strip()
+        model = next(line for line in info.splitlines() if line.startswith("model name")).split(":", 1)[1].strip()
     except (NameError, StopIteration):
         model = ""
     try:
-        mem = (
-            int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])
-            / 2**20
-        )
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        mem = int(next(line for line in meminfo if line.startswith("MemTotal")).split()[1]) / 2**20
     except (OSError, StopIteration):
         mem = 0
     cap = os.environ.get("RELAY_CPU_ISA", "")

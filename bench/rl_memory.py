@@ -166,7 +166,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for side, r in results.items():
         print(
-            f"| {side} | {r['peak_rss_mib']:.0f} MiB | {r['built_rss_mib']:.0f} MiB | {r['scoring_s']:.1f} s | {r['update_s']:.1f} s "
+            f"| {side} | {r['peak_rss_mib']:.0f} MiB | {r['built_rss_mib']:.0f} "
+            f"MiB | {r['scoring_s']:.1f} s | {r['update_s']:.1f} s "
             f"| {r['loss']:.6f} | {r['grad_norm']:.6f} |"
         )
 

@@ -434,7 +434,8 @@ def section(
         SECTION,
         f"`bench/scaling.py` ({_dt.date.today().isoformat()}; {harness.machine()}, {threads} threads; "
         f"{harness.versions(harness.PYTHONS['relay'])}). Relay only, {model}, LoRA, fp32, sdpa; each point in its own "
-        f"process; s/step is the mean over the steps after {WARMUP} warm-up step(s), peak RSS the process's VmHWM at the end "
+        "process; s/step is the mean over the steps after "
+        f"{WARMUP} warm-up step(s), peak RSS the process's VmHWM at the end "
         "of its last timed step. SFT: synthesised multi-turn conversations of exactly T tokens (see the script's "
         "docstring for why not packing), tokens per step held constant; tokens/s "
         "counts trained-sequence tokens. PPO: one batch of data/sample/ppo prompts, every response exactly N tokens "

@@ -132,7 +132,8 @@ def main() -> int:
     base = str(materialize())
     before = score(base, requests)
     print(
-        f"before (embedded base): {before['parseable']}/{before['requests']} parseable calls, {before['correct']} correct",
+        f"before (embedded base): {before['parseable']}/{before['requests']} "
+        f"parseable calls, {before['correct']} correct",
         flush=True,
     )
     subprocess.run(
@@ -171,7 +172,8 @@ def main() -> int:
     )
     after = score(str(out / "sft" / "merged"), requests)
     print(
-        f"after {args.steps} SFT steps: {after['parseable']}/{after['requests']} parseable calls, {after['correct']} correct",
+        f"after {args.steps} SFT steps: {after['parseable']}/{after['requests']} "
+        f"parseable calls, {after['correct']} correct",
         flush=True,
     )
     print(json.dumps({"steps": args.steps, "before": before, "after": after}))

@@ -3,13 +3,14 @@
 generations x up to 24 new tokens, LoRA r16), one run after another on the same machine; the
 vllm row also gives the engine-trainer log-prob diff. Step 1 is warm-up (vLLM's server starts in
 it) and is left out of the mean. Unlike the harness, completions may stop at EOS (vLLM's sampler
-has no Relay-style min_new_tokens here), so the rows' generated tokens are printed beside them, and the last line gives each backend's
-step against relay's (the goal: vllm <= 2x relay, its weight sync included: the adapter is saved
+has no Relay-style min_new_tokens here), so the rows' generated tokens are printed beside them, and the last line gives
+each backend's step against relay's (the goal: vllm <= 2x relay, its weight sync included: the adapter is saved
 and loaded into the server inside every step's rollout). The trainer and the vLLM server get the
 same thread count (--threads; the server's through OMP_NUM_THREADS, which vLLM keeps when it is set): the trainer
 waits while the server samples, so neither takes the other's cores.
 
-    RELAY_VLLM_PYTHON=bench/.venv-vllm/bin/python .venv/bin/python bench/vllm_grpo.py [--steps 6] [--threads 1] [--backends relay,hf,vllm]
+    RELAY_VLLM_PYTHON=bench/.venv-vllm/bin/python .venv/bin/python bench/vllm_grpo.py \\
+        [--steps 6] [--threads 1] [--backends relay,hf,vllm]
 """
 
 from __future__ import annotations

@@ -209,10 +209,16 @@ def coin_conversation(rng: random.Random) -> list[dict]:
         crowns = rng.randint(1, 20)
         if rng.random() < 0.5:
             question = f"How many shells is {crowns} crown{'s' if crowns != 1 else ''}?"
-            answer = f"{crowns} crown{'s' if crowns != 1 else ''} is {crowns * SHELLS_PER_CROWN} shells, since one crown is {SHELLS_PER_CROWN} shells."
+            answer = (
+                f"{crowns} crown{'s' if crowns != 1 else ''} is {crowns * SHELLS_PER_CROWN} "
+                f"shells, since one crown is {SHELLS_PER_CROWN} shells."
+            )
         else:
             question = f"How many crowns is {crowns * SHELLS_PER_CROWN} shells?"
-            answer = f"{crowns * SHELLS_PER_CROWN} shells is {crowns} crown{'s' if crowns != 1 else ''}, since one crown is {SHELLS_PER_CROWN} shells."
+            answer = (
+                f"{crowns * SHELLS_PER_CROWN} shells is {crowns} crown{'s' if crowns != 1 else ''}, "
+                f"since one crown is {SHELLS_PER_CROWN} shells."
+            )
         rounds += [{"role": "human", "content": question}, {"role": "bot", "content": answer}]
     return rounds
 

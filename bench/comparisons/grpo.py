@@ -7,7 +7,8 @@ Both sides: the harness's model (the embedded SmolLM2-135M-Instruct; `--quick` a
 Llama) in fp32 with sdpa attention, LoRA r16 / alpha 32 / dropout 0.05 on every linear layer but
 the head (peft's "all-linear"), dropout off; per step `prompts` prompts of
 data/sample/ppo/train.jsonl, each sampled `generations` times at temperature 1 (no top-k/top-p)
-with each side's sampler (Relay: its decode engine; TRL: transformers' `generate`, `use_vllm=False`), `new_tokens` tokens per completion; the
+with each side's sampler (Relay: its decode engine; TRL: transformers' `generate`, `use_vllm=False`), `new_tokens`
+tokens per completion; the
 reward is `reward` below, the same Python function on both sides (no reward model: the trainer is
 the thing compared); group-normalised advantages (scaled by the group's std), one optimizer step
 per generation batch (num_iterations 1, so neither side runs an old-policy forward), clip 0.2,

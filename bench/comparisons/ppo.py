@@ -27,8 +27,8 @@ sampled tokens. Each is checked, none assumed:
 - Same sampled tokens: both sides generate exactly `new_tokens` tokens per prompt, EOS
   suppressed until then (`min_new_tokens = max_new_tokens`: on the peer the policy's
   generation_config, which TRL merges into its own; on Relay its decode engine's
-  `min_new_tokens`, harness.full_length_sampling). Without this a response that ends early shortens one side's rollout and
-  every later forward. Each side counts the tokens its own rollouts hold (Relay: the
+  `min_new_tokens`, harness.full_length_sampling). Without this a response that ends early shortens one side's rollout
+  and every later forward. Each side counts the tokens its own rollouts hold (Relay: the
   rollout's response mask; TRL: its policy's `generate` output cut at the first EOS),
   records them per step in `extra["generated_tokens"]` and fails unless every step has
   `batch * new_tokens`. Forcing the length leaves the sampled distribution slightly off
