@@ -501,7 +501,8 @@ def build_prompt_data(
 ) -> list[dict]:
     """PPO prompts dict(prompt_ids, text, source, standard, columns, conversation): the rendered history plus
     the assistant opener, whether the record's prompt was a plain text (1: TRL's standard type), the
-    record's other fields as JSON text (the reward functions' keyword arguments) and the conversation itself as JSON (its turns and tools: a tool rollout continues it).
+    record's other fields as JSON text (the reward functions' keyword arguments) and the conversation itself as JSON
+    (its turns and tools: a tool rollout continues it).
     `tools`: the schemas a tool rollout offers, given to every prompt that lists none of its own.
     Prompts over `max_length` tokens (default cfg.max_prompt_length) are dropped (truncation='drop')
     or lose their oldest user/assistant exchanges, keeping any system turn (truncation='truncate').

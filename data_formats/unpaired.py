@@ -154,7 +154,8 @@ def kl_partner_problem(samples: Sequence[dict], split: str) -> Optional[str]:
         key = _question(s)
         if len(samples) - records[key[0]] - prompts[key[1]] + both[key] == 0:
             return (
-                f"kto {split} data ({s['source']}): no other sample answers another question, so the KL estimate has no "
+                f"kto {split} data ({s['source']}): no other "
+                "sample answers another question, so the KL estimate has no "
                 f"mismatched answer for it; add prompts, or use kto.loss_type apo_zero_unpaired (no KL estimate)"
             )
     return None
