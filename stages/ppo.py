@@ -191,7 +191,8 @@ def make_normaliser(cfg: PPOConfig, reward_path: str) -> rl.RunningMoments:
     stats = (read_manifest(reward_path) or {}).get("reward_stats")
     if not stats:
         raise ValueError(
-            f"ppo.reward_norm is 'stored' but {reward_path}/manifest.json has no reward_stats (train the RM with stages/reward.py)"
+            f"ppo.reward_norm is 'stored' but {reward_path}/manifest.json "
+            "has no reward_stats (train the RM with stages/reward.py)"
         )
     return rl.RunningMoments(stats["mean"], stats["std"], stats["n"])
 

@@ -143,7 +143,8 @@ class GRPOSection:
         out += self._loss_conflicts(key) + self._advantage_conflicts(key)
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             out.append(
-                f"{key}.reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward functions"
+                f"{key}.reward_weights: {len(self.reward_weights)} "
+                f"weights for {len(self.reward_funcs)} reward functions"
             )
         out += [f"{key}.reward_funcs: {p}" for p in filter(None, map(rw.reward_func_problem, self.reward_funcs))]
         return out
@@ -152,7 +153,8 @@ class GRPOSection:
         out, lt = [], self.loss_type
         if lt == "cispo" and (self.epsilon_high is None or self.epsilon_high <= 1):
             out.append(
-                f"{key}.epsilon_high: loss_type cispo caps the ratio at epsilon_high itself; set it > 1 (e.g. 5.0), got {self.epsilon_high}"
+                f"{key}.epsilon_high: loss_type cispo caps the ratio "
+                f"at epsilon_high itself; set it > 1 (e.g. 5.0), got {self.epsilon_high}"
             )
         if lt in ("sapo", "vespo") and self.epsilon_high is not None:
             out.append(f"{key}.epsilon_high: loss_type {lt} does not clip the ratio; leave epsilon_high null")
@@ -180,12 +182,14 @@ class GRPOSection:
         out, est = [], self.advantage_estimator
         if self.scale_rewards in ("batch", "none") and est != "grpo":
             out.append(
-                f"{key}.scale_rewards: applies to advantage_estimator grpo only ({est} scales its own way); leave 'group'"
+                f"{key}.scale_rewards: applies to advantage_estimator "
+                f"grpo only ({est} scales its own way); leave 'group'"
             )
         if self.multi_objective_aggregation == "normalize_then_sum":
             if est != "grpo":
                 out.append(
-                    f"{key}.multi_objective_aggregation: normalize_then_sum yields the advantages itself; use advantage_estimator grpo, not {est}"
+                    f"{key}.multi_objective_aggregation: normalize_then_sum yields the advantages itself; use "
+                    f"advantage_estimator grpo, not {est}"
                 )
             if self.scale_rewards in ("batch", "none"):
                 out.append(

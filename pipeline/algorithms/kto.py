@@ -122,7 +122,8 @@ def weight_advice(
         return None
     low, high = undesirable_weight * undesirable / desirable, undesirable_weight * undesirable / desirable * 4.0 / 3.0
     return (
-        f"kto: {desirable} desirable and {undesirable} undesirable samples with weights {desirable_weight}/{undesirable_weight}: "
-        f"the KTO paper advises desirable_weight·n_D / (undesirable_weight·n_U) in [1, 4/3], e.g. desirable_weight "
-        f"in [{low:.2f}, {high:.2f}]"
+        f"kto: {desirable} desirable and {undesirable} undesirable samples with weights "
+        f"{desirable_weight}/{undesirable_weight}: "
+        "the KTO paper advises desirable_weight·n_D / (undesirable_weight·n_U) "
+        f"in [1, 4/3], e.g. desirable_weight in [{low:.2f}, {high:.2f}]"
     )

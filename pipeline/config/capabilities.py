@@ -540,10 +540,13 @@ def render() -> str:
     ]
     return "\n".join(
         [
-            f"{tested} combinations are trained by the test suite ({cuda_only} of them on a CUDA GPU only); {refused} are "
-            "refused before any model loads. yes: runs; CUDA: runs on a CUDA GPU; no (n): refused for reason n. Rows whose "
-            "every engine is refused are left out. One process is `distributed.engine: ddp` without `--nproc`; DDP is more "
-            "than one rank.",
+            f"{tested} combinations are trained by the "
+            f"test suite ({cuda_only} of them on a CUDA GPU only); {refused} are "
+            "refused before any model loads. yes: runs; "
+            "CUDA: runs on a CUDA GPU; no (n): refused for reason n. Rows whose "
+            "every engine is refused are left out. One "
+            "process is `distributed.engine: "
+            "ddp` without `--nproc`; DDP is more than one rank.",
             "",
             *head,
             *rows,

@@ -88,7 +88,8 @@ class GenerationConfig:
             self.correction_floor is not None and not 0 <= self.correction_floor < self.correction_cap
         ):
             out.append(
-                f"{key}.correction_cap/correction_floor: need 0 <= floor < cap, got {self.correction_floor} and {self.correction_cap}"
+                f"{key}.correction_cap/correction_floor: need "
+                f"0 <= floor < cap, got {self.correction_floor} and {self.correction_cap}"
             )
         for entry in BACKENDS.values():
             out += entry.option_problems(self, key)

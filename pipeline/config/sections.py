@@ -436,7 +436,8 @@ class PromptDataConfig(ChatDataConfig):
     """Prompts for PPO rollouts."""
 
     max_prompt_length: int = 256
-    """Prompts longer than this many tokens (or than train.seq_length - generation.max_new_tokens) are handled by `truncation`."""
+    """Prompts longer than this many tokens (or than train.seq_length - generation.max_new_tokens) are handled by
+    `truncation`."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -59,7 +59,8 @@ def combination_problems(cfg: StageConfig) -> list[str]:
         # ZeRO partitions the optimizer state (and under ZeRO-3 the weights) over ranks; the
         # checkpoint holds rank 0's optimizer share only, so a resume would be silently wrong.
         out.append(
-            "checkpoint.resume: resuming a distributed.engine deepspeed run is not supported (ZeRO shards the optimizer "
+            "checkpoint.resume: resuming a distributed.engine "
+            "deepspeed run is not supported (ZeRO shards the optimizer "
             "state over ranks; the checkpoint holds rank 0's share); set checkpoint.resume false to start again, "
             "or train with distributed.engine ddp or fsdp, which resume exactly"
         )

@@ -54,5 +54,8 @@ def largest_weight(params: Iterable[torch.Tensor]) -> float:
 def weight_divergence(largest: float, cfg: DivergenceConfig) -> Optional[str]:
     """Why the weights count as blown up, or None."""
     if not largest <= cfg.max_weight_abs:  # also catches NaN
-        return f"a trainable weight reached magnitude {largest:.3g} (train.divergence.max_weight_abs {cfg.max_weight_abs:g})"
+        return (
+            f"a trainable weight reached magnitude {largest:.3g} "
+            f"(train.divergence.max_weight_abs {cfg.max_weight_abs:g})"
+        )
     return None

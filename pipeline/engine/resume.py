@@ -2,8 +2,8 @@
 pipeline.engine.identity, checked in validation before any model loads), loading the newest one
 that loads (falling back past broken ones, pipeline.engine.checkpoint), and putting its state
 into the run: weights, optimizer, scheduler, RNG, the data cursor (it counts samples, so another
-batch split or number of ranks goes on at the next unseen sample), the trainer's history and the stage's own state, and the
-schedule when the resume changed the train settings."""
+batch split or number of ranks goes on at the next unseen sample), the trainer's history and the stage's own state, and
+the schedule when the resume changed the train settings."""
 
 from __future__ import annotations
 

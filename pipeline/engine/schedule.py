@@ -109,7 +109,8 @@ def cycle_ends(total_steps: int, cfg: TrainConfig) -> list[int]:
                 ends.append(acc)
             if acc > total_steps:
                 raise ValueError(
-                    f"train.cycle_length: the cycle lengths add up to {acc}, more than the {total_steps} steps of the run"
+                    "train.cycle_length: the cycle lengths "
+                    f"add up to {acc}, more than the {total_steps} steps of the run"
                 )
             if acc < total_steps:
                 ends.append(total_steps)

@@ -361,7 +361,8 @@ def lm_train_step(
 ) -> StepResult:
     """One optimizer step over this rank's micro-batches with token-normalised accumulation.
 
-    Backward runs per micro-batch (memory stays one micro-batch) inside `micro_step`. Gradients are clipped to `max_grad_norm` (0: measured, not clipped), checked finite,
+    Backward runs per micro-batch (memory stays one micro-batch) inside `micro_step`. Gradients are clipped to
+    `max_grad_norm` (0: measured, not clipped), checked finite,
     then the optimizer steps. The caller steps the scheduler.
 
     Raises:

@@ -244,7 +244,8 @@ def quiet_console() -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    else:  # transformers reads this switch when it is imported: no 1-2 s import for a command that may never load a model
+    else:
+        # transformers reads this switch when it is imported: no 1-2 s import for a command that may never load a model
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()

@@ -69,7 +69,8 @@ def check_parent_compatible(parent: Union[str, Path], child_tokenizer_dir: Union
     child_len = tokenizer_length(child)
     if expected["vocab_size"] is not None and child_len is not None and child_len > expected["vocab_size"]:
         problems.append(
-            f"vocab size: parent {parent} embeds {expected['vocab_size']} tokens, the tokenizer in {child} has {child_len}"
+            f"vocab size: parent {parent} embeds {expected['vocab_size']} "
+            f"tokens, the tokenizer in {child} has {child_len}"
         )
     return problems
 

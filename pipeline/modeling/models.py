@@ -84,8 +84,9 @@ def remote_code_problems(model_cfg: ModelConfig, key: str = "model") -> list[str
         fit = stock_fit_problem(folder, code["model_type"])
         return (
             [
-                f"{key}.path: {folder} ships its own code (auto_map) and {fit}; set {key}.trust_remote_code: true if you "
-                "trust the folder"
+                f"{key}.path: {folder} ships its own code "
+                f"(auto_map) and {fit}; set {key}.trust_remote_code: "
+                "true if you trust the folder"
             ]
             if fit
             else []
@@ -185,7 +186,8 @@ def check_attn_implementation(name: str) -> str:
         # PyTorch's flex attention has no backward on a CPU, so it could not train there.
         if not torch.cuda.is_available():
             raise ValueError(
-                "attn_implementation 'flex_attention' trains on a CUDA GPU only (PyTorch has no CPU backward for it). Use 'sdpa'."
+                "attn_implementation 'flex_attention' trains "
+                "on a CUDA GPU only (PyTorch has no CPU backward for it). Use 'sdpa'."
             )
         return name
     if name != "flash_attention_2":
@@ -320,7 +322,8 @@ def _from_pretrained(path: str, kind: str, kwargs: dict[str, Any]) -> torch.nn.M
     others = [k for k in info.get("missing_keys", []) if k not in fresh]
     if fresh:
         log.info(
-            "%s has no reward head: the '%s' head is newly initialised (expected when loading a causal LM as a reward model)",
+            "%s has no reward head: the '%s' head is newly "
+            "initialised (expected when loading a causal LM as a reward model)",
             path,
             SCORE_HEAD,
         )

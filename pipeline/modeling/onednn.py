@@ -13,8 +13,8 @@ prepacked weight) ~260. Same fp32 math, another summation order.
 Training (`OneDNNLinear`, `onednn_linears`): every plain fp32 `nn.Linear` runs oneDNN's kernel
 forward and for both gradients (the input's and, where it trains, the weight's).
 
-Decoding (`packed_linears`): at the batch sizes of decoding (a few rows a step) a decode step is a stream of the weights through
-matrix-vector-like products. MKL's fp32 GEMM streams them at ~22 GB/s on this machine's 2 cores;
+Decoding (`packed_linears`): at the batch sizes of decoding (a few rows a step) a decode step is a stream of the weights
+through matrix-vector-like products. MKL's fp32 GEMM streams them at ~22 GB/s on this machine's 2 cores;
 oneDNN's kernel on a weight reordered once into its blocked layout at ~45-80 GB/s. Three things
 make the engine's steps cheaper than a plain forward, each the same math in another summation
 order (logits agree with a plain forward to ~1e-6, not bit for bit):

@@ -4,8 +4,8 @@
 vLLM runs in its own environment (run_scripts/install_vllm.sh makes bench/.venv-vllm): it pins
 transformers (vllm-cpu 0.32.0: >=5.16.1,<5.20) below the project's, so it cannot be imported
 beside Relay; it is reached over HTTP on 127.0.0.1 instead. The interpreter is, in order,
-$RELAY_VLLM_PYTHON, bench/.venv-vllm/bin/python (once install_vllm.sh has finished), or this one when it can import vllm (a CUDA
-machine with `pip install vllm` in the main environment).
+$RELAY_VLLM_PYTHON, bench/.venv-vllm/bin/python (once install_vllm.sh has finished), or this one when it can import vllm
+(a CUDA machine with `pip install vllm` in the main environment).
 
 On a CPU the server is kept small (the machine is shared): a 1 GiB KV cache
 (VLLM_CPU_KVCACHE_SPACE), a short context, few sequences at once, fp32, and the model run inside
@@ -124,7 +124,8 @@ KEPT_PREFIXES = (
 tokens of Hugging Face, the accelerator's, thread and instruction-set caps, compilers and vLLM's own."""
 DROPPED_VLLM_ENV = frozenset(
     {
-        "VLLM_SERVER_DEV_MODE",  # the development routes: /collective_rpc, /sleep, /reset_prefix_cache, /server_info, ...
+        # the development routes: /collective_rpc, /sleep, /reset_prefix_cache, /server_info, ...
+        "VLLM_SERVER_DEV_MODE",
         "VLLM_API_KEY",  # the guard holds the key (a stray one would only half-key the server)
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING",  # /v1/load_lora_adapter: weights from any path, at runtime
         "VLLM_TORCH_PROFILER_DIR",  # /start_profile, /stop_profile

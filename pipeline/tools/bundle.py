@@ -318,7 +318,8 @@ def tree_bytes(repo: Path) -> Optional[int]:
 def summary(manifest: dict) -> str:
     """The bundle's contents, one line per wheel, and its total."""
     lines = [
-        f"  {w['name']:<22} {w['version']:<14} {w['size'] / 2**20:7.2f} MiB  (for {', '.join(sorted(set(w['required_by'])))})"
+        f"  {w['name']:<22} {w['version']:<14} {w['size'] / 2**20:7.2f} MiB  (for "
+        f"{', '.join(sorted(set(w['required_by'])))})"
         for w in manifest["wheels"]
     ]
     lines += [f"  {f['file']:<37} {f['size'] / 2**20:7.2f} MiB" for f in manifest.get("files", [])]
@@ -343,7 +344,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--budget-mib",
         type=float,
         default=None,
-        help="optional: refuse a bundle larger than this many MiB (for a transfer with a size limit; default: no limit)",
+        help="optional: refuse a bundle larger than this "
+        "many MiB (for a transfer with a size limit; default: no limit)",
     )
     args = parser.parse_args(argv)
     if args.seed_cache:

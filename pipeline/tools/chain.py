@@ -150,7 +150,8 @@ class PipelineConfig:
         for name in registry.STAGES:
             if name not in self.chain and entry(self, name) != StageEntry():
                 out.append(
-                    f"stages.{name}: configured but not in chain ({', '.join(self.chain)}); add it to chain or remove it"
+                    f"stages.{name}: configured but not in "
+                    f"chain ({', '.join(self.chain)}); add it to chain or remove it"
                 )
         for name in self.chain:
             if (
@@ -182,7 +183,8 @@ def chain_order_problems(chain: Sequence[str]) -> list[str]:
     unknown = [s for s in chain if s not in registry.STAGES]
     if unknown:
         out.append(
-            f"chain: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not a registered stage ({', '.join(registry.STAGES)})"
+            f"chain: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not a registered stage "
+            f"({', '.join(registry.STAGES)})"
         )
     repeated = sorted({s for s in chain if list(chain).count(s) > 1})
     if repeated:
@@ -250,7 +252,8 @@ def load_pipeline(config_path: str, argv: Sequence[str]) -> tuple[PipelineConfig
         if name and name not in cfg.chain:
             raise ConfigError(
                 [
-                    f"{name}: selected on the command line but not in the chain ({', '.join(cfg.chain)}) of {config_path}"
+                    f"{name}: selected on the command line but "
+                    f"not in the chain ({', '.join(cfg.chain)}) of {config_path}"
                 ],
                 "command line",
             )
@@ -347,7 +350,8 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
     actual = weights_hash(folder)
     if manifest.get("weights_hash") != actual:
         raise DriverError(
-            f"{folder}: weights hash {actual} does not match its manifest's {manifest.get('weights_hash')}; delete {stage_dir(cfg, stage)} to rebuild it"
+            f"{folder}: weights hash {actual} does not match its manifest's {manifest.get('weights_hash')}; delete "
+            f"{stage_dir(cfg, stage)} to rebuild it"
         )
     saved = config_file(cfg, stage)
     changed = (
@@ -358,13 +362,15 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
     if changed:
         raise DriverError(
             f"{folder} was built with the config in {saved}, which differs from what the pipeline config "
-            f"now gives this stage ({'; '.join(changed)}):\n{render_stage_config(cfg, stage)}delete {stage_dir(cfg, stage)} to rebuild it"
+            f"now gives this stage ({'; '.join(changed)}):\n{render_stage_config(cfg, stage)}delete "
+            f"{stage_dir(cfg, stage)} to rebuild it"
         )
     parent = parent_path(cfg, stage)
     expected = weights_hash(parent)
     if manifest.get("parent_hash") != expected:
         raise DriverError(
-            f"{folder} is stale: built on parent weights {manifest.get('parent_hash')} ({manifest.get('parent_path')}), "
+            f"{folder} is stale: built on parent weights {manifest.get('parent_hash')} "
+            f"({manifest.get('parent_path')}), "
             f"but its parent {parent} now has {expected}; delete {stage_dir(cfg, stage)} to rebuild it"
         )
     problem = reward_model_problem(cfg, stage, manifest)
@@ -387,18 +393,25 @@ def reward_model_problem(cfg: PipelineConfig, stage: str, manifest: dict) -> Opt
     record = manifest.get("reward_model")
     if rm is None:
         if isinstance(record, dict) and record:
-            return f"{folder} is stale: {name} scored with reward model {record.get('path')}, but the pipeline now gives it none; delete {stage_dir(cfg, stage)} to rebuild it"
+            return (
+                f"{folder} is stale: {name} scored with reward model {record.get('path')}, but the pipeline now gives "
+                f"it none; delete {stage_dir(cfg, stage)} to rebuild it"
+            )
         return None
     current = weights_hash(rm)
     if not isinstance(record, dict) or not record.get("weights_hash"):
         return (
-            f"{folder}/manifest.json does not record the reward model {name} scored with (reward_model: path, weights_hash), "
-            f"so it cannot be checked against the current reward model {rm} ({current}); delete {stage_dir(cfg, stage)} to rebuild it"
+            f"{folder}/manifest.json does not record the "
+            f"reward model {name} scored with (reward_model: path, weights_hash), "
+            f"so it cannot be checked against the current reward model {rm} ({current}); delete "
+            f"{stage_dir(cfg, stage)} to rebuild it"
         )
     if record["weights_hash"] != current:
         return (
-            f"{folder} is stale: the reward model was rebuilt since {name} ran: {name} scored with reward model weights "
-            f"{record['weights_hash']} ({record.get('path')}), but {rm} now has {current}; delete {stage_dir(cfg, stage)} to rebuild it"
+            f"{folder} is stale: the reward model was "
+            f"rebuilt since {name} ran: {name} scored with reward model weights "
+            f"{record['weights_hash']} ({record.get('path')}), but {rm} now has {current}; delete "
+            f"{stage_dir(cfg, stage)} to rebuild it"
         )
     return None
 
@@ -410,7 +423,8 @@ def checks_before(cfg: PipelineConfig, stage: str) -> list[str]:
     parent, previous = parent_path(cfg, stage), parent_stage(cfg, stage)
     if previous is not None and not (parent / "config.json").is_file():  # e.g. --from sft on a fresh output_root
         return [
-            f"{previous} has not run: {parent} does not exist yet; run the pipeline from {previous} (--from {previous}), "
+            f"{previous} has not run: {parent} does not "
+            f"exist yet; run the pipeline from {previous} (--from {previous}), "
             f"or point base_model at a model and leave {previous} out of the chain"
         ]
     # A base model from elsewhere may have no manifest; a stage's output must have one.

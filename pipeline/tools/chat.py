@@ -417,7 +417,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument(
         "--tool-schemas",
         metavar="FILE",
-        help="JSON list of tool schemas: with --tools, for tools whose docstring gives none; alone, you type each result",
+        help="JSON list of tool schemas: with --tools, "
+        "for tools whose docstring gives none; alone, you type each result",
     )
     parser.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may run")
     parser.add_argument(

@@ -272,14 +272,16 @@ def format_summary(summary: dict) -> str:
         seconds = f"  ({num(summary.get(f'{stage}_wall_seconds'), 0)} s)"
         if f"{stage}_train_loss_first" in summary:
             lines.append(
-                f"{stage:>3}: train loss {g('train_loss_first')} -> {g('train_loss_last')}, eval loss {g('eval_loss_first')} -> {g('eval_loss_last')}{seconds}"
+                f"{stage:>3}: train loss {g('train_loss_first')} -> {g('train_loss_last')}, eval loss "
+                f"{g('eval_loss_first')} -> {g('eval_loss_last')}{seconds}"
             )
             seconds = ""
         if f"{stage}_eval_accuracy" in summary:
             lines.append(f"{stage:>3}: held-out accuracy {g('eval_accuracy')}, margin {g('eval_margin')}")
         if f"{stage}_reward_first" in summary:
             lines.append(
-                f"{stage:>3}: mean reward {g('reward_first')} -> {g('reward_last')}, eval reward {g('eval_reward_first')} -> {g('eval_reward_last')}, final KL {g('kl_last')}{seconds}"
+                f"{stage:>3}: mean reward {g('reward_first')} -> {g('reward_last')}, eval reward "
+                f"{g('eval_reward_first')} -> {g('eval_reward_last')}, final KL {g('kl_last')}{seconds}"
             )
     gold = summary.get("gold")
     if gold:

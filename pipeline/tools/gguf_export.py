@@ -80,7 +80,8 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str:
     model = tokenizer_json.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback"):
         raise ExportError(
-            f"--gguf: the tokenizer is {model.get('type')}{' with byte fallback' if model.get('byte_fallback') else ''}, "
+            "--gguf: the tokenizer is "
+            f"{model.get('type')}{' with byte fallback' if model.get('byte_fallback') else ''}, "
             "not byte-level BPE; use llama.cpp's convert_hf_to_gguf.py on the exported folder"
         )
     if tokenizer_json.get("normalizer"):

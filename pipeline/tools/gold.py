@@ -5,7 +5,8 @@
 The reward model is a learned proxy; the gold table is the ground truth the pipeline is judged
 on. Each gold record is a PPO-style prompt plus its answer key::
 
-    {"id": "gold-000", "prompt": "Tell me the capital of Oru.", "island": "Oru", "attribute": "capital", "expected": "Tessel"}
+    {"id": "gold-000", "prompt": "Tell me the capital of Oru.", "island": "Oru", "attribute": "capital",
+     "expected": "Tessel"}
 
 and every model answers every prompt greedily (no sampling, no repetition penalty: the model's
 own most likely answer), rendered with the model folder's own chat template, which is the format

@@ -216,7 +216,9 @@ def model_card(
             "",
             "## Base model",
             "",
-            f"- {f'[{hub_id}](https://huggingface.co/{hub_id})' if hub_id else '`' + Path(base['_folder']).name + '` (a local folder)'}"
+            "- "
+            f"{f'[{hub_id}](https://huggingface.co/{hub_id})' if hub_id else '`' + Path(base['_folder']).name + '`'}"
+            f"{'' if hub_id else ' (a local folder)'}"
             f" (stage `{base.get('stage')}`), licence: {license_id}",
             "",
         ]
@@ -432,7 +434,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         nargs="?",
         const="f32",
         choices=tuple(GGUF_TYPES),
-        help="also write model.gguf: f32 (default), f16, bf16 or q8_0; for k-quants run llama.cpp's llama-quantize on it",
+        help="also write model.gguf: f32 (default), f16, "
+        "bf16 or q8_0; for k-quants run llama.cpp's llama-quantize on it",
     )
     parser.add_argument(
         "--name", help="the model's name in the card and the GGUF (default: the --push repo, else base model + stage)"

@@ -4,7 +4,8 @@
 
 RUN_DIR is a pipeline output root (one folder per registered stage that ran: pt/, sft/, rm/, ppo/,
 dpo/, ...) or a single stage's output folder. Each stage's plot is the one its registry entry
-declares (stages/__init__.py `StageInfo.plot`), so a new stage brings its own panels. Events are read with tensorboard's EventAccumulator; a stage that was resumed has
+declares (stages/__init__.py `StageInfo.plot`), so a new stage brings its own panels. Events are read with tensorboard's
+EventAccumulator; a stage that was resumed has
 several event files, whose curves are joined by step (the later write wins for a repeated step,
 as it is the one the resumed run kept).
 """
@@ -143,7 +144,10 @@ def _fmt(value: Optional[float]) -> str:
 def curve_row(stage: str, tag: str, curve: Curve) -> str:
     """A table row: tag, points, first -> last, min (pure)."""
     values = [v for _, v in curve]
-    return f"| {stage} | `{tag}` | {len(curve)} | {_fmt(values[0])} | {_fmt(values[-1])} | {_fmt(min(values))} | {_fmt(max(values))} |"
+    return (
+        f"| {stage} | `{tag}` | {len(curve)} | {_fmt(values[0])} "
+        f"| {_fmt(values[-1])} | {_fmt(min(values))} | {_fmt(max(values))} |"
+    )
 
 
 def gold_section(gold: Optional[dict]) -> list[str]:

@@ -45,7 +45,8 @@ class SampleConfig:
     model: str = ""
     """The model folder that answers (a merged model, or 'embedded')."""
     data: PromptDataConfig = field(default_factory=lambda: PromptDataConfig(train=[], eval=[]))
-    """The prompts: data.train lists the files, rendered as PPO's prompts (template, system_prompt, max_prompt_length)."""
+    """The prompts: data.train lists the files, rendered as PPO's prompts (template, system_prompt,
+    max_prompt_length)."""
     out: str = ""
     """The JSONL file written (its folder is created; judge_cache/ goes beside it)."""
     mode: str = "dpo"
@@ -106,7 +107,8 @@ class SampleConfig:
             out.append(f"margin: must be >= 0, got {self.margin}")
         if self.max_new_tokens < 1 or self.seq_length <= self.max_new_tokens:
             out.append(
-                f"max_new_tokens/seq_length: need 1 <= max_new_tokens < seq_length, got {self.max_new_tokens}/{self.seq_length}"
+                "max_new_tokens/seq_length: need 1 <= max_new_tokens < seq_length, got "
+                f"{self.max_new_tokens}/{self.seq_length}"
             )
         if self.temperature <= 0 or self.batch_size < 1:
             out.append("temperature/batch_size: must be > 0 and >= 1")
@@ -315,7 +317,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     print(
         f"{cfg.out}: {counts['records']} {cfg.mode} records from {counts['prompts']} prompts; skipped: "
-        f"{counts['skipped'] - counts['unfinished']} {'below the threshold' if cfg.mode == 'sft' else 'with no pair over the margin'}, "
+        f"{counts['skipped'] - counts['unfinished']} "
+        f"{'below the threshold' if cfg.mode == 'sft' else 'with no pair over the margin'}, "
         f"{counts['unfinished']} with too few answers finished within max_new_tokens"
     )
     return 0

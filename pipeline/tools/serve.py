@@ -13,8 +13,8 @@ the developer role; OpenAI-style errors), prompting through the folder's own cha
 as `relay chat` does. Requests are batched together
 (pipeline.tools.serve_batch): one generate call serves every request waiting, for at most
 --slice-tokens new tokens per row; rows still going continue in the next batch beside requests
-that arrived meanwhile, so a long answer never holds the others back. Limits: --max-request-bytes per body, the model's context for
-prompt + max_tokens, --request-timeout per request (an answer still running then ends with
+that arrived meanwhile, so a long answer never holds the others back. Limits: --max-request-bytes per body, the model's
+context for prompt + max_tokens, --request-timeout per request (an answer still running then ends with
 finish_reason "length"). Any OpenAI client works: `OpenAI(base_url="http://localhost:8000/v1",
 api_key="unused")`; the model name is the folder's name (--name changes it).
 
@@ -497,7 +497,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument(
         "--eager",
         action="store_true",
-        help="vLLM: no torch.compile (--enforce-eager): on a CPU it starts ~45 s sooner on SmolLM2-135M and decodes ~20%% slower",
+        help="vLLM: no torch.compile (--enforce-eager): on "
+        "a CPU it starts ~45 s sooner on SmolLM2-135M and decodes ~20%% slower",
     )
     args = parser.parse_args(argv)
     from pipeline.modeling.preflight import model_problems
@@ -555,7 +556,8 @@ def serve_on_relay(args: argparse.Namespace) -> int:
     )
     guard = "API key required" if args.api_key else "no API key: anyone who reaches the port can use it"
     print(
-        f"serving {args.model} as '{name}' (transformers) on http://{args.host}:{args.port}/v1, {guard}  (Ctrl-C stops)",
+        f"serving {args.model} as '{name}' (transformers) "
+        f"on http://{args.host}:{args.port}/v1, {guard}  (Ctrl-C stops)",
         file=sys.stderr,
     )
     run(make_app(server, args.api_key), args.host, args.port)
