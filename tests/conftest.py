@@ -22,10 +22,11 @@ if "RELAY_TOKEN_CACHE" not in os.environ:
     os.environ["RELAY_TOKEN_CACHE"] = tempfile.mkdtemp(prefix="relay-test-tokens-")
     atexit.register(shutil.rmtree, os.environ["RELAY_TOKEN_CACHE"], True)
 
-import bitsandbytes  # noqa: F401  (a stage run hides backends the config does not ask for; this session keeps both)
-import pytest
-import torch
-from tinymodels import make_tiny_model
+# These imports come after the environment set-up above on purpose (torch must see the CPU caps and offline switches).
+import bitsandbytes  # noqa: E402, F401  (a stage run hides backends the config does not ask for; this session keeps both)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tinymodels import make_tiny_model  # noqa: E402
 
 # Under pytest-xdist (run_scripts/test.sh) the cores are split between the workers: on 2 cores one
 # thread each, and the processes a test starts (torchrun, stage scripts, servers) get the same share.

@@ -69,7 +69,7 @@ def test_stage_help_lists_each_key_once_by_section(capsys):
     lines = out.splitlines()
     assert (
         lines.index("model:")
-        < lines.index(next(l for l in lines if l.startswith("  --model.path")))
+        < lines.index(next(line for line in lines if line.startswith("  --model.path")))
         < lines.index("lora:")
     )
     assert "Base model: a Hugging Face folder" in out  # the field docstring is the help text

@@ -25,7 +25,7 @@ onednn_verbose,v1,info,oneDNN v3.12.0 (commit 80afa71049cd69a3df32adcccb623b12cd
 onednn_verbose,v1,info,cpu,runtime:OpenMP,nthr:1
 onednn_verbose,v1,info,cpu,isa:Intel AVX2
 onednn_verbose,v1,primitive,exec,cpu,inner_product,brg_matmul:avx2,forward_inference,src:f32::blocked:ab::f0 wei:f32::blocked:ab::f0 bia:undef::undef::: dst:f32::blocked:ab::f0,attr-scratchpad:user,,mb64ic64oc32,0.0310059
-"""
+"""  # noqa: E501  (the libraries' lines, verbatim)
 
 
 def test_each_cap_names_the_three_libraries_and_unknown_caps_are_refused():

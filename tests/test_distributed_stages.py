@@ -1,7 +1,7 @@
 """Every stage under DDP (two CPU processes, torchrun, gloo) and FSDP (here on two GPUs; on two
 CPU ranks in tests/test_fsdp.py) equals one process with the same global
-batch: PT, SFT, RM and PPO, with grad_accum 1 and 4 (LoRA), and full RM, full PPO and QLoRA SFT. Per step: the loss and the
-grad_norm (every rank logs the same, global, norm; gradients are clipped, max_grad_norm 0.05, so a
+batch: PT, SFT, RM and PPO, with grad_accum 1 and 4 (LoRA), and full RM, full PPO and QLoRA SFT. Per step: the loss and
+the grad_norm (every rank logs the same, global, norm; gradients are clipped, max_grad_norm 0.05, so a
 per-rank norm would also change the update); PPO: grad_norm, KL, normalised reward and entropy
 (the step-2 figures depend on the step-1 update). The merged model equals the one-process one.
 An FSDP run stopped after step 1 and resumed continues exactly as an unbroken FSDP run (sharded

@@ -393,7 +393,8 @@ def test_config_problems_are_reported_together(tmp_path, tiny_model_dir, pair_fi
         dpo.DPOStage(cfg).validate()
     assert set(err.value.problems) >= {
         "dpo.beta: must be > 0, got 0",
-        "dpo.label_smoothing: only the sigmoid, robust, exo_pair, aot, aot_unpaired, simpo loss(es) read it (loss_type is 'orpo')",
+        "dpo.label_smoothing: only the sigmoid, robust, "
+        "exo_pair, aot, aot_unpaired, simpo loss(es) read it (loss_type is 'orpo')",
         "dpo.precompute_ref_log_probs: the orpo loss has no reference model",
         "data.margin_field: DPO has no per-pair margin (a reward-model key)",
     }

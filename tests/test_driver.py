@@ -75,15 +75,31 @@ FAKE_STAGE = textwrap.dedent(
     write_manifest(merged, stage=stage, parent=parent, config={"argv": sys.argv[1:]}, extra=extra)
     writer = EventFileWriter(str(out / "runs" / stage))
     for step in (1, 2, 3):
-        for tag, value in (("train/loss", 3.0 / step), ("ppo/reward_raw" if stage == "ppo" else "eval/loss", step / 10)):
+        second = "ppo/reward_raw" if stage == "ppo" else "eval/loss"
+        for tag, value in (("train/loss", 3.0 / step), (second, step / 10)):
             summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=value)])
             writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
     writer.close()
-    summary = {"train_loss_first": 3.0, "train_loss_last": 1.0, "eval_loss_first": 0.1, "eval_loss_last": 0.3, "steps": 3, "wall_seconds": 0.5}
+    summary = {
+        "train_loss_first": 3.0,
+        "train_loss_last": 1.0,
+        "eval_loss_first": 0.1,
+        "eval_loss_last": 0.3,
+        "steps": 3,
+        "wall_seconds": 0.5,
+    }
     if stage == "reward":
         summary.update(eval_accuracy=0.9, eval_margin=1.5)
     if stage == "ppo":
-        summary = {"reward_first": -0.25, "reward_last": 0.5, "kl_last": 0.0625, "eval_reward_first": 0.0, "eval_reward_last": 0.25, "steps": 3, "wall_seconds": 0.5}
+        summary = {
+            "reward_first": -0.25,
+            "reward_last": 0.5,
+            "kl_last": 0.0625,
+            "eval_reward_first": 0.0,
+            "eval_reward_last": 0.25,
+            "steps": 3,
+            "wall_seconds": 0.5,
+        }
     (out / "summary.json").write_text(json.dumps(summary))
     '''
 )
@@ -273,8 +289,8 @@ def test_tokenizer_mismatch_between_rm_and_policy_is_refused(completed_copy):
     refused = run_driver(config, fake_log, "--only", "ppo")
     assert refused.returncode == 1
     assert (
-        f"tokenizer hash: reward model {rm.resolve()} has {tokenizer_hash(rm)}, policy {(root / 'sft/merged').resolve()} has {policy_hash}"
-        in refused.stderr
+        f"tokenizer hash: reward model {rm.resolve()} has {tokenizer_hash(rm)}, policy "
+        f"{(root / 'sft/merged').resolve()} has {policy_hash}" in refused.stderr
     )
     assert ran(fake_log) == []
 
@@ -325,8 +341,8 @@ def test_rebuilt_reward_model_makes_ppo_stale(completed_copy):
     assert stale.returncode == 1 and ran(fake_log) == []
     rm = (root / "rm/merged").resolve()
     assert (
-        f"{root / 'ppo/merged'} is stale: the reward model was rebuilt since PPO ran: PPO scored with reward model weights {recorded}"
-        in stale.stderr
+        f"{root / 'ppo/merged'} is stale: the reward model was rebuilt since PPO ran: PPO scored with reward model "
+        f"weights {recorded}" in stale.stderr
     )
     assert f"but {rm} now has {new_hash}; delete {root / 'ppo'} to rebuild it" in stale.stderr
     cfg, _ = load_pipeline(str(config), [])
@@ -474,7 +490,8 @@ def test_gold_verdict():
         "gold: the ppo model's phrase rate 0.650 is not above the sft model's 0.500 by 0.2 (gain +0.150)"
     ]
     assert gold_verdict(gold_rows((0.5, 0.6), (1.0, 0.5)), "ppo", "sft", cfg) == [
-        "gold: the ppo model's fact accuracy 0.500 fell below the sft model's 0.600 by 0.100, more than the 0.05 allowed"
+        "gold: the ppo model's fact accuracy 0.500 "
+        "fell below the sft model's 0.600 by 0.100, more than the 0.05 allowed"
     ]
     assert len(gold_verdict(gold_rows((0.5, 0.6), (0.4, 0.1)), "ppo", "sft", cfg)) == 2
     assert gold_verdict(gold_rows((0.5, 0.6), (0.9, 0.6))[:2], "ppo", "sft", cfg) == ["gold: no row for ppo"]

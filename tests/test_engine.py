@@ -129,9 +129,14 @@ def test_backends_load_only_when_the_config_asks(tmp_path, tiny_model_dir):
         tmp_path / "c.jsonl",
         [{"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]}] * 4,
     )
+    argv = [
+        "--model.path", str(tiny_model_dir), "--data.train", f"[{data}]", "--data.eval", "[]",
+        "--output_dir", str(tmp_path / "o"), "--train.max_steps", "1", "--train.batch_size", "2",
+        "--tracking.trackers", "[]",
+    ]  # fmt: skip
     code = (
         "import sys; from stages.sft import SFTStage; from pipeline.engine.stage import main; "
-        f"rc = main(SFTStage, {['--model.path', str(tiny_model_dir), '--data.train', f'[{data}]', '--data.eval', '[]', '--output_dir', str(tmp_path / 'o'), '--train.max_steps', '1', '--train.batch_size', '2', '--tracking.trackers', '[]']!r}); "
+        f"rc = main(SFTStage, {argv!r}); "
         "print('LOADED', sorted(k for k in ('deepspeed', 'bitsandbytes') if sys.modules.get(k)))"
     )
     done = subprocess.run(

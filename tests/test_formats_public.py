@@ -306,7 +306,8 @@ def test_openai_preference_with_tools_and_a_call_as_the_preferred_answer(tmp_pat
 
 
 def test_hh_rlhf_after_trl_extract_prompt_reads_the_same_turns(tmp_path):
-    """TRL's `extract_prompt` output on HH-RLHF (Dahoas/full-hh-rlhf's layout): the same pairs as the raw transcripts."""
+    """TRL's `extract_prompt` output on HH-RLHF (Dahoas/full-hh-rlhf's layout): the same pairs as the raw
+    transcripts."""
     raw = [json.loads(line) for line in HH.read_text(encoding="utf-8").splitlines()]
     extracted = _write(tmp_path, [extract_prompt(r) for r in raw])  # lines 10 and 38: TRL splits inside the answers
     turns = lambda items: [(c.turns, r.turns) for c, r, _ in (g.value for g in items)]  # noqa: E731

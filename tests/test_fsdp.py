@@ -262,7 +262,8 @@ def test_fsdp_runs_on_cpu_and_refuses_what_it_cannot_shard(tiny_model_dir):
 
     assert lines() == []
     assert lines("--model.finetuning", "qlora") == [
-        "distributed.engine: fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, or model.finetuning lora or full"
+        "distributed.engine: fsdp cannot shard QLoRA's "
+        "4-bit weights; use distributed.engine ddp, or model.finetuning lora or full"
     ]
     assert [p.split(":")[0] for p in lines("--distributed.fsdp_sharding", "NO_SHARD")] == ["distributed.fsdp_sharding"]
 

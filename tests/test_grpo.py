@@ -222,8 +222,10 @@ def test_config_problems_listed_together_before_loading(tmp_path):
         grpo.GRPOStage(cfg).validate()
     found = err.value.problems
     assert [p for p in found if p.startswith("grpo.reward_funcs")] == [
-        f"grpo.reward_funcs: 'data/sample/reward.py:score': no such file 'data/sample/reward.py' (relative to the working directory {os.getcwd()})",
-        "grpo.reward_funcs: 'no_such_module_xyz:f': no module 'no_such_module_xyz' in the installed packages, PYTHONPATH, Relay's tree "
+        "grpo.reward_funcs: 'data/sample/reward.py:score': no such file 'data/sample/reward.py' (relative to the "
+        f"working directory {os.getcwd()})",
+        "grpo.reward_funcs: 'no_such_module_xyz:f': no module "
+        "'no_such_module_xyz' in the installed packages, PYTHONPATH, Relay's tree "
         f"or the working directory {os.getcwd()}; a file is named as 'path/to/file.py:function'",
     ]
     joined = "\n".join(found)

@@ -250,8 +250,12 @@ def judged_prompts(tmp_path_factory):
 
 
 def test_grpo_two_steps_with_judge_and_rule_reward_and_resume(
-    fresh, tmp_path, peaked_policy, judged_prompts, monkeypatch
-):  # noqa: F811
+    fresh,
+    tmp_path,
+    peaked_policy,  # noqa: F811  (the fixture imported from test_grpo)
+    judged_prompts,
+    monkeypatch,
+):
     monkeypatch.setenv("RELAY_TEST_JUDGE_KEY", KEY)
 
     def run(out, stop=None, resume=False):

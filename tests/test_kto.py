@@ -297,7 +297,8 @@ def test_llama_factory_kto_demo_reads_as_kto_and_is_refused_by_sft():
     assert [t.role for t in conv.turns] == ["user", "assistant"] and conv.turns[1].content.startswith("946,972,316,223")
     sft_good, sft_problems = read_and_parse([path], "sft")
     assert not sft_good and summarize(sft_problems) == [
-        f"{path}:2: 6 records: a true/false 'label' on one answer (KTO data): train it with the KTO stage (stages/kto.py), "
+        f"{path}:2: 6 records: a true/false 'label' on "
+        "one answer (KTO data): train it with the KTO stage (stages/kto.py), "
         "or its label=true records with SFT (lines 2, 15, 28, 41, 54, 67)"
     ]
 
@@ -414,7 +415,8 @@ def test_config_problems_are_reported_together(tmp_path, tiny_model_dir, kto_fil
     assert set(err.value.problems) >= {
         "kto.beta: must be > 0, got 0",
         "kto.undesirable_weight: must be > 0, got -1.0",
-        "train.batch_size: the kto loss estimates its KL term from the other samples of a micro-batch, so it needs >= 2, got 1",
+        "train.batch_size: the kto loss estimates its "
+        "KL term from the other samples of a micro-batch, so it needs >= 2, got 1",
         "data.padding_mode: the KTO stage pads each sample to its own row (got 'pack')",
     }
     assert kto.KTOSection(loss_type="bco").problems() == [

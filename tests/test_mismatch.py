@@ -369,7 +369,8 @@ def test_relay_engine_log_probs_equal_the_trainers(tiny_model_dir):
 
 def test_vllm_backend_config_problems(tmp_path, tiny_model_dir, monkeypatch):
     """Refused before any model loads, one line each: a sharded engine (no weight sync from shards
-    yet), full fine-tuning of a model with tied embeddings, vLLM's environment absent, a correction not in the registry, a band upside down."""
+    yet), full fine-tuning of a model with tied embeddings, vLLM's environment absent, a correction not in the registry,
+    a band upside down."""
     from test_grpo import make_cfg
 
     from pipeline.config import ConfigError

@@ -99,7 +99,8 @@ def test_full_finetuning_trains_everything(tiny_model_dir):
 def test_lora_causal_trains_exactly_the_adapters(tiny_model_dir):
     model = load_model(ModelConfig(path=str(tiny_model_dir), finetuning="lora"), _lora())
     expected = sorted(
-        f"base_model.model.model.layers.{layer}.{'self_attn' if m in LINEARS[:4] else 'mlp'}.{m}.lora_{ab}.default.weight"
+        f"base_model.model.model.layers.{layer}.{'self_attn' if m in LINEARS[:4] else 'mlp'}"
+        f".{m}.lora_{ab}.default.weight"
         for layer in range(2)
         for m in LINEARS
         for ab in "AB"

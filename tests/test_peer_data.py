@@ -114,7 +114,8 @@ def test_dpo_trains_two_steps_on_every_peer_preference_file(tiny_model_dir, tmp_
 
     run = run_stage(DPOStage, _train_cfg(DPOConfig(), tiny_model_dir, _files("rm"), tmp_path / "dpo", 2))
     assert len(run.history.steps) == 2
-    # every file gave pairs (the longest lose their oldest prompt tokens or, answer alone too long, are dropped and counted)
+    # every file gave pairs (the longest lose their oldest prompt tokens or, answer alone too long, are dropped and
+    # counted)
     assert {s["source"].rsplit(":", 1)[0] for s in run.train_samples} == {str(PEERS / f) for f in _files("rm")}
     saved = (
         json.loads((tmp_path / "dpo" / "merged" / "tokenizer_config.json").read_text()).get("chat_template")

@@ -240,7 +240,8 @@ def test_simpo_matches_trl_cpo_trainer(beta, gamma, smoothing, cpo_alpha, dtype,
     [
         (
             {"loss_type": "hinge", "label_smoothing": 0.1},
-            "dpo.label_smoothing: only the sigmoid, robust, exo_pair, aot, aot_unpaired, simpo loss(es) read it (loss_type is 'hinge')",
+            "dpo.label_smoothing: only the sigmoid, robust, "
+            "exo_pair, aot, aot_unpaired, simpo loss(es) read it (loss_type is 'hinge')",
         ),
         (
             {"loss_type": "sigmoid", "simpo_gamma": 1.0},

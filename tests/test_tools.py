@@ -64,13 +64,16 @@ OPENAI = {
 # turn, calls as JSON after the assistant's text, results in their own turn; {% generation %}
 # marks what transformers reports as the assistant's tokens.
 NATIVE = (
-    "{%- if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "{%- if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] }}\n{% endif %}"
     "Tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}<|im_end|>\n"
-    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{%- endif %}"
+    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n"
+    "{{ messages[0]['content'] }}<|im_end|>\n{%- endif %}"
     "{%- for m in messages %}"
     "{%- if m['role'] == 'user' %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n"
     "{%- elif m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}{{ m['content'] or '' }}"
-    "{%- for c in (m['tool_calls'] or []) %}<call>{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</call>{%- endfor %}"
+    "{%- for c in (m['tool_calls'] or []) %}"
+    "<call>{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</call>{%- endfor %}"
     "<|im_end|>{% endgeneration %}\n"
     "{%- elif m['role'] == 'tool' %}<|im_start|>tool\n{{ m['content'] }}<|im_end|>\n{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -130,7 +133,8 @@ def test_both_record_shapes_read_alike():
         ),
         (
             [{"from": "human", "value": "q"}, {"from": "function_call", "value": "{not json"}],
-            "conversations[1]: function_call is not valid JSON: Expecting property name enclosed in double quotes (column 2)",
+            "conversations[1]: function_call is not valid "
+            "JSON: Expecting property name enclosed in double quotes (column 2)",
         ),
         (
             [{"from": "human", "value": "q"}, {"from": "function_call", "value": '{"arguments": {}}'}],
@@ -162,7 +166,8 @@ def test_native_template_ids_and_mask_equal_transformers(native_tok):
     assert [label != IGNORE_INDEX for label in labels] == [bool(m) for m in want["assistant_masks"]]
     trained = native_tok.decode([i for i, label in zip(ids, labels) if label != IGNORE_INDEX])
     assert trained == (
-        '<call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</call><|im_end|>It is 3 degrees in Oslo.<|im_end|>'
+        '<call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</call><|im_end|>'
+        "It is 3 degrees in Oslo.<|im_end|>"
         '<call>{"name": "get_weather", "arguments": {"city": "Bergen"}}</call><|im_end|>5 degrees.<|im_end|>'
     )
     assert template_jinja(template, native_tok, tools=True) is None  # the tokenizer's own template already renders them

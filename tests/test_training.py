@@ -89,8 +89,8 @@ def test_accumulation_is_invariant_to_the_split(model, mode, weights):
     naive = []
     for s in samples():
         with torch.no_grad():
-            l, t = token_losses(model, Collator(0, "padding", 64)([s]))
-        naive.append(task_weighted_loss(l, t, mode, weights, num_tasks=2)[0].item())
+            losses, t = token_losses(model, Collator(0, "padding", 64)([s]))
+        naive.append(task_weighted_loss(losses, t, mode, weights, num_tasks=2)[0].item())
     assert abs(sum(naive) / len(naive) - whole.loss) > 1e-3
 
 

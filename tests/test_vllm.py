@@ -12,7 +12,8 @@ stage trains on it with the mismatch logged and corrected (TIS, the default for 
 Cheap by sharing (a server start is most of the time): one engine server for the whole module
 (`engine_server`, runtime LoRA and the full-weight sync both on; the generators, the gold table and
 chat take turns on it, each given the folder's own weights first), and only the resumed run and
-`relay serve` start their own: three starts for fourteen tests. run_scripts/test.sh builds the side environment in the background while the rest of
+`relay serve` start their own: three starts for fourteen tests. run_scripts/test.sh builds the side environment in the
+background while the rest of
 the suite runs; these tests run last (tests/conftest.py), wait for that install and fail when it
 failed. Run alone without the environment (no RELAY_VLLM_INSTALL_STATUS), they skip. Every server started
 here is stopped in teardown."""
@@ -63,7 +64,8 @@ def vllm_ready():
     if vllm_python() is None:
         if status is not None:
             pytest.fail(
-                "run_scripts/install_vllm.sh finished but no vLLM interpreter is found (RELAY_VLLM_PYTHON, bench/.venv-vllm)"
+                "run_scripts/install_vllm.sh finished but "
+                "no vLLM interpreter is found (RELAY_VLLM_PYTHON, bench/.venv-vllm)"
             )
         pytest.skip("vLLM's environment is absent: bash run_scripts/install_vllm.sh (run_scripts/test.sh builds it)")
 
@@ -425,7 +427,8 @@ def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm
         trainer = logprobs_from_logits(logits.float(), rollout.response_ids)
         mean, worst = logprob_diff(trainer, engine, rollout.response_mask)
         print(
-            f"vLLM vs trainer log-probs over {int(rollout.response_mask.sum())} sampled tokens: mean {mean:.2e}, max {worst:.2e}"
+            f"vLLM vs trainer log-probs over {int(rollout.response_mask.sum())} "
+            f"sampled tokens: mean {mean:.2e}, max {worst:.2e}"
         )
         assert worst < 1e-3 and mean < 1e-4
         torch.manual_seed(1)
@@ -461,7 +464,8 @@ def grpo_run(cfg, monkeypatch, factory=None, stop=None):
     stage = run_stage(grpo.GRPOStage, cfg, on_step=record, generator_factory=factory)
     for step, (figures, _, _) in seen.items():
         print(
-            f"step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}"
+            f"step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max "
+            f"{figures['rollout/logprob_diff_max']:.2e}"
         )
         assert figures["rollout/logprob_diff_max"] < 1e-3  # the engine sampled from the updated weights
     return stage, seen
@@ -555,7 +559,8 @@ def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default(
         )
         torch.testing.assert_close(exp.is_weight, want, rtol=0, atol=1e-6)
         print(
-            f"PPO step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}"
+            f"PPO step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max "
+            f"{figures['rollout/logprob_diff_max']:.2e}"
         )
         assert figures["rollout/logprob_diff_max"] < 1e-3  # the engine sampled from the updated weights
     assert weights and all(w is not None for w in weights)  # every policy-loss call was corrected

@@ -204,7 +204,10 @@ def test_sigint_stops_the_engine(fake_engine, tiny_model_dir):
 def test_a_crashed_parent_takes_the_engine_down(fake_engine, tiny_model_dir, tmp_path):
     """`relay serve`'s own code path (serve_vllm) in a process killed outright (SIGKILL: no handler runs)."""
     port = free_port()
-    code = f"from pipeline.tools.serve import serve_vllm; serve_vllm({str(tiny_model_dir)!r}, 'tiny', '127.0.0.1', {port}, 2, 'auto', 512)"
+    code = (
+        f"from pipeline.tools.serve import serve_vllm; serve_vllm({str(tiny_model_dir)!r}, "
+        f"'tiny', '127.0.0.1', {port}, 2, 'auto', 512)"
+    )
     with open(tmp_path / "parent.log", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1]

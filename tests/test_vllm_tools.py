@@ -31,7 +31,7 @@ QUESTIONS = [f"What is 2 + {i}?" for i in range(4)]
 
 
 @pytest.fixture(scope="module")
-def caller(vllm_untied, tmp_path_factory):
+def caller(vllm_untied, tmp_path_factory):  # noqa: F811  (the fixture imported from test_vllm)
     """vllm_untied made to end its turns often (about 1 token in 5 is the end-of-turn token at
     T 0.8), so turns end at different lengths and rows take several turns: the residual stream's
     dimension 0 is a constant (every embedding's, no layer writes it), and the head reads EOS off it
@@ -197,7 +197,8 @@ def test_grpo_with_tools_on_vllm(caller, tools_server, questions, calls, tmp_pat
     assert stage.final_summary["steps"] == 2 and sorted(seen) == [1, 2]
     for step, (figures, rollout, asked) in seen.items():
         print(
-            f"GRPO step {step}: {len(asked)} requests, max_tokens {sorted({m for _, m, _ in asked})}, logprob diff mean "
+            f"GRPO step {step}: {len(asked)} requests, "
+            f"max_tokens {sorted({m for _, m, _ in asked})}, logprob diff mean "
             f"{figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}"
         )
         check_step(

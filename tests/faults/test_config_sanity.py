@@ -204,7 +204,7 @@ def test_a_non_finite_step_is_one_line_naming_its_samples(tiny_model_dir, tmp_pa
     monkeypatch.setattr(
         steps,
         "weighted_token_losses",
-        lambda *a, **k: (lambda o, l, t: (o * float("nan"), l * float("nan"), t))(*real(*a, **k)),
+        lambda *a, **k: (lambda o, loss, t: (o * float("nan"), loss * float("nan"), t))(*real(*a, **k)),
     )
     train, valid = write_sft(tmp_path / "data", 6, 2)
     code = main(SFTStage, sft_args(tiny_model_dir, train, valid, tmp_path / "sft", "--tracking.trackers", "[]"))

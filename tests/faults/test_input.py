@@ -314,7 +314,8 @@ def test_wrong_kind_of_data_is_one_line_with_a_hint(tmp_path, tiny_model_dir, ti
     lines = [line.strip() for line in err.splitlines() if str(prefs) in line]
     assert status == 2 and lines == [
         f"{prefs}:1: 200 records: looks like preference data (chosen/rejected), not SFT conversations "
-        "(chatml, messages, sharegpt, alpaca, pair, firefly, prompt_completion): use the RM stage (stages/reward.py) (lines 1-200)"
+        "(chatml, messages, sharegpt, alpaca, pair, firefly, "
+        "prompt_completion): use the RM stage (stages/reward.py) (lines 1-200)"
     ]
 
 
@@ -324,7 +325,8 @@ def test_unsupported_suffix_is_named_once(tmp_path, tiny_model_dir, tiny_reward_
     status, err = run_main("sft", table, tmp_path, tiny_model_dir, tiny_reward_dir)
     lines = [line.strip() for line in err.splitlines() if str(table) in line]
     assert status == 2 and lines == [
-        f"{table}:0: .csv files are not supported; use .jsonl, .json, .parquet, .txt (JSON Lines, a JSON array, Parquet, plain text)"
+        f"{table}:0: .csv files are not supported; use .jsonl, "
+        ".json, .parquet, .txt (JSON Lines, a JSON array, Parquet, plain text)"
     ]
 
 

@@ -171,8 +171,8 @@ def test_a_real_process_stops_on_sigterm_with_one_line_and_the_rerun_continues(t
     step = int(line.split(" at step ")[1].split(";")[0])
     assert 0 < step < 400
     assert (
-        line
-        == f"sft: stopped by SIGTERM at step {step}; checkpoint {out / 'checkpoints' / f'step-{step:07d}'}; rerun the same command to continue"
+        line == f"sft: stopped by SIGTERM at step {step}; checkpoint {out / 'checkpoints' / f'step-{step:07d}'}; "
+        "rerun the same command to continue"
     )
     done = subprocess.run(cmd(step + 2), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
