@@ -54,6 +54,7 @@ class Stub:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with stub.lock:
                     stub.in_flight += 1
+                    self.counted = True
                     stub.max_in_flight = max(stub.max_in_flight, stub.in_flight)
                     stub.bodies.append(body)
                     stub.auth.add(self.headers.get("Authorization"))
@@ -73,10 +74,18 @@ class Stub:
                 except (BrokenPipeError, ConnectionResetError):
                     pass
                 finally:
-                    with stub.lock:
+                    self._done()
+
+            def _done(self):
+                # before the reply is written: the client may send its next request as soon as it
+                # has read this one, and that request must not find this one still counted
+                with stub.lock:
+                    if getattr(self, "counted", False):
                         stub.in_flight -= 1
+                        self.counted = False
 
             def _send(self, status, payload):
+                self._done()
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

@@ -48,8 +48,23 @@ def test_which_precisions_keep_masters(precision, mixed, want):
     assert keeps_masters(precision, mixed) is want
 
 
+@pytest.fixture
+def fresh_accelerate():
+    """accelerate keeps one mixed precision per process: an earlier test's state would refuse bf16,
+    and this test's bf16 would refuse a later test's fp32."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 @pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
-def test_full_fine_tuning_on_a_bf16_model_trains_fp32_masters_unless_pure(precision, tiny_model_dir, tmp_path):
+def test_full_fine_tuning_on_a_bf16_model_trains_fp32_masters_unless_pure(
+    precision, tiny_model_dir, tmp_path, fresh_accelerate
+):
     from stages.pretrain import PTConfig, PTStage
 
     docs = tmp_path / "pt.jsonl"
