@@ -12,8 +12,6 @@ from pipeline.algorithms import advantages as adv
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.grpo_losses import IMPORTANCE_LEVELS, LOSS_TYPES, Objective
 
-CLIPPING = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-"""Loss types built on PPO's clipped ratio (the ones `delta` applies to)."""
 GROUP_FREE = ("reinforce_plus_plus",)
 """Estimators without a group baseline: a group of equal rewards still has advantages."""
 
@@ -150,30 +148,19 @@ class GRPOSection:
         return out
 
     def _loss_conflicts(self, key: str) -> list[str]:
-        out, lt = [], self.loss_type
-        if lt == "cispo" and (self.epsilon_high is None or self.epsilon_high <= 1):
+        entry = LOSS_TYPES.get(self.loss_type)
+        if entry is None:  # refused by the choice check
+            return []
+        out = list(entry.problems(self, key))
+        clipping = tuple(name for name, e in LOSS_TYPES.items() if e.clips)
+        if self.delta is not None and not entry.clips:
             out.append(
-                f"{key}.epsilon_high: loss_type cispo caps the ratio "
-                f"at epsilon_high itself; set it > 1 (e.g. 5.0), got {self.epsilon_high}"
+                f"{key}.delta: the two-sided clip applies to clipped-ratio loss types {clipping}, not {self.loss_type}"
             )
-        if lt in ("sapo", "vespo") and self.epsilon_high is not None:
-            out.append(f"{key}.epsilon_high: loss_type {lt} does not clip the ratio; leave epsilon_high null")
-        if self.delta is not None and lt not in CLIPPING:
-            out.append(f"{key}.delta: the two-sided clip applies to clipped-ratio loss types {CLIPPING}, not {lt}")
         elif self.delta is not None and self.delta <= 1 + (
             self.epsilon if self.epsilon_high is None else self.epsilon_high
         ):
             out.append(f"{key}.delta: must be > 1 + epsilon_high (it caps the ratio above the clip), got {self.delta}")
-        if lt == "luspo" and self.importance_sampling_level != "sequence":
-            out.append(
-                f"{key}.importance_sampling_level: loss_type luspo needs 'sequence' (LUSPO is length-weighted GSPO)"
-            )
-        if lt == "vespo" and self.importance_sampling_level != "token":
-            out.append(
-                f"{key}.importance_sampling_level: loss_type vespo weighs the whole sequence itself; leave 'token'"
-            )
-        if lt == "sapo" and min(self.sapo_temperature_pos, self.sapo_temperature_neg) <= 0:
-            out.append(f"{key}.sapo_temperature_pos/neg: must be > 0")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             out.append(f"{key}.top_entropy_quantile: must be in [0, 1], got {self.top_entropy_quantile}")
         return out

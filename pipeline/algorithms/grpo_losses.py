@@ -151,10 +151,58 @@ def sequence_sum_mean(per_token: torch.Tensor, mask: torch.Tensor, n: Totals) ->
     return (per_token * mask).sum(-1).sum() / n.sequences
 
 
+def _no_problems(section, key: str) -> list[str]:
+    return []
+
+
+def _cispo_problems(section, key: str) -> list[str]:
+    if section.epsilon_high is None or section.epsilon_high <= 1:
+        return [
+            f"{key}.epsilon_high: loss_type cispo caps the ratio "
+            f"at epsilon_high itself; set it > 1 (e.g. 5.0), got {section.epsilon_high}"
+        ]
+    return []
+
+
+def _unclipped(section, key: str) -> list[str]:
+    if section.epsilon_high is not None:
+        return [f"{key}.epsilon_high: loss_type {section.loss_type} does not clip the ratio; leave epsilon_high null"]
+    return []
+
+
+def _luspo_problems(section, key: str) -> list[str]:
+    if section.importance_sampling_level != "sequence":
+        return [f"{key}.importance_sampling_level: loss_type luspo needs 'sequence' (LUSPO is length-weighted GSPO)"]
+    return []
+
+
+def _sapo_problems(section, key: str) -> list[str]:
+    out = _unclipped(section, key)
+    if min(section.sapo_temperature_pos, section.sapo_temperature_neg) <= 0:
+        out.append(f"{key}.sapo_temperature_pos/neg: must be > 0")
+    return out
+
+
+def _vespo_problems(section, key: str) -> list[str]:
+    out = _unclipped(section, key)
+    if section.importance_sampling_level != "token":
+        out.append(f"{key}.importance_sampling_level: loss_type vespo weighs the whole sequence itself; leave 'token'")
+    return out
+
+
 @dataclass(frozen=True)
 class LossType:
+    """A GRPO loss type: its per-token rule and aggregation, whether it clips the ratio (the
+    two-sided `delta` clip applies to those), and its own checks of the `grpo:` section
+    (`problems(section, key)`, one line each): adding a loss type is this entry and its test."""
+
     per_token: PerToken
     aggregate: Aggregate
+    problems: Callable[[object, str], list[str]] = _no_problems
+
+    @property
+    def clips(self) -> bool:
+        return self.per_token is clipped_ratio
 
 
 LOSS_TYPES: dict[str, LossType] = {
@@ -162,10 +210,10 @@ LOSS_TYPES: dict[str, LossType] = {
     "bnpo": LossType(clipped_ratio, micro_token_mean),
     "dr_grpo": LossType(clipped_ratio, constant_normaliser),
     "dapo": LossType(clipped_ratio, step_token_mean),
-    "luspo": LossType(clipped_ratio, sequence_sum_mean),
-    "cispo": LossType(cispo, step_token_mean),
-    "sapo": LossType(sapo, sequence_mean),
-    "vespo": LossType(vespo, step_token_mean),
+    "luspo": LossType(clipped_ratio, sequence_sum_mean, _luspo_problems),
+    "cispo": LossType(cispo, step_token_mean, _cispo_problems),
+    "sapo": LossType(sapo, sequence_mean, _sapo_problems),
+    "vespo": LossType(vespo, step_token_mean, _vespo_problems),
 }
 IMPORTANCE_LEVELS = ("token", "sequence")
 
