@@ -34,3 +34,16 @@ def test_the_shipped_entries_keep_their_checks():
     assert any("loss_type luspo needs 'sequence'" in p for p in luspo.problems("grpo"))
     clipping = tuple(name for name, e in grpo_losses.LOSS_TYPES.items() if e.clips)
     assert clipping == ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def test_estimators_carry_what_the_checks_read():
+    """scale_rewards and normalize_then_sum go with the group-normalising estimator, dynamic sampling
+    with those that have a group baseline: read from the entries, not their names."""
+    from pipeline.algorithms import advantages as adv
+
+    assert [n for n, e in adv.ESTIMATORS.items() if e.scales_rewards] == ["grpo"]
+    assert [n for n, e in adv.ESTIMATORS.items() if not e.group_baseline] == ["reinforce_plus_plus"]
+    rloo = dataclasses.replace(GRPOSection(), advantage_estimator="rloo", scale_rewards="batch")
+    assert any("applies to advantage_estimator grpo only (rloo scales its own way)" in p for p in rloo.problems("grpo"))
+    free = dataclasses.replace(GRPOSection(), advantage_estimator="reinforce_plus_plus", dynamic_sampling=True)
+    assert any("grpo.dynamic_sampling: drops groups of equal rewards" in p for p in free.problems("grpo"))

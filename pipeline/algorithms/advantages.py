@@ -18,6 +18,7 @@ References, pinned in tests/test_grpo.py and tests/test_grpo_variants.py:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
 import torch
@@ -85,32 +86,30 @@ def token_whiten(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return ((s - mean) * torch.rsqrt(var + WHITEN_EPS)).to(scores.dtype)
 
 
-Estimator = Callable[[torch.Tensor, torch.Tensor, int, str], torch.Tensor]
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: `fn(rewards [N], loss tokens per completion [N], group_size,
+    scale_rewards) -> [N]`, whether it honours `grpo.scale_rewards` (the others scale their own way)
+    and whether it has a group baseline (without one, a group of equal rewards still has
+    advantages, so dynamic sampling would drop what it learns from). The config checks read these."""
 
+    fn: Callable[[torch.Tensor, torch.Tensor, int, str], torch.Tensor]
+    scales_rewards: bool = False
+    group_baseline: bool = True
 
-def _grpo(rewards, lengths, group_size, scale):
-    return group_advantages(rewards, group_size, scale)
-
-
-def _rloo(rewards, lengths, group_size, scale):
-    return leave_one_out(rewards, group_size)
-
-
-def _reinforce_pp(rewards, lengths, group_size, scale):
-    return token_whiten(rewards, lengths)
-
-
-def _reinforce_pp_baseline(rewards, lengths, group_size, scale):
-    return token_whiten(group_advantages(rewards, group_size, "none"), lengths)
+    def __call__(self, rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, scale: str) -> torch.Tensor:
+        return self.fn(rewards, lengths, group_size, scale)
 
 
 ESTIMATORS: dict[str, Estimator] = {
-    "grpo": _grpo,
-    "rloo": _rloo,
-    "reinforce_plus_plus": _reinforce_pp,
-    "reinforce_plus_plus_baseline": _reinforce_pp_baseline,
+    "grpo": Estimator(lambda r, lengths, g, scale: group_advantages(r, g, scale), scales_rewards=True),
+    "rloo": Estimator(lambda r, lengths, g, scale: leave_one_out(r, g)),
+    "reinforce_plus_plus": Estimator(lambda r, lengths, g, scale: token_whiten(r, lengths), group_baseline=False),
+    "reinforce_plus_plus_baseline": Estimator(
+        lambda r, lengths, g, scale: token_whiten(group_advantages(r, g, "none"), lengths)
+    ),
 }
-"""estimator(rewards [N], loss tokens per completion [N], group_size, scale_rewards) -> [N]."""
+"""Estimator name -> entry: adding one is this entry and its test."""
 
 
 def normalize_then_sum(per_source: torch.Tensor, weights: Sequence[float], group_size: int) -> torch.Tensor:

@@ -12,9 +12,6 @@ from pipeline.algorithms import advantages as adv
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.grpo_losses import IMPORTANCE_LEVELS, LOSS_TYPES, Objective
 
-GROUP_FREE = ("reinforce_plus_plus",)
-"""Estimators without a group baseline: a group of equal rewards still has advantages."""
-
 
 @dataclass
 class GRPOSection:
@@ -167,22 +164,26 @@ class GRPOSection:
 
     def _advantage_conflicts(self, key: str) -> list[str]:
         out, est = [], self.advantage_estimator
-        if self.scale_rewards in ("batch", "none") and est != "grpo":
+        entry = adv.ESTIMATORS.get(est)
+        if entry is None:  # refused by the choice check
+            return out
+        scaling = ", ".join(name for name, e in adv.ESTIMATORS.items() if e.scales_rewards)
+        if self.scale_rewards in ("batch", "none") and not entry.scales_rewards:
             out.append(
                 f"{key}.scale_rewards: applies to advantage_estimator "
-                f"grpo only ({est} scales its own way); leave 'group'"
+                f"{scaling} only ({est} scales its own way); leave 'group'"
             )
         if self.multi_objective_aggregation == "normalize_then_sum":
-            if est != "grpo":
+            if not entry.scales_rewards:  # the group-normalising estimator is what it replaces
                 out.append(
                     f"{key}.multi_objective_aggregation: normalize_then_sum yields the advantages itself; use "
-                    f"advantage_estimator grpo, not {est}"
+                    f"advantage_estimator {scaling}, not {est}"
                 )
             if self.scale_rewards in ("batch", "none"):
                 out.append(
                     f"{key}.scale_rewards: normalize_then_sum normalises each reward in its group itself; leave 'group'"
                 )
-        if self.dynamic_sampling and est in GROUP_FREE:
+        if self.dynamic_sampling and not entry.group_baseline:
             out.append(
                 f"{key}.dynamic_sampling: drops groups of equal rewards, which {est} (no group baseline) learns from"
             )
