@@ -181,3 +181,12 @@ def test_train_refuses_before_torchrun_starts_a_rank(tmp_path, tiny_model_dir, t
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "until per-rank servers are pinned to their device" in err[0]
     assert cli.main(["train", str(config), "--nproc", "2"]) == 0 and started  # the supported cell launches
+
+
+def test_the_table_piped_into_a_closed_reader_ends_without_a_traceback():
+    """`relay capabilities | head -1`: the reader may close the pipe before the table is written."""
+    relay = Path(sys.executable).with_name("relay")
+    proc = subprocess.Popen([str(relay), "capabilities"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # closed before the command has imported anything: its print meets a broken pipe
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -6,16 +6,16 @@ autograd linear for training forwards and backwards (`onednn_linears`).
     with onednn_linears(model):   # Stage.fast_linears: train steps and evaluations
         ...
 
-On the reference machine (AMD EPYC, 2 cores, avx512) torch's default fp32 GEMM (MKL) reaches
-~215 GFLOP/s at training shapes and ~80 at decode shapes; oneDNN's kernel ~490 and (on a
-prepacked weight) ~260. Same fp32 math, another summation order.
+On some CPUs oneDNN's fp32 kernel is about twice as fast as torch's default GEMM (MKL) at training
+shapes and faster still on a prepacked weight at decode shapes (bench/RESULTS.md, "CPU kernel
+choices"). Same fp32 math, another summation order.
 
 Training (`OneDNNLinear`, `onednn_linears`): every plain fp32 `nn.Linear` runs oneDNN's kernel
 forward and for both gradients (the input's and, where it trains, the weight's).
 
 Decoding (`packed_linears`): at the batch sizes of decoding (a few rows a step) a decode step is a stream of the weights
-through matrix-vector-like products. MKL's fp32 GEMM streams them at ~22 GB/s on this machine's 2 cores;
-oneDNN's kernel on a weight reordered once into its blocked layout at ~45-80 GB/s. Three things
+through matrix-vector-like products, and oneDNN's kernel streams a weight reordered once into its
+blocked layout faster than MKL's fp32 GEMM streams the plain one. Three things
 make the engine's steps cheaper than a plain forward, each the same math in another summation
 order (logits agree with a plain forward to ~1e-6, not bit for bit):
 

@@ -18,10 +18,8 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 class OneDNNLinear(torch.autograd.Function):
     """`F.linear` with oneDNN's fp32 kernel forward and backward (the input's and the weight's
-    gradients). On this project's reference CPU
-    (AMD EPYC, 2 cores) it runs a [228 x 576] x [576 x 1536] product at ~490 GFLOP/s against MKL's
-    ~215 (bench/RESULTS.md); the same fp32 math in another summation order (the max error against a
-    float64 product is 1.0e-4 against MKL's 0.5e-4 at that shape, both fp32 rounding)."""
+    gradients): where it pays (`cpu_kernels`; speeds in bench/RESULTS.md), the same fp32 math in
+    another summation order (both within fp32 rounding of a float64 product)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

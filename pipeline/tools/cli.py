@@ -292,7 +292,10 @@ def run_capabilities(args: list[str]) -> int:
     if args:
         print(f"error: unknown argument {args[0]!r}\n\n{CAPABILITIES_USAGE}", file=sys.stderr)
         return 2
-    print(capabilities.render())
+    try:
+        print(capabilities.render(), flush=True)
+    except BrokenPipeError:  # `relay capabilities | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -497,8 +497,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument(
         "--eager",
         action="store_true",
-        help="vLLM: no torch.compile (--enforce-eager): on "
-        "a CPU it starts ~45 s sooner on SmolLM2-135M and decodes ~20%% slower",
+        help="vLLM: no torch.compile (--enforce-eager): on a CPU it starts much sooner and decodes "
+        "somewhat slower (bench/RESULTS.md)",
     )
     args = parser.parse_args(argv)
     from pipeline.modeling.preflight import model_problems
