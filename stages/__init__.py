@@ -41,7 +41,7 @@ class StageInfo:
     """'required' | 'optional' | 'none': the stage reads a reward model (`--reward_model.path`):
     the chain's reward stage, else the pipeline's `reward_model`."""
     judged: bool = False
-    """An RL/preference stage: the gold verdict compares its model with its parent's."""
+    """An RL/preference/distillation stage: the gold verdict compares its model with its parent's."""
     data_kind: str = "chat"
     """The data it reads: 'text' (PT), 'chat' (SFT), 'preference' (RM, DPO), 'prompt' (PPO, GRPO),
     'unpaired' (KTO)."""
@@ -56,7 +56,17 @@ class StageInfo:
     samples: bool = False
     """A policy stage: it samples its own responses, so a generation backend, tools and a mismatch
     correction apply to it (the axes of pipeline/config/capabilities.py's table)."""
+    models: dict[str, str] = field(default_factory=dict)
+    """{config key: manifest key} of the other model folders it reads beside its parent and reward
+    model (distill's teacher). In a pipeline config the key may name `stage:NAME`, the merged model
+    of the chain's stage NAME, which the driver passes on the command line; the stage records each
+    model as {path, weights_hash} under the manifest key, and its output is stale once that model
+    changes."""
 
+
+STAGE_REF = "stage:"
+"""A model key's value (StageInfo.models) that names a chain stage's merged model, e.g.
+`teacher.path: stage:ppo`; only the pipeline driver resolves it."""
 
 LOSSES = ("train_loss_first", "train_loss_last", "eval_loss_first", "eval_loss_last")
 
@@ -183,8 +193,10 @@ STAGES: dict[str, StageInfo] = {
     "distill": StageInfo(
         "distill:DistillStage",
         parents=("sft", "pt"),
+        judged=True,
         data_kind="prompt",
         samples=True,
+        models={"teacher.path": "teacher"},
         summary_keys=("loss_first", "loss_last", "kl_first", "kl_last", "eval_kl_first", "eval_kl_last"),
         loss_curve=False,
         plot=(

@@ -72,6 +72,10 @@ FAKE_STAGE = textwrap.dedent(
         from pipeline.modeling.manifest import weights_hash
         rm = args["--reward_model.path"]
         extra = {"reward_model": {"path": rm, "weights_hash": weights_hash(rm)}}
+    if "--teacher.path" in args:  # the distill contract: the teacher it learned from
+        from pipeline.modeling.manifest import weights_hash
+        teacher = args["--teacher.path"]
+        extra = {"teacher": {"path": teacher, "weights_hash": weights_hash(teacher)}}
     write_manifest(merged, stage=stage, parent=parent, config={"argv": sys.argv[1:]}, extra=extra)
     writer = EventFileWriter(str(out / "runs" / stage))
     for step in (1, 2, 3):

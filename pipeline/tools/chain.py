@@ -12,6 +12,9 @@ A stage is done when `merged/manifest.json` exists, the weights on disk hash to 
 and its parent hash is the current parent's (for a stage that scored with a reward model also:
 the reward model recorded in its manifest as `reward_model: {path, weights_hash}` is the current
 one): re-running the driver after a crash resumes at the first unfinished stage.
+A stage that reads other models (its registry `models`: distill's teacher) may name a chain
+stage's merged model in its config as `stage:NAME` (`teacher.path: stage:ppo`); the driver passes
+that folder on the command line, and the stage's output is stale once the model it recorded changes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pipeline.tools.serving import SERVING
 STAGE_ORDER = tuple(registry.STAGES)
 """Every registered stage, in registry order."""
 DEFAULT_CHAIN = ("pt", "sft", "rm", "ppo")
+STAGE_REF = registry.STAGE_REF
 LOG_NAME = "driver.log"
 TIMINGS_NAME = "timings.json"
 
@@ -163,7 +167,7 @@ class PipelineConfig:
                 rm = next((s for s in registry.STAGES if registry.info(s).model_kind == "reward"), "rm")
                 how = f"enable stages.{rm}" if rm in self.chain else f"put {rm} in chain before {name}"
                 out.append(f"reward_model: {name.upper()} needs a reward model; {how} or set reward_model")
-        return out + self.gold.problems(self.chain)
+        return out + model_ref_problems(self) + self.gold.problems(self.chain)
 
 
 @dataclass
@@ -329,6 +333,52 @@ def stage_reward_path(cfg: PipelineConfig, stage: str) -> Optional[Path]:
     return None if registry.info(stage).reward_model == "none" else reward_path(cfg)
 
 
+def model_refs(cfg: PipelineConfig, stage: str) -> dict[str, str]:
+    """{config key: value} of the other model folders `stage` reads (its registry `models`, e.g.
+    distill's teacher.path) that its resolved config sets (pure)."""
+    config, out = stage_config(cfg, stage), {}
+    for key in registry.info(stage).models:
+        value: Any = config
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, str) and value:
+            out[key] = value
+    return out
+
+
+def referenced_stage(value: str) -> Optional[str]:
+    """NAME for a model key's value `stage:NAME`, else None (a folder)."""
+    return value[len(STAGE_REF) :] if value.startswith(STAGE_REF) else None
+
+
+def model_path(cfg: PipelineConfig, value: str) -> Path:
+    """The folder a model key names: the chain stage's merged model for `stage:NAME`, else the value."""
+    name = referenced_stage(value)
+    return merged_dir(cfg, name).resolve() if name else Path(value)
+
+
+def model_ref_problems(cfg: PipelineConfig) -> list[str]:
+    """Why a `stage:NAME` model key of an enabled stage cannot be resolved: NAME is not a stage of the
+    chain before it, is disabled, or is not a generator (pure)."""
+    out = []
+    for position, stage in enumerate(cfg.chain):
+        if not entry(cfg, stage).enabled:
+            continue
+        for key, value in model_refs(cfg, stage).items():
+            name, where = referenced_stage(value), f"stages.{stage}: {key}: {value!r}"
+            if name is None:
+                continue
+            if name not in cfg.chain:
+                out.append(f"{where} names no stage of the chain ({', '.join(cfg.chain)})")
+            elif cfg.chain.index(name) >= position:
+                out.append(f"{where}: {name} must come before {stage} in the chain")
+            elif not entry(cfg, name).enabled:
+                out.append(f"{where}: stages.{name} is disabled")
+            elif registry.info(name).model_kind != "causal":
+                out.append(f"{where}: {name} trains a {registry.info(name).model_kind} model, not a generator")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Done-ness and cross-stage checks
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +426,36 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
     problem = reward_model_problem(cfg, stage, manifest)
     if problem:
         raise DriverError(problem)
+    problems = recorded_model_problems(cfg, stage, manifest)
+    if problems:
+        raise DriverError(problems[0])
     return "done"
+
+
+def recorded_model_problems(cfg: PipelineConfig, stage: str, manifest: dict) -> list[str]:
+    """For a stage that reads other models (a teacher): why its output was not trained with the
+    models its config names now. Its manifest records each as {path, weights_hash} under the
+    registry's manifest key; another weights hash, or no record, makes the output stale."""
+    out, folder = [], merged_dir(cfg, stage)
+    models = registry.info(stage).models
+    for key, value in model_refs(cfg, stage).items():
+        path, label = model_path(cfg, value), models[key]
+        if not path.is_dir():
+            continue
+        record, current = manifest.get(label), weights_hash(path)
+        if not isinstance(record, dict) or not record.get("weights_hash"):
+            out.append(
+                f"{folder}/manifest.json does not record the {label} {stage.upper()} learned from "
+                f"({label}: path, weights_hash), so it cannot be checked against {key} {path} ({current}); "
+                f"delete {stage_dir(cfg, stage)} to rebuild it"
+            )
+        elif record["weights_hash"] != current:
+            out.append(
+                f"{folder} is stale: the {label} changed since {stage.upper()} ran: it learned from weights "
+                f"{record['weights_hash']} ({record.get('path')}), but {key} {path} now has {current}; delete "
+                f"{stage_dir(cfg, stage)} to rebuild it"
+            )
+    return out
 
 
 def reward_model_problem(cfg: PipelineConfig, stage: str, manifest: dict) -> Optional[str]:
@@ -439,6 +518,20 @@ def checks_before(cfg: PipelineConfig, stage: str) -> list[str]:
         else:
             problems += manifest_problems(rm)
             problems += pairing_problems("reward model", rm, "policy", parent)
+    for key, value in model_refs(cfg, stage).items():
+        folder, name, label = model_path(cfg, value), referenced_stage(value), registry.info(stage).models[key]
+        if name is not None and read_manifest(folder) is None:
+            problems.append(
+                f"{key}: {name} has not run: {folder} has no manifest.json; "
+                f"run the pipeline from {name} (--from {name})"
+            )
+            continue
+        if name is not None:
+            problems += manifest_problems(folder)
+        if folder.is_dir():  # the model scores the stage's token ids: the chat template may differ
+            problems += [
+                p for p in pairing_problems(label, folder, "model", parent) if not p.startswith("chat template")
+            ]
     return problems
 
 
@@ -459,6 +552,7 @@ def checks_after(cfg: PipelineConfig, stage: str) -> list[str]:
         )
     rm_problem = reward_model_problem(cfg, stage, manifest)
     problems += [rm_problem] if rm_problem else []
+    problems += recorded_model_problems(cfg, stage, manifest)
     return problems + manifest_problems(folder) + link_problems(folder, parent, may_change_template=stage == "sft")
 
 
@@ -501,8 +595,8 @@ def render_stage_config(cfg: PipelineConfig, stage: str) -> str:
 def stage_argv(cfg: PipelineConfig, stage: str) -> list[str]:
     """Write the stage's resolved YAML under output_root/configs/ and return its argv (script first).
 
-    output_dir, model.path and (for a stage reading one) reward_model.path go on the command
-    line, so the log shows them.
+    output_dir, model.path, (for a stage reading one) reward_model.path and every `stage:NAME` model
+    key resolved to NAME's merged folder go on the command line, so the log shows them.
     """
     path = config_file(cfg, stage)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -519,6 +613,9 @@ def stage_argv(cfg: PipelineConfig, stage: str) -> list[str]:
     rm = stage_reward_path(cfg, stage)
     if rm is not None:
         argv += ["--reward_model.path", str(rm)]
+    for key, value in model_refs(cfg, stage).items():
+        if referenced_stage(value) is not None:
+            argv += [f"--{key}", str(model_path(cfg, value))]
     return argv
 
 
@@ -539,6 +636,9 @@ def stage_config_problems(cfg: PipelineConfig, stages: Sequence[str]) -> list[st
             # The parent does not exist yet; 'embedded' stands in for it while the config is checked.
             argv = ["--config", str(path), "--output_dir", str(stage_dir(cfg, stage)), "--model.path", "embedded"]
             argv += ["--reward_model.path", "embedded"] if stage_reward_path(cfg, stage) is not None else []
+            argv += [
+                a for key, v in model_refs(cfg, stage).items() if referenced_stage(v) for a in (f"--{key}", "embedded")
+            ]
             try:
                 load_config(registry.config_class(stage), argv)
             except ConfigError as err:

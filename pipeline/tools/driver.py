@@ -278,6 +278,12 @@ def format_summary(summary: dict) -> str:
             seconds = ""
         if f"{stage}_eval_accuracy" in summary:
             lines.append(f"{stage:>3}: held-out accuracy {g('eval_accuracy')}, margin {g('eval_margin')}")
+        if f"{stage}_kl_first" in summary:
+            lines.append(
+                f"{stage:>3}: KL to the teacher {g('kl_first')} -> {g('kl_last')}, eval KL "
+                f"{g('eval_kl_first')} -> {g('eval_kl_last')}{seconds}"
+            )
+            seconds = ""
         if f"{stage}_reward_first" in summary:
             lines.append(
                 f"{stage:>3}: mean reward {g('reward_first')} -> {g('reward_last')}, eval reward "
