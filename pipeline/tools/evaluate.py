@@ -1,0 +1,512 @@
+"""Benchmark scores through lm-evaluation-harness (the `lm-eval` package), over local files only.
+
+    relay eval MODEL [MODEL ...] [--tasks T1,T2] [--include_path DIR ...] [--batch_size N] [--limit N] [--json F]
+
+Each MODEL (a model folder, a stage's output folder holding merged/, or 'embedded') is scored by the
+harness itself: `lm_eval.simple_evaluate(model="hf", model_args={pretrained: FOLDER, dtype: ...})`
+with a task manager over the include paths, which is what the plain command
+
+    lm_eval --model hf --model_args pretrained=FOLDER,dtype=float32 --tasks T --include_path DIR --batch_size N
+
+computes (tests/test_eval.py runs both). Several models print a retention table: one row per model,
+one column per task's first metric, the change against the first model (the base) beside each score,
+in bold where it is a loss. The pipeline scores every generator stage's merged model the same way
+(`gold.benchmarks` in a pipeline config) and `relay report` shows that table.
+
+Tasks are the harness's own YAML task format. Relay ships `data/general/tasks/` (made here:
+data/general/make_general.py): `relay_general_mc`, everyday multiple-choice questions, and
+`relay_general_text`, the perplexity on held-out general prose. Any folder of task YAMLs a user
+points at with --include_path is read the same way. Nothing downloads: before the harness is
+imported, every task's data source is read from its YAML (`task_problems`) and a task whose data
+would come from the Hub (a `dataset_path` that is neither a packaged builder over local
+`data_files` nor a local folder, nor a `custom_dataset` function) is refused in one line. The
+harness's own task collection is not indexed (it reads Hub datasets, and indexing it costs tens of
+seconds), so its task names are refused the same way.
+
+This module imports neither torch nor the harness at its top (the pipeline's config checks and the
+report read it); the harness loads in `evaluate_models`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED_TASKS = REPO / "data" / "general" / "tasks"
+DEFAULT_TASKS = ("relay_general_mc", "relay_general_text")
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")
+"""`dataset_path` values that name a builder packaged in `datasets`: local when every data file is."""
+CACHE_VERSION = 1
+FIRST_METRIC = {"multiple_choice": "acc", "loglikelihood_rolling": "word_perplexity", "generate_until": "exact_match"}
+"""A task's column when its YAML lists no metric (the harness's defaults per output type)."""
+
+
+class EvalError(RuntimeError):
+    """An evaluation that cannot run; the message is one line per problem."""
+
+
+@dataclass
+class BenchmarkConfig:
+    """Benchmark scores of every generator stage's merged model through lm-evaluation-harness
+    (pipeline/tools/evaluate.py), shown by `relay report` as a retention table against the base."""
+
+    tasks: list[str] = field(default_factory=list)
+    """Harness task (or group) names found under include_path; [] scores nothing. Relay ships
+    relay_general_mc (everyday multiple choice) and relay_general_text (held-out general prose:
+    perplexity) in data/general/tasks."""
+    include_path: list[str] = field(default_factory=lambda: ["data/general/tasks"])
+    """Folders of harness task YAMLs (searched recursively). Only tasks over local files run."""
+    models: Optional[list[str]] = None
+    """Rows: 'base' and generator stages of the chain. None: base and every generator stage that ran."""
+    batch_size: int = 32
+    """Requests per forward pass (the harness's --batch_size)."""
+    limit: Optional[int] = None
+    """Score only the first N documents of each task (None: all)."""
+    dtype: str = "float32"
+    """Weights dtype while scoring (the harness's model_args dtype: float32 | bfloat16 | float16 | auto)."""
+
+    def problems(self) -> list[str]:
+        """What would stop the scoring, found before any stage runs (loads neither torch nor the harness)."""
+        if not self.tasks:
+            return []
+        out = []
+        if self.batch_size < 1 or (self.limit is not None and self.limit < 1):
+            out.append("gold.benchmarks.batch_size and gold.benchmarks.limit must be >= 1")
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            out.append(f"gold.benchmarks.dtype: {self.dtype!r} is not one of float32, bfloat16, float16, auto")
+        missing = harness_missing()
+        if missing:
+            out.append(f"gold.benchmarks: {missing}")
+        return out + [f"gold.benchmarks: {p}" for p in task_problems(self.tasks, self.include_path)]
+
+
+def harness_missing() -> Optional[str]:
+    """Why the harness cannot run here, or None."""
+    if importlib.util.find_spec("lm_eval") is None:
+        return "lm-evaluation-harness is not installed (pip install 'relay[eval]', or bash run_scripts/install.sh)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Task YAMLs, read without the harness (pure but for file reads)
+# ---------------------------------------------------------------------------------------------
+
+
+class _TaskLoader(yaml.SafeLoader):
+    """The harness's YAML with its tags kept as text (`!function m.f` -> '!function m.f')."""
+
+
+_TaskLoader.add_multi_constructor("!", lambda loader, tag, node: f"{tag} {loader.construct_scalar(node)}")
+
+
+def read_task_yaml(path: Path, depth: int = 0) -> dict:
+    """A task YAML as a dict, its `include:` (a path beside it) merged under its own keys.
+
+    Raises:
+        EvalError: the file does not parse, or an include is missing or circular.
+    """
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_TaskLoader)
+    except (OSError, yaml.YAMLError) as err:
+        raise EvalError(f"{path}: {' '.join(str(err).split())}") from err
+    if not isinstance(data, dict):
+        return {}
+    included = data.pop("include", None)
+    if included is None:
+        return data
+    base = (path.parent / str(included)).resolve()
+    if depth > 8 or not base.is_file():
+        raise EvalError(f"{path}: include {included!r} {'is circular' if depth > 8 else 'does not exist'}")
+    return {**read_task_yaml(base, depth + 1), **data}
+
+
+@dataclass
+class TaskEntry:
+    name: str
+    path: Path
+    config: dict
+    kind: str  # task | group | tag
+    members: list[str] = field(default_factory=list)
+
+
+def task_index(include_paths: Iterable[str | Path]) -> dict[str, TaskEntry]:
+    """{name: entry} of every task, group and tag in the YAMLs under `include_paths` (later paths win).
+
+    Raises:
+        EvalError: a YAML that does not parse.
+    """
+    index: dict[str, TaskEntry] = {}
+    for root in include_paths:
+        for path in sorted(Path(root).rglob("*.yaml")):
+            cfg = read_task_yaml(path)
+            task = cfg.get("task")
+            if isinstance(task, str):
+                index[task] = TaskEntry(task, path, cfg, "task")
+                tags = cfg.get("tag") or []
+                for tag in [tags] if isinstance(tags, str) else tags:
+                    entry = index.setdefault(tag, TaskEntry(tag, path, {}, "tag"))
+                    entry.members.append(task)
+            elif isinstance(task, list) and isinstance(cfg.get("group"), str):
+                members = [t if isinstance(t, str) else t.get("task") for t in task if isinstance(t, (str, dict))]
+                index[cfg["group"]] = TaskEntry(cfg["group"], path, cfg, "group", [m for m in members if m])
+    return index
+
+
+def _data_files(kwargs: Any) -> list[str]:
+    files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
+    if isinstance(files, dict):
+        files = list(files.values())
+    out: list[str] = []
+    for item in [files] if isinstance(files, str) else files or []:
+        out += [item] if isinstance(item, str) else [f for f in item if isinstance(f, str)]
+    return out
+
+
+def download_reason(cfg: dict) -> Optional[str]:
+    """Why a task's data would not come from local files (None: it would), from its YAML alone (pure
+    but for checking that paths exist; relative data_files are read from the working directory, as
+    `datasets` reads them)."""
+    if cfg.get("class"):
+        return "is a Python task class, whose data source Relay cannot read from the YAML"
+    if cfg.get("custom_dataset"):
+        return None
+    source = cfg.get("dataset_path")
+    if not source:
+        return "names no dataset_path and no custom_dataset"
+    if source in LOCAL_BUILDERS:
+        files = _data_files(cfg.get("dataset_kwargs"))
+        if not files:
+            return f"dataset_path {source!r} with no dataset_kwargs.data_files"
+        remote = [f for f in files if "://" in f]
+        if remote:
+            return f"reads {remote[0]!r} over the network"
+        absent = [f for f in files if not any(Path().glob(f)) and not Path(f).exists()]
+        return f"data file {absent[0]!r} does not exist (relative to {Path.cwd()})" if absent else None
+    if Path(str(source)).is_dir():
+        return None
+    return f"would download dataset_path {source!r} from the Hub"
+
+
+def task_problems(names: Sequence[str], include_paths: Sequence[str | Path]) -> list[str]:
+    """One line per requested task (or group/tag member) that cannot run offline from local files.
+    Loads neither torch nor the harness."""
+    missing = [p for p in include_paths if not Path(p).is_dir()]
+    if missing:
+        return [f"include_path {str(p)!r} is not a folder" for p in missing]
+    try:
+        index = task_index(include_paths)
+    except EvalError as err:
+        return [str(err)]
+    where = ", ".join(map(str, include_paths))
+    out: list[str] = []
+
+    def check(name: str, seen: tuple[str, ...]) -> None:
+        entry = index.get(name)
+        if entry is None:
+            out.append(
+                f"task {name!r} is not in {where}: Relay runs harness task YAMLs over local files only "
+                "(the harness's own tasks download their data); add its folder with --include_path"
+            )
+        elif entry.kind == "task":
+            reason = download_reason(entry.config)
+            if reason:
+                out.append(
+                    f"task {name!r} ({entry.path}): {reason}; Relay scores local files only "
+                    "(dataset_path json|csv|parquet|text with local data_files, a local folder, or custom_dataset)"
+                )
+        elif name not in seen:
+            for member in entry.members:
+                check(member, (*seen, name))
+
+    for name in names:
+        check(name, ())
+    return out
+
+
+def leaf_tasks(names: Sequence[str], index: dict[str, TaskEntry]) -> list[str]:
+    """The tasks `names` stand for (groups and tags expanded), in order, each once (pure)."""
+    out: list[str] = []
+    for name in names:
+        entry = index.get(name)
+        for leaf in [name] if entry is None or entry.kind == "task" else leaf_tasks(entry.members, index):
+            if leaf not in out:
+                out.append(leaf)
+    return out
+
+
+def first_metric(entry: Optional[TaskEntry]) -> Optional[str]:
+    """A task's headline metric: the first of its metric_list, else the harness's default for its
+    output type (pure)."""
+    if entry is None:
+        return None
+    metrics = entry.config.get("metric_list") or []
+    if metrics and isinstance(metrics[0], dict) and metrics[0].get("metric"):
+        return str(metrics[0]["metric"])
+    return FIRST_METRIC.get(entry.config.get("output_type", ""))
+
+
+def tasks_hash(names: Sequence[str], include_paths: Sequence[str | Path]) -> str:
+    """A hash of every file the tasks read: the include folders' files and the data files they name."""
+    digest = hashlib.sha256()
+    for root in include_paths:
+        for path in sorted(p for p in Path(root).rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    index = task_index(include_paths)
+    for name in leaf_tasks(names, index):
+        for f in _data_files(index[name].config.get("dataset_kwargs")) if name in index else []:
+            for path in sorted(Path().glob(f)) or [Path(f)]:
+                digest.update(str(path).encode() + b"\0" + (path.read_bytes() if path.is_file() else b""))
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring (loads the harness and the models)
+# ---------------------------------------------------------------------------------------------
+
+
+def harness_args(folder: str | Path, settings: BenchmarkConfig, device: str) -> dict:
+    """The keyword arguments of `lm_eval.simple_evaluate` that the plain `lm_eval --model hf` command
+    with the same options passes (the task manager aside)."""
+    return {
+        "model": "hf",
+        "model_args": {"pretrained": str(folder), "dtype": settings.dtype},
+        "tasks": list(settings.tasks),
+        "device": device,
+        "batch_size": settings.batch_size,
+        "limit": settings.limit,
+        "bootstrap_iters": 0,  # standard errors are not shown; the point scores do not depend on them
+        "log_samples": False,
+    }
+
+
+def scores_of(results: dict) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} from the harness's `results` (filter suffix and standard errors dropped; pure)."""
+    out: dict[str, dict[str, float]] = {}
+    for task, values in results.items():
+        for key, value in values.items():
+            metric, comma, _ = key.partition(",")
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if comma and number and not metric.endswith("_stderr"):
+                out.setdefault(task, {})[metric] = float(value)
+    return out
+
+
+def evaluate_folder(folder: str | Path, settings: BenchmarkConfig, task_manager=None) -> dict:
+    """{scores: {task: {metric: value}}, higher_is_better: {task: {metric: bool}}, n: {task: docs}}
+    of the model folder, scored by the harness.
+
+    Raises:
+        EvalError: a task that cannot run offline, or the harness is missing.
+    """
+    problems = task_problems(settings.tasks, settings.include_path)
+    missing = harness_missing()
+    if missing or problems:
+        raise EvalError("\n".join(([missing] if missing else []) + problems))
+    import lm_eval
+    import torch
+    from lm_eval.tasks import TaskManager
+
+    manager = task_manager or TaskManager(include_path=[str(p) for p in settings.include_path], include_defaults=False)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the harness's default is cuda, present or not
+    out = lm_eval.simple_evaluate(**harness_args(folder, settings, device), task_manager=manager)
+    return {
+        "scores": scores_of(out["results"]),
+        "higher_is_better": {t: dict(v) for t, v in out.get("higher_is_better", {}).items()},
+        "n": {t: v.get("effective", v.get("original")) for t, v in out.get("n-samples", {}).items()},
+    }
+
+
+def cache_key(folder: Path, settings: BenchmarkConfig) -> str:
+    """What a cached row depends on: the weights, the task files, the settings."""
+    from pipeline.modeling.manifest import weights_hash
+
+    parts = {
+        "version": CACHE_VERSION,
+        "weights_hash": weights_hash(folder),
+        "tasks_hash": tasks_hash(settings.tasks, settings.include_path),
+        "tasks": list(settings.tasks),
+        "batch_size": settings.batch_size,
+        "limit": settings.limit,
+        "dtype": settings.dtype,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def evaluate_models(
+    models: Sequence[tuple[str, str]],
+    settings: BenchmarkConfig,
+    cache_file: Optional[Path] = None,
+    log=lambda message: None,
+) -> dict:
+    """Score every (row name, folder) in one process: {tasks, columns, rows, wall_seconds}.
+
+    Rows computed before (same weights, task files and settings) come from `cache_file`.
+
+    Raises:
+        EvalError: a task that cannot run offline, or the harness is missing.
+    """
+    problems = task_problems(settings.tasks, settings.include_path)
+    missing = harness_missing()
+    if missing or problems:
+        raise EvalError("\n".join(([missing] if missing else []) + problems))
+    started = time.time()
+    index = task_index(settings.include_path)
+    columns = [(task, first_metric(index.get(task))) for task in leaf_tasks(settings.tasks, index)]
+    cache = json.loads(cache_file.read_text(encoding="utf-8")) if cache_file and cache_file.is_file() else {}
+    manager, rows = None, []
+    for name, path in models:
+        folder = Path(path).resolve()
+        key = cache_key(folder, settings)
+        if key in cache:
+            log(f"benchmarks: {name}: cached ({folder})")
+            rows.append({**cache[key], "model": name, "path": str(folder), "cached": True})
+            continue
+        log(f"benchmarks: {name}: scoring {', '.join(settings.tasks)} ({folder})")
+        if manager is None:
+            from lm_eval.tasks import TaskManager
+
+            manager = TaskManager(include_path=[str(p) for p in settings.include_path], include_defaults=False)
+        row = evaluate_folder(folder, settings, manager)
+        rows.append({**row, "model": name, "path": str(folder), "cached": False})
+        if cache_file is not None:
+            cache[key] = row
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(cache, indent=2) + "\n", encoding="utf-8")
+            tmp.replace(cache_file)
+    return {
+        "tasks": list(settings.tasks),
+        "include_path": [str(p) for p in settings.include_path],
+        "columns": [list(c) for c in columns],
+        "rows": rows,
+        "wall_seconds": round(time.time() - started, 1),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The retention table (pure)
+# ---------------------------------------------------------------------------------------------
+
+
+def _cell(value: Optional[float], base: Optional[float], higher_is_better: bool, first: bool) -> str:
+    if value is None:
+        return "n/a"
+    digits = 3 if abs(value) < 10 else 2
+    text = f"{value:.{digits}f}"
+    if first or base is None:
+        return text
+    change = value - base
+    worse = change < 0 if higher_is_better else change > 0
+    delta = f"{change:+.{digits}f}"
+    return f"{text} (**{delta}**)" if worse and abs(change) > 0 else f"{text} ({delta})"
+
+
+def retention_table(table: dict) -> str:
+    """Markdown: one row per model, one column per task's headline metric (an arrow says which way is
+    better), each score with its change against the first row (the base); a loss is in bold."""
+    columns = [tuple(c) for c in table.get("columns", [])]
+    rows = table.get("rows", [])
+    header = ["model"] + [f"{task} {metric} {'↑' if _higher(rows, task, metric) else '↓'}" for task, metric in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    base = rows[0] if rows else {}
+    for i, row in enumerate(rows):
+        cells = [row["model"]]
+        for task, metric in columns:
+            value = row.get("scores", {}).get(task, {}).get(metric)
+            reference = base.get("scores", {}).get(task, {}).get(metric)
+            cells.append(_cell(value, reference, _higher(rows, task, metric), i == 0))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _higher(rows: Sequence[dict], task: str, metric: str) -> bool:
+    for row in rows:
+        flag = row.get("higher_is_better", {}).get(task, {}).get(metric)
+        if flag is not None:
+            return bool(flag)
+    return "perplexity" not in metric and metric != "bits_per_byte"
+
+
+# ---------------------------------------------------------------------------------------------
+# relay eval
+# ---------------------------------------------------------------------------------------------
+
+
+def model_folder(path: str) -> Path:
+    """A model argument as a folder: 'embedded' (converted once), a model folder, or a stage's output
+    folder holding merged/.
+
+    Raises:
+        EvalError: none of those.
+    """
+    from pipeline.modeling.embedded import is_embedded, materialize
+
+    if is_embedded(path):
+        return Path(materialize())
+    folder = Path(path)
+    if not (folder / "config.json").is_file() and (folder / "merged" / "config.json").is_file():
+        folder = folder / "merged"
+    if not (folder / "config.json").is_file():
+        raise EvalError(f"{path}: not a model folder (no config.json), a stage output with merged/, nor 'embedded'")
+    return folder
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="relay eval",
+        description="Score model folders on lm-evaluation-harness tasks over local files; several models "
+        "print a retention table against the first.",
+    )
+    parser.add_argument("models", nargs="+", help="model folders, stage output folders (merged/) or 'embedded'")
+    parser.add_argument(
+        "--tasks",
+        default=",".join(DEFAULT_TASKS),
+        help="comma-separated harness task or group names (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--include_path",
+        action="append",
+        help=f"a folder of harness task YAMLs (repeatable; default: {SHIPPED_TASKS.relative_to(REPO)})",
+    )
+    parser.add_argument("--batch_size", type=int, default=BenchmarkConfig.batch_size)
+    parser.add_argument("--limit", type=int, default=None, help="score only the first N documents of each task")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"))
+    parser.add_argument("--json", help="also write the table's figures to this JSON file")
+    args = parser.parse_args(argv)
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-task notices about defaults it filled in
+    settings = BenchmarkConfig(
+        tasks=[t for t in args.tasks.split(",") if t],
+        include_path=args.include_path or [str(SHIPPED_TASKS)],
+        batch_size=args.batch_size,
+        limit=args.limit,
+        dtype=args.dtype,
+    )
+    problems = settings.problems() if settings.tasks else ["--tasks: names no task"]
+    try:
+        folders = [(m, str(model_folder(m))) for m in args.models] if not problems else []
+        if problems:
+            raise EvalError("\n".join(p.removeprefix("gold.benchmarks: ") for p in problems))
+        table = evaluate_models(folders, settings, log=lambda m: print(m, file=sys.stderr))
+    except EvalError as err:
+        for line in str(err).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    print(retention_table(table))
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
