@@ -24,7 +24,6 @@ unbroken one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import sys
 import time
@@ -55,11 +54,6 @@ from pipeline.engine.steps import eval_shards, rank_mean
 from pipeline.modeling.models import load_model, train_without_dropout
 
 log = logging.getLogger("relay.grpo")
-
-
-def _columns(sample: dict) -> dict:
-    """A prompt sample's record fields (data_formats.datasets.build_prompt_data)."""
-    return json.loads(sample.get("columns") or "{}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -142,7 +136,9 @@ class GRPOStage(PolicyStage):
         problems = self.build_prompts()
         self.funcs = [rw.load_reward_func(spec) for spec in self.cfg.grpo.reward_funcs]
         if self.cfg.judge.enabled:
-            problems += self.cfg.judge.record_problems([_columns(s) for s in self.train_samples + self.eval_samples])
+            problems += self.cfg.judge.record_problems(
+                [rw.record_columns(s) for s in self.train_samples + self.eval_samples]
+            )
         return problems
 
     def build_model(self) -> torch.nn.Module:
@@ -183,7 +179,7 @@ class GRPOStage(PolicyStage):
             else [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
         )
         completions = rw.trl_completions(samples, texts, rollout.conversations)
-        prompts, columns = [rw.trl_prompt(s) for s in samples], [_columns(s) for s in samples]
+        prompts, columns = [rw.trl_prompt(s) for s in samples], [rw.record_columns(s) for s in samples]
         ids, state = [list(r) for r in rollout.responses], rw.trainer_state(self.step, cfg.train.max_steps)
         self.reward_log = rw.RewardLog()
         parts: dict[str, torch.Tensor] = {}
@@ -215,32 +211,13 @@ class GRPOStage(PolicyStage):
         if cfg.generation.missing_eos_penalty:
             parts["missing_eos"] = -cfg.generation.missing_eos_penalty * (~rollout.finished).float()
             weights["missing_eos"] = 1.0
-        total = torch.zeros(len(completions))
-        for name, values in parts.items():
-            total += torch.nan_to_num(weights[name] * values, nan=0.0)
-        return total, parts, weights
+        return rw.weighted_sum(parts, weights, len(completions)), parts, weights
 
     def judge_scores(self, prompts: list, completions: list, columns: list[dict], tag: Optional[int]) -> torch.Tensor:
         """The judge's score of each completion's final answer to its prompt's last user turn."""
-        j = self.cfg.judge
-        if self.judge is None:
-            cache = Path(self.cfg.output_dir) / "judge_cache" / f"rank{self.accelerator.process_index}.jsonl"
-            self.judge = JudgeReward(j, cache)
-            self.judge.open(self.step)  # a resumed run sees the replies an unbroken one had cached by now
-        answers = [rw.final_answer(c) for c in completions]
-        golds = None
-        if j.gold_column:
-            golds = [
-                None
-                if c.get(j.gold_column) is None
-                else bool(rw.final_answer_match([None], [a], answer=[c[j.gold_column]])[0])
-                for a, c in zip(answers, columns)
-            ]
-        refs = [None if not j.reference_column else str(c.get(j.reference_column)) for c in columns]
-        scores = self.judge.score(
-            [rw.text_of(p) for p in prompts], answers, refs, tag=self.step + 1 if tag is None else tag, golds=golds
-        )
-        return torch.tensor(scores)
+        if self.judge is None:  # a resumed run sees the replies an unbroken one had cached by now
+            self.judge = rw.open_judge(self.cfg.judge, self.cfg.output_dir, self.accelerator.process_index, self.step)
+        return rw.judge_scores(self.judge, prompts, completions, columns, self.step + 1 if tag is None else tag)
 
     def sample_groups(self) -> tuple[list[dict], object, torch.Tensor, dict, dict, dict[str, float]]:
         """This step's prompts, rollout (G per prompt), rewards (total, parts, weights) and the
@@ -428,12 +405,11 @@ class GRPOStage(PolicyStage):
 
     def manifest_extras(self) -> dict:
         """The rewards the policy was optimised for (the RM's path and weights hash, if any)."""
-        judge = (
-            {"judge": {"base_url": self.cfg.judge.base_url, "model": self.cfg.judge.model}}
-            if self.cfg.judge.enabled
-            else {}
-        )
-        return {"reward_funcs": list(self.cfg.grpo.reward_funcs), **self.reward_model_record(), **judge}
+        return {
+            "reward_funcs": list(self.cfg.grpo.reward_funcs),
+            **self.reward_model_record(),
+            **self.cfg.judge.manifest_record(),
+        }
 
     def release(self) -> None:
         super().release()

@@ -30,7 +30,9 @@ if __package__ in (None, ""):
 
 import torch
 
+from pipeline.algorithms import rewards as rw
 from pipeline.algorithms import rl
+from pipeline.algorithms.judge import JudgeConfig, JudgeReward
 from pipeline.algorithms.mismatch import logprob_diff
 from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
 from pipeline.algorithms.ppo import (
@@ -48,7 +50,7 @@ from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfi
 from pipeline.engine.accelerator import full_parameters
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.stage import main
-from pipeline.engine.steps import eval_shards
+from pipeline.engine.steps import eval_shards, rank_mean
 from pipeline.modeling.manifest import read_manifest
 from pipeline.modeling.models import load_model, train_without_dropout
 
@@ -66,6 +68,13 @@ class PPOData(PromptDataConfig):
     """Prompt files (`{"prompt": ...}` or chat records whose last turn is the user's)."""
     eval: list[str] = field(default_factory=lambda: ["data/sample/ppo/valid.jsonl"])
     """Held-out prompts for `eval/reward` and `eval/kl`."""
+
+
+@dataclass
+class PPORewardModel(RewardModelConfig):
+    weight: float = 1.0
+    """Weight of the reward model's score in the summed reward (0 with a judge: the judge alone
+    rewards, the reward model's backbone still starts the critic)."""
 
 
 @dataclass
@@ -131,13 +140,21 @@ class PPOConfig(StageConfig):
     output_dir: str = "outputs/ppo"
     """Everything goes here: checkpoints/, runs/, adapter/, merged/ (the final policy), summary.json."""
     data: PPOData = field(default_factory=PPOData)
-    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    reward_model: PPORewardModel = field(default_factory=PPORewardModel)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     ppo: PPOSection = field(default_factory=PPOSection)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """An LLM judge behind an OpenAI-compatible endpoint, summed with the reward model's score by
+    their weights (pipeline/algorithms/judge.py)."""
 
     def problems(self) -> list[str]:
-        out = super().problems() + tools_problems(self.tools)
+        out = super().problems() + tools_problems(self.tools) + self.judge.problems()
+        if self.ppo.reward_norm == "stored" and (self.judge.enabled or self.reward_model.weight != 1.0):
+            out.append(
+                "ppo.reward_norm: 'stored' normalises with the reward model's own score statistics, and the summed "
+                "reward is not its score alone (a judge, or reward_model.weight != 1); use running or none"
+            )
         if self.tools.enabled and self.distributed.engine == "deepspeed":
             out.append(
                 "tools.funcs: tool rollouts run under ddp or fsdp (under DeepSpeed ZeRO-3 every rank samples in "
@@ -219,6 +236,9 @@ class PPOStage(PolicyStage):
         self.reward_fn = reward_fn
         self.kl_controller = rl.make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
         self.normaliser: Optional[rl.RunningMoments] = None
+        self.judge: Optional[JudgeReward] = None
+        self.reward_parts: dict[str, torch.Tensor] = {}
+        """The latest summed reward's sources by name ('rm', 'judge'), each [B] before weighting."""
         self.last_experience = None
         """The latest step's experience (tests and notebooks read it from `on_step`)."""
 
@@ -226,6 +246,10 @@ class PPOStage(PolicyStage):
         """Prompts (eval prompts only when evaluation is on) and the reward normaliser."""
         problems = self.build_prompts()
         self.normaliser = make_normaliser(self.cfg, self.reward_path)
+        if self.cfg.judge.enabled:
+            problems += self.cfg.judge.record_problems(
+                [rw.record_columns(s) for s in self.train_samples + self.eval_samples]
+            )
         return problems
 
     def build_model(self) -> torch.nn.Module:
@@ -246,6 +270,7 @@ class PPOStage(PolicyStage):
             rollout = self.rollout(batch)
             gen_time = time.perf_counter() - started
             texts = [p["text"] for p in batch]
+            others = self.other_rewards(batch, rollout, tag=step)
             exp = make_experience(
                 self.inner,
                 rollout,
@@ -255,11 +280,15 @@ class PPOStage(PolicyStage):
                 normaliser=self.normaliser,
                 reward_fn=self.reward_fn,
                 accelerator=acc,
+                combine=lambda score: self.summed_reward(score, others),
             )
         update = ppo_update(self.model, self.optimizer, exp, acc, cfg, step)
         figures = step_metrics(
             exp, update, acc, kl_coef=self.kl_controller.value, gen_frac=gen_time / (time.perf_counter() - started)
         )
+        if self.judge is not None:
+            sources = {f"ppo/reward/{name}": float(v.nanmean()) for name, v in self.reward_parts.items()}
+            figures.update(rank_mean({**sources, **self.judge.take_figures()}, acc))
         self.kl_controller.update(figures["ppo/kl"], cfg.train.batch_size * acc.num_processes)
         if rollout.engine_logp is not None:  # an engine reporting its log-probs (vLLM): the mismatch, measured
             mean, worst = logprob_diff(exp.old_logprobs, rollout.engine_logp, rollout.response_mask)
@@ -303,6 +332,7 @@ class PPOStage(PolicyStage):
                     if self.reward_fn is None
                     else self.reward_fn([p["text"] for p in batch], rollout.responses).float().cpu()
                 )
+                raw = self.summed_reward(raw, self.other_rewards(batch, rollout, tag=self.step))
                 kl = (rl.kl_per_token(s["old"], s["ref"], "k1") * rollout.response_mask).sum(1)
                 rewards.append(raw.sum() * counts)  # counts False: a short rank's repeated batch
                 kls.append(kl.sum() * counts)
@@ -311,7 +341,38 @@ class PPOStage(PolicyStage):
         if acc.num_processes > 1:
             totals = acc.reduce(totals.to(acc.device), reduction="sum").cpu()
         n = float(totals[2]) or float("nan")
+        if self.judge is not None:
+            self.judge.take_figures()  # the step figures count training's requests only
         return {"eval/reward": float(totals[0]) / n, "eval/kl": float(totals[1]) / n}
+
+    def other_rewards(self, samples: list[dict], rollout, tag: int) -> dict[str, torch.Tensor]:
+        """The reward sources beside the reward model, by name ([B] each): the judge's score of each
+        response's final answer (a tool rollout's last assistant turn), its requests filed in the
+        cache under optimizer step `tag`.
+
+        Raises:
+            JudgeError: a judge request failed and judge.on_failure is null.
+        """
+        if not self.cfg.judge.enabled:
+            return {}
+        if self.judge is None:  # a resumed run sees the replies an unbroken one had cached by now
+            self.judge = rw.open_judge(self.cfg.judge, self.cfg.output_dir, self.accelerator.process_index, self.step)
+        texts = (
+            None
+            if rollout.conversations
+            else [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
+        )
+        completions = rw.trl_completions(samples, texts, rollout.conversations)
+        prompts, columns = [rw.trl_prompt(s) for s in samples], [rw.record_columns(s) for s in samples]
+        return {"judge": rw.judge_scores(self.judge, prompts, completions, columns, tag)}
+
+    def summed_reward(self, score: torch.Tensor, others: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The raw reward ([B]): the reward model's (or reward_fn's) score and `others`, weighted and
+        summed as GRPO sums its sources (rewards.weighted_sum). A NaN score of the reward model stays
+        NaN (a broken model stops at the step's finite check instead of training on a 0)."""
+        self.reward_parts = {"rm": score, **others}
+        weights = {"rm": self.cfg.reward_model.weight, "judge": self.cfg.judge.weight}
+        return torch.where(score.isnan(), score, rw.weighted_sum(self.reward_parts, weights, len(score)))
 
     def state_dict(self) -> dict:
         return {"kl_controller": self.kl_controller.state_dict(), "normaliser": self.normaliser.state_dict()}
@@ -321,8 +382,9 @@ class PPOStage(PolicyStage):
         self.normaliser.load_state_dict(state["normaliser"])
 
     def manifest_extras(self) -> dict:
-        """The reward model the policy was optimised against: the driver re-runs PPO when it changes."""
-        return self.reward_model_record()
+        """The reward model the policy was optimised against (the driver re-runs PPO when it changes)
+        and the judge, if any."""
+        return {**self.reward_model_record(), **self.cfg.judge.manifest_record()}
 
     def export_adapters(self) -> dict[str, torch.nn.Module]:
         """The critic's adapter beside the policy's (LoRA modes)."""

@@ -75,6 +75,18 @@ def test_grpo_options_are_the_registries():
     assert all(node_exists(n) for names in cap.GRPO_OPTIONS.values() for nodes in names.values() for n in nodes)
 
 
+def test_every_judge_cell_is_tested_or_refused_in_one_line():
+    walked = list(cap.judge_cells())
+    assert set(cap.JUDGE_TESTS) <= set(walked) and {s for s, _, _ in walked} <= set(cap.policy_stages())
+    for stage, tools, engine in walked:
+        line = cap.judge_refusal(stage, tools, engine)
+        if line is None:
+            assert all(node_exists(n) for n in cap.JUDGE_TESTS[stage, tools, engine]), (stage, tools, engine)
+        else:
+            assert "\n" not in line and line.startswith("judge.base_url: "), line
+    assert any(cap.judge_refusal(*c) for c in walked) and "`judge:`" in cap.render()
+
+
 def test_known_refusals_are_the_tables():
     vllm_ddp = cap.Cell("grpo", "vllm", "off", "lora", "ddp", "tis")
     assert "until per-rank servers are pinned to their device" in cap.refusal(vllm_ddp)
@@ -124,6 +136,12 @@ REFUSED = [
         "generation.backend: vllm with more than one rank is refused until per-rank servers",
     ),
     ("ppo", 1, ["--generation.correction", "mis"], "generation.correction: mis weighs each token"),
+    (
+        "ppo",
+        2,
+        ["--judge.base_url", "http://127.0.0.1:9/v1", "--judge.model", "m"],
+        "judge.base_url: a judge reward in ppo with tools off under DDP is not run",
+    ),
     (
         "dpo",
         2,

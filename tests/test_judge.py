@@ -13,12 +13,17 @@ import pytest
 import torch
 from stagerun import run_stage
 from test_grpo import make_cfg, peaked_policy  # noqa: F401  (a fixture)
+from test_ppo import make_cfg as ppo_make_cfg
 from test_serve import chat, server  # noqa: F401  (fixtures: a live relay serve of a tiny model)
+from test_tool_rollout import _factory as tool_factory
+from test_tool_rollout import _grpo_cfg as tool_grpo_cfg
+from test_tool_rollout import tok, tool_prompts  # noqa: F401  (fixtures)
 
+from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.judge import JudgeConfig, JudgeError, JudgeReward, parse_score
 from pipeline.config import ConfigError
 from pipeline.tools.openai_protocol import ApiError, check_request, completion_response
-from stages import grpo
+from stages import grpo, ppo
 
 SERVED = "stub-judge"
 KEY = "sk-test-9f3c1d7e5b2a"
@@ -329,16 +334,157 @@ def test_ppo_reward_fn_hook_scores_decoded_responses(fresh, tiny_model_dir):
 
     from pipeline.algorithms.judge import ppo_reward_fn
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     ids = [
-        tok.encode("hello", add_special_tokens=False) + [tok.eos_token_id],
-        tok.encode("hi there", add_special_tokens=False),
+        tokenizer.encode("hello", add_special_tokens=False) + [tokenizer.eos_token_id],
+        tokenizer.encode("hi there", add_special_tokens=False),
     ]
-    scores = ppo_reward_fn(JudgeReward(judge_cfg(fresh.url)), tok)(["<prompt>", "<prompt>"], ids)
+    scores = ppo_reward_fn(JudgeReward(judge_cfg(fresh.url)), tokenizer)(["<prompt>", "<prompt>"], ids)
     assert scores.tolist() == pytest.approx([0.5, 0.8]) and sorted(answer_of(b) for b in fresh.bodies) == [
         "hello",
         "hi there",
     ]
+
+
+# ------------------------------------------------------------------------------------------
+# PPO with a judge beside the reward model; both RL stages' tool rollouts
+# ------------------------------------------------------------------------------------------
+
+
+def stub_score(answer: str) -> float:
+    return int(default_reply(answer)) / 10
+
+
+def ppo_judge_cfg(out, policy, reward, prompts, url, **train):
+    """KL 0, gamma = lam = 1 and no normalisation, clipping or EOS penalty: every sampled token's
+    return is the summed raw reward."""
+    cfg = ppo_make_cfg(out, policy, reward, prompts, **train)
+    cfg.ppo.kl_coef, cfg.ppo.gamma, cfg.ppo.lam = 0.0, 1.0, 1.0
+    cfg.ppo.reward_norm, cfg.ppo.reward_clip, cfg.generation.missing_eos_penalty = "none", None, None
+    cfg.reward_model.weight = 0.5
+    cfg.judge = judge_cfg(url, api_key_env="RELAY_TEST_JUDGE_KEY", max_concurrency=2, on_failure=0.0, weight=2.0)
+    return cfg
+
+
+def check_summed(stage, exp, weights: dict[str, float], answers: list[str]) -> None:
+    """The raw reward is the weighted sum of the RM's own score and the stub's scores of `answers`,
+    and it is each sampled token's return (so the score sits on the last sampled token)."""
+    ro = exp.rollout
+    with torch.no_grad():
+        rm = stage.inner.reward_scores(ro.input_ids, ro.attention_mask, ro.prompt_width).float()
+    judged = torch.tensor([stub_score(a) for a in answers])
+    assert torch.equal(stage.reward_parts["judge"], judged) and torch.equal(stage.reward_parts["rm"], rm)
+    assert torch.allclose(exp.raw_scores, weights["rm"] * rm + weights["judge"] * judged, atol=1e-6)
+    mask = ro.response_mask.bool()
+    per_token = exp.raw_scores[:, None].expand_as(mask)
+    assert torch.allclose(exp.returns[mask], per_token[mask], atol=1e-5)
+    assert (exp.returns[~mask] == 0).all()
+
+
+def test_ppo_sums_the_judge_with_the_reward_model_and_resumes(
+    fresh,
+    tmp_path,
+    peaked_policy,  # noqa: F811
+    tiny_reward_dir,
+    judged_prompts,
+    monkeypatch,
+):
+    monkeypatch.setenv("RELAY_TEST_JUDGE_KEY", KEY)
+
+    def run(out, stop=None, resume=False):
+        cfg = ppo_judge_cfg(out, peaked_policy, tiny_reward_dir, judged_prompts, fresh.url, max_steps=2)
+        cfg.generation.max_new_tokens, cfg.generation.temperature = 1, 0.02  # repeated answers: cache hits
+        cfg.checkpoint.resume = resume
+        if stop is None:
+            monkeypatch.delenv("RELAY_STOP_AFTER_STEP", raising=False)
+        else:
+            monkeypatch.setenv("RELAY_STOP_AFTER_STEP", str(stop))
+        steps = {}
+
+        def on_step(stage, m):
+            exp = stage.last_experience
+            answers = [stage.tokenizer.decode(r, skip_special_tokens=True) for r in exp.rollout.responses]
+            check_summed(stage, exp, {"rm": 0.5, "judge": 2.0}, answers)
+            steps[stage.step] = (m, exp.raw_scores.clone())
+
+        run_stage(ppo.PPOStage, cfg, on_step=on_step)
+        return steps
+
+    unbroken = run(tmp_path / "a")
+    hits = sum(m["judge/cache_hits"] for m, _ in unbroken.values())
+    assert len(fresh.bodies) == 2 * 4 - hits == sum(m["judge/requests"] for m, _ in unbroken.values())
+    assert hits > 0 and fresh.auth == {f"Bearer {KEY}"}
+    assert all({"ppo/reward/rm", "ppo/reward/judge", "judge/failures"} <= set(m) for m, _ in unbroken.values())
+    for path in (tmp_path / "a").rglob("*"):
+        if path.is_file():
+            assert KEY.encode() not in path.read_bytes(), path
+    assert SERVED in (tmp_path / "a" / "merged" / "manifest.json").read_text()
+
+    before = run(tmp_path / "b", stop=1)
+    asked = len(fresh.bodies)
+    after = run(tmp_path / "b", resume=True)
+    assert sorted(before) == [1] and sorted(after) == [2]
+    for step, (m, raw) in {**before, **after}.items():
+        assert torch.equal(raw, unbroken[step][1]) and m["ppo/policy_loss"] == unbroken[step][0]["ppo/policy_loss"], (
+            step
+        )
+    assert len(fresh.bodies) - asked == unbroken[2][0]["judge/requests"]
+
+
+def test_ppo_config_refuses_stored_norm_with_a_judge_and_needs_the_reference_column(tmp_path):
+    cfg = ppo.PPOConfig()
+    cfg.judge = judge_cfg("http://127.0.0.1:9/v1", template="{question} {answer} {reference}")
+    cfg.ppo.reward_norm = "stored"
+    found = "\n".join(cfg.problems())
+    assert "ppo.reward_norm: 'stored' normalises with the reward model's own" in found
+    assert "judge.template: uses {reference} but judge.reference_column is not set" in found
+    cfg.judge.base_url = None
+    assert "ppo.reward_norm" not in "\n".join(cfg.problems())
+
+
+@pytest.mark.parametrize("stage_name", ["ppo", "grpo"])
+def test_tool_rollouts_are_judged_by_their_final_answer(
+    stage_name,
+    fresh,
+    tmp_path,
+    tiny_model_dir,
+    tiny_reward_dir,
+    tool_prompts,  # noqa: F811
+    tok,  # noqa: F811
+):
+    """The judge sees each conversation's last assistant turn (never a tool's result) after the
+    prompt's question; PPO puts the weighted sum on every sampled token's return, GRPO sums it with
+    the rule reward."""
+    if stage_name == "ppo":
+        cfg = ppo_judge_cfg(tmp_path, tiny_model_dir, tiny_reward_dir, tool_prompts, fresh.url, batch_size=2)
+        cfg.generation.max_new_tokens, cfg.judge.api_key_env = 64, None
+        stage = ppo.PPOStage(cfg, generator_factory=tool_factory(tok))
+    else:
+        cfg = tool_grpo_cfg(tmp_path, tiny_model_dir, tool_prompts)
+        cfg.judge = judge_cfg(fresh.url, weight=3.0)
+        stage = grpo.GRPOStage(cfg, generator_factory=tool_factory(tok))
+    cfg.tools.funcs = ["test_tool_rollout:add"]
+    stage.validate()
+    stage.build()
+    stage.train_step()
+    if stage_name == "ppo":
+        exp = stage.last_experience
+        conversations = exp.rollout.conversations
+        check_summed(stage, exp, {"rm": 0.5, "judge": 2.0}, [rw.final_answer(c) for c in conversations])
+    else:
+        conversations, parts = stage.last_rollout["rollout"].conversations, stage.last_rollout["parts"]
+        answers = [rw.final_answer(c) for c in conversations]
+        assert torch.equal(parts["judge"], torch.tensor([stub_score(a) for a in answers]))
+        expected = parts["answer_length"] + 3.0 * parts["judge"]
+        assert torch.allclose(stage.last_rollout["rewards"], expected, atol=1e-6)
+    assert all(c[1] == {"role": "tool", "content": "5"} for c in conversations)  # every row called the tool
+    answers = sorted(rw.final_answer(c) for c in conversations)
+    assert sorted(answer_of(b) for b in fresh.bodies) == sorted(set(answers))
+    assert all(
+        b["messages"][-1]["content"].startswith("Rate") and "What is 2 + " in b["messages"][-1]["content"]
+        for b in fresh.bodies
+    )
+    stage.release()
 
 
 def test_relay_serve_as_the_judge_answers_as_the_openai_client_sees_it(server, caplog):  # noqa: F811

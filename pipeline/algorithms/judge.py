@@ -156,6 +156,10 @@ class JudgeConfig:
             out.append(f"{key}.on_failure: must be a finite score or null (stop the run), got {self.on_failure}")
         return out
 
+    def manifest_record(self) -> dict:
+        """What judged the policy, for the merged model's manifest: the endpoint and the model (never the key)."""
+        return {"judge": {"base_url": self.base_url, "model": self.model}} if self.enabled else {}
+
     def record_problems(self, records: Sequence[dict], key: str = "judge") -> list[str]:
         """The prompt records' fields the section needs: the reference column in every record."""
         col = self.reference_column

@@ -141,9 +141,11 @@ def make_experience(
     normaliser: rl.RunningMoments,
     reward_fn: Optional[RewardFn],
     accelerator,
+    combine: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> Experience:
     """Score a rollout and turn it into advantages and returns (advantages whitened over every
-    rank's response tokens; every rank calls this)."""
+    rank's response tokens; every rank calls this). `combine(score) -> raw`: the stage's sum of the
+    reward model's (or reward_fn's) [B] score with its other reward sources, before normalisation."""
     mini = cfg.ppo.mini_batch_size or cfg.train.batch_size
     micro = mini // cfg.train.grad_accum
     hold = holds_first_forward(rollout.input_ids.shape[0], micro, mini, runs_unwrapped(accelerator, model))
@@ -151,6 +153,8 @@ def make_experience(
         model, rollout, micro=micro, temperature=cfg.generation.temperature, autocast=accelerator.autocast, hold=hold
     )
     raw = s["rm"] if reward_fn is None else reward_fn(prompts_text, rollout.responses).detach().float().cpu()
+    if combine is not None:
+        raw = combine(raw)
     gathered = accelerator.gather(raw.to(accelerator.device)).cpu()
     scores = shape_scores(raw, rollout.finished, normaliser, cfg, gathered)
     mask = rollout.response_mask

@@ -48,8 +48,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+import torch
+
 from data_formats.conversation import Turn
 from data_formats.tools import template_messages
+from pipeline.algorithms.judge import JudgeConfig, JudgeReward
 
 RewardFunc = Callable[..., list[Optional[float]]]
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -282,6 +285,58 @@ def text_of(value: Any) -> str:
     users = [m for m in value if m.get("role") == "user"]
     chosen = users[-1] if users else (value[0] if value else {})
     return chosen.get("content") or ""
+
+
+# ------------------------------------------------------------------------------------------
+# Summing the sources: reward functions, a reward model, a judge
+# ------------------------------------------------------------------------------------------
+
+
+def record_columns(sample: dict) -> dict:
+    """A prompt sample's record fields (data_formats.datasets.build_prompt_data)."""
+    return json.loads(sample.get("columns") or "{}")
+
+
+def weighted_sum(parts: dict[str, torch.Tensor], weights: dict[str, float], n: int) -> torch.Tensor:
+    """Each of `n` completions' summed reward: sum over sources of weight x score, in the order of
+    `parts`, a NaN score (a reward function's "no opinion") left out as TRL's nansum leaves it."""
+    total = torch.zeros(n)
+    for name, values in parts.items():
+        total += torch.nan_to_num(weights[name] * values, nan=0.0)
+    return total
+
+
+def open_judge(cfg: JudgeConfig, output_dir: str, rank: int, steps_done: int) -> JudgeReward:
+    """A stage's judge: this rank's disk cache under OUTPUT_DIR/judge_cache/, holding what an
+    unbroken run had cached after `steps_done` optimizer steps (JudgeReward.open)."""
+    judge = JudgeReward(cfg, Path(output_dir) / "judge_cache" / f"rank{rank}.jsonl")
+    judge.open(steps_done)
+    return judge
+
+
+def judge_scores(
+    judge: JudgeReward, prompts: list, completions: list, columns: Sequence[dict], tag: int
+) -> torch.Tensor:
+    """The judge's score of each completion's final answer (`final_answer`: a tool rollout's last
+    assistant turn) to its prompt's last user turn, in TRL's shapes (`trl_prompt`, `trl_completions`).
+    With judge.gold_column, whether the answer states the record's gold value (`final_answer_match`)
+    is passed on for judge/gold_agreement; judge.reference_column fills {reference}.
+
+    Raises:
+        JudgeError: a request failed and judge.on_failure is null.
+    """
+    cfg = judge.cfg
+    answers = [final_answer(c) for c in completions]
+    golds = None
+    if cfg.gold_column:
+        golds = [
+            None
+            if c.get(cfg.gold_column) is None
+            else bool(final_answer_match([None], [a], answer=[c[cfg.gold_column]])[0])
+            for a, c in zip(answers, columns)
+        ]
+    refs = [None if not cfg.reference_column else str(c.get(cfg.reference_column)) for c in columns]
+    return torch.tensor(judge.score([text_of(p) for p in prompts], answers, refs, tag=tag, golds=golds))
 
 
 # ------------------------------------------------------------------------------------------

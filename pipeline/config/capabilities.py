@@ -271,6 +271,35 @@ TESTS: dict[Cell, tuple[str, ...]] = {
 for _stage, _nodes in VLLM_TOOLS_TESTS.items():
     TESTS[_policy(_stage, "lora", "single", backend="vllm", tools="on", correction="tis")] = _nodes
 
+JUDGE = "tests/test_judge.py"
+JUDGE_TESTS: dict[tuple[str, str, str], tuple[str, ...]] = {
+    ("ppo", "off", "single"): (f"{JUDGE}::test_ppo_sums_the_judge_with_the_reward_model_and_resumes",),
+    ("ppo", "on", "single"): (f"{JUDGE}::test_tool_rollouts_are_judged_by_their_final_answer[ppo]",),
+    ("grpo", "off", "single"): (f"{JUDGE}::test_grpo_two_steps_with_judge_and_rule_reward_and_resume",),
+    ("grpo", "on", "single"): (f"{JUDGE}::test_tool_rollouts_are_judged_by_their_final_answer[grpo]",),
+}
+"""The LLM judge reward (a stage config's `judge:` section, pipeline/algorithms/judge.py) by stage x
+tools x engine: it reads decoded answers, so the backend, adapter and correction do not change what
+it does. A config with a judge runs where its cell runs and this table names tests; elsewhere it is
+refused in one line (`judge_refusal`)."""
+
+
+def judge_cells() -> Iterator[tuple[str, str, str]]:
+    """Every (stage, tools, engine) of the judge's table: the stages with a `judge:` section."""
+    stages = dict.fromkeys(stage for stage, _, _ in JUDGE_TESTS)
+    yield from itertools.product(stages, TOOLS, ENGINES)
+
+
+def judge_refusal(stage: str, tools: str, engine: str) -> Optional[str]:
+    """None where the judge reward runs in (stage, tools, engine), else the one line why not."""
+    if (stage, tools, engine) in JUDGE_TESTS:
+        return None
+    return (
+        f"judge.base_url: a judge reward in {stage} with tools {tools} under {ENGINES[engine].label} is not run by "
+        "Relay's test suite yet (each rank would ask the judge for its own answers); run it in one process"
+    )
+
+
 GRPO_OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {
     "loss_type": {
         name: (f"tests/test_grpo_variants.py::test_micro_batch_shares_equal_trl_accumulation[{name}]",)
@@ -486,6 +515,9 @@ def config_refusals(stage: str, cfg: Any, ranks: Optional[int] = None, cuda: Opt
     if cell is None:
         return []
     line = refusal(cell, cuda_visible() if cuda is None else cuda)
+    judge = getattr(cfg, "judge", None)
+    if line is None and cell.tools != NONE and getattr(judge, "base_url", None):
+        line = judge_refusal(cell.stage, cell.tools, cell.engine)
     return [line] if line else []
 
 
@@ -538,6 +570,14 @@ def render() -> str:
         f"- `grpo.{option}`: {', '.join(names)}: each in every supported grpo row (golden tests against TRL and verl)."
         for option, names in GRPO_OPTIONS.items()
     ]
+    judged: dict[tuple[str, str], list[str]] = {}
+    for stage, tools, engine in JUDGE_TESTS:
+        judged.setdefault((stage, ENGINES[engine].label), []).append(tools)
+    options.append(
+        "- `judge:` (an LLM judge reward, alone or beside the others): "
+        + "; ".join(f"{stage} with tools {' and '.join(tools)} ({label})" for (stage, label), tools in judged.items())
+        + "; refused elsewhere."
+    )
     return "\n".join(
         [
             f"{tested} combinations are trained by the "

@@ -13,7 +13,6 @@
     relay serve DIR [--port 8000]                           # OpenAI-compatible /v1/chat/completions
     relay bundle --out DIR | --check DIR                    # wheels for an offline CUDA torch node
     relay sample --model DIR --data.train [P.jsonl] --out F.jsonl --mode sft|dpo   # scored samples -> SFT/DPO data
-    relay eval MODEL [MODEL ...] [--tasks T1,T2] [--include_path DIR]   # lm-evaluation-harness scores, local tasks
 
 The per-stage scripts (`stages/*.py`, `run_scripts/run_*.sh`) stay; `relay train` runs the same
 scripts (through torchrun when --nproc > 1). Every subcommand's `--help` lists its options.
@@ -32,6 +31,7 @@ from typing import Optional, Sequence
 
 import stages as registry
 from data_formats.validate import main as validate_data
+from pipeline.algorithms.judge import JudgeConfig
 from pipeline.config import (
     ConfigError,
     DistributedConfig,
@@ -67,9 +67,8 @@ COMMANDS = {
         "pipeline.tools.sample",
         "sample N answers per prompt, score them, write best-of-N SFT or best/worst DPO data",
     ),
-    "eval": ("pipeline.tools.evaluate", "score models on lm-evaluation-harness tasks over local files"),
 }
-LOADS_MODELS = ("chat", "merge", "export", "serve", "sample", "eval")
+LOADS_MODELS = ("chat", "merge", "export", "serve", "sample")
 """Subcommands that load models: their loading bars and known-harmless warnings are silenced."""
 PIPELINE_KEYS = ("stages", "chain", "output_root", "base_model")
 USAGE_LINE = re.compile(r"stages/(\w+)\.py|run_scripts/run_(\w+)\.sh")
@@ -207,6 +206,7 @@ AXIS_KEYS = (
     "generation.backend",
     "generation.correction",
     "tools.funcs",
+    "judge.base_url",
 )
 """The config keys that place a run in the capability table (pipeline/config/capabilities.py)."""
 
@@ -223,6 +223,7 @@ def axis_values(config: Optional[str], args: Sequence[str]) -> "SimpleNamespace"
         "distributed": DistributedConfig(),
         "generation": GenerationConfig(),
         "tools": ToolsConfig(),
+        "judge": JudgeConfig(),
     }
     values = {key: getattr(sections[key.split(".")[0]], key.split(".")[1]) for key in AXIS_KEYS}
     try:
