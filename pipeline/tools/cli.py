@@ -13,6 +13,7 @@
     relay serve DIR [--port 8000]                           # OpenAI-compatible /v1/chat/completions
     relay bundle --out DIR | --check DIR                    # wheels for an offline CUDA torch node
     relay sample --model DIR --data.train [P.jsonl] --out F.jsonl --mode sft|dpo   # scored samples -> SFT/DPO data
+    relay eval MODEL [MODEL ...] [--tasks T1,T2] [--include_path DIR]   # lm-evaluation-harness scores, local tasks
 
 The per-stage scripts (`stages/*.py`, `run_scripts/run_*.sh`) stay; `relay train` runs the same
 scripts (through torchrun when --nproc > 1). Every subcommand's `--help` lists its options.
@@ -67,8 +68,9 @@ COMMANDS = {
         "pipeline.tools.sample",
         "sample N answers per prompt, score them, write best-of-N SFT or best/worst DPO data",
     ),
+    "eval": ("pipeline.tools.evaluate", "score models on lm-evaluation-harness tasks over local files"),
 }
-LOADS_MODELS = ("chat", "merge", "export", "serve", "sample")
+LOADS_MODELS = ("chat", "merge", "export", "serve", "sample", "eval")
 """Subcommands that load models: their loading bars and known-harmless warnings are silenced."""
 PIPELINE_KEYS = ("stages", "chain", "output_root", "base_model")
 USAGE_LINE = re.compile(r"stages/(\w+)\.py|run_scripts/run_(\w+)\.sh")
