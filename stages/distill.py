@@ -40,6 +40,7 @@ from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
 from pipeline.algorithms.rollout import ActorCritic, Rollout, assemble_masked
 from pipeline.config import GenerationConfig, ModelConfig, PromptDataConfig, StageConfig
 from pipeline.engine.checkpoint import seeded_fork
+from pipeline.engine.held_out import ratio
 from pipeline.engine.stage import Stage, main
 from pipeline.engine.stage_checks import data_problems
 from pipeline.engine.supervised_head import head_split, hidden_forward
@@ -335,15 +336,16 @@ class DistillStage(PolicyStage):
     def evaluate(self) -> Optional[dict[str, float]]:
         """eval/kl: the student's per-token reverse KL to the teacher on one sampled completion per
         held-out prompt, under a forked RNG seeded the same way at every evaluation."""
-        if not self.eval_samples or self.accelerator.num_processes > 1:
+        if not self.eval_samples:
             return None
-        cfg, total, count = self.cfg, 0.0, 0.0
-        with seeded_fork(cfg.train.seed + 1):
-            for start in range(0, len(self.eval_samples), cfg.train.batch_size):
-                rollout = self.rollout(self.eval_samples[start : start + cfg.train.batch_size])
-                _, kl = self.token_losses(rollout, slice(None), grad=False)
-                total, count = total + float(kl.sum()), count + kl.numel()
-        return {"eval/kl": total / max(count, 1.0), "eval/loss": total / max(count, 1.0)}
+
+        def figures(indices: list[int]) -> dict:
+            _, kl = self.token_losses(self.rollout([self.eval_samples[i] for i in indices]), slice(None), grad=False)
+            return {"kl": kl.sum(), "tokens": kl.numel()}
+
+        with seeded_fork(self.cfg.train.seed + 1):
+            kl = ratio(self.held_out(figures), "kl", "tokens")
+        return {"eval/kl": kl, "eval/loss": kl}
 
     def state_dict(self) -> dict:
         return {"completion_cursor": dict(self.completion_cursor)}

@@ -47,8 +47,9 @@ from data_formats.render import template_jinja
 from pipeline.algorithms import preference as pref
 from pipeline.algorithms.reference import ReferenceStage
 from pipeline.config import PreferenceDataConfig, StageConfig
+from pipeline.engine.held_out import ratio
 from pipeline.engine.stage import main
-from pipeline.engine.steps import eval_shards, rank_mean
+from pipeline.engine.steps import rank_mean
 from pipeline.modeling.models import eval_mode
 
 log = logging.getLogger("relay.dpo")
@@ -160,7 +161,7 @@ class DPOStage(ReferenceStage):
         self.train_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "train", stats=stats)
         # Tool conversations in the default layout: the saved template must render them as trained.
         self.chat_template = template_jinja(template, tok, tools=stats.get("tool_conversations", 0) > 0)
-        if cfg.data.eval or cfg.data.eval_fraction > 0:
+        if cfg.data.has_eval:
             self.eval_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "eval")
         if cfg.data.padding_mode == "pack":
             self.collator = PackedPairCollator(tok.pad_token_id, cfg.train.seq_length, cfg.model.attn_implementation)
@@ -250,27 +251,17 @@ class DPOStage(ReferenceStage):
         over the held-out pairs of every rank (the padding batches of a short rank not counted)."""
         if not self.eval_samples:
             return None
-        acc, figures = self.accelerator, {}
+
+        def figures(indices: list[int]) -> dict:
+            batch = self.collate(self.collator, self.eval_samples, indices)
+            ref = self.batch_reference("eval", indices, batch)
+            logps, tokens = pref.sequence_logps(self.model, batch, self.accelerator)
+            values = pref.pair_losses(self.cfg.dpo, logps, tokens, ref)[1]
+            return {"pairs": len(indices), **{k: v.double().sum() for k, v in values.items()}}
+
         with eval_mode(self.model):
-            for indices, counts in eval_shards(
-                len(self.eval_samples),
-                self.cfg.train.batch_size,
-                acc.num_processes,
-                acc.process_index,
-                self.cfg.train.eval_batches,
-            ):
-                batch = self.collate(self.collator, self.eval_samples, indices)
-                ref = self.batch_reference("eval", indices, batch)
-                logps, tokens = pref.sequence_logps(self.model, batch, acc)
-                for key, values in pref.pair_losses(self.cfg.dpo, logps, tokens, ref)[1].items():
-                    figures.setdefault(key, []).append(
-                        values.float() if counts else torch.full_like(values.float(), float("nan"))
-                    )
-        out = {}
-        for key, parts in figures.items():
-            values = torch.cat(parts)
-            values = acc.gather_for_metrics(values) if acc.num_processes > 1 else values
-            out[key] = float(values[~torch.isnan(values)].mean())
+            sums = self.held_out(figures)
+        out = {key: ratio(sums, key, "pairs") for key in sums}
         return {
             "eval/loss": out["loss"],
             "eval/accuracy": out["accuracy"],

@@ -49,8 +49,9 @@ from pipeline.algorithms.tool_rollout import tools_problems
 from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig, ToolsConfig
 from pipeline.engine.accelerator import full_parameters
 from pipeline.engine.checkpoint import seeded_fork
+from pipeline.engine.held_out import ratio
 from pipeline.engine.stage import main
-from pipeline.engine.steps import eval_shards, rank_mean
+from pipeline.engine.steps import rank_mean
 from pipeline.modeling.models import load_model, train_without_dropout
 
 log = logging.getLogger("relay.grpo")
@@ -375,33 +376,21 @@ class GRPOStage(PolicyStage):
         held-out prompt, under a forked RNG seeded the same way at every evaluation (as PPO's)."""
         if not self.eval_samples:
             return None
-        cfg, acc = self.cfg, self.accelerator
-        sums: dict[str, torch.Tensor] = {}
-        with seeded_fork(cfg.train.seed + 1), full_parameters(acc, self.model):
-            for indices, counts in eval_shards(
-                len(self.eval_samples),
-                cfg.train.batch_size,
-                acc.num_processes,
-                acc.process_index,
-                cfg.train.eval_batches,
-            ):
-                batch = [self.eval_samples[i] for i in indices]
-                rollout = self.rollout(batch, 1)
-                total, parts, _ = self.rewards(batch, rollout, tag=self.step)
-                for name, values in {
-                    "eval/reward": total,
-                    **{f"eval/reward/{k}": v for k, v in parts.items()},
-                    "n": torch.ones(len(batch)),
-                }.items():
-                    sums[name] = sums.get(name, torch.tensor(0.0)) + values.sum() * counts
-        names = list(sums)
-        totals = torch.stack([sums[k] for k in names])
-        if acc.num_processes > 1:
-            totals = acc.reduce(totals.to(acc.device), reduction="sum").cpu()
-        n = float(totals[names.index("n")]) or float("nan")
+
+        def figures(indices: list[int]) -> dict:
+            batch = [self.eval_samples[i] for i in indices]
+            total, parts, _ = self.rewards(batch, self.rollout(batch, 1), tag=self.step)
+            return {
+                "n": len(batch),
+                "eval/reward": total.sum(),
+                **{f"eval/reward/{k}": v.sum() for k, v in parts.items()},
+            }
+
+        with seeded_fork(self.cfg.train.seed + 1), full_parameters(self.accelerator, self.model):
+            sums = self.held_out(figures)
         if self.judge is not None:
             self.judge.take_figures()  # the step figures count training's requests only
-        return {k: float(v) / n for k, v in zip(names, totals) if k != "n"}
+        return {key: ratio(sums, key, "n") for key in sums if key != "n"}
 
     def manifest_extras(self) -> dict:
         """The rewards the policy was optimised for (the RM's path and weights hash, if any)."""

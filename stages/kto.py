@@ -46,7 +46,7 @@ from pipeline.algorithms import preference as pref
 from pipeline.algorithms.reference import ReferenceStage
 from pipeline.config import ChatDataConfig, StageConfig
 from pipeline.engine.stage import main
-from pipeline.engine.steps import all_reduce_sum, eval_shards
+from pipeline.engine.steps import all_reduce_sum
 from pipeline.modeling.models import eval_mode
 
 log = logging.getLogger("relay.kto")
@@ -122,7 +122,7 @@ class KTOStage(ReferenceStage):
         template = self.data_template()
         stats: dict = {}
         self.train_samples = build_kto_data(cfg.data, tok, template, cfg.train.seq_length, "train", stats=stats)
-        if cfg.data.eval or cfg.data.eval_fraction > 0:
+        if cfg.data.has_eval:
             self.eval_samples = build_kto_data(cfg.data, tok, template, cfg.train.seq_length, "eval")
         self.collator = Collator(tok.pad_token_id)
         advice = kto_math.weight_advice(
@@ -216,20 +216,9 @@ class KTOStage(ReferenceStage):
         of every rank (a short rank's padding batches not counted)."""
         if not self.eval_samples:
             return None
-        acc, sums, batches = self.accelerator, {}, 0
         with eval_mode(self.model):
-            for indices, counts in eval_shards(
-                len(self.eval_samples),
-                self.cfg.train.batch_size,
-                acc.num_processes,
-                acc.process_index,
-                self.cfg.train.eval_batches,
-            ):
-                _, figures = self.micro_batch(self.eval_samples, indices)
-                batches += counts
-                for key, value in figures.items():
-                    sums[key] = sums.get(key, 0.0) + (float(value) if counts else 0.0)
-        m = self.reduced({**sums, "kl": sums["kl"] / max(batches, 1)})
+            sums = self.held_out(lambda indices: self.micro_batch(self.eval_samples, indices)[1])
+        m = kto_math.figure_means({key: float(value) for key, value in sums.items()})
         return without_nan(
             {
                 "eval/loss": m["loss"],

@@ -49,8 +49,9 @@ from pipeline.algorithms.tool_rollout import tools_problems
 from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig, ToolsConfig
 from pipeline.engine.accelerator import full_parameters
 from pipeline.engine.checkpoint import seeded_fork
+from pipeline.engine.held_out import ratio
 from pipeline.engine.stage import main
-from pipeline.engine.steps import eval_shards, rank_mean
+from pipeline.engine.steps import rank_mean
 from pipeline.modeling.manifest import read_manifest
 from pipeline.modeling.models import load_model, train_without_dropout
 
@@ -307,43 +308,32 @@ class PPOStage(PolicyStage):
         """
         if not self.eval_samples:
             return None
-        cfg, acc = self.cfg, self.accelerator
-        rewards, kls, weights = [], [], []
-        with seeded_fork(cfg.train.seed + 1), full_parameters(acc, self.model):
-            for indices, counts in eval_shards(
-                len(self.eval_samples),
-                cfg.train.batch_size,
-                acc.num_processes,
-                acc.process_index,
-                cfg.train.eval_batches,
-            ):
-                batch = [self.eval_samples[i] for i in indices]
-                rollout = self.rollout(batch)
-                s = score_rollout(
-                    self.inner,
-                    rollout,
-                    micro=cfg.train.batch_size,
-                    temperature=cfg.generation.temperature,
-                    values=False,
-                    autocast=acc.autocast,
-                )
-                raw = (
-                    s["rm"]
-                    if self.reward_fn is None
-                    else self.reward_fn([p["text"] for p in batch], rollout.responses).float().cpu()
-                )
-                raw = self.summed_reward(raw, self.other_rewards(batch, rollout, tag=self.step))
-                kl = (rl.kl_per_token(s["old"], s["ref"], "k1") * rollout.response_mask).sum(1)
-                rewards.append(raw.sum() * counts)  # counts False: a short rank's repeated batch
-                kls.append(kl.sum() * counts)
-                weights.append(torch.tensor(float(len(batch) * counts)))
-        totals = torch.stack([torch.stack(rewards).sum(), torch.stack(kls).sum(), torch.stack(weights).sum()])
-        if acc.num_processes > 1:
-            totals = acc.reduce(totals.to(acc.device), reduction="sum").cpu()
-        n = float(totals[2]) or float("nan")
+
+        def figures(indices: list[int]) -> dict:
+            batch = [self.eval_samples[i] for i in indices]
+            rollout = self.rollout(batch)
+            s = score_rollout(
+                self.inner,
+                rollout,
+                micro=self.cfg.train.batch_size,
+                temperature=self.cfg.generation.temperature,
+                values=False,
+                autocast=self.accelerator.autocast,
+            )
+            raw = (
+                s["rm"]
+                if self.reward_fn is None
+                else self.reward_fn([p["text"] for p in batch], rollout.responses).float().cpu()
+            )
+            raw = self.summed_reward(raw, self.other_rewards(batch, rollout, tag=self.step))
+            kl = (rl.kl_per_token(s["old"], s["ref"], "k1") * rollout.response_mask).sum(1)
+            return {"n": len(batch), "eval/reward": raw.sum(), "eval/kl": kl.sum()}
+
+        with seeded_fork(self.cfg.train.seed + 1), full_parameters(self.accelerator, self.model):
+            sums = self.held_out(figures)
         if self.judge is not None:
             self.judge.take_figures()  # the step figures count training's requests only
-        return {"eval/reward": float(totals[0]) / n, "eval/kl": float(totals[1]) / n}
+        return {key: ratio(sums, key, "n") for key in ("eval/reward", "eval/kl")}
 
     def other_rewards(self, samples: list[dict], rollout, tag: int) -> dict[str, torch.Tensor]:
         """The reward sources beside the reward model, by name ([B] each): the judge's score of each

@@ -91,7 +91,7 @@ class PTStage(LanguageModelStage):
             self.stream = stream_train(cfg, tok)
         else:
             self.train_samples = build_pt_data(cfg.data, tok, seq, "train")
-        if cfg.data.eval or cfg.data.eval_fraction > 0:
+        if cfg.data.has_eval:
             self.eval_samples = build_pt_data(cfg.data, tok, seq, "eval")
         self.collator = Collator(tok.pad_token_id, "pack", seq, cfg.model.attn_implementation)
         problems = (

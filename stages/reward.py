@@ -38,8 +38,9 @@ from data_formats.datasets import build_preference_data
 from data_formats.render import template_jinja
 from pipeline.algorithms.pairwise import pair_scores, pairwise_loss, record_stats_in_config, stats_of
 from pipeline.config import PreferenceDataConfig, StageConfig
+from pipeline.engine.held_out import eval_shards, ratio
 from pipeline.engine.stage import Stage, main
-from pipeline.engine.steps import eval_shards, rank_mean
+from pipeline.engine.steps import rank_mean
 from pipeline.modeling.models import eval_mode
 
 log = logging.getLogger("relay.rm")
@@ -106,7 +107,7 @@ class RMStage(Stage):
         self.train_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "train", stats=stats)
         # Tool conversations in the default layout: the saved template must render them as trained.
         self.chat_template = template_jinja(template, tok, tools=stats.get("tool_conversations", 0) > 0)
-        if cfg.data.eval or cfg.data.eval_fraction > 0:
+        if cfg.data.has_eval:
             self.eval_samples = build_preference_data(cfg.data, tok, template, cfg.train.seq_length, "eval")
         self.collator = PairCollator(tok.pad_token_id)
         log.info("rm: %d training pair(s), %d eval pair(s)", len(self.train_samples), len(self.eval_samples))
@@ -140,8 +141,9 @@ class RMStage(Stage):
     def score_pairs(
         self, pairs: list, max_batches: Optional[int] = None, desc: Optional[str] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen, rejected) scores of `pairs`, gathered from every rank (padding batches excluded);
-        with `desc`, a progress bar of that name (long passes)."""
+        """(chosen, rejected) scores of `pairs`, gathered from every rank (padding batches excluded;
+        the reward statistics need the scores themselves, so this is not the held-out loop); with
+        `desc`, a progress bar of that name (long passes)."""
         acc = self.accelerator
         chosen, rejected = [], []
         shards = list(
@@ -156,8 +158,8 @@ class RMStage(Stage):
                 chosen.append(c * keep)
                 rejected.append(r * keep)
         c, r = torch.cat(chosen), torch.cat(rejected)
-        if acc.num_processes > 1:
-            c, r = acc.gather_for_metrics(c), acc.gather_for_metrics(r)
+        if acc.num_processes > 1:  # ranks may hold different numbers of pairs: NaN-padded to one length
+            c, r = (acc.gather(acc.pad_across_processes(x, pad_index=float("nan"))) for x in (c, r))
         ok = ~torch.isnan(c)
         return c[ok].cpu(), r[ok].cpu()
 
@@ -165,13 +167,22 @@ class RMStage(Stage):
         """eval/accuracy, eval/margin (mean r_c - r_r) and eval/loss on the held-out pairs."""
         if not self.eval_samples:
             return None
-        chosen, rejected = self.score_pairs(self.eval_samples, self.cfg.train.eval_batches)
-        # eval/loss is the plain pairwise loss (no margin column, no centring), comparable across runs
-        return {
-            "eval/accuracy": float((chosen > rejected).float().mean()),
-            "eval/margin": float((chosen - rejected).mean()),
-            "eval/loss": float(pairwise_loss(chosen, rejected)),
-        }
+
+        def figures(indices: list[int]) -> dict:
+            chosen, rejected = pair_scores(self.model, self.collate(self.collator, self.eval_samples, indices), acc)
+            chosen, rejected = chosen.double(), rejected.double()
+            return {
+                "pairs": len(indices),
+                "accuracy": (chosen > rejected).sum(),
+                "margin": (chosen - rejected).sum(),
+                # the plain pairwise loss (no margin column, no centring), comparable across runs
+                "loss": pairwise_loss(chosen, rejected) * len(indices),
+            }
+
+        acc = self.accelerator
+        with eval_mode(self.model):
+            sums = self.held_out(figures)
+        return {f"eval/{key}": ratio(sums, key, "pairs") for key in ("accuracy", "margin", "loss")}
 
     def before_export(self) -> None:
         """The reward statistics over the training responses (both sides), for PPO's normaliser."""

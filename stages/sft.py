@@ -33,7 +33,7 @@ from pipeline.algorithms.multitask import CoBa, MultitaskConfig
 from pipeline.config import ChatDataConfig, StageConfig
 from pipeline.engine.language_modeling import LanguageModelStage
 from pipeline.engine.stage import main
-from pipeline.engine.steps import canonical_mode, heldout_token_loss
+from pipeline.engine.steps import canonical_mode
 
 log = logging.getLogger("relay.sft")
 
@@ -75,11 +75,7 @@ class SFTStage(LanguageModelStage):
 
     def problems(self) -> list[str]:
         mt = self.cfg.multitask
-        if (
-            mt.weighted_loss_mode in ("coba", "self-paced")
-            and not self.cfg.data.eval
-            and self.cfg.data.eval_fraction <= 0
-        ):
+        if mt.weighted_loss_mode in ("coba", "self-paced") and not self.cfg.data.has_eval:
             return ["multitask.weighted_loss_mode: coba needs held-out data (data.eval or data.eval_fraction)"]
         return []
 
@@ -91,10 +87,9 @@ class SFTStage(LanguageModelStage):
         train = build_sft_data(cfg.data, tok, template, cfg.train.seq_length, "train")
         # Tool conversations in the default layout: the saved template must render them as trained.
         self.chat_template = template_jinja(template, tok, tools=train.stats.get("tool_conversations", 0) > 0)
-        has_eval = bool(cfg.data.eval) or cfg.data.eval_fraction > 0
         evaluation = (
             build_sft_data(cfg.data, tok, template, cfg.train.seq_length, "eval", tasks=train.tasks)
-            if has_eval
+            if cfg.data.has_eval
             else None
         )
         self.train_samples, self.tasks = train.samples, train.tasks
@@ -157,8 +152,8 @@ class SFTStage(LanguageModelStage):
         and feed them to CoBa. The first measurement is CoBa's reference, so it uses the whole split."""
         mt = self.cfg.multitask
         limit = None if self.coba.first is None else mt.coba_valid_batches
-        batches = self.eval_batches(limit, offset=(step // mt.coba_update_interval) * mt.coba_valid_batches)
-        self.coba.update(heldout_token_loss(self.model, batches, self.accelerator, len(self.tasks))["task_losses"])
+        offset = (step // mt.coba_update_interval) * mt.coba_valid_batches
+        self.coba.update(self.heldout_losses(limit, offset)["task_losses"])
 
     def state_dict(self) -> dict:
         return {"coba": self.coba.state_dict()} if self.coba is not None else {}

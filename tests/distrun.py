@@ -7,9 +7,10 @@ RUNS.json is a list of {"stage": "pt"|"sft"|"rm"|"dpo"|"ppo"|"grpo", "argv": [..
 k or null, "sampler": "scripted" (default) or "real" (PPO, GRPO), "history": the history file's
 name (default "history")}.
 Each run writes `<output_dir>/history-rank<r>.json`: {"steps": every step's figures as this rank
-logged them, "resumed_at": the step it resumed from (0: a fresh start), "batch_ids": the sample
-indices of every step's micro-batches on this rank}, so a test can compare curves, check that
-every rank logged the same grad_norm, and which samples each step trained.
+logged them, "evals": every evaluation's, "resumed_at": the step it resumed from (0: a fresh
+start), "batch_ids": the sample indices of every step's micro-batches on this rank}, so a test can
+compare curves and held-out figures, check that every rank logged the same grad_norm, and which
+samples each step trained.
 Starting the interpreter, torch and transformers costs most of a tiny run, so one process runs
 them all.
 
@@ -135,9 +136,14 @@ def run_one(spec: dict) -> None:
     finally:
         os.environ.pop(STOP_ENV, None)
     rank = stage.accelerator.process_index
-    steps = [{k: v for k, v in record.items() if isinstance(v, (int, float))} for record in stage.history.steps]
+    steps, evals = (
+        [{k: v for k, v in record.items() if isinstance(v, (int, float))} for record in records]
+        for records in (stage.history.steps, stage.history.evals)
+    )
     out = Path(stage.cfg.output_dir) / f"{spec.get('history', 'history')}-rank{rank}.json"
-    out.write_text(json.dumps({"steps": steps, "resumed_at": stage.resumed_at, "batch_ids": stage.batch_ids}))
+    out.write_text(
+        json.dumps({"steps": steps, "evals": evals, "resumed_at": stage.resumed_at, "batch_ids": stage.batch_ids})
+    )
     stage.accelerator.wait_for_everyone()
     AcceleratorState._reset_state(True)
     GradientState._reset_state()

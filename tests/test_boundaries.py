@@ -239,7 +239,7 @@ def test_evaluation_gives_every_module_back_its_mode(tiny_model_dir):
     with dropout modules off, as PPO runs; or a fresh PeftModel over an eval-mode base) comes
     back exactly as it was. Before, `model.train()` afterwards switched every module to train."""
     from pipeline.config import LoraConfig, ModelConfig
-    from pipeline.engine.steps import heldout_token_loss as evaluate
+    from pipeline.engine.held_out import heldout_token_loss as evaluate
     from pipeline.modeling.models import load_model, train_without_dropout
 
     model = load_model(

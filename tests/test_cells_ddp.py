@@ -4,11 +4,16 @@ other test trains: two gloo ranks on CPU equal one process with the same global 
 
 Covered: full-weight SFT, DPO, KTO and GRPO under DDP and FSDP2; DPO with LoRA under DDP and KTO
 with LoRA under DDP and FSDP2; PPO with tools under DDP (scripted tool caller, tests/tool_distrun.py);
-QLoRA PT and RM under DDP. The hf generation backend under DDP draws what Relay's engine draws on the
+QLoRA PT and RM under DDP; distill with LoRA and full weights under DDP and FSDP2 (one step on the
+student's scripted samples, one on the dataset's completions: distill.lmbda 0.5, train.seed 0).
+The hf generation backend under DDP draws what Relay's engine draws on the
 same ranks (its sampler is real, so its rollouts depend on each rank's RNG stream: compared with
 the relay backend's two-rank run, not with one process; stale weights in either sampler would part
 them at step 2). SFT holds out samples: a held-out evaluation under full-weight FSDP left the root
-unit gathered and the checkpoint after it failed (pipeline/engine/fsdp.py optimizer_state).
+unit gathered and the checkpoint after it failed (pipeline/engine/fsdp.py optimizer_state). SFT,
+DPO, KTO, RM and GRPO hold out 5 samples, which two ranks of 2-sample batches split unevenly: their
+eval figures equal one process's (the engine's held-out loop, one rule for a short rank's padding
+batch; before it, DPO's and RM's gathers of the ranks' uneven scores failed).
 
 KTO's loss (`kto`) estimates its KL baseline z on each rank's micro-batch (each prompt paired with
 another answer of that micro-batch) and clamps the ranks' mean at 0, as TRL's KTOTrainer does; so
@@ -37,6 +42,7 @@ import torch
 from safetensors.torch import load_file
 from test_cells import kto_rows
 from test_distributed_stages import ABS, REL, WEIGHTS_ABS, history, merged_weights, stage_argv, write_data
+from tinymodels import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -50,26 +56,35 @@ class Run:
     keys: tuple[str, ...]
     sampler: str = "scripted"
     extra: tuple[str, ...] = ()
+    held_out: str = ""
+    """The data entry of its held-out set (an odd number of samples: one rank runs a padding batch)."""
 
 
 PPO_KEYS = ("train/grad_norm", "ppo/kl", "ppo/reward_norm", "ppo/reward_raw", "ppo/entropy")
 GRPO_KEYS = ("train/loss", "train/grad_norm", "grpo/reward", "grpo/kl", "grpo/completion_length")
 PREF_KEYS = ("train/loss", "train/grad_norm", "train/accuracy", "train/margin")
 KTO_KEYS = ("train/loss", "train/grad_norm", "train/margin", "kto/rewards_chosen", "kto/rewards_rejected", "kto/kl")
+DISTILL_KEYS = ("train/loss", "train/grad_norm", "distill/kl", "distill/on_policy", "distill/completion_length")
 BOTH = ("ddp", "fsdp")
 RUNS: dict[str, Run] = {
-    "sft-full": Run("sft", "full", BOTH, ("train/loss", "train/grad_norm", "train/loss_task/big")),
-    "dpo-lora": Run("dpo", "lora", ("ddp",), PREF_KEYS),
+    "sft-full": Run(
+        "sft", "full", BOTH, ("train/loss", "train/grad_norm", "train/loss_task/big"), held_out="sft_valid"
+    ),
+    "dpo-lora": Run("dpo", "lora", ("ddp",), PREF_KEYS, held_out="pairs_eval"),
     # full weights: at step 1 the policy is its frozen reference copy, every reward is 0 up to rounding, and
     # accuracy (chosen strictly above rejected, as TRL counts it) is decided by the rounding of the sharded
     # forward; the continuous figures (loss, margin, grad_norm) are compared
     "dpo-full": Run("dpo", "full", BOTH, tuple(k for k in PREF_KEYS if k != "train/accuracy")),
     "kto-lora": Run("kto", "lora", BOTH, KTO_KEYS),
-    "kto-full": Run("kto", "full", BOTH, KTO_KEYS, extra=("--kto.loss_type", "apo_zero_unpaired")),
-    "grpo-full": Run("grpo", "full", BOTH, GRPO_KEYS),
+    "kto-full": Run("kto", "full", BOTH, KTO_KEYS, extra=("--kto.loss_type", "apo_zero_unpaired"), held_out="kto_eval"),
+    "grpo-full": Run("grpo", "full", BOTH, GRPO_KEYS, held_out="prompts_eval"),
     "ppo-tools": Run("ppo", "lora", ("ddp",), PPO_KEYS, sampler="tools"),
     "pt-qlora": Run("pt", "qlora", ("ddp",), ("train/loss", "train/grad_norm")),
-    "rm-qlora": Run("rm", "qlora", ("ddp",), ("train/loss", "train/grad_norm", "train/accuracy")),
+    "rm-qlora": Run(
+        "rm", "qlora", ("ddp",), ("train/loss", "train/grad_norm", "train/accuracy"), held_out="pairs_eval"
+    ),
+    "distill-lora": Run("distill", "lora", BOTH, DISTILL_KEYS),
+    "distill-full": Run("distill", "full", BOTH, DISTILL_KEYS),
 }
 """name: what it runs and on which engines (each against one process)."""
 HF = {"ppo": PPO_KEYS, "grpo": GRPO_KEYS}
@@ -90,10 +105,28 @@ def argv(name: str, world: int, out: Path, data: dict, model: Path, reward: Path
         )
     elif stage == "ppo":
         base = stage_argv("ppo", 1, (4 if run.sampler == "tools" else 8) // world, out, data, model, reward)
+    elif stage == "distill":
+        base = with_value(stage_argv("rm", 1, 4 // world, out, data, model, reward), "--data.train", f"[{data['ppo']}]")
+        base += ["--data.completions", f"[{data['sft']}]", "--teacher.path", str(data["teacher"])]
+        # the forward KL to a sharp teacher: gradients large enough for clipping to act (the JSD's are ~1e-3 here)
+        base += [
+            "--distill.lmbda",
+            "0.5",
+            "--distill.beta",
+            "0",
+            "--train.seed",
+            "0",
+            "--generation.max_new_tokens",
+            "6",
+        ]
     else:
         base = stage_argv({"dpo": "rm"}.get(stage, stage), 1, 4 // world, out, data, model, reward)
-        if stage != "sft":  # one held-out set is enough: SFT's evaluates under full-weight FSDP too
+        if stage != "sft":
             base = with_value(base, "--data.eval", "[]")
+    if run.held_out:
+        base = with_value(base, "--data.eval", f"[{data[run.held_out]}]")
+        if stage == "grpo":  # a policy stage reads held-out prompts only when it evaluates during the run
+            base = with_value(base, "--train.eval_steps", "2")
     if run.sampler == "tools":
         base = with_value(base, "--data.train", f"[{data['tools']}]") + [
             "--tools.funcs",
@@ -153,6 +186,17 @@ def grpo_args(args: list[str], prompts: Path, reward_fn: str, tokens: str) -> li
     ]
 
 
+def held_out_sets(data: dict) -> None:
+    """Held-out sets of 5 samples (two ranks of 2-sample batches: one rank runs a padding batch)."""
+    folder = data["rm"].parent
+    for key, source in (("pairs_eval", data["rm"]), ("kto_eval", data["kto"]), ("prompts_eval", data["ppo"])):
+        data[key] = folder / f"{key}.jsonl"
+        data[key].write_text("".join(source.read_text().splitlines(keepends=True)[-5:]))
+    big = data["sft_valid"] / "big.jsonl"  # SFT's 2 + 2 held-out samples: one more
+    lines = big.read_text().splitlines(keepends=True)
+    big.write_text("".join(lines + lines[:1]))
+
+
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory, tiny_model_dir, tiny_reward_dir):
     """Every multi-rank run in one torchrun (the engine is a run's setting; the process group
@@ -163,6 +207,10 @@ def launches(tmp_path_factory, tiny_model_dir, tiny_reward_dir):
     root = tmp_path_factory.mktemp("cells_ddp")
     data = write_data(root / "data")
     data["kto"] = kto_rows(root / "data" / "kto.jsonl")
+    held_out_sets(data)
+    data["teacher"] = make_tiny_model(
+        root / "teacher", seed=7, hidden_size=96, intermediate_size=192, initializer_range=0.6
+    )
     data["tools"] = root / "data" / "tools.jsonl"
     data["tools"].write_text(
         "".join(json.dumps({"prompt": f"What is 2 + {i}?", "answer": str(2 + i)}) + "\n" for i in range(4))
@@ -247,6 +295,24 @@ def test_two_ranks_equal_one_process(engine, name, launches, tiny_model_dir):
     merged = merged_weights(two)
     assert all(merged[k].shape == base[k].shape for k in merged if k in base)  # whole weights, not shards
     assert any(not torch.equal(merged[k], base[k]) for k in merged if k in base)  # training moved them
+
+
+HELD_OUT = [(engine, name) for engine, name in CASES if RUNS[name].held_out]
+
+
+@pytest.mark.parametrize("engine,name", HELD_OUT, ids=[f"{e}-{n}" for e, n in HELD_OUT])
+def test_uneven_held_out_sets_give_one_process_figures(engine, name, launches):
+    """5 held-out samples in batches of 2 on two ranks (one rank runs a padding batch, which counts
+    nothing) give every eval figure of one process in batches of 4 (pipeline/engine/held_out.py)."""
+    two, one = launches / engine / name, launches / "one" / name
+    got, want = (json.loads((folder / "history-rank0.json").read_text())["evals"] for folder in (two, one))
+    assert [e["step"] for e in got] == [e["step"] for e in want] and got[-1]["step"] == 2  # DPO's also at step 0
+    for mine, reference in zip(got, want):
+        keys = sorted(k for k in reference if k.startswith("eval/"))
+        assert keys and keys == sorted(k for k in mine if k.startswith("eval/"))
+        assert {k: mine[k] for k in keys} == pytest.approx({k: reference[k] for k in keys}, rel=REL, abs=ABS)
+    rank1 = json.loads((two / "history-rank1.json").read_text())["evals"]
+    assert rank1 == pytest.approx(got, rel=1e-12)  # every rank logged the whole set's figures
 
 
 @pytest.mark.parametrize("stage", HF)

@@ -221,7 +221,7 @@ def test_kl_rows_never_answer_their_own_question_on_paired_data_as_trl_builds_th
     from trl.data_utils import unpair_preference_dataset
 
     from data_formats.sampling import DataCursor, next_micro_batches
-    from pipeline.engine.steps import eval_shards
+    from pipeline.engine.held_out import eval_shards
 
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n" for q, c, r in PAIRS))

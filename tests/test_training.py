@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 from data_formats.collate import Collator
 from data_formats.sampling import DataCursor, epoch_order, next_micro_batches
 from pipeline.algorithms.multitask import task_weighted_loss
-from pipeline.engine.steps import NonFiniteError, check_finite, eval_shards, token_losses
+from pipeline.engine.held_out import eval_shards
+from pipeline.engine.steps import NonFiniteError, check_finite, token_losses
 from pipeline.engine.steps import lm_train_step as train_step
 from pipeline.engine.tracking import EarlyStopping
 

@@ -119,7 +119,7 @@ class PolicyStage(Stage):
         self.template = template
         schemas = [t.schema for t in self.tools.values()] or None
         self.train_samples = build_prompt_data(cfg.data, tok, template, "train", limit, tools=schemas)
-        if cfg.train.eval_steps > 0 and (cfg.data.eval or cfg.data.eval_fraction > 0):
+        if cfg.train.eval_steps > 0 and cfg.data.has_eval:
             self.eval_samples = build_prompt_data(cfg.data, tok, template, "eval", limit, tools=schemas)
         # all skipped, dropped overlong, or too few
         return self.fill_problems(len(self.train_samples), "usable prompt(s)", "rollout batch")

@@ -343,6 +343,11 @@ class DataConfig:
     number of samples per epoch, entries starting over as needed. A streamed PT corpus never ends:
     its entries start over when they run out, whatever this says."""
 
+    @property
+    def has_eval(self) -> bool:
+        """Whether there is held-out data: `eval` entries, or a fraction carved off `train`."""
+        return bool(self.eval) or self.eval_fraction > 0
+
     def problems(self, key: str = "data") -> list[str]:
         out: list[str] = []
         _choice(out, f"{key}.on_error", self.on_error, ("strict", "skip"))

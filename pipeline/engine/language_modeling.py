@@ -8,8 +8,10 @@ import math
 import time
 from typing import Optional
 
+from pipeline.engine.held_out import eval_shards, held_out, token_loss_result, token_loss_sums
 from pipeline.engine.stage import Stage
-from pipeline.engine.steps import eval_shards, heldout_token_loss, lm_train_step
+from pipeline.engine.steps import lm_train_step
+from pipeline.modeling.models import eval_mode
 
 
 class LanguageModelStage(Stage):
@@ -63,31 +65,27 @@ class LanguageModelStage(Stage):
                 figures[f"train/task_weight/{name}"] = weight
         return figures
 
-    def eval_batches(self, max_batches: Optional[int] = None, offset: int = 0) -> list[dict]:
-        """This rank's evaluation batches (the same number on every rank, see eval_shards); a
-        batch's [B] bool `eval_weight` is False on the rows a short rank repeats."""
-        import torch
-
+    def heldout_losses(self, max_batches: Optional[int] = None, offset: int = 0) -> dict:
+        """The held-out token loss, per task too (`token_loss_result`), over every rank's share of
+        the evaluation batches; with `max_batches`, that many of them from batch `offset` on,
+        rotating through the split (CoBa's measurements)."""
         acc, t = self.accelerator, self.cfg.train
         shards = eval_shards(len(self.eval_samples), t.batch_size, acc.num_processes, acc.process_index)
         if max_batches is not None and shards:
             shards = [shards[(offset + i) % len(shards)] for i in range(min(max_batches, len(shards)))]
-        out = []
-        for indices, counts in shards:
+
+        def figures(indices: list[int]) -> dict:
             batch = self.collate(self.collator, self.eval_samples, indices)
-            batch["eval_weight"] = torch.full(
-                (batch["input_ids"].shape[0],), counts, dtype=torch.bool, device=acc.device
-            )
-            out.append(batch)
-        return out
+            return token_loss_sums(self.model, batch, acc, len(self.tasks))
+
+        with eval_mode(self.model):
+            return token_loss_result(held_out(shards, figures, acc), len(self.tasks))
 
     def evaluate(self) -> Optional[dict[str, float]]:
         """eval/loss and eval/ppl on the held-out split (eval/loss_task/<task> with several tasks)."""
         if not self.eval_samples:
             return None
-        result = heldout_token_loss(
-            self.model, self.eval_batches(self.cfg.train.eval_batches), self.accelerator, len(self.tasks)
-        )
+        result = self.heldout_losses(self.cfg.train.eval_batches)
         figures = {"eval/loss": result["loss"], "eval/ppl": result["ppl"]}
         if len(self.tasks) > 1:
             figures.update(

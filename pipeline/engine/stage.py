@@ -61,6 +61,7 @@ from pipeline.engine.accelerator import (
 from pipeline.engine.checkpoint import Checkpointer, CheckpointError, complete_checkpoints, rng_state
 from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
 from pipeline.engine.export import export_trained
+from pipeline.engine.held_out import eval_shards, held_out
 from pipeline.engine.interrupt import Stopped, StopRequest, agreed_signal, all_ranks_ok, ranks_max, signal_name
 from pipeline.engine.precision import fp32_masters, keeps_masters
 from pipeline.engine.resume import launched_world_size, resume, resume_problems
@@ -228,8 +229,16 @@ class Stage:
 
     def evaluate(self) -> Optional[dict[str, float]]:
         """Held-out figures keyed by tracker tag (`eval/loss` feeds early stopping); None without
-        held-out data."""
+        held-out data. A stage evaluates through `held_out`."""
         return None
+
+    def held_out(self, figures: Callable[[list[int]], dict]) -> dict[str, torch.Tensor]:
+        """Each of `figures(indices)`'s sums over the held-out samples of every rank, in batches of
+        train.batch_size, at most train.eval_batches of them: pipeline.engine.held_out, one rule
+        for a short rank's padding batch."""
+        acc, t = self.accelerator, self.cfg.train
+        shards = eval_shards(len(self.eval_samples), t.batch_size, acc.num_processes, acc.process_index, t.eval_batches)
+        return held_out(shards, figures, acc)
 
     def state_dict(self) -> dict:
         """The stage's own state a resumed run needs (JSON-able)."""

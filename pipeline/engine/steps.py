@@ -1,6 +1,6 @@
 """One optimizer step, the same in every stage: accumulation over micro-batches on accelerate's
 own mechanism (`micro_step`), token-normalised language-modelling losses (`lm_train_step`),
-gradient clipping, the non-finite guard, and held-out token losses.
+gradient clipping and the non-finite guard (the held-out loop: pipeline.engine.held_out).
 
 Loss normalisation (the contract `lm_train_step` keeps for PT and SFT): every supervised token
 gets a weight computed from token counts over the *whole* accumulated batch on *every* rank
@@ -27,7 +27,6 @@ from data_formats.collate import IGNORE_INDEX
 from pipeline.engine.fsdp import full_tensor, is_sharded, local_tensor
 from pipeline.engine.supervised_head import head_split, supervised_forward
 from pipeline.modeling.attention import attention_implementation, document_attention
-from pipeline.modeling.models import eval_mode
 
 
 class NonFiniteError(RuntimeError):
@@ -417,57 +416,3 @@ def lm_train_step(
     counts = totals[num_tasks + 2 :]
     task_losses = [float(loss_sums[t] / counts[t]) if counts[t] > 0 else float("nan") for t in range(num_tasks)]
     return StepResult(float(objective), task_losses, counts.tolist(), grad_norm, tokens)
-
-
-@torch.no_grad()
-def heldout_token_loss(model: torch.nn.Module, batches: Sequence[dict], accelerator, num_tasks: int = 1) -> dict:
-    """Token-mean loss over `batches` (this rank's share) reduced over ranks, per task too.
-
-    Every rank must pass the same number of batches (see `eval_shards`), because sharded engines
-    (FSDP, ZeRO-3) need all ranks in every forward; a batch may carry a [B] bool `eval_weight`
-    whose False rows run but are not counted (the padding batches of a short rank).
-
-    Returns {'loss', 'ppl', 'task_losses' (nan where a task has no tokens), 'tokens'}.
-    """
-    sums = torch.zeros(num_tasks, dtype=torch.float64)
-    counts = torch.zeros(num_tasks, dtype=torch.float64)
-    with eval_mode(model):
-        for batch in batches:
-            autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
-            with autocast:
-                losses, tasks = token_losses(model, batch, accelerator)
-            valid = (tasks >= 0) & batch.get("eval_weight", torch.ones(1, dtype=torch.bool)).to(tasks.device).view(
-                -1, 1
-            ).bool()
-            sums.index_add_(0, tasks[valid].cpu(), losses[valid].double().cpu())
-            counts.index_add_(0, tasks[valid].cpu(), torch.ones(int(valid.sum()), dtype=torch.float64))
-    sums = all_reduce_sum(sums, accelerator)
-    counts = all_reduce_sum(counts, accelerator)
-    total = float(counts.sum())
-    loss = float(sums.sum() / total) if total > 0 else float("nan")
-    per_task = [float(sums[t] / counts[t]) if counts[t] > 0 else float("nan") for t in range(num_tasks)]
-    return {
-        "loss": loss,
-        "ppl": math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan"),
-        "task_losses": per_task,
-        "tokens": total,
-    }
-
-
-def eval_shards(
-    n: int, batch_size: int, world_size: int, rank: int, max_batches: Optional[int] = None
-) -> list[tuple[list[int], bool]]:
-    """This rank's evaluation batches as (sample indices, counts?) pairs, the same number on every rank.
-
-    Samples are dealt round-robin; a rank whose share runs out repeats its first batch with
-    counts=False (the forward runs, its losses are not counted), so no sample is counted twice.
-    """
-    mine = list(range(rank, n, world_size))
-    per_rank = math.ceil(math.ceil(n / world_size) / batch_size) if n else 0
-    if max_batches is not None:
-        per_rank = min(per_rank, max_batches)
-    out = []
-    for b in range(per_rank):
-        chunk = mine[b * batch_size : (b + 1) * batch_size]
-        out.append((chunk, True) if chunk else (list(range(min(batch_size, n))), False))
-    return out

@@ -1,0 +1,69 @@
+"""The engine's held-out loop (pipeline/engine/held_out.py): every rank runs as many batches, a short
+rank's padding batch runs and counts as zeros, so the ranks' sums are one process's sums for any
+number of held-out samples. On two real ranks: tests/test_cells_ddp.py (uneven held-out sets)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.engine.held_out import eval_shards, held_out, ratio
+
+VALUES = torch.arange(1.0, 12.0, dtype=torch.float64) ** 1.5
+
+
+class Ranks:
+    """A stand-in accelerator that counts its all-reduces (the reduction itself is the test's)."""
+
+    num_processes, device = 2, torch.device("cpu")
+
+    def __init__(self):
+        self.reduces = 0
+
+    def reduce(self, tensor, reduction):
+        assert reduction == "sum"
+        self.reduces += 1
+        return tensor
+
+
+def figures(calls: list):
+    def of(indices):
+        calls.append(list(indices))
+        picked = VALUES[list(indices)]
+        return {"n": len(indices), "value": picked.sum(), "pair": torch.stack([picked.sum(), (picked**2).sum()])}
+
+    return of
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("n", range(1, 10))
+def test_the_ranks_sums_are_one_process_sums(n, batch, world):
+    one = held_out(eval_shards(n, batch * world, 1, 0), figures([]), None)
+    per_rank, forwards = [], []
+    for rank in range(world):
+        calls: list = []
+        per_rank.append(held_out(eval_shards(n, batch, world, rank), figures(calls), None))
+        forwards.append(len(calls))
+    assert len(set(forwards)) == 1  # every rank ran as many forwards (padding batches included)
+    for key in one:
+        total = sum(r[key] for r in per_rank)
+        assert torch.allclose(total, one[key], rtol=1e-12), key
+    assert float(one["n"]) == n
+    assert ratio(one, "value", "n") == pytest.approx(float(VALUES[:n].mean()), rel=1e-12)
+
+
+def test_a_padding_batch_runs_counts_zero_and_one_all_reduce_carries_every_figure():
+    calls: list = []
+    acc = Ranks()
+    sums = held_out(eval_shards(5, 2, 2, 1), figures(calls), acc)  # rank 1 of 2 holds samples 1 and 3
+    assert calls == [[1, 3], [0, 1]]  # its second batch is padding: it runs (a sharded forward needs every rank)
+    assert float(sums["n"]) == 2 and float(sums["value"]) == float(VALUES[1] + VALUES[3])
+    assert sums["pair"].shape == (2,) and sums["pair"].dtype == torch.float64
+    assert acc.reduces == 1
+
+
+def test_no_counted_sample_gives_nan_not_an_error():
+    sums = held_out([([0], False)], figures([]), None)
+    assert ratio(sums, "value", "n") != ratio(sums, "value", "n")  # NaN
+    assert ratio({}, "value", "n") != ratio({}, "value", "n")
