@@ -30,6 +30,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.engine.identity import config_changes
 from pipeline.modeling.handoff import link_problems, manifest_problems, pairing_problems
 from pipeline.modeling.manifest import read_manifest, weights_hash
+from pipeline.tools.evaluate import BenchmarkConfig
 from pipeline.tools.gold import GREEDY
 from pipeline.tools.serving import SERVING
 
@@ -93,9 +94,17 @@ class GoldConfig:
     """PASS needs the RL model's phrase rate to exceed its parent's by at least this."""
     max_fact_drop: float = 0.05
     """PASS needs the RL model's fact accuracy to be at most this much below its parent's."""
+    benchmarks: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    """lm-evaluation-harness scores of the base and every generator stage's merged model on local
+    task YAMLs (`relay eval`): the report's retention table. Off while `tasks` is empty."""
 
     def problems(self, chain: Sequence[str] = DEFAULT_CHAIN) -> list[str]:
-        out = []
+        out = self.benchmarks.problems()
+        unknown_rows = [m for m in self.benchmarks.models or () if m not in gold_names(chain)]
+        if unknown_rows:
+            out.append(
+                f"gold.benchmarks.models: {', '.join(map(repr, unknown_rows))} not among {', '.join(gold_names(chain))}"
+            )
         if self.data is not None and not Path(self.data).is_file():
             out.append(f"gold.data: {self.data!r} is not a file")
         known = gold_names(chain)

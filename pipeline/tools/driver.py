@@ -61,6 +61,7 @@ from pipeline.tools.chain import (
     stage_reward_path,
     stage_status,
 )
+from pipeline.tools.evaluate import EvalError, evaluate_models, retention_table
 from pipeline.tools.gold import GoldError, GoldSettings, format_table, gold_table
 
 # ---------------------------------------------------------------------------------------------
@@ -179,6 +180,30 @@ def compute_gold(cfg: PipelineConfig, ran: Sequence[str]) -> Optional[dict]:
     }
 
 
+def benchmark_models(cfg: PipelineConfig, ran: Sequence[str]) -> list[tuple[str, str]]:
+    """(row name, model folder) of the retention table: base, then each generator stage of the chain
+    that ran and left a merged model (gold.benchmarks.models narrows them), in chain order."""
+    wanted = cfg.gold.benchmarks.models
+    out = []
+    for name in gold_names(cfg.chain):
+        if wanted is not None and name not in wanted:
+            continue
+        if name == "base":
+            out.append(("base", str(resolve_base(cfg.base_model))))
+        elif name in ran and read_manifest(merged_dir(cfg, name)) is not None:
+            out.append((name, str(merged_dir(cfg, name).resolve())))
+    return out
+
+
+def compute_benchmarks(cfg: PipelineConfig, ran: Sequence[str]) -> Optional[dict]:
+    """The retention table's figures (pipeline/tools/evaluate.py), None when gold.benchmarks.tasks
+    is empty. Rows are cached in output_root/benchmarks/cache.json by weights hash and task files."""
+    if not cfg.gold.benchmarks.tasks:
+        return None
+    cache = Path(cfg.output_root) / "benchmarks" / "cache.json"
+    return evaluate_models(benchmark_models(cfg, ran), cfg.gold.benchmarks, cache, lambda m: log(cfg, m))
+
+
 def record_time(cfg: PipelineConfig, stage: str, event: str) -> None:
     """Note when a stage started/finished in output_root/timings.json (the driver's wall clock,
     which, unlike the stage's own wall_seconds, includes process start, loading and merging)."""
@@ -226,6 +251,9 @@ def pipeline_summary(cfg: PipelineConfig) -> dict:
     gold = compute_gold(cfg, list(stages))
     if gold is not None:
         figures["gold_wall_seconds"] = gold["wall_seconds"]
+    benchmarks = compute_benchmarks(cfg, list(stages))
+    if benchmarks is not None:
+        figures["benchmarks_wall_seconds"] = benchmarks["wall_seconds"]
     # The verdict needs every enabled stage it judges (the judged stages, those with verdict figures).
     needed = [
         s for s in cfg.chain if entry(cfg, s).enabled and (registry.info(s).judged or registry.info(s).verdict_figures)
@@ -245,6 +273,7 @@ def pipeline_summary(cfg: PipelineConfig) -> dict:
     out = {
         **figures,
         "gold": gold,
+        "benchmarks": benchmarks,
         "final_model": str(merged_dir(cfg, final).resolve()) if final else None,
         "reward_model": str(reward) if reward else None,
         "tensorboard": f"tensorboard --logdir {root}",
@@ -297,9 +326,15 @@ def format_summary(summary: dict) -> str:
         ]
         if gold.get("rl"):
             lines.append(f"verdict: the {gold['rl']} model against the {gold['reference']} model")
+    benchmarks = summary.get("benchmarks")
+    if benchmarks and benchmarks.get("rows"):
+        lines += [
+            f"retention (lm-evaluation-harness, change against base; {num(benchmarks.get('wall_seconds'), 0)} s):",
+            retention_table(benchmarks),
+        ]
     total = sum(v for k, v in summary.items() if k.endswith("_wall_seconds") and isinstance(v, (int, float)))
     lines += [
-        f"wall time (stages + gold): {total:.0f} s",
+        f"wall time (stages + gold + benchmarks): {total:.0f} s",
         f"final model: {summary['final_model']}",
         f"curves: {summary['tensorboard']}",
     ]
@@ -428,7 +463,7 @@ def run_command(args: list[str], answer) -> int:
             summary = pipeline_summary(cfg)
             log(cfg, f"summary written to {Path(cfg.output_root) / 'summary.json'} (verdict {summary['verdict']})")
             print(format_summary(summary), file=answer)
-    except (ConfigError, DriverError, GoldError) as err:
+    except (ConfigError, DriverError, GoldError, EvalError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     return 0

@@ -42,6 +42,9 @@ from typing import Any, Iterable, Optional, Sequence
 
 import yaml
 
+from pipeline.modeling.embedded import is_embedded, materialize
+from pipeline.modeling.manifest import weights_hash
+
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_TASKS = REPO / "data" / "general" / "tasks"
 DEFAULT_TASKS = ("relay_general_mc", "relay_general_text")
@@ -329,8 +332,6 @@ def evaluate_folder(folder: str | Path, settings: BenchmarkConfig, task_manager=
 
 def cache_key(folder: Path, settings: BenchmarkConfig) -> str:
     """What a cached row depends on: the weights, the task files, the settings."""
-    from pipeline.modeling.manifest import weights_hash
-
     parts = {
         "version": CACHE_VERSION,
         "weights_hash": weights_hash(folder),
@@ -450,8 +451,6 @@ def model_folder(path: str) -> Path:
     Raises:
         EvalError: none of those.
     """
-    from pipeline.modeling.embedded import is_embedded, materialize
-
     if is_embedded(path):
         return Path(materialize())
     folder = Path(path)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import stages as registry
+from pipeline.tools.evaluate import retention_table
 from pipeline.tools.gold import format_table
 
 Curve = list[tuple[int, float]]
@@ -167,6 +168,21 @@ def gold_section(gold: Optional[dict]) -> list[str]:
     return lines + [""]
 
 
+def retention_section(benchmarks: Optional[dict]) -> list[str]:
+    """The retention table from summary.json's `benchmarks` entry as markdown lines (pure; [] without one)."""
+    if not benchmarks or not benchmarks.get("rows"):
+        return []
+    lines = [
+        "## Retention (lm-evaluation-harness)",
+        "",
+        f"Each model scored on `{', '.join(benchmarks.get('tasks', []))}` (task YAMLs in "
+        f"`{', '.join(benchmarks.get('include_path', []))}`); beside each score its change against the base "
+        "model, in bold where it is a loss (the arrow says which way is better).",
+        "",
+    ]
+    return lines + retention_table(benchmarks).splitlines() + [""]
+
+
 def headline_tags() -> tuple[str, ...]:
     """The loss tags, then every tag a registered stage plots (prefix panels' tags come after them)."""
     plotted = (tag for info in registry.STAGES.values() for panel in info.plot[2] for tag in panel.tags.values())
@@ -201,6 +217,7 @@ def render_markdown(
         lines += [f"- WARNING: {reason}" for reason in summary.get("verdict_reasons", [])]
         lines += ["", f"Final model: `{summary.get('final_model')}`", ""]
         lines += gold_section(summary.get("gold"))
+        lines += retention_section(summary.get("benchmarks"))
     lines += [
         "## Curves (first -> last)",
         "",
