@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,6 +41,7 @@ from pipeline.algorithms.rollout import ActorCritic, Rollout, assemble_masked
 from pipeline.config import GenerationConfig, ModelConfig, PromptDataConfig, StageConfig
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.held_out import ratio
+from pipeline.engine.resume import launched_world_size
 from pipeline.engine.stage import Stage, main
 from pipeline.engine.stage_checks import data_problems
 from pipeline.engine.supervised_head import head_split, hidden_forward
@@ -49,6 +50,7 @@ from pipeline.modeling.handoff import fact_problems, folder_facts
 from pipeline.modeling.manifest import weights_hash
 from pipeline.modeling.models import load_model, train_without_dropout
 from pipeline.modeling.scoring import position_ids_from_mask
+from pipeline.modeling.vllm_server import ServerOptions, VLLMServer, on_gpu, prompt_topk, vllm_python
 
 # ------------------------------------------------------------------------------------------
 # Config
@@ -68,14 +70,48 @@ class DistillData(PromptDataConfig):
 
 @dataclass
 class TeacherConfig(ModelConfig):
-    """The frozen teacher, loaded in process in its own dtype without gradients. Its `finetuning`
-    and `gradient_checkpointing` are not read."""
+    """The frozen teacher: loaded in process in its own dtype without gradients, or served by vLLM.
+    Its `finetuning` and `gradient_checkpointing` are not read."""
 
     path: str = ""
     """Required: a model folder sharing the student's tokenizer (a chain's RL model, a larger model)."""
     top_k: int = 0
     """> 0: the loss reads the teacher's top-k log-probs and one tail bucket (what a served teacher
     returns); 0: its whole distribution."""
+    backend: str = "relay"
+    """Who scores: relay (the teacher in this process, beside the student) or vllm (a vLLM server
+    on `path` answers each sequence's top-k prompt log-probs, so the teacher is not in the trainer's
+    memory; needs top_k > 0 and distill.temperature 1)."""
+
+
+def _served_problems(cfg: "DistillConfig") -> list[str]:
+    out = []
+    if cfg.teacher.top_k <= 0:
+        out.append("teacher.top_k: a served teacher reports its top-k log-probs; set it (e.g. 20)")
+    if cfg.distill.temperature != 1.0:
+        out.append(
+            f"distill.temperature: {cfg.distill.temperature} with teacher.backend vllm, whose log-probs are at "
+            "temperature 1 (its top-k cannot be rescaled); use 1 or the relay backend"
+        )
+    if vllm_python() is None:
+        out.append("teacher.backend: vllm is not installed (bash run_scripts/install_vllm.sh)")
+    return out
+
+
+@dataclass(frozen=True)
+class TeacherBackend:
+    """A way to score the student's tokens with the teacher: in this process, or on a server."""
+
+    in_process: bool
+    problems: Callable[["DistillConfig"], list[str]] = lambda cfg: []
+    doc: str = ""
+
+
+TEACHER_BACKENDS: dict[str, TeacherBackend] = {
+    "relay": TeacherBackend(True, doc="the frozen teacher beside the student"),
+    "vllm": TeacherBackend(False, _served_problems, doc="top-k prompt log-probs from a vLLM server"),
+}
+"""`teacher.backend` -> its entry."""
 
 
 @dataclass
@@ -123,6 +159,13 @@ class DistillConfig(StageConfig):
 
     def problems(self) -> list[str]:
         out = super().problems()
+        backend = TEACHER_BACKENDS.get(self.teacher.backend)
+        if backend is None:
+            out.append(
+                f"teacher.backend: {self.teacher.backend!r} is not one of {', '.join(map(repr, TEACHER_BACKENDS))}"
+            )
+        else:
+            out += backend.problems(self)
         if not self.teacher.path:
             out.append("teacher.path: required (a model folder sharing the student's tokenizer)")
         elif self.teacher.path.startswith(registry.STAGE_REF):
@@ -172,13 +215,29 @@ def teacher_problems(teacher_path: str, student_path: str) -> list[str]:
 # ------------------------------------------------------------------------------------------
 
 
+class Student(ActorCritic):
+    """The student (no critic) as accelerate wraps it: its forward returns the rows the loss reads,
+    so the engine's wrapper (DDP's gradient hooks, FSDP's gathers) sees the forward."""
+
+    def forward(self, head: Optional[torch.nn.Linear] = None, **inputs) -> torch.Tensor:
+        """The final hidden states under `head` (the chunked head's rows), else the logits."""
+        return hidden_forward(self.policy, head, **inputs) if head is not None else self.policy(**inputs).logits
+
+
 class DistillStage(PolicyStage):
     name = "distill"
     config_class = DistillConfig
     reward_model_required = False
 
-    def __init__(self, cfg: DistillConfig, *, generator_factory: Optional[GeneratorFactory] = None):
-        """`generator_factory(policy)` swaps the sampler (as PPO's and GRPO's)."""
+    def __init__(
+        self,
+        cfg: DistillConfig,
+        *,
+        generator_factory: Optional[GeneratorFactory] = None,
+        teacher_server: Optional[VLLMServer] = None,
+    ):
+        """`generator_factory(policy)` swaps the sampler (as PPO's and GRPO's); `teacher_server`, a
+        running server on teacher.path, is used instead of starting one (teacher.backend vllm)."""
         Stage.__init__(self, cfg)  # PolicyStage's reads a reward model, which distillation has none of
         self.reward_path = None
         self.generator_factory = generator_factory
@@ -186,12 +245,22 @@ class DistillStage(PolicyStage):
         self.tools: dict = {}
         self.teacher_path = resolve_model_path(cfg.teacher.path) if cfg.teacher.path else ""
         self.teacher: Optional[torch.nn.Module] = None
+        """The in-process teacher (None: served)."""
+        self.teacher_server = teacher_server
+        self.own_server = False
         self.completions: list[dict] = []
         self.completion_cursor = {"epoch": 0, "position": 0}
         """Where the off-policy steps are in their seeded shuffle of data.completions (rides in checkpoints)."""
 
     def problems(self) -> list[str]:
-        return super().problems() + (teacher_problems(self.teacher_path, self.model_path) if self.teacher_path else [])
+        found = super().problems() + (teacher_problems(self.teacher_path, self.model_path) if self.teacher_path else [])
+        backend = TEACHER_BACKENDS.get(self.cfg.teacher.backend)
+        if backend is not None and not backend.in_process and launched_world_size() > 1:
+            found.append(
+                f"teacher.backend: {self.cfg.teacher.backend} with more than one rank is refused (every rank would "
+                "start its own server); run one process, or use backend relay"
+            )
+        return found
 
     def build_data(self) -> list[str]:
         """Prompts (and eval prompts) as PPO's; data.completions' SFT conversations when lmbda < 1."""
@@ -209,14 +278,27 @@ class DistillStage(PolicyStage):
         """The student (LoRA or full), and the frozen teacher beside it, out of the trained module."""
         cfg = self.cfg
         student = load_model(cfg.model, cfg.lora, kind="causal", tokenizer=self.tokenizer)
-        spec = dataclasses.replace(cfg.teacher, path=self.teacher_path, finetuning="full", gradient_checkpointing=False)
-        self.teacher = frozen(load_model(spec, None, kind="causal", tokenizer=self.tokenizer)).to(
-            self.accelerator.device
-        )
-        return ActorCritic(train_without_dropout(student), None)
+        if TEACHER_BACKENDS[cfg.teacher.backend].in_process:
+            spec = dataclasses.replace(
+                cfg.teacher, path=self.teacher_path, finetuning="full", gradient_checkpointing=False
+            )
+            self.teacher = frozen(load_model(spec, None, kind="causal", tokenizer=self.tokenizer)).to(
+                self.accelerator.device
+            )
+        elif self.teacher_server is None:
+            opts = ServerOptions(
+                name="teacher",
+                max_model_len=cfg.train.seq_length + 1,
+                eager=not on_gpu(),
+                extra=["--max-logprobs", str(max(20, cfg.teacher.top_k))],
+            )
+            log = Path(cfg.output_dir) / "teacher_vllm.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            self.teacher_server, self.own_server = VLLMServer(self.teacher_path, opts, log_path=log).start(), True
+        return Student(train_without_dropout(student), None)
 
     def linear_models(self) -> list:
-        return [self.inner, self.teacher]
+        return [self.inner] + ([self.teacher] if self.teacher is not None else [])
 
     def on_policy(self, step: int) -> bool:
         """Whether step `step` (0-based) samples the student: one draw of its own generator seeded by
@@ -228,16 +310,19 @@ class DistillStage(PolicyStage):
         return bool(draw.item() < lmbda)
 
     def completion_batch(self) -> Rollout:
-        """The next train.batch_size conversations of data.completions (a seeded shuffle per pass)
-        laid out as a rollout: the prompt up to the first trained token, every assistant token trained."""
-        cur, n, size = self.completion_cursor, len(self.completions), self.cfg.train.batch_size
+        """This rank's train.batch_size conversations of the step's global batch (batch_size x ranks,
+        the next ones of data.completions' seeded shuffle per pass, dealt to ranks in order) laid out
+        as a rollout: the prompt up to the first trained token, every assistant token trained."""
+        acc = self.accelerator
+        cur, n, size = self.completion_cursor, len(self.completions), self.cfg.train.batch_size * acc.num_processes
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.train.seed + cur["epoch"])).tolist()
         if cur["position"] + size > n:
             cur["epoch"], cur["position"] = cur["epoch"] + 1, 0
             order = torch.randperm(
                 n, generator=torch.Generator().manual_seed(self.cfg.train.seed + cur["epoch"])
             ).tolist()
-        picked = [self.completions[i] for i in order[cur["position"] : cur["position"] + size]]
+        mine = cur["position"] + acc.process_index * self.cfg.train.batch_size
+        picked = [self.completions[i] for i in order[mine : mine + self.cfg.train.batch_size]]
         cur["position"] += size
         prompts, responses, trained = [], [], []
         for sample in picked:
@@ -249,7 +334,8 @@ class DistillStage(PolicyStage):
         return assemble_masked(prompts, responses, trained, [True] * len(picked), self.tokenizer.pad_token_id)
 
     def token_losses(self, rollout: Rollout, rows: slice, grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """([n] each trained token's loss, [n] its reverse KL to the teacher, no grad) of `rows`."""
+        """([n] each trained token's loss, [n] its reverse KL to the teacher, no grad) of `rows`. A
+        served teacher's KL is over its top-k support plus the tail bucket (all it reports)."""
         cfg, device, d = self.cfg, self.accelerator.device, self.cfg.distill
         ids, attn = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
         mask = rollout.response_mask[rows].to(device).bool()
@@ -262,20 +348,22 @@ class DistillStage(PolicyStage):
         }
         tokens = ids[:, rollout.prompt_width :][mask]
         with self.accelerator.autocast():
-            with torch.no_grad():
-                t_head = head_split(self.teacher)
-                t_rows = (
-                    hidden_forward(self.teacher, t_head, **inputs)
-                    if t_head is not None
-                    else self.teacher(**inputs).logits
-                )
-            teacher = dl.Teacher(t_rows[:, :-1][mask], t_head, cfg.teacher.top_k)
-            policy = self.inner.policy
-            s_head = head_split(policy, self.accelerator)
+            if self.teacher is None:
+                teacher = dl.Teacher(None, None, cfg.teacher.top_k, self.served_scores(rollout, rows))
+                whole = teacher
+            else:
+                with torch.no_grad():
+                    t_head = head_split(self.teacher)
+                    t_rows = (
+                        hidden_forward(self.teacher, t_head, **inputs)
+                        if t_head is not None
+                        else self.teacher(**inputs).logits
+                    )
+                teacher = dl.Teacher(t_rows[:, :-1][mask], t_head, cfg.teacher.top_k)
+                whole = dl.Teacher(teacher.rows, t_head)
+            s_head = head_split(self.inner.policy, self.accelerator)
             with torch.set_grad_enabled(grad):
-                s_rows = (hidden_forward(policy, s_head, **inputs) if s_head is not None else policy(**inputs).logits)[
-                    :, :-1
-                ][mask]
+                s_rows = self.model(s_head, **inputs)[:, :-1][mask]
                 losses = dl.per_token_losses(
                     d.loss_type, s_rows, s_head, teacher, tokens, beta=d.beta, temperature=d.temperature
                 )
@@ -284,12 +372,26 @@ class DistillStage(PolicyStage):
                     "jsd",
                     s_rows.detach(),
                     s_head,
-                    dl.Teacher(teacher.rows, t_head),
+                    whole,
                     tokens,
                     beta=1.0,
                     temperature=d.temperature,
                 )
         return losses, kl
+
+    def served_scores(self, rollout: Rollout, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The served teacher's top-k of every trained token of `rows` (row-major, as `[mask]`
+        orders them): each row's tokens without padding go to the server, whose prompt log-probs
+        at a token's position are the teacher's distribution for that token."""
+        ids, attn = rollout.input_ids[rows].cpu(), rollout.attention_mask[rows].cpu().bool()
+        mask, width = rollout.response_mask[rows].cpu().bool(), rollout.prompt_width
+        sequences, places = [], []
+        for r in range(ids.shape[0]):
+            first = int(attn[r].nonzero()[0])  # left padding before the prompt
+            sequences.append(ids[r][attn[r]].tolist())
+            places.append((mask[r].nonzero().flatten() + width - first).tolist())
+        scored = prompt_topk(self.teacher_server, sequences, self.cfg.teacher.top_k)
+        return dl.served_topk([scored[r][p] for r in range(len(places)) for p in places[r]], self.cfg.teacher.top_k)
 
     def train_step(self) -> dict[str, float]:
         """A batch (the student's samples with probability lmbda, else the dataset's completions), the
@@ -329,7 +431,7 @@ class DistillStage(PolicyStage):
             "distill/on_policy": float(on_policy),
             "distill/gen_time": gen_time if on_policy else 0.0,
             "distill/gen_time_frac": gen_time / (time.perf_counter() - started),
-            "distill/completion_length": float(rollout.response_mask.sum(1).float().mean()),
+            "distill/completion_length": float(tokens) / (rollout.input_ids.shape[0] * acc.num_processes),
         }
 
     @torch.no_grad()
@@ -361,12 +463,16 @@ class DistillStage(PolicyStage):
                 "weights_hash": weights_hash(self.teacher_path),
                 "loss_type": self.cfg.distill.loss_type,
                 "top_k": self.cfg.teacher.top_k,
+                "backend": self.cfg.teacher.backend,
             }
         }
 
     def release(self) -> None:
         super().release()
         self.teacher = None
+        if self.own_server and self.teacher_server is not None:
+            self.teacher_server.stop()
+        self.teacher_server, self.own_server = None, False
 
     def progress(self, figures: dict[str, float]) -> dict[str, str]:
         return {"loss": f"{figures['train/loss']:.4f}", "kl": f"{figures['distill/kl']:.4f}"}

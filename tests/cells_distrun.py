@@ -1,6 +1,7 @@
-"""tests/distrun.py's runner with the runs tests/test_cells_ddp.py adds: the KTO stage, and PPO /
-GRPO with tools sampled by tests/tool_distrun.py's scripted caller (a pure function of each context,
-so the rollouts do not depend on how prompts are dealt to ranks).
+"""tests/distrun.py's runner with the runs tests/test_cells_ddp.py adds: the KTO and distill stages
+(distill samples with distrun.ScriptedGenerator), and PPO / GRPO with tools sampled by
+tests/tool_distrun.py's scripted caller (a pure function of each context, so the rollouts do not
+depend on how prompts are dealt to ranks).
 
     torchrun --nproc_per_node 2 tests/cells_distrun.py RUNS.json
 
@@ -24,11 +25,17 @@ def stage_class(name: str):
         from stages.kto import KTOStage
 
         return KTOStage
+    if name == "distill":
+        from stages.distill import DistillStage
+
+        return DistillStage
     return _stage_class(name)
 
 
 def stage_kwargs(spec: dict) -> dict:
     """tests/distrun.py's, or the scripted tool caller (PPO scored by distrun.scripted_reward)."""
+    if spec["stage"] == "distill" and spec.get("sampler", "scripted") == "scripted":
+        return {"generator_factory": lambda policy: distrun.ScriptedGenerator()}
     if spec.get("sampler") != "tools":
         return _stage_kwargs(spec)
     from tool_distrun import Scripted
@@ -47,7 +54,7 @@ distrun.stage_class, distrun.stage_kwargs = stage_class, stage_kwargs
 if __name__ == "__main__":
     import gc
 
-    for name in ("pt", "sft", "rm", "dpo", "kto", "ppo", "grpo"):
+    for name in ("pt", "sft", "rm", "dpo", "kto", "ppo", "grpo", "distill"):
         stage_class(name)
     # The imports live as long as the process: out of reach of the full collection every run's
     # export makes (accelerate's free_memory), which then scans that run's objects only.

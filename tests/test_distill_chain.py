@@ -161,6 +161,7 @@ def test_the_driver_hands_the_chains_rl_model_to_distill_as_teacher(tmp_path, ti
         "weights_hash": weights_hash(teacher),
         "loss_type": "jsd",
         "top_k": 0,
+        "backend": "relay",
     }
     assert stage_status(cfg, "distill") == "done" and checks_after(cfg, "distill") == []
 

@@ -10,7 +10,8 @@ divergences between the student's next-token distribution and a frozen teacher's
   the reverse KL(p_s || p_t); both distributions at `temperature`. With a teacher given as its
   top-k log-probs (`teacher.top_k`, what a served teacher returns), the same divergence over the
   k teacher-chosen tokens plus one tail bucket holding the rest of each distribution's mass; at
-  k = V the tail is empty and the divergence is the full one.
+  k = V the tail is empty and the divergence is the full one. A teacher on a vLLM server gives the
+  same top-k as its prompt log-probs (`served_topk`).
 - `reverse_kl_k1`, `reverse_kl_k3`: the reverse KL as a per-token reward on the student's own
   samples (Thinking Machines' on-policy distillation, verl's k1 / low_var_kl k3 estimators):
   the estimate k_t of log p_s(x_t) - log p_t(x_t) is a per-token advantage -k_t (no discount),
@@ -128,11 +129,29 @@ def reward_form(estimate: torch.Tensor, student_logp: torch.Tensor) -> torch.Ten
 
 class Teacher(NamedTuple):
     """The teacher's side of a batch, row for row with the student's: its hidden rows and head
-    (in process; head None: rows are logits already), and the per-token options."""
+    (in process; head None: rows are logits already), and the per-token options; or, from a
+    served teacher, `served`: its top-k (ids [N, k], log-probs [N, k], log of the mass outside [N])."""
 
-    rows: torch.Tensor
+    rows: Optional[torch.Tensor]
     head: Optional[torch.nn.Linear]
     top_k: int = 0
+    served: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+
+
+def served_topk(entries: list[dict[int, float]], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A served teacher's top-k per token as the top-k loss reads it: (ids [N, k], fp32 log-probs
+    [N, k], log of the mass outside them [N]) from one {token id: log-prob} of k entries per token.
+    The outside mass is 1 - sum(top-k), floored at the smallest normal fp32 (an empty tail).
+
+    Raises:
+        ValueError: an entry does not hold exactly k tokens.
+    """
+    if any(len(e) != k for e in entries):
+        raise ValueError(f"a served teacher's position has {min(len(e) for e in entries)} log-probs, not top_k {k}")
+    ids = torch.tensor([list(e) for e in entries], dtype=torch.long).view(len(entries), k)
+    logp = torch.tensor([list(e.values()) for e in entries], dtype=torch.float64).view(len(entries), k)
+    rest = (1.0 - logp.exp().sum(-1)).clamp(min=torch.finfo(torch.float32).tiny)
+    return ids, logp.float(), rest.log().float()
 
 
 class DistillLoss(NamedTuple):
@@ -163,6 +182,11 @@ def _jsd_rows(
             return topk_jsd(logits, *teacher_topk(target, teacher.top_k, temperature), beta, temperature)
         return dense_jsd(logits, target, beta, temperature)
 
+    if teacher.served is not None:  # the top-k a server reported (at temperature 1: the config checks)
+        ids, logp, tail = (t.to(student.device) for t in teacher.served)
+        return chunked_rows(
+            lambda logits, *top: topk_jsd(logits, *top, beta, temperature), student, head, ids, logp, tail
+        )
     return chunked_rows(chunk, student, head, teacher.rows)
 
 

@@ -267,6 +267,11 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     ),
     _policy("distill", "lora", "single"): (f"{DISTILL}[lora]",),
     _policy("distill", "full", "single"): (f"{DISTILL}[full]",),
+    **{
+        _policy("distill", adapter, engine): (f"{RANKS}[{engine}-distill-{adapter}]",)
+        for adapter in ("lora", "full")
+        for engine in ("ddp", "fsdp")
+    },
 }
 for _stage, _nodes in VLLM_TOOLS_TESTS.items():
     TESTS[_policy(_stage, "lora", "single", backend="vllm", tools="on", correction="tis")] = _nodes

@@ -480,3 +480,28 @@ def completion_ids(
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), server.opts.max_num_seqs))) as pool:
         return list(pool.map(one, prompts))
+
+
+def prompt_topk(server: VLLMServer, sequences: list[list[int]], k: int) -> list[list[Optional[dict[int, float]]]]:
+    """Per sequence, per position p: the server's top-k {token id: log-prob} of the token at p
+    given the tokens before it (None at p 0), its prompt log-probs (vLLM's raw log-probs:
+    temperature 1). One /v1/completions request per sequence (1 token generated and dropped),
+    `server.opts.max_num_seqs` at a time. For a served distillation teacher.
+
+    Raises:
+        VLLMError: the server refused a request (its message).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(ids: list[int]) -> list[Optional[dict[int, float]]]:
+        body = {"model": server.opts.name, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0}
+        (choice,) = server.post("/v1/completions", {**body, "prompt_logprobs": k})["choices"]
+        out: list[Optional[dict[int, float]]] = []
+        for position in choice["prompt_logprobs"]:
+            # each position also reports the token actually there, at its own rank when below the top k
+            ranked = sorted(((v["rank"], int(t), v["logprob"]) for t, v in (position or {}).items()))
+            out.append({t: lp for rank, t, lp in ranked[:k] if rank <= k} if position is not None else None)
+        return out
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(sequences), server.opts.max_num_seqs))) as pool:
+        return list(pool.map(one, sequences))
