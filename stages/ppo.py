@@ -92,7 +92,8 @@ class PPOSection:
     kl_horizon: float = 10000
     """Adaptive controller horizon, in samples."""
     kl_estimator: str = "k1"
-    """Per-token KL estimator in the reward: k1 (log-ratio) or k3 (non-negative, lower variance)."""
+    """Per-token KL estimator in the reward (pipeline/algorithms/rl.py's KL_ESTIMATORS): k1 (log-ratio)
+    or k3 (non-negative, lower variance)."""
     gamma: float = 1.0
     """GAE discount."""
     lam: float = 0.95
@@ -118,7 +119,7 @@ class PPOSection:
         if self.epochs < 1:
             out.append(f"{key}.epochs: must be >= 1, got {self.epochs}")
         if self.kl_estimator not in rl.KL_ESTIMATORS:
-            out.append(f"{key}.kl_estimator: {self.kl_estimator!r} is not one of {rl.KL_ESTIMATORS}")
+            out.append(f"{key}.kl_estimator: {self.kl_estimator!r} is not one of {tuple(rl.KL_ESTIMATORS)}")
         if self.reward_norm not in REWARD_NORMS:
             out.append(f"{key}.reward_norm: {self.reward_norm!r} is not one of {REWARD_NORMS}")
         if self.kl_target is not None and (self.kl_target <= 0 or self.kl_horizon <= 0):

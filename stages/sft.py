@@ -29,11 +29,10 @@ if __package__ in (None, ""):
 from data_formats.collate import Collator
 from data_formats.datasets import build_sft_data
 from data_formats.render import template_jinja
-from pipeline.algorithms.multitask import CoBa, MultitaskConfig
+from pipeline.algorithms.multitask import MODES, CoBa, MultitaskConfig, step_weights
 from pipeline.config import ChatDataConfig, StageConfig
 from pipeline.engine.language_modeling import LanguageModelStage
 from pipeline.engine.stage import main
-from pipeline.engine.steps import canonical_mode
 
 log = logging.getLogger("relay.sft")
 
@@ -75,8 +74,10 @@ class SFTStage(LanguageModelStage):
 
     def problems(self) -> list[str]:
         mt = self.cfg.multitask
-        if mt.weighted_loss_mode in ("coba", "self-paced") and not self.cfg.data.has_eval:
-            return ["multitask.weighted_loss_mode: coba needs held-out data (data.eval or data.eval_fraction)"]
+        entry = MODES.get(mt.weighted_loss_mode)  # an unknown mode: the section's own check
+        if entry is not None and entry.adaptive and not self.cfg.data.has_eval:
+            mode = mt.weighted_loss_mode
+            return [f"multitask.weighted_loss_mode: {mode} needs held-out data (data.eval or data.eval_fraction)"]
         return []
 
     def build_data(self) -> list[str]:
@@ -98,7 +99,7 @@ class SFTStage(LanguageModelStage):
             tok.pad_token_id, cfg.data.padding_mode, cfg.train.seq_length, cfg.model.attn_implementation
         )
         mt = cfg.multitask
-        if canonical_mode(mt.weighted_loss_mode) == "coba":
+        if MODES[mt.weighted_loss_mode].adaptive:
             self.coba = CoBa(
                 len(self.tasks),
                 warmup_steps=mt.coba_warmup_steps,
@@ -128,17 +129,12 @@ class SFTStage(LanguageModelStage):
             out.append(f"data.eval: task(s) {extra} do not appear in the training data")
         return out
 
-    def loss_mode(self) -> str:
-        return self.cfg.multitask.weighted_loss_mode
-
     def task_weights(self) -> Optional[list[float]]:
+        """The weights of multitask.weighted_loss_mode's entry: CoBa's where they adapt, else
+        multitask.task_weights by task name (None for the token mean)."""
         mt = self.cfg.multitask
-        mode = canonical_mode(mt.weighted_loss_mode)
-        if mode == "coba":
-            return self.coba.weights()
-        if mode == "case3":
-            return [float(mt.task_weights.get(name, 1.0)) for name in self.tasks]
-        return None
+        weights = self.coba.weights() if self.coba is not None else [mt.task_weights.get(n, 1.0) for n in self.tasks]
+        return step_weights(mt.weighted_loss_mode, weights, len(self.tasks))
 
     def train_step(self) -> dict[str, float]:
         figures = super().train_step()

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from pipeline.algorithms.multitask import CoBa, fit_slope, task_weighted_loss
-from pipeline.engine.steps import token_weights
+from pipeline.algorithms.multitask import CoBa, fit_slope, task_weighted_loss, token_weights
 
 LOSSES = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
 TASKS = torch.tensor([[0, 0, 1, -1]])  # the 4.0 token is unsupervised

@@ -12,8 +12,9 @@ from test_training import one_thread  # noqa: F401  (autouse: one intra-op threa
 from transformers import AutoModelForCausalLM
 
 from data_formats.collate import Collator
+from pipeline.algorithms.multitask import token_weights
 from pipeline.engine import supervised_head
-from pipeline.engine.steps import full_logits_token_losses, token_weights, weighted_token_losses
+from pipeline.engine.steps import full_logits_token_losses, weighted_token_losses
 
 
 def batch(seed=3, tasks=2):

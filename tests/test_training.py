@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from data_formats.collate import Collator
 from data_formats.sampling import DataCursor, epoch_order, next_micro_batches
-from pipeline.algorithms.multitask import task_weighted_loss
+from pipeline.algorithms.multitask import step_weights, task_weighted_loss
 from pipeline.engine.held_out import eval_shards
 from pipeline.engine.steps import NonFiniteError, check_finite, token_losses
 from pipeline.engine.steps import lm_train_step as train_step
@@ -69,7 +69,7 @@ def step(model, split, mode, weights=None):
         batches.append(collate(data[start : start + size]))
         start += size
     opt = Capture(model)
-    result = train_step(model, opt, batches, None, step=1, num_tasks=2, mode=mode, task_weights=weights)
+    result = train_step(model, opt, batches, None, step=1, num_tasks=2, task_weights=step_weights(mode, weights, 2))
     return result, opt.grads
 
 

@@ -48,7 +48,62 @@ from typing import Optional, Sequence
 
 import torch
 
-from pipeline.engine.steps import LOSS_MODES, token_weights
+from pipeline.engine import steps
+
+
+@dataclass(frozen=True)
+class LossMode:
+    """One way SFT weighs the tokens of its tasks (`multitask.weighted_loss_mode`)."""
+
+    per_task: bool
+    """The loss is a weighted mean of the tasks' token means (else the token mean over all tasks)."""
+    adaptive: bool = False
+    """Its task weights follow each task's held-out loss (CoBa): it needs held-out data, which it
+    measures as it trains, and its weights ride in the checkpoint."""
+    doc: str = ""
+
+
+MODES: dict[str, LossMode] = {
+    "none": LossMode(False, doc="the token mean, tasks ignored"),
+    "case3": LossMode(True, doc="the mean of the tasks' token means, weighted by multitask.task_weights"),
+    "coba": LossMode(True, adaptive=True, doc="case3 with CoBa's weights from the held-out loss trends"),
+    "self-paced": LossMode(True, adaptive=True, doc="MFTCoder's name for coba"),
+}
+"""`multitask.weighted_loss_mode`'s entries: the config check and the SFT stage read their facts, and
+the engine gets only the task weights of each step (`step_weights`)."""
+
+
+def mode_entry(mode: str) -> LossMode:
+    """MODES[mode].
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"weighted_loss_mode {mode!r} is not one of {', '.join(MODES)}")
+    return MODES[mode]
+
+
+def step_weights(mode: str, task_weights: Optional[Sequence[float]], num_tasks: int) -> Optional[list[float]]:
+    """The task weights a step of `mode` hands the engine (`lm_train_step`): None for the token
+    mean, else one per task (`task_weights`, default 1 each).
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    if not mode_entry(mode).per_task:
+        return None
+    return [float(w) for w in task_weights] if task_weights is not None else [1.0] * num_tasks
+
+
+def token_weights(counts: torch.Tensor, mode: str, task_weights: Optional[Sequence[float]] = None) -> torch.Tensor:
+    """[num_tasks] weight of one supervised token of each task under `mode`, from per-task token
+    counts (pipeline.engine.steps.token_weights of `step_weights`).
+
+    Raises:
+        ValueError: unknown mode, or task_weights of the wrong length / summing to 0 over present tasks.
+    """
+    return steps.token_weights(counts, step_weights(mode, task_weights, counts.numel()))
 
 
 @dataclass
@@ -77,8 +132,8 @@ class MultitaskConfig:
 
     def problems(self, key: str = "multitask") -> list[str]:
         out = []
-        if self.weighted_loss_mode not in LOSS_MODES:
-            out.append(f"{key}.weighted_loss_mode: {self.weighted_loss_mode!r} is not one of {', '.join(LOSS_MODES)}")
+        if self.weighted_loss_mode not in MODES:
+            out.append(f"{key}.weighted_loss_mode: {self.weighted_loss_mode!r} is not one of {', '.join(MODES)}")
         for name, value in self.task_weights.items():
             if not value >= 0:
                 out.append(f"{key}.task_weights[{name!r}]: must be >= 0, got {value!r}")

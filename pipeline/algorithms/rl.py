@@ -18,7 +18,23 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-KL_ESTIMATORS = ("k1", "k3")
+
+@dataclass(frozen=True)
+class KLEstimator:
+    """A per-token estimate of KL(policy || reference) from samples of the policy, as a function of
+    each sampled token's log-ratio r = log p - log q (Schulman's estimators)."""
+
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    doc: str
+    """One line for the help: what it is and how it behaves."""
+
+
+KL_ESTIMATORS: dict[str, KLEstimator] = {
+    "k1": KLEstimator(lambda r: r, "r = log p - log q: unbiased, can be negative"),
+    "k3": KLEstimator(lambda r: torch.expm1(-r) + r, "(q/p - 1) - log(q/p): unbiased, always >= 0, lower variance"),
+}
+"""The KL estimators by name (PPO's `ppo.kl_estimator`; GRPO's KL term is k3, as TRL's): adding one
+is one entry here and one test; the config check and `kl_per_token` read this table."""
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -34,15 +50,16 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `x` where `mask` is 1.
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """Mean of `x` where `mask` is 1. `check=False`: the caller has made sure the mask selects
+    something (where reading it is free, on the host), and the check's read of the device is saved.
 
     Raises:
-        ValueError: the mask selects nothing (the mean is undefined).
+        ValueError: the mask selects nothing (the mean is undefined), when `check`.
     """
     mask = mask.to(x.dtype)
     total = mask.sum()
-    if total.item() == 0:
+    if check and total.item() == 0:
         raise ValueError("masked_mean: the mask selects no element")
     return (x * mask).sum() / total
 
@@ -103,19 +120,16 @@ def masked_whiten(
 
 
 def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's
-    estimators): k1 = log p - log q (unbiased, can be negative), k3 = (q/p - 1) - log(q/p)
-    (unbiased, always >= 0, lower variance).
+    """Per-token estimate of KL(policy || reference) from samples of the policy by the estimator
+    `KL_ESTIMATORS[estimator]` (k1 = log p - log q, k3 = (q/p - 1) - log(q/p)).
 
     Raises:
         ValueError: unknown estimator.
     """
-    log_ratio = logp - ref_logp
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"kl estimator {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+    entry = KL_ESTIMATORS.get(estimator)
+    if entry is None:
+        raise ValueError(f"kl estimator {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+    return entry.fn(logp - ref_logp)
 
 
 class FixedKLController:
@@ -273,6 +287,7 @@ def policy_loss(
     mask: torch.Tensor,
     clip: float,
     weight: Optional[torch.Tensor] = None,
+    check: bool = True,
 ) -> PolicyLossOut:
     """PPO's clipped surrogate: mean over tokens of max(-A r, -A clip(r, 1-eps, 1+eps)), with
     r = exp(logp - old_logp). Also the share of tokens where clipping was active and the k3
@@ -281,36 +296,42 @@ def policy_loss(
     `weight` ([B, T], no gradient): the train-inference mismatch correction
     (pipeline/algorithms/mismatch.py) multiplies each token's clipped surrogate before the token
     mean, where verl applies `rollout_is_weights` (verl/trainer/ppo/core_algos.py,
-    compute_policy_loss_vanilla); None: unweighted.
+    compute_policy_loss_vanilla); None: unweighted. `check`: as `masked_mean`'s.
 
     Raises:
-        ValueError: the mask selects nothing.
+        ValueError: the mask selects nothing (when `check`).
     """
     log_ratio = logp - old_logp
     per_token, was_clipped = clipped_surrogate(logp, old_logp, advantages, clip)
     if weight is not None:
         per_token = per_token * weight
-    loss = masked_mean(per_token, mask)
-    clipfrac = masked_mean(was_clipped.float(), mask)
+    loss = masked_mean(per_token, mask, check)
+    clipfrac = masked_mean(was_clipped.float(), mask, False)
     # Samples come from the old policy, so k3 of KL(old || new) is (r - 1) - log r.
-    approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
+    approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, mask, False)
     return PolicyLossOut(loss, clipfrac.detach(), approx_kl.detach())
 
 
 def value_loss(
-    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss: 0.5 * mean(max((V - R)^2, (V_clipped - R)^2)) with V_clipped kept
     within `clip` of the rollout's values; and the share of tokens where the clipped term won.
+    `check`: as `masked_mean`'s.
 
     Raises:
-        ValueError: the mask selects nothing.
+        ValueError: the mask selects nothing (when `check`).
     """
     clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
     loss_unclipped = (values - returns) ** 2
     loss_clipped = (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(loss_unclipped, loss_clipped), mask)
-    clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask)
+    loss = 0.5 * masked_mean(torch.maximum(loss_unclipped, loss_clipped), mask, check)
+    clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask, False)
     return loss, clipfrac.detach()
 
 

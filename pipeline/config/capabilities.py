@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from pipeline.config.backends import BACKENDS
-from pipeline.config.policy import CORRECTION_NAMES
+from pipeline.config.policy import CORRECTIONS
 from pipeline.config.sections import FINETUNING
 
 NONE = "-"
@@ -57,7 +57,6 @@ ENGINES: dict[str, Engine] = {
     "zero3": Engine("ZeRO-3", "deepspeed", "any", shards=True, zero=True),
 }
 ADAPTERS = FINETUNING
-CORRECTIONS = tuple(c for c in CORRECTION_NAMES if c != "auto")
 TOOLS = ("off", "on")
 AXES = ("stage", "backend", "tools", "adapter", "engine", "correction")
 
@@ -332,7 +331,7 @@ Rule = Callable[[Cell, bool], Optional[tuple[str, str]]]
 
 
 def _correction_without_engine_logprobs(cell: Cell, cuda: bool):
-    if cell.correction not in (NONE, "none") and not BACKENDS[cell.backend].engine_logprobs:
+    if cell.correction != NONE and CORRECTIONS[cell.correction].weighs and not BACKENDS[cell.backend].engine_logprobs:
         return (
             "generation.correction",
             f"{cell.correction} weighs each token by p_trainer / p_engine and the {cell.backend} "

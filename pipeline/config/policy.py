@@ -24,8 +24,27 @@ class RewardModelConfig(ModelConfig):
     only for smoke runs of the machinery."""
 
 
-CORRECTION_NAMES = ("auto", "none", "tis", "mis")
-"""`generation.correction`'s values (auto, then pipeline/algorithms/mismatch.py's CORRECTIONS)."""
+@dataclass(frozen=True)
+class Correction:
+    """What the config checks and the capability table know of one train-inference mismatch
+    correction (`generation.correction`); its weights are pipeline/algorithms/mismatch.py's
+    CORRECTIONS entry of the same name."""
+
+    weighs: bool
+    """It weighs each token's loss by p_trainer / p_engine, so it needs a backend that reports the
+    engine's log-probs of what it sampled."""
+    options: tuple[str, ...] = ()
+    """The `generation.*` keys it reads."""
+    doc: str = ""
+
+
+CORRECTIONS: dict[str, Correction] = {
+    "none": Correction(False, doc="no weight"),
+    "tis": Correction(True, ("correction_cap", "correction_floor"), "token-level truncated importance weights"),
+    "mis": Correction(True, ("correction_cap", "correction_floor"), "tokens whose weight leaves [floor, cap] drop out"),
+}
+"""`generation.correction`'s entries (beside `auto`, the backend's `default_correction`)."""
+AUTO = "auto"
 
 
 @dataclass
@@ -69,7 +88,7 @@ class GenerationConfig:
     @property
     def correction_name(self) -> str:
         """`correction` with auto resolved for the backend."""
-        if self.correction != "auto":
+        if self.correction != AUTO:
             return self.correction
         entry = BACKENDS.get(self.backend)
         return entry.default_correction if entry is not None else "none"
@@ -82,8 +101,8 @@ class GenerationConfig:
             out.append(f"{key}.temperature: must be > 0")
         if self.backend not in BACKENDS:
             out.append(f"{key}.backend: {self.backend!r} is not one of {tuple(BACKENDS)}")
-        if self.correction not in CORRECTION_NAMES:
-            out.append(f"{key}.correction: {self.correction!r} is not one of {CORRECTION_NAMES}")
+        if self.correction != AUTO and self.correction not in CORRECTIONS:
+            out.append(f"{key}.correction: {self.correction!r} is not one of {(AUTO, *CORRECTIONS)}")
         if self.correction_cap <= 0 or (
             self.correction_floor is not None and not 0 <= self.correction_floor < self.correction_cap
         ):

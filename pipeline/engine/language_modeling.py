@@ -16,16 +16,13 @@ from pipeline.modeling.models import eval_mode
 
 class LanguageModelStage(Stage):
     """A subclass builds `self.collator` in `build_data` and may override `micro_batches` (PT's
-    stream), `loss_mode` and `task_weights` (SFT's multitask losses)."""
+    stream) and `task_weights` (SFT's multitask losses)."""
 
     collator = None
 
-    def loss_mode(self) -> str:
-        """How tokens of different tasks are weighed (pipeline.algorithms.multitask.MODES)."""
-        return "none"
-
     def task_weights(self) -> Optional[list[float]]:
-        """The per-task loss weights of the next step (None: every task weighs 1)."""
+        """The next step's loss: None, the token mean over every task; else the mean of the tasks'
+        token means weighted by these (one per task; `steps.token_weights`)."""
         return None
 
     def micro_batches(self) -> list[dict]:
@@ -43,7 +40,6 @@ class LanguageModelStage(Stage):
             self.accelerator,
             step=self.step + 1,
             num_tasks=len(self.tasks),
-            mode=self.loss_mode(),
             task_weights=weights,
             max_grad_norm=self.cfg.train.max_grad_norm,
         )

@@ -5,9 +5,9 @@ gradient clipping and the non-finite guard (the held-out loop: pipeline.engine.h
 Loss normalisation (the contract `lm_train_step` keeps for PT and SFT): every supervised token
 gets a weight computed from token counts over the *whole* accumulated batch on *every* rank
 (all-reduced before the first backward), so the gradient of one optimizer step is the same
-whether its samples arrive as 1 x 8, 8 x 1 or 2 ranks x 4 micro-batches. In mode 'none' the
-weight is 1 / N_total (the token mean); in 'case3'/'coba' it is w_t / (N_t * sum of w over the
-tasks present), see `token_weights`. PPO token-normalises the same way over its mini-batch
+whether its samples arrive as 1 x 8, 8 x 1 or 2 ranks x 4 micro-batches. Without task weights
+the weight is 1 / N_total (the token mean); with them it is w_t / (N_t * sum of w over the tasks
+present), see `token_weights`. PPO token-normalises the same way over its mini-batch
 (`pipeline.algorithms.ppo.ppo_update`). A stage whose loss is a mean per micro-batch of
 equal-sized micro-batches (RM) passes it to `accelerator.backward` as it is: accelerate divides it
 by the number of micro-batches and DDP averages over ranks, which is the mean it wants.
@@ -74,38 +74,21 @@ def check_finite(
         raise NonFiniteError(f"step {step}: gradient norm is {grad_norm}; stopping before the optimizer step")
 
 
-LOSS_MODES = ("none", "case3", "coba", "self-paced")
-"""How tokens of different tasks weigh in the loss (pipeline.algorithms.multitask explains each)."""
-
-
-def canonical_mode(mode: str) -> str:
-    """'self-paced' is MFTCoder's name for CoBa.
-
-    Raises:
-        ValueError: unknown mode.
-    """
-    if mode not in LOSS_MODES:
-        raise ValueError(f"weighted_loss_mode {mode!r} is not one of {', '.join(LOSS_MODES)}")
-    return "coba" if mode == "self-paced" else mode
-
-
-def token_weights(counts: torch.Tensor, mode: str, task_weights: Optional[Sequence[float]] = None) -> torch.Tensor:
-    """[num_tasks] weight of one supervised token of each task, from per-task token counts.
+def token_weights(counts: torch.Tensor, task_weights: Optional[Sequence[float]] = None) -> torch.Tensor:
+    """[num_tasks] weight of one supervised token of each task, from per-task token counts: the
+    token mean (1 / N) without `task_weights`, else the `task_weights`-weighted mean of the tasks'
+    token means (w_t / (N_t * sum of w over the tasks present)). Which a stage asks for is its
+    own business (SFT's loss modes: pipeline.algorithms.multitask.MODES).
 
     Raises:
-        ValueError: unknown mode, or task_weights of the wrong length / summing to 0 over present tasks.
+        ValueError: task_weights of the wrong length / summing to 0 over present tasks.
     """
-    mode = canonical_mode(mode)
     counts = counts.double()
     present = counts > 0
-    if mode == "none":
+    if task_weights is None:
         total = counts.sum()
         return torch.where(present, 1.0 / total.clamp(min=1), torch.zeros_like(counts))
-    w = (
-        torch.ones_like(counts)
-        if task_weights is None
-        else torch.as_tensor(list(task_weights), dtype=torch.float64, device=counts.device)
-    )
+    w = torch.as_tensor(list(task_weights), dtype=torch.float64, device=counts.device)
     if w.shape != counts.shape:
         raise ValueError(f"task_weights has {w.numel()} entries for {counts.numel()} tasks")
     norm = w[present].sum()
@@ -354,11 +337,11 @@ def lm_train_step(
     *,
     step: int,
     num_tasks: int = 1,
-    mode: str = "none",
     task_weights: Optional[Sequence[float]] = None,
     max_grad_norm: float = 0.0,
 ) -> StepResult:
-    """One optimizer step over this rank's micro-batches with token-normalised accumulation.
+    """One optimizer step over this rank's micro-batches with token-normalised accumulation; each
+    token weighs `token_weights(counts of the whole step, task_weights)`.
 
     Backward runs per micro-batch (memory stays one micro-batch) inside `micro_step`. Gradients are clipped to
     `max_grad_norm` (0: measured, not clipped), checked finite,
@@ -368,7 +351,7 @@ def lm_train_step(
         NonFiniteError: loss or gradients not finite (the optimizer has not stepped).
     """
     counts = all_reduce_sum(supervised_counts(micro_batches, num_tasks), accelerator)
-    weights = token_weights(counts, mode, task_weights)
+    weights = token_weights(counts, task_weights)
     world = accelerator.num_processes if accelerator is not None else 1
     # The weights already normalise over the whole step: undo accelerate's division by the number
     # of micro-batches and DDP's average over ranks.
