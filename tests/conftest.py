@@ -92,6 +92,7 @@ LONGEST_FIRST = (
     "test_multinode.py",
     "test_tool_rollout.py",
     "test_pt_sft.py",
+    "test_eval.py",
 )
 """The order of the modules in xdist workers (run_scripts/test.sh runs `--dist loadfile
 --no-loadscope-reorder`: a module to a worker, handed out in collection order): the longest first
