@@ -315,7 +315,12 @@ def open_judge(cfg: JudgeConfig, output_dir: str, rank: int, steps_done: int) ->
 
 
 def judge_scores(
-    judge: JudgeReward, prompts: list, completions: list, columns: Sequence[dict], tag: int
+    judge: JudgeReward,
+    prompts: list,
+    completions: list,
+    columns: Sequence[dict],
+    tag: int,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The judge's score of each completion's final answer (`final_answer`: a tool rollout's last
     assistant turn) to its prompt's last user turn, in TRL's shapes (`trl_prompt`, `trl_completions`).
@@ -336,7 +341,7 @@ def judge_scores(
             for a, c in zip(answers, columns)
         ]
     refs = [None if not cfg.reference_column else str(c.get(cfg.reference_column)) for c in columns]
-    return torch.tensor(judge.score([text_of(p) for p in prompts], answers, refs, tag=tag, golds=golds))
+    return torch.tensor(judge.score([text_of(p) for p in prompts], answers, refs, tag=tag, golds=golds), dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------------

@@ -214,7 +214,7 @@ class Scorer:
 
         cfg = self.cfg
         completions = rw.trl_completions(samples, texts)
-        prompts, columns = [rw.trl_prompt(s) for s in samples], [json.loads(s.get("columns") or "{}") for s in samples]
+        prompts, columns = [rw.trl_prompt(s) for s in samples], [rw.record_columns(s) for s in samples]
         total = torch.zeros(len(texts), dtype=torch.float64)
         for spec, func, weight in zip(cfg.reward_funcs, self.funcs, cfg.reward_weights or [1.0] * len(self.funcs)):
             values = rw.call_reward(func, spec, prompts, completions, [list(r) for r in rollout.responses], columns)
@@ -233,10 +233,8 @@ class Scorer:
                     .cpu()
                 )
         if self.judge is not None:
-            j = cfg.judge
-            refs = [None if not j.reference_column else str(c.get(j.reference_column)) for c in columns]
-            scores = self.judge.score([rw.text_of(p) for p in prompts], [rw.final_answer(c) for c in completions], refs)
-            total += j.weight * torch.tensor(scores, dtype=torch.float64)
+            scores = rw.judge_scores(self.judge, prompts, completions, columns, tag=0, dtype=torch.float64)
+            total += cfg.judge.weight * scores
         return total.tolist()
 
 
