@@ -343,7 +343,11 @@ class GRPOStage(PolicyStage):
         )
         figures.update(mismatch)
         if (self.step + 1) % cfg.train.log_steps == 0:
-            self.tracker.log_text("grpo/samples", self.sample_text(texts, rollout, total), self.step + 1)
+            self.tracker.log_text(
+                "grpo/samples",
+                self.sample_text(texts, rollout.responses, total, cfg.grpo.samples_logged, "completion"),
+                self.step + 1,
+            )
         self.last_rollout = {"rollout": rollout, "rewards": total, "advantages": advantages, "parts": parts}
         return figures
 
@@ -359,16 +363,6 @@ class GRPOStage(PolicyStage):
         if weight is not None:
             scored["is_weight"] = weight
         return {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": worst}
-
-    def sample_text(self, prompts: list[str], rollout, rewards: torch.Tensor) -> str:
-        """A few prompt / completion / reward triples as markdown, for the tracker."""
-        parts = []
-        for i in range(min(self.cfg.grpo.samples_logged, len(prompts))):
-            completion = self.tokenizer.decode(rollout.responses[i], skip_special_tokens=False)
-            parts.append(
-                f"**prompt**: {prompts[i]}\n\n**completion**: {completion}\n\n**reward**: {float(rewards[i]):.4f}"
-            )
-        return "\n\n---\n\n".join(parts)
 
     @torch.no_grad()
     def evaluate(self) -> Optional[dict[str, float]]:

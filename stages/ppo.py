@@ -40,7 +40,6 @@ from pipeline.algorithms.ppo import (
     RewardFn,
     make_experience,
     ppo_update,
-    sample_text,
     score_rollout,
     step_metrics,
 )
@@ -296,7 +295,11 @@ class PPOStage(PolicyStage):
             mean, worst = logprob_diff(exp.old_logprobs, rollout.engine_logp, rollout.response_mask)
             figures.update({"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": worst})
         if step % cfg.train.log_steps == 0:
-            self.tracker.log_text("ppo/samples", sample_text(self.tokenizer, texts, exp, cfg.ppo.samples_logged), step)
+            self.tracker.log_text(
+                "ppo/samples",
+                self.sample_text(texts, exp.rollout.responses, exp.raw_scores, cfg.ppo.samples_logged),
+                step,
+            )
         self.last_experience = exp
         return figures
 

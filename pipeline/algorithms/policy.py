@@ -177,6 +177,15 @@ class PolicyStage(Stage):
             rollout.engine_logp = engine_logprob_matrix(rollout.responses, engine, rollout.response_mask.shape[1])
         return rollout
 
+    def sample_text(self, prompts: list[str], responses: list, rewards, count: int, answer: str = "response") -> str:
+        """The first `count` prompt / answer / reward triples as markdown, for the tracker (`answer`
+        names the answer's field: PPO's response, GRPO's completion)."""
+        parts = []
+        for i in range(min(count, len(prompts))):
+            text = self.tokenizer.decode(responses[i], skip_special_tokens=False)
+            parts.append(f"**prompt**: {prompts[i]}\n\n**{answer}**: {text}\n\n**reward**: {float(rewards[i]):.4f}")
+        return "\n\n---\n\n".join(parts)
+
     def reward_model_record(self) -> dict:
         """The reward model the policy was optimised against (the driver re-runs the stage when it changes)."""
         if self.reward_path is None:

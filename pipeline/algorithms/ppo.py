@@ -372,14 +372,3 @@ def step_metrics(exp: Experience, update: dict, accelerator, *, kl_coef: float, 
         }
     )
     return out
-
-
-def sample_text(tokenizer, prompts_text: list[str], exp: Experience, n: int) -> str:
-    """A few prompt / response / reward triples as markdown, for the tracker."""
-    parts = []
-    for i in range(min(n, len(prompts_text))):
-        response = tokenizer.decode(exp.rollout.responses[i], skip_special_tokens=False)
-        parts.append(
-            f"**prompt**: {prompts_text[i]}\n\n**response**: {response}\n\n**reward**: {float(exp.raw_scores[i]):.4f}"
-        )
-    return "\n\n---\n\n".join(parts)
