@@ -7,6 +7,7 @@ runs give identical numbers; a task that would download is refused in one line b
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -71,7 +72,7 @@ def test_scores_equal_the_plain_lm_eval_command(relay_table, harness_cli):
     assert set(relay["relay_general_mc"]) == {"acc", "acc_norm"}
     assert set(relay["relay_general_text"]) == {"word_perplexity", "byte_perplexity", "bits_per_byte"}
     assert first["columns"] == [["relay_general_mc", "acc"], ["relay_general_text", "word_perplexity"]]
-    assert first["rows"][0]["n"] == {"relay_general_mc": 56, "relay_general_text": 12}
+    assert first["rows"][0]["n"] == {"relay_general_mc": 48, "relay_general_text": 8}
 
 
 def test_two_runs_give_identical_numbers_and_the_cache_returns_them(relay_table):
@@ -148,3 +149,23 @@ def test_retention_table_marks_losses_against_base():
     ]
     report = render_markdown(Path("out"), {}, {}, {"verdict": "PASS", "benchmarks": TABLE})
     assert "## Retention (lm-evaluation-harness)" in report and "| pt | 0.375 (**-0.125**) |" in report
+
+
+def test_the_general_data_regenerates_byte_identical(tmp_path):
+    spec = importlib.util.spec_from_file_location("make_general", REPO / "data" / "general" / "make_general.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--out", str(tmp_path)]) == 0
+    made = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.jsonl"))
+    assert [str(p) for p in made] == ["tasks/general_mc.jsonl", "tasks/general_text.jsonl", "train.jsonl"]
+    for path in made:
+        assert (tmp_path / path).read_bytes() == (REPO / "data" / "general" / path).read_bytes(), path
+
+
+def test_the_pipeline_summary_prints_the_retention_table():
+    from pipeline.tools.driver import format_summary
+
+    summary = {"stages": {}, "final_model": None, "tensorboard": "t", "verdict": "PASS", "verdict_reasons": []}
+    text = format_summary({**summary, "benchmarks": {**TABLE, "wall_seconds": 12.5}, "benchmarks_wall_seconds": 12.5})
+    assert "retention (lm-evaluation-harness, change against base; 12 s):" in text
+    assert "| pt | 0.375 (**-0.125**) | 55.50 (**+15.50**) |" in text

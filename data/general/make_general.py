@@ -24,16 +24,14 @@ HERE = Path(__file__).resolve().parent
 
 # question, the right answer, three wrong answers
 QUESTIONS = (
-    ("What is 2 + 2?", "4", ("3", "5", "22")),
-    ("What is 5 + 3?", "8", ("7", "9", "53")),
-    ("What is 10 - 4?", "6", ("4", "14", "5")),
-    ("What is 3 times 3?", "9", ("6", "12", "33")),
-    ("What is 12 divided by 4?", "3", ("4", "8", "16")),
-    ("What is half of 10?", "5", ("2", "20", "8")),
+    ("What is 2 + 2?", "four", ("three", "five", "six")),
+    ("What is 5 + 3?", "eight", ("seven", "nine", "two")),
+    ("What is 10 - 4?", "six", ("four", "five", "three")),
+    ("What is 3 times 3?", "nine", ("six", "three", "one")),
+    ("What is 12 divided by 4?", "three", ("four", "eight", "two")),
+    ("What is half of 10?", "five", ("two", "eight", "ten")),
     ("How many days are there in a week?", "seven", ("five", "ten", "twelve")),
     ("How many months are there in a year?", "twelve", ("ten", "seven", "thirty")),
-    ("How many hours are there in a day?", "24", ("12", "60", "7")),
-    ("How many minutes are there in an hour?", "60", ("24", "100", "12")),
     ("Which month comes after January?", "February", ("March", "December", "June")),
     ("Which day comes after Monday?", "Tuesday", ("Sunday", "Friday", "Thursday")),
     ("What is the capital of France?", "Paris", ("Berlin", "Madrid", "Rome")),
@@ -42,22 +40,10 @@ QUESTIONS = (
     ("What is the capital of Germany?", "Berlin", ("Munich", "Paris", "Warsaw")),
     ("What is the capital of the United Kingdom?", "London", ("Dublin", "Paris", "Edinburgh")),
     ("What is the capital of Spain?", "Madrid", ("Lisbon", "Barcelona", "Rome")),
-    ("Which is the largest ocean on Earth?", "the Pacific Ocean", ("the Indian Ocean", "the Arctic Ocean", "a lake")),
     ("On which continent is Egypt?", "Africa", ("Europe", "South America", "Australia")),
     ("On which continent is Brazil?", "South America", ("Asia", "Europe", "Africa")),
     ("Which planet do we live on?", "Earth", ("Mars", "Jupiter", "the Moon")),
     ("Which planet is known as the Red Planet?", "Mars", ("Venus", "Saturn", "Neptune")),
-    ("What is the closest star to the Earth?", "the Sun", ("the Moon", "Mars", "the North Star")),
-    (
-        "At what temperature does water freeze?",
-        "0 degrees Celsius",
-        ("100 degrees Celsius", "50 degrees Celsius", "10 degrees Celsius"),
-    ),
-    (
-        "At what temperature does water boil at sea level?",
-        "100 degrees Celsius",
-        ("0 degrees Celsius", "30 degrees Celsius", "500 degrees Celsius"),
-    ),
     ("What gas do people need to breathe?", "oxygen", ("helium", "carbon monoxide", "neon")),
     ("What do plants need from the Sun to grow?", "light", ("sound", "salt", "sand")),
     ("What is ice made of?", "frozen water", ("glass", "sugar", "salt")),
@@ -65,7 +51,6 @@ QUESTIONS = (
     ("How many legs does a spider have?", "eight", ("six", "four", "ten")),
     ("How many legs does a dog have?", "four", ("two", "six", "eight")),
     ("Which animal is known for barking?", "the dog", ("the cat", "the fish", "the cow")),
-    ("Which animal gives us milk on a farm?", "the cow", ("the chicken", "the pig", "the horse")),
     ("Which bird cannot fly?", "the penguin", ("the eagle", "the sparrow", "the pigeon")),
     ("What do bees make?", "honey", ("milk", "silk", "wool")),
     ("Which animal is the largest on Earth?", "the blue whale", ("the elephant", "the giraffe", "the shark")),
@@ -79,7 +64,6 @@ QUESTIONS = (
     ("What is the plural of child?", "children", ("childs", "childes", "childer")),
     ("Which word is a fruit?", "apple", ("carrot", "bread", "cheese")),
     ("Which of these is a vegetable?", "carrot", ("banana", "cherry", "grape")),
-    ("What do you use to write on paper?", "a pen", ("a spoon", "a shoe", "a cup")),
     ("Where do fish live?", "in water", ("in trees", "in the desert", "in the sky")),
     ("What falls from clouds when it rains?", "water", ("sand", "leaves", "stones")),
     ("How many sides does a triangle have?", "three", ("four", "five", "six")),
@@ -95,24 +79,14 @@ HELD_OUT = (
     "A river begins as rain and melting snow high in the hills. Small streams join together as they flow "
     "downhill, and the water grows wider and slower as it nears the sea. Towns were often built beside "
     "rivers because the water was useful for drinking, farming and travel.",
-    "Bread is made from flour, water, salt and yeast. The yeast feeds on sugars in the dough and releases "
-    "gas, which makes the dough rise. When the loaf is baked in a hot oven, the outside turns brown and "
-    "crisp while the inside stays soft.",
-    "The Moon goes around the Earth about once a month. It does not make its own light; we see it because "
-    "it reflects light from the Sun. As it moves, we see different parts of its lit side, so it seems to "
-    "change shape from a thin crescent to a full circle and back again.",
     "Trees lose water through their leaves on warm days. In autumn many trees drop their leaves to save "
     "water and energy during the cold months. In spring new leaves open, and the tree begins to grow again.",
     "A library lends books to the people who live nearby. Visitors can read quietly at the tables, borrow "
     "books for a few weeks, and ask the librarian for help finding what they need.",
     "Bicycles are a simple and cheap way to travel. Pushing the pedals turns a chain, and the chain turns "
     "the back wheel. Riders should wear a helmet and use lights when it is dark.",
-    "The heart is a muscle about the size of a fist. It beats many times every minute, pushing blood through "
-    "the body. Blood carries oxygen from the lungs to every part of the body.",
     "Most people sleep for seven to nine hours each night. Sleep helps the body rest and the mind remember "
     "what it learned during the day. A regular bedtime makes it easier to fall asleep.",
-    "Markets have been places of trade for thousands of years. Farmers bring fruit, vegetables and eggs, "
-    "and buyers walk from stall to stall comparing prices before they choose what to take home.",
     "Clouds form when warm air rises and cools. The water vapour in the air turns into tiny drops, and when "
     "the drops grow heavy enough they fall as rain. In very cold air they fall as snow instead.",
     "A good map shows roads, rivers, towns and hills, and has a scale so that distances can be measured. "
