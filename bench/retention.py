@@ -64,12 +64,18 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="PT steps of the domain-only run")
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "retention"))
+    parser.add_argument(
+        "--domain",
+        help="an existing domain-only PT output folder with the same settings to reuse (e.g. outputs/demo/pt, "
+        "the demo's PT), instead of running it",
+    )
     args = parser.parse_args(argv)
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     out = Path(args.out)
     mixed_steps = round(args.steps / (1 - args.weight))
+    domain = Path(args.domain) if args.domain else out / "domain"
     seconds = {
-        "domain": pt_run(out / "domain", args.model, args.steps, [DOMAIN], None),
+        "domain": pt_run(domain, args.model, args.steps, [DOMAIN], None),
         "mixed": pt_run(out / "mixed", args.model, mixed_steps, [DOMAIN, GENERAL], [1 - args.weight, args.weight]),
     }
     from pipeline.modeling.embedded import materialize
@@ -77,7 +83,7 @@ def main(argv=None) -> int:
     base = str(materialize()) if args.model == "embedded" else args.model
     models = [
         ("base", base),
-        ("pt domain", str(out / "domain" / "merged")),
+        ("pt domain", str(domain / "merged")),
         ("pt mixed", str(out / "mixed" / "merged")),
     ]
     started = time.time()
@@ -87,8 +93,8 @@ def main(argv=None) -> int:
     gold = gold_table(models, GOLD, GoldSettings(max_new_tokens=40, batch_size=80))
     gold_seconds = round(time.time() - started, 1)
     losses = {
-        name: json.loads((out / name / "summary.json").read_text()).get("eval_loss_last")
-        for name in ("domain", "mixed")
+        name: json.loads((folder / "summary.json").read_text()).get("eval_loss_last")
+        for name, folder in (("domain", domain), ("mixed", out / "mixed"))
     }
     result = {
         "weight": args.weight,
