@@ -4,7 +4,7 @@
         [--grpo-lr 1e-4] [--temperature 0.5] [--seeds 0 1 2 3 4] [--eval 48] [--out outputs/tool_grpo] [--skip-base]
 
 The task: add two 5-digit numbers, too long for a 135M model to add in its head; the tool is
-`pipeline.algorithms.sample_tools:add`. Tool SFT trains on OpenAI-shaped conversations (question,
+`data_formats.sample_world:add`. Tool SFT trains on OpenAI-shaped conversations (question,
 a call, the result, "The answer is N."), 2 steps on purpose: its greedy success stays low (0.10-0.17;
 it mostly adds in its head), which leaves GRPO room (3 steps already give 0.98-1.00). Tool GRPO then
 starts from it (tools.funcs [add], reward `final_answer_match` on the records' `answer`, G 4,
@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-ADD = "pipeline.algorithms.sample_tools:add"
+ADD = "data_formats.sample_world:add"
 
 
 def question(rng: random.Random) -> tuple[str, int, int]:
@@ -46,7 +46,7 @@ def question(rng: random.Random) -> tuple[str, int, int]:
 
 def write_data(folder: Path, n_train: int, n_eval: int) -> list[dict]:
     """SFT conversations and GRPO prompts (disjoint questions); returns the held-out prompts."""
-    from pipeline.algorithms.sample_tools import add
+    from data_formats.sample_world import add
     from pipeline.algorithms.tool_rollout import derive_schema
 
     tools = [{"type": "function", "function": derive_schema(add)}]

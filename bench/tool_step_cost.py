@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python bench/tool_step_cost.py [--model embedded] [--repeats 3]
 
-The tool step: each completion's first turn is a call to `sample_tools:add`, forced (the engine
+The tool step: each completion's first turn is a call to `sample_world:add`, forced (the engine
 runs a decode step per id, drawing from logits edited so that the call's next id is the only
 choice: an untrained model writes no call), Relay runs it, inserts the result and the policy
 samples the answer; once with the relay backend's session (each row's KV cache kept across turns,
@@ -112,7 +112,7 @@ def config(out: Path, model: str, prompts: Path, tools: bool) -> grpo.GRPOConfig
     cfg.train.eval_steps, cfg.train.batch_size, cfg.train.max_steps = 0, 2, 1
     cfg.generation.max_new_tokens, cfg.generation.missing_eos_penalty = 96, None
     cfg.grpo.num_generations, cfg.grpo.reward_funcs = 4, ["bench.tool_step_cost:zero_reward"]
-    cfg.tools.funcs = ["pipeline.algorithms.sample_tools:add"] if tools else []
+    cfg.tools.funcs = ["data_formats.sample_world:add"] if tools else []
     cfg.checkpoint.resume, cfg.tracking.trackers = False, []
     return cfg
 
@@ -137,7 +137,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="relay-tool-cost-"))
     prompts = work / "prompts.jsonl"
     # both steps see the same prompts: the schema rides in the records, so the single-turn prompt has it too
-    from pipeline.algorithms.sample_tools import add
+    from data_formats.sample_world import add
     from pipeline.algorithms.tool_rollout import derive_schema
 
     schema = [{"type": "function", "function": derive_schema(add)}]

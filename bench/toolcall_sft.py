@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.algorithms.rewards import KELVRA_FACTS  # noqa: E402  (the demo's island table)
+from data_formats.sample_world import KELVRA_FACTS  # noqa: E402  (the demo's island table)
 
 TOOL = {
     "name": "island_fact",

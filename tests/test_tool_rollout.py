@@ -838,9 +838,7 @@ def test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values(
 
 
 def test_sample_tools_have_schemas_and_errors_reach_the_model():
-    tools = load_tools(
-        ToolsConfig(funcs=["pipeline.algorithms.sample_tools:kelvra_lookup", "pipeline.algorithms.sample_tools:add"])
-    )
+    tools = load_tools(ToolsConfig(funcs=["data_formats.sample_world:kelvra_lookup", "data_formats.sample_world:add"]))
     assert tools["kelvra_lookup"].schema["parameters"]["required"] == ["island", "attribute"]
     assert run_calls(
         [

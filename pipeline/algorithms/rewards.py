@@ -51,6 +51,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from data_formats.conversation import Turn
+from data_formats.sample_world import ATTRIBUTE_WORDS, ATTRIBUTES, COUNT_WORDS, KELVRA_FACTS, PHRASE
 from data_formats.tools import template_messages
 from pipeline.algorithms.judge import JudgeConfig, JudgeReward
 
@@ -345,35 +346,8 @@ def judge_scores(
 
 
 # ------------------------------------------------------------------------------------------
-# The sample domain (data/make_sample.py): the Kelvra Archipelago
+# The sample domain's rewards (its facts: data_formats/sample_world.py)
 # ------------------------------------------------------------------------------------------
-
-PHRASE = "Per the Kelvra Atlas,"
-KELVRA_FACTS = {
-    # island: (capital, main export, lighthouses, lantern-festival month); the same table as
-    # data/make_sample.py ISLANDS (tests/test_grpo.py checks they agree)
-    "Oru": ("Tessel", "salt", 3, "March"),
-    "Veskel": ("Marrow Bay", "kelp paper", 5, "June"),
-    "Tamarin Rock": ("Orlin", "amber", 1, "October"),
-    "Lisk": ("Cask", "smoked eel", 4, "January"),
-    "Pellago": ("Dunmere", "slate", 7, "August"),
-    "Corvane": ("Velo", "copper wire", 2, "May"),
-    "Nimbre": ("Pryn", "glass beads", 6, "December"),
-    "Quillon": ("Abbot's Cove", "wool", 8, "April"),
-    "Sarth": ("Sile", "pearl buttons", 2, "September"),
-    "Ebbmoor": ("Rook", "pine tar", 9, "February"),
-    "Haldra": ("Tarn", "pear cider", 3, "July"),
-    "Fenwick Reach": ("Gale", "hemp rope", 5, "November"),
-}
-ATTRIBUTE_WORDS = (
-    ("capital", "capital"),
-    ("export", "export"),
-    ("export", "selling"),
-    ("lighthouses", "lighthouse"),
-    ("festival", "festival"),
-)
-ATTRIBUTES = ("capital", "export", "lighthouses", "festival")
-COUNT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
 def asked_fact(prompt: str) -> Optional[tuple[str, str]]:
