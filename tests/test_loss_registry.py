@@ -47,3 +47,22 @@ def test_estimators_carry_what_the_checks_read():
     assert any("applies to advantage_estimator grpo only (rloo scales its own way)" in p for p in rloo.problems("grpo"))
     free = dataclasses.replace(GRPOSection(), advantage_estimator="reinforce_plus_plus", dynamic_sampling=True)
     assert any("grpo.dynamic_sampling: drops groups of equal rewards" in p for p in free.problems("grpo"))
+
+
+def test_ppos_clipped_surrogate_is_an_entry_of_the_same_table():
+    """PPO's policy loss is the table's PPO_LOSS_TYPE entry (the clipped ratio, a token mean over the
+    step) with a symmetric clip: on one micro-batch that is the whole step, GRPO's loss of that entry
+    gives PPO's loss and clip fraction."""
+    import torch
+
+    from pipeline.algorithms import rl
+
+    entry = grpo_losses.LOSS_TYPES[rl.PPO_LOSS_TYPE]
+    assert entry.clips and entry.aggregate is grpo_losses.step_token_mean
+    g = torch.Generator().manual_seed(0)
+    logp, old = -torch.rand(3, 5, generator=g) * 2, -torch.rand(3, 5, generator=g) * 2
+    adv, mask = torch.randn(3, 1, generator=g), (torch.rand(3, 5, generator=g) > 0.3).float()
+    ppo = rl.policy_loss(logp, old, adv, mask, clip=0.2)
+    grpo = grpo_losses.grpo_loss(logp, old, adv, mask, epsilon=0.2, loss_type=rl.PPO_LOSS_TYPE)
+    assert 0 < float(ppo.clipfrac) < 1  # some tokens clipped, some not
+    assert torch.equal(ppo.loss, grpo.loss) and torch.equal(ppo.clipfrac, grpo.clipfrac)

@@ -10,7 +10,8 @@ so summing the shares gives the step's loss whatever the micro-batch split; for 
 TRL normalises per micro-batch ('grpo', 'sapo', 'bnpo', 'dr_grpo', 'luspo') that share equals
 TRL's micro-batch loss divided by its gradient-accumulation steps (equal micro-batches, as Relay's).
 
-Adding a loss type is one `LossType` entry and one test.
+Adding a loss type is one `LossType` entry and one test. PPO's clipped surrogate is this table's
+'dapo' entry (pipeline/algorithms/rl.py `policy_loss`, `PPO_LOSS_TYPE`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from pipeline.algorithms import rl
+from pipeline.algorithms.kl import kl_per_token
 
 
 @dataclass(frozen=True)
@@ -310,7 +311,7 @@ def grpo_loss(
     if o.beta:
         if ref_logp is None:
             raise ValueError("grpo_loss: beta > 0 needs the reference log-probs")
-        kl = rl.kl_per_token(logp, ref_logp, "k3")
+        kl = kl_per_token(logp, ref_logp, "k3")
         per_token = per_token + o.beta * kl
     loss = rule.aggregate(per_token, mask, totals)
     kl_mean = None if kl is None else ((kl * mask).sum() / mask.sum().clamp(min=1.0)).detach()

@@ -18,23 +18,12 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from pipeline.algorithms.grpo_losses import LOSS_TYPES, Objective, Terms
+from pipeline.algorithms.kl import KL_ESTIMATORS, KLEstimator, kl_per_token  # noqa: F401 - PPO's math names them
 
-@dataclass(frozen=True)
-class KLEstimator:
-    """A per-token estimate of KL(policy || reference) from samples of the policy, as a function of
-    each sampled token's log-ratio r = log p - log q (Schulman's estimators)."""
-
-    fn: Callable[[torch.Tensor], torch.Tensor]
-    doc: str
-    """One line for the help: what it is and how it behaves."""
-
-
-KL_ESTIMATORS: dict[str, KLEstimator] = {
-    "k1": KLEstimator(lambda r: r, "r = log p - log q: unbiased, can be negative"),
-    "k3": KLEstimator(lambda r: torch.expm1(-r) + r, "(q/p - 1) - log(q/p): unbiased, always >= 0, lower variance"),
-}
-"""The KL estimators by name (PPO's `ppo.kl_estimator`; GRPO's KL term is k3, as TRL's): adding one
-is one entry here and one test; the config check and `kl_per_token` read this table."""
+PPO_LOSS_TYPE = "dapo"
+"""PPO's policy loss in the table GRPO's `loss_type` picks from: the clipped ratio, a token mean over
+the optimizer step (TRL's name for that normalisation is DAPO's)."""
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -117,19 +106,6 @@ def masked_whiten(
     if not shift_mean:
         out = out + mean
     return out * mask.to(out.dtype)
-
-
-def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from samples of the policy by the estimator
-    `KL_ESTIMATORS[estimator]` (k1 = log p - log q, k3 = (q/p - 1) - log(q/p)).
-
-    Raises:
-        ValueError: unknown estimator.
-    """
-    entry = KL_ESTIMATORS.get(estimator)
-    if entry is None:
-        raise ValueError(f"kl estimator {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
-    return entry.fn(logp - ref_logp)
 
 
 class FixedKLController:
@@ -262,24 +238,6 @@ class PolicyLossOut:
     approx_kl: torch.Tensor
 
 
-def clipped_surrogate(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_low: float,
-    clip_high: Optional[float] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate loss max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) with
-    r = exp(logp - old_logp) (clip_high None: clip_low, the symmetric PPO clip; DAPO raises it),
-    and where the clipped term won (r below 1 - clip_low with A < 0, or above 1 + clip_high with
-    A > 0). `advantages` broadcasts against `logp` ([B, T], or [B, 1] for one per sequence)."""
-    ratio = torch.exp(logp - old_logp)
-    high = clip_low if clip_high is None else clip_high
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
-
-
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -290,8 +248,11 @@ def policy_loss(
     check: bool = True,
 ) -> PolicyLossOut:
     """PPO's clipped surrogate: mean over tokens of max(-A r, -A clip(r, 1-eps, 1+eps)), with
-    r = exp(logp - old_logp). Also the share of tokens where clipping was active and the k3
-    approximate KL(old || new) (neither weighted).
+    r = exp(logp - old_logp): the per-token rule of the policy-loss table's `PPO_LOSS_TYPE` entry
+    (pipeline/algorithms/grpo_losses.py), with a symmetric clip. Also the share of tokens where
+    clipping was active and the k3 approximate KL(old || new) (neither weighted). `ppo_update`
+    turns the micro-batch's token mean into its share of the step's token mean, the entry's
+    aggregation.
 
     `weight` ([B, T], no gradient): the train-inference mismatch correction
     (pipeline/algorithms/mismatch.py) multiplies each token's clipped surrogate before the token
@@ -302,7 +263,8 @@ def policy_loss(
         ValueError: the mask selects nothing (when `check`).
     """
     log_ratio = logp - old_logp
-    per_token, was_clipped = clipped_surrogate(logp, old_logp, advantages, clip)
+    terms = Terms(logp, torch.exp(log_ratio), log_ratio, advantages, mask)
+    per_token, was_clipped = LOSS_TYPES[PPO_LOSS_TYPE].per_token(terms, Objective(PPO_LOSS_TYPE, epsilon=clip))
     if weight is not None:
         per_token = per_token * weight
     loss = masked_mean(per_token, mask, check)
