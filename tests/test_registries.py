@@ -99,3 +99,28 @@ def test_a_new_sft_loss_mode_is_one_entry(monkeypatch):
     assert cfg.multitask.problems() == [
         "multitask.weighted_loss_mode: 'tasks9' is not one of none, case3, coba, self-paced, tasks, trend"
     ]
+
+
+def test_a_new_distributed_engine_is_one_entry(monkeypatch, tmp_path):
+    """The capability table's engines (config/capabilities.py ENGINES) carry their distributed.engine
+    value, ranks, ZeRO stage and whether they hold QLoRA's weights: a config's cell and the refusal
+    rules read those facts. A made-up ZeRO-1 entry takes the DeepSpeed configs of stage 1, which
+    were refused by name before."""
+    from types import SimpleNamespace as NS
+
+    ds = tmp_path / "zero1.json"
+    ds.write_text('{"zero_optimization": {"stage": 1}}')
+    cfg = NS(distributed=NS(engine="deepspeed", deepspeed_config=str(ds)), model=NS(finetuning="lora"))
+    assert caps.config_cell("sft", cfg, ranks=2) == (
+        None,
+        "distributed.deepspeed_config: ZeRO stage 1 is not run by Relay's test suite (stages 2, 3 are)",
+    )
+    monkeypatch.setitem(caps.ENGINES, "zero1", caps.Engine("ZeRO-1", "deepspeed", "any", False, 1, qlora=False))
+    assert caps.config_cell("sft", cfg, ranks=2) == (caps.Cell("sft", adapter="lora", engine="zero1"), None)
+    assert any(c.engine == "zero1" for c in caps.cells())
+    assert caps.refusal(caps.Cell("sft", adapter="qlora", engine="zero1")).startswith(
+        "distributed.engine: deepspeed cannot shard QLoRA's 4-bit weights"
+    )
+    ddp = NS(distributed=NS(engine="ddp", deepspeed_config=None), model=NS(finetuning="lora"))
+    assert [caps.config_cell("sft", ddp, ranks=n)[0].engine for n in (1, 2)] == ["single", "ddp"]
+    assert caps.config_cell("sft", NS(distributed=NS(engine="horovod"), model=ddp.model), ranks=2) == (None, None)

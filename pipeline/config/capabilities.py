@@ -45,16 +45,22 @@ class Engine:
     """'one' (a single process), 'many' (more than one rank) or 'any'."""
     shards: bool
     """Weights or optimizer state are split over ranks (no rank holds the whole policy)."""
-    zero: bool = False
-    """DeepSpeed ZeRO (CUDA only unless ZERO_ON_CPU)."""
+    zero_stage: Optional[int] = None
+    """DeepSpeed ZeRO's stage, read from distributed.deepspeed_config (CUDA only unless ZERO_ON_CPU)."""
+    qlora: bool = True
+    """It can hold QLoRA's 4-bit weights (FSDP cannot shard them)."""
+
+    @property
+    def zero(self) -> bool:
+        return self.zero_stage is not None
 
 
 ENGINES: dict[str, Engine] = {
     "single": Engine("one process", "ddp", "one", shards=False),
     "ddp": Engine("DDP", "ddp", "many", shards=False),
-    "fsdp": Engine("FSDP2", "fsdp", "any", shards=True),
-    "zero2": Engine("ZeRO-2", "deepspeed", "any", shards=True, zero=True),
-    "zero3": Engine("ZeRO-3", "deepspeed", "any", shards=True, zero=True),
+    "fsdp": Engine("FSDP2", "fsdp", "any", shards=True, qlora=False),
+    "zero2": Engine("ZeRO-2", "deepspeed", "any", shards=True, zero_stage=2),
+    "zero3": Engine("ZeRO-3", "deepspeed", "any", shards=True, zero_stage=3),
 }
 ADAPTERS = FINETUNING
 TOOLS = ("off", "on")
@@ -381,10 +387,11 @@ def _tools_on_server(cell: Cell, cuda: bool):
 
 
 def _qlora_under_fsdp(cell: Cell, cuda: bool):
-    if cell.adapter == "qlora" and cell.engine == "fsdp":
+    if cell.adapter == "qlora" and not ENGINES[cell.engine].qlora:
         return (
             "distributed.engine",
-            "fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, or model.finetuning lora or full",
+            f"{ENGINES[cell.engine].config} cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, "
+            "or model.finetuning lora or full",
         )
     return None
 
@@ -462,22 +469,25 @@ def config_cell(stage: str, cfg: Any, ranks: Optional[int] = None) -> tuple[Opti
 
     ranks = world_size() if ranks is None else ranks
     dist, model = cfg.distributed, cfg.model
-    if dist.engine == "deepspeed":
+    kinds = {name: e for name, e in ENGINES.items() if e.config == dist.engine}
+    zero = None
+    if any(e.zero for e in kinds.values()):
         zero = zero_stage(dist.deepspeed_config)
         if zero is None:
             return None, None
-        engine = f"zero{zero}"
-        if engine not in ENGINES:
-            return None, (
-                f"distributed.deepspeed_config: ZeRO stage {zero} is not run by Relay's test suite "
-                f"(stages {', '.join(k[4:] for k in ENGINES if ENGINES[k].zero)} are)"
-            )
-    elif dist.engine == "fsdp":
-        engine = "fsdp"
-    elif dist.engine == "ddp":
-        engine = "ddp" if ranks > 1 else "single"
-    else:
-        return None, None
+    fits = [
+        name
+        for name, e in kinds.items()
+        if e.zero_stage == zero and e.ranks in ("any", "one" if ranks == 1 else "many")
+    ]
+    if not fits:
+        if zero is None:  # an engine the config's own check refuses
+            return None, None
+        stages = ", ".join(str(e.zero_stage) for e in ENGINES.values() if e.zero)
+        return None, (
+            f"distributed.deepspeed_config: ZeRO stage {zero} is not run by Relay's test suite (stages {stages} are)"
+        )
+    engine = fits[0]
     if model.finetuning not in ADAPTERS:
         return None, None
     if not STAGES[stage].samples:
