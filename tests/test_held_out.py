@@ -67,3 +67,26 @@ def test_no_counted_sample_gives_nan_not_an_error():
     sums = held_out([([0], False)], figures([]), None)
     assert ratio(sums, "value", "n") != ratio(sums, "value", "n")  # NaN
     assert ratio({}, "value", "n") != ratio({}, "value", "n")
+
+
+def test_distill_evaluates_every_ranks_share_through_the_loop():
+    """The distill stage's eval/kl is a token mean over every rank's held-out prompts (it returned
+    nothing on more than one rank before): rank 1 of 2 counts its own prompts 1 and 3, not its
+    padding batch, and hands its sums to the one all-reduce."""
+    from types import SimpleNamespace as NS
+
+    from pipeline.engine.stage import Stage
+    from stages.distill import DistillStage
+
+    acc = Ranks()
+    acc.process_index = 1
+    stage = NS(
+        eval_samples=list(range(5)),
+        cfg=NS(train=NS(batch_size=2, eval_batches=None, seed=0)),
+        accelerator=acc,
+        rollout=lambda prompts: prompts,
+        token_losses=lambda rollout, rows, grad: (None, torch.tensor([float(p) ** 2 for p in rollout])),
+    )
+    stage.held_out = lambda figures: Stage.held_out(stage, figures)
+    assert DistillStage.evaluate(stage) == {"eval/kl": 5.0, "eval/loss": 5.0}  # (1 + 9) / 2
+    assert acc.reduces == 1
