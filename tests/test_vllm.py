@@ -732,3 +732,106 @@ def test_vllms_hermes_parser_reads_relays_layout_on_smollm2(embedded_path):
         (c["name"], c["arguments"]) for c in calls
     ]
     assert whole["content"].strip() == streamed["content"].strip() == ours.content.strip() == "Let me check."
+
+
+# ------------------------------------------------------------------------------------------
+# A served distillation teacher (stages/distill.py, teacher.backend vllm) on the shared server
+# ------------------------------------------------------------------------------------------
+
+
+def test_served_top_k_prompt_logprobs_equal_transformers(vllm_untied, shared_server):
+    """Each position's top-k prompt log-probs from the server equal transformers' log-softmax of the
+    same model's logits (same ids, log-probs within 1e-4), and the tail bucket built from them
+    equals the in-process top-k form's (pipeline/algorithms/distill.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.algorithms import distill as dl
+    from pipeline.modeling.vllm_server import prompt_topk
+
+    k = 8
+    sequences = [[1, 17, 300, 42, 9, 2048, 5, 77], [400, 12, 3]]
+    scored = prompt_topk(shared_server, sequences, k)
+    model = AutoModelForCausalLM.from_pretrained(vllm_untied, dtype=torch.float32)
+    for ids, served in zip(sequences, scored):
+        assert len(served) == len(ids) and served[0] is None
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, :-1]
+        want_ids, want_logp, want_tail = dl.teacher_topk(logits, k, 1.0)
+        got_ids, got_logp, got_tail = dl.served_topk(served[1:], k)
+        assert torch.equal(got_ids, want_ids)
+        assert torch.allclose(got_logp, want_logp, atol=1e-4, rtol=0), (got_logp - want_logp).abs().max()
+        assert torch.allclose(got_tail.exp(), want_tail.exp(), atol=1e-4, rtol=0)
+
+
+def test_distill_with_a_served_teacher_equals_the_in_process_teacher(vllm_tiny, vllm_untied, shared_server, tmp_path):
+    """Two steps of the distill stage (top-k 8 with its tail bucket, LoRA, the same scripted
+    samples): the teacher's top-k from the server gives the in-process teacher's losses and
+    gradients. The teacher is a sharper model of vllm_untied's shape, loaded into the shared
+    server (a near-uniform one puts almost all its mass in the tail, where the loss is ~0). The
+    logged KL of a served teacher is over its top-k support plus the tail, so it is at most the
+    in-process teacher's whole-vocabulary KL (the coarser support loses divergence, never adds)."""
+    from accelerate.state import AcceleratorState, GradientState
+    from distrun import ScriptedGenerator
+    from stagerun import run_stage
+
+    from stages.distill import DistillStage
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"count to {i}" + "!" * i}) + "\n" for i in range(4)))
+    teacher = make_tiny_model(
+        tmp_path / "teacher",
+        seed=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+        initializer_range=0.6,
+    )
+    shared_server.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(teacher)}})
+    shared_server.post("/reset_prefix_cache", {})
+    runs = {}
+    for backend in ("relay", "vllm"):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        argv = [
+            "--model.path",
+            str(vllm_tiny),
+            "--teacher.path",
+            str(teacher),
+            "--teacher.top_k",
+            "8",
+            "--teacher.backend",
+            backend,
+            "--data.train",
+            f"[{prompts}]",
+            "--data.eval",
+            "[]",
+            "--output_dir",
+            str(tmp_path / backend),
+            "--train.max_steps",
+            "2",
+            "--train.batch_size",
+            "2",
+            "--train.seq_length",
+            "64",
+            "--generation.max_new_tokens",
+            "6",
+            "--train.learning_rate",
+            "5e-3",
+            "--train.precision",
+            "fp32",
+            "--train.log_steps",
+            "1",
+            "--train.eval_steps",
+            "0",
+            "--checkpoint.save_interval",
+            "1000h",
+        ]
+        stage = run_stage(
+            DistillStage, argv, generator_factory=lambda policy: ScriptedGenerator(), teacher_server=shared_server
+        )
+        runs[backend] = stage.history.steps
+    for key in ("train/loss", "train/grad_norm"):
+        got, want = [s[key] for s in runs["vllm"]], [s[key] for s in runs["relay"]]
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-6), key
+    assert runs["relay"][0]["train/loss"] > 0.01 and runs["relay"][1]["train/loss"] != runs["relay"][0]["train/loss"]
+    assert all(v["distill/kl"] <= r["distill/kl"] + 1e-6 for v, r in zip(runs["vllm"], runs["relay"]))

