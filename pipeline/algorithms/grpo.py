@@ -29,7 +29,7 @@ from pipeline.algorithms import rl  # noqa: F401 - tests reach rl's functions th
 from pipeline.algorithms.advantages import ADVANTAGE_EPS, group_advantages  # noqa: F401 - the stage's and tests' names
 from pipeline.algorithms.grpo_losses import LOSS_TYPES, GRPOLossOut, Totals, grpo_loss, high_entropy_mask  # noqa: F401
 from pipeline.algorithms.rollout import ActorCritic, Rollout, chunks
-from pipeline.engine.steps import optimizer_step
+from pipeline.engine.steps import all_reduce_sum, optimizer_step
 
 
 def loss_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:
@@ -86,19 +86,22 @@ def grpo_update(
     B, accum = rollout.input_ids.shape[0], cfg.train.grad_accum
     micro, P = B // accum, rollout.prompt_width
     mask_all = loss_mask(rollout, g.mask_truncated_completions)
-    counts = torch.tensor([mask_all.sum(), float(B)], device=device)
-    if accelerator.num_processes > 1:
-        counts = accelerator.reduce(counts, reduction="sum")
+    # The rollout lives on the host: its counts are read there (over ranks: one read per update).
+    counts = all_reduce_sum(torch.tensor([float(mask_all.sum()), float(B)], dtype=torch.float64), accelerator)
+    tokens, sequences = counts.tolist()
     # accelerator.backward divides each micro-batch's loss by accum; these losses are already
     # shares of the step's (and the ranks' mean gradient is wanted), so scale back up.
     scale = accum * accelerator.num_processes
-    totals = Totals(float(counts[0]), int(counts[1]), cfg.generation.max_new_tokens)
+    totals = Totals(tokens, int(sequences), cfg.generation.max_new_tokens)
     objective = g.objective()
     stats: dict[str, list[float]] = defaultdict(list)
     for _ in range(g.num_iterations):
-        losses: list[float] = []
+        # Each micro-batch's figures ([loss, clipfrac(, kl)]) and the first one's ratio check stay
+        # on the device until the step's one host read (optimizer_step).
+        figures: list[torch.Tensor] = []
+        first: list[torch.Tensor] = []
 
-        def micro_batch(k: int) -> torch.Tensor:
+        def micro_batch(k: int, figures=figures, first=first) -> torch.Tensor:
             rows = slice(k * micro, (k + 1) * micro)
             ids, attn = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
             mask = mask_all[rows].to(device)
@@ -125,22 +128,38 @@ def grpo_update(
                 is_weight=weight,
             )
             accelerator.backward(out.loss * scale)
-            if "ratio_dev_first" not in stats:
-                stats["ratio_dev_first"].append(float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()))
-            losses.append(float(out.loss.detach()))
-            stats["clipfrac"].append(float(out.clipfrac))
-            if out.kl is not None:
-                stats["kl"].append(float(out.kl))
+            if "ratio_dev_first" not in stats and not first:
+                first.append(((logp.detach() - old).exp() - 1).abs().mul(mask).max().double().view(1))
+            parts = [out.loss.detach(), out.clipfrac] + ([] if out.kl is None else [out.kl])
+            figures.append(torch.stack([part.double() for part in parts]))
             return out.loss
 
-        grad_norm = optimizer_step(
-            model, optimizer, accelerator, accum, micro_batch, step=step, max_grad_norm=cfg.train.max_grad_norm
-        ).grad_norm
-        total = sum(losses)
-        if accelerator.num_processes > 1:  # each rank holds its share of the step's loss
-            total = float(accelerator.reduce(torch.tensor(total, device=device), reduction="sum"))
-        stats["loss"].append(total)
-        stats["grad_norm"].append(grad_norm)
+        def step_figures(figures=figures, first=first) -> torch.Tensor:
+            """[the step's loss (each rank holds its share), first's ratio check, every micro-batch's figures]"""
+            table = torch.stack(figures)
+            return torch.cat([all_reduce_sum(table[:, 0].sum().view(1), accelerator), *first, table.flatten()])
+
+        done = optimizer_step(
+            model,
+            optimizer,
+            accelerator,
+            accum,
+            micro_batch,
+            step=step,
+            max_grad_norm=cfg.train.max_grad_norm,
+            figures=step_figures,
+        )
+        read, width = done.figures.tolist(), len(figures[0])
+        micro_rows = [read[len(read) - width * (accum - i) :][:width] for i in range(accum)]
+        if first:
+            stats["ratio_dev_first"].append(read[1])
+        stats["clipfrac"].extend(row[1] for row in micro_rows)
+        if width > 2:
+            stats["kl"].extend(row[2] for row in micro_rows)
+        # one process: the host sums the micro-batches' losses in their order (the float of each
+        # micro-batch's own read); over ranks, the sum all-reduced on the device
+        stats["loss"].append(sum(row[0] for row in micro_rows) if accelerator.num_processes == 1 else read[0])
+        stats["grad_norm"].append(done.grad_norm)
     return {k: sum(v) / len(v) for k, v in stats.items()}
 
 

@@ -321,7 +321,7 @@ def grpo_loss(
 def _clipfrac(clipped: Optional[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     """TRL's `global_masked_mean` of the clip indicator: per token, or per sequence at [B, 1]."""
     if clipped is None:
-        return torch.zeros((), dtype=mask.dtype)
+        return torch.zeros((), dtype=mask.dtype, device=mask.device)
     if clipped.shape[-1] == 1:
         return clipped.to(mask.dtype).mean().detach()
     return ((clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1.0)).detach()

@@ -202,7 +202,7 @@ def actor_critic_backward(
     cliprange: float,
     cliprange_value: float,
     vf_coef: float,
-    step_tokens: Optional[float] = None,
+    step_tokens: Optional[float | torch.Tensor] = None,
     held: Optional[torch.Tensor] = None,
     held_values: Optional[torch.Tensor] = None,
 ) -> dict[str, float]:
@@ -222,7 +222,7 @@ def actor_critic_backward(
     `held_values`: the scoring pass's policy log-probs (`PolicyOut`) / critic values, still attached to their
     graphs (`Experience`), used in place of that model's forward (`separate` only).
 
-    Returns the micro-batch's statistics (`ratio_dev`: max |ratio - 1| over its response tokens).
+    Returns the micro-batch's statistics (`micro_batch_figures`), on the device.
     """
     device = accelerator.device
     P = exp.rollout.prompt_width
@@ -232,16 +232,22 @@ def actor_critic_backward(
 
     def policy_part(policy: PolicyOut):
         logp = policy.logp.masked_fill(mask == 0, 0.0)
-        return logp, policy_loss(logp, old, exp.advantages[idx].to(device), mask, cliprange, weight=is_weight)
+        # the caller checked on the host that the micro-batch has response tokens (`ppo_update`)
+        return logp, policy_loss(
+            logp, old, exp.advantages[idx].to(device), mask, cliprange, weight=is_weight, check=False
+        )
 
     def value_part(values):
         return value_loss(
-            values.float(), exp.values[idx].to(device), exp.returns[idx].to(device), mask, cliprange_value
+            values.float(), exp.values[idx].to(device), exp.returns[idx].to(device), mask, cliprange_value, check=False
         )
 
     weight = 1.0
     if step_tokens is not None:
-        weight = float(mask.sum()) / step_tokens * accelerator.gradient_accumulation_steps * accelerator.num_processes
+        # on the device (a float() here would wait for it): the same double arithmetic, then fp32
+        # as a Python number would be when multiplying an fp32 loss
+        share = mask.sum().double() / torch.as_tensor(step_tokens, dtype=torch.float64, device=device)
+        weight = (share * accelerator.gradient_accumulation_steps * accelerator.num_processes).float()
 
     if separate:
         policy = held
@@ -266,18 +272,24 @@ def actor_critic_backward(
     return micro_batch_figures(pol, vloss, vclip, vf_coef, logp, old, mask)
 
 
+MICRO_FIGURES = ("loss", "policy_loss", "value_loss", "clipfrac_policy", "clipfrac_value", "approx_kl", "ratio_dev")
+"""The figures of one micro-batch, in the order `ppo_update` keeps them on the device."""
+
+
 def micro_batch_figures(
     pol, vloss: torch.Tensor, vclip, vf_coef: float, logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
-    """One micro-batch's statistics (`ratio_dev`: max |ratio - 1| over its response tokens)."""
+) -> dict[str, torch.Tensor]:
+    """One micro-batch's statistics as 0-d float64 tensors on the device, read by the caller once
+    per step (`ratio_dev`: max |ratio - 1| over its response tokens)."""
+    policy, value = pol.loss.detach().double(), vloss.detach().double()
     return {
-        "loss": float(pol.loss.detach()) + vf_coef * float(vloss.detach()),
-        "policy_loss": float(pol.loss.detach()),
-        "value_loss": float(vloss.detach()),
-        "clipfrac_policy": float(pol.clipfrac),
-        "clipfrac_value": float(vclip),
-        "approx_kl": float(pol.approx_kl),
-        "ratio_dev": float(((logp.detach() - old).exp() - 1).abs().mul(mask).max()),
+        "loss": policy + vf_coef * value,
+        "policy_loss": policy,
+        "value_loss": value,
+        "clipfrac_policy": pol.clipfrac.double(),
+        "clipfrac_value": vclip.double(),
+        "approx_kl": pol.approx_kl.double(),
+        "ratio_dev": ((logp.detach() - old).exp() - 1).abs().mul(mask).max().double(),
     }
 
 
@@ -310,9 +322,17 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
         order = torch.arange(B) if epoch == 0 else torch.randperm(B, generator=order_gen)
         for start in range(0, B, mini):
             rows = order[start : start + mini]
-            tokens = float(all_reduce_sum(exp.rollout.response_mask[rows].sum().double().view(1), accelerator)[0])
+            # the response tokens of each micro-batch, counted on the host where the rollout lives
+            per_micro = torch.stack(
+                [exp.rollout.response_mask[rows[k * micro : (k + 1) * micro]].sum() for k in range(accum)]
+            )
+            if bool((per_micro == 0).any()):
+                raise ValueError(f"ppo_update: a micro-batch of step {step} has no response token")
+            tokens = all_reduce_sum(per_micro.sum().double().view(1).to(accelerator.device), accelerator)[0]
+            # every micro-batch's figures (MICRO_FIGURES) stay on the device until the step's one read
+            figures: list[torch.Tensor] = []
 
-            def micro_batch(k: int, rows=rows, tokens=tokens) -> float:
+            def micro_batch(k: int, rows=rows, tokens=tokens, figures=figures) -> torch.Tensor:
                 idx = rows[k * micro : (k + 1) * micro]
                 # only the first micro-batch: the whole rollout in order
                 (held, held_values), exp.held_logits, exp.held_values = (exp.held_logits, exp.held_values), None, None
@@ -336,18 +356,31 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
                     held=held,
                     held_values=held_values,
                 )
-                if not stats["ratio_dev_first"]:
-                    stats["ratio_dev_first"].append(micro_stats["ratio_dev"])
-                loss = micro_stats.pop("loss") / accum
-                micro_stats.pop("ratio_dev")
-                for key, value in micro_stats.items():
-                    stats[key].append(value)
-                return loss
+                figures.append(torch.stack([micro_stats[name] for name in MICRO_FIGURES]))
+                return micro_stats["loss"] / accum
 
-            grad_norm = optimizer_step(
-                model, optimizer, accelerator, accum, micro_batch, step=step, max_grad_norm=cfg.train.max_grad_norm
-            ).grad_norm
-            stats["grad_norm"].append(grad_norm)
+            def step_figures(figures=figures) -> torch.Tensor:
+                """[the step's loss, every micro-batch's MICRO_FIGURES]"""
+                table = torch.stack(figures)
+                return torch.cat([(table[:, 0] / accum).sum().view(1), table.flatten()])
+
+            done = optimizer_step(
+                model,
+                optimizer,
+                accelerator,
+                accum,
+                micro_batch,
+                step=step,
+                max_grad_norm=cfg.train.max_grad_norm,
+                figures=step_figures,
+            )
+            read, width = done.figures.tolist()[1:], len(MICRO_FIGURES)
+            for row in (dict(zip(MICRO_FIGURES, read[i * width : (i + 1) * width])) for i in range(accum)):
+                if not stats["ratio_dev_first"]:
+                    stats["ratio_dev_first"].append(row["ratio_dev"])
+                for key in MICRO_FIGURES[1:-1]:
+                    stats[key].append(row[key])
+            stats["grad_norm"].append(done.grad_norm)
     return {k: sum(v) / len(v) for k, v in stats.items()}
 
 
