@@ -110,8 +110,8 @@ class DPOSection:
 
 
 def loss_option_problems(section: DPOSection, spec: pref.LossSpec, key: str) -> list[str]:
-    """One line per loss option set away from its default that `spec`'s loss does not read, and for
-    exo_pair's missing label smoothing."""
+    """One line per loss option set away from its default that `spec`'s loss does not read, and the
+    loss's own checks (exo_pair's missing label smoothing)."""
     out = []
     for name in ("label_smoothing", "discopop_tau", "simpo_gamma", "cpo_alpha"):
         if getattr(section, name) != getattr(DPOSection, name) and name not in spec.options:
@@ -119,9 +119,7 @@ def loss_option_problems(section: DPOSection, spec: pref.LossSpec, key: str) -> 
             out.append(
                 f"{key}.{name}: only the {', '.join(readers)} loss(es) read it (loss_type is {section.loss_type!r})"
             )
-    if section.loss_type == "exo_pair" and section.label_smoothing == 0:
-        out.append(f"{key}.label_smoothing: the exo_pair loss needs it > 0 (EXO suggests 1e-3)")
-    return out
+    return out + spec.problems(section, key)
 
 
 @dataclass

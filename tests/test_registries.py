@@ -124,3 +124,19 @@ def test_a_new_distributed_engine_is_one_entry(monkeypatch, tmp_path):
     ddp = NS(distributed=NS(engine="ddp", deepspeed_config=None), model=NS(finetuning="lora"))
     assert [caps.config_cell("sft", ddp, ranks=n)[0].engine for n in (1, 2)] == ["single", "ddp"]
     assert caps.config_cell("sft", NS(distributed=NS(engine="horovod"), model=ddp.model), ranks=2) == (None, None)
+
+
+def test_a_dpo_loss_carries_its_own_checks(monkeypatch):
+    """DPO's LossSpec carries its own checks of the `dpo:` section beside the options it reads (exo_pair's
+    label smoothing is one): a made-up loss is checked by its own rule, no name compared in the stage."""
+    from pipeline.algorithms import preference as pref
+    from stages.dpo import DPOSection
+
+    def problems(section, key):
+        return [f"{key}.beta: loss_type strict needs beta <= 0.5"] if section.beta > 0.5 else []
+
+    monkeypatch.setitem(pref.LOSSES, "strict", pref.LossSpec(pref.sigmoid_loss, problems=problems))
+    assert dataclasses.replace(DPOSection(), loss_type="strict", beta=0.6).problems("dpo") == [
+        "dpo.beta: loss_type strict needs beta <= 0.5"
+    ]
+    assert dataclasses.replace(DPOSection(), loss_type="strict", beta=0.1).problems("dpo") == []

@@ -309,13 +309,25 @@ def simpo_loss(x: PairLogps, p) -> PairLosses:
     return PairLosses(losses, p.beta * mean_c.detach(), p.beta * mean_r.detach(), extra)
 
 
+def _no_problems(section: Any, key: str) -> list[str]:
+    return []
+
+
+def _exo_problems(section: Any, key: str) -> list[str]:
+    if section.label_smoothing == 0:
+        return [f"{key}.label_smoothing: the exo_pair loss needs it > 0 (EXO suggests 1e-3)"]
+    return []
+
+
 class LossSpec(NamedTuple):
-    """A registered pair loss: its function, whether it reads a reference, and the `dpo` options
-    (besides beta) it reads; any other option set away from its default is a config error."""
+    """A registered pair loss: its function, whether it reads a reference, the `dpo` options
+    (besides beta) it reads (any other option set away from its default is a config error), and
+    its own checks of the `dpo:` section (`problems(section, key)`, one line each)."""
 
     fn: Callable[[PairLogps, Any], PairLosses]
     reference_free: bool = False
     options: tuple[str, ...] = ()
+    problems: Callable[[Any, str], list[str]] = _no_problems
 
 
 SMOOTHING = ("label_smoothing",)
@@ -324,7 +336,7 @@ LOSSES: dict[str, LossSpec] = {
     "ipo": LossSpec(ipo_loss),
     "hinge": LossSpec(hinge_loss),
     "robust": LossSpec(robust_loss, options=SMOOTHING),
-    "exo_pair": LossSpec(exo_pair_loss, options=SMOOTHING),
+    "exo_pair": LossSpec(exo_pair_loss, options=SMOOTHING, problems=_exo_problems),
     "nca_pair": LossSpec(nca_pair_loss),
     "bco_pair": LossSpec(bco_pair_loss),
     "sppo_hard": LossSpec(sppo_hard_loss),
