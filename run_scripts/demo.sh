@@ -12,7 +12,9 @@
 # the RM's held-out accuracy, PPO's phrase rate above SFT's by gold.min_phrase_gain, and PPO's fact
 # accuracy within gold.max_fact_drop of SFT's; WARNING names what failed (the exit status is 0
 # whenever the pipeline ran). Re-running resumes: finished stages are skipped and the gold table
-# is read from its cache (delete outputs/demo to start over).
+# is read from its cache (delete outputs/demo to start over). The retention table beside it scores the
+# base, PT, SFT and PPO models on Relay's general tasks through lm-evaluation-harness (gold.benchmarks),
+# each with its change against the base: what adapting to the sample domain cost in general ability.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash run_scripts/install.sh
