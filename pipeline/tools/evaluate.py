@@ -30,6 +30,7 @@ report read it); the harness loads in `evaluate_models`.
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import importlib.util
 import json
@@ -194,7 +195,7 @@ def download_reason(cfg: dict) -> Optional[str]:
         remote = [f for f in files if "://" in f]
         if remote:
             return f"reads {remote[0]!r} over the network"
-        absent = [f for f in files if not any(Path().glob(f)) and not Path(f).exists()]
+        absent = [f for f in files if not glob.glob(f)]
         return f"data file {absent[0]!r} does not exist (relative to {Path.cwd()})" if absent else None
     if Path(str(source)).is_dir():
         return None
@@ -268,7 +269,7 @@ def tasks_hash(names: Sequence[str], include_paths: Sequence[str | Path]) -> str
     index = task_index(include_paths)
     for name in leaf_tasks(names, index):
         for f in _data_files(index[name].config.get("dataset_kwargs")) if name in index else []:
-            for path in sorted(Path().glob(f)) or [Path(f)]:
+            for path in [Path(p) for p in sorted(glob.glob(f))] or [Path(f)]:
                 digest.update(str(path).encode() + b"\0" + (path.read_bytes() if path.is_file() else b""))
     return digest.hexdigest()
 
