@@ -97,8 +97,9 @@ def test_a_task_that_would_download_is_refused_in_one_line(tmp_path, monkeypatch
     _task(folder, "gone", "dataset_path: json\ndataset_kwargs:\n  data_files: {test: missing.jsonl}\n")
     (tmp_path / "here.jsonl").write_text('{"q": 1}\n', encoding="utf-8")
     _task(folder, "local", "dataset_path: json\ndataset_kwargs:\n  data_files: {test: here.jsonl}\n")
+    _task(folder, "absolute", f"dataset_path: json\ndataset_kwargs:\n  data_files: {tmp_path / 'here.jsonl'}\n")
     (folder / "group.yaml").write_text("group: mine\ntask: [local, hub]\n", encoding="utf-8")
-    problems = task_problems(["hub", "url", "gone", "local", "hellaswag", "mine"], [folder])
+    problems = task_problems(["hub", "url", "gone", "local", "absolute", "hellaswag", "mine"], [folder])
     assert len(problems) == 5
     hub, url, gone, builtin, member = problems
     assert "'hub'" in hub and "would download dataset_path 'allenai/ai2_arc' from the Hub" in hub
