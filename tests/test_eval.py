@@ -170,3 +170,19 @@ def test_the_pipeline_summary_prints_the_retention_table():
     text = format_summary({**summary, "benchmarks": {**TABLE, "wall_seconds": 12.5}, "benchmarks_wall_seconds": 12.5})
     assert "retention (lm-evaluation-harness, change against base; 12 s):" in text
     assert "| pt | 0.375 (**-0.125**) | 55.50 (**+15.50**) |" in text
+
+
+def test_the_pipeline_scores_base_and_every_generator_stage_that_ran(tmp_path, tiny_model_dir):
+    from pipeline.tools.chain import PipelineConfig
+    from pipeline.tools.driver import benchmark_models, compute_benchmarks
+
+    cfg = PipelineConfig(output_root=str(tmp_path), base_model=str(tiny_model_dir))
+    for stage in ("pt", "rm", "ppo"):  # sft ran but left no merged model; rm is no generator
+        (tmp_path / stage / "merged").mkdir(parents=True)
+        (tmp_path / stage / "merged" / "manifest.json").write_text("{}", encoding="utf-8")
+    rows = benchmark_models(cfg, ["pt", "sft", "rm", "ppo"])
+    assert [name for name, _ in rows] == ["base", "pt", "ppo"]
+    assert rows[0][1] == str(Path(tiny_model_dir).resolve())
+    cfg.gold.benchmarks.models = ["base", "ppo"]
+    assert [name for name, _ in benchmark_models(cfg, ["pt", "ppo"])] == ["base", "ppo"]
+    assert compute_benchmarks(PipelineConfig(output_root=str(tmp_path)), ["pt"]) is None  # no tasks: nothing scored
