@@ -75,6 +75,8 @@ def combination_problems(cfg: StageConfig) -> list[str]:
             f"distributed.fsdp_sharding: {cfg.distributed.fsdp_sharding} has no FSDP2 counterpart (FSDP2 always "
             f"shards); use {' or '.join(SHARDING)}, or distributed.engine ddp for unsharded data parallelism"
         )
+    if engine == "fsdp" and (problem := fsdp.unsupported_torch()) is not None:
+        out.append(problem)  # FSDP2's API as this torch has it (the features asked for, not the version)
     if engine == "fsdp" and cfg.model.finetuning == "qlora":
         # bitsandbytes' 4-bit weights are not tensors FSDP2 can cut into DTensor shards.
         out.append(

@@ -15,11 +15,11 @@ import sys
 from typing import Optional
 
 FLOORS = {
-    "torch": "2.3",
-    "transformers": "4.56",
+    "torch": "2.7",
+    "transformers": "4.56.2",
     "accelerate": "1.10",
     "peft": "0.17",
-    "datasets": "3.0",
+    "datasets": "4.7",
     "trl": "1.0",
     "deepspeed": "0.17",
     "bitsandbytes": "0.48",
