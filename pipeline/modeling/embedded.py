@@ -29,6 +29,8 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # <|endoftext|> (id 0), which the chat template never emits.
 PAD_TOKEN = "<|endoftext|>"
 COMPLETE_MARKER = ".complete"
+EOS_TOKEN = "<|im_end|>"
+"""SmolLM2-Instruct's end of turn and of generation (its chat template's and its generation config's)."""
 
 
 def is_embedded(path: str | None) -> bool:
@@ -124,6 +126,8 @@ def materialize(force: bool = False) -> Path:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         tokenizer.pad_token = PAD_TOKEN
+        if tokenizer.eos_token != EOS_TOKEN:  # transformers 4's GGUF reader takes <|im_start|> for it
+            tokenizer.eos_token = EOS_TOKEN
         model.config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
