@@ -64,10 +64,6 @@ class StageInfo:
     changes."""
 
 
-STAGE_REF = "stage:"
-"""A model key's value (StageInfo.models) that names a chain stage's merged model, e.g.
-`teacher.path: stage:ppo`; only the pipeline driver resolves it."""
-
 LOSSES = ("train_loss_first", "train_loss_last", "eval_loss_first", "eval_loss_last")
 
 STAGES: dict[str, StageInfo] = {

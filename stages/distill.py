@@ -33,12 +33,12 @@ if __package__ in (None, ""):
 
 import torch
 
-import stages as registry
 from data_formats.datasets import build_sft_data
 from pipeline.algorithms import distill as dl
 from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
 from pipeline.algorithms.rollout import ActorCritic, Rollout, assemble_masked
 from pipeline.config import GenerationConfig, ModelConfig, PromptDataConfig, StageConfig
+from pipeline.config.sections import STAGE_REF
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.held_out import ratio
 from pipeline.engine.resume import launched_world_size
@@ -168,7 +168,7 @@ class DistillConfig(StageConfig):
             out += backend.problems(self)
         if not self.teacher.path:
             out.append("teacher.path: required (a model folder sharing the student's tokenizer)")
-        elif self.teacher.path.startswith(registry.STAGE_REF):
+        elif self.teacher.path.startswith(STAGE_REF):
             out.append(
                 f"teacher.path: {self.teacher.path!r} names a chain stage's model, which only `relay pipeline` "
                 "resolves; a stage run alone needs a model folder"

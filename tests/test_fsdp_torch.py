@@ -71,7 +71,7 @@ def test_param_groups_reads_either_layout_and_names_the_supported_torch_otherwis
     with pytest.raises(
         RuntimeError,
         match=rf"torch {re.escape(torch.__version__)}: an FSDP2 unit's state has neither "
-        r"_fsdp_param_groups nor _fsdp_param_group; .*supports torch 2\.7 or newer",
+        r"_fsdp_param_groups nor _fsdp_param_group; .*supports torch 2\.8 or newer",
     ):
         fsdp.param_groups(object())
 
@@ -98,7 +98,7 @@ def test_a_torch_without_fsdp2s_setter_is_named_before_anything_shards(monkeypat
     assert fsdp.unsupported_torch() is None  # this torch
     monkeypatch.delattr(FSDPModule, "set_reshard_after_forward")
     expected = (
-        f"distributed.engine: fsdp needs torch 2.7 or newer (FSDPModule.set_reshard_after_forward); "
+        f"distributed.engine: fsdp needs torch 2.8 or newer (FSDPModule.set_reshard_after_forward); "
         f"this is torch {torch.__version__}: upgrade torch, or use distributed.engine ddp"
     )
     assert fsdp.unsupported_torch() == expected

@@ -25,9 +25,9 @@ def test_fsdp_on_a_torch_without_fsdp2s_api_is_a_config_problem(tiny_model_dir, 
 
     cfg = load_config(SFTConfig, ["--model.path", str(tiny_model_dir), "--distributed.engine", "fsdp"])
     assert combination_problems(cfg) == []
-    monkeypatch.delattr(FSDPModule, "set_reshard_after_forward")  # as torch before 2.7
+    monkeypatch.delattr(FSDPModule, "set_reshard_after_forward")  # as torch before 2.8
     assert combination_problems(cfg) == [
-        f"distributed.engine: fsdp needs torch 2.7 or newer (FSDPModule.set_reshard_after_forward); "
+        f"distributed.engine: fsdp needs torch 2.8 or newer (FSDPModule.set_reshard_after_forward); "
         f"this is torch {torch.__version__}: upgrade torch, or use distributed.engine ddp"
     ]
     cfg.distributed.engine = "ddp"

@@ -16,6 +16,10 @@ FINETUNING = ("full", "lora", "qlora")
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 SCHEDULES = ("constant", "linear", "cosine", "inv_sqrt", "inv")
 
+STAGE_REF = "stage:"
+"""A model key's value (StageInfo.models) that names a chain stage's merged model, e.g.
+`teacher.path: stage:ppo`; only the pipeline driver resolves it."""
+
 
 class ConfigError(ValueError):
     """One or more configuration problems; ``problems`` lists every one of them."""

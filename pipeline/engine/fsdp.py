@@ -21,8 +21,8 @@ Outside a unit's forward its parameters are DTensor shards: whoever reads them a
 gathers first (`gathered`), and `module.state_dict()` always yields shards (FSDP2 reshards in a
 state-dict hook), so checkpoints and exports gather through `full_state` / `full_tensors`.
 
-Supported torch: 2.7 and newer (`fully_shard` public in `torch.distributed.fsdp` from 2.6,
-`FSDPModule.set_reshard_after_forward` from 2.7); `unsupported_torch` says so before a run.
+Supported torch: 2.8 and newer (`fully_shard` public in `torch.distributed.fsdp` from 2.6,
+`FSDPModule.set_reshard_after_forward` from 2.8: not in 2.7.0's wheel); `unsupported_torch` says so before a run.
 Private fields read here: a unit state's parameter groups (`param_groups`: the list
 `_fsdp_param_groups` where torch has per-parameter meshes, the single `_fsdp_param_group`
 before), a group's `is_unsharded` and `post_forward_mesh_info`, and the state's `_lazy_init`.
@@ -35,7 +35,7 @@ from typing import Iterable, Optional
 
 import torch
 
-SUPPORTED_TORCH = "2.7 or newer"
+SUPPORTED_TORCH = "2.8 or newer"
 """The torch versions whose FSDP2 this module is written against (see the module docstring)."""
 
 SHARDING = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}

@@ -27,6 +27,7 @@ import yaml
 
 import stages as registry
 from pipeline.config import ConfigError, load_config
+from pipeline.config.sections import STAGE_REF
 from pipeline.engine.identity import config_changes
 from pipeline.modeling.handoff import link_problems, manifest_problems, pairing_problems
 from pipeline.modeling.manifest import read_manifest, weights_hash
@@ -37,7 +38,6 @@ from pipeline.tools.serving import SERVING
 STAGE_ORDER = tuple(registry.STAGES)
 """Every registered stage, in registry order."""
 DEFAULT_CHAIN = ("pt", "sft", "rm", "ppo")
-STAGE_REF = registry.STAGE_REF
 LOG_NAME = "driver.log"
 TIMINGS_NAME = "timings.json"
 
