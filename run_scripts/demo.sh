@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole pipeline on the embedded model and the sample data, on CPU (about 6 minutes on 2 AVX-512 cores; 9.1-9.3 from a fresh clone capped to AVX2, install included;
-# measure another CPU kind with: .venv/bin/python bench/isa.py avx2 -- bash run_scripts/demo.sh):
+# The whole pipeline on the embedded model and the sample data, on CPU (its time on each CPU kind measured
+# is in bench/RESULTS.md; emulate another ISA with: .venv/bin/python bench/isa.py avx2 -- bash run_scripts/demo.sh):
 #   bash run_scripts/demo.sh [--dotted.key value ...]
 #
 # Installs Relay (run_scripts/install.sh, a no-op when nothing changed), then runs

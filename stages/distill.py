@@ -175,9 +175,12 @@ class DistillConfig(StageConfig):
             )
         if self.teacher.top_k < 0:
             out.append(f"teacher.top_k: must be >= 0, got {self.teacher.top_k}")
-        if self.teacher.top_k and self.distill.loss_type != "jsd":
+        spec = dl.LOSSES.get(self.distill.loss_type)
+        if self.teacher.top_k and spec is not None and not spec.reads_top_k:
+            readers = ", ".join(name for name, entry in dl.LOSSES.items() if entry.reads_top_k)
             out.append(
-                f"teacher.top_k: only the jsd loss reads the teacher's top-k (loss_type is {self.distill.loss_type!r})"
+                f"teacher.top_k: only the {readers} loss reads the teacher's top-k "
+                f"(loss_type is {self.distill.loss_type!r})"
             )
         if self.distill.lmbda < 1.0 and not self.data.completions:
             out.append("data.completions: distill.lmbda < 1 trains that share of steps on SFT conversations; name them")

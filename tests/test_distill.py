@@ -322,6 +322,24 @@ def test_config_refusals(tiny_model_dir, teacher_dir, tmp_path, fresh_state):
     assert any(p.startswith("teacher.top_k: only the jsd loss") for p in found)
 
 
+def test_a_loss_entry_says_whether_it_reads_the_teachers_top_k(tiny_model_dir, teacher_dir, tmp_path, monkeypatch):
+    """teacher.top_k is checked against the entry's reads_top_k, not against a loss name."""
+    from pipeline.algorithms import distill as dl
+    from stages import distill as stage
+
+    made_up = dl.LOSSES["jsd"]._replace(options=())
+    monkeypatch.setitem(dl.LOSSES, "made_up", made_up)
+    args = _args(tiny_model_dir, teacher_dir, tmp_path / "data", tmp_path / "o", "--teacher.top_k", "4")
+    cfg = load_config(stage.DistillConfig, [*args, "--distill.loss_type", "made_up"])
+    assert not [p for p in cfg.problems() if p.startswith("teacher.top_k")]
+    monkeypatch.setitem(dl.LOSSES, "made_up", made_up._replace(reads_top_k=False))
+    with pytest.raises(ConfigError) as err:
+        load_config(stage.DistillConfig, [*args, "--distill.loss_type", "made_up"])
+    assert [p for p in err.value.problems if p.startswith("teacher.top_k")] == [
+        "teacher.top_k: only the jsd loss reads the teacher's top-k (loss_type is 'made_up')"
+    ]
+
+
 class _Scripted:
     """A sampler that answers each prompt (by its ids) with a fixed completion."""
 

@@ -157,11 +157,13 @@ def served_topk(entries: list[dict[int, float]], k: int) -> tuple[torch.Tensor, 
 class DistillLoss(NamedTuple):
     """A registered distillation loss: `per_token(student_rows, student_head, teacher, tokens,
     beta, temperature)` -> [N] fp32 (differentiable in the student), the `distill` options it reads
-    besides temperature, and whether it needs the student's own samples (every batch on-policy)."""
+    besides temperature, whether it needs the student's own samples (every batch on-policy), and
+    whether it can score against the teacher's top-k alone (`teacher.top_k`, a served teacher)."""
 
     per_token: Callable[..., torch.Tensor]
     options: tuple[str, ...] = ()
     on_policy_only: bool = False
+    reads_top_k: bool = False
     doc: str = ""
 
 
@@ -205,7 +207,9 @@ def _reward_rows(estimator: Callable) -> Callable[..., torch.Tensor]:
 
 
 LOSSES: dict[str, DistillLoss] = {
-    "jsd": DistillLoss(_jsd_rows, options=("beta",), doc="TRL's generalized JSD (beta 0: forward KL, 1: reverse KL)"),
+    "jsd": DistillLoss(
+        _jsd_rows, options=("beta",), reads_top_k=True, doc="TRL's generalized JSD (beta 0: forward KL, 1: reverse KL)"
+    ),
     "reverse_kl_k1": DistillLoss(_reward_rows(k1), on_policy_only=True, doc="reverse KL as a per-token reward, k1"),
     "reverse_kl_k3": DistillLoss(_reward_rows(k3), on_policy_only=True, doc="reverse KL as a per-token reward, k3"),
 }
