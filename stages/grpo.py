@@ -174,13 +174,7 @@ class GRPOStage(PolicyStage):
             JudgeError: a judge request failed and judge.on_failure is null.
         """
         cfg, g = self.cfg, self.cfg.grpo
-        texts = (
-            None
-            if rollout.conversations
-            else [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
-        )
-        completions = rw.trl_completions(samples, texts, rollout.conversations)
-        prompts, columns = [rw.trl_prompt(s) for s in samples], [rw.record_columns(s) for s in samples]
+        prompts, completions, columns = self.reward_inputs(samples, rollout)
         ids, state = [list(r) for r in rollout.responses], rw.trainer_state(self.step, cfg.train.max_steps)
         self.reward_log = rw.RewardLog()
         parts: dict[str, torch.Tensor] = {}

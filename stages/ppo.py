@@ -351,13 +351,7 @@ class PPOStage(PolicyStage):
             return {}
         if self.judge is None:  # a resumed run sees the replies an unbroken one had cached by now
             self.judge = rw.open_judge(self.cfg.judge, self.cfg.output_dir, self.accelerator.process_index, self.step)
-        texts = (
-            None
-            if rollout.conversations
-            else [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
-        )
-        completions = rw.trl_completions(samples, texts, rollout.conversations)
-        prompts, columns = [rw.trl_prompt(s) for s in samples], [rw.record_columns(s) for s in samples]
+        prompts, completions, columns = self.reward_inputs(samples, rollout)
         return {"judge": rw.judge_scores(self.judge, prompts, completions, columns, tag)}
 
     def summed_reward(self, score: torch.Tensor, others: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from data_formats.datasets import build_prompt_data
 from data_formats.render import template_jinja
+from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.mismatch import engine_logprob_matrix
 from pipeline.algorithms.rollout import GENERATORS, ActorCritic, Generator, Rollout, assemble, make_generator
 from pipeline.algorithms.tool_rollout import ToolEnv, layout_problem, load_tools, tool_rollout
@@ -176,6 +177,16 @@ class PolicyStage(Stage):
         if engine:
             rollout.engine_logp = engine_logprob_matrix(rollout.responses, engine, rollout.response_mask.shape[1])
         return rollout
+
+    def reward_inputs(self, samples: list[dict], rollout: Rollout) -> tuple[list, list, list[dict]]:
+        """(prompts, completions, columns) of a rollout as its reward functions and judge read them: a tool
+        rollout's conversations, else each response decoded without special tokens."""
+        texts = (
+            None
+            if rollout.conversations
+            else [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
+        )
+        return rw.reward_inputs(samples, texts, rollout.conversations)
 
     def sample_text(self, prompts: list[str], responses: list, rewards, count: int, answer: str = "response") -> str:
         """The first `count` prompt / answer / reward triples as markdown, for the tracker (`answer`

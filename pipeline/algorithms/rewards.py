@@ -298,6 +298,15 @@ def record_columns(sample: dict) -> dict:
     return json.loads(sample.get("columns") or "{}")
 
 
+def reward_inputs(
+    samples: Sequence[dict], texts: Optional[Sequence[str]], conversations: Optional[Sequence[list[dict]]] = None
+) -> tuple[list, list, list[dict]]:
+    """What every reward source reads of a batch, as TRL passes it: (prompts, completions, the records'
+    columns) -- `trl_prompt`, `trl_completions` and `record_columns` of each sample."""
+    completions = trl_completions(samples, texts, conversations)
+    return [trl_prompt(s) for s in samples], completions, [record_columns(s) for s in samples]
+
+
 def weighted_sum(parts: dict[str, torch.Tensor], weights: dict[str, float], n: int) -> torch.Tensor:
     """Each of `n` completions' summed reward: sum over sources of weight x score, in the order of
     `parts`, a NaN score (a reward function's "no opinion") left out as TRL's nansum leaves it."""

@@ -213,8 +213,7 @@ class Scorer:
         import torch
 
         cfg = self.cfg
-        completions = rw.trl_completions(samples, texts)
-        prompts, columns = [rw.trl_prompt(s) for s in samples], [rw.record_columns(s) for s in samples]
+        prompts, completions, columns = rw.reward_inputs(samples, texts)
         total = torch.zeros(len(texts), dtype=torch.float64)
         for spec, func, weight in zip(cfg.reward_funcs, self.funcs, cfg.reward_weights or [1.0] * len(self.funcs)):
             values = rw.call_reward(func, spec, prompts, completions, [list(r) for r in rollout.responses], columns)
