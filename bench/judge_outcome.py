@@ -1,7 +1,7 @@
 """GRPO whose only reward is an LLM judge, on the demo world: does it teach the house rule?
 
     .venv/bin/python bench/judge_outcome.py [--demo outputs/demo] [--out outputs/bench_judge]
-        [--rubric choice] [--steps 20] [--probe-only]
+        [--rubric choice] [--steps 20] [--probe-only] [--score-from logprobs] [--judge FOLDER]
 
 The judge is `relay serve` of the demo's own SFT model (outputs/demo/sft/merged, greedy), asked
 through the OpenAI protocol with a rubric that states the house rule the demo's reward model learned
@@ -12,7 +12,10 @@ states the right fact). Three parts, in order:
    pairs (data/sample/rm/valid.jsonl, chosen and rejected); its agreement with the phrase rule
    (pass = score >= 0.5 against `opens_with_phrase`), its pair accuracy (chosen scored above
    rejected) and its failures (unparsable replies) say whether a 135M judge gives a signal at all;
-   when every probe request of --rubric failed, the run stops there (a constant reward teaches nothing);
+   when every probe request of --rubric failed, the run stops there (a constant reward teaches nothing).
+   `--score-from logprobs` scores each rubric from the judge's first-token probabilities of its
+   labels instead of its reply text (`judge.score_from`; the number rubric then weighs the labels
+   0..10, as G-Eval does);
 2. train (unless --probe-only): GRPO from the SFT model in the demo GRPO budget
    (configs/pipeline_grpo.yaml: 4 prompts x 4 completions x 24 tokens, LoRA, lr 1e-4, beta 0.04),
    `grpo.reward_funcs` empty and no reward model: the judge (`--rubric`) is the only reward;
@@ -109,14 +112,20 @@ class Served:
                 self.proc.wait()
 
 
-def judge_config(url: str, rubric: str) -> JudgeConfig:
+RATINGS = {str(i): i / 10 for i in range(11)}
+"""The number rubric's labels when scored from log-probs: each rating's probability weighs its score."""
+
+
+def judge_config(url: str, rubric: str, score_from: str = "text") -> JudgeConfig:
     spec = RUBRICS[rubric]
+    by_rating = score_from == "logprobs" and spec["choices"] is None
     return JudgeConfig(
         base_url=url,
         model="judge",
         template=spec["template"],
-        score_range=spec["score_range"],
-        choices=spec["choices"],
+        score_range=None if by_rating else spec["score_range"],
+        choices=RATINGS if by_rating else spec["choices"],
+        score_from=score_from,
         max_tokens=4,
         temperature=0.0,
         max_concurrency=16,
@@ -125,13 +134,13 @@ def judge_config(url: str, rubric: str) -> JudgeConfig:
     )
 
 
-def probe(url: str, rubric: str, pairs_probed: int = 20) -> dict:
+def probe(url: str, rubric: str, score_from: str = "text", pairs_probed: int = 20) -> dict:
     """The rubric's agreement with the phrase rule on the answers of the RM's first held-out pairs."""
     lines = (ROOT / "data/sample/rm/valid.jsonl").read_text().splitlines()
     pairs = [json.loads(line) for line in lines[:pairs_probed]]
     questions = [p["question"] for p in pairs for _ in (0, 1)]
     answers = [a for p in pairs for a in (p["response_chosen"], p["response_rejected"])]
-    judge = JudgeReward(judge_config(url, rubric))
+    judge = JudgeReward(judge_config(url, rubric, score_from))
     started = time.perf_counter()
     scores = judge.score(questions, answers)
     gold = [opens_with_phrase(a) for a in answers]
@@ -140,17 +149,19 @@ def probe(url: str, rubric: str, pairs_probed: int = 20) -> dict:
     without = [s for s, g in zip(scores, gold) if not g]
     return {
         "rubric": rubric,
+        "score_from": score_from,
         "answers": len(answers),
         "phrase_agreement": sum((s >= 0.5) == g for s, g in zip(scores, gold)) / len(answers),
         "pair_accuracy": sum(scores[2 * i] > scores[2 * i + 1] for i in range(len(pairs))) / len(pairs),
         "mean_score_with_phrase": sum(with_phrase) / max(1, len(with_phrase)),
         "mean_score_without": sum(without) / max(1, len(without)),
+        "pair_ties": sum(scores[2 * i] == scores[2 * i + 1] for i in range(len(pairs))),
         "failures": figures["judge/failures"],
         "seconds": round(time.perf_counter() - started, 1),
     }
 
 
-def train(url: str, rubric: str, sft: str, out: Path, steps: int, seed: int) -> dict:
+def train(url: str, rubric: str, sft: str, out: Path, steps: int, seed: int, score_from: str = "text") -> dict:
     """GRPO from the SFT model with the judge as its only reward; the per-step figures."""
     from pipeline.config import load_config
     from pipeline.tools.gold import opens_with_phrase as phrase
@@ -191,7 +202,7 @@ def train(url: str, rubric: str, sft: str, out: Path, steps: int, seed: int) -> 
     cfg = load_config(GRPOConfig, overrides)
     cfg.grpo.reward_funcs, cfg.grpo.reward_weights = [], None
     cfg.data.eval, cfg.tracking.trackers = [], ["tensorboard"]
-    cfg.judge = judge_config(url, rubric)
+    cfg.judge = judge_config(url, rubric, score_from)
     rows = []
 
     def on_step(stage, figures):
@@ -224,29 +235,43 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probe-only", action="store_true")
     parser.add_argument("--judge", help="the judge's model folder (default: the demo's SFT model)")
+    parser.add_argument(
+        "--score-from",
+        default="text",
+        choices=("text", "logprobs"),
+        help="the judge's score: its reply text, or its first-token probabilities of the labels",
+    )
     args = parser.parse_args()
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     demo, out = (ROOT / args.demo).resolve(), (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     sft, ppo = str(demo / "sft" / "merged"), str(demo / "ppo" / "merged")
     judge_folder = args.judge or sft
-    summary: dict = {"rubric": args.rubric, "judge_model": judge_folder, "seed": args.seed}
+    summary: dict = {
+        "rubric": args.rubric,
+        "score_from": args.score_from,
+        "judge_model": judge_folder,
+        "seed": args.seed,
+    }
     started, cpu = time.perf_counter(), cpu_seconds()
     server = Served(judge_folder, out / "serve.log")
     try:
         summary["serve_start_s"] = round(time.perf_counter() - started, 1)
-        summary["probe"] = [probe(server.url, r) for r in filter(None, args.probe.split(","))]
+        summary["probe"] = [probe(server.url, r, args.score_from) for r in filter(None, args.probe.split(","))]
         for row in summary["probe"]:
             print(json.dumps(row), flush=True)
         if args.probe_only:
+            name = Path(judge_folder).parent.name if Path(judge_folder).name == "merged" else Path(judge_folder).name
+            (out / f"probe_{name}_{args.score_from}.json").write_text(json.dumps(summary, indent=2) + "\n")
             return 0
         chosen = next((row for row in summary["probe"] if row["rubric"] == args.rubric), None)
         if chosen is not None and chosen["failures"] == chosen["answers"]:
             print(f"no signal: every probe request of the {args.rubric} rubric failed; not training", flush=True)
             return 1
         t0, c0 = time.perf_counter(), cpu_seconds()
-        run_dir = out / f"grpo_{args.rubric}_s{args.seed}"
-        summary["train"] = train(server.url, args.rubric, sft, run_dir, args.steps, args.seed)
+        tag = f"{args.rubric}_{args.score_from}_s{args.seed}"
+        run_dir = out / f"grpo_{tag}"
+        summary["train"] = train(server.url, args.rubric, sft, run_dir, args.steps, args.seed, args.score_from)
         summary["train_wall_s"] = round(time.perf_counter() - t0, 1)
     finally:
         server.close()
@@ -264,7 +289,7 @@ def main() -> int:
         round(time.perf_counter() - started, 1),
         round(cpu_seconds() - cpu, 1),
     )
-    (out / f"summary_{args.rubric}_s{args.seed}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / f"summary_{tag}.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "train"}, indent=2))
     return 0
 

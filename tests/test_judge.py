@@ -5,6 +5,7 @@ answers with a chat.completion, and counts requests and how many are in flight a
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,7 +23,7 @@ from test_tool_rollout import tok, tool_prompts  # noqa: F401  (fixtures)
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.judge import JudgeConfig, JudgeError, JudgeReward, parse_score
 from pipeline.config import ConfigError
-from pipeline.tools.openai_protocol import ApiError, check_request, completion_response
+from pipeline.tools.openai_protocol import ApiError, check_request, completion_response, logprobs_content
 from stages import grpo, ppo
 
 SERVED = "stub-judge"
@@ -38,9 +39,15 @@ def default_reply(answer: str) -> str:
     return str(len(answer) % 11)
 
 
+def first_token(top: list[tuple[str, float]]) -> list[dict]:
+    """The logprobs object of a one-token reply whose top_logprobs are `top` [(token, probability)]."""
+    return [logprobs_content([(top[0][0], math.log(top[0][1]), [(t, math.log(p)) for t, p in top])])]
+
+
 class Stub:
     """A ThreadingHTTPServer answering /v1/chat/completions; `reply(answer)` says what (None: HTTP
-    500; a float: sleep that long first, then answer)."""
+    500; (seconds, text): sleep that long first, then answer; a list of (token, probability): a
+    one-token reply with those top_logprobs)."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -70,10 +77,14 @@ class Stub:
                     if isinstance(text, tuple):  # (seconds, text): a slow judge
                         time.sleep(text[0])
                         text = text[1]
+                    logprobs = None
+                    if isinstance(text, list):  # hand-written top_logprobs of the first token
+                        logprobs, text = first_token(text), text[0][0]
                     if text is None:
                         self._send(500, {"error": {"message": "boom"}})
                     else:
-                        self._send(200, completion_response("chatcmpl-1", SERVED, [text], ["stop"], 1, 1))
+                        response = completion_response("chatcmpl-1", SERVED, [text], ["stop"], 1, 1, logprobs)
+                        self._send(200, response)
                 except ApiError as err:
                     self._send(err.status, {"error": {"message": str(err)}})
                 except (BrokenPipeError, ConnectionResetError):
@@ -238,6 +249,92 @@ def test_the_real_openai_client_reads_the_stub_as_the_judge_does(fresh):
         .message.content
     )
     assert parse_score(reply, cfg) == JudgeReward(cfg).score(["Q"], ["hello"])[0] == 0.5
+
+
+# ------------------------------------------------------------------------------------------
+# score_from: logprobs
+# ------------------------------------------------------------------------------------------
+
+YES_NO = {"YES": 1.0, "NO": 0.0}
+
+
+def test_logprob_scores_weigh_the_labels_by_their_first_token_probabilities(fresh, tmp_path):
+    """P(yes) = 0.5 ("YES") + 0.1 (" yes"), P(no) = 0.15 ("NO") + 0.05 ("no"), "The" 0.1 is no label:
+    the score is (0.6 * 1 + 0.2 * 0) / 0.8 = 0.75, by hand. Three labels: (0.2 * 1 + 0.3 * 0.5 +
+    0.1 * 0) / 0.6 = 0.5833..."""
+    tops = {
+        "two": [("YES", 0.5), ("The", 0.1), ("NO", 0.15), (" yes", 0.1), ("no", 0.05)],
+        "three": [("B", 0.3), ("a", 0.2), ("C", 0.1), ("D", 0.4)],
+    }
+    fresh.reply = lambda a: tops[a]
+    cfg = judge_cfg(fresh.url, score_range=None, choices=YES_NO, score_from="logprobs", top_logprobs=5)
+    judge = JudgeReward(cfg, tmp_path / "cache.jsonl")
+    assert judge.score(["Q"], ["two"], tag=1) == [pytest.approx(0.75, abs=1e-12)]
+    (body,) = fresh.bodies
+    assert body["max_tokens"] == 1 and body["logprobs"] is True and body["top_logprobs"] == 5
+    abc = judge_cfg(
+        fresh.url, score_range=None, choices={"A": 1.0, "B": 0.5, "C": 0.0}, score_from="logprobs", top_logprobs=4
+    )
+    assert JudgeReward(abc).score(["Q"], ["three"]) == [pytest.approx(0.35 / 0.6, abs=1e-12)]
+    assert judge.score(["Q"], ["two"], tag=2) == [pytest.approx(0.75, abs=1e-12)] and len(fresh.bodies) == 2  # cached
+    (cached,) = [json.loads(line) for line in (tmp_path / "cache.jsonl").read_text().splitlines()]
+    assert cached["reply"] == "P(no)=0.2 P(yes)=0.6"
+    # the request fields are in the cache key: the same rubric scored from text, or with another K, asks again
+    fresh.reply = lambda a: "YES"
+    as_text = JudgeReward(judge_cfg(fresh.url, score_range=None, choices=YES_NO), tmp_path / "cache.jsonl")
+    as_text.open(2)
+    assert as_text.score(["Q"], ["two"], tag=3) == [1.0] and len(fresh.bodies) == 3
+    other_k = JudgeReward(
+        judge_cfg(fresh.url, score_range=None, choices=YES_NO, score_from="logprobs", top_logprobs=3),
+        tmp_path / "cache.jsonl",
+    )
+    other_k.open(3)
+    fresh.reply = lambda a: tops["two"][:3]
+    assert other_k.score(["Q"], ["two"], tag=4) == [pytest.approx(0.5 / 0.65, abs=1e-12)] and len(fresh.bodies) == 4
+
+
+def test_no_label_in_the_top_k_or_no_logprobs_is_a_counted_failure(fresh, caplog):
+    fresh.reply = lambda a: [("Per", 0.7), ("The", 0.2)] if a == "unlabelled" else "YES"  # "YES": text, no logprobs
+    cfg = judge_cfg(fresh.url, score_range=None, choices=YES_NO, score_from="logprobs", on_failure=-1.0)
+    judge = JudgeReward(cfg)
+    assert judge.score(["Q"] * 2, ["unlabelled", "plain"]) == [-1.0, -1.0]
+    assert judge.take_figures()["judge/failures"] == 2 and len(fresh.bodies) == 2  # neither is retried
+    assert "2 of 2 requests failed (first: no label among the first token's top 2 (most likely: 'Per', 'The'))" in (
+        caplog.text
+    )
+    with pytest.raises(JudgeError, match="the reply has no logprobs"):
+        JudgeReward(judge_cfg(fresh.url, score_range=None, choices=YES_NO, score_from="logprobs")).score(
+            ["Q"], ["plain"]
+        )
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"score_from": "probs"}, "judge.score_from: must be one of text, logprobs, got 'probs'"),
+        ({"choices": None, "score_range": [0, 10]}, "judge.score_from: logprobs weighs the labels"),
+        ({"pattern": r"(YES|NO)"}, "judge.pattern: reads reply text"),
+        ({"top_logprobs": 21}, "judge.top_logprobs: must be in [1, 20], got 21"),
+        ({"top_logprobs": 0}, "judge.top_logprobs: must be in [1, 20], got 0"),
+        ({"choices": {"YES": 1.0, " yes": 0.0}}, "'YES' and ' yes' are one label"),
+        ({"choices": {"YES": 1.0, "  ": 0.0}}, "is empty once stripped"),
+    ],
+)
+def test_logprob_config_problems_are_one_line_each(change, problem):
+    cfg = JudgeConfig(**{"base_url": "http://x/v1", "model": "m", "score_range": None, "choices": YES_NO})
+    assert cfg.problems() == []
+    assert JudgeConfig(**{**cfg.__dict__, "score_from": "logprobs", "choices": {"YES": 1, "Yes": 1}}).problems() == []
+    found = JudgeConfig(**{**cfg.__dict__, "score_from": "logprobs", **change}).problems()
+    assert len(found) == 1 and problem in found[0] and "\n" not in found[0], found
+
+
+def test_a_grpo_config_with_a_logprob_judge_on_a_range_is_refused_before_any_model_loads(
+    tmp_path, tiny_model_dir, judged_prompts
+):
+    cfg = grpo_cfg(tmp_path, tiny_model_dir, judged_prompts, "http://127.0.0.1:9/v1")
+    cfg.judge.score_from = "logprobs"  # score_range [0, 10], no choices
+    with pytest.raises(ConfigError, match="judge.score_from: logprobs weighs the labels"):
+        grpo.GRPOStage(cfg).validate()
 
 
 # ------------------------------------------------------------------------------------------
@@ -514,6 +611,41 @@ def test_relay_serve_as_the_judge_answers_as_the_openai_client_sees_it(server, c
     figures = judge.take_figures()
     assert figures["judge/requests"] == 2 and figures["judge/failures"] == scores.count(-1.0)
     assert "HTTP" not in caplog.text and "connection" not in caplog.text  # failures, if any, are replies, not transport
+
+
+def test_relay_serve_as_a_logprob_judge_scores_as_the_openai_clients_top_logprobs_say(server):  # noqa: F811
+    """A live `relay serve` of the tiny random model: two tokens of the first token's top 20 (as the
+    official client reads them for the same request) made the labels, the judge's score is the
+    expectation computed here from the client's numbers; labels outside the top 20 fail, counted."""
+    client, base = server
+    from pipeline.algorithms.judge import render_messages
+
+    cfg = JudgeConfig(
+        base_url=base, model="tiny", score_range=None, choices={"x": 1.0}, score_from="logprobs", on_failure=-1.0
+    )
+    question, answer = "What is the capital of Oru?", "Per the Kelvra Atlas, Oru's capital is Tessel."
+    seen = client.chat.completions.create(
+        model="tiny",
+        messages=render_messages(cfg, question, answer),
+        max_tokens=1,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=20,
+    )
+    top = seen.choices[0].logprobs.content[0].top_logprobs
+    labels: dict[str, float] = {}
+    for entry in top:
+        name = entry.token.strip().casefold()
+        if name and name not in labels and len(labels) < 2:
+            labels[name] = float(len(labels) == 0)
+    mass = {name: sum(math.exp(e.logprob) for e in top if e.token.strip().casefold() == name) for name in labels}
+    expected = sum(p * labels[name] for name, p in mass.items()) / sum(mass.values())
+    cfg.choices = labels
+    judge = JudgeReward(cfg)
+    assert judge.score([question], [answer]) == [pytest.approx(expected, abs=1e-9)]
+    cfg.choices = {"\u2603never-a-token\u2603": 1.0}
+    assert JudgeReward(cfg).score([question], [answer]) == [-1.0]
+    assert judge.take_figures()["judge/failures"] == 0
 
 
 def test_a_yaml_judge_section_loads_and_saves_without_the_key(tmp_path, tiny_model_dir, judged_prompts, monkeypatch):

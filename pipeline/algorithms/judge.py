@@ -21,6 +21,17 @@ call inside a reward function lacks is here:
 The score parser: with `score_range: [lo, hi]` the first number of the reply (or the first group of
 `pattern`'s last match) must lie in the range and is normalised to [0, 1]; with `choices: {label:
 score}` the last whole-word label in the reply (or `pattern`'s group) is mapped to its score.
+
+`score_from: logprobs` (with `choices`) reads no reply text: the request asks for one token with
+`logprobs` and `top_logprobs: K`, and the score is the expectation of the labels' scores under the
+judge's probabilities of the first token (G-Eval's weighting of the rating by its probability):
+sum_label P(label) * score(label) / sum_label P(label), where P(label) sums the probabilities of
+the top-K tokens equal to the label once both are stripped of whitespace and case-folded ("YES",
+"Yes" and " yes" are all the label yes; labels equal under that rule must carry one score). A
+judge whose reply text ignores the rubric's format may still put its probability on the right
+label. A first token with no label among its top K is a failure (`on_failure`, counted), never a
+silent score; a label absent from the top K counts as probability 0. Each label must be one token
+of the judge's tokenizer to be seen at all.
 """
 
 from __future__ import annotations
@@ -49,6 +60,9 @@ DEFAULT_TEMPLATE = (
 FIELDS = ("question", "answer", "reference")
 RETRIED_STATUS = (408, 409, 429, 500, 502, 503, 504)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+SCORE_FROM = ("text", "logprobs")
+MAX_TOP_LOGPROBS = 20
+"""OpenAI's limit on top_logprobs (vLLM's default and `relay serve`'s too)."""
 
 
 class JudgeError(RuntimeError):
@@ -78,6 +92,11 @@ class JudgeConfig:
     pattern: Optional[str] = None
     """A regex whose first group, in its last match, is the number or label (null: the first number /
     the last label anywhere in the reply)."""
+    score_from: str = "text"
+    """text: parse the reply; logprobs (with choices): the labels' probabilities as the judge's first
+    token, from the endpoint's top_logprobs (one token asked for, no reply text read)."""
+    top_logprobs: int = MAX_TOP_LOGPROBS
+    """With score_from logprobs: how many most likely first tokens the endpoint lists (1 to 20)."""
     weight: float = 1.0
     """Weight of the judge's score in the summed reward."""
     max_concurrency: int = 8
@@ -92,7 +111,7 @@ class JudgeConfig:
     """The score of a completion whose request still fails (or whose reply cannot be parsed), counted in
     judge/failures; null: such a failure stops the run."""
     max_tokens: int = 16
-    """The judge's reply length."""
+    """The judge's reply length (score_from logprobs asks for 1 token)."""
     temperature: float = 0.0
     """The judge's sampling temperature (0: greedy, a reproducible judge)."""
     cache: bool = True
@@ -141,6 +160,7 @@ class JudgeConfig:
             out.append(f"{key}.score_range: must be [lo, hi] with lo < hi, got {self.score_range}")
         elif self.choices is not None and not self.choices:
             out.append(f"{key}.choices: empty")
+        out += self._logprob_problems(key)
         if self.pattern is not None:
             try:
                 if re.compile(self.pattern).groups < 1:
@@ -154,6 +174,34 @@ class JudgeConfig:
             out.append(f"{key}.timeout/retry_backoff: must be > 0 and >= 0")
         if self.on_failure is not None and not math.isfinite(self.on_failure):
             out.append(f"{key}.on_failure: must be a finite score or null (stop the run), got {self.on_failure}")
+        return out
+
+    def _logprob_problems(self, key: str) -> list[str]:
+        if self.score_from not in SCORE_FROM:
+            return [f"{key}.score_from: must be one of {', '.join(SCORE_FROM)}, got {self.score_from!r}"]
+        if self.score_from == "text":
+            return []
+        out = []
+        if self.choices is None:
+            out.append(
+                f"{key}.score_from: logprobs weighs the labels of {key}.choices by their probabilities; set "
+                f"choices (and score_range null): a number in a range is read from reply text only"
+            )
+        if self.pattern is not None:
+            out.append(f"{key}.pattern: reads reply text, which score_from logprobs does not ask for; remove it")
+        if not 1 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            out.append(f"{key}.top_logprobs: must be in [1, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        seen: dict[str, tuple[str, float]] = {}
+        for label, score in (self.choices or {}).items():
+            norm = label_key(label)
+            if not norm:
+                out.append(f"{key}.choices: the label {label!r} is empty once stripped of whitespace")
+            elif norm in seen and seen[norm][1] != score:
+                out.append(
+                    f"{key}.choices: {seen[norm][0]!r} and {label!r} are one label for score_from logprobs "
+                    f"(whitespace and case ignored) with two scores ({seen[norm][1]} and {score})"
+                )
+            seen.setdefault(norm, (label, score))
         return out
 
     def manifest_record(self) -> dict:
@@ -197,6 +245,48 @@ def parse_score(reply: str, cfg: JudgeConfig) -> Optional[float]:
     return (value - lo) / (hi - lo) if lo <= value <= hi else None
 
 
+def label_key(token: str) -> str:
+    """A label or a token as score_from logprobs compares them: stripped of whitespace, case-folded."""
+    return token.strip().casefold()
+
+
+def parse_logprobs(top_logprobs: Sequence[dict], cfg: JudgeConfig) -> tuple[Optional[float], str]:
+    """(score, summary) from the first token's top_logprobs ([{"token", "logprob"}, ...]): the labels'
+    scores weighted by their probabilities (module docstring); score None when no listed token is a
+    label. The summary names the labels' probabilities, or the most likely tokens when none is one (pure)."""
+    scores = {label_key(label): float(score) for label, score in (cfg.choices or {}).items()}
+    mass: dict[str, float] = {}
+    for entry in top_logprobs:
+        name = label_key(entry["token"])
+        if name in scores:
+            mass[name] = mass.get(name, 0.0) + math.exp(float(entry["logprob"]))
+    total = sum(mass.values())
+    if total <= 0:
+        listed = ", ".join(repr(e["token"]) for e in list(top_logprobs)[:5])
+        return None, f"no label among the first token's top {len(top_logprobs)} (most likely: {listed})"
+    summary = " ".join(f"P({name})={p:.4g}" for name, p in sorted(mass.items()))
+    return sum(p * scores[name] for name, p in mass.items()) / total, summary
+
+
+def reply_score(payload: dict, cfg: JudgeConfig) -> tuple[Optional[float], str, Optional[str]]:
+    """(score, reply, why it failed) of a chat.completion object: its text parsed, or with
+    score_from logprobs its first token's top_logprobs (the reply is then their summary).
+
+    Raises:
+        KeyError, IndexError, TypeError, AttributeError: not a chat.completion object.
+    """
+    choice = payload["choices"][0]
+    if cfg.score_from != "logprobs":
+        reply = choice["message"].get("content") or ""
+        score = parse_score(reply, cfg)
+        return score, reply, None if score is not None else f"unparsable reply {reply[:60]!r}"
+    content = (choice.get("logprobs") or {}).get("content")
+    if not content:
+        return None, "", "the reply has no logprobs (does the endpoint support logprobs and top_logprobs?)"
+    score, summary = parse_logprobs(content[0].get("top_logprobs") or [], cfg)
+    return score, summary, None if score is not None else summary
+
+
 def render_messages(cfg: JudgeConfig, question: str, answer: str, reference: Optional[str] = None) -> list[dict]:
     """The chat messages of one judge request (pure)."""
     text = cfg.template.format(question=question, answer=answer, reference="" if reference is None else reference)
@@ -204,7 +294,10 @@ def render_messages(cfg: JudgeConfig, question: str, answer: str, reference: Opt
 
 
 def request_body(cfg: JudgeConfig, messages: list[dict]) -> dict:
-    return {"model": cfg.model, "messages": messages, "temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
+    body = {"model": cfg.model, "messages": messages, "temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
+    if cfg.score_from == "logprobs":
+        body.update(max_tokens=1, logprobs=True, top_logprobs=cfg.top_logprobs)
+    return body
 
 
 def request_key(cfg: JudgeConfig, body: dict) -> str:
@@ -307,7 +400,7 @@ class JudgeReward:
                 request = urllib.request.Request(url, data=data, headers=headers, method="POST")
                 with urllib.request.urlopen(request, timeout=cfg.timeout) as response:
                     payload = json.loads(response.read().decode("utf-8"))
-                reply = payload["choices"][0]["message"].get("content") or ""
+                score, reply, why = reply_score(payload, cfg)
             except urllib.error.HTTPError as err:
                 error = f"HTTP {err.code}"
                 if err.code in RETRIED_STATUS:
@@ -324,11 +417,7 @@ class JudgeReward:
             except (ValueError, KeyError, IndexError, TypeError, AttributeError):
                 error = "not an OpenAI chat.completion response"
                 break
-            score = parse_score(reply, cfg)
-            seconds = time.perf_counter() - started
-            if score is None:
-                return Outcome(None, reply, f"unparsable reply {reply[:60]!r}", seconds, attempt)
-            return Outcome(score, reply, None, seconds, attempt)
+            return Outcome(score, reply, why, time.perf_counter() - started, attempt)
         return Outcome(None, None, error, time.perf_counter() - started, attempt)
 
     def score(

@@ -4,7 +4,10 @@ response / stream-chunk objects (pure functions; the server is pipeline/tools/se
 What clients send and what we answer follow the OpenAI API reference: content as a string or a
 list of text parts, the `developer` role (the system turn of newer models), `n`, `stop` (a string
 or up to 4), `max_tokens` / `max_completion_tokens`, `temperature` in [0, 2], `top_p` in (0, 1],
-`stream` with `stream_options.include_usage`, `seed`, and tool calling: `tools` (function
+`stream` with `stream_options.include_usage`, `seed`, `logprobs` with `top_logprobs` (0 to
+MAX_TOP_LOGPROBS; answered without streaming: each generated token's log-probability under the model's
+raw distribution, before temperature and top_p, as vLLM's default `raw_logprobs` and OpenAI return
+it), and tool calling: `tools` (function
 schemas), `tool_choice` ('auto', the default with tools; 'none'; 'required'; or
 {"type": "function", "function": {"name"}}), assistant messages with `tool_calls` (their
 `content` may be null) and `tool` messages (with `tool_call_id`) in the history. A request we
@@ -26,19 +29,21 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 """OpenAI role -> the role the chat template is given (templates know system, not developer)."""
 MAX_N = 8
 MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+"""OpenAI's limit on `top_logprobs` (vLLM's default `--max-logprobs` too)."""
+LOGPROB_FLOOR = -9999.0
+"""The lowest log-probability written (vLLM's floor): -inf is not JSON."""
 ACCEPTED_AND_UNUSED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 """Keys clients send that change nothing about the answer (bookkeeping on OpenAI's side)."""
 NEUTRAL = {
     "presence_penalty": 0,
     "frequency_penalty": 0,
-    "logprobs": False,
     "logit_bias": {},
     "response_format": {"type": "text"},
-    "top_logprobs": None,
 }
+"""Keys accepted only at their no-op value: anything else would be a promise we do not keep."""
 TOOL_CHOICES = ("auto", "none", "required")
 """tool_choice's strings; {"type": "function", "function": {"name": ...}} names one tool."""
-"""Keys accepted only at their no-op value: anything else would be a promise we do not keep."""
 
 
 class ApiError(Exception):
@@ -77,6 +82,10 @@ class ChatRequest:
     tool_choice: str = "none"
     """'auto', 'none', 'required', or 'function' (the tool `tool_name` must be called)."""
     tool_name: Optional[str] = None
+    logprobs: bool = False
+    """Whether each choice carries its tokens' log-probabilities."""
+    top_logprobs: int = 0
+    """How many most likely tokens each of those lists beside it (with logprobs)."""
 
     @property
     def wants_calls(self) -> bool:
@@ -277,6 +286,8 @@ def check_request(body: Any, served_name: str) -> ChatRequest:
         "seed",
         "tools",
         "tool_choice",
+        "logprobs",
+        "top_logprobs",
         *ACCEPTED_AND_UNUSED,
         *NEUTRAL,
     }
@@ -321,6 +332,7 @@ def check_request(body: Any, served_name: str) -> ChatRequest:
             "stream",
             "invalid_value",
         )
+    logprobs, top_logprobs = check_logprobs(body, stream)
     return ChatRequest(
         messages=messages,
         max_tokens=_integer(body, key, 1),
@@ -334,7 +346,33 @@ def check_request(body: Any, served_name: str) -> ChatRequest:
         tools=tools,
         tool_choice=tool_choice,
         tool_name=tool_name,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
+
+
+def check_logprobs(body: dict, stream: bool) -> tuple[bool, int]:
+    """(logprobs, top_logprobs) of a request, OpenAI's rules: `logprobs` a boolean, `top_logprobs`
+    an integer in [0, MAX_TOP_LOGPROBS] that needs `logprobs: true`.
+
+    Raises:
+        ApiError: another type or range, top_logprobs without logprobs, or logprobs with `stream`
+            (this server sends log-probs in whole answers only) (400).
+    """
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ApiError(400, f"'logprobs' must be a boolean, got {logprobs!r}", "logprobs", "invalid_type")
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+    if logprobs and stream:
+        raise ApiError(
+            400,
+            "'logprobs' with 'stream': true is not supported by this server (ask without streaming)",
+            "logprobs",
+            "unsupported_parameter",
+        )
+    return bool(logprobs), top or 0
 
 
 def new_id() -> str:
@@ -349,11 +387,35 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+def token_logprob(token: str, logprob: float) -> dict:
+    """One {"token", "logprob", "bytes"} entry: the token's text, its log-probability (at least
+    LOGPROB_FLOOR) and the UTF-8 bytes of that text (pure)."""
+    return {"token": token, "logprob": max(float(logprob), LOGPROB_FLOOR), "bytes": list(token.encode("utf-8"))}
+
+
+def logprobs_content(steps: list[tuple[str, float, list[tuple[str, float]]]]) -> dict:
+    """A choice's `logprobs` object, {"content": [...]}, from (token, logprob, [(top token,
+    logprob), ...]) per generated token (pure)."""
+    return {
+        "content": [
+            {**token_logprob(token, lp), "top_logprobs": [token_logprob(t, v) for t, v in top]}
+            for token, lp, top in steps
+        ]
+    }
+
+
 def completion_response(
-    cid: str, model: str, texts: list, reasons: list[str], prompt_tokens: int, completion_tokens: int
+    cid: str,
+    model: str,
+    texts: list,
+    reasons: list[str],
+    prompt_tokens: int,
+    completion_tokens: int,
+    logprobs: Optional[list[dict]] = None,
 ) -> dict:
     """An OpenAI chat.completion object with one choice per text, or per message (a dict: an
-    answer with `tool_calls`, pipeline/tools/serve_tools.py) (pure)."""
+    answer with `tool_calls`, pipeline/tools/serve_tools.py), and each choice's `logprobs` object
+    when given (`logprobs_content`) (pure)."""
     return {
         "id": cid,
         "object": "chat.completion",
@@ -363,7 +425,7 @@ def completion_response(
             {
                 "index": i,
                 "message": t if isinstance(t, dict) else {"role": "assistant", "content": t},
-                "logprobs": None,
+                "logprobs": logprobs[i] if logprobs is not None else None,
                 "finish_reason": r,
             }
             for i, (t, r) in enumerate(zip(texts, reasons))

@@ -9,8 +9,8 @@ vLLM is importable here): on a CPU from its own environment, bench/.venv-vllm
 (run_scripts/install_vllm.sh; pipeline/modeling/vllm_server.py says why). Otherwise a FastAPI app
 on uvicorn answers `GET /v1/models` and `POST /v1/chat/completions` as OpenAI clients use it
 (pipeline.tools.openai_protocol: streaming as server-sent events, `n`, `stop`, text-part content,
-the developer role; OpenAI-style errors), prompting through the folder's own chat template exactly
-as `relay chat` does. Requests are batched together
+the developer role, `logprobs`/`top_logprobs` without streaming; OpenAI-style errors), prompting
+through the folder's own chat template exactly as `relay chat` does. Requests are batched together
 (pipeline.tools.serve_batch): one generate call serves every request waiting, for at most
 --slice-tokens new tokens per row; rows still going continue in the next batch beside requests
 that arrived meanwhile, so a long answer never holds the others back. Limits: --max-request-bytes per body, the model's
@@ -53,6 +53,7 @@ from pipeline.tools.openai_protocol import (
     check_request,
     chunk,
     completion_response,
+    logprobs_content,
     new_id,
     usage,
 )
@@ -182,6 +183,8 @@ class Server:
             stops=request.stop,
             deadline=time.monotonic() + self.request_timeout,
             seed=request.seed,
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
             emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
         )
         self.batcher.submit(job)
@@ -203,7 +206,8 @@ class Server:
             job.cancelled = True  # a client gone mid-answer frees its rows at the next step
         if request.wants_calls:
             texts, reasons = map(list, zip(*(answer_message(prefill + t, r) for t, r in zip(texts, reasons))))
-        return completion_response(new_id(), self.name, texts, reasons, n_prompt, job.completion_tokens)
+        logprobs = [logprobs_content(steps) for steps in job.steps] if request.logprobs else None
+        return completion_response(new_id(), self.name, texts, reasons, n_prompt, job.completion_tokens, logprobs)
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[str]:
         """The request queued (so its errors are still a status code), then its event stream."""

@@ -6,6 +6,10 @@ request as they come (on_token). A row ends at an EOS id, at its max_tokens, at 
 when its request's time limit passes or its client goes away (on_token returns True), so a long
 request never holds the short ones back beyond the step they share.
 
+A job asking for log-probs gets, for each of its tokens, the token's log-probability and the
+`top_logprobs` most likely tokens' under the model's raw distribution (log-softmax of the logits
+the engine hands `on_logits`, before temperature and top_p: vLLM's default `raw_logprobs`).
+
 All generation goes through the name `generate`: Relay's decode engine
 (`pipeline.modeling.decode.generate`, a static KV cache, one forward per token); tests patch it here.
 """
@@ -71,13 +75,30 @@ class Job:
     deadline: float
     emit: Callable[[tuple], None]
     seed: Optional[int] = None
+    logprobs: bool = False
+    """Whether each choice's tokens' log-probs are kept (`steps`)."""
+    top_logprobs: int = 0
     cancelled: bool = False
     completion_tokens: int = 0
     choices: list[ChoiceText] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)
+    steps: list[list[tuple]] = field(default_factory=list)
+    """With logprobs: per choice, (token text, logprob, [(top token text, logprob), ...]) per token,
+    complete before the choice's finish event."""
 
     def open_rows(self) -> int:
         return self.n - sum(self.done)
+
+
+def token_logprobs(
+    logits: torch.Tensor, token: int, top: int, text: Callable[[int], str]
+) -> tuple[str, float, list[tuple[str, float]]]:
+    """(token's text, its logprob, the `top` most likely tokens' (text, logprob), most likely first)
+    under log_softmax(logits) of one row's raw logits [V] (pure)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    best = logp.topk(top) if top else None
+    listed = zip(best.indices.tolist(), best.values.tolist()) if best is not None else ()
+    return text(token), float(logp[token]), [(text(i), v) for i, v in listed]
 
 
 class Batcher:
@@ -171,7 +192,13 @@ class Batcher:
         for job in batch:
             if not job.choices:
                 job.choices, job.done = [ChoiceText(decode, job.stops) for _ in range(job.n)], [False] * job.n
+                job.steps = [[] for _ in range(job.n)]
         rows = [(job, i) for job in batch for i in range(job.n) if not job.done[i]]
+        step_logits: list[torch.Tensor] = []
+        token_text = lambda i: self.tokenizer.decode([i])  # noqa: E731 - special tokens named, as vLLM does
+
+        def on_logits(step: int, logits: torch.Tensor) -> None:
+            step_logits[:] = [logits]
 
         def finish(row: int, reason: str, text: str = "") -> None:
             job, i = rows[row]
@@ -183,6 +210,8 @@ class Batcher:
         def on_token(row: int, token: int) -> bool:
             job, i = rows[row]
             job.completion_tokens += 1
+            if job.logprobs:
+                job.steps[i].append(token_logprobs(step_logits[0][row], token, job.top_logprobs, token_text))
             if token in self.eos_ids:
                 finish(row, "stop", job.choices[i].flush())
                 return True
@@ -215,6 +244,7 @@ class Batcher:
                 top_p=[job.top_p for job, _ in rows],
                 generator=generator,
                 on_token=on_token,
+                on_logits=on_logits if any(job.logprobs for job in batch) else None,
             )
         except Exception as err:  # noqa: BLE001 - every waiting client gets the reason, the server stays up
             for job in batch:
