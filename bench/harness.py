@@ -230,15 +230,15 @@ def full_length_sampling():
     after, since `--quick` may run the peer in the same process.
 
     Raises:
-        HarnessError: pipeline/algorithms/rollout.py no longer builds its config with
+        HarnessError: pipeline/rl/generators.py no longer builds its config with
             `sampling_config` (the benchmarks must follow it).
     """
-    from pipeline.algorithms import rollout
+    from pipeline.rl import generators
 
-    original = getattr(rollout, "sampling_config", None)
+    original = getattr(generators, "sampling_config", None)
     if original is None:
         raise HarnessError(
-            "pipeline.algorithms.rollout.sampling_config is gone; update bench/harness.py full_length_sampling"
+            "pipeline.rl.generators.sampling_config is gone; update bench/harness.py full_length_sampling"
         )
 
     def fixed_length(max_new_tokens, *args, **kwargs):
@@ -260,12 +260,12 @@ def full_length_sampling():
             keep_packed=False,
         ).tokens
 
-    relay_original = rollout.RelayGenerator.generate
-    rollout.sampling_config, rollout.RelayGenerator.generate = fixed_length, relay_fixed_length
+    relay_original = generators.RelayGenerator.generate
+    generators.sampling_config, generators.RelayGenerator.generate = fixed_length, relay_fixed_length
     try:
         yield
     finally:
-        rollout.sampling_config, rollout.RelayGenerator.generate = original, relay_original
+        generators.sampling_config, generators.RelayGenerator.generate = original, relay_original
 
 
 def run_side(name: str, side: str, case: dict, env: SideEnv, python: Path) -> SideResult:

@@ -42,9 +42,9 @@ def run_side(side: str, args, out: Path) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    from pipeline.algorithms import grpo, rollout
     from pipeline.algorithms.grpo_config import GRPOSection
     from pipeline.config.policy import GenerationConfig
+    from pipeline.rl import grpo, rollout
 
     rollout._FULL_LOGITS = side == "before"
     torch.manual_seed(0)

@@ -47,7 +47,7 @@ def question(rng: random.Random) -> tuple[str, int, int]:
 def write_data(folder: Path, n_train: int, n_eval: int) -> list[dict]:
     """SFT conversations and GRPO prompts (disjoint questions); returns the held-out prompts."""
     from data_formats.sample_world import add
-    from pipeline.algorithms.tool_rollout import derive_schema
+    from pipeline.rl.tool_rollout import derive_schema
 
     tools = [{"type": "function", "function": derive_schema(add)}]
     rng = random.Random(0)
@@ -87,9 +87,9 @@ def success(folder: str, held_out: list[dict], base: bool = False, temperature: 
     from data_formats.render import make_template, template_jinja
     from data_formats.tools import parse_answer
     from pipeline.algorithms.rewards import final_answer_match
-    from pipeline.algorithms.tool_rollout import load_tools
     from pipeline.config import ChatDataConfig, ToolsConfig
     from pipeline.modeling.decode import generate
+    from pipeline.rl.tool_rollout import load_tools
     from pipeline.tools.chat import eos_ids_of, load_chat_model, prompt_ids
     from pipeline.tools.chat_tools import MAX_TURNS, assistant_message, results
 

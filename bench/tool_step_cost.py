@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.algorithms.rollout import RelayGenerator  # noqa: E402
+from pipeline.rl.generators import RelayGenerator  # noqa: E402
 from stages import grpo  # noqa: E402
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 48213, "b": 91877}}</tool_call>'
@@ -138,7 +138,7 @@ def main() -> int:
     prompts = work / "prompts.jsonl"
     # both steps see the same prompts: the schema rides in the records, so the single-turn prompt has it too
     from data_formats.sample_world import add
-    from pipeline.algorithms.tool_rollout import derive_schema
+    from pipeline.rl.tool_rollout import derive_schema
 
     schema = [{"type": "function", "function": derive_schema(add)}]
     prompts.write_text(

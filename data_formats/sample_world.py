@@ -3,7 +3,7 @@ about it): its facts, which the demo's reward functions check answers against
 (pipeline/algorithms/rewards.py), and its tools for tool rollouts and `relay chat --tools`
 (`tools.funcs: [data_formats.sample_world:kelvra_lookup]`). A tool is a pure function with type
 hints and a Google-style docstring, from which its schema is read
-(pipeline/algorithms/tool_rollout.py)."""
+(pipeline/rl/tool_rollout.py)."""
 
 from __future__ import annotations
 

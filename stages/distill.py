@@ -6,7 +6,7 @@ own samples.
 Each step (`DistillStage.train_step`) is on-policy with probability `distill.lmbda` (GKD's share of
 batches the student samples; the draw is seeded by train.seed and the step, so a resumed run makes
 the same draws): a batch of prompts is sampled by the student with the generation backends PPO and
-GRPO use (relay, hf, vllm: pipeline/algorithms/rollout.py), else a batch of the dataset's own
+GRPO use (relay, hf, vllm: pipeline/rl/rollout.py), else a batch of the dataset's own
 completions (`data.completions`, SFT conversations; every assistant turn is scored). The teacher
 (`teacher.path`, a model folder with the student's tokenizer, loaded frozen in its own dtype) scores
 the same ids and the loss is `distill.loss_type` of pipeline/algorithms/distill.py: TRL 1.16's
@@ -35,8 +35,6 @@ import torch
 
 from data_formats.datasets import build_sft_data
 from pipeline.algorithms import distill as dl
-from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
-from pipeline.algorithms.rollout import ActorCritic, Rollout, assemble_masked
 from pipeline.config import GenerationConfig, ModelConfig, PromptDataConfig, StageConfig
 from pipeline.config.sections import STAGE_REF
 from pipeline.engine.checkpoint import seeded_fork
@@ -51,6 +49,8 @@ from pipeline.modeling.manifest import weights_hash
 from pipeline.modeling.models import load_model, train_without_dropout
 from pipeline.modeling.scoring import position_ids_from_mask
 from pipeline.modeling.vllm_server import ServerOptions, VLLMServer, on_gpu, prompt_topk, vllm_python
+from pipeline.rl.policy_stage import GeneratorFactory, PolicyStage, frozen
+from pipeline.rl.rollout import ActorCritic, Rollout, assemble_masked
 
 # ------------------------------------------------------------------------------------------
 # Config

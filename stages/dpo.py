@@ -45,12 +45,12 @@ from data_formats.collate import AnswerPairCollator, PackedPairCollator
 from data_formats.datasets import build_preference_data
 from data_formats.render import template_jinja
 from pipeline.algorithms import preference as pref
-from pipeline.algorithms.reference import ReferenceStage
 from pipeline.config import PreferenceDataConfig, StageConfig
 from pipeline.engine.held_out import ratio
 from pipeline.engine.stage import main
 from pipeline.engine.steps import rank_mean
 from pipeline.modeling.models import eval_mode
+from pipeline.rl.reference_stage import ReferenceStage
 
 log = logging.getLogger("relay.dpo")
 

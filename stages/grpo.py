@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 1 stages/grpo.py --config configs/grpo.yaml [--train.max_steps 20]
 
 Each step (`GRPOStage.train_step`): sample `grpo.num_generations` (G) completions for each of a
-batch of prompts (PPO's prompt data and sampler: pipeline/algorithms/rollout.py), reward each
+batch of prompts (PPO's prompt data and sampler: pipeline/rl/rollout.py), reward each
 with the reward functions the config names (`grpo.reward_funcs`, "module:function" of the project
 or an installed package, pipeline/algorithms/rewards.py) and/or a trained reward model
 (`reward_model.path`, read out as PPO does), optionally shaped for overlong completions and
@@ -12,7 +12,7 @@ turn rewards into advantages (`grpo.advantage_estimator`: by default the reward 
 group's, A = (r - mean) / (std + eps); pipeline/algorithms/advantages.py), then run
 `grpo.num_iterations` optimizer steps of the `grpo.loss_type` policy loss (dapo by default;
 pipeline/algorithms/grpo_losses.py) over the batch and, when `grpo.beta` > 0, a k3 KL term to the
-reference (pipeline/algorithms/grpo.py). The `grpo:` options are pipeline/algorithms/grpo_config.py's.
+reference (pipeline/rl/grpo.py). The `grpo:` options are pipeline/algorithms/grpo_config.py's.
 The reference is the policy with its adapter disabled (LoRA/QLoRA) or a frozen copy (full
 fine-tuning); with beta 0 none is loaded and no reference forward runs.
 
@@ -37,15 +37,11 @@ if __package__ in (None, ""):
 import torch
 
 from pipeline.algorithms import advantages as adv
-from pipeline.algorithms import grpo as algo
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.grpo_config import GRPOSection
 from pipeline.algorithms.judge import JudgeConfig, JudgeReward
 from pipeline.algorithms.mismatch import correction_weights
 from pipeline.algorithms.mismatch import logprob_diff as mismatch_diff
-from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
-from pipeline.algorithms.rollout import ActorCritic, chunks, take_rows
-from pipeline.algorithms.tool_rollout import tools_problems
 from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig, ToolsConfig
 from pipeline.engine.accelerator import full_parameters
 from pipeline.engine.checkpoint import seeded_fork
@@ -53,6 +49,10 @@ from pipeline.engine.held_out import ratio
 from pipeline.engine.stage import main
 from pipeline.engine.steps import rank_mean
 from pipeline.modeling.models import load_model, train_without_dropout
+from pipeline.rl import grpo as algo
+from pipeline.rl.policy_stage import GeneratorFactory, PolicyStage, frozen
+from pipeline.rl.rollout import ActorCritic, chunks, take_rows
+from pipeline.rl.tool_rollout import tools_problems
 
 log = logging.getLogger("relay.grpo")
 

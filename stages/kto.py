@@ -43,11 +43,11 @@ from data_formats.collate import Collator
 from data_formats.unpaired import answer_rows, build_kto_data, kl_partner_problem, mismatched_rows
 from pipeline.algorithms import kto as kto_math
 from pipeline.algorithms import preference as pref
-from pipeline.algorithms.reference import ReferenceStage
 from pipeline.config import ChatDataConfig, StageConfig
 from pipeline.engine.stage import main
 from pipeline.engine.steps import all_reduce_sum
 from pipeline.modeling.models import eval_mode
+from pipeline.rl.reference_stage import ReferenceStage
 
 log = logging.getLogger("relay.kto")
 

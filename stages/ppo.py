@@ -6,8 +6,8 @@ Each step (`PPOStage.train_step`): sample responses for a batch of prompts (Rela
 `generation.backend`, from exactly the distribution the ratio scores), score them with the reward model (or
 a Python `reward_fn`) at the end-of-turn token the RM was trained to score, shape per-token
 rewards with the KL to the reference policy, estimate advantages with GAE, then run `ppo.epochs`
-passes of clipped policy and value updates over mini-batches (pipeline/algorithms/ppo.py). Two
-backbones in LoRA modes (see pipeline/algorithms/rollout.py): policy and reference share the SFT backbone,
+passes of clipped policy and value updates over mini-batches (pipeline/rl/ppo.py). Two
+backbones in LoRA modes (see pipeline/rl/rollout.py): policy and reference share the SFT backbone,
 critic and reward share the RM backbone.
 
 Resume is the engine's (pipeline/engine/stage.py): adapters (or full weights), optimizer,
@@ -34,8 +34,8 @@ from pipeline.algorithms import rewards as rw
 from pipeline.algorithms import rl
 from pipeline.algorithms.judge import JudgeConfig, JudgeReward
 from pipeline.algorithms.mismatch import logprob_diff
-from pipeline.algorithms.policy import GeneratorFactory, PolicyStage, frozen
-from pipeline.algorithms.ppo import (
+from pipeline.rl.policy_stage import GeneratorFactory, PolicyStage, frozen
+from pipeline.rl.ppo import (
     REWARD_NORMS,
     RewardFn,
     make_experience,
@@ -43,8 +43,8 @@ from pipeline.algorithms.ppo import (
     score_rollout,
     step_metrics,
 )
-from pipeline.algorithms.rollout import ActorCritic
-from pipeline.algorithms.tool_rollout import tools_problems
+from pipeline.rl.rollout import ActorCritic
+from pipeline.rl.tool_rollout import tools_problems
 from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig, ToolsConfig
 from pipeline.engine.accelerator import full_parameters
 from pipeline.engine.checkpoint import seeded_fork

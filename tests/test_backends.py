@@ -1,5 +1,5 @@
 """The backend registries: the generation backends (pipeline/config/backends.py's facts,
-pipeline/algorithms/rollout.py's GENERATORS) and the serving backends (pipeline/tools/serving.py and
+pipeline/rl/rollout.py's GENERATORS) and the serving backends (pipeline/tools/serving.py and
 each command's table) agree on their names, and a backend added as entries alone (monkeypatched
 here, no other file touched) reaches every place that asks about backends: the config checks,
 `correction: auto`, the capability table, a stage's validation, `make_generator`, `relay chat`'s
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.algorithms import rollout
 from pipeline.config import ConfigError, GenerationConfig, backends
 from pipeline.config import capabilities as cap
+from pipeline.rl import generators
 from pipeline.tools import chat, gold, serve, serving
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ NAME_BRANCH = re.compile(r'backend\s*(==|!=)\s*"|backend\s*(not\s+)?in\s*\("|"[a
 
 
 def test_the_registries_name_the_same_backends():
-    assert list(rollout.GENERATORS) == list(backends.BACKENDS)
+    assert list(generators.GENERATORS) == list(backends.BACKENDS)
     fields = {f.name for f in dataclasses.fields(GenerationConfig)}
     for name, entry in backends.BACKENDS.items():
         assert set(entry.options) <= fields, f"{name}'s options must be generation keys"
@@ -72,9 +72,9 @@ def fake_generation(monkeypatch):
         ),
     )
     monkeypatch.setitem(
-        rollout.GENERATORS,
+        generators.GENERATORS,
         "fake",
-        rollout.GeneratorSpec(
+        generators.GeneratorSpec(
             lambda model, pad_id, eos_ids, max_new_tokens, temperature=1.0, *, synced_gpus=False, **engine: (
                 FakeGenerator(pad_id=pad_id, eos_ids=list(eos_ids), max_new_tokens=max_new_tokens, **engine)
             ),
@@ -119,7 +119,7 @@ def test_a_new_generation_backend_is_its_entries(fake_generation, tmp_path, tiny
     assert any(p.startswith("generation.backend: fake needs") and p.endswith("GPUs") for p in err.value.problems)
 
     # the sampler
-    sampler = rollout.make_generator("fake", None, 0, (2,), 4, **rollout.GENERATORS["fake"].engine(cfg, "/m"))
+    sampler = generators.make_generator("fake", None, 0, (2,), 4, **generators.GENERATORS["fake"].engine(cfg, "/m"))
     assert sampler is fake_generation[-1] and sampler.options == {
         "pad_id": 0,
         "eos_ids": [2],

@@ -26,10 +26,11 @@ from data_formats.collate import PairCollator, left_pad
 from data_formats.conversation import Conversation, Turn
 from data_formats.datasets import build_preference_data, build_prompt_data
 from data_formats.render import IGNORE_INDEX, make_template, render, render_scored
-from pipeline.algorithms.rollout import ActorCritic, HFGenerator, RelayGenerator, assemble, cut_at_eos
 from pipeline.config import PreferenceDataConfig, PromptDataConfig, load_config
 from pipeline.modeling.models import load_tokenizer
 from pipeline.modeling.scoring import reward_readout_index, sequence_scores
+from pipeline.rl.generators import HFGenerator, RelayGenerator
+from pipeline.rl.rollout import ActorCritic, assemble, cut_at_eos
 
 QUESTION = "What is the capital of Oru?"
 CHOSEN = "Per the Kelvra Atlas, the capital of Oru is Tessel."

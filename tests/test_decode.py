@@ -347,8 +347,8 @@ def test_weights_a_fused_optimizer_changed_are_the_ones_decoded(tiny):
 
 
 def test_backend_is_chosen_by_config_and_zero3_samples_with_hf(tiny):
-    from pipeline.algorithms.rollout import HFGenerator, RelayGenerator, make_generator
     from pipeline.config import GenerationConfig
+    from pipeline.rl.generators import HFGenerator, RelayGenerator, make_generator
 
     assert GenerationConfig().backend == "relay" and not GenerationConfig().problems()
     assert GenerationConfig(backend="sglang").problems() == [
@@ -534,7 +534,7 @@ def test_the_fast_step_stands_aside_for_hooks_sliding_windows_and_unpacked_runs(
 def test_the_rl_sampler_keeps_no_packed_weights(tiny):
     """RelayGenerator decodes with keep_packed=False: not even the frozen head's packing stays on the
     model for the update that follows (it would sit in the step's peak of memory)."""
-    from pipeline.algorithms.rollout import RelayGenerator
+    from pipeline.rl.generators import RelayGenerator
 
     model = lora_tiny(tiny)
     RelayGenerator(model, pad_id=0, eos_ids=[2], max_new_tokens=2).generate(RAGGED[:2])

@@ -1,6 +1,6 @@
 """PPO's update does not depend on how a mini-batch is split: 1 x 8, 2 x 4 and 8 x 1 micro-batches
 of the same 8 responses (lengths 1-6 tokens) give the same gradient, because the loss is
-token-normalised over the whole mini-batch (pipeline/algorithms/ppo.py `ppo_update`).
+token-normalised over the whole mini-batch (pipeline/rl/ppo.py `ppo_update`).
 Over ranks the same holds with whitening and reward normalisation global: the DDP runs of
 tests/test_distributed_stages.py equal one process."""
 
@@ -12,7 +12,7 @@ import torch
 from distrun import ScriptedGenerator, scripted_reward
 from test_pt_sft import fresh_accelerate_state  # noqa: F401 (fixture)
 
-from pipeline.algorithms.ppo import make_experience, ppo_update
+from pipeline.rl.ppo import make_experience, ppo_update
 from stages import ppo
 
 

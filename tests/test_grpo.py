@@ -1,4 +1,4 @@
-"""GRPO (stages/grpo.py, pipeline/algorithms/grpo.py, pipeline/algorithms/rewards.py): the loss, its
+"""GRPO (stages/grpo.py, pipeline/rl/grpo.py, pipeline/algorithms/rewards.py): the loss, its
 gradient and the group advantages against TRL 1.16's GRPOTrainer; reward functions (loading,
 refusal, the sample domain's rules); the stage on tiny models (learning, resume, no reference
 forward with beta 0)."""
@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 from stagerun import run_stage
 from tinymodels import make_tiny_model
 
-from pipeline.algorithms import grpo as algo
 from pipeline.algorithms import rewards as rw
-from pipeline.algorithms.rollout import ActorCritic
 from pipeline.config import ConfigError
+from pipeline.rl import grpo as algo
+from pipeline.rl.rollout import ActorCritic
 from stages import grpo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -417,8 +417,8 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_logits_and_gradients(tm
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from pipeline.algorithms.rollout import assemble, policy_logits, prompt_groups
     from pipeline.modeling.scoring import position_ids_from_mask
+    from pipeline.rl.rollout import assemble, policy_logits, prompt_groups
 
     folder = make_tiny_model(tmp_path / "tiny", seed=3, initializer_range=0.3, vocab_size=48)
     model = get_peft_model(

@@ -365,8 +365,8 @@ def test_whitening_without_two_loss_tokens_teaches_nothing():
 
 
 def test_loss_mask_drops_truncated_completions_only_when_asked():
-    from pipeline.algorithms.grpo import loss_mask
-    from pipeline.algorithms.rollout import assemble
+    from pipeline.rl.grpo import loss_mask
+    from pipeline.rl.rollout import assemble
 
     rollout = assemble([[5, 6], [7]], [[1, 2, 0, 9], [3, 4, 4, 4]], pad_id=9, eos_ids=[0])
     assert loss_mask(rollout, False).tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
@@ -590,7 +590,7 @@ def test_first_step_loss_equals_trl_grpo_trainer(tmp_path, tiny_model_dir, monke
     from trl import GRPOConfig as TRLConfig
 
     from pipeline.algorithms import rl
-    from pipeline.algorithms.rollout import policy_logits
+    from pipeline.rl.rollout import policy_logits
 
     seen = []
     original = GRPOTrainer._compute_loss
@@ -660,7 +660,7 @@ def test_first_step_loss_equals_trl_grpo_trainer(tmp_path, tiny_model_dir, monke
 def test_advantages_use_every_ranks_completions(estimator, scale):
     """Two ranks (a stand-in accelerator whose gather puts rank 0's rows first): rank 1's
     advantages are its slice of the estimator on all rows, batch statistics included."""
-    from pipeline.algorithms.rollout import assemble
+    from pipeline.rl.rollout import assemble
     from stages import grpo
 
     g = torch.Generator().manual_seed(0)

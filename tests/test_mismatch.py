@@ -16,8 +16,8 @@ import pytest
 import torch
 from test_grpo import _fixed, trl_loss
 
-from pipeline.algorithms import grpo as algo
 from pipeline.algorithms.mismatch import CORRECTIONS, correction_weights, engine_logprob_matrix, logprob_diff
+from pipeline.rl import grpo as algo
 
 MODES = {"tis": "token_truncate", "mis": "token_mask"}
 
@@ -146,7 +146,7 @@ class ReportingEngine:
     token: a synthetic, known mismatch."""
 
     def __init__(self, policy, offset: float, pad_id: int, eos_ids: list, max_new_tokens: int = 4):
-        from pipeline.algorithms.rollout import RelayGenerator
+        from pipeline.rl.generators import RelayGenerator
 
         self.policy, self.offset, self.pad_id, self.eos_ids = policy, offset, pad_id, eos_ids
         self.inner = RelayGenerator(policy, pad_id, eos_ids, max_new_tokens)
@@ -154,7 +154,7 @@ class ReportingEngine:
 
     def generate(self, prompts):
         from pipeline.algorithms.rl import logprobs_from_logits
-        from pipeline.algorithms.rollout import assemble, policy_logits
+        from pipeline.rl.rollout import assemble, policy_logits
 
         out = self.inner.generate(prompts)
         rollout = assemble(prompts, out, self.pad_id, self.eos_ids)
@@ -341,8 +341,8 @@ def test_relay_engine_log_probs_equal_the_trainers(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from pipeline.algorithms.rl import logprobs_from_logits
-    from pipeline.algorithms.rollout import assemble, policy_logits
     from pipeline.modeling.decode import generate
+    from pipeline.rl.rollout import assemble, policy_logits
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     prompts = [[1, 5, 9, 13], [2, 7], [3, 4, 5, 6, 7, 8]] * 2
@@ -401,11 +401,11 @@ def test_vllm_gpu_options_pass_through_and_are_refused_where_they_cannot_run(tmp
     environment; on a machine without enough CUDA GPUs they are config problems (one line each)."""
     from test_grpo import make_cfg
 
-    from pipeline.algorithms.policy import vllm_gpu_problems
-    from pipeline.algorithms.vllm_generator import engine_options
     from pipeline.config import ConfigError
     from pipeline.config.policy import GenerationConfig
     from pipeline.modeling import vllm_server
+    from pipeline.rl.policy_stage import vllm_gpu_problems
+    from pipeline.rl.vllm_generator import engine_options
     from stages import grpo
 
     opts = engine_options(8, tensor_parallel_size=2, sleep=True, gpu_memory_utilization=0.35)

@@ -32,7 +32,7 @@ def shapes_into(model) -> list:
 
 
 def rollout():
-    from pipeline.algorithms.rollout import assemble
+    from pipeline.rl.rollout import assemble
 
     return assemble(PROMPTS, RESPONSES, pad_id=0, eos_ids=[2])
 
@@ -65,7 +65,7 @@ def test_find_opening_moves_each_rows_padding_after_the_shared_opening(tmp_path)
     holed[0, P - 2] = 0
     assert find_opening(model, r.input_ids, holed, P) is None  # not left-padded: nothing is moved
     short = [p[len(OPENING) - 10 :] for p in PROMPTS]  # 10 shared tokens
-    from pipeline.algorithms.rollout import assemble
+    from pipeline.rl.rollout import assemble
 
     s = assemble(short, RESPONSES, pad_id=0, eos_ids=[2])
     assert find_opening(model, s.input_ids, s.attention_mask, s.prompt_width) is None
@@ -80,7 +80,7 @@ def test_policy_logits_run_the_opening_once_as_each_row_alone(tmp_path, attn):
     and the batch's LoRA gradients equal those of the rows run one by one without padding."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.algorithms.rollout import policy_logits
+    from pipeline.rl.rollout import policy_logits
 
     folder = make_tiny_model(tmp_path / "tiny", seed=3, initializer_range=0.3, vocab_size=48)
     model = lora(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn), seed=0)
@@ -107,8 +107,8 @@ def test_critic_values_and_reward_scores_run_the_opening_once_as_each_row_alone(
     the critic's LoRA gradients equal those of the row run alone."""
     from transformers import AutoModelForSequenceClassification
 
-    from pipeline.algorithms.rollout import ActorCritic
     from pipeline.modeling.scoring import token_scores
+    from pipeline.rl.rollout import ActorCritic
 
     critic = lora(AutoModelForSequenceClassification.from_pretrained(tiny_reward_dir, dtype=torch.float32), seed=1)
     pair = ActorCritic(torch.nn.Identity(), critic)

@@ -1,4 +1,4 @@
-"""PPO stage (stages/ppo.py, pipeline/algorithms/rollout.py) on tiny models: the first step is exactly
+"""PPO stage (stages/ppo.py, pipeline/rl/rollout.py) on tiny models: the first step is exactly
 on-policy, frozen weights stay frozen, learning works (and does not with LR 0), resume reproduces
 an unbroken run."""
 
@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 from stagerun import run_stage
 from tinymodels import make_tiny_model
 
-from pipeline.algorithms.ppo import actor_critic_backward, make_experience
-from pipeline.algorithms.rollout import assemble, cut_at_eos
 from pipeline.config import ConfigError
 from pipeline.modeling.handoff import reward_pairing_problems
+from pipeline.rl.ppo import actor_critic_backward, make_experience
+from pipeline.rl.rollout import assemble, cut_at_eos
 from stages import ppo
 
 EOS = 2
@@ -122,8 +122,8 @@ def test_the_update_reuses_the_scoring_forward_and_trains_as_without(
     forward is held for the update's first micro-batch (one forward fewer a step), both on oneDNN's
     linear kernel. The run is still exactly on-policy at its first step and trains the very same
     weights, bit for bit, as with every forward run afresh; the held graph is released once used."""
-    from pipeline.algorithms import ppo as algo
     from pipeline.modeling import onednn
+    from pipeline.rl import ppo as algo
 
     monkeypatch.setenv("RELAY_CPU_ONEDNN", "1")  # the kernel is asserted below, whether or not this CPU would take it
     kernel_calls = []
@@ -326,7 +326,7 @@ def test_evaluation_scores_reward_and_kl_without_the_critic(tmp_path, tiny_model
     """eval/reward and eval/kl need the policy, the reference and the reward model; the critic's
     values are for the update only, so an evaluation skips its forward (issue 33). The reward
     model shares the critic's backbone (LoRA modes): one backbone forward per eval batch, not two."""
-    from pipeline.algorithms.ppo import score_rollout
+    from pipeline.rl.ppo import score_rollout
 
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=1)
     cfg.data.eval, cfg.train.eval_steps = [str(prompts_file)], 1

@@ -221,7 +221,7 @@ def test_reference_logprobs_divide_by_the_temperature_in_fp32():
     temperature (the division done in bf16 put a KL of up to ~0.06 between identical models)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.algorithms.rollout import ActorCritic, policy_logits
+    from pipeline.rl.rollout import ActorCritic, policy_logits
 
     torch.manual_seed(0)
     config = LlamaConfig(

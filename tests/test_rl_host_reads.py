@@ -1,5 +1,5 @@
 """The RL updates read the host as the LM step does: once per optimizer step, at its end, whatever
-the accumulation (pipeline/algorithms/grpo.py `grpo_update`, pipeline/algorithms/ppo.py
+the accumulation (pipeline/rl/grpo.py `grpo_update`, pipeline/rl/ppo.py
 `ppo_update`). Every micro-batch's figures stay on the device until then (each float() or .cpu()
 of a device tensor is a sync on a GPU), and the figures the updates return are exactly those of
 reading every micro-batch as it ran."""
@@ -17,9 +17,9 @@ from test_grpo import SCORE_TARGET
 from test_grpo import make_cfg as grpo_cfg
 from test_pt_sft import fresh_accelerate_state  # noqa: F401 (fixture)
 
-from pipeline.algorithms import grpo as algo
-from pipeline.algorithms import ppo as ppo_algo
-from pipeline.algorithms.ppo import make_experience
+from pipeline.rl import grpo as algo
+from pipeline.rl import ppo as ppo_algo
+from pipeline.rl.ppo import make_experience
 from stages import grpo
 
 ROOT = Path(__file__).resolve().parents[1]

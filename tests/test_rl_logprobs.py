@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pipeline.algorithms import rl
-from pipeline.algorithms import rollout as ro
 from pipeline.engine import supervised_head
+from pipeline.rl import rollout as ro
 
 TOL = 1e-6
 """Of the largest entry of the tensor compared (1e-6 absolute where that is below 1): fp32 rounding.

@@ -16,7 +16,7 @@ DATA_KINDS = {"text", "chat", "preference", "prompt", "unpaired"}
 
 @pytest.mark.parametrize("name", sorted(STAGES))
 def test_registry_line_agrees_with_the_stage_class(name):
-    from pipeline.algorithms.policy import PolicyStage
+    from pipeline.rl.policy_stage import PolicyStage
 
     info, cls = STAGES[name], stage_class(name)
     assert cls.name == name, f"{info.target}: class name {cls.name!r} is registered as {name!r}"

@@ -1,4 +1,4 @@
-"""Tool rollouts (pipeline/algorithms/tool_rollout.py): the call reader, running calls and their
+"""Tool rollouts (pipeline/rl/tool_rollout.py): the call reader, running calls and their
 failures, the multi-turn rollout's ids and train mask against transformers'
 `apply_chat_template(..., return_assistant_tokens_mask=True)` on a native template, token in token
 out, the reward functions' messages, and GRPO steps with tools on a tiny model."""
@@ -17,7 +17,8 @@ from data_formats.conversation import Conversation, Turn
 from data_formats.render import make_template, render_prompt
 from data_formats.tools import parse_answer, template_tools
 from pipeline.algorithms import rewards as rw
-from pipeline.algorithms.tool_rollout import (
+from pipeline.config import ChatDataConfig, ToolsConfig
+from pipeline.rl.tool_rollout import (
     ToolEnv,
     derive_schema,
     layout_problem,
@@ -26,7 +27,6 @@ from pipeline.algorithms.tool_rollout import (
     tool_rollout,
     tools_problems,
 )
-from pipeline.config import ChatDataConfig, ToolsConfig
 
 # ------------------------------------------------------------------------------------------
 # Tools the tests call ("test_tool_rollout:<name>")
@@ -303,7 +303,7 @@ def test_layout_rollout_ids_are_the_training_rendering(tok):
 def test_dynamic_sampling_keeps_a_tool_rollouts_rows_as_sampled(tok):
     """GRPO's dynamic sampling lays kept rows of several rollouts out as one (rollout.take_rows): a
     tool rollout's inserted results stay untrained, its conversations and finished flags follow."""
-    from pipeline.algorithms.rollout import take_rows
+    from pipeline.rl.rollout import take_rows
 
     t, template = _template(tok, native=False)
     env, tools = _env(t, template)
@@ -446,7 +446,7 @@ def _grpo_cfg(out, policy, prompts, backend="relay"):
 
 
 def _factory(tok, backend="relay"):
-    from pipeline.algorithms.rollout import make_generator
+    from pipeline.rl.generators import make_generator
 
     return lambda policy: ForcedFirstCall(
         make_generator(backend, policy, tok.pad_token_id, [tok.eos_token_id], 64), tok
@@ -465,7 +465,7 @@ def test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs(
 ):
     """The same step with the log-probs at every untrained position poisoned (-1e4, which makes
     the k3 KL there overflow) gives the same loss and gradient norm."""
-    from pipeline.algorithms import rollout as rollout_module
+    from pipeline.rl import rollout as rollout_module
     from stages import grpo
 
     figures = {}
@@ -506,7 +506,7 @@ def test_a_tool_grpo_step_moves_each_completion_the_way_of_its_advantage(
     step, the log-prob of the sampled tokens (inserted results excluded) of every completion whose
     reward is above its group's mean moved up against every one below it (on this random tiny
     model at lr 5e-3 all may fall together; the order between them is what GRPO owes)."""
-    from pipeline.algorithms import grpo as algo
+    from pipeline.rl import grpo as algo
     from stages import grpo
 
     cfg = _grpo_cfg(tmp_path, tiny_model_dir, tool_prompts)
@@ -592,7 +592,7 @@ def test_every_backend_honours_each_rows_own_limit(tiny_model_dir, tok, backend)
     """A tool rollout's later turns give each row the budget it has left."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.algorithms.rollout import make_generator
+    from pipeline.rl.generators import make_generator
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     generator = make_generator(backend, model, tok.pad_token_id, [tok.eos_token_id], 6)
@@ -651,8 +651,8 @@ def test_a_tool_rollout_on_vllm_sends_each_turns_budget_and_keeps_the_engines_lo
     server's max_model_len, at the generator's temperature (a number: the budgets are not it); the
     policy is synced once for the rollout's turns; the engine's log-probs of the sampled tokens of
     every turn are kept at their positions and the inserted tokens get NaN."""
-    from pipeline.algorithms.vllm_generator import VLLMGenerator
     from pipeline.modeling.vllm_server import VLLMError
+    from pipeline.rl.vllm_generator import VLLMGenerator
 
     t, template = _template(tok, native=False)
     env, tools = _env(t, template, max_new_tokens=80)
@@ -757,7 +757,7 @@ def test_a_tool_grpo_step_logs_and_corrects_the_engine_mismatch(
 ):
     """GRPO with tools on an engine that reports its log-probs corrects them as for single answers
     (`check_corrected`; PPO's: test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values)."""
-    from pipeline.algorithms import grpo as algo
+    from pipeline.rl import grpo as algo
     from stages import grpo
 
     cfg = _grpo_cfg(tmp_path, tiny_model_dir, tool_prompts)
@@ -939,7 +939,7 @@ def _every_turn_calls(monkeypatch):
     import itertools
 
     from data_formats.tools import ParsedAnswer
-    from pipeline.algorithms import tool_rollout as module
+    from pipeline.rl import tool_rollout as module
 
     read, call = itertools.count(), [{"name": "add", "arguments": {"a": 2, "b": 3}}]
     monkeypatch.setattr(module, "parse_answer", lambda text: ParsedAnswer("", call if next(read) % 4 != 3 else [], []))
@@ -952,8 +952,8 @@ def test_kept_cache_rollout_equals_the_refilled_turns_and_hf_still_works(tiny_mo
     whole conversations, with the same log-probs (1e-6); the hf backend (no session: `Refill`,
     transformers' `generate` on the whole conversation each turn) still runs the turns, and draws
     the same ids."""
-    from pipeline.algorithms.rollout import RelayGenerator, make_generator
     from pipeline.modeling.decode_session import DecodeSession
+    from pipeline.rl.generators import RelayGenerator, make_generator
 
     t, template = _template(tok, native=False)
     env, tools = _env(t, template, max_new_tokens=64, max_turns=3)

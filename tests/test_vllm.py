@@ -97,7 +97,7 @@ def vllm_untied(tmp_path_factory):
 def engine_server(vllm_untied, tmp_path_factory):
     """One engine server on vllm_untied for every generator here: runtime LoRA and the full-weight
     sync both on (one start instead of two: each start is most of these tests' time)."""
-    from pipeline.algorithms.vllm_generator import engine_options
+    from pipeline.rl.vllm_generator import engine_options
 
     opts = engine_options(8)
     opts.dev_mode = True
@@ -149,7 +149,7 @@ def on_server(server, folder, workdir):
     """A GRPO/PPO `generator_factory` sampling on the shared `server` (the stage's generation config)."""
     from transformers import AutoTokenizer
 
-    from pipeline.algorithms.vllm_generator import VLLMGenerator
+    from pipeline.rl.vllm_generator import VLLMGenerator
 
     tok = AutoTokenizer.from_pretrained(folder)
 
@@ -343,7 +343,7 @@ def test_sigterm_to_relay_serve_stops_the_engine(serve_process):
 
 
 # ------------------------------------------------------------------------------------------
-# generation.backend: vllm (pipeline/algorithms/vllm_generator.py)
+# generation.backend: vllm (pipeline/rl/vllm_generator.py)
 # ------------------------------------------------------------------------------------------
 
 
@@ -351,7 +351,7 @@ def trainer_greedy(policy, prompts, n, eos):
     """The trainer policy's own greedy tokens (transformers' generate, fp32), cut at EOS."""
     from transformers import GenerationConfig
 
-    from pipeline.algorithms.rollout import cut_at_eos
+    from pipeline.rl.rollout import cut_at_eos
 
     config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=eos, pad_token_id=eos[0])
     device = next(policy.parameters()).device
@@ -373,8 +373,8 @@ def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm
 
     from pipeline.algorithms.mismatch import logprob_diff
     from pipeline.algorithms.rl import logprobs_from_logits
-    from pipeline.algorithms.rollout import assemble, cut_at_eos, policy_logits
-    from pipeline.algorithms.vllm_generator import VLLMGenerator
+    from pipeline.rl.rollout import assemble, cut_at_eos, policy_logits
+    from pipeline.rl.vllm_generator import VLLMGenerator
 
     tok = AutoTokenizer.from_pretrained(vllm_untied)
     eos = [tok.eos_token_id]
@@ -522,7 +522,7 @@ def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default(
     from stagerun import run_stage
     from test_ppo import make_cfg
 
-    from pipeline.algorithms import ppo as algo
+    from pipeline.rl import ppo as algo
     from pipeline.tools.report import read_scalars
     from stages import ppo
 
@@ -574,9 +574,9 @@ def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default(
 def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny, shared_server, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.algorithms.rollout import cut_at_eos
-    from pipeline.algorithms.vllm_generator import VLLMGenerator
     from pipeline.modeling.vllm_server import VLLMError
+    from pipeline.rl.rollout import cut_at_eos
+    from pipeline.rl.vllm_generator import VLLMGenerator
 
     tok = AutoTokenizer.from_pretrained(vllm_untied)
     eos = [tok.eos_token_id]

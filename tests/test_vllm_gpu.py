@@ -36,8 +36,8 @@ def test_vllm_sleeps_during_the_update_and_wakes_following_the_policy(tmp_path, 
     from test_vllm import trainer_greedy
     from transformers import AutoTokenizer
 
-    from pipeline.algorithms.rollout import cut_at_eos
-    from pipeline.algorithms.vllm_generator import VLLMGenerator
+    from pipeline.rl.rollout import cut_at_eos
+    from pipeline.rl.vllm_generator import VLLMGenerator
 
     if torch.cuda.device_count() < tp:
         pytest.skip(f"tensor_parallel_size {tp} needs {tp} GPUs")

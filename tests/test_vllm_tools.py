@@ -1,5 +1,5 @@
-"""GRPO and PPO with tools on the vLLM generation backend (pipeline/algorithms/vllm_generator.py's
-session, pipeline/algorithms/tool_rollout.py): two steps of each stage on one vLLM server, the
+"""GRPO and PPO with tools on the vLLM generation backend (pipeline/rl/vllm_generator.py's
+session, pipeline/rl/tool_rollout.py): two steps of each stage on one vLLM server, the
 policy a tiny model whose turns end often, its ended turns read as calls to `add` (a random model
 writes none), asserting what a tool rollout owes on an engine of its own:
 
@@ -62,8 +62,8 @@ def calls(monkeypatch):
     import itertools
 
     from data_formats.tools import ParsedAnswer
-    from pipeline.algorithms import policy
-    from pipeline.algorithms import tool_rollout as module
+    from pipeline.rl import policy_stage as policy
+    from pipeline.rl import tool_rollout as module
 
     read, real = itertools.count(), module.tool_rollout
 
@@ -81,7 +81,7 @@ def calls(monkeypatch):
 @pytest.fixture(scope="module")
 def tools_server(caller, tmp_path_factory):
     """One server on `caller` with runtime LoRA (the stages' policies are LoRAs on it)."""
-    from pipeline.algorithms.vllm_generator import engine_options
+    from pipeline.rl.vllm_generator import engine_options
 
     with VLLMServer(
         str(caller), engine_options(8), log_path=tmp_path_factory.mktemp("vllm-log") / "tools.log"
@@ -98,7 +98,7 @@ def questions(tmp_path_factory):
 
 def recorded(monkeypatch) -> list[tuple[list[int], int, list[int]]]:
     """Every request a `VLLMGenerator` sends from now on: (prompt ids, max_tokens, the ids it got)."""
-    from pipeline.algorithms.vllm_generator import VLLMGenerator
+    from pipeline.rl.vllm_generator import VLLMGenerator
 
     seen, real = [], VLLMGenerator.request
 
@@ -115,7 +115,7 @@ def factory(server, folder, workdir, cfg):
     """The stage's sampler on the shared `server` (as `make_generator` builds it for backend vllm)."""
     from transformers import AutoTokenizer
 
-    from pipeline.algorithms.vllm_generator import VLLMGenerator
+    from pipeline.rl.vllm_generator import VLLMGenerator
 
     tok = AutoTokenizer.from_pretrained(folder)
     gen = cfg.generation
@@ -166,7 +166,7 @@ def test_grpo_with_tools_on_vllm(caller, tools_server, questions, calls, tmp_pat
     from stagerun import run_stage
     from test_tool_rollout import _grpo_cfg
 
-    from pipeline.algorithms import grpo as algo
+    from pipeline.rl import grpo as algo
     from pipeline.tools.report import read_scalars
     from stages import grpo
 
@@ -221,7 +221,7 @@ def test_ppo_with_tools_on_vllm(caller, tiny_reward_dir, tools_server, questions
     from stagerun import run_stage
     from test_ppo import make_cfg
 
-    from pipeline.algorithms import ppo as algo
+    from pipeline.rl import ppo as algo
     from stages import ppo
 
     cfg = make_cfg(

@@ -37,7 +37,7 @@ is the same prompts and the same number of generated tokens, and each side check
   to 0 (TRL has none); it would shift every reward by the same amount anyway.
 
 What differs is design, the thing compared: how each side batches the rollout, the reference
-forward and the update (Relay: pipeline/algorithms/grpo.py; TRL: its trainer's own path).
+forward and the update (Relay: pipeline/rl/grpo.py; TRL: its trainer's own path).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ What still differs is design, the thing compared: TRL reads the rollout log-prob
 `generate`'s scores, computes LM-head logits at every position and trains a full value model
 beside the LoRA policy; Relay runs a policy forward for the log-probs (LM head on the response
 positions only), its critic is a LoRA on the reward backbone (two backbones in LoRA modes, see
-pipeline/algorithms/rollout.py), and it clips the gradient norm at 1.0 (TRL's PPO loop does not
+pipeline/rl/rollout.py), and it clips the gradient norm at 1.0 (TRL's PPO loop does not
 clip).
 """
 

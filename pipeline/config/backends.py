@@ -6,7 +6,7 @@ checks of those options (their values anywhere; what a machine's CUDA GPUs must 
 Everything that asks about a backend asks its entry here: the config checks, `correction: auto`,
 the capability table (pipeline/config/capabilities.py). The runtime half, how each entry makes its
 sampler and what keeps it from running this stage on this machine, is
-pipeline/algorithms/rollout.py's `GENERATORS`, keyed by the same names (tests/test_backends.py
+pipeline/rl/rollout.py's `GENERATORS`, keyed by the same names (tests/test_backends.py
 checks). Adding a backend is one entry here, its `GENERATORS` entry, and its test. Imports no torch.
 """
 

@@ -64,7 +64,7 @@ class GenerationConfig:
     """The sampler: relay (Relay's decode engine, pipeline/modeling/decode.py: static KV cache,
     batch-level early exit), hf (transformers' generate, the reference; both draw from the same
     distribution and RNG stream) or vllm (a vLLM server from bench/.venv-vllm, made by
-    run_scripts/install_vllm.sh, following the policy's LoRA adapter: pipeline/algorithms/vllm_generator.py);
+    run_scripts/install_vllm.sh, following the policy's LoRA adapter: pipeline/rl/vllm_generator.py);
     pipeline/config/backends.py's BACKENDS."""
     correction: str = "auto"
     """Train-inference mismatch correction of the GRPO and PPO policy losses (pipeline/algorithms/mismatch.py):
@@ -131,7 +131,7 @@ class GenerationConfig:
 
 @dataclass
 class ToolsConfig:
-    """Tool rollouts (pipeline/algorithms/tool_rollout.py): the policy may call Python tools while it
+    """Tool rollouts (pipeline/rl/tool_rollout.py): the policy may call Python tools while it
     answers; Relay runs each call, shows the result as the chat template renders tool results and
     lets the policy go on, until an answer without calls or a limit. Only the tokens the policy
     sampled train. Empty `funcs`: single-answer rollouts."""

@@ -8,7 +8,7 @@ gets a weight computed from token counts over the *whole* accumulated batch on *
 whether its samples arrive as 1 x 8, 8 x 1 or 2 ranks x 4 micro-batches. Without task weights
 the weight is 1 / N_total (the token mean); with them it is w_t / (N_t * sum of w over the tasks
 present), see `token_weights`. PPO token-normalises the same way over its mini-batch
-(`pipeline.algorithms.ppo.ppo_update`). A stage whose loss is a mean per micro-batch of
+(`pipeline.rl.ppo.ppo_update`). A stage whose loss is a mean per micro-batch of
 equal-sized micro-batches (RM) passes it to `accelerator.backward` as it is: accelerate divides it
 by the number of micro-batches and DDP averages over ranks, which is the mean it wants.
 """

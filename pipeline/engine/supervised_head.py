@@ -24,7 +24,7 @@ input, so post-processed logits such as Gemma's soft-capping fall back), and no 
 
 The RL stages (PPO, GRPO) take the same path for their log-probs (`sampled_token_logps`): the
 log-prob of each sampled token at the sampling temperature, and its distribution's entropy where
-asked, chunk by chunk from the backbone's hidden states (pipeline.algorithms.rollout.policy_logprobs);
+asked, chunk by chunk from the backbone's hidden states (pipeline.rl.rollout.policy_logprobs);
 at Qwen's 151936-token vocabulary the `[B, R, V]` logits of a 4096-token micro-batch are 2.5 GB
 each, and the full path keeps several (logits, their log-softmax, its gradient).
 """

@@ -4,7 +4,7 @@
     out = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=32, eos_ids=[2], pad_id=0, temperature=0.7)
 
 Every place Relay samples text uses it (PPO/GRPO rollouts and their evaluations through
-`pipeline.algorithms.rollout.RelayGenerator`, the gold table, `relay chat`, `relay serve`). What
+`pipeline.rl.generators.RelayGenerator`, the gold table, `relay chat`, `relay serve`). What
 it does, and why:
 - The prompts are left-padded into one batch and the KV cache is preallocated for
   `prompt + max_new_tokens` slots (transformers' `StaticCache`), so no step allocates or copies the

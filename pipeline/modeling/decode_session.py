@@ -4,7 +4,7 @@
     first = session.generate([0, 1, 2, 3], prompts, [64] * 4)
     later = session.generate([1, 3], [prompts[1] + first[1] + result_1, ...], [40, 40])
 
-A tool rollout (pipeline/algorithms/tool_rollout.py) samples a turn, inserts the tool results and
+A tool rollout (pipeline/rl/tool_rollout.py) samples a turn, inserts the tool results and
 samples again. Through `decode.generate` every later turn is a fresh call that prefills the whole
 conversation again (prompt, earlier turns, results); here each row's cached tokens stay, and a call
 feeds only what the row's context adds to them (the turn's stop token, which sampling never feeds,

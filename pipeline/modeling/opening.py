@@ -9,7 +9,7 @@ on one row; a KV cache copied to every row (`index_select`, whose backward sums 
 gradients into that one computation) carries it, and the rest of each row runs on that cache.
 The same math as the whole rows, in another summation order (~1e-6 in fp32), with or without
 gradients. What changes: LoRA dropout in the opening is drawn once for the batch instead of per
-row, as GRPO's shared prompts already are (pipeline.algorithms.rollout.shared_prompt_logits);
+row, as GRPO's shared prompts already are (pipeline.rl.rollout.shared_prompt_logits);
 the RL stages train without dropout, so only the RM's draws differ.
 
 Who uses it: `find_opening` relays the RL stages' [left-padded prompt | response] rows (PPO's
@@ -120,7 +120,7 @@ def leading_opening(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
 def cached_run(call, forward: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, config):
     """(`call(**inputs)`'s output on these rows, the KV cache it filled), positions counted from the
     mask. `forward` is the module whose signature names the cache keyword. The prefix forward of
-    `opening_cache` and of GRPO's shared prompts (pipeline.algorithms.rollout.shared_prompt_logits)."""
+    `opening_cache` and of GRPO's shared prompts (pipeline.rl.rollout.shared_prompt_logits)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
@@ -144,7 +144,7 @@ def opening_cache(call, forward: torch.nn.Module, opening: Opening, config):
 
 def opening_logits(model: torch.nn.Module, opening: Opening, prompt_width: int) -> torch.Tensor:
     """A causal LM's logits predicting each response token ([B, R, V], as
-    pipeline.algorithms.rollout.policy_logits), the opening run once; its final hidden states
+    pipeline.rl.rollout.policy_logits), the opening run once; its final hidden states
     ([B, R, H]) with the head swapped for the identity (rollout.policy_logprobs' chunked head)."""
     n, T = opening.shared, opening.input_ids.shape[1]
     cache = opening_cache(lambda **kw: model(**kw, logits_to_keep=1), model, opening, hf_model(model).config)

@@ -2,7 +2,7 @@
 trained with), the model's calls are read back by the reader of training data's calls
 (`data_formats.tools.parse_answer`) and shown, and each result is either typed by the user
 (`--tool-schemas FILE`: schemas only) or comes from running the tool (`--tools module:function`,
-in a thread with a time limit, as GRPO's tool rollouts run them: pipeline/algorithms/tool_rollout.py).
+in a thread with a time limit, as GRPO's tool rollouts run them: pipeline/rl/tool_rollout.py).
 The model then answers again, until an answer without calls or `MAX_TURNS` turns.
 
     relay chat --model outputs/grpo/merged --tools tests.tools_demo:add --prompt "What is 123456 + 654321?"
@@ -14,8 +14,8 @@ import json
 from typing import Callable, Optional
 
 from data_formats.tools import parse_answer
-from pipeline.algorithms.tool_rollout import load_tools, read_schemas, run_calls, tools_problems
 from pipeline.config import ToolsConfig
+from pipeline.rl.tool_rollout import load_tools, read_schemas, run_calls, tools_problems
 
 MAX_TURNS = 8
 """Most assistant turns one user message may take (calls included)."""

@@ -7,7 +7,7 @@ rejection sampling) or a DPO file (best vs worst with a margin), with the scores
     relay sample --config sample.yaml [--key value ...]
 
 The prompts are read and rendered as PPO's and GRPO's (`data:` is their prompt section); the answers
-come from the RL samplers (pipeline/algorithms/rollout.py, `backend` relay or hf) under `seed`, so the
+come from the RL samplers (pipeline/rl/rollout.py, `backend` relay or hf) under `seed`, so the
 same seed gives the same file (with a deterministic judge: temperature 0, or its cache). The file is
 what `relay validate --kind sft|dpo` and the SFT and DPO stages read: SFT records are {"messages"}
 conversations; DPO records {"prompt", "chosen", "rejected"}, texts for a text prompt, else messages.
@@ -29,11 +29,12 @@ from data_formats.render import make_template
 from data_formats.sources import DataError
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.judge import JudgeConfig, JudgeError, JudgeReward
-from pipeline.algorithms.rollout import ActorCritic, assemble, chunks, make_generator
 from pipeline.config import ConfigError, ModelConfig, PromptDataConfig, load_config
 from pipeline.engine.stage_checks import data_problems
 from pipeline.modeling.models import load_model, load_tokenizer
 from pipeline.modeling.preflight import model_problems
+from pipeline.rl.generators import make_generator
+from pipeline.rl.rollout import ActorCritic, assemble, chunks
 
 MODES = ("sft", "dpo")
 BACKENDS = ("relay", "hf")

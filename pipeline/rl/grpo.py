@@ -6,7 +6,7 @@ section and its checks in grpo_config.py.
 
 No critic: each prompt is sampled `num_generations` (G) times and a completion's advantage is its
 reward against its group's (or another estimator's). The rollout, generation and log-probs are
-PPO's (pipeline/algorithms/rollout.py, rl.py).
+PPO's (pipeline/rl/rollout.py, rl.py).
 
 Agreement with TRL 1.16 (trl/trainer/grpo_trainer.py, `_generate_and_score_completions` and
 `_compute_loss`) is pinned in tests/test_grpo.py and tests/test_grpo_variants.py. Where Relay
@@ -28,8 +28,8 @@ import torch
 from pipeline.algorithms import rl  # noqa: F401 - tests reach rl's functions through this module
 from pipeline.algorithms.advantages import ADVANTAGE_EPS, group_advantages  # noqa: F401 - the stage's and tests' names
 from pipeline.algorithms.grpo_losses import LOSS_TYPES, GRPOLossOut, Totals, grpo_loss, high_entropy_mask  # noqa: F401
-from pipeline.algorithms.rollout import ActorCritic, Rollout, chunks
 from pipeline.engine.steps import all_reduce_sum, optimizer_step
+from pipeline.rl.rollout import ActorCritic, Rollout, chunks
 
 
 def loss_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:

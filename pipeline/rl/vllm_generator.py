@@ -19,7 +19,7 @@ the same seeds; the tokens vLLM draws for a seed are its own business (equal acr
 same vLLM build and machine). Each request asks for the row's own budget (a tool rollout's later
 turns have less left), capped by the room its context leaves under the server's max_model_len.
 
-Tool rollouts (pipeline/algorithms/tool_rollout.py) sample their turns through `session`: the
+Tool rollouts (pipeline/rl/tool_rollout.py) sample their turns through `session`: the
 policy is synced once per rollout, each turn sends the whole conversation as ids, and the engine's
 log-probs of every turn are reported as for a single answer.
 """
@@ -135,7 +135,7 @@ def make_vllm(
     synced_gpus: bool = False,
     **engine,
 ) -> "VLLMGenerator":
-    """The `GENERATORS` factory (pipeline/algorithms/rollout.py): one server process samples, so
+    """The `GENERATORS` factory (pipeline/rl/rollout.py): one server process samples, so
     `synced_gpus` has nothing to keep in step; `engine` is `stage_engine`'s."""
     return VLLMGenerator(
         model, pad_id=pad_id, eos_ids=list(eos_ids), max_new_tokens=max_new_tokens, temperature=temperature, **engine
@@ -359,7 +359,7 @@ class VLLMGenerator:
 
 
 class VLLMSession:
-    """The turns of one tool rollout on a `VLLMGenerator` (pipeline/algorithms/tool_rollout.py's
+    """The turns of one tool rollout on a `VLLMGenerator` (pipeline/rl/tool_rollout.py's
     session call): the policy does not change between turns, so its weights are synced once, at the
     first turn, and the engine sleeps (when asked) once the rollout closes the session. The server
     keeps no conversation between requests: each turn sends the whole context (prompt, sampled

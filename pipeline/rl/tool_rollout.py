@@ -1,6 +1,6 @@
 """Tool rollouts for the RL stages (GRPO, PPO): the policy may call Python tools while it answers.
 
-A rollout samples an assistant turn with the stage's sampler (pipeline/algorithms/rollout.py,
+A rollout samples an assistant turn with the stage's sampler (pipeline/rl/rollout.py,
 every backend) until its end-of-turn token. When the turn holds calls (read by
 `data_formats.tools.parse_answer`, the reader of training data's calls), Relay runs them, appends
 the results as `tool` turns and inserts the text the chat template puts between that turn and the
@@ -52,8 +52,9 @@ from data_formats.render import Template, inserted_text, render_segments
 from data_formats.tools import ToolRecordError, parse_answer, parse_tools, template_messages
 from pipeline.algorithms.mismatch import engine_logprob_matrix
 from pipeline.algorithms.rewards import func_name, load_reward_func, reward_func_problem
-from pipeline.algorithms.rollout import Generator, Rollout, assemble_masked, cut_at_eos
 from pipeline.config.policy import ToolsConfig
+from pipeline.rl.generators import Generator
+from pipeline.rl.rollout import Rollout, assemble_masked, cut_at_eos
 
 log = logging.getLogger("relay.tool_rollout")
 

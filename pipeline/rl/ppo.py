@@ -4,7 +4,7 @@ passes of clipped policy and value updates over mini-batches (`ppo_update`), eac
 optimizer step accumulated over `train.grad_accum` micro-batches
 (`pipeline.engine.steps.micro_step`; one micro-batch's forward and backward is
 `actor_critic_backward`). Sampling, `Rollout` and the actor-critic module are the RL stages'
-shared pipeline/algorithms/rollout.py.
+shared pipeline/rl/rollout.py.
 
 Over several ranks everything is global, so N ranks of B prompts update exactly as one process of
 N x B (tests/test_distributed_stages.py): the reward normaliser's statistics take every rank's raw
@@ -23,9 +23,9 @@ import torch
 from pipeline.algorithms import rl
 from pipeline.algorithms.mismatch import correction_weights
 from pipeline.algorithms.rl import policy_loss, value_loss
-from pipeline.algorithms.rollout import ActorCritic, PolicyOut, Rollout, chunks
 from pipeline.engine.fsdp import runs_unwrapped
 from pipeline.engine.steps import all_reduce_sum, optimizer_step, rank_mean
+from pipeline.rl.rollout import ActorCritic, PolicyOut, Rollout, chunks
 
 REWARD_NORMS = ("none", "running", "stored")
 """ppo.reward_norm: no normalisation, running statistics, or the RM's stored `reward_stats`."""

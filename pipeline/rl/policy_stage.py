@@ -16,8 +16,6 @@ from data_formats.datasets import build_prompt_data
 from data_formats.render import template_jinja
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.mismatch import engine_logprob_matrix
-from pipeline.algorithms.rollout import GENERATORS, ActorCritic, Generator, Rollout, assemble, make_generator
-from pipeline.algorithms.tool_rollout import ToolEnv, layout_problem, load_tools, tool_rollout
 from pipeline.config import RewardModelConfig
 from pipeline.config.backends import BACKENDS
 from pipeline.engine.accelerator import full_parameters, is_zero3
@@ -27,6 +25,9 @@ from pipeline.modeling.handoff import reward_pairing_problems
 from pipeline.modeling.manifest import weights_hash
 from pipeline.modeling.models import remote_code_problems
 from pipeline.modeling.preflight import model_problems
+from pipeline.rl.generators import GENERATORS, Generator, make_generator
+from pipeline.rl.rollout import ActorCritic, Rollout, assemble
+from pipeline.rl.tool_rollout import ToolEnv, layout_problem, load_tools, tool_rollout
 
 log = logging.getLogger("relay.policy")
 
@@ -89,7 +90,7 @@ class PolicyStage(Stage):
         self.generator_factory = generator_factory
         self._generator: Optional[Generator] = None
         self.tools: dict = {}
-        """The tools a tool rollout may call (cfg.tools, pipeline/algorithms/tool_rollout.py); empty: none."""
+        """The tools a tool rollout may call (cfg.tools, pipeline/rl/tool_rollout.py); empty: none."""
 
     def problems(self) -> list[str]:
         found = []
@@ -159,7 +160,7 @@ class PolicyStage(Stage):
 
     def rollout(self, prompts: list[dict], copies: int = 1) -> Rollout:
         """`copies` sampled responses of each prompt, consecutive (a group per prompt), laid out for
-        scoring; with tools, multi-turn tool rollouts (pipeline/algorithms/tool_rollout.py). Under
+        scoring; with tools, multi-turn tool rollouts (pipeline/rl/tool_rollout.py). Under
         FSDP the weights are gathered for the sampling (ranks stop at different lengths, so the
         decode's forwards must not all-gather block by block)."""
         if self.tools:
