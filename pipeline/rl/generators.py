@@ -20,6 +20,7 @@ from pipeline.rl import vllm_generator
 
 log = logging.getLogger("relay.rollout")
 
+
 class Generator(Protocol):
     """Anything that samples responses for tokenised prompts (HF `generate` today; a faster
     engine such as vLLM can implement the same call)."""
