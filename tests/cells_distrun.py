@@ -58,9 +58,11 @@ if __name__ == "__main__":
         stage_class(name)
     # The imports live as long as the process: out of reach of the full collection every run's
     # export makes (accelerate's free_memory), which then scans that run's objects only.
+    specs = json.loads(Path(sys.argv[1]).read_text())
+    distrun.keep_quantization_backend(specs)
     gc.collect()
     gc.freeze()
-    for spec in json.loads(Path(sys.argv[1]).read_text()):
+    for spec in specs:
         start = time.perf_counter()
         distrun.run_one(spec)
         print(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import distrun  # noqa: F401  (imports bitsandbytes before a stage hides it)
 import pytest
 import torch
 from safetensors.torch import load_file
