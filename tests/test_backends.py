@@ -130,7 +130,7 @@ def test_a_new_generation_backend_is_its_entries(fake_generation, tmp_path, tiny
 
 
 def test_a_new_serving_backend_is_its_entries(monkeypatch, tiny_model_dir, capsys):
-    from pipeline.tools.chain import GoldConfig
+    from pipeline.tools.chain_config import GoldConfig
 
     served = []
     monkeypatch.setitem(

@@ -21,18 +21,8 @@ from test_driver import FAKE_STAGE, ROOT, run_driver
 
 from pipeline.config import ConfigError, load_config
 from pipeline.modeling.manifest import read_manifest, weights_hash, write_manifest
-from pipeline.tools.chain import (
-    DriverError,
-    PipelineConfig,
-    checks_after,
-    checks_before,
-    load_pipeline,
-    model_ref_problems,
-    stage_argv,
-    stage_config,
-    stage_config_problems,
-    stage_status,
-)
+from pipeline.tools.chain import checks_after, checks_before, stage_argv, stage_config_problems, stage_status
+from pipeline.tools.chain_config import DriverError, PipelineConfig, load_pipeline, model_ref_problems, stage_config
 
 DEMO_STAGES = ("pt", "sft", "rm", "ppo")
 

@@ -21,19 +21,17 @@ import yaml
 from pipeline.config import ConfigError
 from pipeline.modeling.handoff import fact_problems
 from pipeline.modeling.manifest import read_manifest, tokenizer_hash, weights_hash
-from pipeline.tools.chain import (
+from pipeline.tools.chain import checks_after, parent_stage, stage_status
+from pipeline.tools.chain_config import (
     DriverError,
     GoldConfig,
     PipelineConfig,
     Selection,
     VerdictConfig,
-    checks_after,
     deep_merge,
     load_pipeline,
-    parent_stage,
     planned_stages,
     stage_config,
-    stage_status,
 )
 from pipeline.tools.driver import gold_verdict, verdict
 
@@ -635,7 +633,7 @@ def extra_registry(monkeypatch):
     import dataclasses
 
     import stages as registry
-    from pipeline.tools.chain import StageEntry
+    from pipeline.tools.chain_config import StageEntry
 
     monkeypatch.setattr(
         registry,
@@ -682,7 +680,7 @@ def test_any_chain_plans_parents_and_reward_models(extra_registry, tmp_path):
 
 
 def test_chain_problems(extra_registry):
-    from pipeline.tools.chain import chain_order_problems
+    from pipeline.tools.chain_config import chain_order_problems
 
     assert chain_order_problems(["pt", "sft", "rm", "ppo"]) == []
     assert chain_order_problems(["pt", "dpo2", "sft"]) == ["chain: dpo2 comes before sft, which it builds on"]

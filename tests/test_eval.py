@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.tools import evaluate
-from pipeline.tools.chain import GoldConfig
+from pipeline.tools.chain_config import GoldConfig
 from pipeline.tools.evaluate import BenchmarkConfig, evaluate_models, retention_table, task_problems
 from pipeline.tools.report import render_markdown
 
@@ -173,7 +173,7 @@ def test_the_pipeline_summary_prints_the_retention_table():
 
 
 def test_the_pipeline_scores_base_and_every_generator_stage_that_ran(tmp_path, tiny_model_dir):
-    from pipeline.tools.chain import PipelineConfig
+    from pipeline.tools.chain_config import PipelineConfig
     from pipeline.tools.driver import benchmark_models, compute_benchmarks
 
     cfg = PipelineConfig(output_root=str(tmp_path), base_model=str(tiny_model_dir))

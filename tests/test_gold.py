@@ -216,7 +216,7 @@ def test_gold_backend_option(monkeypatch):
     """gold.backend: relay rows keep their cache key (old caches stay valid), vllm rows get their own;
     an unknown backend, or vllm absent, is a config problem before any model loads."""
     from pipeline.modeling import vllm_server
-    from pipeline.tools.chain import GoldConfig
+    from pipeline.tools.chain_config import GoldConfig
     from pipeline.tools.gold import GoldSettings
 
     assert GoldSettings().key() == {"max_new_tokens": 40, "dtype": "fp32"}

@@ -69,6 +69,7 @@ LIGHT = (
     "pipeline.tools.cli",
     "pipeline.tools.driver",
     "pipeline.tools.chain",
+    "pipeline.tools.chain_config",
     "pipeline.tools.report",
     "pipeline.engine.tracking",
     "stages",

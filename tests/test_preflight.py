@@ -187,7 +187,7 @@ def test_from_sft_on_a_fresh_root_says_pt_has_not_run(tmp_path, capsys):
 
 def test_pipeline_summary_names_both_stage_times(tmp_path):
     """summary.json's two PT times are two named figures with a note, not one name for two clocks."""
-    from pipeline.tools.chain import load_pipeline
+    from pipeline.tools.chain_config import load_pipeline
     from pipeline.tools.driver import pipeline_summary
 
     root = tmp_path / "run"

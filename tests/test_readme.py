@@ -45,7 +45,14 @@ SHELL_WORDS = ("nice", "time", "env", "exec", "sudo")
 SEPARATORS = ("|", "||", "&&", ";", "&")
 # Where a subcommand's options are parsed, beyond its own module: the CLI itself (--nproc, --stage,
 # --kind ...), and for `relay pipeline` the bash driver and the chain config it hands them to.
-OPTION_SOURCES = {"pipeline": ["run_scripts/run_pipeline.sh", "pipeline/tools/chain.py", "pipeline/tools/driver.py"]}
+OPTION_SOURCES = {
+    "pipeline": [
+        "run_scripts/run_pipeline.sh",
+        "pipeline/tools/chain.py",
+        "pipeline/tools/chain_config.py",
+        "pipeline/tools/driver.py",
+    ]
+}
 CONFIG_SOURCES = ("pipeline", "stages")
 """Where the config dataclasses live: a dotted override's every part must be a field there."""
 

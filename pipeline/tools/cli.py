@@ -46,7 +46,8 @@ from pipeline.config.capabilities import config_refusals
 from pipeline.config.loading import read_yaml
 from pipeline.engine.tracking import quiet_console
 from pipeline.modeling.preflight import model_problems
-from pipeline.tools.chain import load_pipeline, planned_stages, stage_config_problems
+from pipeline.tools.chain import stage_config_problems
+from pipeline.tools.chain_config import load_pipeline, planned_stages
 
 REPO = Path(__file__).resolve().parents[2]
 # A subcommand's module is imported only when it runs: `relay report` should not pay for torch. What

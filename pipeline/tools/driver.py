@@ -38,6 +38,19 @@ from pipeline.engine.launch import describe
 from pipeline.engine.tracking import quiet_console
 from pipeline.modeling.manifest import read_manifest
 from pipeline.tools.chain import (
+    checks_after,
+    checks_before,
+    merged_dir,
+    parent_path,
+    parent_stage,
+    resolve_base,
+    stage_argv,
+    stage_config_problems,
+    stage_dir,
+    stage_reward_path,
+    stage_status,
+)
+from pipeline.tools.chain_config import (
     LOG_NAME,
     STAGE_ORDER,
     TIMINGS_NAME,
@@ -45,21 +58,10 @@ from pipeline.tools.chain import (
     GoldConfig,
     PipelineConfig,
     VerdictConfig,
-    checks_after,
-    checks_before,
     entry,
     gold_names,
     load_pipeline,
-    merged_dir,
-    parent_path,
-    parent_stage,
     planned_stages,
-    resolve_base,
-    stage_argv,
-    stage_config_problems,
-    stage_dir,
-    stage_reward_path,
-    stage_status,
 )
 from pipeline.tools.evaluate import EvalError, evaluate_models, retention_table
 from pipeline.tools.gold import GoldError, GoldSettings, format_table, gold_table
