@@ -157,3 +157,20 @@ def test_the_decode_engine_replays_one_cuda_graph_per_call(tiny_model_dir, dtype
     else:  # bf16 near-ties may flip a later argmax: compare the first decode step, whose inputs are equal
         assert [t[:2] for t in graph_tokens] == [t[:2] for t in plain_tokens]
         torch.testing.assert_close(graph_logits[1], plain_logits[1], atol=5e-2, rtol=0)
+
+
+def test_the_entropy_threshold_reads_nothing_on_the_host():
+    """GRPO's top_entropy_quantile on one process: the threshold is found on the GPU (a boolean
+    index would sync on its count every micro-batch)."""
+    from types import SimpleNamespace
+
+    from pipeline.rl.grpo import _entropy_filter
+
+    entropies = torch.rand(4, 16, device="cuda")
+    mask = (torch.rand(4, 16, device="cuda") > 0.3).float()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        keep = _entropy_filter(entropies, mask, 0.2, SimpleNamespace(num_processes=1))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert keep.device.type == "cuda" and keep.dtype == torch.bool

@@ -230,6 +230,23 @@ def test_high_entropy_mask_equals_trl():
     assert int(gl.high_entropy_mask(entropies, mask, 0.0).sum()) == 1  # only the highest-entropy token
 
 
+def test_masked_quantile_equals_torch_quantile_of_the_masked_values():
+    """The threshold high_entropy_mask takes on one process, found without a boolean index (whose
+    count a GPU would read on the host): torch.quantile of the masked values, bit for bit, on ragged
+    masks of every size, the empty one included (+inf: no token reaches it)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        rows, cols = torch.randint(1, 6, (2,), generator=gen).tolist()
+        values = torch.rand(rows, cols, generator=gen) * 5
+        mask = (torch.rand(rows, cols, generator=gen) > 0.4).float()
+        for q in (0.0, 0.2, 0.5, 0.8, 1.0, float(torch.rand(1, generator=gen))):
+            got = gl.masked_quantile(values, mask, q)
+            if not mask.any():
+                assert torch.isinf(got) and not gl.high_entropy_mask(values, mask, 1 - q).any()
+                continue
+            assert torch.equal(got, torch.quantile(values[mask.bool()], q)), (rows, cols, q)
+
+
 def test_vespo_weights_equal_trl():
     logp, old, _, _, advantages, mask = _ragged(seed=5)
     o = gl.Objective(loss_type="vespo")

@@ -23,7 +23,7 @@ from pipeline.rl.ppo import make_experience
 from stages import grpo
 
 ROOT = Path(__file__).resolve().parents[1]
-BOOKKEEPING = tuple(str(ROOT / part) for part in ("pipeline/algorithms", "pipeline/engine", "stages"))
+BOOKKEEPING = tuple(str(ROOT / part) for part in ("pipeline/algorithms", "pipeline/rl", "pipeline/engine", "stages"))
 """Where the updates keep their figures. The model's forward (pipeline/modeling) is left out: its
 shared-opening search reads the prompt block once per forward, which is not figure bookkeeping."""
 

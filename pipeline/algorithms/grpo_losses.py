@@ -238,11 +238,27 @@ def high_entropy_mask(
     """Loss tokens whose entropy is at or above the (1 - quantile) quantile of `pool` (default:
     the masked entropies; the update passes every rank's), as a bool [B, T] (Beyond the 80/20
     Rule: only the top `quantile` of tokens by entropy carry the policy gradient)."""
-    values = entropies[mask.bool()].float() if pool is None else pool.float()
-    if values.numel() == 0:
+    if pool is None:
+        threshold = masked_quantile(entropies, mask, 1 - quantile)
+    elif pool.numel() == 0:
         return torch.zeros_like(entropies, dtype=torch.bool)
-    threshold = torch.quantile(values, 1 - quantile)
+    else:
+        threshold = torch.quantile(pool.float(), 1 - quantile)
     return ((entropies * mask.float()) >= threshold) & mask.bool()
+
+
+def masked_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
+    """`torch.quantile(values[mask.bool()], q)` (linear interpolation, as torch's default) found on
+    the values' device: a boolean index needs its count on the host, a sync per call on a GPU; here
+    the count stays a device tensor. No masked value: +inf (so nothing reaches it)."""
+    keep = mask.bool().flatten()
+    ordered = values.float().flatten().masked_fill(~keep, float("inf")).sort().values
+    last = (keep.sum() - 1).clamp(min=0)
+    rank = q * last.to(ordered.dtype)
+    below, above = rank.floor().long(), rank.ceil().long()
+    low, high = ordered.gather(0, below.view(1)), ordered.gather(0, above.view(1))
+    between = torch.lerp(low, high, (rank - below.to(rank.dtype)).view(1))
+    return torch.where(above == below, low, between).squeeze(0)  # an exact rank: no lerp (inf - inf is nan)
 
 
 @dataclass

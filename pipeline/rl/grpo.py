@@ -82,17 +82,18 @@ def grpo_update(
     Raises:
         NonFiniteError: a non-finite loss or gradient (before the optimizer steps).
     """
-    g, temperature, device = cfg.grpo, cfg.generation.temperature, accelerator.device
-    B, accum = rollout.input_ids.shape[0], cfg.train.grad_accum
-    micro, P = B // accum, rollout.prompt_width
+    g, accum = cfg.grpo, cfg.train.grad_accum
+    micro = rollout.input_ids.shape[0] // accum
     mask_all = loss_mask(rollout, g.mask_truncated_completions)
     # The rollout lives on the host: its counts are read there (over ranks: one read per update).
-    counts = all_reduce_sum(torch.tensor([float(mask_all.sum()), float(B)], dtype=torch.float64), accelerator)
+    counts = all_reduce_sum(
+        torch.tensor([float(mask_all.sum()), float(rollout.input_ids.shape[0])], dtype=torch.float64), accelerator
+    )
     tokens, sequences = counts.tolist()
+    totals = Totals(tokens, int(sequences), cfg.generation.max_new_tokens)
     # accelerator.backward divides each micro-batch's loss by accum; these losses are already
     # shares of the step's (and the ranks' mean gradient is wanted), so scale back up.
     scale = accum * accelerator.num_processes
-    totals = Totals(tokens, int(sequences), cfg.generation.max_new_tokens)
     objective = g.objective()
     stats: dict[str, list[float]] = defaultdict(list)
     for _ in range(g.num_iterations):
@@ -103,33 +104,12 @@ def grpo_update(
 
         def micro_batch(k: int, figures=figures, first=first) -> torch.Tensor:
             rows = slice(k * micro, (k + 1) * micro)
-            ids, attn = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
-            mask = mask_all[rows].to(device)
-            with accelerator.autocast():
-                policy, _ = model(
-                    ids, attn, P, critic=False, temperature=temperature, entropy=g.top_entropy_quantile < 1.0
-                )
-            logp = policy.logp
-            old = scored["old"][rows].to(device) if "old" in scored else logp.detach()
-            ref = scored["ref"][rows].to(device) if "ref" in scored else None
-            # untrained positions (padding, a tool rollout's inserted results): their log-probs are never read
-            logp, old, ref = (None if t is None else t.masked_fill(mask == 0, 0.0) for t in (logp, old, ref))
-            keep = _entropy_filter(policy.entropy, mask, g.top_entropy_quantile, accelerator)
-            weight = scored["is_weight"][rows].to(device) if "is_weight" in scored else None  # mismatch correction
-            out = grpo_loss(
-                logp,
-                old,
-                advantages[rows].to(device),
-                mask,
-                ref_logp=ref,
-                objective=objective,
-                totals=totals,
-                token_filter=keep,
-                is_weight=weight,
+            out, ratio_dev = _micro_loss(
+                model, rollout, scored, advantages, mask_all, rows, cfg, objective, totals, accelerator
             )
             accelerator.backward(out.loss * scale)
             if "ratio_dev_first" not in stats and not first:
-                first.append(((logp.detach() - old).exp() - 1).abs().mul(mask).max().double().view(1))
+                first.append(ratio_dev.view(1))
             parts = [out.loss.detach(), out.clipfrac] + ([] if out.kl is None else [out.kl])
             figures.append(torch.stack([part.double() for part in parts]))
             return out.loss
@@ -149,18 +129,61 @@ def grpo_update(
             max_grad_norm=cfg.train.max_grad_norm,
             figures=step_figures,
         )
-        read, width = done.figures.tolist(), len(figures[0])
-        micro_rows = [read[len(read) - width * (accum - i) :][:width] for i in range(accum)]
-        if first:
-            stats["ratio_dev_first"].append(read[1])
-        stats["clipfrac"].extend(row[1] for row in micro_rows)
-        if width > 2:
-            stats["kl"].extend(row[2] for row in micro_rows)
-        # one process: the host sums the micro-batches' losses in their order (the float of each
-        # micro-batch's own read); over ranks, the sum all-reduced on the device
-        stats["loss"].append(sum(row[0] for row in micro_rows) if accelerator.num_processes == 1 else read[0])
-        stats["grad_norm"].append(done.grad_norm)
+        _read_step(done, len(figures[0]), accum, bool(first), accelerator.num_processes, stats)
     return {k: sum(v) / len(v) for k, v in stats.items()}
+
+
+def _micro_loss(
+    model, rollout: Rollout, scored: dict, advantages, mask_all, rows: slice, cfg, objective, totals, accelerator
+) -> tuple[GRPOLossOut, torch.Tensor]:
+    """One micro-batch's forward and loss, and its max |ratio - 1| (the first one's is the step's
+    on-policy check), on the device."""
+    g, device = cfg.grpo, accelerator.device
+    ids, attn = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
+    mask = mask_all[rows].to(device)
+    with accelerator.autocast():
+        policy, _ = model(
+            ids,
+            attn,
+            rollout.prompt_width,
+            critic=False,
+            temperature=cfg.generation.temperature,
+            entropy=g.top_entropy_quantile < 1.0,
+        )
+    logp = policy.logp
+    old = scored["old"][rows].to(device) if "old" in scored else logp.detach()
+    ref = scored["ref"][rows].to(device) if "ref" in scored else None
+    # untrained positions (padding, a tool rollout's inserted results): their log-probs are never read
+    logp, old, ref = (None if t is None else t.masked_fill(mask == 0, 0.0) for t in (logp, old, ref))
+    out = grpo_loss(
+        logp,
+        old,
+        advantages[rows].to(device),
+        mask,
+        ref_logp=ref,
+        objective=objective,
+        totals=totals,
+        token_filter=_entropy_filter(policy.entropy, mask, g.top_entropy_quantile, accelerator),
+        is_weight=scored["is_weight"][rows].to(device) if "is_weight" in scored else None,  # mismatch correction
+    )
+    ratio_dev = ((logp.detach() - old).exp() - 1).abs().mul(mask).max().double()
+    return out, ratio_dev
+
+
+def _read_step(done, width: int, accum: int, has_first: bool, ranks: int, stats: dict) -> None:
+    """Add one optimizer step's figures, read from the host once (`optimizer_step`'s `figures`:
+    [the step's loss, first's ratio check when `has_first`, every micro-batch's row]), to `stats`."""
+    read = done.figures.tolist()
+    micro_rows = [read[len(read) - width * (accum - i) :][:width] for i in range(accum)]
+    if has_first:
+        stats["ratio_dev_first"].append(read[1])
+    stats["clipfrac"].extend(row[1] for row in micro_rows)
+    if width > 2:
+        stats["kl"].extend(row[2] for row in micro_rows)
+    # one process: the host sums the micro-batches' losses in their order (the float of each
+    # micro-batch's own read); over ranks, the sum all-reduced on the device
+    stats["loss"].append(sum(row[0] for row in micro_rows) if ranks == 1 else read[0])
+    stats["grad_norm"].append(done.grad_norm)
 
 
 @torch.no_grad()
@@ -170,9 +193,8 @@ def _entropy_filter(entropies, mask: torch.Tensor, quantile: float, accelerator)
     `entropies` [B, R]: each position's, from the policy's forward (`PolicyOut.entropy`)."""
     if quantile >= 1.0:
         return None
-    pool = entropies[mask.bool()]
-    if accelerator.num_processes > 1:
-        pad = -1e9  # entropies are >= 0, so the sentinel cannot collide with a value
-        pool = accelerator.gather(accelerator.pad_across_processes(pool, dim=0, pad_index=pad))
-        pool = pool[pool != pad]
-    return high_entropy_mask(entropies, mask, quantile, pool)
+    if accelerator.num_processes == 1:  # the threshold found on the device (no host read)
+        return high_entropy_mask(entropies, mask, quantile)
+    pad = -1e9  # entropies are >= 0, so the sentinel cannot collide with a value
+    pool = accelerator.gather(accelerator.pad_across_processes(entropies[mask.bool()], dim=0, pad_index=pad))
+    return high_entropy_mask(entropies, mask, quantile, pool[pool != pad])
