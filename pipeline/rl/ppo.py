@@ -242,13 +242,7 @@ def actor_critic_backward(
             values.float(), exp.values[idx].to(device), exp.returns[idx].to(device), mask, cliprange_value, check=False
         )
 
-    weight = 1.0
-    if step_tokens is not None:
-        # on the device (a float() here would wait for it): the same double arithmetic, then fp32
-        # as a Python number would be when multiplying an fp32 loss
-        share = mask.sum().double() / torch.as_tensor(step_tokens, dtype=torch.float64, device=device)
-        weight = (share * accelerator.gradient_accumulation_steps * accelerator.num_processes).float()
-
+    weight = _token_weight(mask, step_tokens, accelerator)
     if separate:
         policy = held
         if policy is None:
@@ -270,6 +264,18 @@ def actor_critic_backward(
         vloss, vclip = value_part(values)
         accelerator.backward((pol.loss + vf_coef * vloss) * weight)
     return micro_batch_figures(pol, vloss, vclip, vf_coef, logp, old, mask)
+
+
+def _token_weight(mask: torch.Tensor, step_tokens, accelerator) -> float | torch.Tensor:
+    """A micro-batch loss's weight when the step is token-normalised: its share of the step's
+    tokens, times the micro-batches per step and the ranks (undoing accelerate's division and DDP's
+    average); 1 without `step_tokens`. On the device (a float() here would wait for it): the same
+    double arithmetic, then fp32 as a Python number would be when multiplying an fp32 loss."""
+    if step_tokens is None:
+        return 1.0
+    device = mask.device
+    share = mask.sum().double() / torch.as_tensor(step_tokens, dtype=torch.float64, device=device)
+    return (share * accelerator.gradient_accumulation_steps * accelerator.num_processes).float()
 
 
 MICRO_FIGURES = ("loss", "policy_loss", "value_loss", "clipfrac_policy", "clipfrac_value", "approx_kl", "ratio_dev")
@@ -322,26 +328,12 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
         order = torch.arange(B) if epoch == 0 else torch.randperm(B, generator=order_gen)
         for start in range(0, B, mini):
             rows = order[start : start + mini]
-            # the response tokens of each micro-batch, counted on the host where the rollout lives
-            per_micro = torch.stack(
-                [exp.rollout.response_mask[rows[k * micro : (k + 1) * micro]].sum() for k in range(accum)]
-            )
-            if bool((per_micro == 0).any()):
-                raise ValueError(f"ppo_update: a micro-batch of step {step} has no response token")
-            tokens = all_reduce_sum(per_micro.sum().double().view(1).to(accelerator.device), accelerator)[0]
+            tokens = _mini_batch_tokens(exp, rows, micro, accum, accelerator, step)
             # every micro-batch's figures (MICRO_FIGURES) stay on the device until the step's one read
             figures: list[torch.Tensor] = []
 
             def micro_batch(k: int, rows=rows, tokens=tokens, figures=figures) -> torch.Tensor:
                 idx = rows[k * micro : (k + 1) * micro]
-                # only the first micro-batch: the whole rollout in order
-                (held, held_values), exp.held_logits, exp.held_values = (exp.held_logits, exp.held_values), None, None
-                if (held is not None or held_values is not None) and not (
-                    separate and torch.equal(idx, torch.arange(B))
-                ):
-                    raise RuntimeError(
-                        "ppo_update: held forwards for a first micro-batch that is not the whole rollout"
-                    )
                 micro_stats = actor_critic_backward(
                     model,
                     exp,
@@ -353,8 +345,7 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
                     cliprange_value=cfg.ppo.cliprange_value,
                     vf_coef=cfg.ppo.vf_coef,
                     step_tokens=tokens,
-                    held=held,
-                    held_values=held_values,
+                    **_take_held(exp, idx, separate),
                 )
                 figures.append(torch.stack([micro_stats[name] for name in MICRO_FIGURES]))
                 return micro_stats["loss"] / accum
@@ -374,14 +365,48 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
                 max_grad_norm=cfg.train.max_grad_norm,
                 figures=step_figures,
             )
-            read, width = done.figures.tolist()[1:], len(MICRO_FIGURES)
-            for row in (dict(zip(MICRO_FIGURES, read[i * width : (i + 1) * width])) for i in range(accum)):
-                if not stats["ratio_dev_first"]:
-                    stats["ratio_dev_first"].append(row["ratio_dev"])
-                for key in MICRO_FIGURES[1:-1]:
-                    stats[key].append(row[key])
-            stats["grad_norm"].append(done.grad_norm)
+            _read_mini_batch(done, accum, stats)
     return {k: sum(v) / len(v) for k, v in stats.items()}
+
+
+def _mini_batch_tokens(exp: Experience, rows: torch.Tensor, micro: int, accum: int, accelerator, step: int):
+    """The response tokens of the mini-batch `rows` on every rank (a device tensor), each micro-batch's
+    counted on the host where the rollout lives.
+
+    Raises:
+        ValueError: a micro-batch without a response token (its token mean would divide by 0)."""
+    per_micro = torch.stack([exp.rollout.response_mask[rows[k * micro : (k + 1) * micro]].sum() for k in range(accum)])
+    if bool((per_micro == 0).any()):
+        raise ValueError(f"ppo_update: a micro-batch of step {step} has no response token")
+    return all_reduce_sum(per_micro.sum().double().view(1).to(accelerator.device), accelerator)[0]
+
+
+def _take_held(exp: Experience, idx: torch.Tensor, separate: bool) -> dict:
+    """The scoring pass's forwards still attached to their graphs (`Experience.held_logits`,
+    `held_values`), for the first micro-batch only, which must be the whole rollout in order; the
+    experience lets go of them.
+
+    Raises:
+        RuntimeError: held forwards for another micro-batch (they would train on the wrong rows)."""
+    held, held_values = exp.held_logits, exp.held_values
+    exp.held_logits = exp.held_values = None
+    if (held is not None or held_values is not None) and not (
+        separate and torch.equal(idx, torch.arange(exp.old_logprobs.shape[0]))
+    ):
+        raise RuntimeError("ppo_update: held forwards for a first micro-batch that is not the whole rollout")
+    return {"held": held, "held_values": held_values}
+
+
+def _read_mini_batch(done, accum: int, stats: dict) -> None:
+    """Add one optimizer step's figures (read from the host once: [the step's loss, every
+    micro-batch's MICRO_FIGURES]) to `stats`."""
+    read, width = done.figures.tolist()[1:], len(MICRO_FIGURES)
+    for row in (dict(zip(MICRO_FIGURES, read[i * width : (i + 1) * width])) for i in range(accum)):
+        if not stats["ratio_dev_first"]:
+            stats["ratio_dev_first"].append(row["ratio_dev"])
+        for key in MICRO_FIGURES[1:-1]:
+            stats[key].append(row[key])
+    stats["grad_norm"].append(done.grad_norm)
 
 
 def step_metrics(exp: Experience, update: dict, accelerator, *, kl_coef: float, gen_frac: float) -> dict[str, float]:
