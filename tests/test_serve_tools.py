@@ -219,7 +219,7 @@ def test_a_template_without_tools_is_refused_in_one_line(tiny_model_dir):
 def test_vllm_is_started_with_the_parser_of_the_layout(tool_model, tiny_model_dir):
     """vLLM's hermes parser reads <tool_call>{json}</tool_call>: the flags for a folder whose
     template writes that (Relay's saved layout), none for one without tools."""
-    from pipeline.tools.serve import vllm_command
+    from pipeline.tools.vllm_serving import vllm_command
 
     assert vllm_command(str(tool_model[0]), "h", 1)[-3:] == [
         "--enable-auto-tool-choice",
