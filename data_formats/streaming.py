@@ -27,7 +27,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from data_formats.datasets import DocumentPacker
+from data_formats.pt_data import DocumentPacker
 from data_formats.sampling import DRAW_BLOCK, seed_of
 from data_formats.sources import MAX_RECORD_BYTES, Problem
 from data_formats.validate import apply_policy, entry_records, iter_parsed

@@ -27,7 +27,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_formats.collate import Collator
-from data_formats.datasets import build_pt_data
+from data_formats.pt_data import build_pt_data
 from data_formats.streaming import open_stream, stream_problems
 from data_formats.validate import apply_policy
 from pipeline.config import StageConfig, TextDataConfig

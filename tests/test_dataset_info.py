@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from data_formats.datasets import build_preference_data, build_pt_data, build_sft_data
+from data_formats.datasets import build_preference_data, build_sft_data
+from data_formats.pt_data import build_pt_data
 from data_formats.render import make_template
 from data_formats.unpaired import build_kto_data
 from pipeline.config.sections import ChatDataConfig, PreferenceDataConfig, TextDataConfig

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from data_formats.collate import Collator, left_pad, pack, packing_efficiency
-from data_formats.datasets import chunk_documents
+from data_formats.pt_data import chunk_documents
 from pipeline.engine.steps import model_inputs
 from pipeline.modeling.attention import block_causal_mask
 

@@ -9,7 +9,7 @@ from stagerun import run_stage
 from test_pt_sft import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from transformers import AutoTokenizer
 
-from data_formats.datasets import build_pt_data
+from data_formats.pt_data import build_pt_data
 from data_formats.sources import DataError
 from data_formats.streaming import PackedTextStream
 from pipeline.config import ConfigError, load_config

@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 import data_formats.datasets as datasets
 from data_formats import token_cache
-from data_formats.datasets import build_preference_data, build_prompt_data, build_pt_data, build_sft_data
+from data_formats.datasets import build_preference_data, build_prompt_data, build_sft_data
+from data_formats.pt_data import build_pt_data
 from data_formats.render import make_template
 from pipeline.config import ChatDataConfig, PreferenceDataConfig, PromptDataConfig, TextDataConfig
 

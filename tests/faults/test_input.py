@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_formats import datasets, sources, validate
-from data_formats.datasets import DocumentPacker, chunk_documents
+from data_formats import sources, validate
+from data_formats.pt_data import DocumentPacker, build_pt_data, chunk_documents
 from data_formats.sources import DataError, Problem
 from pipeline.config import ConfigError, DataConfig, load_config
 
@@ -299,7 +299,7 @@ def test_streamed_pt_rows_equal_in_memory_rows(tmp_path, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     texts = ["short one.", "a much longer document " * 40, "x", "another document, of middling length " * 5]
     corpus = write_jsonl(tmp_path / "pt.jsonl", [{"text": t} for t in texts], bom=True, crlf=True)
-    rows = datasets.build_pt_data(TextDataConfig(train=[str(corpus)]), tokenizer, 16, "train")
+    rows = build_pt_data(TextDataConfig(train=[str(corpus)]), tokenizer, 16, "train")
     stream = PackedTextStream([str(corpus)], tokenizer, 16)
     streamed = [stream.next_row() for _ in range(len(rows) - 1)]  # the last in-memory row is the short flush
     assert streamed == rows[:-1]
