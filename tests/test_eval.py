@@ -18,7 +18,8 @@ import pytest
 
 from pipeline.tools import evaluate
 from pipeline.tools.chain_config import GoldConfig
-from pipeline.tools.evaluate import BenchmarkConfig, evaluate_models, retention_table, task_problems
+from pipeline.tools.eval_tasks import task_problems
+from pipeline.tools.evaluate import BenchmarkConfig, evaluate_models, retention_table
 from pipeline.tools.report import render_markdown
 
 REPO = Path(__file__).resolve().parents[1]

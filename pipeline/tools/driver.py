@@ -63,7 +63,8 @@ from pipeline.tools.chain_config import (
     load_pipeline,
     planned_stages,
 )
-from pipeline.tools.evaluate import EvalError, evaluate_models, retention_table
+from pipeline.tools.eval_tasks import EvalError
+from pipeline.tools.evaluate import evaluate_models, retention_table
 from pipeline.tools.gold import GoldError, GoldSettings, format_table, gold_table
 
 # ---------------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ report read it); the harness loads in `evaluate_models`.
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import importlib.util
 import json
@@ -39,25 +38,23 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
-
-import yaml
+from typing import Optional, Sequence
 
 from pipeline.modeling.embedded import is_embedded, materialize
 from pipeline.modeling.manifest import weights_hash
+from pipeline.tools.eval_tasks import (
+    EvalError,
+    first_metric,
+    leaf_tasks,
+    task_index,
+    task_problems,
+    tasks_hash,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_TASKS = REPO / "data" / "general" / "tasks"
 DEFAULT_TASKS = ("relay_general_mc", "relay_general_text")
-LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")
-"""`dataset_path` values that name a builder packaged in `datasets`: local when every data file is."""
 CACHE_VERSION = 1
-FIRST_METRIC = {"multiple_choice": "acc", "loglikelihood_rolling": "word_perplexity", "generate_until": "exact_match"}
-"""A task's column when its YAML lists no metric (the harness's defaults per output type)."""
-
-
-class EvalError(RuntimeError):
-    """An evaluation that cannot run; the message is one line per problem."""
 
 
 @dataclass
@@ -100,178 +97,6 @@ def harness_missing() -> Optional[str]:
     if importlib.util.find_spec("lm_eval") is None:
         return "lm-evaluation-harness is not installed (pip install 'relay[eval]', or bash run_scripts/install.sh)"
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Task YAMLs, read without the harness (pure but for file reads)
-# ---------------------------------------------------------------------------------------------
-
-
-class _TaskLoader(yaml.SafeLoader):
-    """The harness's YAML with its tags kept as text (`!function m.f` -> '!function m.f')."""
-
-
-_TaskLoader.add_multi_constructor("!", lambda loader, tag, node: f"{tag} {loader.construct_scalar(node)}")
-
-
-def read_task_yaml(path: Path, depth: int = 0) -> dict:
-    """A task YAML as a dict, its `include:` (a path beside it) merged under its own keys.
-
-    Raises:
-        EvalError: the file does not parse, or an include is missing or circular.
-    """
-    try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_TaskLoader)
-    except (OSError, yaml.YAMLError) as err:
-        raise EvalError(f"{path}: {' '.join(str(err).split())}") from err
-    if not isinstance(data, dict):
-        return {}
-    included = data.pop("include", None)
-    if included is None:
-        return data
-    base = (path.parent / str(included)).resolve()
-    if depth > 8 or not base.is_file():
-        raise EvalError(f"{path}: include {included!r} {'is circular' if depth > 8 else 'does not exist'}")
-    return {**read_task_yaml(base, depth + 1), **data}
-
-
-@dataclass
-class TaskEntry:
-    name: str
-    path: Path
-    config: dict
-    kind: str  # task | group | tag
-    members: list[str] = field(default_factory=list)
-
-
-def task_index(include_paths: Iterable[str | Path]) -> dict[str, TaskEntry]:
-    """{name: entry} of every task, group and tag in the YAMLs under `include_paths` (later paths win).
-
-    Raises:
-        EvalError: a YAML that does not parse.
-    """
-    index: dict[str, TaskEntry] = {}
-    for root in include_paths:
-        for path in sorted(Path(root).rglob("*.yaml")):
-            cfg = read_task_yaml(path)
-            task = cfg.get("task")
-            if isinstance(task, str):
-                index[task] = TaskEntry(task, path, cfg, "task")
-                tags = cfg.get("tag") or []
-                for tag in [tags] if isinstance(tags, str) else tags:
-                    entry = index.setdefault(tag, TaskEntry(tag, path, {}, "tag"))
-                    entry.members.append(task)
-            elif isinstance(task, list) and isinstance(cfg.get("group"), str):
-                members = [t if isinstance(t, str) else t.get("task") for t in task if isinstance(t, (str, dict))]
-                index[cfg["group"]] = TaskEntry(cfg["group"], path, cfg, "group", [m for m in members if m])
-    return index
-
-
-def _data_files(kwargs: Any) -> list[str]:
-    files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
-    if isinstance(files, dict):
-        files = list(files.values())
-    out: list[str] = []
-    for item in [files] if isinstance(files, str) else files or []:
-        out += [item] if isinstance(item, str) else [f for f in item if isinstance(f, str)]
-    return out
-
-
-def download_reason(cfg: dict) -> Optional[str]:
-    """Why a task's data would not come from local files (None: it would), from its YAML alone (pure
-    but for checking that paths exist; relative data_files are read from the working directory, as
-    `datasets` reads them)."""
-    if cfg.get("class"):
-        return "is a Python task class, whose data source Relay cannot read from the YAML"
-    if cfg.get("custom_dataset"):
-        return None
-    source = cfg.get("dataset_path")
-    if not source:
-        return "names no dataset_path and no custom_dataset"
-    if source in LOCAL_BUILDERS:
-        files = _data_files(cfg.get("dataset_kwargs"))
-        if not files:
-            return f"dataset_path {source!r} with no dataset_kwargs.data_files"
-        remote = [f for f in files if "://" in f]
-        if remote:
-            return f"reads {remote[0]!r} over the network"
-        absent = [f for f in files if not glob.glob(f)]
-        return f"data file {absent[0]!r} does not exist (relative to {Path.cwd()})" if absent else None
-    if Path(str(source)).is_dir():
-        return None
-    return f"would download dataset_path {source!r} from the Hub"
-
-
-def task_problems(names: Sequence[str], include_paths: Sequence[str | Path]) -> list[str]:
-    """One line per requested task (or group/tag member) that cannot run offline from local files.
-    Loads neither torch nor the harness."""
-    missing = [p for p in include_paths if not Path(p).is_dir()]
-    if missing:
-        return [f"include_path {str(p)!r} is not a folder" for p in missing]
-    try:
-        index = task_index(include_paths)
-    except EvalError as err:
-        return [str(err)]
-    where = ", ".join(map(str, include_paths))
-    out: list[str] = []
-
-    def check(name: str, seen: tuple[str, ...]) -> None:
-        entry = index.get(name)
-        if entry is None:
-            out.append(
-                f"task {name!r} is not in {where}: Relay runs harness task YAMLs over local files only "
-                "(the harness's own tasks download their data); add its folder with --include_path"
-            )
-        elif entry.kind == "task":
-            reason = download_reason(entry.config)
-            if reason:
-                out.append(
-                    f"task {name!r} ({entry.path}): {reason}; Relay scores local files only "
-                    "(dataset_path json|csv|parquet|text with local data_files, a local folder, or custom_dataset)"
-                )
-        elif name not in seen:
-            for member in entry.members:
-                check(member, (*seen, name))
-
-    for name in names:
-        check(name, ())
-    return out
-
-
-def leaf_tasks(names: Sequence[str], index: dict[str, TaskEntry]) -> list[str]:
-    """The tasks `names` stand for (groups and tags expanded), in order, each once (pure)."""
-    out: list[str] = []
-    for name in names:
-        entry = index.get(name)
-        for leaf in [name] if entry is None or entry.kind == "task" else leaf_tasks(entry.members, index):
-            if leaf not in out:
-                out.append(leaf)
-    return out
-
-
-def first_metric(entry: Optional[TaskEntry]) -> Optional[str]:
-    """A task's headline metric: the first of its metric_list, else the harness's default for its
-    output type (pure)."""
-    if entry is None:
-        return None
-    metrics = entry.config.get("metric_list") or []
-    if metrics and isinstance(metrics[0], dict) and metrics[0].get("metric"):
-        return str(metrics[0]["metric"])
-    return FIRST_METRIC.get(entry.config.get("output_type", ""))
-
-
-def tasks_hash(names: Sequence[str], include_paths: Sequence[str | Path]) -> str:
-    """A hash of every file the tasks read: the include folders' files and the data files they name."""
-    digest = hashlib.sha256()
-    for root in include_paths:
-        for path in sorted(p for p in Path(root).rglob("*") if p.is_file() and "__pycache__" not in p.parts):
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    index = task_index(include_paths)
-    for name in leaf_tasks(names, index):
-        for f in _data_files(index[name].config.get("dataset_kwargs")) if name in index else []:
-            for path in [Path(p) for p in sorted(glob.glob(f))] or [Path(f)]:
-                digest.update(str(path).encode() + b"\0" + (path.read_bytes() if path.is_file() else b""))
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
