@@ -47,14 +47,8 @@ def serve_vllm(
     run_scripts/install_vllm.sh). The API key and Relay's chat roles go to the server's guard in
     its environment, never on its command line. Either way out, the server's whole process group
     is stopped before this returns."""
-    from pipeline.modeling.vllm_server import (
-        DROPPED_VLLM_ENV,
-        ServerOptions,
-        launch,
-        server_env,
-        stop_group,
-        vllm_python,
-    )
+    from pipeline.modeling.vllm_env import DROPPED_VLLM_ENV
+    from pipeline.modeling.vllm_server import ServerOptions, launch, server_env, stop_group, vllm_python
 
     python = vllm_python()
     if python is None:
