@@ -34,6 +34,15 @@ from pipeline.algorithms import rewards as rw
 from pipeline.algorithms import rl
 from pipeline.algorithms.judge import JudgeConfig, JudgeReward
 from pipeline.algorithms.mismatch import logprob_diff
+from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig, ToolsConfig
+from pipeline.config.engines import tools_refusal
+from pipeline.engine.accelerator import full_parameters
+from pipeline.engine.checkpoint import seeded_fork
+from pipeline.engine.held_out import ratio
+from pipeline.engine.stage import main
+from pipeline.engine.steps import rank_mean
+from pipeline.modeling.manifest import read_manifest
+from pipeline.modeling.models import load_model, train_without_dropout
 from pipeline.rl.policy_stage import GeneratorFactory, PolicyStage, frozen
 from pipeline.rl.ppo import (
     REWARD_NORMS,
@@ -45,14 +54,6 @@ from pipeline.rl.ppo import (
 )
 from pipeline.rl.rollout import ActorCritic
 from pipeline.rl.tool_rollout import tools_problems
-from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig, ToolsConfig
-from pipeline.engine.accelerator import full_parameters
-from pipeline.engine.checkpoint import seeded_fork
-from pipeline.engine.held_out import ratio
-from pipeline.engine.stage import main
-from pipeline.engine.steps import rank_mean
-from pipeline.modeling.manifest import read_manifest
-from pipeline.modeling.models import load_model, train_without_dropout
 
 log = logging.getLogger("relay.ppo")
 
@@ -156,11 +157,8 @@ class PPOConfig(StageConfig):
                 "ppo.reward_norm: 'stored' normalises with the reward model's own score statistics, and the summed "
                 "reward is not its score alone (a judge, or reward_model.weight != 1); use running or none"
             )
-        if self.tools.enabled and self.distributed.engine == "deepspeed":
-            out.append(
-                "tools.funcs: tool rollouts run under ddp or fsdp (under DeepSpeed ZeRO-3 every rank samples in "
-                "lockstep, and ranks take different numbers of turns)"
-            )
+        if self.tools.enabled and (why := tools_refusal(self.distributed.engine)):
+            out.append(f"tools.funcs: {why}")
         batch, accum = self.train.batch_size, self.train.grad_accum
         mini = batch if self.ppo.mini_batch_size is None else self.ppo.mini_batch_size
         if mini < 1:

@@ -140,3 +140,220 @@ def test_a_dpo_loss_carries_its_own_checks(monkeypatch):
         "dpo.beta: loss_type strict needs beta <= 0.5"
     ]
     assert dataclasses.replace(DPOSection(), loss_type="strict", beta=0.1).problems("dpo") == []
+
+
+# ------------------------------------------------------------------------------------------
+# Distributed engines: facts (pipeline/config/engines.py) and runtime (pipeline/engine/engines.py)
+# ------------------------------------------------------------------------------------------
+
+GOSSIP_PACKAGE = "relay_made_up_gossip"
+
+
+def _sft_config(tmp_path, engine: str):
+    from stages.sft import SFTConfig
+
+    cfg = SFTConfig()
+    cfg.output_dir, cfg.distributed.engine = str(tmp_path / "out"), engine
+    return cfg
+
+
+def _checkpoint(tmp_path) -> None:
+    import json
+
+    step = tmp_path / "out" / "checkpoints" / "step-0000001"
+    step.mkdir(parents=True)
+    (step / ".complete").write_text(json.dumps({"step": 1, "lifetime": "temporary", "world_size": 2}))
+
+
+def test_a_new_distributed_engine_is_one_entry_on_each_side(monkeypatch, tmp_path):
+    """A made-up engine registered in both halves under one name: the config check accepts it, the
+    combination check reports its package, its own problems and its resume refusal; PPO's tool
+    check, the packages a stage keeps unloaded, the Accelerator's options, the fill-in after it
+    exists and the model's preparation all come from its entries, with no name compared elsewhere."""
+    import sys
+
+    import accelerate
+
+    from pipeline.config import DistributedConfig
+    from pipeline.config import engines as facts
+    from pipeline.engine import accelerator as acc
+    from pipeline.engine import engines as runtimes
+    from pipeline.engine.stage import hide_unrequested_backends
+    from stages.ppo import PPOConfig
+
+    calls = []
+
+    def prepare(accelerator, model, cfg, optimizer_for, mixed):
+        calls.append(("prepare", mixed))
+        return model, optimizer_for(model)
+
+    monkeypatch.setitem(
+        facts.ENGINES,
+        "gossip",
+        facts.EngineFacts(
+            "made-up gossip averaging",
+            package=GOSSIP_PACKAGE,
+            no_resume="gossip keeps no optimizer state",
+            lockstep="every gossip round samples in lockstep",
+        ),
+    )
+    monkeypatch.setitem(
+        runtimes.RUNTIMES,
+        "gossip",
+        runtimes.EngineRuntime(
+            problems=lambda cfg, f: [f"distributed.engine: gossip ({f.summary}) needs 3 ranks"],
+            accelerator_kwargs=lambda cfg, cuda: {"cpu": True, "gossip_rounds": cfg.train.grad_accum},
+            after_creation=lambda accelerator, cfg, cuda: calls.append(("after", accelerator.kwargs["gossip_rounds"])),
+            prepare=prepare,
+        ),
+    )
+    assert DistributedConfig(engine="gossip").problems() == []
+    assert DistributedConfig(engine="gossip2").problems() == [
+        "distributed.engine: 'gossip2' is not one of 'ddp', 'deepspeed', 'fsdp', 'gossip'"
+    ]
+
+    cfg = _sft_config(tmp_path, "gossip")
+    _checkpoint(tmp_path)
+    assert acc.combination_problems(cfg) == [
+        f"distributed.engine: gossip needs the {GOSSIP_PACKAGE} package (pip install {GOSSIP_PACKAGE}); "
+        "or use ddp or fsdp",
+        "distributed.engine: gossip (made-up gossip averaging) needs 3 ranks",
+        "checkpoint.resume: resuming a distributed.engine gossip run is not supported (gossip keeps no optimizer "
+        "state); set checkpoint.resume false to start again, or train with distributed.engine ddp or fsdp, which "
+        "resume exactly",
+    ]
+
+    ppo = PPOConfig()
+    ppo.distributed.engine, ppo.tools.funcs = "gossip", ["tools.py:lookup"]
+    assert [p for p in ppo.problems() if p.startswith("tools.funcs: tool rollouts")] == [
+        "tools.funcs: tool rollouts run under ddp or fsdp (every gossip round samples in lockstep, and ranks take "
+        "different numbers of turns)"
+    ]
+
+    seen = {name: name in sys.modules for name in (GOSSIP_PACKAGE, "deepspeed", "bitsandbytes")}
+    try:
+        cfg.model.finetuning = "qlora"  # bitsandbytes wanted: left as it is
+        hide_unrequested_backends(_sft_config(tmp_path, "ddp"))
+        assert GOSSIP_PACKAGE in sys.modules and sys.modules[GOSSIP_PACKAGE] is None
+        del sys.modules[GOSSIP_PACKAGE]
+        hide_unrequested_backends(cfg)
+        assert GOSSIP_PACKAGE not in sys.modules  # the chosen engine's package may load
+    finally:
+        for name, present in seen.items():
+            if not present:
+                sys.modules.pop(name, None)
+
+    class Accelerator:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    monkeypatch.setattr(accelerate, "Accelerator", Accelerator)
+    cfg.train.grad_accum, cfg.train.precision = 3, "fp32"
+    accelerator = acc.setup_accelerator(cfg)
+    assert accelerator.kwargs == {
+        "mixed_precision": "no",
+        "step_scheduler_with_optimizer": False,
+        "cpu": True,
+        "gossip_rounds": 3,
+    }
+    model = torch.nn.Linear(2, 2)
+    prepared, optimizer = acc.prepare_training(accelerator, model, cfg)
+    assert prepared is model and isinstance(optimizer, torch.optim.AdamW)
+    assert calls == [("after", 3), ("prepare", "no")]
+
+
+def test_engine_facts_and_runtimes_name_the_same_engines():
+    from pipeline.config import engines as facts
+    from pipeline.engine import engines as runtimes
+
+    assert list(facts.ENGINES) == list(runtimes.RUNTIMES) == ["ddp", "deepspeed", "fsdp"]
+
+
+def test_the_capability_tables_engines_agree_with_the_engine_facts(monkeypatch):
+    """Each column of the capability table is a distributed.engine entry; where the table states a
+    fact of its own it agrees with the entry's (QLoRA, a ZeRO stage read from the entry's file), and
+    the tool-rollout refusal is read from the entry: a made-up lockstep under fsdp moves it."""
+    from pipeline.config import engines as facts
+
+    for name, column in caps.ENGINES.items():
+        entry = facts.ENGINES[column.config]
+        assert not column.zero or entry.config_file == "deepspeed_config", name
+        assert column.qlora or not entry.qlora(column.zero_stage), name
+        if not entry.qlora(column.zero_stage):  # the table never claims what the config check refuses
+            assert all(caps.refusal(caps.Cell(s, adapter="qlora", engine=name)) for s in ("pt", "sft", "rm")), name
+        tools = caps.refusal(caps.Cell("grpo", "relay", "on", "lora", name, "none"))
+        why = facts.tools_refusal(column.config)
+        assert (why is None and not (tools or "").startswith("tools.funcs: tool rollouts run under")) or (
+            tools == f"tools.funcs: {why}"
+        ), name
+
+    fsdp_tools = caps.Cell("grpo", "relay", "on", "lora", "fsdp", "none")
+    assert not (caps.refusal(fsdp_tools) or "").startswith("tools.funcs")
+    monkeypatch.setitem(
+        facts.ENGINES, "fsdp", dataclasses.replace(facts.ENGINES["fsdp"], lockstep="made-up fsdp lockstep")
+    )
+    assert caps.refusal(fsdp_tools) == (
+        "tools.funcs: tool rollouts run under ddp (made-up fsdp lockstep, and ranks take different numbers of turns)"
+    )
+
+
+def test_the_engine_refusals_keep_their_words(monkeypatch, tmp_path):
+    """Every refusal an engine's entries make, word for word as before they were entries (the docs and
+    other tests quote them)."""
+    import importlib.util
+    from pathlib import Path
+
+    from pipeline.config import DistributedConfig
+    from pipeline.engine import accelerator as acc
+    from stages.ppo import PPOConfig
+
+    zero3 = str(Path(__file__).resolve().parents[1] / "deepspeed_configs" / "zero3.json")
+    assert DistributedConfig(engine="horovod", fsdp_sharding="HALF").problems() == [
+        "distributed.engine: 'horovod' is not one of 'ddp', 'deepspeed', 'fsdp'",
+        "distributed.fsdp_sharding: 'HALF' is not one of 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD'",
+    ]
+    assert DistributedConfig(engine="deepspeed").problems() == [
+        "distributed.deepspeed_config: required when distributed.engine is deepspeed"
+    ]
+    assert DistributedConfig(engine="deepspeed", deepspeed_config="none.json").problems() == [
+        "distributed.deepspeed_config: no such file 'none.json'"
+    ]
+    assert DistributedConfig(engine="deepspeed", deepspeed_config=zero3).problems() == []
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    cfg = _sft_config(tmp_path, "deepspeed")
+    cfg.distributed.deepspeed_config, cfg.model.finetuning = zero3, "qlora"
+    _checkpoint(tmp_path)
+    assert acc.combination_problems(cfg) == [
+        "distributed.engine: deepspeed needs the deepspeed package (pip install deepspeed); or use ddp or fsdp",
+        "model.finetuning: qlora cannot load under DeepSpeed ZeRO-3 (its 4-bit weights are placed through a "
+        "device_map, which ZeRO-3's partitioned loading refuses); use a ZeRO-2 config "
+        "(deepspeed_configs/zero2.json), distributed.engine ddp, or model.finetuning lora",
+        "checkpoint.resume: resuming a distributed.engine deepspeed run is not supported (ZeRO shards the optimizer "
+        "state over ranks; the checkpoint holds rank 0's share); set checkpoint.resume false to start again, "
+        "or train with distributed.engine ddp or fsdp, which resume exactly",
+    ]
+    cfg.distributed.engine, cfg.distributed.fsdp_sharding = "fsdp", "NO_SHARD"
+    assert acc.combination_problems(cfg) == [
+        "distributed.fsdp_sharding: NO_SHARD has no FSDP2 counterpart (FSDP2 always shards); use FULL_SHARD or "
+        "SHARD_GRAD_OP, or distributed.engine ddp for unsharded data parallelism",
+        "distributed.engine: fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, "
+        "or model.finetuning lora or full",
+    ]
+    cfg.distributed.engine = "ddp"
+    assert acc.combination_problems(cfg) == []
+
+    ppo = PPOConfig()
+    ppo.distributed.engine, ppo.tools.funcs = "deepspeed", ["tools.py:lookup"]
+    assert [p for p in ppo.problems() if p.startswith("tools.funcs: tool rollouts")] == [
+        "tools.funcs: tool rollouts run under ddp or fsdp (under DeepSpeed ZeRO-3 every rank samples in lockstep, "
+        "and ranks take different numbers of turns)"
+    ]
+
+    with pytest.raises(ValueError, match=r"^distributed.engine: 'horovod' is not one of ddp, deepspeed, fsdp$"):
+        acc.setup_accelerator(_sft_config(tmp_path, "horovod"))
+    with pytest.raises(
+        ValueError, match=r"^distributed.deepspeed_config: required when distributed.engine is deepspeed$"
+    ):
+        acc.setup_accelerator(_sft_config(tmp_path, "deepspeed"))

@@ -18,13 +18,14 @@ its rule. Imports no torch: the CLI asks it before anything heavy loads.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from pipeline.config import engines as engine_facts
 from pipeline.config.backends import BACKENDS
+from pipeline.config.engines import zero_stage
 from pipeline.config.policy import CORRECTIONS
 from pipeline.config.sections import FINETUNING
 
@@ -38,9 +39,13 @@ CPU and its CPU tests are in the cells' TESTS."""
 
 @dataclass(frozen=True)
 class Engine:
+    """A column of the table: a `distributed.engine` entry (pipeline/config/engines.py; the tool-rollout
+    rule reads its lockstep fact), split by ranks and ZeRO stage where the suite tests them apart.
+    tests/test_registries.py checks the facts below agree with the entry's."""
+
     label: str
     config: str
-    """Its `distributed.engine` value."""
+    """Its `distributed.engine` value (a key of pipeline/config/engines.py's ENGINES)."""
     ranks: str
     """'one' (a single process), 'many' (more than one rank) or 'any'."""
     shards: bool
@@ -368,13 +373,8 @@ def _server_per_rank(cell: Cell, cuda: bool):
 
 
 def _tools_under_zero(cell: Cell, cuda: bool):
-    if cell.tools == "on" and ENGINES[cell.engine].zero:
-        return (
-            "tools.funcs",
-            "tool rollouts run under ddp or fsdp (under DeepSpeed ZeRO-3 every rank samples in "
-            "lockstep, and ranks take different numbers of turns)",
-        )
-    return None
+    why = engine_facts.tools_refusal(ENGINES[cell.engine].config) if cell.tools == "on" else None
+    return ("tools.funcs", why) if why else None
 
 
 def _tools_on_server(cell: Cell, cuda: bool):
@@ -441,18 +441,6 @@ def refusal(cell: Cell, cuda: bool = True) -> Optional[str]:
 # ------------------------------------------------------------------------------------------
 # A config's cell
 # ------------------------------------------------------------------------------------------
-
-
-def zero_stage(path: Optional[str]) -> Optional[int]:
-    """The ZeRO stage of a DeepSpeed JSON (None: no readable file; its own config problem)."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8")) if path else None
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    zero = data.get("zero_optimization", {})
-    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
 
 
 def world_size() -> int:

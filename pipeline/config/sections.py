@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from pipeline.config.engines import ENGINES
+
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 PRECISIONS = DTYPES + ("bf16-pure",)
 FINETUNING = ("full", "lora", "qlora")
@@ -294,14 +296,19 @@ class DistributedConfig:
     or SHARD_GRAD_OP (kept to its backward); NO_SHARD has no FSDP2 form (refused: use ddp)."""
 
     def problems(self, key: str = "distributed") -> list[str]:
+        """The engine's name, the file its entry needs (pipeline/config/engines.py), and every
+        engine's own options."""
         out: list[str] = []
-        _choice(out, f"{key}.engine", self.engine, ("ddp", "deepspeed", "fsdp"))
-        if self.engine == "deepspeed":
-            if not self.deepspeed_config:
-                out.append(f"{key}.deepspeed_config: required when {key}.engine is deepspeed")
-            elif not Path(self.deepspeed_config).is_file():
-                out.append(f"{key}.deepspeed_config: no such file {self.deepspeed_config!r}")
-        _choice(out, f"{key}.fsdp_sharding", self.fsdp_sharding, ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"))
+        _choice(out, f"{key}.engine", self.engine, tuple(ENGINES))
+        facts = ENGINES.get(self.engine)
+        if facts is not None and facts.config_file is not None:
+            path = getattr(self, facts.config_file)
+            if not path:
+                out.append(f"{key}.{facts.config_file}: required when {key}.engine is {self.engine}")
+            elif not Path(path).is_file():
+                out.append(f"{key}.{facts.config_file}: no such file {path!r}")
+        for entry in ENGINES.values():
+            out += entry.option_problems(self, key)
         return out
 
 

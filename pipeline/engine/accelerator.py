@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
-import os
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from pipeline.config import StageConfig, TrainConfig
+from pipeline.config.engines import ENGINES, missing_package, resume_refusal
 from pipeline.engine import fsdp
-from pipeline.engine.checkpoint import newest_identity
-from pipeline.engine.fsdp import SHARDING
+from pipeline.engine.engines import RUNTIMES, would_resume
+from pipeline.engine.engines import fill_hidden_size_autos as fill_hidden_size_autos
 
 
 def resolve_precision(name: str) -> str:
@@ -36,68 +34,28 @@ def resolve_precision(name: str) -> str:
 def combination_problems(cfg: StageConfig) -> list[str]:
     """Engine / finetuning / hardware combinations Relay cannot run, each one line naming the
     combination and the one that works; checked with the other config problems, before any model
-    loads (accelerate would otherwise fall back silently or fail mid-run).
+    loads (accelerate would otherwise fall back silently or fail mid-run). The engine's own come
+    from its entries (pipeline/config/engines.py's facts, pipeline/engine/engines.py's runtime).
 
-    Pure apart from asking torch whether CUDA is visible, whether `deepspeed` / `flash_attn` are
-    installed and whether output_dir holds a checkpoint to resume.
+    Pure apart from asking torch whether CUDA is visible, whether the engine's package /
+    `flash_attn` are installed and whether output_dir holds a checkpoint to resume.
     """
     engine = cfg.distributed.engine
     out = []
-    if engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        out.append(
-            "distributed.engine: deepspeed needs the deepspeed package (pip install deepspeed); or use ddp or fsdp"
-        )
-    if engine == "deepspeed" and cfg.model.finetuning == "qlora" and zero_stage(cfg.distributed.deepspeed_config) == 3:
-        # transformers refuses a device_map under ZeRO-3's zero.Init, and bitsandbytes places (and
-        # quantises) the 4-bit weights only through one; ZeRO-2 and DDP keep whole weights.
-        out.append(
-            "model.finetuning: qlora cannot load under DeepSpeed ZeRO-3 (its 4-bit weights are placed through a "
-            "device_map, which ZeRO-3's partitioned loading refuses); use a ZeRO-2 config "
-            "(deepspeed_configs/zero2.json), distributed.engine ddp, or model.finetuning lora"
-        )
-    if engine == "deepspeed" and _would_resume(cfg):
-        # ZeRO partitions the optimizer state (and under ZeRO-3 the weights) over ranks; the
-        # checkpoint holds rank 0's optimizer share only, so a resume would be silently wrong.
-        out.append(
-            "checkpoint.resume: resuming a distributed.engine "
-            "deepspeed run is not supported (ZeRO shards the optimizer "
-            "state over ranks; the checkpoint holds rank 0's share); set checkpoint.resume false to start again, "
-            "or train with distributed.engine ddp or fsdp, which resume exactly"
-        )
+    if engine in RUNTIMES:
+        facts = ENGINES[engine]
+        if (line := missing_package(engine, lambda name: importlib.util.find_spec(name) is not None)) is not None:
+            out.append(line)
+        out += RUNTIMES[engine].problems(cfg, facts)
+        if (line := resume_refusal(engine)) is not None and would_resume(cfg):
+            out.append(line)
     from pipeline.modeling.models import check_attn_implementation
 
     try:
         check_attn_implementation(cfg.model.attn_implementation)
     except ValueError as err:  # flash_attention_2 without CUDA or without flash-attn
         out.append(f"model.attn_implementation: {err}")
-    if engine == "fsdp" and cfg.distributed.fsdp_sharding not in SHARDING:
-        out.append(
-            f"distributed.fsdp_sharding: {cfg.distributed.fsdp_sharding} has no FSDP2 counterpart (FSDP2 always "
-            f"shards); use {' or '.join(SHARDING)}, or distributed.engine ddp for unsharded data parallelism"
-        )
-    if engine == "fsdp" and (problem := fsdp.unsupported_torch()) is not None:
-        out.append(problem)  # FSDP2's API as this torch has it (the features asked for, not the version)
-    if engine == "fsdp" and cfg.model.finetuning == "qlora":
-        # bitsandbytes' 4-bit weights are not tensors FSDP2 can cut into DTensor shards.
-        out.append(
-            "distributed.engine: fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, "
-            "or model.finetuning lora or full"
-        )
     return out
-
-
-def zero_stage(path: Optional[str]) -> Optional[int]:
-    """The ZeRO stage a DeepSpeed JSON asks for (None: no readable file, its own config problem)."""
-    try:
-        data = json.loads(Path(path).read_text()) if path else None
-    except (OSError, ValueError):
-        return None
-    zero = data.get("zero_optimization") if isinstance(data, dict) else None
-    return int(zero.get("stage", 0)) if isinstance(zero, dict) else None
-
-
-def _would_resume(cfg: StageConfig) -> bool:
-    return newest_identity(Path(cfg.output_dir) / "checkpoints", cfg.checkpoint) is not None
 
 
 def is_fsdp(model) -> bool:
@@ -211,142 +169,48 @@ def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict, acceler
 
 
 def setup_accelerator(cfg: StageConfig):
-    """An accelerate.Accelerator for cfg.distributed (ddp | deepspeed | fsdp) and cfg.train.precision.
-    Under fsdp it is the plain multi-process accelerator: `prepare_training` shards the model.
+    """An accelerate.Accelerator for cfg.distributed (its engine's `RUNTIMES` entry: the
+    Accelerator's options and what is filled in once it exists) and cfg.train.precision. Under
+    fsdp it is the plain multi-process accelerator: `prepare_training` shards the model.
 
     The accelerator knows `train.grad_accum`: every stage runs its micro-batches through
     `pipeline.engine.steps.micro_step` (accelerate's `accumulate`), so gradients are reduced and
     the optimizer (DeepSpeed's engine included) steps once per optimizer step.
 
     Raises:
-        ValueError: unknown engine, deepspeed without a config file, deepspeed without a GPU.
+        ValueError: unknown engine, an engine without the config file it needs (deepspeed).
     """
     from accelerate import Accelerator
 
-    mixed = resolve_precision(cfg.train.precision)
     engine = cfg.distributed.engine
+    runtime = RUNTIMES.get(engine)
+    if runtime is None:
+        raise ValueError(f"distributed.engine: {engine!r} is not one of {', '.join(RUNTIMES)}")
+    needs = ENGINES[engine].config_file
+    if needs is not None and not getattr(cfg.distributed, needs):
+        raise ValueError(f"distributed.{needs}: required when distributed.engine is {engine}")
     cuda = torch.cuda.is_available()
-    # Without a GPU, accelerate only sets up multi-process CPU training (gloo) when told cpu=True;
-    # DeepSpeed is the exception (see _deepspeed_on_cpu).
-    kwargs: dict[str, Any] = {
-        "mixed_precision": mixed,
-        "step_scheduler_with_optimizer": False,
-        "cpu": not cuda and engine != "deepspeed",
-    }
-    if engine != "deepspeed":  # DeepSpeed takes the count from its plugin
-        kwargs["gradient_accumulation_steps"] = cfg.train.grad_accum
-    if engine == "deepspeed":
-        if not cfg.distributed.deepspeed_config:
-            raise ValueError("distributed.deepspeed_config: required when distributed.engine is deepspeed")
-        _world_of_one()
-        if not cuda:
-            kwargs["kwargs_handlers"] = _deepspeed_on_cpu()
-        from accelerate.utils import DeepSpeedPlugin
-
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
-            hf_ds_config=cfg.distributed.deepspeed_config,
-            gradient_accumulation_steps=cfg.train.grad_accum,
-            gradient_clipping=cfg.train.max_grad_norm or None,
-        )
-    elif engine not in ("ddp", "fsdp"):
-        raise ValueError(f"distributed.engine: {engine!r} is not one of ddp, deepspeed, fsdp")
-    accelerator = Accelerator(**kwargs)
-    if engine == "deepspeed":
-        # accelerate fills the "auto" batch size from a DataLoader; we batch ourselves (exact resume).
-        ds = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
-        ds["gradient_accumulation_steps"] = cfg.train.grad_accum
-        ds["train_batch_size"] = cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes
-        if not cuda:
-            # On a CPU an offloaded optimizer is where it always was: the step stays Relay's fused
-            # torch AdamW (accelerate would swap in DeepSpeedCPUAdam, compiled on first use).
-            ds.setdefault("zero_force_ds_cpu_optimizer", False)
+    accelerator = Accelerator(
+        mixed_precision=resolve_precision(cfg.train.precision),
+        step_scheduler_with_optimizer=False,
+        **runtime.accelerator_kwargs(cfg, cuda),
+    )
+    runtime.after_creation(accelerator, cfg, cuda)
     return accelerator
 
 
-def _deepspeed_on_cpu() -> list:
-    """The Accelerator's kwargs handlers that start DeepSpeed on a CPU.
-
-    accelerate's own CPU path (cpu=True) drops the DeepSpeed plugin (plain gloo DDP). With
-    cpu=False and no GPU it finds no backend: DeepSpeed's process group starts, but accelerate
-    reads "no backend" as one process and every rank calls itself process 0 of 1. Naming gloo
-    (DeepSpeed's CPU accelerator's backend) makes it read the world size and rank from the group.
-    DS_ACCELERATOR=cpu before DeepSpeed is imported spares its accelerator probe and warning.
-    """
-    from accelerate.utils import InitProcessGroupKwargs
-
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return [InitProcessGroupKwargs(backend="gloo")]
-
-
-def _world_of_one() -> None:
-    """Give a process started without a launcher (no LOCAL_RANK) the environment of a one-rank
-    torchrun. DeepSpeed needs a process group even for one process, and without these variables
-    its `init_distributed` (called by `zero.Init` at model load and by `deepspeed.initialize`)
-    looks for MPI instead (mpi4py) and fails."""
-    import socket
-
-    if "LOCAL_RANK" in os.environ:
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(
-        {
-            "RANK": "0",
-            "LOCAL_RANK": "0",
-            "WORLD_SIZE": "1",
-            "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            "MASTER_PORT": str(port),
-        }
-    )
-
-
 def prepare_training(accelerator, model: torch.nn.Module, cfg: StageConfig) -> tuple[torch.nn.Module, Any]:
-    """The trained module and its optimizer, ready for the engine: under fsdp the model sharded
-    in place (pipeline.engine.fsdp) and the optimizer built over its shards, only the optimizer
-    given to accelerate; otherwise both through `accelerator.prepare` (DDP, DeepSpeed)."""
-    if cfg.distributed.engine != "fsdp":
-        fill_hidden_size_autos(accelerator, model)
-        return accelerator.prepare(model, build_optimizer(model, cfg.train))
-    fsdp.shard_model(
-        model, accelerator.device, sharding=cfg.distributed.fsdp_sharding, mixed=resolve_precision(cfg.train.precision)
+    """The trained module and its optimizer, ready for the engine, as its `RUNTIMES` entry prepares
+    them: under fsdp the model sharded in place (pipeline.engine.fsdp) and the optimizer built over
+    its shards, only the optimizer given to accelerate; otherwise both through `accelerator.prepare`
+    (DDP, DeepSpeed)."""
+    return RUNTIMES[cfg.distributed.engine].prepare(
+        accelerator,
+        model,
+        cfg,
+        lambda module: build_optimizer(module, cfg.train),
+        resolve_precision(cfg.train.precision),
     )
-    return model, accelerator.prepare(build_optimizer(model, cfg.train))
-
-
-HIDDEN_SIZE_AUTOS = {
-    "reduce_bucket_size": lambda h: h * h,
-    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-    "stage3_param_persistence_threshold": lambda h: 10 * h,
-}
-"""The DeepSpeed keys accelerate fills from `model.config.hidden_size` when "auto" (its formulas)."""
-
-
-def fill_hidden_size_autos(accelerator, model: torch.nn.Module) -> None:
-    """Fill the "auto" ZeRO sizes of the DeepSpeed config from the hidden size of the first
-    module inside `model` that has a config, as accelerate would from `model.config`: accelerate
-    raises at `prepare` for a model without a `config` of its own (PPO's and GRPO's ActorCritic,
-    which holds the policy). A no-op without DeepSpeed, or where no module has a hidden size
-    (accelerate then names the keys itself)."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None:
-        return
-    zero = plugin.deepspeed_config.get("zero_optimization", {})
-    if not any(zero.get(key) == "auto" for key in HIDDEN_SIZE_AUTOS):
-        return
-    hidden = None
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        hidden = getattr(config, "hidden_size", None) or max(getattr(config, "hidden_sizes", None) or [0]) or None
-        if hidden:
-            break
-    if hidden is None:
-        return
-    for key, value in HIDDEN_SIZE_AUTOS.items():
-        if zero.get(key) == "auto":
-            zero[key] = value(int(hidden))
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:

@@ -49,6 +49,7 @@ from data_formats.sources import DataError
 from data_formats.validate import skip_report, take_skipped
 from pipeline.config import ConfigError, StageConfig, load_config, save_config, to_dict
 from pipeline.config.capabilities import config_refusals
+from pipeline.config.engines import package_wanted
 from pipeline.engine.accelerator import (
     combination_problems,
     optimizer_state,
@@ -116,7 +117,7 @@ def hide_unrequested_backends(cfg: StageConfig) -> None:
     that already imported a package (a test session) is left as it is.
     """
     for package, wanted in (
-        ("deepspeed", cfg.distributed.engine == "deepspeed"),
+        *package_wanted(cfg.distributed.engine).items(),  # the engines' own (pipeline/config/engines.py)
         ("bitsandbytes", cfg.model.finetuning == "qlora"),
     ):
         if not wanted and package not in sys.modules:

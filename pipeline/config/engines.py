@@ -1,0 +1,133 @@
+"""The distributed engines: what `distributed.engine` may name, each entry carrying the facts the
+config checks read (the optional package it runs on, the config file it needs, the `distributed.*`
+options only it reads and their checks, whether its runs resume exactly, whether its ranks sample in
+lockstep, whether QLoRA's 4-bit weights load under it).
+
+Everything that asks about an engine asks its entry here: `DistributedConfig.problems`, which
+packages a stage keeps unloaded (pipeline/engine/stage.py), PPO's tool-rollout check, the capability
+table (pipeline/config/capabilities.py). The runtime half, each entry's Accelerator options, how it
+prepares the model and optimizer and what keeps it from running a config on this machine, is
+pipeline/engine/engines.py's `RUNTIMES`, keyed by the same names (tests/test_registries.py checks).
+Adding an engine is one entry here, its `RUNTIMES` entry, and its test. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+
+def _none(*args: Any) -> list[str]:
+    return []
+
+
+def _always(zero_stage: Optional[int]) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    summary: str
+    package: Optional[str] = None
+    """The optional package it runs on: kept unloaded unless this engine is chosen, and its absence a
+    config problem."""
+    config_file: Optional[str] = None
+    """The `distributed.*` key naming a file it cannot run without (DeepSpeed's JSON, which also sets
+    the ZeRO stage: `zero_stage`)."""
+    options: tuple[str, ...] = ()
+    """The `distributed.*` keys only this engine reads."""
+    option_problems: Callable[[Any, str], list[str]] = _none
+    """(distributed section, its key) -> its options' bad values, one line each (checked whatever the
+    chosen engine, as every key of a section is)."""
+    no_resume: str = ""
+    """Why a run of it cannot resume exactly ("": it resumes exactly)."""
+    lockstep: str = ""
+    """Why its ranks may have to sample in lockstep ("": they never do); tool rollouts, whose ranks
+    take different numbers of turns, are refused under it."""
+    qlora: Callable[[Optional[int]], bool] = _always
+    """(ZeRO stage of its config file, None without one) -> whether QLoRA's 4-bit weights load under it."""
+
+
+SHARDING_NAMES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+"""The `distributed.fsdp_sharding` names the config accepts (FSDP1's; which of them FSDP2 has is
+pipeline/engine/fsdp.py's SHARDING, asked with the combination problems)."""
+
+
+def _fsdp_option_problems(dist: Any, key: str) -> list[str]:
+    if dist.fsdp_sharding in SHARDING_NAMES:
+        return []
+    return [f"{key}.fsdp_sharding: {dist.fsdp_sharding!r} is not one of {', '.join(map(repr, SHARDING_NAMES))}"]
+
+
+ENGINES: dict[str, EngineFacts] = {
+    "ddp": EngineFacts("data parallel through accelerate (one process without a launcher)"),
+    "deepspeed": EngineFacts(
+        "DeepSpeed ZeRO through accelerate (a CUDA GPU, or CPU ranks over gloo)",
+        package="deepspeed",
+        config_file="deepspeed_config",
+        options=("deepspeed_config",),
+        no_resume="ZeRO shards the optimizer state over ranks; the checkpoint holds rank 0's share",
+        lockstep="under DeepSpeed ZeRO-3 every rank samples in lockstep",
+        # transformers refuses a device_map under ZeRO-3's zero.Init, and bitsandbytes places the
+        # 4-bit weights only through one; ZeRO-2 keeps whole weights.
+        qlora=lambda zero_stage: zero_stage != 3,
+    ),
+    "fsdp": EngineFacts(
+        "torch's FSDP2 (fully_shard), on CPU over gloo or on CUDA over nccl",
+        options=("fsdp_sharding",),
+        option_problems=_fsdp_option_problems,
+        qlora=lambda zero_stage: False,  # bitsandbytes' 4-bit weights are no tensors FSDP2 can shard
+    ),
+}
+"""`distributed.engine` -> its entry."""
+
+
+def zero_stage(path: Optional[str]) -> Optional[int]:
+    """The ZeRO stage of a DeepSpeed JSON (0 where it has no zero_optimization; None: no readable
+    file, its own config problem)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8")) if path else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    zero = data.get("zero_optimization", {})
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
+
+def package_wanted(engine: str) -> dict[str, bool]:
+    """Every package an engine runs on -> whether `engine` (the chosen one) runs on it."""
+    chosen = ENGINES.get(engine)
+    return {f.package: f is chosen for f in ENGINES.values() if f.package is not None}
+
+
+def missing_package(engine: str, installed: Callable[[str], bool]) -> Optional[str]:
+    """The one line refusing `engine` when the package it runs on is not installed, or None."""
+    package = ENGINES[engine].package
+    if package is None or installed(package):
+        return None
+    plain = " or ".join(name for name, f in ENGINES.items() if f.package is None)
+    return f"distributed.engine: {engine} needs the {package} package (pip install {package}); or use {plain}"
+
+
+def resume_refusal(engine: str) -> Optional[str]:
+    """The one line refusing to resume a run of `engine`, or None where it resumes exactly."""
+    why = ENGINES[engine].no_resume
+    if not why:
+        return None
+    exact = " or ".join(name for name, f in ENGINES.items() if not f.no_resume)
+    return (
+        f"checkpoint.resume: resuming a distributed.engine {engine} run is not supported ({why}); set "
+        f"checkpoint.resume false to start again, or train with distributed.engine {exact}, which resume exactly"
+    )
+
+
+def tools_refusal(engine: str) -> Optional[str]:
+    """Why tool rollouts cannot run under `engine` (the reason after `tools.funcs: `), or None."""
+    facts = ENGINES.get(engine)
+    if facts is None or not facts.lockstep:
+        return None
+    free = " or ".join(name for name, f in ENGINES.items() if not f.lockstep)
+    return f"tool rollouts run under {free} ({facts.lockstep}, and ranks take different numbers of turns)"
