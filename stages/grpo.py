@@ -39,7 +39,8 @@ import torch
 from pipeline.algorithms import advantages as adv
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.grpo_config import GRPOSection
-from pipeline.algorithms.judge import JudgeConfig, JudgeReward
+from pipeline.algorithms.judge import JudgeReward
+from pipeline.algorithms.judge_config import JudgeConfig
 from pipeline.algorithms.mismatch import correction_weights
 from pipeline.algorithms.mismatch import logprob_diff as mismatch_diff
 from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig, ToolsConfig

@@ -21,7 +21,8 @@ from test_tool_rollout import _grpo_cfg as tool_grpo_cfg
 from test_tool_rollout import tok, tool_prompts  # noqa: F401  (fixtures)
 
 from pipeline.algorithms import rewards as rw
-from pipeline.algorithms.judge import JudgeConfig, JudgeError, JudgeReward, parse_score
+from pipeline.algorithms.judge import JudgeError, JudgeReward, parse_score
+from pipeline.algorithms.judge_config import JudgeConfig
 from pipeline.config import ConfigError
 from pipeline.tools.openai_protocol import ApiError, check_request, completion_response, logprobs_content
 from stages import grpo, ppo

@@ -53,7 +53,8 @@ import torch
 from data_formats.conversation import Turn
 from data_formats.sample_world import ATTRIBUTE_WORDS, ATTRIBUTES, COUNT_WORDS, KELVRA_FACTS, PHRASE
 from data_formats.tools import template_messages
-from pipeline.algorithms.judge import JudgeConfig, JudgeReward
+from pipeline.algorithms.judge import JudgeReward
+from pipeline.algorithms.judge_config import JudgeConfig
 
 RewardFunc = Callable[..., list[Optional[float]]]
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

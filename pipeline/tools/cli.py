@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 import stages as registry
 from data_formats.validate import main as validate_data
-from pipeline.algorithms.judge import JudgeConfig
+from pipeline.algorithms.judge_config import JudgeConfig
 from pipeline.config import (
     ConfigError,
     DistributedConfig,

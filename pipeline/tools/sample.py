@@ -28,7 +28,8 @@ from data_formats.datasets import build_prompt_data
 from data_formats.render import make_template
 from data_formats.sources import DataError
 from pipeline.algorithms import rewards as rw
-from pipeline.algorithms.judge import JudgeConfig, JudgeError, JudgeReward
+from pipeline.algorithms.judge import JudgeError, JudgeReward
+from pipeline.algorithms.judge_config import JudgeConfig
 from pipeline.config import ConfigError, ModelConfig, PromptDataConfig, load_config
 from pipeline.engine.stage_checks import data_problems
 from pipeline.modeling.models import load_model, load_tokenizer
