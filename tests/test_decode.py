@@ -516,7 +516,7 @@ def test_the_fast_step_decodes_what_the_forward_computes(model_type, extra, kind
 def test_the_fast_step_stands_aside_for_hooks_sliding_windows_and_unpacked_runs(tiny, monkeypatch):
     from transformers import StaticCache
 
-    from pipeline.modeling.decode import FastStep
+    from pipeline.modeling.decode_steps import FastStep
 
     cache = StaticCache(config=tiny.config, max_cache_len=8)
     assert FastStep.supports(tiny, cache)

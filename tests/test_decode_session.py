@@ -15,8 +15,9 @@ import torch
 from tinymodels import make_tiny_model
 from transformers import AutoModelForCausalLM
 
-from pipeline.modeling.decode import FastStep, generate
+from pipeline.modeling.decode import generate
 from pipeline.modeling.decode_session import DecodeSession, common_prefix, supported
+from pipeline.modeling.decode_steps import FastStep
 
 EOS = [9, 13]
 PROMPTS = [[5, 9, 17, 30, 4, 8, 3], [11, 12], [7, 7, 20, 25], [31, 8, 6, 44, 40]]

@@ -82,7 +82,7 @@ HEAVY = ("torch", "transformers", "peft", "deepspeed", "accelerate", "bitsandbyt
 """Libraries that import torch (or are torch), seconds each: a light module reaches them only inside
 a function."""
 
-FUNCTION_LEVEL_CEILING = 33
+FUNCTION_LEVEL_CEILING = 32
 """Imports of Relay's own modules written inside functions, at most (one per statement). The rest
 hold torch off the light modules above, or a heavy backend off a module whose other users do not
 need it; lift an import to the top of its module where neither applies, and lower this number."""

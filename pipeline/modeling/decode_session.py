@@ -35,16 +35,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from pipeline.modeling.decode import (
-    Chooser,
-    FastStep,
-    GraphStep,
-    cache_keyword,
-    check_settings,
-    hf_model,
-    per_row,
-    step_kind,
-)
+from pipeline.modeling.decode import Chooser, cache_keyword, check_settings, per_row
+from pipeline.modeling.decode_steps import FastStep, GraphStep, hf_model, step_kind
 from pipeline.modeling.models import eval_mode
 from pipeline.modeling.onednn import packed_linears
 

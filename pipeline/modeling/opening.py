@@ -29,7 +29,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from data_formats.collate import common_prefix
-from pipeline.modeling.decode import SHARED_PREFIX_MIN, cache_keyword, hf_model
+from pipeline.modeling.decode import SHARED_PREFIX_MIN, cache_keyword
+from pipeline.modeling.decode_steps import hf_model
 from pipeline.modeling.scoring import (
     check_pooling,
     classifier_parts,

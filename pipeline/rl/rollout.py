@@ -23,6 +23,8 @@ import torch
 from data_formats.collate import left_pad
 from pipeline.algorithms.rl import entropy_from_logits, logprobs_from_logits
 from pipeline.engine.supervised_head import head_split, hidden_states_as_logits, sampled_token_logps
+from pipeline.modeling.decode import cache_keyword
+from pipeline.modeling.decode_steps import hf_model
 from pipeline.modeling.models import adapter_disabled
 from pipeline.modeling.opening import cached_run, find_opening, opening_logits, prompt_sharing_allowed, response_scores
 from pipeline.modeling.scoring import position_ids_from_mask, reward_readout_index
@@ -236,8 +238,6 @@ def shared_prompt_logits(
     which is then indexed out to every row of the prompt's group, and the responses run on it. The
     same math as one forward of the whole rows (another summation order: ~1e-6 in fp32); with
     gradients on, every row's gradient flows into the shared prompt's activations."""
-    from pipeline.modeling.decode import cache_keyword, hf_model
-
     P, T = prompt_width, input_ids.shape[1]
     out, cache = cached_run(
         lambda **kw: model(**kw, logits_to_keep=1),
