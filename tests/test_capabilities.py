@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import capabilities as cap
+from pipeline.config import capability_table as table
 from pipeline.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def node_exists(node: str) -> bool:
 
 
 def test_the_capability_module_imports_no_torch():
-    code = "import sys; from pipeline.config import capabilities as c; c.render(); sys.exit('torch' in sys.modules)"
+    code = "import sys; from pipeline.config import capability_table as c; c.render(); sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
@@ -61,7 +62,7 @@ def test_every_cell_is_tested_or_refused_in_one_line():
             refused += 1
         assert cap.refusal(cell, cuda=False) is None or isinstance(cap.refusal(cell, cuda=False), str)
     assert tested and refused and tested + refused == len(list(cap.cells()))
-    assert (tested, refused) == cap.counts()[:2]
+    assert (tested, refused) == table.counts()[:2]
     assert set(cap.TESTS) <= set(cap.cells())  # no test names a cell the table lacks
     print(f"capability table: {tested} cells tested, {refused} refused")
 
@@ -84,7 +85,7 @@ def test_every_judge_cell_is_tested_or_refused_in_one_line():
             assert all(node_exists(n) for n in cap.JUDGE_TESTS[stage, tools, engine]), (stage, tools, engine)
         else:
             assert "\n" not in line and line.startswith("judge.base_url: "), line
-    assert any(cap.judge_refusal(*c) for c in walked) and "`judge:`" in cap.render()
+    assert any(cap.judge_refusal(*c) for c in walked) and "`judge:`" in table.render()
 
 
 def test_known_refusals_are_the_tables():
@@ -106,21 +107,21 @@ def test_known_refusals_are_the_tables():
 
 def test_the_readme_carries_the_codes_table():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = cap.readme_block(text)
+    block = table.readme_block(text)
     if block is None:
-        pytest.skip(f"README.md has no {cap.BEGIN} markers yet: place them, then `relay capabilities --write-readme`")
-    assert block == cap.render(), "README's capability table is stale: run `relay capabilities --write-readme`"
+        pytest.skip(f"README.md has no {table.BEGIN} markers yet: place them, then `relay capabilities --write-readme`")
+    assert block == table.render(), "README's capability table is stale: run `relay capabilities --write-readme`"
 
 
 def test_write_readme_touches_only_the_block(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"# T\n\nbefore\n{cap.BEGIN}\nold\n{cap.END}\nafter\n")
+    readme.write_text(f"# T\n\nbefore\n{table.BEGIN}\nold\n{table.END}\nafter\n")
     assert cli.main(["capabilities", "--write-readme", str(readme)]) == 0
     text = readme.read_text()
     assert (
         text.startswith("# T\n\nbefore\n")
-        and text.endswith(f"{cap.END}\nafter\n")
-        and cap.readme_block(text) == cap.render()
+        and text.endswith(f"{table.END}\nafter\n")
+        and table.readme_block(text) == table.render()
     )
     bare = tmp_path / "bare.md"
     bare.write_text("no markers\n")

@@ -39,7 +39,7 @@ from pipeline.config import (
     GenerationConfig,
     ModelConfig,
     ToolsConfig,
-    capabilities,
+    capability_table,
     load_config,
 )
 from pipeline.config.capabilities import config_refusals
@@ -287,9 +287,10 @@ def run_capabilities(args: list[str]) -> int:
         return 0
     if args and args[0] == "--write-readme":
         path = Path(args[1]) if len(args) > 1 else REPO / "README.md"
-        if not capabilities.write_readme(path):
+        if not capability_table.write_readme(path):
             print(
-                f"error: {path} has no {capabilities.BEGIN} ... {capabilities.END} markers to write the table between",
+                f"error: {path} has no {capability_table.BEGIN} ... {capability_table.END} markers "
+                "to write the table between",
                 file=sys.stderr,
             )
             return 2
@@ -299,7 +300,7 @@ def run_capabilities(args: list[str]) -> int:
         print(f"error: unknown argument {args[0]!r}\n\n{CAPABILITIES_USAGE}", file=sys.stderr)
         return 2
     try:
-        print(capabilities.render(), flush=True)
+        print(capability_table.render(), flush=True)
     except BrokenPipeError:  # `relay capabilities | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
