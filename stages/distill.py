@@ -40,8 +40,9 @@ from pipeline.config.sections import STAGE_REF
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.held_out import ratio
 from pipeline.engine.resume import launched_world_size
-from pipeline.engine.stage import Stage, main
+from pipeline.engine.stage import Stage
 from pipeline.engine.stage_checks import data_problems
+from pipeline.engine.stage_main import main
 from pipeline.engine.supervised_head import head_split, hidden_forward
 from pipeline.modeling.embedded import resolve_model_path
 from pipeline.modeling.handoff import fact_problems, folder_facts

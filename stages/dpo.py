@@ -47,7 +47,7 @@ from data_formats.render import template_jinja
 from pipeline.algorithms import preference as pref
 from pipeline.config import PreferenceDataConfig, StageConfig
 from pipeline.engine.held_out import ratio
-from pipeline.engine.stage import main
+from pipeline.engine.stage_main import main
 from pipeline.engine.steps import rank_mean
 from pipeline.modeling.models import eval_mode
 from pipeline.rl.reference_stage import ReferenceStage

@@ -44,7 +44,7 @@ from data_formats.unpaired import answer_rows, build_kto_data, kl_partner_proble
 from pipeline.algorithms import kto as kto_math
 from pipeline.algorithms import preference as pref
 from pipeline.config import ChatDataConfig, StageConfig
-from pipeline.engine.stage import main
+from pipeline.engine.stage_main import main
 from pipeline.engine.steps import all_reduce_sum
 from pipeline.modeling.models import eval_mode
 from pipeline.rl.reference_stage import ReferenceStage

@@ -39,7 +39,7 @@ from pipeline.config.engines import tools_refusal
 from pipeline.engine.accelerator import full_parameters
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.held_out import ratio
-from pipeline.engine.stage import main
+from pipeline.engine.stage_main import main
 from pipeline.engine.steps import rank_mean
 from pipeline.modeling.manifest import read_manifest
 from pipeline.modeling.models import load_model, train_without_dropout

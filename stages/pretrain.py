@@ -32,7 +32,7 @@ from data_formats.streaming import open_stream, stream_problems
 from data_formats.validate import apply_policy
 from pipeline.config import StageConfig, TextDataConfig
 from pipeline.engine.language_modeling import LanguageModelStage
-from pipeline.engine.stage import main
+from pipeline.engine.stage_main import main
 
 log = logging.getLogger("relay.pretrain")
 

@@ -39,7 +39,8 @@ from data_formats.render import template_jinja
 from pipeline.algorithms.pairwise import pair_scores, pairwise_loss, record_stats_in_config, stats_of
 from pipeline.config import PreferenceDataConfig, StageConfig
 from pipeline.engine.held_out import eval_shards, ratio
-from pipeline.engine.stage import Stage, main
+from pipeline.engine.stage import Stage
+from pipeline.engine.stage_main import main
 from pipeline.engine.steps import rank_mean
 from pipeline.modeling.models import eval_mode
 

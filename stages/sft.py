@@ -32,7 +32,7 @@ from data_formats.render import template_jinja
 from pipeline.algorithms.multitask import MODES, CoBa, MultitaskConfig, step_weights
 from pipeline.config import ChatDataConfig, StageConfig
 from pipeline.engine.language_modeling import LanguageModelStage
-from pipeline.engine.stage import main
+from pipeline.engine.stage_main import main
 
 log = logging.getLogger("relay.sft")
 

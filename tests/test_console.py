@@ -7,7 +7,7 @@ import logging
 import warnings
 from pathlib import Path
 
-from pipeline.engine.stage import main
+from pipeline.engine.stage_main import main
 from pipeline.engine.tracking import format_eval, format_stage_summary, quiet_console
 from stages.sft import SFTStage
 

@@ -135,7 +135,7 @@ def test_backends_load_only_when_the_config_asks(tmp_path, tiny_model_dir):
         "--tracking.trackers", "[]",
     ]  # fmt: skip
     code = (
-        "import sys; from stages.sft import SFTStage; from pipeline.engine.stage import main; "
+        "import sys; from stages.sft import SFTStage; from pipeline.engine.stage_main import main; "
         f"rc = main(SFTStage, {argv!r}); "
         "print('LOADED', sorted(k for k in ('deepspeed', 'bitsandbytes') if sys.modules.get(k)))"
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from pipeline.engine.stage import main
+from pipeline.engine.stage_main import main
 from pipeline.modeling import preflight
 from stages.ppo import PPOStage
 from stages.reward import RMStage

@@ -29,7 +29,6 @@ stderr and an exit code (2 config, 128+N signal N, 1 otherwise), never a traceba
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -47,7 +46,7 @@ from data_formats.render import make_template, template_jinja
 from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
 from data_formats.sources import DataError
 from data_formats.validate import skip_report, take_skipped
-from pipeline.config import ConfigError, StageConfig, load_config, save_config, to_dict
+from pipeline.config import ConfigError, StageConfig, save_config, to_dict
 from pipeline.config.capabilities import config_refusals
 from pipeline.config.engines import package_wanted
 from pipeline.engine.accelerator import (
@@ -59,7 +58,7 @@ from pipeline.engine.accelerator import (
     torch_optimizer,
     trainable_state,
 )
-from pipeline.engine.checkpoint import Checkpointer, CheckpointError, complete_checkpoints, rng_state
+from pipeline.engine.checkpoint import Checkpointer, complete_checkpoints, rng_state
 from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
 from pipeline.engine.export import export_trained
 from pipeline.engine.held_out import eval_shards, held_out
@@ -74,8 +73,6 @@ from pipeline.engine.tracking import (
     History,
     Tracker,
     default_run_name,
-    format_stage_summary,
-    quiet_console,
 )
 from pipeline.modeling import models
 from pipeline.modeling.embedded import resolve_model_path
@@ -648,39 +645,3 @@ class Stage:
     def collate(self, collator, samples: Sequence, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """One batch of `samples[indices]` on this rank's device."""
         return {k: v.to(self.accelerator.device) for k, v in collator([samples[i] for i in indices]).items()}
-
-
-def main(stage_class: type[Stage], argv: Optional[Sequence[str]] = None) -> int:
-    """Every stage script's entry point: parse the config, run the stage, print its summary.
-    Every early end is one line on stderr (module docstring): config problems (a list) exit 2, a
-    signal 128 + its number, a divergence, a non-finite step or a checkpoint error 1."""
-
-    logging.basicConfig(
-        level=os.environ.get("RELAY_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    quiet_console()
-    prog = f"stages/{Path(inspect.getfile(stage_class)).name}"
-    stage = None
-    try:
-        stage = stage_class(load_config(stage_class.config_class, argv, prog=prog))
-        completed = stage.run()
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
-    except Stopped as err:
-        if stage is None or stage.is_main:
-            print(f"{stage_class.name}: {err}", file=sys.stderr)
-        return err.exit_code
-    except KeyboardInterrupt:
-        print(
-            f"{stage_class.name}: stopped at once by a second Ctrl-C, without saving; rerun the same command to "
-            f"continue from the last checkpoint",
-            file=sys.stderr,
-        )
-        return 130
-    except (Diverged, NonFiniteError, CheckpointError) as err:
-        print(f"{stage_class.name}: {err}", file=sys.stderr)
-        return 1
-    if completed and stage.is_main:
-        print(format_stage_summary(stage.name, stage.final_summary, stage.cfg.output_dir, stage.model_kind))
-    return 0

@@ -16,7 +16,8 @@ from test_pt_sft import fresh_accelerate_state, sft_args, write_sft  # noqa: F40
 
 from pipeline.config import ConfigError, StageConfig, TextDataConfig
 from pipeline.engine.divergence import Diverged, loss_divergence, weight_divergence
-from pipeline.engine.stage import Stage, main
+from pipeline.engine.stage import Stage
+from pipeline.engine.stage_main import main
 from pipeline.engine.steps import micro_step
 
 

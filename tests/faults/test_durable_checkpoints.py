@@ -19,7 +19,7 @@ from test_pt_sft import fresh_accelerate_state, run_sft, sft_args, write_sft  # 
 from pipeline.config import CheckpointConfig, KeepPolicy
 from pipeline.engine import checkpoint as ck
 from pipeline.engine.checkpoint import MARKER, Checkpointer, CheckpointError, complete_checkpoints
-from pipeline.engine.stage import main
+from pipeline.engine.stage_main import main
 
 
 def state(step):

@@ -81,7 +81,7 @@ def validated(stage: str, data: Path, tmp_path: Path, tiny_model_dir, tiny_rewar
 def run_main(stage: str, data: Path, tmp_path: Path, tiny_model_dir, tiny_reward_dir, *extra: str) -> tuple[int, str]:
     """Run the stage's command line in process; (exit status, stderr). An escaping exception fails
     the test with its traceback (what the user would have seen)."""
-    from pipeline.engine.stage import main
+    from pipeline.engine.stage_main import main
 
     cls = stage_class(stage)
     import contextlib
