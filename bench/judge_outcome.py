@@ -2,13 +2,17 @@
 
     .venv/bin/python bench/judge_outcome.py [--demo outputs/demo] [--out outputs/bench_judge]
         [--rubric choice] [--steps 20] [--probe-only] [--score-from logprobs] [--judge FOLDER]
+        [--probe-pairs 20]
 
 The judge is `relay serve` of the demo's own SFT model (outputs/demo/sft/merged, greedy), asked
 through the OpenAI protocol with a rubric that states the house rule the demo's reward model learned
 from its preference pairs (data/README.md: a good answer opens with "Per the Kelvra Atlas," and
 states the right fact). Three parts, in order:
 
-1. probe: each rubric of --probe (RUBRICS) scores the 40 answers of the RM's first 20 held-out
+A judge trained from the RM's training pairs with Relay's SFT stage (a generative reward model):
+`bench/train_judge.py`, then `--judge outputs/bench_judge/judge_sft/merged --score-from logprobs`.
+
+1. probe: each rubric of --probe (RUBRICS) scores the 40 answers of the RM's first 20 (--probe-pairs) held-out
    pairs (data/sample/rm/valid.jsonl, chosen and rejected); its agreement with the phrase rule
    (pass = score >= 0.5 against `opens_with_phrase`), its pair accuracy (chosen scored above
    rejected) and its failures (unparsable replies) say whether a 135M judge gives a signal at all;
@@ -235,6 +239,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probe-only", action="store_true")
     parser.add_argument("--judge", help="the judge's model folder (default: the demo's SFT model)")
+    parser.add_argument("--probe-pairs", type=int, default=20, help="held-out pairs probed (the first N of 40)")
     parser.add_argument(
         "--score-from",
         default="text",
@@ -257,7 +262,9 @@ def main() -> int:
     server = Served(judge_folder, out / "serve.log")
     try:
         summary["serve_start_s"] = round(time.perf_counter() - started, 1)
-        summary["probe"] = [probe(server.url, r, args.score_from) for r in filter(None, args.probe.split(","))]
+        summary["probe"] = [
+            probe(server.url, r, args.score_from, args.probe_pairs) for r in filter(None, args.probe.split(","))
+        ]
         for row in summary["probe"]:
             print(json.dumps(row), flush=True)
         if args.probe_only:
