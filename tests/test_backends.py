@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, GenerationConfig, backends
+from pipeline.config import ConfigError, GenerationConfig, backends, capability_table
 from pipeline.config import capabilities as cap
 from pipeline.rl import generators
 from pipeline.tools import chat, gold, serve, serving
@@ -105,7 +105,7 @@ def test_a_new_generation_backend_is_its_entries(fake_generation, tmp_path, tiny
     assert "not run by Relay's test suite yet" in cap.refusal(cell)
     assert cap.refusal(dataclasses.replace(cell, engine="fsdp")).startswith("combination ")  # no server to refuse
     monkeypatch.setitem(cap.TESTS, cell, ("tests/test_backends.py",))
-    assert cap.refusal(cell) is None and "| grpo | fake | off | tis | lora | yes |" in cap.render()
+    assert cap.refusal(cell) is None and "| grpo | fake | off | tis | lora | yes |" in capability_table.render()
 
     # a stage's config: its cell, and the entries' problems before any model loads
     prompts = tmp_path / "prompts.jsonl"
