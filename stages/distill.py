@@ -49,7 +49,7 @@ from pipeline.modeling.handoff import fact_problems, folder_facts
 from pipeline.modeling.manifest import weights_hash
 from pipeline.modeling.models import load_model, train_without_dropout
 from pipeline.modeling.scoring import position_ids_from_mask
-from pipeline.modeling.vllm_server import ServerOptions, VLLMServer, on_gpu, prompt_topk, vllm_python
+from pipeline.modeling.vllm_server import ServerOptions, VLLMServer, prompt_topk, vllm_python
 from pipeline.rl.policy_stage import GeneratorFactory, PolicyStage, frozen
 from pipeline.rl.rollout import ActorCritic, Rollout, assemble_masked
 
@@ -293,7 +293,6 @@ class DistillStage(PolicyStage):
             opts = ServerOptions(
                 name="teacher",
                 max_model_len=cfg.train.seq_length + 1,
-                eager=not on_gpu(),
                 extra=["--max-logprobs", str(max(20, cfg.teacher.top_k))],
             )
             log = Path(cfg.output_dir) / "teacher_vllm.log"

