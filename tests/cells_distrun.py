@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import distrun
@@ -52,20 +51,4 @@ def stage_kwargs(spec: dict) -> dict:
 distrun.stage_class, distrun.stage_kwargs = stage_class, stage_kwargs
 
 if __name__ == "__main__":
-    import gc
-
-    for name in ("pt", "sft", "rm", "dpo", "kto", "ppo", "grpo", "distill"):
-        stage_class(name)
-    # The imports live as long as the process: out of reach of the full collection every run's
-    # export makes (accelerate's free_memory), which then scans that run's objects only.
-    specs = json.loads(Path(sys.argv[1]).read_text())
-    distrun.keep_quantization_backend(specs)
-    gc.collect()
-    gc.freeze()
-    for spec in specs:
-        start = time.perf_counter()
-        distrun.run_one(spec)
-        print(
-            f"cells_distrun: {spec['argv'][spec['argv'].index('--output_dir') + 1]} {time.perf_counter() - start:.1f}s",
-            file=sys.stderr,
-        )
+    distrun.run_all(json.loads(Path(sys.argv[1]).read_text()))
