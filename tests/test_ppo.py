@@ -125,7 +125,10 @@ def test_the_update_reuses_the_scoring_forward_and_trains_as_without(
     from pipeline.modeling import onednn
     from pipeline.rl import ppo as algo
 
-    monkeypatch.setenv("RELAY_CPU_ONEDNN", "1")  # the kernel is asserted below, whether or not this CPU would take it
+    # the kernel is asserted below, whether or not this CPU's measured choices (pipeline/modeling/cpu_kernels.py)
+    # would take it: oneDNN linears for training, prepacked ones (the counted calls) for sampling
+    monkeypatch.setenv("RELAY_CPU_ONEDNN", "1")
+    monkeypatch.setenv("RELAY_DECODE_PACKED", "1")
     kernel_calls = []
     real_linear = onednn.onednn_linear
     monkeypatch.setattr(onednn, "onednn_linear", lambda *a: kernel_calls.append(1) or real_linear(*a))
