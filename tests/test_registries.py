@@ -115,11 +115,13 @@ def test_a_new_distributed_engine_is_one_entry(monkeypatch, tmp_path):
         None,
         "distributed.deepspeed_config: ZeRO stage 1 is not run by Relay's test suite (stages 2, 3 are)",
     )
-    monkeypatch.setitem(caps.ENGINES, "zero1", caps.Engine("ZeRO-1", "deepspeed", "any", False, 1, qlora=False))
+    monkeypatch.setitem(caps.ENGINES, "zero1", caps.Engine("ZeRO-1", "deepspeed", "any", False, 1))
     assert caps.config_cell("sft", cfg, ranks=2) == (caps.Cell("sft", adapter="lora", engine="zero1"), None)
     assert any(c.engine == "zero1" for c in caps.cells())
-    assert caps.refusal(caps.Cell("sft", adapter="qlora", engine="zero1")).startswith(
-        "distributed.engine: deepspeed cannot shard QLoRA's 4-bit weights"
+    # QLoRA is the DeepSpeed entry's fact, by ZeRO stage: stage 1 keeps whole weights (refused only as untested)
+    assert caps.refusal(caps.Cell("sft", adapter="qlora", engine="zero1")).startswith("combination ")
+    assert caps.refusal(caps.Cell("sft", adapter="qlora", engine="zero3")).startswith(
+        "model.finetuning: qlora cannot load under DeepSpeed ZeRO-3"
     )
     ddp = NS(distributed=NS(engine="ddp", deepspeed_config=None), model=NS(finetuning="lora"))
     assert [caps.config_cell("sft", ddp, ranks=n)[0].engine for n in (1, 2)] == ["single", "ddp"]
@@ -278,9 +280,11 @@ def test_the_capability_tables_engines_agree_with_the_engine_facts(monkeypatch):
     for name, column in caps.ENGINES.items():
         entry = facts.ENGINES[column.config]
         assert not column.zero or entry.config_file == "deepspeed_config", name
-        assert column.qlora or not entry.qlora(column.zero_stage), name
-        if not entry.qlora(column.zero_stage):  # the table never claims what the config check refuses
-            assert all(caps.refusal(caps.Cell(s, adapter="qlora", engine=name)) for s in ("pt", "sft", "rm")), name
+        if entry.no_qlora(column.zero_stage):  # the table refuses with the config check's own line
+            for stage in ("pt", "sft", "rm"):
+                assert caps.refusal(caps.Cell(stage, adapter="qlora", engine=name)) == entry.no_qlora(
+                    column.zero_stage
+                ), (name, stage)
         tools = caps.refusal(caps.Cell("grpo", "relay", "on", "lora", name, "none"))
         why = facts.tools_refusal(column.config)
         assert (why is None and not (tools or "").startswith("tools.funcs: tool rollouts run under")) or (

@@ -52,18 +52,21 @@ class Engine:
     """Weights or optimizer state are split over ranks (no rank holds the whole policy)."""
     zero_stage: Optional[int] = None
     """DeepSpeed ZeRO's stage, read from distributed.deepspeed_config (CUDA only unless ZERO_ON_CPU)."""
-    qlora: bool = True
-    """It can hold QLoRA's 4-bit weights (FSDP cannot shard them)."""
 
     @property
     def zero(self) -> bool:
         return self.zero_stage is not None
 
+    @property
+    def no_qlora(self) -> str:
+        """Why QLoRA's 4-bit weights cannot load under it ("": they load), the engine entry's own line."""
+        return engine_facts.ENGINES[self.config].no_qlora(self.zero_stage)
+
 
 ENGINES: dict[str, Engine] = {
     "single": Engine("one process", "ddp", "one", shards=False),
     "ddp": Engine("DDP", "ddp", "many", shards=False),
-    "fsdp": Engine("FSDP2", "fsdp", "any", shards=True, qlora=False),
+    "fsdp": Engine("FSDP2", "fsdp", "any", shards=True),
     "zero2": Engine("ZeRO-2", "deepspeed", "any", shards=True, zero_stage=2),
     "zero3": Engine("ZeRO-3", "deepspeed", "any", shards=True, zero_stage=3),
 }
@@ -386,14 +389,10 @@ def _tools_on_server(cell: Cell, cuda: bool):
     return None
 
 
-def _qlora_under_fsdp(cell: Cell, cuda: bool):
-    if cell.adapter == "qlora" and not ENGINES[cell.engine].qlora:
-        return (
-            "distributed.engine",
-            f"{ENGINES[cell.engine].config} cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, "
-            "or model.finetuning lora or full",
-        )
-    return None
+def _qlora_where_it_cannot_load(cell: Cell, cuda: bool):
+    why = ENGINES[cell.engine].no_qlora if cell.adapter == "qlora" else ""
+    key, _, line = why.partition(": ")
+    return (key, line) if why else None
 
 
 def _zero_without_cuda(cell: Cell, cuda: bool):
@@ -412,7 +411,7 @@ RULES: tuple[Rule, ...] = (
     _server_per_rank,
     _tools_under_zero,
     _tools_on_server,
-    _qlora_under_fsdp,
+    _qlora_where_it_cannot_load,
 )
 """Refusals on any machine, first match wins."""
 DEVICE_RULES: tuple[Rule, ...] = (_zero_without_cuda,)

@@ -23,8 +23,8 @@ def _none(*args: Any) -> list[str]:
     return []
 
 
-def _always(zero_stage: Optional[int]) -> bool:
-    return True
+def _loads(zero_stage: Optional[int]) -> str:
+    return ""
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,9 @@ class EngineFacts:
     lockstep: str = ""
     """Why its ranks may have to sample in lockstep ("": they never do); tool rollouts, whose ranks
     take different numbers of turns, are refused under it."""
-    qlora: Callable[[Optional[int]], bool] = _always
-    """(ZeRO stage of its config file, None without one) -> whether QLoRA's 4-bit weights load under it."""
+    no_qlora: Callable[[Optional[int]], str] = _loads
+    """(ZeRO stage of its config file, None without one) -> why QLoRA's 4-bit weights cannot load under
+    it, as the one line the config check and the capability table both print ("": they load)."""
 
 
 SHARDING_NAMES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -61,6 +62,17 @@ def _fsdp_option_problems(dist: Any, key: str) -> list[str]:
     return [f"{key}.fsdp_sharding: {dist.fsdp_sharding!r} is not one of {', '.join(map(repr, SHARDING_NAMES))}"]
 
 
+QLORA_UNDER_ZERO3 = (
+    "model.finetuning: qlora cannot load under DeepSpeed ZeRO-3 (its 4-bit weights are placed through a "
+    "device_map, which ZeRO-3's partitioned loading refuses); use a ZeRO-2 config "
+    "(deepspeed_configs/zero2.json), distributed.engine ddp, or model.finetuning lora"
+)
+QLORA_UNDER_FSDP = (
+    "distributed.engine: fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, "
+    "or model.finetuning lora or full"
+)
+
+
 ENGINES: dict[str, EngineFacts] = {
     "ddp": EngineFacts("data parallel through accelerate (one process without a launcher)"),
     "deepspeed": EngineFacts(
@@ -72,13 +84,13 @@ ENGINES: dict[str, EngineFacts] = {
         lockstep="under DeepSpeed ZeRO-3 every rank samples in lockstep",
         # transformers refuses a device_map under ZeRO-3's zero.Init, and bitsandbytes places the
         # 4-bit weights only through one; ZeRO-2 keeps whole weights.
-        qlora=lambda zero_stage: zero_stage != 3,
+        no_qlora=lambda zero_stage: "" if zero_stage != 3 else QLORA_UNDER_ZERO3,
     ),
     "fsdp": EngineFacts(
         "torch's FSDP2 (fully_shard), on CPU over gloo or on CUDA over nccl",
         options=("fsdp_sharding",),
         option_problems=_fsdp_option_problems,
-        qlora=lambda zero_stage: False,  # bitsandbytes' 4-bit weights are no tensors FSDP2 can shard
+        no_qlora=lambda zero_stage: QLORA_UNDER_FSDP,  # bitsandbytes' 4-bit weights are no tensors FSDP2 can shard
     ),
 }
 """`distributed.engine` -> its entry."""

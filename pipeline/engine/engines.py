@@ -72,13 +72,8 @@ def would_resume(cfg: StageConfig) -> bool:
 
 
 def _deepspeed_problems(cfg: StageConfig, facts: EngineFacts) -> list[str]:
-    if cfg.model.finetuning == "qlora" and not facts.qlora(zero_stage(cfg.distributed.deepspeed_config)):
-        return [
-            "model.finetuning: qlora cannot load under DeepSpeed ZeRO-3 (its 4-bit weights are placed through a "
-            "device_map, which ZeRO-3's partitioned loading refuses); use a ZeRO-2 config "
-            "(deepspeed_configs/zero2.json), distributed.engine ddp, or model.finetuning lora"
-        ]
-    return []
+    why = facts.no_qlora(zero_stage(cfg.distributed.deepspeed_config))
+    return [why] if cfg.model.finetuning == "qlora" and why else []
 
 
 def _deepspeed_kwargs(cfg: StageConfig, cuda: bool) -> dict[str, Any]:
@@ -202,11 +197,8 @@ def _fsdp_problems(cfg: StageConfig, facts: EngineFacts) -> list[str]:
         )
     if (problem := fsdp.unsupported_torch()) is not None:
         out.append(problem)  # FSDP2's API as this torch has it (the features asked for, not the version)
-    if cfg.model.finetuning == "qlora" and not facts.qlora(None):
-        out.append(
-            "distributed.engine: fsdp cannot shard QLoRA's 4-bit weights; use distributed.engine ddp, "
-            "or model.finetuning lora or full"
-        )
+    if cfg.model.finetuning == "qlora" and (why := facts.no_qlora(None)):
+        out.append(why)
     return out
 
 
