@@ -4,7 +4,9 @@ writes its section, points and PNG. The figures are never checked (speed lives i
 in timed tests); the equal-work check (same first loss on both sides) is, since a row is only
 written when it holds.
 
-Each side is a fresh process (a few seconds of imports), so one case per comparison runs here."""
+A quick row runs both sides in the harness's own process (the ppo peer in its own environment), and
+every comparison's quick run shares one process here (`quick_runs`): the imports are paid once, not
+once per comparison. One case per comparison runs."""
 
 import json
 import re
@@ -37,36 +39,67 @@ def test_every_comparison_is_smoke_tested():
     assert {"sft", "ppo", "dpo", "grpo"} <= set(COMPARISONS)
 
 
+QUICK_RUNS = """
+import contextlib, io, json, sys, traceback
+sys.path.insert(0, sys.argv[1])
+import run
+out = {}
+for name, argv in json.loads(sys.argv[2]).items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = run.main(argv)
+        except BaseException:
+            traceback.print_exc()
+            code = 99
+    out[name] = {"returncode": code, "stderr": err.getvalue()}
+print(json.dumps(out))
+"""
+"""Each comparison's `bench/run.py` main, one after another in one process (its stderr kept apart)."""
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory):
+    """{name: (returncode, stderr, results file, case) or a skip reason}: every comparison's quick
+    run of its first case, all in one process with one thread."""
+    import importlib
+
+    root, jobs, done = tmp_path_factory.mktemp("quick"), {}, {}
+    for name in COMPARISONS:
+        module = importlib.import_module(f"bench.comparisons.{name}")
+        if module.PEER_PYTHON == "trl-1.12":
+            try:
+                harness.ensure_trl_112()
+            except harness.HarnessError as error:  # no package registry reachable: nothing to compare against
+                done[name] = str(error)
+                continue
+        case = module.cases(True)[0]["case"]
+        results = root / name / "RESULTS.md"
+        results.parent.mkdir()
+        results.write_text("# Benchmarks\n\n## Other section\nkept\n")
+        jobs[name] = (case, results)
+    argv = {
+        name: [name, "--quick", "--case", case, "--threads", "1", "--results", str(results)]
+        + ["--workdir", str(results.parent / "work")]
+        for name, (case, results) in jobs.items()
+    }
+    proc = run(["-c", QUICK_RUNS, str(ROOT / "bench"), json.dumps(argv)], root, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, (case, results) in jobs.items():
+        done[name] = (ran[name]["returncode"], ran[name]["stderr"], results, case)
+    return done
+
+
 @pytest.mark.parametrize("name", COMPARISONS)
-def test_quick_comparison_appends_one_well_formed_row(name, tmp_path):
+def test_quick_comparison_appends_one_well_formed_row(name, quick_runs):
     import importlib
 
     module = importlib.import_module(f"bench.comparisons.{name}")
-    if module.PEER_PYTHON == "trl-1.12":
-        try:
-            harness.ensure_trl_112()
-        except harness.HarnessError as error:  # no package registry reachable: nothing to compare against
-            pytest.skip(str(error))
-    case = module.cases(True)[0]["case"]
-    results = tmp_path / "RESULTS.md"
-    results.write_text("# Benchmarks\n\n## Other section\nkept\n")
-    proc = run(
-        [
-            "bench/run.py",
-            name,
-            "--quick",
-            "--case",
-            case,
-            "--threads",
-            "1",
-            "--results",
-            str(results),
-            "--workdir",
-            str(tmp_path / "work"),
-        ],
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    if isinstance(quick_runs[name], str):
+        pytest.skip(quick_runs[name])
+    returncode, stderr, results, case = quick_runs[name]
+    assert returncode == 0, stderr[-2000:]
     text = results.read_text()
     assert "## Other section\nkept\n" in text and text.count(harness.SECTION) == 1
     rows = [line for line in text.splitlines() if line.startswith("| 20")]
