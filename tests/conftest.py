@@ -77,7 +77,7 @@ def tiny_reward_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "reward", seed=1, num_labels=1)
 
 
-LAST_MODULES = ("test_vllm.py", "test_vllm_tools.py")
+LAST_MODULES = ("test_vllm.py",)
 """In one process, run after everything else: run_scripts/test.sh builds vLLM's side environment in the background
 while the rest of the suite runs, and these tests wait for it (tests/test_vllm.py)."""
 
@@ -90,7 +90,6 @@ LONGEST_FIRST = (
     "test_vllm.py",
     "test_cells_ddp.py",
     "test_distributed_stages.py",
-    "test_vllm_tools.py",
     "test_signals.py",
     "test_decode.py",
     "test_reward.py",

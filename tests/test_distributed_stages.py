@@ -199,9 +199,22 @@ def merged_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 def launch(specs: list[dict], folder: Path, nproc: int, torchrun: bool = False) -> None:
-    """Run `specs` through tests/distrun.py: under torchrun with `nproc` ranks, or as one plain
-    process (nproc 1 without `torchrun`)."""
+    """Run `specs` through tests/distrun.py: under torchrun with `nproc` ranks, or in this process
+    with one thread as each rank runs (nproc 1 without `torchrun`: the one-process references; a
+    fresh interpreter's imports would cost more than most of their runs)."""
     folder.mkdir(parents=True, exist_ok=True)
+    if nproc == 1 and not torchrun:
+        from distrun import keep_quantization_backend, run_one
+
+        keep_quantization_backend(specs)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for spec in specs:
+                run_one(spec)
+        finally:
+            torch.set_num_threads(threads)
+        return
     spec_file = folder / "runs.json"
     spec_file.write_text(json.dumps(specs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -121,8 +121,8 @@ ZC = "tests/test_zero_cpu.py"
 RANKS = "tests/test_cells_ddp.py::test_two_ranks_equal_one_process"
 DISTILL = "tests/test_distill.py::test_resume_equals_unbroken_and_the_manifest_names_the_teacher"
 VLLM_TOOLS_TESTS: dict[str, tuple[str, ...]] = {
-    "ppo": ("tests/test_vllm_tools.py::test_ppo_with_tools_on_vllm",),
-    "grpo": ("tests/test_vllm_tools.py::test_grpo_with_tools_on_vllm",),
+    "ppo": ("tests/test_vllm.py::test_ppo_with_tools_on_vllm",),
+    "grpo": ("tests/test_vllm.py::test_grpo_with_tools_on_vllm",),
 }
 """The tests that train a tool rollout on the vllm backend, by stage; empty: tools x vllm is refused."""
 
