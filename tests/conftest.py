@@ -64,6 +64,20 @@ def embedded_path():
     return materialize()
 
 
+@pytest.fixture(scope="module")
+def module_folder(request, tmp_path_factory):
+    """A folder for a module's shared runs, removed when the module ends with none of its tests
+    failed: pyproject's retention policy removes a passing test's own `tmp_path` at once, but a
+    module-wide folder of model runs (up to ~1 GB) would otherwise stay until the whole run ends."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_"))
+    failed = request.session.testsfailed
+    yield folder
+    if request.session.testsfailed == failed:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random causal LM (2 layers, d=64) with the embedded tokenizer. Read-only: copy it

@@ -76,8 +76,8 @@ def run(stage: str, args: list[str], sampler: str = "scripted") -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_model_dir, tiny_reward_dir):
-    root = tmp_path_factory.mktemp("cells")
+def setup(module_folder, tiny_model_dir, tiny_reward_dir):
+    root = module_folder
     data = write_data(root / "data")
     data["kto"] = kto_rows(root / "data" / "kto.jsonl")
     return root, data, tiny_model_dir, tiny_reward_dir

@@ -198,13 +198,13 @@ def held_out_sets(data: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory, tiny_model_dir, tiny_reward_dir):
+def launches(module_folder, tiny_model_dir, tiny_reward_dir):
     """Every multi-rank run in one torchrun (the engine is a run's setting; the process group
     outlives the runs), then the one-process references here."""
     import cells_distrun  # noqa: F401  (adds KTO and the tool sampler to tests/distrun.py's runner)
     from distrun import run_one
 
-    root = tmp_path_factory.mktemp("cells_ddp")
+    root = module_folder
     data = write_data(root / "data")
     data["kto"] = kto_rows(root / "data" / "kto.jsonl")
     held_out_sets(data)

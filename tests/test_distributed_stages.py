@@ -199,11 +199,12 @@ def merged_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 def launch(specs: list[dict], folder: Path, nproc: int, torchrun: bool = False) -> None:
-    """Run `specs` through tests/distrun.py: under torchrun with `nproc` ranks, or in this process
-    with one thread as each rank runs (nproc 1 without `torchrun`: the one-process references; a
-    fresh interpreter's imports would cost more than most of their runs)."""
+    """Run `specs` through tests/distrun.py: under torchrun with `nproc` ranks, or as one plain
+    process (nproc 1 without `torchrun`: the one-process references), on a CPU in this process with
+    one thread as each rank runs (a fresh interpreter's imports cost more than most of their runs;
+    on a GPU a process of its own, which frees its memory for the ranks)."""
     folder.mkdir(parents=True, exist_ok=True)
-    if nproc == 1 and not torchrun:
+    if nproc == 1 and not torchrun and not torch.cuda.is_available():
         from distrun import keep_quantization_backend, run_one
 
         keep_quantization_backend(specs)
@@ -227,8 +228,8 @@ def launch(specs: list[dict], folder: Path, nproc: int, torchrun: bool = False) 
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_model_dir, tiny_reward_dir):
-    root = tmp_path_factory.mktemp("dist_stages")
+def setup(module_folder, tiny_model_dir, tiny_reward_dir):
+    root = module_folder
     return root, write_data(root / "data"), tiny_model_dir, tiny_reward_dir
 
 

@@ -131,8 +131,8 @@ def geometry_spec(phase: str, setup, engine: str, stop_after=None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_model_dir, tiny_reward_dir):
-    root = tmp_path_factory.mktemp("fsdp")
+def setup(module_folder, tiny_model_dir, tiny_reward_dir):
+    root = module_folder
     data = write_data(root / "data")
     data["sft14"] = write_sft(root / "data" / "sft14", 10, 4)[0]
     return root, data, tiny_model_dir, tiny_reward_dir

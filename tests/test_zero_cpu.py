@@ -73,8 +73,8 @@ def argv(name: str, world: int, out: Path, setup) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_model_dir, tiny_reward_dir):
-    root = tmp_path_factory.mktemp("zero_cpu")
+def setup(module_folder, tiny_model_dir, tiny_reward_dir):
+    root = module_folder
     return root, write_data(root / "data"), tiny_model_dir, tiny_reward_dir
 
 
