@@ -202,7 +202,8 @@ def launch(specs: list[dict], folder: Path, nproc: int, torchrun: bool = False) 
     """Run `specs` through tests/distrun.py: under torchrun with `nproc` ranks, or as one plain
     process (nproc 1 without `torchrun`: the one-process references), on a CPU in this process with
     one thread as each rank runs (a fresh interpreter's imports cost more than most of their runs;
-    on a GPU a process of its own, which frees its memory for the ranks)."""
+    on a GPU a process of its own, which frees its memory for the ranks). A launch's output is kept
+    in `folder`/launch.log."""
     folder.mkdir(parents=True, exist_ok=True)
     if nproc == 1 and not torchrun and not torch.cuda.is_available():
         from distrun import keep_quantization_backend, run_one
@@ -224,6 +225,7 @@ def launch(specs: list[dict], folder: Path, nproc: int, torchrun: bool = False) 
     )
     cmd = [sys.executable, *launcher, str(ROOT / "tests" / "distrun.py"), str(spec_file)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    (folder / "launch.log").write_text(done.stdout + done.stderr)
     assert done.returncode == 0, done.stderr[-4000:]
 
 

@@ -114,11 +114,28 @@ def _deepspeed_on_cpu() -> list:
     reads "no backend" as one process and every rank calls itself process 0 of 1. Naming gloo
     (DeepSpeed's CPU accelerator's backend) makes it read the world size and rank from the group.
     DS_ACCELERATOR=cpu before DeepSpeed is imported spares its accelerator probe and warning.
+    The collectives stay gloo's (`_no_shared_memory_op`).
     """
     from accelerate.utils import InitProcessGroupKwargs
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _no_shared_memory_op()
     return [InitProcessGroupKwargs(backend="gloo")]
+
+
+def _no_shared_memory_op() -> None:
+    """Keep DeepSpeed from building its shared-memory all-reduce on a CPU: its process group start
+    compiles that C++ extension on first use in every new environment (a fresh clone, a new
+    virtualenv: minutes of compiler on a small CPU, before the first step) where the op is listed
+    as compatible. Marked incompatible, DeepSpeed's collectives go through torch.distributed (gloo),
+    as they do on any platform without the op."""
+    try:
+        from deepspeed import ops
+
+        compatible = ops.__compatible_ops__
+    except (ImportError, AttributeError):  # no DeepSpeed, or one without the op registry
+        return
+    compatible["deepspeed_shm_comm"] = False
 
 
 def _world_of_one() -> None:
