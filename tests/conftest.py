@@ -68,7 +68,7 @@ def embedded_path():
 def module_folder(request, tmp_path_factory):
     """A folder for a module's shared runs, removed when the module ends with none of its tests
     failed: pyproject's retention policy removes a passing test's own `tmp_path` at once, but a
-    module-wide folder of model runs (up to ~1 GB) would otherwise stay until the whole run ends."""
+    module-wide folder of model runs would otherwise stay until the whole run ends."""
     import shutil
 
     folder = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_"))

@@ -1,4 +1,4 @@
-"""The suite's disk use stays bounded: a run writes ~10 GB of model folders in all, and a disk that
+"""The suite's disk use stays bounded: a run writes many model folders in all, and a disk that
 fills mid-run fails the run with errors that name no cause. pyproject.toml's pytest settings remove a
 passing test's `tmp_path` as soon as it ends (and a passing run's whole base folder at its end), so
 only module- and session-wide folders live until the run ends (bench/RESULTS.md has the peak)."""

@@ -94,7 +94,7 @@ def launches(setup):
 
 def test_the_ranks_build_no_deepspeed_extension(launches):
     """DeepSpeed on a CPU compiles its shared-memory all-reduce at its process group's start in
-    every new environment (1-2 CPU minutes here, each CI run); Relay keeps its collectives on gloo."""
+    every new environment (bench/RESULTS.md has its cost); Relay keeps its collectives on gloo."""
     log = (launches / "zero" / "launch.log").read_text()
     assert "deepspeed_shm_comm" not in log, [line for line in log.splitlines() if "shm" in line]
 

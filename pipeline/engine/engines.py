@@ -126,7 +126,7 @@ def _deepspeed_on_cpu() -> list:
 def _no_shared_memory_op() -> None:
     """Keep DeepSpeed from building its shared-memory all-reduce on a CPU: its process group start
     compiles that C++ extension on first use in every new environment (a fresh clone, a new
-    virtualenv: minutes of compiler on a small CPU, before the first step) where the op is listed
+    virtualenv: a C++ compile before the first step) where the op is listed
     as compatible. Marked incompatible, DeepSpeed's collectives go through torch.distributed (gloo),
     as they do on any platform without the op."""
     try:
