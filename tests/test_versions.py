@@ -34,7 +34,9 @@ def test_fsdp_on_a_torch_without_fsdp2s_api_is_a_config_problem(tiny_model_dir, 
     assert combination_problems(cfg) == []
 
 
-@pytest.mark.parametrize("name,installed", [("torch", "2.6.0"), ("transformers", "4.56.1"), ("datasets", "3.0.0")])
+@pytest.mark.parametrize(
+    "name,installed", [("torch", "2.6.0"), ("transformers", "4.56.1"), ("datasets", "3.0.0"), ("deepspeed", "0.19.2")]
+)
 def test_a_package_below_its_floor_is_named_in_one_line(name, installed, monkeypatch):
     real = compat.metadata.version
     monkeypatch.setattr(compat.metadata, "version", lambda n: installed if n == name else real(n))

@@ -21,7 +21,7 @@ FLOORS = {
     "peft": "0.17",
     "datasets": "4.7",
     "trl": "1.0",
-    "deepspeed": "0.17",
+    "deepspeed": "0.19.3",
     "bitsandbytes": "0.48",
     "draccus": "0.11",
     "gguf": "0.10",
