@@ -14,13 +14,8 @@ measured through `relay chat`'s tool loop (greedy, the real tool, the folder's o
 questions decoded as one batch per turn): the final answer must state the sum. Seeds can run as
 parallel jobs (`--seeds k --skip-base`, one `--out` each). Prints
 the base, SFT and GRPO success of every seed, then their mean and spread. Not a test: about 8 min
-of CPU a seed on a 2-core CPU (minutes in all on a GPU).
-
-Measured 2026-11-26 (the defaults, seeds 0-4 as jobs two at a time, embedded SmolLM2-135M, the
-shared 2-core Intel Xeon with AVX-512): base 0/48; see bench/RESULTS.md, "Tool use", for the
-table: GRPO far above SFT on the seeds where it learned to call the tool within its 16 steps, not
-on the one where it did not. The run before (SFT 3 steps, GRPO 6 steps at T 1) saturated: SFT
-48/48, 47/48, 48/48 greedy, GRPO the same.
+of CPU a seed on a 2-core CPU (minutes in all on a GPU). Its results, with the machine they ran
+on, are in bench/RESULTS.md, "Tool use".
 """
 
 from __future__ import annotations

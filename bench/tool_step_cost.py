@@ -11,12 +11,8 @@ conversation (the path before). The single-turn step then samples, for every row
 tokens as that row sampled in the tool step (no EOS, per-row limits), from the same prompts. All
 are whole `GRPOStage.train_step`s (rollout, rewards, update) on fresh stages, in one process;
 prints each step's wall and CPU seconds (`time.process_time`: on a shared machine the wall clock
-is mostly waiting) and the median ratios (the issue's goal: at most 1.5). Not a test.
-
-Measured 2026-11-25 (embedded SmolLM2-135M, 2 prompts x G 4, 505 sampled + 208 inserted tokens,
-the shared 2-core Intel Xeon with AVX-512 at a load average of 6-10, OMP_NUM_THREADS=1, three
-repeats): median CPU ratio 1.24 with the cache kept, 1.32 with every turn prefilled again
-(bench/RESULTS.md, "Tool use"). The 1.68 recorded before was a wall-clock ratio under load.
+is mostly waiting) and the median ratios (the issue's goal: at most 1.5). Not a test. Its
+results, with the machine they ran on, are in bench/RESULTS.md, "Tool use".
 """
 
 from __future__ import annotations

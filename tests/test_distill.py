@@ -3,7 +3,7 @@ same student/teacher tensors and masks), the top-k teacher form, and the `distil
 
 Peers: trl 1.16.0, trl/trainer/distillation_trainer.py `_chunked_divergence_loss` (the stable
 DistillationTrainer's loss) and trl/experimental/gkd/gkd_trainer.py `GKDTrainer.generalized_jsd_loss`.
-Tolerance 1e-6 in fp32 (AMD EPYC, 2 cores).
+Tolerance 1e-6 in fp32.
 """
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ ZERO = {
 TRAINED_ABS = 3e-4
 """The trained tensors themselves (checkpoint, adapter), max |difference|: Adam divides each
 gradient by its own RMS, so the two runs' reduction-order noise on near-zero gradients becomes a
-few % of one step (lr 5e-3), as for full fine-tuning's weights (WEIGHTS_ABS); measured 3.4e-5 to
-1.2e-4 (ZeRO-3 with the optimizer offloaded, RM's score head) on an AMD EPYC.
+few % of one step (lr 5e-3), as for full fine-tuning's weights (WEIGHTS_ABS); the measured spread
+is in bench/RESULTS.md (the largest: ZeRO-3 with the optimizer offloaded, RM's score head).
 The merged LoRA weights hold the product of two such tensors, within WEIGHTS_ABS['lora']."""
 
 

@@ -41,8 +41,8 @@ Anything else keeps its own forward: quantised or non-fp32 layers, LoRA variants
 LoRA with biases, calls with grad enabled or mixed-adapter batches, and any layer whose forward
 something else already replaced on the instance (accelerate's offload hooks, another wrapper).
 Each path is taken where it pays on the CPU it runs on (pipeline/modeling/cpu_kernels.py: a
-one-time paired micro-measurement per machine; on an Intel Xeon, or an AMD CPU capped to AVX2, MKL
-is as fast as oneDNN at training shapes and `onednn_linears` stands aside). RELAY_CPU_ONEDNN,
+one-time paired micro-measurement per machine; where MKL is as fast as oneDNN at training shapes,
+`onednn_linears` stands aside; the measured CPU kinds are in bench/RESULTS.md). RELAY_CPU_ONEDNN,
 RELAY_DECODE_PACKED and RELAY_DECODE_FUSED force a path on (1) or off (0).
 """
 
