@@ -984,8 +984,29 @@ def check_step(rollout, requests, figures, old, weight, cfg, max_model_len):
     torch.testing.assert_close(weight, want, rtol=0, atol=1e-6)
 
 
-def test_grpo_with_tools_on_vllm(caller, tools_server, questions, calls, tmp_path, monkeypatch):
+def two_recorded_steps(stage_class, cfg, take, requests: list, generator_factory):
+    """Run a two-step tool stage on the tools server; per step: (figures, `take(stage)`, the requests
+    the engine got during that step). Prints each step's request count and log-prob mismatch."""
     from stagerun import run_stage
+
+    seen = {}
+
+    def on_step(stage, figures):
+        seen[stage.step] = (figures, take(stage), list(requests))
+        requests.clear()
+
+    stage = run_stage(stage_class, cfg, on_step=on_step, generator_factory=generator_factory)
+    assert stage.final_summary["steps"] == 2 and sorted(seen) == [1, 2]
+    for step, (figures, _, asked) in seen.items():
+        print(
+            f"{stage.name} step {step}: {len(asked)} requests, max_tokens {sorted({m for _, m, _ in asked})}, "
+            f"logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} "
+            f"max {figures['rollout/logprob_diff_max']:.2e}"
+        )
+    return stage, seen
+
+
+def test_grpo_with_tools_on_vllm(caller, tools_server, questions, calls, tmp_path, monkeypatch):
     from test_tool_rollout import _grpo_cfg
 
     from pipeline.rl import grpo as algo
@@ -1007,22 +1028,11 @@ def test_grpo_with_tools_on_vllm(caller, tools_server, questions, calls, tmp_pat
     monkeypatch.setattr(
         algo, "grpo_update", lambda *a, **k: scored.__setitem__(len(scored) + 1, dict(a[4])) or real_update(*a, **k)
     )
-    seen = {}
-
-    def on_step(stage, figures):
-        seen[stage.step] = (figures, stage.last_rollout["rollout"], list(requests))
-        requests.clear()
-
-    stage = run_stage(
-        grpo.GRPOStage, cfg, on_step=on_step, generator_factory=factory(tools_server, caller, tmp_path / "v", cfg)
+    take = lambda st: st.last_rollout["rollout"]  # noqa: E731
+    _, seen = two_recorded_steps(
+        grpo.GRPOStage, cfg, take, requests, factory(tools_server, caller, tmp_path / "v", cfg)
     )
-    assert stage.final_summary["steps"] == 2 and sorted(seen) == [1, 2]
     for step, (figures, rollout, asked) in seen.items():
-        print(
-            f"GRPO step {step}: {len(asked)} requests, "
-            f"max_tokens {sorted({m for _, m, _ in asked})}, logprob diff mean "
-            f"{figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}"
-        )
         check_step(
             rollout,
             asked,
@@ -1040,7 +1050,6 @@ def test_grpo_with_tools_on_vllm(caller, tools_server, questions, calls, tmp_pat
 
 
 def test_ppo_with_tools_on_vllm(caller, tiny_reward_dir, tools_server, questions, calls, tmp_path, monkeypatch):
-    from stagerun import run_stage
     from test_ppo import make_cfg
 
     from pipeline.rl import ppo as algo
@@ -1064,21 +1073,11 @@ def test_ppo_with_tools_on_vllm(caller, tiny_reward_dir, tools_server, questions
     monkeypatch.setattr(
         algo, "policy_loss", lambda *a, weight=None, **k: weights.append(weight) or real_loss(*a, weight=weight, **k)
     )
-    seen = {}
-
-    def on_step(stage, figures):
-        seen[stage.step] = (figures, stage.last_experience, list(requests))
-        requests.clear()
-
-    stage = run_stage(
-        ppo.PPOStage, cfg, on_step=on_step, generator_factory=factory(tools_server, caller, tmp_path / "v", cfg)
+    take = lambda st: st.last_experience  # noqa: E731
+    stage, seen = two_recorded_steps(
+        ppo.PPOStage, cfg, take, requests, factory(tools_server, caller, tmp_path / "v", cfg)
     )
-    assert stage.final_summary["steps"] == 2 and sorted(seen) == [1, 2]
     for step, (figures, exp, asked) in seen.items():
-        print(
-            f"PPO step {step}: {len(asked)} requests, max_tokens {sorted({m for _, m, _ in asked})}, logprob diff mean "
-            f"{figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}"
-        )
         check_step(exp.rollout, asked, figures, exp.old_logprobs, exp.is_weight, cfg, tools_server.opts.max_model_len)
         assert (exp.advantages[exp.rollout.response_mask == 0] == 0).all()
     assert weights and all(w is not None for w in weights)
