@@ -5,6 +5,9 @@
 # cores split between them (tests/conftest.py): 2 workers where the machine has 2 or more cores
 # (one process uses about one core on average; bench/RESULTS.md). RELAY_TEST_WORKERS=N sets N; 1
 # runs one process.
+# The stage scripts, ranks and driver runs the tests start are forked from a server that has imported
+# torch, transformers, peft and accelerate once (tests/forkserver.py: the same process otherwise);
+# RELAY_TEST_FORK=0 starts each with the real interpreter instead.
 # vLLM's side environment (run_scripts/install_vllm.sh; a no-op when present) builds in the
 # background meanwhile; tests/test_vllm.py runs late (tests/conftest.py) and waits for it, failing
 # (not skipping) when the install failed. RELAY_VLLM_INSTALL=0: no install (those tests then skip

@@ -13,6 +13,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# As every stage sets it (pipeline.engine.tracking.quiet_console): set once here, the processes a test
+# starts see the same value whether or not a stage ran in this process before (tests/forkserver.py).
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("HF_XET_HIGH_PERFORMANCE", "1")  # likewise: importing lm_eval sets it (tests/test_eval.py)
 # The CPU fast paths (oneDNN training linears, prepacked and fused decoding) are taken where a one-time
 # measurement says they pay on this machine (pipeline/modeling/cpu_kernels.py), and their results differ
 # from torch's plain kernels by float noise: the suite runs the plain ones on every CPU kind, so no

@@ -33,12 +33,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from forkserver import python_for_tests
 from safetensors.torch import load_file
 from test_cells import kto_rows
 from test_distributed_stages import ABS, REL, WEIGHTS_ABS, history, merged_weights, stage_argv, write_data
@@ -152,7 +152,7 @@ def launch(specs: list[dict], folder: Path, nproc: int) -> None:
     spec_file.write_text(json.dumps(specs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [
-        sys.executable,
+        python_for_tests(),
         "-m",
         "torch.distributed.run",
         "--standalone",

@@ -6,11 +6,11 @@ against one process: test_distributed_stages.py; GPU-only checks: test_distribut
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forkserver import python_for_tests
 from test_pt_sft import fresh_accelerate_state  # noqa: F401 (fixture)
 
 from pipeline.config import load_config
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def torchrun(argv, tmp_path, stage="sft.py"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [
-        sys.executable,
+        python_for_tests(),
         "-m",
         "torch.distributed.run",
         "--standalone",

@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forkserver import python_for_tests
 from safetensors.torch import load_file
 from test_pt_sft import write_sft
 
@@ -223,7 +223,7 @@ def launch(specs: list[dict], folder: Path, nproc: int, torchrun: bool = False) 
     launcher = (
         ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 or torchrun else []
     )
-    cmd = [sys.executable, *launcher, str(ROOT / "tests" / "distrun.py"), str(spec_file)]
+    cmd = [python_for_tests(), *launcher, str(ROOT / "tests" / "distrun.py"), str(spec_file)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     (folder / "launch.log").write_text(done.stdout + done.stderr)
     assert done.returncode == 0, done.stderr[-4000:]

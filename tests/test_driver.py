@@ -11,12 +11,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
+from forkserver import python_for_tests
 
 from pipeline.config import ConfigError
 from pipeline.modeling.handoff import fact_problems
@@ -145,7 +145,13 @@ def write_fake_config(tmp: Path, base: Path, report: bool = True, gold: bool = F
 
 
 def run_driver(config: Path, fake_log: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "FAKE_LOG": str(fake_log), "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **env}
+    environment = {
+        **os.environ,
+        "FAKE_LOG": str(fake_log),
+        "PYTHON": python_for_tests(),
+        "PYTHONPATH": str(ROOT),
+        **env,
+    }
     return subprocess.run(
         ["bash", str(ROOT / "run_scripts/run_pipeline.sh"), str(config), *args],
         cwd=ROOT,

@@ -11,10 +11,10 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forkserver import python_for_tests
 
 from pipeline.tools import evaluate
 from pipeline.tools.chain_config import GoldConfig
@@ -33,7 +33,7 @@ def harness_cli(tiny_model_dir, tmp_path_factory):
     harness's whole task collection first, which takes longest); its results file when it ends."""
     out = tmp_path_factory.mktemp("lm_eval_cli")
     command = [
-        *(sys.executable, "-m", "lm_eval", "--model", "hf"),
+        *(python_for_tests(), "-m", "lm_eval", "--model", "hf"),
         *("--model_args", f"pretrained={tiny_model_dir},dtype=float32"),
         *("--tasks", ",".join(evaluate.DEFAULT_TASKS), "--include_path", str(TASKS)),
         *("--batch_size", "32", "--device", "cpu", "--output_path", str(out)),

@@ -6,11 +6,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forkserver import python_for_tests
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -221,7 +221,7 @@ def test_cli_merges_and_refuses_without_overwrite(causal_case, tmp_path):
     _, base, adapter, _ = causal_case
     out = tmp_path / "cli"
     cmd = [
-        sys.executable,
+        python_for_tests(),
         "-m",
         "pipeline.modeling.merge",
         "--base",

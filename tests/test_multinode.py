@@ -9,11 +9,11 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from forkserver import python_for_tests
 from safetensors.torch import load_file
 from test_pt_sft import write_sft
 
@@ -58,7 +58,7 @@ def pipeline_config(folder: Path, model: Path, data: tuple[Path, Path]) -> Path:
 def driver(config: Path, **env: str) -> subprocess.Popen:
     environment = {
         **os.environ,
-        "PYTHON": sys.executable,
+        "PYTHON": python_for_tests(),
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",

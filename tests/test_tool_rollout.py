@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forkserver import python_for_tests
 from transformers import AutoTokenizer
 
 from data_formats.conversation import Conversation, Turn
@@ -861,7 +862,6 @@ def test_two_ranks_equal_one_process(tmp_path, tiny_model_dir, tool_prompts):
     prompt each log the same loss, gradient norm, reward and KL as one process of 2 prompts."""
     import os
     import subprocess
-    import sys
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -869,7 +869,7 @@ def test_two_ranks_equal_one_process(tmp_path, tiny_model_dir, tool_prompts):
     for name, launcher in runs.items():
         batch = "1" if name == "two" else "2"
         cmd = [
-            sys.executable,
+            python_for_tests(),
             *launcher,
             str(root / "tests" / "tool_distrun.py"),
             str(tmp_path / name),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from forkserver import python_for_tests
 from stagerun import run_stage
 from test_pt_sft import fresh_accelerate_state, run_sft, sft_args, write_sft  # noqa: F401 (autouse fixture)
 
@@ -144,7 +145,7 @@ def test_a_real_process_stops_on_sigterm_with_one_line_and_the_rerun_continues(t
 
     def cmd(steps):
         return [
-            sys.executable,
+            python_for_tests(),
             str(ROOT / "stages" / "sft.py"),
             *sft_args(
                 tiny_model_dir,
@@ -183,7 +184,7 @@ def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step(tiny_model_dir, 
     train, valid = write_sft(tmp_path / "data", 10, 4)
     out = tmp_path / "sft"
     cmd = [
-        sys.executable,
+        sys.executable,  # not the fork client: the test finds rank 1 among this process's descendants
         "-m",
         "pipeline.engine.launch",
         "--nproc_per_node",
@@ -258,7 +259,7 @@ def test_the_driver_forwards_sigterm_and_records_which_stage_stopped(tmp_path, t
 
     config, root, fake_log = write_fake_config(tmp_path, tiny_model_dir, report=False)
     (tmp_path / "scripts" / "sft.py").write_text(SLEEPER)
-    env = {**_env(), "FAKE_LOG": str(fake_log), "PYTHON": sys.executable}
+    env = {**_env(), "FAKE_LOG": str(fake_log), "PYTHON": python_for_tests()}
     proc = subprocess.Popen(
         ["bash", str(ROOT / "run_scripts/run_pipeline.sh"), str(config)],
         cwd=ROOT,
