@@ -26,6 +26,7 @@ RELAY_TEST_FORK=0 turns it off (the real interpreter everywhere).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -252,14 +253,14 @@ def serve(path: str) -> None:
                 break
             conn = running.pop(pid, None)
             if conn is not None:
-                with _quiet():
+                with contextlib.suppress(OSError):
                     conn.sendall(json.dumps({"status": status}).encode() + b"\n")
                 conn.close()
         for sock in ready:
             if sock is sys.stdin:
                 if not os.read(sys.stdin.fileno(), 4096):  # the pytest worker ended
                     for pid in running:
-                        with _quiet():
+                        with contextlib.suppress(OSError):
                             os.kill(pid, signal.SIGKILL)
                     return
             elif sock is listener:
@@ -306,16 +307,8 @@ def serve(path: str) -> None:
             else:  # a running child's client: readable only when it has gone (killed)
                 pid = next(p for p, s in running.items() if s is sock)
                 if not sock.recv(1):
-                    with _quiet():
+                    with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
-
-
-class _quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
 
 
 if __name__ == "__main__":
