@@ -205,13 +205,22 @@ def become(request: dict, fds: list[int], client: str, base_path: list[str], set
 
 
 def finish(code: int) -> None:
-    """End as the interpreter does: non-daemon threads joined, atexit handlers, streams flushed."""
+    """End as the interpreter does: non-daemon threads joined, atexit handlers, the files still open
+    flushed (the interpreter's teardown closes them; `os._exit` would drop what they buffer), streams
+    flushed."""
     import atexit
+    import gc
+    import io
     import threading
 
     try:
         threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()
+        for obj in gc.get_objects():  # the child's own objects: the server's are frozen, out of reach
+            if issubclass(type(obj), io.IOBase) and obj not in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    if not obj.closed:
+                        obj.flush()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
     finally:
@@ -233,6 +242,13 @@ def serve(path: str) -> None:
 
     gc.collect()
     gc.freeze()  # the preloaded objects: out of every child's collections, shared with it unchanged
+    import weakref
+
+    for pending in weakref.finalize._registry.values():  # type: ignore[attr-defined]
+        # The imports' finalizers (torch's operator libraries unregistering themselves): this process's
+        # state, undone in memory only; run at every child's exit, they cost it more than the rest of
+        # its exit (pages copied on write), and nothing outside the child would see them run.
+        pending.atexit = False
     set_on_import = {k: v for k, v in os.environ.items() if base_env.get(k) != v}
     base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     client = str(Path(path).parent / "python")
@@ -303,10 +319,17 @@ def serve(path: str) -> None:
                 for fd in fds:
                     os.close(fd)
                 running[pid] = sock
-                sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                with contextlib.suppress(OSError):  # a client gone already: seen below, and its child killed
+                    sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             else:  # a running child's client: readable only when it has gone (killed)
-                pid = next(p for p, s in running.items() if s is sock)
-                if not sock.recv(1):
+                pid = next((p for p, s in running.items() if s is sock), None)
+                if pid is None:
+                    continue  # its child ended and was reaped above, in this same round: its socket is closed
+                try:
+                    gone = not sock.recv(1)
+                except OSError:  # reset: the client died with a reply of the server's unread
+                    gone = True
+                if gone:
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
 
