@@ -5,8 +5,9 @@ in timed tests); the equal-work check (same first loss on both sides) is, since 
 written when it holds.
 
 A quick row runs both sides in the harness's own process (the ppo peer in its own environment), and
-every comparison's quick run shares one process here (`quick_runs`): the imports are paid once, not
-once per comparison. One case per comparison runs."""
+every comparison's quick run shares one process here (`quick_runs`), forked from the tests'
+preloaded interpreter (tests/forkserver.py) as the scaling run and the GPU check's script are: the
+imports are paid once, not once per comparison. One case per comparison runs."""
 
 import json
 import re
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from forkserver import python_for_tests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -25,8 +27,9 @@ COMPARISONS = sorted(p.stem for p in (ROOT / "bench" / "comparisons").glob("*.py
 
 
 def run(args, tmp_path, timeout=300):
+    """`args` run by the project's interpreter (forked from the tests' preloaded one: tests/forkserver.py)."""
     return subprocess.run(
-        [sys.executable, *args],
+        [python_for_tests(), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -135,6 +138,29 @@ def test_a_row_is_refused_when_the_two_sides_do_not_do_equal_work(tmp_path, monk
     out = tmp_path / "R.md"
     assert bench_run.main(["fake", "--quick", "--results", str(out), "--workdir", str(tmp_path)]) == 1
     assert not out.exists()
+
+
+def test_a_quick_side_runs_in_this_process_when_its_interpreter_is_this_environments(monkeypatch):
+    """`--quick` runs a side in the harness's own process when the side's interpreter belongs to this
+    environment (the project's .venv), whatever path started this process (the tests' forked
+    interpreter is a client script); another environment's interpreter (the TRL 1.12 one) gets a
+    process of its own."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import run as bench_run
+
+    monkeypatch.setattr(sys, "executable", "/tmp/some-launcher/python")
+    monkeypatch.setattr(sys, "prefix", str(harness.PYTHONS["relay"].parent.parent))
+    spawned = []
+    monkeypatch.setattr(harness, "run_side", lambda *a: spawned.append(a[-1]) or "own process")
+    module = types.SimpleNamespace(relay=lambda case, env: "in process", peer=lambda case, env: "in process")
+    quick = types.SimpleNamespace(quick=True, name="fake")
+    assert bench_run.side(quick, module, "relay", {}, None, harness.PYTHONS["relay"]) == "in process"
+    assert bench_run.side(quick, module, "peer", {}, None, harness.PYTHONS["trl-1.12"]) == "own process"
+    full = types.SimpleNamespace(quick=False, name="fake")
+    assert bench_run.side(full, module, "relay", {}, None, harness.PYTHONS["relay"]) == "own process"
+    assert spawned == [harness.PYTHONS["trl-1.12"], harness.PYTHONS["relay"]]
 
 
 def test_quick_scaling_writes_its_section_points_and_plot(tmp_path):
@@ -385,7 +411,7 @@ def test_gpu_check_on_cpu_writes_its_report_after_the_install_and_when_stopped(t
     import time
 
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_ON_CPU": "1", "GPU_CHECK_PARTS": "sft-profile"}
+    env = {**os.environ, "PYTHON": python_for_tests(), "GPU_CHECK_ON_CPU": "1", "GPU_CHECK_PARTS": "sft-profile"}
     proc = subprocess.Popen(
         ["bash", "run_scripts/gpu_check.sh", str(out)],
         cwd=ROOT,

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -180,11 +179,20 @@ def test_a_real_process_stops_on_sigterm_with_one_line_and_the_rerun_continues(t
     assert json.loads((out / "summary.json").read_text())["steps"] == step + 2
 
 
+def _started_with(process: psutil.Process, **variables: str) -> bool:
+    """Whether `process` was started with these environment variables (its environment at exec)."""
+    try:
+        environ = process.environ()
+    except (psutil.Error, OSError):
+        return False
+    return all(environ.get(k) == v for k, v in variables.items())
+
+
 def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step(tiny_model_dir, tmp_path):
     train, valid = write_sft(tmp_path / "data", 10, 4)
     out = tmp_path / "sft"
     cmd = [
-        sys.executable,  # not the fork client: the test finds rank 1 among this process's descendants
+        python_for_tests(),
         "-m",
         "pipeline.engine.launch",
         "--nproc_per_node",
@@ -207,12 +215,12 @@ def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step(tiny_model_dir, 
             "1",
         ),
     ]
-    env = {**_env(), "PYTHONPATH": str(ROOT)}
+    env = {**_env(), "PYTHONPATH": str(ROOT), "RELAY_TEST_MARK": str(tmp_path)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(out / "config.yaml", proc)
     time.sleep(4)
-    rank1 = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
-    assert len(rank1) == 1
+    rank1 = [p for p in psutil.process_iter() if _started_with(p, RELAY_TEST_MARK=str(tmp_path), RANK="1")]
+    assert len(rank1) == 1  # the rank torchrun started (forked: its client, which passes the signal on)
     rank1[0].send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 143, stderr[-3000:]
