@@ -40,7 +40,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence
 
 from fastapi import Request  # module level: FastAPI resolves the handlers' (postponed) annotations here
 
@@ -55,10 +55,12 @@ from pipeline.tools.openai_protocol import (
     new_id,
     usage,
 )
-from pipeline.tools.serve_batch import Batcher, Job
 from pipeline.tools.serve_tools import CallStream, answer_message, prompt_and_prefill
 from pipeline.tools.serving import SERVING, serve_choice
 from pipeline.tools.vllm_serving import serve_vllm
+
+if TYPE_CHECKING:  # the batcher imports torch and the model stack: `--backend vllm` never needs them
+    from pipeline.tools.serve_batch import Job
 
 MAX_WAITING = 256
 """Requests queued beyond this are refused with 429 instead of waiting past their time limit."""
@@ -142,6 +144,7 @@ class Server:
         slice_tokens: int = 32,
     ):
         from pipeline.tools.chat import prompt_ids
+        from pipeline.tools.serve_batch import Batcher
 
         self.chat, self.name, self.prompt_ids = chat, name, prompt_ids
         self.max_new_tokens, self.request_timeout, self.max_request_bytes = (
@@ -157,6 +160,8 @@ class Server:
         """(queued job, its event queue, prompt tokens, the text its answers start with: a forced
         tool call's opener, pipeline/tools/serve_tools.py) for a checked request."""
         from starlette.concurrency import run_in_threadpool
+
+        from pipeline.tools.serve_batch import Job
 
         if self.batcher.waiting.qsize() >= MAX_WAITING:
             raise ApiError(
