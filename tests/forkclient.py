@@ -13,6 +13,7 @@ refuses: an environment variable that a preloaded library reads at import differ
 interpreter with the same arguments instead.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -73,8 +74,13 @@ def main(servers: list[str], python: str) -> None:
         sock.close()
         real_python(python, argv)
     pid = reply["pid"]
+
+    def forward(got, frame):
+        with contextlib.suppress(ProcessLookupError):  # the child has ended and been reaped: its status follows
+            os.kill(pid, got)
+
     for number in FORWARDED:
-        signal.signal(number, lambda got, frame: os.kill(pid, got))
+        signal.signal(number, forward)
     status = read_line(sock, buffer)["status"]
     if os.WIFSIGNALED(status):
         number = os.WTERMSIG(status)

@@ -114,6 +114,30 @@ def test_signals_reach_the_child_and_a_killed_client_takes_it_down(tmp_path):
     assert not os.path.exists(f"/proc/{child}")
 
 
+def test_a_signal_after_the_child_has_ended_leaves_its_exit_code(tmp_path):
+    """A signal reaching the client after its child has ended and been reaped (torchrun stops the other
+    ranks as one ends) is not passed on to a process that no longer exists: the client exits with the
+    child's code, no traceback (a ProcessLookupError before)."""
+    code = "import sys\nprint('up', flush=True)\nsys.stdin.readline()"
+    proc = subprocess.Popen(
+        [python_for_tests(), "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "up"
+    time.sleep(0.5)  # the client has the child's pid and forwards signals
+    proc.send_signal(signal.SIGSTOP)
+    proc.stdin.write("\n")
+    proc.stdin.flush()  # the child ends; the server reaps it
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)  # held until the client runs again
+    proc.send_signal(signal.SIGCONT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr
+
+
 def test_a_child_ending_as_its_client_is_killed_leaves_the_server_serving(tmp_path):
     """The child kills its client and exits at once: the server sees the child end and the client's
     socket close in one round of its loop (it stopped with StopIteration there), or the client's
