@@ -48,7 +48,7 @@ def side(args, module, name: str, case: dict, env: harness.SideEnv, python) -> h
     """One side's result: in a fresh process of `python`, or with `--quick` in this process when
     `python` is this environment's interpreter (a quick row's form is what is checked; its RSS is
     not per side)."""
-    if args.quick and Path(python).absolute().parent.parent.resolve() == Path(sys.prefix).resolve():
+    if args.quick and Path(python).absolute().parents[1].resolve() == Path(sys.prefix).resolve():
         return (module.relay if name == "relay" else module.peer)(case, env)
     return harness.run_side(args.name, name, case, env, python)
 

@@ -217,7 +217,7 @@ def finish(code: int) -> None:
         threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()
         for obj in gc.get_objects():  # the child's own objects: the server's are frozen, out of reach
-            if issubclass(type(obj), io.IOBase) and obj not in (sys.stdout, sys.stderr):
+            if issubclass(type(obj), io.IOBase):
                 with contextlib.suppress(Exception):
                     if not obj.closed:
                         obj.flush()
