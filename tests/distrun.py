@@ -103,12 +103,11 @@ def stage_kwargs(spec: dict) -> dict:
 
 def run_one(spec: dict) -> None:
     """Run one stage (stopping after `stop_after` when set) and write this rank's history."""
-    from accelerate.state import AcceleratorState, GradientState
+    from stagerun import fresh_accelerate
 
     from pipeline.config import load_config
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    fresh_accelerate()
     base = stage_class(spec["stage"])
 
     class cls(base):  # records the step the run resumed from and the samples of every step
@@ -142,8 +141,7 @@ def run_one(spec: dict) -> None:
         json.dumps({"steps": steps, "evals": evals, "resumed_at": stage.resumed_at, "batch_ids": stage.batch_ids})
     )
     stage.accelerator.wait_for_everyone()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    fresh_accelerate()
 
 
 def keep_quantization_backend(specs: list[dict]) -> None:

@@ -153,22 +153,18 @@ import json  # noqa: E402
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from stagerun import recording, run_stage  # noqa: E402
+from stagerun import fresh_accelerate, recording, run_stage  # noqa: E402
 
 from pipeline.config import ConfigError, load_config  # noqa: E402
 
 
 @pytest.fixture
 def fresh_state():
-    from accelerate.state import AcceleratorState, GradientState
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    fresh_accelerate()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    fresh_accelerate()
     torch.set_num_threads(threads)
 
 

@@ -10,6 +10,7 @@ import json
 
 import torch
 from distrun import ScriptedGenerator, scripted_reward
+from stagerun import fresh_accelerate
 from test_pt_sft import fresh_accelerate_state  # noqa: F401 (fixture)
 
 from pipeline.rl.ppo import make_experience, ppo_update
@@ -48,8 +49,6 @@ def gradients_of_one_update(stage: ppo.PPOStage, exp) -> dict[str, torch.Tensor]
 
 
 def test_ppo_update_is_the_same_for_every_split_of_a_mini_batch(tmp_path, tiny_model_dir, tiny_reward_dir):
-    from accelerate.state import AcceleratorState, GradientState
-
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(json.dumps({"prompt": f"Question number {i}" + "?" * (i % 3 + 1)}) + "\n" for i in range(8))
@@ -57,8 +56,7 @@ def test_ppo_update_is_the_same_for_every_split_of_a_mini_batch(tmp_path, tiny_m
     grads = {}
     exp = None
     for accum in (1, 2, 8):
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        fresh_accelerate()
         stage = build(tmp_path, tiny_model_dir, tiny_reward_dir, prompts, accum)
         if exp is None:
             batch = [stage.train_samples[i] for i in stage.next_sample_indices(grad_accum=1)[0]]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from stagerun import run_stage
+from stagerun import fresh_accelerate, run_stage
 
 from pipeline.config import load_config
 from pipeline.engine.precision import fp32_masters, keeps_masters
@@ -49,35 +49,29 @@ def test_which_precisions_keep_masters(precision, mixed, want):
 
 
 @pytest.fixture
-def fresh_accelerate():
+def accelerate_state_restored():
     """accelerate keeps one mixed precision per process: an earlier test's state would refuse bf16,
     and this test's bf16 would refuse a later test's fp32."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    fresh_accelerate()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    fresh_accelerate()
 
 
-@pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
-def test_full_fine_tuning_on_a_bf16_model_trains_fp32_masters_unless_pure(
-    precision, tiny_model_dir, tmp_path, fresh_accelerate
-):
-    from stages.pretrain import PTConfig, PTStage
+def pt_cfg(model, folder, precision: str, dtype: str = "bf16"):
+    """One step of full-weight PT on the tiny model at `precision`, the model loaded in `dtype`."""
+    from stages.pretrain import PTConfig
 
-    docs = tmp_path / "pt.jsonl"
+    docs = folder / "pt.jsonl"
     docs.write_text("".join(json.dumps({"text": f"document {i} " + "lorem ipsum " * 3}) + "\n" for i in range(8)))
-    cfg = load_config(
+    return load_config(
         PTConfig,
         [
             "--model.path",
-            str(tiny_model_dir),
+            str(model),
             "--model.finetuning",
             "full",
             "--model.dtype",
-            "bf16",
+            dtype,
             "--train.precision",
             precision,
             "--data.train",
@@ -85,7 +79,7 @@ def test_full_fine_tuning_on_a_bf16_model_trains_fp32_masters_unless_pure(
             "--data.eval",
             "[]",
             "--output_dir",
-            str(tmp_path / "pt"),
+            str(folder / f"pt-{precision}"),
             "--train.max_steps",
             "1",
             "--train.seq_length",
@@ -100,6 +94,15 @@ def test_full_fine_tuning_on_a_bf16_model_trains_fp32_masters_unless_pure(
             "1000h",
         ],
     )
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
+def test_full_fine_tuning_on_a_bf16_model_trains_fp32_masters_unless_pure(
+    precision, tiny_model_dir, tmp_path, accelerate_state_restored
+):
+    from stages.pretrain import PTStage
+
+    cfg = pt_cfg(tiny_model_dir, tmp_path, precision)
     seen = []
     run_stage(
         PTStage,
@@ -113,3 +116,14 @@ def test_full_fine_tuning_on_a_bf16_model_trains_fp32_masters_unless_pure(
     )
     want = torch.float32 if precision == "bf16" else torch.bfloat16
     assert seen == [({want}, {want})]  # weights and AdamW's moments
+
+
+def test_in_process_runs_of_two_precisions_run_back_to_back(tiny_model_dir, tmp_path, accelerate_state_restored):
+    """An fp32 run, then a bf16 one in the same process (the GPU tests run PPO so): each in-process
+    run starts from accelerate's state as a launch of its own does (accelerate refused the second
+    precision: 'AcceleratorState has already been initialized', first seen on an H100)."""
+    from stages.pretrain import PTStage
+
+    for precision in ("fp32", "bf16"):
+        stage = run_stage(PTStage, pt_cfg(tiny_model_dir, tmp_path, precision, dtype=precision))
+        assert stage.step == 1 and stage.accelerator.mixed_precision == ("no" if precision == "fp32" else "bf16")

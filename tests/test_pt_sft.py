@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from stagerun import recording, run_stage
+from stagerun import fresh_accelerate, recording, run_stage
 
 from pipeline.config import ConfigError, load_config
 
@@ -20,15 +20,11 @@ def fresh_accelerate_state():
 
     Also one intra-op thread: on the shared 2-core machine we measured 2 threads running a
     135M-model step ~13x slower than 1 (threads spin-wait on each other under load)."""
-    from accelerate.state import AcceleratorState, GradientState
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    fresh_accelerate()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    fresh_accelerate()
     torch.set_num_threads(threads)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stagerun import fresh_accelerate
 from test_distributed_ppo import build as build_ppo
 from test_grpo import SCORE_TARGET
 from test_grpo import make_cfg as grpo_cfg
@@ -120,16 +121,13 @@ def _ppo_update_reads(stage, exp, relay_reads, monkeypatch):
 def test_ppo_update_reads_the_host_once_a_step_and_its_figures_are_the_micro_batches(
     tmp_path, tiny_model_dir, tiny_reward_dir, relay_reads, monkeypatch
 ):
-    from accelerate.state import AcceleratorState, GradientState
-
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(json.dumps({"prompt": f"Question number {i}" + "?" * (i % 3 + 1)}) + "\n" for i in range(8))
     )
     results, exp = {}, None
     for accum in (1, 4):
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        fresh_accelerate()
         stage = build_ppo(tmp_path, tiny_model_dir, tiny_reward_dir, prompts, accum)
         stage.cfg.ppo.epochs = 2  # two optimizer steps, the second over a shuffled order
         if exp is None:

@@ -771,9 +771,8 @@ def test_distill_with_a_served_teacher_equals_the_in_process_teacher(vllm_tiny, 
     server (a near-uniform one puts almost all its mass in the tail, where the loss is ~0). The
     logged KL of a served teacher is over its top-k support plus the tail, so it is at most the
     in-process teacher's whole-vocabulary KL (the coarser support loses divergence, never adds)."""
-    from accelerate.state import AcceleratorState, GradientState
     from distrun import ScriptedGenerator
-    from stagerun import run_stage
+    from stagerun import fresh_accelerate, run_stage
 
     from stages.distill import DistillStage
 
@@ -791,8 +790,7 @@ def test_distill_with_a_served_teacher_equals_the_in_process_teacher(vllm_tiny, 
     shared_server.post("/reset_prefix_cache", {})
     runs = {}
     for backend in ("relay", "vllm"):
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        fresh_accelerate()
         argv = [
             "--model.path",
             str(vllm_tiny),
