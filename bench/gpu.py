@@ -386,7 +386,7 @@ def bench_sft(
 CATEGORIES = [
     (
         "matmul (GEMM)",
-        ("gemm", "cutlass", "xmma", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "linear"),
+        ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "linear"),
     ),
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
     ("optimizer", ("adam", "foreach", "multi_tensor", "lerp", "_amp_")),
@@ -394,7 +394,8 @@ CATEGORIES = [
     ("copies / casts / fills", ("copy", "memcpy", "memset", "fill", "cast", "cat", "to_copy", "clone")),
     ("norms / activations / elementwise", ()),
 ]
-"""Kernel (or CPU op) name fragments of each line of the profiler breakdown; the last takes the rest."""
+"""Kernel (or CPU op) name fragments of each line of the profiler breakdown; the last takes the rest.
+cuBLAS's GEMMs on Hopper with CUDA 13 are `nvjet_sm90_*` kernels (seen on an H100)."""
 
 
 def category(name: str) -> str:
@@ -424,6 +425,10 @@ def breakdown(events: list[tuple[str, float]], step_ms: float, on_gpu: bool) -> 
     }
 
 
+ANNOTATIONS = ("ProfilerStep#", "Optimizer.step#", "Optimizer.zero_grad#")
+"""Names of the profiler's own spans (torch.profiler.record_function): not work of their own."""
+
+
 def profiled_events(prof, on_gpu: bool) -> list[tuple[str, float]]:
     """(name, self ms) of every kernel (GPU) or operator (CPU) of a finished torch.profiler run. A
     kernel's row is its own (device type CUDA): CPU operators carry their kernels' time too, so
@@ -432,6 +437,8 @@ def profiled_events(prof, on_gpu: bool) -> list[tuple[str, float]]:
 
     out = []
     for event in prof.key_averages():
+        if getattr(event, "is_user_annotation", False) or event.key.startswith(ANNOTATIONS):
+            continue  # a span over kernels listed on their own (on a GPU "Optimizer.step#AdamW.step")
         if on_gpu:
             if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
                 continue
@@ -499,7 +506,13 @@ def child_sft_profile(model: str, data: str, workdir: str, tiny: bool, save) -> 
         {"gpu_peak_mb": round(clock.gpu_peak_mb) or None},
     )
     figures = side_figures(timed, case, shape, n_params, peak)
-    result = {"case": case, "n_params": n_params, "losses": [round(x, 4) for x in losses], **figures}
+    result = {
+        "case": case,
+        "n_params": n_params,
+        "losses": [round(x, 4) for x in losses],
+        "step_seconds": [round(x, 3) for x in clock.seconds[:-1]],
+        **figures,
+    }
     save(result)
     if "prof" in profile:
         result["profile"] = breakdown(profiled_events(profile["prof"], cuda), profile["wall_ms"], cuda)

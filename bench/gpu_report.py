@@ -8,7 +8,8 @@ leaves the report of what it finished (`State`). Standard library only: it runs 
     python bench/gpu_report.py --junit tests.xml --out gpu_check.md   # tests only
 
 A test skipped because it needs two GPUs is listed as "not run: needs 2 GPUs", never dropped; one
-a budget cut off (collected, never reported) as "not run: the part's time budget was spent".
+a budget cut off (collected, never reported) as "not run: the part's time budget was spent", the
+first of those as the one it ran out during.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import datetime as _dt
 import importlib.metadata as metadata
 import json
 import os
+import statistics
 import sys
 import sysconfig
 import xml.etree.ElementTree as ET
@@ -57,10 +59,18 @@ def headers_line(h: dict) -> str:
     )
 
 
+CUT_OFF = "not run: the part's time budget ran out during this test"
+SPENT = "not run: the part's time budget was spent"
+
+
 def test_outcomes(junit: Path) -> list[tuple[str, str, float]]:
-    """(test id, outcome, seconds) of every test case in a JUnit XML file."""
+    """(test id, outcome, seconds) of every test case in a JUnit XML file. pytest stopped by the
+    part's budget writes the test it interrupted as a case without a name: not a test's outcome
+    (outcomes_of names that test)."""
     rows = []
     for case in ET.parse(junit).getroot().iter("testcase"):
+        if case.get("name") is None:
+            continue
         test_id = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}".replace("tests/", "tests/", 1)
         seconds = float(case.get("time") or 0)
         failed = case.find("failure") if case.find("failure") is not None else case.find("error")
@@ -81,12 +91,14 @@ def test_outcomes(junit: Path) -> list[tuple[str, str, float]]:
 
 def outcomes_of(junit: Path, collected=None) -> list[tuple[str, str, float]]:
     """A tests part's outcomes: its JUnit XML where pytest wrote one, plus every collected test it
-    never reported (the part's budget cut it off)."""
+    never reported (the part's budget cut it off): the first of them was running when it did
+    (tests run in the order collected)."""
     rows = test_outcomes(junit) if junit and Path(junit).is_file() else []
     seen = {row[0] for row in rows}
     if collected and Path(collected).is_file():
         ids = dict.fromkeys(line.strip() for line in Path(collected).read_text().splitlines() if line.strip())
-        rows += [(test_id, "not run: the part's time budget was spent", 0.0) for test_id in ids if test_id not in seen]
+        missing = [test_id for test_id in ids if test_id not in seen]
+        rows += [(test_id, CUT_OFF if i == 0 else SPENT, 0.0) for i, test_id in enumerate(missing)]
     return rows
 
 
@@ -175,6 +187,12 @@ def profile_lines(r: dict) -> list[str]:
         f"{r.get('s_per_step', '-')} s/step, MFU {pct(r.get('mfu'))}, peak {gb(r.get('gpu_peak_mb'))} GiB, "
         f"losses {r.get('losses')}" + (f" (cut off {r['cut_off']})" if "cut_off" in r else "")
     ]
+    if r.get("step_seconds"):
+        warmup = r.get("case", {}).get("warmup", 0)
+        lines += [
+            f"- Seconds of each step (the first {warmup} not timed): {r['step_seconds']}; median of the timed "
+            f"{statistics.median(r['step_seconds'][warmup:] or r['step_seconds']):.3f} s"
+        ]
     prof = r.get("profile")
     if prof:
         idle = (
@@ -215,9 +233,14 @@ def bench_section(bench: dict) -> list[str]:
         f"Random-init {shape} ({(bench.get('n_params') or 0) / 1e6:.0f}M "
         "parameters), the embedded tokenizer, synthetic "
         "two-turn conversations of ~500 tokens, 16 "
-        "a step packed into rows of 2048, bf16, AdamW, sdpa. Peak dense bf16 "
-        f"taken as {bench.get('peak_bf16_tflops')} TFLOP/s. MFU = tokens/s x (6N full, 4N LoRA/QLoRA, + 12 L d T "
-        "attention) / peak (bench/gpu.py). Peak memory: torch.cuda.max_memory_allocated.",
+        "a step packed into rows of 2048, bf16, AdamW, sdpa. "
+        + (
+            f"Peak dense bf16 taken as {peak} TFLOP/s. MFU = tokens/s x (6N full, 4N LoRA/QLoRA, + 12 L d T "
+            "attention) / peak (bench/gpu.py)."
+            if (peak := bench.get("peak_bf16_tflops"))
+            else "No MFU: bench/gpu.py knows no dense bf16 peak for this device."
+        )
+        + " Peak memory: torch.cuda.max_memory_allocated.",
         "",
     ]
     if "sft_profile" in bench:
@@ -307,9 +330,7 @@ def report(junits: list, bench_json, log, device: str, not_run=None, collected=N
     outcomes = [row for junit in junits or [] for row in outcomes_of(Path(junit), collected)]
     if not_run and Path(not_run).is_file():
         outcomes += [
-            (line.rsplit(": ", 1)[-1], "not run: the part's time budget was spent", 0.0)
-            for line in Path(not_run).read_text().splitlines()
-            if line.strip()
+            (line.rsplit(": ", 1)[-1], SPENT, 0.0) for line in Path(not_run).read_text().splitlines() if line.strip()
         ]
     lines = [
         f"## GPU check, {_dt.date.today().isoformat()}, {device}",

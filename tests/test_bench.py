@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from forkserver import python_for_tests
@@ -308,13 +309,16 @@ def test_the_report_is_written_after_each_part_and_says_what_was_cut_off(tmp_pat
     assert "## GPU check, " in text and "NVIDIA H200" in text and "| install | passed | 21 | 50 |" in text
     assert re.search(r"Versions: torch [^,]+, transformers [^,]+, accelerate [^,]+, peft [^,]+,", text)
     assert re.search(r"Python 3\.\d+\.\d+ headers: (found|MISSING)", text)
-    # a tests part cut off: what pytest reported, and what it collected but never reached
+    # a tests part cut off: what pytest reported (the test it interrupted as a nameless case, as
+    # pytest 9 wrote it on an H100), and what it collected but never finished or reached
     (tmp_path / "junit").mkdir()
     (tmp_path / "junit" / "gpu-tests.xml").write_text(
         '<testsuites><testsuite><testcase classname="tests.test_gpu" '
-        'name="test_a" time="3.0"/></testsuite></testsuites>'
+        'name="test_a" time="3.0"/><testcase time="0.001" /></testsuite></testsuites>'
     )
-    (tmp_path / "junit" / "gpu-tests.collected").write_text("tests/test_gpu.py::test_a\ntests/test_gpu.py::test_b\n")
+    (tmp_path / "junit" / "gpu-tests.collected").write_text(
+        "tests/test_gpu.py::test_a\ntests/test_gpu.py::test_b\ntests/test_gpu.py::test_c\n"
+    )
     state.record("gpu-tests", "cut off", 130.0, 130)
     state.bench("sft-profile", {"shape": "qwen2.5-0.5b", "n_params": 494_032_768, "cut_off": "after 90 s (its budget)"})
     state.record("fsdp-2gpu-tests", "not run: needs 2 GPUs", 0.0, 60)
@@ -322,9 +326,11 @@ def test_the_report_is_written_after_each_part_and_says_what_was_cut_off(tmp_pat
     assert (
         "| gpu-tests | cut off | 130 | 130 |" in text and "| fsdp-2gpu-tests | not run: needs 2 GPUs | 0 | 60 |" in text
     )
-    assert "| tests/test_gpu.py::test_b | not run: the part's time budget was spent | 0.0 |" in text
+    assert "| tests/test_gpu.py::test_b | not run: the part's time budget ran out during this test | 0.0 |" in text
+    assert "| tests/test_gpu.py::test_c | not run: the part's time budget was spent | 0.0 |" in text
+    assert "None" not in text  # neither a nameless test nor a peak this device has not
     assert (
-        "### Tests, gpu-tests: 1 passed, 0 failed, 0 not run (need 2 GPUs), 0 skipped; 1 not run (time budget)" in text
+        "### Tests, gpu-tests: 1 passed, 0 failed, 0 not run (need 2 GPUs), 0 skipped; 2 not run (time budget)" in text
     )
     assert "- Relay SFT full fine-tuning (profiled): cut off after 90 s (its budget)" in text
     assert json.loads((tmp_path / "state.json").read_text())["parts"]["gpu-tests"]["status"] == "cut off"
@@ -365,8 +371,24 @@ def test_the_profile_breakdown_counts_each_kernel_once_by_category():
     }
     assert got["top"][0] == {"name": "sm90_xmma_gemm_bf16bf16_bf16f32", "ms": 30.0}
     assert gpu.breakdown(events, 100.0, on_gpu=False)["idle_share"] is None
+    # names from an H100's profile (torch 2.11, CUDA 13): cuBLAS's GEMM, and the optimizer's span
+    # over kernels listed on their own, which is not counted
+    import torch
+
+    cuda = torch.autograd.DeviceType.CUDA
+    h100 = [
+        ("nvjet_sm90_tst_128x216_64x4_1x1_h_bz_coopA_NNT", 5490.0, False),
+        ("Optimizer.step#AdamW.step", 5400.0, True),
+        ("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>", 5210.0, False),
+    ]
+    averages = [
+        SimpleNamespace(key=k, device_type=cuda, self_device_time_total=us, is_user_annotation=a) for k, us, a in h100
+    ]
+    seen = gpu.breakdown(gpu.profiled_events(SimpleNamespace(key_averages=lambda: averages), True), 20.0, True)
+    assert {k: v["ms"] for k, v in seen["categories"].items()} == {"matmul (GEMM)": 5.49, "optimizer": 5.21}
     result = {
-        "case": {"precision": "bf16", "seq_length": 2048, "batch_size": 16},
+        "case": {"precision": "bf16", "seq_length": 2048, "batch_size": 16, "warmup": 2},
+        "step_seconds": [4.15, 0.5, 1.9, 0.2, 0.3],
         "tokens_per_s": 51000.0,
         "s_per_step": 0.16,
         "mfu": 0.112,
@@ -384,6 +406,10 @@ def test_the_profile_breakdown_counts_each_kernel_once_by_category():
         in lines
     )
     assert "| matmul (GEMM) | 30.0 | 60.0% |" in lines
+    assert (
+        "- Seconds of each step (the first 2 not timed): [4.15, 0.5, 1.9, 0.2, 0.3]; median of the timed 0.300 s"
+        in lines
+    )
 
 
 def test_a_part_past_its_budget_is_stopped_and_a_spent_run_starts_nothing(tmp_path):
