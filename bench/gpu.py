@@ -114,19 +114,11 @@ PARTS = [
     Part(
         "zero-tests",
         "second",
-        100,
-        "bf16 tracks fp32; PPO under ZeRO-3 == one GPU; QLoRA under ZeRO-3; resuming ZeRO refused up front",
-        tests="tests/test_distributed_gpu.py::test_bf16_tracks_fp32 "
-        "tests/test_distributed_gpu.py::test_ppo_under_zero3_equals_one_gpu "
-        "tests/test_distributed_gpu.py::test_qlora_trains_under_sharding_and_tracks_one_gpu "
-        "tests/test_distributed_gpu.py::test_resuming_a_zero3_run_is_refused_up_front",
-    ),
-    Part(
-        "zero-equivalence",
-        "second",
-        130,
-        "ZeRO-2, ZeRO-3, ZeRO-3 offload == one GPU (SFT, RM, grad_accum 1 and 4)",
-        tests="tests/test_distributed_gpu.py::test_zero_equals_one_gpu",
+        230,
+        "ZeRO-2, ZeRO-2 offload, ZeRO-3, ZeRO-3 offload == one GPU (SFT, RM, grad_accum 1 and 4); PPO "
+        "under ZeRO-3 == one GPU; QLoRA under ZeRO-2 tracks one GPU; bf16 tracks fp32; resuming "
+        "ZeRO refused up front (two launches: the references, then every DeepSpeed run)",
+        tests="tests/test_distributed_gpu.py",
     ),
     Part(
         "qlora-tests",

@@ -10,6 +10,11 @@ Ranks: min(2, GPUs). On one GPU the DeepSpeed runs are one rank (ZeRO's partitio
 stepping once per optimizer step, its clipping and precision are still what runs); NCCL cannot
 put two ranks on one GPU, so the two-rank checks need two GPUs. Figures go to bench/RESULTS.md.
 
+Two launches (tests/distrun.py runs many stages in one interpreter), as tests/test_zero_cpu.py
+does: one plain process with every reference, then the ranks with every DeepSpeed run. Each
+launch costs a Python, torch and DeepSpeed start-up: a launch per test did not fit the GPU check's
+budget (bench/RESULTS.md).
+
     HF_HUB_OFFLINE=1 python -m pytest -q tests/test_distributed_gpu.py
 """
 
@@ -44,16 +49,11 @@ def setup(tmp_path_factory, tiny_model_dir, tiny_reward_dir):
     return root, write_data(root / "data"), tiny_model_dir, tiny_reward_dir
 
 
-def argv(setup, stage: str, accum: int, ranks: int, name: str, *extra: str) -> list[str]:
+def argv(setup, stage: str, accum: int, ranks: int, out: Path, *extra: str) -> list[str]:
     root, data, model, reward = setup
     batch = (8 if stage == "ppo" else 4) // ranks
-    return stage_argv(stage, accum, batch, root / name, data, model, reward) + list(extra)
-
-
-def run(setup, specs: list[dict], name: str, ranks: int) -> Path:
-    folder = setup[0] / name
-    launch(specs, folder, ranks, torchrun=True)
-    return folder
+    # RM starts from a reward model: a fresh head's initial draw is not the same under zero.Init.
+    return stage_argv(stage, accum, batch, out, data, reward if stage == "rm" else model, reward) + list(extra)
 
 
 def deepspeed(config: str) -> list[str]:
@@ -65,107 +65,85 @@ def deepspeed(config: str) -> list[str]:
     ]
 
 
+QLORA = ["--model.finetuning", "qlora", "--model.dtype", "bf16", "--train.precision", "bf16"]
+PAIRS = [(stage, accum) for stage in ("sft", "rm") for accum in (1, 4)]
+"""(stage, grad_accum) of the ZeRO equivalence runs; grad_accum 4 is the case accelerate got wrong
+before `micro_step`: outside `accumulate` DeepSpeed's engine stepped after every micro-batch."""
+
+
+@pytest.fixture(scope="module")
+def launches(setup):
+    """The one-GPU references (plain, one process), then every DeepSpeed run on the ranks."""
+    root = setup[0]
+    one, ranks = root / "one", root / "ranks"
+    refs = [{"stage": s, "argv": argv(setup, s, a, 1, one / f"{s}-{a}")} for s, a in PAIRS]
+    refs.append({"stage": "ppo", "argv": argv(setup, "ppo", 1, 1, one / "ppo")})
+    refs.append({"stage": "sft", "argv": argv(setup, "sft", 1, 1, one / "qlora", *QLORA)})
+    for precision in ("fp32", "bf16"):
+        extra = ["--train.precision", precision, "--model.dtype", precision]
+        refs.append({"stage": "sft", "argv": argv(setup, "sft", 1, 1, one / f"prec-{precision}", *extra)})
+    launch(refs, one, 1)
+    runs = [
+        {"stage": s, "argv": argv(setup, s, a, RANKS, ranks / f"{zero}-{s}-{a}", *deepspeed(zero))}
+        for zero in ZERO
+        for s, a in PAIRS
+    ]
+    runs.append({"stage": "ppo", "argv": argv(setup, "ppo", 1, RANKS, ranks / "ppo-z3", *deepspeed("zero3"))})
+    runs.append(
+        {"stage": "sft", "argv": argv(setup, "sft", 1, RANKS, ranks / "qlora-zero2", *QLORA, *deepspeed("zero2"))}
+    )
+    runs.append(
+        {"stage": "sft", "argv": argv(setup, "sft", 1, RANKS, ranks / "z3-stop", *deepspeed("zero3")), "stop_after": 1}
+    )
+    launch(runs, ranks, RANKS, torchrun=True)
+    return one, ranks
+
+
 def assert_same(got: Path, want: Path, stage: str, rel: float) -> None:
     a, b = figures(got, stage), figures(want, stage)
     for key in LOSS_KEYS[stage]:
         assert a[key] == pytest.approx(b[key], rel=rel), key
 
 
-_ONE_GPU: dict[tuple[str, int], Path] = {}
-
-
-def one_gpu(setup, stage: str, accum: int) -> Path:
-    """The plain one-GPU reference of (stage, accum), run once for all three ZeRO configs (each
-    launch costs a Python, torch and DeepSpeed start-up: run_scripts/gpu_check.sh has a budget)."""
-    if (stage, accum) not in _ONE_GPU:
-        name = f"one-{stage}-{accum}"
-        _ONE_GPU[stage, accum] = run(
-            setup, [{"stage": stage, "argv": argv(setup, stage, accum, 1, f"{name}/{stage}")}], name, 1
-        )
-    return _ONE_GPU[stage, accum]
-
-
 @pytest.mark.parametrize("accum", [1, 4])
 @pytest.mark.parametrize("stage", ["sft", "rm"])
 @pytest.mark.parametrize("zero", list(ZERO))
-def test_zero_equals_one_gpu(zero, stage, accum, setup):
-    """grad_accum 4 is the case accelerate got wrong before `micro_step`: outside `accumulate`
-    DeepSpeed's engine stepped after every micro-batch."""
-    name = f"{zero}-{stage}-{accum}"
-    one = one_gpu(setup, stage, accum)
-    got = run(
-        setup,
-        [{"stage": stage, "argv": argv(setup, stage, accum, RANKS, f"{name}-ds/{stage}", *deepspeed(zero))}],
-        f"{name}-ds",
-        RANKS,
-    )
-    assert_same(got / stage, one / stage, stage, REL_FP32)
+def test_zero_equals_one_gpu(zero, stage, accum, launches):
+    one, ranks = launches
+    assert_same(ranks / f"{zero}-{stage}-{accum}", one / f"{stage}-{accum}", stage, REL_FP32)
 
 
-def test_ppo_under_zero3_equals_one_gpu(setup):
-    one = run(setup, [{"stage": "ppo", "argv": argv(setup, "ppo", 1, 1, "ppo-one/ppo")}], "ppo-one", 1)
-    got = run(
-        setup,
-        [{"stage": "ppo", "argv": argv(setup, "ppo", 1, RANKS, "ppo-z3/ppo", *deepspeed("zero3"))}],
-        "ppo-z3",
-        RANKS,
-    )
-    assert_same(got / "ppo", one / "ppo", "ppo", REL_FP32)
-    assert (got / "ppo" / "merged" / "manifest.json").is_file()
+def test_ppo_under_zero3_equals_one_gpu(launches):
+    one, ranks = launches
+    assert_same(ranks / "ppo-z3", one / "ppo", "ppo", REL_FP32)
+    assert (ranks / "ppo-z3" / "merged" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize(
-    "engine", ["zero2"]
-)  # ZeRO-3 and FSDP2 refuse 4-bit weights up front (test_zero_cpu.py, test_fsdp.py)
-def test_qlora_trains_under_sharding_and_tracks_one_gpu(engine, setup):
-    qlora = ["--model.finetuning", "qlora", "--model.dtype", "bf16", "--train.precision", "bf16"]
-    one = run(
-        setup,
-        [{"stage": "sft", "argv": argv(setup, "sft", 1, 1, f"qlora-{engine}-one/sft", *qlora)}],
-        f"qlora-{engine}-one",
-        1,
-    )
-    flags = deepspeed(engine)
-    got = run(
-        setup,
-        [{"stage": "sft", "argv": argv(setup, "sft", 1, RANKS, f"qlora-{engine}/sft", *qlora, *flags)}],
-        f"qlora-{engine}",
-        RANKS,
-    )
-    assert_same(got / "sft", one / "sft", "sft", REL_QLORA)
-    assert merged_weights(got / "sft")
+def test_qlora_trains_under_zero2_and_tracks_one_gpu(launches):
+    """ZeRO-3 and FSDP2 refuse 4-bit weights up front (test_zero_cpu.py, test_fsdp.py)."""
+    one, ranks = launches
+    assert_same(ranks / "qlora-zero2", one / "qlora", "sft", REL_QLORA)
+    assert merged_weights(ranks / "qlora-zero2")
 
 
-def test_bf16_tracks_fp32(setup):
-    runs = {}
-    for precision in ("fp32", "bf16"):
-        extra = ["--train.precision", precision, "--model.dtype", precision]
-        runs[precision] = run(
-            setup,
-            [{"stage": "sft", "argv": argv(setup, "sft", 1, 1, f"prec-{precision}/sft", *extra)}],
-            f"prec-{precision}",
-            1,
-        )
-    a, b = figures(runs["bf16"] / "sft", "sft"), figures(runs["fp32"] / "sft", "sft")
+def test_bf16_tracks_fp32(launches, setup):
+    one, _ = launches
+    a, b = figures(one / "prec-bf16", "sft"), figures(one / "prec-fp32", "sft")
     assert a["train/loss"] == pytest.approx(b["train/loss"], rel=REL_BF16)
     (setup[0] / "bf16-vs-fp32.json").write_text(json.dumps({"bf16": a, "fp32": b}))
 
 
-def test_resuming_a_zero3_run_is_refused_up_front(setup):
+def test_resuming_a_zero3_run_is_refused_up_front(launches, setup):
     """A ZeRO checkpoint holds rank 0's optimizer share only, so resuming one is refused in the
     config problems (before any model loads) with the way that works."""
     from pipeline.config import ConfigError, load_config
     from stages.sft import SFTStage
 
-    flags = deepspeed("zero3")
-    folder = run(
-        setup,
-        [{"stage": "sft", "argv": argv(setup, "sft", 1, RANKS, "z3-stop/sft", *flags), "stop_after": 1}],
-        "z3-stop",
-        RANKS,
+    _, ranks = launches
+    assert (ranks / "z3-stop" / "checkpoints").is_dir()
+    stage = SFTStage(
+        load_config(SFTStage.config_class, argv(setup, "sft", 1, RANKS, ranks / "z3-stop", *deepspeed("zero3")))
     )
-    assert (folder / "sft" / "checkpoints").is_dir()
-    stage = SFTStage(load_config(SFTStage.config_class, argv(setup, "sft", 1, RANKS, "z3-stop/sft", *flags)))
     with pytest.raises(ConfigError) as err:
         stage.validate()
     assert any(

@@ -174,7 +174,7 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         "tests/test_qlora.py::test_qlora_loss_falls",
     ),
     _plain("sft", "qlora", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-sft-1-qlora]",),
-    _plain("sft", "qlora", "zero2"): (f"{GPU}::test_qlora_trains_under_sharding_and_tracks_one_gpu[zero2]",),
+    _plain("sft", "qlora", "zero2"): (f"{GPU}::test_qlora_trains_under_zero2_and_tracks_one_gpu",),
     _plain("rm", "lora", "single"): ("tests/test_reward.py::test_rm_stage_head_survives_merge_and_stats_recorded",),
     _plain("rm", "lora", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-rm-1-lora]",),
     _plain("rm", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[rm]",),
