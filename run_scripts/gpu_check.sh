@@ -48,7 +48,15 @@ else
 fi
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$out/device.txt" || true
-# A cache of its own: the bundle's tokenizer becomes the embedded model there (tokenizer only).
-work=$(mktemp -d /tmp/relay-gpu-check.XXXXXX)
+# A cache of its own: the bundle's tokenizer becomes the embedded model there (tokenizer only);
+# removed when the check ends, also when it is stopped (SIGTERM/SIGINT are passed on to the check,
+# which writes its report and exits 124).
+work=$(mktemp -d "${TMPDIR:-/tmp}/relay-gpu-check.XXXXXX")
 export RELAY_CACHE="$work/cache" RELAY_TOKEN_CACHE="$work/tokens"
-exec "$PY" bench/gpu.py check --out "$out" ${bundle:+--bundle "$bundle"} --parts "${GPU_CHECK_PARTS:-first}" ${tiny[@]+"${tiny[@]}"}
+"$PY" bench/gpu.py check --out "$out" ${bundle:+--bundle "$bundle"} --parts "${GPU_CHECK_PARTS:-first}" ${tiny[@]+"${tiny[@]}"} &
+check=$!
+trap 'kill -TERM "$check" 2>/dev/null' TERM INT
+wait "$check"; rc=$?
+while kill -0 "$check" 2>/dev/null; do wait "$check"; rc=$?; done
+rm -rf "$work"
+exit "$rc"

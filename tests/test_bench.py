@@ -436,8 +436,15 @@ def test_gpu_check_on_cpu_writes_its_report_after_the_install_and_when_stopped(t
     import signal
     import time
 
-    out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": python_for_tests(), "GPU_CHECK_ON_CPU": "1", "GPU_CHECK_PARTS": "sft-profile"}
+    out, scratch = tmp_path / "out", tmp_path / "tmp"
+    scratch.mkdir()
+    env = {
+        **os.environ,
+        "PYTHON": python_for_tests(),
+        "GPU_CHECK_ON_CPU": "1",
+        "GPU_CHECK_PARTS": "sft-profile",
+        "TMPDIR": str(scratch),
+    }
     proc = subprocess.Popen(
         ["bash", "run_scripts/gpu_check.sh", str(out)],
         cwd=ROOT,
@@ -460,9 +467,11 @@ def test_gpu_check_on_cpu_writes_its_report_after_the_install_and_when_stopped(t
         re.search(r"Versions: torch [^,]+, transformers [^,]+, accelerate [^,]+, peft [^,]+,", text)
         and " headers: " in text
     )
+    assert len(list(scratch.iterdir())) == 1  # the check's cache
     time.sleep(1)
-    proc.send_signal(signal.SIGTERM)  # bash exec'd the check: this is its process
+    proc.send_signal(signal.SIGTERM)  # the script passes it on to the check
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 124, output[-2000:]
+    assert not list(scratch.iterdir())  # the cache went with the check
     text = (out / "gpu_check.md").read_text()
     assert "| sft-profile | cut off: the check was stopped (SIGTERM) |" in text, text
