@@ -158,11 +158,25 @@ def launches(setup):
     return root
 
 
+def differing(got: list[dict], want: list[dict], rel: float) -> dict[str, list]:
+    """Every logged figure the two runs disagree on beyond `rel` (got, want per step): a failure
+    names where the runs part (the policy's loss or the critic's, the KL, ...), not only the key."""
+    keys = sorted({k for s in got + want for k, v in s.items() if isinstance(v, (int, float))})
+    return {
+        k: [(g.get(k), w.get(k)) for g, w in zip(got, want)]
+        for k in keys
+        if [g.get(k) for g in got] != pytest.approx([w.get(k) for w in want], rel=rel, abs=1e-7)
+    }
+
+
 def assert_same_run(got_dir: Path, want_dir: Path, stage: str, mode: str, rel: float) -> None:
     got, want = history(got_dir), history(want_dir)
     assert len(got) == len(want) == 2
     for key in KEYS[stage]:
-        assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=rel, abs=1e-7), key
+        assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=rel, abs=1e-7), (
+            key,
+            differing(got, want, rel),
+        )
     a, b = merged_weights(got_dir), merged_weights(want_dir)
     assert a.keys() == b.keys() and a
     assert max(float((a[k].float() - b[k].float()).abs().max()) for k in a) < WEIGHTS_ABS[mode]
