@@ -387,7 +387,7 @@ CATEGORIES = [
     ("norms / activations / elementwise", ()),
 ]
 """Kernel (or CPU op) name fragments of each line of the profiler breakdown; the last takes the rest.
-cuBLAS's GEMMs on Hopper with CUDA 13 are `nvjet_sm90_*` kernels (seen on an H100)."""
+cuBLAS's GEMMs on Hopper with CUDA 13 are `nvjet_sm90_*` kernels (bench/RESULTS.md, the first GPU check)."""
 
 
 def category(name: str) -> str:

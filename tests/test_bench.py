@@ -310,7 +310,7 @@ def test_the_report_is_written_after_each_part_and_says_what_was_cut_off(tmp_pat
     assert re.search(r"Versions: torch [^,]+, transformers [^,]+, accelerate [^,]+, peft [^,]+,", text)
     assert re.search(r"Python 3\.\d+\.\d+ headers: (found|MISSING)", text)
     # a tests part cut off: what pytest reported (the test it interrupted as a nameless case, as
-    # pytest 9 wrote it on an H100), and what it collected but never finished or reached
+    # pytest 9 wrote it in the first GPU check), and what it collected but never finished or reached
     (tmp_path / "junit").mkdir()
     (tmp_path / "junit" / "gpu-tests.xml").write_text(
         '<testsuites><testsuite><testcase classname="tests.test_gpu" '
@@ -371,14 +371,16 @@ def test_the_profile_breakdown_counts_each_kernel_once_by_category():
     }
     assert got["top"][0] == {"name": "sm90_xmma_gemm_bf16bf16_bf16f32", "ms": 30.0}
     assert gpu.breakdown(events, 100.0, on_gpu=False)["idle_share"] is None
-    # names from an H100's profile (torch 2.11, CUDA 13): cuBLAS's GEMM, and the optimizer's span
-    # over kernels listed on their own, which is not counted
+    # names from the first GPU check's profile (torch 2.11, CUDA 13; bench/RESULTS.md): cuBLAS's GEMM,
+    # and the profiler's spans over kernels listed on their own, which are not counted (also where
+    # the event does not say it is an annotation: its name does)
     import torch
 
     cuda = torch.autograd.DeviceType.CUDA
     h100 = [
         ("nvjet_sm90_tst_128x216_64x4_1x1_h_bz_coopA_NNT", 5490.0, False),
         ("Optimizer.step#AdamW.step", 5400.0, True),
+        ("ProfilerStep#11", 20000.0, False),
         ("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>", 5210.0, False),
     ]
     averages = [

@@ -121,7 +121,7 @@ def test_full_fine_tuning_on_a_bf16_model_trains_fp32_masters_unless_pure(
 def test_in_process_runs_of_two_precisions_run_back_to_back(tiny_model_dir, tmp_path, accelerate_state_restored):
     """An fp32 run, then a bf16 one in the same process (the GPU tests run PPO so): each in-process
     run starts from accelerate's state as a launch of its own does (accelerate refused the second
-    precision: 'AcceleratorState has already been initialized', first seen on an H100)."""
+    precision: 'AcceleratorState has already been initialized', first met by the GPU check's PPO tests)."""
     from stages.pretrain import PTStage
 
     for precision in ("fp32", "bf16"):
