@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -748,7 +749,8 @@ def _stop(proc: subprocess.Popen, grace_s: float) -> None:
 
 def check(out: Path, spec: str, bundle, tiny: bool, total_s=None) -> int:
     """Run the parts `spec` names, each under its budget and all under `total_s` (default: the
-    parts' budgets), writing OUTDIR/gpu_check.md after each; 0 when every part that ran passed."""
+    parts' budgets), writing OUTDIR/gpu_check.md after each; 0 when every part that ran passed. Its
+    work folder (the bundle's install) is removed when it ends, also when stopped."""
     import torch
 
     parts = selected(spec)
@@ -797,6 +799,7 @@ def check(out: Path, spec: str, bundle, tiny: bool, total_s=None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0
 
 

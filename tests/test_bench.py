@@ -414,10 +414,14 @@ def test_the_profile_breakdown_counts_each_kernel_once_by_category():
     )
 
 
-def test_a_part_past_its_budget_is_stopped_and_a_spent_run_starts_nothing(tmp_path):
+def test_a_part_past_its_budget_is_stopped_and_a_spent_run_starts_nothing(tmp_path, monkeypatch):
+    import tempfile
     import time
 
     from bench import gpu
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
 
     started = time.monotonic()
     code, seconds = gpu.run_process(["sleep", "30"], 1, dict(__import__("os").environ), tmp_path / "log")
@@ -428,6 +432,7 @@ def test_a_part_past_its_budget_is_stopped_and_a_spent_run_starts_nothing(tmp_pa
         ["install", "sft-profile", "gpu-tests", "fsdp-tests", "decode"], "not run: the run's time budget was spent"
     )
     assert (tmp_path / "out" / "gpu_check.md").is_file()
+    assert list((tmp_path / "tmp").iterdir()) == []  # its work folder is gone
 
 
 def test_gpu_check_on_cpu_writes_its_report_after_the_install_and_when_stopped(tmp_path):
