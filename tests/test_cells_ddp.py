@@ -266,10 +266,14 @@ def assert_same(got: list[dict], want: list[dict], keys) -> None:
         assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=REL, abs=ABS), key
 
 
-def assert_same_weights(got: Path, want: Path, mode: str) -> None:
+def assert_same_weights(got: Path, want: Path, mode: str, stage: str = "") -> None:
+    """Within WEIGHTS_ABS of `mode`, or of full fine-tuning for a reward model (its score head is
+    trained whole)."""
     a, b = merged_weights(got), merged_weights(want)
     assert a.keys() == b.keys() and a
-    assert max(float((a[k].float() - b[k].float()).abs().max()) for k in a) < WEIGHTS_ABS[mode]
+    parted = {k: float((a[k].float() - b[k].float()).abs().max()) for k in a}
+    worst = max(parted, key=parted.get)
+    assert parted[worst] < WEIGHTS_ABS["full" if stage == "rm" else mode], (worst, parted[worst])
 
 
 CASES = [(engine, name) for name, run in RUNS.items() for engine in run.engines]
@@ -290,7 +294,7 @@ def test_two_ranks_equal_one_process(engine, name, launches, tiny_model_dir):
             "z > 0 on one process: the ranks' mean of z may differ (module docstring)"
         )
     assert_same(got, want, run.keys)
-    assert_same_weights(two, one, run.mode)
+    assert_same_weights(two, one, run.mode, run.stage)
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     merged = merged_weights(two)
     assert all(merged[k].shape == base[k].shape for k in merged if k in base)  # whole weights, not shards

@@ -35,10 +35,11 @@ LOSS_KEYS = {
 }
 REL = 1e-4
 ABS = 1e-6
-WEIGHTS_ABS = {"lora": 1e-5, "qlora": 1e-5, "full": 1e-4}
+WEIGHTS_ABS = {"lora": 1e-5, "qlora": 1e-5, "full": 3e-4}
 """Merged weights, max |difference|. Full fine-tuning: Adam divides each gradient by its own RMS,
 so on weights whose gradient is ~0 the reduction-order noise of the two runs becomes up to a
-few % of one step (lr 5e-3 to 1e-2); measured 2.5e-5."""
+few % of one step (lr 5e-3 to 1e-2: 3e-4); a reward model's score head is trained whole under
+LoRA and QLoRA too. A lost all-reduce or a stale weight parts the runs by a whole step's size."""
 FSDP_GPUS = pytest.mark.skipif(
     torch.cuda.device_count() < 2,
     reason="FSDP on two GPUs (NCCL cannot put two ranks on one); FSDP on two CPU ranks: tests/test_fsdp.py",

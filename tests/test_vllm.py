@@ -858,7 +858,8 @@ def caller(vllm_untied, tmp_path_factory):
     """vllm_untied made to end its turns often (about 1 token in 5 is the end-of-turn token at
     T 0.8), so turns end at different lengths and rows take several turns: the residual stream's
     dimension 0 is a constant (every embedding's, no layer writes it), and the head reads EOS off it
-    alone. The engine and the trainer compute the same (Llama, untied head)."""
+    alone, with the weight that gives that share after the questions' prompts (bisection). The
+    engine and the trainer compute the same (Llama, untied head)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(vllm_untied)
@@ -869,7 +870,20 @@ def caller(vllm_untied, tmp_path_factory):
             layer.self_attn.o_proj.weight[0] = 0.0
             layer.mlp.down_proj.weight[0] = 0.0
         model.lm_head.weight[tok.eos_token_id] = 0.0
-        model.lm_head.weight[tok.eos_token_id, 0] = 1.0
+        # the weight on dimension 0 that makes EOS 1 token in 5 at T 0.8 after the questions' prompts
+        # followed by random tokens (bisection)
+        noise = torch.randint(20, len(tok), (len(QUESTIONS), 24), generator=torch.Generator().manual_seed(0))
+        chat = [[{"role": "user", "content": q}] for q in QUESTIONS]
+        prompts = [tok.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chat]
+        width = min(len(p) for p in prompts)
+        probe = torch.cat([torch.tensor([p[-width:] for p in prompts]), noise], 1)
+        low, high = 0.0, 4.0
+        for _ in range(16):
+            middle = (low + high) / 2
+            model.lm_head.weight[tok.eos_token_id, 0] = middle
+            probs = (model(probe).logits[:, width:] / 0.8).softmax(-1)[..., tok.eos_token_id]
+            low, high = (middle, high) if float(probs.mean()) < 0.2 else (low, middle)
+        print(f"caller: EOS weight {middle:.3f}, share {float(probs.mean()):.3f}")
     folder = tmp_path_factory.mktemp("vllm-tools") / "caller"
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
@@ -1060,7 +1074,7 @@ def test_ppo_with_tools_on_vllm(caller, tiny_reward_dir, tools_server, questions
         questions,
         max_steps=2,
         batch_size=2,
-        learning_rate=1e-2,
+        learning_rate=1e-3,
         seq_length=512,
     )
     cfg.generation.backend, cfg.generation.max_new_tokens, cfg.generation.temperature = "vllm", 48, 0.8

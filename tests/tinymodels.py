@@ -1,12 +1,24 @@
-"""Tiny random-init models for logic tests (2 layers, d=64) with the embedded model's tokenizer.
+"""Tiny random-init models for logic tests (2 layers, d=64) with the embedded model's tokenizer,
+its vocabulary cut to what the tests' own text uses.
 
-The tokenizer is the real one, so chat templates, EOS handling and masks are realistic, while a
-forward pass costs milliseconds.
-"""
+The tokenizer is the real one (its chat template, special tokens, pre-tokenizer and merges), so
+templates, EOS handling and masks are realistic, while a forward pass costs milliseconds. Its BPE
+vocabulary keeps the tokens listed in tests/data/tiny_vocab.json (`python tests/tinymodels.py`
+writes it): every token the whole tokenizer gives any string of the tests' sources and data files,
+with the merges that build them, about a fifth of its 49,152. BPE applies its merges lowest rank
+first, so a text whose merges are all kept tokenizes into the same pieces as with the whole
+vocabulary (other text into smaller pieces, never an unknown token: the byte alphabet is kept).
+The tiny models' output head and every vocabulary-wide tensor of a step shrink with it, and a
+tokenizer load takes a tenth of the time (bench/RESULTS.md)."""
 
 from __future__ import annotations
 
+import ast
+import hashlib
+import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -32,14 +44,84 @@ def tiny_config(vocab_size: int, pad_token_id: int, **overrides) -> LlamaConfig:
     return LlamaConfig(**kwargs)
 
 
+TINY_VOCAB = Path(__file__).resolve().parent / "data" / "tiny_vocab.json"
+"""The ids of the embedded tokenizer's vocabulary the tiny models keep (the module docstring)."""
+CORPUS_SUFFIXES = (".py", ".jsonl", ".json", ".txt", ".yaml", ".md", ".jinja")
+
+
+def _merges_by_result(model: dict) -> dict[str, list[str]]:
+    return {"".join(m): m for m in model["merges"]}
+
+
+def tiny_tokenizer_source() -> Path:
+    """A folder with the embedded tokenizer cut to TINY_VOCAB's ids, renumbered in their order
+    (the special tokens keep ids 0-16); built once into the embedded model's cache."""
+    source = Path(materialize())
+    listing = TINY_VOCAB.read_bytes()
+    folder = source.parent / f"{source.name}-tiny-{hashlib.sha256(listing).hexdigest()[:12]}"
+    if (folder / "tokenizer.json").is_file():
+        return folder
+    keep = json.loads(listing)["ids"]
+    tj = json.loads((source / "tokenizer.json").read_text())
+    model = tj["model"]
+    by_id = {i: t for t, i in model["vocab"].items()}
+    new = {by_id[i]: n for n, i in enumerate(sorted(keep))}
+    made = _merges_by_result(model)
+    missing = sorted({part for t in new if t in made for part in made[t] if part not in new})
+    if missing or [a["id"] for a in tj["added_tokens"]] != list(range(len(tj["added_tokens"]))):
+        raise RuntimeError(f"{TINY_VOCAB} does not fit the embedded tokenizer ({len(missing)} parts missing)")
+    model["vocab"] = new
+    model["merges"] = [m for m in model["merges"] if "".join(m) in new]
+    tmp = Path(tempfile.mkdtemp(dir=source.parent))
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, tmp / name)
+    (tmp / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+    try:
+        os.rename(tmp, folder)  # another worker may have built it first
+    except OSError:
+        shutil.rmtree(tmp)
+    return folder
+
+
+def write_tiny_vocab() -> int:
+    """Write TINY_VOCAB: the byte alphabet and special tokens, and every token the whole embedded
+    tokenizer gives any string constant of tests/**/*.py and any text file under tests/data, data
+    and configs, with the tokens its merges are built from. Returns the number of ids."""
+    root = Path(__file__).resolve().parents[1]
+    source = Path(materialize())
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = json.loads((source / "tokenizer.json").read_text())["model"]
+    texts = [(source / "chat_template.jinja").read_text()] if (source / "chat_template.jinja").is_file() else []
+    for path in sorted((root / "tests").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        texts += [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    for folder in ("tests/data", "data", "configs"):
+        for path in sorted((root / folder).rglob("*")):
+            if path.is_file() and path.suffix in CORPUS_SUFFIXES and path.suffix != ".py":
+                texts.append(path.read_text(errors="replace"))
+    by_id = {i: t for t, i in model["vocab"].items()}
+    made = _merges_by_result(model)
+    first_merge = min(model["vocab"]["".join(m)] for m in model["merges"])
+    keep: set[str] = {by_id[i] for i in range(first_merge)}
+    stack = [by_id[i] for text in texts for i in tokenizer(text, add_special_tokens=False).input_ids]
+    while stack:
+        token = stack.pop()
+        if token not in keep:
+            keep.add(token)
+            stack += made.get(token, [])
+    ids = sorted(model["vocab"][t] for t in keep)
+    TINY_VOCAB.write_text(json.dumps({"source": source.name, "ids": ids}, separators=(",", ":")) + "\n")
+    return len(ids)
+
+
 def make_tiny_model(path: str | Path, seed: int = 0, num_labels: int | None = None, **overrides) -> Path:
     """Save a tiny Llama (causal LM, or sequence classifier when `num_labels`) with the embedded
     tokenizer into `path`, with a manifest; return the path."""
     path = Path(path)
     if path.exists():
         shutil.rmtree(path)
-    source = materialize()
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_source())
     torch.manual_seed(seed)
     config = tiny_config(overrides.pop("vocab_size", len(tokenizer)), tokenizer.pad_token_id, **overrides)
     config.bos_token_id = tokenizer.bos_token_id
@@ -73,3 +155,7 @@ def copy_with_tool_layout(source: str | Path, folder: str | Path):
     tok.chat_template = template_jinja(template, tok, tools=True)
     tok.save_pretrained(folder)
     return folder, tok, template
+
+
+if __name__ == "__main__":
+    print(f"{TINY_VOCAB}: {write_tiny_vocab()} ids")
