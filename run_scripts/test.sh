@@ -16,9 +16,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash run_scripts/install.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Every temporary file of the run (pytest's folders, the logs torchrun leaves, vLLM's sockets, the
+# fork servers') goes into one folder, removed when the run passes and named when it fails.
+TMPDIR=$(mktemp -d "${TMPDIR:-/tmp}/relay-tests.XXXXXX")
+export TMPDIR
 vllm_pid=""
 if [ "${RELAY_VLLM_INSTALL:-1}" != 0 ]; then
-  status=$(mktemp -d /tmp/relay-vllm-install.XXXXXX)/install
+  status=$(mktemp -d "$TMPDIR/relay-vllm-install.XXXXXX")/install
   # its own session, so the whole install (pip included) can be stopped if pytest ends first
   setsid bash -c 'bash run_scripts/install_vllm.sh >"$1.log" 2>&1; echo $? >"$1.rc.tmp"; mv "$1.rc.tmp" "$1.rc"' _ "$status" &
   vllm_pid=$!
@@ -41,4 +45,9 @@ if [ -n "$vllm_pid" ] && [ ! -f "$RELAY_VLLM_INSTALL_STATUS.rc" ]; then
   kill -- "-$vllm_pid" 2>/dev/null || true
 fi
 [ "$code" != 0 ] || code=$lint
+if [ "$code" = 0 ]; then
+  rm -rf "$TMPDIR"
+else
+  echo "test.sh: this run's temporary files are in $TMPDIR" >&2
+fi
 exit $code
