@@ -159,20 +159,67 @@ def ensure_trl_112() -> Path:
     return python
 
 
+TINY_VOCAB = ROOT / "tests" / "data" / "tiny_vocab.json"
+"""The ids of the embedded tokenizer's vocabulary the tests' tiny models keep (tests/tinymodels.py)."""
+
+
+def merges_by_result(model: dict) -> dict[str, list[str]]:
+    """A BPE tokenizer.json model's merges by the token each makes (each token is made by one)."""
+    return {"".join(m): m for m in model["merges"]}
+
+
+def cut_tokenizer(listing: Path = TINY_VOCAB) -> Path:
+    """A folder with the embedded tokenizer cut to the ids `listing` names ({"ids": [...]}),
+    renumbered in their order (the special tokens keep theirs) and with the merges that make them;
+    built once beside the embedded model in its cache."""
+    import hashlib
+    import shutil
+
+    sys.path.insert(0, str(ROOT))
+    from pipeline.modeling.embedded import materialize
+
+    source = Path(materialize())
+    text = listing.read_bytes()
+    folder = source.parent / f"{source.name}-cut-{hashlib.sha256(text).hexdigest()[:12]}"
+    if (folder / "tokenizer.json").is_file():
+        return folder
+    keep = json.loads(text)["ids"]
+    tj = json.loads((source / "tokenizer.json").read_text())
+    model = tj["model"]
+    by_id = {i: t for t, i in model["vocab"].items()}
+    new = {by_id[i]: n for n, i in enumerate(sorted(keep))}
+    made = merges_by_result(model)
+    missing = sorted({part for t in new if t in made for part in made[t] if part not in new})
+    if missing or [a["id"] for a in tj["added_tokens"]] != list(range(len(tj["added_tokens"]))):
+        raise HarnessError(f"{listing} does not fit the embedded tokenizer ({len(missing)} parts missing)")
+    model["vocab"] = new
+    model["merges"] = [m for m in model["merges"] if "".join(m) in new]
+    tmp = Path(tempfile.mkdtemp(dir=source.parent))
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, tmp / name)
+    (tmp / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+    try:
+        os.rename(tmp, folder)  # another process may have built it first
+    except OSError:
+        shutil.rmtree(tmp)
+    return folder
+
+
 def quick_model(workdir: Path) -> Path:
-    """A tiny random-init Llama (2 layers, d=64) with the embedded model's tokenizer, for `--quick`
-    (the smoke test checks the row's form, never a time)."""
+    """A tiny random-init Llama (2 layers, d=64) with the tests' tiny tokenizer (`cut_tokenizer`:
+    the embedded one cut to the tests' text), for `--quick` (the smoke test checks the row's form,
+    never a time)."""
     sys.path.insert(0, str(ROOT))
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from pipeline.modeling.embedded import materialize
     from pipeline.modeling.manifest import write_manifest
 
     path = workdir / "quick-model"
     if (path / "config.json").exists():
         return path
-    tokenizer = AutoTokenizer.from_pretrained(materialize())
+    tokenizer = AutoTokenizer.from_pretrained(cut_tokenizer())
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer),

@@ -14,16 +14,14 @@ tokenizer load takes a tenth of the time (bench/RESULTS.md)."""
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
+from bench.harness import TINY_VOCAB, cut_tokenizer, merges_by_result
 from pipeline.modeling.embedded import materialize
 from pipeline.modeling.manifest import write_manifest
 
@@ -44,44 +42,12 @@ def tiny_config(vocab_size: int, pad_token_id: int, **overrides) -> LlamaConfig:
     return LlamaConfig(**kwargs)
 
 
-TINY_VOCAB = Path(__file__).resolve().parent / "data" / "tiny_vocab.json"
-"""The ids of the embedded tokenizer's vocabulary the tiny models keep (the module docstring)."""
 CORPUS_SUFFIXES = (".py", ".jsonl", ".json", ".txt", ".yaml", ".md", ".jinja")
 
 
-def _merges_by_result(model: dict) -> dict[str, list[str]]:
-    return {"".join(m): m for m in model["merges"]}
-
-
 def tiny_tokenizer_source() -> Path:
-    """A folder with the embedded tokenizer cut to TINY_VOCAB's ids, renumbered in their order
-    (the special tokens keep ids 0-16); built once into the embedded model's cache."""
-    source = Path(materialize())
-    listing = TINY_VOCAB.read_bytes()
-    folder = source.parent / f"{source.name}-tiny-{hashlib.sha256(listing).hexdigest()[:12]}"
-    if (folder / "tokenizer.json").is_file():
-        return folder
-    keep = json.loads(listing)["ids"]
-    tj = json.loads((source / "tokenizer.json").read_text())
-    model = tj["model"]
-    by_id = {i: t for t, i in model["vocab"].items()}
-    new = {by_id[i]: n for n, i in enumerate(sorted(keep))}
-    made = _merges_by_result(model)
-    missing = sorted({part for t in new if t in made for part in made[t] if part not in new})
-    if missing or [a["id"] for a in tj["added_tokens"]] != list(range(len(tj["added_tokens"]))):
-        raise RuntimeError(f"{TINY_VOCAB} does not fit the embedded tokenizer ({len(missing)} parts missing)")
-    model["vocab"] = new
-    model["merges"] = [m for m in model["merges"] if "".join(m) in new]
-    tmp = Path(tempfile.mkdtemp(dir=source.parent))
-    for name in ("tokenizer_config.json", "chat_template.jinja"):
-        if (source / name).is_file():
-            shutil.copy(source / name, tmp / name)
-    (tmp / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
-    try:
-        os.rename(tmp, folder)  # another worker may have built it first
-    except OSError:
-        shutil.rmtree(tmp)
-    return folder
+    """A folder with the embedded tokenizer cut to TINY_VOCAB's ids (bench/harness.py `cut_tokenizer`)."""
+    return cut_tokenizer(TINY_VOCAB)
 
 
 def write_tiny_vocab() -> int:
@@ -101,7 +67,7 @@ def write_tiny_vocab() -> int:
             if path.is_file() and path.suffix in CORPUS_SUFFIXES and path.suffix != ".py":
                 texts.append(path.read_text(errors="replace"))
     by_id = {i: t for t, i in model["vocab"].items()}
-    made = _merges_by_result(model)
+    made = merges_by_result(model)
     first_merge = min(model["vocab"]["".join(m)] for m in model["merges"])
     keep: set[str] = {by_id[i] for i in range(first_merge)}
     stack = [by_id[i] for text in texts for i in tokenizer(text, add_special_tokens=False).input_ids]
