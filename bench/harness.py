@@ -190,7 +190,8 @@ def cut_tokenizer(listing: Path = TINY_VOCAB) -> Path:
     new = {by_id[i]: n for n, i in enumerate(sorted(keep))}
     made = merges_by_result(model)
     missing = sorted({part for t in new if t in made for part in made[t] if part not in new})
-    if missing or [a["id"] for a in tj["added_tokens"]] != list(range(len(tj["added_tokens"]))):
+    specials = [a["id"] for a in tj["added_tokens"]]
+    if missing or specials != list(range(len(specials))) or not set(specials) <= set(keep):
         raise HarnessError(f"{listing} does not fit the embedded tokenizer ({len(missing)} parts missing)")
     model["vocab"] = new
     model["merges"] = [m for m in model["merges"] if "".join(m) in new]

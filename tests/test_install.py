@@ -52,3 +52,36 @@ def test_an_installed_tree_gets_its_own_modules_compiled_and_not_the_side_enviro
     assert done.returncode == 0, done.stderr
     assert [p.name for p in ours if not Path(importlib.util.cache_from_source(str(p))).is_file()] == []
     assert not Path(importlib.util.cache_from_source(str(side))).exists()
+
+
+def fake_test_tree(tmp_path: Path, python_exit: int) -> Path:
+    """A copy of run_scripts/test.sh whose install, linter and interpreter are stubs: the stub
+    interpreter (pytest) writes a file where `tempfile` puts temporary files and exits `python_exit`."""
+    tree = tmp_path / "tree"
+    (tree / "run_scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "run_scripts" / "test.sh", tree / "run_scripts" / "test.sh")
+    (tree / "run_scripts" / "install.sh").write_text("exit 0\n")
+    (tree / ".venv" / "bin").mkdir(parents=True)
+    (tree / ".venv" / "bin" / "ruff").write_text("#!/bin/sh\nexit 0\n")
+    (tree / ".venv" / "bin" / "python").write_text(
+        f"#!/bin/sh\n{sys.executable} -c 'import tempfile; open(tempfile.mkstemp()[1], \"w\")'\nexit {python_exit}\n"
+    )
+    for stub in ("ruff", "python"):
+        (tree / ".venv" / "bin" / stub).chmod(0o755)
+    return tree
+
+
+def test_the_suites_temporary_files_go_into_one_folder_removed_when_the_run_passes(tmp_path):
+    """run_scripts/test.sh gives the run a TMPDIR of its own inside the caller's: a passing run leaves
+    nothing behind; a failing one keeps the folder and names it."""
+    outer = tmp_path / "tmp"
+    outer.mkdir()
+    env = {**os.environ, "TMPDIR": str(outer), "RELAY_VLLM_INSTALL": "0", "RELAY_TEST_WORKERS": "1"}
+    passed = subprocess.run(["bash", "run_scripts/test.sh"], cwd=fake_test_tree(tmp_path / "a", 0), env=env)
+    assert passed.returncode == 0 and list(outer.iterdir()) == []
+    failed = subprocess.run(
+        ["bash", "run_scripts/test.sh"], cwd=fake_test_tree(tmp_path / "b", 1), env=env, capture_output=True, text=True
+    )
+    (kept,) = outer.iterdir()
+    assert failed.returncode == 1 and kept.name.startswith("relay-tests.") and len(list(kept.iterdir())) == 1
+    assert f"temporary files are in {kept}" in failed.stderr

@@ -29,6 +29,6 @@ def test_the_tests_text_tokenizes_into_the_whole_vocabularys_pieces():
         whole.pad_token_id,
         whole.bos_token_id,
     ]
-    unseen = "Zygomorphic quokkas juxtapose"
+    unseen = "esopatxuj sakkouq cihpromogyZ"[::-1]  # written backwards: no string constant of the tests holds it
     assert len(tiny.tokenize(unseen)) > len(whole.tokenize(unseen))
     assert tiny.decode(tiny(unseen, add_special_tokens=False).input_ids) == unseen

@@ -883,7 +883,7 @@ def caller(vllm_untied, tmp_path_factory):
             model.lm_head.weight[tok.eos_token_id, 0] = middle
             probs = (model(probe).logits[:, width:] / 0.8).softmax(-1)[..., tok.eos_token_id]
             low, high = (middle, high) if float(probs.mean()) < 0.2 else (low, middle)
-        print(f"caller: EOS weight {middle:.3f}, share {float(probs.mean()):.3f}")
+        assert float(probs.mean()) == pytest.approx(0.2, abs=0.01), "no EOS weight in [0, 4] gives 1 in 5"
     folder = tmp_path_factory.mktemp("vllm-tools") / "caller"
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)

@@ -5,25 +5,30 @@ The tokenizer is the real one (its chat template, special tokens, pre-tokenizer 
 templates, EOS handling and masks are realistic, while a forward pass costs milliseconds. Its BPE
 vocabulary keeps the tokens listed in tests/data/tiny_vocab.json (`python tests/tinymodels.py`
 writes it): every token the whole tokenizer gives any string of the tests' sources and data files,
-with the merges that build them, about a fifth of its 49,152. BPE applies its merges lowest rank
-first, so a text whose merges are all kept tokenizes into the same pieces as with the whole
-vocabulary (other text into smaller pieces, never an unknown token: the byte alphabet is kept).
-The tiny models' output head and every vocabulary-wide tensor of a step shrink with it, and a
-tokenizer load takes a tenth of the time (bench/RESULTS.md)."""
+with the merges that build them. BPE applies its merges lowest rank first, so a text whose merges
+are all kept tokenizes into the same pieces as with the whole vocabulary (other text into smaller
+pieces, never an unknown token: the byte alphabet is kept). The tiny models' output head and every
+vocabulary-wide tensor of a step shrink with it, and so does a tokenizer load (figures in
+bench/RESULTS.md)."""
 
 from __future__ import annotations
 
 import ast
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-from bench.harness import TINY_VOCAB, cut_tokenizer, merges_by_result
-from pipeline.modeling.embedded import materialize
-from pipeline.modeling.manifest import write_manifest
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script (`python tests/tinymodels.py`): bench/ is no installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench.harness import TINY_VOCAB, cut_tokenizer, merges_by_result  # noqa: E402
+from pipeline.modeling.embedded import materialize  # noqa: E402
+from pipeline.modeling.manifest import write_manifest  # noqa: E402
 
 
 def tiny_config(vocab_size: int, pad_token_id: int, **overrides) -> LlamaConfig:
@@ -42,7 +47,8 @@ def tiny_config(vocab_size: int, pad_token_id: int, **overrides) -> LlamaConfig:
     return LlamaConfig(**kwargs)
 
 
-CORPUS_SUFFIXES = (".py", ".jsonl", ".json", ".txt", ".yaml", ".md", ".jinja")
+TEXT_SUFFIXES = (".jsonl", ".json", ".txt", ".yaml", ".md", ".jinja")
+"""The data files whose text the listing covers (besides the string constants of the tests' code)."""
 
 
 def tiny_tokenizer_source() -> Path:
@@ -54,17 +60,16 @@ def write_tiny_vocab() -> int:
     """Write TINY_VOCAB: the byte alphabet and special tokens, and every token the whole embedded
     tokenizer gives any string constant of tests/**/*.py and any text file under tests/data, data
     and configs, with the tokens its merges are built from. Returns the number of ids."""
-    root = Path(__file__).resolve().parents[1]
     source = Path(materialize())
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = json.loads((source / "tokenizer.json").read_text())["model"]
     texts = [(source / "chat_template.jinja").read_text()] if (source / "chat_template.jinja").is_file() else []
-    for path in sorted((root / "tests").rglob("*.py")):
+    for path in sorted((ROOT / "tests").rglob("*.py")):
         tree = ast.parse(path.read_text())
         texts += [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
     for folder in ("tests/data", "data", "configs"):
-        for path in sorted((root / folder).rglob("*")):
-            if path.is_file() and path.suffix in CORPUS_SUFFIXES and path.suffix != ".py":
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.is_file() and path.suffix in TEXT_SUFFIXES:
                 texts.append(path.read_text(errors="replace"))
     by_id = {i: t for t, i in model["vocab"].items()}
     made = merges_by_result(model)
@@ -82,8 +87,8 @@ def write_tiny_vocab() -> int:
 
 
 def make_tiny_model(path: str | Path, seed: int = 0, num_labels: int | None = None, **overrides) -> Path:
-    """Save a tiny Llama (causal LM, or sequence classifier when `num_labels`) with the embedded
-    tokenizer into `path`, with a manifest; return the path."""
+    """Save a tiny Llama (causal LM, or sequence classifier when `num_labels`) with the cut
+    tokenizer (`tiny_tokenizer_source`) into `path`, with a manifest; return the path."""
     path = Path(path)
     if path.exists():
         shutil.rmtree(path)
