@@ -37,30 +37,74 @@ def _token_tasks(sample: dict) -> list[int]:
     return [int(sample.get("task_id", 0))] * len(sample["input_ids"])
 
 
+def _in_order_groups(lengths: list[int], seq_length: int) -> list[list[int]]:
+    """Samples in order into the current row until the next one does not fit."""
+    groups: list[list[int]] = []
+    load = seq_length + 1
+    for i, n in enumerate(lengths):
+        if load + n > seq_length:
+            groups.append([])
+            load = 0
+        groups[-1].append(i)
+        load += n
+    return groups
+
+
+def _balanced_groups(lengths: list[int], seq_length: int) -> list[list[int]]:
+    """k = ceil(total / seq_length) rows, each sample, longest first, onto the row with the fewest
+    tokens (longest-processing-time first); one more row while a row would exceed `seq_length`
+    (ends by one row per sample). Ties go to the earlier sample and row."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    count = max(1, -(-sum(lengths) // seq_length))
+    while True:
+        loads, groups = [0] * count, [[] for _ in range(count)]
+        for i in order:
+            row = min(range(count), key=lambda r: (loads[r], r))
+            loads[row] += lengths[i]
+            groups[row].append(i)
+        if max(loads) <= seq_length:
+            return [sorted(g) for g in groups if g]
+        count += 1
+
+
 def pack(samples: list[dict], seq_length: int) -> list[dict]:
-    """Greedy in-order packing: samples go into the current row until the next one does not fit.
+    """Samples -> rows of at most `seq_length` tokens with the fewest padded slots: a batch is padded
+    to its longest row, so its cost is rows x longest row. Of two layouts, the one with fewer slots
+    (the balanced one on a tie): rows of even length (`_balanced_groups`) or samples in order until
+    the next does not fit. So never more padding than in-order packing. Within a row the samples
+    keep their order; rows are ordered by their first sample.
 
     Each row has input_ids, labels (the first token of every sample set to -100, since nothing in
-    its own sample precedes it), task_ids per token, and `lengths` (the samples' lengths).
+    its own sample precedes it), task_ids per token, `lengths` (the samples' lengths) and `samples`
+    (their indices in `samples`, in the row's order).
 
     Raises:
         ValueError: a sample is longer than `seq_length` or empty.
     """
-    rows: list[dict] = []
-    current: Optional[dict] = None
-    for i, sample in enumerate(samples):
-        n = len(sample["input_ids"])
+    lengths = [len(sample["input_ids"]) for sample in samples]
+    for i, n in enumerate(lengths):
         if n == 0 or n > seq_length:
             raise ValueError(f"sample {i} has {n} tokens; packing needs 1..{seq_length}")
-        if current is None or sum(current["lengths"]) + n > seq_length:
-            current = {"input_ids": [], "labels": [], "task_ids": [], "lengths": []}
-            rows.append(current)
-        labels = list(sample.get("labels", sample["input_ids"]))
-        labels[0] = IGNORE_INDEX
-        current["input_ids"] += list(sample["input_ids"])
-        current["labels"] += labels
-        current["task_ids"] += _token_tasks(sample)
-        current["lengths"].append(n)
+    if not samples:
+        return []
+
+    def slots(groups: list[list[int]]) -> int:
+        return len(groups) * max(sum(lengths[i] for i in g) for g in groups)
+
+    layouts = (_balanced_groups(lengths, seq_length), _in_order_groups(lengths, seq_length))
+    groups = sorted(min(layouts, key=slots), key=lambda g: g[0])
+    rows: list[dict] = []
+    for indices in groups:
+        row = {"input_ids": [], "labels": [], "task_ids": [], "lengths": [], "samples": indices}
+        for i in indices:
+            sample = samples[i]
+            labels = list(sample.get("labels", sample["input_ids"]))
+            labels[0] = IGNORE_INDEX
+            row["input_ids"] += list(sample["input_ids"])
+            row["labels"] += labels
+            row["task_ids"] += _token_tasks(sample)
+            row["lengths"].append(lengths[i])
+        rows.append(row)
     return rows
 
 
@@ -257,7 +301,7 @@ class AnswerPairCollator:
 @dataclass
 class PackedPairCollator:
     """Pairs -> packed rows (DPO's `data.padding_mode: pack`): every side is one sample labelled on
-    its answer, packed in order (the chosen sides, then the rejected ones) by `pack`, whose
+    its answer (the chosen sides, then the rejected ones), packed by `pack`, whose
     segment ids (per-document attention, pipeline.modeling.attention) and restarting positions keep
     each side blind to the others in its row; plus
     `sample_index` [R, T], the side each position belongs to (-1: padding), in the padded batch's
@@ -275,12 +319,11 @@ class PackedPairCollator:
         rows = pack(samples, self.seq_length)
         batch = Collator(self.pad_token_id, "pack", self.seq_length, self.attn_implementation)(rows)
         index = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
-        sample = 0
         for r, row in enumerate(rows):
             start = 0
-            for n in row["lengths"]:
+            for sample, n in zip(row["samples"], row["lengths"]):
                 index[r, start : start + n] = sample
-                sample, start = sample + 1, start + n
+                start += n
         batch["sample_index"] = index
         del batch["task_ids"]
         return batch

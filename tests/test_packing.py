@@ -42,26 +42,60 @@ def _forward(model, batch):
 
 def test_pack_layout():
     rows = pack([A, B, C, A], SEQ)
-    assert [r["lengths"] for r in rows] == [[7, 9, 4], [7]]
-    assert rows[0]["labels"][7] == -100 and rows[0]["labels"][16] == -100  # first token of B, C
+    # Balanced: rows of 14 and 13 tokens (in order, 20 and 7: a batch padded to 20).
+    assert [r["lengths"] for r in rows] == [[7, 7], [9, 4]] and [r["samples"] for r in rows] == [[0, 3], [1, 2]]
+    assert rows[0]["labels"][7] == -100 and rows[1]["labels"][9] == -100  # first token of the 2nd A, of C
     batch = Collator(0, "pack", SEQ)(rows)
-    # Padded to the longest row (20 tokens), not to seq_length (24).
-    assert batch["input_ids"].shape == (2, 20) and "attention_mask" not in batch
+    # Padded to the longest row (14 tokens), not to seq_length (24).
+    assert batch["input_ids"].shape == (2, 14) and "attention_mask" not in batch
+    assert batch["input_ids"][1].tolist() == B["input_ids"] + C["input_ids"] + [0]
     assert batch["segment_ids"].tolist() == [
-        [0] * 7 + [1] * 9 + [2] * 4,
-        [0] * 7 + [1] * 13,
+        [0] * 7 + [1] * 7,
+        [0] * 9 + [1] * 4 + [2],
     ]  # the padding tail: its own
-    assert batch["position_ids"][0].tolist() == list(range(7)) + list(range(9)) + list(range(4))
-    assert batch["task_ids"][0].tolist() == [0] * 7 + [1] * 9 + [0] * 4
-    assert batch["task_ids"][1].tolist() == [0] * 7 + [-1] * 13 and batch["labels"][1, 7:].tolist() == [-100] * 13
+    assert batch["position_ids"][0].tolist() == list(range(7)) * 2
+    assert batch["position_ids"][1].tolist()[:13] == list(range(9)) + list(range(4))
+    assert batch["task_ids"][0].tolist() == [0] * 14
+    assert batch["task_ids"][1].tolist() == [1] * 9 + [0] * 4 + [-1] and batch["labels"][1, 13:].tolist() == [-100]
     assert packing_efficiency(rows, SEQ) == pytest.approx(27 / 48)
-    mask = block_causal_mask(batch["segment_ids"])[0, 0]
-    assert mask[8].tolist() == [False] * 7 + [True, True] + [False] * 11  # B's 2nd token: B's first two only
+    mask = block_causal_mask(batch["segment_ids"])[1, 0]
+    assert mask[10].tolist() == [False] * 9 + [True, True] + [False] * 3  # C's 2nd token: C's first two only
     for attn in ("flash_attention_2", "flex_attention", "eager"):  # the same batch for every implementation
         other = Collator(0, "pack", SEQ, attn_implementation=attn)(rows)
         assert other.keys() == batch.keys() and all(torch.equal(other[k], batch[k]) for k in batch)
     with pytest.raises(ValueError, match="packing needs"):
         pack([{"input_ids": list(range(SEQ + 1))}], SEQ)
+
+
+def _in_order_slots(lengths: list[int], seq: int) -> int:
+    """Rows x longest row of the previous packing: samples in order until the next does not fit."""
+    rows: list[int] = []
+    for n in lengths:
+        if not rows or rows[-1] + n > seq:
+            rows.append(0)
+        rows[-1] += n
+    return len(rows) * max(rows)
+
+
+def test_packing_never_pads_more_than_in_order_and_keeps_every_sample_once():
+    generator = torch.Generator().manual_seed(0)
+    balanced = in_order = 0
+    for trial in range(300):
+        seq = int(torch.randint(8, 200, (1,), generator=generator))
+        count = int(torch.randint(1, 17, (1,), generator=generator))
+        lengths = torch.randint(1, seq + 1, (count,), generator=generator).tolist()
+        samples = [{"input_ids": [trial + k] * n} for k, n in enumerate(lengths)]
+        rows = pack(samples, seq)
+        assert sorted(i for r in rows for i in r["samples"]) == list(range(count))
+        for r in rows:
+            assert r["samples"] == sorted(r["samples"]) and sum(r["lengths"]) == len(r["input_ids"]) <= seq
+            assert r["input_ids"] == [x for i in r["samples"] for x in samples[i]["input_ids"]]
+        assert [r["samples"][0] for r in rows] == sorted(r["samples"][0] for r in rows)
+        slots = len(rows) * max(len(r["input_ids"]) for r in rows)
+        reference = _in_order_slots(lengths, seq)
+        assert slots <= reference
+        balanced, in_order = balanced + slots, in_order + reference
+    assert balanced < 0.9 * in_order  # the point of balancing: less padding over many batches
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

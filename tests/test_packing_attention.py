@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from data_formats.collate import IGNORE_INDEX, AnswerPairCollator, Collator, PackedPairCollator
+from data_formats.collate import IGNORE_INDEX, AnswerPairCollator, Collator, PackedPairCollator, pack
 from pipeline.engine.steps import model_inputs, token_losses, weighted_token_losses
 from pipeline.modeling.attention import attention_implementation, block_causal_mask, document_attention, varlen_kwargs
 
 SEQ = 24
 LENGTHS = (7, 9, 5, 6, 8, 4)
-"""Two rows of three documents each at SEQ = 24 (21 and 18 tokens: the second row has a padding tail)."""
+"""Two rows of three documents each at SEQ = 24, balanced by `pack` into samples 0, 4, 5 (7 + 8 + 4 = 19
+tokens: a padding tail at the batch's width of 20) and samples 1, 2, 3 (9 + 5 + 6 = 20)."""
 IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flex_attention")
 TRAINABLE = ("eager", "sdpa", "flash_attention_2")
 """flex attention has no CPU backward (PyTorch); its gradients are checked on the GPU."""
@@ -158,14 +159,14 @@ def test_varlen_kwargs_cover_two_rows_of_three_documents(tiny_model_dir, request
     from transformers.modeling_flash_attention_utils import _is_packed_sequence
 
     batch = Collator(0, "pack", SEQ, "flash_attention_2")(_samples())
-    assert batch["input_ids"].shape == (2, 21) and "attention_mask" not in batch
+    assert batch["input_ids"].shape == (2, 20) and "attention_mask" not in batch
     assert not _is_packed_sequence(batch["position_ids"], batch_size=2)
     model = _model(tiny_model_dir, "flash_attention_2", request)
     inputs = model_inputs(batch, model)
-    expected = [0, 7, 16, 21, 27, 35, 39, 42]  # row 0: 7, 9, 5; row 1 from 21: 6, 8, 4, then 3 padding slots
+    expected = [0, 7, 15, 19, 20, 29, 34, 40]  # row 0: 7, 8, 4, then 1 padding slot; row 1 from 20: 9, 5, 6
     assert inputs["cu_seq_lens_q"].tolist() == expected and inputs["cu_seq_lens_q"].dtype == torch.int32
     assert inputs["cu_seq_lens_k"] is inputs["cu_seq_lens_q"]
-    assert inputs["max_length_q"] == inputs["max_length_k"] == 21 and "attention_mask" not in inputs
+    assert inputs["max_length_q"] == inputs["max_length_k"] == 20 and "attention_mask" not in inputs
     # One segment per row still restarts at every row (segment id 0 on both sides of the boundary).
     assert varlen_kwargs(torch.zeros(2, 5, dtype=torch.long))["cu_seq_lens_q"].tolist() == [0, 5, 10]
 
@@ -175,7 +176,7 @@ def test_flash_path_runs_varlen_at_two_rows(tiny_model_dir, request):
     model = _model(tiny_model_dir, "flash_attention_2", request)
     _logits(model, Collator(0, "pack", SEQ)(_samples()))
     layers = model.config.num_hidden_layers
-    assert calls == [("varlen", [0, 7, 16, 21, 27, 35, 39, 42])] * layers
+    assert calls == [("varlen", [0, 7, 15, 19, 20, 29, 34, 40])] * layers
 
 
 # ---- packed == alone, per sample, for every implementation and batch size -----------------------
@@ -196,10 +197,11 @@ def test_packed_equals_alone_per_sample(tiny_model_dir, request, attn, rows):
     with torch.no_grad():
         losses, _ = token_losses(model, batch)
     spans = _spans(batch)
-    assert len(spans) == len(samples)
+    order = [i for row in pack(samples, SEQ) for i in row["samples"]]  # the samples in packing order
+    assert len(spans) == len(samples) and sorted(order) == list(range(len(samples)))
     if attn == "flex_attention":
         model.config._attn_implementation = "sdpa"
-    for sample, (row, cols) in zip(samples, spans):
+    for sample, (row, cols) in zip((samples[i] for i in order), spans):
         with torch.no_grad():
             alone = model(input_ids=torch.tensor([sample["input_ids"]]), use_cache=False).logits[0]
         torch.testing.assert_close(logits[row, cols], alone, rtol=0, atol=2e-5)
@@ -273,11 +275,11 @@ def test_the_collator_ships_segment_ids_and_the_model_side_builds_on_their_devic
     segments = batch["segment_ids"].to("meta")  # no data: whatever is built, is built there
     for attn in ("sdpa", "eager"):
         mask = document_attention(segments, attn)["attention_mask"]
-        assert mask.device.type == "meta" and mask.shape == (2, 1, 21, 21)
+        assert mask.device.type == "meta" and mask.shape == (2, 1, 20, 20)
     dense = block_causal_mask(batch["segment_ids"])
-    assert dense[1, 0, 20].tolist() == [False] * 18 + [True] * 3  # the padding tail sees only itself
+    assert dense[0, 0, 19].tolist() == [False] * 19 + [True]  # the padding tail sees only itself
     flex = document_attention(batch["segment_ids"], "flex_attention")["attention_mask"]
-    assert flex.shape == (2, 1, 21, 21) and torch.equal(_dense_of(flex), dense)
+    assert flex.shape == (2, 1, 20, 20) and torch.equal(_dense_of(flex), dense)
     with pytest.raises(ValueError, match="no per-document attention for attn_implementation 'paged'"):
         document_attention(batch["segment_ids"], "paged")
 
@@ -346,7 +348,8 @@ def test_packed_equals_alone_on_cuda_kernels(tiny_model_dir, attn):
     assert torch.equal(logits[1], _logits(model, on_cuda(Collator(0, "pack", SEQ)(changed)))[1])
     with torch.no_grad():
         losses, _ = token_losses(model, batch)
-        for sample, (row, cols) in zip(samples, _spans(batch)):
+        order = [i for row in pack(samples, SEQ) for i in row["samples"]]  # the samples in packing order
+        for sample, (row, cols) in zip((samples[i] for i in order), _spans(batch)):
             alone = on_cuda(Collator(0, "padding")([sample]))
             alone_losses, _ = token_losses(model, alone)
             packed_loss = _mean_loss(losses[row, cols.start : cols.stop - 1], batch["labels"][row, cols])
