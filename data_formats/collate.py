@@ -40,9 +40,9 @@ def _token_tasks(sample: dict) -> list[int]:
 def _in_order_groups(lengths: list[int], seq_length: int) -> list[list[int]]:
     """Samples in order into the current row until the next one does not fit."""
     groups: list[list[int]] = []
-    load = seq_length + 1
+    load = 0
     for i, n in enumerate(lengths):
-        if load + n > seq_length:
+        if not groups or load + n > seq_length:
             groups.append([])
             load = 0
         groups[-1].append(i)
