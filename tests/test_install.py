@@ -85,3 +85,35 @@ def test_the_suites_temporary_files_go_into_one_folder_removed_when_the_run_pass
     (kept,) = outer.iterdir()
     assert failed.returncode == 1 and kept.name.startswith("relay-tests.") and len(list(kept.iterdir())) == 1
     assert f"temporary files are in {kept}" in failed.stderr
+
+
+def test_vllms_install_starts_before_relays_and_stops_with_the_run(tmp_path):
+    """run_scripts/test.sh starts the vLLM side environment's install first, so that it runs beside
+    Relay's own install (mostly one core) rather than beside the tests; a run that ends first stops
+    it, and a failed install of Relay's names the run's temporary folder too."""
+    outer = tmp_path / "tmp"
+    outer.mkdir()
+    env = {**os.environ, "TMPDIR": str(outer), "RELAY_VLLM_INSTALL": "1", "RELAY_TEST_WORKERS": "1"}
+    env.pop("RELAY_VLLM_VENV", None)
+    for name, install_exit in (("a", 0), ("b", 1)):
+        tree = fake_test_tree(tmp_path / name, 0)
+        started, pid = tree / "vllm-started", tree / "vllm-pid"
+        # the side install: says it started, then would run for a minute
+        (tree / "run_scripts" / "install_vllm.sh").write_text(f"echo $$ > {pid}\ntouch {started}\nsleep 60\n")
+        # Relay's install: waits (up to 10 s) for the side install to have started
+        (tree / "run_scripts" / "install.sh").write_text(
+            f"for i in $(seq 100); do [ -f {started} ] && exit {install_exit}; sleep 0.1; done\nexit 7\n"
+        )
+        done = subprocess.run(["bash", "run_scripts/test.sh"], cwd=tree, env=env, capture_output=True, text=True)
+        assert done.returncode == install_exit, done.stderr
+        side = int(pid.read_text())
+        for _ in range(50):  # the kill is sent as the run ends; the process goes within moments
+            if not Path(f"/proc/{side}").exists():
+                break
+            subprocess.run(["sleep", "0.1"])
+        assert not Path(f"/proc/{side}").exists()
+        if install_exit:
+            (kept,) = outer.iterdir()
+            assert f"temporary files are in {kept}" in done.stderr
+        else:
+            assert list(outer.iterdir()) == []
