@@ -117,3 +117,16 @@ def test_vllms_install_starts_before_relays_and_stops_with_the_run(tmp_path):
             assert f"temporary files are in {kept}" in done.stderr
         else:
             assert list(outer.iterdir()) == []
+
+
+def test_pytest_may_keep_its_rewritten_test_modules_where_the_caller_forbids_bytecode(tmp_path):
+    """pytest writes its assertion-rewritten test modules as bytecode only where Python may write
+    bytecode; run_scripts/test.sh lets it (and the run's processes) write, also under a caller's
+    PYTHONDONTWRITEBYTECODE, so that no worker rewrites every test module again at every run."""
+    tree = fake_test_tree(tmp_path, 0)
+    seen = tmp_path / "seen"
+    (tree / ".venv" / "bin" / "python").write_text(f"#!/bin/sh\necho \"[$PYTHONDONTWRITEBYTECODE]\" > {seen}\n")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "RELAY_VLLM_INSTALL": "0", "RELAY_TEST_WORKERS": "1"}
+    done = subprocess.run(["bash", "run_scripts/test.sh"], cwd=tree, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert seen.read_text().strip() == "[]"
