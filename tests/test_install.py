@@ -125,7 +125,7 @@ def test_pytest_may_keep_its_rewritten_test_modules_where_the_caller_forbids_byt
     PYTHONDONTWRITEBYTECODE, so that no worker rewrites every test module again at every run."""
     tree = fake_test_tree(tmp_path, 0)
     seen = tmp_path / "seen"
-    (tree / ".venv" / "bin" / "python").write_text(f"#!/bin/sh\necho \"[$PYTHONDONTWRITEBYTECODE]\" > {seen}\n")
+    (tree / ".venv" / "bin" / "python").write_text(f'#!/bin/sh\necho "[$PYTHONDONTWRITEBYTECODE]" > {seen}\n')
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "RELAY_VLLM_INSTALL": "0", "RELAY_TEST_WORKERS": "1"}
     done = subprocess.run(["bash", "run_scripts/test.sh"], cwd=tree, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
