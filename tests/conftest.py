@@ -33,11 +33,7 @@ if "RELAY_TOKEN_CACHE" not in os.environ:
     os.environ["RELAY_TOKEN_CACHE"] = tempfile.mkdtemp(prefix="relay-test-tokens-")
     atexit.register(shutil.rmtree, os.environ["RELAY_TOKEN_CACHE"], True)
 
-# These imports come after the environment set-up above on purpose (torch must see the CPU caps and offline switches).
-import bitsandbytes  # noqa: E402, F401  (a stage run hides backends the config does not ask for; this session keeps both)
 import pytest  # noqa: E402
-import torch  # noqa: E402
-from tinymodels import make_tiny_model  # noqa: E402
 
 # Under pytest-xdist (run_scripts/test.sh) the cores are split between the workers: on 2 cores one
 # thread each, and the processes a test starts (torchrun, stage scripts, servers) get the same share.
@@ -46,7 +42,24 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
 if _WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
-torch.set_num_threads(_THREADS)
+
+
+def xdist_controller(config) -> bool:
+    """Whether this process only hands the tests out to pytest-xdist's workers (runs none itself)."""
+    return not os.environ.get("PYTEST_XDIST_WORKER") and bool(config.getoption("numprocesses", None))
+
+
+def pytest_configure(config):
+    """A process that runs tests imports torch here, after the environment set-up above (torch must
+    see the CPU caps and offline switches); xdist's controller runs no test and skips the imports:
+    they take seconds, and the workers start only after it has loaded this file."""
+    if xdist_controller(config):
+        return
+    import bitsandbytes  # noqa: F401  (a stage run hides backends the config does not ask for; this session keeps both)
+    import tinymodels  # noqa: F401  (transformers, for every test module)
+    import torch
+
+    torch.set_num_threads(_THREADS)
 
 
 def pytest_collection_finish(session):
@@ -86,12 +99,16 @@ def module_folder(request, tmp_path_factory):
 def tiny_model_dir(tmp_path_factory):
     """A tiny random causal LM (2 layers, d=64) with the embedded tokenizer. Read-only: copy it
     before changing it."""
+    from tinymodels import make_tiny_model
+
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "causal", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_reward_dir(tmp_path_factory):
     """A tiny random sequence classifier (num_labels=1) with the embedded tokenizer."""
+    from tinymodels import make_tiny_model
+
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "reward", seed=1, num_labels=1)
 
 

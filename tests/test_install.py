@@ -130,3 +130,19 @@ def test_pytest_may_keep_its_rewritten_test_modules_where_the_caller_forbids_byt
     done = subprocess.run(["bash", "run_scripts/test.sh"], cwd=tree, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert seen.read_text().strip() == "[]"
+
+
+def test_xdists_controller_loads_the_tests_conftest_without_torch():
+    """pytest-xdist's controller runs no test: loading tests/conftest.py there imports neither torch
+    nor transformers (seconds before the workers start); a process that runs tests imports them in
+    `pytest_configure`."""
+    code = (
+        "import sys, types; sys.path.insert(0, 'tests'); import conftest; "
+        "heavy = sorted(m for m in ('torch', 'transformers', 'bitsandbytes') if m in sys.modules); "
+        "option = lambda n: types.SimpleNamespace(getoption=lambda name, default=None: n); "
+        "print(heavy, conftest.xdist_controller(option(2)), conftest.xdist_controller(option(None)))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "True", "False"]
