@@ -9,9 +9,9 @@
 # torch, transformers, peft and accelerate once (tests/forkserver.py: the same process otherwise);
 # RELAY_TEST_FORK=0 starts each with the real interpreter instead.
 # vLLM's side environment (run_scripts/install_vllm.sh; a no-op when present) builds in the
-# background from the start, beside Relay's own install and then the tests; tests/test_vllm.py runs late (tests/conftest.py) and waits for it, failing
-# (not skipping) when the install failed. RELAY_VLLM_INSTALL=0: no install (those tests then skip
-# where the environment is absent).
+# background from the start, beside Relay's own install and then the tests; tests/test_vllm.py runs
+# late (tests/conftest.py) and waits for it, failing (not skipping) when the install failed.
+# RELAY_VLLM_INSTALL=0: no install (those tests then skip where the environment is absent).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Every temporary file of the run (pytest's folders, the logs torchrun leaves, vLLM's sockets, the
