@@ -1,7 +1,10 @@
-"""run_scripts/install.sh once the environment is installed (its stamp matches): it still compiles
-Relay's own modules to bytecode, also where PYTHONDONTWRITEBYTECODE keeps Python from writing it,
-so that no stage, driver or test process compiles them from source again; the side environments
-under bench/ are left alone."""
+"""The install and test scripts. run_scripts/install.sh once the environment is installed (its stamp
+matches): it still compiles Relay's own modules to bytecode, also where PYTHONDONTWRITEBYTECODE keeps
+Python from writing it, so that no stage, driver or test process compiles them from source again;
+the side environments under bench/ are left alone. run_scripts/test.sh (with stub installs, linter
+and interpreter): the run's temporary folder, vLLM's side install started first and stopped with the
+run, pytest allowed to keep its rewritten test modules; and tests/conftest.py's imports skipped in
+pytest-xdist's controller."""
 
 from __future__ import annotations
 
@@ -140,9 +143,20 @@ def test_xdists_controller_loads_the_tests_conftest_without_torch():
         "import sys, types; sys.path.insert(0, 'tests'); import conftest; "
         "heavy = sorted(m for m in ('torch', 'transformers', 'bitsandbytes') if m in sys.modules); "
         "option = lambda n: types.SimpleNamespace(getoption=lambda name, default=None: n); "
-        "print(heavy, conftest.xdist_controller(option(2)), conftest.xdist_controller(option(None)))"
+        "print(heavy, conftest.xdist_controller(option(2)), conftest.xdist_controller(option(None))); "
+        # pytest_configure with stand-ins for the heavy modules: the controller imports none, a
+        # process that runs tests imports all three and sets torch's threads to the worker's share
+        "threads = []; "
+        "fakes = {m: types.ModuleType(m) for m in ('torch', 'bitsandbytes', 'tinymodels')}; "
+        "fakes['torch'].set_num_threads = threads.append; "
+        "sys.meta_path.insert(0, types.SimpleNamespace(find_spec=lambda name, path=None, target=None: "
+        "(_ for _ in ()).throw(AssertionError(name)) if name in fakes else None)); "
+        "conftest.pytest_configure(option(2)); "
+        "sys.meta_path.pop(0); sys.modules.update(fakes); "
+        "conftest.pytest_configure(option(None)); "
+        "print(threads == [conftest._THREADS])"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["[]", "True", "False"]
+    assert done.stdout.split() == ["[]", "True", "False", "True"]
