@@ -5,12 +5,13 @@ file) or in-process (the one-process references), for tests/test_distributed_sta
 
 RUNS.json is a list of {"stage": "pt"|"sft"|"rm"|"dpo"|"ppo"|"grpo", "argv": [...], "stop_after":
 k or null, "sampler": "scripted" (default) or "real" (PPO, GRPO), "history": the history file's
-name (default "history")}.
+name (default "history"), "grad_norms": true to record per-parameter gradient norms}.
 Each run writes `<output_dir>/history-rank<r>.json`: {"steps": every step's figures as this rank
 logged them, "evals": every evaluation's, "resumed_at": the step it resumed from (0: a fresh
-start), "batch_ids": the sample indices of every step's micro-batches on this rank}, so a test can
-compare curves and held-out figures, check that every rank logged the same grad_norm, and which
-samples each step trained.
+start), "batch_ids": the sample indices of every step's micro-batches on this rank, "grad_norms":
+the first optimizer steps' gradient norm per parameter when the run asked for them, else []}, so
+a test can compare curves and held-out figures, check that every rank logged the same grad_norm,
+which samples each step trained, and which parameters two runs' gradients part on.
 Starting the interpreter, torch and transformers costs most of a tiny run, so one process runs
 them all.
 
@@ -23,6 +24,7 @@ group's completions differ) and score with `group_reward`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -36,6 +38,8 @@ for entry in (str(ROOT), str(ROOT / "tests")):
         sys.path.insert(0, entry)
 
 STOP_ENV = "RELAY_STOP_AFTER_STEP"
+GRAD_NORM_STEPS = 8
+"""Optimizer steps whose per-parameter gradient norms a run that asks for them records."""
 EOS_ID = 2  # the embedded tokenizer's <|im_end|>
 
 
@@ -101,6 +105,34 @@ def stage_kwargs(spec: dict) -> dict:
     return {}
 
 
+@contextlib.contextmanager
+def per_parameter_grad_norms(record: list):
+    """Record the first GRAD_NORM_STEPS optimizer steps' gradient norm of every parameter (before
+    clipping; whole under FSDP; keyed by the unwrapped model's names) into `record`: where two
+    runs' global norms part, these say which parameters part first, and at which step."""
+    from pipeline.engine import steps
+    from pipeline.engine.fsdp import full_tensor
+
+    measure = steps.grad_norm_tensor
+
+    def recording(model, accelerator, max_norm):
+        if len(record) < GRAD_NORM_STEPS and not steps.is_deepspeed(accelerator):
+            record.append(
+                {
+                    name.removeprefix("module."): float(full_tensor(p.grad.detach().norm()))
+                    for name, p in model.named_parameters()
+                    if p.grad is not None
+                }
+            )
+        return measure(model, accelerator, max_norm)
+
+    steps.grad_norm_tensor = recording
+    try:
+        yield
+    finally:
+        steps.grad_norm_tensor = measure
+
+
 def run_one(spec: dict) -> None:
     """Run one stage (stopping after `stop_after` when set) and write this rank's history."""
     from stagerun import fresh_accelerate
@@ -126,9 +158,11 @@ def run_one(spec: dict) -> None:
     kwargs = stage_kwargs(spec)
     if spec.get("stop_after") is not None:
         os.environ[STOP_ENV] = str(spec["stop_after"])
+    grad_norms: list = []
     try:
-        stage = cls(load_config(cls.config_class, spec["argv"]), **kwargs)
-        stage.run()
+        with per_parameter_grad_norms(grad_norms) if spec.get("grad_norms") else contextlib.nullcontext():
+            stage = cls(load_config(cls.config_class, spec["argv"]), **kwargs)
+            stage.run()
     finally:
         os.environ.pop(STOP_ENV, None)
     rank = stage.accelerator.process_index
@@ -138,7 +172,15 @@ def run_one(spec: dict) -> None:
     )
     out = Path(stage.cfg.output_dir) / f"{spec.get('history', 'history')}-rank{rank}.json"
     out.write_text(
-        json.dumps({"steps": steps, "evals": evals, "resumed_at": stage.resumed_at, "batch_ids": stage.batch_ids})
+        json.dumps(
+            {
+                "steps": steps,
+                "evals": evals,
+                "resumed_at": stage.resumed_at,
+                "batch_ids": stage.batch_ids,
+                "grad_norms": grad_norms,
+            }
+        )
     )
     stage.accelerator.wait_for_everyone()
     fresh_accelerate()

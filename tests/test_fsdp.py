@@ -17,7 +17,12 @@ On a machine with one CUDA GPU (run_scripts/gpu_check.sh) the same tests run wit
 CUDA over nccl (NCCL cannot put two ranks on one GPU): FSDP on one rank == one process == DDP,
 resumed == unbroken, and the geometry change is a split change only; per-step figures within
 rel 1e-3 there (CUDA kernels differ between the sharded and the plain run, as tests/test_gpu.py
-measured for FSDP on one rank)."""
+measured for FSDP on one rank).
+
+PPO's runs also record every parameter's gradient norm at their first optimizer steps, which must
+agree per parameter as the logged figures do: a failure names the first optimizer step at which
+gradients part and the parameters furthest apart (FSDP PPO on one CUDA rank parted from the plain
+run at its first step by more than kernel differences explain on a CPU: bench/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -59,6 +64,10 @@ RUNS = {
 AGAINST_ONE = ("sft", "pt-full", "rm", "dpo", "ppo", "grpo")
 AGAINST_DDP = ("pt-full", "ppo-real", "grpo-real")
 """(LoRA SFT under DDP equals one process in tests/test_distributed_stages.py, as under FSDP here.)"""
+GRADIENTS = ("ppo", "ppo-real")
+"""Runs that record every parameter's gradient norm at their first optimizer steps (tests/distrun.py):
+where the logged grad_norm parts (FSDP PPO on one CUDA rank did, at its first step), a failure
+names the parameters whose gradients part, at the first optimizer step they do."""
 RESUMED = ("sft", "pt-full")
 GEOMETRY = {
     "first": {"train__batch_size": "2", "train__grad_accum": "1"},
@@ -113,6 +122,7 @@ def spec(name: str, world: int, folder: Path, setup, engine: str, **extra) -> di
         "stage": RUNS[name][0],
         "argv": argv(name, world, out, data, model, reward) + ["--distributed.engine", engine],
         "sampler": "real" if name.endswith("-real") else "scripted",
+        "grad_norms": name in GRADIENTS,
         **extra,
     }
 
@@ -169,14 +179,47 @@ def differing(got: list[dict], want: list[dict], rel: float) -> dict[str, list]:
     }
 
 
+def gradient_norms(out: Path) -> list[dict[str, float]]:
+    """Rank 0's per-parameter gradient norms at the run's first optimizer steps ([] if not recorded)."""
+    return json.loads((out / "history-rank0.json").read_text()).get("grad_norms", [])
+
+
+def short(name: str) -> str:
+    """A parameter's name without peft's wrapper and adapter parts (the GPU check's report shows
+    a failure's first 300 characters)."""
+    return name.replace("base_model.model.", "").replace(".default.", ".")
+
+
+def parting_gradients(got: list[dict], want: list[dict], rel: float, most: int = 5) -> str:
+    """Where two runs' per-parameter gradient norms first part beyond `rel` (abs 1e-7): the optimizer
+    step, how many parameters part, and the `most` furthest apart; '' when none does."""
+    if len(got) != len(want):
+        return f"gradient norms recorded at {len(got)} optimizer steps against {len(want)}"
+    for index, (g, w) in enumerate(zip(got, want)):
+        if g.keys() != w.keys():
+            return f"optimizer step {index}: parameters with a gradient differ: {sorted(g.keys() ^ w.keys())[:most]}"
+        apart = sorted(
+            ((abs(g[n] - w[n]) / max(abs(w[n]), 1e-30), n) for n in g if abs(g[n] - w[n]) > max(rel * abs(w[n]), 1e-7)),
+            reverse=True,
+        )
+        if apart:
+            named = "; ".join(f"{short(n)} rel {r:.1e} ({g[n]:.6g} vs {w[n]:.6g})" for r, n in apart[:most])
+            return f"optimizer step {index} of {len(got)}: {len(apart)} of {len(g)} parameters' gradients part: {named}"
+    return ""
+
+
 def assert_same_run(got_dir: Path, want_dir: Path, stage: str, mode: str, rel: float) -> None:
     got, want = history(got_dir), history(want_dir)
     assert len(got) == len(want) == 2
+    parted = parting_gradients(gradient_norms(got_dir), gradient_norms(want_dir), rel)
+    if got_dir.name in GRADIENTS:
+        assert gradient_norms(got_dir) and gradient_norms(want_dir), "no per-parameter gradient norms recorded"
     for key in KEYS[stage]:
         assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=rel, abs=1e-7), (
-            key,
-            differing(got, want, rel),
+            f"{key} parts; {parted or 'no per-parameter gradient norm parts'}; every figure apart: "
+            f"{differing(got, want, rel)}"
         )
+    assert not parted, parted
     a, b = merged_weights(got_dir), merged_weights(want_dir)
     assert a.keys() == b.keys() and a
     assert max(float((a[k].float() - b[k].float()).abs().max()) for k in a) < WEIGHTS_ABS[mode]
