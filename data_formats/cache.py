@@ -1,12 +1,27 @@
 """Relay's cache folder (the token cache lives under it, and the embedded model's conversion in
-pipeline.modeling.embedded): one definition for both layers, kept in the lower one."""
+pipeline.modeling.embedded): one definition for both layers, kept in the lower one; and the lock
+that lets one of several processes (ranks, test workers) build a cache entry while the others wait."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Iterator
 
 
 def cache_root() -> Path:
     """Relay's cache folder: $RELAY_CACHE, else ~/.cache/relay."""
     return Path(os.environ.get("RELAY_CACHE", Path.home() / ".cache" / "relay"))
+
+
+@contextlib.contextmanager
+def exclusive(lock_file: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_file` (created if missing, left in place) for the body: one
+    process or thread at a time, on this machine; where the platform has no `fcntl` (Windows), no lock."""
+    with open(lock_file, "w") as handle:
+        with contextlib.suppress(ImportError):
+            import fcntl
+
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield

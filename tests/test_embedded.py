@@ -1,4 +1,5 @@
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -15,6 +16,28 @@ def test_embedded_is_cached_and_fast(embedded_path):
     assert {"model.safetensors", "config.json", "tokenizer.json", "generation_config.json", "manifest.json"} <= names
     assert "chat_template.jinja" in names or "chat_template" in (embedded_path / "tokenizer_config.json").read_text()
     assert not any(n.endswith((".bin", ".pt", ".pth")) for n in names)
+
+
+def test_callers_that_start_at_once_convert_the_embedded_model_once(tmp_path, monkeypatch):
+    """Two test workers (or a run's ranks) on an empty cache: one converts while the other waits for
+    it, and no caller deletes the folder another was given (each used to convert, and the second
+    replaced the first one's folder while its caller read the tokenizer: FileNotFoundError)."""
+    monkeypatch.setenv("RELAY_CACHE", str(tmp_path))
+    monkeypatch.setattr(embedded, "gguf_path", lambda: tmp_path / "model.gguf")
+    made = []
+
+    def convert(source, out):  # stands in for the GGUF conversion (seconds, 0.5 GB)
+        made.append(out)
+        (out / "tokenizer.json").write_text("{}")
+        time.sleep(0.3)
+
+    monkeypatch.setattr(embedded, "convert", convert)
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(lambda _: embedded.materialize(), range(2))
+    assert len(made) == 1
+    assert first == second == tmp_path / "embedded" / embedded.EMBEDDED_NAME
+    assert (first / "tokenizer.json").read_text() == "{}" and (first / embedded.COMPLETE_MARKER).is_file()
+    assert [p.name for p in first.parent.iterdir() if p.name.startswith(".embedded-")] == []  # no staging left
 
 
 def test_embedded_pad_is_not_the_trained_eos(embedded_path):

@@ -38,7 +38,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from data_formats.cache import cache_root
+from data_formats.cache import cache_root, exclusive
 from pipeline.modeling.onednn_ops import OneDNNLinear, onednn_linear
 
 PATHS = {
@@ -268,11 +268,7 @@ def _record(fields: dict, speedups: dict[str, float], load: float, tries: int = 
 
 
 def _measured_in(path: Path, fields: dict, remeasure: bool) -> dict:
-    with open(path.with_suffix(".lock"), "w") as lock:
-        with contextlib.suppress(ImportError):
-            import fcntl
-
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(path.with_suffix(".lock")):
         load, tries = load_per_core(), 1
         if path.exists() and not remeasure:
             with contextlib.suppress(ValueError, KeyError):

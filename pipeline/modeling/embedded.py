@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from data_formats.cache import cache_root
+from data_formats.cache import cache_root, exclusive
 from pipeline.modeling.manifest import write_manifest
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -106,42 +106,52 @@ def materialize(force: bool = False) -> Path:
     """Convert the GGUF to a Hugging Face folder once; return the folder.
 
     The folder is built beside its final place and renamed into it, so a crash never leaves a
-    half-written model that later calls would trust.
+    half-written model that later calls would trust. Processes that start at once (the ranks of a
+    run, test workers) convert it once: one converts under a lock while the others wait, then find
+    it complete; a complete folder is replaced only when `force` asks (another process may be
+    reading it).
     """
     target = embedded_dir()
     if (target / COMPLETE_MARKER).is_file() and not force:
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(target.parent / f"{target.name}.lock"):
+        if (target / COMPLETE_MARKER).is_file() and not force:  # converted while this one waited
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=".embedded-", dir=target.parent))
+        try:
+            convert(gguf_path(), staging)
+            (staging / COMPLETE_MARKER).write_text("ok\n")
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    return target
 
+
+def convert(source: Path, out: Path) -> None:
+    """Write the GGUF file `source` as a Hugging Face model folder (fp32 safetensors, the tokenizer
+    with Relay's pad and EOS tokens, a manifest) into `out`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".embedded-", dir=target.parent))
-    try:
-        with gguf_parsed_once():
-            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-            model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
-        # The weights are now plain fp32 tensors; drop the GGUF quantiser so they save as safetensors.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        tokenizer.pad_token = PAD_TOKEN
-        if tokenizer.eos_token != EOS_TOKEN:  # transformers 4's GGUF reader takes <|im_start|> for it
-            tokenizer.eos_token = EOS_TOKEN
-        model.config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        write_manifest(staging, stage="embedded", parent=str(source), config={"gguf_file": str(source)})
-        (staging / COMPLETE_MARKER).write_text("ok\n")
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    with gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
+    # The weights are now plain fp32 tensors; drop the GGUF quantiser so they save as safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tokenizer.pad_token = PAD_TOKEN
+    if tokenizer.eos_token != EOS_TOKEN:  # transformers 4's GGUF reader takes <|im_start|> for it
+        tokenizer.eos_token = EOS_TOKEN
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    write_manifest(out, stage="embedded", parent=str(source), config={"gguf_file": str(source)})
 
 
 def main(argv: list[str] | None = None) -> int:
