@@ -9,6 +9,11 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks
+    fcntl = None
+
 
 def cache_root() -> Path:
     """Relay's cache folder: $RELAY_CACHE, else ~/.cache/relay."""
@@ -20,8 +25,6 @@ def exclusive(lock_file: Path) -> Iterator[None]:
     """Hold an exclusive lock on `lock_file` (created if missing, left in place) for the body: one
     process or thread at a time, on this machine; where the platform has no `fcntl` (Windows), no lock."""
     with open(lock_file, "w") as handle:
-        with contextlib.suppress(ImportError):
-            import fcntl
-
+        if fcntl is not None:
             fcntl.flock(handle, fcntl.LOCK_EX)
         yield
