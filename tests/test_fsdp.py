@@ -62,8 +62,11 @@ RUNS = {
 }
 """name: (stage, grad_accum, model.finetuning); '-real' runs sample with the decode engine."""
 AGAINST_ONE = ("sft", "pt-full", "rm", "dpo", "ppo", "grpo")
-AGAINST_DDP = ("pt-full", "ppo-real", "grpo-real")
-"""(LoRA SFT under DDP equals one process in tests/test_distributed_stages.py, as under FSDP here.)"""
+AGAINST_DDP = ("pt-full", "ppo", "ppo-real", "grpo-real")
+"""(LoRA SFT under DDP equals one process in tests/test_distributed_stages.py, as under FSDP here.)
+Scripted PPO runs against both: where FSDP parts from the one process, DDP says whether the engine
+path (both distributed engines) or the one process's own path (its held scoring forward, policy
+and critic run separately) parts."""
 GRADIENTS = ("ppo", "ppo-real")
 """Runs that record every parameter's gradient norm at their first optimizer steps (tests/distrun.py):
 where the logged grad_norm parts (FSDP PPO on one CUDA rank did, at its first step), a failure
@@ -244,7 +247,8 @@ def test_two_fsdp_ranks_equal_one_process(name, launches, setup):
 
 @pytest.mark.parametrize("name", AGAINST_DDP)
 def test_two_fsdp_ranks_equal_two_ddp_ranks(name, launches):
-    """The real sampler (PPO, GRPO): generation on gathered weights draws what DDP's does."""
+    """The real sampler (PPO, GRPO): generation on gathered weights draws what DDP's does; scripted
+    PPO: the two engines update alike."""
     stage, _, mode = RUNS[name]
     assert_same_run(launches / "fsdp" / name, launches / "ddp" / name, stage, mode, REL_RUN)
 
