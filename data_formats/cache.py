@@ -22,9 +22,14 @@ def cache_root() -> Path:
 
 @contextlib.contextmanager
 def exclusive(lock_file: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `lock_file` (created if missing, left in place) for the body: one
-    process or thread at a time, on this machine; where the platform has no `fcntl` (Windows), no lock."""
-    with open(lock_file, "w") as handle:
+    """Hold an exclusive lock on `lock_file` (created if missing, readable by all, left in place) for
+    the body: one process or thread at a time, on this machine; where the platform has no `fcntl`
+    (Windows), no lock. The file is opened for reading only, so every user of a shared cache folder
+    can take the lock another user's process created."""
+    handle = os.open(lock_file, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
         if fcntl is not None:
             fcntl.flock(handle, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(handle)

@@ -29,6 +29,7 @@ def test_callers_that_start_at_once_convert_the_embedded_model_once(tmp_path, mo
     def convert(source, out):  # stands in for the GGUF conversion (seconds, 0.5 GB)
         made.append(out)
         (out / "tokenizer.json").write_text("{}")
+        (out / "tokenizer.json").chmod(0o600)  # as save_pretrained writes the weights
         time.sleep(0.3)
 
     monkeypatch.setattr(embedded, "convert", convert)
@@ -38,6 +39,11 @@ def test_callers_that_start_at_once_convert_the_embedded_model_once(tmp_path, mo
     assert first == second == tmp_path / "embedded" / embedded.EMBEDDED_NAME
     assert (first / "tokenizer.json").read_text() == "{}" and (first / embedded.COMPLETE_MARKER).is_file()
     assert [p.name for p in first.parent.iterdir() if p.name.startswith(".embedded-")] == []  # no staging left
+    # readable by every user of a shared cache folder (mkdtemp's folder is private)
+    assert {p.name: p.stat().st_mode & 0o777 for p in (first, first / "tokenizer.json")} == {
+        first.name: 0o755,
+        "tokenizer.json": 0o644,
+    }
 
 
 def test_embedded_pad_is_not_the_trained_eos(embedded_path):

@@ -122,6 +122,8 @@ def materialize(force: bool = False) -> Path:
         try:
             convert(gguf_path(), staging)
             (staging / COMPLETE_MARKER).write_text("ok\n")
+            for path in (staging, *staging.rglob("*")):  # mkdtemp's folder is private; a shared cache serves every user
+                path.chmod(0o755 if path.is_dir() else 0o644)
             if target.exists():
                 shutil.rmtree(target)
             staging.rename(target)
