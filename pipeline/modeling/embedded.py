@@ -109,7 +109,7 @@ def materialize(force: bool = False) -> Path:
     half-written model that later calls would trust. Processes that start at once (the ranks of a
     run, test workers) convert it once: one converts under a lock while the others wait, then find
     it complete; a complete folder is replaced only when `force` asks (another process may be
-    reading it).
+    reading it). The folder is readable by every user of a shared cache folder.
     """
     target = embedded_dir()
     if (target / COMPLETE_MARKER).is_file() and not force:
