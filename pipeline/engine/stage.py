@@ -75,7 +75,7 @@ from pipeline.engine.tracking import (
     default_run_name,
 )
 from pipeline.modeling import models
-from pipeline.modeling.embedded import resolve_model_path
+from pipeline.modeling.embedded import EmbeddedError, resolve_model_path
 from pipeline.modeling.onednn import onednn_linears
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,18 @@ OnStep = Callable[["Stage", dict], None]
 # ------------------------------------------------------------------------------------------
 # Checks every stage makes before anything heavy loads
 # ------------------------------------------------------------------------------------------
+
+
+def resolved_path(key: str, path: Optional[str]) -> str:
+    """The model folder config `key` names ('embedded' converted once, pipeline.modeling.embedded).
+
+    Raises:
+        ConfigError: the embedded model cannot be converted here (one line naming `key`).
+    """
+    try:
+        return resolve_model_path(path)
+    except EmbeddedError as err:
+        raise ConfigError([f"{key}: {err}"]) from err
 
 
 def stop_after_step() -> Optional[int]:
@@ -155,7 +167,7 @@ class Stage:
     def __init__(self, cfg: StageConfig):
 
         self.cfg = cfg
-        self.model_path = resolve_model_path(cfg.model.path)
+        self.model_path = resolved_path("model.path", cfg.model.path)
         self.step = 0
         self.cursor = DataCursor()
         self.history = History()

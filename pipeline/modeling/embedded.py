@@ -102,6 +102,11 @@ def embedded_dir() -> Path:
     return cache_root() / "embedded" / EMBEDDED_NAME
 
 
+class EmbeddedError(OSError):
+    """The embedded model cannot be converted here (its package missing, the cache folder not
+    writable); the message is one line naming the package or the folder."""
+
+
 def materialize(force: bool = False) -> Path:
     """Convert the GGUF to a Hugging Face folder once; return the folder.
 
@@ -110,26 +115,39 @@ def materialize(force: bool = False) -> Path:
     run, test workers) convert it once: one converts under a lock while the others wait, then find
     it complete; a complete folder is replaced only when `force` asks (another process may be
     reading it). The folder is readable by every user of a shared cache folder.
+
+    Raises:
+        EmbeddedError: the package is missing, or the cache folder cannot take the conversion.
     """
     target = embedded_dir()
     if (target / COMPLETE_MARKER).is_file() and not force:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with exclusive(target.parent / f"{target.name}.lock"):
-        if (target / COMPLETE_MARKER).is_file() and not force:  # converted while this one waited
-            return target
-        staging = Path(tempfile.mkdtemp(prefix=".embedded-", dir=target.parent))
-        try:
-            convert(gguf_path(), staging)
-            (staging / COMPLETE_MARKER).write_text("ok\n")
-            for path in (staging, *staging.rglob("*")):  # mkdtemp's folder is private; a shared cache serves every user
-                path.chmod(0o755 if path.is_dir() else 0o644)
-            if target.exists():
-                shutil.rmtree(target)
-            staging.rename(target)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
+    try:
+        source = gguf_path()
+    except FileNotFoundError as err:
+        raise EmbeddedError(str(err)) from err
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with exclusive(target.parent / f"{target.name}.lock"):
+            if (target / COMPLETE_MARKER).is_file() and not force:  # converted while this one waited
+                return target
+            staging = Path(tempfile.mkdtemp(prefix=".embedded-", dir=target.parent))
+            try:
+                convert(source, staging)
+                (staging / COMPLETE_MARKER).write_text("ok\n")
+                for path in (staging, *staging.rglob("*")):  # mkdtemp's folder is private; a shared cache serves all
+                    path.chmod(0o755 if path.is_dir() else 0o644)
+                if target.exists():
+                    shutil.rmtree(target)
+                staging.rename(target)
+            finally:
+                if staging.exists():
+                    shutil.rmtree(staging, ignore_errors=True)
+    except OSError as err:
+        raise EmbeddedError(
+            f"cannot convert the embedded model into {target.parent}: {err.strerror or err} "
+            f"(set RELAY_CACHE to a folder this user can write)"
+        ) from err
     return target
 
 
@@ -158,7 +176,11 @@ def convert(source: Path, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    print(materialize(force="--force" in argv))
+    try:
+        print(materialize(force="--force" in argv))
+    except EmbeddedError as err:
+        print(f"embedded: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -19,8 +19,8 @@ from pipeline.algorithms.mismatch import engine_logprob_matrix
 from pipeline.config import RewardModelConfig
 from pipeline.config.backends import BACKENDS
 from pipeline.engine.accelerator import full_parameters, is_zero3
-from pipeline.engine.stage import Stage
-from pipeline.modeling.embedded import is_embedded, resolve_model_path
+from pipeline.engine.stage import Stage, resolved_path
+from pipeline.modeling.embedded import is_embedded
 from pipeline.modeling.handoff import reward_pairing_problems
 from pipeline.modeling.manifest import weights_hash
 from pipeline.modeling.models import remote_code_problems
@@ -85,7 +85,9 @@ class PolicyStage(Stage):
     def __init__(self, cfg, *, generator_factory: Optional[GeneratorFactory] = None):
         super().__init__(cfg)
         self.reward_path: Optional[str] = (
-            resolve_model_path(cfg.reward_model.path) if cfg.reward_model.path or self.reward_model_required else None
+            resolved_path("reward_model.path", cfg.reward_model.path)
+            if cfg.reward_model.path or self.reward_model_required
+            else None
         )
         self.generator_factory = generator_factory
         self._generator: Optional[Generator] = None

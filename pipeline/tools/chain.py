@@ -56,11 +56,15 @@ def resolve_base(path: str) -> Path:
     """The base model's folder ('embedded' is converted once and cached).
 
     Raises:
-        DriverError: the path is not a local folder (the driver checks manifests, so it needs one).
+        DriverError: the path is not a local folder (the driver checks manifests, so it needs one), or
+            the embedded model cannot be converted here.
     """
-    from pipeline.modeling.embedded import is_embedded, materialize
+    from pipeline.modeling.embedded import EmbeddedError, is_embedded, materialize
 
-    folder = materialize() if is_embedded(path) else Path(path)
+    try:
+        folder = materialize() if is_embedded(path) else Path(path)
+    except EmbeddedError as err:
+        raise DriverError(f"base_model: {err}") from err
     if not folder.is_dir():
         raise DriverError(f"base_model: {path!r} is not a local model folder")
     return folder.resolve()
