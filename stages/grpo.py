@@ -23,7 +23,6 @@ unbroken one.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import time
@@ -152,7 +151,7 @@ class GRPOStage(PolicyStage):
         if cfg.model.finetuning == "full" and cfg.grpo.beta > 0:
             reference = frozen(load_model(cfg.model, None, kind="causal", tokenizer=self.tokenizer))
         if self.reward_path is not None:
-            rm_cfg = dataclasses.replace(cfg.reward_model, finetuning="full", gradient_checkpointing=False)
+            rm_cfg = cfg.reward_model.beside(cfg.model, finetuning="full", gradient_checkpointing=False)
             reward = frozen(load_model(rm_cfg, None, kind="reward", tokenizer=self.tokenizer))
         for copy in (reference, reward):
             if copy is not None:

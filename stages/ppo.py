@@ -17,7 +17,6 @@ restarted run draws the same rollouts as an unbroken one.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import time
@@ -182,8 +181,8 @@ def build_models(cfg: PPOConfig, tokenizer) -> ActorCritic:
     Raises:
         ValueError / OSError: from pipeline.modeling.models.load_model.
     """
-    rm_cfg = dataclasses.replace(
-        cfg.reward_model, finetuning=cfg.model.finetuning, gradient_checkpointing=cfg.model.gradient_checkpointing
+    rm_cfg = cfg.reward_model.beside(
+        cfg.model, finetuning=cfg.model.finetuning, gradient_checkpointing=cfg.model.gradient_checkpointing
     )
     policy = load_model(cfg.model, cfg.lora, kind="causal", tokenizer=tokenizer)
     critic = load_model(rm_cfg, cfg.lora, kind="reward", tokenizer=tokenizer)

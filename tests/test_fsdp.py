@@ -21,8 +21,10 @@ measured for FSDP on one rank).
 
 PPO's runs also record every parameter's gradient norm at their first optimizer steps, which must
 agree per parameter as the logged figures do: a failure names the first optimizer step at which
-gradients part and the parameters furthest apart (FSDP PPO on one CUDA rank parted from the plain
-run at its first step by more than kernel differences explain on a CPU: bench/RESULTS.md)."""
+gradients part and the parameters furthest apart. (FSDP PPO on one CUDA rank once parted from the
+plain run at its first step: the critic was loaded in bf16, `reward_model.dtype` 'auto' on a GPU,
+beside the fp32 policy; bf16's rounding parts a run that re-runs the first forward from one that
+holds it. 'auto' now follows `model.dtype`: bench/RESULTS.md.)"""
 
 from __future__ import annotations
 

@@ -353,6 +353,17 @@ def test_first_step_on_policy_and_reference_is_the_disabled_adapter(
     assert manifest["reward_funcs"] == ["test_grpo:token_share"]
 
 
+def test_the_reward_model_loads_in_the_policys_dtype(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file):
+    """reward_model.dtype 'auto' is model.dtype's, as PPO's critic (tests/test_ppo.py)."""
+    for dtype, want in (("auto", torch.bfloat16), ("fp32", torch.float32)):
+        cfg = make_cfg(tmp_path / dtype, tiny_model_dir, prompts_file, max_steps=1, learning_rate=1e-3)
+        cfg.model.dtype, cfg.reward_model.path, cfg.reward_model.dtype = "bf16", str(tiny_reward_dir), dtype
+        stage = grpo.GRPOStage(cfg)
+        stage.validate()
+        stage.build()
+        assert {p.dtype for p in stage.inner.reward.parameters()} == {want}, dtype
+
+
 @pytest.mark.parametrize("finetuning", ["lora", "full"])
 def test_beta_zero_runs_no_reference_forward(tmp_path, tiny_model_dir, prompts_file, monkeypatch, finetuning):
     calls = []

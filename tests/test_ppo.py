@@ -97,6 +97,29 @@ def test_config_problems_reported_together():
     assert "kl_estimator" in found and "reward_norm" in found
 
 
+@pytest.mark.parametrize("finetuning", ["lora", "full"])
+def test_the_critic_and_reward_model_load_in_the_policys_dtype(
+    tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file, finetuning
+):
+    """reward_model.dtype 'auto' is model.dtype's: a policy set to one dtype trains beside a critic
+    (and scores with a reward model) of the same dtype. On a GPU 'auto' alone is bf16, so a policy
+    set to fp32 got a bf16 critic, whose rounding parted FSDP PPO from one process (bench/RESULTS.md);
+    here bf16 stands for the dtype that 'auto' would not give. An explicit reward_model.dtype holds."""
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=1)
+    cfg.model.finetuning, cfg.model.dtype = finetuning, "bf16"
+    stage = built(cfg)
+    models = [stage.inner.policy, stage.inner.critic] + ([stage.inner.reward] if finetuning == "full" else [])
+    assert [base_dtypes(m) for m in models] == [{torch.bfloat16}] * len(models)
+    cfg = make_cfg(tmp_path / "out2", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=1)
+    cfg.model.finetuning, cfg.model.dtype, cfg.reward_model.dtype = finetuning, "bf16", "fp32"
+    assert base_dtypes(built(cfg).inner.critic) == {torch.float32}
+
+
+def base_dtypes(model: torch.nn.Module) -> set:
+    """The dtypes of a model's own weights (not its LoRA adapter's, which peft keeps in fp32)."""
+    return {p.dtype for n, p in model.named_parameters() if "lora_" not in n}
+
+
 def test_first_step_is_exactly_on_policy(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file):
     cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=2, learning_rate=1e-2)
     cfg.ppo.mini_batch_size, cfg.train.grad_accum = 2, 2

@@ -3,6 +3,7 @@ and how they sample (`generation`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -16,12 +17,21 @@ class RewardModelConfig(ModelConfig):
     `finetuning` and `gradient_checkpointing` are ignored: the critic trained on it follows
     `model.finetuning` and `model.gradient_checkpointing`."""
 
+    dtype: str = "auto"
+    """Dtype the reward model (and PPO's critic) is loaded in: auto|fp32|bf16|fp16. 'auto' is
+    `model.dtype`'s: the critic trains beside the policy in one precision (a policy set to fp32 on
+    a GPU gets an fp32 critic, not a bf16 one)."""
     path: str = ""
     """Required: the RM stage's merged/ folder (the pipeline driver sets it). 'embedded' (a
     random reward head) only with allow_untrained."""
     allow_untrained: bool = False
     """Allow a reward model with an untrained head ('embedded'): PPO then optimises noise, so
     only for smoke runs of the machinery."""
+
+    def beside(self, model: ModelConfig, **fields) -> "RewardModelConfig":
+        """This config as a stage loads it beside the policy `model`: `dtype` 'auto' resolved to
+        `model.dtype`, `fields` (finetuning, gradient_checkpointing) replaced."""
+        return dataclasses.replace(self, dtype=model.dtype if self.dtype == "auto" else self.dtype, **fields)
 
 
 @dataclass(frozen=True)
