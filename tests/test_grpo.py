@@ -365,6 +365,20 @@ def test_the_reward_model_loads_in_the_policys_dtype(tmp_path, tiny_model_dir, t
 
 
 @pytest.mark.parametrize("finetuning", ["lora", "full"])
+def test_first_step_on_policy_under_gradient_checkpointing(tmp_path, tiny_model_dir, prompts_file, finetuning):
+    """Under gradient checkpointing no forward runs a group's shared prompt once (the update's
+    cannot keep the cache), so the second iteration's first forward reproduces the rollout's
+    log-probs bit for bit in bf16 too (tests/test_ppo.py's PPO case)."""
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, prompts_file, max_steps=1, learning_rate=1e-2)
+    cfg.grpo.beta, cfg.grpo.num_iterations, cfg.train.grad_accum = 0.1, 2, 2
+    cfg.model.gradient_checkpointing, cfg.model.dtype, cfg.model.finetuning = True, "bf16", finetuning
+    SCORE_TARGET["token"] = "a"
+    seen = {}
+    run_stage(grpo.GRPOStage, cfg, on_step=lambda stage, m: seen.__setitem__(stage.step, m))
+    assert seen[1]["grpo/ratio_dev_first"] == 0.0
+
+
+@pytest.mark.parametrize("finetuning", ["lora", "full"])
 def test_beta_zero_runs_no_reference_forward(tmp_path, tiny_model_dir, prompts_file, monkeypatch, finetuning):
     calls = []
     original = ActorCritic.reference_logprobs

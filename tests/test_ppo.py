@@ -139,6 +139,27 @@ def test_first_step_is_exactly_on_policy(tmp_path, tiny_model_dir, tiny_reward_d
     assert (tmp_path / "out" / "merged" / "manifest.json").is_file()
 
 
+@pytest.mark.parametrize("finetuning", ["lora", "full"])
+@pytest.mark.parametrize("micro", [4, 2], ids=["held", "rerun"])
+def test_first_step_is_exactly_on_policy_under_gradient_checkpointing(
+    tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file, finetuning, micro
+):
+    """Under gradient checkpointing the update's forward cannot keep a KV cache, so no forward
+    runs the rows' shared opening once: the scoring pass computes what the update will (ratio 1
+    when the first micro-batch is re-run: 'rerun', as under DDP) and the reference what the policy
+    did (KL 0 when the policy's scoring forward is held for the update: 'held'). In bf16, where
+    the opening's other summation order shows most: before, 'rerun' read a first ratio and 'held'
+    a first KL that were bf16's rounding off (bench/RESULTS.md)."""
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, tiny_reward_dir, prompts_file, max_steps=1, learning_rate=1e-2)
+    cfg.ppo.mini_batch_size, cfg.train.grad_accum = 4, 4 // micro
+    cfg.model.gradient_checkpointing, cfg.model.dtype, cfg.model.finetuning = True, "bf16", finetuning
+    seen = {}
+    run_stage(ppo.PPOStage, cfg, on_step=lambda stage, m: seen.__setitem__(stage.step, (m, stage.last_experience)))
+    metrics, exp = seen[1]
+    assert metrics["ppo/ratio_dev_first"] == 0.0
+    assert torch.equal(exp.old_logprobs, exp.ref_logprobs) and metrics["ppo/kl"] == 0.0
+
+
 def test_the_update_reuses_the_scoring_forward_and_trains_as_without(
     tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file, monkeypatch
 ):

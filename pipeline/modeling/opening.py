@@ -58,16 +58,21 @@ def held_in_shards(model: torch.nn.Module) -> bool:
 
 
 def prompt_sharing_allowed(model: torch.nn.Module) -> bool:
-    """A forward that keeps a KV cache and runs twice before its backward: not under gradient
-    checkpointing with gradients on (transformers drops the cache there, since the backward
-    replays each layer), nor on weights an engine holds in shards (FSDP2, ZeRO-3: they are
-    gathered for one forward and freed after it)."""
+    """A forward that keeps a KV cache and runs twice before its backward: not on a model under
+    gradient checkpointing, nor on weights an engine holds in shards (FSDP2, ZeRO-3: they are
+    gathered for one forward and freed after it).
+
+    Gradient checkpointing's training forwards cannot keep a cache (transformers drops it, since
+    the backward replays each layer), so none of the model's forwards shares, with gradients or
+    without: an RL update must compute what its scoring pass computed, and the policy's log-probs
+    what its reference's did, bit for bit (the first ratio 1, the first KL 0); a shared opening is
+    the same sum in another order, which rounds differently (most in bf16)."""
     if held_in_shards(model):
         return False
     hf = hf_model(model)
     checkpointing = getattr(hf, "is_activation_checkpointing", None)  # transformers >= 5.2x; the old name warns
     checkpointing = checkpointing if checkpointing is not None else getattr(hf, "is_gradient_checkpointing", False)
-    return not (checkpointing and model.training and torch.is_grad_enabled())
+    return not checkpointing
 
 
 def cache_usable(model: torch.nn.Module, rows: int) -> bool:
