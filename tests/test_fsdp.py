@@ -58,12 +58,13 @@ RUNS = {
     "rm": ("rm", 1, "lora"),
     "dpo": ("dpo", 1, "lora"),
     "ppo": ("ppo", 1, "lora"),
+    "ppo-full": ("ppo", 1, "full"),
     "grpo": ("grpo", 1, "lora"),
     "ppo-real": ("ppo", 1, "lora"),
     "grpo-real": ("grpo", 1, "lora"),
 }
 """name: (stage, grad_accum, model.finetuning); '-real' runs sample with the decode engine."""
-AGAINST_ONE = ("sft", "pt-full", "rm", "dpo", "ppo", "grpo")
+AGAINST_ONE = ("sft", "pt-full", "rm", "dpo", "ppo", "ppo-full", "grpo")
 AGAINST_DDP = ("pt-full", "ppo", "ppo-real", "grpo-real")
 """(LoRA SFT under DDP equals one process in tests/test_distributed_stages.py, as under FSDP here.)
 Scripted PPO runs against both: where FSDP parts from the one process, DDP says whether the engine
@@ -225,6 +226,11 @@ def assert_same_run(got_dir: Path, want_dir: Path, stage: str, mode: str, rel: f
             f"{differing(got, want, rel)}"
         )
     assert not parted, parted
+    if stage == "ppo":
+        # Before any update the policy is its reference (LoRA: the adapter is zero; full: a frozen
+        # copy beside the sharded policy, which must take the policy's path: whole rows, the full
+        # head), so the first KL is 0 exactly.
+        assert got[0]["ppo/kl"] == want[0]["ppo/kl"] == 0.0
     a, b = merged_weights(got_dir), merged_weights(want_dir)
     assert a.keys() == b.keys() and a
     assert max(float((a[k].float() - b[k].float()).abs().max()) for k in a) < WEIGHTS_ABS[mode]

@@ -139,19 +139,24 @@ def take_rows(picks: Sequence[tuple[Rollout, int]], prompts: Sequence[Sequence[i
 
 
 def policy_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    share: bool = True,
 ) -> torch.Tensor:
     """Logits predicting each response token ([B, R, V]); position t-1 predicts token t.
 
     `logits_to_keep` makes the LM head skip the prompt positions: with a 49k vocabulary the
     head's [B, T, V] output is most of a small model's compute and memory. Rows that share their
     prompt (GRPO's groups) run it once (`shared_prompt_logits`); rows whose prompts open alike
-    (a chat template's system turn) run that opening once (pipeline.modeling.opening).
+    (a chat template's system turn) run that opening once (pipeline.modeling.opening); neither
+    when `share` is False (whole rows, what a model that cannot share computes).
     """
-    groups = prompt_groups(input_ids, attention_mask, prompt_width)
+    groups = prompt_groups(input_ids, attention_mask, prompt_width) if share else None
     if groups is not None and prompt_sharing_allowed(model):
         return shared_prompt_logits(model, input_ids, attention_mask, prompt_width, *groups)
-    opening = find_opening(model, input_ids, attention_mask, prompt_width)
+    opening = find_opening(model, input_ids, attention_mask, prompt_width) if share else None
     if opening is not None:
         return opening_logits(model, opening, prompt_width)
     keep = input_ids.shape[1] - prompt_width + 1
@@ -185,6 +190,7 @@ def policy_logprobs(
     prompt_width: int,
     temperature: float,
     entropy: bool = False,
+    like: Optional[torch.nn.Module] = None,
 ) -> PolicyOut:
     """log p(token) of each response token under softmax(logits / temperature) in fp32 (and each
     position's entropy when `entropy`), as `rl.logprobs_from_logits(policy_logits(...).float() /
@@ -193,18 +199,24 @@ def policy_logprobs(
     shared prompts and openings run once as there) go through the LM head in chunks of rows
     (pipeline.engine.supervised_head.sampled_token_logps), whose backward recomputes each chunk.
     Where the chunked head is not exact or safe (`head_split`: a LoRA'd or post-processed head,
-    weights an engine shards) the full logits run as before."""
+    weights an engine shards) the full logits run as before.
+
+    `like`: a model whose path this forward takes (openings shared and the chunked head only where
+    `like` may use them too), so that two models with equal weights give equal log-probs: a frozen
+    reference beside a policy an engine shards (which shares nothing and runs the full head)."""
     tokens = input_ids[:, prompt_width:]
-    head = None if _FULL_LOGITS else head_split(model)
+    path = model if like is None else like
+    head = None if _FULL_LOGITS or head_split(path) is None else head_split(model)
+    share = prompt_sharing_allowed(path)
     if head is None:
-        logits = policy_logits(model, input_ids, attention_mask, prompt_width).float() / temperature
+        logits = policy_logits(model, input_ids, attention_mask, prompt_width, share).float() / temperature
         logp = logprobs_from_logits(logits, tokens)
         if not entropy:
             return PolicyOut(logp)
         with torch.no_grad():
             return PolicyOut(logp, entropy_from_logits(logits))
     with hidden_states_as_logits(model, head):
-        hidden = policy_logits(model, input_ids, attention_mask, prompt_width)  # [B, R, H]
+        hidden = policy_logits(model, input_ids, attention_mask, prompt_width, share)  # [B, R, H]
     logp, ent = sampled_token_logps(
         hidden.reshape(-1, hidden.shape[-1]), head, tokens.reshape(-1), temperature, entropy
     )
@@ -317,9 +329,11 @@ class ActorCritic(torch.nn.Module):
         model = self.reference if self.reference is not None else self.policy
         ctx = contextlib.nullcontext() if self.reference is not None else adapter_disabled(self.policy)
         # fp32 before the division (policy_logprobs): bf16 logits divided in bf16 round differently
-        # from the policy's own log-probs, a KL between identical models at step 0
+        # from the policy's own log-probs, a KL between identical models at step 0; and the
+        # policy's path (a frozen copy beside a sharded policy would share openings and use the
+        # chunked head where the policy cannot), for the same reason.
         with ctx:
-            return policy_logprobs(model, input_ids, attention_mask, prompt_width, temperature).logp
+            return policy_logprobs(model, input_ids, attention_mask, prompt_width, temperature, like=self.policy).logp
 
     @torch.no_grad()
     def reward_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
