@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from distrun import ScriptedGenerator, scripted_reward
 from stagerun import fresh_accelerate
 from test_pt_sft import fresh_accelerate_state  # noqa: F401 (fixture)
 
-from pipeline.rl.ppo import make_experience, ppo_update
+from pipeline.rl.ppo import POOLED_FIGURES, make_experience, ppo_update
 from stages import ppo
 
 
@@ -34,8 +35,9 @@ def build(tmp_path, policy, reward, prompts, accum: int) -> ppo.PPOStage:
     return stage
 
 
-def gradients_of_one_update(stage: ppo.PPOStage, exp) -> dict[str, torch.Tensor]:
-    """The gradients the optimizer steps on in one mini-batch update of `exp`."""
+def gradients_of_one_update(stage: ppo.PPOStage, exp) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The gradients the optimizer steps on in one mini-batch update of `exp`, and the figures
+    the update reports."""
     seen: dict[str, torch.Tensor] = {}
     inner = stage.optimizer.step
 
@@ -44,8 +46,8 @@ def gradients_of_one_update(stage: ppo.PPOStage, exp) -> dict[str, torch.Tensor]
         return inner(*args, **kwargs)
 
     stage.optimizer.step = step
-    ppo_update(stage.model, stage.optimizer, exp, stage.accelerator, stage.cfg, step=1)
-    return seen
+    figures = ppo_update(stage.model, stage.optimizer, exp, stage.accelerator, stage.cfg, step=1)
+    return seen, figures
 
 
 def test_ppo_update_is_the_same_for_every_split_of_a_mini_batch(tmp_path, tiny_model_dir, tiny_reward_dir):
@@ -53,7 +55,7 @@ def test_ppo_update_is_the_same_for_every_split_of_a_mini_batch(tmp_path, tiny_m
     prompts.write_text(
         "".join(json.dumps({"prompt": f"Question number {i}" + "?" * (i % 3 + 1)}) + "\n" for i in range(8))
     )
-    grads = {}
+    grads, figures = {}, {}
     exp = None
     for accum in (1, 2, 8):
         fresh_accelerate()
@@ -72,8 +74,17 @@ def test_ppo_update_is_the_same_for_every_split_of_a_mini_batch(tmp_path, tiny_m
             )
             lengths = exp.rollout.response_mask.sum(1).tolist()
             assert len(set(lengths)) > 2  # responses differ in length, so a mean of micro-batch means would differ
-        grads[accum] = gradients_of_one_update(stage, exp)
+        grads[accum], figures[accum] = gradients_of_one_update(stage, exp)
     assert grads[1] and grads[1].keys() == grads[2].keys() == grads[8].keys()
+    # The figures are the step's too: token means over the whole mini-batch, not means of
+    # micro-batch means (which weigh a short response's tokens more: policy_loss read -0.0948 on
+    # two ranks of 4 against -0.0598 on one process of 8, for the same update).
+    for accum in (2, 8):
+        for key in POOLED_FIGURES:
+            assert figures[accum][key] == pytest.approx(figures[1][key], rel=1e-6, abs=1e-7), (accum, key)
+    # before any update the ratio is 1, so the policy loss is minus the advantages' token mean: 0 once
+    # whitened over the mini-batch's tokens (a mean of micro-batch means is not)
+    assert abs(figures[1]["policy_loss"]) < 1e-7 and figures[1]["value_loss"] > 0
     for accum in (2, 8):
         worst = max(
             float((grads[accum][n] - grads[1][n]).abs().max() / grads[1][n].abs().max().clamp(min=1e-12))

@@ -31,7 +31,15 @@ LOSS_KEYS = {
     "pt": ("train/loss", "train/grad_norm"),
     "sft": ("train/loss", "train/grad_norm", "train/loss_task/big"),
     "rm": ("train/loss", "train/grad_norm", "train/accuracy"),
-    "ppo": ("train/grad_norm", "ppo/kl", "ppo/reward_norm", "ppo/reward_raw", "ppo/entropy"),
+    "ppo": (
+        "train/grad_norm",
+        "ppo/kl",
+        "ppo/reward_norm",
+        "ppo/reward_raw",
+        "ppo/entropy",
+        "ppo/policy_loss",
+        "ppo/value_loss",
+    ),
 }
 REL = 1e-4
 ABS = 1e-6

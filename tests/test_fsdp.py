@@ -44,12 +44,16 @@ CUDA = torch.cuda.is_available()
 WORLD = min(2, torch.cuda.device_count()) if CUDA else 2
 """Ranks of the FSDP and DDP launches: two on CPU (gloo), one per GPU (at most two) on CUDA."""
 REL_RUN = 1e-3 if CUDA else REL
+ABS_OF = {"ppo/policy_loss": 0.1 * REL_RUN}
+"""Absolute tolerances beside rel (default 1e-7): PPO's policy loss near ratio 1 is minus a token
+mean of whitened advantages, terms of both signs (each about 0.1) that nearly cancel, so it is off
+by rel times its terms' scale, not its own value's (1.5e-4 at a second step, 1.9e-7 apart)."""
 KEYS = {
     "pt": ("train/loss", "train/grad_norm"),
     "sft": ("train/loss", "train/grad_norm", "train/loss_task/big"),
     "rm": ("train/loss", "train/grad_norm", "train/accuracy"),
     "dpo": ("train/loss", "train/grad_norm", "train/margin"),
-    "ppo": ("train/grad_norm", "ppo/kl", "ppo/reward_norm", "ppo/entropy"),
+    "ppo": ("train/grad_norm", "ppo/kl", "ppo/reward_norm", "ppo/entropy", "ppo/policy_loss", "ppo/value_loss"),
     "grpo": ("train/loss", "train/grad_norm", "grpo/reward", "grpo/completion_length"),
 }
 RUNS = {
@@ -181,7 +185,7 @@ def differing(got: list[dict], want: list[dict], rel: float) -> dict[str, list]:
     return {
         k: [(g.get(k), w.get(k)) for g, w in zip(got, want)]
         for k in keys
-        if [g.get(k) for g in got] != pytest.approx([w.get(k) for w in want], rel=rel, abs=1e-7)
+        if [g.get(k) for g in got] != pytest.approx([w.get(k) for w in want], rel=rel, abs=ABS_OF.get(k, 1e-7))
     }
 
 
@@ -221,7 +225,7 @@ def assert_same_run(got_dir: Path, want_dir: Path, stage: str, mode: str, rel: f
     if got_dir.name in GRADIENTS:
         assert gradient_norms(got_dir) and gradient_norms(want_dir), "no per-parameter gradient norms recorded"
     for key in KEYS[stage]:
-        assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=rel, abs=1e-7), (
+        assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=rel, abs=ABS_OF.get(key, 1e-7)), (
             f"{key} parts; {parted or 'no per-parameter gradient norm parts'}; every figure apart: "
             f"{differing(got, want, rel)}"
         )

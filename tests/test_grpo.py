@@ -364,6 +364,32 @@ def test_the_reward_model_loads_in_the_policys_dtype(tmp_path, tiny_model_dir, t
         assert {p.dtype for p in stage.inner.reward.parameters()} == {want}, dtype
 
 
+def test_the_step_figures_do_not_depend_on_the_micro_batch_split(tmp_path, tiny_model_dir, prompts_file):
+    """1 x 8 and 4 x 2 micro-batches of the same completions update alike, and report alike: the
+    step's kl and clipfrac are means over all its tokens (a mean of micro-batch means weighs a
+    short completion's tokens more)."""
+    from distrun import GroupGenerator
+
+    seen = {}
+    for accum in (1, 4):
+        cfg = make_cfg(tmp_path / str(accum), tiny_model_dir, prompts_file, max_steps=1, learning_rate=5e-2)
+        cfg.grpo.beta, cfg.grpo.num_iterations, cfg.train.grad_accum = 0.1, 2, accum
+        cfg.grpo.reward_funcs, cfg.generation.max_new_tokens = ["distrun:group_reward"], 6
+        run_stage(
+            grpo.GRPOStage,
+            cfg,
+            on_step=lambda stage, m, accum=accum: seen.__setitem__(
+                accum, (m, stage.last_rollout["rollout"].response_mask.sum(1).tolist())
+            ),
+            generator_factory=lambda policy: GroupGenerator(),  # completions of 1-6 tokens
+        )
+    assert len(set(seen[1][1])) > 2, seen[1][1]
+    seen = {accum: m for accum, (m, _) in seen.items()}
+    assert seen[1]["grpo/kl"] > 0 and seen[1]["grpo/clipfrac"] > 0  # the second iteration moved and clipped
+    for key in ("train/loss", "grpo/kl", "grpo/clipfrac"):
+        assert seen[4][key] == pytest.approx(seen[1][key], rel=1e-4, abs=1e-7), key
+
+
 @pytest.mark.parametrize("finetuning", ["lora", "full"])
 def test_first_step_on_policy_under_gradient_checkpointing(tmp_path, tiny_model_dir, prompts_file, finetuning):
     """Under gradient checkpointing no forward runs a group's shared prompt once (the update's

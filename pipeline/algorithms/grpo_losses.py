@@ -269,6 +269,9 @@ class GRPOLossOut:
     """Share of loss tokens (sequences, at sequence level) the rule clipped; 0 for sapo/vespo."""
     kl: Optional[torch.Tensor]
     """Mean k3 KL(policy || reference) per token of the micro-batch (None when beta is 0)."""
+    clip_items: torch.Tensor
+    """What `clipfrac` is a share of: the micro-batch's loss tokens, or its sequences at sequence
+    level (a step's clipfrac over all its micro-batches weighs each by these)."""
 
 
 def grpo_loss(
@@ -331,7 +334,9 @@ def grpo_loss(
         per_token = per_token + o.beta * kl
     loss = rule.aggregate(per_token, mask, totals)
     kl_mean = None if kl is None else ((kl * mask).sum() / mask.sum().clamp(min=1.0)).detach()
-    return GRPOLossOut(loss, _clipfrac(clipped, mask), kl_mean)
+    by_sequence = clipped is not None and clipped.shape[-1] == 1
+    clip_items = torch.as_tensor(float(mask.shape[0]), device=mask.device) if by_sequence else mask.sum()
+    return GRPOLossOut(loss, _clipfrac(clipped, mask), kl_mean, clip_items)
 
 
 def _clipfrac(clipped: Optional[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:

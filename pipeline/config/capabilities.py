@@ -221,7 +221,10 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     ),
     _policy("ppo", "full", "single"): ("tests/test_ppo.py::test_reference_and_reward_weights_unchanged[full]",),
     _policy("ppo", "full", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-ppo-1-full]",),
-    _policy("ppo", "full", "fsdp"): (f"{DS}::test_two_ranks_equal_one_process[fsdp-ppo-1-full]",),
+    _policy("ppo", "full", "fsdp"): (
+        f"{FSDP}::test_two_fsdp_ranks_equal_one_process[ppo-full]",
+        f"{DS}::test_two_ranks_equal_one_process[fsdp-ppo-1-full]",
+    ),
     _policy("ppo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[ppo]",),
     _policy("ppo", "lora", "single", backend="hf"): (
         f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[ppo]",

@@ -311,6 +311,19 @@ def rank_mean(values: dict[str, float], accelerator) -> dict[str, float]:
     return dict(zip(keys, (sums / accelerator.num_processes).tolist()))
 
 
+def pooled_means(means: torch.Tensor, counts: torch.Tensor, accelerator) -> torch.Tensor:
+    """Figures that are means over each micro-batch's own items (`means` [M, F]; `counts` [M, F] or
+    [M], the items each mean is over: response tokens, or sequences) as the means over every
+    micro-batch's items on every rank ([F], on the device, one all-reduce): what the step reads
+    whatever its split into micro-batches and ranks (a mean of micro-batch means is not: it weighs
+    a short micro-batch's items more)."""
+    counts = counts.to(means.device, means.dtype)
+    counts = counts if counts.dim() == 2 else counts[:, None].expand_as(means)
+    sums = all_reduce_sum(torch.cat([(means * counts).sum(0), counts.sum(0)]), accelerator)
+    width = means.shape[1]
+    return sums[:width] / sums[width:].clamp(min=1.0)
+
+
 def all_reduce_sum(tensor: torch.Tensor, accelerator) -> torch.Tensor:
     """Sum of `tensor` over ranks (itself on one process)."""
     if accelerator is None or accelerator.num_processes == 1:

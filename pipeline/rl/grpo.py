@@ -28,7 +28,7 @@ import torch
 from pipeline.algorithms import rl  # noqa: F401 - tests reach rl's functions through this module
 from pipeline.algorithms.advantages import ADVANTAGE_EPS, group_advantages  # noqa: F401 - the stage's and tests' names
 from pipeline.algorithms.grpo_losses import LOSS_TYPES, GRPOLossOut, Totals, grpo_loss, high_entropy_mask  # noqa: F401
-from pipeline.engine.steps import all_reduce_sum, optimizer_step
+from pipeline.engine.steps import all_reduce_sum, optimizer_step, pooled_means
 from pipeline.rl.rollout import ActorCritic, Rollout, chunks
 
 
@@ -101,8 +101,9 @@ def grpo_update(
         # on the device until the step's one host read (optimizer_step).
         figures: list[torch.Tensor] = []
         first: list[torch.Tensor] = []
+        counts: list[torch.Tensor] = []  # what each micro-batch's clipfrac (and kl) are means over
 
-        def micro_batch(k: int, figures=figures, first=first) -> torch.Tensor:
+        def micro_batch(k: int, figures=figures, first=first, counts=counts) -> torch.Tensor:
             rows = slice(k * micro, (k + 1) * micro)
             out, ratio_dev = _micro_loss(
                 model, rollout, scored, advantages, mask_all, rows, cfg, objective, totals, accelerator
@@ -112,12 +113,16 @@ def grpo_update(
                 first.append(ratio_dev.view(1))
             parts = [out.loss.detach(), out.clipfrac] + ([] if out.kl is None else [out.kl])
             figures.append(torch.stack([part.double() for part in parts]))
+            tokens = mask_all[rows].sum().to(out.clip_items.device)
+            counts.append(torch.stack([out.clip_items.double(), tokens.double()][: len(parts) - 1]))
             return out.loss
 
-        def step_figures(figures=figures, first=first) -> torch.Tensor:
-            """[the step's loss (each rank holds its share), first's ratio check, every micro-batch's figures]"""
+        def step_figures(figures=figures, first=first, counts=counts) -> torch.Tensor:
+            """[the step's loss (each rank holds its share), first's ratio check, every micro-batch's
+            figures, the step's clipfrac (and kl) over all its items on every rank]"""
             table = torch.stack(figures)
-            return torch.cat([all_reduce_sum(table[:, 0].sum().view(1), accelerator), *first, table.flatten()])
+            pooled = pooled_means(table[:, 1:], torch.stack(counts), accelerator)
+            return torch.cat([all_reduce_sum(table[:, 0].sum().view(1), accelerator), *first, table.flatten(), pooled])
 
         done = optimizer_step(
             model,
@@ -174,12 +179,13 @@ def _read_step(done, width: int, accum: int, has_first: bool, ranks: int, stats:
     """Add one optimizer step's figures, read from the host once (`optimizer_step`'s `figures`:
     [the step's loss, first's ratio check when `has_first`, every micro-batch's row]), to `stats`."""
     read = done.figures.tolist()
+    pooled, read = read[len(read) - (width - 1) :], read[: len(read) - (width - 1)]
     micro_rows = [read[len(read) - width * (accum - i) :][:width] for i in range(accum)]
     if has_first:
         stats["ratio_dev_first"].append(read[1])
-    stats["clipfrac"].extend(row[1] for row in micro_rows)
+    stats["clipfrac"].append(pooled[0])
     if width > 2:
-        stats["kl"].extend(row[2] for row in micro_rows)
+        stats["kl"].append(pooled[1])
     # one process: the host sums the micro-batches' losses in their order (the float of each
     # micro-batch's own read); over ranks, the sum all-reduced on the device
     stats["loss"].append(sum(row[0] for row in micro_rows) if ranks == 1 else read[0])

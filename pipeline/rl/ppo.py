@@ -24,7 +24,7 @@ from pipeline.algorithms import rl
 from pipeline.algorithms.mismatch import correction_weights
 from pipeline.algorithms.rl import policy_loss, value_loss
 from pipeline.engine.fsdp import runs_unwrapped
-from pipeline.engine.steps import all_reduce_sum, optimizer_step, rank_mean
+from pipeline.engine.steps import all_reduce_sum, optimizer_step, pooled_means, rank_mean
 from pipeline.rl.rollout import ActorCritic, PolicyOut, Rollout, chunks
 
 REWARD_NORMS = ("none", "running", "stored")
@@ -280,6 +280,8 @@ def _token_weight(mask: torch.Tensor, step_tokens, accelerator) -> float | torch
 
 MICRO_FIGURES = ("loss", "policy_loss", "value_loss", "clipfrac_policy", "clipfrac_value", "approx_kl", "ratio_dev")
 """The figures of one micro-batch, in the order `ppo_update` keeps them on the device."""
+POOLED_FIGURES = MICRO_FIGURES[1:-1]
+"""The token means among them, which a step reports over all its response tokens (`pooled_means`)."""
 
 
 def micro_batch_figures(
@@ -329,11 +331,14 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
         for start in range(0, B, mini):
             rows = order[start : start + mini]
             tokens = _mini_batch_tokens(exp, rows, micro, accum, accelerator, step)
-            # every micro-batch's figures (MICRO_FIGURES) stay on the device until the step's one read
+            # every micro-batch's figures (MICRO_FIGURES) and response tokens stay on the device until
+            # the step's one read
             figures: list[torch.Tensor] = []
+            counts: list[torch.Tensor] = []
 
-            def micro_batch(k: int, rows=rows, tokens=tokens, figures=figures) -> torch.Tensor:
+            def micro_batch(k: int, rows=rows, tokens=tokens, figures=figures, counts=counts) -> torch.Tensor:
                 idx = rows[k * micro : (k + 1) * micro]
+                counts.append(exp.rollout.response_mask[idx].sum())
                 micro_stats = actor_critic_backward(
                     model,
                     exp,
@@ -350,10 +355,11 @@ def ppo_update(model, optimizer, exp: Experience, accelerator, cfg, step: int) -
                 figures.append(torch.stack([micro_stats[name] for name in MICRO_FIGURES]))
                 return micro_stats["loss"] / accum
 
-            def step_figures(figures=figures) -> torch.Tensor:
-                """[the step's loss, every micro-batch's MICRO_FIGURES]"""
+            def step_figures(figures=figures, counts=counts) -> torch.Tensor:
+                """[the step's loss, each micro-batch's ratio_dev, the step's POOLED_FIGURES]"""
                 table = torch.stack(figures)
-                return torch.cat([(table[:, 0] / accum).sum().view(1), table.flatten()])
+                pooled = pooled_means(table[:, 1:-1], torch.stack(counts), accelerator)
+                return torch.cat([(table[:, 0] / accum).sum().view(1), table[:, -1], pooled])
 
             done = optimizer_step(
                 model,
@@ -398,14 +404,14 @@ def _take_held(exp: Experience, idx: torch.Tensor, separate: bool) -> dict:
 
 
 def _read_mini_batch(done, accum: int, stats: dict) -> None:
-    """Add one optimizer step's figures (read from the host once: [the step's loss, every
-    micro-batch's MICRO_FIGURES]) to `stats`."""
-    read, width = done.figures.tolist()[1:], len(MICRO_FIGURES)
-    for row in (dict(zip(MICRO_FIGURES, read[i * width : (i + 1) * width])) for i in range(accum)):
-        if not stats["ratio_dev_first"]:
-            stats["ratio_dev_first"].append(row["ratio_dev"])
-        for key in MICRO_FIGURES[1:-1]:
-            stats[key].append(row[key])
+    """Add one optimizer step's figures (read from the host once: [the step's loss, each
+    micro-batch's ratio_dev, the step's POOLED_FIGURES over all its tokens on every rank]) to
+    `stats`, which then averages them over the optimizer steps of the PPO step."""
+    read = done.figures.tolist()[1:]
+    if not stats["ratio_dev_first"]:
+        stats["ratio_dev_first"].append(read[0])
+    for key, value in zip(POOLED_FIGURES, read[accum:]):
+        stats[key].append(value)
     stats["grad_norm"].append(done.grad_norm)
 
 
