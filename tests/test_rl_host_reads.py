@@ -101,8 +101,12 @@ def test_grpo_update_reads_the_host_once_a_step_and_its_figures_are_the_micro_ba
     assert len(outs) == 8
     per_step = [outs[:4], outs[4:]]
     assert four["loss"] == sum(sum(float(o.loss) for o in step) for step in per_step) / 2
-    assert four["clipfrac"] == sum(float(o.clipfrac) for o in outs) / 8
-    assert four["kl"] == sum(float(o.kl) for o in outs) / 8
+    for key in ("clipfrac", "kl"):  # each step's token mean over its micro-batches, then the steps' mean
+        pooled = [
+            sum(float(getattr(o, key)) * float(o.clip_items) for o in step) / sum(float(o.clip_items) for o in step)
+            for step in per_step
+        ]
+        assert four[key] == pytest.approx(sum(pooled) / 2, rel=1e-12, abs=1e-15), key
     assert four["ratio_dev_first"] == 0.0 and four["kl"] > 0
     assert set(four) == set(one) == {"ratio_dev_first", "clipfrac", "kl", "loss", "grad_norm"}
 
@@ -110,7 +114,12 @@ def test_grpo_update_reads_the_host_once_a_step_and_its_figures_are_the_micro_ba
 def _ppo_update_reads(stage, exp, relay_reads, monkeypatch):
     """One PPO update of `exp`: (Relay's host reads in it, its figures, each micro-batch's figures)."""
     real, micro = ppo_algo.actor_critic_backward, []
-    monkeypatch.setattr(ppo_algo, "actor_critic_backward", lambda *a, **k: micro.append(real(*a, **k)) or micro[-1])
+
+    def backward(model, exp, idx, *args, **kwargs):
+        micro.append({**real(model, exp, idx, *args, **kwargs), "tokens": float(exp.rollout.response_mask[idx].sum())})
+        return micro[-1]
+
+    monkeypatch.setattr(ppo_algo, "actor_critic_backward", backward)
     start = relay_reads["n"]
     figures = ppo_algo.ppo_update(stage.model, stage.optimizer, exp, stage.accelerator, stage.cfg, step=1)
     reads = relay_reads["n"] - start
@@ -150,8 +159,13 @@ def test_ppo_update_reads_the_host_once_a_step_and_its_figures_are_the_micro_bat
     # per optimizer step: optimizer_step's one read of the device and 2 of its host copy, the
     # update's .tolist() of it, and the micro-batches' token counts, read where the rollout lives
     assert one_reads <= 2 * 5, one_reads
-    assert len(micro) == 8 and all(isinstance(v, torch.Tensor) for v in micro[0].values())
-    for key in ("policy_loss", "value_loss", "clipfrac_policy", "clipfrac_value", "approx_kl"):
-        assert four[key] == sum(float(m[key]) for m in micro) / 8, key
+    assert len(micro) == 8 and all(isinstance(v, torch.Tensor) for k, v in micro[0].items() if k != "tokens")
+    steps = [micro[:4], micro[4:]]
+    for key in ppo_algo.POOLED_FIGURES:
+        # each optimizer step's token mean over its micro-batches (weighed by their tokens), then
+        # the mean of the two steps; the same as the one micro-batch of 8 rows reads
+        pooled = [sum(float(m[key]) * m["tokens"] for m in step) / sum(m["tokens"] for m in step) for step in steps]
+        assert four[key] == pytest.approx(sum(pooled) / 2, rel=1e-12, abs=1e-15), key
+        assert four[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
     assert four["ratio_dev_first"] == float(micro[0]["ratio_dev"]) == 0.0
-    assert set(four) == set(one) and four["policy_loss"] != one["policy_loss"]  # 8 means of 1 row vs 2 of 4
+    assert set(four) == set(one)
