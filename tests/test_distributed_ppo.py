@@ -100,3 +100,34 @@ def test_global_whitening_on_one_rank_equals_the_local_one():
     torch.manual_seed(0)
     x, mask = torch.randn(4, 6), (torch.rand(4, 6) > 0.3).long()
     assert torch.allclose(rl.masked_whiten(x, mask, all_reduce=lambda t: t), rl.masked_whiten(x, mask), atol=1e-6)
+
+
+def test_the_rollout_entropy_is_a_token_mean_over_every_rank():
+    """ppo/entropy over two ranks whose responses differ in length is the mean over all their tokens:
+    2 tokens of entropy 1 on one rank and 8 of entropy 3 on the other read 2.6 (a mean of the ranks'
+    token means, 2.0, weighs the short responses' tokens four times). The two ranks' all-reduce is
+    played by hand: rank 1's figures are recorded, then rank 0's reduction adds them."""
+    from types import SimpleNamespace
+
+    from pipeline.rl.ppo import step_metrics
+
+    def experience(length: int, entropy: float):
+        mask = torch.zeros(2, 4, dtype=torch.long)
+        mask[:, :length] = 1
+        return SimpleNamespace(
+            rollout=SimpleNamespace(response_mask=mask),
+            kl=torch.zeros(2, 4),
+            raw_scores=torch.zeros(2),
+            scores=torch.zeros(2),
+            entropy=torch.full((2, 4), entropy) * mask,
+        )
+
+    seen = []
+    rank1 = SimpleNamespace(
+        num_processes=2, device=torch.device("cpu"), reduce=lambda t, reduction: seen.append(t) or t
+    )
+    step_metrics(experience(4, 3.0), {}, rank1, kl_coef=0.05, gen_frac=0.0)
+    rank0 = SimpleNamespace(num_processes=2, device=torch.device("cpu"), reduce=lambda t, reduction: t + seen[0])
+    figures = step_metrics(experience(1, 1.0), {}, rank0, kl_coef=0.05, gen_frac=0.0)
+    assert figures["ppo/entropy"] == pytest.approx(2.6, rel=1e-12)
+    assert figures["ppo/response_length"] == pytest.approx(2.5, rel=1e-12)  # per sequence: (1 + 4) / 2

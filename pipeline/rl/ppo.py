@@ -416,18 +416,23 @@ def _read_mini_batch(done, accum: int, stats: dict) -> None:
 
 
 def step_metrics(exp: Experience, update: dict, accelerator, *, kl_coef: float, gen_frac: float) -> dict[str, float]:
-    """The ppo/* scalars of one step (rollout statistics averaged over ranks)."""
+    """The ppo/* scalars of one step: rollout statistics per sequence averaged over ranks (every rank
+    holds as many), the entropy over every rank's response tokens (ranks' responses differ in length:
+    a mean of their token means would weigh a rank of short responses more), the update's as
+    `ppo_update` pooled them."""
     mask = exp.rollout.response_mask
     seq_kl = exp.kl.sum(1)
     local = {
         "ppo/reward_raw": float(exp.raw_scores.mean()),
         "ppo/reward_norm": float(exp.scores.mean()),
         "ppo/kl": float(seq_kl.mean()),
-        "ppo/entropy": float(rl.masked_mean(exp.entropy, mask)),
+        "entropy_sum": float((exp.entropy * mask).sum()),
+        "tokens": float(mask.sum()),
         "ppo/response_length": float(mask.sum(1).float().mean()),
     }
     local.update({f"ppo/{k}": v for k, v in update.items() if k != "grad_norm"})
     out = rank_mean(local, accelerator)
+    out["ppo/entropy"] = out.pop("entropy_sum") / max(out.pop("tokens"), 1e-30)
     out.update(
         {
             "ppo/kl_coef": kl_coef,
