@@ -77,8 +77,8 @@ def test_ppo_update_is_the_same_for_every_split_of_a_mini_batch(tmp_path, tiny_m
         grads[accum], figures[accum] = gradients_of_one_update(stage, exp)
     assert grads[1] and grads[1].keys() == grads[2].keys() == grads[8].keys()
     # The figures are the step's too: token means over the whole mini-batch, not means of
-    # micro-batch means (which weigh a short response's tokens more: policy_loss read -0.0948 on
-    # two ranks of 4 against -0.0598 on one process of 8, for the same update).
+    # micro-batch means, which weigh a short response's tokens more and read differently for the
+    # same update (bench/RESULTS.md).
     for accum in (2, 8):
         for key in POOLED_FIGURES:
             assert figures[accum][key] == pytest.approx(figures[1][key], rel=1e-6, abs=1e-7), (accum, key)

@@ -47,7 +47,7 @@ REL_RUN = 1e-3 if CUDA else REL
 ABS_OF = {"ppo/policy_loss": 0.1 * REL_RUN}
 """Absolute tolerances beside rel (default 1e-7): PPO's policy loss near ratio 1 is minus a token
 mean of whitened advantages, terms of both signs (each about 0.1) that nearly cancel, so it is off
-by rel times its terms' scale, not its own value's (1.5e-4 at a second step, 1.9e-7 apart)."""
+by rel times its terms' scale, not its own value's (bench/RESULTS.md)."""
 KEYS = {
     "pt": ("train/loss", "train/grad_norm"),
     "sft": ("train/loss", "train/grad_norm", "train/loss_task/big"),
