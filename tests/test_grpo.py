@@ -411,6 +411,7 @@ def test_beta_zero_runs_no_reference_forward(tmp_path, tiny_model_dir, prompts_f
     monkeypatch.setattr(
         ActorCritic, "reference_logprobs", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
     )
+    SCORE_TARGET["token"] = "a"  # its own reward target, not one an earlier test left
     for beta in (0.0, 0.05):
         cfg = make_cfg(tmp_path / f"b{beta}", tiny_model_dir, prompts_file, max_steps=1, learning_rate=1e-3)
         cfg.model.finetuning, cfg.grpo.beta = finetuning, beta

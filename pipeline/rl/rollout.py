@@ -205,9 +205,10 @@ def policy_logprobs(
     `like` may use them too), so that two models with equal weights give equal log-probs: a frozen
     reference beside a policy an engine shards (which shares nothing and runs the full head)."""
     tokens = input_ids[:, prompt_width:]
-    path = model if like is None else like
-    head = None if _FULL_LOGITS or head_split(path) is None else head_split(model)
-    share = prompt_sharing_allowed(path)
+    head = None if _FULL_LOGITS else head_split(model)
+    if like is not None and head is not None and head_split(like) is None:
+        head = None
+    share = prompt_sharing_allowed(model if like is None else like)
     if head is None:
         logits = policy_logits(model, input_ids, attention_mask, prompt_width, share).float() / temperature
         logp = logprobs_from_logits(logits, tokens)
