@@ -268,26 +268,31 @@ class GRPOStage(PolicyStage):
             return flag
         return float(acc.reduce(torch.tensor(float(not flag), device=acc.device), reduction="sum")) == 0
 
-    def advantages(self, total: torch.Tensor, parts: dict, weights: dict, rollout) -> torch.Tensor:
-        """This rank's advantages ([N]) from the step's rewards: `grpo.multi_objective_aggregation`
-        and `grpo.advantage_estimator`, over every rank's completions (batch statistics are the
-        whole step's, as TRL's and verl's; each rank holds the same number of whole groups)."""
+    def step_rewards(self, total: torch.Tensor, parts: dict, rollout) -> torch.Tensor:
+        """[every rank's completions, 2 + K] (one gather; rank 0's rows first): each completion's
+        summed reward, its loss-mask length and each source's reward (`parts` in order): the
+        step's batch statistics (TRL and verl read them over every rank's completions; each rank
+        holds the same number of whole groups)."""
+        acc = self.accelerator
+        lengths = algo.loss_mask(rollout, self.cfg.grpo.mask_truncated_completions).sum(1).double()
+        local = torch.stack([total.double(), lengths, *[v.double() for v in parts.values()]], 1)
+        return acc.gather(local.to(acc.device)).cpu() if acc.num_processes > 1 else local
+
+    def advantages(self, every: torch.Tensor, weights: list[float]) -> torch.Tensor:
+        """This rank's advantages ([N]) from every rank's rewards (`step_rewards`; `weights` in
+        its sources' order): `grpo.multi_objective_aggregation` and `grpo.advantage_estimator`."""
         g, acc = self.cfg.grpo, self.accelerator
-        lengths = algo.loss_mask(rollout, g.mask_truncated_completions).sum(1).double()
-        names = list(parts)
-        local = torch.stack([total.double(), lengths, *[parts[k].double() for k in names]], 1)
-        every = acc.gather(local.to(acc.device)).cpu() if acc.num_processes > 1 else local
         advantages = adv.AGGREGATIONS[g.multi_objective_aggregation](
             every[:, 0],
             every[:, 2:],
-            [weights[k] for k in names],
+            weights,
             every[:, 1],
             g.num_generations,
             estimator=g.advantage_estimator,
             scale=g.scale_rewards,
         )
-        n = total.numel()
-        return advantages[acc.process_index * n : (acc.process_index + 1) * n].to(total.dtype)
+        n = every.shape[0] // acc.num_processes
+        return advantages[acc.process_index * n : (acc.process_index + 1) * n].float()
 
     def train_step(self) -> dict[str, float]:
         """Rollout (G per prompt; with dynamic sampling, informative groups only), rewards,
@@ -299,7 +304,8 @@ class GRPOStage(PolicyStage):
             batch, rollout, total, parts, weights, dynamic = self.sample_groups()
             gen_time = time.perf_counter() - started
             texts = [p["text"] for p in batch for _ in range(G)]
-            advantages = self.advantages(total, parts, weights, rollout)
+            every = self.step_rewards(total, parts, rollout)
+            advantages = self.advantages(every, [weights[k] for k in parts])
             engine = rollout.engine_logp is not None  # the engine's own log-probs: measure and correct the mismatch
             scored = algo.score_completions(
                 self.inner,
@@ -318,7 +324,6 @@ class GRPOStage(PolicyStage):
             "grpo/reward_std": float(group_std.mean()),
             "grpo/frac_reward_zero_std": float((group_std == 0).float().mean()),
             "grpo/completion_length": float(rollout.response_mask.sum(1).float().mean()),
-            **{f"grpo/reward/{name}": float(v.nanmean()) for name, v in parts.items()},
             **dynamic,
             **self.reward_log.means(),
             **(self.judge.take_figures() if self.judge is not None else {}),
@@ -327,6 +332,7 @@ class GRPOStage(PolicyStage):
         if "kl" in update:
             local["grpo/kl"] = update["kl"]
         figures = rank_mean(local, acc)
+        figures.update(algo.source_means(every[:, 2:], list(parts)))
         figures.update(
             {
                 "train/loss": update["loss"],
@@ -361,7 +367,9 @@ class GRPOStage(PolicyStage):
     @torch.no_grad()
     def evaluate(self) -> Optional[dict[str, float]]:
         """eval/reward (mean summed reward) and eval/reward/<source> of one sampled completion per
-        held-out prompt, under a forked RNG seeded the same way at every evaluation (as PPO's)."""
+        held-out prompt, under a forked RNG seeded the same way at every evaluation (as PPO's). A
+        source's mean is over the completions it scored (a None, "no opinion", is left out as in
+        the summed reward; NaN where it scored none)."""
         if not self.eval_samples:
             return None
 
@@ -371,14 +379,17 @@ class GRPOStage(PolicyStage):
             return {
                 "n": len(batch),
                 "eval/reward": total.sum(),
-                **{f"eval/reward/{k}": v.sum() for k, v in parts.items()},
+                **{f"eval/reward/{k}": v.nansum() for k, v in parts.items()},
+                **{f"scored/{k}": (~v.isnan()).sum() for k, v in parts.items()},
             }
 
         with seeded_fork(self.cfg.train.seed + 1), full_parameters(self.accelerator, self.model):
             sums = self.held_out(figures)
         if self.judge is not None:
             self.judge.take_figures()  # the step figures count training's requests only
-        return {key: ratio(sums, key, "n") for key in sums if key != "n"}
+        out = {"eval/reward": ratio(sums, "eval/reward", "n")}
+        sources = [key.removeprefix("scored/") for key in sums if key.startswith("scored/")]
+        return out | {f"eval/reward/{k}": ratio(sums, f"eval/reward/{k}", f"scored/{k}") for k in sources}
 
     def manifest_extras(self) -> dict:
         """The rewards the policy was optimised for (the RM's path and weights hash, if any)."""

@@ -74,6 +74,12 @@ def group_reward(prompts, completions):
     return [float(len(c) % 5) / 4 for c in completions]
 
 
+def sparse_reward(prompts, completions):
+    """A GRPO reward function with no opinion (None) on most completions: the ranks hold unequal
+    numbers of scored completions (a per-rank mean weighs them unequally)."""
+    return [None if len(c) % 3 else len(c) / 10 for c in completions]
+
+
 def scripted_reward(prompt_texts, responses):
     import torch
 

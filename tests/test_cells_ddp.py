@@ -77,7 +77,9 @@ RUNS: dict[str, Run] = {
     "dpo-full": Run("dpo", "full", BOTH, tuple(k for k in PREF_KEYS if k != "train/accuracy")),
     "kto-lora": Run("kto", "lora", BOTH, KTO_KEYS),
     "kto-full": Run("kto", "full", BOTH, KTO_KEYS, extra=("--kto.loss_type", "apo_zero_unpaired"), held_out="kto_eval"),
-    "grpo-full": Run("grpo", "full", BOTH, GRPO_KEYS, held_out="prompts_eval"),
+    # a second reward function without an opinion on most completions: its figure is the mean over every
+    # rank's scored completions (a mean of the ranks' means differs)
+    "grpo-full": Run("grpo", "full", BOTH, GRPO_KEYS + ("grpo/reward/sparse_reward",), held_out="prompts_eval"),
     "ppo-tools": Run("ppo", "lora", ("ddp",), PPO_KEYS, sampler="tools"),
     "pt-qlora": Run("pt", "qlora", ("ddp",), ("train/loss", "train/grad_norm")),
     "rm-qlora": Run(
@@ -101,7 +103,10 @@ def argv(name: str, world: int, out: Path, data: dict, model: Path, reward: Path
         base[base.index("--data.train") + 1] = f"[{data['kto']}]"
     elif stage == "grpo":
         base = grpo_args(
-            stage_argv("rm", 1, 4 // world, out, data, model, reward), data["ppo"], "distrun:group_reward", "6"
+            stage_argv("rm", 1, 4 // world, out, data, model, reward),
+            data["ppo"],
+            "distrun:group_reward,distrun:sparse_reward",
+            "6",
         )
     elif stage == "ppo":
         base = stage_argv("ppo", 1, (4 if run.sampler == "tools" else 8) // world, out, data, model, reward)

@@ -198,6 +198,16 @@ def token_share(prompts, completions):
     return [float(SCORE_TARGET["token"] in c) for c in completions]
 
 
+SPARSE_CALLS: list[list] = []
+
+
+def sparse_share(prompts, completions):
+    """A test reward with no opinion (None) on completions of an odd length; records what it returns."""
+    out = [None if len(c) % 2 else 1.0 + len(c) / 10 for c in completions]
+    SPARSE_CALLS.append(out)
+    return out
+
+
 def test_reward_spec_refusals(tmp_path):
     """More in tests/test_rewards.py (a user's own module by file path, working directory, PYTHONPATH)."""
     assert rw.reward_func_problem("pipeline.algorithms.rewards:house_phrase") is None
@@ -388,6 +398,40 @@ def test_the_step_figures_do_not_depend_on_the_micro_batch_split(tmp_path, tiny_
     assert seen[1]["grpo/kl"] > 0 and seen[1]["grpo/clipfrac"] > 0  # the second iteration moved and clipped
     for key in ("train/loss", "grpo/kl", "grpo/clipfrac"):
         assert seen[4][key] == pytest.approx(seen[1][key], rel=1e-4, abs=1e-7), key
+
+
+def test_a_reward_sources_figures_are_over_the_completions_it_scored(tmp_path, tiny_model_dir, prompts_file):
+    """A reward function that returns None ("no opinion") for some completions: grpo/reward/<name>
+    and eval/reward/<name> are the means of what it returned for the step's completions and the
+    held-out ones, None left out (TRL's nanmean; the held-out figure read NaN as soon as one
+    completion had none). tests/test_cells_ddp.py checks two ranks read what one process does."""
+    from distrun import GroupGenerator
+
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, prompts_file, max_steps=1, learning_rate=1e-2)
+    cfg.grpo.reward_funcs = ["distrun:group_reward", "test_grpo:sparse_share"]
+    cfg.generation.max_new_tokens, cfg.data.eval, cfg.train.eval_steps = 6, [str(prompts_file)], 1
+    SPARSE_CALLS.clear()
+    seen = {}
+    stage = run_stage(
+        grpo.GRPOStage,
+        cfg,
+        on_step=lambda stage, m: seen.__setitem__(stage.step, m),
+        generator_factory=lambda policy: GroupGenerator(),  # completions of 1-6 tokens
+    )
+    batches = 8 // cfg.train.batch_size  # the held-out set's, at step 0 and at step 1
+    assert len(SPARSE_CALLS) == batches + 1 + batches
+    train, held_out = SPARSE_CALLS[batches], [v for call in SPARSE_CALLS[-batches:] for v in call]
+    assert len(train) == 8 and len(held_out) == 8
+    for values in (train, held_out):
+        assert None in values and {v for v in values if v is not None}, values  # some of each
+
+    def mean(values):
+        scored = [v for v in values if v is not None]
+        return sum(scored) / len(scored)
+
+    assert seen[1]["grpo/reward/sparse_share"] == pytest.approx(mean(train), rel=1e-6)  # float32 scores
+    evals = stage.history.evals[-1]
+    assert evals["eval/reward/sparse_share"] == pytest.approx(mean(held_out), rel=1e-6)
 
 
 @pytest.mark.parametrize("finetuning", ["lora", "full"])

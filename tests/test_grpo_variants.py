@@ -692,7 +692,8 @@ def test_advantages_use_every_ranks_completions(estimator, scale):
         num_processes=2, process_index=1, device="cpu", gather=lambda local: torch.cat([remote, local])
     )
     me = SimpleNamespace(cfg=SimpleNamespace(grpo=section), accelerator=acc)
-    got = grpo.GRPOStage.advantages(me, rewards[8:], {"r": rewards[8:]}, {"r": 1.0}, rollouts[1])
+    every = grpo.GRPOStage.step_rewards(me, rewards[8:], {"r": rewards[8:]}, rollouts[1])
+    got = grpo.GRPOStage.advantages(me, every, [1.0])
     want = adv.ESTIMATORS[estimator](rewards, torch.tensor(lengths).float(), 4, scale)[8:]
     torch.testing.assert_close(got, want, **TOL)
     assert not torch.allclose(

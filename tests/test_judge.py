@@ -392,7 +392,7 @@ def test_grpo_two_steps_with_judge_and_rule_reward_and_resume(
             "judge/latency_s",
             "judge/gold_agreement",
         } <= set(m)
-        assert m["judge/failures"] == 0 and m["grpo/reward/judge"] == float(ro["parts"]["judge"].mean())
+        assert m["judge/failures"] == 0 and m["grpo/reward/judge"] == float(ro["parts"]["judge"].double().mean())
     asked = [(b["messages"][-1]["content"]) for b in fresh.bodies]
     completions = sum(2 * 4 for _ in unbroken)  # prompts x generations per step
     hits = sum(m["judge/cache_hits"] for m, _ in unbroken.values())

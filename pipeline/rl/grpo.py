@@ -39,6 +39,15 @@ def loss_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:
     return mask * rollout.finished.to(mask.dtype).unsqueeze(1) if mask_truncated else mask
 
 
+def source_means(scores: torch.Tensor, names: list[str]) -> dict[str, float]:
+    """`grpo/reward/{name}`: each reward source's mean over every rank's completions (`scores`
+    [N, K], a column per name), NaN ("no opinion") left out as TRL's nanmean; NaN only where no
+    completion of the step has that source's score. A mean of the ranks' means would weigh the
+    ranks' scored completions unequally, and read NaN where one rank holds none."""
+    means = scores.nanmean(0).tolist() if scores.numel() else [float("nan")] * len(names)
+    return {f"grpo/reward/{name}": float(m) for name, m in zip(names, means)}
+
+
 # ------------------------------------------------------------------------------------------
 # Scoring and the update (models)
 # ------------------------------------------------------------------------------------------
