@@ -148,9 +148,14 @@ def run_one(spec: dict) -> None:
     fresh_accelerate()
     base = stage_class(spec["stage"])
 
-    class cls(base):  # records the step the run resumed from and the samples of every step
+    class cls(base):  # records the step the run resumed from, the samples of every step and the sampler
         resumed_at = 0
         batch_ids: list = []
+        sampler = None
+
+        def release(self):
+            self.sampler = type(getattr(self, "_generator", None)).__name__
+            super().release()
 
         def resume(self):
             super().resume()
@@ -185,6 +190,7 @@ def run_one(spec: dict) -> None:
                 "resumed_at": stage.resumed_at,
                 "batch_ids": stage.batch_ids,
                 "grad_norms": grad_norms,
+                "sampler": stage.sampler,
             }
         )
     )

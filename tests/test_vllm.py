@@ -29,9 +29,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tinymodels import make_tiny_model
+from tinymodels import make_eos_prone, make_tiny_model
 
-from pipeline.modeling.manifest import write_manifest
 from pipeline.modeling.vllm_server import VLLMServer, free_port, vllm_python
 
 INSTALL_WAIT_S = float(os.environ.get("RELAY_VLLM_INSTALL_WAIT_S", 1200))
@@ -855,40 +854,16 @@ QUESTIONS = [f"What is 2 + {i}?" for i in range(4)]
 
 @pytest.fixture(scope="module")
 def caller(vllm_untied, tmp_path_factory):
-    """vllm_untied made to end its turns often (about 1 token in 5 is the end-of-turn token at
-    T 0.8), so turns end at different lengths and rows take several turns: the residual stream's
-    dimension 0 is a constant (every embedding's, no layer writes it), and the head reads EOS off it
-    alone, with the weight that gives that share after the questions' prompts (bisection). The
-    engine and the trainer compute the same (Llama, untied head)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """vllm_untied made to end its turns often (tests/tinymodels.py `make_eos_prone`: about 1 token
+    in 5 is the end-of-turn token at T 0.8 after the questions' prompts), so turns end at different
+    lengths and rows take several turns. The engine and the trainer compute the same (Llama, untied
+    head)."""
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(vllm_untied)
-    model = AutoModelForCausalLM.from_pretrained(vllm_untied, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 1.0
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[0] = 0.0
-            layer.mlp.down_proj.weight[0] = 0.0
-        model.lm_head.weight[tok.eos_token_id] = 0.0
-        # the weight on dimension 0 that makes EOS 1 token in 5 at T 0.8 after the questions' prompts
-        # followed by random tokens (bisection)
-        noise = torch.randint(20, len(tok), (len(QUESTIONS), 24), generator=torch.Generator().manual_seed(0))
-        chat = [[{"role": "user", "content": q}] for q in QUESTIONS]
-        prompts = [tok.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chat]
-        width = min(len(p) for p in prompts)
-        probe = torch.cat([torch.tensor([p[-width:] for p in prompts]), noise], 1)
-        low, high = 0.0, 4.0
-        for _ in range(16):
-            middle = (low + high) / 2
-            model.lm_head.weight[tok.eos_token_id, 0] = middle
-            probs = (model(probe).logits[:, width:] / 0.8).softmax(-1)[..., tok.eos_token_id]
-            low, high = (middle, high) if float(probs.mean()) < 0.2 else (low, middle)
-        assert float(probs.mean()) == pytest.approx(0.2, abs=0.01), "no EOS weight in [0, 4] gives 1 in 5"
-    folder = tmp_path_factory.mktemp("vllm-tools") / "caller"
-    model.save_pretrained(folder, safe_serialization=True)
-    tok.save_pretrained(folder)
-    write_manifest(folder, stage="tiny-random", parent=None, config={"eos_prone": True})
-    return folder
+    chat = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chat]
+    return make_eos_prone(vllm_untied, tmp_path_factory.mktemp("vllm-tools") / "caller", prompts, temperature=0.8)
 
 
 @pytest.fixture

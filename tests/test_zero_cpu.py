@@ -2,8 +2,9 @@
 process does, under ZeRO-2 and ZeRO-3, with and without the optimizer offloaded to the CPU (on a
 CPU the offloaded step is Relay's torch AdamW, `zero_force_ds_cpu_optimizer` false: DeepSpeedCPUAdam
 would be compiled on first use, minutes on a 2-core machine; on a GPU it is DeepSpeed's): LoRA
-SFT, RM and PPO (ActorCritic has no `config`: the "auto" ZeRO sizes come from the policy's) and
-full-weight SFT. Per step: the loss and grad_norm (every rank logs the same); the exported
+SFT, RM, PPO (ActorCritic has no `config`: the "auto" ZeRO sizes come from the policy's), GRPO and
+DPO, and full-weight SFT; GRPO sampling with the policy itself under ZeRO-3 equals DDP's. Per
+step: the loss and grad_norm (every rank logs the same); the exported
 adapter, merged model and checkpoint equal the one-process ones, whole: ZeRO-3 partitions every
 parameter above stage3_param_persistence_threshold (10 x hidden size = 640 elements for the tiny
 model), so the LoRA runs use r 16 (16 x 64 = 1024 elements) and a saved partition would be an
@@ -35,6 +36,10 @@ from test_distributed_stages import (
     stage_argv,
     write_data,
 )
+from test_fsdp import KEYS as FSDP_KEYS
+from test_fsdp import argv as fsdp_argv
+from test_fsdp import with_values
+from tinymodels import make_eos_prone, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "deepspeed_configs"
@@ -43,7 +48,14 @@ pytestmark = pytest.mark.skipif(
 )
 PERSISTENCE = 10 * 64
 """accelerate's "auto" stage3_param_persistence_threshold for the tiny model (hidden size 64)."""
-REFERENCES = {"sft": ("sft", "lora"), "rm": ("rm", "lora"), "full": ("sft", "full"), "ppo": ("ppo", "lora")}
+REFERENCES = {
+    "sft": ("sft", "lora"),
+    "rm": ("rm", "lora"),
+    "full": ("sft", "full"),
+    "ppo": ("ppo", "lora"),
+    "grpo": ("grpo", "lora"),
+    "dpo": ("dpo", "lora"),
+}
 """The one-process runs: name -> (stage, model.finetuning)."""
 ZERO = {
     "zero2-rm": "rm",
@@ -52,8 +64,19 @@ ZERO = {
     "zero3_offload-rm": "rm",
     "zero3-full": "full",
     "zero3-ppo": "ppo",
+    "zero3-grpo": "grpo",
+    "zero2-grpo": "grpo",
+    "zero3-dpo": "dpo",
+    "zero2-dpo": "dpo",
 }
 """The two-rank runs: '<DeepSpeed config>-<reference>'."""
+KEYS = {**LOSS_KEYS, "grpo": FSDP_KEYS["grpo"], "dpo": FSDP_KEYS["dpo"]}
+SAMPLED = {"zero3-grpo-real": "zero3", "ddp-grpo-real": None}
+"""GRPO sampling with the policy itself on the two ranks (not scripted), a policy that ends its
+completions often (tests/tinymodels.py `make_eos_prone`), so the ranks finish sampling at different
+steps: under ZeRO-3 every rank's forwards gather the partitioned weights, so a rank that is done
+keeps stepping until all are (`synced_gpus`, the hf sampler); under DDP Relay's decode engine
+samples. The same prompts and RNG streams give the same completions and figures."""
 TRAINED_ABS = 3e-4
 """The trained tensors themselves (checkpoint, adapter), max |difference|: Adam divides each
 gradient by its own RMS, so the two runs' reduction-order noise on near-zero gradients becomes a
@@ -65,11 +88,17 @@ The merged LoRA weights hold the product of two such tensors, within WEIGHTS_ABS
 def argv(name: str, world: int, out: Path, setup) -> list[str]:
     root, data, model, reward = setup
     stage, mode = REFERENCES[name]
+    if stage in ("grpo", "dpo"):  # tests/test_fsdp.py's: DPO on the RM's pairs, GRPO on PPO's prompts
+        return with_values(fsdp_argv(stage, world, out, data, model, reward), lora__r="16", model__finetuning=mode)
     per_rank = (8 if stage == "ppo" else 4) // world
     # RM starts from a reward model: a fresh head's initial draw is not the same under zero.Init.
     args = stage_argv(stage, 1, per_rank, out, data, reward if stage == "rm" else model, reward)
     args[args.index("--lora.r") + 1] = "16"
     return args + ["--model.finetuning", mode]
+
+
+def deepspeed(config: str) -> list[str]:
+    return ["--distributed.engine", "deepspeed", "--distributed.deepspeed_config", str(CONFIGS / f"{config}.json")]
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +108,30 @@ def setup(module_folder, tiny_model_dir, tiny_reward_dir):
 
 
 @pytest.fixture(scope="module")
-def launches(setup):
+def eos_prone(module_folder):
+    """An untied tiny policy that ends a completion at each token with probability one half (T 1, the stage's)."""
+    from transformers import AutoTokenizer
+
+    untied = make_tiny_model(module_folder / "untied", seed=0, tie_word_embeddings=False)
+    tok = AutoTokenizer.from_pretrained(untied)
+    chats = [[{"role": "user", "content": f"Question number {i}?"}] for i in range(4)]
+    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats]
+    return make_eos_prone(untied, module_folder / "eos-prone", prompts, temperature=1.0, share=0.5)
+
+
+@pytest.fixture(scope="module")
+def launches(setup, eos_prone):
     root = setup[0]
     refs = [{"stage": REFERENCES[n][0], "argv": argv(n, 1, root / "one" / n, setup)} for n in REFERENCES]
     launch(refs, root / "one", 1)
     runs = []
     for name, ref in ZERO.items():
-        config = name.split("-")[0]
-        flags = ["--distributed.engine", "deepspeed", "--distributed.deepspeed_config", str(CONFIGS / f"{config}.json")]
+        flags = deepspeed(name.split("-")[0])
         runs.append({"stage": REFERENCES[ref][0], "argv": argv(ref, 2, root / "zero" / name, setup) + flags})
+    for name, config in SAMPLED.items():
+        flags = deepspeed(config) if config else ["--distributed.engine", "ddp"]
+        args = with_values(argv("grpo", 2, root / "zero" / name, setup), model__path=str(eos_prone))
+        runs.append({"stage": "grpo", "sampler": "real", "argv": args + flags})
     launch(runs, root / "zero", 2, torchrun=True)
     return root
 
@@ -121,7 +165,7 @@ def test_two_zero_ranks_equal_one_process(name, launches):
     got_dir, want_dir = launches / "zero" / name, launches / "one" / ref
     got, want = history(got_dir), history(want_dir)
     assert len(got) == len(want) == STEPS
-    for key in LOSS_KEYS[stage]:
+    for key in KEYS[stage]:
         assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=REL, abs=ABS), key
     assert [s["train/grad_norm"] for s in history(got_dir, 1)] == [s["train/grad_norm"] for s in got]
     assert max(s["train/grad_norm"] for s in got) > 0.05  # clipping was active
@@ -139,6 +183,25 @@ def test_two_zero_ranks_equal_one_process(name, launches):
         assert_whole_and_equal(
             tensors(got_dir / "adapter", "*.safetensors"), tensors(want_dir / "adapter", "*.safetensors"), TRAINED_ABS
         )
+
+
+def test_grpo_sampling_under_zero3_equals_ddp(launches):
+    """The policy samples its own completions on two ranks, ending them at different lengths:
+    under ZeRO-3 (each rank's forwards gather the partitioned weights; the hf sampler steps every
+    rank until all are done) the completions, rewards, updates and merged weights are DDP's (Relay's
+    decode engine). (With Relay's decode engine under ZeRO-3 too, a rank done early runs its next
+    forwards' gathers against the other's decoding steps: on these CPU ranks the same parameters
+    in the same order, so it still agrees here; nothing promises that of other collectives.)"""
+    got_dir, want_dir = launches / "zero" / "zero3-grpo-real", launches / "zero" / "ddp-grpo-real"
+    got, want = history(got_dir), history(want_dir)
+    assert len(got) == len(want) == STEPS
+    assert [s["grpo/completion_length"] for s in got] == [s["grpo/completion_length"] for s in want]
+    assert got[0]["grpo/completion_length"] < 3  # the first step's completions ended early, at different lengths
+    samplers = [json.loads((d / "history-rank0.json").read_text())["sampler"] for d in (got_dir, want_dir)]
+    assert samplers == ["HFGenerator", "RelayGenerator"]
+    for key in KEYS["grpo"]:
+        assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=REL, abs=ABS), key
+    assert_whole_and_equal(merged_weights(got_dir), merged_weights(want_dir), WEIGHTS_ABS["lora"])
 
 
 def test_the_lora_runs_save_tensors_zero3_partitions(launches):

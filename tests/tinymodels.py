@@ -111,6 +111,42 @@ def make_tiny_model(path: str | Path, seed: int = 0, num_labels: int | None = No
     return path
 
 
+def make_eos_prone(
+    source: str | Path, folder: str | Path, prompts: list[list[int]], temperature: float, share: float = 0.2
+) -> Path:
+    """A copy at `folder` of the untied tiny causal LM at `source` made to end its turns often: EOS
+    is `share` of the sampled tokens at `temperature` after `prompts` (token ids) followed by random
+    tokens, so turns end at different lengths. The residual stream's dimension 0 is a constant
+    (every embedding's, no layer writes it), and the head reads EOS off it alone, with the weight
+    that gives that share (bisection). Returns the folder."""
+    from transformers import AutoModelForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    assert not model.config.tie_word_embeddings, "the EOS row of a tied head is an embedding too"
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.lm_head.weight[tok.eos_token_id] = 0.0
+        noise = torch.randint(20, len(tok), (len(prompts), 24), generator=torch.Generator().manual_seed(0))
+        width = min(len(p) for p in prompts)
+        probe = torch.cat([torch.tensor([p[-width:] for p in prompts]), noise], 1)
+        low, high = 0.0, 4.0
+        for _ in range(16):
+            middle = (low + high) / 2
+            model.lm_head.weight[tok.eos_token_id, 0] = middle
+            probs = (model(probe).logits[:, width:] / temperature).softmax(-1)[..., tok.eos_token_id]
+            low, high = (middle, high) if float(probs.mean()) < share else (low, middle)
+        assert abs(float(probs.mean()) - share) <= 0.01, f"no EOS weight in [0, 4] gives {share}"
+    folder = Path(folder)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    write_manifest(folder, stage="tiny-random", parent=None, config={"eos_prone": True})
+    return folder
+
+
 def copy_with_tool_layout(source: str | Path, folder: str | Path):
     """A copy of the model folder `source` at `folder` whose chat template is the one Relay saves after
     SFT on tool conversations (the default layout's Jinja in front of the tokenizer's template,

@@ -199,6 +199,8 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         "tests/test_dpo.py::test_stage_learns_and_its_reference_is_the_starting_model[lora]",
     ),
     _plain("dpo", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[dpo]",),
+    _plain("dpo", "lora", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-dpo]",),
+    _plain("dpo", "lora", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-dpo]",),
     _plain("dpo", "full", "single"): (
         "tests/test_dpo.py::test_stage_learns_and_its_reference_is_the_starting_model[full]",
     ),
@@ -242,6 +244,11 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("grpo", "lora", "fsdp"): (
         f"{FSDP}::test_two_fsdp_ranks_equal_one_process[grpo]",
         f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[grpo-real]",
+    ),
+    _policy("grpo", "lora", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-grpo]",),
+    _policy("grpo", "lora", "zero3"): (
+        f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-grpo]",
+        f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp",
     ),
     _policy("grpo", "full", "single"): ("tests/test_grpo.py::test_beta_zero_runs_no_reference_forward[full]",),
     _policy("grpo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[grpo]",),
