@@ -64,6 +64,7 @@ ZERO = {
     "zero3_offload-rm": "rm",
     "zero3-full": "full",
     "zero3-ppo": "ppo",
+    "zero2-ppo": "ppo",
     "zero3-grpo": "grpo",
     "zero2-grpo": "grpo",
     "zero3-dpo": "dpo",

@@ -217,6 +217,7 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         f"{FSDP}::test_two_fsdp_ranks_equal_one_process[ppo]",
         f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[ppo-real]",
     ),
+    _policy("ppo", "lora", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-ppo]",),
     _policy("ppo", "lora", "zero3"): (
         f"{GPU}::test_ppo_under_zero3_equals_one_gpu",
         f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-ppo]",
