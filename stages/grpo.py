@@ -56,6 +56,11 @@ from pipeline.rl.tool_rollout import tools_problems
 
 log = logging.getLogger("relay.grpo")
 
+DYNAMIC_TOTALS = ("grpo/dynamic/dropped_groups", "grpo/dynamic/topped_up")
+"""Dynamic sampling's counts of the whole step: each rank keeps train.batch_size groups of its own
+and counts the groups it dropped or topped up with, and the step's figure is their sum over ranks
+(generation_batches, the same on every rank, is each rank's)."""
+
 
 # ------------------------------------------------------------------------------------------
 # Config
@@ -332,6 +337,7 @@ class GRPOStage(PolicyStage):
         if "kl" in update:
             local["grpo/kl"] = update["kl"]
         figures = rank_mean(local, acc)
+        figures.update({key: figures[key] * acc.num_processes for key in DYNAMIC_TOTALS if key in figures})
         figures.update(algo.source_means(every[:, 2:], list(parts)))
         figures.update(
             {

@@ -80,6 +80,15 @@ def sparse_reward(prompts, completions):
     return [None if len(c) % 3 else len(c) / 10 for c in completions]
 
 
+def odd_constant_reward(prompts, completions):
+    """A GRPO reward function that teaches nothing on a prompt with an odd number (the same reward
+    for every completion: dynamic sampling drops its group), group_reward's on the others."""
+    import re
+
+    odd = [int(re.search(r"number (\d+)", p).group(1)) % 2 for p in prompts]
+    return [0.5 if o else r for o, r in zip(odd, group_reward(prompts, completions))]
+
+
 def scripted_reward(prompt_texts, responses):
     import torch
 

@@ -255,6 +255,15 @@ def launches(module_folder, tiny_model_dir, tiny_reward_dir):
                     "argv": args + ["--generation.backend", backend, "--distributed.engine", "ddp"],
                 }
             )
+    dynamic = grpo_args(
+        stage_argv("rm", 1, 2, root / "ddp" / "grpo-dynamic", data, tiny_model_dir, tiny_reward_dir),
+        data["ppo"],
+        "distrun:odd_constant_reward",
+        "6",
+    )
+    flags = ["--grpo.dynamic_sampling", "true", "--grpo.max_generation_batches", "4", "--distributed.engine", "ddp"]
+    flags += ["--generation.missing_eos_penalty", "null"]  # else an odd prompt's group may differ in its penalty
+    ranks.append({"stage": "grpo", "argv": dynamic + flags})
     launch(ranks, root / "ranks", WORLD)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs
@@ -304,6 +313,30 @@ def test_two_ranks_equal_one_process(engine, name, launches, tiny_model_dir):
     merged = merged_weights(two)
     assert all(merged[k].shape == base[k].shape for k in merged if k in base)  # whole weights, not shards
     assert any(not torch.equal(merged[k], base[k]) for k in merged if k in base)  # training moved them
+
+
+def test_dynamic_sampling_over_two_ranks_keeps_informative_groups_and_counts_every_ranks(launches):
+    """GRPO's dynamic sampling on two DDP ranks, the prompts with an odd number teaching nothing:
+    each rank draws until every rank holds 2 informative groups (the same number of generation
+    batches on each), every kept group is informative, and the step's dropped groups are every
+    rank's (they read half as many, each rank's mean)."""
+    folder = launches / "ddp" / "grpo-dynamic"
+    ranks = [json.loads((folder / f"history-rank{r}.json").read_text()) for r in range(WORLD)]
+    untimed = [[{k: v for k, v in s.items() if "time" not in k} for s in rank["steps"]] for rank in ranks]
+    assert untimed[0] == untimed[1]  # every rank logs the step's figures
+    prompts = [json.loads(line)["prompt"] for line in (launches / "data" / "prompts.jsonl").read_text().splitlines()]
+    calls = [[i for group in call for i in group] for call in ranks[0]["batch_ids"]], [
+        [i for group in call for i in group] for call in ranks[1]["batch_ids"]
+    ]
+    at = 0
+    for figures in ranks[0]["steps"]:
+        batches = int(figures["grpo/dynamic/generation_batches"])
+        drawn = [i for rank in calls for call in rank[at : at + batches] for i in call]
+        at += batches
+        odd = sum(int(prompts[i].split("number ")[1].rstrip("?")) % 2 for i in drawn)
+        assert figures["grpo/dynamic/topped_up"] == 0 and figures["grpo/frac_reward_zero_std"] == 0
+        assert odd >= 1 and odd <= figures["grpo/dynamic/dropped_groups"] <= len(drawn) - 2 * WORLD, (odd, figures)
+    assert at == len(calls[0]) == len(calls[1])
 
 
 HELD_OUT = [(engine, name) for engine, name in CASES if RUNS[name].held_out]
