@@ -325,9 +325,10 @@ def test_dynamic_sampling_over_two_ranks_keeps_informative_groups_and_counts_eve
     untimed = [[{k: v for k, v in s.items() if "time" not in k} for s in rank["steps"]] for rank in ranks]
     assert untimed[0] == untimed[1]  # every rank logs the step's figures
     prompts = [json.loads(line)["prompt"] for line in (launches / "data" / "prompts.jsonl").read_text().splitlines()]
-    calls = [[i for group in call for i in group] for call in ranks[0]["batch_ids"]], [
-        [i for group in call for i in group] for call in ranks[1]["batch_ids"]
-    ]
+    calls = (
+        [[i for group in call for i in group] for call in ranks[0]["batch_ids"]],
+        [[i for group in call for i in group] for call in ranks[1]["batch_ids"]],
+    )
     at = 0
     for figures in ranks[0]["steps"]:
         batches = int(figures["grpo/dynamic/generation_batches"])
