@@ -125,13 +125,20 @@ def launches(setup, eos_prone):
     root = setup[0]
     refs = [{"stage": REFERENCES[n][0], "argv": argv(n, 1, root / "one" / n, setup)} for n in REFERENCES]
     launch(refs, root / "one", 1)
+    held_out = root / "data" / "prompts_eval.jsonl"  # 5 prompts: one rank samples a padding batch
+    held_out.write_text("".join(setup[1]["ppo"].read_text().splitlines(keepends=True)[-5:]))
     runs = []
     for name, ref in ZERO.items():
         flags = deepspeed(name.split("-")[0])
         runs.append({"stage": REFERENCES[ref][0], "argv": argv(ref, 2, root / "zero" / name, setup) + flags})
     for name, config in SAMPLED.items():
         flags = deepspeed(config) if config else ["--distributed.engine", "ddp"]
-        args = with_values(argv("grpo", 2, root / "zero" / name, setup), model__path=str(eos_prone))
+        args = with_values(
+            argv("grpo", 2, root / "zero" / name, setup),
+            model__path=str(eos_prone),
+            data__eval=f"[{held_out}]",
+            train__eval_steps="2",
+        )
         runs.append({"stage": "grpo", "sampler": "real", "argv": args + flags})
     launch(runs, root / "zero", 2, torchrun=True)
     return root
@@ -200,6 +207,11 @@ def test_grpo_sampling_under_zero3_equals_ddp(launches):
     assert got[0]["grpo/completion_length"] < 3  # the first step's completions ended early, at different lengths
     samplers = [json.loads((d / "history-rank0.json").read_text())["sampler"] for d in (got_dir, want_dir)]
     assert samplers == ["HFGenerator", "RelayGenerator"]
+    # the held-out prompts (5 on two ranks: one samples a padding batch), at steps 0 and 2
+    evals = [json.loads((d / "history-rank0.json").read_text())["evals"] for d in (got_dir, want_dir)]
+    assert [e["step"] for e in evals[0]] == [0, 2] and len(evals[0]) == len(evals[1])
+    for mine, reference in zip(*evals):
+        assert mine == pytest.approx(reference, rel=REL, abs=ABS)
     for key in KEYS["grpo"]:
         assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=REL, abs=ABS), key
     assert_whole_and_equal(merged_weights(got_dir), merged_weights(want_dir), WEIGHTS_ABS["lora"])
