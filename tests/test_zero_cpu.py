@@ -2,8 +2,8 @@
 process does, under ZeRO-2 and ZeRO-3, with and without the optimizer offloaded to the CPU (on a
 CPU the offloaded step is Relay's torch AdamW, `zero_force_ds_cpu_optimizer` false: DeepSpeedCPUAdam
 would be compiled on first use, minutes on a 2-core machine; on a GPU it is DeepSpeed's): LoRA
-SFT, RM, PPO (ActorCritic has no `config`: the "auto" ZeRO sizes come from the policy's), GRPO and
-DPO, and full-weight SFT; GRPO sampling with the policy itself under ZeRO-3 equals DDP's. Per
+PT, SFT, RM, PPO (ActorCritic has no `config`: the "auto" ZeRO sizes come from the policy's), GRPO
+and DPO, and full-weight PT, SFT and RM; GRPO sampling with the policy itself under ZeRO-3 equals DDP's. Per
 step: the loss and grad_norm (every rank logs the same); the exported
 adapter, merged model and checkpoint equal the one-process ones, whole: ZeRO-3 partitions every
 parameter above stage3_param_persistence_threshold (10 x hidden size = 640 elements for the tiny
@@ -55,6 +55,9 @@ REFERENCES = {
     "ppo": ("ppo", "lora"),
     "grpo": ("grpo", "lora"),
     "dpo": ("dpo", "lora"),
+    "pt": ("pt", "lora"),
+    "pt-full": ("pt", "full"),
+    "rm-full": ("rm", "full"),
 }
 """The one-process runs: name -> (stage, model.finetuning)."""
 ZERO = {
@@ -69,6 +72,13 @@ ZERO = {
     "zero2-grpo": "grpo",
     "zero3-dpo": "dpo",
     "zero2-dpo": "dpo",
+    "zero3-pt": "pt",
+    "zero2-pt-full": "pt-full",
+    "zero3-pt-full": "pt-full",
+    "zero2-full": "full",
+    "zero3-rm-full": "rm-full",
+    "zero2-pt": "pt",
+    "zero2_offload-rm-full": "rm-full",
 }
 """The two-rank runs: '<DeepSpeed config>-<reference>'."""
 KEYS = {**LOSS_KEYS, "grpo": FSDP_KEYS["grpo"], "dpo": FSDP_KEYS["dpo"]}

@@ -166,6 +166,13 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-sft]",
     ),
     _plain("sft", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-full]",),
+    _plain("sft", "full", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-full]",),
+    _plain("pt", "lora", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-pt]",),
+    _plain("pt", "full", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-pt-full]",),
+    _plain("pt", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-pt-full]",),
+    _plain("rm", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-rm-full]",),
+    _plain("rm", "full", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2_offload-rm-full]",),
+    _plain("pt", "lora", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-pt]",),
     _plain("sft", "full", "single"): (
         "tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[sft-full]",
     ),
