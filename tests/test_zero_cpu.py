@@ -3,9 +3,9 @@ process does, under ZeRO-2 and ZeRO-3, with and without the optimizer offloaded 
 CPU the offloaded step is Relay's torch AdamW, `zero_force_ds_cpu_optimizer` false: DeepSpeedCPUAdam
 would be compiled on first use, minutes on a 2-core machine; on a GPU it is DeepSpeed's): LoRA
 PT, SFT, RM, PPO (ActorCritic has no `config`: the "auto" ZeRO sizes come from the policy's), GRPO
-and DPO, and full-weight PT, SFT and RM; GRPO sampling with the policy itself under ZeRO-3 equals DDP's. Per
-step: the loss and grad_norm (every rank logs the same); the exported
-adapter, merged model and checkpoint equal the one-process ones, whole: ZeRO-3 partitions every
+and DPO, and full-weight PT, SFT, RM and DPO (its frozen reference partitioned too); GRPO
+sampling with the policy itself under ZeRO-3 equals DDP's. Per step: the loss and grad_norm (every
+rank logs the same); the exported adapter, merged model and checkpoint equal the one-process ones, whole: ZeRO-3 partitions every
 parameter above stage3_param_persistence_threshold (10 x hidden size = 640 elements for the tiny
 model), so the LoRA runs use r 16 (16 x 64 = 1024 elements) and a saved partition would be an
 empty tensor. QLoRA under ZeRO-3 is refused up front.
@@ -58,6 +58,7 @@ REFERENCES = {
     "pt": ("pt", "lora"),
     "pt-full": ("pt", "full"),
     "rm-full": ("rm", "full"),
+    "dpo-full": ("dpo", "full"),
 }
 """The one-process runs: name -> (stage, model.finetuning)."""
 ZERO = {
@@ -79,6 +80,8 @@ ZERO = {
     "zero3-rm-full": "rm-full",
     "zero2-pt": "pt",
     "zero2_offload-rm-full": "rm-full",
+    "zero2-dpo-full": "dpo-full",
+    "zero3-dpo-full": "dpo-full",
 }
 """The two-rank runs: '<DeepSpeed config>-<reference>'."""
 KEYS = {**LOSS_KEYS, "grpo": FSDP_KEYS["grpo"], "dpo": FSDP_KEYS["dpo"]}

@@ -208,6 +208,8 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _plain("dpo", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[dpo]",),
     _plain("dpo", "lora", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-dpo]",),
     _plain("dpo", "lora", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-dpo]",),
+    _plain("dpo", "full", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-dpo-full]",),
+    _plain("dpo", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-dpo-full]",),
     _plain("dpo", "full", "single"): (
         "tests/test_dpo.py::test_stage_learns_and_its_reference_is_the_starting_model[full]",
     ),

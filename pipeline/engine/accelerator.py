@@ -97,6 +97,26 @@ def zero3_state(module: torch.nn.Module, trainable_only: bool = False) -> dict[s
     return out
 
 
+def frozen_zero3_engine(accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """`model`, frozen and loaded partitioned by `zero.Init` under ZeRO-3 (a full-weight
+    reference beside the trained model), as a DeepSpeed engine of its own without an optimizer:
+    its forwards gather its partitions layer by layer as the trained model's do (a partitioned
+    module outside an engine holds empty weights). TRL wraps its reference the same way. Call it
+    after the trained model is prepared (the config's "auto" values are filled then); every rank
+    must call it (it is a collective)."""
+    import copy
+
+    import deepspeed
+
+    config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    for key in ("optimizer", "scheduler"):
+        config.pop(key, None)
+    config.get("zero_optimization", {}).pop("offload_optimizer", None)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()  # DeepSpeed's train() returns None, not the engine
+    return engine
+
+
 @contextlib.contextmanager
 def without_zero3_init(accelerator):
     """Models loaded in the body load whole, not partitioned by `deepspeed.zero.Init`.

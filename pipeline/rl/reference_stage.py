@@ -1,6 +1,7 @@
 """The base of the stages that train a policy against a frozen reference (DPO, KTO): the
 reference is the policy with its LoRA adapter disabled, or, under full fine-tuning, a frozen copy
-of the starting model; its summed answer log-probs; train mode without dropout (at step 0 the
+of the starting model (under ZeRO-3 partitioned like the policy, in a DeepSpeed engine of its own);
+its summed answer log-probs; train mode without dropout (at step 0 the
 policy's log-probs equal the reference's, and a step is deterministic). A stage subclasses it
 as the sampling RL stages subclass `PolicyStage`; no stage imports another stage."""
 
@@ -12,6 +13,7 @@ from typing import Optional
 import torch
 
 from pipeline.algorithms import preference as pref
+from pipeline.engine.accelerator import frozen_zero3_engine, is_partitioned
 from pipeline.engine.stage import Stage
 from pipeline.modeling.models import adapter_disabled, eval_mode, load_model, train_without_dropout
 
@@ -39,6 +41,10 @@ class ReferenceStage(Stage):
         """Summed answer log-probs of the reference, one per answer row of `batch`: the frozen copy,
         or the policy with its adapter disabled (eval mode: no dropout)."""
         if self.reference is not None:
+            if is_partitioned(self.reference) and not hasattr(self.reference, "module"):
+                # ZeRO-3 partitioned the copy as it loaded: its forwards need an engine (once,
+                # after the policy's prepare; a DeepSpeed engine holds the model as `module`)
+                self.reference = frozen_zero3_engine(self.accelerator, self.reference)
             return pref.sequence_logps(self.reference, batch, self.accelerator)[0]
         policy = self.accelerator.unwrap_model(self.model)
         with adapter_disabled(policy), eval_mode(policy):
