@@ -5,8 +5,8 @@ would be compiled on first use, minutes on a 2-core machine; on a GPU it is Deep
 PT, SFT, RM, PPO (ActorCritic has no `config`: the "auto" ZeRO sizes come from the policy's), GRPO
 and DPO, and full-weight PT, SFT, RM and DPO (its frozen reference partitioned too); GRPO
 sampling with the policy itself under ZeRO-3 equals DDP's. Per step: the loss and grad_norm (every
-rank logs the same); the exported adapter, merged model and checkpoint equal the one-process ones, whole: ZeRO-3 partitions every
-parameter above stage3_param_persistence_threshold (10 x hidden size = 640 elements for the tiny
+rank logs the same); the exported adapter, merged model and checkpoint equal the one-process
+ones, whole: ZeRO-3 partitions every parameter above stage3_param_persistence_threshold (10 x hidden size = 640 elements for the tiny
 model), so the LoRA runs use r 16 (16 x 64 = 1024 elements) and a saved partition would be an
 empty tensor. QLoRA under ZeRO-3 is refused up front.
 
