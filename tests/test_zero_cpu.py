@@ -1,14 +1,14 @@
 """DeepSpeed ZeRO on CPU: two torchrun ranks over gloo (DeepSpeed's CPU accelerator) train as one
-process does, under ZeRO-2 and ZeRO-3, with and without the optimizer offloaded to the CPU (on a
-CPU the offloaded step is Relay's torch AdamW, `zero_force_ds_cpu_optimizer` false: DeepSpeedCPUAdam
-would be compiled on first use, minutes on a 2-core machine; on a GPU it is DeepSpeed's): LoRA
-PT, SFT, RM, PPO (ActorCritic has no `config`: the "auto" ZeRO sizes come from the policy's), GRPO
-and DPO, and full-weight PT, SFT, RM and DPO (its frozen reference partitioned too); GRPO
-sampling with the policy itself under ZeRO-3 equals DDP's. Per step: the loss and grad_norm (every
-rank logs the same); the exported adapter, merged model and checkpoint equal the one-process
-ones, whole: ZeRO-3 partitions every parameter above stage3_param_persistence_threshold (10 x hidden size = 640 elements for the tiny
-model), so the LoRA runs use r 16 (16 x 64 = 1024 elements) and a saved partition would be an
-empty tensor. QLoRA under ZeRO-3 is refused up front.
+process does, under ZeRO-2 and ZeRO-3, with and without the optimizer offloaded to the CPU (on a CPU
+the offloaded step is Relay's torch AdamW, `zero_force_ds_cpu_optimizer` false: DeepSpeedCPUAdam
+would be compiled on first use, minutes on a 2-core machine; on a GPU it is DeepSpeed's): LoRA PT,
+SFT, RM, PPO (ActorCritic has no `config`: the "auto" ZeRO sizes come from the policy's), GRPO and
+DPO, and full-weight PT, SFT, RM and DPO (its frozen reference partitioned too); GRPO sampling with
+the policy itself under ZeRO-3 equals DDP's. Per step: the loss and grad_norm (every rank logs the
+same); the exported adapter, merged model and checkpoint equal the one-process ones, whole: ZeRO-3
+partitions every parameter above stage3_param_persistence_threshold (10 x hidden size = 640 elements
+for the tiny model), so the LoRA runs use r 16 (16 x 64 = 1024 elements) and a saved partition would
+be an empty tensor. QLoRA under ZeRO-3 is refused up front.
 
 Two launches (tests/distrun.py runs many stages in one interpreter): one plain process with the
 references, and two ranks running every ZeRO run. Tolerances are the DDP tests'
