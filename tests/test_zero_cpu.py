@@ -3,7 +3,8 @@ process does, under ZeRO-2 and ZeRO-3, with and without the optimizer offloaded 
 the offloaded step is Relay's torch AdamW, `zero_force_ds_cpu_optimizer` false: DeepSpeedCPUAdam
 would be compiled on first use, minutes on a 2-core machine; on a GPU it is DeepSpeed's): LoRA PT,
 SFT, RM, PPO (ActorCritic has no `config`: the "auto" ZeRO sizes come from the policy's), GRPO and
-DPO, and full-weight PT, SFT, RM and DPO (its frozen reference partitioned too); GRPO sampling with
+DPO (GRPO also with a reward model), full-weight PT, SFT, RM and DPO, and full-weight PPO and GRPO
+under ZeRO-3 (their frozen references, and GRPO's reward model, partitioned too); GRPO sampling with
 the policy itself under ZeRO-3 equals DDP's. Per step: the loss and grad_norm (every rank logs the
 same); the exported adapter, merged model and checkpoint equal the one-process ones, whole: ZeRO-3
 partitions every parameter above stage3_param_persistence_threshold (10 x hidden size = 640 elements
@@ -59,6 +60,9 @@ REFERENCES = {
     "pt-full": ("pt", "full"),
     "rm-full": ("rm", "full"),
     "dpo-full": ("dpo", "full"),
+    "grpo-full": ("grpo", "full"),
+    "ppo-full": ("ppo", "full"),
+    "grpo-rm": ("grpo", "lora"),
 }
 """The one-process runs: name -> (stage, model.finetuning)."""
 ZERO = {
@@ -82,6 +86,9 @@ ZERO = {
     "zero2_offload-rm-full": "rm-full",
     "zero2-dpo-full": "dpo-full",
     "zero3-dpo-full": "dpo-full",
+    "zero3-grpo-full": "grpo-full",
+    "zero3-ppo-full": "ppo-full",
+    "zero3-grpo-rm": "grpo-rm",
 }
 """The two-rank runs: '<DeepSpeed config>-<reference>'."""
 KEYS = {**LOSS_KEYS, "grpo": FSDP_KEYS["grpo"], "dpo": FSDP_KEYS["dpo"]}
@@ -103,7 +110,8 @@ def argv(name: str, world: int, out: Path, setup) -> list[str]:
     root, data, model, reward = setup
     stage, mode = REFERENCES[name]
     if stage in ("grpo", "dpo"):  # tests/test_fsdp.py's: DPO on the RM's pairs, GRPO on PPO's prompts
-        return with_values(fsdp_argv(stage, world, out, data, model, reward), lora__r="16", model__finetuning=mode)
+        args = with_values(fsdp_argv(stage, world, out, data, model, reward), lora__r="16", model__finetuning=mode)
+        return with_values(args, reward_model__path=str(reward)) if name.endswith("-rm") else args
     per_rank = (8 if stage == "ppo" else 4) // world
     # RM starts from a reward model: a fresh head's initial draw is not the same under zero.Init.
     args = stage_argv(stage, 1, per_rank, out, data, reward if stage == "rm" else model, reward)

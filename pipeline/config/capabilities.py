@@ -258,8 +258,11 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("grpo", "lora", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-grpo]",),
     _policy("grpo", "lora", "zero3"): (
         f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-grpo]",
+        f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-grpo-rm]",
         f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp",
     ),
+    _policy("grpo", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-grpo-full]",),
+    _policy("ppo", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-ppo-full]",),
     _policy("grpo", "full", "single"): ("tests/test_grpo.py::test_beta_zero_runs_no_reference_forward[full]",),
     _policy("grpo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[grpo]",),
     _policy("grpo", "lora", "single", backend="hf"): (

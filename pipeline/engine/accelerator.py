@@ -97,13 +97,14 @@ def zero3_state(module: torch.nn.Module, trainable_only: bool = False) -> dict[s
     return out
 
 
-def frozen_zero3_engine(accelerator, model: torch.nn.Module) -> torch.nn.Module:
-    """`model`, frozen and loaded partitioned by `zero.Init` under ZeRO-3 (a full-weight
-    reference beside the trained model), as a DeepSpeed engine of its own without an optimizer:
-    its forwards gather its partitions layer by layer as the trained model's do (a partitioned
-    module outside an engine holds empty weights). TRL wraps its reference the same way. Call it
-    after the trained model is prepared (the config's "auto" values are filled then); every rank
-    must call it (it is a collective)."""
+def frozen_zero3_engine(accelerator, model: torch.nn.Module) -> Any:
+    """A DeepSpeed engine without an optimizer for `model`, frozen and loaded partitioned by
+    `zero.Init` under ZeRO-3 (a full-weight reference or a reward model beside the trained model):
+    the engine hooks `model`'s modules so that its forwards, called on `model` itself, gather its
+    partitions layer by layer as the trained model's do (a partitioned module outside an engine
+    holds empty weights). TRL wraps its reference the same way. Keep the engine as long as `model`
+    runs; call `model`, not the engine (whose `config` is DeepSpeed's). Call it after the trained
+    model is prepared (the config's "auto" values are filled then); every rank must call it."""
     import copy
 
     import deepspeed

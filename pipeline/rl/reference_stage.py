@@ -23,6 +23,8 @@ class ReferenceStage(Stage):
         super().__init__(cfg)
         self.reference: Optional[torch.nn.Module] = None
         """The frozen copy of the starting model (full fine-tuning, while it is needed), else None."""
+        self.reference_engine = None
+        """Under ZeRO-3, the DeepSpeed engine that gathers the copy's partitions in its forwards."""
 
     def load_reference(self) -> None:
         """The frozen starting copy, on the accelerator's device (full fine-tuning: no adapter to disable)."""
@@ -30,6 +32,12 @@ class ReferenceStage(Stage):
             load_model(self.cfg.model, None, kind="causal", tokenizer=self.tokenizer).requires_grad_(False).eval()
         )
         self.reference.to(self.accelerator.device)
+
+    def build(self) -> None:
+        super().build()
+        if self.reference is not None and is_partitioned(self.reference):
+            # ZeRO-3 partitioned the copy as it loaded: its forwards need an engine of its own
+            self.reference_engine = frozen_zero3_engine(self.accelerator, self.reference)
 
     def train_mode(self) -> None:
         """Train mode (gradient checkpointing runs) without dropout: at step 0 the policy's
@@ -41,15 +49,11 @@ class ReferenceStage(Stage):
         """Summed answer log-probs of the reference, one per answer row of `batch`: the frozen copy,
         or the policy with its adapter disabled (eval mode: no dropout)."""
         if self.reference is not None:
-            if is_partitioned(self.reference) and not hasattr(self.reference, "module"):
-                # ZeRO-3 partitioned the copy as it loaded: its forwards need an engine (once,
-                # after the policy's prepare; a DeepSpeed engine holds the model as `module`)
-                self.reference = frozen_zero3_engine(self.accelerator, self.reference)
             return pref.sequence_logps(self.reference, batch, self.accelerator)[0]
         policy = self.accelerator.unwrap_model(self.model)
         with adapter_disabled(policy), eval_mode(policy):
             return pref.sequence_logps(policy, batch, self.accelerator)[0]
 
     def export(self, summary: dict) -> Optional[Path]:
-        self.reference = None  # the merge loads the base again: not beside a second frozen copy
+        self.reference = self.reference_engine = None  # the merge loads the base again: not beside a second copy
         return super().export(summary)
