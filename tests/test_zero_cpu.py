@@ -88,7 +88,7 @@ ZERO = {
     "zero3-dpo-full": "dpo-full",
     "zero3-grpo-full": "grpo-full",
     "zero3-ppo-full": "ppo-full",
-    "zero3-grpo-rm": "grpo-rm",
+    "zero3_offload-grpo-rm": "grpo-rm",
 }
 """The two-rank runs: '<DeepSpeed config>-<reference>'."""
 KEYS = {**LOSS_KEYS, "grpo": FSDP_KEYS["grpo"], "dpo": FSDP_KEYS["dpo"]}

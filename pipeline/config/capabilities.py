@@ -258,7 +258,7 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("grpo", "lora", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-grpo]",),
     _policy("grpo", "lora", "zero3"): (
         f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-grpo]",
-        f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-grpo-rm]",
+        f"{ZC}::test_two_zero_ranks_equal_one_process[zero3_offload-grpo-rm]",
         f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp",
     ),
     _policy("grpo", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-grpo-full]",),
