@@ -119,6 +119,7 @@ DS, FSDP, GPU = "tests/test_distributed_stages.py", "tests/test_fsdp.py", "tests
 CELLS = "tests/test_cells.py"
 ZC = "tests/test_zero_cpu.py"
 RANKS = "tests/test_cells_ddp.py::test_two_ranks_equal_one_process"
+ZRANKS = f"{ZC}::test_two_zero_ranks_equal_one_process"
 DISTILL = "tests/test_distill.py::test_resume_equals_unbroken_and_the_manifest_names_the_teacher"
 VLLM_TOOLS_TESTS: dict[str, tuple[str, ...]] = {
     "ppo": ("tests/test_vllm.py::test_ppo_with_tools_on_vllm",),
@@ -159,20 +160,12 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _plain("sft", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[sft]",),
     _plain("sft", "lora", "zero2"): (
         f"{GPU}::test_zero_equals_one_gpu[zero2-sft-1]",
-        f"{ZC}::test_two_zero_ranks_equal_one_process[zero2_offload-sft]",
+        f"{ZRANKS}[zero2_offload-sft]",
     ),
     _plain("sft", "lora", "zero3"): (
         f"{GPU}::test_zero_equals_one_gpu[zero3-sft-1]",
-        f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-sft]",
+        f"{ZRANKS}[zero3-sft]",
     ),
-    _plain("sft", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-full]",),
-    _plain("sft", "full", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-full]",),
-    _plain("pt", "lora", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-pt]",),
-    _plain("pt", "full", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-pt-full]",),
-    _plain("pt", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-pt-full]",),
-    _plain("rm", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-rm-full]",),
-    _plain("rm", "full", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2_offload-rm-full]",),
-    _plain("pt", "lora", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-pt]",),
     _plain("sft", "full", "single"): (
         "tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[sft-full]",
     ),
@@ -187,11 +180,11 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _plain("rm", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[rm]",),
     _plain("rm", "lora", "zero2"): (
         f"{GPU}::test_zero_equals_one_gpu[zero2-rm-1]",
-        f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-rm]",
+        f"{ZRANKS}[zero2-rm]",
     ),
     _plain("rm", "lora", "zero3"): (
         f"{GPU}::test_zero_equals_one_gpu[zero3-rm-1]",
-        f"{ZC}::test_two_zero_ranks_equal_one_process[zero3_offload-rm]",
+        f"{ZRANKS}[zero3_offload-rm]",
     ),
     _plain("rm", "full", "single"): (
         "tests/test_boundaries.py::test_gradient_checkpointing_recomputes_layers_in_every_stage[rm-full]",
@@ -206,10 +199,6 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         "tests/test_dpo.py::test_stage_learns_and_its_reference_is_the_starting_model[lora]",
     ),
     _plain("dpo", "lora", "fsdp"): (f"{FSDP}::test_two_fsdp_ranks_equal_one_process[dpo]",),
-    _plain("dpo", "lora", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-dpo]",),
-    _plain("dpo", "lora", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-dpo]",),
-    _plain("dpo", "full", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-dpo-full]",),
-    _plain("dpo", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-dpo-full]",),
     _plain("dpo", "full", "single"): (
         "tests/test_dpo.py::test_stage_learns_and_its_reference_is_the_starting_model[full]",
     ),
@@ -226,10 +215,9 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         f"{FSDP}::test_two_fsdp_ranks_equal_one_process[ppo]",
         f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[ppo-real]",
     ),
-    _policy("ppo", "lora", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-ppo]",),
     _policy("ppo", "lora", "zero3"): (
         f"{GPU}::test_ppo_under_zero3_equals_one_gpu",
-        f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-ppo]",
+        f"{ZRANKS}[zero3-ppo]",
     ),
     _policy("ppo", "full", "single"): ("tests/test_ppo.py::test_reference_and_reward_weights_unchanged[full]",),
     _policy("ppo", "full", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-ppo-1-full]",),
@@ -255,14 +243,11 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         f"{FSDP}::test_two_fsdp_ranks_equal_one_process[grpo]",
         f"{FSDP}::test_two_fsdp_ranks_equal_two_ddp_ranks[grpo-real]",
     ),
-    _policy("grpo", "lora", "zero2"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero2-grpo]",),
     _policy("grpo", "lora", "zero3"): (
-        f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-grpo]",
-        f"{ZC}::test_two_zero_ranks_equal_one_process[zero3_offload-grpo-rm]",
+        f"{ZRANKS}[zero3-grpo]",
+        f"{ZRANKS}[zero3_offload-grpo-rm]",
         f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp",
     ),
-    _policy("grpo", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-grpo-full]",),
-    _policy("ppo", "full", "zero3"): (f"{ZC}::test_two_zero_ranks_equal_one_process[zero3-ppo-full]",),
     _policy("grpo", "full", "single"): ("tests/test_grpo.py::test_beta_zero_runs_no_reference_forward[full]",),
     _policy("grpo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[grpo]",),
     _policy("grpo", "lora", "single", backend="hf"): (
@@ -279,6 +264,23 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("grpo", "full", "single", backend="vllm", correction="tis"): (
         "tests/test_vllm.py::test_grpo_stage_full_fine_tuning_samples_on_vllm",
     ),
+    # tests/test_zero_cpu.py: two ZeRO ranks (CPU) equal one process
+    _plain("sft", "full", "zero3"): (f"{ZRANKS}[zero3-full]",),
+    _plain("sft", "full", "zero2"): (f"{ZRANKS}[zero2-full]",),
+    _plain("pt", "lora", "zero3"): (f"{ZRANKS}[zero3-pt]",),
+    _plain("pt", "full", "zero2"): (f"{ZRANKS}[zero2-pt-full]",),
+    _plain("pt", "full", "zero3"): (f"{ZRANKS}[zero3-pt-full]",),
+    _plain("rm", "full", "zero3"): (f"{ZRANKS}[zero3-rm-full]",),
+    _plain("rm", "full", "zero2"): (f"{ZRANKS}[zero2_offload-rm-full]",),
+    _plain("pt", "lora", "zero2"): (f"{ZRANKS}[zero2-pt]",),
+    _plain("dpo", "lora", "zero2"): (f"{ZRANKS}[zero2-dpo]",),
+    _plain("dpo", "lora", "zero3"): (f"{ZRANKS}[zero3-dpo]",),
+    _plain("dpo", "full", "zero2"): (f"{ZRANKS}[zero2-dpo-full]",),
+    _plain("dpo", "full", "zero3"): (f"{ZRANKS}[zero3-dpo-full]",),
+    _policy("ppo", "lora", "zero2"): (f"{ZRANKS}[zero2-ppo]",),
+    _policy("grpo", "lora", "zero2"): (f"{ZRANKS}[zero2-grpo]",),
+    _policy("grpo", "full", "zero3"): (f"{ZRANKS}[zero3-grpo-full]",),
+    _policy("ppo", "full", "zero3"): (f"{ZRANKS}[zero3-ppo-full]",),
     # tests/test_cells_ddp.py: two ranks equal one process
     _plain("sft", "full", "ddp"): (f"{RANKS}[ddp-sft-full]",),
     _plain("sft", "full", "fsdp"): (f"{RANKS}[fsdp-sft-full]",),
