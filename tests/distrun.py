@@ -207,16 +207,19 @@ def run_one(spec: dict) -> None:
     fresh_accelerate()
 
 
-def keep_quantization_backend(specs: list[dict]) -> None:
-    """Import bitsandbytes before the first run when any run is QLoRA: a stage hides backends its
-    config does not ask for, so a QLoRA run after a LoRA one in this process would find it missing.
-    Only then: its import (torch's compiler stack with it) costs seconds in every rank."""
+def keep_backends(specs: list[dict]) -> None:
+    """Import bitsandbytes before the first run when any run is QLoRA, and DeepSpeed when any runs
+    under it: a stage hides backends its config does not ask for, so a QLoRA run after a LoRA one
+    (a DeepSpeed run after a DDP one) in this process would find it missing. Only then: their
+    imports cost seconds in every rank."""
     if any("qlora" in spec["argv"] for spec in specs):
         import bitsandbytes  # noqa: F401
+    if any("deepspeed" in spec["argv"] for spec in specs):
+        import deepspeed  # noqa: F401
 
 
 def run_all(specs: list[dict]) -> None:
-    keep_quantization_backend(specs)
+    keep_backends(specs)
     for spec in specs:
         stage_class(spec["stage"])
     # The imports live as long as the process: out of reach of the full collection every run's

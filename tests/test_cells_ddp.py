@@ -66,6 +66,17 @@ PREF_KEYS = ("train/loss", "train/grad_norm", "train/accuracy", "train/margin")
 KTO_KEYS = ("train/loss", "train/grad_norm", "train/margin", "kto/rewards_chosen", "kto/rewards_rejected", "kto/kl")
 DISTILL_KEYS = ("train/loss", "train/grad_norm", "distill/kl", "distill/on_policy", "distill/completion_length")
 BOTH = ("ddp", "fsdp")
+ENGINE_FLAGS = {
+    "ddp": ["--distributed.engine", "ddp"],
+    "fsdp": ["--distributed.engine", "fsdp"],
+    "zero3": [
+        "--distributed.engine",
+        "deepspeed",
+        "--distributed.deepspeed_config",
+        str(Path(__file__).resolve().parents[1] / "deepspeed_configs" / "zero3.json"),
+    ],
+}
+"""The engines a run names, as flags (ZeRO-3 on CPU ranks: tests/test_zero_cpu.py has the others)."""
 RUNS: dict[str, Run] = {
     "sft-full": Run(
         "sft", "full", BOTH, ("train/loss", "train/grad_norm", "train/loss_task/big"), held_out="sft_valid"
@@ -75,8 +86,10 @@ RUNS: dict[str, Run] = {
     # accuracy (chosen strictly above rejected, as TRL counts it) is decided by the rounding of the sharded
     # forward; the continuous figures (loss, margin, grad_norm) are compared
     "dpo-full": Run("dpo", "full", BOTH, tuple(k for k in PREF_KEYS if k != "train/accuracy")),
-    "kto-lora": Run("kto", "lora", BOTH, KTO_KEYS),
-    "kto-full": Run("kto", "full", BOTH, KTO_KEYS, extra=("--kto.loss_type", "apo_zero_unpaired"), held_out="kto_eval"),
+    "kto-lora": Run("kto", "lora", (*BOTH, "zero3"), KTO_KEYS),
+    "kto-full": Run(
+        "kto", "full", (*BOTH, "zero3"), KTO_KEYS, extra=("--kto.loss_type", "apo_zero_unpaired"), held_out="kto_eval"
+    ),
     # a second reward function without an opinion on most completions: its figure is the mean over every
     # rank's scored completions (a mean of the ranks' means differs)
     "grpo-full": Run("grpo", "full", BOTH, GRPO_KEYS + ("grpo/reward/sparse_reward",), held_out="prompts_eval"),
@@ -223,15 +236,12 @@ def launches(module_folder, tiny_model_dir, tiny_reward_dir):
 
     def spec(name: str, world: int, folder: Path, engine: str) -> dict:
         run = RUNS[name]
-        args = argv(name, world, folder / name, data, tiny_model_dir, tiny_reward_dir) + [
-            "--distributed.engine",
-            engine,
-        ]
+        args = argv(name, world, folder / name, data, tiny_model_dir, tiny_reward_dir) + ENGINE_FLAGS[engine]
         return {"stage": run.stage, "argv": args, "sampler": run.sampler}
 
     ranks = [
         spec(name, WORLD, root / engine, engine)
-        for engine in BOTH
+        for engine in ENGINE_FLAGS
         for name, run in RUNS.items()
         if engine in run.engines
     ]

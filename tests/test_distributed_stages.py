@@ -215,9 +215,9 @@ def launch(specs: list[dict], folder: Path, nproc: int, torchrun: bool = False) 
     in `folder`/launch.log."""
     folder.mkdir(parents=True, exist_ok=True)
     if nproc == 1 and not torchrun and not torch.cuda.is_available():
-        from distrun import keep_quantization_backend, run_one
+        from distrun import keep_backends, run_one
 
-        keep_quantization_backend(specs)
+        keep_backends(specs)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:

@@ -116,6 +116,8 @@ def argv(name: str, world: int, out: Path, setup) -> list[str]:
     # RM starts from a reward model: a fresh head's initial draw is not the same under zero.Init.
     args = stage_argv(stage, 1, per_rank, out, data, reward if stage == "rm" else model, reward)
     args[args.index("--lora.r") + 1] = "16"
+    if name == "sft":  # held-out evaluation every step: forwards without a backward before each save
+        args = with_values(args, train__eval_steps="1")
     return args + ["--model.finetuning", mode]
 
 
@@ -198,6 +200,10 @@ def test_two_zero_ranks_equal_one_process(name, launches):
         assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=REL, abs=ABS), key
     assert [s["train/grad_norm"] for s in history(got_dir, 1)] == [s["train/grad_norm"] for s in got]
     assert max(s["train/grad_norm"] for s in got) > 0.05  # clipping was active
+    evals = [json.loads((d / "history-rank0.json").read_text())["evals"] for d in (got_dir, want_dir)]
+    assert len(evals[0]) == len(evals[1]) and (evals[0] or name not in ("zero2_offload-sft", "zero3-sft"))
+    for mine, reference in zip(*evals):
+        assert mine == pytest.approx(reference, rel=REL, abs=ABS)
     # The RM's merged score head is itself a trained tensor (modules_to_save), not a LoRA product.
     assert_whole_and_equal(
         merged_weights(got_dir), merged_weights(want_dir), TRAINED_ABS if stage == "rm" else WEIGHTS_ABS[mode]

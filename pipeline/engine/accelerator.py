@@ -75,6 +75,14 @@ def is_partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
+def settle_zero3(model: torch.nn.Module) -> None:
+    """Every parameter of a prepared ZeRO-3 model back in its partition (a no-op otherwise): a
+    forward without a backward (an evaluation) can leave parameters it prefetched in flight, and
+    gathering one then fails ("Cannot partition a param in flight"). Every rank must call it."""
+    if is_partitioned(model) and hasattr(model, "empty_partition_cache"):
+        model.empty_partition_cache()
+
+
 def zero3_state(module: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """`module`'s state (or its trainable parameters) with every ZeRO-3 partition gathered, as
     CPU copies keyed like `state_dict()` (tied weights under each of their names). One parameter
@@ -272,6 +280,7 @@ def trainable_state(model: torch.nn.Module, accelerator) -> dict[str, torch.Tens
     if is_fsdp(model):
         return fsdp.full_tensors((n, p) for n, p in model.named_parameters() if n in names)
     if is_partitioned(model):
+        settle_zero3(model)
         state = zero3_state(accelerator.unwrap_model(model), trainable_only=True)
         return {n: v for n, v in state.items() if n in names}
     return {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters() if n in names}

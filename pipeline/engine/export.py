@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from pipeline.config import to_dict
-from pipeline.engine.accelerator import is_partitioned, without_zero3_init, zero3_state
+from pipeline.engine.accelerator import is_partitioned, settle_zero3, without_zero3_init, zero3_state
 from pipeline.engine.fsdp import full_state, is_sharded
 from pipeline.modeling.merge import export_full_model, merge_adapter
 from pipeline.modeling.models import load_model
@@ -39,6 +39,7 @@ def export_trained(stage, extras: dict) -> Optional[Path]:
         return _export_sharded(stage, trained, out, full, common, full_state)
     if is_partitioned(trained):
         # ZeRO-3 partitions on one rank too: a module saved as it is would hold empty tensors.
+        settle_zero3(stage.model)
         return _export_sharded(
             stage, trained, out, full, common, lambda module: zero3_state(module, trainable_only=not full)
         )
