@@ -194,7 +194,7 @@ class DPOStage(ReferenceStage):
             len(self.train_samples),
             len(self.eval_samples),
         )
-        self.reference = self.reference_engine = None
+        self.reference, self.frozen_engines = None, []
 
     def batch_reference(self, split: str, indices: Sequence[int], batch: dict) -> Optional[torch.Tensor]:
         """[2B] reference sums of a batch (chosen then rejected), None for a reference-free loss."""

@@ -51,6 +51,8 @@ from pipeline.config.capabilities import config_refusals
 from pipeline.config.engines import package_wanted
 from pipeline.engine.accelerator import (
     combination_problems,
+    frozen_zero3_engine,
+    is_partitioned,
     optimizer_state,
     prepare_training,
     resolve_precision,
@@ -183,6 +185,8 @@ class Stage:
         self.model: Any = None
         self.optimizer: Any = None
         self.scheduler: Any = None
+        self.frozen_engines: list = []
+        """Under ZeRO-3, the DeepSpeed engines that gather `frozen_copies`' partitions."""
         self.checkpointer: Any = None
         self.tracker: Any = None
         self.final_summary: Optional[dict] = None
@@ -276,6 +280,12 @@ class Stage:
     def export_adapters(self) -> dict[str, torch.nn.Module]:
         """Further adapters `export` saves beside adapter/, by folder name (PPO's critic_adapter)."""
         return {}
+
+    def frozen_copies(self) -> list[torch.nn.Module]:
+        """The frozen models the stage runs beside the trained one (a full-weight reference, a
+        reward model), none by default. Under ZeRO-3 they load partitioned, and `build` gives each
+        a DeepSpeed engine that gathers its partitions in its forwards (`frozen_engines`)."""
+        return []
 
     def release(self) -> None:
         """Drop what the stage holds on to besides model, optimizer and scheduler (a sampler, a
@@ -390,6 +400,8 @@ class Stage:
         if keeps_masters(cfg.train.precision, resolve_precision(cfg.train.precision)):
             fp32_masters(model)
         self.model, self.optimizer = prepare_training(acc, model, cfg)
+        # Frozen copies ZeRO-3 partitioned as they loaded: their forwards need an engine of their own.
+        self.frozen_engines = [frozen_zero3_engine(acc, m) for m in self.frozen_copies() if is_partitioned(m)]
         self.train_mode()
         # Not prepared: accelerate would step it once per process per step.
         self.scheduler = build_scheduler(torch_optimizer(self.optimizer), cfg.train)

@@ -18,7 +18,7 @@ from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.mismatch import engine_logprob_matrix
 from pipeline.config import RewardModelConfig
 from pipeline.config.backends import BACKENDS
-from pipeline.engine.accelerator import frozen_zero3_engine, full_parameters, is_partitioned, is_zero3
+from pipeline.engine.accelerator import full_parameters, is_zero3
 from pipeline.engine.stage import Stage, resolved_path
 from pipeline.modeling.embedded import is_embedded
 from pipeline.modeling.handoff import reward_pairing_problems
@@ -91,8 +91,6 @@ class PolicyStage(Stage):
         )
         self.generator_factory = generator_factory
         self._generator: Optional[Generator] = None
-        self.frozen_engines: list = []
-        """Under ZeRO-3, the DeepSpeed engines that gather the frozen copies' partitions."""
         self.tools: dict = {}
         """The tools a tool rollout may call (cfg.tools, pipeline/rl/tool_rollout.py); empty: none."""
 
@@ -130,14 +128,9 @@ class PolicyStage(Stage):
         # all skipped, dropped overlong, or too few
         return self.fill_problems(len(self.train_samples), "usable prompt(s)", "rollout batch")
 
-    def build(self) -> None:
-        super().build()
-        # Frozen copies beside the engine (full fine-tuning, GRPO's reward model) that ZeRO-3
-        # partitioned as they loaded: their forwards need an engine of their own.
-        copies = (self.inner.reference, self.inner.reward)
-        self.frozen_engines = [
-            frozen_zero3_engine(self.accelerator, c) for c in copies if c is not None and is_partitioned(c)
-        ]
+    def frozen_copies(self) -> list[torch.nn.Module]:
+        """The reference and reward copies beside the actor-critic (full fine-tuning; GRPO's reward model)."""
+        return [m for m in (self.inner.reference, self.inner.reward) if m is not None]
 
     def train_mode(self) -> None:
         """build_model left every trained module in train mode with dropout off; keep it so."""

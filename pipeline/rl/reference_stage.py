@@ -13,7 +13,6 @@ from typing import Optional
 import torch
 
 from pipeline.algorithms import preference as pref
-from pipeline.engine.accelerator import frozen_zero3_engine, is_partitioned
 from pipeline.engine.stage import Stage
 from pipeline.modeling.models import adapter_disabled, eval_mode, load_model, train_without_dropout
 
@@ -23,8 +22,6 @@ class ReferenceStage(Stage):
         super().__init__(cfg)
         self.reference: Optional[torch.nn.Module] = None
         """The frozen copy of the starting model (full fine-tuning, while it is needed), else None."""
-        self.reference_engine = None
-        """Under ZeRO-3, the DeepSpeed engine that gathers the copy's partitions in its forwards."""
 
     def load_reference(self) -> None:
         """The frozen starting copy, on the accelerator's device (full fine-tuning: no adapter to disable)."""
@@ -33,11 +30,8 @@ class ReferenceStage(Stage):
         )
         self.reference.to(self.accelerator.device)
 
-    def build(self) -> None:
-        super().build()
-        if self.reference is not None and is_partitioned(self.reference):
-            # ZeRO-3 partitioned the copy as it loaded: its forwards need an engine of its own
-            self.reference_engine = frozen_zero3_engine(self.accelerator, self.reference)
+    def frozen_copies(self) -> list[torch.nn.Module]:
+        return [self.reference] if self.reference is not None else []
 
     def train_mode(self) -> None:
         """Train mode (gradient checkpointing runs) without dropout: at step 0 the policy's
@@ -55,5 +49,5 @@ class ReferenceStage(Stage):
             return pref.sequence_logps(policy, batch, self.accelerator)[0]
 
     def export(self, summary: dict) -> Optional[Path]:
-        self.reference = self.reference_engine = None  # the merge loads the base again: not beside a second copy
+        self.reference, self.frozen_engines = None, []  # the merge loads the base again: not beside a second copy
         return super().export(summary)
