@@ -336,8 +336,7 @@ class GRPOStage(PolicyStage):
         local["grpo/clipfrac"] = update["clipfrac"]
         if "kl" in update:
             local["grpo/kl"] = update["kl"]
-        figures = rank_mean(local, acc)
-        figures.update({key: figures[key] * acc.num_processes for key in DYNAMIC_TOTALS if key in figures})
+        figures = rank_mean(local, acc, totals=DYNAMIC_TOTALS)
         figures.update(algo.source_means(every[:, 2:], list(parts)))
         figures.update(
             {

@@ -201,7 +201,7 @@ def test_two_zero_ranks_equal_one_process(name, launches):
     assert [s["train/grad_norm"] for s in history(got_dir, 1)] == [s["train/grad_norm"] for s in got]
     assert max(s["train/grad_norm"] for s in got) > 0.05  # clipping was active
     evals = [json.loads((d / "history-rank0.json").read_text())["evals"] for d in (got_dir, want_dir)]
-    assert len(evals[0]) == len(evals[1]) and (evals[0] or name not in ("zero2_offload-sft", "zero3-sft"))
+    assert len(evals[0]) == len(evals[1]) and (ref != "sft" or len(evals[0]) >= STEPS)  # LoRA SFT: every step
     for mine, reference in zip(*evals):
         assert mine == pytest.approx(reference, rel=REL, abs=ABS)
     # The RM's merged score head is itself a trained tensor (modules_to_save), not a LoRA product.

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -302,13 +302,14 @@ def _summed(values: Sequence[torch.Tensor | float]) -> torch.Tensor:
     return total
 
 
-def rank_mean(values: dict[str, float], accelerator) -> dict[str, float]:
-    """Each figure's mean over ranks (itself on one process): one all-reduce for all of them."""
+def rank_mean(values: dict[str, float], accelerator, totals: Collection[str] = ()) -> dict[str, float]:
+    """Each figure's mean over ranks (itself on one process), the ones named in `totals` summed
+    over ranks instead (counts of the whole step): one all-reduce for all of them."""
     if accelerator is None or accelerator.num_processes == 1 or not values:
         return dict(values)
     keys = sorted(values)
     sums = all_reduce_sum(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64), accelerator)
-    return dict(zip(keys, (sums / accelerator.num_processes).tolist()))
+    return {k: v if k in totals else v / accelerator.num_processes for k, v in zip(keys, sums.tolist())}
 
 
 def pooled_means(means: torch.Tensor, counts: torch.Tensor, accelerator) -> torch.Tensor:
