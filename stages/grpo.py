@@ -216,7 +216,13 @@ class GRPOStage(PolicyStage):
     def judge_scores(self, prompts: list, completions: list, columns: list[dict], tag: Optional[int]) -> torch.Tensor:
         """The judge's score of each completion's final answer to its prompt's last user turn."""
         if self.judge is None:  # a resumed run sees the replies an unbroken one had cached by now
-            self.judge = rw.open_judge(self.cfg.judge, self.cfg.output_dir, self.accelerator.process_index, self.step)
+            self.judge = rw.open_judge(
+                self.cfg.judge,
+                self.cfg.output_dir,
+                self.accelerator.process_index,
+                self.accelerator.num_processes,
+                self.step,
+            )
         return rw.judge_scores(self.judge, prompts, completions, columns, self.step + 1 if tag is None else tag)
 
     def sample_groups(self) -> tuple[list[dict], object, torch.Tensor, dict, dict, dict[str, float]]:
@@ -331,12 +337,13 @@ class GRPOStage(PolicyStage):
             "grpo/completion_length": float(rollout.response_mask.sum(1).float().mean()),
             **dynamic,
             **self.reward_log.means(),
-            **(self.judge.take_figures() if self.judge is not None else {}),
         }
         local["grpo/clipfrac"] = update["clipfrac"]
         if "kl" in update:
             local["grpo/kl"] = update["kl"]
         figures = rank_mean(local, acc, totals=DYNAMIC_TOTALS)
+        if self.judge is not None:  # every rank's requests for its own completions
+            figures.update(self.judge.take_figures(total=lambda counts: rank_mean(counts, acc, totals=counts)))
         figures.update(algo.source_means(every[:, 2:], list(parts)))
         figures.update(
             {

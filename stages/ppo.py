@@ -286,7 +286,8 @@ class PPOStage(PolicyStage):
         )
         if self.judge is not None:
             sources = {f"ppo/reward/{name}": float(v.nanmean()) for name, v in self.reward_parts.items()}
-            figures.update(rank_mean({**sources, **self.judge.take_figures()}, acc))
+            figures.update(rank_mean(sources, acc))
+            figures.update(self.judge.take_figures(total=lambda counts: rank_mean(counts, acc, totals=counts)))
         self.kl_controller.update(figures["ppo/kl"], cfg.train.batch_size * acc.num_processes)
         if rollout.engine_logp is not None:  # an engine reporting its log-probs (vLLM): the mismatch, measured
             mean, worst = logprob_diff(exp.old_logprobs, rollout.engine_logp, rollout.response_mask)
@@ -347,7 +348,13 @@ class PPOStage(PolicyStage):
         if not self.cfg.judge.enabled:
             return {}
         if self.judge is None:  # a resumed run sees the replies an unbroken one had cached by now
-            self.judge = rw.open_judge(self.cfg.judge, self.cfg.output_dir, self.accelerator.process_index, self.step)
+            self.judge = rw.open_judge(
+                self.cfg.judge,
+                self.cfg.output_dir,
+                self.accelerator.process_index,
+                self.accelerator.num_processes,
+                self.step,
+            )
         prompts, completions, columns = self.reward_inputs(samples, rollout)
         return {"judge": rw.judge_scores(self.judge, prompts, completions, columns, tag)}
 

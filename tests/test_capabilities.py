@@ -140,8 +140,14 @@ REFUSED = [
     (
         "ppo",
         2,
-        ["--judge.base_url", "http://127.0.0.1:9/v1", "--judge.model", "m"],
-        "judge.base_url: a judge reward in ppo with tools off under DDP is not run",
+        ["--judge.base_url", "http://127.0.0.1:9/v1", "--judge.model", "m", "--distributed.engine", "fsdp"],
+        "judge.base_url: a judge reward in ppo with tools off under FSDP2 is not run",
+    ),
+    (
+        "grpo",
+        2,
+        ["--judge.base_url", "http://127.0.0.1:9/v1", "--judge.model", "m", "--judge.max_concurrency", "1"],
+        "judge.max_concurrency: 1 requests in flight cannot be shared by the 2 ranks that each ask",
     ),
     (
         "dpo",

@@ -4,7 +4,8 @@ other test trains: two gloo ranks on CPU equal one process with the same global 
 
 Covered: full-weight SFT, DPO, KTO and GRPO under DDP and FSDP2; DPO with LoRA under DDP and KTO
 with LoRA under DDP and FSDP2; PPO with tools under DDP (scripted tool caller, tests/tool_distrun.py);
-QLoRA PT and RM under DDP; distill with LoRA and full weights under DDP and FSDP2 (one step on the
+an LLM judge (a stub endpoint in this process, tests/judgestub.py) beside the other rewards of GRPO
+(full weights, DDP and FSDP2; tools, DDP) and PPO (with and without tools, DDP); QLoRA PT and RM under DDP; distill with LoRA and full weights under DDP and FSDP2 (one step on the
 student's scripted samples, one on the dataset's completions: distill.lmbda 0.5, train.seed 0).
 The hf generation backend under DDP draws what Relay's engine draws on the
 same ranks (its sampler is real, so its rollouts depend on each rank's RNG stream: compared with
@@ -39,6 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 from forkserver import python_for_tests
+from judgestub import SERVED, Stub
 from safetensors.torch import load_file
 from test_cells import kto_rows
 from test_distributed_stages import ABS, REL, WEIGHTS_ABS, history, merged_weights, stage_argv, write_data
@@ -58,12 +60,16 @@ class Run:
     extra: tuple[str, ...] = ()
     held_out: str = ""
     """The data entry of its held-out set (an odd number of samples: one rank runs a padding batch)."""
+    judge: bool = False
+    """An LLM judge (tests/judgestub.py) as one more reward: each rank asks for its own completions."""
 
 
 PPO_KEYS = ("train/grad_norm", "ppo/kl", "ppo/reward_norm", "ppo/reward_raw", "ppo/entropy")
 GRPO_KEYS = ("train/loss", "train/grad_norm", "grpo/reward", "grpo/kl", "grpo/completion_length")
 PREF_KEYS = ("train/loss", "train/grad_norm", "train/accuracy", "train/margin")
 KTO_KEYS = ("train/loss", "train/grad_norm", "train/margin", "kto/rewards_chosen", "kto/rewards_rejected", "kto/kl")
+JUDGE_KEYS = ("judge/requests", "judge/cache_hits", "judge/failures")
+"""Counts of the whole step: every rank's requests summed."""
 DISTILL_KEYS = ("train/loss", "train/grad_norm", "distill/kl", "distill/on_policy", "distill/completion_length")
 BOTH = ("ddp", "fsdp")
 ENGINE_FLAGS = {
@@ -92,8 +98,27 @@ RUNS: dict[str, Run] = {
     ),
     # a second reward function without an opinion on most completions: its figure is the mean over every
     # rank's scored completions (a mean of the ranks' means differs)
-    "grpo-full": Run("grpo", "full", BOTH, GRPO_KEYS + ("grpo/reward/sparse_reward",), held_out="prompts_eval"),
-    "ppo-tools": Run("ppo", "lora", ("ddp",), PPO_KEYS, sampler="tools"),
+    # and a judge beside them
+    "grpo-full": Run(
+        "grpo",
+        "full",
+        BOTH,
+        GRPO_KEYS + ("grpo/reward/sparse_reward", "grpo/reward/judge") + JUDGE_KEYS,
+        held_out="prompts_eval",
+        judge=True,
+    ),
+    "grpo-tools": Run("grpo", "lora", ("ddp",), GRPO_KEYS + ("grpo/reward/judge",) + JUDGE_KEYS, "tools", judge=True),
+    "ppo-tools": Run("ppo", "lora", ("ddp",), PPO_KEYS + ("ppo/reward/judge",) + JUDGE_KEYS, "tools", judge=True),
+    # at lr 1e-2 Adam turns the two runs' summation-order noise into 1.5e-5 on the merged LoRA weights (every
+    # figure agreeing to 5e-6), above WEIGHTS_ABS["lora"]: half the step
+    "ppo-judge": Run(
+        "ppo",
+        "lora",
+        ("ddp",),
+        PPO_KEYS + ("ppo/reward/judge", "ppo/reward/rm") + JUDGE_KEYS,
+        extra=("--train.learning_rate", "5e-3"),
+        judge=True,
+    ),
     "pt-qlora": Run("pt", "qlora", ("ddp",), ("train/loss", "train/grad_norm")),
     "rm-qlora": Run(
         "rm", "qlora", ("ddp",), ("train/loss", "train/grad_norm", "train/accuracy"), held_out="pairs_eval"
@@ -118,7 +143,9 @@ def argv(name: str, world: int, out: Path, data: dict, model: Path, reward: Path
         base = grpo_args(
             stage_argv("rm", 1, 4 // world, out, data, model, reward),
             data["ppo"],
-            "distrun:group_reward,distrun:sparse_reward",
+            "test_tool_rollout:answer_length"
+            if run.sampler == "tools"
+            else "distrun:group_reward,distrun:sparse_reward",
             "6",
         )
     elif stage == "ppo":
@@ -153,6 +180,21 @@ def argv(name: str, world: int, out: Path, data: dict, model: Path, reward: Path
             "64",
             "--generation.missing_eos_penalty",
             "null",
+        ]
+    if run.judge:
+        base += [
+            "--judge.base_url",
+            data["judge"],
+            "--judge.model",
+            SERVED,
+            "--judge.max_concurrency",
+            str(WORLD),
+            "--judge.on_failure",
+            "0.0",
+            "--judge.retry_backoff",
+            "0",
+            "--judge.weight",
+            "0.5",
         ]
     return base + ["--model.finetuning", run.mode, *run.extra]
 
@@ -207,16 +249,27 @@ def grpo_args(args: list[str], prompts: Path, reward_fn: str, tokens: str) -> li
 def held_out_sets(data: dict) -> None:
     """Held-out sets of 5 samples (two ranks of 2-sample batches: one rank runs a padding batch)."""
     folder = data["rm"].parent
-    for key, source in (("pairs_eval", data["rm"]), ("kto_eval", data["kto"]), ("prompts_eval", data["ppo"])):
+    for key, source in (("pairs_eval", data["rm"]), ("kto_eval", data["kto"])):
         data[key] = folder / f"{key}.jsonl"
         data[key].write_text("".join(source.read_text().splitlines(keepends=True)[-5:]))
+    # prompts training never draws: a held-out request the judge answered on one rank is not cached on the other
+    data["prompts_eval"] = folder / "prompts_eval.jsonl"
+    data["prompts_eval"].write_text("".join(json.dumps({"prompt": f"Held-out question {i}?"}) + "\n" for i in range(5)))
     big = data["sft_valid"] / "big.jsonl"  # SFT's 2 + 2 held-out samples: one more
     lines = big.read_text().splitlines(keepends=True)
     big.write_text("".join(lines + lines[:1]))
 
 
 @pytest.fixture(scope="module")
-def launches(module_folder, tiny_model_dir, tiny_reward_dir):
+def judge_stub():
+    stub = Stub()
+    yield stub
+    stub.server.shutdown()
+    stub.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def launches(module_folder, tiny_model_dir, tiny_reward_dir, judge_stub):
     """Every multi-rank run in one torchrun (the engine is a run's setting; the process group
     outlives the runs), then the one-process references here."""
     import cells_distrun  # noqa: F401  (adds KTO and the tool sampler to tests/distrun.py's runner)
@@ -230,9 +283,10 @@ def launches(module_folder, tiny_model_dir, tiny_reward_dir):
         root / "teacher", seed=7, hidden_size=96, intermediate_size=192, initializer_range=0.6
     )
     data["tools"] = root / "data" / "tools.jsonl"
-    data["tools"].write_text(
-        "".join(json.dumps({"prompt": f"What is 2 + {i}?", "answer": str(2 + i)}) + "\n" for i in range(4))
+    data["tools"].write_text(  # a prompt a step: a later step never finds its request cached on another rank
+        "".join(json.dumps({"prompt": f"What is 2 + {i}?", "answer": str(2 + i)}) + "\n" for i in range(8))
     )
+    data["judge"] = judge_stub.url
 
     def spec(name: str, world: int, folder: Path, engine: str) -> dict:
         run = RUNS[name]
@@ -348,6 +402,31 @@ def test_dynamic_sampling_over_two_ranks_keeps_informative_groups_and_counts_eve
         assert figures["grpo/dynamic/topped_up"] == 0 and figures["grpo/frac_reward_zero_std"] == 0
         assert odd >= 1 and odd <= figures["grpo/dynamic/dropped_groups"] <= len(drawn) - 2 * WORLD, (odd, figures)
     assert at == len(calls[0]) == len(calls[1])
+
+
+JUDGED = [(engine, name) for engine, name in CASES if RUNS[name].judge]
+
+
+def cached_requests(folder: Path) -> list[set[str]]:
+    """Each rank's judge cache (pipeline/algorithms/judge.py): the requests it sent, by key."""
+    files = sorted((folder / "judge_cache").glob("rank*.jsonl"))
+    return [{json.loads(line)["key"] for line in f.read_text().splitlines()} for f in files]
+
+
+@pytest.mark.parametrize("engine,name", JUDGED, ids=[f"{e}-{n}" for e, n in JUDGED])
+def test_a_judge_on_two_ranks_asks_what_one_process_asks(engine, name, launches, judge_stub):
+    """Each rank asks the judge for its own completions, together what one process asks, within
+    judge.max_concurrency over both ranks; the step's judge counts are both ranks' (compared in
+    test_two_ranks_equal_one_process: a mean over ranks is half). Each rank caches its own replies:
+    a request asked on one rank and repeated on the other is asked again (none here repeats across
+    ranks but a held-out padding batch's, which no figure counts)."""
+    two, one = launches / engine / name, launches / "one" / name
+    ranks, (alone,) = cached_requests(two), cached_requests(one)
+    assert len(ranks) == WORLD and all(ranks)
+    assert ranks[0] | ranks[1] == alone
+    want = history(one)
+    assert sum(s["judge/requests"] for s in want) > 0 and all(s["judge/failures"] == 0 for s in want)
+    assert judge_stub.max_in_flight <= WORLD
 
 
 HELD_OUT = [(engine, name) for engine, name in CASES if RUNS[name].held_out]

@@ -1,17 +1,14 @@
-"""The LLM-judge reward (pipeline/algorithms/judge.py) against a stub OpenAI server on loopback: the
-stub checks every request with `relay serve`'s own parser (pipeline/tools/openai_protocol.py),
-answers with a chat.completion, and counts requests and how many are in flight at once."""
+"""The LLM-judge reward (pipeline/algorithms/judge.py) against a stub OpenAI server on loopback
+(tests/judgestub.py)."""
 
 from __future__ import annotations
 
 import json
 import math
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from judgestub import SERVED, Stub, answer_of, default_reply
 from stagerun import run_stage
 from test_grpo import make_cfg, peaked_policy  # noqa: F401  (a fixture)
 from test_ppo import make_cfg as ppo_make_cfg
@@ -24,102 +21,9 @@ from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.judge import JudgeError, JudgeReward, parse_score
 from pipeline.algorithms.judge_config import JudgeConfig
 from pipeline.config import ConfigError
-from pipeline.tools.openai_protocol import ApiError, check_request, completion_response, logprobs_content
 from stages import grpo, ppo
 
-SERVED = "stub-judge"
 KEY = "sk-test-9f3c1d7e5b2a"
-
-
-def answer_of(body: dict) -> str:
-    return body["messages"][-1]["content"].split("Answer:\n", 1)[-1]
-
-
-def default_reply(answer: str) -> str:
-    """Deterministic: a resumed run and an unbroken one get the same score for the same answer."""
-    return str(len(answer) % 11)
-
-
-def first_token(top: list[tuple[str, float]]) -> list[dict]:
-    """The logprobs object of a one-token reply whose top_logprobs are `top` [(token, probability)]."""
-    return [logprobs_content([(top[0][0], math.log(top[0][1]), [(t, math.log(p)) for t, p in top])])]
-
-
-class Stub:
-    """A ThreadingHTTPServer answering /v1/chat/completions; `reply(answer)` says what (None: HTTP
-    500; (seconds, text): sleep that long first, then answer; a list of (token, probability): a
-    one-token reply with those top_logprobs)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.bodies: list[dict] = []
-        self.auth: set = set()
-        self.in_flight = self.max_in_flight = 0
-        self.delay = 0.0
-        self.reply = default_reply
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with stub.lock:
-                    stub.in_flight += 1
-                    self.counted = True
-                    stub.max_in_flight = max(stub.max_in_flight, stub.in_flight)
-                    stub.bodies.append(body)
-                    stub.auth.add(self.headers.get("Authorization"))
-                try:
-                    check_request(body, SERVED)  # what `relay serve` would accept
-                    time.sleep(stub.delay)
-                    text = stub.reply(answer_of(body))
-                    if isinstance(text, tuple):  # (seconds, text): a slow judge
-                        time.sleep(text[0])
-                        text = text[1]
-                    logprobs = None
-                    if isinstance(text, list):  # hand-written top_logprobs of the first token
-                        logprobs, text = first_token(text), text[0][0]
-                    if text is None:
-                        self._send(500, {"error": {"message": "boom"}})
-                    else:
-                        response = completion_response("chatcmpl-1", SERVED, [text], ["stop"], 1, 1, logprobs)
-                        self._send(200, response)
-                except ApiError as err:
-                    self._send(err.status, {"error": {"message": str(err)}})
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-                finally:
-                    self._done()
-
-            def _done(self):
-                # before the reply is written: the client may send its next request as soon as it
-                # has read this one, and that request must not find this one still counted
-                with stub.lock:
-                    if getattr(self, "counted", False):
-                        stub.in_flight -= 1
-                        self.counted = False
-
-            def _send(self, status, payload):
-                self._done()
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def reset(self):
-        self.bodies.clear()
-        self.auth.clear()
-        self.in_flight = self.max_in_flight = 0
-        self.delay, self.reply = 0.0, default_reply
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +94,31 @@ def test_requests_are_distinct_uncached_ones_and_in_flight_stays_under_the_limit
     assert figures["judge/requests"] == 13 and figures["judge/cache_hits"] == 3 and figures["judge/failures"] == 0
     assert figures["judge/latency_s"] >= 0.05
     assert judge.take_figures()["judge/requests"] == 0  # reset after reading
+
+
+def test_ranks_share_the_concurrency_and_their_counts_pool(fresh, tmp_path):
+    """Two ranks' judges: each keeps half of max_concurrency in flight, and the step's figures are
+    over both ranks' requests (what `total` sums, as a stage's all-reduce does): gold agreement 3 of
+    4 completions (one rank 3 of 3, the other 0 of 1), not the mean of the ranks' shares (0.5)."""
+    fresh.delay = 0.05
+    cfg = judge_cfg(fresh.url, max_concurrency=4, gold_column="answer", pass_score=0.5)
+    ranks = [JudgeReward(cfg, tmp_path / f"rank{r}.jsonl", ranks=2) for r in range(2)]
+    answers = [f"answer {i}" for i in range(6)]  # 8 characters: 0.8, a pass
+    ranks[0].score(["Q?"] * 6, answers, tag=1, golds=[True, True, True, None, None, None])
+    assert len(fresh.bodies) == 6 and fresh.max_in_flight == 2
+    ranks[1].score(["Q?"], ["answer 9"], tag=1, golds=[False])
+    counts = [judge.pending for judge in ranks]
+
+    def total(mine: dict) -> dict:  # both ranks' counts, summed
+        return {name: sum(float(getattr(c, name)) for c in counts) for name in mine}
+
+    figures = [judge.take_figures(total=total) for judge in list(ranks)]
+    assert figures[0]["judge/requests"] == 7 and figures[0]["judge/gold_agreement"] == 0.75
+    assert figures[0]["judge/latency_s"] >= 0.05
+    assert JudgeConfig(base_url="http://x/v1", model="m", max_concurrency=3).rank_problems(4) == [
+        "judge.max_concurrency: 3 requests in flight cannot be shared by the 4 ranks that each ask the judge for "
+        "their own completions; set it to at least 4"
+    ]
 
 
 def test_timeout_unparsable_and_server_error_get_the_fallback_counted(fresh, tmp_path, caplog):

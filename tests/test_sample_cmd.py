@@ -147,7 +147,7 @@ def test_relay_sample_refuses_a_bad_config_in_lines_before_loading(tmp_path, cap
 
 
 def test_a_judge_scores_the_samples(tmp_path, tiny_model_dir, prompt_files):
-    from test_judge import SERVED, Stub, default_reply
+    from judgestub import SERVED, Stub, default_reply
 
     from pipeline.algorithms.judge_config import JudgeConfig
 

@@ -5,7 +5,8 @@ For answers no rule can check (medical, legal, support), a keyword reward gets h
 model needs preference data; a judge the user already runs needs neither. What a hand-written HTTP
 call inside a reward function lacks is here:
 
-- `max_concurrency`: at most that many requests in flight (a thread pool of that size);
+- `max_concurrency`: at most that many requests in flight over every rank (each rank asks for its
+  own completions through a thread pool of an equal share: `max_concurrency // ranks`);
 - `timeout` and `retries` (connection errors, timeouts, 429 and 5xx are retried with a doubling
   backoff; other 4xx and an unparsable reply are not: a retry would get the same answer);
 - `on_failure`: the score a completion gets when its request still fails, counted in
@@ -170,8 +171,12 @@ class JudgeStats:
 class JudgeReward:
     """Scores completions through the judge endpoint (`score`), with the cache and the counts."""
 
-    def __init__(self, cfg: JudgeConfig, cache_file: Optional[Path] = None):
+    def __init__(self, cfg: JudgeConfig, cache_file: Optional[Path] = None, ranks: int = 1):
+        """`ranks`: the processes asking the endpoint at once, each through an equal share of
+        `max_concurrency` (at least one request each: `JudgeConfig.rank_problems`)."""
         self.cfg = cfg
+        self.workers = max(1, cfg.max_concurrency // ranks)
+        """Requests in flight at most from this process."""
         self.cache_file = Path(cache_file) if cache_file is not None and cfg.cache else None
         self.cache: dict[str, tuple[int, float, str]] = {}
         """key -> (step tag, score, reply)."""
@@ -266,8 +271,9 @@ class JudgeReward:
         golds: Optional[Sequence[Optional[bool]]] = None,
     ) -> list[float]:
         """One score per answer. Identical requests (in this call or cached) cost one request; the
-        rest run `max_concurrency` at a time. `tag`: the optimizer step asking (see `open`);
-        `golds`: whether each answer states the verified answer (None: unknown), for the agreement count.
+        rest run `self.workers` (this rank's share of `max_concurrency`) at a time. `tag`: the
+        optimizer step asking (see `open`); `golds`: whether each answer states the verified answer
+        (None: unknown), for the agreement count.
 
         Raises:
             JudgeError: a request failed and on_failure is null, or the key's variable is unset.
@@ -280,7 +286,7 @@ class JudgeReward:
         keys = [request_key(cfg, b) for b in bodies]
         todo = {k: b for k, b in zip(keys, bodies) if k not in self.cache}
         headers = self._headers() if todo else {}
-        with ThreadPoolExecutor(max_workers=min(cfg.max_concurrency, max(1, len(todo)))) as pool:
+        with ThreadPoolExecutor(max_workers=min(self.workers, max(1, len(todo)))) as pool:
             outcomes = dict(zip(todo, pool.map(lambda body: self._post(body, headers), todo.values())))
         stats = JudgeStats(
             requests=len(todo),
@@ -316,20 +322,23 @@ class JudgeReward:
         self.totals.add(stats)
         return [float(v) for v in scores]
 
-    def take_figures(self, prefix: str = "judge/") -> dict[str, float]:
+    def take_figures(
+        self, prefix: str = "judge/", total: Optional[Callable[[dict[str, float]], dict[str, float]]] = None
+    ) -> dict[str, float]:
         """The counts since the last call as tracker figures, then reset: requests, cache_hits,
         failures (completions that got on_failure), latency_s (mean per request, retries included;
         0 when the cache answered everything) and, with gold_column, gold_agreement (NaN when every
-        request failed). The same names every call: ranks average them in one all-reduce."""
+        request failed). `total` sums the raw counts over ranks (every rank calls it at the same
+        point): the figures are then the whole step's, each rank asking for its own completions."""
         s, self.pending = self.pending, JudgeStats()
-        out = {
-            f"{prefix}requests": float(s.requests),
-            f"{prefix}cache_hits": float(s.cache_hits),
-            f"{prefix}failures": float(s.failures),
-            f"{prefix}latency_s": s.seconds / s.requests if s.requests else 0.0,
-        }
+        counts = {name: float(getattr(s, name)) for name in s.__dataclass_fields__}
+        if total is not None:
+            counts = total(counts)
+        out = {f"{prefix}{name}": counts[name] for name in ("requests", "cache_hits", "failures")}
+        out[f"{prefix}latency_s"] = counts["seconds"] / counts["requests"] if counts["requests"] else 0.0
         if self.cfg.gold_column:
-            out[f"{prefix}gold_agreement"] = s.agree / s.judged_gold if s.judged_gold else math.nan
+            judged = counts["judged_gold"]
+            out[f"{prefix}gold_agreement"] = counts["agree"] / judged if judged else math.nan
         return out
 
 

@@ -55,7 +55,8 @@ class JudgeConfig:
     weight: float = 1.0
     """Weight of the judge's score in the summed reward."""
     max_concurrency: int = 8
-    """Requests in flight at most."""
+    """Requests in flight at most, over every rank (each rank asks for its own completions, through
+    an equal share)."""
     timeout: float = 30.0
     """Seconds a request may take."""
     retries: int = 2
@@ -130,6 +131,16 @@ class JudgeConfig:
         if self.on_failure is not None and not math.isfinite(self.on_failure):
             out.append(f"{key}.on_failure: must be a finite score or null (stop the run), got {self.on_failure}")
         return out
+
+    def rank_problems(self, ranks: int, key: str = "judge") -> list[str]:
+        """The one line refusing a judge whose max_concurrency cannot give each of `ranks` processes a
+        request in flight (each rank asks for its own completions), or []."""
+        if not self.enabled or ranks <= self.max_concurrency:
+            return []
+        return [
+            f"{key}.max_concurrency: {self.max_concurrency} requests in flight cannot be shared by the {ranks} ranks "
+            f"that each ask the judge for their own completions; set it to at least {ranks}"
+        ]
 
     def _logprob_problems(self, key: str) -> list[str]:
         if self.score_from not in SCORE_FROM:

@@ -317,10 +317,11 @@ def weighted_sum(parts: dict[str, torch.Tensor], weights: dict[str, float], n: i
     return total
 
 
-def open_judge(cfg: JudgeConfig, output_dir: str, rank: int, steps_done: int) -> JudgeReward:
-    """A stage's judge: this rank's disk cache under OUTPUT_DIR/judge_cache/, holding what an
-    unbroken run had cached after `steps_done` optimizer steps (JudgeReward.open)."""
-    judge = JudgeReward(cfg, Path(output_dir) / "judge_cache" / f"rank{rank}.jsonl")
+def open_judge(cfg: JudgeConfig, output_dir: str, rank: int, ranks: int, steps_done: int) -> JudgeReward:
+    """A stage's judge on rank `rank` of `ranks`: this rank's disk cache under OUTPUT_DIR/judge_cache/,
+    holding what an unbroken run had cached after `steps_done` optimizer steps (JudgeReward.open),
+    and its share of judge.max_concurrency."""
+    judge = JudgeReward(cfg, Path(output_dir) / "judge_cache" / f"rank{rank}.jsonl", ranks)
     judge.open(steps_done)
     return judge
 

@@ -315,11 +315,22 @@ for _stage, _nodes in VLLM_TOOLS_TESTS.items():
     TESTS[_policy(_stage, "lora", "single", backend="vllm", tools="on", correction="tis")] = _nodes
 
 JUDGE = "tests/test_judge.py"
+JUDGED = "tests/test_cells_ddp.py::test_a_judge_on_two_ranks_asks_what_one_process_asks"
 JUDGE_TESTS: dict[tuple[str, str, str], tuple[str, ...]] = {
     ("ppo", "off", "single"): (f"{JUDGE}::test_ppo_sums_the_judge_with_the_reward_model_and_resumes",),
     ("ppo", "on", "single"): (f"{JUDGE}::test_tool_rollouts_are_judged_by_their_final_answer[ppo]",),
     ("grpo", "off", "single"): (f"{JUDGE}::test_grpo_two_steps_with_judge_and_rule_reward_and_resume",),
     ("grpo", "on", "single"): (f"{JUDGE}::test_tool_rollouts_are_judged_by_their_final_answer[grpo]",),
+    **{
+        (stage, tools, engine): (f"{RANKS}[{engine}-{run}]", f"{JUDGED}[{engine}-{run}]")
+        for stage, tools, engine, run in (
+            ("grpo", "off", "ddp", "grpo-full"),
+            ("grpo", "off", "fsdp", "grpo-full"),
+            ("grpo", "on", "ddp", "grpo-tools"),
+            ("ppo", "off", "ddp", "ppo-judge"),
+            ("ppo", "on", "ddp", "ppo-tools"),
+        )
+    },
 }
 """The LLM judge reward (a stage config's `judge:` section, pipeline/algorithms/judge.py) by stage x
 tools x engine: it reads decoded answers, so the backend, adapter and correction do not change what
@@ -339,8 +350,14 @@ def judge_refusal(stage: str, tools: str, engine: str) -> Optional[str]:
         return None
     return (
         f"judge.base_url: a judge reward in {stage} with tools {tools} under {ENGINES[engine].label} is not run by "
-        "Relay's test suite yet (each rank would ask the judge for its own answers); run it in one process"
+        f"Relay's test suite yet; run it {judged_engines(stage, tools)}"
     )
+
+
+def judged_engines(stage: str, tools: str) -> str:
+    """Where the judge runs in (stage, tools), as a user reads it: 'in one process or under DDP'."""
+    engines = [e for s, t, e in JUDGE_TESTS if (s, t) == (stage, tools)]
+    return " or ".join("in one process" if e == "single" else f"under {ENGINES[e].label}" for e in engines)
 
 
 GRPO_OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -544,4 +561,5 @@ def config_refusals(stage: str, cfg: Any, ranks: Optional[int] = None, cuda: Opt
     judge = getattr(cfg, "judge", None)
     if line is None and cell.tools != NONE and getattr(judge, "base_url", None):
         line = judge_refusal(cell.stage, cell.tools, cell.engine)
+        return [line] if line else judge.rank_problems(world_size() if ranks is None else ranks)
     return [line] if line else []
