@@ -5,8 +5,9 @@ other test trains: two gloo ranks on CPU equal one process with the same global 
 Covered: full-weight SFT, DPO, KTO and GRPO under DDP and FSDP2; DPO with LoRA under DDP and KTO
 with LoRA under DDP and FSDP2; PPO with tools under DDP (scripted tool caller, tests/tool_distrun.py);
 an LLM judge (a stub endpoint in this process, tests/judgestub.py) beside the other rewards of GRPO
-(full weights, DDP and FSDP2; tools, DDP) and PPO (with and without tools, DDP); QLoRA PT and RM under DDP; distill with LoRA and full weights under DDP and FSDP2 (one step on the
-student's scripted samples, one on the dataset's completions: distill.lmbda 0.5, train.seed 0).
+(full weights, DDP and FSDP2; tools, DDP) and PPO (with and without tools, DDP); QLoRA PT and RM
+under DDP; distill with LoRA and full weights under DDP and FSDP2 (one step on the student's
+scripted samples, one on the dataset's completions: distill.lmbda 0.5, train.seed 0).
 The hf generation backend under DDP draws what Relay's engine draws on the
 same ranks (its sampler is real, so its rollouts depend on each rank's RNG stream: compared with
 the relay backend's two-rank run, not with one process; stale weights in either sampler would part
