@@ -303,6 +303,10 @@ class DistillStage(PolicyStage):
     def linear_models(self) -> list:
         return [self.inner] + ([self.teacher] if self.teacher is not None else [])
 
+    def frozen_copies(self) -> list[torch.nn.Module]:
+        """The in-process teacher (under ZeRO-3 it loads partitioned, as the student does)."""
+        return [self.teacher] if self.teacher is not None else []
+
     def on_policy(self, step: int) -> bool:
         """Whether step `step` (0-based) samples the student: one draw of its own generator seeded by
         train.seed and the step, the same on every rank and on a resumed run."""

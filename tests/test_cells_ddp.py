@@ -6,7 +6,7 @@ Covered: full-weight SFT, DPO, KTO and GRPO under DDP and FSDP2; DPO with LoRA u
 with LoRA under DDP and FSDP2; PPO with tools under DDP (scripted tool caller, tests/tool_distrun.py);
 an LLM judge (a stub endpoint in this process, tests/judgestub.py) beside the other rewards of GRPO
 (full weights, DDP and FSDP2; tools, DDP) and PPO (with and without tools, DDP); QLoRA PT and RM
-under DDP; distill with LoRA and full weights under DDP and FSDP2 (one step on the student's
+under DDP; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3 (one step on the student's
 scripted samples, one on the dataset's completions: distill.lmbda 0.5, train.seed 0).
 The hf generation backend under DDP draws what Relay's engine draws on the
 same ranks (its sampler is real, so its rollouts depend on each rank's RNG stream: compared with
@@ -63,6 +63,8 @@ class Run:
     """The data entry of its held-out set (an odd number of samples: one rank runs a padding batch)."""
     judge: bool = False
     """An LLM judge (tests/judgestub.py) as one more reward: each rank asks for its own completions."""
+    grad_rel: float = REL
+    """train/grad_norm's relative tolerance."""
 
 
 PPO_KEYS = ("train/grad_norm", "ppo/kl", "ppo/reward_norm", "ppo/reward_raw", "ppo/entropy")
@@ -76,14 +78,17 @@ BOTH = ("ddp", "fsdp")
 ENGINE_FLAGS = {
     "ddp": ["--distributed.engine", "ddp"],
     "fsdp": ["--distributed.engine", "fsdp"],
-    "zero3": [
-        "--distributed.engine",
-        "deepspeed",
-        "--distributed.deepspeed_config",
-        str(Path(__file__).resolve().parents[1] / "deepspeed_configs" / "zero3.json"),
-    ],
+    **{
+        zero: [
+            "--distributed.engine",
+            "deepspeed",
+            "--distributed.deepspeed_config",
+            str(Path(__file__).resolve().parents[1] / "deepspeed_configs" / f"{zero}.json"),
+        ]
+        for zero in ("zero2", "zero3")
+    },
 }
-"""The engines a run names, as flags (ZeRO-3 on CPU ranks: tests/test_zero_cpu.py has the others)."""
+"""The engines a run names, as flags (ZeRO on CPU ranks; tests/test_zero_cpu.py has the other ZeRO runs)."""
 RUNS: dict[str, Run] = {
     "sft-full": Run(
         "sft", "full", BOTH, ("train/loss", "train/grad_norm", "train/loss_task/big"), held_out="sft_valid"
@@ -124,8 +129,11 @@ RUNS: dict[str, Run] = {
     "rm-qlora": Run(
         "rm", "qlora", ("ddp",), ("train/loss", "train/grad_norm", "train/accuracy"), held_out="pairs_eval"
     ),
-    "distill-lora": Run("distill", "lora", BOTH, DISTILL_KEYS),
-    "distill-full": Run("distill", "full", BOTH, DISTILL_KEYS),
+    "distill-lora": Run("distill", "lora", (*BOTH, "zero2", "zero3"), DISTILL_KEYS),
+    # Full weights on the sharded engines (FSDP2, ZeRO): the output head's gradient parts from DDP's (which equals one
+    # process's to the bit) by up to 1e-4 of its norm, every other parameter's by ~1e-7; loss and KL agree to 1e-7
+    # and the merged weights within 5e-6 (bench/RESULTS.md; full SFT, DPO, KTO show the same at 1e-5 to 3e-5).
+    "distill-full": Run("distill", "full", (*BOTH, "zero2", "zero3"), DISTILL_KEYS, grad_rel=3e-4),
 }
 """name: what it runs and on which engines (each against one process)."""
 HF = {"ppo": PPO_KEYS, "grpo": GRPO_KEYS}
@@ -340,9 +348,10 @@ def launches(module_folder, tiny_model_dir, tiny_reward_dir, judge_stub):
     return root
 
 
-def assert_same(got: list[dict], want: list[dict], keys) -> None:
+def assert_same(got: list[dict], want: list[dict], keys, grad_rel: float = REL) -> None:
     for key in keys:
-        assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=REL, abs=ABS), key
+        rel = grad_rel if key == "train/grad_norm" else REL
+        assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=rel, abs=ABS), key
 
 
 def assert_same_weights(got: Path, want: Path, mode: str, stage: str = "") -> None:
@@ -372,7 +381,7 @@ def test_two_ranks_equal_one_process(engine, name, launches, tiny_model_dir):
         assert [s["kto/kl"] for s in want] == [0.0, 0.0], (
             "z > 0 on one process: the ranks' mean of z may differ (module docstring)"
         )
-    assert_same(got, want, run.keys)
+    assert_same(got, want, run.keys, run.grad_rel)
     assert_same_weights(two, one, run.mode, run.stage)
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     merged = merged_weights(two)

@@ -308,7 +308,7 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     **{
         _policy("distill", adapter, engine): (f"{RANKS}[{engine}-distill-{adapter}]",)
         for adapter in ("lora", "full")
-        for engine in ("ddp", "fsdp")
+        for engine in ("ddp", "fsdp", "zero2", "zero3")
     },
 }
 for _stage, _nodes in VLLM_TOOLS_TESTS.items():
