@@ -2,8 +2,9 @@
 other test trains: two gloo ranks on CPU equal one process with the same global batch, per step
 (loss, global grad_norm, the stage's own figures) and in the merged model.
 
-Covered: full-weight SFT, DPO, KTO and GRPO under DDP and FSDP2; DPO with LoRA under DDP and KTO
-with LoRA under DDP and FSDP2; PPO with tools under DDP (scripted tool caller, tests/tool_distrun.py);
+Covered: full-weight SFT, DPO, KTO and GRPO under DDP and FSDP2; DPO with LoRA under DDP; KTO
+(LoRA and full) under ZeRO-2 and ZeRO-3 too, and KTO with LoRA under DDP and FSDP2; PPO with tools
+under DDP (scripted tool caller, tests/tool_distrun.py);
 an LLM judge (a stub endpoint in this process, tests/judgestub.py) beside the other rewards of GRPO
 (full weights, DDP and FSDP2; tools, DDP) and PPO (with and without tools, DDP); QLoRA PT and RM
 under DDP; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3 (one step on the student's
@@ -98,9 +99,14 @@ RUNS: dict[str, Run] = {
     # accuracy (chosen strictly above rejected, as TRL counts it) is decided by the rounding of the sharded
     # forward; the continuous figures (loss, margin, grad_norm) are compared
     "dpo-full": Run("dpo", "full", BOTH, tuple(k for k in PREF_KEYS if k != "train/accuracy")),
-    "kto-lora": Run("kto", "lora", (*BOTH, "zero3"), KTO_KEYS),
+    "kto-lora": Run("kto", "lora", (*BOTH, "zero2", "zero3"), KTO_KEYS),
     "kto-full": Run(
-        "kto", "full", (*BOTH, "zero3"), KTO_KEYS, extra=("--kto.loss_type", "apo_zero_unpaired"), held_out="kto_eval"
+        "kto",
+        "full",
+        (*BOTH, "zero2", "zero3"),
+        KTO_KEYS,
+        extra=("--kto.loss_type", "apo_zero_unpaired"),
+        held_out="kto_eval",
     ),
     # a second reward function without an opinion on most completions: its figure is the mean over every
     # rank's scored completions (a mean of the ranks' means differs)

@@ -292,7 +292,7 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     **{
         _plain("kto", adapter, engine): (f"{RANKS}[{engine}-kto-{adapter}]",)
         for adapter in ("lora", "full")
-        for engine in ("ddp", "fsdp", "zero3")
+        for engine in ("ddp", "fsdp", "zero2", "zero3")
     },
     _policy("grpo", "full", "ddp"): (f"{RANKS}[ddp-grpo-full]",),
     _policy("grpo", "full", "fsdp"): (f"{RANKS}[fsdp-grpo-full]",),
