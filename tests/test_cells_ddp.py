@@ -119,16 +119,26 @@ RUNS: dict[str, Run] = {
         held_out="prompts_eval",
         judge=True,
     ),
-    "grpo-tools": Run("grpo", "lora", ("ddp",), GRPO_KEYS + ("grpo/reward/judge",) + JUDGE_KEYS, "tools", judge=True),
-    "ppo-tools": Run("ppo", "lora", ("ddp",), PPO_KEYS + ("ppo/reward/judge",) + JUDGE_KEYS, "tools", judge=True),
-    # at lr 1e-2 Adam turns the two runs' summation-order noise into 1.5e-5 on the merged LoRA weights (every
-    # figure agreeing to 5e-6), above WEIGHTS_ABS["lora"]: half the step
+    "grpo-tools": Run("grpo", "lora", BOTH, GRPO_KEYS + ("grpo/reward/judge",) + JUDGE_KEYS, "tools", judge=True),
+    # PPO at lr 1e-2: Adam's second step moves each LoRA A entry by about lr whatever its gradient's size (its first
+    # gradient is 0: B starts at 0), so the two runs' summation-order noise on A's near-zero gradients reaches the
+    # merged weights: 1.5e-5 (ppo-judge under DDP) and 4.7e-5 (ppo-tools under FSDP2), every figure of step 1 agreeing
+    # to 3e-7, above WEIGHTS_ABS["lora"]; at lr 2.5e-3: 3.6e-6 and 7e-7
+    "ppo-tools": Run(
+        "ppo",
+        "lora",
+        BOTH,
+        PPO_KEYS + ("ppo/reward/judge",) + JUDGE_KEYS,
+        "tools",
+        extra=("--train.learning_rate", "2.5e-3"),
+        judge=True,
+    ),
     "ppo-judge": Run(
         "ppo",
         "lora",
         ("ddp",),
         PPO_KEYS + ("ppo/reward/judge", "ppo/reward/rm") + JUDGE_KEYS,
-        extra=("--train.learning_rate", "5e-3"),
+        extra=("--train.learning_rate", "2.5e-3"),
         judge=True,
     ),
     "pt-qlora": Run("pt", "qlora", ("ddp",), ("train/loss", "train/grad_norm")),

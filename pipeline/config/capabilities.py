@@ -296,7 +296,12 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     },
     _policy("grpo", "full", "ddp"): (f"{RANKS}[ddp-grpo-full]",),
     _policy("grpo", "full", "fsdp"): (f"{RANKS}[fsdp-grpo-full]",),
-    _policy("ppo", "lora", "ddp", tools="on"): (f"{RANKS}[ddp-ppo-tools]",),
+    **{
+        _policy(stage, "lora", engine, tools="on"): (f"{RANKS}[{engine}-{stage}-tools]",)
+        for stage in ("ppo", "grpo")
+        for engine in ("ddp", "fsdp")
+        if (stage, engine) != ("grpo", "ddp")  # tests/test_tool_rollout.py's
+    },
     _policy("ppo", "lora", "ddp", backend="hf"): (
         "tests/test_cells_ddp.py::test_the_hf_backend_under_ddp_samples_as_relay[ppo]",
     ),
@@ -327,8 +332,10 @@ JUDGE_TESTS: dict[tuple[str, str, str], tuple[str, ...]] = {
             ("grpo", "off", "ddp", "grpo-full"),
             ("grpo", "off", "fsdp", "grpo-full"),
             ("grpo", "on", "ddp", "grpo-tools"),
+            ("grpo", "on", "fsdp", "grpo-tools"),
             ("ppo", "off", "ddp", "ppo-judge"),
             ("ppo", "on", "ddp", "ppo-tools"),
+            ("ppo", "on", "fsdp", "ppo-tools"),
         )
     },
 }
