@@ -3,8 +3,8 @@ process does, under ZeRO-2 and ZeRO-3, with and without the optimizer offloaded 
 the offloaded step is Relay's torch AdamW, `zero_force_ds_cpu_optimizer` false: DeepSpeedCPUAdam
 would be compiled on first use, minutes on a 2-core machine; on a GPU it is DeepSpeed's): LoRA PT,
 SFT, RM, PPO (ActorCritic has no `config`: the "auto" ZeRO sizes come from the policy's), GRPO and
-DPO (GRPO also with a reward model), full-weight PT, SFT, RM and DPO, and full-weight PPO and GRPO
-under ZeRO-3 (their frozen references, and GRPO's reward model, partitioned too); GRPO sampling with
+DPO (GRPO also with a reward model), full-weight PT, SFT, RM, DPO, PPO and GRPO (under ZeRO-3
+their frozen references, and GRPO's reward model, are partitioned too); GRPO sampling with
 the policy itself under ZeRO-3 equals DDP's. Per step: the loss and grad_norm (every rank logs the
 same); the exported adapter, merged model and checkpoint equal the one-process ones, whole: ZeRO-3
 partitions every parameter above stage3_param_persistence_threshold (10 x hidden size = 640 elements
@@ -87,7 +87,9 @@ ZERO = {
     "zero2-dpo-full": "dpo-full",
     "zero3-dpo-full": "dpo-full",
     "zero3-grpo-full": "grpo-full",
+    "zero2-grpo-full": "grpo-full",
     "zero3-ppo-full": "ppo-full",
+    "zero2-ppo-full": "ppo-full",
     "zero3_offload-grpo-rm": "grpo-rm",
 }
 """The two-rank runs: '<DeepSpeed config>-<reference>'."""

@@ -281,6 +281,8 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("grpo", "lora", "zero2"): (f"{ZRANKS}[zero2-grpo]",),
     _policy("grpo", "full", "zero3"): (f"{ZRANKS}[zero3-grpo-full]",),
     _policy("ppo", "full", "zero3"): (f"{ZRANKS}[zero3-ppo-full]",),
+    _policy("grpo", "full", "zero2"): (f"{ZRANKS}[zero2-grpo-full]",),
+    _policy("ppo", "full", "zero2"): (f"{ZRANKS}[zero2-ppo-full]",),
     # tests/test_cells_ddp.py: two ranks equal one process
     _plain("sft", "full", "ddp"): (f"{RANKS}[ddp-sft-full]",),
     _plain("sft", "full", "fsdp"): (f"{RANKS}[fsdp-sft-full]",),
