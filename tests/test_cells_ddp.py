@@ -2,13 +2,13 @@
 other test trains: two gloo ranks on CPU equal one process with the same global batch, per step
 (loss, global grad_norm, the stage's own figures) and in the merged model.
 
-Covered: full-weight SFT, DPO, KTO and GRPO under DDP and FSDP2; DPO with LoRA under DDP; KTO
-(LoRA and full) under ZeRO-2 and ZeRO-3 too, and KTO with LoRA under DDP and FSDP2; PPO with tools
-under DDP (scripted tool caller, tests/tool_distrun.py);
-an LLM judge (a stub endpoint in this process, tests/judgestub.py) beside the other rewards of GRPO
-(full weights, DDP and FSDP2; tools, DDP) and PPO (with and without tools, DDP); QLoRA PT and RM
-under DDP; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3 (one step on the student's
-scripted samples, one on the dataset's completions: distill.lmbda 0.5, train.seed 0).
+Covered: full-weight SFT, DPO, KTO and GRPO under DDP and FSDP2; DPO with LoRA under DDP; KTO (LoRA
+and full) under ZeRO-2 and ZeRO-3 too, and KTO with LoRA under DDP and FSDP2; PPO with tools under
+DDP (scripted tool caller, tests/tool_distrun.py); an LLM judge (a stub endpoint in this process,
+tests/judgestub.py) beside the other rewards of GRPO (full weights, DDP and FSDP2; tools, DDP) and
+PPO (with and without tools, DDP); QLoRA PT, RM, DPO, KTO, GRPO and PPO under DDP; distill with LoRA
+and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3 (one step on the student's scripted samples,
+one on the dataset's completions: distill.lmbda 0.5, train.seed 0).
 The hf generation backend under DDP draws what Relay's engine draws on the
 same ranks (its sampler is real, so its rollouts depend on each rank's RNG stream: compared with
 the relay backend's two-rank run, not with one process; stale weights in either sampler would part
@@ -145,6 +145,11 @@ RUNS: dict[str, Run] = {
     "rm-qlora": Run(
         "rm", "qlora", ("ddp",), ("train/loss", "train/grad_norm", "train/accuracy"), held_out="pairs_eval"
     ),
+    # QLoRA in the preference and RL stages: the reference is the 4-bit base with the adapter disabled
+    "dpo-qlora": Run("dpo", "qlora", ("ddp",), PREF_KEYS),
+    "kto-qlora": Run("kto", "qlora", ("ddp",), KTO_KEYS),
+    "grpo-qlora": Run("grpo", "qlora", ("ddp",), GRPO_KEYS),
+    "ppo-qlora": Run("ppo", "qlora", ("ddp",), PPO_KEYS, extra=("--train.learning_rate", "2.5e-3")),
     "distill-lora": Run("distill", "lora", (*BOTH, "zero2", "zero3"), DISTILL_KEYS),
     # Full weights: the gradients are DDP's to the bit, but torch's float32 norm on a CPU (one float32 accumulator per
     # lane, pytorch/pytorch#169237) is off by 1.2e-4 on the tied embedding's 626k-element gradient in one process and
