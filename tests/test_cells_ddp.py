@@ -9,7 +9,7 @@ endpoint in this process, tests/judgestub.py) beside the other rewards of every 
 with tools, full-weight GRPO and a PPO run without tools; QLoRA PT, RM, DPO, KTO, GRPO and PPO under
 DDP; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3 (one step on the
 student's scripted samples, one on the dataset's completions: distill.lmbda 0.5, train.seed 0).
-The hf generation backend under DDP draws what Relay's engine draws on the
+The hf generation backend under DDP and FSDP2 draws what Relay's engine draws on the
 same ranks (its sampler is real, so its rollouts depend on each rank's RNG stream: compared with
 the relay backend's two-rank run, not with one process; stale weights in either sampler would part
 them at step 2). SFT holds out samples: a held-out evaluation under full-weight FSDP left the root
@@ -158,7 +158,8 @@ RUNS: dict[str, Run] = {
 }
 """name: what it runs and on which engines (each against one process)."""
 HF = {"ppo": PPO_KEYS, "grpo": GRPO_KEYS}
-"""Stages whose hf-backend DDP run is compared with the relay backend's DDP run."""
+"""Stages whose hf-backend two-rank run is compared with the relay backend's on the same engine."""
+HF_CASES = [(engine, stage) for engine in BOTH for stage in HF]
 
 
 def argv(name: str, world: int, out: Path, data: dict, model: Path, reward: Path) -> list[str]:
@@ -329,13 +330,13 @@ def launches(module_folder, tiny_model_dir, tiny_reward_dir, judge_stub):
         for name, run in RUNS.items()
         if engine in run.engines
     ]
-    for stage in HF:
+    for engine, stage in HF_CASES:
         for backend in ("relay", "hf"):
             args = stage_argv(
                 "rm" if stage == "grpo" else stage,
                 1,
                 4 // WORLD,
-                root / "ddp" / f"{stage}-{backend}",
+                root / engine / f"{stage}-{backend}",
                 data,
                 tiny_model_dir,
                 tiny_reward_dir,
@@ -346,7 +347,7 @@ def launches(module_folder, tiny_model_dir, tiny_reward_dir, judge_stub):
                 {
                     "stage": stage,
                     "sampler": "real",
-                    "argv": args + ["--generation.backend", backend, "--distributed.engine", "ddp"],
+                    "argv": args + ["--generation.backend", backend, *ENGINE_FLAGS[engine]],
                 }
             )
     dynamic = grpo_args(
@@ -480,11 +481,12 @@ def test_uneven_held_out_sets_give_one_process_figures(engine, name, launches):
         assert theirs == pytest.approx(mine, rel=1e-12)  # every rank logged the whole set's figures
 
 
-@pytest.mark.parametrize("stage", HF)
-def test_the_hf_backend_under_ddp_samples_as_relay(stage, launches):
+@pytest.mark.parametrize("engine,stage", HF_CASES, ids=[f"{e}-{s}" for e, s in HF_CASES])
+def test_the_hf_backend_on_two_ranks_samples_as_relay(engine, stage, launches):
     """Same ranks, same seeds: the hf backend draws the relay engine's responses, so every figure
-    and the merged model agree (stale weights in either sampler would part them at step 2)."""
-    hf, relay = launches / "ddp" / f"{stage}-hf", launches / "ddp" / f"{stage}-relay"
+    and the merged model agree (stale weights in either sampler would part them at step 2; under
+    FSDP2 both sample the gathered policy)."""
+    hf, relay = launches / engine / f"{stage}-hf", launches / engine / f"{stage}-relay"
     assert_same(history(hf), history(relay), HF[stage])
     assert_same(history(hf, 1), history(relay, 1), HF[stage])
     assert_same_weights(hf, relay, "lora")

@@ -308,12 +308,13 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         for engine in ("ddp", "fsdp")
         if (stage, engine) != ("grpo", "ddp")  # tests/test_tool_rollout.py's
     },
-    _policy("ppo", "lora", "ddp", backend="hf"): (
-        "tests/test_cells_ddp.py::test_the_hf_backend_under_ddp_samples_as_relay[ppo]",
-    ),
-    _policy("grpo", "lora", "ddp", backend="hf"): (
-        "tests/test_cells_ddp.py::test_the_hf_backend_under_ddp_samples_as_relay[grpo]",
-    ),
+    **{
+        _policy(stage, "lora", engine, backend="hf"): (
+            f"tests/test_cells_ddp.py::test_the_hf_backend_on_two_ranks_samples_as_relay[{engine}-{stage}]",
+        )
+        for stage in ("ppo", "grpo")
+        for engine in ("ddp", "fsdp")
+    },
     _policy("distill", "lora", "single"): (f"{DISTILL}[lora]",),
     _policy("distill", "full", "single"): (f"{DISTILL}[full]",),
     **{
