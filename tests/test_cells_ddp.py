@@ -141,15 +141,15 @@ RUNS: dict[str, Run] = {
         extra=("--train.learning_rate", "2.5e-3"),
         judge=True,
     ),
-    "pt-qlora": Run("pt", "qlora", ("ddp",), ("train/loss", "train/grad_norm")),
+    "pt-qlora": Run("pt", "qlora", ("ddp", "zero2"), ("train/loss", "train/grad_norm")),
     "rm-qlora": Run(
-        "rm", "qlora", ("ddp",), ("train/loss", "train/grad_norm", "train/accuracy"), held_out="pairs_eval"
+        "rm", "qlora", ("ddp", "zero2"), ("train/loss", "train/grad_norm", "train/accuracy"), held_out="pairs_eval"
     ),
     # QLoRA in the preference and RL stages: the reference is the 4-bit base with the adapter disabled
-    "dpo-qlora": Run("dpo", "qlora", ("ddp",), PREF_KEYS),
-    "kto-qlora": Run("kto", "qlora", ("ddp",), KTO_KEYS),
-    "grpo-qlora": Run("grpo", "qlora", ("ddp",), GRPO_KEYS),
-    "ppo-qlora": Run("ppo", "qlora", ("ddp",), PPO_KEYS, extra=("--train.learning_rate", "2.5e-3")),
+    "dpo-qlora": Run("dpo", "qlora", ("ddp", "zero2"), PREF_KEYS),
+    "kto-qlora": Run("kto", "qlora", ("ddp", "zero2"), KTO_KEYS),
+    "grpo-qlora": Run("grpo", "qlora", ("ddp", "zero2"), GRPO_KEYS),
+    "ppo-qlora": Run("ppo", "qlora", ("ddp", "zero2"), PPO_KEYS, extra=("--train.learning_rate", "2.5e-3")),
     "distill-lora": Run("distill", "lora", (*BOTH, "zero2", "zero3"), DISTILL_KEYS),
     # Full weights: the gradients are DDP's to the bit, but torch's float32 norm on a CPU (one float32 accumulator per
     # lane, pytorch/pytorch#169237) is off by 1.2e-4 on the tied embedding's 626k-element gradient in one process and

@@ -287,6 +287,8 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _plain("sft", "full", "ddp"): (f"{RANKS}[ddp-sft-full]",),
     _plain("sft", "full", "fsdp"): (f"{RANKS}[fsdp-sft-full]",),
     _plain("pt", "qlora", "ddp"): (f"{RANKS}[ddp-pt-qlora]",),
+    **{_plain(stage, "qlora", "zero2"): (f"{RANKS}[zero2-{stage}-qlora]",) for stage in ("pt", "rm", "dpo", "kto")},
+    **{_policy(stage, "qlora", "zero2"): (f"{RANKS}[zero2-{stage}-qlora]",) for stage in ("grpo", "ppo")},
     _plain("rm", "qlora", "ddp"): (f"{RANKS}[ddp-rm-qlora]",),
     _plain("dpo", "qlora", "ddp"): (f"{RANKS}[ddp-dpo-qlora]",),
     _plain("kto", "qlora", "ddp"): (f"{RANKS}[ddp-kto-qlora]",),
