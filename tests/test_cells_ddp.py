@@ -7,8 +7,8 @@ and full) under ZeRO-2 and ZeRO-3 too, and KTO with LoRA under DDP and FSDP2; GR
 tools under DDP and FSDP2 (scripted tool caller, tests/tool_distrun.py); an LLM judge (a stub
 endpoint in this process, tests/judgestub.py) beside the other rewards of every GRPO and PPO run
 with tools, full-weight GRPO and a PPO run without tools; QLoRA PT, RM, DPO, KTO, GRPO and PPO under
-DDP; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3 (one step on the
-student's scripted samples, one on the dataset's completions: distill.lmbda 0.5, train.seed 0).
+DDP and ZeRO-2; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3 (one step on
+the student's scripted samples, one on the dataset's completions: distill.lmbda 0.5, train.seed 0).
 The hf generation backend under DDP and FSDP2 draws what Relay's engine draws on the
 same ranks (its sampler is real, so its rollouts depend on each rank's RNG stream: compared with
 the relay backend's two-rank run, not with one process; stale weights in either sampler would part
