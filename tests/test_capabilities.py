@@ -128,6 +128,7 @@ def test_write_readme_touches_only_the_block(tmp_path):
     assert cli.main(["capabilities", "--write-readme", str(bare)]) == 2 and bare.read_text() == "no markers\n"
 
 
+ZERO2 = str(Path(__file__).resolve().parents[1] / "deepspeed_configs" / "zero2.json")
 REFUSED = [
     # (stage, --nproc, overrides, the start of the line)
     (
@@ -150,10 +151,10 @@ REFUSED = [
         "judge.max_concurrency: 1 requests in flight cannot be shared by the 2 ranks that each ask",
     ),
     (
-        "dpo",
+        "grpo",
         2,
-        ["--model.finetuning", "qlora"],
-        "combination stage dpo x adapter qlora x engine ddp: not run by Relay's test suite yet",
+        ["--generation.backend", "hf", "--distributed.engine", "deepspeed", "--distributed.deepspeed_config", ZERO2],
+        "combination stage grpo x backend hf x tools off x adapter lora x engine zero2 x correction none: not run by",
     ),
     (
         "sft",
