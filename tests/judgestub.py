@@ -105,3 +105,22 @@ class Stub:
         self.auth.clear()
         self.in_flight = self.max_in_flight = 0
         self.delay, self.reply = 0.0, default_reply
+
+
+def judge_flags(url: str, ranks: int) -> list[str]:
+    """A stage's command-line flags for the stub judge at `url` as one more reward (weight 0.5), the
+    requests in flight shared by `ranks` processes, a failed request scoring 0."""
+    return [
+        "--judge.base_url",
+        url,
+        "--judge.model",
+        SERVED,
+        "--judge.max_concurrency",
+        str(ranks),
+        "--judge.on_failure",
+        "0.0",
+        "--judge.retry_backoff",
+        "0",
+        "--judge.weight",
+        "0.5",
+    ]

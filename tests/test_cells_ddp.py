@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 from forkserver import python_for_tests
-from judgestub import SERVED, Stub
+from judgestub import Stub, judge_flags
 from safetensors.torch import load_file
 from test_cells import kto_rows
 from test_distributed_stages import ABS, REL, WEIGHTS_ABS, history, merged_weights, stage_argv, write_data
@@ -213,20 +213,7 @@ def argv(name: str, world: int, out: Path, data: dict, model: Path, reward: Path
             "null",
         ]
     if run.judge:
-        base += [
-            "--judge.base_url",
-            data["judge"],
-            "--judge.model",
-            SERVED,
-            "--judge.max_concurrency",
-            str(WORLD),
-            "--judge.on_failure",
-            "0.0",
-            "--judge.retry_backoff",
-            "0",
-            "--judge.weight",
-            "0.5",
-        ]
+        base += judge_flags(data["judge"], WORLD)
     return base + ["--model.finetuning", run.mode, *run.extra]
 
 

@@ -3,13 +3,14 @@ process does, under ZeRO-2 and ZeRO-3, with and without the optimizer offloaded 
 the offloaded step is Relay's torch AdamW, `zero_force_ds_cpu_optimizer` false: DeepSpeedCPUAdam
 would be compiled on first use, minutes on a 2-core machine; on a GPU it is DeepSpeed's): LoRA PT,
 SFT, RM, PPO (ActorCritic has no `config`: the "auto" ZeRO sizes come from the policy's), GRPO and
-DPO (GRPO also with a reward model), full-weight PT, SFT, RM, DPO, PPO and GRPO (under ZeRO-3
-their frozen references, and GRPO's reward model, are partitioned too); GRPO sampling with
-the policy itself under ZeRO-3 equals DDP's. Per step: the loss and grad_norm (every rank logs the
-same); the exported adapter, merged model and checkpoint equal the one-process ones, whole: ZeRO-3
-partitions every parameter above stage3_param_persistence_threshold (10 x hidden size = 640 elements
-for the tiny model), so the LoRA runs use r 16 (16 x 64 = 1024 elements) and a saved partition would
-be an empty tensor. QLoRA under ZeRO-3 is refused up front.
+DPO (GRPO also with a reward model), full-weight PT, SFT, RM, DPO, PPO and GRPO (under ZeRO-3 their
+frozen references, and GRPO's reward model, are partitioned too); GRPO sampling with the policy
+itself, an LLM judge among its rewards (tests/judgestub.py), under ZeRO-3 equals DDP's. Per step:
+the loss and grad_norm (every rank logs the same); the exported adapter, merged model and checkpoint
+equal the one-process ones, whole: ZeRO-3 partitions every parameter above
+stage3_param_persistence_threshold (10 x hidden size = 640 elements for the tiny model), so the LoRA
+runs use r 16 (16 x 64 = 1024 elements) and a saved partition would be an empty tensor. QLoRA under
+ZeRO-3 is refused up front.
 
 Two launches (tests/distrun.py runs many stages in one interpreter): one plain process with the
 references, and two ranks running every ZeRO run. Tolerances are the DDP tests'
@@ -24,6 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from judgestub import Stub, judge_flags
 from safetensors.torch import load_file
 from test_distributed_stages import (
     ABS,
@@ -100,6 +102,9 @@ completions often (tests/tinymodels.py `make_eos_prone`), so the ranks finish sa
 steps: under ZeRO-3 every rank's forwards gather the partitioned weights, so a rank that is done
 keeps stepping until all are (`synced_gpus`, the hf sampler); under DDP Relay's decode engine
 samples. The same prompts and RNG streams give the same completions and figures."""
+JUDGED = ("grpo/reward/judge", "judge/requests", "judge/cache_hits", "judge/failures")
+"""The LLM judge's figures (the sampled runs score with a stub judge too, tests/judgestub.py): every
+rank's requests, summed."""
 TRAINED_ABS = 3e-4
 """The trained tensors themselves (checkpoint, adapter), max |difference|: Adam divides each
 gradient by its own RMS, so the two runs' reduction-order noise on near-zero gradients becomes a
@@ -146,7 +151,15 @@ def eos_prone(module_folder):
 
 
 @pytest.fixture(scope="module")
-def launches(setup, eos_prone):
+def judge_stub():
+    stub = Stub()
+    yield stub
+    stub.server.shutdown()
+    stub.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def launches(setup, eos_prone, judge_stub):
     root = setup[0]
     refs = [{"stage": REFERENCES[n][0], "argv": argv(n, 1, root / "one" / n, setup)} for n in REFERENCES]
     launch(refs, root / "one", 1)
@@ -164,7 +177,7 @@ def launches(setup, eos_prone):
             data__eval=f"[{held_out}]",
             train__eval_steps="2",
         )
-        runs.append({"stage": "grpo", "sampler": "real", "argv": args + flags})
+        runs.append({"stage": "grpo", "sampler": "real", "argv": args + flags + judge_flags(judge_stub.url, 2)})
     launch(runs, root / "zero", 2, torchrun=True)
     return root
 
@@ -222,7 +235,7 @@ def test_two_zero_ranks_equal_one_process(name, launches):
         )
 
 
-def test_grpo_sampling_under_zero3_equals_ddp(launches):
+def test_grpo_sampling_under_zero3_equals_ddp(launches, judge_stub):
     """The policy samples its own completions on two ranks, ending them at different lengths:
     under ZeRO-3 (each rank's forwards gather the partitioned weights; the hf sampler steps every
     rank until all are done) the completions, rewards, updates and merged weights are DDP's (Relay's
@@ -241,8 +254,9 @@ def test_grpo_sampling_under_zero3_equals_ddp(launches):
     assert [e["step"] for e in evals[0]] == [0, 2] and len(evals[0]) == len(evals[1])
     for mine, reference in zip(*evals):
         assert mine == pytest.approx(reference, rel=REL, abs=ABS)
-    for key in KEYS["grpo"]:
+    for key in KEYS["grpo"] + JUDGED:
         assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=REL, abs=ABS), key
+    assert sum(s["judge/requests"] for s in want) > 0 and judge_stub.max_in_flight <= 2
     assert_whole_and_equal(merged_weights(got_dir), merged_weights(want_dir), WEIGHTS_ABS["lora"])
 
 

@@ -347,6 +347,7 @@ JUDGE_TESTS: dict[tuple[str, str, str], tuple[str, ...]] = {
             ("ppo", "on", "fsdp", "ppo-tools"),
         )
     },
+    ("grpo", "off", "zero3"): (f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp",),
 }
 """The LLM judge reward (a stage config's `judge:` section, pipeline/algorithms/judge.py) by stage x
 tools x engine: it reads decoded answers, so the backend, adapter and correction do not change what
