@@ -186,10 +186,13 @@ def test_validate_prints_the_refusal_before_any_model_loads(
     stage, nproc, overrides, line, tmp_path, tiny_model_dir, tiny_reward_dir, monkeypatch, capsys
 ):
     from pipeline.modeling import models
+    from stages import STAGES, stage_class
 
     def no_load(*args, **kwargs):
         raise AssertionError("a model or tokenizer was loaded")
 
+    for name in STAGES:  # imported before the patch: a stage module first imported under it would keep no_load
+        stage_class(name)
     monkeypatch.setattr(models, "load_model", no_load)
     monkeypatch.setattr(models, "load_tokenizer", no_load)
     config = write_config(tmp_path, stage, tiny_model_dir, tiny_reward_dir)

@@ -257,7 +257,6 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("grpo", "lora", "single", tools="on"): (
         "tests/test_tool_rollout.py::test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs",
     ),
-    _policy("grpo", "lora", "ddp", tools="on"): ("tests/test_tool_rollout.py::test_two_ranks_equal_one_process",),
     _policy("grpo", "lora", "single", backend="vllm", correction="tis"): (
         "tests/test_vllm.py::test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run",
     ),
@@ -308,7 +307,6 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         _policy(stage, "lora", engine, tools="on"): (f"{RANKS}[{engine}-{stage}-tools]",)
         for stage in ("ppo", "grpo")
         for engine in ("ddp", "fsdp")
-        if (stage, engine) != ("grpo", "ddp")  # tests/test_tool_rollout.py's
     },
     **{
         _policy(stage, "lora", engine, backend="hf"): (
