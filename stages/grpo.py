@@ -215,15 +215,9 @@ class GRPOStage(PolicyStage):
 
     def judge_scores(self, prompts: list, completions: list, columns: list[dict], tag: Optional[int]) -> torch.Tensor:
         """The judge's score of each completion's final answer to its prompt's last user turn."""
-        if self.judge is None:  # a resumed run sees the replies an unbroken one had cached by now
-            self.judge = rw.open_judge(
-                self.cfg.judge,
-                self.cfg.output_dir,
-                self.accelerator.process_index,
-                self.accelerator.num_processes,
-                self.step,
-            )
-        return rw.judge_scores(self.judge, prompts, completions, columns, self.step + 1 if tag is None else tag)
+        return rw.judge_scores(
+            self.opened_judge(), prompts, completions, columns, self.step + 1 if tag is None else tag
+        )
 
     def sample_groups(self) -> tuple[list[dict], object, torch.Tensor, dict, dict, dict[str, float]]:
         """This step's prompts, rollout (G per prompt), rewards (total, parts, weights) and the

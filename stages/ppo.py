@@ -347,16 +347,8 @@ class PPOStage(PolicyStage):
         """
         if not self.cfg.judge.enabled:
             return {}
-        if self.judge is None:  # a resumed run sees the replies an unbroken one had cached by now
-            self.judge = rw.open_judge(
-                self.cfg.judge,
-                self.cfg.output_dir,
-                self.accelerator.process_index,
-                self.accelerator.num_processes,
-                self.step,
-            )
         prompts, completions, columns = self.reward_inputs(samples, rollout)
-        return {"judge": rw.judge_scores(self.judge, prompts, completions, columns, tag)}
+        return {"judge": rw.judge_scores(self.opened_judge(), prompts, completions, columns, tag)}
 
     def summed_reward(self, score: torch.Tensor, others: dict[str, torch.Tensor]) -> torch.Tensor:
         """The raw reward ([B]): the reward model's (or reward_fn's) score and `others`, weighted and

@@ -11,6 +11,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
+
 from pipeline.tools.openai_protocol import ApiError, check_request, completion_response, logprobs_content
 
 SERVED = "stub-judge"
@@ -124,3 +126,12 @@ def judge_flags(url: str, ranks: int) -> list[str]:
         "--judge.weight",
         "0.5",
     ]
+
+
+@pytest.fixture(scope="module")
+def judge_stub():
+    """A stub judge for a module's runs (their ranks reach it from their own processes)."""
+    stub = Stub()
+    yield stub
+    stub.server.shutdown()
+    stub.server.server_close()

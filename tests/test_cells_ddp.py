@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 from forkserver import python_for_tests
-from judgestub import Stub, judge_flags
+from judgestub import judge_flags, judge_stub  # noqa: F401  (a fixture)
 from safetensors.torch import load_file
 from test_cells import kto_rows
 from test_distributed_stages import ABS, REL, WEIGHTS_ABS, history, merged_weights, stage_argv, write_data
@@ -279,15 +279,7 @@ def held_out_sets(data: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def judge_stub():
-    stub = Stub()
-    yield stub
-    stub.server.shutdown()
-    stub.server.server_close()
-
-
-@pytest.fixture(scope="module")
-def launches(module_folder, tiny_model_dir, tiny_reward_dir, judge_stub):
+def launches(module_folder, tiny_model_dir, tiny_reward_dir, judge_stub):  # noqa: F811  (the fixture imported from judgestub)
     """Every multi-rank run in one torchrun (the engine is a run's setting; the process group
     outlives the runs), then the one-process references here."""
     import cells_distrun  # noqa: F401  (adds KTO and the tool sampler to tests/distrun.py's runner)
@@ -433,7 +425,7 @@ def cached_requests(folder: Path) -> list[set[str]]:
 
 
 @pytest.mark.parametrize("engine,name", JUDGED, ids=[f"{e}-{n}" for e, n in JUDGED])
-def test_a_judge_on_two_ranks_asks_what_one_process_asks(engine, name, launches, judge_stub):
+def test_a_judge_on_two_ranks_asks_what_one_process_asks(engine, name, launches, judge_stub):  # noqa: F811  (the fixture imported from judgestub)
     """Each rank asks the judge for its own completions, together what one process asks, within
     judge.max_concurrency over both ranks; the step's judge counts are both ranks' (compared in
     test_two_ranks_equal_one_process: a mean over ranks is half). Each rank caches its own replies:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from judgestub import SERVED, Stub, answer_of, default_reply
+from judgestub import SERVED, answer_of, default_reply, judge_stub  # noqa: F401  (a fixture)
 from stagerun import run_stage
 from test_grpo import make_cfg, peaked_policy  # noqa: F401  (a fixture)
 from test_ppo import make_cfg as ppo_make_cfg
@@ -26,18 +26,10 @@ from stages import grpo, ppo
 KEY = "sk-test-9f3c1d7e5b2a"
 
 
-@pytest.fixture(scope="module")
-def stub():
-    s = Stub()
-    yield s
-    s.server.shutdown()
-    s.server.server_close()
-
-
 @pytest.fixture
-def fresh(stub):
-    stub.reset()
-    return stub
+def fresh(judge_stub):  # noqa: F811  (the fixture imported from judgestub)
+    judge_stub.reset()
+    return judge_stub
 
 
 def judge_cfg(url: str, **kw) -> JudgeConfig:

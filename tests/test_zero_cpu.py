@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from judgestub import Stub, judge_flags
+from judgestub import judge_flags, judge_stub  # noqa: F401  (a fixture)
 from safetensors.torch import load_file
 from test_distributed_stages import (
     ABS,
@@ -151,15 +151,7 @@ def eos_prone(module_folder):
 
 
 @pytest.fixture(scope="module")
-def judge_stub():
-    stub = Stub()
-    yield stub
-    stub.server.shutdown()
-    stub.server.server_close()
-
-
-@pytest.fixture(scope="module")
-def launches(setup, eos_prone, judge_stub):
+def launches(setup, eos_prone, judge_stub):  # noqa: F811  (the fixture imported from judgestub)
     root = setup[0]
     refs = [{"stage": REFERENCES[n][0], "argv": argv(n, 1, root / "one" / n, setup)} for n in REFERENCES]
     launch(refs, root / "one", 1)
@@ -235,7 +227,7 @@ def test_two_zero_ranks_equal_one_process(name, launches):
         )
 
 
-def test_grpo_sampling_under_zero3_equals_ddp(launches, judge_stub):
+def test_grpo_sampling_under_zero3_equals_ddp(launches, judge_stub):  # noqa: F811  (the fixture imported from judgestub)
     """The policy samples its own completions on two ranks, ending them at different lengths:
     under ZeRO-3 (each rank's forwards gather the partitioned weights; the hf sampler steps every
     rank until all are done) the completions, rewards, updates and merged weights are DDP's (Relay's

@@ -15,6 +15,7 @@ import torch
 from data_formats.datasets import build_prompt_data
 from data_formats.render import template_jinja
 from pipeline.algorithms import rewards as rw
+from pipeline.algorithms.judge import JudgeReward
 from pipeline.algorithms.mismatch import engine_logprob_matrix
 from pipeline.config import RewardModelConfig
 from pipeline.config.backends import BACKENDS
@@ -194,6 +195,17 @@ class PolicyStage(Stage):
             else [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.responses]
         )
         return rw.reward_inputs(samples, texts, rollout.conversations)
+
+    def opened_judge(self) -> JudgeReward:
+        """This rank's LLM judge (the config's `judge:`), opened at its first use: its disk cache then
+        holds what an unbroken run had cached by this step (a resumed run included), and it keeps
+        this rank's share of judge.max_concurrency."""
+        if getattr(self, "judge", None) is None:
+            acc = self.accelerator
+            self.judge = rw.open_judge(
+                self.cfg.judge, self.cfg.output_dir, acc.process_index, acc.num_processes, self.step
+            )
+        return self.judge
 
     def sample_text(self, prompts: list[str], responses: list, rewards, count: int, answer: str = "response") -> str:
         """The first `count` prompt / answer / reward triples as markdown, for the tracker (`answer`
