@@ -56,6 +56,9 @@ class StageInfo:
     samples: bool = False
     """A policy stage: it samples its own responses, so a generation backend, tools and a mismatch
     correction apply to it (the axes of pipeline/config/capabilities.py's table)."""
+    tools: bool = False
+    """A policy stage whose config has a `tools:` section: its rollouts may call Python tools (the
+    table's tools axis; elsewhere that axis is "-")."""
     models: dict[str, str] = field(default_factory=dict)
     """{config key: manifest key} of the other model folders it reads beside its parent and reward
     model (distill's teacher). In a pipeline config the key may name `stage:NAME`, the merged model
@@ -108,6 +111,7 @@ STAGES: dict[str, StageInfo] = {
         judged=True,
         data_kind="prompt",
         samples=True,
+        tools=True,
         summary_keys=("reward_first", "reward_last", "kl_last", "eval_reward_first", "eval_reward_last"),
         loss_curve=False,
         plot=(
@@ -174,6 +178,7 @@ STAGES: dict[str, StageInfo] = {
         judged=True,
         data_kind="prompt",
         samples=True,
+        tools=True,
         summary_keys=("reward_first", "reward_last", "kl_last", "eval_reward_first", "eval_reward_last"),
         loss_curve=False,
         plot=(

@@ -339,6 +339,7 @@ class GRPOStage(PolicyStage):
         if self.judge is not None:  # every rank's requests for its own completions
             figures.update(self.judge.take_figures(total=lambda counts: rank_mean(counts, acc, totals=counts)))
         figures.update(algo.source_means(every[:, 2:], list(parts)))
+        figures.update(self.tool_figures(rollout))
         figures.update(
             {
                 "train/loss": update["loss"],

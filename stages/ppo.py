@@ -288,6 +288,7 @@ class PPOStage(PolicyStage):
             sources = {f"ppo/reward/{name}": float(v.nanmean()) for name, v in self.reward_parts.items()}
             figures.update(rank_mean(sources, acc))
             figures.update(self.judge.take_figures(total=lambda counts: rank_mean(counts, acc, totals=counts)))
+        figures.update(self.tool_figures(rollout))
         self.kl_controller.update(figures["ppo/kl"], cfg.train.batch_size * acc.num_processes)
         if rollout.engine_logp is not None:  # an engine reporting its log-probs (vLLM): the mismatch, measured
             mean, worst = logprob_diff(exp.old_logprobs, rollout.engine_logp, rollout.response_mask)

@@ -67,6 +67,20 @@ def test_every_cell_is_tested_or_refused_in_one_line():
     print(f"capability table: {tested} cells tested, {refused} refused")
 
 
+def test_the_tools_axis_is_the_stages_with_a_tools_section():
+    """A stage's tools axis is "on"/"off" exactly where its config has a `tools:` section (distill
+    has none: `--tools.funcs` is an unknown key there, so no cell of it has tools on)."""
+    import dataclasses
+
+    from stages import STAGES, config_class
+
+    for name, info in STAGES.items():
+        has = any(f.name == "tools" for f in dataclasses.fields(config_class(name)))
+        assert info.tools == has, name
+        axis = {cell.tools for cell in cap.cells() if cell.stage == name}
+        assert axis == (set(cap.TOOLS) if has else {cap.NONE}), (name, axis)
+
+
 def test_grpo_options_are_the_registries():
     from pipeline.algorithms.advantages import ESTIMATORS
     from pipeline.algorithms.grpo_losses import LOSS_TYPES

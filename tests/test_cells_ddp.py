@@ -4,15 +4,17 @@ other test trains: two gloo ranks on CPU equal one process with the same global 
 
 Covered: full-weight SFT, DPO, KTO and GRPO under DDP and FSDP2; DPO with LoRA under DDP; KTO (LoRA
 and full) under ZeRO-2 and ZeRO-3 too, and KTO with LoRA under DDP and FSDP2; GRPO and PPO with
-tools under DDP and FSDP2 (scripted tool caller, tests/tool_distrun.py); an LLM judge (a stub
+tools (LoRA and full weights) under DDP and FSDP2, and with QLoRA under DDP (scripted tool caller,
+tests/tool_distrun.py; `tools/call_frequency` over both ranks); an LLM judge (a stub
 endpoint in this process, tests/judgestub.py) beside the other rewards of every GRPO and PPO run
 with tools, full-weight GRPO and a PPO run without tools; QLoRA PT, RM, DPO, KTO, GRPO and PPO under
 DDP and ZeRO-2; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3 (one step on
 the student's scripted samples, one on the dataset's completions: distill.lmbda 0.5, train.seed 0).
-The hf generation backend under DDP and FSDP2 draws what Relay's engine draws on the
-same ranks (its sampler is real, so its rollouts depend on each rank's RNG stream: compared with
-the relay backend's two-rank run, not with one process; stale weights in either sampler would part
-them at step 2). SFT holds out samples: a held-out evaluation under full-weight FSDP left the root
+The hf generation backend (LoRA and full weights under DDP and FSDP2, QLoRA and tools
+under DDP) draws at every sampling call what Relay's engine draws on the same ranks from the same
+policy and RNG state (tests/cells_distrun.py `Paired`; its sampler is real, so its rollouts depend
+on each rank's RNG stream, and it is not compared with one process; stale weights in either sampler
+would part them at step 2). SFT holds out samples: a held-out evaluation under full-weight FSDP left the root
 unit gathered and the checkpoint after it failed (pipeline/engine/fsdp.py optimizer_state). SFT,
 DPO, KTO, RM and GRPO hold out 5 samples, which two ranks of 2-sample batches split unevenly: their
 eval figures equal one process's (the engine's held-out loop, one rule for a short rank's padding
@@ -44,9 +46,11 @@ import torch
 from forkserver import python_for_tests
 from judgestub import judge_flags, judge_stub  # noqa: F401  (a fixture)
 from safetensors.torch import load_file
-from test_cells import kto_rows
+from test_cells import LENGTH, kto_rows
 from test_distributed_stages import ABS, REL, WEIGHTS_ABS, history, merged_weights, stage_argv, write_data
 from tinymodels import make_tiny_model
+from tool_distrun import call_length
+from transformers import AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -72,6 +76,8 @@ PPO_KEYS = ("train/grad_norm", "ppo/kl", "ppo/reward_norm", "ppo/reward_raw", "p
 GRPO_KEYS = ("train/loss", "train/grad_norm", "grpo/reward", "grpo/kl", "grpo/completion_length")
 PREF_KEYS = ("train/loss", "train/grad_norm", "train/accuracy", "train/margin")
 KTO_KEYS = ("train/loss", "train/grad_norm", "train/margin", "kto/rewards_chosen", "kto/rewards_rejected", "kto/kl")
+TOOL_KEYS = ("tools/call_frequency", "tools/failure_frequency")
+"""Over every rank's completions."""
 JUDGE_KEYS = ("judge/requests", "judge/cache_hits", "judge/failures")
 """Counts of the whole step: every rank's requests summed."""
 DISTILL_KEYS = ("train/loss", "train/grad_norm", "distill/kl", "distill/on_policy", "distill/completion_length")
@@ -119,7 +125,11 @@ RUNS: dict[str, Run] = {
         held_out="prompts_eval",
         judge=True,
     ),
-    "grpo-tools": Run("grpo", "lora", BOTH, GRPO_KEYS + ("grpo/reward/judge",) + JUDGE_KEYS, "tools", judge=True),
+    "grpo-tools": Run(
+        "grpo", "lora", BOTH, GRPO_KEYS + TOOL_KEYS + ("grpo/reward/judge",) + JUDGE_KEYS, "tools", judge=True
+    ),
+    "grpo-tools-full": Run("grpo", "full", BOTH, GRPO_KEYS + TOOL_KEYS, "tools"),
+    "grpo-tools-qlora": Run("grpo", "qlora", ("ddp",), GRPO_KEYS + TOOL_KEYS, "tools"),
     # PPO at lr 1e-2: Adam's second step moves each LoRA A entry by about lr whatever its gradient's size (its first
     # gradient is 0: B starts at 0), so the two runs' summation-order noise on A's near-zero gradients reaches the
     # merged weights: 1.5e-5 (ppo-judge under DDP) and 4.7e-5 (ppo-tools under FSDP2), every figure of step 1 agreeing
@@ -128,10 +138,14 @@ RUNS: dict[str, Run] = {
         "ppo",
         "lora",
         BOTH,
-        PPO_KEYS + ("ppo/reward/judge",) + JUDGE_KEYS,
+        PPO_KEYS + TOOL_KEYS + ("ppo/reward/judge",) + JUDGE_KEYS,
         "tools",
         extra=("--train.learning_rate", "2.5e-3"),
         judge=True,
+    ),
+    "ppo-tools-full": Run("ppo", "full", BOTH, PPO_KEYS + TOOL_KEYS, "tools"),
+    "ppo-tools-qlora": Run(
+        "ppo", "qlora", ("ddp",), PPO_KEYS + TOOL_KEYS, "tools", extra=("--train.learning_rate", "2.5e-3")
     ),
     "ppo-judge": Run(
         "ppo",
@@ -159,7 +173,25 @@ RUNS: dict[str, Run] = {
 """name: what it runs and on which engines (each against one process)."""
 HF = {"ppo": PPO_KEYS, "grpo": GRPO_KEYS}
 """Stages whose hf-backend two-rank run is compared with the relay backend's on the same engine."""
-HF_CASES = [(engine, stage) for engine in BOTH for stage in HF]
+HF_CASES = [
+    (engine, stage, adapter, tools)
+    for engine, adapter, tools in (
+        ("ddp", "lora", "off"),
+        ("fsdp", "lora", "off"),
+        ("ddp", "full", "off"),
+        ("fsdp", "full", "off"),
+        ("ddp", "qlora", "off"),
+        ("ddp", "lora", "on"),
+    )
+    for stage in HF
+]
+"""(engine, stage, adapter, tools): the hf backend's runs, each sampling call checked against the relay
+backend's on the same ranks (tests/cells_distrun.py `Paired`); with tools after a fixed first call
+(tests/tool_distrun.py `ForcedFirstCall`)."""
+
+
+def hf_name(stage: str, adapter: str, tools: str) -> str:
+    return f"hf-{stage}-{adapter}-{tools}"
 
 
 def argv(name: str, world: int, out: Path, data: dict, model: Path, reward: Path) -> list[str]:
@@ -309,26 +341,25 @@ def launches(module_folder, tiny_model_dir, tiny_reward_dir, judge_stub):  # noq
         for name, run in RUNS.items()
         if engine in run.engines
     ]
-    for engine, stage in HF_CASES:
-        for backend in ("relay", "hf"):
-            args = stage_argv(
-                "rm" if stage == "grpo" else stage,
-                1,
-                4 // WORLD,
-                root / engine / f"{stage}-{backend}",
-                data,
-                tiny_model_dir,
-                tiny_reward_dir,
-            )
-            if stage == "grpo":
-                args = grpo_args(args, data["ppo"], "distrun:group_reward", "6")
-            ranks.append(
-                {
-                    "stage": stage,
-                    "sampler": "real",
-                    "argv": args + ["--generation.backend", backend, *ENGINE_FLAGS[engine]],
-                }
-            )
+    for engine, stage, adapter, tools in HF_CASES:
+        args = stage_argv(
+            "rm" if stage == "grpo" else stage,
+            1,
+            4 // WORLD,
+            root / engine / hf_name(stage, adapter, tools),
+            data,
+            tiny_model_dir,
+            tiny_reward_dir,
+        )
+        if stage == "grpo":
+            reward = "test_tool_rollout:answer_length" if tools == "on" else "distrun:group_reward"
+            args = grpo_args(args, data["ppo"], reward, "6")
+        if tools == "on":
+            args = with_value(args, "--data.train", f"[{data['tools']}]")
+            args += ["--tools.funcs", "[test_tool_rollout:add]", "--generation.max_new_tokens", "64"]
+            args += ["--generation.missing_eos_penalty", "null"]
+        args += ["--generation.backend", "hf", "--model.finetuning", adapter, *ENGINE_FLAGS[engine]]
+        ranks.append({"stage": stage, "sampler": "paired-tools" if tools == "on" else "paired", "argv": args})
     dynamic = grpo_args(
         stage_argv("rm", 1, 2, root / "ddp" / "grpo-dynamic", data, tiny_model_dir, tiny_reward_dir),
         data["ppo"],
@@ -383,6 +414,8 @@ def test_two_ranks_equal_one_process(engine, name, launches, tiny_model_dir):
             "z > 0 on one process: the ranks' mean of z may differ (module docstring)"
         )
     assert_same(got, want, run.keys, run.grad_rel)
+    if run.sampler == "tools":  # the scripted caller calls once in every completion
+        assert [s["tools/call_frequency"] for s in got] == [1.0, 1.0]
     assert_same_weights(two, one, run.mode, run.stage)
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     merged = merged_weights(two)
@@ -460,15 +493,27 @@ def test_uneven_held_out_sets_give_one_process_figures(engine, name, launches):
         assert theirs == pytest.approx(mine, rel=1e-12)  # every rank logged the whole set's figures
 
 
-@pytest.mark.parametrize("engine,stage", HF_CASES, ids=[f"{e}-{s}" for e, s in HF_CASES])
-def test_the_hf_backend_on_two_ranks_samples_as_relay(engine, stage, launches):
-    """Same ranks, same seeds: the hf backend draws the relay engine's responses, so every figure
-    and the merged model agree (stale weights in either sampler would part them at step 2; under
-    FSDP2 both sample the gathered policy)."""
-    hf, relay = launches / engine / f"{stage}-hf", launches / engine / f"{stage}-relay"
-    assert_same(history(hf), history(relay), HF[stage])
-    assert_same(history(hf, 1), history(relay, 1), HF[stage])
-    assert_same_weights(hf, relay, "lora")
+@pytest.mark.parametrize("engine,stage,adapter,tools", HF_CASES, ids=["-".join(c) for c in HF_CASES])
+def test_the_hf_backend_on_two_ranks_samples_as_relay(engine, stage, adapter, tools, launches, tiny_model_dir):
+    """On two ranks the hf backend draws, at every sampling call of every step, the ids Relay's
+    engine draws from the same policy and RNG state (the run fails naming the call otherwise:
+    stale or sharded weights in either sampler would part them; under FSDP2 both sample the
+    gathered policy), and the run trains on them; with tools every completion on both ranks made
+    its call."""
+    folder = launches / engine / hf_name(stage, adapter, tools)
+    got = history(folder)
+    assert json.loads((folder / "history-rank0.json").read_text())["sampler"] == (
+        "ForcedFirstCall" if tools == "on" else "Paired"
+    )
+    assert len(got) == 2 and all(s["train/grad_norm"] > 0 for s in got)
+    assert [s["train/grad_norm"] for s in history(folder, 1)] == [s["train/grad_norm"] for s in got]
+    if tools == "on":
+        assert [s["tools/call_frequency"] for s in got] == [1.0, 1.0]
+        length = LENGTH[stage]  # a turn sampled after the inserted result
+        assert all(s[length] > call_length(AutoTokenizer.from_pretrained(tiny_model_dir)) for s in got)
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    merged = merged_weights(folder)
+    assert any(not torch.equal(merged[k], base[k]) for k in merged if k in base)  # training moved them
 
 
 @pytest.mark.parametrize("stage", ["pt", "sft", "rm", "dpo", "kto"])

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from tool_distrun import CALL, ForcedFirstCall
 from transformers import AutoTokenizer
 
 from data_formats.conversation import Conversation, Turn
@@ -143,7 +144,7 @@ def _env(tok, template, max_new_tokens=200, **cfg):
 
 
 CALL_NATIVE = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-CALL_LAYOUT = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+CALL_LAYOUT = CALL
 
 
 # ------------------------------------------------------------------------------------------
@@ -359,6 +360,7 @@ def test_limits_and_failures_end_or_continue_the_rollout(tok):
         "error: the limit of 1 tool calls per rollout is reached",
         "error: the limit of 1 tool calls per rollout is reached",
     ]
+    assert rollout.tool_calls == [(3, 2)]  # every call answered; the two over the limit failed
     env, _ = _env(t, template)
     broken = '<tool_call>{"name": "slow", "arguments": {"seconds": 5}}</tool_call>\n<tool_call>{nope</tool_call>'
     started = time.monotonic()
@@ -368,6 +370,7 @@ def test_limits_and_failures_end_or_continue_the_rollout(tok):
         "error: 'slow' did not return within 0.5 s",
         "error: tool call 2 is not valid JSON: Expecting property name enclosed in double quotes (column 2)",
     ]
+    assert rollout.tool_calls == [(2, 2)]  # a timeout and an unreadable call
     first = len(t(broken, add_special_tokens=False)["input_ids"]) + 1
     env, _ = _env(
         t, template, max_new_tokens=first + 5
@@ -375,6 +378,50 @@ def test_limits_and_failures_end_or_continue_the_rollout(tok):
     rollout = tool_rollout(Scripted(t, [broken, "done"]), [sample], env)
     assert len(rollout.responses[0]) == first and rollout.response_mask[0].sum() == first
     assert rollout.finished.tolist() == [False] and [m["role"] for m in rollout.conversations[0]] == ["assistant"]
+
+
+class PerRow:
+    """Row i's first turn is `first[i]`; every later turn a plain answer."""
+
+    def __init__(self, tok, first):
+        self.tok, self.first = tok, first
+
+    def generate(self, prompts, max_new_tokens=None):
+        turns = self.first if len(prompts) == len(self.first) else ["done"] * len(prompts)
+        return [self.tok(t, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for t in turns]
+
+
+def test_call_and_failure_frequency_are_trls(tok):
+    """TRL's GRPOTrainer logs tools/call_frequency (calls / completions) and
+    tools/failure_frequency (failed calls / calls) over every process's completions (its test:
+    three completions, one of them calling a tool that works and one that does not: 2/3 and 1/2).
+    The same rollout here gives the same figures; summed over two ranks, each holding such a
+    batch, they do not change."""
+    from types import SimpleNamespace
+
+    from pipeline.rl.policy_stage import PolicyStage
+
+    t, template = _template(tok, native=False)
+    env, _ = _env(t, template)
+    sample = _sample(t, template, [Turn("user", "2 + 3?")], [{"name": "add"}])
+    both = CALL + '\n<tool_call>{"name": "missing", "arguments": {}}</tool_call>'
+    rollout = tool_rollout(PerRow(t, [both, "no call", "no call"]), [sample] * 3, env)
+    assert rollout.tool_calls == [(2, 1), (0, 0), (0, 0)]
+    one = PolicyStage.tool_figures(SimpleNamespace(accelerator=None), rollout)
+    assert one == {"tools/call_frequency": pytest.approx(2 / 3), "tools/failure_frequency": pytest.approx(1 / 2)}
+
+    class TwoRanks:  # all_reduce_sum over two ranks holding the same rollout
+        num_processes, device = 2, "cpu"
+
+        def reduce(self, tensor, reduction):
+            return tensor * 2
+
+    assert PolicyStage.tool_figures(SimpleNamespace(accelerator=TwoRanks()), rollout) == one
+    plain = tool_rollout(PerRow(t, ["no call"]), [sample], env)
+    assert PolicyStage.tool_figures(SimpleNamespace(accelerator=None), plain) == {
+        "tools/call_frequency": 0.0,
+        "tools/failure_frequency": 0.0,
+    }
 
 
 def test_rewards_see_the_whole_conversation_and_final_answer_match_reads_the_last_turn():
@@ -405,25 +452,6 @@ def answer_length(prompts, completions, answer=None, **columns):
     return [
         len(rw.final_answer(c)) / 10 + any(m["role"] == "tool" and m["content"] == "5" for m in c) for c in completions
     ]
-
-
-class ForcedFirstCall:
-    """The stage's own sampler, except that each row's first turn is a fixed call (a random tiny
-    policy never writes one); later turns are sampled."""
-
-    def __init__(self, inner, tok):
-        self.inner, self.tok = inner, tok
-        self.call = tok(CALL_LAYOUT, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-
-    def generate(self, prompts, max_new_tokens=None):
-        limits = list(max_new_tokens or [64] * len(prompts))
-        later = [i for i, p in enumerate(prompts) if self.tok.decode(p).count("<|im_start|>assistant") > 1]
-        sampled = {}
-        if later:
-            sampled = dict(
-                zip(later, self.inner.generate([prompts[i] for i in later], max_new_tokens=[limits[i] for i in later]))
-            )
-        return [sampled[i] if i in sampled else self.call[: limits[i]] for i in range(len(prompts))]
 
 
 def _grpo_cfg(out, policy, prompts, backend="relay"):

@@ -5,8 +5,9 @@ every stage's validation and `relay train --nproc N` (before torchrun starts a r
 `relay capabilities` prints the table the README carries.
 
 Axes that do not apply to a stage collapse to "-": only a policy stage (`StageInfo.samples`) has a
-generation backend, tools and a correction. The correction is the resolved one (`auto` is tis on an
-engine that reports its own log-probs, none otherwise).
+generation backend and a correction, and only one with a `tools:` section (`StageInfo.tools`) has
+tools. The correction is the resolved one (`auto` is tis on an engine that reports its own
+log-probs, none otherwise).
 
 A cell is supported when no rule refuses it and `TESTS` names the tests that train it (a scripted
 sampler stands in for the relay backend in the multi-rank equivalence runs, so their rollouts do not
@@ -105,7 +106,7 @@ def cells() -> Iterator[Cell]:
                 yield Cell(stage, adapter=adapter, engine=engine)
             continue
         for backend, tools, correction, adapter, engine in itertools.product(
-            BACKENDS, TOOLS, CORRECTIONS, ADAPTERS, ENGINES
+            BACKENDS, TOOLS if info.tools else (NONE,), CORRECTIONS, ADAPTERS, ENGINES
         ):
             yield Cell(stage, backend, tools, adapter, engine, correction)
 
@@ -135,7 +136,9 @@ def _plain(stage: str, adapter: str, engine: str) -> Cell:
 def _policy(
     stage: str, adapter: str, engine: str, backend: str = "relay", tools: str = "off", correction: str = "none"
 ) -> Cell:
-    return Cell(stage, backend, tools, adapter, engine, correction)
+    from stages import STAGES
+
+    return Cell(stage, backend, tools if STAGES[stage].tools else NONE, adapter, engine, correction)
 
 
 TESTS: dict[Cell, tuple[str, ...]] = {
@@ -226,9 +229,6 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         f"{DS}::test_two_ranks_equal_one_process[fsdp-ppo-1-full]",
     ),
     _policy("ppo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[ppo]",),
-    _policy("ppo", "lora", "single", backend="hf"): (
-        f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[ppo]",
-    ),
     _policy("ppo", "lora", "single", tools="on"): (
         "tests/test_tool_rollout.py::test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values",
     ),
@@ -250,10 +250,7 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     ),
     _policy("grpo", "full", "single"): ("tests/test_grpo.py::test_beta_zero_runs_no_reference_forward[full]",),
     _policy("grpo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[grpo]",),
-    _policy("grpo", "lora", "single", backend="hf"): (
-        "tests/test_grpo.py::test_resume_reproduces_unbroken_run[hf]",
-        f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[grpo]",
-    ),
+    _policy("grpo", "lora", "single", backend="hf"): ("tests/test_grpo.py::test_resume_reproduces_unbroken_run[hf]",),
     _policy("grpo", "lora", "single", tools="on"): (
         "tests/test_tool_rollout.py::test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs",
     ),
@@ -309,11 +306,23 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         for engine in ("ddp", "fsdp")
     },
     **{
-        _policy(stage, "lora", engine, backend="hf"): (
-            f"tests/test_cells_ddp.py::test_the_hf_backend_on_two_ranks_samples_as_relay[{engine}-{stage}]",
+        _policy(stage, adapter, engine, tools="on"): (f"{RANKS}[{engine}-{stage}-tools-{adapter}]",)
+        for stage in ("ppo", "grpo")
+        for adapter, engine in (("full", "ddp"), ("full", "fsdp"), ("qlora", "ddp"))
+    },
+    **{
+        _policy(stage, adapter, engine, backend="hf", tools=tools): (
+            f"tests/test_cells_ddp.py::test_the_hf_backend_on_two_ranks_samples_as_relay[{engine}-{stage}-{adapter}-{tools}]",
         )
         for stage in ("ppo", "grpo")
-        for engine in ("ddp", "fsdp")
+        for engine, adapter, tools in (
+            ("ddp", "lora", "off"),
+            ("fsdp", "lora", "off"),
+            ("ddp", "full", "off"),
+            ("fsdp", "full", "off"),
+            ("ddp", "qlora", "off"),
+            ("ddp", "lora", "on"),
+        )
     },
     _policy("distill", "lora", "single"): (f"{DISTILL}[lora]",),
     _policy("distill", "full", "single"): (f"{DISTILL}[full]",),
@@ -325,6 +334,17 @@ TESTS: dict[Cell, tuple[str, ...]] = {
 }
 for _stage, _nodes in VLLM_TOOLS_TESTS.items():
     TESTS[_policy(_stage, "lora", "single", backend="vllm", tools="on", correction="tis")] = _nodes
+# tests/test_cells.py: one process, the hf backend draws what the relay backend draws, every adapter, tools off and on
+for _stage, _adapter, _tools, _backend in itertools.product(("ppo", "grpo"), ADAPTERS, TOOLS, ("relay", "hf")):
+    _cell = _policy(_stage, _adapter, "single", backend=_backend, tools=_tools)
+    TESTS[_cell] = TESTS.get(_cell, ()) + (
+        f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[{_stage}-{_adapter}-{_tools}]",
+    )
+for _adapter, _backend in itertools.product(ADAPTERS, ("relay", "hf")):
+    _cell = _policy("distill", _adapter, "single", backend=_backend)
+    TESTS[_cell] = TESTS.get(_cell, ()) + (
+        f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[distill-{_adapter}]",
+    )
 
 JUDGE = "tests/test_judge.py"
 JUDGED = "tests/test_cells_ddp.py::test_a_judge_on_two_ranks_asks_what_one_process_asks"
@@ -542,9 +562,8 @@ def config_cell(stage: str, cfg: Any, ranks: Optional[int] = None) -> tuple[Opti
     correction = gen.correction
     if correction not in CORRECTIONS:  # auto, or a value its own check refuses: the backend's default
         correction = BACKENDS[gen.backend].default_correction
-    tools = getattr(cfg, "tools", None)
-    on = "on" if tools is not None and tools.funcs else "off"
-    return Cell(stage, gen.backend, on, model.finetuning, engine, correction), None
+    tools = NONE if not STAGES[stage].tools else "on" if cfg.tools.funcs else "off"
+    return Cell(stage, gen.backend, tools, model.finetuning, engine, correction), None
 
 
 def cuda_visible() -> bool:

@@ -21,6 +21,7 @@ from pipeline.config import RewardModelConfig
 from pipeline.config.backends import BACKENDS
 from pipeline.engine.accelerator import full_parameters, is_zero3
 from pipeline.engine.stage import Stage, resolved_path
+from pipeline.engine.steps import all_reduce_sum
 from pipeline.modeling.embedded import is_embedded
 from pipeline.modeling.handoff import reward_pairing_problems
 from pipeline.modeling.manifest import weights_hash
@@ -185,6 +186,17 @@ class PolicyStage(Stage):
         if engine:
             rollout.engine_logp = engine_logprob_matrix(rollout.responses, engine, rollout.response_mask.shape[1])
         return rollout
+
+    def tool_figures(self, rollout: Rollout) -> dict[str, float]:
+        """A tool rollout's calls over every rank's completions, as TRL's GRPOTrainer logs them:
+        `tools/call_frequency` (calls answered per completion) and `tools/failure_frequency` (the
+        share of them answered with an error text; 0 without calls). {}: no tool rollout."""
+        if rollout.tool_calls is None:
+            return {}
+        asked, failed = (sum(column) for column in zip(*rollout.tool_calls))
+        local = torch.tensor([len(rollout.tool_calls), asked, failed], dtype=torch.float64)
+        rows, asked, failed = all_reduce_sum(local, self.accelerator).tolist()
+        return {"tools/call_frequency": asked / rows, "tools/failure_frequency": failed / asked if asked else 0.0}
 
     def reward_inputs(self, samples: list[dict], rollout: Rollout) -> tuple[list, list, list[dict]]:
         """(prompts, completions, columns) of a rollout as its reward functions and judge read them: a tool

@@ -58,6 +58,8 @@ class Rollout:
     conversations: Optional[list[list[dict]]] = None
     """Tool rollouts: each row's completion as messages (assistant turns with their `tool_calls`,
     the `tool` results), what the reward functions receive (pipeline/rl/tool_rollout.py)."""
+    tool_calls: Optional[list[tuple[int, int]]] = None
+    """Tool rollouts: each row's (calls answered with a result, of them failed: an error text)."""
     engine_logp: Optional[torch.Tensor] = None
     """[B, R]: the sampling engine's own log-prob of each response token, when it gives them
     (vLLM: pipeline/algorithms/mismatch.py compares them with the trainer's); NaN on padding."""
@@ -122,7 +124,7 @@ def assemble_masked(
 
 def take_rows(picks: Sequence[tuple[Rollout, int]], prompts: Sequence[Sequence[int]], pad_id: int) -> Rollout:
     """Rows of several rollouts, `picks` as (rollout, row), laid out as one Rollout with each row's
-    response, train mask, finished flag and conversation as sampled (GRPO's dynamic sampling keeps
+    response, train mask, finished flag, conversation and tool calls as sampled (GRPO's dynamic sampling keeps
     some groups of several generation batches; a tool rollout's inserted results stay untrained)."""
     responses = [ro.responses[i] for ro, i in picks]
     trained = [ro.response_mask[i, : len(ro.responses[i])].tolist() for ro, i in picks]
@@ -131,6 +133,8 @@ def take_rows(picks: Sequence[tuple[Rollout, int]], prompts: Sequence[Sequence[i
     if all(ro.conversations is not None for ro, _ in picks):
         conversations = [ro.conversations[i] for ro, i in picks]
     out = assemble_masked(prompts, responses, trained, finished, pad_id, conversations)
+    if all(ro.tool_calls is not None for ro, _ in picks):
+        out.tool_calls = [ro.tool_calls[i] for ro, i in picks]
     if all(ro.engine_logp is not None for ro, _ in picks):
         out.engine_logp = torch.full(out.response_mask.shape, float("nan"))
         for row, (ro, i) in enumerate(picks):

@@ -170,21 +170,29 @@ def _checked(call: dict, tools: dict[str, Tool]) -> tuple[Optional[Tool], Option
 
 
 def run_calls(calls: Sequence[dict], tools: dict[str, Tool], timeout: float) -> list[str]:
-    """Each call's result text, in order. The calls run at once, each in its own daemon thread,
-    and each is waited for at most `timeout` seconds from the start (module docstring)."""
+    """Each call's result text, in order (`call_outcomes` without whether each failed)."""
+    return [text for text, _ in call_outcomes(calls, tools, timeout)]
+
+
+def call_outcomes(calls: Sequence[dict], tools: dict[str, Tool], timeout: float) -> list[tuple[str, bool]]:
+    """Each call's (result text, whether it failed), in order: a failure is an unknown tool,
+    arguments it does not take, an exception, or no result within the time; its text is the error
+    the model sees. The calls run at once, each in its own daemon thread, and each is waited for at
+    most `timeout` seconds from the start (module docstring)."""
     results: list[Optional[str]] = [None] * len(calls)
+    failed = [False] * len(calls)
     threads: list[tuple[int, threading.Thread, str]] = []
     for i, call in enumerate(calls):
         tool, error = _checked(call, tools)
         if error is not None:
-            results[i] = error
+            results[i], failed[i] = error, True
             continue
 
         def work(i=i, tool=tool, arguments=call["arguments"]):
             try:
                 results[i] = result_text(tool.func(**arguments))
             except BaseException as err:  # noqa: BLE001  (a tool's failure is the model's to see)
-                results[i] = f"error: {tool.name!r} raised {type(err).__name__}: {err}"
+                results[i], failed[i] = f"error: {tool.name!r} raised {type(err).__name__}: {err}", True
 
         thread = threading.Thread(target=work, name=f"relay-tool-{tool.name}", daemon=True)
         thread.start()
@@ -193,8 +201,8 @@ def run_calls(calls: Sequence[dict], tools: dict[str, Tool], timeout: float) -> 
     for i, thread, name in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive() or results[i] is None:
-            results[i] = f"error: {name!r} did not return within {timeout:g} s"
-    return [str(r) for r in results]
+            results[i], failed[i] = f"error: {name!r} did not return within {timeout:g} s", True
+    return [(str(r), f) for r, f in zip(results, failed)]
 
 
 # ------------------------------------------------------------------------------------------
@@ -224,6 +232,11 @@ class _Row:
     trained: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     calls: int = 0
+    """Calls run (what tools.max_tool_calls counts)."""
+    asked: int = 0
+    """Calls answered with a result: run, or refused with an error text (over the limit, unreadable)."""
+    failed: int = 0
+    """Of `asked`, those answered with an error text."""
     done: bool = False
     finished: bool = False
     engine: Optional[list[float]] = field(default_factory=list)
@@ -341,6 +354,7 @@ def open_session(generator: Generator, rows: int):
 def tool_rollout(generator: Generator, samples: Sequence[dict], env: ToolEnv, copies: int = 1) -> Rollout:
     """`copies` tool-using completions of each prompt sample (consecutive), laid out for scoring:
     `response_mask` 1 on sampled tokens only; `conversations` each row's completion as messages;
+    `tool_calls` each row's (calls answered, of them failed);
     `engine_logp` the engine's log-prob of each sampled token when the sampler reports them for
     every turn (NaN on inserted tokens), else None.
 
@@ -361,9 +375,12 @@ def tool_rollout(generator: Generator, samples: Sequence[dict], env: ToolEnv, co
         asked = [(row, _take_turn(row, ids, env, lp)) for row, ids, lp in zip(live, sampled, reported)]
         plans = [(row, _results(row, a, env)) for row, a in asked if a is not None]
         calls = [c for _, plan in plans for kind, c in plan if kind == "run"]
-        outputs = iter(run_calls(calls, env.tools, env.cfg.timeout))
+        outputs = iter(call_outcomes(calls, env.tools, env.cfg.timeout))
         for row, plan in plans:
-            _insert(row, [next(outputs) if kind == "run" else c for kind, c in plan], env)
+            results = [next(outputs) if kind == "run" else (c, True) for kind, c in plan]
+            row.asked += len(results)
+            row.failed += sum(failed for _, failed in results)
+            _insert(row, [text for text, _ in results], env)
     close = getattr(session, "close", None)  # a session that holds the engine awake (vLLM's sleep mode)
     if callable(close):
         close()
@@ -375,6 +392,7 @@ def tool_rollout(generator: Generator, samples: Sequence[dict], env: ToolEnv, co
         env.pad_id,
         [template_messages(r.turns) for r in rows],
     )
+    rollout.tool_calls = [(r.asked, r.failed) for r in rows]
     if all(r.engine is not None for r in rows):  # the engine's log-probs of every sampled token, NaN on inserted ones
         rollout.engine_logp = engine_logprob_matrix(
             rollout.responses, [r.engine for r in rows], rollout.response_mask.shape[1]
