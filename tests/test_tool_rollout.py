@@ -302,7 +302,7 @@ def test_layout_rollout_ids_are_the_training_rendering(tok):
 
 def test_dynamic_sampling_keeps_a_tool_rollouts_rows_as_sampled(tok):
     """GRPO's dynamic sampling lays kept rows of several rollouts out as one (rollout.take_rows): a
-    tool rollout's inserted results stay untrained, its conversations and finished flags follow."""
+    tool rollout's inserted results stay untrained, its conversations, finished flags and calls follow."""
     from pipeline.rl.rollout import take_rows
 
     t, template = _template(tok, native=False)
@@ -325,6 +325,7 @@ def test_dynamic_sampling_keeps_a_tool_rollouts_rows_as_sampled(tok):
             and both.engine_logp[row, n:].isnan().all()
         )
     assert 0 in both.response_mask[1, : len(tool_run.responses[0])].tolist()  # the inserted result, untrained
+    assert both.tool_calls == [(0, 0), (1, 0)]  # each row's calls follow it (tools/call_frequency reads them)
 
 
 def test_token_in_token_out(tok):

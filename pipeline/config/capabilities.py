@@ -136,9 +136,7 @@ def _plain(stage: str, adapter: str, engine: str) -> Cell:
 def _policy(
     stage: str, adapter: str, engine: str, backend: str = "relay", tools: str = "off", correction: str = "none"
 ) -> Cell:
-    from stages import STAGES
-
-    return Cell(stage, backend, tools if STAGES[stage].tools else NONE, adapter, engine, correction)
+    return Cell(stage, backend, tools, adapter, engine, correction)
 
 
 TESTS: dict[Cell, tuple[str, ...]] = {
@@ -324,10 +322,10 @@ TESTS: dict[Cell, tuple[str, ...]] = {
             ("ddp", "lora", "on"),
         )
     },
-    _policy("distill", "lora", "single"): (f"{DISTILL}[lora]",),
-    _policy("distill", "full", "single"): (f"{DISTILL}[full]",),
+    _policy("distill", "lora", "single", tools=NONE): (f"{DISTILL}[lora]",),
+    _policy("distill", "full", "single", tools=NONE): (f"{DISTILL}[full]",),
     **{
-        _policy("distill", adapter, engine): (f"{RANKS}[{engine}-distill-{adapter}]",)
+        _policy("distill", adapter, engine, tools=NONE): (f"{RANKS}[{engine}-distill-{adapter}]",)
         for adapter in ("lora", "full")
         for engine in ("ddp", "fsdp", "zero2", "zero3")
     },
@@ -341,7 +339,7 @@ for _stage, _adapter, _tools, _backend in itertools.product(("ppo", "grpo"), ADA
         f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[{_stage}-{_adapter}-{_tools}]",
     )
 for _adapter, _backend in itertools.product(ADAPTERS, ("relay", "hf")):
-    _cell = _policy("distill", _adapter, "single", backend=_backend)
+    _cell = _policy("distill", _adapter, "single", backend=_backend, tools=NONE)
     TESTS[_cell] = TESTS.get(_cell, ()) + (
         f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[distill-{_adapter}]",
     )
