@@ -52,6 +52,8 @@ from tinymodels import make_tiny_model
 from tool_distrun import call_length
 from transformers import AutoTokenizer
 
+from pipeline.config.capabilities import HF_ON_RANKS
+
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
 
@@ -173,18 +175,7 @@ RUNS: dict[str, Run] = {
 """name: what it runs and on which engines (each against one process)."""
 HF = {"ppo": PPO_KEYS, "grpo": GRPO_KEYS}
 """Stages whose hf-backend two-rank run is compared with the relay backend's on the same engine."""
-HF_CASES = [
-    (engine, stage, adapter, tools)
-    for engine, adapter, tools in (
-        ("ddp", "lora", "off"),
-        ("fsdp", "lora", "off"),
-        ("ddp", "full", "off"),
-        ("fsdp", "full", "off"),
-        ("ddp", "qlora", "off"),
-        ("ddp", "lora", "on"),
-    )
-    for stage in HF
-]
+HF_CASES = [(engine, stage, adapter, tools) for engine, adapter, tools in HF_ON_RANKS for stage in HF]
 """(engine, stage, adapter, tools): the hf backend's runs, each sampling call checked against the relay
 backend's on the same ranks (tests/cells_distrun.py `Paired`); with tools after a fixed first call
 (tests/tool_distrun.py `ForcedFirstCall`)."""

@@ -69,6 +69,24 @@ def test_include_and_cli_override_precedence(tmp_path):
     assert cfg.output_dir == "out/x"
 
 
+def test_loads_in_one_process_keep_nothing_of_each_other(tmp_path):
+    """The parser of a config class is built once per process (pipeline/config/loading.py `_parser`):
+    a load after one with a file, an override and a bad value reads only its own arguments."""
+    cfg_file = write(tmp_path / "run.yaml", "output_dir: out/x\ntrain:\n  max_steps: 7\n")
+    first = load_config(ToyStage, ["--config", str(cfg_file), "--lora.alpha", "4"])
+    with pytest.raises(ConfigError, match="train.learning_rate"):
+        load_config(ToyStage, ["--train.learning_rate", "abc"])
+    second = load_config(ToyStage, ["--train.max_steps", "3"])
+    assert (first.output_dir, first.train.max_steps, first.lora.alpha) == ("out/x", 7, 4)
+    default = ToyStage()
+    assert (second.output_dir, second.train.max_steps, second.lora.alpha) == (
+        default.output_dir,
+        3,
+        default.lora.alpha,
+    )
+    assert load_config(ToyStage, []) == default
+
+
 def test_semantic_problems_reported_together():
     with pytest.raises(ConfigError) as err:
         load_config(

@@ -139,6 +139,16 @@ def _policy(
     return Cell(stage, backend, tools, adapter, engine, correction)
 
 
+HF_ON_RANKS: tuple[tuple[str, str, str], ...] = (
+    ("ddp", "lora", "off"),
+    ("fsdp", "lora", "off"),
+    ("ddp", "full", "off"),
+    ("fsdp", "full", "off"),
+    ("ddp", "qlora", "off"),
+    ("ddp", "lora", "on"),
+)
+"""(engine, adapter, tools) of the hf backend's two-rank PPO and GRPO runs (tests/test_cells_ddp.py)."""
+
 TESTS: dict[Cell, tuple[str, ...]] = {
     _plain("pt", "lora", "single"): ("tests/test_pt_sft.py::test_pt_packs_documents_and_merges",),
     _plain("pt", "lora", "ddp"): (
@@ -313,14 +323,7 @@ TESTS: dict[Cell, tuple[str, ...]] = {
             f"tests/test_cells_ddp.py::test_the_hf_backend_on_two_ranks_samples_as_relay[{engine}-{stage}-{adapter}-{tools}]",
         )
         for stage in ("ppo", "grpo")
-        for engine, adapter, tools in (
-            ("ddp", "lora", "off"),
-            ("fsdp", "lora", "off"),
-            ("ddp", "full", "off"),
-            ("fsdp", "full", "off"),
-            ("ddp", "qlora", "off"),
-            ("ddp", "lora", "on"),
-        )
+        for engine, adapter, tools in HF_ON_RANKS
     },
     _policy("distill", "lora", "single", tools=NONE): (f"{DISTILL}[lora]",),
     _policy("distill", "full", "single", tools=NONE): (f"{DISTILL}[full]",),

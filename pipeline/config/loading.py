@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import sys
 import typing
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any, Optional, Sequence, TypeVar, Union
 
 import draccus
 import yaml
+from draccus.argparsing import ArgumentParser
 from draccus.parsers.yaml_loader import SafeLoaderWithInclusion
 
 from pipeline.config.help import config_help, habit_hint
@@ -168,7 +170,9 @@ def load_config(cls: type[T], argv: Optional[Sequence[str]] = None, prog: Option
     if problems:
         raise ConfigError(problems)
     try:
-        cfg = draccus.parse(config_class=cls, config_path=config_path, args=rest, prog=prog, exit_on_error=False)
+        parser = _parser(cls)
+        parser.config_path = config_path
+        cfg = parser.parse_args(rest)
     except SystemExit:
         raise
     except Exception as err:  # draccus raises several types for values it cannot decode
@@ -178,6 +182,14 @@ def load_config(cls: type[T], argv: Optional[Sequence[str]] = None, prog: Option
         if found:
             raise ConfigError(found)
     return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _parser(cls: type) -> ArgumentParser:
+    """draccus's parser of `cls`, built once per process (building it reads every field's docstring:
+    most of a parse's time); `load_config` sets its config file before each parse, and a parse keeps
+    nothing else of the one before."""
+    return ArgumentParser(config_class=cls, exit_on_error=False)
 
 
 def to_dict(cfg: Any) -> dict:
