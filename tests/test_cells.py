@@ -121,11 +121,12 @@ HF_CELLS = [
 @pytest.mark.parametrize("stage,adapter,tools", HF_CELLS, ids=["-".join(c).removesuffix("--") for c in HF_CELLS])
 def test_the_hf_backend_samples_as_relay_in_the_stage(stage, adapter, tools, setup):
     """Every adapter, tools off and on (after a fixed first call: a random tiny policy writes none),
-    and distillation's student: at every sampling call of two seeded steps the hf backend
-    (transformers' generate) draws the ids the relay backend (Relay's engine) draws from the same
-    policy and RNG state (tests/cells_distrun.py `Paired`: the run fails naming the call
-    otherwise; a sampler holding stale weights would part at step 2); the stage trains on them,
-    and with tools every completion made its call and sampled a turn after its result."""
+    and distillation's student: at every sampling call of two seeded steps the stage's own hf
+    sampler (transformers' generate, made from its config) draws the ids the relay backend's (Relay's
+    engine, made with the same arguments) draws from the same policy and RNG state
+    (tests/cells_distrun.py `paired_hf`: the run fails naming the call otherwise; a sampler holding
+    stale weights would part at step 2); the stage trains on them, and with tools every completion
+    made its call and sampled a turn after its result."""
     root, data, model, reward = setup
     extra = ["--model.finetuning", adapter, *(tool_args(stage, data) if tools == "on" else [])]
     args = argv(stage, root / f"{stage}-{adapter}-{tools}", data, model, reward, *extra)
@@ -158,11 +159,11 @@ def test_the_paired_sampler_fails_where_the_backends_part(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = [[5, 6, 7], [8, 9]]
     hf = make_generator("hf", model, tok.pad_token_id, [tok.eos_token_id], 8)
-    same = Paired(make_generator("relay", model, tok.pad_token_id, [tok.eos_token_id], 8), hf, tok.eos_token_id)
+    same = Paired(make_generator("relay", model, tok.pad_token_id, [tok.eos_token_id], 8), hf, [tok.eos_token_id])
     assert len(same.generate(prompts)) == 2
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.lm_head.weight.mul_(50.0)
     stale = make_generator("relay", other, tok.pad_token_id, [tok.eos_token_id], 8)
     with pytest.raises(AssertionError, match="sampling call 1: hf and relay drew different ids"):
-        Paired(stale, hf, tok.eos_token_id).generate(prompts)
+        Paired(stale, hf, [tok.eos_token_id]).generate(prompts)

@@ -10,15 +10,15 @@ endpoint in this process, tests/judgestub.py) beside the other rewards of every 
 with tools, full-weight GRPO and a PPO run without tools; QLoRA PT, RM, DPO, KTO, GRPO and PPO under
 DDP and ZeRO-2; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3 (one step on
 the student's scripted samples, one on the dataset's completions: distill.lmbda 0.5, train.seed 0).
-The hf generation backend (LoRA and full weights under DDP and FSDP2, QLoRA and tools
-under DDP) draws at every sampling call what Relay's engine draws on the same ranks from the same
-policy and RNG state (tests/cells_distrun.py `Paired`; its sampler is real, so its rollouts depend
-on each rank's RNG stream, and it is not compared with one process; stale weights in either sampler
-would part them at step 2). SFT holds out samples: a held-out evaluation under full-weight FSDP left the root
-unit gathered and the checkpoint after it failed (pipeline/engine/fsdp.py optimizer_state). SFT,
-DPO, KTO, RM and GRPO hold out 5 samples, which two ranks of 2-sample batches split unevenly: their
-eval figures equal one process's (the engine's held-out loop, one rule for a short rank's padding
-batch; before it, DPO's and RM's gathers of the ranks' uneven scores failed).
+The hf generation backend (LoRA and full weights under DDP and FSDP2, QLoRA and tools under DDP), the stage's
+own sampler, draws at every sampling call what Relay's engine draws on the same ranks from the same policy and
+RNG state (tests/cells_distrun.py `paired_hf`; its sampler is real, so its rollouts depend on each rank's RNG
+stream, and it is not compared with one process; stale weights in either sampler would part them at step 2).
+SFT holds out samples: a held-out evaluation under full-weight FSDP left the root unit gathered and the
+checkpoint after it failed (pipeline/engine/fsdp.py optimizer_state). SFT, DPO, KTO, RM and GRPO hold out 5
+samples, which two ranks of 2-sample batches split unevenly: their eval figures equal one process's (the
+engine's held-out loop, one rule for a short rank's padding batch; before it, DPO's and RM's gathers of the
+ranks' uneven scores failed).
 
 KTO's loss (`kto`) estimates its KL baseline z on each rank's micro-batch (each prompt paired with
 another answer of that micro-batch) and clamps the ranks' mean at 0, as TRL's KTOTrainer does; so
@@ -177,7 +177,7 @@ HF = {"ppo": PPO_KEYS, "grpo": GRPO_KEYS}
 """Stages whose hf-backend two-rank run is compared with the relay backend's on the same engine."""
 HF_CASES = [(engine, stage, adapter, tools) for engine, adapter, tools in HF_ON_RANKS for stage in HF]
 """(engine, stage, adapter, tools): the hf backend's runs, each sampling call checked against the relay
-backend's on the same ranks (tests/cells_distrun.py `Paired`); with tools after a fixed first call
+backend's on the same ranks (tests/cells_distrun.py `paired_hf`); with tools after a fixed first call
 (tests/tool_distrun.py `ForcedFirstCall`)."""
 
 

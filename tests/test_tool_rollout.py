@@ -393,9 +393,10 @@ class PerRow:
 
 
 def test_call_and_failure_frequency_are_trls(tok):
-    """TRL's GRPOTrainer logs tools/call_frequency (calls / completions) and
-    tools/failure_frequency (failed calls / calls) over every process's completions (its test:
-    three completions, one of them calling a tool that works and one that does not: 2/3 and 1/2).
+    """TRL's GRPOTrainer (1.16, installed: grpo_trainer.py's metrics) logs tools/call_frequency
+    (calls summed over processes / every process's completions) and tools/failure_frequency
+    (failed calls / calls, 0 without calls); its test's case, three completions, one of them
+    calling a tool that works and one that does not, reads 2/3 and 1/2.
     The same rollout here gives the same figures; summed over two ranks, each holding such a
     batch, they do not change."""
     from types import SimpleNamespace
