@@ -6,14 +6,14 @@ errors), with --api-key on every route of vLLM's server and Relay's role check, 
 engine on SIGTERM; the RL backend's server needs its own key on every route; and the `vllm`
 generation backend follows the policy (LoRA adapter or full weights: its
 greedy tokens equal the trainer's after optimizer steps) with its log-probs within fp32 noise of
-the trainer's, a resumed GRPO run on a fresh server samples what an unbroken one does, and the PPO
-stage trains on it with the mismatch logged and corrected (TIS, the default for vllm); GRPO and PPO
-with tools train on it too (the last part of this file).
+the trainer's, a resumed GRPO run on a fresh server samples what an unbroken one does, and the PPO and
+GRPO stages train on it, with tools and without, LoRA and full weights, with the mismatch logged and
+every correction applied as it is defined (tis, the default for vllm; mis; none) (`CORRECTED`).
 
 Cheap by sharing (a server start is most of the time): one engine server for the whole module
 (`engine_server`, runtime LoRA and the full-weight sync both on; the generators, the gold table,
 chat and the tool rollouts take turns on it, each given its own base weights first), and only the
-resumed run and `relay serve` start their own: three starts for eighteen tests. run_scripts/test.sh
+resumed run and `relay serve` start their own: three starts for thirty-seven tests. run_scripts/test.sh
 builds the side environment in the background while the rest of the suite runs; these tests run last
 (tests/conftest.py), wait for that install and fail when it failed. Run alone without the environment
 (no RELAY_VLLM_INSTALL_STATUS), they skip. Every server started here is stopped in teardown."""
@@ -166,6 +166,47 @@ def on_server(server, folder, workdir):
         )
 
     return factory
+
+
+CORRECTED = [
+    pytest.param(adapter, correction, id=f"{adapter}-{correction}")
+    for adapter in ("lora", "full")
+    for correction in ("auto", "none", "mis")
+]
+"""(model.finetuning, generation.correction) of the PPO and GRPO runs on vLLM, with tools and without (auto is tis
+on vllm): every cell of the capability table's vllm rows that one process runs."""
+MIS_CAP = 1.0
+"""generation.correction_cap of the mis runs: the engine's log-probs are the trainer's within fp32 noise, so about
+half the sampled tokens have p_trainer / p_engine above 1 and drop out (each run checks that some do and some stay)."""
+
+
+def set_correction(cfg, correction: str) -> None:
+    cfg.generation.correction = correction
+    if correction == "mis":
+        cfg.generation.correction_cap = MIS_CAP
+    assert cfg.generation.correction_name == ("tis" if correction == "auto" else correction)
+
+
+def check_correction(gen, old, engine, mask, weight) -> tuple[int, int]:
+    """The weight the stage put on each token's policy loss is its correction's (pipeline/algorithms/mismatch.py's,
+    pinned against TRL in tests/test_mismatch.py) of the step's trainer and engine log-probs of the sampled tokens,
+    1 off them; none: no weight at all. Returns (tokens dropped, tokens kept) among the sampled ones."""
+    inside = mask.bool()
+    if gen.correction_name == "none":
+        assert weight is None
+        return 0, int(inside.sum())
+    assert engine is not None and not engine[inside].isnan().any()
+    ratio = torch.where(inside, old - engine, 0.0).exp()
+    cap = gen.correction_cap
+    want = ratio.clamp(max=cap) if gen.correction_name == "tis" else ratio.masked_fill(ratio > cap, 0.0)
+    torch.testing.assert_close(weight, torch.where(inside, want, 1.0), rtol=0, atol=1e-6)
+    return int((inside & (weight == 0)).sum()), int((inside & (weight != 0)).sum())
+
+
+def check_dropped(gen, counts: list[tuple[int, int]]) -> None:
+    """mis dropped some sampled tokens and kept others over the run; the other corrections drop none."""
+    dropped, kept = (sum(column) for column in zip(*counts))
+    assert kept > 0 and (dropped > 0) == (gen.correction_name == "mis"), (dropped, kept)
 
 
 SERVE_KEY = "sk-relay-vllm-0123456789"
@@ -502,23 +543,52 @@ def test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run(
     assert fresh is not shared_server and fresh.proc.poll() is not None  # its own server, stopped when the stage ended
 
 
-def test_grpo_stage_full_fine_tuning_samples_on_vllm(vllm_untied, shared_server, tmp_path, monkeypatch):
-    """Full fine-tuning: two GRPO steps, the weights reloaded into the shared server before each rollout."""
-    stage, _ = grpo_run(
-        grpo_cfg(tmp_path / "out", vllm_untied, "full"),
-        monkeypatch,
-        on_server(shared_server, vllm_untied, tmp_path / "v"),
+def spy_grpo(monkeypatch) -> tuple[list, list]:
+    """Every GRPO update's (rollout, scored) and every policy-loss call's `is_weight`, from now on."""
+    from pipeline.rl import grpo as algo
+
+    updates, weights, real_loss, real_update = [], [], algo.grpo_loss, algo.grpo_update
+    monkeypatch.setattr(
+        algo,
+        "grpo_loss",
+        lambda *a, is_weight=None, **k: weights.append(is_weight) or real_loss(*a, is_weight=is_weight, **k),
     )
-    assert stage.final_summary["steps"] == 2
+    monkeypatch.setattr(algo, "grpo_update", lambda *a, **k: updates.append((a[2], dict(a[4]))) or real_update(*a, **k))
+    return updates, weights
 
 
-def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default(
-    vllm_untied, tiny_reward_dir, shared_server, tmp_path, monkeypatch
+@pytest.mark.parametrize("adapter, correction", [c for c in CORRECTED if c.values != ("lora", "auto")])
+def test_grpo_stage_on_vllm_applies_its_correction(
+    adapter, correction, vllm_untied, shared_server, tmp_path, monkeypatch
 ):
-    """`generation.backend: vllm` for the PPO stage, LoRA, 2 steps on the shared server: it trains,
-    logs rollout/logprob_diff_mean/_max to TensorBoard, and with `correction` left at auto every
-    policy-loss call gets TIS weights: exp(trainer - engine log-prob) capped at correction_cap,
-    1 off the response (recomputed here from the step's own tensors)."""
+    """Two GRPO steps on the shared server, LoRA or full weights (reloaded into the server before each rollout), with
+    each correction: the engine samples the updated policy at every step (`grpo_run`), and every policy-loss call
+    gets the correction's weights of that step's log-probs (none: no weight); mis drops some tokens and keeps
+    others. LoRA with tis, the default, is the resumed run above."""
+    cfg = grpo_cfg(tmp_path / "out", vllm_untied, adapter)
+    set_correction(cfg, correction)
+    updates, weights = spy_grpo(monkeypatch)
+    stage, _ = grpo_run(cfg, monkeypatch, on_server(shared_server, vllm_untied, tmp_path / "v"))
+    assert stage.final_summary["steps"] == 2 and len(updates) == 2
+    counts = [
+        check_correction(
+            cfg.generation, scored.get("old"), rollout.engine_logp, rollout.response_mask, scored.get("is_weight")
+        )
+        for rollout, scored in updates
+    ]
+    check_dropped(cfg.generation, counts)
+    assert weights and all((w is None) == (cfg.generation.correction_name == "none") for w in weights)
+
+
+@pytest.mark.parametrize("adapter, correction", CORRECTED)
+def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_its_correction(
+    adapter, correction, vllm_untied, tiny_reward_dir, shared_server, tmp_path, monkeypatch
+):
+    """`generation.backend: vllm` for the PPO stage, LoRA or full weights, 2 steps on the shared server: it trains,
+    logs rollout/logprob_diff_mean/_max to TensorBoard (the engine sampled the updated policy: within fp32 noise),
+    and every policy-loss call gets the correction's weights (`check_correction`, recomputed here from the step's
+    own tensors): with `correction` left at auto TIS's, exp(trainer - engine log-prob) capped at correction_cap;
+    mis's (some tokens dropped); none: no weight."""
     from stagerun import run_stage
     from test_ppo import make_cfg
 
@@ -531,13 +601,10 @@ def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default(
     cfg = make_cfg(
         tmp_path / "out", vllm_untied, tiny_reward_dir, prompts, max_steps=2, learning_rate=1e-2, seq_length=256
     )
-    cfg.generation.backend, cfg.generation.max_new_tokens = "vllm", 8
+    cfg.generation.backend, cfg.generation.max_new_tokens, cfg.model.finetuning = "vllm", 8, adapter
     cfg.tracking.trackers = ["tensorboard"]
-    assert (
-        cfg.model.finetuning == "lora"
-        and cfg.generation.correction == "auto"
-        and cfg.generation.correction_name == "tis"
-    )
+    assert cfg.generation.correction == "auto" and cfg.generation.correction_name == "tis"
+    set_correction(cfg, correction)
     weights = []
     real_loss = algo.policy_loss
     monkeypatch.setattr(
@@ -549,21 +616,18 @@ def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default(
         ppo.PPOStage, cfg, on_step=record, generator_factory=on_server(shared_server, vllm_untied, tmp_path / "v")
     )
     assert stage.final_summary["steps"] == 2 and sorted(seen) == [1, 2]
+    counts = []
     for step, (figures, exp) in seen.items():
         mask = exp.rollout.response_mask
         assert mask.sum() > 0 and not exp.rollout.engine_logp[mask.bool()].isnan().any()
-        want = torch.where(
-            mask.bool(),
-            (exp.old_logprobs - exp.rollout.engine_logp).exp().clamp(max=cfg.generation.correction_cap),
-            1.0,
-        )
-        torch.testing.assert_close(exp.is_weight, want, rtol=0, atol=1e-6)
+        counts.append(check_correction(cfg.generation, exp.old_logprobs, exp.rollout.engine_logp, mask, exp.is_weight))
         print(
-            f"PPO step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} max "
-            f"{figures['rollout/logprob_diff_max']:.2e}"
+            f"PPO {adapter} {correction} step {step}: logprob diff mean {figures['rollout/logprob_diff_mean']:.2e} "
+            f"max {figures['rollout/logprob_diff_max']:.2e}"
         )
         assert figures["rollout/logprob_diff_max"] < 1e-3  # the engine sampled from the updated weights
-    assert weights and all(w is not None for w in weights)  # every policy-loss call was corrected
+    check_dropped(cfg.generation, counts)
+    assert weights and all((w is None) == (correction == "none") for w in weights)  # every policy-loss call
     scalars = read_scalars(tmp_path / "out")
     assert [s for s, _ in scalars["rollout/logprob_diff_mean"]] == [1, 2] and [
         s for s, _ in scalars["rollout/logprob_diff_max"]
@@ -941,7 +1005,7 @@ def factory(server, folder, workdir, cfg):
     )
 
 
-def check_step(rollout, requests, figures, old, weight, cfg, max_model_len):
+def check_step(rollout, requests, figures, old, weight, cfg, max_model_len) -> tuple[int, int]:
     """What one step of a tool rollout on vLLM owes (the module docstring)."""
     budget = cfg.generation.max_new_tokens
     mask = rollout.response_mask.bool()
@@ -965,10 +1029,8 @@ def check_step(rollout, requests, figures, old, weight, cfg, max_model_len):
     assert figures["rollout/logprob_diff_max"] < 1e-3 and figures["rollout/logprob_diff_mean"] < 1e-4, figures
     delta = (old - engine)[mask].abs()
     assert figures["rollout/logprob_diff_max"] == pytest.approx(float(delta.max()), rel=1e-5, abs=1e-9)
-    # the correction: tis (auto for vllm), on the sampled tokens only
-    want = torch.where(mask, (old - engine).exp().clamp(max=cfg.generation.correction_cap), torch.ones_like(old))
-    assert weight is not None
-    torch.testing.assert_close(weight, want, rtol=0, atol=1e-6)
+    # the correction, on the sampled tokens only: (tokens dropped, kept)
+    return check_correction(cfg.generation, old, engine, mask, weight)
 
 
 def two_recorded_steps(stage_class, cfg, take, requests: list, generator_factory):
@@ -993,50 +1055,51 @@ def two_recorded_steps(stage_class, cfg, take, requests: list, generator_factory
     return stage, seen
 
 
-def test_grpo_with_tools_on_vllm(caller, tools_server, questions, calls, tmp_path, monkeypatch):
+@pytest.mark.parametrize("adapter, correction", CORRECTED)
+def test_grpo_with_tools_on_vllm(adapter, correction, caller, tools_server, questions, calls, tmp_path, monkeypatch):
     from test_tool_rollout import _grpo_cfg
 
-    from pipeline.rl import grpo as algo
     from pipeline.tools.report import read_scalars
     from stages import grpo
 
     cfg = _grpo_cfg(tmp_path / "out", caller, questions, backend="vllm")
-    cfg.train.max_steps, cfg.train.seq_length = 2, 512
+    cfg.train.max_steps, cfg.train.seq_length, cfg.model.finetuning = 2, 512, adapter
     cfg.generation.max_new_tokens, cfg.generation.temperature, cfg.tools.max_turns = 48, 0.8, 3
     cfg.tracking.trackers = ["tensorboard"]
     assert cfg.generation.correction == "auto" and cfg.generation.correction_name == "tis"
+    set_correction(cfg, correction)
     requests = recorded(monkeypatch)
-    weights, real_loss, real_update, scored = [], algo.grpo_loss, algo.grpo_update, {}
-    monkeypatch.setattr(
-        algo,
-        "grpo_loss",
-        lambda *a, is_weight=None, **k: weights.append(is_weight) or real_loss(*a, is_weight=is_weight, **k),
-    )
-    monkeypatch.setattr(
-        algo, "grpo_update", lambda *a, **k: scored.__setitem__(len(scored) + 1, dict(a[4])) or real_update(*a, **k)
-    )
+    updates, weights = spy_grpo(monkeypatch)
     take = lambda st: st.last_rollout["rollout"]  # noqa: E731
     _, seen = two_recorded_steps(
         grpo.GRPOStage, cfg, take, requests, factory(tools_server, caller, tmp_path / "v", cfg)
     )
+    counts = []
     for step, (figures, rollout, asked) in seen.items():
-        check_step(
-            rollout,
-            asked,
-            figures,
-            scored[step]["old"],
-            scored[step].get("is_weight"),
-            cfg,
-            tools_server.opts.max_model_len,
+        scored = updates[step - 1][1]
+        counts.append(
+            check_step(
+                rollout,
+                asked,
+                figures,
+                scored["old"],
+                scored.get("is_weight"),
+                cfg,
+                tools_server.opts.max_model_len,
+            )
         )
-    assert weights and all(w is not None for w in weights)  # every policy-loss call was corrected
+    check_dropped(cfg.generation, counts)
+    assert weights and all((w is None) == (correction == "none") for w in weights)  # every policy-loss call
     scalars = read_scalars(tmp_path / "out")
     assert [s for s, _ in scalars["rollout/logprob_diff_mean"]] == [1, 2] and [
         s for s, _ in scalars["rollout/logprob_diff_max"]
     ] == [1, 2]
 
 
-def test_ppo_with_tools_on_vllm(caller, tiny_reward_dir, tools_server, questions, calls, tmp_path, monkeypatch):
+@pytest.mark.parametrize("adapter, correction", CORRECTED)
+def test_ppo_with_tools_on_vllm(
+    adapter, correction, caller, tiny_reward_dir, tools_server, questions, calls, tmp_path, monkeypatch
+):
     from test_ppo import make_cfg
 
     from pipeline.rl import ppo as algo
@@ -1053,8 +1116,9 @@ def test_ppo_with_tools_on_vllm(caller, tiny_reward_dir, tools_server, questions
         seq_length=512,
     )
     cfg.generation.backend, cfg.generation.max_new_tokens, cfg.generation.temperature = "vllm", 48, 0.8
-    cfg.tools.funcs, cfg.tools.max_turns = ["test_tool_rollout:add"], 3
+    cfg.tools.funcs, cfg.tools.max_turns, cfg.model.finetuning = ["test_tool_rollout:add"], 3, adapter
     assert cfg.generation.correction_name == "tis"
+    set_correction(cfg, correction)
     requests = recorded(monkeypatch)
     weights, real_loss = [], algo.policy_loss
     monkeypatch.setattr(
@@ -1064,8 +1128,14 @@ def test_ppo_with_tools_on_vllm(caller, tiny_reward_dir, tools_server, questions
     stage, seen = two_recorded_steps(
         ppo.PPOStage, cfg, take, requests, factory(tools_server, caller, tmp_path / "v", cfg)
     )
+    counts = []
     for step, (figures, exp, asked) in seen.items():
-        check_step(exp.rollout, asked, figures, exp.old_logprobs, exp.is_weight, cfg, tools_server.opts.max_model_len)
+        counts.append(
+            check_step(
+                exp.rollout, asked, figures, exp.old_logprobs, exp.is_weight, cfg, tools_server.opts.max_model_len
+            )
+        )
         assert (exp.advantages[exp.rollout.response_mask == 0] == 0).all()
-    assert weights and all(w is not None for w in weights)
+    check_dropped(cfg.generation, counts)
+    assert weights and all((w is None) == (correction == "none") for w in weights)
     assert stage._generator is None and tools_server.proc.poll() is None  # released, the shared server left running

@@ -122,11 +122,16 @@ ZC = "tests/test_zero_cpu.py"
 RANKS = "tests/test_cells_ddp.py::test_two_ranks_equal_one_process"
 ZRANKS = f"{ZC}::test_two_zero_ranks_equal_one_process"
 DISTILL = "tests/test_distill.py::test_resume_equals_unbroken_and_the_manifest_names_the_teacher"
-VLLM_TOOLS_TESTS: dict[str, tuple[str, ...]] = {
-    "ppo": ("tests/test_vllm.py::test_ppo_with_tools_on_vllm",),
-    "grpo": ("tests/test_vllm.py::test_grpo_with_tools_on_vllm",),
+VLLM = "tests/test_vllm.py"
+VLLM_TESTS: dict[tuple[str, str], str] = {
+    ("ppo", "off"): f"{VLLM}::test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_its_correction",
+    ("grpo", "off"): f"{VLLM}::test_grpo_stage_on_vllm_applies_its_correction",
+    ("ppo", "on"): f"{VLLM}::test_ppo_with_tools_on_vllm",
+    ("grpo", "on"): f"{VLLM}::test_grpo_with_tools_on_vllm",
 }
-"""The tests that train a tool rollout on the vllm backend, by stage; empty: tools x vllm is refused."""
+"""(stage, tools): the test that trains it on the vllm backend in one process, a case per LoRA / full weights and
+correction (`[adapter-correction]`, auto being vllm's default, tis); GRPO's LoRA with tis is `VLLM_RESUMED`'s."""
+VLLM_RESUMED = f"{VLLM}::test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run"
 
 
 def _plain(stage: str, adapter: str, engine: str) -> Cell:
@@ -240,9 +245,6 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("ppo", "lora", "single", tools="on"): (
         "tests/test_tool_rollout.py::test_ppo_step_with_tools_masks_inserted_tokens_from_loss_kl_and_values",
     ),
-    _policy("ppo", "lora", "single", backend="vllm", correction="tis"): (
-        "tests/test_vllm.py::test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_tis_by_default",
-    ),
     _policy("grpo", "lora", "single"): (
         "tests/test_grpo.py::test_first_step_on_policy_and_reference_is_the_disabled_adapter",
     ),
@@ -261,12 +263,6 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("grpo", "lora", "single", backend="hf"): ("tests/test_grpo.py::test_resume_reproduces_unbroken_run[hf]",),
     _policy("grpo", "lora", "single", tools="on"): (
         "tests/test_tool_rollout.py::test_grpo_step_trains_sampled_tokens_only_and_never_reads_inserted_logprobs",
-    ),
-    _policy("grpo", "lora", "single", backend="vllm", correction="tis"): (
-        "tests/test_vllm.py::test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run",
-    ),
-    _policy("grpo", "full", "single", backend="vllm", correction="tis"): (
-        "tests/test_vllm.py::test_grpo_stage_full_fine_tuning_samples_on_vllm",
     ),
     # tests/test_zero_cpu.py: two ZeRO ranks (CPU) equal one process
     _plain("sft", "full", "zero3"): (f"{ZRANKS}[zero3-full]",),
@@ -333,8 +329,12 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         for engine in ("ddp", "fsdp", "zero2", "zero3")
     },
 }
-for _stage, _nodes in VLLM_TOOLS_TESTS.items():
-    TESTS[_policy(_stage, "lora", "single", backend="vllm", tools="on", correction="tis")] = _nodes
+# tests/test_vllm.py: one process on a vLLM server, LoRA and full weights, tools off and on, every correction
+for (_stage, _tools), _node in VLLM_TESTS.items():
+    for _adapter, _correction in itertools.product(("lora", "full"), ("auto", "none", "mis")):
+        _cell = _policy(_stage, _adapter, "single", "vllm", _tools, "tis" if _correction == "auto" else _correction)
+        _resumed = (_stage, _tools, _adapter, _correction) == ("grpo", "off", "lora", "auto")
+        TESTS[_cell] = (VLLM_RESUMED,) if _resumed else (f"{_node}[{_adapter}-{_correction}]",)
 # tests/test_cells.py: one process, the hf backend draws what the relay backend draws, every adapter, tools off and on
 for _stage, _adapter, _tools, _backend in itertools.product(("ppo", "grpo"), ADAPTERS, TOOLS, ("relay", "hf")):
     _cell = _policy(_stage, _adapter, "single", backend=_backend, tools=_tools)
@@ -458,15 +458,6 @@ def _tools_under_zero(cell: Cell, cuda: bool):
     return ("tools.funcs", why) if why else None
 
 
-def _tools_on_server(cell: Cell, cuda: bool):
-    if cell.tools == "on" and BACKENDS[cell.backend].own_server and not VLLM_TOOLS_TESTS:
-        return (
-            "tools.funcs",
-            f"tool rollouts on the {cell.backend} backend are not run by the test suite yet; use backend relay or hf",
-        )
-    return None
-
-
 def _qlora_where_it_cannot_load(cell: Cell, cuda: bool):
     why = ENGINES[cell.engine].no_qlora if cell.adapter == "qlora" else ""
     key, _, line = why.partition(": ")
@@ -488,7 +479,6 @@ RULES: tuple[Rule, ...] = (
     _server_on_shards,
     _server_per_rank,
     _tools_under_zero,
-    _tools_on_server,
     _qlora_where_it_cannot_load,
 )
 """Refusals on any machine, first match wins."""
