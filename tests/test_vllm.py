@@ -543,6 +543,16 @@ def test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run(
     assert fresh is not shared_server and fresh.proc.poll() is not None  # its own server, stopped when the stage ended
 
 
+def ppo_cfg(out, model, reward, finetuning="lora", steps=2):
+    from test_ppo import make_cfg
+
+    prompts = out.parent / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
+    cfg = make_cfg(out, model, reward, prompts, max_steps=steps, learning_rate=1e-2, seq_length=256)
+    cfg.generation.backend, cfg.generation.max_new_tokens, cfg.model.finetuning = "vllm", 8, finetuning
+    return cfg
+
+
 def spy_grpo(monkeypatch) -> tuple[list, list]:
     """Every GRPO update's (rollout, scored) and every policy-loss call's `is_weight`, from now on."""
     from pipeline.rl import grpo as algo
@@ -590,18 +600,12 @@ def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_its_correction(
     own tensors): with `correction` left at auto TIS's, exp(trainer - engine log-prob) capped at correction_cap;
     mis's (some tokens dropped); none: no weight."""
     from stagerun import run_stage
-    from test_ppo import make_cfg
 
     from pipeline.rl import ppo as algo
     from pipeline.tools.report import read_scalars
     from stages import ppo
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))
-    cfg = make_cfg(
-        tmp_path / "out", vllm_untied, tiny_reward_dir, prompts, max_steps=2, learning_rate=1e-2, seq_length=256
-    )
-    cfg.generation.backend, cfg.generation.max_new_tokens, cfg.model.finetuning = "vllm", 8, adapter
+    cfg = ppo_cfg(tmp_path / "out", vllm_untied, tiny_reward_dir, adapter)
     cfg.tracking.trackers = ["tensorboard"]
     assert cfg.generation.correction == "auto" and cfg.generation.correction_name == "tis"
     set_correction(cfg, correction)
@@ -633,6 +637,91 @@ def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_its_correction(
         s for s, _ in scalars["rollout/logprob_diff_max"]
     ] == [1, 2]
     assert stage._generator is None and shared_server.proc.poll() is None  # released, the shared server left running
+
+
+QLORA_CASES = [
+    pytest.param(stage, correction, id=f"{stage}-{correction}")
+    for stage in ("ppo", "grpo")
+    for correction in ("auto", "none", "mis")
+]
+"""(stage, generation.correction) of the QLoRA runs on vLLM (tools off)."""
+
+
+@pytest.mark.parametrize("stage_name, correction", QLORA_CASES)
+def test_a_qlora_policy_samples_on_vllm_as_its_adapter_on_the_unquantized_base(
+    stage_name, correction, vllm_untied, tiny_reward_dir, shared_server, tmp_path, monkeypatch
+):
+    """QLoRA on vLLM: the server holds the base model's own (unquantized) weights and takes the policy's adapter
+    before every rollout, so the engine samples from base + adapter while the trainer scores with the 4-bit base +
+    adapter. Two steps of PPO and GRPO: at every step the engine's log-probs of the sampled tokens equal those of
+    the unquantized base with the adapter the rollout was drawn with (transformers in this process, within the fp32
+    noise the other vLLM tests allow; a stale adapter at step 2 parts them), the trainer's differ from them by the
+    quantization error (the mismatch the correction is for, logged as rollout/logprob_diff_*), and the
+    correction's weights are its definition of the step's log-probs (`check_correction`)."""
+    import copy
+
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from stagerun import run_stage
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.algorithms.rl import logprobs_from_logits
+    from pipeline.rl.rollout import policy_logits
+    from stages import grpo, ppo
+
+    out = tmp_path / "out"
+    if stage_name == "ppo":
+        cfg, stage_class = ppo_cfg(out, vllm_untied, tiny_reward_dir, "qlora"), ppo.PPOStage
+    else:
+        cfg, stage_class = grpo_cfg(out, vllm_untied, "qlora"), grpo.GRPOStage
+    set_correction(cfg, correction)
+    assert cfg.generation.temperature == 1.0  # the engine's log-probs are of the distribution the trainer scores
+    updates, _ = spy_grpo(monkeypatch)
+    policies, adapters, steps = [], [], {}
+
+    def adapter_state(policy) -> dict:
+        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(policy).items()}
+
+    make = on_server(shared_server, vllm_untied, tmp_path / "v")
+
+    def factory(policy, *args, **kwargs):
+        policies.append(policy)
+        adapters.append(adapter_state(policy))  # the adapter the first rollout samples with
+        return make(policy, *args, **kwargs)
+
+    def on_step(stage, figures):
+        if stage_name == "ppo":
+            exp = stage.last_experience
+            steps[stage.step] = (figures, exp.rollout, exp.old_logprobs, exp.is_weight)
+        else:
+            rollout, scored = updates[stage.step - 1]
+            steps[stage.step] = (figures, rollout, scored["old"], scored.get("is_weight"))
+        adapters.append(adapter_state(policies[0]))  # the next rollout's
+
+    stage = run_stage(stage_class, cfg, on_step=on_step, generator_factory=factory)
+    assert stage.final_summary["steps"] == 2 and sorted(steps) == [1, 2] and len(policies) == 1
+    assert any("4bit" in type(m).__name__ for m in policies[0].modules())  # the trainer's base is quantized
+    reference = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(vllm_untied, dtype=torch.float32),
+        copy.deepcopy(policies[0].peft_config["default"]),
+    ).eval()
+    counts = []
+    for step, (figures, rollout, trainer, weight) in steps.items():
+        set_peft_model_state_dict(reference, adapters[step - 1])
+        with torch.no_grad():
+            logits = policy_logits(reference, rollout.input_ids, rollout.attention_mask, rollout.prompt_width)
+        unquantized = logprobs_from_logits(logits.float(), rollout.response_ids)
+        mask = rollout.response_mask.bool()
+        engine = rollout.engine_logp
+        to_engine = (unquantized - engine)[mask].abs().max().item()
+        print(
+            f"QLoRA {stage_name} {correction} step {step}: engine vs base+adapter max {to_engine:.2e}; vs the "
+            f"trainer mean {figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}"
+        )
+        assert to_engine < 1e-3  # the engine sampled this step's adapter on the unquantized base
+        assert figures["rollout/logprob_diff_max"] > 10 * max(to_engine, 1e-6)  # the 4-bit trainer is elsewhere
+        counts.append(check_correction(cfg.generation, trainer, engine, rollout.response_mask, weight))
+    assert any(not torch.equal(adapters[1][k], adapters[0][k]) for k in adapters[0])  # step 1 moved the adapter
+    check_dropped(cfg.generation, counts)
 
 
 def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny, shared_server, tmp_path):

@@ -132,6 +132,8 @@ VLLM_TESTS: dict[tuple[str, str], str] = {
 """(stage, tools): the test that trains it on the vllm backend in one process, a case per LoRA / full weights and
 correction (`[adapter-correction]`, auto being vllm's default, tis); GRPO's LoRA with tis is `VLLM_RESUMED`'s."""
 VLLM_RESUMED = f"{VLLM}::test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run"
+VLLM_QLORA = f"{VLLM}::test_a_qlora_policy_samples_on_vllm_as_its_adapter_on_the_unquantized_base"
+"""QLoRA on the vllm backend (tools off), a case per `[stage-correction]`."""
 
 
 def _plain(stage: str, adapter: str, engine: str) -> Cell:
@@ -335,6 +337,10 @@ for (_stage, _tools), _node in VLLM_TESTS.items():
         _cell = _policy(_stage, _adapter, "single", "vllm", _tools, "tis" if _correction == "auto" else _correction)
         _resumed = (_stage, _tools, _adapter, _correction) == ("grpo", "off", "lora", "auto")
         TESTS[_cell] = (VLLM_RESUMED,) if _resumed else (f"{_node}[{_adapter}-{_correction}]",)
+for _stage, _correction in itertools.product(("ppo", "grpo"), ("auto", "none", "mis")):
+    TESTS[_policy(_stage, "qlora", "single", "vllm", "off", "tis" if _correction == "auto" else _correction)] = (
+        f"{VLLM_QLORA}[{_stage}-{_correction}]",
+    )
 # tests/test_cells.py: one process, the hf backend draws what the relay backend draws, every adapter, tools off and on
 for _stage, _adapter, _tools, _backend in itertools.product(("ppo", "grpo"), ADAPTERS, TOOLS, ("relay", "hf")):
     _cell = _policy(_stage, _adapter, "single", backend=_backend, tools=_tools)
