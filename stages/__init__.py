@@ -54,11 +54,15 @@ class StageInfo:
     verdict_figures: dict[str, str] = field(default_factory=dict)
     """{summary key: the VerdictConfig field holding its minimum} the verdict checks when the stage ran."""
     samples: bool = False
-    """A policy stage: it samples its own responses, so a generation backend, tools and a mismatch
-    correction apply to it (the axes of pipeline/config/capabilities.py's table)."""
+    """A policy stage: it samples its own responses, so a generation backend applies to it (an axis
+    of pipeline/config/capabilities.py's table; elsewhere "-")."""
     tools: bool = False
     """A policy stage whose config has a `tools:` section: its rollouts may call Python tools (the
     table's tools axis; elsewhere that axis is "-")."""
+    corrects: bool = False
+    """A policy stage whose loss weighs each sampled token by `generation.correction`'s weight
+    (p_trainer / p_engine; pipeline/algorithms/mismatch.py): the table's correction axis. Elsewhere
+    that axis is "-", and a correction other than auto or none is refused (it would not be applied)."""
     models: dict[str, str] = field(default_factory=dict)
     """{config key: manifest key} of the other model folders it reads beside its parent and reward
     model (distill's teacher). In a pipeline config the key may name `stage:NAME`, the merged model
@@ -112,6 +116,7 @@ STAGES: dict[str, StageInfo] = {
         data_kind="prompt",
         samples=True,
         tools=True,
+        corrects=True,
         summary_keys=("reward_first", "reward_last", "kl_last", "eval_reward_first", "eval_reward_last"),
         loss_curve=False,
         plot=(
@@ -179,6 +184,7 @@ STAGES: dict[str, StageInfo] = {
         data_kind="prompt",
         samples=True,
         tools=True,
+        corrects=True,
         summary_keys=("reward_first", "reward_last", "kl_last", "eval_reward_first", "eval_reward_last"),
         loss_curve=False,
         plot=(

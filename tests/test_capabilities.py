@@ -81,6 +81,27 @@ def test_the_tools_axis_is_the_stages_with_a_tools_section():
         assert axis == (set(cap.TOOLS) if has else {cap.NONE}), (name, axis)
 
 
+def test_the_correction_axis_is_the_stages_whose_loss_weighs_tokens():
+    """Only PPO's and GRPO's losses take the correction's per-token weight; distill's axis is "-" (its loss has no
+    per-token weight) and an explicit tis or mis there is refused (`REFUSED`), auto and none are not."""
+    from types import SimpleNamespace
+
+    from pipeline.config.policy import CORRECTIONS
+    from stages import STAGES
+
+    for name, info in STAGES.items():
+        axis = {cell.correction for cell in cap.cells() if cell.stage == name}
+        assert axis == (set(CORRECTIONS) if info.corrects else {cap.NONE}), (name, axis)
+    assert {name for name, info in STAGES.items() if info.corrects} == {"ppo", "grpo"}
+    for correction in ("auto", "none"):
+        cfg = SimpleNamespace(
+            distributed=SimpleNamespace(engine="ddp", deepspeed_config=None),
+            model=SimpleNamespace(finetuning="lora"),
+            generation=SimpleNamespace(backend="relay", correction=correction),
+        )
+        assert cap.config_cell("distill", cfg, 1) == (cap.Cell("distill", "relay", cap.NONE, "lora"), None)
+
+
 def test_grpo_options_are_the_registries():
     from pipeline.algorithms.advantages import ESTIMATORS
     from pipeline.algorithms.grpo_losses import LOSS_TYPES
@@ -153,6 +174,12 @@ REFUSED = [
     ),
     ("ppo", 1, ["--generation.correction", "mis"], "generation.correction: mis weighs each token"),
     (
+        "distill",
+        1,
+        ["--generation.backend", "vllm", "--generation.correction", "tis"],
+        "generation.correction: tis weighs a policy loss's tokens by p_trainer / p_engine and distill's loss has no",
+    ),
+    (
         "ppo",
         2,
         ["--judge.base_url", "http://127.0.0.1:9/v1", "--judge.model", "m", "--distributed.engine", "fsdp"],
@@ -190,6 +217,8 @@ def write_config(tmp_path: Path, stage: str, model: Path, reward: Path) -> Path:
     ]
     if stage in ("ppo", "grpo"):
         lines.append(f"reward_model: {{path: {reward}}}")
+    if stage == "distill":
+        lines.append(f"teacher: {{path: {model}}}")
     path = tmp_path / f"{stage}.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path

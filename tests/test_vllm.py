@@ -639,6 +639,64 @@ def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_its_correction(
     assert stage._generator is None and shared_server.proc.poll() is None  # released, the shared server left running
 
 
+class PolicyStates:
+    """A policy's trained weights at every rollout (the adapter's under LoRA and QLoRA, else all of them: `capture`
+    before the first rollout and after every step), and the log-probs an engine that follows the policy reports for
+    a rollout drawn with them (`logprobs`): those weights on the base model's own unquantized weights (`folder`),
+    in transformers, fp32, at temperature 1."""
+
+    def __init__(self, folder):
+        self.folder, self.policy, self.states = folder, None, []
+
+    def trained(self) -> dict:
+        from peft import get_peft_model_state_dict
+
+        p = self.policy
+        return get_peft_model_state_dict(p) if hasattr(p, "peft_config") else p.state_dict()
+
+    def capture(self, policy=None) -> None:
+        self.policy = policy if policy is not None else self.policy
+        self.states.append({k: v.detach().clone() for k, v in self.trained().items()})
+
+    def factory(self, make):
+        """`make` (a generator factory) capturing the policy's weights as the stage hands it over."""
+
+        def wrapped(policy, *args, **kwargs):
+            self.capture(policy)
+            return make(policy, *args, **kwargs)
+
+        return wrapped
+
+    def moved(self) -> bool:
+        """Whether the first step changed the weights (so the second rollout's equality is the sync's)."""
+        return any(not torch.equal(self.states[1][k], self.states[0][k]) for k in self.states[0])
+
+    def logprobs(self, index: int, rollout) -> torch.Tensor:
+        import copy
+
+        from peft import get_peft_model, set_peft_model_state_dict
+        from transformers import AutoModelForCausalLM
+
+        from pipeline.algorithms.rl import logprobs_from_logits
+        from pipeline.rl.rollout import policy_logits
+
+        model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32)
+        if hasattr(self.policy, "peft_config"):
+            model = get_peft_model(model, copy.deepcopy(self.policy.peft_config["default"]))
+            set_peft_model_state_dict(model, self.states[index])
+        else:
+            model.load_state_dict(self.states[index])
+        with torch.no_grad():
+            logits = policy_logits(model.eval(), rollout.input_ids, rollout.attention_mask, rollout.prompt_width)
+        return logprobs_from_logits(logits.float(), rollout.response_ids)
+
+    def engine_gap(self, index: int, rollout) -> float:
+        """max |engine - expected| log-prob over the rollout's sampled tokens."""
+        mask = rollout.response_mask.bool()
+        assert rollout.engine_logp is not None and not rollout.engine_logp[mask].isnan().any()
+        return (self.logprobs(index, rollout) - rollout.engine_logp)[mask].abs().max().item()
+
+
 QLORA_CASES = [
     pytest.param(stage, correction, id=f"{stage}-{correction}")
     for stage in ("ppo", "grpo")
@@ -654,18 +712,12 @@ def test_a_qlora_policy_samples_on_vllm_as_its_adapter_on_the_unquantized_base(
     """QLoRA on vLLM: the server holds the base model's own (unquantized) weights and takes the policy's adapter
     before every rollout, so the engine samples from base + adapter while the trainer scores with the 4-bit base +
     adapter. Two steps of PPO and GRPO: at every step the engine's log-probs of the sampled tokens equal those of
-    the unquantized base with the adapter the rollout was drawn with (transformers in this process, within the fp32
-    noise the other vLLM tests allow; a stale adapter at step 2 parts them), the trainer's differ from them by the
+    the unquantized base with the adapter the rollout was drawn with (`PolicyStates`, within the fp32 noise the
+    other vLLM tests allow; a stale adapter at step 2 parts them), the trainer's differ from them by the
     quantization error (the mismatch the correction is for, logged as rollout/logprob_diff_*), and the
     correction's weights are its definition of the step's log-probs (`check_correction`)."""
-    import copy
-
-    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
     from stagerun import run_stage
-    from transformers import AutoModelForCausalLM
 
-    from pipeline.algorithms.rl import logprobs_from_logits
-    from pipeline.rl.rollout import policy_logits
     from stages import grpo, ppo
 
     out = tmp_path / "out"
@@ -676,17 +728,7 @@ def test_a_qlora_policy_samples_on_vllm_as_its_adapter_on_the_unquantized_base(
     set_correction(cfg, correction)
     assert cfg.generation.temperature == 1.0  # the engine's log-probs are of the distribution the trainer scores
     updates, _ = spy_grpo(monkeypatch)
-    policies, adapters, steps = [], [], {}
-
-    def adapter_state(policy) -> dict:
-        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(policy).items()}
-
-    make = on_server(shared_server, vllm_untied, tmp_path / "v")
-
-    def factory(policy, *args, **kwargs):
-        policies.append(policy)
-        adapters.append(adapter_state(policy))  # the adapter the first rollout samples with
-        return make(policy, *args, **kwargs)
+    states, steps = PolicyStates(vllm_untied), {}
 
     def on_step(stage, figures):
         if stage_name == "ppo":
@@ -695,33 +737,61 @@ def test_a_qlora_policy_samples_on_vllm_as_its_adapter_on_the_unquantized_base(
         else:
             rollout, scored = updates[stage.step - 1]
             steps[stage.step] = (figures, rollout, scored["old"], scored.get("is_weight"))
-        adapters.append(adapter_state(policies[0]))  # the next rollout's
+        states.capture()  # the next rollout's adapter
 
+    factory = states.factory(on_server(shared_server, vllm_untied, tmp_path / "v"))
     stage = run_stage(stage_class, cfg, on_step=on_step, generator_factory=factory)
-    assert stage.final_summary["steps"] == 2 and sorted(steps) == [1, 2] and len(policies) == 1
-    assert any("4bit" in type(m).__name__ for m in policies[0].modules())  # the trainer's base is quantized
-    reference = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(vllm_untied, dtype=torch.float32),
-        copy.deepcopy(policies[0].peft_config["default"]),
-    ).eval()
+    assert stage.final_summary["steps"] == 2 and sorted(steps) == [1, 2] and states.moved()
+    assert any("4bit" in type(m).__name__ for m in states.policy.modules())  # the trainer's base is quantized
     counts = []
     for step, (figures, rollout, trainer, weight) in steps.items():
-        set_peft_model_state_dict(reference, adapters[step - 1])
-        with torch.no_grad():
-            logits = policy_logits(reference, rollout.input_ids, rollout.attention_mask, rollout.prompt_width)
-        unquantized = logprobs_from_logits(logits.float(), rollout.response_ids)
-        mask = rollout.response_mask.bool()
-        engine = rollout.engine_logp
-        to_engine = (unquantized - engine)[mask].abs().max().item()
+        gap = states.engine_gap(step - 1, rollout)
         print(
-            f"QLoRA {stage_name} {correction} step {step}: engine vs base+adapter max {to_engine:.2e}; vs the "
+            f"QLoRA {stage_name} {correction} step {step}: engine vs base+adapter max {gap:.2e}; vs the "
             f"trainer mean {figures['rollout/logprob_diff_mean']:.2e} max {figures['rollout/logprob_diff_max']:.2e}"
         )
-        assert to_engine < 1e-3  # the engine sampled this step's adapter on the unquantized base
-        assert figures["rollout/logprob_diff_max"] > 10 * max(to_engine, 1e-6)  # the 4-bit trainer is elsewhere
-        counts.append(check_correction(cfg.generation, trainer, engine, rollout.response_mask, weight))
-    assert any(not torch.equal(adapters[1][k], adapters[0][k]) for k in adapters[0])  # step 1 moved the adapter
+        assert gap < 1e-3  # the engine sampled this step's adapter on the unquantized base
+        assert figures["rollout/logprob_diff_max"] > 10 * max(gap, 1e-6)  # the 4-bit trainer is elsewhere
+        counts.append(check_correction(cfg.generation, trainer, rollout.engine_logp, rollout.response_mask, weight))
     check_dropped(cfg.generation, counts)
+
+
+@pytest.mark.parametrize("adapter", ["lora", "full", "qlora"])
+def test_distill_samples_the_student_on_vllm(adapter, vllm_untied, shared_server, tmp_path, monkeypatch):
+    """`generation.backend: vllm` in the distill stage: two on-policy steps (lmbda 1) whose student samples on the
+    shared server, LoRA, full weights or QLoRA, the teacher in this process. At each step the engine's log-probs of
+    the sampled tokens are the student's as it was when the rollout was drawn (`PolicyStates`: its weights on the
+    unquantized base; a stale student at step 2 parts them), and the student learns."""
+    from stagerun import run_stage
+
+    from stages.distill import DistillStage
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"count to {i}"}) + "\n" for i in range(4)))
+    teacher = make_tiny_model(
+        tmp_path / "teacher", seed=3, num_attention_heads=2, num_key_value_heads=1, initializer_range=0.6
+    )
+    argv = [
+        *("--model.path", str(vllm_untied), "--model.finetuning", adapter, "--teacher.path", str(teacher)),
+        *("--data.train", f"[{prompts}]", "--data.eval", "[]", "--output_dir", str(tmp_path / "out")),
+        *("--train.max_steps", "2", "--train.batch_size", "2", "--train.seq_length", "64"),
+        *("--train.learning_rate", "1e-2", "--train.eval_steps", "0", "--checkpoint.save_interval", "1000h"),
+        *("--distill.lmbda", "1", "--generation.backend", "vllm", "--generation.max_new_tokens", "6"),
+        *("--lora.r", "4"),  # within the shared server's max_lora_rank (a stage's own server is started for its rank)
+    ]
+    rollouts, real = [], DistillStage.rollout
+    monkeypatch.setattr(
+        DistillStage, "rollout", lambda self, *a, **k: rollouts.append(real(self, *a, **k)) or rollouts[-1]
+    )
+    states = PolicyStates(vllm_untied)
+    factory = states.factory(on_server(shared_server, vllm_untied, tmp_path / "v"))
+    stage = run_stage(DistillStage, argv, on_step=lambda st, m: states.capture(), generator_factory=factory)
+    steps = stage.history.steps
+    assert [s["distill/on_policy"] for s in steps] == [1.0, 1.0] and len(rollouts) == 2 and states.moved()
+    gaps = [states.engine_gap(k, rollout) for k, rollout in enumerate(rollouts)]
+    print(f"distill {adapter}: engine vs the student max {gaps}, loss {[s['train/loss'] for s in steps]}")
+    assert max(gaps) < 1e-3  # the engine sampled the student as it was at each rollout
+    assert steps[0]["train/loss"] > 0 and steps[1]["train/loss"] != steps[0]["train/loss"]
 
 
 def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny, shared_server, tmp_path):

@@ -5,9 +5,10 @@ every stage's validation and `relay train --nproc N` (before torchrun starts a r
 `relay capabilities` prints the table the README carries.
 
 Axes that do not apply to a stage collapse to "-": only a policy stage (`StageInfo.samples`) has a
-generation backend and a correction, and only one with a `tools:` section (`StageInfo.tools`) has
-tools. The correction is the resolved one (`auto` is tis on an engine that reports its own
-log-probs, none otherwise).
+generation backend, only one with a `tools:` section (`StageInfo.tools`) has tools, and only one
+whose loss weighs tokens by the mismatch correction (`StageInfo.corrects`) has a correction. The
+correction is the resolved one (`auto` is tis on an engine that reports its own log-probs, none
+otherwise).
 
 A cell is supported when no rule refuses it and `TESTS` names the tests that train it (a scripted
 sampler stands in for the relay backend in the multi-rank equivalence runs, so their rollouts do not
@@ -106,7 +107,7 @@ def cells() -> Iterator[Cell]:
                 yield Cell(stage, adapter=adapter, engine=engine)
             continue
         for backend, tools, correction, adapter, engine in itertools.product(
-            BACKENDS, TOOLS if info.tools else (NONE,), CORRECTIONS, ADAPTERS, ENGINES
+            BACKENDS, TOOLS if info.tools else (NONE,), CORRECTIONS if info.corrects else (NONE,), ADAPTERS, ENGINES
         ):
             yield Cell(stage, backend, tools, adapter, engine, correction)
 
@@ -144,6 +145,11 @@ def _policy(
     stage: str, adapter: str, engine: str, backend: str = "relay", tools: str = "off", correction: str = "none"
 ) -> Cell:
     return Cell(stage, backend, tools, adapter, engine, correction)
+
+
+def _distill(adapter: str, engine: str, backend: str = "relay") -> Cell:
+    """Distillation samples (a backend) but has neither tools nor a correction."""
+    return Cell("distill", backend, NONE, adapter, engine, NONE)
 
 
 HF_ON_RANKS: tuple[tuple[str, str, str], ...] = (
@@ -323,10 +329,10 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         for stage in ("ppo", "grpo")
         for engine, adapter, tools in HF_ON_RANKS
     },
-    _policy("distill", "lora", "single", tools=NONE): (f"{DISTILL}[lora]",),
-    _policy("distill", "full", "single", tools=NONE): (f"{DISTILL}[full]",),
+    _distill("lora", "single"): (f"{DISTILL}[lora]",),
+    _distill("full", "single"): (f"{DISTILL}[full]",),
     **{
-        _policy("distill", adapter, engine, tools=NONE): (f"{RANKS}[{engine}-distill-{adapter}]",)
+        _distill(adapter, engine): (f"{RANKS}[{engine}-distill-{adapter}]",)
         for adapter in ("lora", "full")
         for engine in ("ddp", "fsdp", "zero2", "zero3")
     },
@@ -337,6 +343,8 @@ for (_stage, _tools), _node in VLLM_TESTS.items():
         _cell = _policy(_stage, _adapter, "single", "vllm", _tools, "tis" if _correction == "auto" else _correction)
         _resumed = (_stage, _tools, _adapter, _correction) == ("grpo", "off", "lora", "auto")
         TESTS[_cell] = (VLLM_RESUMED,) if _resumed else (f"{_node}[{_adapter}-{_correction}]",)
+for _adapter in ADAPTERS:
+    TESTS[_distill(_adapter, "single", "vllm")] = (f"{VLLM}::test_distill_samples_the_student_on_vllm[{_adapter}]",)
 for _stage, _correction in itertools.product(("ppo", "grpo"), ("auto", "none", "mis")):
     TESTS[_policy(_stage, "qlora", "single", "vllm", "off", "tis" if _correction == "auto" else _correction)] = (
         f"{VLLM_QLORA}[{_stage}-{_correction}]",
@@ -348,7 +356,7 @@ for _stage, _adapter, _tools, _backend in itertools.product(("ppo", "grpo"), ADA
         f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[{_stage}-{_adapter}-{_tools}]",
     )
 for _adapter, _backend in itertools.product(ADAPTERS, ("relay", "hf")):
-    _cell = _policy("distill", _adapter, "single", backend=_backend, tools=NONE)
+    _cell = _distill(_adapter, "single", _backend)
     TESTS[_cell] = TESTS.get(_cell, ()) + (
         f"{CELLS}::test_the_hf_backend_samples_as_relay_in_the_stage[distill-{_adapter}]",
     )
@@ -557,7 +565,14 @@ def config_cell(stage: str, cfg: Any, ranks: Optional[int] = None) -> tuple[Opti
     if gen.backend not in BACKENDS:
         return None, None
     correction = gen.correction
-    if correction not in CORRECTIONS:  # auto, or a value its own check refuses: the backend's default
+    if not STAGES[stage].corrects:
+        if correction in CORRECTIONS and CORRECTIONS[correction].weighs:
+            return None, (
+                f"generation.correction: {correction} weighs a policy loss's tokens by p_trainer / p_engine and "
+                f"{stage}'s loss has no per-token weight, so it would not be applied; leave it at auto or set none"
+            )
+        correction = NONE
+    elif correction not in CORRECTIONS:  # auto, or a value its own check refuses: the backend's default
         correction = BACKENDS[gen.backend].default_correction
     tools = NONE if not STAGES[stage].tools else "on" if cfg.tools.funcs else "off"
     return Cell(stage, gen.backend, tools, model.finetuning, engine, correction), None
