@@ -175,16 +175,28 @@ CORRECTED = [
 ]
 """(model.finetuning, generation.correction) of the PPO and GRPO runs on vLLM, with tools and without (auto is tis
 on vllm): every cell of the capability table's vllm rows that one process runs."""
-MIS_CAP = 1.0
-"""generation.correction_cap of the mis runs: the engine's log-probs are the trainer's within fp32 noise, so about
-half the sampled tokens have p_trainer / p_engine above 1 and drop out (each run checks that some do and some stay)."""
+MIS_CAP, MIS_SKEW = 1.0, 5e-5
+"""generation.correction_cap of the mis runs, and the skew they add to the engine's reported log-probs (alternately
+-/+ on each request's tokens): the engine's own log-probs are the trainer's within fp32 noise, often exactly, so the
+skew, well within what the runs' checks allow the engine (mean 1e-4), decides which side of the cap each token's
+p_trainer / p_engine falls: about half the sampled tokens drop out (each run checks that some do and some stay)."""
 
 
-def set_correction(cfg, correction: str) -> None:
+def set_correction(cfg, correction: str, monkeypatch) -> None:
+    from pipeline.rl.vllm_generator import VLLMGenerator
+
     cfg.generation.correction = correction
-    if correction == "mis":
-        cfg.generation.correction_cap = MIS_CAP
     assert cfg.generation.correction_name == ("tis" if correction == "auto" else correction)
+    if correction != "mis":
+        return
+    cfg.generation.correction_cap = MIS_CAP
+    real = VLLMGenerator.request
+
+    def request(self, *args, **kwargs):
+        ids, values = real(self, *args, **kwargs)
+        return ids, [v + (MIS_SKEW if i % 2 else -MIS_SKEW) for i, v in enumerate(values)]
+
+    monkeypatch.setattr(VLLMGenerator, "request", request)
 
 
 def check_correction(gen, old, engine, mask, weight) -> tuple[int, int]:
@@ -576,7 +588,7 @@ def test_grpo_stage_on_vllm_applies_its_correction(
     gets the correction's weights of that step's log-probs (none: no weight); mis drops some tokens and keeps
     others. LoRA with tis, the default, is the resumed run above."""
     cfg = grpo_cfg(tmp_path / "out", vllm_untied, adapter)
-    set_correction(cfg, correction)
+    set_correction(cfg, correction, monkeypatch)
     updates, weights = spy_grpo(monkeypatch)
     stage, _ = grpo_run(cfg, monkeypatch, on_server(shared_server, vllm_untied, tmp_path / "v"))
     assert stage.final_summary["steps"] == 2 and len(updates) == 2
@@ -608,7 +620,7 @@ def test_ppo_stage_on_vllm_logs_the_mismatch_and_applies_its_correction(
     cfg = ppo_cfg(tmp_path / "out", vllm_untied, tiny_reward_dir, adapter)
     cfg.tracking.trackers = ["tensorboard"]
     assert cfg.generation.correction == "auto" and cfg.generation.correction_name == "tis"
-    set_correction(cfg, correction)
+    set_correction(cfg, correction, monkeypatch)
     weights = []
     real_loss = algo.policy_loss
     monkeypatch.setattr(
@@ -725,7 +737,7 @@ def test_a_qlora_policy_samples_on_vllm_as_its_adapter_on_the_unquantized_base(
         cfg, stage_class = ppo_cfg(out, vllm_untied, tiny_reward_dir, "qlora"), ppo.PPOStage
     else:
         cfg, stage_class = grpo_cfg(out, vllm_untied, "qlora"), grpo.GRPOStage
-    set_correction(cfg, correction)
+    set_correction(cfg, correction, monkeypatch)
     assert cfg.generation.temperature == 1.0  # the engine's log-probs are of the distribution the trainer scores
     updates, _ = spy_grpo(monkeypatch)
     states, steps = PolicyStates(vllm_untied), {}
@@ -1062,13 +1074,16 @@ def test_distill_with_a_served_teacher_equals_the_in_process_teacher(vllm_tiny, 
 # GRPO and PPO with tools on the vllm backend, on the engine server with an EOS-prone base
 # ------------------------------------------------------------------------------------------
 # Two steps of each stage, the policy a tiny model whose turns end often, its ended turns read as
-# calls to `add` (a random model writes none), asserting what a tool rollout owes on an engine:
+# calls to `add` (a random model writes none), LoRA and full weights, every correction, asserting
+# what a tool rollout owes on an engine:
+# - results were inserted and later turns asked for (in the run: step 1's draws are fixed by the seed,
+#   step 2's by the update, which may leave no turn ended within the budget);
 # - every request asks for the row's remaining budget (the response budget less the turns and
 #   results before it), capped by the room under the server's max_model_len, and gets no more;
 # - the engine's log-prob of every sampled token of every turn is recorded at its position (the
 #   trainer's agree within fp32 noise, which a shifted position would not), NaN on inserted tokens;
-# - the mismatch correction (tis, `auto` for vllm) weighs each sampled token's loss by
-#   exp(trainer - engine) capped, 1 on inserted ones, exactly as for a single-answer rollout;
+# - the mismatch correction weighs each sampled token's loss by its definition of the trainer's and
+#   engine's log-probs, 1 on inserted ones, exactly as for a single-answer rollout (`check_correction`);
 # - rollout/logprob_diff_mean/_max are logged.
 
 CALL = {"name": "add", "arguments": {"a": 2, "b": 3}}
@@ -1164,14 +1179,16 @@ def factory(server, folder, workdir, cfg):
     )
 
 
-def check_step(rollout, requests, figures, old, weight, cfg, max_model_len) -> tuple[int, int]:
-    """What one step of a tool rollout on vLLM owes (the module docstring)."""
+def check_step(rollout, requests, figures, old, weight, cfg, max_model_len) -> tuple[int, int, int, int]:
+    """What one step of a tool rollout on vLLM owes (the comment above); returns (tokens the correction dropped,
+    tokens it kept, rows with an inserted result, requests for a later turn), for `check_steps`."""
     budget = cfg.generation.max_new_tokens
     mask = rollout.response_mask.bool()
     inside = rollout.attention_mask[:, rollout.prompt_width :].bool()
     inserted = inside & ~mask
-    assert inserted.any(1).sum() >= 1, rollout.conversations  # ended turns were calls: results were inserted
-    assert any(m["role"] == "tool" and m["content"] == "5" for conv in rollout.conversations for m in conv)
+    called = int(inserted.any(1).sum())  # ended turns were calls: results were inserted
+    results = sum(m["role"] == "tool" and m["content"] == "5" for conv in rollout.conversations for m in conv)
+    assert (results > 0) == (called > 0), rollout.conversations
     # budgets: each request is one row's turn; its context is that row's prompt and its tokens so far
     rows = [rollout.input_ids[r][rollout.attention_mask[r].bool()].tolist() for r in range(len(rollout.responses))]
     starts = [len(row) - len(resp) for row, resp in zip(rows, rollout.responses)]
@@ -1180,8 +1197,7 @@ def check_step(rollout, requests, figures, old, weight, cfg, max_model_len) -> t
         r = next(r for r, row in enumerate(rows) if row[: len(prompt)] == prompt and len(prompt) >= starts[r])
         used = len(prompt) - starts[r]
         assert max_tokens == min(budget - used, budget, max_model_len - len(prompt)) and len(got) <= max_tokens
-        later += used > 0
-    assert later >= 1  # later turns were asked for what their rows had left
+        later += used > 0  # a later turn, asked for what its row had left
     # the engine's log-probs: every sampled token's, NaN on the inserted ones, at the trainer's within fp32 noise
     engine = rollout.engine_logp
     assert engine is not None and not engine[mask].isnan().any() and engine[inserted].isnan().all()
@@ -1189,7 +1205,14 @@ def check_step(rollout, requests, figures, old, weight, cfg, max_model_len) -> t
     delta = (old - engine)[mask].abs()
     assert figures["rollout/logprob_diff_max"] == pytest.approx(float(delta.max()), rel=1e-5, abs=1e-9)
     # the correction, on the sampled tokens only: (tokens dropped, kept)
-    return check_correction(cfg.generation, old, engine, mask, weight)
+    return (*check_correction(cfg.generation, old, engine, mask, weight), called, later)
+
+
+def check_steps(gen, results: list[tuple[int, int, int, int]]) -> None:
+    """Over the run: results were inserted and later turns asked for, and the correction dropped what it owes."""
+    called, later = (sum(column) for column in list(zip(*results))[2:])
+    assert called >= 1 and later >= 1, results
+    check_dropped(gen, [r[:2] for r in results])
 
 
 def two_recorded_steps(stage_class, cfg, take, requests: list, generator_factory):
@@ -1226,7 +1249,7 @@ def test_grpo_with_tools_on_vllm(adapter, correction, caller, tools_server, ques
     cfg.generation.max_new_tokens, cfg.generation.temperature, cfg.tools.max_turns = 48, 0.8, 3
     cfg.tracking.trackers = ["tensorboard"]
     assert cfg.generation.correction == "auto" and cfg.generation.correction_name == "tis"
-    set_correction(cfg, correction)
+    set_correction(cfg, correction, monkeypatch)
     requests = recorded(monkeypatch)
     updates, weights = spy_grpo(monkeypatch)
     take = lambda st: st.last_rollout["rollout"]  # noqa: E731
@@ -1247,7 +1270,7 @@ def test_grpo_with_tools_on_vllm(adapter, correction, caller, tools_server, ques
                 tools_server.opts.max_model_len,
             )
         )
-    check_dropped(cfg.generation, counts)
+    check_steps(cfg.generation, counts)
     assert weights and all((w is None) == (correction == "none") for w in weights)  # every policy-loss call
     scalars = read_scalars(tmp_path / "out")
     assert [s for s, _ in scalars["rollout/logprob_diff_mean"]] == [1, 2] and [
@@ -1277,7 +1300,7 @@ def test_ppo_with_tools_on_vllm(
     cfg.generation.backend, cfg.generation.max_new_tokens, cfg.generation.temperature = "vllm", 48, 0.8
     cfg.tools.funcs, cfg.tools.max_turns, cfg.model.finetuning = ["test_tool_rollout:add"], 3, adapter
     assert cfg.generation.correction_name == "tis"
-    set_correction(cfg, correction)
+    set_correction(cfg, correction, monkeypatch)
     requests = recorded(monkeypatch)
     weights, real_loss = [], algo.policy_loss
     monkeypatch.setattr(
@@ -1295,6 +1318,6 @@ def test_ppo_with_tools_on_vllm(
             )
         )
         assert (exp.advantages[exp.rollout.response_mask == 0] == 0).all()
-    check_dropped(cfg.generation, counts)
+    check_steps(cfg.generation, counts)
     assert weights and all((w is None) == (correction == "none") for w in weights)
     assert stage._generator is None and tools_server.proc.poll() is None  # released, the shared server left running
