@@ -175,6 +175,10 @@ CORRECTED = [
 ]
 """(model.finetuning, generation.correction) of the PPO and GRPO runs on vLLM, with tools and without (auto is tis
 on vllm): every cell of the capability table's vllm rows that one process runs."""
+TOOLED = CORRECTED + [
+    pytest.param("qlora", correction, id=f"qlora-{correction}") for correction in ("auto", "none", "mis")
+]
+"""The tool runs on vLLM: `CORRECTED` and QLoRA (whose engine samples the unquantized base with the adapter)."""
 MIS_CAP, MIS_SKEW = 1.0, 5e-5
 """generation.correction_cap of the mis runs, and the skew they add to the engine's reported log-probs (alternately
 -/+ on each request's tokens): the engine's own log-probs are the trainer's within fp32 noise, often exactly, so the
@@ -655,7 +659,7 @@ class PolicyStates:
     """A policy's trained weights at every rollout (the adapter's under LoRA and QLoRA, else all of them: `capture`
     before the first rollout and after every step), and the log-probs an engine that follows the policy reports for
     a rollout drawn with them (`logprobs`): those weights on the base model's own unquantized weights (`folder`),
-    in transformers, fp32, at temperature 1."""
+    in transformers, fp32, at the sampling temperature."""
 
     def __init__(self, folder):
         self.folder, self.policy, self.states = folder, None, []
@@ -683,7 +687,7 @@ class PolicyStates:
         """Whether the first step changed the weights (so the second rollout's equality is the sync's)."""
         return any(not torch.equal(self.states[1][k], self.states[0][k]) for k in self.states[0])
 
-    def logprobs(self, index: int, rollout) -> torch.Tensor:
+    def logprobs(self, index: int, rollout, temperature: float = 1.0) -> torch.Tensor:
         import copy
 
         from peft import get_peft_model, set_peft_model_state_dict
@@ -700,7 +704,7 @@ class PolicyStates:
             model.load_state_dict(self.states[index])
         with torch.no_grad():
             logits = policy_logits(model.eval(), rollout.input_ids, rollout.attention_mask, rollout.prompt_width)
-        return logprobs_from_logits(logits.float(), rollout.response_ids)
+        return logprobs_from_logits(logits.float() / temperature, rollout.response_ids)
 
     def engine_gap(self, index: int, rollout) -> float:
         """max |engine - expected| log-prob over the rollout's sampled tokens."""
@@ -1179,9 +1183,10 @@ def factory(server, folder, workdir, cfg):
     )
 
 
-def check_step(rollout, requests, figures, old, weight, cfg, max_model_len) -> tuple[int, int, int, int]:
+def check_step(rollout, requests, figures, old, weight, cfg, max_model_len, expected=None) -> tuple[int, int, int, int]:
     """What one step of a tool rollout on vLLM owes (the comment above); returns (tokens the correction dropped,
-    tokens it kept, rows with an inserted result, requests for a later turn), for `check_steps`."""
+    tokens it kept, rows with an inserted result, requests for a later turn), for `check_steps`. `expected`: the
+    log-probs the engine owes where they are not the trainer's `old` (QLoRA: the unquantized base's, `PolicyStates`)."""
     budget = cfg.generation.max_new_tokens
     mask = rollout.response_mask.bool()
     inside = rollout.attention_mask[:, rollout.prompt_width :].bool()
@@ -1198,10 +1203,12 @@ def check_step(rollout, requests, figures, old, weight, cfg, max_model_len) -> t
         used = len(prompt) - starts[r]
         assert max_tokens == min(budget - used, budget, max_model_len - len(prompt)) and len(got) <= max_tokens
         later += used > 0  # a later turn, asked for what its row had left
-    # the engine's log-probs: every sampled token's, NaN on the inserted ones, at the trainer's within fp32 noise
+    # the engine's log-probs: every sampled token's, NaN on the inserted ones, at the trainer's (or `expected`)
+    # within fp32 noise
     engine = rollout.engine_logp
     assert engine is not None and not engine[mask].isnan().any() and engine[inserted].isnan().all()
-    assert figures["rollout/logprob_diff_max"] < 1e-3 and figures["rollout/logprob_diff_mean"] < 1e-4, figures
+    gap = ((old if expected is None else expected) - engine)[mask].abs()
+    assert gap.max() < 1e-3 and gap.mean() < 1e-4, (gap.max(), gap.mean())
     delta = (old - engine)[mask].abs()
     assert figures["rollout/logprob_diff_max"] == pytest.approx(float(delta.max()), rel=1e-5, abs=1e-9)
     # the correction, on the sampled tokens only: (tokens dropped, kept)
@@ -1237,7 +1244,7 @@ def two_recorded_steps(stage_class, cfg, take, requests: list, generator_factory
     return stage, seen
 
 
-@pytest.mark.parametrize("adapter, correction", CORRECTED)
+@pytest.mark.parametrize("adapter, correction", TOOLED)
 def test_grpo_with_tools_on_vllm(adapter, correction, caller, tools_server, questions, calls, tmp_path, monkeypatch):
     from test_tool_rollout import _grpo_cfg
 
@@ -1252,13 +1259,15 @@ def test_grpo_with_tools_on_vllm(adapter, correction, caller, tools_server, ques
     set_correction(cfg, correction, monkeypatch)
     requests = recorded(monkeypatch)
     updates, weights = spy_grpo(monkeypatch)
-    take = lambda st: st.last_rollout["rollout"]  # noqa: E731
+    states = PolicyStates(caller)
+    take = lambda st: (states.capture(), st.last_rollout["rollout"])[1]  # noqa: E731
     _, seen = two_recorded_steps(
-        grpo.GRPOStage, cfg, take, requests, factory(tools_server, caller, tmp_path / "v", cfg)
+        grpo.GRPOStage, cfg, take, requests, states.factory(factory(tools_server, caller, tmp_path / "v", cfg))
     )
     counts = []
     for step, (figures, rollout, asked) in seen.items():
         scored = updates[step - 1][1]
+        expected = states.logprobs(step - 1, rollout, cfg.generation.temperature) if adapter == "qlora" else None
         counts.append(
             check_step(
                 rollout,
@@ -1268,6 +1277,7 @@ def test_grpo_with_tools_on_vllm(adapter, correction, caller, tools_server, ques
                 scored.get("is_weight"),
                 cfg,
                 tools_server.opts.max_model_len,
+                expected,
             )
         )
     check_steps(cfg.generation, counts)
@@ -1278,7 +1288,7 @@ def test_grpo_with_tools_on_vllm(adapter, correction, caller, tools_server, ques
     ] == [1, 2]
 
 
-@pytest.mark.parametrize("adapter, correction", CORRECTED)
+@pytest.mark.parametrize("adapter, correction", TOOLED)
 def test_ppo_with_tools_on_vllm(
     adapter, correction, caller, tiny_reward_dir, tools_server, questions, calls, tmp_path, monkeypatch
 ):
@@ -1306,15 +1316,18 @@ def test_ppo_with_tools_on_vllm(
     monkeypatch.setattr(
         algo, "policy_loss", lambda *a, weight=None, **k: weights.append(weight) or real_loss(*a, weight=weight, **k)
     )
-    take = lambda st: st.last_experience  # noqa: E731
+    states = PolicyStates(caller)
+    take = lambda st: (states.capture(), st.last_experience)[1]  # noqa: E731
     stage, seen = two_recorded_steps(
-        ppo.PPOStage, cfg, take, requests, factory(tools_server, caller, tmp_path / "v", cfg)
+        ppo.PPOStage, cfg, take, requests, states.factory(factory(tools_server, caller, tmp_path / "v", cfg))
     )
     counts = []
     for step, (figures, exp, asked) in seen.items():
+        rollout = exp.rollout
+        expected = states.logprobs(step - 1, rollout, cfg.generation.temperature) if adapter == "qlora" else None
         counts.append(
             check_step(
-                exp.rollout, asked, figures, exp.old_logprobs, exp.is_weight, cfg, tools_server.opts.max_model_len
+                rollout, asked, figures, exp.old_logprobs, exp.is_weight, cfg, tools_server.opts.max_model_len, expected
             )
         )
         assert (exp.advantages[exp.rollout.response_mask == 0] == 0).all()

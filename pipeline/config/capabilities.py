@@ -130,8 +130,9 @@ VLLM_TESTS: dict[tuple[str, str], str] = {
     ("ppo", "on"): f"{VLLM}::test_ppo_with_tools_on_vllm",
     ("grpo", "on"): f"{VLLM}::test_grpo_with_tools_on_vllm",
 }
-"""(stage, tools): the test that trains it on the vllm backend in one process, a case per LoRA / full weights and
-correction (`[adapter-correction]`, auto being vllm's default, tis); GRPO's LoRA with tis is `VLLM_RESUMED`'s."""
+"""(stage, tools): the test that trains it on the vllm backend in one process, a case per adapter and correction
+(`[adapter-correction]`, auto being vllm's default, tis; QLoRA with tools off is `VLLM_QLORA`'s, GRPO's LoRA with
+tis and tools off `VLLM_RESUMED`'s)."""
 VLLM_RESUMED = f"{VLLM}::test_grpo_on_vllm_resumed_on_a_fresh_server_samples_as_an_unbroken_run"
 VLLM_QLORA = f"{VLLM}::test_a_qlora_policy_samples_on_vllm_as_its_adapter_on_the_unquantized_base"
 """QLoRA on the vllm backend (tools off), a case per `[stage-correction]`."""
@@ -346,8 +347,10 @@ for (_stage, _tools), _node in VLLM_TESTS.items():
 for _adapter in ADAPTERS:
     TESTS[_distill(_adapter, "single", "vllm")] = (f"{VLLM}::test_distill_samples_the_student_on_vllm[{_adapter}]",)
 for _stage, _correction in itertools.product(("ppo", "grpo"), ("auto", "none", "mis")):
-    TESTS[_policy(_stage, "qlora", "single", "vllm", "off", "tis" if _correction == "auto" else _correction)] = (
-        f"{VLLM_QLORA}[{_stage}-{_correction}]",
+    _name = "tis" if _correction == "auto" else _correction
+    TESTS[_policy(_stage, "qlora", "single", "vllm", "off", _name)] = (f"{VLLM_QLORA}[{_stage}-{_correction}]",)
+    TESTS[_policy(_stage, "qlora", "single", "vllm", "on", _name)] = (
+        f"{VLLM_TESTS[_stage, 'on']}[qlora-{_correction}]",
     )
 # tests/test_cells.py: one process, the hf backend draws what the relay backend draws, every adapter, tools off and on
 for _stage, _adapter, _tools, _backend in itertools.product(("ppo", "grpo"), ADAPTERS, TOOLS, ("relay", "hf")):
