@@ -769,6 +769,8 @@ def test_a_qlora_policy_samples_on_vllm_as_its_adapter_on_the_unquantized_base(
         assert gap < 1e-3  # the engine sampled this step's adapter on the unquantized base
         assert figures["rollout/logprob_diff_max"] > 10 * max(gap, 1e-6)  # the 4-bit trainer is elsewhere
         counts.append(check_correction(cfg.generation, trainer, rollout.engine_logp, rollout.response_mask, weight))
+    stale = states.engine_gap(0, steps[2][1])
+    assert stale > 1e-3, stale  # the first adapter does not explain step 2's draws: the check sees a stale engine
     check_dropped(cfg.generation, counts)
 
 
@@ -807,6 +809,7 @@ def test_distill_samples_the_student_on_vllm(adapter, vllm_untied, shared_server
     gaps = [states.engine_gap(k, rollout) for k, rollout in enumerate(rollouts)]
     print(f"distill {adapter}: engine vs the student max {gaps}, loss {[s['train/loss'] for s in steps]}")
     assert max(gaps) < 1e-3  # the engine sampled the student as it was at each rollout
+    assert states.engine_gap(0, rollouts[1]) > 1e-3  # the first student does not explain step 2's draws
     assert steps[0]["train/loss"] > 0 and steps[1]["train/loss"] != steps[0]["train/loss"]
 
 
