@@ -13,7 +13,7 @@ every correction applied as it is defined (tis, the default for vllm; mis; none)
 Cheap by sharing (a server start is most of the time): one engine server for the whole module
 (`engine_server`, runtime LoRA and the full-weight sync both on; the generators, the gold table,
 chat and the tool rollouts take turns on it, each given its own base weights first), and only the
-resumed run and `relay serve` start their own: three starts for thirty-seven tests. run_scripts/test.sh
+resumed run and `relay serve` start their own: three starts for fifty-two tests. run_scripts/test.sh
 builds the side environment in the background while the rest of the suite runs; these tests run last
 (tests/conftest.py), wait for that install and fail when it failed. Run alone without the environment
 (no RELAY_VLLM_INSTALL_STATUS), they skip. Every server started here is stopped in teardown."""
@@ -174,7 +174,7 @@ CORRECTED = [
     for correction in ("auto", "none", "mis")
 ]
 """(model.finetuning, generation.correction) of the PPO and GRPO runs on vLLM, with tools and without (auto is tis
-on vllm): every cell of the capability table's vllm rows that one process runs."""
+on vllm); QLoRA has runs of its own (`TOOLED`, `QLORA_CASES`)."""
 TOOLED = CORRECTED + [
     pytest.param("qlora", correction, id=f"qlora-{correction}") for correction in ("auto", "none", "mis")
 ]
@@ -204,18 +204,19 @@ def set_correction(cfg, correction: str, monkeypatch) -> None:
 
 
 def check_correction(gen, old, engine, mask, weight) -> tuple[int, int]:
-    """The weight the stage put on each token's policy loss is its correction's (pipeline/algorithms/mismatch.py's,
-    pinned against TRL in tests/test_mismatch.py) of the step's trainer and engine log-probs of the sampled tokens,
-    1 off them; none: no weight at all. Returns (tokens dropped, tokens kept) among the sampled ones."""
+    """The weight the stage put on each token's policy loss is its correction's of the step's trainer (`old`) and
+    engine log-probs of the sampled tokens, 1 off them (pipeline/algorithms/mismatch.py `correction_weights`, its
+    TIS and MIS pinned against TRL in tests/test_mismatch.py); none: no weight at all. Returns (tokens dropped,
+    tokens kept) among the sampled ones."""
+    from pipeline.algorithms.mismatch import correction_weights
+
     inside = mask.bool()
-    if gen.correction_name == "none":
+    assert engine is not None and not engine[inside].isnan().any()
+    want = correction_weights(gen.correction_name, old, engine, mask.float(), gen.correction_cap, gen.correction_floor)
+    if want is None:
         assert weight is None
         return 0, int(inside.sum())
-    assert engine is not None and not engine[inside].isnan().any()
-    ratio = torch.where(inside, old - engine, 0.0).exp()
-    cap = gen.correction_cap
-    want = ratio.clamp(max=cap) if gen.correction_name == "tis" else ratio.masked_fill(ratio > cap, 0.0)
-    torch.testing.assert_close(weight, torch.where(inside, want, 1.0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(weight, want, rtol=0, atol=1e-6)
     return int((inside & (weight == 0)).sum()), int((inside & (weight != 0)).sum())
 
 
