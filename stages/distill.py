@@ -35,6 +35,7 @@ import torch
 
 from data_formats.datasets import build_sft_data
 from pipeline.algorithms import distill as dl
+from pipeline.algorithms.mismatch import logprob_diff
 from pipeline.config import GenerationConfig, ModelConfig, PromptDataConfig, StageConfig
 from pipeline.config.sections import STAGE_REF
 from pipeline.engine.checkpoint import seeded_fork
@@ -43,7 +44,7 @@ from pipeline.engine.resume import launched_world_size
 from pipeline.engine.stage import Stage
 from pipeline.engine.stage_checks import data_problems
 from pipeline.engine.stage_main import main
-from pipeline.engine.supervised_head import head_split, hidden_forward
+from pipeline.engine.supervised_head import chunked_rows, head_split, hidden_forward
 from pipeline.modeling.embedded import resolve_model_path
 from pipeline.modeling.handoff import fact_problems, folder_facts
 from pipeline.modeling.manifest import weights_hash
@@ -340,9 +341,13 @@ class DistillStage(PolicyStage):
             trained.append([int(label != -100) for label in labels[start:]])
         return assemble_masked(prompts, responses, trained, [True] * len(picked), self.tokenizer.pad_token_id)
 
-    def token_losses(self, rollout: Rollout, rows: slice, grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """([n] each trained token's loss, [n] its reverse KL to the teacher, no grad) of `rows`. A
-        served teacher's KL is over its top-k support plus the tail bucket (all it reports)."""
+    def token_losses(
+        self, rollout: Rollout, rows: slice, grad: bool = True, sampled_at: Optional[float] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """([n] each trained token's loss, [n] its reverse KL to the teacher, no grad, and with
+        `sampled_at` [n] the student's log-prob of each token at that sampling temperature, no grad;
+        else None) of `rows`. A served teacher's KL is over its top-k support plus the tail bucket
+        (all it reports)."""
         cfg, device, d = self.cfg, self.accelerator.device, self.cfg.distill
         ids, attn = rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device)
         mask = rollout.response_mask[rows].to(device).bool()
@@ -384,7 +389,12 @@ class DistillStage(PolicyStage):
                     beta=1.0,
                     temperature=d.temperature,
                 )
-        return losses, kl
+                own = None
+                if sampled_at is not None:
+                    own = chunked_rows(
+                        lambda logits, ids: dl.sampled_logp(logits, ids, sampled_at), s_rows.detach(), s_head, tokens
+                    )
+        return losses, kl, own
 
     def served_scores(self, rollout: Rollout, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The served teacher's top-k of every trained token of `rows` (row-major, as `[mask]`
@@ -419,19 +429,26 @@ class DistillStage(PolicyStage):
             tokens = acc.reduce(tokens.to(acc.device), reduction="sum").cpu()
         scale = accum * acc.num_processes  # the losses are shares of the step's token sum already
         sums = torch.zeros(2, dtype=torch.float64)
+        engine = rollout.engine_logp if on_policy else None  # an engine that reports its log-probs (vLLM)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the student's, the engine's) per sampled token
 
         def micro_batch(k: int) -> torch.Tensor:
-            losses, kl = self.token_losses(rollout, slice(k * micro, (k + 1) * micro))
+            rows = slice(k * micro, (k + 1) * micro)
+            losses, kl, own = self.token_losses(
+                rollout, rows, sampled_at=None if engine is None else cfg.generation.temperature
+            )
             loss = dl.global_token_loss(losses, float(tokens))
             acc.backward(loss * scale)
             sums[0] += float(loss.detach())
             sums[1] += float(kl.sum())
+            if own is not None:
+                pairs.append((own.cpu(), engine[rows][rollout.response_mask[rows].bool()]))
             return loss
 
         grad_norm = self.optimizer_step(accum, micro_batch)
         if acc.num_processes > 1:
             sums = acc.reduce(sums.to(acc.device), reduction="sum").cpu()
-        return {
+        return self.mismatch(pairs) | {
             "train/loss": float(sums[0]),
             "train/grad_norm": grad_norm,
             "distill/kl": float(sums[1] / tokens.clamp(min=1)),
@@ -441,6 +458,17 @@ class DistillStage(PolicyStage):
             "distill/completion_length": float(tokens) / (rollout.input_ids.shape[0] * acc.num_processes),
         }
 
+    @staticmethod
+    def mismatch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+        """rollout/logprob_diff_mean and _max: the engine's log-prob of each sampled token against the
+        student's at the sampling temperature in the step's forward, as PPO and GRPO log them ({}:
+        a step on the dataset's completions, or an engine that reports no log-probs)."""
+        if not pairs:
+            return {}
+        own, engine = (torch.cat(side) for side in zip(*pairs))
+        mean, worst = logprob_diff(own, engine, torch.ones_like(own))
+        return {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": worst}
+
     @torch.no_grad()
     def evaluate(self) -> Optional[dict[str, float]]:
         """eval/kl: the student's per-token reverse KL to the teacher on one sampled completion per
@@ -449,7 +477,7 @@ class DistillStage(PolicyStage):
             return None
 
         def figures(indices: list[int]) -> dict:
-            _, kl = self.token_losses(self.rollout([self.eval_samples[i] for i in indices]), slice(None), grad=False)
+            _, kl, _ = self.token_losses(self.rollout([self.eval_samples[i] for i in indices]), slice(None), grad=False)
             return {"kl": kl.sum(), "tokens": kl.numel()}
 
         with seeded_fork(self.cfg.train.seed + 1):

@@ -257,6 +257,7 @@ def test_resume_equals_unbroken_and_the_manifest_names_the_teacher(
     steps = full.history.steps
     assert {r["distill/on_policy"] for r in steps} == {0.0, 1.0}
     assert all(r["distill/kl"] > 0 and r["train/loss"] > 0 for r in steps)
+    assert not any("rollout/logprob_diff_max" in r for r in steps)  # Relay's engine reports no log-probs of its own
     monkeypatch.setenv("RELAY_STOP_AFTER_STEP", "2")
     first = _run(_args(tiny_model_dir, teacher_dir, tmp_path / "data", tmp_path / "cut", *common))
     assert first.step == 2

@@ -85,7 +85,7 @@ def test_distill_evaluates_every_ranks_share_through_the_loop():
         cfg=NS(train=NS(batch_size=2, eval_batches=None, seed=0)),
         accelerator=acc,
         rollout=lambda prompts: prompts,
-        token_losses=lambda rollout, rows, grad: (None, torch.tensor([float(p) ** 2 for p in rollout])),
+        token_losses=lambda rollout, rows, grad: (None, torch.tensor([float(p) ** 2 for p in rollout]), None),
     )
     stage.held_out = lambda figures: Stage.held_out(stage, figures)
     assert DistillStage.evaluate(stage) == {"eval/kl": 5.0, "eval/loss": 5.0}  # (1 + 9) / 2

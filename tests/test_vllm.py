@@ -707,11 +707,11 @@ class PolicyStates:
             logits = policy_logits(model.eval(), rollout.input_ids, rollout.attention_mask, rollout.prompt_width)
         return logprobs_from_logits(logits.float() / temperature, rollout.response_ids)
 
-    def engine_gap(self, index: int, rollout) -> float:
+    def engine_gap(self, index: int, rollout, temperature: float = 1.0) -> float:
         """max |engine - expected| log-prob over the rollout's sampled tokens."""
         mask = rollout.response_mask.bool()
         assert rollout.engine_logp is not None and not rollout.engine_logp[mask].isnan().any()
-        return (self.logprobs(index, rollout) - rollout.engine_logp)[mask].abs().max().item()
+        return (self.logprobs(index, rollout, temperature) - rollout.engine_logp)[mask].abs().max().item()
 
 
 QLORA_CASES = [
@@ -778,9 +778,11 @@ def test_a_qlora_policy_samples_on_vllm_as_its_adapter_on_the_unquantized_base(
 @pytest.mark.parametrize("adapter", ["lora", "full", "qlora"])
 def test_distill_samples_the_student_on_vllm(adapter, vllm_untied, shared_server, tmp_path, monkeypatch):
     """`generation.backend: vllm` in the distill stage: two on-policy steps (lmbda 1) whose student samples on the
-    shared server, LoRA, full weights or QLoRA, the teacher in this process. At each step the engine's log-probs of
-    the sampled tokens are the student's as it was when the rollout was drawn (`PolicyStates`: its weights on the
-    unquantized base; a stale student at step 2 parts them), and the student learns."""
+    shared server at temperature 0.7, LoRA, full weights or QLoRA, the teacher in this process. At each step the
+    engine's log-probs of the sampled tokens are the student's as it was when the rollout was drawn (`PolicyStates`:
+    its weights on the unquantized base; a stale student at step 2 parts them), and the student learns. The stage's
+    `rollout/logprob_diff_*` compare them with the student's in its own forward at the sampling temperature: fp32
+    noise with LoRA and full weights (at another temperature they part by ~0.1), the 4-bit base's error with QLoRA."""
     from stagerun import run_stage
 
     from stages.distill import DistillStage
@@ -796,6 +798,7 @@ def test_distill_samples_the_student_on_vllm(adapter, vllm_untied, shared_server
         *("--train.max_steps", "2", "--train.batch_size", "2", "--train.seq_length", "64"),
         *("--train.learning_rate", "1e-2", "--train.eval_steps", "0", "--checkpoint.save_interval", "1000h"),
         *("--distill.lmbda", "1", "--generation.backend", "vllm", "--generation.max_new_tokens", "6"),
+        *("--generation.temperature", "0.7"),
         *("--lora.r", "4"),  # within the shared server's max_lora_rank (a stage's own server is started for its rank)
     ]
     rollouts, real = [], DistillStage.rollout
@@ -803,15 +806,24 @@ def test_distill_samples_the_student_on_vllm(adapter, vllm_untied, shared_server
         DistillStage, "rollout", lambda self, *a, **k: rollouts.append(real(self, *a, **k)) or rollouts[-1]
     )
     states = PolicyStates(vllm_untied)
-    factory = states.factory(on_server(shared_server, vllm_untied, tmp_path / "v"))
+    make = on_server(shared_server, vllm_untied, tmp_path / "v")
+    factory = states.factory(lambda policy: make(policy, max_new_tokens=6, temperature=0.7))
     stage = run_stage(DistillStage, argv, on_step=lambda st, m: states.capture(), generator_factory=factory)
     steps = stage.history.steps
     assert [s["distill/on_policy"] for s in steps] == [1.0, 1.0] and len(rollouts) == 2 and states.moved()
-    gaps = [states.engine_gap(k, rollout) for k, rollout in enumerate(rollouts)]
-    print(f"distill {adapter}: engine vs the student max {gaps}, loss {[s['train/loss'] for s in steps]}")
+    gaps = [states.engine_gap(k, rollout, 0.7) for k, rollout in enumerate(rollouts)]
+    logged = [s["rollout/logprob_diff_max"] for s in steps]
+    print(f"distill {adapter}: engine vs the student max {gaps}, logged {logged}")
     assert max(gaps) < 1e-3  # the engine sampled the student as it was at each rollout
-    assert states.engine_gap(0, rollouts[1]) > 1e-3  # the first student does not explain step 2's draws
+    assert states.engine_gap(0, rollouts[1], 0.7) > 1e-3  # the first student does not explain step 2's draws
     assert steps[0]["train/loss"] > 0 and steps[1]["train/loss"] != steps[0]["train/loss"]
+    for step, gap in zip(steps, gaps):
+        assert step["rollout/logprob_diff_mean"] <= step["rollout/logprob_diff_max"]
+        if adapter == "qlora":  # the trainer scores with the 4-bit base, the engine samples the unquantized one
+            assert step["rollout/logprob_diff_max"] > 10 * max(gap, 1e-6)
+        else:  # the same weights in fp32 on both sides
+            assert step["rollout/logprob_diff_max"] < 1e-4
+    assert states.engine_gap(0, rollouts[0], 1.0) > 1e-2  # ...which at another temperature would part
 
 
 def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny, shared_server, tmp_path):
