@@ -8,8 +8,9 @@ tools (LoRA and full weights) under DDP and FSDP2, and with QLoRA under DDP (scr
 tests/tool_distrun.py; `tools/call_frequency` over both ranks); an LLM judge (a stub
 endpoint in this process, tests/judgestub.py) beside the other rewards of every GRPO and PPO run
 with tools, full-weight GRPO and a PPO run without tools; QLoRA PT, RM, DPO, KTO, GRPO and PPO under
-DDP and ZeRO-2; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3 (one step on
-the student's scripted samples, one on the dataset's completions: distill.lmbda 0.5, train.seed 0).
+DDP and ZeRO-2; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3, and with QLoRA
+under DDP and ZeRO-2 (one step on the student's scripted samples, one on the dataset's completions:
+distill.lmbda 0.5, train.seed 0).
 The hf generation backend (LoRA and full weights under DDP and FSDP2, QLoRA and tools under DDP), the stage's
 own sampler, draws at every sampling call what Relay's engine draws on the same ranks from the same policy and
 RNG state (tests/cells_distrun.py `paired_hf`; its sampler is real, so its rollouts depend on each rank's RNG
@@ -167,6 +168,7 @@ RUNS: dict[str, Run] = {
     "grpo-qlora": Run("grpo", "qlora", ("ddp", "zero2"), GRPO_KEYS),
     "ppo-qlora": Run("ppo", "qlora", ("ddp", "zero2"), PPO_KEYS, extra=("--train.learning_rate", "2.5e-3")),
     "distill-lora": Run("distill", "lora", (*BOTH, "zero2", "zero3"), DISTILL_KEYS),
+    "distill-qlora": Run("distill", "qlora", ("ddp", "zero2"), DISTILL_KEYS),
     # Full weights: the gradients are DDP's to the bit, but torch's float32 norm on a CPU (one float32 accumulator per
     # lane, pytorch/pytorch#169237) is off by 1.2e-4 on the tied embedding's 626k-element gradient in one process and
     # under DDP; ZeRO's norm is the float64 one to 7 digits, FSDP2's (two shards) between (bench/RESULTS.md).

@@ -337,6 +337,7 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         for adapter in ("lora", "full")
         for engine in ("ddp", "fsdp", "zero2", "zero3")
     },
+    **{_distill("qlora", engine): (f"{RANKS}[{engine}-distill-qlora]",) for engine in ("ddp", "zero2")},
 }
 # tests/test_vllm.py: one process on a vLLM server, LoRA and full weights, tools off and on, every correction
 for (_stage, _tools), _node in VLLM_TESTS.items():
