@@ -50,7 +50,7 @@ from pipeline.modeling.handoff import fact_problems, folder_facts
 from pipeline.modeling.manifest import weights_hash
 from pipeline.modeling.models import load_model, train_without_dropout
 from pipeline.modeling.scoring import position_ids_from_mask
-from pipeline.modeling.vllm_server import ServerOptions, VLLMServer, prompt_topk, vllm_python
+from pipeline.modeling.vllm_server import ServerOptions, VLLMServer, on_gpu, prompt_topk, vllm_python
 from pipeline.rl.policy_stage import GeneratorFactory, PolicyStage, frozen
 from pipeline.rl.rollout import ActorCritic, Rollout, assemble_masked
 
@@ -84,10 +84,29 @@ class TeacherConfig(ModelConfig):
     """Who scores: relay (the teacher in this process, beside the student) or vllm (a vLLM server
     on `path` answers each sequence's top-k prompt log-probs, so the teacher is not in the trainer's
     memory; needs top_k > 0 and distill.temperature 1)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """backend vllm on a GPU: the share of GPU memory the teacher's server may take; it runs on the
+    trainer's GPU (beside the student's own server when generation.backend is vllm), so the default
+    is TRL's for a colocated engine, not vLLM's 0.9. Not passed on a CPU."""
+
+
+def teacher_server_options(cfg: "DistillConfig") -> ServerOptions:
+    """The served teacher's server: the sequence and its next token in context, its top-k prompt
+    log-probs, and on a GPU (the trainer's) `teacher.vllm_gpu_memory_utilization` of its memory."""
+    return ServerOptions(
+        name="teacher",
+        max_model_len=cfg.train.seq_length + 1,
+        gpu_memory_utilization=cfg.teacher.vllm_gpu_memory_utilization if on_gpu() else None,
+        extra=["--max-logprobs", str(max(20, cfg.teacher.top_k))],
+    )
 
 
 def _served_problems(cfg: "DistillConfig") -> list[str]:
     out = []
+    if not 0 < cfg.teacher.vllm_gpu_memory_utilization <= 1:
+        out.append(
+            f"teacher.vllm_gpu_memory_utilization: must be in (0, 1], got {cfg.teacher.vllm_gpu_memory_utilization}"
+        )
     if cfg.teacher.top_k <= 0:
         out.append("teacher.top_k: a served teacher reports its top-k log-probs; set it (e.g. 20)")
     if cfg.distill.temperature != 1.0:
@@ -168,6 +187,14 @@ class DistillConfig(StageConfig):
             )
         else:
             out += backend.problems(self)
+            if (
+                backend.in_process
+                and self.teacher.vllm_gpu_memory_utilization != TeacherConfig.vllm_gpu_memory_utilization
+            ):
+                out.append(
+                    f"teacher.vllm_gpu_memory_utilization: only teacher.backend vllm reads it "
+                    f"(backend is {self.teacher.backend!r})"
+                )
         if not self.teacher.path:
             out.append("teacher.path: required (a model folder sharing the student's tokenizer)")
         elif self.teacher.path.startswith(STAGE_REF):
@@ -291,11 +318,7 @@ class DistillStage(PolicyStage):
                 self.accelerator.device
             )
         elif self.teacher_server is None:
-            opts = ServerOptions(
-                name="teacher",
-                max_model_len=cfg.train.seq_length + 1,
-                extra=["--max-logprobs", str(max(20, cfg.teacher.top_k))],
-            )
+            opts = teacher_server_options(cfg)
             log = Path(cfg.output_dir) / "teacher_vllm.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             self.teacher_server, self.own_server = VLLMServer(self.teacher_path, opts, log_path=log).start(), True

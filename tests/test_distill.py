@@ -319,6 +319,36 @@ def test_config_refusals(tiny_model_dir, teacher_dir, tmp_path, fresh_state):
     assert any(p.startswith("teacher.top_k: only the jsd loss") for p in found)
 
 
+def test_a_served_teacher_takes_a_colocated_share_of_the_gpu(tiny_model_dir, teacher_dir, tmp_path, monkeypatch):
+    """The teacher's server runs on the trainer's GPU: it is started with
+    teacher.vllm_gpu_memory_utilization (TRL's colocated 0.3 by default; vLLM's own 0.9 would leave
+    the trainer nothing), on a CPU without it; out of range, or set for an in-process teacher, the
+    option is refused in one line."""
+    from pipeline.modeling import vllm_server
+    from stages import distill as stage
+
+    monkeypatch.setattr(vllm_server, "vllm_python", lambda: "python")
+    common = _args(tiny_model_dir, teacher_dir, tmp_path / "data", tmp_path / "o", "--teacher.top_k", "4")
+    cfg = load_config(stage.DistillConfig, [*common, "--teacher.backend", "vllm"])
+    for gpu, share in ((True, "0.3"), (False, None)):
+        monkeypatch.setattr(stage, "on_gpu", lambda: gpu)
+        cmd = vllm_server.server_command("python", "/m", "127.0.0.1", 8000, stage.teacher_server_options(cfg))
+        got = cmd[cmd.index("--gpu-memory-utilization") + 1] if "--gpu-memory-utilization" in cmd else None
+        assert got == share, (gpu, cmd)
+    for backend, value, line in (
+        ("vllm", "1.5", "teacher.vllm_gpu_memory_utilization: must be in (0, 1], got 1.5"),
+        (
+            "relay",
+            "0.5",
+            "teacher.vllm_gpu_memory_utilization: only teacher.backend vllm reads it (backend is 'relay')",
+        ),
+    ):
+        extra = ["--teacher.backend", backend, "--teacher.vllm_gpu_memory_utilization", value]
+        with pytest.raises(ConfigError) as err:
+            load_config(stage.DistillConfig, [*common, *extra])
+        assert line in err.value.problems, err.value.problems
+
+
 def test_a_loss_entry_says_whether_it_reads_the_teachers_top_k(tiny_model_dir, teacher_dir, tmp_path, monkeypatch):
     """teacher.top_k is checked against the entry's reads_top_k, not against a loss name."""
     from pipeline.algorithms import distill as dl

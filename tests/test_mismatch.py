@@ -404,6 +404,7 @@ def test_vllm_gpu_options_pass_through_and_are_refused_where_they_cannot_run(tmp
     from pipeline.config import ConfigError
     from pipeline.config.policy import GenerationConfig
     from pipeline.modeling import vllm_server
+    from pipeline.rl import vllm_generator
     from pipeline.rl.policy_stage import vllm_gpu_problems
     from pipeline.rl.vllm_generator import engine_options
     from stages import grpo
@@ -417,6 +418,24 @@ def test_vllm_gpu_options_pass_through_and_are_refused_where_they_cannot_run(tmp
     assert "--enable-sleep-mode" not in plain and "--gpu-memory-utilization" not in plain
     gen = GenerationConfig(backend="vllm", vllm_sleep=True, vllm_tensor_parallel_size=2)
     assert vllm_gpu_problems(gen, cuda_devices=2) == []
+    # the engine runs on the trainer's GPU: by default TRL's colocated share (vLLM's own 0.9 would leave the
+    # trainer nothing); vLLM's CPU build reads the option as a share of host memory, so it is not passed there
+    stage_cfg = SimpleNamespace(generation=GenerationConfig(backend="vllm"), output_dir=str(tmp_path), train=None)
+    stage_cfg.train = SimpleNamespace(seq_length=64)
+    for gpu, share in ((True, "0.3"), (False, None)):
+        monkeypatch.setattr(vllm_server, "on_gpu", lambda: gpu)
+        engine = vllm_generator.stage_engine(stage_cfg, str(tmp_path))
+        opts = engine_options(8, gpu_memory_utilization=engine["gpu_memory_utilization"])
+        cmd = vllm_server.server_command("python", "/m", "127.0.0.1", 8000, opts)
+        assert (cmd[cmd.index("--gpu-memory-utilization") + 1] if "--gpu-memory-utilization" in cmd else None) == share
+    monkeypatch.undo()
+    # another backend's options are refused rather than ignored
+    relay = GenerationConfig(backend="relay", vllm_sleep=True, vllm_gpu_memory_utilization=0.5)
+    assert relay.unread_option_problems() == [
+        "generation.vllm_sleep: only the vllm backend reads it (backend is 'relay')",
+        "generation.vllm_gpu_memory_utilization: only the vllm backend reads it (backend is 'relay')",
+    ]
+    assert GenerationConfig(backend="vllm", vllm_sleep=True).unread_option_problems() == []
     assert len(vllm_gpu_problems(gen, cuda_devices=1)) == 1 and len(vllm_gpu_problems(gen, cuda_devices=0)) == 2
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "Question number {i}?"}}\n' for i in range(8)))

@@ -48,7 +48,7 @@ def _vllm_option_problems(gen: Any, key: str) -> list[str]:
     out = []
     if gen.vllm_tensor_parallel_size < 1:
         out.append(f"{key}.vllm_tensor_parallel_size: must be >= 1, got {gen.vllm_tensor_parallel_size}")
-    if gen.vllm_gpu_memory_utilization is not None and not 0 < gen.vllm_gpu_memory_utilization <= 1:
+    if not 0 < gen.vllm_gpu_memory_utilization <= 1:
         out.append(f"{key}.vllm_gpu_memory_utilization: must be in (0, 1], got {gen.vllm_gpu_memory_utilization}")
     return out
 

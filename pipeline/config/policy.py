@@ -91,9 +91,11 @@ class GenerationConfig:
     vllm_sleep: bool = False
     """backend vllm on a GPU: the engine sleeps during each update (vLLM's sleep mode, level 1: its
     weights move to CPU memory and its KV cache is freed) and wakes before the next rollout."""
-    vllm_gpu_memory_utilization: Optional[float] = None
-    """backend vllm on a GPU: the share of GPU memory the engine may take (None: vLLM's 0.9, too
-    much beside a trainer on the same GPU unless vllm_sleep frees it)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """backend vllm on a GPU: the share of GPU memory the engine may take. It runs on the trainer's
+    GPU, so the default is TRL's for an engine colocated with the trainer (0.3); vLLM's own 0.9
+    would leave the trainer nothing. Raise it with vllm_sleep (the engine frees its memory during
+    each update). Not passed on a CPU."""
 
     @property
     def correction_name(self) -> str:
@@ -122,12 +124,28 @@ class GenerationConfig:
             )
         for entry in BACKENDS.values():
             out += entry.option_problems(self, key)
+        out += self.unread_option_problems(key)
         if self.top_k != 0 or self.top_p != 1.0:
             out.append(
                 f"{key}.top_k/top_p: RL stages sample from the full distribution (top_k 0, top_p 1.0), because the "
                 "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling"
             )
         return out
+
+    def unread_option_problems(self, key: str = "generation") -> list[str]:
+        """A backend's own options (`Backend.options`) set while another backend samples: the run
+        would never read them, so they are refused rather than silently ignored."""
+        chosen = BACKENDS.get(self.backend)
+        if chosen is None:
+            return []
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [
+            f"{key}.{option}: only the {name} backend reads it (backend is {self.backend!r})"
+            for name, entry in BACKENDS.items()
+            if entry is not chosen
+            for option in entry.options
+            if option not in chosen.options and getattr(self, option) != defaults[option]
+        ]
 
     def room_problems(self, seq_length: int) -> list[str]:
         """A prompt and its response must fit train.seq_length."""
