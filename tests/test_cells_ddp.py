@@ -11,7 +11,8 @@ with tools, full-weight GRPO and a PPO run without tools; QLoRA PT, RM, DPO, KTO
 DDP and ZeRO-2; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3, and with QLoRA
 under DDP and ZeRO-2 (one step on the student's scripted samples, one on the dataset's completions:
 distill.lmbda 0.5, train.seed 0).
-The hf generation backend (LoRA and full weights under DDP and FSDP2, QLoRA and tools under DDP), the stage's
+The hf generation backend (LoRA and full weights under DDP and FSDP2, QLoRA and tools under DDP; distill's
+student with LoRA and full weights under DDP, FSDP2 and ZeRO-2, with QLoRA under DDP and ZeRO-2), the stage's
 own sampler, draws at every sampling call what Relay's engine draws on the same ranks from the same policy and
 RNG state (tests/cells_distrun.py `paired_hf`; its sampler is real, so its rollouts depend on each rank's RNG
 stream, and it is not compared with one process; stale weights in either sampler would part them at step 2).
@@ -53,7 +54,7 @@ from tinymodels import make_tiny_model
 from tool_distrun import call_length
 from transformers import AutoTokenizer
 
-from pipeline.config.capabilities import HF_ON_RANKS
+from pipeline.config.capabilities import HF_DISTILL_ON_RANKS, HF_ON_RANKS
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -177,10 +178,12 @@ RUNS: dict[str, Run] = {
 """name: what it runs and on which engines (each against one process)."""
 HF = {"ppo": PPO_KEYS, "grpo": GRPO_KEYS}
 """Stages whose hf-backend two-rank run is compared with the relay backend's on the same engine."""
-HF_CASES = [(engine, stage, adapter, tools) for engine, adapter, tools in HF_ON_RANKS for stage in HF]
+HF_CASES = [(engine, stage, adapter, tools) for engine, adapter, tools in HF_ON_RANKS for stage in HF] + [
+    (engine, "distill", adapter, "off") for engine, adapter in HF_DISTILL_ON_RANKS
+]
 """(engine, stage, adapter, tools): the hf backend's runs, each sampling call checked against the relay
 backend's on the same ranks (tests/cells_distrun.py `paired_hf`); with tools after a fixed first call
-(tests/tool_distrun.py `ForcedFirstCall`)."""
+(tests/tool_distrun.py `ForcedFirstCall`); distill's student (it has no tools)."""
 
 
 def hf_name(stage: str, adapter: str, tools: str) -> str:
@@ -335,6 +338,12 @@ def launches(module_folder, tiny_model_dir, tiny_reward_dir, judge_stub):  # noq
         if engine in run.engines
     ]
     for engine, stage, adapter, tools in HF_CASES:
+        if stage == "distill":  # every step on the student's own samples (lmbda 1): each samples twice
+            folder = root / engine / hf_name(stage, adapter, tools)
+            args = argv(f"distill-{adapter}", WORLD, folder, data, tiny_model_dir, tiny_reward_dir)
+            args = with_value(args, "--distill.lmbda", "1") + ["--generation.backend", "hf", *ENGINE_FLAGS[engine]]
+            ranks.append({"stage": stage, "sampler": "paired", "argv": args})
+            continue
         args = stage_argv(
             "rm" if stage == "grpo" else stage,
             1,

@@ -162,6 +162,13 @@ HF_ON_RANKS: tuple[tuple[str, str, str], ...] = (
     ("ddp", "lora", "on"),
 )
 """(engine, adapter, tools) of the hf backend's two-rank PPO and GRPO runs (tests/test_cells_ddp.py)."""
+HF_DISTILL_ON_RANKS: tuple[tuple[str, str], ...] = tuple(
+    (engine, adapter)
+    for adapter in ("lora", "full", "qlora")
+    for engine in ("ddp", "fsdp", "zero2")
+    if (engine, adapter) != ("fsdp", "qlora")
+)
+"""(engine, adapter) of the hf backend's two-rank distill runs (tests/test_cells_ddp.py)."""
 
 TESTS: dict[Cell, tuple[str, ...]] = {
     _plain("pt", "lora", "single"): ("tests/test_pt_sft.py::test_pt_packs_documents_and_merges",),
@@ -338,6 +345,12 @@ TESTS: dict[Cell, tuple[str, ...]] = {
         for engine in ("ddp", "fsdp", "zero2", "zero3")
     },
     **{_distill("qlora", engine): (f"{RANKS}[{engine}-distill-qlora]",) for engine in ("ddp", "zero2")},
+    **{
+        _distill(adapter, engine, "hf"): (
+            f"tests/test_cells_ddp.py::test_the_hf_backend_on_two_ranks_samples_as_relay[{engine}-distill-{adapter}-off]",
+        )
+        for engine, adapter in HF_DISTILL_ON_RANKS
+    },
 }
 # tests/test_vllm.py: one process on a vLLM server, LoRA and full weights, tools off and on, every correction
 for (_stage, _tools), _node in VLLM_TESTS.items():
