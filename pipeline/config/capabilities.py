@@ -160,6 +160,9 @@ HF_ON_RANKS: tuple[tuple[str, str, str], ...] = (
     ("fsdp", "full", "off"),
     ("ddp", "qlora", "off"),
     ("ddp", "lora", "on"),
+    ("zero2", "lora", "off"),
+    ("zero2", "full", "off"),
+    ("zero2", "qlora", "off"),
 )
 """(engine, adapter, tools) of the hf backend's two-rank PPO and GRPO runs (tests/test_cells_ddp.py)."""
 HF_DISTILL_ON_RANKS: tuple[tuple[str, str], ...] = tuple(
