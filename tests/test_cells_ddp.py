@@ -11,12 +11,12 @@ with tools, full-weight GRPO and a PPO run without tools; QLoRA PT, RM, DPO, KTO
 DDP and ZeRO-2; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3, and with QLoRA
 under DDP and ZeRO-2 (one step on the student's scripted samples, one on the dataset's completions:
 distill.lmbda 0.5, train.seed 0).
-The hf generation backend (LoRA and full weights under DDP and FSDP2, QLoRA and tools under DDP, every adapter
-under ZeRO-2; distill's student with LoRA and full weights under DDP, FSDP2 and ZeRO-2, with QLoRA under DDP and
-ZeRO-2), the stage's own sampler, draws at every sampling call what Relay's engine draws on the same ranks from
-the same policy and RNG state (tests/cells_distrun.py `paired_hf`; its sampler is real, so its rollouts depend
-on each rank's RNG stream, and it is not compared with one process; stale weights in either sampler would part
-them at step 2).
+The hf generation backend (LoRA and full weights under DDP and FSDP2, QLoRA under DDP, tools under DDP (every
+adapter) and FSDP2 (LoRA, full weights), every adapter under ZeRO-2; distill's student with LoRA and full weights
+under DDP, FSDP2 and ZeRO-2, with QLoRA under DDP and ZeRO-2), the stage's own sampler, draws at every sampling
+call what Relay's engine draws on the same ranks from the same policy and RNG state (tests/cells_distrun.py
+`paired_hf`; its sampler is real, so its rollouts depend on each rank's RNG stream, and it is not compared with
+one process; stale weights in either sampler would part them at step 2).
 SFT holds out samples: a held-out evaluation under full-weight FSDP left the root unit gathered and the
 checkpoint after it failed (pipeline/engine/fsdp.py optimizer_state). SFT, DPO, KTO, RM and GRPO hold out 5
 samples, which two ranks of 2-sample batches split unevenly: their eval figures equal one process's (the
