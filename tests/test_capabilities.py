@@ -163,7 +163,7 @@ def test_write_readme_touches_only_the_block(tmp_path):
     assert cli.main(["capabilities", "--write-readme", str(bare)]) == 2 and bare.read_text() == "no markers\n"
 
 
-ZERO2 = str(Path(__file__).resolve().parents[1] / "deepspeed_configs" / "zero2.json")
+ZERO3 = str(Path(__file__).resolve().parents[1] / "deepspeed_configs" / "zero3.json")
 REFUSED = [
     # (stage, --nproc, overrides, the start of the line)
     (
@@ -194,8 +194,8 @@ REFUSED = [
     (
         "grpo",
         2,
-        ["--generation.backend", "hf", "--distributed.engine", "deepspeed", "--distributed.deepspeed_config", ZERO2],
-        "combination stage grpo x backend hf x tools off x adapter lora x engine zero2 x correction none: not run by",
+        ["--generation.backend", "hf", "--distributed.engine", "deepspeed", "--distributed.deepspeed_config", ZERO3],
+        "combination stage grpo x backend hf x tools off x adapter lora x engine zero3 x correction none: not run by",
     ),
     (
         "sft",
