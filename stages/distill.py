@@ -37,6 +37,7 @@ from data_formats.datasets import build_sft_data
 from pipeline.algorithms import distill as dl
 from pipeline.algorithms.mismatch import logprob_diff
 from pipeline.config import GenerationConfig, ModelConfig, PromptDataConfig, StageConfig
+from pipeline.config.backends import unread_options
 from pipeline.config.sections import STAGE_REF
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.held_out import ratio
@@ -50,7 +51,7 @@ from pipeline.modeling.handoff import fact_problems, folder_facts
 from pipeline.modeling.manifest import weights_hash
 from pipeline.modeling.models import load_model, train_without_dropout
 from pipeline.modeling.scoring import position_ids_from_mask
-from pipeline.modeling.vllm_server import ServerOptions, VLLMServer, on_gpu, prompt_topk, vllm_python
+from pipeline.modeling.vllm_server import ServerOptions, VLLMServer, prompt_topk, vllm_python
 from pipeline.rl.policy_stage import GeneratorFactory, PolicyStage, frozen
 from pipeline.rl.rollout import ActorCritic, Rollout, assemble_masked
 
@@ -96,7 +97,7 @@ def teacher_server_options(cfg: "DistillConfig") -> ServerOptions:
     return ServerOptions(
         name="teacher",
         max_model_len=cfg.train.seq_length + 1,
-        gpu_memory_utilization=cfg.teacher.vllm_gpu_memory_utilization if on_gpu() else None,
+        gpu_memory_utilization=cfg.teacher.vllm_gpu_memory_utilization,
         extra=["--max-logprobs", str(max(20, cfg.teacher.top_k))],
     )
 
@@ -126,11 +127,18 @@ class TeacherBackend:
     in_process: bool
     problems: Callable[["DistillConfig"], list[str]] = lambda cfg: []
     doc: str = ""
+    options: tuple[str, ...] = ()
+    """The `teacher.*` options only this backend reads (another backend refuses them set)."""
 
 
 TEACHER_BACKENDS: dict[str, TeacherBackend] = {
     "relay": TeacherBackend(True, doc="the frozen teacher beside the student"),
-    "vllm": TeacherBackend(False, _served_problems, doc="top-k prompt log-probs from a vLLM server"),
+    "vllm": TeacherBackend(
+        False,
+        _served_problems,
+        doc="top-k prompt log-probs from a vLLM server",
+        options=("vllm_gpu_memory_utilization",),
+    ),
 }
 """`teacher.backend` -> its entry."""
 
@@ -187,14 +195,7 @@ class DistillConfig(StageConfig):
             )
         else:
             out += backend.problems(self)
-            if (
-                backend.in_process
-                and self.teacher.vllm_gpu_memory_utilization != TeacherConfig.vllm_gpu_memory_utilization
-            ):
-                out.append(
-                    f"teacher.vllm_gpu_memory_utilization: only teacher.backend vllm reads it "
-                    f"(backend is {self.teacher.backend!r})"
-                )
+            out += unread_options(self.teacher, TEACHER_BACKENDS, self.teacher.backend, "teacher", "backend")
         if not self.teacher.path:
             out.append("teacher.path: required (a model folder sharing the student's tokenizer)")
         elif self.teacher.path.startswith(STAGE_REF):

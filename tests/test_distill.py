@@ -331,7 +331,7 @@ def test_a_served_teacher_takes_a_colocated_share_of_the_gpu(tiny_model_dir, tea
     common = _args(tiny_model_dir, teacher_dir, tmp_path / "data", tmp_path / "o", "--teacher.top_k", "4")
     cfg = load_config(stage.DistillConfig, [*common, "--teacher.backend", "vllm"])
     for gpu, share in ((True, "0.3"), (False, None)):
-        monkeypatch.setattr(stage, "on_gpu", lambda: gpu)
+        monkeypatch.setattr(vllm_server, "on_gpu", lambda: gpu)
         cmd = vllm_server.server_command("python", "/m", "127.0.0.1", 8000, stage.teacher_server_options(cfg))
         got = cmd[cmd.index("--gpu-memory-utilization") + 1] if "--gpu-memory-utilization" in cmd else None
         assert got == share, (gpu, cmd)
@@ -340,7 +340,7 @@ def test_a_served_teacher_takes_a_colocated_share_of_the_gpu(tiny_model_dir, tea
         (
             "relay",
             "0.5",
-            "teacher.vllm_gpu_memory_utilization: only teacher.backend vllm reads it (backend is 'relay')",
+            "teacher.vllm_gpu_memory_utilization: only teacher.backend vllm reads it (teacher.backend is 'relay')",
         ),
     ):
         extra = ["--teacher.backend", backend, "--teacher.vllm_gpu_memory_utilization", value]

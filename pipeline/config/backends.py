@@ -12,12 +12,31 @@ checks). Adding a backend is one entry here, its `GENERATORS` entry, and its tes
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 
 def _none(*args: Any) -> list[str]:
     return []
+
+
+def unread_options(section: Any, entries: Mapping[str, Any], chosen: str, key: str, field: str) -> list[str]:
+    """The options of the `entries` other than `chosen` (each entry's `options`: fields of the config
+    `section` only it reads) that `section` sets away from their defaults, one line each: the run
+    would never read them, so they are refused rather than ignored. [] when `chosen` is no entry
+    (a problem of its own)."""
+    if chosen not in entries:
+        return []
+    own = entries[chosen].options
+    defaults = {f.name: f.default for f in dataclasses.fields(section)}
+    return [
+        f"{key}.{option}: only {key}.{field} {name} reads it ({key}.{field} is {chosen!r})"
+        for name, entry in entries.items()
+        if name != chosen
+        for option in entry.options
+        if option not in own and getattr(section, option) != defaults[option]
+    ]
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pipeline.config.backends import BACKENDS
+from pipeline.config.backends import BACKENDS, unread_options
 from pipeline.config.sections import ModelConfig
 
 
@@ -124,28 +124,13 @@ class GenerationConfig:
             )
         for entry in BACKENDS.values():
             out += entry.option_problems(self, key)
-        out += self.unread_option_problems(key)
+        out += unread_options(self, BACKENDS, self.backend, key, "backend")
         if self.top_k != 0 or self.top_p != 1.0:
             out.append(
                 f"{key}.top_k/top_p: RL stages sample from the full distribution (top_k 0, top_p 1.0), because the "
                 "ratio scores log-probs of softmax(logits / temperature); use temperature to sharpen sampling"
             )
         return out
-
-    def unread_option_problems(self, key: str = "generation") -> list[str]:
-        """A backend's own options (`Backend.options`) set while another backend samples: the run
-        would never read them, so they are refused rather than silently ignored."""
-        chosen = BACKENDS.get(self.backend)
-        if chosen is None:
-            return []
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        return [
-            f"{key}.{option}: only the {name} backend reads it (backend is {self.backend!r})"
-            for name, entry in BACKENDS.items()
-            if entry is not chosen
-            for option in entry.options
-            if option not in chosen.options and getattr(self, option) != defaults[option]
-        ]
 
     def room_problems(self, seq_length: int) -> list[str]:
         """A prompt and its response must fit train.seq_length."""

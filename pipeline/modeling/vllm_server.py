@@ -99,6 +99,8 @@ class ServerOptions:
     seed: int = 0
     tensor_parallel_size: int = 1
     gpu_memory_utilization: Optional[float] = None
+    """On a GPU, the share of its memory the engine may take (None: vLLM's own); not passed on a CPU,
+    whose vLLM build reads it as a share of host memory."""
     dev_mode: bool = False
     """vLLM's development endpoints (/collective_rpc, /reset_prefix_cache): the RL backend's
     full fine-tuning weight sync. Only ever on 127.0.0.1."""
@@ -152,7 +154,7 @@ def server_command(python: str, folder: str, host: str, port: int, opts: ServerO
         cmd += ["--enable-lora", "--max-lora-rank", str(opts.max_lora_rank), "--max-loras", "1"]
     if opts.sleep_mode:
         cmd += ["--enable-sleep-mode"]
-    if opts.gpu_memory_utilization is not None:
+    if opts.gpu_memory_utilization is not None and on_gpu():
         cmd += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
     if opts.eager or (opts.eager is None and not on_gpu()):
         cmd += ["--enforce-eager"]

@@ -113,8 +113,7 @@ def stage_problems(cfg: Any, model_path: str) -> list[str]:
 
 def stage_engine(cfg: Any, model_path: str) -> dict:
     """`VLLMGenerator`'s server options from an RL stage's config: the policy's base folder, where
-    adapters go, the context, and the `generation.vllm_*` options (the memory share on a GPU only:
-    vLLM's CPU build reads it as a share of host memory)."""
+    adapters go, the context, and the `generation.vllm_*` options."""
     gen = cfg.generation
     return {
         "base": model_path,
@@ -122,7 +121,7 @@ def stage_engine(cfg: Any, model_path: str) -> dict:
         "max_model_len": cfg.train.seq_length,
         "tensor_parallel_size": gen.vllm_tensor_parallel_size,
         "sleep": gen.vllm_sleep,
-        "gpu_memory_utilization": gen.vllm_gpu_memory_utilization if vllm_server.on_gpu() else None,
+        "gpu_memory_utilization": gen.vllm_gpu_memory_utilization,
     }
 
 
