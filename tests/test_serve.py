@@ -281,20 +281,29 @@ def test_serve_vllm_without_its_environment_is_one_clear_line(tiny_model_dir, ca
 
 def test_a_short_lived_vllm_server_starts_eager_on_a_cpu_and_compiled_on_a_gpu(monkeypatch):
     """The RL engine, the gold table, chat and distill's teacher start a server per run: on a CPU its
-    compile is never cached (every start compiles again), so they start eager there; on a GPU
-    compiled; an explicit choice wins either way (`relay serve --backend vllm` compiles unless --eager)."""
+    compile is never cached (every start compiles again), so they start eager there, compiling
+    nothing at all; on a GPU compiled; an explicit choice wins either way (`relay serve --backend
+    vllm` compiles unless --eager)."""
     from pipeline.modeling import vllm_server
     from pipeline.rl.vllm_generator import engine_options
 
     def eager(opts) -> bool:
         return "--enforce-eager" in vllm_server.server_command("python", "/m", "h", 1, opts)
 
+    def compiles(opts, environ=None) -> bool:
+        """An eager server on a CPU compiles nothing, vLLM's sampler helpers included."""
+        return vllm_server.server_env(opts, "k", environ or {}).get("TORCHDYNAMO_DISABLE") != "1"
+
     monkeypatch.setattr(vllm_server, "on_gpu", lambda: False)
     assert eager(engine_options(8)) and eager(engine_options(None)) and eager(vllm_server.ServerOptions(name="gold"))
     assert not eager(vllm_server.ServerOptions(name="serve", eager=False))
+    assert not compiles(engine_options(8)) and not compiles(vllm_server.ServerOptions(name="gold"))
+    assert compiles(vllm_server.ServerOptions(name="serve", eager=False))
+    assert compiles(engine_options(8), {"TORCHDYNAMO_DISABLE": "0"})  # the user's own setting wins
     monkeypatch.setattr(vllm_server, "on_gpu", lambda: True)
     assert not eager(engine_options(8)) and not eager(vllm_server.ServerOptions(name="gold"))
     assert eager(vllm_server.ServerOptions(name="serve", eager=True))
+    assert compiles(engine_options(8)) and compiles(vllm_server.ServerOptions(name="serve", eager=True))
 
 
 def test_serve_vllm_on_a_cpu_runs_the_model_in_the_engine_process_and_compiles_unless_eager(

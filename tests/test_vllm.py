@@ -96,13 +96,23 @@ def vllm_untied(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine_server(vllm_untied, tmp_path_factory):
     """One engine server on vllm_untied for every generator here: runtime LoRA and the full-weight
-    sync both on (one start instead of two: each start is most of these tests' time)."""
+    sync both on (one start instead of two: each start is most of these tests' time). Its compile
+    cache is a folder of its own (`server.compile_cache`), which an eager server on a CPU leaves
+    empty."""
     from pipeline.rl.vllm_generator import engine_options
 
     opts = engine_options(8)
     opts.dev_mode = True
-    with VLLMServer(str(vllm_untied), opts, log_path=tmp_path_factory.mktemp("vllm-log") / "engine.log") as server:
+    cache = tmp_path_factory.mktemp("vllm-compile-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # read once, by the server's start
+        server = VLLMServer(str(vllm_untied), opts, log_path=tmp_path_factory.mktemp("vllm-log") / "engine.log")
+        server.start()
+    server.compile_cache = cache
+    try:
         yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
@@ -491,6 +501,8 @@ def test_vllm_generator_follows_the_lora_policy_and_scores_like_the_trainer(vllm
         assert worst < 1e-3 and mean < 1e-4
         torch.manual_seed(1)
         assert gen.generate(prompts * 2) == sampled  # seeded from torch's RNG: the same draw again
+        if not torch.cuda.is_available():  # eager on a CPU: not even vLLM's log-prob ranks compile
+            assert not any(shared_server.compile_cache.iterdir())
     finally:
         gen.close()
 

@@ -68,6 +68,7 @@ KEPT_PREFIXES = (
     "DNNL_",
     "ATEN_",
     "TORCH_",
+    "TORCHDYNAMO_",
     "TORCHINDUCTOR_",
     "PYTORCH_",
     "TRITON_",

@@ -114,7 +114,11 @@ class ServerOptions:
     CPU the compile cache never loads back ('function' object has no attribute 'finalize_loading'),
     so every start compiles again, which costs more than the compiled decode saves in a run's
     sampling, a gold table or a chat (start and decode times in bench/RESULTS.md); a long-lived
-    `relay serve --backend vllm` compiles unless --eager."""
+    `relay serve --backend vllm` compiles unless --eager. An eager server on a CPU compiles nothing
+    at all (`server_env`: TORCHDYNAMO_DISABLE): vLLM still compiles a sampler helper (the ranks of
+    the sampled tokens' log-probs) on the first request that asks for log-probs, which on a CPU
+    costs a C++ build the first time and a cache lookup at every start after, for an eager op on
+    a few rows."""
     extra: list[str] = field(default_factory=list)
 
 
@@ -156,9 +160,14 @@ def server_command(python: str, folder: str, host: str, port: int, opts: ServerO
         cmd += ["--enable-sleep-mode"]
     if opts.gpu_memory_utilization is not None and on_gpu():
         cmd += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
-    if opts.eager or (opts.eager is None and not on_gpu()):
+    if runs_eager(opts):
         cmd += ["--enforce-eager"]
     return cmd + list(opts.extra)
+
+
+def runs_eager(opts: ServerOptions) -> bool:
+    """Whether the server `opts` starts with --enforce-eager (`ServerOptions.eager`)."""
+    return opts.eager if opts.eager is not None else not on_gpu()
 
 
 def server_env(
@@ -166,7 +175,8 @@ def server_env(
 ) -> dict[str, str]:
     """The environment the server `opts` runs in: `environ` (default: this process's) filtered,
     the guard on its path with `key` (None: no key) and `opts.roles`, small on a CPU with the model
-    in the engine-core process (the module docstring), offline, and for the RL backend allowed to
+    in the engine-core process (the module docstring) and, eager there, no compiles at all
+    (`ServerOptions.eager`), offline, and for the RL backend allowed to
     load adapters at runtime (/v1/load_lora_adapter) and to reach the development endpoints."""
     env = filtered_env(os.environ if environ is None else environ)
     env["PYTHONPATH"] = str(
@@ -183,6 +193,8 @@ def server_env(
     env.setdefault("DO_NOT_TRACK", "1")
     if opts.tensor_parallel_size == 1 and not on_gpu():
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if runs_eager(opts) and not on_gpu():
+        env.setdefault("TORCHDYNAMO_DISABLE", "1")  # ServerOptions.eager
     if opts.enable_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if opts.dev_mode or opts.sleep_mode:
