@@ -150,6 +150,36 @@ def test_the_engine_follows_the_choice(fresh, monkeypatch, tiny_model_dir):
         assert "forward" not in model.lm_head.__dict__
 
 
+def test_packing_a_plain_model_imports_no_peft(fresh, monkeypatch, tiny_model_dir):
+    """Decoding a model without adapters (chat, serve, a gold table of merged models) packs its
+    linears without importing peft, whose import brings bitsandbytes and torch.compile's setup
+    (seconds of every such process's start): no module can be a peft layer while peft is not
+    imported. With peft imported, a LoRA layer is still recognised and folded."""
+    import sys
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    attempts = []
+
+    class Refuse:  # as if peft and bitsandbytes had never been imported: any import of them is seen
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] in ("peft", "bitsandbytes"):
+                attempts.append(name)
+                raise ImportError(name)
+
+    monkeypatch.setattr(cpu_kernels, "measure", lambda: dict(AVX2_EPYC))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with monkeypatch.context() as hidden:
+        for name in [n for n in sys.modules if n.partition(".")[0] in ("peft", "bitsandbytes")]:
+            hidden.delitem(sys.modules, name)
+        hidden.setattr(sys, "meta_path", [Refuse(), *sys.meta_path])
+        assert len(onednn.packings(model)) > 0
+    assert attempts == []
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+    assert any(member.lora for packing in onednn.packings(lora) for member in packing.members)
+
+
 def test_a_cpu_that_decodes_on_plain_weights_keeps_the_fast_step(fresh, monkeypatch, tiny_model_dir):
     """Measured like this Intel Xeon capped to AVX2 (prepacking 0.98x): no packing, but the
     engine's own step still decodes, and its logits are a plain forward's; RELAY_DECODE_PACKED=0

@@ -49,6 +49,7 @@ RELAY_DECODE_PACKED and RELAY_DECODE_FUSED force a path on (1) or off (0).
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Optional
 
 import torch
@@ -73,11 +74,13 @@ def packing_enabled(model: torch.nn.Module) -> bool:
 
 
 def lora_layer_type():
-    """peft's LoRA `Linear` class, or None without peft."""
-    try:
-        from peft.tuners.lora.layer import Linear
-    except ImportError:  # pragma: no cover - peft is a dependency
+    """peft's LoRA `Linear` class, or None while peft is not imported: no module can be one of its
+    layers then, and importing it (bitsandbytes with it, which sets up torch.compile) costs
+    seconds that decoding a plain model (chat, serve, a gold table of merged models) need not pay."""
+    if "peft" not in sys.modules:
         return None
+    from peft.tuners.lora.layer import Linear
+
     return Linear
 
 
