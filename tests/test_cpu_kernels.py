@@ -150,7 +150,7 @@ def test_the_engine_follows_the_choice(fresh, monkeypatch, tiny_model_dir):
         assert "forward" not in model.lm_head.__dict__
 
 
-def test_packing_a_plain_model_imports_no_peft(fresh, monkeypatch, tiny_model_dir):
+def test_packing_a_plain_model_imports_no_peft(monkeypatch, tiny_model_dir):
     """Decoding a model without adapters (chat, serve, a gold table of merged models) packs its
     linears without importing peft, whose import brings bitsandbytes and torch.compile's setup
     (seconds of every such process's start): no module can be a peft layer while peft is not
@@ -168,7 +168,6 @@ def test_packing_a_plain_model_imports_no_peft(fresh, monkeypatch, tiny_model_di
                 attempts.append(name)
                 raise ImportError(name)
 
-    monkeypatch.setattr(cpu_kernels, "measure", lambda: dict(AVX2_EPYC))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with monkeypatch.context() as hidden:
         for name in [n for n in sys.modules if n.partition(".")[0] in ("peft", "bitsandbytes")]:
