@@ -38,6 +38,7 @@ from pipeline.algorithms import distill as dl
 from pipeline.algorithms.mismatch import logprob_diff
 from pipeline.config import GenerationConfig, ModelConfig, PromptDataConfig, StageConfig
 from pipeline.config.backends import unread_options
+from pipeline.config.policy import sampling_engine_problems
 from pipeline.config.sections import STAGE_REF
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.held_out import ratio
@@ -187,7 +188,7 @@ class DistillConfig(StageConfig):
     distill: DistillSection = field(default_factory=DistillSection)
 
     def problems(self) -> list[str]:
-        out = super().problems()
+        out = super().problems() + sampling_engine_problems(self.generation, self.distributed, tools=False)
         backend = TEACHER_BACKENDS.get(self.teacher.backend)
         if backend is None:
             out.append(

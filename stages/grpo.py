@@ -43,6 +43,7 @@ from pipeline.algorithms.judge_config import JudgeConfig
 from pipeline.algorithms.mismatch import correction_weights
 from pipeline.algorithms.mismatch import logprob_diff as mismatch_diff
 from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig, ToolsConfig
+from pipeline.config.policy import sampling_engine_problems
 from pipeline.engine.accelerator import full_parameters
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.held_out import ratio
@@ -113,6 +114,7 @@ class GRPOConfig(StageConfig):
             )
         out += self.generation.room_problems(self.train.seq_length)
         out += self.grpo.generation_problems(self.generation.max_new_tokens)
+        out += sampling_engine_problems(self.generation, self.distributed, self.tools.enabled)
         return out
 
 

@@ -34,7 +34,7 @@ from pipeline.algorithms import rl
 from pipeline.algorithms.judge import JudgeConfig, JudgeReward
 from pipeline.algorithms.mismatch import logprob_diff
 from pipeline.config import GenerationConfig, PromptDataConfig, RewardModelConfig, StageConfig, ToolsConfig
-from pipeline.config.engines import tools_refusal
+from pipeline.config.policy import sampling_engine_problems
 from pipeline.engine.accelerator import full_parameters
 from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.held_out import ratio
@@ -156,8 +156,7 @@ class PPOConfig(StageConfig):
                 "ppo.reward_norm: 'stored' normalises with the reward model's own score statistics, and the summed "
                 "reward is not its score alone (a judge, or reward_model.weight != 1); use running or none"
             )
-        if self.tools.enabled and (why := tools_refusal(self.distributed.engine)):
-            out.append(f"tools.funcs: {why}")
+        out += sampling_engine_problems(self.generation, self.distributed, self.tools.enabled)
         batch, accum = self.train.batch_size, self.train.grad_accum
         mini = batch if self.ppo.mini_batch_size is None else self.ppo.mini_batch_size
         if mini < 1:

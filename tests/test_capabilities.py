@@ -163,7 +163,17 @@ def test_write_readme_touches_only_the_block(tmp_path):
     assert cli.main(["capabilities", "--write-readme", str(bare)]) == 2 and bare.read_text() == "no markers\n"
 
 
-ZERO3 = str(Path(__file__).resolve().parents[1] / "deepspeed_configs" / "zero3.json")
+TOOL = '''def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: one
+        b: the other
+    """
+    return a + b
+'''
+CONFIGS = Path(__file__).resolve().parents[1] / "deepspeed_configs"
+ZERO2 = ["--distributed.engine", "deepspeed", "--distributed.deepspeed_config", str(CONFIGS / "zero2.json")]
 REFUSED = [
     # (stage, --nproc, overrides, the start of the line)
     (
@@ -194,8 +204,8 @@ REFUSED = [
     (
         "grpo",
         2,
-        ["--generation.backend", "hf", "--distributed.engine", "deepspeed", "--distributed.deepspeed_config", ZERO3],
-        "combination stage grpo x backend hf x tools off x adapter lora x engine zero3 x correction none: not run by",
+        ["--generation.backend", "hf", "--tools.funcs", "[{tools}]", *ZERO2],
+        "combination stage grpo x backend hf x tools on x adapter lora x engine zero2 x correction none: not run by",
     ),
     (
         "sft",
@@ -239,6 +249,9 @@ def test_validate_prints_the_refusal_before_any_model_loads(
     monkeypatch.setattr(models, "load_model", no_load)
     monkeypatch.setattr(models, "load_tokenizer", no_load)
     config = write_config(tmp_path, stage, tiny_model_dir, tiny_reward_dir)
+    tools = tmp_path / "tools.py"  # "{tools}": a tool a stage may call
+    tools.write_text(TOOL)
+    overrides = [o.replace("{tools}", f"{tools}:add") for o in overrides]
     assert cli.main(["validate", str(config), "--nproc", str(nproc), *overrides]) == 2
     err = capsys.readouterr().err
     assert sum(1 for row in err.splitlines() if row.strip("  -").startswith(line)) == 1, err

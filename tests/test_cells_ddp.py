@@ -4,16 +4,18 @@ other test trains: two gloo ranks on CPU equal one process with the same global 
 
 Covered: full-weight SFT, DPO, KTO and GRPO under DDP and FSDP2; DPO with LoRA under DDP; KTO (LoRA
 and full) under ZeRO-2 and ZeRO-3 too, and KTO with LoRA under DDP and FSDP2; GRPO and PPO with
-tools (LoRA and full weights) under DDP and FSDP2, and with QLoRA under DDP (scripted tool caller,
-tests/tool_distrun.py; `tools/call_frequency` over both ranks); an LLM judge (a stub
+tools (LoRA and full weights) under DDP, FSDP2, ZeRO-2 and ZeRO-3, and with QLoRA under DDP and ZeRO-2
+(scripted tool caller, tests/tool_distrun.py; `tools/call_frequency` over both ranks); an LLM judge (a stub
 endpoint in this process, tests/judgestub.py) beside the other rewards of every GRPO and PPO run
 with tools, full-weight GRPO and a PPO run without tools; QLoRA PT, RM, DPO, KTO, GRPO and PPO under
 DDP and ZeRO-2; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3, and with QLoRA
 under DDP and ZeRO-2 (one step on the student's scripted samples, one on the dataset's completions:
 distill.lmbda 0.5, train.seed 0).
 The hf generation backend (LoRA and full weights under DDP and FSDP2, QLoRA under DDP, tools under DDP (every
-adapter) and FSDP2 (LoRA, full weights), every adapter under ZeRO-2; distill's student with LoRA and full weights
-under DDP, FSDP2 and ZeRO-2, with QLoRA under DDP and ZeRO-2), the stage's own sampler, draws at every sampling
+adapter) and FSDP2 (LoRA, full weights), every adapter under ZeRO-2, LoRA and full weights under ZeRO-3 (the
+policy gathered for each rollout: both samplers run on each rank alone), with tools LoRA; distill's student
+with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3, with QLoRA under DDP and ZeRO-2), the stage's
+own sampler, draws at every sampling
 call what Relay's engine draws on the same ranks from the same policy and RNG state (tests/cells_distrun.py
 `paired_hf`; its sampler is real, so its rollouts depend on each rank's RNG stream, and it is not compared with
 one process; stale weights in either sampler would part them at step 2).
@@ -87,6 +89,7 @@ JUDGE_KEYS = ("judge/requests", "judge/cache_hits", "judge/failures")
 """Counts of the whole step: every rank's requests summed."""
 DISTILL_KEYS = ("train/loss", "train/grad_norm", "distill/kl", "distill/on_policy", "distill/completion_length")
 BOTH = ("ddp", "fsdp")
+ALL = (*BOTH, "zero2", "zero3")
 ENGINE_FLAGS = {
     "ddp": ["--distributed.engine", "ddp"],
     "fsdp": ["--distributed.engine", "fsdp"],
@@ -110,11 +113,11 @@ RUNS: dict[str, Run] = {
     # accuracy (chosen strictly above rejected, as TRL counts it) is decided by the rounding of the sharded
     # forward; the continuous figures (loss, margin, grad_norm) are compared
     "dpo-full": Run("dpo", "full", BOTH, tuple(k for k in PREF_KEYS if k != "train/accuracy")),
-    "kto-lora": Run("kto", "lora", (*BOTH, "zero2", "zero3"), KTO_KEYS),
+    "kto-lora": Run("kto", "lora", ALL, KTO_KEYS),
     "kto-full": Run(
         "kto",
         "full",
-        (*BOTH, "zero2", "zero3"),
+        ALL,
         KTO_KEYS,
         extra=("--kto.loss_type", "apo_zero_unpaired"),
         held_out="kto_eval",
@@ -130,11 +133,17 @@ RUNS: dict[str, Run] = {
         held_out="prompts_eval",
         judge=True,
     ),
+    # under ZeRO too (ZeRO-3: the policy gathered for each rollout, each rank takes its own number of turns)
     "grpo-tools": Run(
-        "grpo", "lora", BOTH, GRPO_KEYS + TOOL_KEYS + ("grpo/reward/judge",) + JUDGE_KEYS, "tools", judge=True
+        "grpo",
+        "lora",
+        ALL,
+        GRPO_KEYS + TOOL_KEYS + ("grpo/reward/judge",) + JUDGE_KEYS,
+        "tools",
+        judge=True,
     ),
-    "grpo-tools-full": Run("grpo", "full", BOTH, GRPO_KEYS + TOOL_KEYS, "tools"),
-    "grpo-tools-qlora": Run("grpo", "qlora", ("ddp",), GRPO_KEYS + TOOL_KEYS, "tools"),
+    "grpo-tools-full": Run("grpo", "full", ALL, GRPO_KEYS + TOOL_KEYS, "tools"),
+    "grpo-tools-qlora": Run("grpo", "qlora", ("ddp", "zero2"), GRPO_KEYS + TOOL_KEYS, "tools"),
     # PPO at lr 1e-2: Adam's second step moves each LoRA A entry by about lr whatever its gradient's size (its first
     # gradient is 0: B starts at 0), so the two runs' summation-order noise on A's near-zero gradients reaches the
     # merged weights: 1.5e-5 (ppo-judge under DDP) and 4.7e-5 (ppo-tools under FSDP2), every figure of step 1 agreeing
@@ -142,15 +151,15 @@ RUNS: dict[str, Run] = {
     "ppo-tools": Run(
         "ppo",
         "lora",
-        BOTH,
+        ALL,
         PPO_KEYS + TOOL_KEYS + ("ppo/reward/judge",) + JUDGE_KEYS,
         "tools",
         extra=("--train.learning_rate", "2.5e-3"),
         judge=True,
     ),
-    "ppo-tools-full": Run("ppo", "full", BOTH, PPO_KEYS + TOOL_KEYS, "tools"),
+    "ppo-tools-full": Run("ppo", "full", ALL, PPO_KEYS + TOOL_KEYS, "tools"),
     "ppo-tools-qlora": Run(
-        "ppo", "qlora", ("ddp",), PPO_KEYS + TOOL_KEYS, "tools", extra=("--train.learning_rate", "2.5e-3")
+        "ppo", "qlora", ("ddp", "zero2"), PPO_KEYS + TOOL_KEYS, "tools", extra=("--train.learning_rate", "2.5e-3")
     ),
     "ppo-judge": Run(
         "ppo",
@@ -169,12 +178,12 @@ RUNS: dict[str, Run] = {
     "kto-qlora": Run("kto", "qlora", ("ddp", "zero2"), KTO_KEYS),
     "grpo-qlora": Run("grpo", "qlora", ("ddp", "zero2"), GRPO_KEYS),
     "ppo-qlora": Run("ppo", "qlora", ("ddp", "zero2"), PPO_KEYS, extra=("--train.learning_rate", "2.5e-3")),
-    "distill-lora": Run("distill", "lora", (*BOTH, "zero2", "zero3"), DISTILL_KEYS),
+    "distill-lora": Run("distill", "lora", ALL, DISTILL_KEYS),
     "distill-qlora": Run("distill", "qlora", ("ddp", "zero2"), DISTILL_KEYS),
     # Full weights: the gradients are DDP's to the bit, but torch's float32 norm on a CPU (one float32 accumulator per
     # lane, pytorch/pytorch#169237) is off by 1.2e-4 on the tied embedding's 626k-element gradient in one process and
     # under DDP; ZeRO's norm is the float64 one to 7 digits, FSDP2's (two shards) between (bench/RESULTS.md).
-    "distill-full": Run("distill", "full", (*BOTH, "zero2", "zero3"), DISTILL_KEYS, grad_rel=3e-4),
+    "distill-full": Run("distill", "full", ALL, DISTILL_KEYS, grad_rel=3e-4),
 }
 """name: what it runs and on which engines (each against one process)."""
 HF = {"ppo": PPO_KEYS, "grpo": GRPO_KEYS}

@@ -6,6 +6,7 @@ tests/test_loss_registry.py; generation and serving backends: tests/test_backend
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from pipeline.algorithms import mismatch, rl
 from pipeline.config import capabilities as caps
 from pipeline.config import policy
 from pipeline.config.policy import GenerationConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_new_kl_estimator_is_one_entry(monkeypatch):
@@ -196,7 +199,7 @@ def test_a_new_distributed_engine_is_one_entry_on_each_side(monkeypatch, tmp_pat
             "made-up gossip averaging",
             package=GOSSIP_PACKAGE,
             no_resume="gossip keeps no optimizer state",
-            lockstep="every gossip round samples in lockstep",
+            lockstep=lambda zero_stage, gathers: "every gossip round samples in lockstep",
         ),
     )
     monkeypatch.setitem(
@@ -228,8 +231,8 @@ def test_a_new_distributed_engine_is_one_entry_on_each_side(monkeypatch, tmp_pat
     ppo = PPOConfig()
     ppo.distributed.engine, ppo.tools.funcs = "gossip", ["tools.py:lookup"]
     assert [p for p in ppo.problems() if p.startswith("tools.funcs: tool rollouts")] == [
-        "tools.funcs: tool rollouts run under ddp or fsdp (every gossip round samples in lockstep, and ranks take "
-        "different numbers of turns)"
+        "tools.funcs: tool rollouts need ranks that sample on their own, taking different numbers of turns: every "
+        "gossip round samples in lockstep"
     ]
 
     seen = {name: name in sys.modules for name in (GOSSIP_PACKAGE, "deepspeed", "bitsandbytes")}
@@ -286,7 +289,7 @@ def test_the_capability_tables_engines_agree_with_the_engine_facts(monkeypatch):
                     column.zero_stage
                 ), (name, stage)
         tools = caps.refusal(caps.Cell("grpo", "relay", "on", "lora", name, "none"))
-        why = facts.tools_refusal(column.config)
+        why = facts.tools_refusal(column.config, column.zero_stage)
         assert (why is None and not (tools or "").startswith("tools.funcs: tool rollouts run under")) or (
             tools == f"tools.funcs: {why}"
         ), name
@@ -294,10 +297,13 @@ def test_the_capability_tables_engines_agree_with_the_engine_facts(monkeypatch):
     fsdp_tools = caps.Cell("grpo", "relay", "on", "lora", "fsdp", "none")
     assert not (caps.refusal(fsdp_tools) or "").startswith("tools.funcs")
     monkeypatch.setitem(
-        facts.ENGINES, "fsdp", dataclasses.replace(facts.ENGINES["fsdp"], lockstep="made-up fsdp lockstep")
+        facts.ENGINES,
+        "fsdp",
+        dataclasses.replace(facts.ENGINES["fsdp"], lockstep=lambda zero_stage, gathers: "made-up fsdp lockstep"),
     )
     assert caps.refusal(fsdp_tools) == (
-        "tools.funcs: tool rollouts run under ddp (made-up fsdp lockstep, and ranks take different numbers of turns)"
+        "tools.funcs: tool rollouts need ranks that sample on their own, taking different numbers of turns: made-up "
+        "fsdp lockstep"
     )
 
 
@@ -350,9 +356,12 @@ def test_the_engine_refusals_keep_their_words(monkeypatch, tmp_path):
 
     ppo = PPOConfig()
     ppo.distributed.engine, ppo.tools.funcs = "deepspeed", ["tools.py:lookup"]
+    ppo.distributed.deepspeed_config = str(ROOT / "deepspeed_configs" / "zero3.json")
+    assert [p for p in ppo.problems() if p.startswith("tools.funcs: tool rollouts")] == []  # gathered for sampling
+    ppo.generation.zero3_gather = False
     assert [p for p in ppo.problems() if p.startswith("tools.funcs: tool rollouts")] == [
-        "tools.funcs: tool rollouts run under ddp or fsdp (under DeepSpeed ZeRO-3 every rank samples in lockstep, "
-        "and ranks take different numbers of turns)"
+        "tools.funcs: tool rollouts need ranks that sample on their own, taking different numbers of turns: under "
+        "DeepSpeed ZeRO-3 with generation.zero3_gather false every rank samples in lockstep; set it true"
     ]
 
     with pytest.raises(ValueError, match=r"^distributed.engine: 'horovod' is not one of ddp, deepspeed, fsdp$"):
@@ -361,3 +370,35 @@ def test_the_engine_refusals_keep_their_words(monkeypatch, tmp_path):
         ValueError, match=r"^distributed.deepspeed_config: required when distributed.engine is deepspeed$"
     ):
         acc.setup_accelerator(_sft_config(tmp_path, "deepspeed"))
+
+
+@pytest.mark.parametrize("stage", ["ppo", "grpo", "distill"])
+def test_zero3_gather_is_read_under_zero3_alone_and_false_refuses_tool_rollouts(stage):
+    """generation.zero3_gather false keeps a ZeRO-3 policy partitioned while it samples (every rank in
+    lockstep): refused where no ZeRO-3 reads it, and beside tools (ranks take different numbers of
+    turns); the default gathers, and tools run under ZeRO-2 and ZeRO-3 alike."""
+    from stages import stage_class
+
+    def lines(engine: str, zero: str = "", gather: bool = True, tools: bool = False) -> list[str]:
+        cfg = stage_class(stage).config_class()
+        cfg.distributed.engine, cfg.generation.zero3_gather = engine, gather
+        if zero:
+            cfg.distributed.deepspeed_config = str(ROOT / "deepspeed_configs" / f"{zero}.json")
+        if tools:
+            cfg.tools.funcs = ["tools.py:lookup"]
+        return [p for p in cfg.problems() if "zero3_gather" in p or p.startswith("tools.funcs: tool rollouts")]
+
+    assert lines("ddp") == lines("deepspeed", "zero2") == lines("deepspeed", "zero3", gather=False) == []
+    assert lines("ddp", gather=False) == [
+        "generation.zero3_gather: only DeepSpeed ZeRO-3 reads it (distributed.engine is 'ddp')"
+    ]
+    assert lines("deepspeed", "zero2", gather=False) == [
+        "generation.zero3_gather: only DeepSpeed ZeRO-3 reads it (distributed.engine is 'deepspeed', ZeRO stage 2)"
+    ]
+    if stage == "distill":  # no tools
+        return
+    assert lines("deepspeed", "zero2", tools=True) == lines("deepspeed", "zero3", tools=True) == []
+    assert lines("deepspeed", "zero3", gather=False, tools=True) == [
+        "tools.funcs: tool rollouts need ranks that sample on their own, taking different numbers of turns: under "
+        "DeepSpeed ZeRO-3 with generation.zero3_gather false every rank samples in lockstep; set it true"
+    ]

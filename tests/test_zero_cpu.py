@@ -96,12 +96,19 @@ ZERO = {
 }
 """The two-rank runs: '<DeepSpeed config>-<reference>'."""
 KEYS = {**LOSS_KEYS, "grpo": FSDP_KEYS["grpo"], "dpo": FSDP_KEYS["dpo"]}
-SAMPLED = {"zero3-grpo-real": "zero3", "ddp-grpo-real": None}
+SAMPLED = {
+    "zero3-grpo-real": ("zero3", ()),
+    "zero3-grpo-lockstep": ("zero3", ("--generation.zero3_gather", "false")),
+    "ddp-grpo-real": (None, ()),
+}
 """GRPO sampling with the policy itself on the two ranks (not scripted), a policy that ends its
 completions often (tests/tinymodels.py `make_eos_prone`), so the ranks finish sampling at different
-steps: under ZeRO-3 every rank's forwards gather the partitioned weights, so a rank that is done
-keeps stepping until all are (`synced_gpus`, the hf sampler); under DDP Relay's decode engine
-samples. The same prompts and RNG streams give the same completions and figures."""
+steps: under ZeRO-3 the policy's partitions are gathered once per rollout and Relay's decode engine
+samples on each rank alone, as under DDP; with generation.zero3_gather false every rank's forwards
+gather the partitioned weights, so a rank that is done keeps stepping until all are (`synced_gpus`,
+the hf sampler). The same prompts and RNG streams give the same completions and figures."""
+SAMPLERS = {"zero3-grpo-real": "RelayGenerator", "zero3-grpo-lockstep": "HFGenerator"}
+"""The ZeRO-3 sampled runs -> the sampler each ran (DDP's: RelayGenerator)."""
 JUDGED = ("grpo/reward/judge", "judge/requests", "judge/cache_hits", "judge/failures")
 """The LLM judge's figures (the sampled runs score with a stub judge too, tests/judgestub.py): every
 rank's requests, summed."""
@@ -161,8 +168,8 @@ def launches(setup, eos_prone, judge_stub):  # noqa: F811  (the fixture imported
     for name, ref in ZERO.items():
         flags = deepspeed(name.split("-")[0])
         runs.append({"stage": REFERENCES[ref][0], "argv": argv(ref, 2, root / "zero" / name, setup) + flags})
-    for name, config in SAMPLED.items():
-        flags = deepspeed(config) if config else ["--distributed.engine", "ddp"]
+    for name, (config, options) in SAMPLED.items():
+        flags = [*(deepspeed(config) if config else ["--distributed.engine", "ddp"]), *options]
         args = with_values(
             argv("grpo", 2, root / "zero" / name, setup),
             model__path=str(eos_prone),
@@ -227,20 +234,21 @@ def test_two_zero_ranks_equal_one_process(name, launches):
         )
 
 
-def test_grpo_sampling_under_zero3_equals_ddp(launches, judge_stub):  # noqa: F811  (the fixture imported from judgestub)
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_grpo_sampling_under_zero3_equals_ddp(name, launches, judge_stub):  # noqa: F811  (the fixture imported from judgestub)
     """The policy samples its own completions on two ranks, ending them at different lengths:
-    under ZeRO-3 (each rank's forwards gather the partitioned weights; the hf sampler steps every
-    rank until all are done) the completions, rewards, updates and merged weights are DDP's (Relay's
-    decode engine). (With Relay's decode engine under ZeRO-3 too, a rank done early runs its next
-    forwards' gathers against the other's decoding steps: on these CPU ranks the same parameters
-    in the same order, so it still agrees here; nothing promises that of other collectives.)"""
-    got_dir, want_dir = launches / "zero" / "zero3-grpo-real", launches / "zero" / "ddp-grpo-real"
+    under ZeRO-3, with the policy gathered for each rollout (Relay's decode engine on each rank
+    alone) or without (generation.zero3_gather false: each rank's forwards gather the partitioned
+    weights and the hf sampler steps every rank until all are done), the completions, rewards,
+    updates and merged weights are DDP's (Relay's decode engine). Stale or partitioned weights in the
+    gathered sampler would part the completions; hooks left off after it, the updates."""
+    got_dir, want_dir = launches / "zero" / name, launches / "zero" / "ddp-grpo-real"
     got, want = history(got_dir), history(want_dir)
     assert len(got) == len(want) == STEPS
     assert [s["grpo/completion_length"] for s in got] == [s["grpo/completion_length"] for s in want]
     assert got[0]["grpo/completion_length"] < 3  # the first step's completions ended early, at different lengths
     samplers = [json.loads((d / "history-rank0.json").read_text())["sampler"] for d in (got_dir, want_dir)]
-    assert samplers == ["HFGenerator", "RelayGenerator"]
+    assert samplers == [SAMPLERS[name], "RelayGenerator"]
     # the held-out prompts (5 on two ranks: one samples a padding batch), at steps 0 and 2
     evals = [json.loads((d / "history-rank0.json").read_text())["evals"] for d in (got_dir, want_dir)]
     assert [e["step"] for e in evals[0]] == [0, 2] and len(evals[0]) == len(evals[1])

@@ -167,6 +167,9 @@ HF_ON_RANKS: tuple[tuple[str, str, str], ...] = (
     ("zero2", "lora", "off"),
     ("zero2", "full", "off"),
     ("zero2", "qlora", "off"),
+    ("zero3", "lora", "off"),
+    ("zero3", "full", "off"),
+    ("zero3", "lora", "on"),
 )
 """(engine, adapter, tools) of the hf backend's two-rank PPO and GRPO runs (tests/test_cells_ddp.py)."""
 HF_DISTILL_ON_RANKS: tuple[tuple[str, str], ...] = (
@@ -178,6 +181,8 @@ HF_DISTILL_ON_RANKS: tuple[tuple[str, str], ...] = (
     ("zero2", "full"),
     ("ddp", "qlora"),
     ("zero2", "qlora"),
+    ("zero3", "lora"),
+    ("zero3", "full"),
 )
 """(engine, adapter) of the hf backend's two-rank distill runs (tests/test_cells_ddp.py)."""
 
@@ -283,7 +288,8 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("grpo", "lora", "zero3"): (
         f"{ZRANKS}[zero3-grpo]",
         f"{ZRANKS}[zero3_offload-grpo-rm]",
-        f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp",
+        f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp[zero3-grpo-real]",
+        f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp[zero3-grpo-lockstep]",
     ),
     _policy("grpo", "full", "single"): ("tests/test_grpo.py::test_beta_zero_runs_no_reference_forward[full]",),
     _policy("grpo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[grpo]",),
@@ -334,12 +340,13 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     **{
         _policy(stage, "lora", engine, tools="on"): (f"{RANKS}[{engine}-{stage}-tools]",)
         for stage in ("ppo", "grpo")
-        for engine in ("ddp", "fsdp")
+        for engine in ("ddp", "fsdp", "zero2", "zero3")
     },
     **{
         _policy(stage, adapter, engine, tools="on"): (f"{RANKS}[{engine}-{stage}-tools-{adapter}]",)
         for stage in ("ppo", "grpo")
-        for adapter, engine in (("full", "ddp"), ("full", "fsdp"), ("qlora", "ddp"))
+        for adapter, engines in (("full", ("ddp", "fsdp", "zero2", "zero3")), ("qlora", ("ddp", "zero2")))
+        for engine in engines
     },
     **{
         _policy(stage, adapter, engine, backend="hf", tools=tools): (
@@ -406,9 +413,16 @@ JUDGE_TESTS: dict[tuple[str, str, str], tuple[str, ...]] = {
             ("ppo", "off", "ddp", "ppo-judge"),
             ("ppo", "on", "ddp", "ppo-tools"),
             ("ppo", "on", "fsdp", "ppo-tools"),
+            ("grpo", "on", "zero2", "grpo-tools"),
+            ("grpo", "on", "zero3", "grpo-tools"),
+            ("ppo", "on", "zero2", "ppo-tools"),
+            ("ppo", "on", "zero3", "ppo-tools"),
         )
     },
-    ("grpo", "off", "zero3"): (f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp",),
+    ("grpo", "off", "zero3"): (
+        f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp[zero3-grpo-real]",
+        f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp[zero3-grpo-lockstep]",
+    ),
 }
 """The LLM judge reward (a stage config's `judge:` section, pipeline/algorithms/judge.py) by stage x
 tools x engine: it reads decoded answers, so the backend, adapter and correction do not change what
@@ -495,8 +509,11 @@ def _server_per_rank(cell: Cell, cuda: bool):
     return None
 
 
-def _tools_under_zero(cell: Cell, cuda: bool):
-    why = engine_facts.tools_refusal(ENGINES[cell.engine].config) if cell.tools == "on" else None
+def _tools_in_lockstep(cell: Cell, cuda: bool):
+    """With the defaults a cell stands for (`generation.zero3_gather` true); a config that samples in
+    lockstep is refused by its own check (pipeline/config/policy.py `sampling_engine_problems`)."""
+    column = ENGINES[cell.engine]
+    why = engine_facts.tools_refusal(column.config, column.zero_stage, gathers=True) if cell.tools == "on" else None
     return ("tools.funcs", why) if why else None
 
 
@@ -520,7 +537,7 @@ RULES: tuple[Rule, ...] = (
     _correction_without_engine_logprobs,
     _server_on_shards,
     _server_per_rank,
-    _tools_under_zero,
+    _tools_in_lockstep,
     _qlora_where_it_cannot_load,
 )
 """Refusals on any machine, first match wins."""

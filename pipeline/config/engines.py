@@ -43,9 +43,10 @@ class EngineFacts:
     chosen engine, as every key of a section is)."""
     no_resume: str = ""
     """Why a run of it cannot resume exactly ("": it resumes exactly)."""
-    lockstep: str = ""
-    """Why its ranks may have to sample in lockstep ("": they never do); tool rollouts, whose ranks
-    take different numbers of turns, are refused under it."""
+    lockstep: Callable[[Optional[int], bool], str] = lambda zero_stage, gathers: ""
+    """(ZeRO stage of its config file, None without one; whether the policy's weights are gathered for
+    sampling, `generation.zero3_gather`) -> why its ranks then sample in lockstep ("": each samples on
+    its own); tool rollouts, whose ranks take different numbers of turns, are refused there."""
     no_qlora: Callable[[Optional[int]], str] = _loads
     """(ZeRO stage of its config file, None without one) -> why QLoRA's 4-bit weights cannot load under
     it, as the one line the config check and the capability table both print ("": they load)."""
@@ -81,7 +82,11 @@ ENGINES: dict[str, EngineFacts] = {
         config_file="deepspeed_config",
         options=("deepspeed_config",),
         no_resume="ZeRO shards the optimizer state over ranks; the checkpoint holds rank 0's share",
-        lockstep="under DeepSpeed ZeRO-3 every rank samples in lockstep",
+        lockstep=lambda zero_stage, gathers: (
+            ""
+            if zero_stage != 3 or gathers
+            else "under DeepSpeed ZeRO-3 with generation.zero3_gather false every rank samples in lockstep; set it true"
+        ),
         # transformers refuses a device_map under ZeRO-3's zero.Init, and bitsandbytes places the
         # 4-bit weights only through one; ZeRO-2 keeps whole weights.
         no_qlora=lambda zero_stage: "" if zero_stage != 3 else QLORA_UNDER_ZERO3,
@@ -136,10 +141,11 @@ def resume_refusal(engine: str) -> Optional[str]:
     )
 
 
-def tools_refusal(engine: str) -> Optional[str]:
-    """Why tool rollouts cannot run under `engine` (the reason after `tools.funcs: `), or None."""
+def tools_refusal(engine: str, zero_stage: Optional[int] = None, gathers: bool = True) -> Optional[str]:
+    """Why tool rollouts cannot run under `engine` with the ZeRO stage of its config file and
+    `generation.zero3_gather` (the reason after `tools.funcs: `), or None."""
     facts = ENGINES.get(engine)
-    if facts is None or not facts.lockstep:
+    why = facts.lockstep(zero_stage, gathers) if facts is not None else ""
+    if not why:
         return None
-    free = " or ".join(name for name, f in ENGINES.items() if not f.lockstep)
-    return f"tool rollouts run under {free} ({facts.lockstep}, and ranks take different numbers of turns)"
+    return f"tool rollouts need ranks that sample on their own, taking different numbers of turns: {why}"

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pipeline.config.backends import BACKENDS, unread_options
-from pipeline.config.sections import ModelConfig
+from pipeline.config.engines import ENGINES, tools_refusal, zero_stage
+from pipeline.config.sections import DistributedConfig, ModelConfig
 
 
 @dataclass
@@ -76,6 +77,13 @@ class GenerationConfig:
     distribution and RNG stream) or vllm (a vLLM server from bench/.venv-vllm, made by
     run_scripts/install_vllm.sh, following the policy's LoRA adapter: pipeline/rl/vllm_generator.py);
     pipeline/config/backends.py's BACKENDS."""
+    zero3_gather: bool = True
+    """Under DeepSpeed ZeRO-3: gather the policy's partitioned weights once for each rollout, so that
+    every rank samples alone with the whole policy (TRL's ds3_gather_for_generation, on by default
+    there too). false: for a policy too large for one device; each forward then gathers layer by
+    layer, every rank steps until all are done (transformers' generate with synced_gpus, slower),
+    and tool rollouts are refused (their ranks take different numbers of turns). Read under ZeRO-3
+    only."""
     correction: str = "auto"
     """Train-inference mismatch correction of the GRPO and PPO policy losses (pipeline/algorithms/mismatch.py):
     none, tis (token-level truncated importance weights) or mis (tokens whose weight leaves
@@ -181,3 +189,20 @@ class ToolsConfig:
         if self.schemas is not None and not self.funcs:
             out.append(f"{key}.schemas: given without {key}.funcs")
         return out
+
+
+def sampling_engine_problems(gen: GenerationConfig, dist: DistributedConfig, tools: bool) -> list[str]:
+    """A policy stage's sampling against its distributed engine, one line each: `generation.zero3_gather`
+    set false where no ZeRO-3 reads it, and tool rollouts (`tools`: the stage has tools) where the
+    engine's ranks would sample in lockstep (pipeline/config/engines.py's `lockstep`)."""
+    facts = ENGINES.get(dist.engine)
+    if facts is None:  # the distributed section's own problem
+        return []
+    zero = zero_stage(getattr(dist, facts.config_file)) if facts.config_file else None
+    out = []
+    if not gen.zero3_gather and zero != 3:
+        under = f"distributed.engine is {dist.engine!r}" + (f", ZeRO stage {zero}" if zero is not None else "")
+        out.append(f"generation.zero3_gather: only DeepSpeed ZeRO-3 reads it ({under})")
+    if tools and (why := tools_refusal(dist.engine, zero, gen.zero3_gather)):
+        out.append(f"tools.funcs: {why}")
+    return out

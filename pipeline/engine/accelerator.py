@@ -165,6 +165,45 @@ def full_parameters(accelerator, model: torch.nn.Module):
         yield
 
 
+@contextlib.contextmanager
+def sampling_weights(accelerator, model: torch.nn.Module, policy: torch.nn.Module, gather: bool = True):
+    """The weights `policy` (a module inside the prepared `model`) samples with, whole on every rank
+    for the body, so that each rank's forwards run alone and ranks may stop at different lengths.
+    Under FSDP `full_parameters`. Under DeepSpeed ZeRO-3 with `gather` (`generation.zero3_gather`):
+    the policy's partitions gathered once, and the ZeRO-3 hooks on every module of `model` (which
+    gather and release a module's partitions around each of its forwards) lifted for the body, then
+    registered again and the partitions freed, as TRL's `ds3_gather_for_generation` and DeepSpeed's
+    `unwrap_model_for_generation` do (the policy alone, not a critic or frozen copy beside it).
+    Without `gather` (a policy too large for one device) the forwards gather layer by layer through
+    the hooks: collectives, so every rank must keep stepping until all are done (`synced_gpus`).
+    Every rank must enter it."""
+    if is_fsdp(model):
+        with fsdp.gathered(model):
+            yield
+        return
+    if not (gather and is_partitioned(policy)):
+        yield
+        return
+    import deepspeed
+
+    optimizer = getattr(model, "optimizer", None)
+    hooks = getattr(optimizer, "parameter_offload", optimizer)  # DeepSpeed's ZeRO-3 hook owner
+    if hooks is None or not hasattr(hooks, "forward_hooks"):
+        raise RuntimeError("ZeRO-3 sampling: the prepared model has no DeepSpeed ZeRO-3 optimizer holding its hooks")
+    settle_zero3(model)  # nothing an evaluation prefetched left in flight
+    with deepspeed.zero.GatheredParameters(list(policy.parameters()), modifier_rank=None):
+        for hook in hooks.forward_hooks + hooks.backward_hooks:
+            hook.remove()
+        hooks.forward_hooks, hooks.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            hooks._register_deepspeed_module(hooks.module)  # also drops the prefetch trace it recorded
+            coordinator = hooks.get_param_coordinator()
+            if not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
+
+
 def torch_optimizer(optimizer) -> torch.optim.Optimizer:
     """The torch optimizer whose param groups carry the learning rate (what a scheduler drives):
     beneath accelerate's wrapper, and under ZeRO beneath DeepSpeed's, which is no

@@ -19,7 +19,7 @@ from pipeline.algorithms.judge import JudgeReward
 from pipeline.algorithms.mismatch import engine_logprob_matrix
 from pipeline.config import RewardModelConfig
 from pipeline.config.backends import BACKENDS
-from pipeline.engine.accelerator import full_parameters, is_zero3
+from pipeline.engine.accelerator import is_zero3, sampling_weights
 from pipeline.engine.stage import Stage, resolved_path
 from pipeline.engine.steps import all_reduce_sum
 from pipeline.modeling.embedded import is_embedded
@@ -161,25 +161,30 @@ class PolicyStage(Stage):
                     [tok.eos_token_id],
                     gen.max_new_tokens,
                     gen.temperature,
-                    synced_gpus=is_zero3(self.accelerator),
+                    synced_gpus=is_zero3(self.accelerator) and not gen.zero3_gather,
                     **engine,
                 )
         return self._generator
 
+    def sampling_weights(self):
+        """The policy whole on every rank for a rollout (FSDP; DeepSpeed ZeRO-3 with
+        generation.zero3_gather: pipeline/engine/accelerator.py `sampling_weights`)."""
+        return sampling_weights(self.accelerator, self.model, self.inner.policy, self.cfg.generation.zero3_gather)
+
     def rollout(self, prompts: list[dict], copies: int = 1) -> Rollout:
         """`copies` sampled responses of each prompt, consecutive (a group per prompt), laid out for
         scoring; with tools, multi-turn tool rollouts (pipeline/rl/tool_rollout.py). Under
-        FSDP the weights are gathered for the sampling (ranks stop at different lengths, so the
-        decode's forwards must not all-gather block by block)."""
+        FSDP and ZeRO-3 the weights are gathered for the sampling (`sampling_weights`: ranks stop at
+        different lengths, so the decode's forwards must not all-gather block by block)."""
         if self.tools:
             tok, gen = self.tokenizer, self.cfg.generation
             env = ToolEnv(
                 tok, self.template, self.tools, self.cfg.tools, tok.eos_token_id, tok.pad_token_id, gen.max_new_tokens
             )
-            with full_parameters(self.accelerator, self.model):
+            with self.sampling_weights():
                 return tool_rollout(self.generator, prompts, env, copies)
         ids = [p["prompt_ids"] for p in prompts for _ in range(copies)]
-        with full_parameters(self.accelerator, self.model):
+        with self.sampling_weights():
             responses = self.generator.generate(ids)
         rollout = assemble(ids, responses, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id])
         engine = getattr(self.generator, "last_logprobs", None)  # an engine that reports its log-probs (vLLM)
