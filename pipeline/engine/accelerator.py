@@ -190,7 +190,7 @@ def sampling_weights(accelerator, model: torch.nn.Module, policy: torch.nn.Modul
     hooks = getattr(optimizer, "parameter_offload", optimizer)  # DeepSpeed's ZeRO-3 hook owner
     if hooks is None or not hasattr(hooks, "forward_hooks"):
         raise RuntimeError("ZeRO-3 sampling: the prepared model has no DeepSpeed ZeRO-3 optimizer holding its hooks")
-    settle_zero3(model)  # nothing an evaluation prefetched left in flight
+    hooks.empty_partition_cache()  # nothing a forward prefetched left in flight (settle_zero3 without its gc pass)
     with deepspeed.zero.GatheredParameters(list(policy.parameters()), modifier_rank=None):
         for hook in hooks.forward_hooks + hooks.backward_hooks:
             hook.remove()
