@@ -177,7 +177,7 @@ def full_parameters(accelerator, model: torch.nn.Module):
 
 
 @contextlib.contextmanager
-def sampling_weights(accelerator, model: torch.nn.Module, policy: torch.nn.Module, gather: bool = True):
+def sampling_weights(model: torch.nn.Module, policy: torch.nn.Module, gather: bool = True):
     """The weights `policy` (a module inside the prepared `model`) samples with, whole on every rank
     for the body, so that each rank's forwards run alone and ranks may stop at different lengths.
     Under FSDP `full_parameters`. Under DeepSpeed ZeRO-3 with `gather` (`generation.zero3_gather`):

@@ -169,7 +169,7 @@ class PolicyStage(Stage):
     def sampling_weights(self):
         """The policy whole on every rank for a rollout (FSDP; DeepSpeed ZeRO-3 with
         generation.zero3_gather: pipeline/engine/accelerator.py `sampling_weights`)."""
-        return sampling_weights(self.accelerator, self.model, self.inner.policy, self.cfg.generation.zero3_gather)
+        return sampling_weights(self.model, self.inner.policy, self.cfg.generation.zero3_gather)
 
     def rollout(self, prompts: list[dict], copies: int = 1) -> Rollout:
         """`copies` sampled responses of each prompt, consecutive (a group per prompt), laid out for
