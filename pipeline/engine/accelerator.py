@@ -87,8 +87,8 @@ def settle_zero3(model: torch.nn.Module) -> None:
     """Every parameter of a prepared ZeRO-3 model back in its partition (a no-op otherwise): a
     forward without a backward (an evaluation) can leave parameters it prefetched in flight, and
     gathering one then fails ("Cannot partition a param in flight"). Through the hooks' owner, not
-    the engine's `empty_partition_cache`, which adds a full garbage collection (~0.2 s a call on a
-    tiny model). Every rank must call it."""
+    the engine's `empty_partition_cache`, which adds a full garbage collection at every call (before
+    every rollout, checkpoint and export; bench/RESULTS.md). Every rank must call it."""
     hooks = zero3_hooks(model) if is_partitioned(model) else None
     if hooks is not None:
         hooks.empty_partition_cache()
