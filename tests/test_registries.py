@@ -395,6 +395,7 @@ def test_zero3_gather_is_read_under_zero3_alone_and_false_refuses_tool_rollouts(
     assert lines("deepspeed", "zero2", gather=False) == [
         "generation.zero3_gather: only DeepSpeed ZeRO-3 reads it (distributed.engine is 'deepspeed', ZeRO stage 2)"
     ]
+    assert lines("deepspeed", "missing", gather=False) == []  # the missing file is the one problem named
     if stage == "distill":  # no tools
         return
     assert lines("deepspeed", "zero2", tools=True) == lines("deepspeed", "zero3", tools=True) == []

@@ -20,11 +20,14 @@ references, and two ranks running every ZeRO run. Tolerances are the DDP tests'
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from forkserver import python_for_tests
 from judgestub import judge_flags, judge_stub  # noqa: F401  (a fixture)
 from safetensors.torch import load_file
 from test_distributed_stages import (
@@ -305,6 +308,42 @@ def _problems(stage) -> list[str]:
     except ConfigError as err:
         return err.problems
     return []
+
+
+def test_sampling_weights_gathers_the_policy_once_and_puts_the_hooks_back(tiny_model_dir):
+    """`sampling_weights` on one CPU rank of a ZeRO-3 engine (tests/zero3_sampling.py): inside it the
+    policy is whole, DeepSpeed's hooks are off and its logits are the unpartitioned model's; after it,
+    after an error in the body too, the hooks are back, the weights partitioned again and a hooked
+    forward still equal; neither settling nor a rollout runs a garbage collection (DeepSpeed's engine
+    call does, at every checkpoint, export and rollout)."""
+    done = subprocess.run(
+        [
+            python_for_tests(),
+            str(ROOT / "tests" / "zero3_sampling.py"),
+            str(tiny_model_dir),
+            str(CONFIGS / "zero3.json"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result == {
+        "partitioned_before": True,
+        "hooks_before": True,
+        "whole": True,
+        "hooks_off": True,
+        "gathered_logits_diff": 0.0,
+        "hooks_back": True,
+        "partitioned_again": True,
+        "hooks_back_after_error": True,
+        "hooked_logits_diff": 0.0,
+        "gc_passes": 0,
+    }
 
 
 class _Holder(torch.nn.Module):

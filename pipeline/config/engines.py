@@ -27,6 +27,10 @@ def _loads(zero_stage: Optional[int]) -> str:
     return ""
 
 
+def _samples_alone(zero_stage: Optional[int], gathers: bool) -> str:
+    return ""
+
+
 @dataclass(frozen=True)
 class EngineFacts:
     summary: str
@@ -43,7 +47,7 @@ class EngineFacts:
     chosen engine, as every key of a section is)."""
     no_resume: str = ""
     """Why a run of it cannot resume exactly ("": it resumes exactly)."""
-    lockstep: Callable[[Optional[int], bool], str] = lambda zero_stage, gathers: ""
+    lockstep: Callable[[Optional[int], bool], str] = _samples_alone
     """(ZeRO stage of its config file, None without one; whether the policy's weights are gathered for
     sampling, `generation.zero3_gather`) -> why its ranks then sample in lockstep ("": each samples on
     its own); tool rollouts, whose ranks take different numbers of turns, are refused there."""

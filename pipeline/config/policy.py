@@ -199,6 +199,8 @@ def sampling_engine_problems(gen: GenerationConfig, dist: DistributedConfig, too
     if facts is None:  # the distributed section's own problem
         return []
     zero = zero_stage(getattr(dist, facts.config_file)) if facts.config_file else None
+    if facts.config_file and zero is None:  # no readable file: the distributed section's own problem
+        return []
     out = []
     if not gen.zero3_gather and zero != 3:
         under = f"distributed.engine is {dist.engine!r}" + (f", ZeRO stage {zero}" if zero is not None else "")
