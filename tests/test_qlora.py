@@ -89,3 +89,32 @@ def test_qlora_adapter_merges_into_the_full_precision_base(trained, tiny_model_d
         f"qlora: losses {losses[0]:.3f}->{losses[-1]:.3f}; base {base_loss:.3f}, 4-bit {quantized_loss:.4f}, "
         f"merged {merged_loss:.4f}, max |logit| 4-bit vs merged {logit_gap:.4f}"
     )
+
+
+def test_an_eval_forward_leaves_the_4bit_base_trainable(tiny_model_dir, monkeypatch):
+    """On a CPU with AVX512-BF16 bitsandbytes repacks a 4-bit layer, after its first eval-mode forward
+    without grad, for a bf16 kernel that has no backward (pipeline/modeling/models.py
+    `_keep_the_trainable_4bit_layout`); its flag is forced on here, as such a CPU sets it. A QLoRA
+    model trains after a sampled rollout or a held-out evaluation with the loss and gradients of one
+    that never evaluated: every adapter gets its gradient (before the fix: none below the last
+    4-bit layer; measured on an AMD EPYC with AVX512-BF16)."""
+    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True)
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def step(evaluate_first: bool):
+        torch.manual_seed(0)
+        model = load_model(ModelConfig(path=str(tiny_model_dir), finetuning="qlora"), LoraConfig(dropout=0.0))
+        if evaluate_first:
+            model.eval()
+            with torch.no_grad():
+                model(input_ids=ids[:1, :3])
+        model.train()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    (want, want_grads), (got, got_grads) = step(False), step(True)
+    assert torch.equal(got, want)
+    assert got_grads.keys() == want_grads.keys()
+    assert all(torch.equal(got_grads[k], want_grads[k]) for k in want_grads)
+    assert all(bool(g.abs().max() > 0) for k, g in got_grads.items() if "lora_B" in k)

@@ -332,6 +332,21 @@ def _from_pretrained(path: str, kind: str, kwargs: dict[str, Any]) -> torch.nn.M
     return model
 
 
+def _keep_the_trainable_4bit_layout(model: torch.nn.Module) -> None:
+    """Turn off bitsandbytes' CPU repacking of 4-bit weights in every layer of `model`.
+
+    On a CPU with AVX512-BF16 (bitsandbytes >= 0.48) a 4-bit linear repacks its weight in place
+    the first time it runs in eval mode on an input without grad (a sampled rollout, a held-out
+    evaluation, a reference forward); from then on every forward of that layer, training ones
+    included, runs a bf16 kernel that has no backward: the gradient stops there (the adapters
+    below it get none, silently) and the loss is computed in bf16; a checkpoint saved after it
+    quantizes the scales again. Relay trains after such forwards, so every layer keeps the
+    layout that dequantizes and has a backward, as on every other CPU and on a GPU."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
 def _set_pad(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
     """Resize embeddings for added tokens and write the pad id into the model's configs."""
     weight = model.get_input_embeddings().weight
@@ -394,6 +409,8 @@ def load_model(
     quantized = model_cfg.finetuning == "qlora"
     if quantized:
         from peft import prepare_model_for_kbit_training
+
+        _keep_the_trainable_4bit_layout(model)
 
         # Casts norms/head to fp32 and freezes the 4-bit base; checkpointing is enabled below.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
