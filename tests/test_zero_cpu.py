@@ -121,6 +121,13 @@ gradient by its own RMS, so the two runs' reduction-order noise on near-zero gra
 few % of one step (lr 5e-3), as for full fine-tuning's weights (WEIGHTS_ABS); the measured spread
 is in bench/RESULTS.md (the largest: ZeRO-3 with the optimizer offloaded, RM's score head).
 The merged LoRA weights hold the product of two such tensors, within WEIGHTS_ABS['lora']."""
+SAMPLED_MERGED_ABS = 5e-5
+"""The sampled GRPO runs' merged LoRA weights, max |difference|. They train at GRPO's learning rate
+(1e-2, tests/test_fsdp.py), where Adam's step moves each B entry by about the learning rate whatever
+its gradient's size: the two engines' reduction-order noise on B's near-zero gradients reaches the
+merged weights just above WEIGHTS_ABS['lora'] on some CPUs (bench/RESULTS.md; the adapters
+themselves agree within TRAINED_ABS). A lost or stale update parts them by the step's own size,
+lr * |A| * r: over 1e-3 here."""
 
 
 def argv(name: str, world: int, out: Path, setup) -> list[str]:
@@ -260,7 +267,10 @@ def test_grpo_sampling_under_zero3_equals_ddp(name, launches, judge_stub):  # no
     for key in KEYS["grpo"] + JUDGED:
         assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=REL, abs=ABS), key
     assert sum(s["judge/requests"] for s in want) > 0 and judge_stub.max_in_flight <= 2
-    assert_whole_and_equal(merged_weights(got_dir), merged_weights(want_dir), WEIGHTS_ABS["lora"])
+    assert_whole_and_equal(
+        tensors(got_dir / "adapter", "*.safetensors"), tensors(want_dir / "adapter", "*.safetensors"), TRAINED_ABS
+    )
+    assert_whole_and_equal(merged_weights(got_dir), merged_weights(want_dir), SAMPLED_MERGED_ABS)
 
 
 def test_the_lora_runs_save_tensors_zero3_partitions(launches):
