@@ -98,7 +98,7 @@ def test_an_eval_forward_leaves_the_4bit_base_trainable(tiny_model_dir, monkeypa
     model trains after a sampled rollout or a held-out evaluation with the loss and gradients of one
     that never evaluated: every adapter gets its gradient (before the fix: none below the last
     4-bit layer; measured on an AMD EPYC with AVX512-BF16)."""
-    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True)
+    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True, raising=False)  # 0.48 has no repack
     ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
 
     def step(evaluate_first: bool):

@@ -335,7 +335,7 @@ def _from_pretrained(path: str, kind: str, kwargs: dict[str, Any]) -> torch.nn.M
 def _keep_the_trainable_4bit_layout(model: torch.nn.Module) -> None:
     """Turn off bitsandbytes' CPU repacking of 4-bit weights in every layer of `model`.
 
-    On a CPU with AVX512-BF16 (bitsandbytes >= 0.48) a 4-bit linear repacks its weight in place
+    On a CPU with AVX512-BF16 (bitsandbytes 0.49 and later) a 4-bit linear repacks its weight in place
     the first time it runs in eval mode on an input without grad (a sampled rollout, a held-out
     evaluation, a reference forward); from then on every forward of that layer, training ones
     included, runs a bf16 kernel that has no backward: the gradient stops there (the adapters
