@@ -99,11 +99,12 @@ def test_an_eval_forward_leaves_the_4bit_base_trainable(tiny_model_dir, monkeypa
     that never evaluated: every adapter gets its gradient (before the fix: none below the last
     4-bit layer; measured on an AMD EPYC with AVX512-BF16)."""
     monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True, raising=False)  # 0.48 has no repack
-    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
 
     def step(evaluate_first: bool):
         torch.manual_seed(0)
         model = load_model(ModelConfig(path=str(tiny_model_dir), finetuning="qlora"), LoraConfig(dropout=0.0))
+        ids = tokens.to(model.device)  # on a GPU the 4-bit base loads onto it (and bitsandbytes repacks nothing)
         if evaluate_first:
             model.eval()
             with torch.no_grad():
