@@ -174,6 +174,8 @@ TOOL = '''def add(a: int, b: int) -> int:
 '''
 CONFIGS = Path(__file__).resolve().parents[1] / "deepspeed_configs"
 ZERO2 = ["--distributed.engine", "deepspeed", "--distributed.deepspeed_config", str(CONFIGS / "zero2.json")]
+UNTESTED = "combination "
+"""The start of the line for a cell no test runs."""
 REFUSED = [
     # (stage, --nproc, overrides, the start of the line)
     (
@@ -248,6 +250,11 @@ def test_validate_prints_the_refusal_before_any_model_loads(
         stage_class(name)
     monkeypatch.setattr(models, "load_model", no_load)
     monkeypatch.setattr(models, "load_tokenizer", no_load)
+    if line.startswith(UNTESTED):  # every cell has its test today: one is taken out for the line a new one gets
+        cell = line.removeprefix("combination ").removesuffix(": not run by")
+        kept = {c: t for c, t in cap.TESTS.items() if c.describe() != cell}
+        assert len(kept) == len(cap.TESTS) - 1
+        monkeypatch.setattr(cap, "TESTS", kept)
     config = write_config(tmp_path, stage, tiny_model_dir, tiny_reward_dir)
     tools = tmp_path / "tools.py"  # "{tools}": a tool a stage may call
     tools.write_text(TOOL)

@@ -12,8 +12,8 @@ DDP and ZeRO-2; distill with LoRA and full weights under DDP, FSDP2, ZeRO-2 and 
 under DDP and ZeRO-2 (one step on the student's scripted samples, one on the dataset's completions:
 distill.lmbda 0.5, train.seed 0).
 The hf generation backend (LoRA and full weights under DDP and FSDP2, QLoRA under DDP, tools under DDP (every
-adapter) and FSDP2 (LoRA, full weights), every adapter under ZeRO-2, LoRA and full weights under ZeRO-3 (the
-policy gathered for each rollout: both samplers run on each rank alone), with tools LoRA; distill's student
+adapter) and FSDP2 (LoRA, full weights), every adapter under ZeRO-2 and LoRA and full weights under ZeRO-3 (the
+policy gathered for each rollout: both samplers run on each rank alone), tools off and on; distill's student
 with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3, with QLoRA under DDP and ZeRO-2), the stage's
 own sampler, draws at every sampling
 call what Relay's engine draws on the same ranks from the same policy and RNG state (tests/cells_distrun.py

@@ -170,6 +170,10 @@ HF_ON_RANKS: tuple[tuple[str, str, str], ...] = (
     ("zero3", "lora", "off"),
     ("zero3", "full", "off"),
     ("zero3", "lora", "on"),
+    ("zero2", "lora", "on"),
+    ("zero2", "full", "on"),
+    ("zero2", "qlora", "on"),
+    ("zero3", "full", "on"),
 )
 """(engine, adapter, tools) of the hf backend's two-rank PPO and GRPO runs (tests/test_cells_ddp.py)."""
 HF_DISTILL_ON_RANKS: tuple[tuple[str, str], ...] = (
