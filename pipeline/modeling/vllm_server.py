@@ -33,6 +33,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -70,6 +71,27 @@ def vllm_python() -> Optional[str]:
     ).exists():  # install_vllm.sh finished (a half-made one is absent)
         return str(SIDE_VENV_PYTHON)
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+ERROR_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
+ERROR_ECHOES = ("EngineDeadError", "EngineCore encountered an issue")
+"""Error lines that only echo an earlier one (the API process telling of the engine core's death)."""
+
+
+def last_error(log: Path, tail_bytes: int = 262144) -> str:
+    """The last "SomethingError: message" line in the end of a server's log that is not an echo of
+    an earlier one (ERROR_ECHOES), cut to 300 characters; "" when there is none or no log."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - tail_bytes))
+            lines = fh.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        found = ERROR_LINE.search(line)
+        if found and not any(echo in line for echo in ERROR_ECHOES):
+            return f"{found.group(1).rsplit('.', 1)[-1]}: {found.group(2).strip()}"[:300]
+    return ""
 
 
 def free_port() -> int:
@@ -318,9 +340,9 @@ class VLLMServer:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                where = f" (its log: {self.log_path})" if self.log_path else ""
                 raise VLLMError(
-                    f"the vLLM server on {self.folder} exited with code {self.proc.returncode} while starting{where}"
+                    f"the vLLM server on {self.folder} exited with code {self.proc.returncode} while starting"
+                    + self.where()
                 )
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
@@ -343,6 +365,14 @@ class VLLMServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def where(self) -> str:
+        """Where a failure of the server is told: "; its log: PATH" and the last error the log
+        names (vLLM's own HTTP answer to a dead engine only says to look above its stack trace)."""
+        if not self.log_path:
+            return ""
+        cause = last_error(Path(self.log_path))
+        return f"; its log: {self.log_path}" + (f" (last error: {cause})" if cause else "")
+
     def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
         """POST JSON to the server; the parsed answer (or {} for an empty one).
 
@@ -358,7 +388,9 @@ class VLLMServer:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 text = response.read()
         except urllib.error.HTTPError as err:
-            raise VLLMError(f"vLLM {path}: HTTP {err.code}: {err.read().decode(errors='replace')[:500]}") from None
+            told = err.read().decode(errors="replace")[:500]
+            where = self.where() if err.code >= 500 else ""  # a server's failure, not the request's
+            raise VLLMError(f"vLLM {path}: HTTP {err.code}: {told}{where}") from None
         try:
             return json.loads(text) if text.strip() else {}
         except json.JSONDecodeError:
