@@ -17,6 +17,10 @@ leaves a report of everything finished; the part that was cut off says so.
   equal first loss within GPU_LOSS_TOLERANCE), full / LoRA / QLoRA, each side in its own process.
 - qlora-merge: QLoRA on the 1.5B shape trains a few steps and merges (the stage's own export).
 - ppo, grpo: LoRA, bf16 on the 0.5B shape: seconds per step and the share spent generating.
+- grpo-vllm: the same GRPO sampling on a vLLM server (generation.backend vllm, its other options
+  the defaults; where vLLM is installed: run_scripts/install_vllm.sh): the first step (the server
+  starts in it), seconds per step, the share spent generating, the engine's log-probs against the
+  trainer's.
 - decode: batch 1/8/32 x 128 new tokens, greedy, nothing compiled: Relay's engine with its CUDA graph
   and with the model's own step, transformers' `generate` with its dynamic cache. decode-compiled:
   `generate` with its static cache, which transformers compiles: warmed up on the very shapes it
@@ -50,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import gpu_report, harness  # noqa: E402
+from pipeline.modeling.vllm_server import vllm_python  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -63,15 +68,18 @@ class Part:
     what: str
     tests: str = ""
     gpus: int = 1
+    vllm: bool = False
+    """Runs on a vLLM server: not started where vLLM is absent (pipeline/modeling/vllm_server.py `vllm_python`)."""
 
 
+VLLM_ABSENT = "vLLM is absent (bash run_scripts/install_vllm.sh)"
 RUN_LIMIT_S = 480
 """A run's budgets (with STARTUP_S) add up to at most this: 8 of a device window's 10 minutes, the
 rest for the machine's start, the copy of the tree and the report coming back."""
 STARTUP_S = 10
 """The check's own start before its first part (the CUDA probe, the device line)."""
-RUNS = ("first", "second", "third")
-"""GPU_CHECK_PARTS=first (the default), second or third runs that run's parts; part names also work."""
+RUNS = ("first", "second", "third", "fourth")
+"""GPU_CHECK_PARTS=first (the default), second, third or fourth runs that run's parts; part names also work."""
 PARTS = [
     Part(
         "install",
@@ -166,6 +174,15 @@ PARTS = [
         "transformers' generate with its static cache (compiled), warmed up on the shapes it "
         "is timed on, batch 1/8/32 x 128 tokens; the compile's seconds apart",
     ),
+    Part(
+        "grpo-vllm",
+        "fourth",
+        180,
+        "GRPO (LoRA, bf16, 0.5B shape) sampling on a vLLM server, its options the defaults (where "
+        "vLLM is installed): the first step (the server starts in it), seconds per step, generation "
+        "share, the engine's log-probs against the trainer's",
+        vllm=True,
+    ),
 ]
 """Every part, in the order a run takes them (the most informative first)."""
 GPU_TESTS = [(part.tests, part.what) for part in PARTS if part.tests]
@@ -195,14 +212,15 @@ SHAPES = {
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
         vocab_size=151936,
         tie_word_embeddings=True,
         rope_theta=1e6,
     ),
 }
-"""Qwen2.5-0.5B and -1.5B's published configs (architecture only; weights random)."""
+"""Qwen2.5-0.5B and -1.5B's published configs (architecture only; weights random); `tiny` for --tiny runs,
+with heads of 32 (the smallest vLLM's CPU attention runs: grpo-vllm)."""
 PEAK_BF16_TFLOPS = [
     ("H200", 989.0),
     ("GH200", 989.0),
@@ -537,8 +555,11 @@ def child_qlora_merge(model: str, data: str, workdir: str, tiny: bool) -> dict:
     }
 
 
-def child_rl(algo: str, model: str, workdir: str, tiny: bool) -> dict:
-    """PPO or GRPO (LoRA, bf16 on a GPU) on `model`: seconds per step and the generation share."""
+def child_rl(algo: str, model: str, workdir: str, tiny: bool, backend: str = "relay") -> dict:
+    """PPO or GRPO (LoRA, bf16 on a GPU) on `model`, sampling on `backend` (its other generation
+    options the stage's defaults): the seconds before the first step (loading), seconds per step
+    after the first (on vLLM the server starts in the first step's rollout), the generation share;
+    on vLLM the engine's log-probs against the trainer's (rollout/logprob_diff_mean and _max)."""
     import torch
 
     from bench.comparisons import grpo, ppo
@@ -556,18 +577,23 @@ def child_rl(algo: str, model: str, workdir: str, tiny: bool) -> dict:
         cfg = grpo.relay_config(case, env)
     if torch.cuda.is_available():
         cfg.model.dtype = cfg.train.precision = "bf16"
-    clock, shares = harness.StepClock(), []
+    cfg.generation.backend = backend
+    clock, shares, diffs = harness.StepClock(), [], []
 
     def on_step(stage, record) -> None:
         clock.mark()
         shares.append(record.get(f"{algo}/gen_time_frac"))
+        diffs.append((record.get("rollout/logprob_diff_mean"), record.get("rollout/logprob_diff_max")))
         if stage.step >= case["steps"]:
             raise _Stop
+
+    began, first = time.perf_counter(), []
 
     class Timed(stage_class):
         def train_step(self):
             if clock.last is None:
                 clock.start()
+                first.append(time.perf_counter() - began)
             return super().train_step()
 
     with harness.full_length_sampling():
@@ -577,13 +603,20 @@ def child_rl(algo: str, model: str, workdir: str, tiny: bool) -> dict:
             pass
     timed = clock.seconds[1:] or clock.seconds
     share = [s for s in shares[1:] or shares if s is not None]
-    return {
+    result = {
         "case": case,
+        "backend": backend,
+        "start_s": round(first[0], 1) if first else None,
         "s_per_step": round(sum(timed) / len(timed), 3),
         "step_seconds": [round(s, 3) for s in clock.seconds],
         "generation_share": round(sum(share) / len(share), 3) if share else None,
         "gpu_peak_mb": round(clock.gpu_peak_mb) or None,
     }
+    if backend == "vllm":
+        measured = [d for d in diffs if d[0] is not None]
+        result["logprob_diff_mean"] = [round(m, 5) for m, _ in measured]
+        result["logprob_diff_max"] = [round(w, 5) for _, w in measured]
+    return result
 
 
 GENERATE_BATCHES = (1, 8, 32)
@@ -777,6 +810,9 @@ def check(out: Path, spec: str, bundle, tiny: bool, total_s=None) -> int:
             if part.gpus > 1 and gpus < part.gpus:
                 state.record(part.name, f"not run: needs {part.gpus} GPUs", 0.0, budget_of(part))
                 continue
+            if part.vllm and vllm_python() is None:
+                state.record(part.name, f"not run: {VLLM_ABSENT}", 0.0, budget_of(part))
+                continue
             if budget < (1 if tiny else 15):
                 state.record(part.name, "not run: the run's time budget was spent", 0.0, budget_of(part))
                 continue
@@ -963,7 +999,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true")
     p = sub.add_parser("child")
     p.add_argument(
-        "kind", choices=("sft-profile", "sft-vs-trl", "qlora-merge", "ppo", "grpo", "decode", "decode-compiled")
+        "kind",
+        choices=("sft-profile", "sft-vs-trl", "qlora-merge", "ppo", "grpo", "grpo-vllm", "decode", "decode-compiled"),
     )
     p.add_argument("model")
     p.add_argument("data")
@@ -1019,6 +1056,8 @@ def child(args) -> int:
         result = child_qlora_merge(args.model, args.data, args.workdir, args.tiny)
     elif args.kind in ("decode", "decode-compiled"):
         result = child_generate(args.model, args.tiny, args.kind == "decode-compiled", with_base)
+    elif args.kind == "grpo-vllm":
+        result = child_rl("grpo", args.model, args.workdir, args.tiny, backend="vllm")
     else:
         result = child_rl(args.kind, args.model, args.workdir, args.tiny)
     with_base(result)

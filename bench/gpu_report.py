@@ -217,11 +217,8 @@ def status_of(r: dict) -> str:
 
 
 def bench_section(bench: dict) -> list[str]:
-    """Markdown of the benchmarks present in `bench` (keys: sft_profile, sft, qlora_merge, ppo, grpo,
-    generate, generate_compiled); those absent are not this run's."""
-    if not any(
-        k in bench for k in ("sft_profile", "sft", "qlora_merge", "ppo", "grpo", "generate", "generate_compiled")
-    ):
+    """Markdown of the benchmarks present in `bench` (BENCH_KEYS' values); those absent are not this run's."""
+    if not any(k in bench for k in BENCH_KEYS.values()):
         return ["No benchmark figures (none ran in this run, or none finished)."]
     shape = bench.get("shape") or "model"
     lines = (
@@ -269,6 +266,19 @@ def bench_section(bench: dict) -> list[str]:
                     f"{gb(r.get('gpu_peak_mb'))} GiB (every step: {r.get('step_seconds')})"
                 )
             )
+    if "grpo_vllm" in bench:
+        r = bench["grpo_vllm"]
+        lines.append(
+            f"- GRPO (LoRA, bf16, {shape}) sampling on vLLM, its options the defaults: "
+            + (
+                status_of(r)
+                or f"{(r.get('step_seconds') or ['-'])[0]} s the first step (the server starts in it), then "
+                f"{r.get('s_per_step')} s/step, generation {pct(r.get('generation_share'))} of it, peak "
+                f"{gb(r.get('gpu_peak_mb'))} GiB in the trainer (every step: {r.get('step_seconds')}; "
+                f"{r.get('start_s')} s before the first); the engine's log-probs against the trainer's, "
+                f"mean |diff| {r.get('logprob_diff_mean')}, max {r.get('logprob_diff_max')}"
+            )
+        )
     g, c = bench.get("generate", {}), bench.get("generate_compiled", {})
     static = {r["batch"]: r.get("generate-static") for r in c.get("rows", [])}
     if g.get("rows") or c.get("rows"):
@@ -317,6 +327,7 @@ BENCH_KEYS = {
     "qlora-merge": "qlora_merge",
     "ppo": "ppo",
     "grpo": "grpo",
+    "grpo-vllm": "grpo_vllm",
     "decode": "generate",
     "decode-compiled": "generate_compiled",
 }

@@ -262,9 +262,9 @@ def test_the_gpu_checks_first_run_fits_its_window_and_puts_the_informative_parts
     assert [p.name for p in gpu.selected("fsdp-tests, decode")] == ["install", "fsdp-tests", "decode"]
     assert gpu.budget_of(gpu.selected("decode")[1], {"GPU_CHECK_S_DECODE": "12"}) == 12
     with pytest.raises(
-        ValueError, match="GPU_CHECK_PARTS: fourth not known; runs: first, second, third; parts: install, "
+        ValueError, match="GPU_CHECK_PARTS: fifth not known; runs: first, second, third, fourth; parts: install, "
     ):
-        gpu.selected("fourth")
+        gpu.selected("fifth")
     two = [p for p in gpu.PARTS if p.gpus > 1]
     assert [p.tests for p in two] == ["tests/test_distributed_stages.py -k fsdp"]
     assert (
@@ -283,7 +283,7 @@ def test_the_dry_run_prints_each_runs_budget_sum(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     sums = re.findall(r"budget sum with 10 s of start-up: (\d+) s \(([\d.]+) min\) on one GPU", proc.stdout)
-    assert len(sums) == 3 and int(sums[0][0]) <= 480, proc.stdout
+    assert len(sums) == len(("first", "second", "third", "fourth")) and int(sums[0][0]) <= 480, proc.stdout
     assert "first run:" in proc.stdout and "[needs 2 GPUs: not started on fewer]" in proc.stdout
     over = subprocess.run(
         ["bash", "run_scripts/gpu_check.sh", str(tmp_path / "x"), "--dry-run"],
@@ -412,6 +412,38 @@ def test_the_profile_breakdown_counts_each_kernel_once_by_category():
         "- Seconds of each step (the first 2 not timed): [4.15, 0.5, 1.9, 0.2, 0.3]; median of the timed 0.300 s"
         in lines
     )
+
+
+def test_the_vllm_part_is_not_started_without_vllm_and_reports_the_engine(tmp_path, monkeypatch):
+    """grpo-vllm (GRPO sampling on a vLLM server) is reported as not run where vLLM is absent, the
+    parts beside it run; its figures render as a line of the report (the values of a --tiny run on
+    this CPU's vLLM environment)."""
+    from bench import gpu, gpu_report
+
+    ran = []
+    monkeypatch.setattr(gpu, "vllm_python", lambda: None)
+    monkeypatch.setattr(gpu, "run_part", lambda part, *args: ran.append(part.name) or ("passed", 0.0))
+    assert gpu.check(tmp_path / "out", "grpo-vllm", None, True) == 0
+    parts = json.loads((tmp_path / "out" / "state.json").read_text())["parts"]
+    assert ran == ["install"]
+    assert parts["grpo-vllm"]["status"] == "not run: vLLM is absent (bash run_scripts/install_vllm.sh)"
+    result = {
+        "backend": "vllm",
+        "start_s": 0.5,
+        "s_per_step": 0.398,
+        "step_seconds": [17.11, 0.399, 0.397],
+        "generation_share": 0.548,
+        "gpu_peak_mb": 2048,
+        "logprob_diff_mean": [0.0012, 0.001],
+        "logprob_diff_max": [0.05, 0.04],
+    }
+    lines = gpu_report.bench_section({"shape": "qwen2.5-0.5b", "grpo_vllm": result})
+    assert (
+        "- GRPO (LoRA, bf16, qwen2.5-0.5b) sampling on vLLM, its options the defaults: 17.11 s the first step (the "
+        "server starts in it), then 0.398 s/step, generation 54.8% of it, peak 2.0 GiB in the trainer (every step: "
+        "[17.11, 0.399, 0.397]; 0.5 s before the first); the engine's log-probs against the trainer's, mean |diff| "
+        "[0.0012, 0.001], max [0.05, 0.04]" in lines
+    ), lines
 
 
 def test_a_part_past_its_budget_is_stopped_and_a_spent_run_starts_nothing(tmp_path, monkeypatch):
