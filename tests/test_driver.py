@@ -763,6 +763,9 @@ def test_summary_verdict_and_gold_rows_follow_the_chain(extra_registry, tmp_path
     )
     assert summary["final_model"] == str((tmp_path / "dpo2/merged").resolve())
     text = driver.format_summary(summary)
+    # the final model of this output root (the demo printed outputs/demo's whatever --output_root said)
+    compare = f"compare the base and final models: relay chat --model {cfg.base_model} --compare {tmp_path.resolve()}"
+    assert f"{compare}/dpo2/merged" in text.splitlines()
     assert (
         "dpo2: train loss 2.0000 -> n/a" in text
         and "dpo2: held-out accuracy 0.7500" in text

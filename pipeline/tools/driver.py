@@ -273,11 +273,13 @@ def pipeline_summary(cfg: PipelineConfig) -> dict:
         gold["rl"] if gold else next((s for s in reversed(cfg.chain) if s in stages and registry.info(s).judged), None)
     )
     reward = stage_reward_path(cfg, judged) if judged else None
+    final_model = str(merged_dir(cfg, final).resolve()) if final else None
     out = {
         **figures,
         "gold": gold,
         "benchmarks": benchmarks,
-        "final_model": str(merged_dir(cfg, final).resolve()) if final else None,
+        "final_model": final_model,
+        "compare": f"relay chat --model {cfg.base_model} --compare {final_model}" if final_model else None,
         "reward_model": str(reward) if reward else None,
         "tensorboard": f"tensorboard --logdir {root}",
         "timing": TIMING_NOTE,
@@ -341,6 +343,8 @@ def format_summary(summary: dict) -> str:
         f"final model: {summary['final_model']}",
         f"curves: {summary['tensorboard']}",
     ]
+    if summary.get("compare"):
+        lines.append(f"compare the base and final models: {summary['compare']}")
     lines.append(f"verdict: {summary['verdict']}" + "".join(f"\nWARNING: {r}" for r in summary["verdict_reasons"]))
     return "\n".join(lines)
 
