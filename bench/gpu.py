@@ -952,6 +952,7 @@ def plan(bundle, environ=os.environ) -> int:
         print(f"{run_name} run:")
         for part in parts:
             needs = f" [needs {part.gpus} GPUs: not started on fewer]" if part.gpus > 1 else ""
+            needs += " [needs vLLM: not started without it]" if part.vllm else ""
             if part.name == "install":
                 what = (
                     f"bash run_scripts/install.sh --bundle {bundle or 'DIR'} --target <work>/site  (no index, "

@@ -285,6 +285,7 @@ def test_the_dry_run_prints_each_runs_budget_sum(tmp_path):
     sums = re.findall(r"budget sum with 10 s of start-up: (\d+) s \(([\d.]+) min\) on one GPU", proc.stdout)
     assert len(sums) == len(("first", "second", "third", "fourth")) and int(sums[0][0]) <= 480, proc.stdout
     assert "first run:" in proc.stdout and "[needs 2 GPUs: not started on fewer]" in proc.stdout
+    assert "trainer's [needs vLLM: not started without it]" in proc.stdout  # grpo-vllm
     over = subprocess.run(
         ["bash", "run_scripts/gpu_check.sh", str(tmp_path / "x"), "--dry-run"],
         cwd=ROOT,
