@@ -6,8 +6,9 @@
 # Installs Relay (run_scripts/install.sh, a no-op when nothing changed), then runs
 # PT -> SFT -> RM -> PPO with configs/demo.yaml into outputs/demo/ and prints the summary
 # (losses, RM held-out accuracy, PPO reward and KL, the gold table, final model, tensorboard
-# command, the chat command that compares the base and final models) and a verdict. The gold table holds the greedy answers of the base, SFT and PPO models
-# to 80 held-out questions (data/sample/gold/eval.jsonl), scored against their answer key: how
+# command, the chat command that compares the base and final models) and a verdict. The gold
+# table holds the greedy answers of the base, SFT and PPO models to 80 held-out questions
+# (data/sample/gold/eval.jsonl), scored against their answer key: how
 # often an answer opens with the house phrase and how often it states the right fact. PASS needs
 # the RM's held-out accuracy, PPO's phrase rate above SFT's by gold.min_phrase_gain, and PPO's fact
 # accuracy within gold.max_fact_drop of SFT's; WARNING names what failed (the exit status is 0

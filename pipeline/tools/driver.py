@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -279,7 +280,9 @@ def pipeline_summary(cfg: PipelineConfig) -> dict:
         "gold": gold,
         "benchmarks": benchmarks,
         "final_model": final_model,
-        "compare": f"relay chat --model {cfg.base_model} --compare {final_model}" if final_model else None,
+        "compare": shlex.join(["relay", "chat", "--model", cfg.base_model, "--compare", final_model])
+        if final_model
+        else None,
         "reward_model": str(reward) if reward else None,
         "tensorboard": f"tensorboard --logdir {root}",
         "timing": TIMING_NOTE,
