@@ -127,3 +127,20 @@ def test_format_eval_and_summary():
         "next:",
         "  relay train configs/ppo.yaml --model.path POLICY --reward_model.path out/rm/merged   # PPO against this RM",
     ]
+
+
+def test_a_vllm_servers_failure_ends_the_stage_in_one_line(tmp_path, tiny_model_dir, capfd):
+    """A vLLM server that dies mid-run (or never starts) ends the stage with one line naming its log
+    and the cause (pipeline/modeling/vllm_server.py `VLLMServer.where`) and exit code 1, not a traceback."""
+    from pipeline.modeling.vllm_server import VLLMError
+
+    told = "vLLM /v1/completions: HTTP 500: EngineCore died; its log: x.log (last error: RuntimeError: y)"
+
+    class Dying(SFTStage):
+        def run(self, *args, **kwargs):
+            raise VLLMError(told)
+
+    argv = ["--config", "configs/sft.yaml", "--model.path", str(tiny_model_dir), "--output_dir", str(tmp_path / "o")]
+    assert main(Dying, argv) == 1
+    err = capfd.readouterr().err
+    assert err.strip().splitlines()[-1] == f"sft: {told}" and "Traceback" not in err

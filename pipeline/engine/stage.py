@@ -23,7 +23,8 @@ what is its own (ARCHITECTURE.md lists exactly what).
   manifest), summary.json.
 
 `main(StageClass)` is every stage script's entry point: every way a run ends early (bad config,
-a signal, divergence, a non-finite loss, a checkpoint that cannot be written) is one line on
+a signal, divergence, a non-finite loss, a checkpoint that cannot be written, a vLLM server that
+died or never started) is one line on
 stderr and an exit code (2 config, 128+N signal N, 1 otherwise), never a traceback.
 """
 

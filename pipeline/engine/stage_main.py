@@ -20,12 +20,14 @@ from pipeline.engine.tracking import (
     format_stage_summary,
     quiet_console,
 )
+from pipeline.modeling.vllm_server import VLLMError
 
 
 def main(stage_class: type[Stage], argv: Optional[Sequence[str]] = None) -> int:
     """Every stage script's entry point: parse the config, run the stage, print its summary.
     Every early end is one line on stderr (module docstring): config problems (a list) exit 2, a
-    signal 128 + its number, a divergence, a non-finite step or a checkpoint error 1."""
+    signal 128 + its number, a divergence, a non-finite step, a checkpoint error or a vLLM server's
+    failure (its log and cause named: pipeline/modeling/vllm_server.py) 1."""
 
     logging.basicConfig(
         level=os.environ.get("RELAY_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -50,7 +52,7 @@ def main(stage_class: type[Stage], argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
         return 130
-    except (Diverged, NonFiniteError, CheckpointError) as err:
+    except (Diverged, NonFiniteError, CheckpointError, VLLMError) as err:
         print(f"{stage_class.name}: {err}", file=sys.stderr)
         return 1
     if completed and stage.is_main:
