@@ -127,7 +127,7 @@ SAMPLED_MERGED_ABS = 5e-5
 its gradient's size: the two engines' reduction-order noise on B's near-zero gradients reaches the
 merged weights just above WEIGHTS_ABS['lora'] on some CPUs (bench/RESULTS.md; the adapters
 themselves agree within TRAINED_ABS). A lost or stale update parts them by the step's own size,
-lr * |A| * r: over 1e-3 here."""
+lr * |A| * r, orders of magnitude above it."""
 
 
 def argv(name: str, world: int, out: Path, setup) -> list[str]:
