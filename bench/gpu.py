@@ -578,12 +578,11 @@ def child_rl(algo: str, model: str, workdir: str, tiny: bool, backend: str = "re
     if torch.cuda.is_available():
         cfg.model.dtype = cfg.train.precision = "bf16"
     cfg.generation.backend = backend
-    clock, shares, diffs = harness.StepClock(), [], []
+    clock, records = harness.StepClock(), []
 
     def on_step(stage, record) -> None:
         clock.mark()
-        shares.append(record.get(f"{algo}/gen_time_frac"))
-        diffs.append((record.get("rollout/logprob_diff_mean"), record.get("rollout/logprob_diff_max")))
+        records.append(dict(record))
         if stage.step >= case["steps"]:
             raise _Stop
 
@@ -602,7 +601,7 @@ def child_rl(algo: str, model: str, workdir: str, tiny: bool, backend: str = "re
         except _Stop:
             pass
     timed = clock.seconds[1:] or clock.seconds
-    share = [s for s in shares[1:] or shares if s is not None]
+    share = [r[f"{algo}/gen_time_frac"] for r in records[1:] or records if f"{algo}/gen_time_frac" in r]
     result = {
         "case": case,
         "backend": backend,
@@ -612,10 +611,9 @@ def child_rl(algo: str, model: str, workdir: str, tiny: bool, backend: str = "re
         "generation_share": round(sum(share) / len(share), 3) if share else None,
         "gpu_peak_mb": round(clock.gpu_peak_mb) or None,
     }
-    if backend == "vllm":
-        measured = [d for d in diffs if d[0] is not None]
-        result["logprob_diff_mean"] = [round(m, 5) for m, _ in measured]
-        result["logprob_diff_max"] = [round(w, 5) for _, w in measured]
+    for stat in ("mean", "max"):  # an engine that reports its log-probs (vLLM) logs these
+        if diffs := [round(r[key], 5) for r in records if (key := f"rollout/logprob_diff_{stat}") in r]:
+            result[f"logprob_diff_{stat}"] = diffs
     return result
 
 

@@ -428,6 +428,9 @@ def test_the_vllm_part_is_not_started_without_vllm_and_reports_the_engine(tmp_pa
     parts = json.loads((tmp_path / "out" / "state.json").read_text())["parts"]
     assert ran == ["install"]
     assert parts["grpo-vllm"]["status"] == "not run: vLLM is absent (bash run_scripts/install_vllm.sh)"
+    monkeypatch.setattr(gpu, "vllm_python", lambda: "python")  # where it is installed the part runs
+    assert gpu.check(tmp_path / "out", "grpo-vllm", None, True) == 0
+    assert ran == ["install", "install", "grpo-vllm"]
     result = {
         "backend": "vllm",
         "start_s": 0.5,

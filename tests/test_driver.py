@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import textwrap
@@ -766,6 +767,12 @@ def test_summary_verdict_and_gold_rows_follow_the_chain(extra_registry, tmp_path
     # the final model of this output root (the demo printed outputs/demo's whatever --output_root said)
     compare = f"compare the base and final models: relay chat --model {cfg.base_model} --compare {tmp_path.resolve()}"
     assert f"{compare}/dpo2/merged" in text.splitlines()
+    from pipeline.tools import chat, cli
+
+    words = shlex.split(summary["compare"])  # the command `relay chat` itself reads
+    assert words[:2] == ["relay", "chat"] and "chat" in cli.COMMANDS
+    args = chat.parse_args(words[2:])
+    assert (args.model, args.compare) == (cfg.base_model, summary["final_model"])
     assert (
         "dpo2: train loss 2.0000 -> n/a" in text
         and "dpo2: held-out accuracy 0.7500" in text
