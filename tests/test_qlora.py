@@ -97,8 +97,7 @@ def test_an_eval_forward_leaves_the_4bit_base_trainable(tiny_model_dir, monkeypa
     `_keep_the_trainable_4bit_layout`); its flag is forced on here, as such a CPU sets it. After a
     forward as a rollout or a held-out evaluation makes, a QLoRA model's loss and adapter gradients
     are those of plain torch on the dequantized weights with the same adapters (peft's LoRA on
-    fp32 linears): before the fix no adapter below the last 4-bit layer got a gradient (measured
-    on an AMD EPYC with AVX512-BF16)."""
+    fp32 linears): before the fix no adapter below the last 4-bit layer got a gradient (bench/RESULTS.md)."""
     monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True, raising=False)  # 0.48 has no repack
     torch.manual_seed(0)
     lora = LoraConfig(dropout=0.0)
