@@ -4,8 +4,9 @@ the offloaded step is Relay's torch AdamW, `zero_force_ds_cpu_optimizer` false: 
 would be compiled on first use, minutes on a 2-core machine; on a GPU it is DeepSpeed's): LoRA PT,
 SFT, RM, PPO (ActorCritic has no `config`: the "auto" ZeRO sizes come from the policy's), GRPO and
 DPO (GRPO also with a reward model), full-weight PT, SFT, RM, DPO, PPO and GRPO (under ZeRO-3 their
-frozen references, and GRPO's reward model, are partitioned too); GRPO sampling with the policy
-itself, an LLM judge among its rewards (tests/judgestub.py), under ZeRO-3 equals DDP's. Per step:
+frozen references, and GRPO's reward model, are partitioned too); GRPO and PPO sampling with the
+policy itself (GRPO with an LLM judge among its rewards, tests/judgestub.py) under ZeRO-3, the
+policy gathered for each rollout or not (`generation.zero3_gather`), equals DDP's. Per step:
 the loss and grad_norm (every rank logs the same); the exported adapter, merged model and checkpoint
 equal the one-process ones, whole: ZeRO-3 partitions every parameter above
 stage3_param_persistence_threshold (10 x hidden size = 640 elements for the tiny model), so the LoRA
@@ -100,18 +101,30 @@ ZERO = {
 """The two-rank runs: '<DeepSpeed config>-<reference>'."""
 KEYS = {**LOSS_KEYS, "grpo": FSDP_KEYS["grpo"], "dpo": FSDP_KEYS["dpo"]}
 SAMPLED = {
-    "zero3-grpo-real": ("zero3", ()),
-    "zero3-grpo-lockstep": ("zero3", ("--generation.zero3_gather", "false")),
-    "ddp-grpo-real": (None, ()),
+    "zero3-grpo-real": ("grpo", "zero3", ()),
+    "zero3-grpo-lockstep": ("grpo", "zero3", ("--generation.zero3_gather", "false")),
+    "ddp-grpo-real": ("grpo", None, ()),
+    "zero3-ppo-real": ("ppo", "zero3", ()),
+    "zero3-ppo-lockstep": ("ppo", "zero3", ("--generation.zero3_gather", "false")),
+    "ddp-ppo-real": ("ppo", None, ()),
 }
-"""GRPO sampling with the policy itself on the two ranks (not scripted), a policy that ends its
-completions often (tests/tinymodels.py `make_eos_prone`), so the ranks finish sampling at different
-steps: under ZeRO-3 the policy's partitions are gathered once per rollout and Relay's decode engine
-samples on each rank alone, as under DDP; with generation.zero3_gather false every rank's forwards
-gather the partitioned weights, so a rank that is done keeps stepping until all are (`synced_gpus`,
-the hf sampler). The same prompts and RNG streams give the same completions and figures."""
-SAMPLERS = {"zero3-grpo-real": "RelayGenerator", "zero3-grpo-lockstep": "HFGenerator"}
+"""GRPO's and PPO's sampling with the policy itself on the two ranks (not scripted; PPO scored by
+tests/distrun.py's scripted reward), a policy that ends its completions often (tests/tinymodels.py
+`make_eos_prone`), so the ranks finish sampling at different steps: under ZeRO-3 the policy's
+partitions are gathered once per rollout and Relay's decode engine samples on each rank alone, as
+under DDP; with generation.zero3_gather false every rank's forwards gather the partitioned weights,
+so a rank that is done keeps stepping until all are (`synced_gpus`, the hf sampler; PPO's policy is
+a module of its actor-critic, whose other parts stay partitioned). The same prompts and RNG streams
+give the same completions and figures: name -> (stage, DeepSpeed config or None for DDP, flags)."""
+SAMPLERS = {
+    "zero3-grpo-real": "RelayGenerator",
+    "zero3-grpo-lockstep": "HFGenerator",
+    "zero3-ppo-real": "RelayGenerator",
+    "zero3-ppo-lockstep": "HFGenerator",
+}
 """The ZeRO-3 sampled runs -> the sampler each ran (DDP's: RelayGenerator)."""
+LENGTH = {"grpo": "grpo/completion_length", "ppo": "ppo/response_length"}
+"""Each sampled stage's mean completion length."""
 JUDGED = ("grpo/reward/judge", "judge/requests", "judge/cache_hits", "judge/failures")
 """The LLM judge's figures (the sampled runs score with a stub judge too, tests/judgestub.py): every
 rank's requests, summed."""
@@ -178,15 +191,13 @@ def launches(setup, eos_prone, judge_stub):  # noqa: F811  (the fixture imported
     for name, ref in ZERO.items():
         flags = deepspeed(name.split("-")[0])
         runs.append({"stage": REFERENCES[ref][0], "argv": argv(ref, 2, root / "zero" / name, setup) + flags})
-    for name, (config, options) in SAMPLED.items():
+    for name, (stage, config, options) in SAMPLED.items():
         flags = [*(deepspeed(config) if config else ["--distributed.engine", "ddp"]), *options]
-        args = with_values(
-            argv("grpo", 2, root / "zero" / name, setup),
-            model__path=str(eos_prone),
-            data__eval=f"[{held_out}]",
-            train__eval_steps="2",
-        )
-        runs.append({"stage": "grpo", "sampler": "real", "argv": args + flags + judge_flags(judge_stub.url, 2)})
+        args = with_values(argv(stage, 2, root / "zero" / name, setup), model__path=str(eos_prone))
+        if stage == "grpo":  # held-out prompts and a judge too
+            args = with_values(args, data__eval=f"[{held_out}]", train__eval_steps="2")
+            flags += judge_flags(judge_stub.url, 2)
+        runs.append({"stage": stage, "sampler": "real", "argv": args + flags})
     launch(runs, root / "zero", 2, torchrun=True)
     return root
 
@@ -245,28 +256,32 @@ def test_two_zero_ranks_equal_one_process(name, launches):
 
 
 @pytest.mark.parametrize("name", list(SAMPLERS))
-def test_grpo_sampling_under_zero3_equals_ddp(name, launches, judge_stub):  # noqa: F811  (the fixture imported from judgestub)
+def test_sampling_under_zero3_equals_ddp(name, launches, judge_stub):  # noqa: F811  (the fixture imported from judgestub)
     """The policy samples its own completions on two ranks, ending them at different lengths:
     under ZeRO-3, with the policy gathered for each rollout (Relay's decode engine on each rank
     alone) or without (generation.zero3_gather false: each rank's forwards gather the partitioned
     weights and the hf sampler steps every rank until all are done), the completions, rewards,
-    updates and merged weights are DDP's (Relay's decode engine). Stale or partitioned weights in the
-    gathered sampler would part the completions; hooks left off after it, the updates."""
-    got_dir, want_dir = launches / "zero" / name, launches / "zero" / "ddp-grpo-real"
+    updates and merged weights are DDP's (Relay's decode engine), for GRPO and PPO. Stale or
+    partitioned weights in the sampler would part the completions; hooks left off after it, the
+    updates."""
+    stage = SAMPLED[name][0]
+    got_dir, want_dir = launches / "zero" / name, launches / "zero" / f"ddp-{stage}-real"
     got, want = history(got_dir), history(want_dir)
     assert len(got) == len(want) == STEPS
-    assert [s["grpo/completion_length"] for s in got] == [s["grpo/completion_length"] for s in want]
-    assert got[0]["grpo/completion_length"] < 3  # the first step's completions ended early, at different lengths
+    length = LENGTH[stage]
+    assert [s[length] for s in got] == [s[length] for s in want]
+    assert got[0][length] < 3  # the first step's completions ended early, at different lengths
     samplers = [json.loads((d / "history-rank0.json").read_text())["sampler"] for d in (got_dir, want_dir)]
     assert samplers == [SAMPLERS[name], "RelayGenerator"]
-    # the held-out prompts (5 on two ranks: one samples a padding batch), at steps 0 and 2
-    evals = [json.loads((d / "history-rank0.json").read_text())["evals"] for d in (got_dir, want_dir)]
-    assert [e["step"] for e in evals[0]] == [0, 2] and len(evals[0]) == len(evals[1])
-    for mine, reference in zip(*evals):
-        assert mine == pytest.approx(reference, rel=REL, abs=ABS)
-    for key in KEYS["grpo"] + JUDGED:
+    for key in KEYS[stage] + (JUDGED if stage == "grpo" else ()):
         assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=REL, abs=ABS), key
-    assert sum(s["judge/requests"] for s in want) > 0 and judge_stub.max_in_flight <= 2
+    if stage == "grpo":
+        # the held-out prompts (5 on two ranks: one samples a padding batch), at steps 0 and 2
+        evals = [json.loads((d / "history-rank0.json").read_text())["evals"] for d in (got_dir, want_dir)]
+        assert [e["step"] for e in evals[0]] == [0, 2] and len(evals[0]) == len(evals[1])
+        for mine, reference in zip(*evals):
+            assert mine == pytest.approx(reference, rel=REL, abs=ABS)
+        assert sum(s["judge/requests"] for s in want) > 0 and judge_stub.max_in_flight <= 2
     assert_whole_and_equal(
         tensors(got_dir / "adapter", "*.safetensors"), tensors(want_dir / "adapter", "*.safetensors"), TRAINED_ABS
     )
