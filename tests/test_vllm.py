@@ -240,16 +240,23 @@ SERVE_KEY = "sk-relay-vllm-0123456789"
 
 
 @pytest.fixture(scope="module")
-def serve_process(vllm_tiny, tmp_path_factory):
+def serve_tmp(tmp_path_factory):
+    """The temporary folder `relay serve` runs with (`serve_process`)."""
+    return tmp_path_factory.mktemp("serve-tmp")
+
+
+@pytest.fixture(scope="module")
+def serve_process(vllm_tiny, serve_tmp, tmp_path_factory):
     """(process, its engine processes, base URL) of `relay serve --backend vllm --eager` with
     SERVE_KEY (from RELAY_API_KEY) on a free port (eager: on a CPU a compiled start takes ~20 s
-    more here, its compile cache never loading back). The last test on it signals it
-    (test_sigterm_to_relay_serve_stops_the_engine); whatever is left is killed in teardown."""
+    more here, its compile cache never loading back), TMPDIR `serve_tmp`. The last test on it
+    signals it (test_sigterm_to_relay_serve_stops_the_engine); whatever is left is killed in teardown."""
     from test_vllm_serve import alive, start_serve
 
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-log") / "serve.log"
-    proc, engine = start_serve(vllm_tiny, port, log, {**os.environ, "RELAY_API_KEY": SERVE_KEY}, ("--eager",))
+    env = {**os.environ, "RELAY_API_KEY": SERVE_KEY, "TMPDIR": str(serve_tmp)}
+    proc, engine = start_serve(vllm_tiny, port, log, env, ("--eager",))
     try:
         yield proc, engine, f"http://127.0.0.1:{port}"
     finally:
@@ -401,13 +408,16 @@ def test_serve_vllm_refuses_the_roles_relays_server_refuses(serve_process, serve
         )
 
 
-def test_sigterm_to_relay_serve_stops_the_engine(serve_process):
+def test_sigterm_to_relay_serve_stops_the_engine(serve_process, serve_tmp):
     """Last on `serve_process` (it stops it): SIGTERM to `relay serve` alone leaves no engine
-    process (vLLM's server, its engine core, its resource tracker) and a free port."""
+    process (vLLM's server, its engine core, its resource tracker), a free port, and nothing in
+    the temporary folder but torch's compile cache (vLLM's IPC sockets and rendezvous file went
+    into a folder of the server's own, now removed)."""
     from test_vllm_serve import assert_stopped_with_its_parent
 
     proc, engine, base = serve_process
     assert_stopped_with_its_parent(proc, engine, int(base.rsplit(":", 1)[1]), signal.SIGTERM)
+    assert [p.name for p in serve_tmp.iterdir() if not p.name.startswith("torchinductor_")] == []
 
 
 # ------------------------------------------------------------------------------------------

@@ -281,3 +281,66 @@ def test_a_dead_engine_is_reported_with_its_logs_cause(tmp_path):
         f"; its log: {log} (last error: RuntimeError: Unsupported CPU attention configuration: head_dim=16)"
     ), dead.value
     assert str(bad.value).startswith("vLLM /bad: HTTP 400: ") and "its log" not in str(bad.value)
+
+
+LITTERING_ENGINE = """\
+#!{python}
+# Stands in for vLLM's server as to its temporary files: it leaves what vLLM 0.32.0 leaves in its
+# temporary folder at every start (the engine's IPC sockets, the rendezvous file), writes where
+# they went to --model's folder, and answers /health until stopped.
+import http.server, json, os, socket, sys, tempfile
+folder = sys.argv[sys.argv.index("--model") + 1]
+port = int(sys.argv[sys.argv.index("--port") + 1])
+tmp = tempfile.gettempdir()
+ipc = socket.socket(socket.AF_UNIX)
+ipc.bind(os.path.join(tmp, "0b0e5a1c-ipc"))
+open(os.path.join(tmp, "vllm_dist_0123abcd"), "w").write("store")
+where = {{"tmp": tmp, "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}}
+json.dump(where, open(os.path.join(folder, "where.json"), "w"))
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("ends", ["stopped", "by itself"])
+def test_a_server_leaves_no_temporary_files_and_keeps_the_compile_cache(tmp_path, monkeypatch, ends):
+    """vLLM leaves its engine's IPC sockets and a rendezvous file in its temporary folder at every
+    start: a server's temporary folder is its own, removed when it ends (stopped, or exited by itself
+    and then stopped), while torch's compile cache stays where the server would have kept it
+    (torch's own `default_cache_dir` under the user's temporary folder) so that what it compiled
+    loads back at the next start."""
+    import json
+    import tempfile
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from pipeline.modeling.vllm_server import ServerOptions, VLLMServer
+
+    user_tmp = tmp_path / "tmp"
+    user_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(user_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # Python reads TMPDIR again
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    fake, model = tmp_path / "python", tmp_path / "model"
+    fake.write_text(LITTERING_ENGINE.format(python=sys.executable))
+    fake.chmod(0o755)
+    model.mkdir()
+    server = VLLMServer(str(model), ServerOptions(name="m"), python=str(fake), start_timeout=60).start()
+    try:
+        where = json.loads((model / "where.json").read_text())
+        assert Path(where["tmp"]).parent == user_tmp and sorted(os.listdir(where["tmp"])) == [
+            "0b0e5a1c-ipc",
+            "vllm_dist_0123abcd",
+        ]
+        assert where["inductor"] == default_cache_dir() == str(user_tmp / Path(default_cache_dir()).name)
+        if ends == "by itself":
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()
+    finally:
+        server.stop()
+    assert os.listdir(user_tmp) == []

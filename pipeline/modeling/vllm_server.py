@@ -25,20 +25,25 @@ programs' secrets and torchrun's rank variables stay out.
 The server dies with the process that started it (`launch`): its own process group, stopped
 whole (`stop_group`), and on Linux PR_SET_PDEATHSIG, so a parent killed outright (SIGKILL, a
 crash) still takes it down: vLLM stops its children (engine core, resource tracker) on SIGTERM.
+Its temporary files (the engine's IPC sockets, its process group's rendezvous file) go to a folder
+of its own, removed when it is stopped; torch's compile cache stays where it was (`launch`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import getpass
 import importlib.util
 import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -247,10 +252,56 @@ def _die_with_parent():
     return preexec
 
 
-def launch(cmd: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
+class ServerProcess(subprocess.Popen):
+    """A server's process (`launch`) with its temporary folder (`scratch`), which `stop_group` removes."""
+
+    scratch: Optional[str] = None
+
+
+def temp_root(env: Mapping[str, str]) -> str:
+    """The temporary folder a process started with `env` would use (Python's `tempfile` order:
+    TMPDIR, TEMP, TMP, then this process's own choice)."""
+    for name in ("TMPDIR", "TEMP", "TMP"):
+        if env.get(name) and os.path.isdir(env[name]):
+            return env[name]
+    return tempfile.gettempdir()
+
+
+def inductor_cache_dir(root: str) -> str:
+    """torch's default compile cache folder under the temporary folder `root`
+    (torch/_inductor/runtime/cache_dir_utils.py `default_cache_dir`)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(root, "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def launch(cmd: list[str], env: dict[str, str], **popen) -> ServerProcess:
     """Start `cmd` in a process group of its own (`stop_group` stops it whole; a Ctrl-C at the
-    terminal reaches the parent only, which stops it) that dies with this process (`_die_with_parent`)."""
-    return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent(), **popen)
+    terminal reaches the parent only, which stops it) that dies with this process (`_die_with_parent`),
+    with a temporary folder of its own (vLLM leaves its engine's IPC sockets and a rendezvous file
+    in it at every start; a parent killed outright leaves the folder behind), torch's compile cache
+    kept where it was (TORCHINDUCTOR_CACHE_DIR unless set: a GPU server's compiled kernels, a CPU
+    server's sampler helper, load back at the next start)."""
+    root = temp_root(env)
+    scratch = tempfile.mkdtemp(prefix="relay-vllm-", dir=root)
+    env = {**env, "TMPDIR": scratch, "TEMP": scratch, "TMP": scratch}
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir(root))
+    try:
+        proc = ServerProcess(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent(), **popen)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    proc.scratch = scratch
+    return proc
+
+
+def discard_scratch(proc: subprocess.Popen) -> None:
+    """Remove the temporary folder of `proc` (`launch`), once its group has ended."""
+    scratch = getattr(proc, "scratch", None)
+    if scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def group_alive(pgid: int) -> bool:
@@ -274,7 +325,8 @@ def group_alive(pgid: int) -> bool:
 
 def stop_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
     """Stop `proc`'s process group (`launch`): SIGTERM, `grace` seconds for it and its children
-    to exit (vLLM's resource tracker cleans up after the server), then SIGKILL to whatever is left."""
+    to exit (vLLM's resource tracker cleans up after the server), then SIGKILL to whatever is left;
+    then its temporary folder goes."""
     pgid = proc.pid
     try:
         os.killpg(pgid, signal.SIGTERM)
@@ -292,6 +344,7 @@ def stop_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+    discard_scratch(proc)
 
 
 class VLLMServer:
@@ -340,6 +393,7 @@ class VLLMServer:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()
                 raise VLLMError(
                     f"the vLLM server on {self.folder} exited with code {self.proc.returncode} while starting"
                     + self.where()
@@ -355,9 +409,12 @@ class VLLMServer:
         raise VLLMError(f"the vLLM server on {self.folder} did not answer within {self.start_timeout:.0f} s")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        stop_group(self.proc)
+        if self.proc.poll() is None:
+            stop_group(self.proc)
+        else:  # it ended by itself (vLLM stops its children as it exits)
+            discard_scratch(self.proc)
 
     def __enter__(self) -> "VLLMServer":
         return self.start()
