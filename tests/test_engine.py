@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,7 @@ def test_backends_load_only_when_the_config_asks(tmp_path, tiny_model_dir):
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONPATH": str(ROOT),
+            "TMPDIR": tempfile.gettempdir(),  # the run's (torch makes its compile cache folder there at import)
         },
     )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -240,9 +242,13 @@ SERVE_KEY = "sk-relay-vllm-0123456789"
 
 
 @pytest.fixture(scope="module")
-def serve_tmp(tmp_path_factory):
-    """The temporary folder `relay serve` runs with (`serve_process`)."""
-    return tmp_path_factory.mktemp("serve-tmp")
+def serve_tmp():
+    """The temporary folder `relay serve` runs with (`serve_process`): a short one, as a user's is
+    (pytest's are too deep for vLLM's socket paths in a folder of their own, which then go to /tmp:
+    tests/test_vllm_serve.py)."""
+    folder = Path(tempfile.mkdtemp(prefix="serve-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -307,22 +307,25 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
 
 
-@pytest.mark.parametrize("ends", ["stopped", "by itself"])
-def test_a_server_leaves_no_temporary_files_and_keeps_the_compile_cache(tmp_path, monkeypatch, ends):
+@pytest.mark.parametrize("tmpdir,ends", [("short", "stopped"), ("short", "by itself"), ("deep", "stopped")])
+def test_a_server_leaves_no_temporary_files_and_keeps_the_compile_cache(tmp_path, monkeypatch, tmpdir, ends):
     """vLLM leaves its engine's IPC sockets and a rendezvous file in its temporary folder at every
     start: a server's temporary folder is its own, removed when it ends (stopped, or exited by itself
-    and then stopped), while torch's compile cache stays where the server would have kept it
-    (torch's own `default_cache_dir` under the user's temporary folder) so that what it compiled
-    loads back at the next start."""
+    and then stopped), under the user's TMPDIR, or under SHORT_ROOT where a socket's path under the
+    user's would pass the 107 bytes a Unix socket's path may have; torch's compile cache stays where
+    the server would have kept it (torch's own `default_cache_dir` under the user's TMPDIR) so that
+    what it compiled loads back at the next start."""
     import json
+    import shutil
     import tempfile
 
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from pipeline.modeling.vllm_server import ServerOptions, VLLMServer
+    from pipeline.modeling.vllm_server import SCRATCH_PREFIX, SHORT_ROOT, ServerOptions, VLLMServer
 
-    user_tmp = tmp_path / "tmp"
-    user_tmp.mkdir()
+    user_tmp = Path(tempfile.mkdtemp(prefix="t-")) if tmpdir == "short" else tmp_path / ("deep" * 16)
+    user_tmp.mkdir(exist_ok=True)
+    before = set(os.listdir(SHORT_ROOT))
     monkeypatch.setenv("TMPDIR", str(user_tmp))
     monkeypatch.setattr(tempfile, "tempdir", None)  # Python reads TMPDIR again
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -330,17 +333,22 @@ def test_a_server_leaves_no_temporary_files_and_keeps_the_compile_cache(tmp_path
     fake.write_text(LITTERING_ENGINE.format(python=sys.executable))
     fake.chmod(0o755)
     model.mkdir()
-    server = VLLMServer(str(model), ServerOptions(name="m"), python=str(fake), start_timeout=60).start()
     try:
-        where = json.loads((model / "where.json").read_text())
-        assert Path(where["tmp"]).parent == user_tmp and sorted(os.listdir(where["tmp"])) == [
-            "0b0e5a1c-ipc",
-            "vllm_dist_0123abcd",
-        ]
-        assert where["inductor"] == default_cache_dir() == str(user_tmp / Path(default_cache_dir()).name)
-        if ends == "by itself":
-            os.killpg(server.proc.pid, signal.SIGKILL)
-            server.proc.wait()
+        server = VLLMServer(str(model), ServerOptions(name="m"), python=str(fake), start_timeout=60).start()
+        try:
+            where = json.loads((model / "where.json").read_text())
+            scratch = Path(where["tmp"])
+            assert scratch.parent == (user_tmp if tmpdir == "short" else Path(SHORT_ROOT))
+            assert scratch.name.startswith(SCRATCH_PREFIX)
+            assert sorted(os.listdir(scratch)) == ["0b0e5a1c-ipc", "vllm_dist_0123abcd"]
+            assert where["inductor"] == default_cache_dir() == str(user_tmp / Path(default_cache_dir()).name)
+            if ends == "by itself":
+                os.killpg(server.proc.pid, signal.SIGKILL)
+                server.proc.wait()
+        finally:
+            server.stop()
+        assert os.listdir(user_tmp) == [] and not scratch.exists()
+        assert {n for n in set(os.listdir(SHORT_ROOT)) - before if n.startswith(SCRATCH_PREFIX)} == set()
     finally:
-        server.stop()
-    assert os.listdir(user_tmp) == []
+        if tmpdir == "short":
+            shutil.rmtree(user_tmp, ignore_errors=True)

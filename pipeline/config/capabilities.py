@@ -270,6 +270,8 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("ppo", "lora", "zero3"): (
         f"{GPU}::test_ppo_under_zero3_equals_one_gpu",
         f"{ZRANKS}[zero3-ppo]",
+        f"{ZC}::test_sampling_under_zero3_equals_ddp[zero3-ppo-real]",
+        f"{ZC}::test_sampling_under_zero3_equals_ddp[zero3-ppo-lockstep]",
     ),
     _policy("ppo", "full", "single"): ("tests/test_ppo.py::test_reference_and_reward_weights_unchanged[full]",),
     _policy("ppo", "full", "ddp"): (f"{DS}::test_two_ranks_equal_one_process[ddp-ppo-1-full]",),
@@ -292,8 +294,8 @@ TESTS: dict[Cell, tuple[str, ...]] = {
     _policy("grpo", "lora", "zero3"): (
         f"{ZRANKS}[zero3-grpo]",
         f"{ZRANKS}[zero3_offload-grpo-rm]",
-        f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp[zero3-grpo-real]",
-        f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp[zero3-grpo-lockstep]",
+        f"{ZC}::test_sampling_under_zero3_equals_ddp[zero3-grpo-real]",
+        f"{ZC}::test_sampling_under_zero3_equals_ddp[zero3-grpo-lockstep]",
     ),
     _policy("grpo", "full", "single"): ("tests/test_grpo.py::test_beta_zero_runs_no_reference_forward[full]",),
     _policy("grpo", "qlora", "single"): (f"{CELLS}::test_qlora_trains_the_adapter_of_every_stage[grpo]",),
@@ -424,8 +426,8 @@ JUDGE_TESTS: dict[tuple[str, str, str], tuple[str, ...]] = {
         )
     },
     ("grpo", "off", "zero3"): (
-        f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp[zero3-grpo-real]",
-        f"{ZC}::test_grpo_sampling_under_zero3_equals_ddp[zero3-grpo-lockstep]",
+        f"{ZC}::test_sampling_under_zero3_equals_ddp[zero3-grpo-real]",
+        f"{ZC}::test_sampling_under_zero3_equals_ddp[zero3-grpo-lockstep]",
     ),
 }
 """The LLM judge reward (a stage config's `judge:` section, pipeline/algorithms/judge.py) by stage x

@@ -267,6 +267,24 @@ def temp_root(env: Mapping[str, str]) -> str:
     return tempfile.gettempdir()
 
 
+SCRATCH_PREFIX = "relay-vllm-"
+SOCKET_PATH_MAX = 107
+"""The longest Unix socket path (sockaddr_un.sun_path less its NUL, Linux)."""
+SOCKET_NAME = 36
+"""vLLM's IPC socket names (a uuid4), in its temporary folder."""
+SHORT_ROOT = "/tmp"
+"""Where a server's temporary folder goes when the user's temporary folder is too deep for its sockets."""
+
+
+def scratch_parent(root: str) -> str:
+    """`root`, or SHORT_ROOT where a folder in `root` would make vLLM's socket paths too long
+    (then `root` itself where SHORT_ROOT is missing: vLLM says why it cannot start)."""
+    longest = len(os.path.join(root, SCRATCH_PREFIX + "x" * 8, "x" * SOCKET_NAME))
+    if longest <= SOCKET_PATH_MAX or not os.access(SHORT_ROOT, os.W_OK):
+        return root
+    return SHORT_ROOT
+
+
 def inductor_cache_dir(root: str) -> str:
     """torch's default compile cache folder under the temporary folder `root`
     (torch/_inductor/runtime/cache_dir_utils.py `default_cache_dir`)."""
@@ -281,11 +299,12 @@ def launch(cmd: list[str], env: dict[str, str], **popen) -> ServerProcess:
     """Start `cmd` in a process group of its own (`stop_group` stops it whole; a Ctrl-C at the
     terminal reaches the parent only, which stops it) that dies with this process (`_die_with_parent`),
     with a temporary folder of its own (vLLM leaves its engine's IPC sockets and a rendezvous file
-    in it at every start; a parent killed outright leaves the folder behind), torch's compile cache
-    kept where it was (TORCHINDUCTOR_CACHE_DIR unless set: a GPU server's compiled kernels, a CPU
-    server's sampler helper, load back at the next start)."""
+    in it at every start; a parent killed outright leaves the folder behind; under SHORT_ROOT where
+    the user's is too deep for a socket's path, `scratch_parent`), torch's compile cache kept where
+    it was (TORCHINDUCTOR_CACHE_DIR unless set: a GPU server's compiled kernels, a CPU server's
+    sampler helper, load back at the next start)."""
     root = temp_root(env)
-    scratch = tempfile.mkdtemp(prefix="relay-vllm-", dir=root)
+    scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=scratch_parent(root))
     env = {**env, "TMPDIR": scratch, "TEMP": scratch, "TMP": scratch}
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir(root))
     try:
