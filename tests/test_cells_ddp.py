@@ -18,7 +18,9 @@ with LoRA and full weights under DDP, FSDP2, ZeRO-2 and ZeRO-3, with QLoRA under
 own sampler, draws at every sampling
 call what Relay's engine draws on the same ranks from the same policy and RNG state (tests/cells_distrun.py
 `paired_hf`; its sampler is real, so its rollouts depend on each rank's RNG stream, and it is not compared with
-one process; stale weights in either sampler would part them at step 2).
+one process; stale weights in either sampler would part them at step 2). Distill's student sampling
+itself under ZeRO-3 in lockstep (`generation.zero3_gather` false) equals its sampling under DDP
+(`LOCKSTEP_PAIR`).
 SFT holds out samples: a held-out evaluation under full-weight FSDP left the root unit gathered and the
 checkpoint after it failed (pipeline/engine/fsdp.py optimizer_state). SFT, DPO, KTO, RM and GRPO hold out 5
 samples, which two ranks of 2-sample batches split unevenly: their eval figures equal one process's (the
@@ -194,6 +196,13 @@ HF_CASES = [(engine, stage, adapter, tools) for engine, adapter, tools in HF_ON_
 """(engine, stage, adapter, tools): the hf backend's runs, each sampling call checked against the relay
 backend's on the same ranks (tests/cells_distrun.py `paired_hf`); with tools after a fixed first call
 (tests/tool_distrun.py `ForcedFirstCall`); distill's student (it has no tools)."""
+
+
+LOCKSTEP_PAIR = {"ddp": (), "zero3": ("--generation.zero3_gather", "false")}
+"""Distillation's student sampling itself on the two ranks (its own sampler, not scripted): under DDP
+(Relay's decode engine) and under ZeRO-3 with the policy left partitioned (`generation.zero3_gather`
+false: every forward gathers it, the ranks step in lockstep with transformers' generate). The same
+prompts and RNG streams give the same completions, so the two runs' figures and weights agree."""
 
 
 def hf_name(stage: str, adapter: str, tools: str) -> str:
@@ -381,6 +390,10 @@ def launches(module_folder, tiny_model_dir, tiny_reward_dir, judge_stub):  # noq
     flags = ["--grpo.dynamic_sampling", "true", "--grpo.max_generation_batches", "4", "--distributed.engine", "ddp"]
     flags += ["--generation.missing_eos_penalty", "null"]  # else an odd prompt's group may differ in its penalty
     ranks.append({"stage": "grpo", "argv": dynamic + flags})
+    for engine, options in LOCKSTEP_PAIR.items():  # the student samples itself at every step (lmbda 1)
+        args = argv("distill-lora", WORLD, root / engine / "distill-sampled", data, tiny_model_dir, tiny_reward_dir)
+        args = with_value(args, "--distill.lmbda", "1") + ENGINE_FLAGS[engine] + list(options)
+        ranks.append({"stage": "distill", "sampler": "real", "argv": args})
     launch(ranks, root / "ranks", WORLD)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs
@@ -433,6 +446,20 @@ def test_two_ranks_equal_one_process(engine, name, launches, tiny_model_dir):
     merged = merged_weights(two)
     assert all(merged[k].shape == base[k].shape for k in merged if k in base)  # whole weights, not shards
     assert any(not torch.equal(merged[k], base[k]) for k in merged if k in base)  # training moved them
+
+
+def test_distill_samples_under_zero3_in_lockstep_as_under_ddp(launches):
+    """`LOCKSTEP_PAIR`: per step every figure (the KL to the teacher, the completions' length), and
+    the merged student, of ZeRO-3 sampling in lockstep equal DDP's; each ran the sampler it says.
+    (The tiny student seldom ends early, so its ranks finish together: ranks that finish apart are
+    GRPO's and PPO's, tests/test_zero_cpu.py.)"""
+    runs = [launches / engine / "distill-sampled" for engine in LOCKSTEP_PAIR]
+    samplers = [json.loads((run / "history-rank0.json").read_text())["sampler"] for run in runs]
+    assert samplers == ["RelayGenerator", "HFGenerator"]
+    want, got = (history(run) for run in runs)
+    assert len(got) == len(want) == 2 and [s["distill/on_policy"] for s in got] == [1.0, 1.0]
+    assert_same(got, want, DISTILL_KEYS)
+    assert_same_weights(runs[1], runs[0], "lora")
 
 
 def test_dynamic_sampling_over_two_ranks_keeps_informative_groups_and_counts_every_ranks(launches):

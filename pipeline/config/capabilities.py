@@ -384,6 +384,10 @@ for (_stage, _tools), _node in VLLM_TESTS.items():
         TESTS[_cell] = (VLLM_RESUMED,) if _resumed else (f"{_node}[{_adapter}-{_correction}]",)
 for _adapter in ADAPTERS:
     TESTS[_distill(_adapter, "single", "vllm")] = (f"{VLLM}::test_distill_samples_the_student_on_vllm[{_adapter}]",)
+# the student sampling itself under ZeRO-3 in lockstep (generation.zero3_gather false) as under DDP
+TESTS[_distill("lora", "zero3")] += (
+    "tests/test_cells_ddp.py::test_distill_samples_under_zero3_in_lockstep_as_under_ddp",
+)
 for _stage, _correction in itertools.product(("ppo", "grpo"), ("auto", "none", "mis")):
     _name = "tis" if _correction == "auto" else _correction
     TESTS[_policy(_stage, "qlora", "single", "vllm", "off", _name)] = (f"{VLLM_QLORA}[{_stage}-{_correction}]",)
