@@ -116,7 +116,20 @@ def assert_stopped_with_its_parent(
     assert port_free(port)
 
 
-FAKE_ENGINE = """\
+HEALTH_ON_PORT = """\
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+"""The stand-ins' last lines: GET /health answers 200 on `port` until the process is stopped."""
+
+
+FAKE_ENGINE = (
+    """\
 #!{python}
 # Stands in for vLLM's server: listens on --port, has a child of its own (vLLM's engine core)
 # that it stops on SIGTERM, and nothing else stops that child.
@@ -128,14 +141,9 @@ def stop(*_):
     child.wait()
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-    def log_message(self, *args):
-        pass
-http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
+    + HEALTH_ON_PORT
+)
 
 
 @pytest.fixture
@@ -283,7 +291,8 @@ def test_a_dead_engine_is_reported_with_its_logs_cause(tmp_path):
     assert str(bad.value).startswith("vLLM /bad: HTTP 400: ") and "its log" not in str(bad.value)
 
 
-LITTERING_ENGINE = """\
+LITTERING_ENGINE = (
+    """\
 #!{python}
 # Stands in for vLLM's server as to its temporary files: it leaves what vLLM 0.32.0 leaves in its
 # temporary folder at every start (the engine's IPC sockets, the rendezvous file), writes where
@@ -297,14 +306,9 @@ ipc.bind(os.path.join(tmp, "0b0e5a1c-ipc"))
 open(os.path.join(tmp, "vllm_dist_0123abcd"), "w").write("store")
 where = {{"tmp": tmp, "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}}
 json.dump(where, open(os.path.join(folder, "where.json"), "w"))
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-    def log_message(self, *args):
-        pass
-http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
+    + HEALTH_ON_PORT
+)
 
 
 @pytest.mark.parametrize("tmpdir,ends", [("short", "stopped"), ("short", "by itself"), ("deep", "stopped")])
