@@ -6,14 +6,19 @@ changes how a run that ends early reads. torchrun reports any worker that exits 
 its one line and saved a checkpoint); and a SIGTERM to torchrun itself (a preempted job) ends in
 a `SignalException` traceback after it forwarded the signal to the workers. Here both end with
 one line and the workers' exit code (143 for SIGTERM, 130 for SIGINT, as a single process
-exits), so a driver or a scheduler reads the same code with one process or many.
+exits), so a driver or a scheduler reads the same code with one process or many. Without
+`--log-dir`, torchrun's folder for the workers' logs (a `torchelastic_*` folder in TMPDIR, left
+behind at every launch) is removed after the run when it holds no file.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
 import sys
+import tempfile
 from typing import Optional, Sequence
 
 
@@ -27,12 +32,30 @@ def describe(exit_code: int) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    own_logs = not args.log_dir  # torchrun would make this folder itself and leave it
+    if own_logs:
+        args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+    try:
+        return _run(args, run)
+    finally:
+        if own_logs:
+            remove_if_no_file(args.log_dir)
+
+
+def remove_if_no_file(folder: str) -> None:
+    """Remove `folder` when nothing under it is a file (torchrun's empty per-rank folders)."""
+    if not any(files for _, _, files in os.walk(folder)):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run(args, run) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
         run(args)
     except ChildFailedError as err:
