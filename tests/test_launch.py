@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = [sys.executable, "-m", "pipeline.engine.launch", "--standalone", "--nproc_per_node", "2"]
+"""What `relay train --nproc 2` runs before the stage's script (tests/test_cli.py)."""
 SCRIPT = "import os, sys; sys.exit(int(os.environ['RANK']) * int(sys.argv[1]))"
 
 
@@ -22,16 +24,7 @@ def test_a_launch_leaves_nothing_in_tmpdir(tmp_path, code):
     script.write_text(SCRIPT)
     tmp.mkdir()
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.engine.launch",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(script),
-            str(code),
-        ],
+        [*LAUNCH, str(script), str(code)],
         cwd=ROOT,
         env={**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)},
         capture_output=True,
