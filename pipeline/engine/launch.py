@@ -32,7 +32,7 @@ def describe(exit_code: int) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -40,7 +40,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if own_logs:
         args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
     try:
-        return _run(args, run)
+        return _run(args)
     finally:
         if own_logs:
             remove_if_no_file(args.log_dir)
@@ -52,9 +52,11 @@ def remove_if_no_file(folder: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _run(args, run) -> int:
+def _run(args) -> int:
+    """torchrun's `run(args)`, its early ends as one line and the workers' exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
 
     try:
         run(args)
