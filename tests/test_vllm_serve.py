@@ -296,7 +296,7 @@ LITTERING_ENGINE = (
 #!{python}
 # Stands in for vLLM's server as to its temporary files: it leaves what vLLM 0.32.0 leaves in its
 # temporary folder at every start (the engine's IPC sockets, the rendezvous file), writes where
-# they went to --model's folder, and answers /health until stopped.
+# they went (and its process group) to --model's folder, and answers /health until stopped.
 import http.server, json, os, socket, sys, tempfile
 folder = sys.argv[sys.argv.index("--model") + 1]
 port = int(sys.argv[sys.argv.index("--port") + 1])
@@ -304,7 +304,7 @@ tmp = tempfile.gettempdir()
 ipc = socket.socket(socket.AF_UNIX)
 ipc.bind(os.path.join(tmp, "0b0e5a1c-ipc"))
 open(os.path.join(tmp, "vllm_dist_0123abcd"), "w").write("store")
-where = {{"tmp": tmp, "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}}
+where = {{"tmp": tmp, "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "group": os.getpgid(0)}}
 json.dump(where, open(os.path.join(folder, "where.json"), "w"))
 """
     + HEALTH_ON_PORT
@@ -325,7 +325,7 @@ def test_a_server_leaves_no_temporary_files_and_keeps_the_compile_cache(tmp_path
 
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from pipeline.modeling.vllm_server import SCRATCH_PREFIX, SHORT_ROOT, ServerOptions, VLLMServer
+    from pipeline.modeling.vllm_server import OWNER, SCRATCH_PREFIX, SHORT_ROOT, ServerOptions, VLLMServer
 
     # short: a folder in SHORT_ROOT, whatever TMPDIR the tests run with; deep: 64 more characters than pytest's
     user_tmp = Path(tempfile.mkdtemp(prefix="t-", dir=SHORT_ROOT)) if tmpdir == "short" else tmp_path / ("deep" * 16)
@@ -344,7 +344,7 @@ def test_a_server_leaves_no_temporary_files_and_keeps_the_compile_cache(tmp_path
             scratch = Path(where["tmp"])
             assert scratch.parent == (user_tmp if tmpdir == "short" else Path(SHORT_ROOT))
             assert scratch.name.startswith(SCRATCH_PREFIX)
-            assert sorted(os.listdir(scratch)) == ["0b0e5a1c-ipc", "vllm_dist_0123abcd"]
+            assert sorted(os.listdir(scratch)) == sorted([OWNER, "0b0e5a1c-ipc", "vllm_dist_0123abcd"])
             assert where["inductor"] == default_cache_dir() == str(user_tmp / Path(default_cache_dir()).name)
             if ends == "by itself":
                 os.killpg(server.proc.pid, signal.SIGKILL)
@@ -356,3 +356,72 @@ def test_a_server_leaves_no_temporary_files_and_keeps_the_compile_cache(tmp_path
     finally:
         if tmpdir == "short":
             shutil.rmtree(user_tmp, ignore_errors=True)
+
+
+PARENT = """\
+import sys, time
+from pipeline.modeling.vllm_server import ServerOptions, VLLMServer
+VLLMServer(sys.argv[1], ServerOptions(name="m"), python=sys.argv[2], start_timeout=60).start()
+print("up", flush=True)
+time.sleep(600)
+"""
+"""A process that starts a server (the stand-in) and waits to be killed."""
+
+
+def test_the_next_start_removes_the_folder_of_a_server_whose_parent_was_killed_outright(tmp_path, monkeypatch):
+    """A parent killed outright (SIGKILL: no stop runs) takes its server down (PR_SET_PDEATHSIG) but
+    leaves the server's temporary folder: the next server's start removes it, and keeps the folders
+    of a server still running, of one whose start has not named it yet, and of a process group in
+    another PID namespace (a container sharing /tmp)."""
+    import json
+    import shutil
+    import tempfile
+
+    from pipeline.modeling.vllm_server import OWNER, SHORT_ROOT, ServerOptions, VLLMServer, group_alive, pid_namespace
+
+    user_tmp = Path(tempfile.mkdtemp(prefix="t-", dir=SHORT_ROOT))
+    monkeypatch.setenv("TMPDIR", str(user_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    fake, first, second = tmp_path / "python", tmp_path / "first", tmp_path / "second"
+    fake.write_text(LITTERING_ENGINE.format(python=sys.executable))
+    fake.chmod(0o755)
+    first.mkdir()
+    second.mkdir()
+    root = str(Path(__file__).resolve().parents[1])
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(first), str(fake)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": root},
+        start_new_session=True,
+    )
+    try:
+        assert parent.stdout.readline() == b"up\n"
+        where = json.loads((first / "where.json").read_text())
+        stale, pgid = Path(where["tmp"]), where["group"]
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_alive(pgid), "the server outlived its parent"
+        assert stale.is_dir() and "0b0e5a1c-ipc" in os.listdir(stale)  # what a killed parent leaves
+        kept = {
+            "relay-vllm-running": f"{os.getpgid(0)} {pid_namespace()}",
+            "relay-vllm-starting": None,
+            "relay-vllm-elsewhere": f"{pgid} pid:[1]",
+        }
+        for name, owner in kept.items():
+            (user_tmp / name).mkdir()
+            if owner is not None:
+                (user_tmp / name / OWNER).write_text(owner)
+        server = VLLMServer(str(second), ServerOptions(name="m"), python=str(fake), start_timeout=60).start()
+        try:
+            assert not stale.exists()
+            assert sorted(n for n in os.listdir(user_tmp) if n in kept) == sorted(kept)
+        finally:
+            server.stop()
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
+            parent.wait()
+        shutil.rmtree(user_tmp, ignore_errors=True)

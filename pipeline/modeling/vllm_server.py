@@ -26,7 +26,8 @@ The server dies with the process that started it (`launch`): its own process gro
 whole (`stop_group`), and on Linux PR_SET_PDEATHSIG, so a parent killed outright (SIGKILL, a
 crash) still takes it down: vLLM stops its children (engine core, resource tracker) on SIGTERM.
 Its temporary files (the engine's IPC sockets, its process group's rendezvous file) go to a folder
-of its own, removed when it is stopped; torch's compile cache stays where it was (`launch`).
+of its own, removed when it is stopped (or at the next start, where its parent was killed outright);
+torch's compile cache stays where it was (`launch`).
 """
 
 from __future__ import annotations
@@ -285,6 +286,36 @@ def scratch_parent(root: str) -> str:
     return SHORT_ROOT
 
 
+OWNER = ".relay-server"
+"""The file in a server's temporary folder that names its process group and PID namespace (`launch`)."""
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace ('' where unknown): a process group id means something only in it."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def discard_stale_scratch(parent: str) -> None:
+    """Remove the temporary folders (`launch`) in `parent` whose servers have ended without being
+    stopped (their parent killed outright: no `stop_group` ran): this user's, named by `OWNER` in
+    this PID namespace, whose process group has no process left. A folder of a server still
+    running, another user's or one not yet named is kept."""
+    here = pid_namespace()
+    for folder in Path(parent).glob(SCRATCH_PREFIX + "*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            group, namespace = (folder / OWNER).read_text().split(" ", 1)
+            pgid = int(group)
+        except (OSError, ValueError):
+            continue
+        if here and namespace == here and not group_alive(pgid):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def inductor_cache_dir(root: str) -> str:
     """torch's default compile cache folder under the temporary folder `root`
     (torch/_inductor/runtime/cache_dir_utils.py `default_cache_dir`)."""
@@ -299,12 +330,15 @@ def launch(cmd: list[str], env: dict[str, str], **popen) -> ServerProcess:
     """Start `cmd` in a process group of its own (`stop_group` stops it whole; a Ctrl-C at the
     terminal reaches the parent only, which stops it) that dies with this process (`_die_with_parent`),
     with a temporary folder of its own (vLLM leaves its engine's IPC sockets and a rendezvous file
-    in it at every start; a parent killed outright leaves the folder behind; under SHORT_ROOT where
-    the user's is too deep for a socket's path, `scratch_parent`), torch's compile cache kept where
-    it was (TORCHINDUCTOR_CACHE_DIR unless set: a GPU server's compiled kernels, a CPU server's
+    in it at every start; under SHORT_ROOT where the user's is too deep for a socket's path,
+    `scratch_parent`; the folder names its server's group, so that the next start removes it where
+    the server's parent was killed outright, `discard_stale_scratch`), torch's compile cache kept
+    where it was (TORCHINDUCTOR_CACHE_DIR unless set: a GPU server's compiled kernels, a CPU server's
     sampler helper, load back at the next start)."""
     root = temp_root(env)
-    scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=scratch_parent(root))
+    parent = scratch_parent(root)
+    discard_stale_scratch(parent)
+    scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=parent)
     env = {**env, "TMPDIR": scratch, "TEMP": scratch, "TMP": scratch}
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir(root))
     try:
@@ -313,6 +347,10 @@ def launch(cmd: list[str], env: dict[str, str], **popen) -> ServerProcess:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     proc.scratch = scratch
+    try:
+        (Path(scratch) / OWNER).write_text(f"{proc.pid} {pid_namespace()}")
+    except OSError:  # the folder stays unnamed: only its own stop removes it
+        pass
     return proc
 
 
