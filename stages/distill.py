@@ -65,8 +65,9 @@ from pipeline.rl.rollout import ActorCritic, Rollout, assemble_masked
 class DistillData(PromptDataConfig):
     train: list[str] = field(default_factory=lambda: ["data/sample/ppo/train.jsonl"])
     """Prompts the student samples on on-policy steps (any prompt format PPO and GRPO read)."""
-    eval: list[str] = field(default_factory=lambda: ["data/sample/ppo/valid.jsonl"])
-    """Held-out prompts for `eval/kl` (one sampled completion each)."""
+    eval: list[str] = field(default_factory=list)
+    """Held-out prompts for `eval/kl` (one sampled completion each). None by default
+    (data.eval_fraction carves them off `train`)."""
     completions: list[str] = field(default_factory=list)
     """SFT conversations for the off-policy steps (the share 1 - distill.lmbda): the dataset's own
     answers, every assistant turn scored against the teacher. Needed when lmbda < 1."""

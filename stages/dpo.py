@@ -64,8 +64,9 @@ log = logging.getLogger("relay.dpo")
 class DPOData(PreferenceDataConfig):
     train: list[str] = field(default_factory=lambda: ["data/sample/rm/train.jsonl"])
     """Preference pairs: {question, response_chosen, response_rejected}, {prompt, chosen, rejected} or chat lists."""
-    eval: list[str] = field(default_factory=lambda: ["data/sample/rm/valid.jsonl"])
-    """Held-out pairs for eval/loss, eval/accuracy, eval/margin and the eval rewards."""
+    eval: list[str] = field(default_factory=list)
+    """Held-out pairs for eval/loss, eval/accuracy, eval/margin and the eval rewards. None by default
+    (data.eval_fraction carves them off `train`)."""
 
 
 @dataclass

@@ -72,8 +72,9 @@ and counts the groups it dropped or topped up with, and the step's figure is the
 class GRPOData(PromptDataConfig):
     train: list[str] = field(default_factory=lambda: ["data/sample/ppo/train.jsonl"])
     """Prompt files (`{"prompt": ...}` or chat records whose last turn is the user's), as PPO's."""
-    eval: list[str] = field(default_factory=lambda: ["data/sample/ppo/valid.jsonl"])
-    """Held-out prompts for `eval/reward` (one sampled completion each)."""
+    eval: list[str] = field(default_factory=list)
+    """Held-out prompts for `eval/reward` (one sampled completion each). None by default
+    (data.eval_fraction carves them off `train`)."""
 
 
 @dataclass

@@ -56,8 +56,9 @@ log = logging.getLogger("relay.kto")
 class KTOData(ChatDataConfig):
     train: list[str] = field(default_factory=lambda: ["data/sample/rm/train.jsonl"])
     """Labelled answers ({prompt, completion, label}, {messages, label}) or preference pairs (unpaired)."""
-    eval: list[str] = field(default_factory=lambda: ["data/sample/rm/valid.jsonl"])
-    """Held-out samples for eval/loss, eval/margin and the eval rewards."""
+    eval: list[str] = field(default_factory=list)
+    """Held-out samples for eval/loss, eval/margin and the eval rewards. None by default
+    (data.eval_fraction carves them off `train`)."""
 
 
 @dataclass

@@ -66,8 +66,9 @@ log = logging.getLogger("relay.ppo")
 class PPOData(PromptDataConfig):
     train: list[str] = field(default_factory=lambda: ["data/sample/ppo/train.jsonl"])
     """Prompt files (`{"prompt": ...}` or chat records whose last turn is the user's)."""
-    eval: list[str] = field(default_factory=lambda: ["data/sample/ppo/valid.jsonl"])
-    """Held-out prompts for `eval/reward` and `eval/kl`."""
+    eval: list[str] = field(default_factory=list)
+    """Held-out prompts for `eval/reward` and `eval/kl`. None by default
+    (data.eval_fraction carves them off `train`)."""
 
 
 @dataclass

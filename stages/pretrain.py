@@ -46,8 +46,9 @@ log = logging.getLogger("relay.pretrain")
 class PTData(TextDataConfig):
     train: list[str] = field(default_factory=lambda: ["data/sample/pt/train.jsonl"])
     """Raw text: JSONL/JSON/Parquet records with `text_field`, or .txt files."""
-    eval: list[str] = field(default_factory=lambda: ["data/sample/pt/valid.jsonl"])
-    """Held-out text for eval/loss and eval/ppl."""
+    eval: list[str] = field(default_factory=list)
+    """Held-out text for eval/loss and eval/ppl. None by default
+    (data.eval_fraction carves them off `train`)."""
 
 
 @dataclass

@@ -56,8 +56,9 @@ log = logging.getLogger("relay.rm")
 class RMData(PreferenceDataConfig):
     train: list[str] = field(default_factory=lambda: ["data/sample/rm/train.jsonl"])
     """Preference pairs: {question, response_chosen, response_rejected}, {prompt, chosen, rejected} or chat lists."""
-    eval: list[str] = field(default_factory=lambda: ["data/sample/rm/valid.jsonl"])
-    """Held-out pairs for eval/accuracy, eval/margin and eval/loss."""
+    eval: list[str] = field(default_factory=list)
+    """Held-out pairs for eval/accuracy, eval/margin and eval/loss. None by default
+    (data.eval_fraction carves them off `train`)."""
 
 
 @dataclass

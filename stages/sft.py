@@ -46,8 +46,9 @@ log = logging.getLogger("relay.sft")
 class SFTData(ChatDataConfig):
     train: list[str] = field(default_factory=lambda: ["data/sample/sft/train"])
     """Training conversations: files, folders (one task per file or per `data_name`), globs."""
-    eval: list[str] = field(default_factory=lambda: ["data/sample/sft/valid"])
-    """Held-out conversations (tasks matched to the training tasks by name)."""
+    eval: list[str] = field(default_factory=list)
+    """Held-out conversations (tasks matched to the training tasks by name). None by default
+    (data.eval_fraction carves them off `train`)."""
 
 
 @dataclass

@@ -4,12 +4,14 @@ subcommand's --help works, help lists each key once under its section, TRL/HF ha
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import stages as registry
 from pipeline.config import ConfigError, load_config
 from pipeline.tools import cli
 from stages import script
@@ -191,3 +193,59 @@ def test_validate_pipeline_config_checks_the_base_model(tmp_path, capsys):
     assert f"  - base_model: {missing}: no such folder" in capsys.readouterr().err.splitlines()
     assert cli.main(["validate", str(REPO / "configs" / "pipeline.yaml")]) == 0
     assert "pipeline config OK" in capsys.readouterr().out
+
+
+def test_a_config_that_cannot_be_read_is_one_line_naming_its_file_and_line(tmp_path, capsys):
+    """Not UTF-8, a key given twice (YAML would keep the last: the first `train:`'s keys lost, here and
+    in an included file), a syntax error: one line each, naming the file and line, for `validate`
+    with and without --stage (the stage is read from the file first) and for `train`; a YAML merge
+    (<<) overridden beside it is no duplicate."""
+    bad = {
+        "binary.yaml": (b"\xff\xfeoutput_dir: x\n", "binary.yaml:1: not UTF-8 text (byte 0)"),
+        "twice.yaml": (b"output_dir: x\ntrain: {max_steps: 1}\ntrain: {batch_size: 2}\n", "twice.yaml:3: key 'train'"),
+        "syntax.yaml": (b"output_dir: x\ntrain: {max_steps: 1\n", "syntax.yaml:3: expected ',' or '}'"),
+        "outer.yaml": (b"lora: !include inner.yaml\n", "inner.yaml:2: key 'r' is given twice (lines 1 and 2)"),
+    }
+    (tmp_path / "inner.yaml").write_text("r: 8\nr: 9\n")
+    for name, (content, want) in bad.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        for argv in (["validate", str(path), "--stage", "rm"], ["validate", str(path)], ["train", str(path)]):
+            assert cli.main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert "Traceback" not in err and want in err, (argv, err)
+            assert len([line for line in err.splitlines() if want in line]) == 1
+    from pipeline.config.loading import read_yaml
+
+    (tmp_path / "m.yaml").write_text("a: &base {x: 1, y: 2}\nb:\n  <<: *base\n  x: 3\n")
+    assert read_yaml(tmp_path / "m.yaml") == {"a": {"x": 1, "y": 2}, "b": {"x": 3, "y": 2}}
+
+
+def test_an_empty_config_with_a_stage_loads_the_stages_defaults(tmp_path, capsys):
+    """An empty YAML (or one of comments only) sets nothing: the stage's defaults, not an AttributeError."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing set yet\n")
+    assert cli.main(["validate", str(empty), "--stage", "rm", "--output_dir", str(tmp_path / "out")]) == 0, (
+        capsys.readouterr().err
+    )
+    assert "rm config OK" in capsys.readouterr().out
+
+
+def test_without_data_eval_the_held_out_share_comes_from_the_users_training_data(tmp_path, monkeypatch, capsys):
+    """No stage holds out the bundled sample data by default: with only `data.train` and
+    `data.eval_fraction`, the held-out samples are carved off the user's training data (whatever the
+    working folder), and with neither there are none."""
+    import json
+
+    monkeypatch.chdir(tmp_path)  # the sample data's relative paths name nothing here
+    pairs = [{"prompt": f"q{i}", "chosen": f"yes {i}", "rejected": f"no {i}"} for i in range(40)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    config = tmp_path / "rm.yaml"
+    config.write_text(json.dumps({"output_dir": str(tmp_path / "out"), "data": {"train": [str(data)]}}))
+    assert cli.main(["validate", str(config), "--stage", "rm"]) == 0, capsys.readouterr().err
+    assert "; 40 training samples; outputs" in capsys.readouterr().out
+    assert cli.main(["validate", str(config), "--stage", "rm", "--data.eval_fraction", "0.25"]) == 0
+    counts = re.search(r"(\d+) training samples, (\d+) held-out", capsys.readouterr().out)
+    assert counts and int(counts[1]) + int(counts[2]) == 40 and int(counts[2]) > 0
+    for stage in registry.STAGES:
+        assert registry.config_class(stage)().data.eval == [], stage

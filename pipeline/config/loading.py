@@ -128,20 +128,67 @@ def _unknown_override(cls: type, dotted: str) -> Optional[str]:
     return None
 
 
+class ConfigLoader(SafeLoaderWithInclusion):
+    """draccus's YAML loader (`!include` relative to the including file, included files read by
+    this loader too) that refuses a key given twice in one mapping, which YAML would settle
+    silently by keeping the last (`train:` twice: the first one's keys lost)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[str, int] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # a merge (<<) may be overridden by the keys beside it: that is what it is for
+                line = key_node.start_mark.line + 1
+                if key_node.value in lines:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"key {key_node.value!r} is given twice (lines {lines[key_node.value]} and {line}); "
+                        "keep one: YAML would keep only the last",
+                        key_node.start_mark,
+                    )
+                lines[key_node.value] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def yaml_problem(path: Path, err: Exception) -> str:
+    """One line for a YAML config that cannot be read: the file and line where it breaks (an
+    included file's own name where the break is in it), and why."""
+    mark = getattr(err, "problem_mark", None)
+    if isinstance(err, yaml.MarkedYAMLError) and mark is not None:
+        name = mark.name if mark.name and not mark.name.startswith("<") else str(path)
+        context = f" ({err.context})" if err.context else ""
+        return f"{name}:{mark.line + 1}: {err.problem}{context}"
+    if isinstance(err, UnicodeDecodeError):
+        return f"{path}: a file it includes is not UTF-8 text"
+    return f"{path}: {err}".replace("\n", " ")
+
+
 def read_yaml(path: Union[str, Path]) -> dict:
-    """A YAML config with `!include` resolved relative to the including file.
+    """A YAML config with `!include` resolved relative to the including file, each key at most
+    once in a mapping (`ConfigLoader`).
 
     Raises:
-        ConfigError: the file is missing, is not YAML, or is not a mapping.
+        ConfigError: the file is missing, is not UTF-8 text or not YAML, gives a key twice, or is
+            not a mapping; one line naming the file (and line).
     """
     path = Path(path)
     if not path.is_file():
         raise ConfigError([f"{path}: no such config file"])
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.load(fh, Loader=SafeLoaderWithInclusion)
-    except (yaml.YAMLError, OSError) as err:
+        raw = path.read_bytes()
+        raw.decode("utf-8")
+    except OSError as err:
         raise ConfigError([f"{path}: {err}"]) from err
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ConfigError([f"{path}:{line}: not UTF-8 text (byte {err.start}); save the config as UTF-8"]) from err
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.load(fh, Loader=ConfigLoader)
+    except (yaml.YAMLError, OSError, UnicodeDecodeError) as err:
+        raise ConfigError([yaml_problem(path, err)]) from err
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -164,14 +211,14 @@ def load_config(cls: type[T], argv: Optional[Sequence[str]] = None, prog: Option
         raise SystemExit(0)
     config_path, override_keys, rest = _split_args(argv)
     problems: list[str] = []
-    if config_path is not None:
-        problems += [f"{config_path}: {p}" for p in unknown_keys(cls, read_yaml(config_path))]
+    data = {} if config_path is None else read_yaml(config_path)
+    problems += [f"{config_path}: {p}" for p in unknown_keys(cls, data)]
     problems += [p for p in (_unknown_override(cls, k) for k in override_keys) if p]
     if problems:
         raise ConfigError(problems)
     try:
         parser = _parser(cls)
-        parser.config_path = config_path
+        parser.config_path = config_path if data else None  # an empty file sets nothing (draccus reads it as None)
         cfg = parser.parse_args(rest)
     except SystemExit:
         raise

@@ -107,17 +107,12 @@ def stage_of_config(config: str, explicit: Optional[str] = None) -> str:
     path = Path(config)
     if not path.is_file():
         raise CLIError(f"{config}: no such config file")
-    text = path.read_text(encoding="utf-8")
-    import yaml
-
     try:
-        from draccus.parsers.yaml_loader import SafeLoaderWithInclusion
-
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.load(fh, Loader=SafeLoaderWithInclusion)
-    except (yaml.YAMLError, OSError) as err:
-        raise CLIError(f"{config}: {err}".replace("\n", " ")) from err
-    if isinstance(data, dict) and any(k in data for k in PIPELINE_KEYS):
+        data = read_yaml(path)
+    except ConfigError as err:
+        raise CLIError(err.problems[0]) from err
+    text = path.read_text(encoding="utf-8")
+    if any(k in data for k in PIPELINE_KEYS):
         raise CLIError(f"{config} is a pipeline config: run it with `relay pipeline {config}`")
     for line in text.splitlines():
         if not line.startswith("#"):
