@@ -166,11 +166,22 @@ def through_cache(builder: str, cfg, tokenizer, split: str, build: Callable[[Che
     )
 
 
+DROPS = ("dropped_overlong", "dropped_no_target", "dropped_identical", "skipped_bad")
+"""The counts of a build's stats that are samples left out of training: each is warned about."""
+
+
+def warn_drops(what: str, stats: dict, unit: str = "sample") -> None:
+    """One warning per kind of drop a build counted (DROPS), e.g. `sft train data: N sample(s)
+    dropped overlong`: no sample leaves the training data unsaid. `unit` names what is counted
+    (a pair for preference data)."""
+    for key in DROPS:
+        if stats.get(key):
+            log.warning("%s: %d %s(s) %s", what, stats[key], unit, key.replace("_", " "))
+
+
 def _log_stats(what: str, stats: dict) -> None:
     log.info("%s: %s", what, ", ".join(f"{k}={v}" for k, v in stats.items() if k != "overlong"))
-    for key in ("dropped_overlong", "dropped_no_target", "skipped_bad"):
-        if stats.get(key):
-            log.warning("%s: %d sample(s) %s", what, stats[key], key.replace("_", " "))
+    warn_drops(what, stats)
 
 
 def build_sft_data(
@@ -297,7 +308,7 @@ def build_preference_data(
     (tool_conversations: pairs with tools, calls or tool results on either side). Overlong pairs are dropped
     (truncation='drop') or lose their oldest prompt tokens (truncation='truncate', `fit_pair`);
     pairs whose answer alone is too long, or whose two sides are identical, are dropped. What was
-    cut and dropped is logged.
+    cut and dropped is logged, every drop as a warning (`warn_drops`).
 
     Raises:
         DataError: bad records (or pairs the template cannot render) with on_error='strict'.
@@ -322,6 +333,11 @@ def build_preference_data(
         len(built.samples),
         counts["dropped_overlong"],
         counts["identical"],
+    )
+    warn_drops(
+        f"rm {split} data",
+        {"dropped_overlong": counts["dropped_overlong"], "dropped_identical": counts["identical"]},
+        "pair",
     )
     if counts["truncated"]:
         log.warning(

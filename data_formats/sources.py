@@ -238,14 +238,36 @@ def _utf8_size(text: str, max_bytes: int) -> int:
     return len(text.encode("utf-8")) if 4 * len(text) > max_bytes else len(text)
 
 
+_JSON_SPACE = " \t\r\n"
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in _JSON_SPACE:
+        pos += 1
+    return pos
+
+
+def _syntax_error(path: Path, task: str, text: str, pos: int, what: str, after: str = "") -> RawRecord:
+    """The problem record of a JSON syntax error at `pos` of `text`: `what`, its line and column,
+    then `after`."""
+    err = json.JSONDecodeError(what, text, pos)
+    return RawRecord(str(path), err.lineno, task, error=f"invalid JSON: {err.msg} (column {err.colno}){after}")
+
+
 def _read_json(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
     """A JSON file holding one array of records (or one record). Each array element is decoded on
-    its own with raw_decode so that its line number is known."""
+    its own with raw_decode so that its line number is known; the array's own syntax (commas
+    between elements, its closing bracket, nothing after it) is checked as json.loads checks it.
+    The elements before a syntax error are yielded, then the error, and the rest of the file is
+    not read. A file of whitespace alone, or holding an empty array, is an empty file."""
     text = yield from _decoded(path, task)
     if text is None:
         return
     decoder = json.JSONDecoder()
-    pos = len(text) - len(text.lstrip())
+    pos = _skip_space(text, 0)
+    if pos == len(text):
+        yield RawRecord(str(path), 0, task, error="empty file (whitespace only)")
+        return
     if not text.startswith("[", pos):
         line = text.count("\n", 0, pos) + 1
         if _utf8_size(text, max_bytes) > max_bytes:
@@ -256,11 +278,20 @@ def _read_json(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
         except json.JSONDecodeError as err:
             yield RawRecord(str(path), err.lineno, task, error=f"invalid JSON: {err.msg} (column {err.colno})")
         return
-    pos += 1
+    pos = _skip_space(text, pos + 1)
+    if text.startswith("]", pos):
+        after = _skip_space(text, pos + 1)
+        if after < len(text):
+            yield _syntax_error(path, task, text, after, "text after the array's closing ']'")
+        else:
+            yield RawRecord(str(path), 0, task, error="empty file (an empty JSON array: no records)")
+        return
     while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
+        if pos >= len(text):
+            end = len(text.rstrip(_JSON_SPACE))
+            yield _syntax_error(
+                path, task, text, end, "the array has no closing ']'", "; the file ends there (cut off?)"
+            )
             return
         line = text.count("\n", 0, pos) + 1
         try:
@@ -278,7 +309,17 @@ def _read_json(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
             yield RawRecord(str(path), line, task, error=too_long(size, max_bytes))
         else:
             yield RawRecord(str(path), line, task, record=value, raw=text[pos:end])
-        pos = end
+        pos = _skip_space(text, end)
+        if text.startswith(",", pos):
+            pos = _skip_space(text, pos + 1)
+        elif text.startswith("]", pos):
+            after = _skip_space(text, pos + 1)
+            if after < len(text):
+                yield _syntax_error(path, task, text, after, "text after the array's closing ']'")
+            return
+        elif pos < len(text):
+            yield _syntax_error(path, task, text, pos, "Expecting ',' delimiter", "; rest of file not read")
+            return
 
 
 def _read_txt(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 from tqdm.auto import tqdm
 
 from data_formats.collate import IGNORE_INDEX
-from data_formats.datasets import split_records, through_cache
+from data_formats.datasets import split_records, through_cache, warn_drops
 from data_formats.render import Template, render_scored
 from data_formats.sources import Problem
 from data_formats.token_cache import Built, Check
@@ -198,6 +198,7 @@ def build_kto_data(
     if stats is not None:
         stats.update(built.info)
     log.info("kto %s data: %s", split, ", ".join(f"{k}={v}" for k, v in built.info.items()))
+    warn_drops(f"kto {split} data", built.info)
     if built.info["truncated"]:
         log.warning(
             "kto %s data: %d sample(s) lost their oldest prompt tokens to fit seq_length %d",

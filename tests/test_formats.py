@@ -4,6 +4,7 @@ PPO builders."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,40 @@ def test_truncation_policies(tmp_path, tok, caplog):
     )
     tiny = build_sft_data(cfg, tok, template, len(one_turn) - 1, "train")
     assert tiny.stats["dropped_overlong"] == 2 and tiny.samples == []
+
+
+@pytest.mark.parametrize("truncation", ["drop", "truncate"])
+def test_every_builder_warns_of_the_overlong_samples_it_drops_as_sft_does(tmp_path, tok, caplog, truncation):
+    """Overlong preference pairs (RM, DPO) and KTO answers were dropped with an INFO line alone, so
+    `relay validate` of such a config said nothing of them; each builder now warns as SFT's does.
+    Under `truncate` the pair and the KTO answer still drop: the answer alone is over seq_length."""
+    from data_formats.unpaired import build_kto_data
+
+    long = "word " * 100
+    sft = _write(
+        tmp_path / "sft.jsonl",
+        [_chat(0), {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": long}]}],
+    )
+    pairs = _write(
+        tmp_path / "pairs.jsonl",
+        [{"prompt": "q", "chosen": "yes", "rejected": "no"}, {"prompt": "q", "chosen": long, "rejected": "no"}],
+    )
+    kto = _write(
+        tmp_path / "kto.jsonl",
+        [{"prompt": "q", "completion": "yes", "label": True}, {"prompt": "q", "completion": long, "label": False}],
+    )
+    with caplog.at_level(logging.WARNING):
+        cfg = ChatDataConfig(train=[sft], truncation=truncation)
+        assert len(build_sft_data(cfg, tok, make_template(cfg, tok), 64, "train")) == 1
+        cfg = PreferenceDataConfig(train=[pairs], truncation=truncation)
+        assert len(build_preference_data(cfg, tok, make_template(cfg, tok), 64, "train")) == 1
+        cfg = ChatDataConfig(train=[kto], truncation=truncation)
+        assert len(build_kto_data(cfg, tok, make_template(cfg, tok), 64, "train")) == 1
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        "sft train data: 1 sample(s) dropped overlong",
+        "rm train data: 1 pair(s) dropped overlong",
+        "kto train data: 1 sample(s) dropped overlong",
+    ]
 
 
 def test_pt_data_from_txt_and_jsonl(tmp_path, tok):

@@ -109,3 +109,84 @@ def test_strict_refuses_and_skip_drops_exactly_bad(tiny_model_dir, caplog):
         data = build_sft_data(cfg, tok, template, 512, "train")
     assert [s["source"] for s in data.samples] == [f"{SFT_BAD}:1", f"{SFT_BAD}:15"]
     assert "skipping 13 bad record(s)" in caplog.text
+
+
+PAIR = '{"prompt": "a", "chosen": "b", "rejected": "c"}'
+PAIR2 = '{"prompt": "a2", "chosen": "b", "rejected": "c"}'
+
+
+@pytest.mark.parametrize(
+    "text, good, problem",
+    [
+        (  # a cut-off download: no closing bracket
+            f"[{PAIR},\n{PAIR2},",
+            [1, 2],
+            "2: invalid JSON: the array has no closing ']' (column 50); the file ends there (cut off?)",
+        ),
+        (f"[{PAIR},\n{PAIR2}] garbage", [1, 2], "2: invalid JSON: text after the array's closing ']' (column 51)"),
+        (f"[{PAIR} {PAIR2}]", [1], "1: invalid JSON: Expecting ',' delimiter (column 50); rest of file not read"),
+        (f"[,,{PAIR},,", [], "1: invalid JSON: Expecting value (column 2); rest of file not read"),
+        (f"[{PAIR},,{PAIR2}]", [1], "1: invalid JSON: Expecting value (column 50); rest of file not read"),
+        (f"[{PAIR},\n]", [1], "2: invalid JSON: Expecting value (column 1); rest of file not read"),
+    ],
+)
+def test_a_broken_json_array_is_a_problem_at_the_line_where_it_breaks(tmp_path, capsys, text, good, problem):
+    """The array's own syntax is checked as json.loads checks it: the reader used to skip any run of
+    commas, stop at the end of the text without its `]` and ignore what followed the `]`, so each of
+    these files passed clean. The elements before the break are read, then the one problem line, at
+    the line and column where json.loads finds the error."""
+    path = tmp_path / "pairs.json"
+    path.write_text(text)
+    line, column = json_error_at(text)
+    assert problem.startswith(f"{line}: ") and f"(column {column})" in problem
+    records, problems = validate.read_and_parse([str(path)], "rm")
+    assert [r.line for r in records] == good
+    assert [str(p) for p in problems] == [f"{path}:{problem}"]
+    assert validate.main(["--kind", "rm", str(path)]) == 1
+    assert capsys.readouterr().out.splitlines()[0] == f"{path}:{problem}"
+
+
+def json_error_at(text: str) -> tuple[int, int]:
+    """The line and column of json.loads' error in `text`."""
+    import json
+
+    with pytest.raises(json.JSONDecodeError) as err:
+        json.loads(text)
+    return err.value.lineno, err.value.colno
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("[]", "empty file (an empty JSON array: no records)"),
+        (" [ \n ]\n", "empty file (an empty JSON array: no records)"),
+        ("  \n\t\n", "empty file (whitespace only)"),
+        ("", "empty file"),
+    ],
+)
+def test_an_empty_json_array_is_an_empty_file(tmp_path, capsys, text, reason):
+    """`[]` was read as no records and no problem, so the file was not even listed; an empty .jsonl
+    is `FILE:0: empty file`, and so is an empty array (or a .json file of whitespace)."""
+    path = tmp_path / "pairs.json"
+    path.write_text(text)
+    assert validate.main(["--kind", "rm", str(path)]) == 1
+    assert capsys.readouterr().out.splitlines()[0] == f"{path}:0: {reason}"
+
+
+def test_well_formed_json_arrays_read_as_json_loads_reads_them(tmp_path):
+    import json
+
+    records = [{"prompt": f"q{i}", "chosen": "a, b ] c", "rejected": "[no]"} for i in range(3)]
+    texts = {
+        "pretty": json.dumps(records, indent=2),
+        "one line": json.dumps(records),
+        "tight": json.dumps(records, separators=(",", ":")),
+        "trailing space": " [ " + " ,\n ".join(map(json.dumps, records)) + " ]  \n\n",
+        "crlf": json.dumps(records, indent=1).replace("\n", "\r\n") + "\r\n",
+    }
+    for name, text in texts.items():
+        path = tmp_path / "pairs.json"
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+        good, problems = validate.read_and_parse([str(path)], "rm")
+        assert problems == [] and len(good) == 3, name
+        assert [json.loads(r.raw) for r in good] == records, name
