@@ -253,6 +253,15 @@ def stage_class(name: str):
     return getattr(importlib.import_module(f"stages.{module}"), cls)
 
 
+RECORD_KINDS = {"text": "pt", "chat": "sft", "preference": "rm", "prompt": "prompts", "unpaired": "kto"}
+"""A stage's data kind (`StageInfo.data_kind`) -> the kind of records data_formats.validate checks."""
+
+
+def record_kind(name: str) -> str:
+    """The kind of records stage `name` reads (data_formats.validate's --kind)."""
+    return RECORD_KINDS[info(name).data_kind]
+
+
 def config_class(name: str):
     """The stage's config dataclass."""
     return stage_class(name).config_class

@@ -249,3 +249,33 @@ def test_without_data_eval_the_held_out_share_comes_from_the_users_training_data
     assert counts and int(counts[1]) + int(counts[2]) == 40 and int(counts[2]) > 0
     for stage in registry.STAGES:
         assert registry.config_class(stage)().data.eval == [], stage
+
+
+def test_a_pipeline_checks_every_stages_data_before_the_first_stage_trains(tmp_path, capsys):
+    """A later stage's bad records and missing files are found when the pipeline is validated and
+    before its first stage starts (the driver's plan), not after the earlier stages have trained:
+    each as its stage's FILE:LINE line, every stage's at once."""
+    import json
+
+    sft_bad = tmp_path / "sft.jsonl"
+    sft_bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    pairs = [{"prompt": "q", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": "same", "rejected": "same"}]
+    dpo_bad = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(
+        f"base_model: embedded\noutput_root: {tmp_path / 'out'}\nchain: [sft, dpo]\nstages:\n"
+        f"  sft:\n    config: !include {REPO / 'configs' / 'sft.yaml'}\n"
+        f"    data: {{train: [{sft_bad}], eval: []}}\n"
+        f"  dpo:\n    config: !include {REPO / 'configs' / 'dpo.yaml'}\n"
+        f"    data: {{train: [{dpo_bad}], eval: [{tmp_path / 'missing.jsonl'}]}}\n"
+    )
+    assert cli.main(["validate", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"stages.sft: {sft_bad}:1: " in err
+    assert f"stages.dpo: {dpo_bad}:2: chosen and rejected are identical" in err
+    assert f"stages.dpo: data.eval: '{tmp_path / 'missing.jsonl'}' names no data file" in err
+    from pipeline.tools import driver
+
+    assert driver.main(["stages", str(config)]) == 1  # the driver's plan, before any stage starts
+    assert f"stages.dpo: {dpo_bad}:2:" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import yaml
 
 import stages as registry
+from data_formats.sources import expand_entry
 from pipeline.config import ConfigError, load_config
 from pipeline.engine.identity import config_changes
 from pipeline.modeling.handoff import link_problems, manifest_problems, pairing_problems
@@ -340,7 +341,31 @@ def stage_config_problems(cfg: PipelineConfig, stages: Sequence[str]) -> list[st
                 a for key, v in model_refs(cfg, stage).items() if referenced_stage(v) for a in (f"--{key}", "embedded")
             ]
             try:
-                load_config(registry.config_class(stage), argv)
+                stage_cfg = load_config(registry.config_class(stage), argv)
             except ConfigError as err:
                 problems += [f"stages.{stage}: {p.removeprefix(f'{path}: ')}" for p in err.problems]
+                continue
+            problems += [f"stages.{stage}: {p}" for p in stage_data_problems(stage, stage_cfg.data)]
     return problems
+
+
+def stage_data_problems(stage: str, data) -> list[str]:
+    """What a stage's data paths and records would stop it on (the checks its own start makes before
+    tokenizing: a path that names no file, a record its kind of data cannot parse), so that a later
+    stage's data is checked before the first stage trains. Records are read from files only, and only
+    where bad ones stop the stage (data.on_error strict); a streamed corpus is left to its stage."""
+    from data_formats.validate import read_and_parse
+    from pipeline.engine.stage_checks import data_problems
+
+    out = data_problems(data.train, "data.train") + data_problems(data.eval, "data.eval")
+    if data.on_error != "strict" or getattr(data, "streaming", False):
+        return out
+    files = [e for e in [*data.train, *data.eval] if not data_problems([e], "") and expand_entry(e)[1] is None]
+    parsing = {  # what the stage's own reading passes (data_formats.datasets)
+        "fmt": data.format,
+        "text_field": getattr(data, "text_field", "text"),
+        "system_prompt": getattr(data, "system_prompt", None),
+        "margin_field": getattr(data, "margin_field", None),
+    }
+    _, bad = read_and_parse(files, registry.record_kind(stage), max_record_bytes=data.max_record_bytes, **parsing)
+    return out + [str(problem) for problem in bad]

@@ -309,8 +309,6 @@ the model folder, data files and records, and whether Relay runs its combination
 tools, adapter and engine with N ranks: `relay capabilities`), loading the tokenizer but no model. With data files:
 each record is checked and every bad one reported as FILE:LINE: reason. KIND is a data kind (pt, sft,
 rm, prompts, kto) or any stage name (pt, sft, rm, ppo, dpo, grpo, ...: the kind of data it reads)."""
-# A stage's data kind (stages.StageInfo.data_kind) -> the validator's kind of records.
-DATA_KINDS = {"text": "pt", "chat": "sft", "preference": "rm", "prompt": "prompts", "unpaired": "kto"}
 
 
 def data_kind_args(args: list[str]) -> list[str]:
@@ -331,12 +329,11 @@ def data_kind_args(args: list[str]) -> list[str]:
 
 def _data_kind(value: str, stages: dict) -> str:
     if value in stages:
-        return DATA_KINDS[stages[value].data_kind]
-    if value in DATA_KINDS.values():
+        return registry.record_kind(value)
+    if value in registry.RECORD_KINDS.values():
         return value
-    raise CLIError(
-        f"--kind {value!r}: not a data kind ({', '.join(DATA_KINDS.values())}) nor a stage ({', '.join(stages)})"
-    )
+    kinds = ", ".join(registry.RECORD_KINDS.values())
+    raise CLIError(f"--kind {value!r}: not a data kind ({kinds}) nor a stage ({', '.join(stages)})")
 
 
 def validate_config(config: str, args: list[str]) -> int:
