@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 from data_formats.conversation import RecordError, task_of
-from data_formats.formats import KIND_NAMES, KINDS, NAMES, UNPAIRED, detect_format, hint, kind_formats
+from data_formats.formats import KIND_NAMES, KINDS, NAMES, UNPAIRED, detect_format, format_problem, hint, kind_formats
 from data_formats.records import (
     margin_of,
     parse_conversation,
@@ -122,8 +122,8 @@ def iter_parsed(
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    if fmt != "auto" and fmt not in NAMES:
-        raise ValueError(f"format must be 'auto' or one of {', '.join(NAMES)}, got {fmt!r}")
+    if (problem := format_problem(fmt, kind)) is not None:  # a format of another kind would be ignored
+        raise ValueError(problem)
     formats = {} if formats is None else formats
     for raw in records:
         if raw.error is not None:
@@ -301,6 +301,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="refuse records longer than this, unread (data.max_record_bytes)",
     )
     args = parser.parse_args(argv)
+    if (problem := format_problem(args.format, args.kind)) is not None:
+        parser.error(problem)
     formats: dict[str, str] = {}
     good, problems = read_and_parse(
         args.files,

@@ -72,6 +72,22 @@ def test_wrong_kind_is_reported():
     assert "not SFT conversations" in reason and "use the RM stage" in reason
 
 
+def test_a_format_that_does_not_read_the_kind_is_refused_not_ignored(capsys):
+    """A preference stage's reader takes only preference pairs: `data.format: alpaca` (or --format)
+    for RM data was read as pairs all the same, and said so ("format 'alpaca' (given)"); a format
+    that reads the kind is taken."""
+    pairs = str(BAD / "prefs_bad.jsonl")
+    with pytest.raises(ValueError, match="format 'alpaca' .* does not read RM preference pairs: use auto or one of"):
+        validate.read_and_parse([pairs], "rm", fmt="alpaca")
+    with pytest.raises(ValueError, match="format 'text' .* does not read SFT conversations"):
+        validate.read_and_parse([SFT_BAD], "sft", fmt="text")
+    with pytest.raises(SystemExit):
+        validate.main(["--kind", "rm", "--format", "alpaca", pairs])
+    assert "format 'alpaca' (data.format, --format) does not read RM preference pairs" in capsys.readouterr().err
+    good, _ = validate.read_and_parse([pairs], "rm", fmt="preference")
+    assert [r.line for r in good] == [1, 4]
+
+
 def test_cli_exit_codes(capsys):
     assert validate.main([SFT_BAD]) == 1
     out = capsys.readouterr().out.splitlines()

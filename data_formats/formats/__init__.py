@@ -189,6 +189,20 @@ def kind_formats(kind: str) -> tuple[str, ...]:
     return tuple(name for name in NAMES if name in served)
 
 
+def given_formats(kind: str) -> tuple[str, ...]:
+    """The formats that read data of `kind` when named (data.format, --format), in NAMES' order."""
+    readers = {e.name for e in REGISTRY if kind in e.kinds}
+    return tuple(name for name in NAMES if name in readers)
+
+
+def format_problem(fmt: str, kind: str) -> Optional[str]:
+    """Why format `fmt` cannot read data of `kind` (None: it can, or 'auto')."""
+    if fmt == "auto" or fmt in given_formats(kind):
+        return None
+    where = "is not a format" if fmt not in NAMES else f"does not read {KIND_NAMES[kind]}"
+    return f"format {fmt!r} (data.format, --format) {where}: use auto or one of {', '.join(given_formats(kind))}"
+
+
 def hint(fmt: str) -> tuple[str, str]:
     """(what data of format `fmt` is, where it belongs) for the wrong-kind message."""
     entry = next(e for e in REGISTRY if e.name == fmt and e.auto)
