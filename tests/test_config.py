@@ -116,3 +116,30 @@ def test_durations():
     assert parse_duration(30) == 30
     with pytest.raises(ValueError):
         parse_duration("soon")
+
+
+def test_values_of_the_wrong_type_are_all_reported_at_once_in_plain_words(tmp_path):
+    """draccus stops at the first value it cannot decode and words it its own way ("DecodingError:
+    `lora.r`: Couldn't parse ...", a class repr for a list): every such value in the YAML and on the
+    command line is one line, `key: expected T, got V`, all at once, beside the unknown keys."""
+    cfg = write(
+        tmp_path / "c.yaml",
+        "lora: {r: sixteen, target_modules: all-linear}\ntrain: {max_steps: 1.5, batch_size: '2'}\n"
+        "data: {train: one.jsonl}\ncheckpoint: 5\nmodle: {path: x}\n",
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(ToyStage, ["--config", str(cfg), "--train.seed", "abc", "--train.learning_rate"])
+    assert err.value.problems == [
+        f"{cfg}: modle: unknown key; did you mean 'model'?",
+        f"{cfg}: lora.r: expected int, got 'sixteen'",
+        f"{cfg}: lora.target_modules: expected a list of str, got 'all-linear'",
+        f"{cfg}: train.max_steps: expected int, got 1.5",
+        f"{cfg}: data.train: expected a list of str, got 'one.jsonl'",
+        f"{cfg}: checkpoint: expected a mapping of keys, got 5",
+        "--train.seed: expected int, got 'abc'",
+        "--train.learning_rate: needs a value",
+    ]
+    # what draccus takes stays taken: a quoted number, YAML's and the plain text's forms on the command line
+    ok = write(tmp_path / "ok.yaml", "train: {batch_size: '2', learning_rate: 1e-4}\n")
+    loaded = load_config(ToyStage, ["--config", str(ok), "--lora.alpha=4", "--data.train", "[a.jsonl, b.jsonl]"])
+    assert (loaded.train.batch_size, loaded.lora.alpha, loaded.data.train) == (2, 4, ["a.jsonl", "b.jsonl"])

@@ -72,6 +72,88 @@ def unknown_keys(cls: type, data: Any, prefix: str = "") -> list[str]:
     return out
 
 
+def type_name(tp: Any) -> str:
+    """A type hint as a user reads it: int, float, a list of str, a mapping of keys, ... or null."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is Union:
+        return " or ".join("null" if a is type(None) else type_name(a) for a in args)
+    if typing.get_origin(tp) in (list, Sequence, typing.Sequence, tuple):
+        return f"a list of {type_name(args[0])}" if args else "a list"
+    if typing.get_origin(tp) is dict or dataclasses.is_dataclass(tp):
+        return "a mapping of keys"
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(repr(a) for a in args)
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _decodes(tp: Any, value: Any) -> bool:
+    try:
+        draccus.decode(tp, value)
+        return True
+    except Exception:  # draccus raises several types for values it cannot decode
+        return False
+
+
+def wrong_types(cls: type, data: Any, prefix: str = "") -> list[str]:
+    """Every value in `data` (a config mapping for `cls`) that its field's type cannot take, as
+    `key: expected T, got V`: all of them (draccus's own decode stops at the first, in words of its
+    own). Walks nested sections and lists of sections as `unknown_keys` does; unknown keys are its."""
+    if not isinstance(data, dict):
+        return []
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    out: list[str] = []
+    for key, value in data.items():
+        if key not in names:
+            continue
+        path, tp = f"{prefix}{key}", hints[key]
+        sub, item = _dataclass_of(tp), _list_item_dataclass(tp)
+        if sub is not None and isinstance(value, dict):
+            out.extend(wrong_types(sub, value, f"{path}."))
+        elif item is not None and isinstance(value, list):
+            for i, entry in enumerate(value):
+                out.extend(wrong_types(item, entry, f"{path}[{i}].") if isinstance(entry, dict) else [])
+        elif not _decodes(tp, value):
+            out.append(f"{path}: expected {type_name(tp)}, got {value!r}")
+    return out
+
+
+def _override_type(cls: type, dotted: str) -> Optional[Any]:
+    """The type of the field `--dotted` sets (None: inside a free-form field, or not a field)."""
+    current: Any = cls
+    for part in dotted.split("."):
+        sub = _dataclass_of(current)
+        if sub is None or part not in {f.name for f in dataclasses.fields(sub)}:
+            return None
+        current = typing.get_type_hints(sub)[part]
+    return current
+
+
+def wrong_override_types(cls: type, rest: Sequence[str]) -> list[str]:
+    """Every `--key value` (or `--key=value`) on the command line whose value its field's type cannot
+    take, read as YAML as draccus reads it (or as the plain text), and every `--key` without a value."""
+    out = []
+    for i, arg in enumerate(rest):
+        if not arg.startswith("--") or arg in ("--help", "-h"):
+            continue
+        key, eq, value = arg[2:].partition("=")
+        tp = _override_type(cls, key)
+        if tp is None or (_dataclass_of(tp) is not None and _list_item_dataclass(tp) is None):
+            continue  # not a field, or a section (`_unknown_override` says so)
+        if not eq:
+            if i + 1 >= len(rest) or rest[i + 1].startswith("--"):
+                out.append(f"--{key}: needs a value")
+                continue
+            value = rest[i + 1]
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parsed = value
+        if not _decodes(tp, parsed) and not _decodes(tp, value):
+            out.append(f"--{key}: expected {type_name(tp)}, got {value!r}")
+    return out
+
+
 def _split_args(argv: Sequence[str]) -> tuple[Optional[str], list[str], list[str]]:
     """(config path, dotted override keys, remaining args for draccus)."""
     config: Optional[str] = None
@@ -212,8 +294,9 @@ def load_config(cls: type[T], argv: Optional[Sequence[str]] = None, prog: Option
     config_path, override_keys, rest = _split_args(argv)
     problems: list[str] = []
     data = {} if config_path is None else read_yaml(config_path)
-    problems += [f"{config_path}: {p}" for p in unknown_keys(cls, data)]
+    problems += [f"{config_path}: {p}" for p in unknown_keys(cls, data) + wrong_types(cls, data)]
     problems += [p for p in (_unknown_override(cls, k) for k in override_keys) if p]
+    problems += wrong_override_types(cls, rest)
     if problems:
         raise ConfigError(problems)
     try:
@@ -223,12 +306,20 @@ def load_config(cls: type[T], argv: Optional[Sequence[str]] = None, prog: Option
     except SystemExit:
         raise
     except Exception as err:  # draccus raises several types for values it cannot decode
-        raise ConfigError([f"{type(err).__name__}: {err}"]) from err
+        raise ConfigError([decode_problem(err)]) from err
     if hasattr(cfg, "problems"):
         found = cfg.problems()
         if found:
             raise ConfigError(found)
     return cfg
+
+
+def decode_problem(err: Exception) -> str:
+    """One line for what draccus could not decode that `wrong_types` did not foresee: the key, then
+    its own words (not the exception's class)."""
+    key_path = getattr(err, "key_path", None)
+    message = str(getattr(err, "message", err)).splitlines()[0]
+    return f"{'.'.join(key_path)}: {message}" if key_path else message
 
 
 @functools.lru_cache(maxsize=None)
