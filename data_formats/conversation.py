@@ -69,6 +69,31 @@ class Pair:
     `input`)."""
 
 
+JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "true or false", type(None): "null"}
+
+
+def json_type(value: Any) -> str:
+    """What a value read from JSON is, in JSON's words (an object, an array, null, a number, ...):
+    what a record's problem says it got."""
+    return JSON_TYPES.get(type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def task_of(record: Any, default: str) -> str:
+    """The task a record belongs to: its `data_name` when it has one (a non-empty string), else
+    `default` (the data path entry's name).
+
+    Raises:
+        RecordError: a `data_name` that is not a non-empty string (the record would silently join
+            the entry's own task).
+    """
+    if not isinstance(record, dict) or "data_name" not in record:
+        return default
+    name = record["data_name"]
+    if not isinstance(name, str) or not name.strip():
+        raise RecordError(f"field 'data_name' must be a task name (a non-empty string), got {name!r}")
+    return name
+
+
 def string_field(record: dict, key: str, *, allow_empty: bool = False) -> str:
     """`record[key]`, a string that is not blank unless `allow_empty`.
 
@@ -79,7 +104,7 @@ def string_field(record: dict, key: str, *, allow_empty: bool = False) -> str:
         raise RecordError(f"missing field '{key}'")
     value = record[key]
     if not isinstance(value, str):
-        raise RecordError(f"field '{key}' must be a string, got {type(value).__name__}")
+        raise RecordError(f"field '{key}' must be a string, got {json_type(value)}")
     if not allow_empty and not value.strip():
         raise RecordError(f"field '{key}' is empty")
     return value
@@ -115,16 +140,8 @@ def record_system(record: dict) -> list[Turn]:
     if value is None or (isinstance(value, str) and not value.strip()):
         return []
     if not isinstance(value, str):
-        raise RecordError(f"field 'system' must be a string, got {type(value).__name__}")
+        raise RecordError(f"field 'system' must be a string, got {json_type(value)}")
     return [Turn("system", value)]
-
-
-def task_of(record: Any, default: str) -> str:
-    """The task a record belongs to: its `data_name` when it is a non-empty string, else `default`
-    (the data path entry's name)."""
-    if isinstance(record, dict) and isinstance(record.get("data_name"), str) and record["data_name"].strip():
-        return record["data_name"]
-    return default
 
 
 # After each role, the roles that may follow it (an assistant turn that calls tools: its results).

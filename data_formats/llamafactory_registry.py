@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from data_formats.conversation import RecordError
+from data_formats.conversation import RecordError, json_type
 from data_formats.formats.single_turn import alpaca_turns
 
 REGISTRY_NAME = "dataset_info.json"
@@ -161,7 +161,7 @@ def resolve(entry: str) -> RegistryEntry:
         raise refuse(f"no entry {name!r} in {path}" + (f"; did you mean {close[0]!r}?" if close else ""))
     spec = registry[name]
     if not isinstance(spec, dict):
-        raise refuse(f"the entry must be a JSON object, got {type(spec).__name__}")
+        raise refuse(f"the entry must be a JSON object, got {json_type(spec)}")
     unknown = sorted(set(spec) - KNOWN_KEYS)
     if unknown:
         raise refuse(f"unknown key(s) {unknown} (LLaMA-Factory's data/README.md lists the keys)")
@@ -230,7 +230,7 @@ def convert(record: Any, spec: RegistryEntry) -> dict:
         RecordError: the record is not an object or lacks a column the entry names.
     """
     if not isinstance(record, dict):
-        raise RecordError(f"record must be a JSON object, got {type(record).__name__}")
+        raise RecordError(f"record must be a JSON object, got {json_type(record)}")
     out = _alpaca(record, spec) if spec.formatting == "alpaca" else _sharegpt(record, spec)
     if isinstance(record.get("data_name"), str):
         out["data_name"] = record["data_name"]

@@ -26,6 +26,7 @@ from data_formats.conversation import (
     check_order,
     check_placeholders,
     check_shared_prompt,
+    json_type,
     refuse_unsupported,
     task_of,
 )
@@ -39,7 +40,7 @@ LABEL_KEYS = ("label", "kto_tag")
 def _object(record: Any) -> dict:
     """The record, which must be a JSON object that Relay can train (conversation.refuse_unsupported)."""
     if not isinstance(record, dict):
-        raise RecordError(f"record must be a JSON object, got {type(record).__name__}")
+        raise RecordError(f"record must be a JSON object, got {json_type(record)}")
     refuse_unsupported(record)
     return record
 
@@ -204,7 +205,7 @@ def parse_text(record: Any, text_field: str = "text") -> str:
         RecordError: the field is missing, not a string, or empty.
     """
     if not isinstance(record, dict):
-        raise RecordError(f"record must be a JSON object, got {type(record).__name__}")
+        raise RecordError(f"record must be a JSON object, got {json_type(record)}")
     return document(record, text_field)
 
 
@@ -220,5 +221,5 @@ def margin_of(record: dict, margin_field: Optional[str]) -> float:
         raise RecordError(f"missing field '{margin_field}' (data.margin_field)")
     value = record[margin_field]
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise RecordError(f"field '{margin_field}' must be a number, got {type(value).__name__}")
+        raise RecordError(f"field '{margin_field}' must be a number, got {json_type(value)}")
     return float(value)

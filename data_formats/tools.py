@@ -45,7 +45,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from data_formats.conversation import Turn
+from data_formats.conversation import Turn, json_type
 
 TOOLS_INTRO = (
     "You can call the tools below (one JSON schema per line). To call tools, answer with one "
@@ -81,7 +81,7 @@ def parse_tools(value: Any) -> list[dict]:
     """
     tools = _json_value(value, "field 'tools'")
     if not isinstance(tools, list):
-        raise ToolRecordError(f"field 'tools' must be a list of tool schemas, got {type(tools).__name__}")
+        raise ToolRecordError(f"field 'tools' must be a list of tool schemas, got {json_type(tools)}")
     out = []
     for i, tool in enumerate(tools):
         if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
@@ -96,13 +96,13 @@ def _call(value: Any, where: str) -> dict:
     """One call {"name", "arguments": dict, "id"?} from {"name", "arguments"} or OpenAI's
     {"type": "function", "id", "function": {"name", "arguments"}}."""
     if not isinstance(value, dict):
-        raise ToolRecordError(f"{where}: a tool call must be an object, got {type(value).__name__}")
+        raise ToolRecordError(f"{where}: a tool call must be an object, got {json_type(value)}")
     function = value.get("function", value)
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"].strip():
         raise ToolRecordError(f"{where}: a tool call needs a 'name'")
     arguments = _json_value(function.get("arguments", {}), f"{where}: 'arguments'")
     if not isinstance(arguments, dict):
-        raise ToolRecordError(f"{where}: 'arguments' must be a JSON object, got {type(arguments).__name__}")
+        raise ToolRecordError(f"{where}: 'arguments' must be a JSON object, got {json_type(arguments)}")
     call = {"name": function["name"], "arguments": arguments}
     if isinstance(value.get("id"), str):
         call["id"] = value["id"]

@@ -140,10 +140,11 @@ def iter_parsed(
                 system_prompt=system_prompt,
                 margin_field=margin_field,
             )
+            task = task_of(raw.record, raw.task)
         except RecordError as err:
             yield Problem(raw.file, raw.line, str(err))
             continue
-        yield Parsed(raw.file, raw.line, task_of(raw.record, raw.task), raw.raw, value)
+        yield Parsed(raw.file, raw.line, task, raw.raw, value)
 
 
 def parse_records(records: Iterable[RawRecord], kind: str, **kwargs) -> tuple[list[Parsed], list[Problem]]:

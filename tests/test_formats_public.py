@@ -141,7 +141,9 @@ def test_openai_tool_call_without_content_trains_and_bad_arguments_are_one_line(
     path = _write(tmp_path, [{"messages": turns}, {"messages": null}, {"messages": bad}])
     good, problems = read_and_parse([str(path)], "sft")
     assert [g.line for g in good] == [1, 2]
-    assert summarize(problems) == [f"{path}:3: messages[1]: tool_calls[0]: 'arguments' must be a JSON object, got list"]
+    assert summarize(problems) == [
+        f"{path}:3: messages[1]: tool_calls[0]: 'arguments' must be a JSON object, got an array"
+    ]
     ids, labels = render(good[0].value, tok, markers)
     assert '"arguments": {"city": "Paris"}' in _trained_text(tok, ids, labels)
 

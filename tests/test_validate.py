@@ -206,3 +206,32 @@ def test_well_formed_json_arrays_read_as_json_loads_reads_them(tmp_path):
         good, problems = validate.read_and_parse([str(path)], "rm")
         assert problems == [] and len(good) == 3, name
         assert [json.loads(r.raw) for r in good] == records, name
+
+
+def test_a_records_problem_names_what_it_got_in_jsons_words_and_a_bad_task_name_is_one(tmp_path):
+    """A record's problem says what it got as JSON says it (null, an array, an object, a number), not
+    Python's class names (NoneType, list, dict, int); a `data_name` that is no task name (a number,
+    a list, blank) is a problem of its record: it silently joined the file's own task."""
+    import json
+
+    path = tmp_path / "mt.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "a"}]},
+        [{"role": "user", "content": "q"}],
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "data_name": 5},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "data_name": " "},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "data_name": "qa"},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    good, problems = validate.read_and_parse([str(path)], "sft")
+    found = {p.line: p.reason for p in problems}
+    assert found[1].endswith("content must be a string, got a number"), found[1]
+    assert found[2] == "record must be a JSON object, got an array"
+    assert found[3] == "field 'data_name' must be a task name (a non-empty string), got 5"
+    assert found[4] == "field 'data_name' must be a task name (a non-empty string), got ' '"
+    assert [(r.line, r.task) for r in good] == [(5, "qa"), (6, "mt")]
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text(json.dumps({"instruction": None, "output": "a"}) + "\n")
+    _, problems = validate.read_and_parse([str(alpaca)], "sft", fmt="alpaca")
+    assert [p.reason for p in problems] == ["field 'instruction' must be a string, got null"]

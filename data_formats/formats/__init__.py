@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from data_formats.conversation import Pair, RecordError, Turn, refuse_unsupported
+from data_formats.conversation import Pair, RecordError, Turn, json_type, refuse_unsupported
 from data_formats.formats import firefly, hh, lists, llamafactory, medicalgpt, mftcoder, openai, single_turn, text, trl
 
 KINDS = ("sft", "pt", "rm", "prompts", "kto")
@@ -168,7 +168,7 @@ def detect_format(record: Any) -> str:
             an entry's `refusal`), or matches no known format.
     """
     if not isinstance(record, dict):
-        raise RecordError(f"record must be a JSON object, got {type(record).__name__}")
+        raise RecordError(f"record must be a JSON object, got {json_type(record)}")
     refuse_unsupported(record)
     for entry in REGISTRY:
         if entry.auto and entry.detect(record):

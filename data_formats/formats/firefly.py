@@ -3,7 +3,7 @@ assistant turn per element (the last element's answer may be missing in a prompt
 
 from __future__ import annotations
 
-from data_formats.conversation import RecordError, Turn, record_system, string_field
+from data_formats.conversation import RecordError, Turn, json_type, record_system, string_field
 
 
 def detect(record: dict) -> bool:
@@ -22,7 +22,7 @@ def turns(record: dict, require_response: bool = True) -> list[Turn]:
     out = record_system(record)
     for i, item in enumerate(rounds):
         if not isinstance(item, dict):
-            raise RecordError(f"conversation[{i}]: must be an object, got {type(item).__name__}")
+            raise RecordError(f"conversation[{i}]: must be an object, got {json_type(item)}")
         out.append(Turn("user", string_field(item, "human")))
         if "assistant" in item or i < len(rounds) - 1:
             out.append(Turn("assistant", string_field(item, "assistant")))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from data_formats.conversation import Pair, RecordError, Turn
+from data_formats.conversation import Pair, RecordError, Turn, json_type
 
 HH_ROLES = {"Human": "user", "Assistant": "assistant"}
 _HH_SPLIT = re.compile(r"\n\n(Human|Assistant):")
@@ -36,7 +36,7 @@ def transcript_turns(text: Any, key: str) -> list[Turn]:
         RecordError: not a string, or not made of Human/Assistant turns.
     """
     if not isinstance(text, str):
-        raise RecordError(f"field '{key}' must be a Human:/Assistant: transcript string, got {type(text).__name__}")
+        raise RecordError(f"field '{key}' must be a Human:/Assistant: transcript string, got {json_type(text)}")
     body = text if text.startswith("\n\n") else "\n\n" + text.lstrip("\n")
     pieces = _HH_SPLIT.split(body)
     if pieces[0].strip() or len(pieces) < 3:

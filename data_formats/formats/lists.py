@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from data_formats.conversation import RecordError, Turn, media_refusal, record_system
+from data_formats.conversation import RecordError, Turn, json_type, media_refusal, record_system
 from data_formats.tools import ToolRecordError, parse_calls, parse_tools
 
 # Every spelling of a role we accept; anything else is an "unknown role" problem. ShareGPT's
@@ -46,7 +46,7 @@ def content_of(value: Any, where: str) -> tuple[str, list[dict]]:
     if isinstance(value, str):
         return value, []
     if not isinstance(value, list):
-        raise RecordError(f"{where}: content must be a string, got {type(value).__name__}")
+        raise RecordError(f"{where}: content must be a string, got {json_type(value)}")
     texts, calls = [], []
     for j, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -94,7 +94,7 @@ def read_turn(item: Any, where: str, role_key: str, content_key: str) -> Turn:
         RecordError: the turn does not fit.
     """
     if not isinstance(item, dict):
-        raise RecordError(f"{where}: a turn must be an object, got {type(item).__name__}")
+        raise RecordError(f"{where}: a turn must be an object, got {json_type(item)}")
     if role_key not in item:
         raise RecordError(f"{where}: missing field '{role_key}'")
     raw_role = item[role_key]
@@ -106,7 +106,7 @@ def read_turn(item: Any, where: str, role_key: str, content_key: str) -> Turn:
     check_loss_weight(item, role)
     if raw_role.lower() == "function_call":
         if not isinstance(item[content_key], str):
-            raise RecordError(f"{where}: content must be a string, got {type(item[content_key]).__name__}")
+            raise RecordError(f"{where}: content must be a string, got {json_type(item[content_key])}")
         return Turn("assistant", "", tool_calls=calls_of(item[content_key], f"{where}: function_call"))
     content, calls = content_of(item.get(content_key), where)
     if item.get("tool_calls") and role == "assistant":
@@ -138,7 +138,7 @@ def read_turns(items: Any, key: str, role_key: str, content_key: str) -> list[Tu
         RecordError: not a non-empty list, or a turn that does not fit.
     """
     if not isinstance(items, list):
-        raise RecordError(f"field '{key}' must be a list of turns, got {type(items).__name__}")
+        raise RecordError(f"field '{key}' must be a list of turns, got {json_type(items)}")
     if not items:
         raise RecordError(f"field '{key}' has no turns")
     return [read_turn(item, f"{key}[{i}]", role_key, content_key) for i, item in enumerate(items)]

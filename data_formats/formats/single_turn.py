@@ -11,7 +11,7 @@ into Conversation.meta, the reward functions' keyword arguments.
 
 from __future__ import annotations
 
-from data_formats.conversation import RecordError, Turn, string_field
+from data_formats.conversation import RecordError, Turn, json_type, string_field
 from data_formats.formats.trl import prompt_completion_turns
 
 PAIR_KEYS = (("prompt", "response"), ("question", "answer"), ("input", "output"))
@@ -30,7 +30,7 @@ def alpaca_turns(record: dict, require_response: bool = True) -> list[Turn]:
     instruction = string_field(record, "instruction")
     extra = record.get("input", "")
     if not isinstance(extra, str):
-        raise RecordError(f"field 'input' must be a string, got {type(extra).__name__}")
+        raise RecordError(f"field 'input' must be a string, got {json_type(extra)}")
     user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
     turns = [Turn("user", user)]
     if require_response or "output" in record:
