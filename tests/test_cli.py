@@ -271,11 +271,26 @@ def test_a_pipeline_checks_every_stages_data_before_the_first_stage_trains(tmp_p
     )
     assert cli.main(["validate", str(config)]) == 2
     err = capsys.readouterr().err
-    assert f"stages.sft: {sft_bad}:1: " in err
-    assert f"stages.dpo: {dpo_bad}:2: chosen and rejected are identical" in err
+    assert f"stages.sft: 1 data problem(s) (fix them, or set data.on_error=skip):\n  {sft_bad}:1: " in err
+    assert "stages.dpo: 1 data problem(s)" in err and f"  {dpo_bad}:2: chosen and rejected are identical" in err
     assert f"stages.dpo: data.eval: '{tmp_path / 'missing.jsonl'}' names no data file" in err
     from pipeline.tools import driver
 
     assert driver.main(["stages", str(config)]) == 1  # the driver's plan, before any stage starts
-    assert f"stages.dpo: {dpo_bad}:2:" in capsys.readouterr().err
+    assert f"  {dpo_bad}:2: chosen and rejected are identical" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_validate_lists_a_stages_bad_records_beside_its_missing_files_and_model(tmp_path, capsys):
+    """A stage's first checks (its data paths, its model folder) stop it before it tokenizes; `relay
+    validate` lists the records' problems beside theirs, so that one run of it shows everything."""
+    pairs = [{"prompt": "q", "chosen": "same", "rejected": "same"}, {"prompt": "q", "chosen": "a", "rejected": "b"}]
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    missing_model, missing_eval = tmp_path / "no-model", tmp_path / "no-eval.jsonl"
+    argv = ["validate", str(REPO / "configs" / "rm.yaml"), "--model.path", str(missing_model)]
+    argv += ["--data.train", f"[{data}]", "--data.eval", f"[{missing_eval}]"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"  - model.path: {missing_model}: no such folder" in err
+    assert f"  - data.eval: '{missing_eval}' names no data file" in err
+    assert f"  {data}:1: chosen and rejected are identical" in err

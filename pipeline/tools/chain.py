@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import yaml
 
 import stages as registry
-from data_formats.sources import expand_entry
+from data_formats.sources import DataError, expand_entry
 from pipeline.config import ConfigError, load_config
 from pipeline.engine.identity import config_changes
 from pipeline.modeling.handoff import link_problems, manifest_problems, pairing_problems
@@ -368,4 +368,4 @@ def stage_data_problems(stage: str, data) -> list[str]:
         "margin_field": getattr(data, "margin_field", None),
     }
     _, bad = read_and_parse(files, registry.record_kind(stage), max_record_bytes=data.max_record_bytes, **parsing)
-    return out + [str(problem) for problem in bad]
+    return out + ([str(DataError(bad))] if bad else [])  # as the stage words them

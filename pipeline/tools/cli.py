@@ -46,7 +46,7 @@ from pipeline.config.capabilities import config_refusals
 from pipeline.config.loading import read_yaml
 from pipeline.engine.tracking import quiet_console
 from pipeline.modeling.preflight import model_problems
-from pipeline.tools.chain import stage_config_problems
+from pipeline.tools.chain import stage_config_problems, stage_data_problems
 from pipeline.tools.chain_config import load_pipeline, planned_stages
 
 REPO = Path(__file__).resolve().parents[2]
@@ -371,7 +371,14 @@ def validate_config(config: str, args: list[str]) -> int:
                 raise ConfigError(refused, config)
         hide_unrequested_backends(cfg)
         runner = cls(cfg)
-        runner.validate()
+        try:
+            runner.validate()
+        except ConfigError as err:
+            if runner.tokenizer is not None:
+                raise
+            # The stage stops before it tokenizes (a missing file, a bad model folder): its records'
+            # problems are listed beside those, not after they are fixed.
+            raise ConfigError(err.problems + [p for p in stage_data_problems(stage, cfg.data) if p not in err.problems])
     except CLIError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
