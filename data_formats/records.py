@@ -108,7 +108,9 @@ def parse_prompt(
         conv = parse_conversation(record, fmt, last="user", task=task, source=source, system_prompt=system_prompt)
         conv.meta = {k: v for k, v in record.items() if k not in layout.fields(record)}
         return conv
-    turns = parse_turns(record, fmt, require_response=False)[:1]  # a format that holds no conversation: refused
+    turns = parse_turns(record, fmt, require_response=False)
+    asks = [i for i, turn in enumerate(turns) if turn.role == "user"]
+    turns = turns[: asks[-1] + 1] if asks else turns[:1]  # up to its question (an Alpaca history, system before)
     check_order(turns, "user")
     used = layout.fields(record)
     conv = Conversation(
@@ -118,7 +120,7 @@ def parse_prompt(
         meta={k: v for k, v in record.items() if k not in used},
         standard=isinstance(record.get(used[0]), str),
     )
-    if system_prompt is not None:
+    if system_prompt is not None and conv.turns[0].role != "system":  # the record's own system turn wins
         conv.turns.insert(0, Turn("system", system_prompt))
     return conv
 

@@ -212,3 +212,38 @@ def test_a_record_missing_a_mapped_column_is_its_file_and_line(tokenizer, tmp_pa
     assert [str(p) for p in problems] == [
         f"{tmp_path / 'qa.json'}:6: missing field 'a' (the response column of {tmp_path / 'dataset_info.json'}:qa)"
     ]
+
+
+def test_an_alpaca_file_read_directly_keeps_its_system_and_history_as_the_registry_does(tokenizer, tmp_path):
+    """The same Alpaca file with `system` and `history`, read as a data path and through a registry
+    entry, trains the same tokens (read directly, both fields were dropped without a word: the last
+    round alone under the model's default system prompt); as a PPO/GRPO prompt it is the whole
+    conversation up to its question; a history or system of the wrong shape is its record's problem."""
+    from data_formats.records import parse_prompt
+    from data_formats.validate import read_and_parse
+
+    record = {"instruction": "and 3+3?", "input": "", "output": "6", "system": "Be brief.", "history": [["2+2?", "4"]]}
+    write(tmp_path / "h.json", [record])
+    write(
+        tmp_path / "dataset_info.json",
+        {"h": {"file_name": "h.json", "columns": {"system": "system", "history": "history"}}},
+    )
+    named = build("sft", f"{tmp_path / 'dataset_info.json'}:h", tokenizer)
+    direct = build("sft", str(tmp_path / "h.json"), tokenizer)
+    assert [(s["input_ids"], s["labels"]) for s in direct] == [(s["input_ids"], s["labels"]) for s in named]
+    prompt = parse_prompt({k: v for k, v in record.items() if k != "output"}, "alpaca", system_prompt="Other.")
+    assert [(t.role, t.content) for t in prompt.turns] == [
+        ("system", "Be brief."),
+        ("user", "2+2?"),
+        ("assistant", "4"),
+        ("user", "and 3+3?"),
+    ]
+    assert prompt.meta == {}
+    bad = [{**record, "history": "2+2? 4"}, {**record, "history": [["2+2?"]]}, {**record, "system": ["Be brief."]}]
+    write(tmp_path / "bad.json", bad)
+    _, problems = read_and_parse([str(tmp_path / "bad.json")], "sft", fmt="alpaca")
+    assert [p.reason for p in problems] == [
+        "field 'history' must be a list of [instruction, response] pairs, got a string",
+        "history[0]: must be an [instruction, response] pair of non-empty strings, got ['2+2?']",
+        "field 'system' must be a string, got an array",
+    ]
