@@ -23,8 +23,9 @@ import logging
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
+from data_formats import llamafactory_registry
 from data_formats.conversation import RecordError, task_of
 from data_formats.formats import KIND_NAMES, KINDS, NAMES, UNPAIRED, detect_format, format_problem, hint, kind_formats
 from data_formats.records import (
@@ -36,7 +37,7 @@ from data_formats.records import (
     parse_unpaired,
 )
 from data_formats.render import make_template, render, render_prompt
-from data_formats.sources import MAX_RECORD_BYTES, DataError, Problem, RawRecord, read_entry, summarize
+from data_formats.sources import MAX_RECORD_BYTES, DataError, Problem, RawRecord, expand_entry, read_entry, summarize
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,22 @@ def parse_records(records: Iterable[RawRecord], kind: str, **kwargs) -> tuple[li
     for item in iter_parsed(records, kind, **kwargs):
         (problems if isinstance(item, Problem) else good).append(item)
     return good, problems
+
+
+def data_problems(entries: Sequence[str], key: str) -> list[str]:
+    """Data path entries that name no file (a missing path or an empty folder/glob), and LLaMA-Factory
+    registry entries Relay cannot honour (data_formats.llamafactory_registry)."""
+
+    out = []
+    for entry in entries:
+        refused = llamafactory_registry.problem(entry)
+        if refused is not None:
+            out.append(f"{key}: {refused}")
+            continue
+        files, dataset = expand_entry(entry)
+        if dataset is None and (not files or not all(f.is_file() for f in files)):
+            out.append(f"{key}: {entry!r} names no data file")
+    return out
 
 
 def entry_records(entries: Iterable[str], max_bytes: int = MAX_RECORD_BYTES) -> Iterator[RawRecord]:

@@ -34,6 +34,7 @@ if __package__ in (None, ""):
 import torch
 
 from data_formats.datasets import build_sft_data
+from data_formats.validate import data_problems
 from pipeline.algorithms import distill as dl
 from pipeline.algorithms.mismatch import logprob_diff
 from pipeline.config import GenerationConfig, ModelConfig, PromptDataConfig, StageConfig
@@ -44,7 +45,6 @@ from pipeline.engine.checkpoint import seeded_fork
 from pipeline.engine.held_out import ratio
 from pipeline.engine.resume import launched_world_size
 from pipeline.engine.stage import Stage
-from pipeline.engine.stage_checks import data_problems
 from pipeline.engine.stage_main import main
 from pipeline.engine.supervised_head import chunked_rows, head_split, hidden_forward
 from pipeline.modeling.embedded import resolve_model_path

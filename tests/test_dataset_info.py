@@ -13,8 +13,8 @@ from data_formats.datasets import build_preference_data, build_sft_data
 from data_formats.pt_data import build_pt_data
 from data_formats.render import make_template
 from data_formats.unpaired import build_kto_data
+from data_formats.validate import data_problems
 from pipeline.config.sections import ChatDataConfig, PreferenceDataConfig, TextDataConfig
-from pipeline.engine.stage_checks import data_problems
 
 LF = Path(__file__).resolve().parent / "data" / "peers" / "LLaMA-Factory"
 INFO = LF / "dataset_info.json"

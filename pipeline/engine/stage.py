@@ -46,7 +46,7 @@ from data_formats.datasets import overlong_drops, source_mix
 from data_formats.render import make_template, template_jinja
 from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
 from data_formats.sources import DataError
-from data_formats.validate import skip_report, take_skipped
+from data_formats.validate import data_problems, skip_report, take_skipped
 from pipeline.config import ConfigError, StageConfig, save_config, to_dict
 from pipeline.config.capabilities import config_refusals
 from pipeline.config.engines import package_wanted
@@ -69,7 +69,7 @@ from pipeline.engine.interrupt import Stopped, StopRequest, agreed_signal, all_r
 from pipeline.engine.precision import fp32_masters, keeps_masters
 from pipeline.engine.resume import launched_world_size, resume, resume_problems
 from pipeline.engine.schedule import build_scheduler
-from pipeline.engine.stage_checks import data_problems, fill_problem, parent_problems, supervision_problems
+from pipeline.engine.stage_checks import fill_problem, parent_problems, supervision_problems
 from pipeline.engine.steps import NonFiniteError, optimizer_step
 from pipeline.engine.tracking import (
     EarlyStopping,

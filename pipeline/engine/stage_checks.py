@@ -1,6 +1,6 @@
-"""A stage's checks before any heavy work (Stage.validate gathers them with the config's own): the
-data paths, the parent model folder and its manifest, and whether the training set supervises any
-token. Pure functions of their inputs; each returns one line per problem."""
+"""A stage's checks before any heavy work (Stage.validate gathers them with the config's own and
+the data paths' from data_formats.validate): the parent model folder and its manifest, and whether
+the training set supervises any token. Pure functions of their inputs; each returns one line per problem."""
 
 from __future__ import annotations
 
@@ -9,27 +9,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from data_formats import llamafactory_registry
 from data_formats.sampling import SourceMix
-from data_formats.sources import expand_entry
 from pipeline.modeling.handoff import manifest_problems
 from pipeline.modeling.preflight import model_problems
-
-
-def data_problems(entries: Sequence[str], key: str) -> list[str]:
-    """Data path entries that name no file (a missing path or an empty folder/glob), and LLaMA-Factory
-    registry entries Relay cannot honour (data_formats.llamafactory_registry)."""
-
-    out = []
-    for entry in entries:
-        refused = llamafactory_registry.problem(entry)
-        if refused is not None:
-            out.append(f"{key}: {refused}")
-            continue
-        files, dataset = expand_entry(entry)
-        if dataset is None and (not files or not all(f.is_file() for f in files)):
-            out.append(f"{key}: {entry!r} names no data file")
-    return out
 
 
 def fill_problem(

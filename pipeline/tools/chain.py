@@ -26,6 +26,7 @@ import yaml
 
 import stages as registry
 from data_formats.sources import DataError, expand_entry
+from data_formats.validate import data_problems, read_and_parse
 from pipeline.config import ConfigError, load_config
 from pipeline.engine.identity import config_changes
 from pipeline.modeling.handoff import link_problems, manifest_problems, pairing_problems
@@ -354,9 +355,6 @@ def stage_data_problems(stage: str, data) -> list[str]:
     tokenizing: a path that names no file, a record its kind of data cannot parse), so that a later
     stage's data is checked before the first stage trains. Records are read from files only, and only
     where bad ones stop the stage (data.on_error strict); a streamed corpus is left to its stage."""
-    from data_formats.validate import read_and_parse
-    from pipeline.engine.stage_checks import data_problems
-
     out = data_problems(data.train, "data.train") + data_problems(data.eval, "data.eval")
     if data.on_error != "strict" or getattr(data, "streaming", False):
         return out

@@ -27,11 +27,11 @@ from typing import Optional, Sequence
 from data_formats.datasets import build_prompt_data
 from data_formats.render import make_template
 from data_formats.sources import DataError
+from data_formats.validate import data_problems
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.judge import JudgeError, JudgeReward
 from pipeline.algorithms.judge_config import JudgeConfig
 from pipeline.config import ConfigError, ModelConfig, PromptDataConfig, load_config
-from pipeline.engine.stage_checks import data_problems
 from pipeline.modeling.models import load_model, load_tokenizer
 from pipeline.modeling.preflight import model_problems
 from pipeline.rl.generators import make_generator
