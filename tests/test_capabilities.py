@@ -266,7 +266,7 @@ def test_validate_prints_the_refusal_before_any_model_loads(
 
 def test_train_refuses_before_torchrun_starts_a_rank(tmp_path, tiny_model_dir, tiny_reward_dir, monkeypatch, capsys):
     started = []
-    monkeypatch.setattr(subprocess, "call", lambda *a, **k: started.append(a) or 0)
+    monkeypatch.setattr(cli, "hand_over", lambda *a, **k: started.append(a) or 0)
     config = write_config(tmp_path, "grpo", tiny_model_dir, tiny_reward_dir)
     assert cli.main(["train", str(config), "--nproc", "2", "--generation.backend", "vllm"]) == 2
     assert not started

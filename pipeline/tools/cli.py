@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -266,7 +265,18 @@ def run_train(args: list[str]) -> int:
         for line in problems:
             print(f"error: {line}", file=sys.stderr)
         return 2
-    return subprocess.call(command)
+    return hand_over(command)
+
+
+def hand_over(command: list[str], env: Optional[dict] = None) -> int:
+    """Become `command` (exec: the same process, its exit code relay's): a signal to `relay train`
+    or `relay pipeline` (a scheduler's preemption, `kill`, Ctrl-C) reaches the stage or the driver
+    itself, which finishes its step, saves and says so. Run as a child, the command went on alone
+    once a signal had ended relay's own process."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(command[0], command, dict(os.environ) if env is None else env)
+    return 1  # not reached: execvpe returns only by raising
 
 
 CAPABILITIES_USAGE = """usage: relay capabilities [--write-readme [README.md]]
@@ -410,7 +420,7 @@ def run_pipeline(args: Sequence[str]) -> int:
         return 2
     env = dict(os.environ)
     env.setdefault("PYTHON", sys.executable)
-    return subprocess.call(["bash", str(script), *args], env=env)
+    return hand_over(["bash", str(script), *args], env)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

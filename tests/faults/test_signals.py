@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -160,7 +161,10 @@ def test_a_real_process_stops_on_sigterm_with_one_line_and_the_rerun_continues(t
             ),
         ]
 
-    proc = subprocess.Popen(cmd(400), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Started as a user starts it: `relay train` becomes the stage, so the signal reaches the stage
+    # (run as relay's child, the stage went on alone once SIGTERM had ended relay).
+    relay = [str(Path(sys.executable).with_name("relay")), "train", "--stage", "sft", *cmd(400)[2:]]
+    proc = subprocess.Popen(relay, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(out / "config.yaml", proc)
     time.sleep(3)
     proc.send_signal(signal.SIGTERM)
@@ -262,14 +266,19 @@ time.sleep(120)
 '''
 
 
-def test_the_driver_forwards_sigterm_and_records_which_stage_stopped(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("entry", ["script", "relay pipeline"])
+def test_the_driver_forwards_sigterm_and_records_which_stage_stopped(tmp_path, tiny_model_dir, entry):
+    """SIGTERM to the driver script, or to `relay pipeline` (which becomes the script: as its
+    child, the script and the stage went on alone once the signal had ended relay)."""
     from test_driver import write_fake_config
 
     config, root, fake_log = write_fake_config(tmp_path, tiny_model_dir, report=False)
     (tmp_path / "scripts" / "sft.py").write_text(SLEEPER)
     env = {**_env(), "FAKE_LOG": str(fake_log), "PYTHON": python_for_tests()}
+    script = ["bash", str(ROOT / "run_scripts/run_pipeline.sh")]
+    command = script if entry == "script" else [str(Path(sys.executable).with_name("relay")), "pipeline"]
     proc = subprocess.Popen(
-        ["bash", str(ROOT / "run_scripts/run_pipeline.sh"), str(config)],
+        [*command, str(config)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
