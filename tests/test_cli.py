@@ -294,3 +294,22 @@ def test_validate_lists_a_stages_bad_records_beside_its_missing_files_and_model(
     assert f"  - model.path: {missing_model}: no such folder" in err
     assert f"  - data.eval: '{missing_eval}' names no data file" in err
     assert f"  {data}:1: chosen and rejected are identical" in err
+
+
+def test_validate_reads_a_pipelines_paths_as_the_pipeline_does(tmp_path, monkeypatch, capsys):
+    """`relay pipeline` reads every path inside its config from the repository root (the driver runs
+    there); `relay validate` read them from the working folder, so a config it passed failed at the
+    run (and one it refused ran)."""
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(
+        "base_model: embedded\noutput_root: outputs/validate-paths\nchain: [sft]\nstages:\n"
+        "  sft:\n    config: !include " + str(REPO / "configs" / "sft.yaml") + "\n"
+        "    data: {train: [mydata/train.jsonl], eval: []}\n"
+    )
+    (tmp_path / "mydata").mkdir()
+    write_jsonl(tmp_path / "mydata" / "train.jsonl", [{"messages": [{"role": "user", "content": "q"}]}])
+    monkeypatch.chdir(tmp_path)  # mydata/ is here, not in the repository
+    assert cli.main(["validate", "pipeline.yaml"]) == 2
+    assert "stages.sft: data.train: 'mydata/train.jsonl' names no data file" in capsys.readouterr().err
+    config.write_text(config.read_text().replace("mydata/train.jsonl", "data/sample/sft/train"))
+    assert cli.main(["validate", "pipeline.yaml"]) == 0, capsys.readouterr().err

@@ -21,6 +21,7 @@ scripts (through torchrun when --nproc > 1). Every subcommand's `--help` lists i
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -362,11 +363,15 @@ def validate_config(config: str, args: list[str]) -> int:
         except CLIError as err:
             if "is a pipeline config" not in str(err):
                 raise
-            cfg, selection = load_pipeline(config, args)
-            planned = planned_stages(cfg, selection)
-            problems = model_problems(cfg.base_model, "base_model") + stage_config_problems(cfg, planned)
-            if cfg.reward_model:
-                problems += model_problems(cfg.reward_model, "reward_model", need="reward")
+            # As `relay pipeline` reads it: the config's own path from here, every path in it from
+            # the repository root (run_scripts/run_pipeline.sh).
+            resolved = str(Path(config).resolve())
+            with contextlib.chdir(REPO):
+                cfg, selection = load_pipeline(resolved, args)
+                planned = planned_stages(cfg, selection)
+                problems = model_problems(cfg.base_model, "base_model") + stage_config_problems(cfg, planned)
+                if cfg.reward_model:
+                    problems += model_problems(cfg.reward_model, "reward_model", need="reward")
             if problems:
                 raise ConfigError(problems, config)
             print(f"{config}: pipeline config OK; stages {' -> '.join(planned)} into {cfg.output_root}")
