@@ -298,3 +298,22 @@ def test_a_stage_merges_with_its_own_tokenizer_and_writes_what_a_reload_writes(t
     assert "tokenizer.json" in names and "model.safetensors" in names
     _, mismatch, errors = filecmp.cmpfiles(out / "merged", again, names, shallow=False)
     assert mismatch == [] and errors == []
+
+
+def test_relay_merge_of_a_stages_adapter_keeps_the_chat_template_it_trained_on(tiny_model_dir, tmp_path):
+    """A run on role markers (or a tool layout) trains on a chat template of Relay's; merged/ gets it,
+    and so does the tokenizer saved beside the adapter, which `relay merge` reads: it held the
+    base's, so a merge of the adapter rendered prompts another way than the run's merged/."""
+    from test_pt_sft import run_sft, sft_args, write_sft
+    from transformers import AutoTokenizer
+
+    train, valid = write_sft(tmp_path / "data", 4, 2)
+    out = tmp_path / "out"
+    stage = run_sft(
+        sft_args(tiny_model_dir, train, valid, out, "--train.max_steps", "1", "--data.template", "role_markers")
+    )
+    assert stage.chat_template is not None
+    again = merge_adapter(str(tiny_model_dir), str(out / "adapter"), str(tmp_path / "again"), kind="causal")
+    trained = AutoTokenizer.from_pretrained(out / "merged").chat_template
+    assert trained == stage.chat_template != AutoTokenizer.from_pretrained(tiny_model_dir).chat_template
+    assert AutoTokenizer.from_pretrained(again).chat_template == trained

@@ -48,10 +48,23 @@ def export_trained(stage, extras: dict) -> Optional[Path]:
         merged = export_full_model(trained, stage.tokenizer, str(out / "merged"), parent=stage.model_path, **common)
     elif acc.is_main_process:
         trained.save_pretrained(out / "adapter", safe_serialization=True)
-        stage.tokenizer.save_pretrained(out / "adapter")
+        save_tokenizer(stage, out / "adapter")
         for folder, adapter in stage.export_adapters().items():
             adapter.save_pretrained(out / folder)
     return _merge(stage, out, full, merged, common)
+
+
+def save_tokenizer(stage, folder: Path) -> None:
+    """The stage's tokenizer beside its adapter, with the chat template the run trained on
+    (`stage.chat_template`: role markers, a tool layout), as merged/ gets it: `relay merge` reads
+    the adapter folder's, and the base's template would render prompts another way."""
+    tokenizer, own = stage.tokenizer, stage.tokenizer.chat_template
+    if stage.chat_template is not None:
+        tokenizer.chat_template = stage.chat_template
+    try:
+        tokenizer.save_pretrained(folder)
+    finally:
+        tokenizer.chat_template = own
 
 
 def _export_sharded(stage, trained, out: Path, full: bool, common: dict, gather: Callable) -> Optional[Path]:
@@ -71,7 +84,7 @@ def _export_sharded(stage, trained, out: Path, full: bool, common: dict, gather:
             merged = export_full_model(fresh, stage.tokenizer, str(out / "merged"), parent=stage.model_path, **common)
     elif acc.is_main_process:
         trained.save_pretrained(out / "adapter", safe_serialization=True, state_dict=state)
-        stage.tokenizer.save_pretrained(out / "adapter")
+        save_tokenizer(stage, out / "adapter")
         for folder, adapter in stage.export_adapters().items():
             adapter.save_pretrained(out / folder, state_dict=adapters[folder])
     return _merge(stage, out, full, merged, common)
