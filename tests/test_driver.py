@@ -780,6 +780,11 @@ def test_summary_verdict_and_gold_rows_follow_the_chain(extra_registry, tmp_path
     )
     (tmp_path / "dpo2" / "summary.json").unlink()
     assert driver.pipeline_summary(cfg)["verdict_reasons"] == ["DPO2 did not run"]
+    # A chain without a stage the verdict reads, every stage finished: the reason says so (it read
+    # "SFT did not run" after SFT had finished).
+    sft_only = extra_registry(["pt", "sft"], output_root=str(tmp_path))
+    (reason,) = driver.pipeline_summary(sft_only)["verdict_reasons"]
+    assert reason.startswith("nothing to judge: the chain has none of the stages a verdict reads (RM, PPO,"), reason
 
 
 def test_report_plots_follow_the_registry(tmp_path, monkeypatch):

@@ -268,8 +268,11 @@ def pipeline_summary(cfg: PipelineConfig) -> dict:
         reasons = verdict(
             figures, cfg.verdict, gold_reasons, checked=[s for s in needed if registry.info(s).verdict_figures]
         )
-    else:
+    elif needed or any(s not in stages for s in cfg.chain[-1:]):
         reasons = [f"{' or '.join(s.upper() for s in (needed or cfg.chain[-1:]))} did not run"]
+    else:  # every stage ran, and none of them is one a verdict reads
+        judges = [s.upper() for s, i in registry.STAGES.items() if i.judged or i.verdict_figures]
+        reasons = [f"nothing to judge: the chain has none of the stages a verdict reads ({', '.join(judges)})"]
     judged = (
         gold["rl"] if gold else next((s for s in reversed(cfg.chain) if s in stages and registry.info(s).judged), None)
     )
