@@ -139,6 +139,11 @@ def test_values_of_the_wrong_type_are_all_reported_at_once_in_plain_words(tmp_pa
         "--train.seed: expected int, got 'abc'",
         "--train.learning_rate: needs a value",
     ]
+    with pytest.raises(ConfigError) as err:
+        load_config(ToyStage, ["--data.train", "data/*.jsonl"])
+    assert err.value.problems == [
+        "--data.train: expected a list of str, got 'data/*.jsonl' (a list on the command line: '[data/*.jsonl]')"
+    ]
     # what draccus takes stays taken: a quoted number, YAML's and the plain text's forms on the command line
     ok = write(tmp_path / "ok.yaml", "train: {batch_size: '2', learning_rate: 1e-4}\n")
     loaded = load_config(ToyStage, ["--config", str(ok), "--lora.alpha=4", "--data.train", "[a.jsonl, b.jsonl]"])

@@ -150,7 +150,8 @@ def wrong_override_types(cls: type, rest: Sequence[str]) -> list[str]:
         except yaml.YAMLError:
             parsed = value
         if not _decodes(tp, parsed) and not _decodes(tp, value):
-            out.append(f"--{key}: expected {type_name(tp)}, got {value!r}")
+            listed = f" (a list on the command line: '[{value}]')" if _decodes(tp, [parsed]) else ""
+            out.append(f"--{key}: expected {type_name(tp)}, got {value!r}{listed}")
     return out
 
 
