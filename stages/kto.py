@@ -232,7 +232,8 @@ class KTOStage(ReferenceStage):
     def progress(self, figures: dict[str, float]) -> dict[str, str]:
         return {
             "loss": f"{figures['train/loss']:.4f}",
-            "margin": f"{figures.get('train/margin', float('nan')):.3f}",
+            # no margin where a step held one kind of sample (its figures leave it out, not NaN)
+            "margin": f"{figures['train/margin']:.3f}" if "train/margin" in figures else "n/a",
             "kl": f"{figures['kto/kl']:.3f}",
         }
 

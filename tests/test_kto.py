@@ -566,3 +566,13 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir, kto_file, monkeyp
     for key in ("train/loss", "kto/kl", "train/margin"):
         assert [s.get(key) for s in resumed.history.steps] == [s.get(key) for s in continuous.history.steps]
     assert continuous.history.steps[-1]["kto/kl"] > 0
+
+
+def test_the_progress_bar_reads_no_margin_where_a_step_held_one_kind_of_sample():
+    """A step of desirable samples alone has no margin: its figures leave it out (not NaN in the
+    logs), and the progress bar says n/a instead of printing nan."""
+    from stages.kto import KTOStage
+
+    figures = {"train/loss": 0.5, "kto/kl": 0.25}
+    assert KTOStage.progress(None, figures)["margin"] == "n/a"
+    assert KTOStage.progress(None, {**figures, "train/margin": 0.125})["margin"] == "0.125"
