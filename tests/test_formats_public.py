@@ -282,6 +282,12 @@ REFUSED = [
         "sft",
         "'weight' 0 on a user turn",
     ),
+    (
+        "weight 2 on an assistant turn",
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 2}]},
+        "sft",
+        "'weight' 2 on an assistant turn",
+    ),
 ]
 
 

@@ -125,8 +125,8 @@ def weight_of(item: dict, role: str, where: str) -> bool:
         return True
     if role != "assistant" or item["weight"] not in (0, 1) or isinstance(item["weight"], bool):
         raise RecordError(
-            f"{where}: 'weight' {item['weight']!r} on a {role} turn; OpenAI's weight is 0 or 1 on an "
-            "assistant message (0: not trained)"
+            f"{where}: 'weight' {item['weight']!r} on {'an' if role == 'assistant' else 'a'} {role} turn; "
+            "OpenAI's weight is 0 or 1 on an assistant message (0: not trained)"
         )
     return item["weight"] == 1
 
