@@ -30,7 +30,7 @@ from data_formats.conversation import (
     refuse_unsupported,
     task_of,
 )
-from data_formats.formats import conversation_layout, pair_layout, unpaired_layout
+from data_formats.formats import conversation_layout, pair_detected, pair_layout, unpaired_layout
 from data_formats.formats.lists import record_tools
 from data_formats.formats.text import document
 
@@ -184,6 +184,8 @@ def parse_unpaired(
     """
     record = _object(record)
     label = record_label(record)
+    if label is None and unpaired_layout(record) is not None and not pair_detected(record):
+        raise RecordError("an answer without its 'label' (true: desirable, false: undesirable; or 'kto_tag')")
     if label is None:
         chosen, rejected = parse_preference(record, task=task, source=source, system_prompt=system_prompt)
         return [(chosen, True), (rejected, False)]

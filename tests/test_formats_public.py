@@ -283,6 +283,12 @@ REFUSED = [
         "'weight' 0 on a user turn",
     ),
     (
+        "a KTO answer without its label",
+        {"prompt": "q", "completion": "a"},
+        "kto",
+        "an answer without its 'label' (true: desirable, false: undesirable; or 'kto_tag')",
+    ),
+    (
         "weight 2 on an assistant turn",
         {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 2}]},
         "sft",

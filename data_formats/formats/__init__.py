@@ -216,6 +216,11 @@ def pair_layout(record: dict) -> Format:
     return next((e for e in layouts if e.detect(record)), layouts[-1])
 
 
+def pair_detected(record: dict) -> bool:
+    """Whether a preference layout detects `record` (`pair_layout` falls back to TRL's when none does)."""
+    return any(e.pair is not None and e.detect(record) for e in REGISTRY)
+
+
 def unpaired_layout(record: dict) -> Optional[Format]:
     """The layout of a labelled KTO record: the first KTO entry with turns that detects it, or None."""
     return next((e for e in REGISTRY if "kto" in e.kinds and e.turns is not None and e.detect(record)), None)
