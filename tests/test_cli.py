@@ -205,6 +205,7 @@ def test_a_config_that_cannot_be_read_is_one_line_naming_its_file_and_line(tmp_p
         "twice.yaml": (b"output_dir: x\ntrain: {max_steps: 1}\ntrain: {batch_size: 2}\n", "twice.yaml:3: key 'train'"),
         "syntax.yaml": (b"output_dir: x\ntrain: {max_steps: 1\n", "syntax.yaml:3: expected ',' or '}'"),
         "outer.yaml": (b"lora: !include inner.yaml\n", "inner.yaml:2: key 'r' is given twice (lines 1 and 2)"),
+        "lost.yaml": (b"lora: !include gone.yaml\n", f"lost.yaml: !include {tmp_path / 'gone.yaml'}: no such file"),
     }
     (tmp_path / "inner.yaml").write_text("r: 8\nr: 9\n")
     for name, (content, want) in bad.items():

@@ -245,6 +245,8 @@ def yaml_problem(path: Path, err: Exception) -> str:
         return f"{name}:{mark.line + 1}: {err.problem}{context}"
     if isinstance(err, UnicodeDecodeError):
         return f"{path}: a file it includes is not UTF-8 text"
+    if isinstance(err, FileNotFoundError):  # the config itself exists: an !include names no file
+        return f"{path}: !include {err.filename}: no such file"
     return f"{path}: {err}".replace("\n", " ")
 
 
