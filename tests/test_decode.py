@@ -306,12 +306,57 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     torch.testing.assert_close(out[2], probs[2])  # top_p 1: unchanged
 
 
+def test_a_top_p_too_small_for_fp32_keeps_the_top_token_as_transformers_top_p_warper_does():
+    """top_p 1e-300 is inside (0, 1] but rounds to 0 in fp32: every token's 'mass before' reached
+    it and the row became 0 / 0. transformers' TopPLogitsWarper (min_tokens_to_keep=1) keeps the
+    most likely token; so does nucleus, leaving ordinary top_p untouched."""
+    from transformers import TopPLogitsWarper
+
+    logits = torch.tensor([[0.3, 2.0, -1.0, 1.9], [1.0, 0.5, 0.2, -0.4]])
+    for top_p in (1e-300, 1e-45, 0.3):
+        want = TopPLogitsWarper(top_p)(None, logits.clone()).softmax(-1)
+        got = nucleus(logits.softmax(-1), torch.tensor([top_p, top_p]))
+        torch.testing.assert_close(got, want)
+
+
+def test_temperatures_and_top_p_at_the_edges_of_their_ranges_decode_as_their_limits(tiny):
+    """A temperature so small that logits / T overflows fp32 (or rounds to 0 in it) decodes as its
+    limit, the greedy answer (vLLM's sampler too treats a near-zero temperature as greedy), with
+    log-probs 0 (all the mass on the chosen token), beside a greedy row or alone; a tiny top_p keeps
+    the top token only. None of them is NaN or an error."""
+    greedy = generate(tiny, RAGGED[:2], max_new_tokens=6, eos_ids=[], pad_id=0, temperature=0.0).tokens
+    for kwargs in (
+        dict(temperature=1e-300),
+        dict(temperature=1e-40),
+        dict(temperature=[0.0, 1e-300]),
+        dict(temperature=[1e-300, 0.7], top_p=[1.0, 1e-300]),
+        dict(temperature=1.0, top_p=1e-300),
+    ):
+        out = generate(
+            tiny,
+            RAGGED[:2],
+            max_new_tokens=6,
+            eos_ids=[],
+            pad_id=0,
+            generator=torch.Generator().manual_seed(0),
+            logprobs=True,
+            **kwargs,
+        )
+        assert out.tokens == greedy, kwargs
+        assert all(lp == lp and lp <= 0 for row in out.logprobs for lp in row), kwargs
+    tiny_t = generate(tiny, RAGGED[:2], max_new_tokens=6, eos_ids=[], pad_id=0, temperature=1e-300, logprobs=True)
+    assert tiny_t.logprobs == [[0.0] * 6, [0.0] * 6]
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [
         (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
         (dict(max_new_tokens=4, temperature=-1.0), "temperature must be >= 0"),
+        (dict(max_new_tokens=4, temperature=float("nan")), "temperature must be >= 0 .* finite, got nan"),
+        (dict(max_new_tokens=4, temperature=float("inf")), "temperature must be >= 0 .* finite, got inf"),
         (dict(max_new_tokens=4, top_p=0.0), "top_p must be in"),
+        (dict(max_new_tokens=4, top_p=float("nan")), "top_p must be in .*, got nan"),
         (dict(max_new_tokens=[4, 4]), "max_new_tokens has 2 entries for 5 prompts"),
     ],
 )

@@ -158,13 +158,112 @@ def test_every_bad_request_is_an_openai_error_and_the_server_stays_up(server):
     assert ask(client).choices[0].message.content  # still up
 
 
+NOT_FINITE = [
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "n",
+    "seed",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+]
+"""The numeric fields a request may carry: NaN or an infinity in any of them is a 400 naming it."""
+
+
+def test_nan_and_infinity_are_a_400_naming_the_field(server):
+    """Python's json reads NaN and Infinity, which a range check alone lets through (every
+    comparison with NaN is False); vLLM's server answers 400 to them. The openai SDK refuses to
+    serialise them, so the body goes as bytes: through the SDK's own client once (which reads the
+    answer as its BadRequestError), then raw."""
+    client, base = server
+    with pytest.raises(ValueError):
+        ask(client, top_p=float("nan"))
+    nan_top_p = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": NaN}'
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.post(
+            "/chat/completions",
+            content=nan_top_p,
+            cast_to=object,
+            options={"headers": {"Content-Type": "application/json"}},
+        )
+    assert caught.value.body["param"] == "top_p" and caught.value.body["code"] == "invalid_value"
+    for key in NOT_FINITE:
+        for word in ("NaN", "Infinity", "-Infinity"):
+            body = f'{{"model": "tiny", "messages": [{{"role": "user", "content": "hi"}}], "{key}": {word}}}'
+            status, answer = raw(f"{base}/chat/completions", body.encode())
+            error = answer["error"]
+            assert status == 400 and error["param"] == key and f"got {word}" in error["message"], (key, word, error)
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": NaN}}'
+    assert raw(f"{base}/chat/completions", body)[1]["error"]["param"] == "logit_bias.5"
+
+
+def test_extreme_values_inside_the_ranges_are_their_limits(server):
+    """temperature 1e-300 is inside [0, 2] and top_p 1e-300 inside (0, 1]: both are answered (they
+    were a 500 from a NaN in the sampler), as their limits: the greedy answer."""
+    client, _ = server
+    greedy = ask(client).choices[0].message.content
+    assert ask(client, temperature=1e-300).choices[0].message.content == greedy
+    assert ask(client, temperature=1.0, top_p=1e-300).choices[0].message.content == greedy
+    assert [c.message.content for c in ask(client, temperature=1e-300, n=2).choices] == [greedy, greedy]
+
+
+def concurrently(base: str, bodies: list[bytes]) -> list[tuple[int, dict]]:
+    """(status, JSON body) of each request, all sent at once."""
+    answers: list = [None] * len(bodies)
+    start = threading.Barrier(len(bodies))
+
+    def send(i: int) -> None:
+        start.wait()
+        answers[i] = raw(f"{base}/chat/completions", bodies[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return answers
+
+
+def test_one_clients_bad_or_extreme_value_never_fails_the_request_beside_it(server):
+    """The user test's report: a greedy request and a `top_p: NaN` one sent together both got 500;
+    so did a greedy one beside `temperature: 1e-300`. Now the NaN is its own request's 400 and the
+    greedy neighbour is answered; the tiny temperature is answered too."""
+    client, base = server
+    greedy = ask(client).choices[0].message.content
+    good = json.dumps({"model": "tiny", "messages": HI, "max_tokens": 8, "temperature": 0}).encode()
+    nan = b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "top_p": NaN, "temperature": 1}'
+    (status, answer), (bad_status, bad) = concurrently(base, [good, nan])
+    assert status == 200 and answer["choices"][0]["message"]["content"] == greedy, answer
+    assert bad_status == 400 and bad["error"]["param"] == "top_p", bad
+    tiny_t = json.dumps({"model": "tiny", "messages": HI, "max_tokens": 8, "temperature": 1e-300}).encode()
+    for status, answer in concurrently(base, [good, tiny_t]):
+        assert status == 200 and answer["choices"][0]["message"]["content"] == greedy, answer
+
+
+def test_a_method_a_path_does_not_take_is_a_405_naming_the_ones_it_takes(server):
+    _, base = server
+    for method, path, allowed in [
+        ("OPTIONS", "/models", "GET"),
+        ("POST", "/models", "GET"),
+        ("DELETE", "/models/tiny", "GET"),
+        ("GET", "/chat/completions", "POST"),
+    ]:
+        request = urllib.request.Request(base + path, method=method)
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=30)
+        error = json.loads(caught.value.read())["error"]
+        assert caught.value.code == 405 and caught.value.headers["Allow"] == allowed, (method, path)
+        assert error["message"] == f"/v1{path} does not take {method}; it takes {allowed}"
+
+
 # ------------------------------------------------------------------------------------------
 # batching, without HTTP
 # ------------------------------------------------------------------------------------------
 
 
-def submit(batcher, chat, messages, max_new_tokens: int, timeout: float = 60.0, n: int = 1) -> dict:
-    """Queue a job; returns its record: events with their arrival times, filled from the worker."""
+def submit(batcher, chat, messages, max_new_tokens: int, timeout: float = 60.0, n: int = 1, top_p: float = 1.0) -> dict:
+    """Queue a greedy job; returns its record: events with their arrival times, filled from the worker."""
     record: dict = {"events": [], "times": []}
 
     def emit(event):
@@ -176,7 +275,7 @@ def submit(batcher, chat, messages, max_new_tokens: int, timeout: float = 60.0, 
         n=n,
         max_new_tokens=max_new_tokens,
         temperature=0.0,
-        top_p=1.0,
+        top_p=top_p,
         stops=[],
         deadline=time.monotonic() + timeout,
         emit=emit,
@@ -241,6 +340,32 @@ def test_a_request_arriving_during_a_long_answer_joins_the_next_slice(chat):
     assert long["job"].completion_tokens == 60 and long["events"][-1] == ("finish", 0, "length")
     # slicing continues the row from its own tokens: the same greedy answer as one uninterrupted call
     assert long_text.strip() == reply(chat, HI, Generation(max_new_tokens=60))
+
+
+def test_a_row_generate_fails_on_fails_only_its_own_request(chat, monkeypatch):
+    """A job the engine refuses (a NaN top_p that got past the request checks) batched with a good
+    one: the good one is answered (its own greedy answer), the bad one alone gets the 500."""
+    calls = []
+    real = serve_batch.generate
+
+    def counting(model, prompts, **kwargs):
+        calls.append(len(prompts))
+        return real(model, prompts, **kwargs)
+
+    monkeypatch.setattr(serve_batch, "generate", counting)
+    batcher = serve_batch.Batcher(chat.model, chat.tokenizer, [], chat.tokenizer.pad_token_id, window=0.5)
+    batcher.start()
+    try:
+        good = submit(batcher, chat, HI, 5)
+        bad = submit(batcher, chat, HI, 5, top_p=float("nan"))
+        wait([good, bad])
+    finally:
+        batcher.stop()
+    assert calls[0] == 2  # they were batched together
+    assert bad["events"][0][:2] == ("error", 500) and "top_p" in bad["events"][0][2]
+    assert good["events"][-1] == ("finish", 0, "length")
+    text = "".join(e[2] for e in good["events"] if e[0] == "delta")
+    assert text.strip() == reply(chat, HI, Generation(max_new_tokens=5))
 
 
 def test_time_limit_ends_a_request(chat):

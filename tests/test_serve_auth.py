@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
 import openai
 import pytest
@@ -100,6 +101,33 @@ def test_missing_key_is_an_openai_401_and_health_stays_open(served):
     for path in ("/openapi.json", "/docs", "/no-such-route"):  # every route, not only /v1's
         assert raw(served + path, {})[0] == 401, path
     assert raw(served + "/openapi.json", {"Authorization": f"Bearer {KEY}"})[0] == 200
+
+
+def test_a_method_no_route_takes_needs_the_key_too_then_is_a_405_naming_the_methods(served):
+    """OPTIONS passed without the key and got a 405 pointing at POST /v1/chat/completions. This
+    server answers no CORS preflight (vLLM's lets OPTIONS through for its CORS middleware), so
+    OPTIONS is one more method: the key first, like every route, then the path's own methods."""
+    for method, path, allowed in [
+        ("OPTIONS", "/v1/models", "GET"),
+        ("PUT", "/v1/models", "GET"),
+        ("OPTIONS", "/v1/chat/completions", "POST"),
+        ("GET", "/v1/chat/completions", "POST"),
+    ]:
+        for headers, code in [({}, "missing_api_key"), ({"Authorization": "Bearer sk-wrong"}, "invalid_api_key")]:
+            status, body, _ = sent(method, served + path, headers)
+            assert status == 401 and body["error"]["code"] == code, (method, path, headers)
+        status, body, answer_headers = sent(method, served + path, {"Authorization": f"Bearer {KEY}"})
+        assert status == 405 and answer_headers["Allow"] == allowed, (method, path, body)
+        assert body["error"]["message"] == f"{path} does not take {method}; it takes {allowed}"
+
+
+def sent(method: str, url: str, headers: dict) -> tuple[int, dict, Any]:
+    """(status, JSON body, headers) of a `method` request."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers, method=method), timeout=30) as answer:
+            return answer.status, json.loads(answer.read()), answer.headers
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read()), err.headers
 
 
 def test_key_error_compares_whole_header():

@@ -16,8 +16,9 @@ it does, and why:
   no step rebuilds it in Python.
 - Each step is one forward of the last token; the next token comes from exactly softmax(logits / T)
   (one `torch.multinomial` over the batch per step, as transformers' sampling loop draws), or the
-  argmax for greedy rows (T = 0). No logits processor touches the distribution: PPO and GRPO score
-  the log-probs of exactly this distribution.
+  argmax for greedy rows (T = 0); a T > 0 so small that logits / T leaves fp32's range draws from
+  the limit T -> 0, the argmax (`Chooser.at_the_limit`). No logits processor touches the
+  distribution: PPO and GRPO score the log-probs of exactly this distribution.
 - A row ends at an eos id, at its own `max_new_tokens`, or when `on_token` says so; the call
   returns as soon as every row has ended (batch-level early exit).
 - On a CPU in fp32 the linear layers run on weights prepacked for oneDNN, LoRA adapters folded into
@@ -81,7 +82,7 @@ def check_settings(max_new: list[int], temperature: list[float], top_p: list[flo
     """Raises ValueError naming the first setting out of range."""
     for name, values, ok, need in (
         ("max_new_tokens", max_new, lambda v: v >= 1, ">= 1"),
-        ("temperature", temperature, lambda v: v >= 0, ">= 0 (0 = greedy)"),
+        ("temperature", temperature, lambda v: 0 <= v < float("inf"), ">= 0 (0 = greedy) and finite"),
         ("top_p", top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
     ):
         bad = [v for v in values if not ok(v)]
@@ -252,14 +253,25 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     ordered, order = probs.sort(-1, descending=True)
     before = ordered.cumsum(-1) - ordered  # mass of the strictly more likely tokens
     drop = (before >= top_p[:, None]) & (top_p[:, None] < 1)
+    # The most likely token stays whatever top_p is: a top_p that rounds to 0 in fp32 would drop
+    # every token, and 0 / 0 is NaN.
+    drop[:, 0] = False
     cut = ordered.masked_fill(drop, 0.0)
     out = torch.zeros_like(probs).scatter_(-1, order, cut)
     return out / out.sum(-1, keepdim=True)
 
 
+def near_zero_limit(logits: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / T)'s limit as T -> 0+, as logits [B, V] (pure): 0 at each row's most likely
+    tokens, -inf elsewhere (all the mass on the argmax, shared between exact ties)."""
+    top = logits == logits.amax(-1, keepdim=True)
+    return torch.zeros_like(logits).masked_fill(~top, float("-inf"))
+
+
 class Chooser:
     """Picks each row's next token from its logits: argmax where T = 0, else a draw from
-    softmax(logits / T) (cut to top_p where below 1)."""
+    softmax(logits / T) (cut to top_p where below 1). A T so small that logits / T leaves fp32's
+    range (or rounds to 0 in it) draws from the limit T -> 0, the argmax (`near_zero_limit`)."""
 
     def __init__(self, temperature: list[float], top_p: list[float], device, generator: Optional[torch.Generator]):
         self.greedy = torch.tensor([t == 0 for t in temperature], device=device)
@@ -269,6 +281,8 @@ class Chooser:
         self.top_p = torch.tensor(top_p, device=device)
         self.truncate = any(p < 1 for p in top_p)
         self.generator = generator
+        # Only T < 1 can carry a finite logit past fp32's largest value.
+        self.may_overflow = any(0 < t < 1 for t in temperature)
 
     def scaled(self, logits: torch.Tensor) -> torch.Tensor:
         # A plain float divisor when every row shares it: the same rounding as `logits / T`.
@@ -281,10 +295,25 @@ class Chooser:
         if self.all_greedy:
             return logits.argmax(-1), scaled
         probs = torch.softmax(scaled, dim=-1)
+        if self.may_overflow:
+            scaled, probs = self.at_the_limit(logits, scaled, probs)
         if self.truncate:
             probs = nucleus(probs, self.top_p)
         drawn = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
         return (torch.where(self.greedy, logits.argmax(-1), drawn) if self.any_greedy else drawn), scaled
+
+    @staticmethod
+    def at_the_limit(
+        logits: torch.Tensor, scaled: torch.Tensor, probs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scaled, probs) with the rows softmax turned to NaN replaced by the T -> 0 limit. Only
+        an overflow makes NaN there: +inf among the scaled logits (inf - inf in softmax), or 0 / 0
+        where T rounded to 0; an overflow to -inf alone is already the right probability, 0."""
+        lost = probs.isnan().any(-1)
+        if not bool(lost.any()):
+            return scaled, probs
+        scaled = torch.where(lost[:, None], near_zero_limit(logits), scaled)
+        return scaled, torch.softmax(scaled, dim=-1)
 
 
 # ------------------------------------------------------------------------------------------

@@ -12,12 +12,15 @@ schemas), `tool_choice` ('auto', the default with tools; 'none'; 'required'; or
 {"type": "function", "function": {"name"}}), assistant messages with `tool_calls` (their
 `content` may be null) and `tool` messages (with `tool_call_id`) in the history. A request we
 cannot honour is refused with an OpenAI-style error, never silently changed:
-{"error": {"message", "type", "param", "code"}}. How calls are prompted, forced and read back from
+{"error": {"message", "type", "param", "code"}}; a NaN or infinity (Python's json reads them) in any
+field is refused naming it (`non_finite`). How calls are prompted, forced and read back from
 the answer is pipeline/tools/serve_tools.py.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -93,12 +96,33 @@ class ChatRequest:
         return bool(self.tools) and self.tool_choice != "none"
 
 
+def non_finite(value: Any, path: str = "") -> Optional[tuple[str, float]]:
+    """(where, what) of the first NaN or infinity in a decoded JSON value, or None (pure). Python's
+    json reads NaN, Infinity and -Infinity, which JSON has no words for (the openai SDK refuses to
+    send them); every comparison with NaN is False, so a range check alone lets it through."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        found = non_finite(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+def not_finite_error(path: str, value: float) -> ApiError:
+    return ApiError(400, f"'{path}' must be a finite number, got {json.dumps(value)}", path, "invalid_value")
+
+
 def _number(body: dict, key: str, default: float, low: float, high: float, low_open: bool = False) -> float:
     value = body.get(key, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ApiError(400, f"'{key}' must be a number, got {value!r}", key, "invalid_type")
+    if not math.isfinite(value):
+        raise not_finite_error(key, value)
     if value < low or value > high or (low_open and value == low):
         bounds = f"{'(' if low_open else '['}{low}, {high}]"
         raise ApiError(400, f"'{key}' must be in {bounds}, got {value}", key, "invalid_value")
@@ -268,7 +292,8 @@ def check_request(body: Any, served_name: str) -> ChatRequest:
     """A ChatRequest from a request body (pure).
 
     Raises:
-        ApiError: 400 for anything malformed or out of range, 404 for another model's name.
+        ApiError: 400 for anything malformed or out of range (a NaN or infinity anywhere in it
+            included), 404 for another model's name.
     """
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -294,6 +319,10 @@ def check_request(body: Any, served_name: str) -> ChatRequest:
     unknown = sorted(set(body) - known)
     if unknown:
         raise ApiError(400, f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
+    # messages and tools hold no numbers of ours: their own checks name what is wrong there
+    bad_number = non_finite({key: value for key, value in body.items() if key not in ("messages", "tools")})
+    if bad_number is not None:
+        raise not_finite_error(*bad_number)
     for key, neutral in NEUTRAL.items():
         if key in body and body[key] not in (neutral, None):
             raise ApiError(

@@ -285,18 +285,31 @@ def key_error(authorization: Optional[str], key: str) -> Optional[ApiError]:
 
 
 def require_key(app, key: str) -> None:
-    """Refuse every request without the key (OPTIONS and GET /health pass, as in vLLM's server and
-    Relay's guard in it)."""
+    """Refuse every request without the key but GET /health, as vLLM's server does. OPTIONS needs
+    it too: vLLM lets it pass for its CORS middleware's preflight answers, and this app has none, so
+    an OPTIONS request is one more method a path does not take (405, `make_app`)."""
     from fastapi.responses import JSONResponse
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
         error = None
-        if request.method != "OPTIONS" and (request.method, request.url.path) != ("GET", "/health"):
+        if (request.method, request.url.path) != ("GET", "/health"):
             error = key_error(request.headers.get("authorization"), key)
         if error is not None:
             return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
+
+
+def allowed_methods(app, scope: dict) -> list[str]:
+    """The methods some route of `app` takes at the scope's path, sorted (the router's own Allow
+    header names one route's, in a set's order)."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in app.routes:
+        if getattr(route, "methods", None) and route.matches(scope)[0] != Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
 
 
 def make_app(server: Server, api_key: Optional[str] = None):
@@ -328,12 +341,15 @@ def make_app(server: Server, api_key: Optional[str] = None):
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException):
-        message = (
-            f"no route {request.method} {request.url.path}; try POST /v1/chat/completions"
-            if err.status_code in (404, 405)
-            else str(err.detail)
-        )
-        return JSONResponse(ApiError(err.status_code, message).body(), status_code=err.status_code)
+        headers = dict(err.headers or {})
+        if err.status_code == 405:
+            headers["Allow"] = ", ".join(allowed_methods(app, request.scope))
+            message = f"{request.url.path} does not take {request.method}; it takes {headers['Allow']}"
+        elif err.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; try POST /v1/chat/completions"
+        else:
+            message = str(err.detail)
+        return JSONResponse(ApiError(err.status_code, message).body(), status_code=err.status_code, headers=headers)
 
     @app.get("/v1/models")
     async def models():

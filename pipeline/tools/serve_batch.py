@@ -4,7 +4,8 @@ Every request becomes `n` rows; the worker takes what is waiting (a short window
 up to `max_batch` rows), runs ONE `generate` for all of them and hands each row's tokens to its
 request as they come (on_token). A row ends at an EOS id, at its max_tokens, at a stop string,
 when its request's time limit passes or its client goes away (on_token returns True), so a long
-request never holds the short ones back beyond the step they share.
+request never holds the short ones back beyond the step they share. A batch the engine fails on
+runs again one request at a time, so the error reaches only the request it comes from.
 
 A job asking for log-probs gets, for each of its tokens, the token's log-probability and the
 `top_logprobs` most likely tokens' under the model's raw distribution (log-softmax of the logits
@@ -168,7 +169,7 @@ class Batcher:
         while not self.stopping.is_set():
             batch = [j for j in self._take() if self._still_wanted(j)]
             if batch:
-                self._generate(batch)
+                self.carried[:0] = self._generate(batch)
 
     def _still_wanted(self, job: Job) -> bool:
         """False for a job whose client left or whose time is up (told so: the answer so far
@@ -187,7 +188,29 @@ class Batcher:
                 job.emit(("finish", i, "length"))
         return False
 
-    def _generate(self, batch: list[Job]) -> None:
+    def _generate(self, batch: list[Job]) -> list[Job]:
+        """One slice of `batch`; returns its jobs still going (carried to the next batch). When
+        generate fails, a batch of several requests runs again one request at a time, each from the
+        tokens it has, so a failure reaches only the request it belongs to, never its neighbours."""
+        try:
+            self._slice(batch)
+        except Exception as err:  # noqa: BLE001 - every waiting client gets the reason, the server stays up
+            if len(batch) == 1:
+                batch[0].emit(("error", 500, f"generation failed: {type(err).__name__}: {err}"))
+                return []
+            return [kept for job in batch if self._going(job) for kept in self._generate([job])]
+        return [job for job in batch if self._going(job)]
+
+    @staticmethod
+    def _going(job: Job) -> bool:
+        return not all(job.done) and not job.cancelled
+
+    def _slice(self, batch: list[Job]) -> None:
+        """One generate call of at most `slice_tokens` new tokens per open row of `batch`.
+
+        Raises:
+            Exception: whatever generate raised (the rows' tokens so far are kept in their choices).
+        """
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         for job in batch:
             if not job.choices:
@@ -231,23 +254,15 @@ class Batcher:
         seed = batch[0].seed
         generator = torch.Generator(device=next(self.model.parameters()).device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
-        try:
-            generate(
-                self.model,
-                [job.prompt + job.choices[i].ids for job, i in rows],
-                max_new_tokens=[
-                    min(self.slice_tokens, job.max_new_tokens - len(job.choices[i].ids)) for job, i in rows
-                ],
-                eos_ids=self.eos_ids,
-                pad_id=self.pad_id,
-                temperature=[job.temperature for job, _ in rows],
-                top_p=[job.top_p for job, _ in rows],
-                generator=generator,
-                on_token=on_token,
-                on_logits=on_logits if any(job.logprobs for job in batch) else None,
-            )
-        except Exception as err:  # noqa: BLE001 - every waiting client gets the reason, the server stays up
-            for job in batch:
-                job.emit(("error", 500, f"generation failed: {type(err).__name__}: {err}"))
-            return
-        self.carried[:0] = [job for job in batch if not all(job.done) and not job.cancelled]
+        generate(
+            self.model,
+            [job.prompt + job.choices[i].ids for job, i in rows],
+            max_new_tokens=[min(self.slice_tokens, job.max_new_tokens - len(job.choices[i].ids)) for job, i in rows],
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            temperature=[job.temperature for job, _ in rows],
+            top_p=[job.top_p for job, _ in rows],
+            generator=generator,
+            on_token=on_token,
+            on_logits=on_logits if any(job.logprobs for job in batch) else None,
+        )
