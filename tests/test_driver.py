@@ -890,3 +890,22 @@ def test_real_sft_then_dpo_on_tiny_models(tmp_path, tiny_model_dir):
         0.6931, abs=1e-3
     )  # policy == reference before the first step
     assert summary["final_model"] == str((root / "dpo/merged").resolve())
+
+
+def test_a_stage_that_stops_on_its_config_says_to_fix_it_not_to_rerun(tmp_path):
+    """A stage that exits on problems in its config or data (listed above the driver's line) is not
+    continued by a rerun: the driver's line says to fix them (it said "rerun the same command to
+    continue" as after a signal); a stop by a signal still says where the rerun continues from."""
+    from pipeline.engine.launch import CONFIG_PROBLEMS
+    from pipeline.tools import driver
+
+    path = tmp_path / "p.yaml"
+    path.write_text(f"chain: [pt, sft]\noutput_root: {tmp_path / 'out'}\n")
+    cfg, _ = load_pipeline(str(path), [])
+    driver.cmd_stopped(cfg, "sft", CONFIG_PROBLEMS)
+    driver.cmd_stopped(cfg, "sft", 143)
+    lines = (tmp_path / "out" / "driver.log").read_text().splitlines()
+    assert lines[-2].endswith(
+        "sft: its config or data has the problems listed above; fix them and rerun the same command"
+    )
+    assert lines[-1].endswith("sft: stopped by SIGTERM; it has no checkpoint yet; rerun the same command to continue")

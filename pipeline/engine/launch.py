@@ -21,6 +21,9 @@ import sys
 import tempfile
 from typing import Optional, Sequence
 
+CONFIG_PROBLEMS = 2
+"""A stage's exit code when its config or data has problems (listed before it exits; stage_main)."""
+
 
 def describe(exit_code: int) -> str:
     """'exit code 1', or 'stopped by SIGTERM' for 128 + a signal number / a negative code."""

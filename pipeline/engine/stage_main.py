@@ -14,6 +14,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.engine.checkpoint import CheckpointError
 from pipeline.engine.divergence import Diverged
 from pipeline.engine.interrupt import Stopped
+from pipeline.engine.launch import CONFIG_PROBLEMS
 from pipeline.engine.stage import Stage
 from pipeline.engine.steps import NonFiniteError
 from pipeline.engine.tracking import (
@@ -40,7 +41,7 @@ def main(stage_class: type[Stage], argv: Optional[Sequence[str]] = None) -> int:
         completed = stage.run()
     except ConfigError as err:
         print(err, file=sys.stderr)
-        return 2
+        return CONFIG_PROBLEMS
     except Stopped as err:
         if stage is None or stage.is_main:
             print(f"{stage_class.name}: {err}", file=sys.stderr)

@@ -35,7 +35,7 @@ from typing import Any, Optional, Sequence
 
 import stages as registry
 from pipeline.config import ConfigError
-from pipeline.engine.launch import describe
+from pipeline.engine.launch import CONFIG_PROBLEMS, describe
 from pipeline.engine.tracking import quiet_console
 from pipeline.modeling.manifest import read_manifest
 from pipeline.tools.chain import (
@@ -403,6 +403,9 @@ def cmd_stopped(cfg: PipelineConfig, stage: str, exit_code: int) -> None:
     folder = merged_dir(cfg, stage).parent / "checkpoints"
     marked = sorted(p.parent for p in folder.glob("step-*/.complete")) if folder.is_dir() else []
     where = f"its last checkpoint is {marked[-1]}" if marked else "it has no checkpoint yet"
+    if exit_code == CONFIG_PROBLEMS:
+        log(cfg, f"{stage}: its config or data has the problems listed above; fix them and rerun the same command")
+        return
     log(cfg, f"{stage}: {describe(exit_code)}; {where}; rerun the same command to continue")
 
 
