@@ -453,3 +453,15 @@ def test_serve_vllm_on_a_cpu_runs_the_model_in_the_engine_process_and_compiles_u
     )
     assert main([str(tiny_model_dir), "--backend", "transformers", "--eager"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: --eager is a vLLM option (--backend vllm)"
+
+
+def test_relays_own_backend_is_named_relay_as_everywhere_else_and_its_old_name_still_works(capsys):
+    """`relay serve --backend` named Relay's own engine `transformers`, where `relay chat`, the RL
+    stages' generation.backend and the docs call it `relay`: both names now choose it."""
+    from pipeline.tools.serving import serve_choice, serve_values
+
+    assert serve_choice("relay") == serve_choice("transformers") == "relay" and serve_choice("vllm") == "vllm"
+    assert serve_values()[:3] == ("auto", "relay", "vllm")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--backend relay" in " ".join(capsys.readouterr().out.split())

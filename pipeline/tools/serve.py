@@ -56,7 +56,7 @@ from pipeline.tools.openai_protocol import (
     usage,
 )
 from pipeline.tools.serve_tools import CallStream, answer_message, prompt_and_prefill
-from pipeline.tools.serving import SERVING, serve_choice
+from pipeline.tools.serving import SERVING, serve_choice, serve_values
 from pipeline.tools.vllm_serving import serve_vllm
 
 if TYPE_CHECKING:  # the batcher imports torch and the model stack: `--backend vllm` never needs them
@@ -388,15 +388,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="relay serve",
         description="Serve a model folder on an OpenAI-compatible API "
-        "(/v1/chat/completions): vLLM (--backend vllm, or when importable), else FastAPI + transformers.",
+        "(/v1/chat/completions): vLLM (--backend vllm, or when importable), else Relay's own engine "
+        "(--backend relay: FastAPI + transformers).",
     )
     parser.add_argument("model", help="a merged model folder (or 'embedded')")
     parser.add_argument("--name", help="the model name clients use (default: the folder's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--backend", default="auto", choices=("auto", *(entry.serve_name for entry in SERVING.values()))
-    )
+    parser.add_argument("--backend", default="auto", choices=serve_values())
     parser.add_argument("--max-new-tokens", type=int, default=256, help="when a request sets no max_tokens")
     parser.add_argument("--max-batch", type=int, default=16, help="most rows (requests x n) in one generation batch")
     parser.add_argument(

@@ -30,6 +30,8 @@ class ServingBackend:
     """Its `relay serve --backend` value."""
     sampling: tuple[str, ...]
     """The `relay chat` sampling flags it honours (a flag it lacks, set, is refused)."""
+    aliases: tuple[str, ...] = ()
+    """Other `relay serve --backend` values that name it (earlier names, kept working)."""
     serve_options: tuple[str, ...] = ()
     """`relay serve` switches only it reads (set on another backend: refused)."""
     in_cache_key: bool = True
@@ -52,7 +54,11 @@ def _vllm_importable() -> bool:
 
 SERVING: dict[str, ServingBackend] = {
     "relay": ServingBackend(
-        "Relay", "transformers", ("temperature", "top-p", "top-k", "repetition-penalty"), in_cache_key=False
+        "Relay",
+        "relay",
+        ("temperature", "top-p", "top-k", "repetition-penalty"),
+        aliases=("transformers",),  # its name before it was the generation backends' 'relay'
+        in_cache_key=False,
     ),
     "vllm": ServingBackend(
         "vLLM",
@@ -76,4 +82,9 @@ def serve_choice(name: str) -> str:
     """
     if name == "auto":
         return next((key for key, entry in SERVING.items() if entry.preferred()), DEFAULT)
-    return {entry.serve_name: key for key, entry in SERVING.items()}[name]
+    return {value: key for key, entry in SERVING.items() for value in (entry.serve_name, *entry.aliases)}[name]
+
+
+def serve_values() -> tuple[str, ...]:
+    """Every `relay serve --backend` value: auto, each entry's name, then the earlier names."""
+    return ("auto", *(e.serve_name for e in SERVING.values()), *(a for e in SERVING.values() for a in e.aliases))
