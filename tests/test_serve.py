@@ -296,8 +296,9 @@ def wait(records, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def test_waiting_requests_share_one_generate_call_and_short_ones_end_first(chat, monkeypatch):
-    calls = []
+def counted_generate(monkeypatch) -> list[int]:
+    """The batcher's engine calls, recorded: the number of rows of each (the list it returns fills)."""
+    calls: list[int] = []
     real = serve_batch.generate
 
     def counting(model, prompts, **kwargs):
@@ -305,6 +306,11 @@ def test_waiting_requests_share_one_generate_call_and_short_ones_end_first(chat,
         return real(model, prompts, **kwargs)
 
     monkeypatch.setattr(serve_batch, "generate", counting)
+    return calls
+
+
+def test_waiting_requests_share_one_generate_call_and_short_ones_end_first(chat, monkeypatch):
+    calls = counted_generate(monkeypatch)
     # no EOS ids: the random model must not stop early; a wide window gathers all five requests
     batcher = serve_batch.Batcher(chat.model, chat.tokenizer, [], chat.tokenizer.pad_token_id, max_batch=16, window=0.5)
     batcher.start()
@@ -345,14 +351,7 @@ def test_a_request_arriving_during_a_long_answer_joins_the_next_slice(chat):
 def test_a_row_generate_fails_on_fails_only_its_own_request(chat, monkeypatch):
     """A job the engine refuses (a NaN top_p that got past the request checks) batched with a good
     one: the good one is answered (its own greedy answer), the bad one alone gets the 500."""
-    calls = []
-    real = serve_batch.generate
-
-    def counting(model, prompts, **kwargs):
-        calls.append(len(prompts))
-        return real(model, prompts, **kwargs)
-
-    monkeypatch.setattr(serve_batch, "generate", counting)
+    calls = counted_generate(monkeypatch)
     batcher = serve_batch.Batcher(chat.model, chat.tokenizer, [], chat.tokenizer.pad_token_id, window=0.5)
     batcher.start()
     try:
