@@ -93,6 +93,40 @@ def test_token_types_match_llama_cpp_converter(embedded_json, reference_gguf):
         gguf_export.token_table(embedded_json, 100)
 
 
+def test_logit_error_is_the_nmse_of_centred_logits():
+    """Hand-derived: a = (1, 2, 3, 6) centres to (-2, -1, 0, 3), sum of squares 14; b = (1, 2, 3, 5)
+    centres to (-1.75, -0.75, 0.25, 2.25), differences (-0.25, -0.25, -0.25, 0.75), squares 0.75:
+    0.75 / 14. A shift of every logit changes no probability and counts nothing; log-probabilities
+    give what logits give; scaling both by 10 changes nothing (the error is relative to the spread)."""
+    import torch
+
+    a = torch.tensor([1.0, 2.0, 3.0, 6.0], dtype=torch.float64)
+    b = torch.tensor([1.0, 2.0, 3.0, 5.0], dtype=torch.float64)
+    assert gguf_export.logit_error(a, b) == pytest.approx(0.75 / 14, rel=1e-12)
+    assert gguf_export.logit_error(a, a + 5) == pytest.approx(0.0, abs=1e-15)
+    assert gguf_export.logit_error(a, 1.1 * a) == pytest.approx(0.01, rel=1e-12)
+    assert gguf_export.logit_error(a.log_softmax(-1), b.log_softmax(-1)) == pytest.approx(0.75 / 14, rel=1e-12)
+    assert gguf_export.logit_error(10 * a, 10 * b) == pytest.approx(0.75 / 14, rel=1e-12)
+
+
+def test_each_type_tolerance_follows_its_rounding_error():
+    """rounding_error against each format's definition: f32 exact; f16 / bf16 round to nearest with
+    a unit roundoff u of 2^-11 / 2^-8, a relative error within (-u, u) whose mean square lies between
+    u^2/12 and u^2/3; q8_0 rounds each block of 32 to steps of its largest magnitude / 127, an error
+    uniform within half a step: mean square step^2 / 12, from the same Gaussian matrix's blocks."""
+    import numpy as np
+
+    rounding = {name: gguf_export.rounding_error(kind) for name, kind in gguf_export.GGUF_TYPES.items()}
+    assert rounding["f32"] == 0.0
+    for name, u in (("f16", 2.0**-11), ("bf16", 2.0**-8)):
+        assert u**2 / 12 < rounding[name] < u**2 / 3, name
+    weights = np.random.default_rng(0).standard_normal((64, 256))
+    steps = np.abs(weights.reshape(-1, 32)).max(axis=1) / 127
+    assert rounding["q8_0"] == pytest.approx(32 * (steps**2 / 12).sum() / (weights**2).sum(), rel=0.1)
+    for name, kind in gguf_export.GGUF_TYPES.items():
+        assert kind.tolerance == pytest.approx(gguf_export.GROWTH * rounding[name] + gguf_export.FLOOR), name
+
+
 def test_gguf_metadata_as_the_gguf_package_reads_it(tiny_model_dir, tmp_path):
     import gguf
     from transformers import AutoTokenizer

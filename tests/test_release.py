@@ -89,7 +89,10 @@ def test_card_names_the_embedded_base_by_its_hub_id_and_licence(embedded_path):
 @pytest.fixture(scope="module")
 def small_vocab_model(tmp_path_factory):
     """A tiny Llama with a 300-token byte-level BPE tokenizer (reading a GGUF back parses every
-    token in Python: the real 49k vocabulary costs minutes on a busy CPU)."""
+    token in Python: the real 49k vocabulary costs minutes on a busy CPU). Its weights are drawn
+    wider than transformers' default initializer_range, so attention is not uniform and the rotary
+    layout shows in the logits, as in a trained model (at the default width a missing q/k
+    permutation moves them less than q8_0's rounding does)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -119,20 +122,22 @@ def small_vocab_model(tmp_path_factory):
         max_position_embeddings=256,
         tie_word_embeddings=False,
         pad_token_id=0,
+        initializer_range=0.1,
     )
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
     return folder
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16", "q8_0"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0"])
 def test_gguf_reproduces_next_token_logits(small_vocab_model, tmp_path, capfd, dtype):
     import gguf
 
     out = release.export(str(small_vocab_model), str(tmp_path / "release"), gguf_type=dtype, name="Small")
     err = capfd.readouterr().err
-    assert "next-token logits within" in err and "%|" not in err  # one line, no progress bars
+    assert "next-token logits match the model's" in err and "%|" not in err  # one line, no progress bars
+    assert [p.name for p in tmp_path.iterdir()] == ["release"]  # the temporary folder became --out
     path = out / release.GGUF_NAME
-    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644 and stat.S_IMODE(out.stat().st_mode) == 0o755
     assert (
         "model.gguf: OK"
         in subprocess.run(["sha256sum", "-c", release.CHECKSUMS], cwd=out, capture_output=True, text=True).stdout
@@ -144,12 +149,65 @@ def test_gguf_reproduces_next_token_logits(small_vocab_model, tmp_path, capfd, d
     assert reader.get_field("general.name").contents() == "Small"
 
 
-def test_gguf_check_catches_a_wrong_layout(small_vocab_model, tmp_path, monkeypatch):
-    """Negative control: without llama.cpp's q/k row permutation the reloaded model differs."""
+def test_q8_0_of_a_model_with_spread_out_logits(small_vocab_model, tmp_path):
+    """A trained model's logits spread widely, and q8_0's rounding moves them in proportion: the
+    largest absolute difference refused a correct q8_0 of the embedded model. The tiny model's
+    output layer scaled up does the same here; the error relative to the spread does not change."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "wide"
+    shutil.copytree(small_vocab_model, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 10
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    out = release.export(str(folder), str(tmp_path / "release"), gguf_type="q8_0")
+    assert (out / release.GGUF_NAME).is_file()
+
+
+def _unpermuted(monkeypatch):
     monkeypatch.setattr(gguf_export, "permute_rotary", lambda weights, n_head: weights)
+
+
+def _o_proj_transposed(monkeypatch):
+    real = gguf_export.tensor_payload
+    square = iter([True])  # the first square matrix written: layer 0's o_proj
+
+    def payload(tensor, kind):
+        if tensor.ndim == 2 and tensor.shape[0] == tensor.shape[1] and next(square, False):
+            tensor = tensor.T.copy()
+        return real(tensor, kind)
+
+    monkeypatch.setattr(gguf_export, "tensor_payload", payload)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("breakage", [_unpermuted, _o_proj_transposed], ids=["no-rotary-permutation", "o-transposed"])
+def test_gguf_check_catches_a_wrong_layout(small_vocab_model, tmp_path, monkeypatch, dtype, breakage):
+    """Negative controls: without llama.cpp's q/k row permutation, or with one attention matrix
+    transposed, the reloaded model differs, at q8_0's tolerance (the widest) as at f32's; the
+    random model's logits are flat, so only an error relative to their spread sees it."""
+    breakage(monkeypatch)
     with pytest.raises(release.ExportError, match="next-token logits differ"):
-        release.export(str(small_vocab_model), str(tmp_path / "release"), gguf_type="f32")
-    assert not (tmp_path / "release" / release.GGUF_NAME).exists()
+        release.export(str(small_vocab_model), str(tmp_path / "release"), gguf_type=dtype)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_export_leaves_out_as_it_was(small_vocab_model, tmp_path, monkeypatch):
+    """--out in a folder that does not exist yet: nothing is left; a previous export with
+    --overwrite: it stays whole; and once the GGUF is right the same command succeeds."""
+    first = release.export(str(small_vocab_model), str(tmp_path / "release"), name="Small")
+    before = {f.name: f.read_bytes() for f in first.iterdir()}
+    _unpermuted(monkeypatch)
+    with pytest.raises(release.ExportError, match="next-token logits differ"):
+        release.export(str(small_vocab_model), str(tmp_path / "new" / "deeper" / "release"), gguf_type="f32")
+    assert [p.name for p in tmp_path.iterdir()] == ["release"]
+    with pytest.raises(release.ExportError, match="next-token logits differ"):
+        release.export(str(small_vocab_model), str(first), gguf_type="f32", overwrite=True, name="Small")
+    assert {f.name: f.read_bytes() for f in first.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["release"]
+    monkeypatch.undo()
+    out = release.export(str(small_vocab_model), str(first), gguf_type="f32", overwrite=True, name="Small")
+    assert (out / release.GGUF_NAME).is_file() and "model.gguf" in (out / release.CHECKSUMS).read_text()
 
 
 def test_export_refuses_an_adapter_folder(tmp_path):

@@ -31,6 +31,16 @@ class ExportError(RuntimeError):
     """The export cannot be made; the message is one line for the user."""
 
 
+GROWTH = 300.0
+"""How much larger the next-token logits' error (logit_error) may be than the weights' rounding
+error (rounding_error): every layer's rounding adds to the logits, so a correct export's logits err
+by a roughly fixed multiple of its weights' error whatever the type; this allowance leaves room
+above that multiple on the embedded model and stays far below what a broken layout gives
+(bench/RESULTS.md, "GGUF export check")."""
+FLOOR = 1e-6
+"""The error allowed on top: f32 stores the weights exactly, and what is left is summation order."""
+
+
 @dataclass(frozen=True)
 class GgufType:
     """One `--gguf` choice."""
@@ -39,16 +49,44 @@ class GgufType:
     """gguf.LlamaFileType member recorded as general.file_type."""
     matrix_type: str
     """gguf.GGMLQuantizationType of the 2-D weights (1-D norms stay F32, as llama.cpp keeps them)."""
-    tolerance: float
-    """The largest next-token logit difference (reloaded GGUF vs the model) accepted on PROBE."""
+
+    @property
+    def tolerance(self) -> float:
+        """The largest logit_error (reloaded GGUF vs the model, worst PROBE prompt) accepted:
+        derived from the type's own precision, GROWTH times its rounding_error plus FLOOR."""
+        return GROWTH * rounding_error(self) + FLOOR
 
 
 GGUF_TYPES = {
-    "f32": GgufType("ALL_F32", "F32", 1e-4),
-    "f16": GgufType("MOSTLY_F16", "F16", 5e-2),
-    "bf16": GgufType("MOSTLY_BF16", "BF16", 0.25),
-    "q8_0": GgufType("MOSTLY_Q8_0", "Q8_0", 0.25),
+    "f32": GgufType("ALL_F32", "F32"),
+    "f16": GgufType("MOSTLY_F16", "F16"),
+    "bf16": GgufType("MOSTLY_BF16", "BF16"),
+    "q8_0": GgufType("MOSTLY_Q8_0", "Q8_0"),
 }
+
+
+def logit_error(reference, candidate) -> float:
+    """The normalised squared error (llama.cpp's test-backend-ops NMSE: sum of squared differences
+    over the reference's sum of squares) of two next-token logit vectors, each centred on its mean
+    (pure). Centring leaves what softmax sees: the same for logits and log-probabilities, blind to a
+    shift of every logit (which changes no probability), and relative to the logits' spread, so a
+    model with confident logits and a random one with flat logits are held to the same rule."""
+    a = reference.double() - reference.double().mean()
+    b = candidate.double() - candidate.double().mean()
+    return float(((a - b) ** 2).sum() / (a**2).sum().clamp_min(1e-300))
+
+
+def rounding_error(kind: GgufType) -> float:
+    """The normalised squared error of a fixed Gaussian matrix stored as `kind` (tensor_payload)
+    and read back by the gguf package's dequantizer, as transformers' GGUF loader reads it."""
+    import gguf
+    import numpy as np
+
+    weights = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    data, raw_dtype = tensor_payload(weights, kind)
+    back = np.asarray(data, dtype=np.float32) if raw_dtype is None else gguf.quants.dequantize(data, raw_dtype)
+    return float(((back - weights) ** 2).sum() / (weights**2).sum())
+
 
 # tokenizer.json pre_tokenizer -> llama.cpp's pre-tokenizer name (llama-vocab.cpp). "gpt-2" is the
 # byte-level regex alone; "smollm" (SmolLM/SmolLM2's own tokenizer, the name llama.cpp's converter
@@ -318,8 +356,9 @@ def gguf_string(path: Path, key: str) -> Optional[str]:
     return None
 
 
-def gguf_logit_difference(folder: Path, gguf_file: Path, prompts: Sequence[str] = PROBE) -> float:
-    """max |next-token logits(HF folder) - next-token logits(the GGUF loaded back by transformers)|."""
+def gguf_logit_error(folder: Path, gguf_file: Path, prompts: Sequence[str] = PROBE) -> float:
+    """The worst logit_error over `prompts` of the GGUF loaded back by transformers (which
+    dequantizes its tensors with the gguf package) against the model folder, both in fp32."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -332,6 +371,7 @@ def gguf_logit_difference(folder: Path, gguf_file: Path, prompts: Sequence[str] 
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([tokenizer(prompt)["input_ids"]])
-            a, b = reference(input_ids=ids).logits[0, -1], reloaded(input_ids=ids).logits[0, -1]
-            worst = max(worst, float((a - b).abs().max()))
+            worst = max(
+                worst, logit_error(reference(input_ids=ids).logits[0, -1], reloaded(input_ids=ids).logits[0, -1])
+            )
     return worst

@@ -9,8 +9,10 @@ the base model (its Hub id and licence where known), every stage with its hyper-
 files' sha256 and headline figures, the prompt format, and a SHA256SUMS file that `sha256sum -c`
 checks. `--gguf` writes a GGUF (pipeline.tools.gguf_export: llama.cpp's layout and tokenizer
 metadata) and checks it by loading it back with transformers and comparing next-token logits with
-the merged model on a probe batch; a larger difference than the type's tolerance deletes the file
-and fails. Exported files are world-readable (0644, folders 0755) like any save_pretrained output.
+the merged model on a probe batch (gguf_export.logit_error); an error beyond what the type's own
+precision explains fails the export. The folder is written beside --out under a temporary name
+and renamed at the end, so a failed export leaves --out as it was. Exported files are
+world-readable (0644, folders 0755) like any save_pretrained output.
 (This module is about shipping a finished model; the stage engine's adapter + merged/ step is
 pipeline.engine.export.)
 """
@@ -24,6 +26,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -32,7 +35,7 @@ from pipeline.engine.tracking import quiet_console
 from pipeline.modeling.embedded import gguf_path, resolve_model_path
 from pipeline.modeling.manifest import file_sha256, read_manifest
 from pipeline.modeling.preflight import model_problems
-from pipeline.tools.gguf_export import GGUF_TYPES, PROBE, ExportError, gguf_logit_difference, gguf_string, write_gguf
+from pipeline.tools.gguf_export import GGUF_TYPES, PROBE, ExportError, gguf_logit_error, gguf_string, write_gguf
 
 GGUF_NAME = "model.gguf"
 CHECKSUMS = "SHA256SUMS"
@@ -334,20 +337,46 @@ def export(
     chain = manifest_chain(folder)
     name = name or default_name(chain, repo_id)
     target = Path(out)
-    if target.exists() and any(target.iterdir()):
-        if not overwrite:
-            raise ExportError(f"--out {target} is not empty (pass --overwrite to replace it)")
-        shutil.rmtree(target)
-    target.mkdir(parents=True, exist_ok=True)
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"--out {target} is a file, not a folder")
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise ExportError(f"--out {target} is not empty (pass --overwrite to replace it)")
+    made = [p for p in target.parents if not p.exists()]  # the parents this export creates
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        write_release(folder, work, chain, name, gguf_type, shown=target)
+        if target.exists():
+            shutil.rmtree(target)
+        work.rename(target)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        for parent in made:  # innermost first; one something else wrote into stays
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        raise
+    return target
+
+
+def write_release(
+    folder: Path, target: Path, chain: list[dict], name: str, gguf_type: Optional[str], shown: Path
+) -> None:
+    """The model files, the checked GGUF, SHA256SUMS and README.md in the empty folder `target`
+    (`shown` is where it will be, for the one line printed).
+
+    Raises:
+        ExportError: the GGUF cannot be written or does not reproduce the model's logits.
+    """
     for f in folder.iterdir():
         if f.is_file() and f.suffix in MODEL_FILES:
             shutil.copyfile(f, target / f.name)  # not copy2: merged/ may be 0600, a release is for everyone
     if gguf_type is not None:
         with quiet_progress():
             licence = base_model(chain)[1]
-            diff = write_checked_gguf(target, gguf_type, name, None if licence == "unknown" else licence)
+            error = write_checked_gguf(target, gguf_type, name, None if licence == "unknown" else licence)
         print(
-            f"{target / GGUF_NAME}: next-token logits within {diff:.2g} of the model on {len(PROBE)} probe prompts",
+            f"{shown / GGUF_NAME}: next-token logits match the model's on {len(PROBE)} probe prompts "
+            f"(error {error:.2g}; {gguf_type} allows {GGUF_TYPES[gguf_type].tolerance:.2g})",
             file=sys.stderr,
         )
     files = sorted(f.name for f in target.iterdir() if f.is_file())
@@ -355,25 +384,25 @@ def export(
     card = model_card(chain, name, files, gguf_type, prompt_example(target))
     (target / "README.md").write_text(card, encoding="utf-8")
     world_readable(target)
-    return target
 
 
 def write_checked_gguf(target: Path, gguf_type: str, name: str, license_id: Optional[str] = None) -> float:
-    """model.gguf in `target`, kept only if transformers reads back the model's next-token logits;
-    returns the largest difference.
+    """model.gguf in `target`, kept only if transformers reads back the model's next-token logits
+    within the type's tolerance (gguf_export.logit_error); returns the worst error.
 
     Raises:
-        ExportError: the GGUF cannot be written, or its logits differ beyond the type's tolerance.
+        ExportError: the GGUF cannot be written, or its logits err beyond the type's tolerance.
     """
     path = write_gguf(target, target / GGUF_NAME, gguf_type, name, license_id)
-    diff = gguf_logit_difference(target, path)
+    error = gguf_logit_error(target, path)
     tolerance = GGUF_TYPES[gguf_type].tolerance
-    if diff > tolerance:
+    if error > tolerance:
         path.unlink()
         raise ExportError(
-            f"--gguf: the GGUF's next-token logits differ from the model's by {diff:.3g} (> {tolerance}); not written"
+            f"--gguf: the GGUF's next-token logits differ from the model's (normalised squared error {error:.3g}, "
+            f"{gguf_type} allows {tolerance:.2g}): its layout or tokenizer is wrong; not written"
         )
-    return diff
+    return error
 
 
 @contextlib.contextmanager
