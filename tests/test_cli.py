@@ -295,6 +295,11 @@ def test_validate_lists_a_stages_bad_records_beside_its_missing_files_and_model(
     assert f"  - model.path: {missing_model}: no such folder" in err
     assert f"  - data.eval: '{missing_eval}' names no data file" in err
     assert f"  {data}:1: chosen and rejected are identical" in err
+    # a value out of range beside them: one round too
+    argv = ["validate", str(REPO / "configs" / "rm.yaml"), "--lora.r", "0", "--data.train", f"[{data}]"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "  - lora.r: must be > 0, got 0" in err and f"  {data}:1: chosen and rejected are identical" in err
 
 
 def test_validate_reads_a_pipelines_paths_as_the_pipeline_does(tmp_path, monkeypatch, capsys):

@@ -281,11 +281,14 @@ def read_yaml(path: Union[str, Path]) -> dict:
     return data
 
 
-def load_config(cls: type[T], argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> T:
+def load_config(
+    cls: type[T], argv: Optional[Sequence[str]] = None, prog: Optional[str] = None, *, check: bool = True
+) -> T:
     """Build `cls` from `--config FILE.yaml` plus dotted overrides in `argv`.
 
-    Unknown keys in the YAML or on the command line, and every semantic problem from
-    `cfg.problems()`, are reported together in one ConfigError.
+    Unknown keys in the YAML or on the command line, values of the wrong type, and (with `check`)
+    every semantic problem from `cfg.problems()`, are reported together in one ConfigError; without
+    `check` the caller gathers `cfg.problems()` with its own checks.
 
     Raises:
         ConfigError: any problem; its `problems` list has every one.
@@ -310,7 +313,7 @@ def load_config(cls: type[T], argv: Optional[Sequence[str]] = None, prog: Option
         raise
     except Exception as err:  # draccus raises several types for values it cannot decode
         raise ConfigError([decode_problem(err)]) from err
-    if hasattr(cfg, "problems"):
+    if check and hasattr(cfg, "problems"):
         found = cfg.problems()
         if found:
             raise ConfigError(found)

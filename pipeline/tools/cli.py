@@ -379,7 +379,10 @@ def validate_config(config: str, args: list[str]) -> int:
         from pipeline.engine.stage import hide_unrequested_backends  # torch: only when a stage's config is validated
 
         cls = registry.stage_class(stage)
-        cfg = load_config(cls.config_class, ["--config", config, *args])
+        cfg = load_config(cls.config_class, ["--config", config, *args], check=False)
+        problems = cfg.problems()
+        if problems:  # listed with the data's problems, not one round before them
+            raise ConfigError(problems + [p for p in stage_data_problems(stage, cfg.data) if p not in problems])
         if nproc > 1:  # the stage itself checks the one-process run
             refused = config_refusals(stage, cfg, ranks=nproc)
             if refused:
