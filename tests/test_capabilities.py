@@ -282,3 +282,22 @@ def test_the_table_piped_into_a_closed_reader_ends_without_a_traceback():
     proc.stdout.close()  # closed before the command has imported anything: its print meets a broken pipe
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_train_with_a_judge_launches_or_refuses_in_one_line(
+    tmp_path, tiny_model_dir, tiny_reward_dir, monkeypatch, capsys
+):
+    """`relay train` asks the table before it starts a rank; with a judge set (and tools) the table
+    asks the judge whether it serves N ranks: that ended in an AttributeError traceback, the
+    judge section being a plain namespace there."""
+    started = []
+    monkeypatch.setattr(cli, "hand_over", lambda *a, **k: started.append(a) or 0)
+    config = write_config(tmp_path, "grpo", tiny_model_dir, tiny_reward_dir)
+    judged = ["--judge.base_url", "http://127.0.0.1:9/v1", "--judge.model", "m"]
+    tools = ["--tools.funcs", "[data_formats.sample_world:kelvra_lookup]"]
+    assert cli.main(["train", str(config), *judged, *tools]) == 0 and started
+    started.clear()
+    assert cli.main(["train", str(config), *judged, *tools, "--nproc", "2", "--judge.max_concurrency", "1"]) == 2
+    assert not started
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "judge.max_concurrency: 1 requests in flight cannot be shared by the 2 ranks" in line

@@ -22,6 +22,7 @@ scripts (through torchrun when --nproc > 1). Every subcommand's `--help` lists i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 import re
@@ -207,6 +208,8 @@ AXIS_KEYS = (
     "judge.base_url",
 )
 """The config keys that place a run in the capability table (pipeline/config/capabilities.py)."""
+READ_KEYS = (*AXIS_KEYS, "judge.max_concurrency")
+"""What `axis_values` reads: the axes, and what the table's refusal of a judge on N ranks reads."""
 
 
 def axis_values(config: Optional[str], args: Sequence[str]) -> "SimpleNamespace":
@@ -223,17 +226,17 @@ def axis_values(config: Optional[str], args: Sequence[str]) -> "SimpleNamespace"
         "tools": ToolsConfig(),
         "judge": JudgeConfig(),
     }
-    values = {key: getattr(sections[key.split(".")[0]], key.split(".")[1]) for key in AXIS_KEYS}
+    values = {key: getattr(sections[key.split(".")[0]], key.split(".")[1]) for key in READ_KEYS}
     try:
         data = read_yaml(config) if config else {}
     except ConfigError as err:
         raise CLIError(str(err.problems[0])) from err
-    for key in AXIS_KEYS:
+    for key in READ_KEYS:
         section, name = key.split(".")
         if isinstance(data.get(section), dict) and name in data[section]:
             values[key] = data[section][name]
     rest = list(args)
-    for key in AXIS_KEYS:
+    for key in READ_KEYS:
         given = pop_option(rest, f"--{key}")
         if given is not None:
             values[key] = [] if given.strip() in ("[]", "") and key == "tools.funcs" else given
@@ -241,6 +244,15 @@ def axis_values(config: Optional[str], args: Sequence[str]) -> "SimpleNamespace"
     for key, value in values.items():
         section, name = key.split(".")
         setattr(spaces[section], name, value)
+    # The judge as its own class (the table asks it for its refusal on N ranks); a value it cannot
+    # read stays the default here: the stage's own checks name it.
+    try:
+        concurrency = int(values["judge.max_concurrency"])
+    except (TypeError, ValueError):
+        concurrency = sections["judge"].max_concurrency
+    spaces["judge"] = dataclasses.replace(
+        sections["judge"], base_url=values["judge.base_url"], max_concurrency=concurrency
+    )
     return SimpleNamespace(**spaces)
 
 
