@@ -596,3 +596,23 @@ judge:
     path.write_text(path.read_text().replace("  model: merged\n", "  model: merged\n  max_concurency: 2\n"))
     with pytest.raises(ConfigError, match="judge.max_concurency: unknown key; did you mean 'judge.max_concurrency'"):
         load_config(grpo.GRPOConfig, ["--config", str(path)])
+
+
+def test_a_judge_that_stops_answering_ends_the_stage_in_one_line(
+    tmp_path, tiny_model_dir, judged_prompts, monkeypatch, capsys
+):
+    """judge.on_failure null (the default) stops the run at a failed request: the stage's entry point
+    prints one line and exits 1, as at any other early end (it was a 30-line traceback)."""
+    from pipeline.config import save_config
+    from pipeline.engine import stage_main
+
+    monkeypatch.setenv("RELAY_TEST_JUDGE_KEY", KEY)
+    cfg = grpo_cfg(tmp_path / "out", tiny_model_dir, judged_prompts, "http://127.0.0.1:9/v1")
+    cfg.judge.on_failure, cfg.judge.retries = None, 0
+    cfg.tracking.trackers = []
+    save_config(cfg, tmp_path / "grpo.yaml")
+    assert stage_main.main(grpo.GRPOStage, ["--config", str(tmp_path / "grpo.yaml")]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("grpo: ") and "%|" not in line]
+    assert "Traceback" not in err and len(lines) == 1, err[-2000:]
+    assert lines[0].startswith("grpo: judge: ") and "failed (first: connection" in lines[0], lines[0]

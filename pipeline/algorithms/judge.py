@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from pipeline.algorithms.judge_config import JudgeConfig, label_key
+from pipeline.engine.interrupt import EarlyEnd
 
 log = logging.getLogger("relay.judge")
 
@@ -59,8 +60,9 @@ RETRIED_STATUS = (408, 409, 429, 500, 502, 503, 504)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-class JudgeError(RuntimeError):
-    """A judge request failed and `on_failure` is null; the message is one line."""
+class JudgeError(EarlyEnd):
+    """A judge request failed and `on_failure` is null; the message is one line (the stage ends with
+    it, pipeline/engine/stage_main.py)."""
 
 
 def parse_score(reply: str, cfg: JudgeConfig) -> Optional[float]:

@@ -29,6 +29,12 @@ class Stopped(Exception):
         self.exit_code = exit_code
 
 
+class EarlyEnd(RuntimeError):
+    """A run ended by something outside it (a reward endpoint that stopped answering, ...): the
+    stage's entry point prints `str()` as its one line and exits 1, the run resuming from its last
+    checkpoint when rerun. Raised by the layers above the engine (subclass it)."""
+
+
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from pipeline.config import ConfigError, load_config
 from pipeline.engine.checkpoint import CheckpointError
 from pipeline.engine.divergence import Diverged
-from pipeline.engine.interrupt import Stopped
+from pipeline.engine.interrupt import EarlyEnd, Stopped
 from pipeline.engine.launch import CONFIG_PROBLEMS
 from pipeline.engine.stage import Stage
 from pipeline.engine.steps import NonFiniteError
@@ -53,7 +53,7 @@ def main(stage_class: type[Stage], argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
         return 130
-    except (Diverged, NonFiniteError, CheckpointError, VLLMError) as err:
+    except (Diverged, NonFiniteError, CheckpointError, VLLMError, EarlyEnd) as err:
         print(f"{stage_class.name}: {err}", file=sys.stderr)
         return 1
     if completed and stage.is_main:
