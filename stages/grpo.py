@@ -101,7 +101,7 @@ class GRPOConfig(StageConfig):
     """An LLM judge behind an OpenAI-compatible endpoint as one more reward (pipeline/algorithms/judge.py)."""
 
     def problems(self) -> list[str]:
-        out = super().problems() + tools_problems(self.tools) + self.judge.problems()
+        out = super().problems() + tools_problems(self.tools)  # the judge section: in super()'s walk
         rows = self.train.batch_size * self.grpo.num_generations
         if rows % self.train.grad_accum:
             out.append(

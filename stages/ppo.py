@@ -151,7 +151,7 @@ class PPOConfig(StageConfig):
     their weights (pipeline/algorithms/judge.py)."""
 
     def problems(self) -> list[str]:
-        out = super().problems() + tools_problems(self.tools) + self.judge.problems()
+        out = super().problems() + tools_problems(self.tools)  # the judge section: in super()'s walk
         if self.ppo.reward_norm == "stored" and (self.judge.enabled or self.reward_model.weight != 1.0):
             out.append(
                 "ppo.reward_norm: 'stored' normalises with the reward model's own score statistics, and the summed "

@@ -616,3 +616,16 @@ def test_a_judge_that_stops_answering_ends_the_stage_in_one_line(
     lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("grpo: ") and "%|" not in line]
     assert "Traceback" not in err and len(lines) == 1, err[-2000:]
     assert lines[0].startswith("grpo: judge: ") and "failed (first: connection" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("stage", [grpo.GRPOStage, ppo.PPOStage])
+def test_each_judge_problem_is_listed_once(stage):
+    """The stage's config walks every section's problems, the judge's among them; PPO and GRPO asked
+    the judge again, so each of its problems was listed twice (and counted twice)."""
+    from pipeline.config import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(stage.config_class, ["--judge.base_url", "http://127.0.0.1:9/v1", "--judge.max_concurrency", "0"])
+    problems = err.value.problems
+    assert len(problems) == len(set(problems))
+    assert problems.count("judge.model: required (the name the endpoint serves)") == 1
