@@ -159,3 +159,17 @@ def test_single_stage_report_names_its_merged_model(tmp_path):
     assert "Verdict" not in text and "n/a" not in text and "None" not in text
     assert f"Final model: `{(stage / 'merged').resolve()}`" in text
     assert "- train_loss_last: 1.5000" in text and "- steps: 2" in text
+
+
+def test_a_stage_folder_of_any_name_reports_its_stages_plots(tmp_path):
+    """`relay report out/my_ppo` (a run with `--output_dir out/my_ppo`): the stage is the one its
+    merged/ manifest names, so its own plot is drawn (it was drawn only for a folder named `ppo`)."""
+    folder = tmp_path / "my_ppo"
+    write_events(
+        folder / "runs" / "ppo-1", {"ppo/reward_raw": [(1, -0.5), (2, 0.25)], "ppo/kl": [(1, 0.0), (2, 0.125)]}
+    )
+    (folder / "merged").mkdir()
+    (folder / "merged" / "manifest.json").write_text(json.dumps({"stage": "ppo"}))
+    assert stage_folders(folder) == {"ppo": folder}
+    text = write_report(folder).read_text()
+    assert "![ppo](plots/ppo.png)" in text and (folder / "plots" / "ppo.png").read_bytes()[:8] == PNG_MAGIC

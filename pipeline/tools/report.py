@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import stages as registry
+from pipeline.modeling.manifest import read_manifest
 from pipeline.tools.evaluate import retention_table
 from pipeline.tools.gold import format_table
 
@@ -51,15 +52,25 @@ def read_scalars(stage_folder: Path) -> dict[str, Curve]:
     return {tag: sorted((step, value) for step, (_, value) in steps.items()) for tag, steps in points.items()}
 
 
+def stage_of(folder: Path) -> str:
+    """The stage a run folder holds: the one its merged/ manifest names, else the folder's name (a
+    run folder may have any name: `--output_dir out/my_ppo`)."""
+    try:
+        named = (read_manifest(folder / "merged") or {}).get("stage")
+    except (OSError, ValueError):
+        named = None
+    return named if named in registry.STAGES else folder.name
+
+
 def stage_folders(run_dir: Path) -> dict[str, Path]:
-    """{stage name: folder} for a pipeline root, or {folder name: folder} for one stage's folder.
+    """{stage name: folder} for a pipeline root, or {its stage (`stage_of`): folder} for one stage's folder.
 
     Raises:
         ReportError: no folder with TensorBoard events.
     """
     found = {s: run_dir / s for s in registry.STAGES if event_dirs(run_dir / s)}
     if not found and event_dirs(run_dir):
-        found = {run_dir.name: run_dir}
+        found = {stage_of(run_dir): run_dir}
     if not found:
         raise ReportError(
             f"{run_dir}: no TensorBoard events in {', '.join(f'{s}/runs' for s in registry.STAGES)} or runs/"
