@@ -254,6 +254,13 @@ def _syntax_error(path: Path, task: str, text: str, pos: int, what: str, after: 
     return RawRecord(str(path), err.lineno, task, error=f"invalid JSON: {err.msg} (column {err.colno}){after}")
 
 
+def _after_array(path: Path, task: str, text: str, pos: int) -> Iterator[RawRecord]:
+    """The problem of text after the array's closing ']' at `pos` (nothing when only space follows)."""
+    after = _skip_space(text, pos + 1)
+    if after < len(text):
+        yield _syntax_error(path, task, text, after, "text after the array's closing ']'")
+
+
 def _read_json(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
     """A JSON file holding one array of records (or one record). Each array element is decoded on
     its own with raw_decode so that its line number is known; the array's own syntax (commas
@@ -280,11 +287,8 @@ def _read_json(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
         return
     pos = _skip_space(text, pos + 1)
     if text.startswith("]", pos):
-        after = _skip_space(text, pos + 1)
-        if after < len(text):
-            yield _syntax_error(path, task, text, after, "text after the array's closing ']'")
-        else:
-            yield RawRecord(str(path), 0, task, error="empty file (an empty JSON array: no records)")
+        trailing = list(_after_array(path, task, text, pos))
+        yield from trailing or [RawRecord(str(path), 0, task, error="empty file (an empty JSON array: no records)")]
         return
     while True:
         if pos >= len(text):
@@ -313,9 +317,7 @@ def _read_json(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
         if text.startswith(",", pos):
             pos = _skip_space(text, pos + 1)
         elif text.startswith("]", pos):
-            after = _skip_space(text, pos + 1)
-            if after < len(text):
-                yield _syntax_error(path, task, text, after, "text after the array's closing ']'")
+            yield from _after_array(path, task, text, pos)
             return
         elif pos < len(text):
             yield _syntax_error(path, task, text, pos, "Expecting ',' delimiter", "; rest of file not read")

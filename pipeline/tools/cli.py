@@ -359,6 +359,32 @@ def _data_kind(value: str, stages: dict) -> str:
     raise CLIError(f"--kind {value!r}: not a data kind ({kinds}) nor a stage ({', '.join(stages)})")
 
 
+def validate_pipeline(config: str, args: list[str]) -> str:
+    """Every planned stage of a pipeline config checked (model folders, configs, data), read as
+    `relay pipeline` reads it: the config's own path from here, every path in it from the repository
+    root (run_scripts/run_pipeline.sh); returns the line saying what was checked.
+
+    Raises:
+        ConfigError: every problem.
+    """
+    resolved = str(Path(config).resolve())
+    with contextlib.chdir(REPO):
+        cfg, selection = load_pipeline(resolved, args)
+        planned = planned_stages(cfg, selection)
+        problems = model_problems(cfg.base_model, "base_model") + stage_config_problems(cfg, planned)
+        if cfg.reward_model:
+            problems += model_problems(cfg.reward_model, "reward_model", need="reward")
+    if problems:
+        raise ConfigError(problems, config)
+    return f"{config}: pipeline config OK; stages {' -> '.join(planned)} into {cfg.output_root}"
+
+
+def with_records(stage: str, data, problems: list[str]) -> ConfigError:
+    """`problems` that stop a stage before it reads its records, with its records' own problems
+    beside them (found in one round, not after the others are fixed)."""
+    return ConfigError(problems + [p for p in stage_data_problems(stage, data) if p not in problems])
+
+
 def validate_config(config: str, args: list[str]) -> int:
     """`relay validate CONFIG.yaml`: the stage's whole validation (preflight, data) or, for a
     pipeline YAML, every planned stage's config. Prints problems (exit 2) or what was checked."""
@@ -375,26 +401,14 @@ def validate_config(config: str, args: list[str]) -> int:
         except CLIError as err:
             if "is a pipeline config" not in str(err):
                 raise
-            # As `relay pipeline` reads it: the config's own path from here, every path in it from
-            # the repository root (run_scripts/run_pipeline.sh).
-            resolved = str(Path(config).resolve())
-            with contextlib.chdir(REPO):
-                cfg, selection = load_pipeline(resolved, args)
-                planned = planned_stages(cfg, selection)
-                problems = model_problems(cfg.base_model, "base_model") + stage_config_problems(cfg, planned)
-                if cfg.reward_model:
-                    problems += model_problems(cfg.reward_model, "reward_model", need="reward")
-            if problems:
-                raise ConfigError(problems, config)
-            print(f"{config}: pipeline config OK; stages {' -> '.join(planned)} into {cfg.output_root}")
+            print(validate_pipeline(config, args))
             return 0
         from pipeline.engine.stage import hide_unrequested_backends  # torch: only when a stage's config is validated
 
         cls = registry.stage_class(stage)
         cfg = load_config(cls.config_class, ["--config", config, *args], check=False)
-        problems = cfg.problems()
-        if problems:  # listed with the data's problems, not one round before them
-            raise ConfigError(problems + [p for p in stage_data_problems(stage, cfg.data) if p not in problems])
+        if problems := cfg.problems():
+            raise with_records(stage, cfg.data, problems)
         if nproc > 1:  # the stage itself checks the one-process run
             refused = config_refusals(stage, cfg, ranks=nproc)
             if refused:
@@ -404,11 +418,9 @@ def validate_config(config: str, args: list[str]) -> int:
         try:
             runner.validate()
         except ConfigError as err:
-            if runner.tokenizer is not None:
+            if runner.tokenizer is not None:  # it stopped on its records: they are listed
                 raise
-            # The stage stops before it tokenizes (a missing file, a bad model folder): its records'
-            # problems are listed beside those, not after they are fixed.
-            raise ConfigError(err.problems + [p for p in stage_data_problems(stage, cfg.data) if p not in err.problems])
+            raise with_records(stage, cfg.data, err.problems) from err
     except CLIError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ What llama.cpp needs beyond the weights is the tokenizer exactly as the Hugging 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,7 @@ def logit_error(reference, candidate) -> float:
     return float(((a - b) ** 2).sum() / (a**2).sum().clamp_min(1e-300))
 
 
+@functools.lru_cache(maxsize=None)  # pure: the same matrix every time
 def rounding_error(kind: GgufType) -> float:
     """The normalised squared error of a fixed Gaussian matrix stored as `kind` (tensor_payload)
     and read back by the gguf package's dequantizer, as transformers' GGUF loader reads it."""

@@ -111,18 +111,12 @@ def non_finite(value: Any, path: str = "") -> Optional[tuple[str, float]]:
     return None
 
 
-def not_finite_error(path: str, value: float) -> ApiError:
-    return ApiError(400, f"'{path}' must be a finite number, got {json.dumps(value)}", path, "invalid_value")
-
-
 def _number(body: dict, key: str, default: float, low: float, high: float, low_open: bool = False) -> float:
     value = body.get(key, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ApiError(400, f"'{key}' must be a number, got {value!r}", key, "invalid_type")
-    if not math.isfinite(value):
-        raise not_finite_error(key, value)
     if value < low or value > high or (low_open and value == low):
         bounds = f"{'(' if low_open else '['}{low}, {high}]"
         raise ApiError(400, f"'{key}' must be in {bounds}, got {value}", key, "invalid_value")
@@ -321,8 +315,9 @@ def check_request(body: Any, served_name: str) -> ChatRequest:
         raise ApiError(400, f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     # messages and tools hold no numbers of ours: their own checks name what is wrong there
     bad_number = non_finite({key: value for key, value in body.items() if key not in ("messages", "tools")})
-    if bad_number is not None:
-        raise not_finite_error(*bad_number)
+    if bad_number is not None:  # before the range checks, which every comparison with NaN passes
+        path, value = bad_number
+        raise ApiError(400, f"'{path}' must be a finite number, got {json.dumps(value)}", path, "invalid_value")
     for key, neutral in NEUTRAL.items():
         if key in body and body[key] not in (neutral, None):
             raise ApiError(
