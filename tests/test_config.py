@@ -118,6 +118,27 @@ def test_durations():
         parse_duration("soon")
 
 
+def test_a_problem_in_an_included_file_names_that_file_and_line(tmp_path):
+    """Each unknown key and wrong value is placed where it was written: in the `!include`d file,
+    at its own line (not against the file that includes it); a key merged in by `<<: !include`
+    has no line of its own there and is placed at the mapping that merges it."""
+    (tmp_path / "common").mkdir()
+    lora = write(tmp_path / "common/lora.yaml", "r: 8\nalfa: 16\ndropout: high\n")
+    write(tmp_path / "steps.yaml", "warm: 1\n")
+    cfg = write(
+        tmp_path / "c.yaml",
+        "output_dir: out/x\nlora: !include common/lora.yaml\ntrain:\n  <<: !include steps.yaml\n  max_stps: 2\n",
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(ToyStage, ["--config", str(cfg)])
+    assert err.value.problems == [
+        f"{lora}:2: lora.alfa: unknown key; did you mean 'lora.alpha'?",
+        f"{cfg}:4: train.warm: unknown key; did you mean 'train.warmup'?",
+        f"{cfg}:5: train.max_stps: unknown key; did you mean 'train.max_steps'?",
+        f"{lora}:3: lora.dropout: expected float, got 'high'",
+    ]
+
+
 def test_values_of_the_wrong_type_are_all_reported_at_once_in_plain_words(tmp_path):
     """draccus stops at the first value it cannot decode and words it its own way ("DecodingError:
     `lora.r`: Couldn't parse ...", a class repr for a list): every such value in the YAML and on the
@@ -130,12 +151,12 @@ def test_values_of_the_wrong_type_are_all_reported_at_once_in_plain_words(tmp_pa
     with pytest.raises(ConfigError) as err:
         load_config(ToyStage, ["--config", str(cfg), "--train.seed", "abc", "--train.learning_rate"])
     assert err.value.problems == [
-        f"{cfg}: modle: unknown key; did you mean 'model'?",
-        f"{cfg}: lora.r: expected int, got 'sixteen'",
-        f"{cfg}: lora.target_modules: expected a list of str, got 'all-linear'",
-        f"{cfg}: train.max_steps: expected int, got 1.5",
-        f"{cfg}: data.train: expected a list of str, got 'one.jsonl'",
-        f"{cfg}: checkpoint: expected a mapping of keys, got 5",
+        f"{cfg}:5: modle: unknown key; did you mean 'model'?",
+        f"{cfg}:1: lora.r: expected int, got 'sixteen'",
+        f"{cfg}:1: lora.target_modules: expected a list of str, got 'all-linear'",
+        f"{cfg}:2: train.max_steps: expected int, got 1.5",
+        f"{cfg}:3: data.train: expected a list of str, got 'one.jsonl'",
+        f"{cfg}:4: checkpoint: expected a mapping of keys, got 5",
         "--train.seed: expected int, got 'abc'",
         "--train.learning_rate: needs a value",
     ]

@@ -420,8 +420,8 @@ def test_config_errors_are_collected(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_pipeline(str(path), [])
     assert err.value.problems == [
-        f"{path}: output_rot: unknown key; did you mean 'output_root'?",
-        f"{path}: stages.pt.enabld: unknown key; did you mean 'stages.pt.enabled'?",
+        f"{path}:1: output_rot: unknown key; did you mean 'output_root'?",
+        f"{path}:2: stages.pt.enabld: unknown key; did you mean 'stages.pt.enabled'?",
     ]
     path.write_text("finetuning: half\nstages: {rm: {enabled: false}}\n")
     with pytest.raises(ConfigError) as err:

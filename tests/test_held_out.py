@@ -90,3 +90,15 @@ def test_distill_evaluates_every_ranks_share_through_the_loop():
     stage.held_out = lambda figures: Stage.held_out(stage, figures)
     assert DistillStage.evaluate(stage) == {"eval/kl": 5.0, "eval/loss": 5.0}  # (1 + 9) / 2
     assert acc.reduces == 1
+
+
+def test_a_cap_takes_batches_spread_over_the_set_on_every_rank():
+    """`max_batches` below the number of batches: that many, the first and then evenly apart (a
+    file grouped by task is sampled across its tasks), the same batch numbers on every rank, and
+    a rank's padding batch still counts nothing."""
+    assert [idx for idx, _ in eval_shards(12, 2, 1, 0, 3)] == [[0, 1], [4, 5], [8, 9]]
+    assert [idx for idx, _ in eval_shards(12, 2, 1, 0, 1)] == [[0, 1]]
+    assert len(eval_shards(12, 2, 1, 0, 9)) == 6  # a cap above the set takes it all
+    ranks = [eval_shards(9, 2, 2, r, 2) for r in range(2)]  # rank 0: 0 2 | 4 6 | 8; rank 1: 1 3 | 5 7 | pad
+    assert ranks[0] == [([0, 2], True), ([4, 6], True)] and ranks[1] == [([1, 3], True), ([5, 7], True)]
+    assert eval_shards(5, 2, 2, 1, 2)[1] == ([0, 1], False)  # rank 1's second batch (of two) is its padding

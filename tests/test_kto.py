@@ -568,6 +568,19 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_model_dir, kto_file, monkeyp
     assert continuous.history.steps[-1]["kto/kl"] > 0
 
 
+def test_a_capped_held_out_set_from_pairs_reads_both_kinds_of_answer(tmp_path, tiny_model_dir, kto_file):
+    """Held-out pairs unpair in TRL's order (every chosen answer, then every rejected one): a
+    `train.eval_batches` cap below half of the set still scores undesirable answers, so the
+    evaluation has a margin, and its batches are whole (each sample's KL partner is TRL's)."""
+    pairs = tmp_path / "eval_pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n" for q, c, r in PAIRS))
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, kto_file, "lora", steps=1, batch=2)
+    cfg.data.eval, cfg.train.eval_steps, cfg.train.eval_batches = [str(pairs)], 1, 2  # 2 of 6 batches
+    stage = run_stage(kto.KTOStage, cfg)
+    figures = stage.history.evals[-1]
+    assert {"eval/rewards_chosen", "eval/rewards_rejected", "eval/margin"} <= set(figures), figures
+
+
 def test_the_progress_bar_reads_no_margin_where_a_step_held_one_kind_of_sample():
     """A step of desirable samples alone has no margin: its figures leave it out (not NaN in the
     logs), and the progress bar says n/a instead of printing nan."""

@@ -45,8 +45,22 @@ def _list_item_dataclass(tp: Any) -> Optional[type]:
     return None
 
 
-def unknown_keys(cls: type, data: Any, prefix: str = "") -> list[str]:
-    """Every key in `data` that `cls` does not have, with its path and a suggestion.
+class LocatedMap(dict):
+    """A YAML mapping that knows where each of its keys was written: `where[key]` is
+    `FILE:LINE` (the included file's own name for a key that came from an `!include`)."""
+
+    where: dict
+
+
+def _at(data: Any, key: Any, origin: Optional[str]) -> str:
+    """`FILE:LINE: ` for `key` of `data` when the loader recorded it, else `origin: ` (or nothing)."""
+    place = getattr(data, "where", {}).get(key) or origin
+    return f"{place}: " if place else ""
+
+
+def unknown_keys(cls: type, data: Any, prefix: str = "", origin: Optional[str] = None) -> list[str]:
+    """Every key in `data` that `cls` does not have, with its path and a suggestion; each starts
+    with the file and line it was written at where `data` came from `read_yaml` (else `origin`).
 
     Walks nested dataclasses and lists of dataclasses; free-form dict fields are not checked.
     """
@@ -60,15 +74,15 @@ def unknown_keys(cls: type, data: Any, prefix: str = "") -> list[str]:
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
-            out.append(f"{path}: unknown key{hint}")
+            out.append(f"{_at(data, key, origin)}{path}: unknown key{hint}")
             continue
         sub = _dataclass_of(hints[key])
         if sub is not None:
-            out.extend(unknown_keys(sub, value, f"{path}."))
+            out.extend(unknown_keys(sub, value, f"{path}.", origin))
         item = _list_item_dataclass(hints[key])
         if item is not None and isinstance(value, list):
             for i, entry in enumerate(value):
-                out.extend(unknown_keys(item, entry, f"{path}[{i}]."))
+                out.extend(unknown_keys(item, entry, f"{path}[{i}].", origin))
     return out
 
 
@@ -94,10 +108,11 @@ def _decodes(tp: Any, value: Any) -> bool:
         return False
 
 
-def wrong_types(cls: type, data: Any, prefix: str = "") -> list[str]:
+def wrong_types(cls: type, data: Any, prefix: str = "", origin: Optional[str] = None) -> list[str]:
     """Every value in `data` (a config mapping for `cls`) that its field's type cannot take, as
     `key: expected T, got V`: all of them (draccus's own decode stops at the first, in words of its
-    own). Walks nested sections and lists of sections as `unknown_keys` does; unknown keys are its."""
+    own), placed as `unknown_keys` places them. Walks nested sections and lists of sections as
+    `unknown_keys` does; unknown keys are its."""
     if not isinstance(data, dict):
         return []
     hints = typing.get_type_hints(cls)
@@ -109,12 +124,12 @@ def wrong_types(cls: type, data: Any, prefix: str = "") -> list[str]:
         path, tp = f"{prefix}{key}", hints[key]
         sub, item = _dataclass_of(tp), _list_item_dataclass(tp)
         if sub is not None and isinstance(value, dict):
-            out.extend(wrong_types(sub, value, f"{path}."))
+            out.extend(wrong_types(sub, value, f"{path}.", origin))
         elif item is not None and isinstance(value, list):
             for i, entry in enumerate(value):
-                out.extend(wrong_types(item, entry, f"{path}[{i}].") if isinstance(entry, dict) else [])
+                out.extend(wrong_types(item, entry, f"{path}[{i}].", origin) if isinstance(entry, dict) else [])
         elif not _decodes(tp, value):
-            out.append(f"{path}: expected {type_name(tp)}, got {value!r}")
+            out.append(f"{_at(data, key, origin)}{path}: expected {type_name(tp)}, got {value!r}")
     return out
 
 
@@ -234,6 +249,22 @@ class ConfigLoader(SafeLoaderWithInclusion):
                 lines[key_node.value] = line
         return super().construct_mapping(node, deep=deep)
 
+    def construct_located_map(self, node):
+        """A mapping as `LocatedMap`: where each key was written. A key merged in from an
+        `!include` (`<<: !include f.yaml`) has no mark of its own: it is placed at the mapping."""
+        data = LocatedMap()
+        data.where = {}
+        yield data
+        data.update(self.construct_mapping(node))
+        for key_node, _ in node.value:
+            mark = key_node.start_mark or node.start_mark
+            if isinstance(key_node, yaml.ScalarNode) and mark is not None:
+                data.where[self.construct_object(key_node)] = f"{mark.name}:{mark.line + 1}"
+
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:map", ConfigLoader.construct_located_map)
+ConfigLoader.add_representer(LocatedMap, ConfigLoader.represent_dict)  # `<<: !include` re-represents it
+
 
 def yaml_problem(path: Path, err: Exception) -> str:
     """One line for a YAML config that cannot be read: the file and line where it breaks (an
@@ -250,9 +281,17 @@ def yaml_problem(path: Path, err: Exception) -> str:
     return f"{path}: {err}".replace("\n", " ")
 
 
-def read_yaml(path: Union[str, Path]) -> dict:
+def plain(data: Any) -> Any:
+    """`data` with every mapping a plain dict (a `LocatedMap` is one only to the checks here)."""
+    if isinstance(data, dict):
+        return {key: plain(value) for key, value in data.items()}
+    return [plain(value) for value in data] if isinstance(data, list) else data
+
+
+def read_yaml(path: Union[str, Path], located: bool = False) -> dict:
     """A YAML config with `!include` resolved relative to the including file, each key at most
-    once in a mapping (`ConfigLoader`).
+    once in a mapping (`ConfigLoader`); with `located`, its mappings are `LocatedMap`s (where each
+    key was written), else plain dicts.
 
     Raises:
         ConfigError: the file is missing, is not UTF-8 text or not YAML, gives a key twice, or is
@@ -278,7 +317,7 @@ def read_yaml(path: Union[str, Path]) -> dict:
         return {}
     if not isinstance(data, dict):
         raise ConfigError([f"{path}: the top level must be a mapping of keys, got {type(data).__name__}"])
-    return data
+    return data if located else plain(data)
 
 
 def load_config(
@@ -299,8 +338,8 @@ def load_config(
         raise SystemExit(0)
     config_path, override_keys, rest = _split_args(argv)
     problems: list[str] = []
-    data = {} if config_path is None else read_yaml(config_path)
-    problems += [f"{config_path}: {p}" for p in unknown_keys(cls, data) + wrong_types(cls, data)]
+    data = {} if config_path is None else read_yaml(config_path, located=True)
+    problems += unknown_keys(cls, data, origin=config_path) + wrong_types(cls, data, origin=config_path)
     problems += [p for p in (_unknown_override(cls, k) for k in override_keys) if p]
     problems += wrong_override_types(cls, rest)
     if problems:

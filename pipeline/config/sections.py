@@ -185,7 +185,7 @@ class TrainConfig:
     eval_steps: int = 50
     """Evaluate on the held-out split every this many steps (0 disables)."""
     eval_batches: Optional[int] = None
-    """Evaluate on at most this many batches (None: the whole split)."""
+    """Evaluate on at most this many batches, spread evenly over the split (None: the whole split)."""
     early_stopping_stall_num: int = 0
     """Stop after this many evaluations without a new best eval loss (0 disables; MFTCoder)."""
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)

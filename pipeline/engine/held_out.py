@@ -33,13 +33,17 @@ def eval_shards(
 
     Samples are dealt round-robin; a rank whose share runs out repeats its first batch with
     counts=False (the forward runs, its figures are not counted), so no sample is counted twice.
+    A cap of `max_batches` below the number of batches takes that many spread evenly over the set
+    (the first, then every (batches / cap)-th), not the first ones: a held-out file grouped by
+    task, or KTO's desirable answers before its undesirable ones, is sampled across its groups.
     """
     mine = list(range(rank, n, world_size))
     per_rank = math.ceil(math.ceil(n / world_size) / batch_size) if n else 0
-    if max_batches is not None:
-        per_rank = min(per_rank, max_batches)
+    picked = range(per_rank)
+    if max_batches is not None and max_batches < per_rank:
+        picked = [b * per_rank // max_batches for b in range(max_batches)]
     out = []
-    for b in range(per_rank):
+    for b in picked:
         chunk = mine[b * batch_size : (b + 1) * batch_size]
         out.append((chunk, True) if chunk else (list(range(min(batch_size, n))), False))
     return out

@@ -19,6 +19,7 @@ that folder on the command line, and the stage's output is stale once the model 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -344,7 +345,9 @@ def stage_config_problems(cfg: PipelineConfig, stages: Sequence[str]) -> list[st
             try:
                 stage_cfg = load_config(registry.config_class(stage), argv)
             except ConfigError as err:
-                problems += [f"stages.{stage}: {p.removeprefix(f'{path}: ')}" for p in err.problems]
+                # the rendered file is a temporary one: its name and lines mean nothing to the user
+                rendered = re.compile(rf"^{re.escape(str(path))}(:\d+)?: ")
+                problems += [f"stages.{stage}: {rendered.sub('', p)}" for p in err.problems]
                 continue
             problems += [f"stages.{stage}: {p}" for p in stage_data_problems(stage, stage_cfg.data)]
     return problems
