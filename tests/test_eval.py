@@ -117,6 +117,22 @@ def test_a_task_that_would_download_is_refused_in_one_line(tmp_path, monkeypatch
     assert [p for p in gold.problems() if p.startswith("gold.benchmarks: task 'hellaswag'")]
 
 
+def test_the_commands_settings_are_named_as_given_and_checked_before_any_scoring(tmp_path, capsys):
+    """`relay eval --limit 0` names its own option (not the pipeline's config keys); a --json file
+    that cannot be written is found before the models are scored, not after."""
+    code = evaluate.main(["embedded", "--limit", "0", "--batch_size", "-1", "--json", str(tmp_path / "no/x.json")])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --batch_size: must be >= 1, got -1",
+        "error: --limit: must be >= 1, got 0",
+        f"error: --json: {tmp_path / 'no/x.json'} is a folder, or in none",
+    ]
+    assert evaluate.main(["embedded", "--json", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --json: {tmp_path} is a folder, or in none"
+    gold = GoldConfig(benchmarks=BenchmarkConfig(tasks=list(evaluate.DEFAULT_TASKS), limit=0))
+    assert "gold.benchmarks.limit: must be >= 1, got 0" in gold.problems()
+
+
 def test_the_shipped_tasks_are_local_and_the_default_config_scores_nothing():
     assert task_problems(list(evaluate.DEFAULT_TASKS), [TASKS]) == []
     assert BenchmarkConfig().problems() == []  # no tasks: nothing to check, nothing run

@@ -77,15 +77,18 @@ class BenchmarkConfig:
     dtype: str = "float32"
     """Weights dtype while scoring (the harness's model_args dtype: float32 | bfloat16 | float16 | auto)."""
 
-    def problems(self) -> list[str]:
-        """What would stop the scoring, found before any stage runs (loads neither torch nor the harness)."""
+    def problems(self, key: str = "gold.benchmarks.") -> list[str]:
+        """What would stop the scoring, found before any stage runs (loads neither torch nor the harness).
+        A setting is named as `key` + its name (`relay eval` passes "--")."""
         if not self.tasks:
             return []
-        out = []
-        if self.batch_size < 1 or (self.limit is not None and self.limit < 1):
-            out.append("gold.benchmarks.batch_size and gold.benchmarks.limit must be >= 1")
+        out = [
+            f"{key}{name}: must be >= 1, got {value}"
+            for name, value in (("batch_size", self.batch_size), ("limit", self.limit))
+            if value is not None and value < 1
+        ]
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
-            out.append(f"gold.benchmarks.dtype: {self.dtype!r} is not one of float32, bfloat16, float16, auto")
+            out.append(f"{key}dtype: {self.dtype!r} is not one of float32, bfloat16, float16, auto")
         missing = harness_missing()
         if missing:
             out.append(f"gold.benchmarks: {missing}")
@@ -317,7 +320,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         limit=args.limit,
         dtype=args.dtype,
     )
-    problems = settings.problems() if settings.tasks else ["--tasks: names no task"]
+    problems = settings.problems(key="--") if settings.tasks else ["--tasks: names no task"]
+    if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
+        problems.append(f"--json: {args.json} is a folder, or in none")  # found now, not after the scoring
     try:
         folders = [(m, str(model_folder(m))) for m in args.models] if not problems else []
         if problems:
@@ -329,7 +334,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     print(retention_table(table))
     if args.json:
-        Path(args.json).write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
+        try:
+            Path(args.json).write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
+        except OSError as err:
+            print(f"error: --json: {args.json}: {err.strerror}", file=sys.stderr)
+            return 1
     return 0
 
 
