@@ -192,6 +192,36 @@ def test_gguf_check_catches_a_wrong_layout(small_vocab_model, tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []
 
 
+def _no_merges(monkeypatch, folder):
+    monkeypatch.setattr(gguf_export, "merges_of", lambda tokenizer_json: [])
+
+
+def _two_tokens_swapped(monkeypatch, folder):
+    from transformers import AutoTokenizer
+
+    first, second = AutoTokenizer.from_pretrained(folder)(release.PROBE[0])["input_ids"][:2]
+    real = gguf_export.token_table
+
+    def table(tokenizer_json, n_vocab):
+        tokens, types = real(tokenizer_json, n_vocab)
+        tokens[first], tokens[second] = tokens[second], tokens[first]
+        return tokens, types
+
+    monkeypatch.setattr(gguf_export, "token_table", table)
+
+
+@pytest.mark.parametrize("breakage", [_no_merges, _two_tokens_swapped], ids=["no-merges", "swapped-tokens"])
+def test_gguf_check_catches_a_wrong_tokenizer(small_vocab_model, tmp_path, monkeypatch, breakage):
+    """Negative controls for the tokenizer (which the logits check cannot see: it feeds both models
+    the folder's ids): the BPE merges left out, or the two first tokens of a probe text swapped, and
+    transformers' reading of the GGUF splits the probe texts otherwise; the export is refused and
+    leaves nothing."""
+    breakage(monkeypatch, small_vocab_model)
+    with pytest.raises(release.ExportError, match="GGUF's tokenizer (splits .* otherwise|cannot be read back)"):
+        release.export(str(small_vocab_model), str(tmp_path / "release"), gguf_type="f32")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_failed_export_leaves_out_as_it_was(small_vocab_model, tmp_path, monkeypatch):
     """--out in a folder that does not exist yet: nothing is left; a previous export with
     --overwrite: it stays whole; and once the GGUF is right the same command succeeds."""

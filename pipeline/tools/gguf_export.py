@@ -358,6 +358,41 @@ def gguf_string(path: Path, key: str) -> Optional[str]:
     return None
 
 
+TOKENIZER_PROBE = [*PROBE, "héllo wörld\t123 4567  <|im_end|>\n\nnaïve café 日本語 🙂"]
+"""Texts the GGUF's tokenizer must split as the folder's (with a chat turn rendered by the template)."""
+
+
+def gguf_tokenizer_problem(folder: Path, gguf_file: Path, texts: Sequence[str] = TOKENIZER_PROBE) -> Optional[str]:
+    """Where the GGUF's tokenizer, as transformers rebuilds it from the file's tokenizer.ggml.*
+    metadata, gives other ids than the folder's tokenizer: the probe texts with its special tokens
+    added as each adds them, and a user turn rendered by the folder's chat template; None when they
+    agree. (The logits check feeds both models the folder's ids, so it cannot see the tokenizer.)
+    The GGUF is read from a folder of its own: beside a tokenizer.json, transformers reads that one."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    ours = AutoTokenizer.from_pretrained(folder)
+    with tempfile.TemporaryDirectory(prefix="relay-gguf-") as alone:
+        (Path(alone) / gguf_file.name).symlink_to(gguf_file.resolve())
+        try:
+            theirs = AutoTokenizer.from_pretrained(alone, gguf_file=gguf_file.name)
+        except Exception as err:  # transformers' GGUF reader raises what its parsing meets
+            return f"tokenizer cannot be read back by transformers ({type(err).__name__}: {err})"
+    if ours.chat_template:
+        turn = [{"role": "user", "content": texts[0]}]
+        texts = [*texts, ours.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)]
+    for text in texts:
+        want, got = ours(text)["input_ids"], theirs(text)["input_ids"]
+        if want != got:
+            at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            return (
+                f"tokenizer splits {text[:40]!r} otherwise than the model's: ids differ from token {at} "
+                f"({want[at : at + 3]} vs {got[at : at + 3]})"
+            )
+    return None
+
+
 def gguf_logit_error(folder: Path, gguf_file: Path, prompts: Sequence[str] = PROBE) -> float:
     """The worst logit_error over `prompts` of the GGUF loaded back by transformers (which
     dequantizes its tensors with the gguf package) against the model folder, both in fp32."""

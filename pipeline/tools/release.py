@@ -35,7 +35,15 @@ from pipeline.engine.tracking import quiet_console
 from pipeline.modeling.embedded import gguf_path, resolve_model_path
 from pipeline.modeling.manifest import file_sha256, read_manifest
 from pipeline.modeling.preflight import model_problems
-from pipeline.tools.gguf_export import GGUF_TYPES, PROBE, ExportError, gguf_logit_error, gguf_string, write_gguf
+from pipeline.tools.gguf_export import (
+    GGUF_TYPES,
+    PROBE,
+    ExportError,
+    gguf_logit_error,
+    gguf_string,
+    gguf_tokenizer_problem,
+    write_gguf,
+)
 
 GGUF_NAME = "model.gguf"
 CHECKSUMS = "SHA256SUMS"
@@ -376,7 +384,8 @@ def write_release(
             error = write_checked_gguf(target, gguf_type, name, None if licence == "unknown" else licence)
         print(
             f"{shown / GGUF_NAME}: next-token logits match the model's on {len(PROBE)} probe prompts "
-            f"(error {error:.2g}; {gguf_type} allows {GGUF_TYPES[gguf_type].tolerance:.2g})",
+            f"(error {error:.2g}; {gguf_type} allows {GGUF_TYPES[gguf_type].tolerance:.2g}), and its tokenizer "
+            "gives the model's ids",
             file=sys.stderr,
         )
     files = sorted(f.name for f in target.iterdir() if f.is_file())
@@ -388,20 +397,25 @@ def write_release(
 
 def write_checked_gguf(target: Path, gguf_type: str, name: str, license_id: Optional[str] = None) -> float:
     """model.gguf in `target`, kept only if transformers reads back the model's next-token logits
-    within the type's tolerance (gguf_export.logit_error); returns the worst error.
+    within the type's tolerance (gguf_export.logit_error) and its tokenizer splitting text as the
+    folder's does (gguf_export.gguf_tokenizer_problem); returns the worst error.
 
     Raises:
-        ExportError: the GGUF cannot be written, or its logits err beyond the type's tolerance.
+        ExportError: the GGUF cannot be written, its logits err beyond the type's tolerance, or its
+            tokenizer gives other ids.
     """
     path = write_gguf(target, target / GGUF_NAME, gguf_type, name, license_id)
     error = gguf_logit_error(target, path)
     tolerance = GGUF_TYPES[gguf_type].tolerance
-    if error > tolerance:
+    problem = (
+        f"next-token logits differ from the model's (normalised squared error {error:.3g}, {gguf_type} allows "
+        f"{tolerance:.2g}): its tensors are laid out wrongly"
+        if error > tolerance
+        else gguf_tokenizer_problem(target, path)
+    )
+    if problem:
         path.unlink()
-        raise ExportError(
-            f"--gguf: the GGUF's next-token logits differ from the model's (normalised squared error {error:.3g}, "
-            f"{gguf_type} allows {tolerance:.2g}): its layout or tokenizer is wrong; not written"
-        )
+        raise ExportError(f"--gguf: the GGUF's {problem}; not written")
     return error
 
 
