@@ -153,7 +153,7 @@ def test_tool_choice_none_required_and_named(server, tool_model):
     named = ask(
         server, '{"a": 4, "b": 5}}</tool_call>', tool_choice={"type": "function", "function": {"name": "add"}}
     ).choices[0]
-    assert tok.decode(SCRIPT["prompts"][0]).endswith('<tool_call>{"name": "add", "arguments": ')
+    assert tok.decode(SCRIPT["prompts"][0]).endswith('<tool_call>{"name": "add", "arguments":')  # a token's end
     assert json.loads(named.message.tool_calls[0].function.arguments) == {"a": 4, "b": 5}
     content, calls, reason = streamed(
         server, '{"a": 4, "b": 5}}</tool_call>', tool_choice={"type": "function", "function": {"name": "add"}}
@@ -227,3 +227,49 @@ def test_vllm_is_started_with_the_parser_of_the_layout(tool_model, tiny_model_di
         "hermes",
     ]
     assert "--tool-call-parser" not in vllm_command(str(tiny_model_dir), "h", 1)
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "add"}}], ids=["required", "named"]
+)
+def test_a_forced_answer_starts_with_the_tokens_training_gave_it(embedded_path, choice):
+    """The real vocabulary writes `"arguments": {"` as `":` then ` {"`: a prefill cut at the text's
+    marker ended in a lone ' ' token, a sequence the model never saw in training, and a model that
+    called `add` well under "auto" broke the call when told to call it. The served ids are the SFT
+    rendering of the conversation with the call (data_formats.render: the prompt, then the answer
+    tokenized on its own) up to a token boundary, at the opener or just before the arguments."""
+    from data_formats.render import make_template, render, template_jinja
+    from pipeline.config import ChatDataConfig
+
+    tok = AutoTokenizer.from_pretrained(embedded_path)
+    template = make_template(ChatDataConfig(), tok)
+    tok.chat_template = template_jinja(template, tok, tools=True)
+    request = check_request({"model": "m", "messages": [USER], "tools": TOOLS, "tool_choice": choice}, "m")
+    ids, prefill = prompt_and_prefill(tok, request)
+    call = Turn("assistant", "", tool_calls=[{"name": "add", "arguments": {"a": 2, "b": 3}}])
+    trained, _ = render(Conversation([Turn("user", USER["content"]), call], tools=[ADD]), tok, template)
+    prompt = render_prompt(Conversation([Turn("user", USER["content"])], tools=[ADD]), tok, template)
+    assert ids[: len(prompt)] == prompt and ids == trained[: len(ids)] and len(ids) > len(prompt)
+    assert tok.decode(ids[len(prompt) :]) == prefill
+    assert prefill.endswith('"arguments":' if isinstance(choice, dict) else "<tool_call>"), prefill
+    assert trained[len(ids) :][:1] != tok(" ", add_special_tokens=False)["input_ids"]
+
+
+def test_text_after_a_call_is_streamed_as_the_answer_gives_it(server):
+    """Content after a call (and between calls) is part of the non-streamed message's content; the
+    stream sent only what came before the first call."""
+    for text in ("First.\n" + CALL + "\nThen I answer.", CALL + "\nThe tool will tell us."):
+        answer = ask(server, text).choices[0]
+        content, calls, reason = streamed(server, text)
+        assert (content, reason) == (answer.message.content, answer.finish_reason == "tool_calls" and "tool_calls")
+        assert [c["name"] for c in calls.values()] == [c.function.name for c in answer.message.tool_calls]
+
+
+def test_an_answer_with_a_call_that_cannot_be_read_is_all_content(server):
+    """A good call then a malformed one (or one cut before its close tag): the whole text is the
+    content and nothing is a call, as vLLM's hermes parser answers; streamed the same. Before,
+    the good call came back and the malformed one vanished."""
+    for text in (CALL + "<tool_call>{not json}</tool_call>", CALL + '<tool_call>{"name": "add", "argum'):
+        answer = ask(server, text).choices[0]
+        assert answer.message.content == text and not answer.message.tool_calls and answer.finish_reason == "stop"
+        assert streamed(server, text) == (text, {}, "stop")

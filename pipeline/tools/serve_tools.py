@@ -50,9 +50,9 @@ def _render(tokenizer, messages: list[dict], tools: list[dict], generation_promp
     )
 
 
-def call_prefix(tokenizer, messages: list[dict], tools: list[dict], name: Optional[str]) -> str:
-    """What the template writes at the start of an answer that calls a tool: up to and including
-    the call opener, or (for a named tool) up to the call's arguments.
+def call_prefix(tokenizer, messages: list[dict], tools: list[dict], name: Optional[str]) -> tuple[str, int]:
+    """(the answer the template writes for a probe call, where forcing may cut it): the cut is after
+    the call opener, or (for a named tool) before the call's arguments.
 
     Raises:
         ApiError: the template does not write calls in a form Relay can start (400).
@@ -71,11 +71,23 @@ def call_prefix(tokenizer, messages: list[dict], tools: list[dict], name: Option
             "tool_choice",
             "unsupported_value",
         )
-    return body[:at] if name else body[: at + len(CALL_OPEN)]
+    return body, at if name else at + len(CALL_OPEN)
+
+
+def token_prefix(tokenizer, body: str, cut: int) -> list[int]:
+    """The ids of `body` tokenized on its own (as training tokenizes an answer) up to the last token
+    that ends by `cut`: a prefill that stops inside a token (`"arguments": ` where training has
+    `":` then ` {"`) would show the model a sequence it never saw."""
+    encoded = tokenizer(body, add_special_tokens=False, return_offsets_mapping=True)
+    ends = [end for _, end in encoded["offset_mapping"]]
+    return list(encoded["input_ids"][: sum(1 for end in ends if end <= cut)])
 
 
 def prompt_and_prefill(tokenizer, request: ChatRequest) -> tuple[list[int], str]:
-    """(prompt ids, the text the answer is started with) of a request with tools.
+    """(prompt ids, the text the answer is started with) of a request with tools. The prompt is
+    tokenized as training tokenizes it, and a forced answer's start as training tokenizes an answer,
+    on the tokens' own boundaries. (The start is the server's text, not sampled: its tokens count as
+    the prompt's in `usage`, and have no logprobs.)
 
     Raises:
         ApiError: the template cannot render tools, or cannot be forced to call (400).
@@ -83,12 +95,13 @@ def prompt_and_prefill(tokenizer, request: ChatRequest) -> tuple[list[int], str]
     problem = tool_support_problem(tokenizer)
     if problem:
         raise ApiError(400, problem, "tools", "unsupported_value")
-    prefill = ""
-    if request.tool_choice in ("required", "function"):
-        prefill = call_prefix(tokenizer, request.messages, request.tools, request.tool_name)
-    text = _render(tokenizer, request.messages, request.tools, True) + prefill
     # The template already writes any BOS it wants; adding special tokens again would double it.
-    return tokenizer(text, add_special_tokens=False)["input_ids"], prefill
+    ids = tokenizer(_render(tokenizer, request.messages, request.tools, True), add_special_tokens=False)["input_ids"]
+    if request.tool_choice not in ("required", "function"):
+        return ids, ""
+    body, cut = call_prefix(tokenizer, request.messages, request.tools, request.tool_name)
+    forced = token_prefix(tokenizer, body, cut)
+    return ids + forced, tokenizer.decode(forced)
 
 
 def call_id() -> str:
@@ -110,9 +123,10 @@ def openai_calls(calls: list[dict]) -> list[dict]:
 def answer_message(text: str, reason: str) -> tuple[dict, str]:
     """(the assistant message, finish reason) of a whole answer read for calls: with calls, their
     `tool_calls`, the text outside them as content (null when empty) and "tool_calls"; without,
-    the text as content and `reason`."""
+    or where any call in it cannot be read (not JSON, no close tag: vLLM's hermes parser does the
+    same), the whole text as content and `reason`, so nothing the model wrote is dropped."""
     parsed = parse_answer(text)
-    if not parsed.calls:
+    if not parsed.calls or parsed.errors:
         return {"role": "assistant", "content": text}, reason
     return {
         "role": "assistant",
@@ -141,11 +155,15 @@ class CallStream:
         return out
 
     def finish(self, reason: str) -> tuple[list[dict], str]:
+        """The deltas after the last `add`: the content not sent yet (with calls, what the whole
+        answer's content has beyond what was streamed: text after a call too), then each call."""
         message, reason = answer_message(self.text, reason)
         if "tool_calls" not in message:
             rest = self.text[self.sent :]
             return ([{"content": rest}] if rest else []), reason
-        deltas = []
+        content, streamed = message["content"] or "", self.text[: self.sent].strip()
+        rest = content[len(streamed) :] if content.startswith(streamed) else ""
+        deltas = [{"content": rest}] if rest else []
         for k, call in enumerate(message["tool_calls"]):
             deltas.append(
                 {
@@ -174,9 +192,10 @@ def vllm_tool_flags(folder: str) -> list[str]:
     if tool_support_problem(tokenizer):
         return []
     try:
-        prefix = call_prefix(
+        body, cut = call_prefix(
             tokenizer, [{"role": "user", "content": "u"}], [{"name": "relay_probe_tool"}], "relay_probe_tool"
         )
+        prefix = body[:cut]
     except ApiError:
         return []
     opener = json.dumps({"name": "relay_probe_tool", "arguments": 1})[: -len("1}")]
