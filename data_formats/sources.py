@@ -30,6 +30,9 @@ from data_formats import llamafactory_registry
 from data_formats.conversation import RecordError
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+_TABLE_SUFFIXES = (".csv", ".tsv", ".arrow", ".feather", ".ndjson", ".jsonlines")
+"""Other data files a folder may hold: Relay reads none of them, so a folder's are reported."""
+_COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".7z")
 _GLOB_CHARS = "*?["
 MAX_RECORD_BYTES = 8 * 1024 * 1024
 """Default bound on one record's size in bytes (8 MiB, the data section's `max_record_bytes`):
@@ -122,8 +125,9 @@ def entry_task_name(entry: str) -> str:
 def expand_entry(entry: str) -> tuple[list[Path], Optional[str]]:
     """The files a data path entry names, or ([], dataset name) when it is not a local path.
 
-    Folders expand to their supported files, globs to every file they match (an unsupported one
-    is then reported by `read_file`), sorted, so the order is reproducible. A LLaMA-Factory
+    Folders expand to their files that hold data (`looks_like_data`: the supported ones, and the
+    data files Relay cannot read, which `read_file` then reports), globs to every file they match
+    (an unsupported one is reported the same way), sorted, so the order is reproducible. A LLaMA-Factory
     registry entry (`FOLDER/dataset_info.json:NAME`) names the registry and its entry's files (a
     change to either is a change of the data), or its hub dataset.
     """
@@ -134,7 +138,7 @@ def expand_entry(entry: str) -> tuple[list[Path], Optional[str]]:
         return sorted(Path(p) for p in globlib.glob(entry, recursive=True) if Path(p).is_file()), None
     path = Path(entry)
     if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES), None
+        return sorted(p for p in path.rglob("*") if p.is_file() and looks_like_data(p)), None
     if path.exists() or path.suffix in SUFFIXES or entry.startswith((".", "/")):
         return [path], None
     return [], entry
@@ -347,12 +351,41 @@ def _read_rows(rows, name: str, task: str, max_bytes: int) -> Iterator[RawRecord
         yield RawRecord(name, number, task, record=dict(row), raw=raw)
 
 
+def _data_suffix(path: Path) -> str:
+    """The suffix that says what data a file holds, lower-cased: a compressed file's inner one
+    (`.jsonl` of `a.jsonl.gz`), else its own."""
+    suffix = path.suffix.lower()
+    if suffix in _COMPRESSED_SUFFIXES:
+        return Path(path.stem).suffix.lower()
+    return suffix
+
+
+def looks_like_data(path: Path) -> bool:
+    """Whether a file in a folder entry is read as data: a supported suffix, the same in another
+    case, or another data table's (CSV, TSV, Arrow), compressed or not; `read_file` reports all
+    but the first. Other files (a README, a script, a task YAML, a hidden file such as `.DS_Store`)
+    are not data and are passed over."""
+    if path.suffix in SUFFIXES:
+        return True
+    return not path.name.startswith(".") and _data_suffix(path) in (*SUFFIXES, *_TABLE_SUFFIXES)
+
+
 def unsupported(path: Path) -> Optional[str]:
     """Why a file's kind cannot be read (its suffix), or None when it can."""
     if path.suffix in SUFFIXES:
         return None
+    use = f"use {', '.join(SUFFIXES)} (JSON Lines, a JSON array, Parquet, plain text)"
+    inner = _data_suffix(path)
+    if path.suffix.lower() in _COMPRESSED_SUFFIXES and inner in SUFFIXES:
+        return f"compressed {inner}{path.suffix} files are not supported: decompress it to a {inner} file"
+    if path.suffix.lower() in _COMPRESSED_SUFFIXES and inner:
+        return f"compressed {inner}{path.suffix} files are not supported; {use}"
+    if path.suffix.lower() in SUFFIXES:
+        return (
+            f"{path.suffix} files are not supported (suffixes are case-sensitive): rename it to {path.suffix.lower()}"
+        )
     kind = f"{path.suffix} files are" if path.suffix else "a file without a suffix is"
-    return f"{kind} not supported; use {', '.join(SUFFIXES)} (JSON Lines, a JSON array, Parquet, plain text)"
+    return f"{kind} not supported; {use}"
 
 
 def read_file(path: Path, task: str, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[RawRecord]:

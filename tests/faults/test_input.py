@@ -330,6 +330,32 @@ def test_unsupported_suffix_is_named_once(tmp_path, tiny_model_dir, tiny_reward_
     ]
 
 
+def test_a_folders_data_files_it_cannot_read_are_each_one_problem_as_when_named(tmp_path, capsys):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    good = write_jsonl(folder / "a.jsonl", [record("sft", 0)])
+    unreadable = [folder / name for name in ("b.JSONL", "c.jsonl.gz", "d.Json", "e.csv", "f.csv.zst", "g.parquet.zst")]
+    for path in unreadable:
+        path.write_bytes(good.read_bytes())
+    for name in ("README.md", ".DS_Store", "make_data.py"):  # not data: passed over
+        (folder / name).write_text("notes\n")
+    assert sources.expand_entry(str(folder)) == ([good, *unreadable], None)
+    named = {}
+    for path in unreadable:
+        assert validate.main(["--kind", "sft", str(path)]) == 1
+        named[path] = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"{path}:0: ")]
+    assert validate.main(["--kind", "sft", str(folder)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if ":0: " in line] == [line for path in unreadable for line in named[path]]
+    assert named[folder / "b.JSONL"] == [
+        f"{folder / 'b.JSONL'}:0: .JSONL files are not supported (suffixes are case-sensitive): rename it to .jsonl"
+    ]
+    assert named[folder / "c.jsonl.gz"] == [
+        f"{folder / 'c.jsonl.gz'}:0: compressed .jsonl.gz files are not supported: decompress it to a .jsonl file"
+    ]
+    assert out[-1] == "1 record(s) passed the record checks; 6 problem(s) in 6 file(s)"
+
+
 def test_summarize_groups_by_file_and_reason():
     from data_formats.sources import summarize
 
