@@ -103,8 +103,8 @@ def split_records(cfg, kind: str, split: str, check: Optional[Check] = None, **p
     carve = not cfg.eval and cfg.eval_fraction > 0
     if carve:
         good = [r for r in good if in_eval_fraction(r.raw, cfg.eval_fraction) == (split == "eval")]
-    if split == "train" and cfg.max_samples is not None:
-        good = good[: cfg.max_samples]
+    if split == "train" and cfg.record_limit is not None:
+        good = good[: cfg.record_limit]
     return good
 
 

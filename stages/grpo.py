@@ -127,6 +127,7 @@ class GRPOConfig(StageConfig):
 class GRPOStage(PolicyStage):
     name = "grpo"
     config_class = GRPOConfig
+    evaluates_loss = False  # eval/reward, eval/kl: nothing for early stopping to watch
     loss_can_diverge = False  # a clipped surrogate around 0, not a loss that starts high
     reward_model_required = False
 

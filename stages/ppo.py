@@ -220,6 +220,7 @@ def make_normaliser(cfg: PPOConfig, reward_path: str) -> rl.RunningMoments:
 class PPOStage(PolicyStage):
     name = "ppo"
     config_class = PPOConfig
+    evaluates_loss = False  # eval/reward, eval/kl: nothing for early stopping to watch
 
     def __init__(
         self,

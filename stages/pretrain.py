@@ -75,7 +75,7 @@ class PTStage(LanguageModelStage):
 
     def problems(self) -> list[str]:
         data, out = self.cfg.data, []
-        if data.streaming and data.max_samples is not None:
+        if data.streaming and data.record_limit is not None:
             out.append("data.max_samples: not used with data.streaming (the stream runs until train.max_steps)")
         if data.streaming and not data.eval and data.eval_fraction > 0:
             out.append(

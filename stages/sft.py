@@ -128,6 +128,14 @@ class SFTStage(LanguageModelStage):
         extra = sorted(set(eval_tasks) - set(self.tasks))
         if extra:
             out.append(f"data.eval: task(s) {extra} do not appear in the training data")
+        mode = cfg.multitask.weighted_loss_mode
+        held = {s["task_id"] for s in self.eval_samples}
+        unmeasured = [name for k, name in enumerate(self.tasks) if k not in held]
+        if MODES[mode].adaptive and cfg.data.has_eval and unmeasured:
+            out.append(
+                f"multitask.weighted_loss_mode: {mode} weighs each task by its held-out loss, and task(s) "
+                f"{unmeasured} have no held-out sample (give them data.eval files, or a larger data.eval_fraction)"
+            )
         return out
 
     def task_weights(self) -> Optional[list[float]]:

@@ -60,12 +60,16 @@ class LossMode:
     adaptive: bool = False
     """Its task weights follow each task's held-out loss (CoBa): it needs held-out data, which it
     measures as it trains, and its weights ride in the checkpoint."""
+    reads_task_weights: bool = False
+    """`multitask.task_weights` sets its weights (elsewhere they would be ignored, so they are refused)."""
     doc: str = ""
 
 
 MODES: dict[str, LossMode] = {
     "none": LossMode(False, doc="the token mean, tasks ignored"),
-    "case3": LossMode(True, doc="the mean of the tasks' token means, weighted by multitask.task_weights"),
+    "case3": LossMode(
+        True, reads_task_weights=True, doc="the mean of the tasks' token means, weighted by multitask.task_weights"
+    ),
     "coba": LossMode(True, adaptive=True, doc="case3 with CoBa's weights from the held-out loss trends"),
     "self-paced": LossMode(True, adaptive=True, doc="MFTCoder's name for coba"),
 }
@@ -137,6 +141,13 @@ class MultitaskConfig:
         for name, value in self.task_weights.items():
             if not value >= 0:
                 out.append(f"{key}.task_weights[{name!r}]: must be >= 0, got {value!r}")
+        entry = MODES.get(self.weighted_loss_mode)
+        if self.task_weights and entry is not None and not entry.reads_task_weights:
+            readers = ", ".join(name for name, mode in MODES.items() if mode.reads_task_weights)
+            out.append(
+                f"{key}.task_weights: read only by weighted_loss_mode {readers}; "
+                f"{self.weighted_loss_mode} would ignore them"
+            )
         for name in ("coba_warmup_steps", "coba_history_length", "coba_update_interval", "coba_valid_batches"):
             if getattr(self, name) < 1:
                 out.append(f"{key}.{name}: must be >= 1, got {getattr(self, name)!r}")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from pipeline.config.engines import ENGINES
+from pipeline.config.schedule_shape import schedule_problems
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 PRECISIONS = DTYPES + ("bf16-pure",)
@@ -144,7 +145,9 @@ class TrainConfig:
     learning_rate: float = 2e-4
     """Peak learning rate."""
     batch_size: int = 4
-    """Samples (or packed rows) per device per micro-batch."""
+    """Samples per device per micro-batch (PT: rows of seq_length tokens cut from its documents;
+    with data.padding_mode pack a micro-batch's samples share as few rows as they fill, so packing
+    removes padding, not samples per step)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step. Global batch = batch_size * grad_accum * world size."""
     seq_length: int = 512
@@ -210,6 +213,9 @@ class TrainConfig:
             out.append(f"{key}.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.cycles is not None and self.cycle_length is not None:
             out.append(f"{key}: set cycles or cycle_length, not both (Levanter's rule)")
+        inputs = ("max_steps", "lr_schedule", "min_lr_ratio", f"{key}: set cycles")
+        if not any(p.startswith((f"{key}.{name}", name)) for p in out for name in inputs):
+            out.extend(schedule_problems(self))  # built now: a schedule that cannot be is refused before any load
         return out
 
 
@@ -261,8 +267,22 @@ class CheckpointConfig:
             parse_duration(self.save_interval)
         except ValueError as err:
             out.append(f"{key}.save_interval: {err}")
-        for i, rule in enumerate(self.keep):
+        last_until = 0
+        for i, rule in enumerate(self.keep):  # a rule applies up to its until, after the ones before it
             _positive(out, f"{key}.keep[{i}].every", rule.every)
+            if rule.until is None and i < len(self.keep) - 1:
+                out.append(
+                    f"{key}.keep[{i}]: only the last rule may run to the end (until: null); the rules after it "
+                    "would never apply (Levanter's rule)"
+                )
+            elif rule.until is not None and rule.until < 1:
+                out.append(f"{key}.keep[{i}].until: must be a step >= 1 (or null: to the end), got {rule.until}")
+            elif rule.until is not None and rule.until <= last_until:
+                out.append(
+                    f"{key}.keep[{i}].until: {rule.until} must be above the previous rule's "
+                    f"({last_until}): rules are in order of until (Levanter's rule)"
+                )
+            last_until = rule.until if rule.until is not None else last_until
         return out
 
 
@@ -278,9 +298,13 @@ class TrackingConfig:
     """W&B entity (team or user)."""
 
     def problems(self, key: str = "tracking") -> list[str]:
+        import importlib.util
+
         out: list[str] = []
         for name in self.trackers:
             _choice(out, f"{key}.trackers", name, ("tensorboard", "wandb"))
+        if "wandb" in self.trackers and importlib.util.find_spec("wandb") is None:
+            out.append(f"{key}.trackers has 'wandb' but wandb is not installed: pip install wandb")
         return out
 
 
@@ -332,7 +356,8 @@ class DataConfig:
     on_error: str = "strict"
     """Bad records: 'strict' refuses to train and lists them; 'skip' drops exactly those and logs why."""
     max_samples: Optional[int] = None
-    """Use at most this many training records (debugging)."""
+    """Use at most this many training records, the first ones (debugging); None or -1 (MedicalGPT's
+    spelling): all of them."""
     max_record_bytes: int = 8 * 1024 * 1024
     """Refuse any record (a JSONL line, a JSON array element, a .txt file, a Parquet row) longer than
     this many bytes as `FILE:LINE: record is N bytes, over the limit`, before it is parsed or
@@ -359,6 +384,11 @@ class DataConfig:
         """Whether there is held-out data: `eval` entries, or a fraction carved off `train`."""
         return bool(self.eval) or self.eval_fraction > 0
 
+    @property
+    def record_limit(self) -> Optional[int]:
+        """How many training records are used at most (`max_samples`); None: all."""
+        return None if self.max_samples in (None, -1) else self.max_samples
+
     def problems(self, key: str = "data") -> list[str]:
         out: list[str] = []
         _choice(out, f"{key}.on_error", self.on_error, ("strict", "skip"))
@@ -367,6 +397,10 @@ class DataConfig:
             out.append(f"{key}.max_record_bytes: must be >= 1, got {self.max_record_bytes!r}")
         if not 0 <= self.eval_fraction < 1:
             out.append(f"{key}.eval_fraction: must be in [0, 1), got {self.eval_fraction!r}")
+        if self.eval and self.eval_fraction > 0:
+            out.append(f"{key}: give {key}.eval or {key}.eval_fraction, not both (the fraction would carve nothing)")
+        if self.max_samples is not None and self.max_samples != -1 and self.max_samples < 1:
+            out.append(f"{key}.max_samples: must be >= 1, or null / -1 for every record, got {self.max_samples}")
         if not self.train:
             out.append(f"{key}.train: no training data given")
         return out
@@ -436,6 +470,19 @@ class ChatDataConfig(DataConfig):
         missing = {"system", "user", "assistant"} - set(self.role_markers)
         if self.template == "role_markers" and missing:
             out.append(f"{key}.role_markers: missing marker(s) for {', '.join(sorted(missing))}")
+        unknown = set(self.role_markers) - {"system", "user", "assistant"}
+        if unknown:
+            out.append(
+                f"{key}.role_markers: no role {', '.join(map(repr, sorted(unknown)))}; "
+                "markers are for system, user and assistant"
+            )
+        if self.template != "role_markers":
+            for name, default in (("role_markers", DEFAULT_ROLE_MARKERS), ("role_layout", "readme")):
+                if getattr(self, name) != default:
+                    out.append(
+                        f"{key}.{name}: read only with {key}.template: role_markers (the chat template writes "
+                        f"its own turn markers); set the template, or leave {name} out"
+                    )
         return out
 
 

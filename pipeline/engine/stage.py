@@ -69,7 +69,12 @@ from pipeline.engine.interrupt import Stopped, StopRequest, agreed_signal, all_r
 from pipeline.engine.precision import fp32_masters, keeps_masters
 from pipeline.engine.resume import launched_world_size, resume, resume_problems
 from pipeline.engine.schedule import build_scheduler
-from pipeline.engine.stage_checks import fill_problem, parent_problems, supervision_problems
+from pipeline.engine.stage_checks import (
+    early_stopping_problems,
+    fill_problem,
+    parent_problems,
+    supervision_problems,
+)
 from pipeline.engine.steps import NonFiniteError, optimizer_step
 from pipeline.engine.tracking import (
     EarlyStopping,
@@ -163,6 +168,9 @@ class Stage:
     """`train/loss` is a loss that starts positive and should fall (LM, RM, DPO), so a climb to a
     multiple of its start means divergence (train.divergence). False for surrogate objectives
     that hover around 0 (GRPO); the weight check applies to every stage."""
+    evaluates_loss: ClassVar[bool] = True
+    """`evaluate` gives `eval/loss`, which train.early_stopping_stall_num watches. False where the
+    held-out figures are rewards (PPO, GRPO): early stopping is refused there, not left idle."""
     resume_may_change: ClassVar[tuple[str, ...]] = ()
     """The stage's own config keys (dotted, or prefixes ending in '.') that may change on
     resume without refusal, beside pipeline.engine.identity.MAY_CHANGE."""
@@ -360,6 +368,7 @@ class Stage:
         """
         cfg = self.cfg
         problems = cfg.problems() + self.problems() + combination_problems(cfg)
+        problems += early_stopping_problems(cfg.train, cfg.data.has_eval, self.evaluates_loss)
         problems += [p for p in config_refusals(self.name, cfg) if p not in problems]  # the capability table
         problems += data_problems(cfg.data.train, "data.train") + data_problems(cfg.data.eval, "data.eval")
         # A reward stage may start from a causal LM (fresh head) or from a reward model.
@@ -379,6 +388,11 @@ class Stage:
             raise ConfigError([str(err)]) from err
         problems = self.record_skipped(take_skipped()) + problems
         problems = problems or supervision_problems(self.train_samples, cfg.train.seq_length)
+        if cfg.train.early_stopping_stall_num and cfg.data.has_eval and not self.eval_samples:
+            problems.append(
+                "train.early_stopping_stall_num: no held-out sample to watch "
+                f"(data.eval_fraction {cfg.data.eval_fraction} carved none off the training data)"
+            )
         if problems:
             raise ConfigError(problems)
 

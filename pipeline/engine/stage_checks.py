@@ -56,6 +56,21 @@ def fill_problem(
     return []
 
 
+def early_stopping_problems(train, has_eval: bool, evaluates_loss: bool) -> list[str]:
+    """Why train.early_stopping_stall_num (MFTCoder's) could never fire: no evaluations, no held-out
+    data, or a stage whose evaluation has no eval/loss to watch."""
+    if not train.early_stopping_stall_num:
+        return []
+    key = "train.early_stopping_stall_num"
+    if not evaluates_loss:
+        return [f"{key}: this stage's evaluation has no eval/loss to watch (its held-out figures are rewards)"]
+    if not train.eval_steps:
+        return [f"{key}: needs evaluations, and train.eval_steps is 0"]
+    if not has_eval:
+        return [f"{key}: needs held-out data (data.eval or data.eval_fraction)"]
+    return []
+
+
 def overlong_reason(drops: dict) -> str:
     """'N dropped as longer than train.seq_length L (the longest M tokens); ...' per data entry
     when several, with the settings that keep them; '' when nothing was dropped."""
