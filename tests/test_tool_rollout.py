@@ -995,3 +995,24 @@ def test_kept_cache_rollout_equals_the_refilled_turns_and_hf_still_works(tiny_mo
             inserted = (rollout.response_mask[row] == 0)[: len(rollout.responses[row])]
             assert bool(inserted.any()) == any(m["role"] == "tool" for m in conv)
     assert any(m["role"] == "tool" for conv in runs["hf"].conversations for m in conv)
+
+
+def test_a_call_cut_by_the_token_budget_is_no_final_answer(tok):
+    """A turn that runs out of tokens inside a call ends the rollout with the call's opener in its
+    content (nothing to run, no result): the reward functions and the judge read no final answer
+    there (""), not the half-written markup as if it were the answer."""
+    t, template = _template(tok, native=False)
+    env, _ = _env(t, template)
+    sample = _sample(t, template, [Turn("user", "2 + 3?")], [{"name": "add"}])
+
+    class Cut:  # every turn ends without EOS, inside the call
+        def generate(self, prompts, max_new_tokens=None):
+            return [t('Answer: 5\n<tool_call>{"name": "add", "argu', add_special_tokens=False)["input_ids"]] * len(
+                prompts
+            )
+
+    rollout = tool_rollout(Cut(), [sample], env)
+    (conversation,) = rollout.conversations
+    assert conversation[-1]["role"] == "assistant" and "<tool_call>" in conversation[-1]["content"]
+    assert rw.final_answer(conversation) == "" and rw.final_answer_match([], [conversation], answer=["5"]) == [0.0]
+    assert rw.final_answer([{"role": "assistant", "content": "It is 5."}]) == "It is 5."

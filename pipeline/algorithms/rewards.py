@@ -52,7 +52,7 @@ import torch
 
 from data_formats.conversation import Turn
 from data_formats.sample_world import ATTRIBUTE_WORDS, ATTRIBUTES, COUNT_WORDS, KELVRA_FACTS, PHRASE
-from data_formats.tools import template_messages
+from data_formats.tools import CALL_OPEN, template_messages
 from pipeline.algorithms.judge import JudgeReward
 from pipeline.algorithms.judge_config import JudgeConfig
 
@@ -425,11 +425,15 @@ def answer_match(prompts: list, completions: list, answer: Optional[list] = None
 def final_answer(completion) -> str:
     """A completion's final answer: the text itself, or for messages (a conversational completion,
     a tool rollout's) the content of the last message when that is an assistant turn without calls
-    ("" when it ended on a call)."""
+    ("" when it ended on a call, a call cut off by the token budget included: its content holds an
+    unreadable call opener, which is no answer)."""
     if isinstance(completion, str):
         return completion
     last = completion[-1] if completion else {}
-    return last.get("content") or "" if last.get("role") == "assistant" and not last.get("tool_calls") else ""
+    if last.get("role") != "assistant" or last.get("tool_calls"):
+        return ""
+    content = last.get("content") or ""
+    return "" if CALL_OPEN in content else content
 
 
 def final_answer_match(prompts: list, completions: list, answer: Optional[list] = None, **kwargs) -> list[float]:

@@ -158,7 +158,8 @@ class ToolsConfig:
     sampled train. Empty `funcs`: single-answer rollouts."""
 
     funcs: list[str] = field(default_factory=list)
-    """Tools as "module:function" of the project or an installed package (as grpo.reward_funcs).
+    """Tools as "module:function" of the project or an installed package, or "path/to/file.py:function"
+    (as grpo.reward_funcs).
     Each runs in a thread of the trainer's process: it must not touch the model, torch's RNG or
     Python's `random` (a resumed run would sample differently), and must be safe to abandon when
     it runs past `timeout` (its thread keeps running; its result is dropped)."""
