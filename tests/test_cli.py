@@ -13,6 +13,7 @@ import pytest
 
 import stages as registry
 from pipeline.config import ConfigError, load_config
+from pipeline.config import help as help_module
 from pipeline.tools import cli
 from stages import script
 from stages.sft import SFTConfig
@@ -96,6 +97,73 @@ def test_trl_habits_get_relay_keys(argv, message):
     with pytest.raises(ConfigError) as err:
         load_config(SFTConfig, argv)
     assert err.value.problems == [message]
+
+
+SEED_HABITS = [
+    ("train_config", "did you mean '--config'? (a YAML or JSON config file)"),
+    ("lora_rank", "did you mean '--lora.r'?"),
+    ("qlora", "did you mean '--model.finetuning'? (set it to qlora: a 4-bit base with LoRA)"),
+    ("checkpointing_steps", "did you mean '--checkpoint.keep'?"),
+    ("tb_dir", "did you mean '--output_dir'? (TensorBoard events go to <output_dir>/runs/;"),
+    ("num_train_epochs", "did you mean '--train.max_steps'? (epochs are not steps"),
+    ("data_paths", "did you mean '--data.train'?"),
+    ("weighted_loss_mode", "did you mean '--multitask.weighted_loss_mode'? (sft only)"),
+    ("padding_mode", "did you mean '--data.padding_mode'? (not in pt)"),
+    ("role_markers", "did you mean '--data.role_markers'?"),
+    ("seq_length", "did you mean '--train.seq_length'?"),
+    ("train_file_dir", "did you mean '--data.train'?"),
+    ("validation_file_dir", "did you mean '--data.eval'?"),
+    ("max_train_samples", "did you mean '--data.max_samples'?"),
+    ("max_eval_samples", "did you mean '--train.eval_batches'? (the held-out set is capped in batches"),
+    ("load_in_8bit", "did you mean '--model.finetuning'? (Relay has no 8-bit loading; qlora"),
+    ("block_size", "did you mean '--train.seq_length'?"),
+    ("validation_split_percentage", "did you mean '--data.eval_fraction'? (a fraction of the training data, not a"),
+]
+
+
+@pytest.mark.parametrize("option, hint", SEED_HABITS, ids=[o for o, _ in SEED_HABITS])
+def test_mftcoder_medicalgpt_and_levanter_habits_get_the_relay_key(option, hint):
+    with pytest.raises(ConfigError) as err:
+        load_config(SFTConfig, [f"--{option}", "1"])
+    assert len(err.value.problems) == 1
+    assert err.value.problems[0].startswith(f"--{option}: unknown option; {hint}")
+
+
+def _has_key(cls: type, dotted: str) -> bool:
+    import dataclasses
+    import typing
+
+    from pipeline.config.help import section_of
+
+    current = cls
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(current) if dataclasses.is_dataclass(current) else {}
+        if part not in hints:
+            return False
+        current = section_of(hints[part])
+    return True
+
+
+@pytest.mark.parametrize("option", sorted(help_module.HABITS))
+def test_every_habit_names_keys_that_exist_in_the_stages_it_says(option):
+    habit = help_module.HABITS[option]
+    configs = {name: registry.config_class(name) for name in registry.STAGES}
+    hint = help_module.habit_hint(option)
+    if habit.key == "config":  # the config file option, not a key
+        assert load_config(SFTConfig, ["--config", str(REPO / "configs" / "sft.yaml")]).output_dir
+    else:
+        have = {name for name, cls in configs.items() if _has_key(cls, habit.key)}
+        expected = set(habit.only) or set(configs) - set(habit.not_in)
+        assert have == expected, f"{habit.key} is a key of {sorted(have)}"
+        assert not (habit.only and habit.not_in)
+        for name in have:
+            with pytest.raises(ConfigError) as err:
+                load_config(configs[name], [f"--{option}", "1"])
+            assert err.value.problems == [f"--{option}: unknown option; {hint}"]
+    for named in re.findall(r"\b[a-z_]+\.[a-z_]+\b", habit.note):  # the keys its note names
+        assert any(_has_key(cls, named) for cls in configs.values()), named
+    for named in re.findall(r"<([a-z_]+)>", habit.note):
+        assert all(_has_key(cls, named) for cls in configs.values()), named
 
 
 @pytest.mark.parametrize("name", ["pt", "sft", "rm", "ppo"])

@@ -9,34 +9,83 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 import typing
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from draccus.wrappers.docstring import get_attribute_docstring
 
-# TRL / transformers / LLaMA-Factory habits -> Relay's key (shown as "did you mean").
+
+@dataclass(frozen=True)
+class Habit:
+    """Relay's key for another tool's option, and what differs."""
+
+    key: str
+    """A key of the stage configs (`config`: the config file option)."""
+    note: str = ""
+    """What the option means in Relay's terms, where that is more than a new name."""
+    only: tuple[str, ...] = ()
+    """The stages whose config has `key`, when not every stage's has it."""
+    not_in: tuple[str, ...] = ()
+    """The stages whose config lacks `key` (the other way of saying `only`)."""
+
+
+_EPOCHS = "epochs are not steps: set the number of optimizer steps to run"
+_DATA_FOLDER = "files, folders or globs; each entry is a task in SFT"
+
 HABITS = {
-    "model_name_or_path": "model.path",
-    "model_name": "model.path",
-    "model_path": "model.path",
-    "dataset": "data.train",
-    "train_file": "data.train",
-    "dataset_name": "data.train",
-    "learning_rate": "train.learning_rate",
-    "num_train_epochs": "train.max_steps",
-    "max_steps": "train.max_steps",
-    "per_device_train_batch_size": "train.batch_size",
-    "gradient_accumulation_steps": "train.grad_accum",
-    "max_seq_length": "train.seq_length",
-    "max_length": "train.seq_length",
-    "seed": "train.seed",
-    "lora_r": "lora.r",
-    "lora_alpha": "lora.alpha",
-    "use_peft": "model.finetuning",
-    "deepspeed": "distributed.deepspeed_config",
-    "report_to": "tracking.trackers",
-    "reward_model_path": "reward_model.path",
-    "config_path": "config",
+    # TRL / transformers / LLaMA-Factory
+    "model_name_or_path": Habit("model.path"),
+    "model_name": Habit("model.path"),
+    "model_path": Habit("model.path"),
+    "dataset": Habit("data.train"),
+    "train_file": Habit("data.train"),
+    "dataset_name": Habit("data.train"),
+    "learning_rate": Habit("train.learning_rate"),
+    "num_train_epochs": Habit("train.max_steps", _EPOCHS),
+    "max_steps": Habit("train.max_steps"),
+    "per_device_train_batch_size": Habit("train.batch_size"),
+    "gradient_accumulation_steps": Habit("train.grad_accum"),
+    "max_seq_length": Habit("train.seq_length"),
+    "max_length": Habit("train.seq_length"),
+    "seed": Habit("train.seed"),
+    "lora_r": Habit("lora.r"),
+    "lora_alpha": Habit("lora.alpha"),
+    "use_peft": Habit("model.finetuning", "lora or qlora"),
+    "deepspeed": Habit("distributed.deepspeed_config"),
+    "report_to": Habit("tracking.trackers"),
+    "reward_model_path": Habit("reward_model.path", only=("ppo", "grpo")),
+    # MFTCoder, MedicalGPT, Levanter
+    "config_path": Habit("config", "a YAML or JSON config file"),
+    "train_config": Habit("config", "a YAML or JSON config file"),
+    "lora_rank": Habit("lora.r"),
+    "qlora": Habit("model.finetuning", "set it to qlora: a 4-bit base with LoRA"),
+    "load_in_4bit": Habit("model.finetuning", "set it to qlora: a 4-bit base with LoRA"),
+    "load_in_8bit": Habit(
+        "model.finetuning", "Relay has no 8-bit loading; qlora, a 4-bit base with LoRA, is its quantized option"
+    ),
+    "checkpointing_steps": Habit(
+        "checkpoint.keep",
+        "checkpoints every N steps are a keep rule, [{every: N}]; checkpoint.save_interval sets the "
+        "temporary ones by time",
+    ),
+    "tb_dir": Habit("output_dir", "TensorBoard events go to <output_dir>/runs/; tracking.trackers picks the trackers"),
+    "data_paths": Habit("data.train", _DATA_FOLDER),
+    "train_file_dir": Habit("data.train", _DATA_FOLDER),
+    "validation_file_dir": Habit("data.eval"),
+    "validation_file": Habit("data.eval"),
+    "weighted_loss_mode": Habit("multitask.weighted_loss_mode", only=("sft",)),
+    "padding_mode": Habit("data.padding_mode", not_in=("pt",)),
+    "role_markers": Habit("data.role_markers", "read with data.template role_markers", not_in=("pt",)),
+    "seq_length": Habit("train.seq_length"),
+    "block_size": Habit("train.seq_length"),
+    "max_train_samples": Habit("data.max_samples"),
+    "max_eval_samples": Habit(
+        "train.eval_batches",
+        "the held-out set is capped in batches, not records; data.max_samples caps only the training records",
+    ),
+    "validation_split_percentage": Habit("data.eval_fraction", "a fraction of the training data, not a percentage"),
 }
+"""Other tools' option names -> Relay's key (shown as "did you mean")."""
 
 
 def _type_name(tp: Any) -> str:
@@ -107,6 +156,14 @@ def config_help(cls: type, prog: str, width: int = 100) -> str:
 
 
 def habit_hint(key: str) -> Optional[str]:
-    """'did you mean' for a key from another tool's vocabulary, or None."""
-    target = HABITS.get(key.replace("-", "_"))
-    return f"did you mean '--{target}'?" if target else None
+    """'did you mean' for a key from another tool's vocabulary (what differs, and the stages that
+    have the key where not every stage does, in brackets), or None."""
+    habit = HABITS.get(key.replace("-", "_"))
+    if habit is None:
+        return None
+    notes = [habit.note] if habit.note else []
+    if habit.only:
+        notes.append(f"{' and '.join(habit.only)} only")
+    if habit.not_in:
+        notes.append(f"not in {' or '.join(habit.not_in)}")
+    return f"did you mean '--{habit.key}'?" + (f" ({'; '.join(notes)})" if notes else "")
