@@ -4,6 +4,7 @@ subcommand's --help works, help lists each key once under its section, TRL/HF ha
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -253,6 +254,59 @@ def test_bring_your_own_mftcoder_walkthrough_validates(tmp_path, tiny_model_dir,
     ]
     assert cli.main(argv) == 0
     assert "sft config OK" in capsys.readouterr().out
+
+
+def _json_configs(folder: Path) -> tuple[Path, Path]:
+    """configs/sft.yaml and configs/pipeline.yaml written as JSON (MFTCoder's configs are JSON),
+    the SFT data paths made absolute."""
+    from pipeline.config.loading import plain, read_yaml
+
+    sft = plain(read_yaml(REPO / "configs" / "sft.yaml"))
+    for key in ("train", "eval"):
+        sft["data"][key] = [str(REPO / entry) for entry in sft["data"][key]]
+    stage, pipeline = folder / "cfg_sft.json", folder / "cfg_pipeline.json"
+    stage.write_text(json.dumps(sft, indent=1))
+    pipeline.write_text(json.dumps(plain(read_yaml(REPO / "configs" / "pipeline.yaml")), indent=1))
+    return stage, pipeline
+
+
+def test_validate_reads_a_json_config_as_relay_train_runs_it_and_other_json_as_data(tmp_path, monkeypatch, capsys):
+    stage, pipeline = _json_configs(tmp_path)
+    assert cli.train_command([str(stage)])[1:] == [str(script("sft")), "--config", str(stage)]
+    assert cli.main(["validate", str(stage)]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith(f"{stage}: sft config OK; model embedded;")
+    assert cli.main(["validate", str(pipeline)]) == 0, capsys.readouterr().err
+    assert "pipeline config OK; stages pt -> sft -> rm -> ppo" in capsys.readouterr().out
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    data = {
+        "array.json": [{"messages": turns}],
+        "record.json": {"messages": turns},
+        "logged.json": {"model": "gpt-4o", "messages": turns},  # a chat log's record names its model
+        "dataset_info.json": {"data": {"file_name": "array.json"}},
+    }
+    read_as_data = []
+    monkeypatch.setattr(cli, "validate_data", lambda args: read_as_data.append(args[-1]) or 0)
+    for name, value in data.items():
+        (tmp_path / name).write_text(json.dumps(value))
+        assert cli.main(["validate", "--kind", "sft", str(tmp_path / name)]) == 0
+        assert cli.main(["validate", str(tmp_path / name)]) == 0
+    assert read_as_data == [str(tmp_path / name) for name in data for _ in range(2)]
+
+
+@pytest.mark.parametrize("spelling", [["--config_path", "{}"], ["--config_path={}"], ["--config", "{}"]])
+def test_train_and_validate_take_the_config_as_the_stage_scripts_do(spelling, tmp_path, monkeypatch, capsys):
+    config = str(REPO / "configs" / "sft.yaml")
+    given = [arg.format(config) for arg in spelling]
+    assert cli.train_command([*given, "--train.max_steps", "3"]) == cli.train_command(
+        [config, "--train.max_steps", "3"]
+    )
+    checked = []
+    monkeypatch.setattr(cli, "validate_config", lambda config, args: checked.append((config, args)) or 0)
+    assert cli.main(["validate", *given, "--train.max_steps", "3"]) == 0
+    assert checked == [(config, ["--train.max_steps", "3"])]
+    assert cli.main(["train", str(REPO / "configs" / "rm.yaml"), *given]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: two configs given") and err.count("\n") == 1
 
 
 def test_validate_pipeline_config_checks_the_base_model(tmp_path, capsys):

@@ -1,8 +1,8 @@
 """`relay`: the one command a user lives in.
 
-    relay train CONFIG.yaml [--stage S] [--nproc N] [--section.key value ...]   # one stage
+    relay train CONFIG.yaml [--stage S] [--nproc N] [--section.key value ...]   # one stage (YAML or JSON)
     relay pipeline [CONFIG.yaml] [--from S | --only S] [--section.key value ...]  # PT -> SFT -> RM -> PPO
-    relay validate CONFIG.yaml [--section.key value ...]   # every config/model/data problem, no training
+    relay validate CONFIG.yaml|.json [--section.key value ...]   # every config/model/data problem, no training
     relay validate --kind sft FILES...                      # data files record by record (FILE:LINE: reason)
     relay capabilities [--write-readme [README.md]]         # which combinations Relay runs (the README's table)
     relay show FILE [--boundaries]                          # what a conversation trains on
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import json
 import os
 import re
 import sys
@@ -32,6 +33,7 @@ from types import SimpleNamespace
 from typing import Optional, Sequence
 
 import stages as registry
+from data_formats.llamafactory_registry import REGISTRY_NAME
 from data_formats.validate import main as validate_data
 from pipeline.algorithms.judge_config import JudgeConfig
 from pipeline.config import (
@@ -39,6 +41,7 @@ from pipeline.config import (
     DistributedConfig,
     GenerationConfig,
     ModelConfig,
+    StageConfig,
     ToolsConfig,
     capability_table,
     load_config,
@@ -134,6 +137,53 @@ def stage_of_config(config: str, explicit: Optional[str] = None) -> str:
     )
 
 
+CONFIG_OPTIONS = ("--config", "--config_path")
+"""The options that name the config, as the stage scripts take them (`--config_path`: Levanter's)."""
+
+
+def pop_config(args: list[str]) -> Optional[str]:
+    """Remove the config from `args` and return it: `--config FILE`, `--config_path FILE`, else the
+    first argument when it is no option (None when there is none).
+
+    Raises:
+        CLIError: two configs are named, or the option has no value.
+    """
+    named = [(option, value) for option in CONFIG_OPTIONS if (value := pop_option(args, option)) is not None]
+    if args and not args[0].startswith("-"):
+        named.insert(0, ("", args.pop(0)))
+    if len(named) > 1:
+        given = " and ".join(f"{option} {value}".strip() for option, value in named)
+        raise CLIError(f"two configs given ({given}): give one")
+    return named[0][1] if named else None
+
+
+CONFIG_SECTIONS = tuple(f.name for f in dataclasses.fields(StageConfig))
+"""The keys every stage config has (output_dir and its sections)."""
+
+
+def is_config_json(path: str) -> bool:
+    """Whether a .json file is a stage or pipeline config rather than data: a JSON object (data is an
+    array of records, or one record) holding `output_dir`, a stage config section as a mapping
+    (`model: {...}`, `train: {...}`), or a pipeline config's keys; what `relay train` would run. A
+    file that is no JSON object, and LLaMA-Factory's registry (`dataset_info.json`), are data (and
+    their problems are reported as the data's)."""
+    if Path(path).name == REGISTRY_NAME:
+        return False
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            if f.read(4096).lstrip()[:1] != "{":  # a JSON array: data, not read whole here
+                return False
+            f.seek(0)
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(data, dict):
+        return False
+    sections = [k for k in CONFIG_SECTIONS if k != "output_dir" and isinstance(data.get(k), dict)]
+    pipeline = [k for k in PIPELINE_KEYS if k in data and (k != "stages" or isinstance(data[k], dict))]
+    return "output_dir" in data or bool(sections) or bool(pipeline)
+
+
 def pop_option(args: list[str], name: str) -> Optional[str]:
     """Remove `--name VALUE` / `--name=VALUE` from args; return VALUE (None when absent).
 
@@ -156,8 +206,9 @@ def pop_option(args: list[str], name: str) -> Optional[str]:
 TRAIN_USAGE = """usage: relay train CONFIG.yaml [--stage pt|sft|rm|ppo] [--nproc N] [--section.key VALUE ...]
 
 Runs the stage CONFIG is for (its usage line names the stage script, e.g. configs/sft.yaml opens
-with `stages/sft.py`; else a stage name in the file name; else --stage). --nproc N > 1 launches N
-processes with torchrun on this machine (multi-node: run_scripts/run_pipeline.sh with NNODES).
+with `stages/sft.py`; else a stage name in the file name; else --stage). CONFIG is YAML or JSON,
+given first or as --config / --config_path FILE. --nproc N > 1 launches N processes with torchrun
+on this machine (multi-node: run_scripts/run_pipeline.sh with NNODES).
 Overrides are dotted keys: --model.path DIR --train.max_steps 50 --lora.r 8.
 
 relay train CONFIG.yaml --help lists every key of that stage."""
@@ -174,9 +225,7 @@ def train_command(args: list[str]) -> list[str]:
     nproc_text = pop_option(args, "--nproc") or os.environ.get("NPROC", "1")
     if not nproc_text.isdigit() or int(nproc_text) < 1:
         raise CLIError(f"--nproc: {nproc_text!r} is not a number of processes >= 1")
-    config = pop_option(args, "--config")
-    if config is None and args and not args[0].startswith("-"):
-        config = args.pop(0)
+    config = pop_config(args)
     if config is None:
         if stage is None:
             raise CLIError("relay train needs a CONFIG.yaml (or --stage NAME to run a stage on its defaults)")
@@ -269,9 +318,7 @@ def run_train(args: list[str]) -> int:
     command = train_command(args)
     rest = list(args)
     stage, nproc = pop_option(rest, "--stage"), int(pop_option(rest, "--nproc") or os.environ.get("NPROC", "1"))
-    config = pop_option(rest, "--config")
-    if config is None and rest and not rest[0].startswith("-"):
-        config = rest.pop(0)
+    config = pop_config(rest)
     stage = stage_of_config(config, stage) if config else stage
     problems = combination_problems(stage, config, rest, nproc)
     if problems:
@@ -327,9 +374,12 @@ def run_capabilities(args: list[str]) -> int:
 VALIDATE_USAGE = """usage: relay validate CONFIG.yaml [--stage S] [--nproc N] [--section.key VALUE ...]
        relay validate [--kind KIND] [--format F] FILES...
 
-With a stage or pipeline YAML: every problem a run would hit before training (unknown keys, values,
+With a stage or pipeline config: every problem a run would hit before training (unknown keys, values,
 the model folder, data files and records, and whether Relay runs its combination of stage, backend,
-tools, adapter and engine with N ranks: `relay capabilities`), loading the tokenizer but no model. With data files:
+tools, adapter and engine with N ranks: `relay capabilities`), loading the tokenizer but no model.
+CONFIG is a .yaml/.yml file, a .json file holding a config (a JSON object with output_dir or a
+config's sections, as `relay train` runs it; other .json files are data), or --config /
+--config_path FILE. With data files:
 each record is checked and every bad one reported as FILE:LINE: reason. KIND is a data kind (pt, sft,
 rm, prompts, kto) or any stage name (pt, sft, rm, ppo, dpo, grpo, ...: the kind of data it reads)."""
 
@@ -439,7 +489,11 @@ def run_validate(args: list[str]) -> int:
     if args and args[0] in ("-h", "--help"):
         print(VALIDATE_USAGE)
         return 0
-    if args and args[0].endswith((".yaml", ".yml")):
+    if any(arg.split("=", 1)[0] in CONFIG_OPTIONS for arg in args):
+        rest = list(args)
+        config = pop_config(rest)
+        return validate_config(config, rest)
+    if args and (args[0].endswith((".yaml", ".yml")) or (args[0].endswith(".json") and is_config_json(args[0]))):
         return validate_config(args[0], args[1:])
     return int(validate_data(data_kind_args(args)) or 0)
 
