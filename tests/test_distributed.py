@@ -58,8 +58,23 @@ def test_resuming_a_deepspeed_run_is_refused_up_front(tiny_model_dir, tmp_path, 
     step.mkdir(parents=True)
     (step / ".complete").write_text(json.dumps({"step": 1, "lifetime": "temporary", "world_size": 2}))
     lines = resume_lines(load_config(SFTConfig, argv))
-    assert len(lines) == 1 and "distributed.engine deepspeed" in lines[0] and lines[0].endswith("which resume exactly")
+    assert (
+        len(lines) == 1
+        and "distributed.engine deepspeed" in lines[0]
+        and lines[0].endswith("Runs under distributed.engine ddp or fsdp resume exactly")
+    )
     assert resume_lines(load_config(SFTConfig, argv + ["--checkpoint.resume", "false"])) == []
+    # Its checkpoint under another engine (the refusal once advised ddp): DDP read rank 0's share of
+    # the optimizer as corrupt, moved the checkpoint aside and trained again from step 0.
+    identity = {"stage": "sft", "may_change": {"distributed.engine": "deepspeed"}}
+    marker = {"step": 1, "lifetime": "temporary", "world_size": 2, "identity": identity}
+    (step / ".complete").write_text(json.dumps(marker))
+    under_ddp = load_config(SFTConfig, [*argv[:-4], "--distributed.engine", "ddp"])
+    assert resume_lines(under_ddp) == lines
+    from pipeline.config.engines import stop_advice  # what a stopped or diverged run says to do next
+
+    assert stop_advice("ddp") == "rerun the same command to continue"
+    assert stop_advice("deepspeed").startswith("a distributed.engine deepspeed run does not resume (ZeRO shards")
 
 
 def test_deepspeed_configs_are_valid_json_with_auto_values():

@@ -147,6 +147,6 @@ def test_resuming_a_zero3_run_is_refused_up_front(launches, setup):
     with pytest.raises(ConfigError) as err:
         stage.validate()
     assert any(
-        p.startswith("checkpoint.resume: resuming a distributed.engine deepspeed run is not supported")
+        p.startswith("checkpoint.resume: this folder's checkpoint was written by a distributed.engine deepspeed run")
         for p in err.value.problems
     )

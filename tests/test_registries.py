@@ -223,9 +223,9 @@ def test_a_new_distributed_engine_is_one_entry_on_each_side(monkeypatch, tmp_pat
         f"distributed.engine: gossip needs the {GOSSIP_PACKAGE} package (pip install {GOSSIP_PACKAGE}); "
         "or use ddp or fsdp",
         "distributed.engine: gossip (made-up gossip averaging) needs 3 ranks",
-        "checkpoint.resume: resuming a distributed.engine gossip run is not supported (gossip keeps no optimizer "
-        "state); set checkpoint.resume false to start again, or train with distributed.engine ddp or fsdp, which "
-        "resume exactly",
+        "checkpoint.resume: this folder's checkpoint was written by a distributed.engine gossip run, which does "
+        "not resume (gossip keeps no optimizer state); set checkpoint.resume false to start again (its checkpoints "
+        "are moved aside, not deleted). Runs under distributed.engine ddp or fsdp resume exactly",
     ]
 
     ppo = PPOConfig()
@@ -340,9 +340,10 @@ def test_the_engine_refusals_keep_their_words(monkeypatch, tmp_path):
         "model.finetuning: qlora cannot load under DeepSpeed ZeRO-3 (its 4-bit weights are placed through a "
         "device_map, which ZeRO-3's partitioned loading refuses); use a ZeRO-2 config "
         "(deepspeed_configs/zero2.json), distributed.engine ddp, or model.finetuning lora",
-        "checkpoint.resume: resuming a distributed.engine deepspeed run is not supported (ZeRO shards the optimizer "
-        "state over ranks; the checkpoint holds rank 0's share); set checkpoint.resume false to start again, "
-        "or train with distributed.engine ddp or fsdp, which resume exactly",
+        "checkpoint.resume: this folder's checkpoint was written by a distributed.engine deepspeed run, which does "
+        "not resume (ZeRO shards the optimizer state over ranks; the checkpoint holds rank 0's share); set "
+        "checkpoint.resume false to start again (its checkpoints are moved aside, not deleted). Runs under "
+        "distributed.engine ddp or fsdp resume exactly",
     ]
     cfg.distributed.engine, cfg.distributed.fsdp_sharding = "fsdp", "NO_SHARD"
     assert acc.combination_problems(cfg) == [

@@ -69,8 +69,10 @@ REFERENCES = {
     "grpo-full": ("grpo", "full"),
     "ppo-full": ("ppo", "full"),
     "grpo-rm": ("grpo", "lora"),
+    "full-noclip": ("sft", "full"),
 }
-"""The one-process runs: name -> (stage, model.finetuning)."""
+"""The one-process runs: name -> (stage, model.finetuning); '-noclip': train.max_grad_norm 0 (the
+tiny model's full gradient norm is about 4, so clipping at 1 would part the runs)."""
 ZERO = {
     "zero2-rm": "rm",
     "zero2_offload-sft": "sft",
@@ -97,6 +99,7 @@ ZERO = {
     "zero3-ppo-full": "ppo-full",
     "zero2-ppo-full": "ppo-full",
     "zero3_offload-grpo-rm": "grpo-rm",
+    "zero2-full-noclip": "full-noclip",
 }
 """The two-rank runs: '<DeepSpeed config>-<reference>'."""
 KEYS = {**LOSS_KEYS, "grpo": FSDP_KEYS["grpo"], "dpo": FSDP_KEYS["dpo"]}
@@ -155,6 +158,8 @@ def argv(name: str, world: int, out: Path, setup) -> list[str]:
     args[args.index("--lora.r") + 1] = "16"
     if name == "sft":  # held-out evaluation every step: forwards without a backward before each save
         args = with_values(args, train__eval_steps="1")
+    if name.endswith("-noclip"):  # 0 disables clipping; accelerate's plugin read it as unset and clipped at 1
+        args = with_values(args, train__max_grad_norm="0")
     return args + ["--model.finetuning", mode]
 
 
@@ -235,6 +240,8 @@ def test_two_zero_ranks_equal_one_process(name, launches):
         assert [s[key] for s in got] == pytest.approx([s[key] for s in want], rel=REL, abs=ABS), key
     assert [s["train/grad_norm"] for s in history(got_dir, 1)] == [s["train/grad_norm"] for s in got]
     assert max(s["train/grad_norm"] for s in got) > 0.05  # clipping was active
+    if ref.endswith("-noclip"):
+        assert max(s["train/grad_norm"] for s in want) > 1  # clipping at 1 would have changed the steps
     evals = [json.loads((d / "history-rank0.json").read_text())["evals"] for d in (got_dir, want_dir)]
     assert len(evals[0]) == len(evals[1]) and (ref != "sft" or len(evals[0]) >= STEPS)  # LoRA SFT: every step
     for mine, reference in zip(*evals):
@@ -419,3 +426,26 @@ def test_the_pad_check_reads_a_partitioned_embedding_whole(tiny_model_dir):
     model.resize_token_embeddings = refuse
     models._set_pad(model, tokenizer)
     assert model.config.pad_token_id == tokenizer.pad_token_id
+
+
+def test_a_deepspeed_json_that_cannot_configure_a_run_is_one_line_each(tmp_path):
+    """accelerate and DeepSpeed read the JSON on every rank, and raised there (a JSONDecodeError, an
+    AttributeError for an array, int('three') in the config check itself); and a gradient_clipping
+    in the file silently replaced train.max_grad_norm. Each is one line among the config's problems."""
+    from pipeline.config.engines import deepspeed_json_problems, zero_stage
+
+    key = "distributed.deepspeed_config"
+    cases = {
+        '{"zero_optimization": {"stage": 3}': ":1: not JSON (Expecting ',' delimiter)",
+        "[1, 2]": ": the top level must be a JSON object, got list",
+        '{"zero_optimization": {"stage": "three"}}': ": zero_optimization.stage must be 0, 1, 2 or 3, got 'three'",
+        '{"gradient_clipping": 5.0}': ": gradient_clipping 5.0 contradicts train.max_grad_norm 1.0 (which sets it; "
+        'write "auto" or leave it out)',
+    }
+    for i, (text, problem) in enumerate(cases.items()):
+        path = tmp_path / f"ds{i}.json"
+        path.write_text(text)
+        assert deepspeed_json_problems(str(path), key, 1.0) == [f"{key}: {path}{problem}"]
+        assert zero_stage(str(path)) in (None, 0)
+    for name in ("zero2.json", "zero3_offload.json"):
+        assert deepspeed_json_problems(str(CONFIGS / name), key, 0.0) == []

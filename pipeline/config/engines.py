@@ -107,7 +107,7 @@ ENGINES: dict[str, EngineFacts] = {
 
 def zero_stage(path: Optional[str]) -> Optional[int]:
     """The ZeRO stage of a DeepSpeed JSON (0 where it has no zero_optimization; None: no readable
-    file, its own config problem)."""
+    file or no stage 0-3, its own config problem: `deepspeed_json_problems`)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8")) if path else None
     except (OSError, ValueError):
@@ -115,7 +115,36 @@ def zero_stage(path: Optional[str]) -> Optional[int]:
     if not isinstance(data, dict):
         return None
     zero = data.get("zero_optimization", {})
-    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    return stage if type(stage) is int and 0 <= stage <= 3 else None
+
+
+def deepspeed_json_problems(path: str, key: str, max_grad_norm: Optional[float] = None) -> list[str]:
+    """Why the DeepSpeed JSON at `path` cannot configure a run, one line each (accelerate and
+    DeepSpeed would raise on each rank): not JSON (at its line), not an object, a ZeRO stage that is
+    not 0-3, and a gradient_clipping that contradicts `max_grad_norm` (train.max_grad_norm sets it:
+    the file may say "auto" or leave it out)."""
+    where = f"{key}: {path}"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        return [f"{key}: {path}:{err.lineno}: not JSON ({err.msg})"]
+    except (OSError, UnicodeDecodeError) as err:
+        return [f"{where}: cannot be read ({err})"]
+    if not isinstance(data, dict):
+        return [f"{where}: the top level must be a JSON object, got {type(data).__name__}"]
+    out = []
+    zero = data.get("zero_optimization", {})
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if not (type(stage) is int and 0 <= stage <= 3):
+        out.append(f"{where}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    clip = data.get("gradient_clipping", "auto")
+    if max_grad_norm is not None and clip != "auto" and clip != max_grad_norm:
+        out.append(
+            f"{where}: gradient_clipping {clip!r} contradicts train.max_grad_norm {max_grad_norm!r} (which sets it; "
+            'write "auto" or leave it out)'
+        )
+    return out
 
 
 def package_wanted(engine: str) -> dict[str, bool]:
@@ -140,8 +169,20 @@ def resume_refusal(engine: str) -> Optional[str]:
         return None
     exact = " or ".join(name for name, f in ENGINES.items() if not f.no_resume)
     return (
-        f"checkpoint.resume: resuming a distributed.engine {engine} run is not supported ({why}); set "
-        f"checkpoint.resume false to start again, or train with distributed.engine {exact}, which resume exactly"
+        f"checkpoint.resume: this folder's checkpoint was written by a distributed.engine {engine} run, which "
+        f"does not resume ({why}); set checkpoint.resume false to start again (its checkpoints are moved aside, "
+        f"not deleted). Runs under distributed.engine {exact} resume exactly"
+    )
+
+
+def stop_advice(engine: str) -> str:
+    """What a stopped run of `engine` tells the user to do next: rerun to continue, or (where the
+    engine's checkpoints do not resume) start again."""
+    why = ENGINES[engine].no_resume if engine in ENGINES else ""
+    if not why:
+        return "rerun the same command to continue"
+    return (
+        f"a distributed.engine {engine} run does not resume ({why}): rerun with checkpoint.resume false to start again"
     )
 
 

@@ -12,7 +12,7 @@ import torch
 from pipeline.config import StageConfig, TrainConfig
 from pipeline.config.engines import ENGINES, missing_package, resume_refusal
 from pipeline.engine import fsdp
-from pipeline.engine.engines import RUNTIMES, would_resume
+from pipeline.engine.engines import RUNTIMES, resumed_engine, would_resume
 from pipeline.engine.engines import fill_hidden_size_autos as fill_hidden_size_autos
 
 
@@ -47,8 +47,11 @@ def combination_problems(cfg: StageConfig) -> list[str]:
         if (line := missing_package(engine, lambda name: importlib.util.find_spec(name) is not None)) is not None:
             out.append(line)
         out += RUNTIMES[engine].problems(cfg, facts)
-        if (line := resume_refusal(engine)) is not None and would_resume(cfg):
-            out.append(line)
+        if would_resume(cfg):  # a run of such an engine, or its checkpoint resumed under another
+            written = resumed_engine(cfg)
+            for name in dict.fromkeys(e for e in (engine, written) if e in ENGINES):
+                if (line := resume_refusal(name)) is not None:
+                    out.append(line)
     from pipeline.modeling.models import check_attn_implementation
 
     try:

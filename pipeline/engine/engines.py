@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 from pipeline.config import StageConfig
-from pipeline.config.engines import EngineFacts, zero_stage
+from pipeline.config.engines import EngineFacts, deepspeed_json_problems, zero_stage
 from pipeline.engine import fsdp
 from pipeline.engine.checkpoint import newest_identity
 
@@ -71,9 +71,20 @@ def would_resume(cfg: StageConfig) -> bool:
     return newest_identity(Path(cfg.output_dir) / "checkpoints", cfg.checkpoint) is not None
 
 
+def resumed_engine(cfg: StageConfig) -> Optional[str]:
+    """The distributed.engine that wrote the checkpoint this run would resume (None: none, or a
+    marker from before identities)."""
+    found = newest_identity(Path(cfg.output_dir) / "checkpoints", cfg.checkpoint)
+    identity = found[1] if found is not None else None
+    return (identity or {}).get("may_change", {}).get("distributed.engine")
+
+
 def _deepspeed_problems(cfg: StageConfig, facts: EngineFacts) -> list[str]:
-    why = facts.no_qlora(zero_stage(cfg.distributed.deepspeed_config))
-    return [why] if cfg.model.finetuning == "qlora" and why else []
+    path = cfg.distributed.deepspeed_config
+    readable = bool(path) and Path(path).is_file()  # else the section's own problem says so
+    found = deepspeed_json_problems(path, "distributed.deepspeed_config", cfg.train.max_grad_norm) if readable else []
+    why = facts.no_qlora(zero_stage(path))
+    return found + ([why] if cfg.model.finetuning == "qlora" and why else [])
 
 
 def _deepspeed_kwargs(cfg: StageConfig, cuda: bool) -> dict[str, Any]:
@@ -100,6 +111,9 @@ def _deepspeed_fill_in(accelerator: Any, cfg: StageConfig, cuda: bool) -> None:
     ds["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
     ds["gradient_accumulation_steps"] = cfg.train.grad_accum
     ds["train_batch_size"] = cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes
+    # train.max_grad_norm, 0 included (DeepSpeed clips only above 0): accelerate's plugin reads 0 as
+    # "not given" and fills "auto" with 1.0, so an unclipped run clipped at 1.0.
+    ds["gradient_clipping"] = float(cfg.train.max_grad_norm)
     if not cuda:
         # On a CPU an offloaded optimizer is where it always was: the step stays Relay's fused
         # torch AdamW (accelerate would swap in DeepSpeedCPUAdam, compiled on first use).

@@ -61,6 +61,9 @@ def _run(args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
+    # torchrun's own ERROR line for a failed worker ("failed (exitcode: 2) local_rank: 0 ...") says
+    # again, less plainly, what the line below says
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         run(args)
     except ChildFailedError as err:

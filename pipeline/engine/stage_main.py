@@ -40,7 +40,8 @@ def main(stage_class: type[Stage], argv: Optional[Sequence[str]] = None) -> int:
         stage = stage_class(load_config(stage_class.config_class, argv, prog=prog))
         completed = stage.run()
     except ConfigError as err:
-        print(err, file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank finds the same problems: said once
+            print(err, file=sys.stderr)
         return CONFIG_PROBLEMS
     except Stopped as err:
         if stage is None or stage.is_main:
@@ -53,7 +54,11 @@ def main(stage_class: type[Stage], argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
         return 130
-    except (Diverged, NonFiniteError, CheckpointError, VLLMError, EarlyEnd) as err:
+    except Diverged as err:  # the ranks agree on it (ranks_max): said once
+        if stage is None or stage.is_main:
+            print(f"{stage_class.name}: {err}", file=sys.stderr)
+        return 1
+    except (NonFiniteError, CheckpointError, VLLMError, EarlyEnd) as err:
         print(f"{stage_class.name}: {err}", file=sys.stderr)
         return 1
     if completed and stage.is_main:

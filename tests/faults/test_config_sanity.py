@@ -59,6 +59,19 @@ def test_pt_seq_length_1_and_a_zero_lr_are_listed_together(tiny_model_dir, tmp_p
     assert not (tmp_path / "pt").exists()
 
 
+def test_config_problems_are_said_once_by_rank_0(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Every rank of a launch finds the same problems: rank 0 prints them, the others only exit 2
+    (under --nproc 2 each was printed twice, interleaved)."""
+    from stages.sft import SFTStage
+
+    argv = ["--model.path", str(tiny_model_dir), "--output_dir", str(tmp_path / "o"), "--train.batch_size", "0"]
+    for rank, said in (("1", ""), ("0", "train.batch_size: must be > 0, got 0")):
+        monkeypatch.setenv("RANK", rank)
+        assert main(SFTStage, argv) == 2
+        err = capsys.readouterr().err
+        assert (said in err) if said else err == "", err
+
+
 def test_sft_whose_every_label_is_masked_is_refused(tiny_model_dir, tmp_path, monkeypatch):
     from stages.sft import SFTStage
 
