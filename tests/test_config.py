@@ -169,3 +169,21 @@ def test_values_of_the_wrong_type_are_all_reported_at_once_in_plain_words(tmp_pa
     ok = write(tmp_path / "ok.yaml", "train: {batch_size: '2', learning_rate: 1e-4}\n")
     loaded = load_config(ToyStage, ["--config", str(ok), "--lora.alpha=4", "--data.train", "[a.jsonl, b.jsonl]"])
     assert (loaded.train.batch_size, loaded.lora.alpha, loaded.data.train) == (2, 4, ["a.jsonl", "b.jsonl"])
+
+
+def test_other_tools_keys_in_a_yaml_get_relays_key_where_the_config_has_it(tmp_path):
+    """A MedicalGPT / MFTCoder config's flat keys in a YAML got difflib's nearest names (or none);
+    now the same hint the command line gives, without its '--'. A config without the key's section
+    (a pipeline's) is not pointed at a key it does not have."""
+    from pipeline.tools.chain_config import PipelineConfig
+
+    cfg = write(tmp_path / "c.yaml", "model_name_or_path: x\nlearning_rate: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(ToyStage, ["--config", str(cfg)])
+    assert err.value.problems == [
+        f"{cfg}:1: model_name_or_path: unknown key; did you mean 'model.path'?",
+        f"{cfg}:2: learning_rate: unknown key; did you mean 'train.learning_rate'?",
+    ]
+    with pytest.raises(ConfigError) as err:
+        load_config(PipelineConfig, ["--config", str(cfg), "--learning_rate", "1"])
+    assert not any("train.learning_rate" in p for p in err.value.problems), err.value.problems

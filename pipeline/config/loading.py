@@ -16,7 +16,7 @@ import yaml
 from draccus.argparsing import ArgumentParser
 from draccus.parsers.yaml_loader import SafeLoaderWithInclusion
 
-from pipeline.config.help import config_help, habit_hint
+from pipeline.config.help import HABITS, config_help, habit_hint
 from pipeline.config.sections import ConfigError
 
 T = TypeVar("T")
@@ -58,6 +58,14 @@ def _at(data: Any, key: Any, origin: Optional[str]) -> str:
     return f"{place}: " if place else ""
 
 
+def _habit(names: Sequence[str], key: str) -> Optional[str]:
+    """`habit_hint(key)` (another tool's name for a Relay key) where its Relay key is one of this
+    config's (`names`: the top-level keys; a pipeline config has no train.* to point at), else None."""
+    habit = HABITS.get(str(key).replace("-", "_"))
+    top = habit.key.split(".")[0] if habit is not None else None
+    return habit_hint(str(key)) if top in names or top == "config" else None
+
+
 def unknown_keys(cls: type, data: Any, prefix: str = "", origin: Optional[str] = None) -> list[str]:
     """Every key in `data` that `cls` does not have, with its path and a suggestion; each starts
     with the file and line it was written at where `data` came from `read_yaml` (else `origin`).
@@ -73,7 +81,14 @@ def unknown_keys(cls: type, data: Any, prefix: str = "", origin: Optional[str] =
         path = f"{prefix}{key}"
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
+            habit = _habit(names, key) if not prefix else None  # a YAML key of another tool's config
+            hint = (
+                f"; {habit.replace(chr(39) + '--', chr(39))}"
+                if habit
+                else f"; did you mean '{prefix}{close[0]}'?"
+                if close
+                else f"; known keys: {', '.join(names)}"
+            )
             out.append(f"{_at(data, key, origin)}{path}: unknown key{hint}")
             continue
         sub = _dataclass_of(hints[key])
@@ -207,7 +222,7 @@ def _unknown_override(cls: type, dotted: str) -> Optional[str]:
             prefix = ".".join(parts[:depth])
             close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
             full = f"{prefix}.{close[0]}" if prefix and close else (close[0] if close else "")
-            habit = habit_hint(dotted) if depth == 0 else None
+            habit = _habit(names, dotted) if depth == 0 else None
             hint = (
                 f"; {habit}"
                 if habit
