@@ -41,23 +41,23 @@ def test_fractions_of_the_cycle():
 
 
 def test_two_cycles_with_rewarmup_from_previous_minimum():
-    got = lrs(cfg(warmup=1, cycles=[2], rewarmup=0.4))
+    got = lrs(cfg(warmup=1, cycles=2, rewarmup=0.4))
     want = [0.0, 1.0, 0.7, 0.4, 0.1, 0.1, 0.55, 1.0, 0.55, 0.1]
     assert got == pytest.approx(want, abs=1e-12)
 
 
 def test_zero_rewarmup_jumps_back_to_peak():
-    got = lrs(cfg(warmup=1, cycles=[2]))
+    got = lrs(cfg(warmup=1, cycles=2))
     assert got[4] == pytest.approx(0.1) and got[5] == 1.0
 
 
 def test_cycle_boundaries():
-    assert cycle_ends(10, cfg(cycle_length=[4])) == [4, 10]  # Levanter: the remainder joins the last cycle
-    assert cycle_ends(10, cfg(cycle_length=[0.5])) == [5, 10]
+    assert cycle_ends(10, cfg(cycle_length=4)) == [4, 10]  # Levanter: the remainder joins the last cycle
+    assert cycle_ends(10, cfg(cycle_length=0.5)) == [5, 10]
     assert cycle_ends(10, cfg(cycles=[3, 7])) == [3, 7, 10]
     assert cycle_ends(10, cfg(cycle_length=[3, 3])) == [3, 6, 10]
     with pytest.raises(ValueError, match="not both"):
-        cycle_ends(10, cfg(cycles=[2], cycle_length=[4]))
+        cycle_ends(10, cfg(cycles=2, cycle_length=4))
 
 
 @pytest.mark.parametrize("shape,mid", [("inv", 1 / 5.5), ("inv_sqrt", 1 / math.sqrt(50.5)), ("constant", 1.0)])
@@ -80,7 +80,7 @@ def test_warmup_plus_decay_longer_than_cycle_is_refused():
 
 
 def test_scheduler_gives_the_optimizer_lr_at():
-    c = cfg(learning_rate=3e-4, lr_schedule="cosine", warmup=2, cycles=[2], rewarmup=1)
+    c = cfg(learning_rate=3e-4, lr_schedule="cosine", warmup=2, cycles=2, rewarmup=1)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=c.learning_rate)
     sched = build_scheduler(opt, c)
     seen = []
@@ -99,16 +99,16 @@ def test_scheduler_gives_the_optimizer_lr_at():
 
 
 def test_levanter_cycles_n_ends():
-    assert cycle_ends(100, cfg(cycles=[3], max_steps=100)) == [33, 66, 100]  # int(100 / 3 * 2) = 66, not round() = 67
-    assert cycle_ends(10, cfg(cycles=[4])) == [2, 5, 7, 10]
-    assert cycle_ends(100, cfg(cycles=[1], max_steps=100)) == [100]
+    assert cycle_ends(100, cfg(cycles=3, max_steps=100)) == [33, 66, 100]  # int(100 / 3 * 2) = 66, not round() = 67
+    assert cycle_ends(10, cfg(cycles=4)) == [2, 5, 7, 10]
+    assert cycle_ends(100, cfg(cycles=1, max_steps=100)) == [100]
 
 
 def test_levanter_cycle_length_ends():
-    assert cycle_ends(100, cfg(cycle_length=[30], max_steps=100)) == [30, 60, 100]  # last cycle 40 steps
-    assert cycle_ends(100, cfg(cycle_length=[0.3], max_steps=100)) == [30, 60, 100]
-    assert cycle_ends(100, cfg(cycle_length=[25], max_steps=100)) == [25, 50, 75, 100]
-    assert cycle_ends(100, cfg(cycle_length=[150], max_steps=100)) == [100]
+    assert cycle_ends(100, cfg(cycle_length=30, max_steps=100)) == [30, 60, 100]  # last cycle 40 steps
+    assert cycle_ends(100, cfg(cycle_length=0.3, max_steps=100)) == [30, 60, 100]
+    assert cycle_ends(100, cfg(cycle_length=25, max_steps=100)) == [25, 50, 75, 100]
+    assert cycle_ends(100, cfg(cycle_length=150, max_steps=100)) == [100]
     assert cycle_ends(100, cfg(cycle_length=[20, 30], max_steps=100)) == [20, 50, 100]
     assert cycle_ends(100, cfg(cycle_length=[40, 60], max_steps=100)) == [40, 100]
     with pytest.raises(ValueError, match="add up to 110"):
@@ -116,7 +116,7 @@ def test_levanter_cycle_length_ends():
 
 
 def test_levanter_lr_three_cycles_with_rewarmup():
-    c = cfg(max_steps=100, cycles=[3], warmup=0.1, rewarmup=0.2, lr_schedule="linear", min_lr_ratio=0.1)
+    c = cfg(max_steps=100, cycles=3, warmup=0.1, rewarmup=0.2, lr_schedule="linear", min_lr_ratio=0.1)
     assert [(x.start, x.end, x.warmup, x.stable, x.decay) for x in cycles_of(100, c)] == [
         (0, 33, 3, 0, 30),
         (33, 66, 6, 0, 27),
@@ -129,7 +129,7 @@ def test_levanter_lr_three_cycles_with_rewarmup():
 
 
 def test_levanter_lr_cycle_length_remainder_and_cosine():
-    c = cfg(max_steps=100, cycle_length=[30], warmup=0, rewarmup=0.25, lr_schedule="cosine", min_lr_ratio=0.1)
+    c = cfg(max_steps=100, cycle_length=30, warmup=0, rewarmup=0.25, lr_schedule="cosine", min_lr_ratio=0.1)
     assert [(x.start, x.end, x.warmup) for x in cycles_of(100, c)] == [(0, 30, 0), (30, 60, 7), (60, 100, 10)]
     golden = {0: 1.0, 30: 0.1, 33: 0.1 + 0.9 * 3 / 7, 37: 1.0, 60: 0.1, 65: 0.55, 70: 1.0}
     assert {s: lr_at(s, 100, c) for s in golden} == pytest.approx(golden, abs=1e-12)
@@ -145,3 +145,18 @@ def test_levanter_warmup_fractions():
     assert cycles_of(10, cfg(warmup=1))[0].warmup == 1
     with pytest.raises(ValueError, match="whole number"):
         cycles_of(10, cfg(warmup=2.5))  # Levanter refuses non-whole step counts too
+
+
+def test_the_guide_s_number_and_list_forms():
+    """Levanter's guide: `cycles` as an int is a number of cycles, as a list the steps where cycles
+    end, one step or several (`[4]` is a minimum at step 4: Relay read a one-element list as 4
+    cycles, so `cycles: [10000]` gave 10000 cycles); `cycle_length` as a number is every cycle's
+    length, as a list the cycles' lengths. Both forms from a YAML file and the command line."""
+    assert cycle_ends(6, cfg(cycles=[4])) == [4, 6] and cycle_ends(6, cfg(cycles=4)) == [1, 3, 4, 6]
+    assert cycle_ends(100, cfg(cycle_length=[30])) == [30, 100] and cycle_ends(100, cfg(cycle_length=30))[-1] == 100
+    from pipeline.config import load_config
+    from stages.sft import SFTConfig
+
+    for given, want in (("3", 3), ("[3]", [3]), ("[10, 20]", [10, 20])):
+        assert load_config(SFTConfig, ["--train.cycles", given]).train.cycles == want
+    assert load_config(SFTConfig, ["--train.cycle_length", "0.25"]).train.cycle_length == 0.25

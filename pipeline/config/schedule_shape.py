@@ -8,13 +8,14 @@ Definitions follow Levanter's `OptimizerConfig.lr_scheduler` and `_get_cycle_min
 (stanford-crfm/levanter commit 9263f81e8b45, src/levanter/optim/config.py; tests/test_schedule.py
 pins cycle ends and LR values derived from it). All lengths are "a fraction of the cycle when
 < 1, else a whole number of steps" (`_convert_frac_or_steps`: int(fraction * length)).
-- cycles: `cycles=[n]` splits the run of T steps into n cycles ending at int(T / n * (i + 1))
-  (Levanter's float arithmetic: n=3, T=100 gives [33, 66, 100]); `cycles=[a, b, ...]` lists the
-  steps where cycles end (ends at or past T are dropped; T ends the last cycle);
-  `cycle_length=[L]` (steps, or a fraction of the run when < 1) ends cycles at i * L for
-  i < T // L, so a remainder joins the last cycle (L=30, T=100: [30, 60, 100]);
-  `cycle_length=[L1, L2, ...]` lists the cycle lengths: their sums end cycles, a remainder
-  becomes one more cycle, and lengths adding up to more than T are refused.
+- cycles, as Levanter's guide has them, a number or a list: `cycles=n` splits the run of T steps
+  into n cycles ending at int(T / n * (i + 1)) (Levanter's float arithmetic: n=3, T=100 gives
+  [33, 66, 100]); `cycles=[a, b, ...]` (one step or several) lists the steps where cycles end (ends
+  at or past T are dropped; T ends the last cycle); `cycle_length=L` (steps, or a fraction of the
+  run when < 1) ends cycles at i * L for i < T // L, so a remainder joins the last cycle (L=30,
+  T=100: [30, 60, 100]); `cycle_length=[L1, L2, ...]` (one length or several) lists the cycle
+  lengths: their sums end cycles, a remainder becomes one more cycle, and lengths adding up to
+  more than T are refused.
 - within a cycle of length C: warmup W (the first cycle uses `warmup`, later ones `rewarmup`),
   decay D (`decay`, or everything after the warmup), stable = C - W - D at the peak LR.
 - warmup goes linearly from the previous cycle's final LR (0 for the first cycle) to the peak:
@@ -31,7 +32,7 @@ Deliberate differences from Levanter:
   step; Levanter's optax schedules use t / D and reach min only at the next cycle's first step
   (its last decay step of a linear cycle is min + (peak - min) / D). Warmup, stable and the
   rewarmup start (the previous cycle's min) agree.
-- a value of exactly 1 (warmup: 1, rewarmup: 1, decay: 1, cycle_length: [1]) is one step here;
+- a value of exactly 1 (warmup: 1, rewarmup: 1, decay: 1, cycle_length: 1) is one step here;
   Levanter's `_convert_frac_or_steps` treats 1 and 1.0 as the fraction 100%: warm-up over the
   whole cycle, leaving no decay steps (optax's cosine_decay_schedule then refuses
   decay_steps=0; the linear schedule holds the peak).
@@ -87,8 +88,8 @@ def cycle_ends(total_steps: int, cfg: TrainConfig) -> list[int]:
     """
     if cfg.cycles is not None and cfg.cycle_length is not None:
         raise ValueError("train: set cycles or cycle_length, not both (Levanter's rule)")
-    if cfg.cycles is not None and len(cfg.cycles) == 1:
-        n = int(cfg.cycles[0])
+    if isinstance(cfg.cycles, int):
+        n = cfg.cycles
         if n < 1:
             raise ValueError(f"train.cycles: need at least one cycle, got {n}")
         # Levanter's float arithmetic exactly: int(T / n * (i + 1)), e.g. [33, 66, 100] for n=3, T=100.
@@ -96,10 +97,11 @@ def cycle_ends(total_steps: int, cfg: TrainConfig) -> list[int]:
     elif cfg.cycles is not None:
         ends = [int(c) for c in cfg.cycles if int(c) < total_steps] + [total_steps]
     elif cfg.cycle_length is not None:
-        lengths = [steps_of(x, total_steps, "cycle_length") for x in cfg.cycle_length]
-        if len(lengths) == 1:
+        given = cfg.cycle_length if isinstance(cfg.cycle_length, list) else [cfg.cycle_length]
+        lengths = [steps_of(x, total_steps, "cycle_length") for x in given]
+        if not isinstance(cfg.cycle_length, list):
             if lengths[0] < 1:
-                raise ValueError(f"train.cycle_length: {cfg.cycle_length[0]!r} gives cycles shorter than a step")
+                raise ValueError(f"train.cycle_length: {cfg.cycle_length!r} gives cycles shorter than a step")
             # Levanter: ends at i * L for i < T // L; the remainder joins the last cycle.
             ends = [i * lengths[0] for i in range(1, total_steps // lengths[0])] + [total_steps]
         else:

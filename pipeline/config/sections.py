@@ -179,10 +179,12 @@ class TrainConfig:
     """The LR decays to min_lr_ratio * learning_rate at the end of each cycle."""
     rewarmup: float = 0.0
     """Re-warmup at the start of each later cycle: fraction of a cycle or steps."""
-    cycles: Optional[list[int]] = None
-    """Number of cycles as [n], or the steps at which cycles end, e.g. [1000, 2500]."""
-    cycle_length: Optional[list[float]] = None
-    """Cycle length as [steps] or [fraction], or a list of cycle lengths. Not with `cycles`."""
+    cycles: Optional[Union[int, list[int]]] = None
+    """The number of cycles (3), or the steps where cycles end as a list ([1000, 2500]; [1000]: one
+    end), as in Levanter's guide."""
+    cycle_length: Optional[Union[float, list[float]]] = None
+    """Every cycle's length in steps, or as a fraction of the run (< 1); or a list of the cycles'
+    lengths ([300]: one cycle of 300, the rest another). Not with `cycles`."""
     log_steps: int = 1
     """Log training metrics every this many steps."""
     eval_steps: int = 50
