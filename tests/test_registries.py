@@ -80,7 +80,7 @@ def test_a_new_sft_loss_mode_is_one_entry(monkeypatch):
     from pipeline.algorithms import multitask as mt
     from stages.sft import SFTConfig, SFTStage
 
-    monkeypatch.setitem(mt.MODES, "tasks", mt.LossMode(True, doc="per-task means"))
+    monkeypatch.setitem(mt.MODES, "tasks", mt.LossMode(True, reads_task_weights=True, doc="per-task means"))
     monkeypatch.setitem(mt.MODES, "trend", mt.LossMode(True, adaptive=True, doc="weights from loss trends"))
     cfg = SFTConfig()
     cfg.data.eval, cfg.data.eval_fraction = [], 0.0
@@ -91,7 +91,11 @@ def test_a_new_sft_loss_mode_is_one_entry(monkeypatch):
     assert stage.task_weights() == [1.0, 3.0]
     assert mt.token_weights(torch.tensor([2.0, 1.0, 0.0]), "tasks").tolist() == [0.25, 0.5, 0.0]
 
-    cfg.multitask.weighted_loss_mode = "trend"
+    cfg.multitask.weighted_loss_mode = "trend"  # its weights are its own: task_weights are refused
+    assert cfg.multitask.problems() == [
+        "multitask.task_weights: read only by weighted_loss_mode case3, tasks; trend would ignore them"
+    ]
+    cfg.multitask.task_weights = {}
     assert cfg.multitask.problems() == []
     assert SFTStage(cfg).problems() == [
         "multitask.weighted_loss_mode: trend needs held-out data (data.eval or data.eval_fraction)"
