@@ -79,3 +79,29 @@ def test_bad_tool_options_are_one_line_before_loading(tiny_model_dir, capsys):
     assert err.count("\n") == 1 and "--tools" in err and "has no 'missing'" in err and "no such file 'x/y.py'" in err
     assert chat.main(["--model", str(tiny_model_dir), "--tools", "test_tool_rollout:add", "--prompt", "hi"]) == 2
     assert "does not render tools" in capsys.readouterr().err
+
+
+def test_a_turn_cut_at_the_token_limit_says_so_with_tools(tool_model, monkeypatch, capsys):
+    """A call cut before its close tag read as an unreadable call and nothing said the answer had
+    hit --max-new-tokens (the plain chat says it); now the cut line follows the turn it cut short,
+    and the final answer too."""
+    model = chat.load_chat_model(str(tool_model))
+    partial = '<tool_call>{"name": "add", "arguments": {"a": 2'
+    seen = []
+
+    limit = len(model.tokenizer(partial, add_special_tokens=False)["input_ids"])
+    final = model.tokenizer("The sum is five and that is all. " * 8, add_special_tokens=False)["input_ids"][:limit]
+
+    def generate(m, prompts, **kwargs):  # every turn stops at the limit, without EOS
+        seen.append(prompts[0])
+        ids = model.tokenizer(partial, add_special_tokens=False)["input_ids"] if len(seen) == 1 else final
+        return decode.Generation(tokens=[ids], finished=[False])
+
+    monkeypatch.setattr(decode, "generate", generate)
+    gen = chat.Generation(max_new_tokens=limit)
+    chat.one_shot([model], "What is 2 + 3?", gen, tools=tool_setup(["test_tool_rollout:add"], None, 5.0))
+    printed = capsys.readouterr().out.splitlines()
+    marker = f"[answer cut at {limit} tokens: --max-new-tokens raises the limit]"
+    assert printed[0].startswith("call> (unreadable)") and printed[1] == marker, printed
+    assert printed[2].startswith("tool> error: tool call 1") and printed[-1] == marker, printed
+    assert printed[-2] == f"bot> {model.tokenizer.decode(final)}"

@@ -323,9 +323,16 @@ def start_messages(system: Optional[str]) -> list[dict]:
 def tool_reply(chat: ChatModel, history: list[dict], gen: Generation, setup, read: Callable[[str], str] = input) -> str:
     """The model's answer to the last user turn, with its tool calls shown and answered (chat_tools)."""
     answer = answer_with_tools(
-        lambda messages: reply(chat, messages, gen, tools=setup.schemas), history, setup.tools, setup.timeout, read
+        lambda messages: reply(chat, messages, gen, tools=setup.schemas),
+        history,
+        setup.tools,
+        setup.timeout,
+        read,
+        cut=lambda: cut_marker(chat, gen),
     )
     print(f"bot> {answer}")
+    if chat.last_answer_cut:
+        print(cut_marker(chat, gen))
     return answer
 
 

@@ -55,12 +55,17 @@ def answer_with_tools(
     timeout: float = 10.0,
     read: Callable[[str], str] = input,
     show: Callable[[str], None] = print,
+    cut: Callable[[], str] = lambda: "",
 ) -> str:
     """Answer the last user turn of `history`, running the model's calls until it answers without
     any (or MAX_TURNS); appends every turn to `history` and returns the final answer's text.
-    `answer(messages)` is one model turn's raw text (special tokens dropped)."""
+    `answer(messages)` is one model turn's raw text (special tokens dropped); `cut()` the line that
+    says the turn just answered stopped at the token limit ('' otherwise), shown after the calls of
+    a turn it cut short (a call cut before its close tag reads as unreadable); the caller shows it
+    after the final answer."""
     for _ in range(MAX_TURNS):
         text = answer(history)
+        marker = cut()
         parsed = parse_answer(text)
         if not parsed.has_calls:
             history.append(assistant_message(text, []))
@@ -71,6 +76,8 @@ def answer_with_tools(
             show(f"call> {call_line(call)}")
         for error in parsed.errors:
             show(f"call> (unreadable) {error}")
+        if marker:
+            show(marker)
         history.append(assistant_message(parsed.content, parsed.calls))
         for result in results(parsed.calls, parsed.errors, tools, timeout, read):
             show(f"tool> {result}")
