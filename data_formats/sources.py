@@ -106,6 +106,8 @@ class RawRecord:
     error: Optional[str] = None
     raw: str = ""
     """The record's source text, used to carve a deterministic eval split."""
+    plain_text: bool = False
+    """A .txt file's document: its text is the document whatever field `data.text_field` names."""
 
 
 def entry_task_name(entry: str) -> str:
@@ -338,7 +340,7 @@ def _read_txt(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
     if text is None:
         return
     text = text.replace("\r\n", "\n")
-    yield RawRecord(str(path), 1, task, record={"text": text}, raw=text)
+    yield RawRecord(str(path), 1, task, record={"text": text}, raw=text, plain_text=True)
 
 
 def _read_rows(rows, name: str, task: str, max_bytes: int) -> Iterator[RawRecord]:

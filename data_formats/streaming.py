@@ -30,7 +30,7 @@ import torch
 from data_formats.pt_data import DocumentPacker
 from data_formats.sampling import DRAW_BLOCK, seed_of
 from data_formats.sources import MAX_RECORD_BYTES, Problem
-from data_formats.validate import apply_policy, entry_records, iter_parsed
+from data_formats.validate import apply_policy, entry_records, every_record_bad, iter_parsed
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,16 @@ log = logging.getLogger(__name__)
 def stream_problems(
     entries: Sequence[str], *, fmt: str = "auto", text_field: str = "text", max_record_bytes: int = MAX_RECORD_BYTES
 ) -> list[Problem]:
-    """Every bad record of a corpus, read once without keeping it (the pre-training check)."""
-    items = iter_parsed(entry_records(entries, max_record_bytes), "pt", fmt=fmt, text_field=text_field)
-    return [item for item in items if isinstance(item, Problem)]
+    """Every bad record of a corpus, read once without keeping it (the pre-training check), and a
+    problem for each file with no good record at all (`every_record_bad`: data.on_error skip skips
+    records, not whole files, streamed or not; a weighted entry of such files would yield nothing)."""
+    problems, good = [], {}
+    for item in iter_parsed(entry_records(entries, max_record_bytes), "pt", fmt=fmt, text_field=text_field):
+        if isinstance(item, Problem):
+            problems.append(item)
+        else:
+            good.setdefault(item.file, item)  # one per file: the check needs the files, not the documents
+    return problems + every_record_bad(list(good.values()), problems)
 
 
 class PackedTextStream:

@@ -75,7 +75,7 @@ def parse_record(
     """
     source = f"{raw.file}:{raw.line}"
     if kind == "pt":
-        return parse_text(raw.record, text_field)
+        return parse_text(raw.record, "text" if raw.plain_text else text_field)
     if kind == "rm":
         chosen, rejected = parse_preference(raw.record, task=raw.task, source=source, system_prompt=system_prompt)
         return chosen, rejected, margin_of(raw.record, margin_field)

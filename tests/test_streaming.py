@@ -117,6 +117,30 @@ def test_bad_records_are_reported_together_before_training(tiny_model_dir, corpu
         take(PackedTextStream([str(corpus)], prepared.tokenizer, SEQ), 40)
 
 
+def test_a_streamed_file_with_no_good_record_is_refused_as_in_memory(tiny_model_dir, corpus, tmp_path):
+    """data.on_error skip skips records, not whole files: streamed, a file of bad records passed the
+    check and was left out (or, every file bad, the run failed after the model loaded, in a
+    traceback); a weighted entry of such a file yielded nothing. Refused as the in-memory corpus is.
+    And a .txt file is a document whatever data.text_field names (it failed as 'missing field')."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "all_bad.jsonl").write_text(json.dumps({"txt": "a"}) + "\n" + json.dumps({"text": 1}) + "\n")
+    for streaming in ("true", "false"):
+        argv = pt_args(tiny_model_dir, corpus, tmp_path / "o", "--data.on_error", "skip", "--data.streaming", streaming)
+        argv[argv.index("--data.train") + 1] = f"[{corpus},{bad}]"
+        for extra in ([], ["--data.weights", "[0.5, 0.5]"]):
+            with pytest.raises(ConfigError) as err:
+                PTStage(load_config(PTConfig, argv + extra)).validate()
+            assert any("all_bad.jsonl:0: every record of this file is bad" in p for p in err.value.problems), (
+                streaming,
+                err.value.problems,
+            )
+    (corpus / "a.jsonl").write_text(json.dumps({"content": "a document in another field"}) + "\n")
+    for streaming in ("true", "false"):
+        argv = pt_args(tiny_model_dir, corpus, tmp_path / "o", "--data.text_field", "content")
+        PTStage(load_config(PTConfig, argv + ["--data.streaming", streaming])).validate()  # b.txt is read too
+
+
 def test_streamed_pt_run_resumes_bit_for_bit(tiny_model_dir, corpus, tmp_path, monkeypatch):
     full = run_stage(PTStage, pt_args(tiny_model_dir, corpus, tmp_path / "full"))
     monkeypatch.setenv("RELAY_STOP_AFTER_STEP", "3")
