@@ -40,14 +40,26 @@ launch() {  # run in the background (&): exec makes the stage itself the process
 # A stage runs in the background and this script waits for it, so a SIGTERM sent to the script
 # (a scheduler preempting the job) reaches the stage, which saves a checkpoint and exits 143;
 # Ctrl-C reaches the stage from the terminal by itself, and the script waits for it to save.
-# driver.log then records which stage stopped and why, and the script exits with its code.
+# driver.log then records which stage stopped and why, and the script exits with its code. A
+# SIGTERM that comes while no stage runs (the driver between stages, the summary) is kept: the
+# script stops before the next stage starts, or after the summary, and exits 143 too.
 child=
-trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null || true' TERM
+stop=
+trap 'stop=1; [[ -n $child ]] && kill -TERM "$child" 2>/dev/null || true' TERM
 trap ':' INT
+
+stop_between() {  # a SIGTERM that came while no stage ran: said in driver.log, exit 143
+  if [[ -n $stop ]]; then
+    driver stopped "$CONFIG" - 143 "$@" || true
+    exit 143
+  fi
+}
 
 stages=$(driver stages "$CONFIG" "$@")
 for stage in $stages; do
+  stop_between "$@"
   plan=$(driver prepare "$CONFIG" "$stage" "$@")
+  stop_between "$@"
   mapfile -t argv <<< "$plan"
   if [[ ${argv[0]} == skip ]]; then
     continue
@@ -64,10 +76,15 @@ for stage in $stages; do
     driver stopped "$CONFIG" "$stage" "$rc" "$@" || true
     exit "$rc"
   fi
-  driver finish "$CONFIG" "$stage" "$@"
+  finished=$(driver finish "$CONFIG" "$stage" "$@")
+  if [[ $finished == stopped ]]; then  # RELAY_STOP_AFTER_STEP: saved without merging, as asked
+    exit 0
+  fi
 done
+stop_between "$@"
 driver summarize "$CONFIG" "$@"
 report_dir=$(driver report-dir "$CONFIG" "$@")
 if [[ -n $report_dir ]]; then
   "$PY" -m pipeline.tools.report "$report_dir"
 fi
+stop_between "$@"

@@ -60,6 +60,11 @@ FAKE_STAGE = textwrap.dedent(
         fh.write(json.dumps({"stage": stage, "argv": sys.argv[1:]}) + "\\n")
     if os.environ.get("FAIL_STAGE") == stage:
         sys.exit(3)
+    if os.environ.get("RELAY_STOP_AFTER_STEP"):  # the stage contract: a checkpoint, no merge, exit 0
+        saved = out / "checkpoints" / f"step-{int(os.environ['RELAY_STOP_AFTER_STEP']):07d}"
+        saved.mkdir(parents=True)
+        (saved / ".complete").write_text("{}")
+        sys.exit(0)
     merged = out / "merged"
     shutil.copytree(parent, merged, ignore=shutil.ignore_patterns("manifest.json"))
     weights = merged / "model.safetensors"
@@ -909,3 +914,21 @@ def test_a_stage_that_stops_on_its_config_says_to_fix_it_not_to_rerun(tmp_path):
         "sft: its config or data has the problems listed above; fix them and rerun the same command"
     )
     assert lines[-1].endswith("sft: stopped by SIGTERM; it has no checkpoint yet; rerun the same command to continue")
+
+
+def test_a_stage_stopped_by_relay_stop_after_step_ends_the_pipeline_quietly(tmp_path, tiny_model_dir):
+    """RELAY_STOP_AFTER_STEP saves a checkpoint and exits 0 without merging, by design; the driver
+    read the missing merged/ as a failed stage ("output checks failed", exit 1). Now it says where
+    the stage stopped, exits 0, and the rerun continues."""
+    config, root, fake_log = write_fake_config(tmp_path, tiny_model_dir, report=False)
+    done = run_driver(config, fake_log, RELAY_STOP_AFTER_STEP="2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert ran(fake_log) == [SCRIPT_NAMES["pt"]]
+    checkpoint = root / "pt" / "checkpoints" / "step-0000002"
+    assert (
+        f"pt: stopped after step 2 (RELAY_STOP_AFTER_STEP); its last checkpoint is {checkpoint}; rerun the same "
+        "command (without it) to continue" in (root / "driver.log").read_text()
+    )
+    again = run_driver(config, fake_log)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert ran(fake_log) == [SCRIPT_NAMES[s] for s in ("pt", *STAGES)]

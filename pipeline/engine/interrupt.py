@@ -17,6 +17,10 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 
+STOP_ENV = "RELAY_STOP_AFTER_STEP"
+"""Set to a step number, a stage saves a checkpoint after that step and exits 0 without merging
+(tests, and a user who wants a checkpoint to resume from); the pipeline driver then stops quietly."""
+
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 
 

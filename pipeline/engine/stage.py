@@ -65,7 +65,15 @@ from pipeline.engine.checkpoint import Checkpointer, complete_checkpoints, rng_s
 from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
 from pipeline.engine.export import export_trained
 from pipeline.engine.held_out import eval_shards, held_out
-from pipeline.engine.interrupt import Stopped, StopRequest, agreed_signal, all_ranks_ok, ranks_max, signal_name
+from pipeline.engine.interrupt import (
+    STOP_ENV,
+    Stopped,
+    StopRequest,
+    agreed_signal,
+    all_ranks_ok,
+    ranks_max,
+    signal_name,
+)
 from pipeline.engine.precision import fp32_masters, keeps_masters
 from pipeline.engine.resume import launched_world_size, resume, resume_problems
 from pipeline.engine.schedule import build_scheduler
@@ -81,6 +89,7 @@ from pipeline.engine.tracking import (
     History,
     Tracker,
     default_run_name,
+    event_files,
 )
 from pipeline.modeling import models
 from pipeline.modeling.embedded import EmbeddedError, resolve_model_path
@@ -88,7 +97,6 @@ from pipeline.modeling.onednn import onednn_linears
 
 log = logging.getLogger(__name__)
 
-STOP_ENV = "RELAY_STOP_AFTER_STEP"
 OnStep = Callable[["Stage", dict], None]
 
 
@@ -196,6 +204,8 @@ class Stage:
         self.scheduler: Any = None
         self.frozen_engines: list = []
         """Under ZeRO-3, the DeepSpeed engines that gather `frozen_copies`' partitions."""
+        self.earlier_events: list[Path] = []
+        """TensorBoard event files in runs/ before this run's tracker opened (set aside on a fresh start)."""
         self.checkpointer: Any = None
         self.tracker: Any = None
         self.final_summary: Optional[dict] = None
@@ -428,6 +438,8 @@ class Stage:
             barrier=acc.wait_for_everyone,
             agree=lambda ok: all_ranks_ok(ok, acc),
         )
+        # a fresh start moves these aside (pipeline.engine.resume); this run's own file is not among them
+        self.earlier_events = event_files(out) if acc.is_main_process else []
         self.tracker = Tracker(
             cfg.tracking, out, default_run_name(self.name), to_dict(cfg), enabled=acc.is_main_process
         )

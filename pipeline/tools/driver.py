@@ -35,6 +35,7 @@ from typing import Any, Optional, Sequence
 
 import stages as registry
 from pipeline.config import ConfigError
+from pipeline.engine.interrupt import STOP_ENV
 from pipeline.engine.launch import CONFIG_PROBLEMS, describe
 from pipeline.engine.tracking import quiet_console
 from pipeline.modeling.manifest import read_manifest
@@ -388,25 +389,46 @@ def cmd_prepare(cfg: PipelineConfig, stage: str) -> list[str]:
     return argv
 
 
-def cmd_finish(cfg: PipelineConfig, stage: str) -> None:
-    """Raises DriverError when the new merged folder fails its checks."""
+def cmd_finish(cfg: PipelineConfig, stage: str) -> Optional[str]:
+    """Check the stage's new merged folder; "stopped" (for the script: end here, exit 0) where the
+    stage saved and stopped at RELAY_STOP_AFTER_STEP without merging, as it does by design.
+
+    Raises:
+        DriverError: the new merged folder fails its checks.
+    """
+    if os.environ.get(STOP_ENV, "").strip() and not (merged_dir(cfg, stage) / "manifest.json").is_file():
+        log(
+            cfg,
+            f"{stage}: stopped after step {os.environ[STOP_ENV].strip()} ({STOP_ENV}); {last_checkpoint(cfg, stage)}; "
+            "rerun the same command (without it) to continue",
+        )
+        return "stopped"
     problems = checks_after(cfg, stage)
     if problems:
         raise DriverError(f"{stage}: output checks failed:\n" + "\n".join(f"  - {p}" for p in problems))
     record_time(cfg, stage, "finished")
     log(cfg, f"{stage}: finished, {merged_dir(cfg, stage)} checked against its parent {parent_path(cfg, stage)}")
+    return None
 
 
-def cmd_stopped(cfg: PipelineConfig, stage: str, exit_code: int) -> None:
-    """Record in driver.log which stage ended early, why (a signal or an error exit) and the
-    checkpoint a rerun continues from."""
+def last_checkpoint(cfg: PipelineConfig, stage: str) -> str:
+    """Where a rerun of `stage` continues from, in words."""
     folder = merged_dir(cfg, stage).parent / "checkpoints"
     marked = sorted(p.parent for p in folder.glob("step-*/.complete")) if folder.is_dir() else []
-    where = f"its last checkpoint is {marked[-1]}" if marked else "it has no checkpoint yet"
+    return f"its last checkpoint is {marked[-1]}" if marked else "it has no checkpoint yet"
+
+
+def cmd_stopped(cfg: PipelineConfig, stage: Optional[str], exit_code: int) -> None:
+    """Record in driver.log which stage ended early, why (a signal or an error exit) and the
+    checkpoint a rerun continues from; without a stage, a signal that came while none ran (the
+    script stops before the next one, or after the summary it was writing)."""
+    if stage is None:
+        log(cfg, f"pipeline: {describe(exit_code)} between stages; rerun the same command to continue")
+        return
     if exit_code == CONFIG_PROBLEMS:
         log(cfg, f"{stage}: its config or data has the problems listed above; fix them and rerun the same command")
         return
-    log(cfg, f"{stage}: {describe(exit_code)}; {where}; rerun the same command to continue")
+    log(cfg, f"{stage}: {describe(exit_code)}; {last_checkpoint(cfg, stage)}; rerun the same command to continue")
 
 
 @contextlib.contextmanager
@@ -453,7 +475,9 @@ def run_command(args: list[str], answer) -> int:
     exit_code = 0
     if command == "stopped" and len(rest) >= 2 and rest[1].lstrip("-").isdigit():
         exit_code, rest = int(rest[1]), [rest[0], *rest[2:]]
-    if command in ("prepare", "finish", "stopped"):
+    if command == "stopped" and rest and rest[0] == "-":  # no stage was running
+        rest = rest[1:]
+    elif command in ("prepare", "finish", "stopped"):
         if not rest or rest[0] not in STAGE_ORDER:
             print(f"{command}: needs a stage ({', '.join(STAGE_ORDER)})\n{usage}", file=sys.stderr)
             return 2
@@ -469,7 +493,7 @@ def run_command(args: list[str], answer) -> int:
         elif command == "prepare":
             print("\n".join(cmd_prepare(cfg, stage)), file=answer)
         elif command == "finish":
-            cmd_finish(cfg, stage)
+            print(cmd_finish(cfg, stage) or "finished", file=answer)
         elif command == "stopped":
             cmd_stopped(cfg, stage, exit_code)
         elif command == "report-dir":

@@ -295,3 +295,34 @@ def test_the_driver_forwards_sigterm_and_records_which_stage_stopped(tmp_path, t
         f"rerun the same command to continue" in log
     )
     assert not (root / "rm").exists()  # nothing after the stopped stage ran
+
+
+def test_a_sigterm_between_stages_stops_the_pipeline_before_the_next(tmp_path, tiny_model_dir):
+    """A SIGTERM that reaches the script while the driver works between stages (no stage to forward
+    it to) was dropped: the pipeline ran on to its end and exited 0. Now the next stage does not
+    start: exit 143, a line in driver.log, and the rerun continues. (The driver's `finish` of PT is
+    held for a moment so the signal lands there.)"""
+    from test_driver import SCRIPT_NAMES, STAGES, ran, write_fake_config
+
+    config, root, fake_log = write_fake_config(tmp_path, tiny_model_dir, report=False)
+    marker, python = tmp_path / "in-finish", python_for_tests()
+    wrapper = tmp_path / "python"
+    wrapper.write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [[ "$*" == *"pipeline.tools.driver finish "*" pt"* ]]; then touch {marker}; sleep 3; fi\n'
+        f'exec {python} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    env = {**_env(), "FAKE_LOG": str(fake_log), "PYTHON": str(wrapper)}
+    command = ["bash", str(ROOT / "run_scripts/run_pipeline.sh"), str(config)]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(marker, proc)
+    proc.send_signal(signal.SIGTERM)  # to the script only, as a scheduler would
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-2000:]
+    assert ran(fake_log) == [SCRIPT_NAMES["pt"]]
+    log = (root / "driver.log").read_text()
+    assert "pt: finished" in log and "pipeline: stopped by SIGTERM between stages; rerun the same command" in log
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert ran(fake_log) == [SCRIPT_NAMES[s] for s in STAGES]
