@@ -1,15 +1,17 @@
 """Print conversations with the trained tokens highlighted (ANSI colours).
 
-    python -m data_formats.show FILE [--kind sft|rm|prompts|pt] [--template role_markers|chat_template]
-                                     [--model embedded] [-n 2]
+    relay show FILE [--kind sft|rm|prompts|pt|kto|STAGE] [--template role_markers|chat_template]
+                    [--model embedded] [-n 2] [--boundaries]
 
 Green background: trained (label = token id); plain: not trained. Each token is shown by its own
 decoded text, with '|' between tokens when --boundaries is given, so boundary effects are visible.
 Every kind is shown as its stage reads it: sft the whole conversation (assistant turns and tool
 calls trained; tool results, tool schemas and user turns not), rm both sides of a pair as scored
 (the answer and its end-of-turn trained), prompts the generation prompt (nothing trained: the
-policy's own completion is), pt the document (every token but the first trained). `relay show`
-also takes a stage name for --kind.
+policy's own completion is), pt the document (every token but the first trained), kto each answer
+after its prompt with its label (the answer and its end-of-turn trained; a preference pair is two
+answers, as the KTO stage unpairs it). `relay show` also takes a stage name for --kind (a DPO file is
+shown as rm, a PPO or GRPO file as prompts: the kind of data the stage reads), as `relay validate` does.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import sys
 from typing import Optional
 
+from data_formats.formats import KINDS
 from data_formats.render import IGNORE_INDEX, Template, make_template, render, render_prompt, render_scored
 from data_formats.sources import summarize
 from data_formats.validate import read_and_parse
@@ -51,6 +54,13 @@ def labelled(kind: str, value, tokenizer, template: Template) -> list[tuple[str,
             prompt, answer = render_scored(conv, tokenizer, template)
             out.append((side, prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
         return out
+    if kind == "kto":
+        out = []
+        for conv, desirable in value:
+            prompt, answer = render_scored(conv, tokenizer, template)
+            title = "desirable answer" if desirable else "undesirable answer"
+            out.append((title, prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
+        return out
     return [("conversation", *render(value, tokenizer, template))]
 
 
@@ -60,9 +70,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     from pipeline.modeling.embedded import resolve_model_path
     from pipeline.modeling.models import load_tokenizer
 
-    parser = argparse.ArgumentParser(prog="python -m data_formats.show", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="relay show", description=__doc__.split("\n\n")[0])
     parser.add_argument("file")
-    parser.add_argument("--kind", choices=("sft", "rm", "prompts", "pt"), default="sft")
+    parser.add_argument(
+        "--kind", choices=KINDS, default="sft", help="the kind of data (relay show also takes a stage name)"
+    )
     parser.add_argument("--template", default="chat_template", choices=("chat_template", "role_markers"))
     parser.add_argument("--model", default="embedded")
     parser.add_argument("-n", type=int, default=2, help="how many conversations to show")

@@ -231,3 +231,54 @@ def test_show_colours_exactly_the_trained_tokens(tok):
     ids, labels = render(conv, tok, template)
     shown = colour_tokens(ids, labels, tok)
     assert shown == f"<s>human\nHi<s>bot\n{TRAINED}Yes{RESET}{TRAINED}.{RESET}{TRAINED}<|im_end|>{RESET}\n"
+
+
+SHOWN = {
+    "sft": {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]},
+    "rm": {"prompt": "Say hi.", "chosen": "Hi.", "rejected": "No."},
+    "prompts": {"prompt": "Say hi."},
+    "pt": {"text": "Atlas is an island."},
+    "kto": {"prompt": "Say hi.", "completion": "Hi.", "label": False},
+}
+"""One record of each kind of data a stage reads (`relay show --kind`)."""
+
+
+def test_relay_show_takes_every_stage_name_and_shows_it_as_the_stage_renders_it(tmp_path, tok, capsys):
+    import json
+    import re
+
+    import stages as registry
+    from data_formats.render import render_scored
+    from pipeline.tools import cli
+
+    files = {}
+    for kind, record in SHOWN.items():
+        files[kind] = tmp_path / f"{kind}.jsonl"
+        files[kind].write_text(json.dumps(record) + "\n", encoding="utf-8")
+    for stage in registry.STAGES:
+        kind = registry.record_kind(stage)
+        code = cli.main(["show", "--kind", stage, str(files[kind]), "--template", "role_markers", "-n", "1"])
+        out, err = capsys.readouterr()
+        assert code == 0 and err == "" and out.startswith(f"--- {files[kind]}:1 "), (stage, out, err)
+    # KTO: the answer after its prompt, the answer and its end-of-turn trained, with its label
+    template = make_template(ChatDataConfig(template="role_markers"), tok)
+    conv = Conversation([Turn("user", "Say hi."), Turn("assistant", "Hi.")])
+    prompt, answer = render_scored(conv, tok, template)
+    assert cli.main(["show", "--kind", "kto", str(files["kto"]), "--template", "role_markers"]) == 0
+    title, shown = capsys.readouterr().out.removesuffix("\n").split("\n", 1)
+    counted = f"{len(prompt + answer)} tokens, {len(answer)} trained"
+    assert title == f"--- {files['kto']}:1 (task kto) undesirable answer: {counted}"
+    assert re.sub(r"\033\[[0-9;]*m", "", shown) == tok.decode(prompt + answer)
+    assert shown.endswith("".join(f"\033[42;30m{tok.decode([t])}\033[0m" for t in answer))
+
+
+def test_relay_show_names_itself_and_refuses_a_kind_in_one_line(tmp_path, capsys):
+    from data_formats import show
+    from pipeline.tools import cli
+
+    with pytest.raises(SystemExit):
+        show.main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: relay show ")
+    assert cli.main(["show", "--kind", "ranking", str(tmp_path / "x.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: --kind 'ranking': not a data kind"), err

@@ -19,6 +19,11 @@ def answer_length(prompts, completions, **kwargs):
     return [len(text(c)) / 10 for c in completions]
 
 
+def short_answer(prompts, completions, **kwargs):
+    """The shorter the answer the better: an empty answer would be every prompt's best."""
+    return [-score for score in answer_length(prompts, completions)]
+
+
 @pytest.fixture(scope="module")
 def prompt_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sample_prompts")
@@ -123,7 +128,154 @@ def test_sft_file_keeps_the_best_above_the_threshold(tmp_path, tiny_model_dir, p
     counts = run(
         make(tmp_path, tiny_model_dir, prompt_files, "finished.jsonl", mode="sft", seed=1, keep_unfinished=False)
     )
-    assert counts["records"] == 0 and counts["skipped"] == counts["unfinished"] == 7
+    assert counts["records"] == 0 and counts["skipped"] == counts["too_few"] == 7
+    assert all(r["scores"] == [None] * 4 for r in records(tmp_path / "finished.jsonl"))
+
+
+def test_choosing_never_picks_an_empty_answer_nor_one_left_out():
+    assert best_of_n(["", "a long one"], [0.0, -1.0], None) == 1  # "" scores best, and is no answer
+    assert best_of_n([" \n", "a"], [0.0, -1.0], None) == 1 and best_of_n(["", " "], [1.0, 2.0], None) is None
+    assert best_and_worst(["", "ab", "abc"], [5.0, 1.0, 0.5], 0.0) == (1, 2)
+    assert best_and_worst(["abc", "ab", ""], [5.0, 1.0, 0.5], 0.0) == (0, 1)
+    assert best_and_worst(["", "a"], [1.0, 0.0], 0.0) is None  # one usable answer is no pair
+    assert best_of_n(["a", "b"], [None, 0.1], None) == 1 and best_and_worst(["a", "b", "c"], [9, None, 1], 0) == (0, 2)
+
+
+N = 5
+"""Answers per prompt in the tests below; `shaped_answers` gives each position its kind."""
+
+
+def shaped_answers(monkeypatch, tokenizer_dir):
+    """The sampler patched so that the first prompt's answers are all empty, and every other prompt's
+    are, by position: finished, empty (the model ended at once), blank (whitespace, then the end),
+    finished, unfinished (cut at max_new_tokens, as the tiny model's answers are)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.tools import sample as sample_mod
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    eos, blank = tok.eos_token_id, tok(" \n ", add_special_tokens=False)["input_ids"]
+    real = sample_mod.make_generator
+
+    def make_generator(*args, **kwargs):
+        generator = real(*args, **kwargs)
+        sampled, calls = generator.generate, []
+
+        def generate(prompts, **kw):
+            out = []
+            for row, ids in enumerate(sampled(prompts, **kw)):
+                ids = [t for t in ids if t != eos][:4]
+                position = 1 if not calls and row < N else row % N
+                out.append([ids + [eos], [eos], blank + [eos], ids[:2] + [eos], ids][position])
+            calls.append(len(prompts))
+            return out
+
+        generator.generate = generate
+        return generator
+
+    monkeypatch.setattr(sample_mod, "make_generator", make_generator)
+
+
+@pytest.mark.parametrize("mode", ["sft", "dpo"])
+def test_empty_answers_are_never_chosen_and_every_score_is_kept(
+    tmp_path, tiny_model_dir, prompt_files, monkeypatch, mode
+):
+    shaped_answers(monkeypatch, tiny_model_dir)
+    kind = {"sft": "sft", "dpo": "rm"}[mode]
+    funcs = ["test_sample_cmd:short_answer"]  # an empty answer would win every SFT prompt and lose every pair
+    for keep_unfinished in (False, True):
+        name = f"{mode}_{keep_unfinished}.jsonl"
+        counts = run(
+            make(
+                tmp_path,
+                tiny_model_dir,
+                prompt_files,
+                name,
+                mode=mode,
+                num_samples=N,
+                reward_funcs=funcs,
+                keep_unfinished=keep_unfinished,
+            )
+        )
+        rows = records(tmp_path / name)
+        # the first prompt's answers are all empty: skipped and counted, never written
+        assert counts["records"] == len(rows) == 6 and counts["skipped"] == counts["too_few"] == 1, counts
+        for r in rows:
+            assert len(r["scores"]) == N and r["scores"][1] is None and r["scores"][2] is None, r["scores"]
+            assert (r["scores"][4] is None) != keep_unfinished
+            assert all(isinstance(s, float) for i, s in enumerate(r["scores"]) if i in (0, 3)), r["scores"]
+            best = max(s for s in r["scores"] if s is not None)
+            if mode == "sft":
+                assert r["messages"][-1]["content"].strip() and r["score"] == best
+            else:
+                answer = lambda side: side if isinstance(side, str) else side[-1]["content"]  # noqa: E731
+                assert answer(r["chosen"]).strip() and answer(r["rejected"]).strip()
+                assert r["chosen_score"] == best and r["rejected_score"] == min(s for s in r["scores"] if s is not None)
+        assert validates(tmp_path / name, kind) == len(rows)
+
+
+def test_relay_sample_reports_prompts_with_too_few_usable_answers(
+    tmp_path, tiny_model_dir, prompt_files, monkeypatch, capsys
+):
+    shaped_answers(monkeypatch, tiny_model_dir)
+    code = cli.main(
+        [
+            "sample",
+            "--model",
+            str(tiny_model_dir),
+            "--data.train",
+            f"[{prompt_files[0]}]",
+            "--out",
+            str(tmp_path / "s.jsonl"),
+            "--mode",
+            "sft",
+            "--num_samples",
+            str(N),
+            "--max_new_tokens",
+            "6",
+            "--seq_length",
+            "256",
+            "--reward_funcs",
+            "[test_sample_cmd:short_answer]",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and len(records(tmp_path / "s.jsonl")) == 3, out
+    assert "1 with too few usable answers (left out: empty ones and ones cut at max_new_tokens)" in out, out
+
+
+def test_dpo_prompts_render_as_the_answers_were_sampled(tmp_path, tiny_model_dir, prompt_files):
+    """With data.system_prompt, the DPO stage's prompt ids of every pair are the ids the sampler used."""
+    from data_formats.datasets import build_preference_data, build_prompt_data
+    from data_formats.render import make_template
+    from pipeline.config import PreferenceDataConfig
+    from pipeline.modeling.models import load_tokenizer
+
+    tools = tmp_path / "tools.jsonl"
+    tool = {"name": "lookup", "description": "Look a place up.", "parameters": {"type": "object", "properties": {}}}
+    tools.write_text(json.dumps({"messages": [{"role": "user", "content": "Find island 9."}], "tools": [tool]}) + "\n")
+    for system in ("SYS P", None):
+        cfg = make(tmp_path, tiny_model_dir, [*prompt_files, str(tools)], "sys.jsonl", mode="dpo", seed=3)
+        cfg.data.system_prompt = system
+        counts = run(cfg)
+        rows = records(tmp_path / "sys.jsonl")
+        tok = load_tokenizer(str(tiny_model_dir))
+        limit = min(cfg.data.max_prompt_length, cfg.seq_length - cfg.max_new_tokens)  # as `run` renders them
+        sampled = build_prompt_data(cfg.data, tok, make_template(cfg.data, tok), "train", limit)
+        dpo_data = PreferenceDataConfig(train=[str(tmp_path / "sys.jsonl")])  # the DPO stage's data, no system_prompt
+        pairs = build_preference_data(dpo_data, tok, make_template(dpo_data, tok), cfg.seq_length, "train")
+        prompt_ids = {tuple(s["prompt_ids"]) for s in sampled}
+        built = [tuple(p["chosen_input_ids"][: -p["chosen_answer_len"]]) for p in pairs]
+        assert counts["records"] == len(rows) == len(built) >= 6 and len(set(built)) == len(built)
+        assert all(ids in prompt_ids for ids in built), [tok.decode(ids) for ids in built if ids not in prompt_ids]
+        assert validates(tmp_path / "sys.jsonl", "rm") == len(rows)
+        if system is not None:
+            # the plain prompts (and the tool one) were sampled under it; the chats under their own
+            assert all(r["prompt"][0]["role"] == "system" for r in rows)
+            assert sum(r["prompt"][0]["content"] == system for r in rows) == len(rows) - 3
+        else:
+            assert {isinstance(r["prompt"], str) for r in rows} == {True, False}
+        assert any(r.get("tools") == [tool] for r in rows)
 
 
 def test_relay_sample_refuses_a_bad_config_in_lines_before_loading(tmp_path, capsys):

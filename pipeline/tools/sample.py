@@ -10,8 +10,12 @@ The prompts are read and rendered as PPO's and GRPO's (`data:` is their prompt s
 come from the RL samplers (pipeline/rl/rollout.py, `backend` relay or hf) under `seed`, so the
 same seed gives the same file (with a deterministic judge: temperature 0, or its cache). The file is
 what `relay validate --kind sft|dpo` and the SFT and DPO stages read: SFT records are {"messages"}
-conversations; DPO records {"prompt", "chosen", "rejected"}, texts for a text prompt, else messages.
-Answers cut at max_new_tokens (no end-of-turn token) are left out unless `keep_unfinished`.
+conversations; DPO records {"prompt", "chosen", "rejected"}, texts for a text prompt sampled alone,
+else messages (a system turn, from the record or data.system_prompt, makes the prompt messages),
+so the stage reading a record renders the prompt the answers were sampled under; a prompt's tool
+schemas go along as `tools`. Answers cut at max_new_tokens (no end-of-turn token) are left out unless
+`keep_unfinished`, and empty answers (nothing but whitespace: the model ended at once) always are:
+neither is a training target. `scores` holds all N scores in sample order, null for an answer left out.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class SampleConfig:
     num_samples: int = 4
     """Answers sampled per prompt (N >= 2 for dpo)."""
     threshold: Optional[float] = None
-    """sft: the least score kept (null: every prompt's best)."""
+    """sft: the least score kept (null: every prompt's best answer)."""
     margin: float = 0.0
     """dpo: the least score gap between chosen and rejected (a tie is never a pair)."""
     seed: int = 0
@@ -73,7 +77,7 @@ class SampleConfig:
     seq_length: int = 1024
     """Longest prompt + answer in tokens (longer prompts are handled by data.truncation)."""
     keep_unfinished: bool = False
-    """Consider answers cut at max_new_tokens without an end-of-turn token."""
+    """Consider answers cut at max_new_tokens without an end-of-turn token (empty answers never are)."""
     reward_funcs: list[str] = field(default_factory=list)
     """Reward functions "module:function" or "path/file.py:function", called as GRPO calls them."""
     reward_weights: Optional[list[float]] = None
@@ -137,35 +141,72 @@ class SampleConfig:
 # ------------------------------------------------------------------------------------------
 
 
-def best_of_n(answers: Sequence[str], scores: Sequence[float], threshold: Optional[float]) -> Optional[int]:
-    """The index of the best answer (the first of equals), or None when it scores below `threshold`."""
-    if not answers:
+def usable(text: str, finished: bool, keep_unfinished: bool) -> bool:
+    """Whether an answer can be a training target: not empty (the SFT and DPO readers refuse an answer
+    of nothing but whitespace) and finished within max_new_tokens, unless `keep_unfinished`."""
+    return bool(text.strip()) and (finished or keep_unfinished)
+
+
+def considered(answers: Sequence[str], scores: Sequence[Optional[float]]) -> list[int]:
+    """The indices of the answers that may be chosen: scored (a None score is an answer left out) and
+    not empty."""
+    return [i for i, (text, score) in enumerate(zip(answers, scores)) if score is not None and text.strip()]
+
+
+def best_of_n(answers: Sequence[str], scores: Sequence[Optional[float]], threshold: Optional[float]) -> Optional[int]:
+    """The index of the best answer considered (the first of equals), or None when none is or it
+    scores below `threshold`."""
+    keep = considered(answers, scores)
+    if not keep:
         return None
-    best = max(range(len(answers)), key=lambda i: (scores[i], -i))
+    best = max(keep, key=lambda i: (scores[i], -i))
     return best if threshold is None or scores[best] >= threshold else None
 
 
-def best_and_worst(answers: Sequence[str], scores: Sequence[float], margin: float) -> Optional[tuple[int, int]]:
-    """(chosen, rejected): the best and the worst answer (the first of equals), or None when the gap
-    is under `margin`, a tie, or the two texts are the same."""
-    if len(answers) < 2:
+def best_and_worst(
+    answers: Sequence[str], scores: Sequence[Optional[float]], margin: float
+) -> Optional[tuple[int, int]]:
+    """(chosen, rejected): the best and the worst answer considered (the first of equals), or None
+    when fewer than two are, the gap is under `margin`, a tie, or the two texts are the same."""
+    keep = considered(answers, scores)
+    if len(keep) < 2:
         return None
-    best = max(range(len(answers)), key=lambda i: (scores[i], -i))
-    worst = min(range(len(answers)), key=lambda i: (scores[i], i))
+    best = max(keep, key=lambda i: (scores[i], -i))
+    worst = min(keep, key=lambda i: (scores[i], i))
     if scores[best] <= scores[worst] or scores[best] < scores[worst] + margin or answers[best] == answers[worst]:
         return None
     return best, worst
 
 
-def make_record(prompt, messages: list[dict], answers: Sequence[str], scores: Sequence[float], mode: str, pick) -> dict:
-    """The SFT or DPO record of one prompt, every sampled answer's score beside it. SFT: the prompt's
-    `messages` and the answer (one layout for the whole file: a validator reads a file's layout from
-    its first record); DPO: TRL's preference type, texts for a text `prompt`, else messages."""
+def dpo_prompt(sample: dict, messages: list[dict]):
+    """A DPO record's prompt: the text of a text prompt sampled alone (its one user turn), else
+    the messages it was sampled under (a system turn added by data.system_prompt included), so the
+    DPO stage renders the prompt the answers were sampled under."""
+    if rw.is_standard(sample) and [m["role"] for m in messages] == ["user"]:
+        return rw.trl_prompt(sample)
+    return list(messages)
+
+
+def make_record(
+    prompt,
+    messages: list[dict],
+    answers: Sequence[str],
+    scores: Sequence[Optional[float]],
+    mode: str,
+    pick,
+    tools: Optional[list[dict]] = None,
+) -> dict:
+    """The SFT or DPO record of one prompt, every sampled answer's score beside it in sample order
+    (None for an answer left out). SFT: the prompt's `messages` and the answer (one layout for the
+    whole file: a validator reads a file's layout from its first record); DPO: TRL's preference type,
+    texts for a text `prompt` (`dpo_prompt`), else messages. `tools`: the prompt's tool schemas."""
 
     def turn(text):
         return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
 
-    extra = {"scores": [round(float(s), 6) for s in scores]}
+    extra = {"scores": [None if s is None else round(float(s), 6) for s in scores]}
+    if tools:
+        extra["tools"] = list(tools)
     if mode == "sft":
         return {
             "messages": list(messages) + [{"role": "assistant", "content": answers[pick]}],
@@ -241,7 +282,7 @@ class Scorer:
 
 def run(cfg: SampleConfig) -> dict:
     """Sample, score and write `cfg.out`; returns the counts (prompts, records, skipped, and of
-    those `unfinished`: too few answers ended within max_new_tokens; with a judge its figures).
+    those `too_few`: too few usable answers, `usable`; with a judge its figures).
 
     Raises:
         DataError: bad prompt records; OSError: an unreadable model folder; JudgeError: a failed judge
@@ -265,7 +306,7 @@ def run(cfg: SampleConfig) -> dict:
     eos = [tok.eos_token_id]
     generator = make_generator(cfg.backend, policy, tok.pad_token_id, eos, cfg.max_new_tokens, cfg.temperature)
     scorer = Scorer(cfg, tok, device)
-    n, counts, records = cfg.num_samples, {"prompts": len(samples), "records": 0, "skipped": 0, "unfinished": 0}, []
+    n, counts, records = cfg.num_samples, {"prompts": len(samples), "records": 0, "skipped": 0, "too_few": 0}, []
     for start in range(0, len(samples), cfg.batch_size):
         batch = samples[start : start + cfg.batch_size]
         rows = [s for s in batch for _ in range(n)]
@@ -275,8 +316,11 @@ def run(cfg: SampleConfig) -> dict:
         texts = [tok.decode(r, skip_special_tokens=True) for r in rollout.responses]
         scores = scorer(rows, rollout, texts)
         for j, sample in enumerate(batch):
-            keep = [i for i in range(j * n, (j + 1) * n) if cfg.keep_unfinished or bool(rollout.finished[i])]
-            answers, marks = [texts[i] for i in keep], [scores[i] for i in keep]
+            rows_j = range(j * n, (j + 1) * n)
+            answers = [texts[i] for i in rows_j]
+            marks = [
+                scores[i] if usable(texts[i], bool(rollout.finished[i]), cfg.keep_unfinished) else None for i in rows_j
+            ]
             pick = (
                 best_of_n(answers, marks, cfg.threshold)
                 if cfg.mode == "sft"
@@ -284,10 +328,12 @@ def run(cfg: SampleConfig) -> dict:
             )
             if pick is None:
                 counts["skipped"] += 1
-                counts["unfinished"] += len(answers) < (1 if cfg.mode == "sft" else 2)
+                counts["too_few"] += len(considered(answers, marks)) < (1 if cfg.mode == "sft" else 2)
                 continue
+            messages = rw.prompt_messages(sample)
+            tools = json.loads(sample["conversation"]).get("tools")
             records.append(
-                make_record(rw.trl_prompt(sample), rw.prompt_messages(sample), answers, marks, cfg.mode, pick)
+                make_record(dpo_prompt(sample, messages), messages, answers, marks, cfg.mode, pick, tools=tools)
             )
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -316,9 +362,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     print(
         f"{cfg.out}: {counts['records']} {cfg.mode} records from {counts['prompts']} prompts; skipped: "
-        f"{counts['skipped'] - counts['unfinished']} "
+        f"{counts['skipped'] - counts['too_few']} "
         f"{'below the threshold' if cfg.mode == 'sft' else 'with no pair over the margin'}, "
-        f"{counts['unfinished']} with too few answers finished within max_new_tokens"
+        f"{counts['too_few']} with too few usable answers (left out: "
+        f"{'empty ones' if cfg.keep_unfinished else 'empty ones and ones cut at max_new_tokens'})"
     )
     return 0
 
