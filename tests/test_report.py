@@ -173,3 +173,35 @@ def test_a_stage_folder_of_any_name_reports_its_stages_plots(tmp_path):
     assert stage_folders(folder) == {"ppo": folder}
     text = write_report(folder).read_text()
     assert "![ppo](plots/ppo.png)" in text and (folder / "plots" / "ppo.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_report_of_a_stage_is_the_run_its_summary_came_from(tiny_model_dir, tmp_path, monkeypatch):
+    """A resumed run's report covers every step of the run; a fresh rerun (checkpoint.resume
+    false) reports its own steps only, the abandoned run's events moved aside with its checkpoints
+    (before, the report joined both runs by step and its last train/loss was the abandoned run's)."""
+    from test_pt_sft import fresh_accelerate_state, run_sft, sft_args, write_sft  # noqa: F401 (autouse fixture)
+
+    train, valid = write_sft(tmp_path / "data", 6, 2)
+    out = tmp_path / "sft"
+
+    def args(*extra):
+        return sft_args(tiny_model_dir, train, valid, out, "--train.eval_steps", "0", *extra)
+
+    def reported(stage):
+        summary = json.loads((out / "summary.json").read_text())
+        curve = read_scalars(out)["train/loss"]
+        want = [(r["step"], pytest.approx(r["train/loss"])) for r in stage.history.steps]
+        assert curve == want and curve[-1][1] == pytest.approx(summary["train_loss_last"])
+        return curve
+
+    monkeypatch.setenv("RELAY_STOP_AFTER_STEP", "2")
+    run_sft(args("--train.max_steps", "3"))
+    monkeypatch.delenv("RELAY_STOP_AFTER_STEP")
+    resumed = run_sft(args("--train.max_steps", "3"))
+    assert [s for s, _ in reported(resumed)] == [1, 2, 3] and len(list((out / "runs").iterdir())) == 2
+
+    fresh = run_sft(args("--train.max_steps", "2", "--checkpoint.resume", "false"))
+    assert [s for s, _ in reported(fresh)] == [1, 2]
+    (runs_aside,) = out.glob("runs.old-*")
+    assert len(list(runs_aside.iterdir())) == 2  # the resumed run's two event folders, kept
+    assert (out / f"checkpoints.old-{runs_aside.name.partition('.old-')[2]}").is_dir()

@@ -23,7 +23,8 @@ A checkpoint's `state` is a dict of named parts:
 Resume policy (`checkpoint.resume`): true resumes from the newest complete checkpoint under
 root; a path resumes from exactly that checkpoint; false starts fresh, and because a previous
 run's completed checkpoints are never deleted silently, they are moved aside to
-`checkpoints.old-<time>/` (logged) so the new run's temporary-checkpoint clean-up cannot touch them.
+`checkpoints.old-<time>/` (logged) so the new run's temporary-checkpoint clean-up cannot touch them;
+the stage moves that run's TensorBoard events to `runs.old-<time>/` (pipeline.engine.resume).
 """
 
 from __future__ import annotations
@@ -217,6 +218,8 @@ class Checkpointer:
         self.barrier = barrier
         self.agree = agree
         self.last_save_time = clock()
+        self.aside: Optional[Path] = None
+        """Where `candidates` moved the previous run's checkpoints (resume false), else None."""
         self.temporary: Optional[Path] = None
 
     def due(self, step: int) -> Optional[str]:
@@ -380,6 +383,7 @@ class Checkpointer:
             if self.rank == 0 and complete_checkpoints(self.root):
                 aside = self.root.with_name(f"{self.root.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
                 self.root.rename(aside)
+                self.aside = aside
                 log.warning("checkpoint.resume is false: moved the previous run's checkpoints to %s", aside)
             self.barrier()
             return []

@@ -25,6 +25,7 @@ from pipeline.engine.checkpoint import (
 from pipeline.engine.identity import compare, run_identity
 from pipeline.engine.interrupt import all_ranks_ok
 from pipeline.engine.schedule import build_scheduler
+from pipeline.engine.tracking import set_aside_events
 
 log = logging.getLogger("pipeline.engine.stage")
 
@@ -96,6 +97,21 @@ def resume(stage) -> None:
         restore(stage, state)
         log.info("resumed from %s at step %d", path, stage.step)
         return
+    set_aside_curves(stage)
+
+
+def set_aside_curves(stage) -> None:
+    """A run that trains from step 0 (resume false, or no checkpoint to resume) moves the earlier
+    runs' TensorBoard events in its output_dir aside, with their checkpoints' suffix, so its
+    report's curves are this run's only (a resumed run keeps them: its curves continue them)."""
+    earlier = getattr(stage, "earlier_events", [])
+    if not earlier:
+        return
+    moved = getattr(stage.checkpointer, "aside", None)
+    suffix = moved.name.partition(".old-")[2] if moved is not None else None
+    aside = set_aside_events(stage.cfg.output_dir, earlier, suffix)
+    if aside is not None:
+        log.warning("this run starts at step 0: moved the previous run's TensorBoard events to %s", aside)
 
 
 def restore(stage, state: dict) -> None:

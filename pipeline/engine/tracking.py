@@ -27,6 +27,40 @@ def default_run_name(stage: str) -> str:
     return f"{stage}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def event_files(output_dir: str | Path) -> list[Path]:
+    """The TensorBoard event files under `<output_dir>/runs/`, sorted."""
+    runs = Path(output_dir) / "runs"
+    return sorted(runs.rglob("events.out.tfevents.*")) if runs.is_dir() else []
+
+
+def set_aside_events(output_dir: str | Path, files: list[Path], suffix: Optional[str] = None) -> Optional[Path]:
+    """Move the event files of a run that this one does not continue (it trains from step 0) from
+    `<output_dir>/runs/` to `<output_dir>/runs.old-<suffix>/`, keeping their folders, and drop the
+    folders this leaves empty; nothing is deleted. So `relay report` and TensorBoard show only the
+    run that summary.json and merged/ come from. `suffix` is the one the previous run's moved-aside
+    checkpoints got (`checkpoints.old-<suffix>`), else the time now. Returns the folder, or None
+    when none of `files` is left to move."""
+    runs = Path(output_dir) / "runs"
+    files = [f for f in files if f.is_file()]
+    if not files:
+        return None
+    aside = runs.with_name(f"runs.old-{suffix or time.strftime('%Y%m%d-%H%M%S')}")
+    for path in files:
+        target = aside / path.relative_to(runs)
+        while target.exists():
+            target = target.with_name(target.name + ".again")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        path.rename(target)
+        for folder in path.parents:
+            if folder == runs or runs not in folder.parents:
+                break
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+    return aside
+
+
 class Tracker:
     """Logs scalars and text to every tracker in `cfg.trackers`."""
 

@@ -7,7 +7,9 @@ dpo/, ...) or a single stage's output folder. Each stage's plot is the one its r
 declares (stages/__init__.py `StageInfo.plot`), so a new stage brings its own panels. Events are read with tensorboard's
 EventAccumulator; a stage that was resumed has
 several event files, whose curves are joined by step (the later write wins for a repeated step,
-as it is the one the resumed run kept).
+as it is the one the resumed run kept). A run that started fresh moved the earlier runs' events to
+`runs.old-<time>/` (pipeline.engine.resume), which the report does not read: a stage's curves are
+the run its summary.json and merged/ come from.
 """
 
 from __future__ import annotations
