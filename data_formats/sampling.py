@@ -49,10 +49,13 @@ def next_micro_batches(
     cursor; rank r takes its r-th slice. So one optimizer step covers the same samples for any
     split of the global batch into ranks x micro-batches x batch size, and a split changed
     mid-epoch goes on where the last one stopped. The epoch's rest, once shorter than a global
-    micro-batch, is not used (build_run logs how many through `epoch_tail`).
+    micro-batch, is not used (the stage logs how many through `epoch_tail`).
 
     `order_of(epoch)`, when given, is the epoch's order instead of a permutation of range(n) (a
-    weighted mix, `SourceMix.epoch_order`, whose epochs may differ in length).
+    weighted mix, `SourceMix.epoch_order`, whose epochs may differ in length). Its draws are a
+    stream that nothing leaves out: a global micro-batch the epoch's rest does not fill is
+    finished with the next epoch's first draws (an epoch boundary inside a micro-batch), so every
+    draw of every epoch trains, for any split and across a resume.
 
     Hand-written rather than a DataLoader + DistributedSampler because exact resume needs the
     order to be a pure function of (seed, epoch, position).
@@ -61,6 +64,7 @@ def next_micro_batches(
         ValueError: fewer samples (in an epoch's order) than one global micro-batch.
     """
     per_global = batch_size * world_size
+    carry = order_of is not None  # a weighted mix's draws carry over into the next epoch
     if order_of is None:
         if n < per_global:
             raise ValueError(
@@ -71,6 +75,17 @@ def next_micro_batches(
     order = _filling(order_of, epoch, per_global)
     out = []
     for _ in range(grad_accum):
+        if carry:
+            drawn: list[int] = []
+            while len(drawn) < per_global:
+                if done >= len(order):
+                    epoch, done = epoch + 1, 0
+                    order = _filling(order_of, epoch, per_global)
+                take = min(per_global - len(drawn), len(order) - done)
+                drawn += order[done : done + take]
+                done += take
+            out.append(drawn[rank * batch_size : (rank + 1) * batch_size])
+            continue
         if done + per_global > len(order):
             epoch, done = epoch + 1, 0
             order = _filling(order_of, epoch, per_global)
@@ -203,10 +218,12 @@ class SourceMix:
         return [len(m) for m in self.members]
 
     def epoch_order(self, epoch: int) -> list[int]:
-        """`epoch`'s sample indices (into the split's samples), the last epoch asked for kept."""
+        """`epoch`'s sample indices (into the split's samples), the last two epochs asked for kept
+        (a micro-batch across an epoch boundary reads both, once per rank)."""
         if epoch not in self._cache:
             flat = [i for m in self.members for i in m]
-            self._cache.clear()
+            while len(self._cache) >= 2:
+                del self._cache[next(iter(self._cache))]
             self._cache[epoch] = [
                 flat[j] for j in mixed_epoch_order(self.sizes, self.weights, self.stop, self.seed, epoch)
             ]

@@ -311,3 +311,41 @@ def test_a_weighted_stream_draws_by_weight_and_resumes_exactly(tiny_model_dir, t
     sources = [stream.source_of(i) for i in range(2000)]
     assert abs(sources.count(0) / 2000 - 0.75) <= 0.02
     assert [entry_of_row(tokenizer, row) for row in rows] == sources[:60]
+
+
+def test_a_number_of_samples_trains_every_draw_of_every_epoch_for_any_split():
+    """mix_stop 20 with a global micro-batch of 8: every epoch's 20 draws train, the third
+    micro-batch finishing epoch 0 with epoch 1's first draws, for any split of the batch and
+    across a checkpoint's cursor (before, draws 16-19 of each epoch were left out unsaid)."""
+    from data_formats.sampling import DataCursor, legacy_cursor, next_micro_batches
+
+    mix = three_sources((5, 5, 5), 20)
+    stream = mix.epoch_order(0) + mix.epoch_order(1) + mix.epoch_order(2)
+
+    def trained(plan):
+        cursor, out = DataCursor(), []
+        for batch, accum, world, steps in plan:
+            cursor = legacy_cursor(json.loads(json.dumps(cursor.__dict__)), batch * world)
+            for _ in range(steps):
+                out.append([])
+                for rank in range(world):
+                    groups, after = next_micro_batches(
+                        15,
+                        cursor,
+                        seed=7,
+                        batch_size=batch,
+                        grad_accum=accum,
+                        world_size=world,
+                        rank=rank,
+                        order_of=mix.epoch_order,
+                    )
+                    out[-1] += [i for g in groups for i in g]
+                cursor = after
+        return out, cursor
+
+    steps, cursor = trained([(8, 1, 1, 5)])
+    assert sum(steps, []) == stream[:40] and cursor == DataCursor(1, 20)
+    assert steps[2] == mix.epoch_order(0)[16:] + mix.epoch_order(1)[:4]
+    split, cursor = trained([(4, 1, 2, 2), (2, 2, 2, 1), (1, 2, 4, 2)])
+    assert sorted(sum(split, [])) == sorted(stream[:40]) and cursor == DataCursor(1, 20)
+    assert [sorted(s) for s in split] == [sorted(s) for s in steps]

@@ -446,7 +446,12 @@ class Stage:
         if self.is_main:
             out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, out / "config.yaml")
-        tail = epoch_tail(len(self.train_samples), cfg.train.batch_size, acc.num_processes) if self.train_samples else 0
+        # a weighted mix's epochs carry their rest over into the next one's draws (data_formats.sampling)
+        tail = (
+            epoch_tail(len(self.train_samples), cfg.train.batch_size, acc.num_processes)
+            if self.train_samples and self.mix is None
+            else 0
+        )
         if tail:
             log.info(
                 "%d training sample(s) per epoch do not fill a global micro-batch and sit out that epoch "
