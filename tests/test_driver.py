@@ -68,7 +68,7 @@ FAKE_STAGE = textwrap.dedent(
     merged = out / "merged"
     shutil.copytree(parent, merged, ignore=shutil.ignore_patterns("manifest.json"))
     weights = merged / "model.safetensors"
-    rng = np.random.default_rng(len(stage))
+    rng = np.random.default_rng(len(stage) + int(os.environ.get("FAKE_SEED", "0")))  # FAKE_SEED: other weights
     tensors = {k: (v + 0.01 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in load_file(weights).items()}
     save_file(tensors, weights, metadata={"format": "pt"})
     extra = None
@@ -932,3 +932,28 @@ def test_a_stage_stopped_by_relay_stop_after_step_ends_the_pipeline_quietly(tmp_
     again = run_driver(config, fake_log)
     assert again.returncode == 0, again.stderr[-2000:]
     assert ran(fake_log) == [SCRIPT_NAMES[s] for s in ("pt", *STAGES)]
+
+
+def test_from_and_only_check_the_stages_before_them_and_a_stale_summary_is_not_written(tmp_path, tiny_model_dir):
+    """pipeline.md: with --from / --only the stages before must be finished, and a stale output is
+    never built on. `--from sft` after PT's config changed skipped every stage and wrote a summary
+    and verdict (a plain run refused); `--only pt` rebuilding PT wrote a summary pairing the new PT
+    with the SFT, RM and PPO built on the old one. And a key that never changes the trained weights
+    (checkpoint.resume_changed, which resume.md has users add to resume) no longer makes a finished
+    stage stale."""
+    config, root, fake_log = write_fake_config(tmp_path, tiny_model_dir, report=False)
+    assert run_driver(config, fake_log).returncode == 0
+    changed = ("--stages.pt.overrides", "{train: {max_steps: 3, learning_rate: 0.001}}")
+    refused = run_driver(config, fake_log, "--from", "sft", *changed)
+    assert refused.returncode == 1 and "pt/merged was built with the config in" in refused.stderr, refused.stderr
+    shutil.rmtree(root / "pt")
+    summary = (root / "summary.json").read_bytes()
+    rebuilt = run_driver(config, fake_log, "--only", "pt", *changed, FAKE_SEED="1")  # new weights, as retraining gives
+    assert rebuilt.returncode == 0, rebuilt.stderr[-2000:]
+    assert (root / "summary.json").read_bytes() == summary  # not rewritten over stale stages
+    assert "summary: not written, since" in (root / "driver.log").read_text()
+    neutral = ("--stages.sft.overrides", "{train: {max_steps: 3}, checkpoint: {resume_changed: true}}")
+    shutil.rmtree(root), fake_log.unlink()
+    assert run_driver(config, fake_log, *neutral).returncode == 0
+    again = run_driver(config, fake_log)
+    assert again.returncode == 0 and ran(fake_log) == [SCRIPT_NAMES[s] for s in STAGES], again.stderr[-2000:]

@@ -133,6 +133,22 @@ def config_changes(old: dict, new: dict) -> list[str]:
     return changes(flatten(old), flatten(new))
 
 
+OUTPUT_NEUTRAL = ("checkpoint.", "tracking.", "train.log_steps")
+"""Keys that never change what a finished stage trained (how it saved, resumed and logged: a
+`checkpoint.resume_changed: true` the user added to resume is one): the pipeline does not call its
+output stale for them."""
+
+
+def output_changes(old: dict, new: dict) -> list[str]:
+    """`config_changes` between the config a finished stage ran with and the one it would get now,
+    leaving out OUTPUT_NEUTRAL keys."""
+
+    def trained(tree: dict) -> dict:
+        return {k: v for k, v in flatten(tree).items() if not matches(k, OUTPUT_NEUTRAL)}
+
+    return changes(trained(old), trained(new))
+
+
 def compare(saved: Optional[dict], current: dict) -> tuple[list[str], list[str], list[str]]:
     """(impossible, refused, allowed) differences between a checkpoint's identity and this run's:
     `impossible` can never be resumed (another stage, other weights), `refused` needs

@@ -29,7 +29,7 @@ import stages as registry
 from data_formats.sources import DataError, expand_entry
 from data_formats.validate import data_problems, read_and_parse
 from pipeline.config import ConfigError, load_config
-from pipeline.engine.identity import config_changes
+from pipeline.engine.identity import output_changes
 from pipeline.modeling.handoff import link_problems, manifest_problems, pairing_problems
 from pipeline.modeling.manifest import read_manifest, weights_hash
 from pipeline.tools.chain_config import (
@@ -130,7 +130,7 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
         )
     saved = config_file(cfg, stage)
     changed = (
-        config_changes(yaml.safe_load(saved.read_text(encoding="utf-8")) or {}, stage_config(cfg, stage))
+        output_changes(yaml.safe_load(saved.read_text(encoding="utf-8")) or {}, stage_config(cfg, stage))
         if saved.is_file()
         else []
     )

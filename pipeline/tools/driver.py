@@ -411,6 +411,31 @@ def cmd_finish(cfg: PipelineConfig, stage: str) -> Optional[str]:
     return None
 
 
+def check_earlier_stages(cfg: PipelineConfig, planned: Sequence[str]) -> None:
+    """With --from / --only, the finished stages before the first planned one must be fresh
+    (pipeline.md): the planned ones build on them, and the summary reports them. (One that has not
+    finished is refused where a planned stage needs it: `checks_before`.)
+
+    Raises:
+        DriverError: one of them is stale (stage_status's reason).
+    """
+    for stage in cfg.chain[: cfg.chain.index(planned[0])] if planned else []:
+        if entry(cfg, stage).enabled:
+            stage_status(cfg, stage)
+
+
+def stale_stages(cfg: PipelineConfig) -> list[str]:
+    """Why each enabled stage with an output is stale (stage_status's reason), in chain order."""
+    out = []
+    for stage in cfg.chain:
+        if entry(cfg, stage).enabled and (merged_dir(cfg, stage) / "manifest.json").is_file():
+            try:
+                stage_status(cfg, stage)
+            except DriverError as err:
+                out.append(str(err).splitlines()[0])
+    return out
+
+
 def last_checkpoint(cfg: PipelineConfig, stage: str) -> str:
     """Where a rerun of `stage` continues from, in words."""
     folder = merged_dir(cfg, stage).parent / "checkpoints"
@@ -489,6 +514,7 @@ def run_command(args: list[str], answer) -> int:
             problems = stage_config_problems(cfg, planned)
             if problems:
                 raise ConfigError(problems, config_path)
+            check_earlier_stages(cfg, planned)
             print("\n".join(planned), file=answer)
         elif command == "prepare":
             print("\n".join(cmd_prepare(cfg, stage)), file=answer)
@@ -499,6 +525,10 @@ def run_command(args: list[str], answer) -> int:
         elif command == "report-dir":
             print(cfg.output_root if cfg.report else "", file=answer)
         else:
+            stale = stale_stages(cfg)
+            if stale:  # a --only / --from run rebuilt a stage that later ones were built on
+                log(cfg, f"summary: not written, since {stale[0]}; rerun without --from / --only to rebuild it")
+                return 0
             quiet_console()  # the gold table loads models: no weight-loading bars between the driver's lines
             summary = pipeline_summary(cfg)
             log(cfg, f"summary written to {Path(cfg.output_root) / 'summary.json'} (verdict {summary['verdict']})")
