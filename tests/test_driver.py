@@ -80,6 +80,10 @@ FAKE_STAGE = textwrap.dedent(
         from pipeline.modeling.manifest import weights_hash
         teacher = args["--teacher.path"]
         extra = {"teacher": {"path": teacher, "weights_hash": weights_hash(teacher)}}
+    import yaml
+    from pipeline.engine.identity import data_digest
+    trained_on = (yaml.safe_load(open(args["--config"])) or {}).get("data", {}).get("train", [])
+    extra = {**(extra or {}), "data_digest": data_digest(trained_on)}  # the stage contract: what it trained on
     write_manifest(merged, stage=stage, parent=parent, config={"argv": sys.argv[1:]}, extra=extra)
     writer = EventFileWriter(str(out / "runs" / stage))
     for step in (1, 2, 3):
@@ -957,3 +961,18 @@ def test_from_and_only_check_the_stages_before_them_and_a_stale_summary_is_not_w
     assert run_driver(config, fake_log, *neutral).returncode == 0
     again = run_driver(config, fake_log)
     assert again.returncode == 0 and ran(fake_log) == [SCRIPT_NAMES[s] for s in STAGES], again.stderr[-2000:]
+
+
+def test_a_finished_stage_whose_training_data_changed_is_stale(tmp_path, tiny_model_dir):
+    """A finished stage whose data.train files were edited was reused ("skipped, already
+    complete"): its manifest records what it trained on (data_digest, as a checkpoint's identity
+    does), and the driver refuses to build on it."""
+    config, root, fake_log = write_fake_config(tmp_path, tiny_model_dir, report=False)
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n')
+    chosen = ("--stages.sft.data", f"{{train: [{data}]}}")
+    assert run_driver(config, fake_log, *chosen).returncode == 0
+    assert run_driver(config, fake_log, *chosen).returncode == 0  # unchanged: reused
+    data.write_text(data.read_text().replace('"b"', '"c"'))
+    stale = run_driver(config, fake_log, *chosen)
+    assert stale.returncode == 1 and "its training data (data.train's files) changed" in stale.stderr, stale.stderr

@@ -225,6 +225,9 @@ def test_pt_packs_documents_and_merges(tiny_model_dir, tmp_path):
     assert batch["segment_ids"].shape == (1, 32) and "attention_mask" not in batch
     manifest = json.loads((tmp_path / "pt" / "merged" / "manifest.json").read_text())
     assert manifest["stage"] == "pt" and manifest["summary"]["steps"] == 3
+    from pipeline.engine.identity import data_digest  # what it trained on: the pipeline's staleness check reads it
+
+    assert manifest["data_digest"] == data_digest(run.cfg.data.train)
     assert (tmp_path / "pt" / "config.yaml").is_file() and any((tmp_path / "pt" / "runs").rglob("events.*"))
 
 

@@ -65,6 +65,7 @@ from pipeline.engine.checkpoint import Checkpointer, complete_checkpoints, rng_s
 from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
 from pipeline.engine.export import export_trained
 from pipeline.engine.held_out import eval_shards, held_out
+from pipeline.engine.identity import data_digest
 from pipeline.engine.interrupt import (
     STOP_ENV,
     Stopped,
@@ -342,6 +343,10 @@ class Stage:
             extras["resume_changes"] = self.resume_changes
         if self.mix is not None:
             extras["data_mix"] = self.mix.describe()
+        # what the weights were trained on (the files as this run found them at its start): the
+        # pipeline calls the output stale when they change
+        trained_on = (self.identity or {}).get("config", {}).get("data.train_files")
+        extras["data_digest"] = trained_on or data_digest(self.cfg.data.train)
         return extras
 
     def progress(self, figures: dict[str, float]) -> dict[str, str]:

@@ -29,7 +29,7 @@ import stages as registry
 from data_formats.sources import DataError, expand_entry
 from data_formats.validate import data_problems, read_and_parse
 from pipeline.config import ConfigError, load_config
-from pipeline.engine.identity import output_changes
+from pipeline.engine.identity import data_digest, output_changes
 from pipeline.modeling.handoff import link_problems, manifest_problems, pairing_problems
 from pipeline.modeling.manifest import read_manifest, weights_hash
 from pipeline.tools.chain_config import (
@@ -138,6 +138,12 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
         raise DriverError(
             f"{folder} was built with the config in {saved}, which differs from what the pipeline config "
             f"now gives this stage ({'; '.join(changed)}):\n{render_stage_config(cfg, stage)}delete "
+            f"{stage_dir(cfg, stage)} to rebuild it"
+        )
+    recorded = manifest.get("data_digest")  # outputs written before it was recorded are not checked
+    if recorded and recorded != data_digest(stage_config(cfg, stage).get("data", {}).get("train", [])):
+        raise DriverError(
+            f"{folder} is stale: its training data (data.train's files) changed since it was trained; delete "
             f"{stage_dir(cfg, stage)} to rebuild it"
         )
     parent = parent_path(cfg, stage)
