@@ -372,7 +372,8 @@ class DataConfig:
     shuffled order (LLaMA-Factory's interleave_probs, OpenRLHF's dataset_probs). E.g. a domain
     corpus and general text mixed back in: `train: [medical.jsonl, general.jsonl]`,
     `weights: [0.7, 0.3]`. Seeded by train.seed; recorded in the manifest (`data_mix`); TensorBoard
-    shows data/samples/<name> and data/tokens/<name> per step (an entry's task name, its file stem).
+    shows data/samples/<name> and data/tokens/<name> per step (an entry's task name, its file stem; #k
+    for its position when two entries share one).
     None: the entries are pooled and shuffled together."""
     mix_stop: Union[int, str] = "first_exhausted"
     """When an epoch of a weighted mix ends (data.weights): 'first_exhausted' as soon as one entry
