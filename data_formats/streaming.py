@@ -147,7 +147,7 @@ class MixedTextStream:
     ):
         if len(weights) != len(entries):
             raise ValueError(f"{len(weights)} weight(s) for {len(entries)} entr(ies)")
-        self.names = list(entries)
+        self.names, self.weights = list(entries), [float(w) for w in weights]
         self.streams = [PackedTextStream([entry], tokenizer, seq_length, **options) for entry in entries]
         total = float(sum(weights))
         self.probs = torch.tensor([float(w) / total for w in weights], dtype=torch.float64)
@@ -170,6 +170,18 @@ class MixedTextStream:
         k = self.source_of(self.rows)
         self.rows += 1
         return self.streams[k].next_row()
+
+    def describe(self) -> dict:
+        """What the manifest records (as `SourceMix.describe`): the entries and their weights, the
+        rows drawn from each so far, and the seed; a stream never ends, so there is no stop."""
+        drawn = torch.bincount(
+            torch.tensor([self.source_of(row) for row in range(self.rows)], dtype=torch.long), minlength=len(self.names)
+        ).tolist()
+        return {
+            "sources": [{"entry": n, "weight": w, "rows_drawn": d} for n, w, d in zip(self.names, self.weights, drawn)],
+            "stop": "streamed (entries start over)",
+            "seed": self.seed,
+        }
 
     def state_dict(self) -> dict:
         return {"rows": self.rows, "streams": [stream.state_dict() for stream in self.streams]}

@@ -118,6 +118,10 @@ class PTStage(LanguageModelStage):
             )
         return batches
 
+    def manifest_extras(self) -> dict:
+        """A weighted stream's mix (data.weights), as an in-memory mix records it."""
+        return {"data_mix": self.stream.describe()} if hasattr(self.stream, "describe") else {}
+
     def state_dict(self) -> dict:
         return {"stream": self.stream.state_dict()} if self.stream is not None else {}
 

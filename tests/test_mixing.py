@@ -311,6 +311,16 @@ def test_a_weighted_stream_draws_by_weight_and_resumes_exactly(tiny_model_dir, t
     sources = [stream.source_of(i) for i in range(2000)]
     assert abs(sources.count(0) / 2000 - 0.75) <= 0.02
     assert [entry_of_row(tokenizer, row) for row in rows] == sources[:60]
+    # the manifest's data_mix, as an in-memory mix writes it (a weighted stream wrote none)
+    mix = stream.describe()
+    assert [s["entry"] for s in mix["sources"]] == list(data.train) and mix["seed"] == 3
+    assert [s["weight"] for s in mix["sources"]] == [float(w) for w in data.weights]
+    assert [s["rows_drawn"] for s in mix["sources"]] == [sources[:60].count(k) for k in range(len(data.train))]
+    from stages.pretrain import PTStage
+
+    holder = PTStage.__new__(PTStage)
+    holder.stream = stream
+    assert holder.manifest_extras() == {"data_mix": mix}
 
 
 def test_a_number_of_samples_trains_every_draw_of_every_epoch_for_any_split():
