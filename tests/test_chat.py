@@ -150,3 +150,21 @@ def test_stream_printer_holds_a_split_character_until_its_rest_arrives(capsys):
         assert printer(0, token) is False
     printer.close()
     assert capsys.readouterr().out == "café!\n"
+
+
+def test_a_conversation_past_the_models_context_is_one_line_and_the_turn_is_taken_back(tiny_model_dir, capsys):
+    """The chat kept answering past the model's context (the server refuses such a request with
+    context_length_exceeded): a turn whose prompt and --max-new-tokens pass it is one line, the
+    conversation stays as it was, and /reset starts again; --prompt ends in one error line, exit 2."""
+    chat = load_chat_model(str(tiny_model_dir))
+    first = len(prompt_ids(chat.tokenizer, [{"role": "user", "content": "first question"}]))
+    chat.context = first + 4  # room for the first turn's answer and no more
+    lines = iter(["first question", "a second question that cannot fit", "/reset", "first question", "/exit"])
+    (history,) = interactive([chat], Generation(max_new_tokens=4), read=lambda _: next(lines))
+    out = capsys.readouterr().out
+    assert f"with --max-new-tokens 4 it passes {chat.name}'s context of {first + 4} tokens: /reset starts" in out
+    assert [m["role"] for m in history] == ["user", "assistant"] and history[0]["content"] == "first question"
+    long = "word " * 400
+    code = main(["--model", str(tiny_model_dir), "--prompt", long * 10, "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: the conversation is") and "Traceback" not in err

@@ -42,6 +42,11 @@ class ChatError(RuntimeError):
     """The model folder cannot be chatted with (e.g. its tokenizer has no chat template)."""
 
 
+class ContextFull(ChatError):
+    """The conversation and the answer's token budget do not fit the model's context (said in one
+    line; the turn is taken back, /reset starts a new conversation)."""
+
+
 EXIT_WORDS = ("/exit", "/quit", "exit", "quit")
 HELP = "commands: /reset clears the history, /help shows this, /exit (or exit, quit, Ctrl-D) quits"
 
@@ -76,6 +81,8 @@ class ChatModel:
     `model` (then None)."""
     eos_ids: Optional[list[int]] = None
     """With `server`: the end-of-turn ids (`chat_eos_ids`)."""
+    context: int = 2048
+    """Tokens the model reads at most (its config's max_position_embeddings)."""
 
 
 def was_cut(new_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]) -> bool:
@@ -134,7 +141,7 @@ def load_chat_model(
     model = modeling.load_model(cfg, None, kind="causal", tokenizer=tokenizer)
     model.eval()
     model.requires_grad_(False)
-    return ChatModel(name=path, model=model, tokenizer=tokenizer)
+    return ChatModel(name=path, model=model, tokenizer=tokenizer, context=context_of(model.config))
 
 
 def start_vllm_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: bool = False) -> ChatModel:
@@ -153,7 +160,16 @@ def start_vllm_chat_model(path: str, dtype: str = "fp32", *, trust_remote_code: 
         server = vllm_server.VLLMServer(folder, options).start()
     except vllm_server.VLLMError as err:
         raise ChatError(str(err)) from None
-    return ChatModel(name=path, model=None, tokenizer=tokenizer, server=server, eos_ids=chat_eos_ids(folder, tokenizer))
+    from transformers import AutoConfig
+
+    return ChatModel(
+        name=path,
+        model=None,
+        tokenizer=tokenizer,
+        server=server,
+        eos_ids=chat_eos_ids(folder, tokenizer),
+        context=context_of(AutoConfig.from_pretrained(folder)),
+    )
 
 
 def open_vllm_chat_model(
@@ -230,13 +246,27 @@ class StreamPrinter:
         print(self.text.flush(), flush=True)
 
 
+def context_of(config) -> int:
+    """Tokens a model reads at most: its config's max_position_embeddings (2048 where it has none)."""
+    return int(getattr(config, "max_position_embeddings", None) or 2048)
+
+
 def reply(
     chat: ChatModel, messages: list[dict], gen: Generation, stream: bool = False, tools: Optional[list[dict]] = None
 ) -> str:
     """The model's next assistant turn (printed token by token when `stream`), from Relay's decode
     engine; with top_k or a repetition penalty (knobs the engine does not have) from transformers'
-    generate. `tools`: the tool schemas in the prompt."""
+    generate. `tools`: the tool schemas in the prompt.
+
+    Raises:
+        ContextFull: the prompt and --max-new-tokens pass the model's context (as the server refuses it).
+    """
     ids = prompt_ids(chat.tokenizer, messages, tools)
+    if len(ids) + gen.max_new_tokens > chat.context:
+        raise ContextFull(
+            f"[the conversation is {len(ids)} tokens; with --max-new-tokens {gen.max_new_tokens} it passes "
+            f"{chat.name}'s context of {chat.context} tokens: /reset starts a new one]"
+        )
     if chat.server is not None:
         return vllm_reply(chat, ids, gen, stream)
     if gen.top_k or gen.repetition_penalty != 1.0:
@@ -382,25 +412,40 @@ def interactive(
             continue
         if not line:
             continue
-        for history in histories:
-            history.append({"role": "user", "content": line})
-        if tools is not None:  # tool_reply appends the answer's turns itself
-            tool_reply(models[0], histories[0], gen, tools, read)
-            continue
-        if len(models) == 1:
-            print("bot> ", end="", flush=True)
-            answers = [reply(models[0], histories[0], gen, stream=True)]
-            if models[0].last_answer_cut:
-                print(cut_marker(models[0], gen))
-        else:
-            answers = [reply(m, h, gen) for m, h in zip(models, histories)]
-            print(
-                side_by_side(
-                    models[0].name, answers[0], models[1].name, answers[1], shutil.get_terminal_size((100, 20)).columns
-                )
+        lengths = [len(history) for history in histories]
+        try:
+            answer_turn(models, histories, line, gen, tools, read)
+        except ContextFull as err:  # the turn is taken back: the conversation stays as it was
+            for history, length in zip(histories, lengths):
+                del history[length:]
+            print(err)
+
+
+def answer_turn(models: list[ChatModel], histories: list[list[dict]], line: str, gen: Generation, tools, read) -> None:
+    """One user turn of `interactive`: every model's answer printed and appended to its history.
+
+    Raises:
+        ContextFull: see `reply`.
+    """
+    for history in histories:
+        history.append({"role": "user", "content": line})
+    if tools is not None:  # tool_reply appends the answer's turns itself
+        tool_reply(models[0], histories[0], gen, tools, read)
+        return
+    if len(models) == 1:
+        print("bot> ", end="", flush=True)
+        answers = [reply(models[0], histories[0], gen, stream=True)]
+        if models[0].last_answer_cut:
+            print(cut_marker(models[0], gen))
+    else:
+        answers = [reply(m, h, gen) for m, h in zip(models, histories)]
+        print(
+            side_by_side(
+                models[0].name, answers[0], models[1].name, answers[1], shutil.get_terminal_size((100, 20)).columns
             )
-        for history, answer in zip(histories, answers):
-            history.append({"role": "assistant", "content": answer})
+        )
+    for history, answer in zip(histories, answers):
+        history.append({"role": "assistant", "content": answer})
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -478,6 +523,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             one_shot(models, args.prompt, gen, args.system, tools)
         else:
             interactive(models, gen, args.system, tools=tools)
+    except ContextFull as err:
+        print(f"error: {str(err).strip('[]')}", file=sys.stderr)
+        return 2
     finally:
         stop_servers(models)
     return 0
