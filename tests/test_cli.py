@@ -233,6 +233,16 @@ def test_bring_your_own_sharegpt_walkthrough_validates(tmp_path, tiny_model_dir,
     assert "sft config OK" in capsys.readouterr().out
 
 
+def test_validate_of_a_streamed_corpus_does_not_say_zero_samples(tmp_path, tiny_model_dir, capsys):
+    """A streamed PT corpus holds no sample in memory: validate said "0 training samples"."""
+    data = write_jsonl(tmp_path / "pt" / "train.jsonl", [{"text": f"document {i} " * 5} for i in range(6)])
+    argv = ["validate", str(REPO / "configs" / "pt.yaml"), "--model.path", str(tiny_model_dir)]
+    argv += ["--data.train", f"[{data}]", "--data.eval", "[]", "--data.streaming", "true"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "pt config OK" in out and "a streamed training corpus" in out and "0 training samples" not in out
+
+
 def test_bring_your_own_mftcoder_walkthrough_validates(tmp_path, tiny_model_dir, capsys):
     """README's MFTCoder chatML YAML (one file per task, role markers, CoBa); DeepSpeed needs CUDA,
     so this CPU check runs it on ddp."""

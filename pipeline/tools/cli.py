@@ -478,10 +478,13 @@ def validate_config(config: str, args: list[str]) -> int:
         print(err, file=sys.stderr)
         return 2
     held_out = f", {len(runner.eval_samples)} held-out" if runner.eval_samples else ""
-    print(
-        f"{config}: {stage} config OK; model {cfg.model.path}; {len(runner.train_samples)} training samples{held_out}; "
-        f"outputs to {cfg.output_dir}"
+    # a streamed PT corpus is read as it trains: its records were checked, none is held in memory
+    training = (
+        "a streamed training corpus"
+        if getattr(runner, "stream", None)
+        else f"{len(runner.train_samples)} training samples"
     )
+    print(f"{config}: {stage} config OK; model {cfg.model.path}; {training}{held_out}; outputs to {cfg.output_dir}")
     return 0
 
 
