@@ -118,6 +118,11 @@ class PackedTextStream:
             log.info("streamed pt data: starting epoch %d", self.epoch)
         return self.ready.popleft()
 
+    def describe(self) -> dict:
+        """What the manifest records of a mix: nothing, for one unweighted stream (`MixedTextStream`'s
+        has the entries and their weights)."""
+        return {}
+
     def state_dict(self) -> dict:
         """Where the stream stands (JSON-serialisable)."""
         return {

@@ -120,7 +120,8 @@ class PTStage(LanguageModelStage):
 
     def manifest_extras(self) -> dict:
         """A weighted stream's mix (data.weights), as an in-memory mix records it."""
-        return {"data_mix": self.stream.describe()} if hasattr(self.stream, "describe") else {}
+        mix = self.stream.describe() if self.stream is not None else {}
+        return {"data_mix": mix} if mix else {}
 
     def state_dict(self) -> dict:
         return {"stream": self.stream.state_dict()} if self.stream is not None else {}

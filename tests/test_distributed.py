@@ -71,7 +71,9 @@ def test_resuming_a_deepspeed_run_is_refused_up_front(tiny_model_dir, tmp_path, 
     (step / ".complete").write_text(json.dumps(marker))
     under_ddp = load_config(SFTConfig, [*argv[:-4], "--distributed.engine", "ddp"])
     assert resume_lines(under_ddp) == lines
-    from pipeline.config.engines import stop_advice  # what a stopped or diverged run says to do next
+    from pipeline.config.engines import resumes, stop_advice  # what a stopped or diverged run says to do next
+
+    assert (resumes("ddp"), resumes("fsdp"), resumes("deepspeed")) == (True, True, False)
 
     assert stop_advice("ddp") == "rerun the same command to continue"
     assert stop_advice("deepspeed").startswith("a distributed.engine deepspeed run does not resume (ZeRO shards")

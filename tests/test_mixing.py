@@ -321,6 +321,10 @@ def test_a_weighted_stream_draws_by_weight_and_resumes_exactly(tiny_model_dir, t
     holder = PTStage.__new__(PTStage)
     holder.stream = stream
     assert holder.manifest_extras() == {"data_mix": mix}
+    plain = pt_cfg(tiny_model_dir, corpora, tmp_path / "o2", "--data.streaming", "true").data
+    plain.weights = None
+    holder.stream = open_stream(plain, tokenizer, 16, seed=3)
+    assert holder.manifest_extras() == {}  # one unweighted stream: no mix to record
 
 
 def test_a_number_of_samples_trains_every_draw_of_every_epoch_for_any_split():

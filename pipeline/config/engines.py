@@ -175,12 +175,17 @@ def resume_refusal(engine: str) -> Optional[str]:
     )
 
 
+def resumes(engine: str) -> bool:
+    """Whether a run of `engine` resumes from its checkpoints (an unknown name: its own problem)."""
+    return engine not in ENGINES or not ENGINES[engine].no_resume
+
+
 def stop_advice(engine: str) -> str:
     """What a stopped run of `engine` tells the user to do next: rerun to continue, or (where the
     engine's checkpoints do not resume) start again."""
-    why = ENGINES[engine].no_resume if engine in ENGINES else ""
-    if not why:
+    if resumes(engine):
         return "rerun the same command to continue"
+    why = ENGINES[engine].no_resume
     return (
         f"a distributed.engine {engine} run does not resume ({why}): rerun with checkpoint.resume false to start again"
     )

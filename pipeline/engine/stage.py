@@ -49,7 +49,7 @@ from data_formats.sources import DataError
 from data_formats.validate import data_problems, skip_report, take_skipped
 from pipeline.config import ConfigError, StageConfig, save_config, to_dict
 from pipeline.config.capabilities import config_refusals
-from pipeline.config.engines import package_wanted, stop_advice
+from pipeline.config.engines import package_wanted, resumes, stop_advice
 from pipeline.engine.accelerator import (
     combination_problems,
     frozen_zero3_engine,
@@ -599,8 +599,11 @@ class Stage:
             return
         saved = complete_checkpoints(self.checkpointer.root)
         where = f"the last checkpoint is {saved[-1]}" if saved else "there is no checkpoint"
-        resumes = stop_advice(self.cfg.distributed.engine) == stop_advice("ddp")
-        again = "rerun with checkpoint.resume_changed: true" if resumes else "rerun with checkpoint.resume false"
+        again = (
+            "rerun with checkpoint.resume_changed: true"
+            if resumes(self.cfg.distributed.engine)
+            else "rerun with checkpoint.resume false"
+        )
         raise Diverged(
             f"diverged at step {self.step}: {reason or 'on another rank'}; nothing was published, {where} "
             f"(lower train.learning_rate and {again}, or set train.divergence.enabled: false)"

@@ -33,6 +33,7 @@ from pipeline.modeling import models as modeling
 from pipeline.modeling.embedded import resolve_model_path
 from pipeline.modeling.preflight import model_problems
 from pipeline.tools.chat_tools import answer_with_tools, tool_setup
+from pipeline.tools.openai_protocol import context_of
 from pipeline.tools.serve_batch import ChoiceText
 from pipeline.tools.serve_tools import tool_support_problem
 from pipeline.tools.serving import SERVING
@@ -244,11 +245,6 @@ class StreamPrinter:
 
     def close(self) -> None:
         print(self.text.flush(), flush=True)
-
-
-def context_of(config) -> int:
-    """Tokens a model reads at most: its config's max_position_embeddings (2048 where it has none)."""
-    return int(getattr(config, "max_position_embeddings", None) or 2048)
 
 
 def reply(

@@ -403,6 +403,12 @@ def new_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex[:24]}"
 
 
+def context_of(config) -> int:
+    """Tokens a model reads at most, prompt and answer together (its config's max_position_embeddings;
+    2048 where it has none): what a request, or a `relay chat` turn, must fit."""
+    return int(getattr(config, "max_position_embeddings", None) or 2048)
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens,

@@ -51,6 +51,7 @@ from pipeline.tools.openai_protocol import (
     check_request,
     chunk,
     completion_response,
+    context_of,
     logprobs_content,
     new_id,
     usage,
@@ -71,10 +72,6 @@ def eos_ids_of(chat) -> list[int]:
     eos = chat.model.generation_config.eos_token_id
     ids = set(eos if isinstance(eos, list) else [eos]) | {chat.tokenizer.eos_token_id}
     return sorted(i for i in ids if i is not None)
-
-
-def context_length(model) -> int:
-    return int(getattr(model.config, "max_position_embeddings", None) or 2048)
 
 
 def plan_tokens(request: ChatRequest, prompt_len: int, context: int, default: int) -> int:
@@ -152,7 +149,7 @@ class Server:
             request_timeout,
             max_request_bytes,
         )
-        self.context = context_length(chat.model)
+        self.context = context_of(chat.model.config)
         pad = chat.tokenizer.pad_token_id if chat.tokenizer.pad_token_id is not None else eos_ids_of(chat)[0]
         self.batcher = Batcher(chat.model, chat.tokenizer, eos_ids_of(chat), pad, max_batch, window, slice_tokens)
 
