@@ -128,7 +128,8 @@ def test_the_commands_settings_are_named_as_given_and_checked_before_any_scoring
         f"error: --json: {tmp_path / 'no/x.json'} is a folder, or in a folder that does not exist",
     ]
     assert evaluate.main(["embedded", "--json", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == f"error: --json: {tmp_path} is a folder, or in a folder that does not exist"
+    said = capsys.readouterr().err.strip()
+    assert said == f"error: --json: {tmp_path} is a folder, or in a folder that does not exist"
     gold = GoldConfig(benchmarks=BenchmarkConfig(tasks=list(evaluate.DEFAULT_TASKS), limit=0))
     assert "gold.benchmarks.limit: must be >= 1, got 0" in gold.problems()
 

@@ -322,7 +322,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     problems = settings.problems(key="--") if settings.tasks else ["--tasks: names no task"]
     if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
-        problems.append(f"--json: {args.json} is a folder, or in a folder that does not exist")  # found now, not after the scoring
+        # found now, not after the scoring
+        problems.append(f"--json: {args.json} is a folder, or in a folder that does not exist")
     try:
         folders = [(m, str(model_folder(m))) for m in args.models] if not problems else []
         if problems:
