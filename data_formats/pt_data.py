@@ -24,7 +24,7 @@ class DocumentPacker:
     collator keeps attention inside each document; the first token of every piece has label -100.
     Incremental (one document at a time) so a streamed corpus packs exactly as an in-memory one.
     Linear in the document's length: each token is copied once, into its row (a document of n
-    tokens costs O(n), however many rows it fills).
+    tokens costs O(n), however many rows it fills). A row with no token to train on is not made.
     """
 
     def __init__(self, eos_id: int, seq_length: int):
@@ -45,22 +45,27 @@ class DocumentPacker:
             self.lengths.append(stop - start)
             start = stop
             if len(self.current) == self.seq_length:
-                rows.append(self._row())
+                rows += self._row()
         return rows
 
     def flush(self) -> list[dict]:
-        """The last, shorter row (if any tokens are left)."""
-        return [self._row()] if self.current else []
+        """The last, shorter row (if any tokens are left and one of them is trained on)."""
+        return self._row() if self.current else []
 
-    def _row(self) -> dict:
+    def _row(self) -> list[dict]:
+        """The finished row, or none when it trains nothing: every piece one token long (the row
+        after a document that filled its own ends with that document's EOS alone, with nothing
+        before it to predict it from), which would make a step of zero loss."""
         ids, lengths = self.current, self.lengths
         self.current, self.lengths = [], []
+        if all(n == 1 for n in lengths):
+            return []
         labels = list(ids)
         start = 0
         for n in lengths:
             labels[start] = IGNORE_INDEX
             start += n
-        return {"input_ids": ids, "labels": labels, "lengths": lengths, "task_ids": [0] * len(ids)}
+        return [{"input_ids": ids, "labels": labels, "lengths": lengths, "task_ids": [0] * len(ids)}]
 
 
 def chunk_documents(docs: Iterable[list[int]], eos_id: int, seq_length: int) -> list[dict]:

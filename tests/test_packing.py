@@ -162,6 +162,15 @@ def test_pt_rows_keep_documents_apart(tiny_model_dir):
     assert torch.equal(base[0, 6:], changed[0, 6:]) and not torch.equal(base[0, :6], changed[0, :6])
 
 
+def test_pt_rows_never_train_nothing():
+    # A document that fills its row leaves its EOS alone in the next one, with nothing before it
+    # to predict it from: such a row would be a step of zero loss (an optimizer step on nothing).
+    assert [r["input_ids"] for r in chunk_documents([[11, 12, 13]], eos_id=2, seq_length=3)] == [[11, 12, 13]]
+    rows = chunk_documents([[11, 12, 13], [21, 22]], eos_id=2, seq_length=3)
+    assert [r["input_ids"] for r in rows] == [[11, 12, 13], [2, 21, 22]]  # no row [2] after it
+    assert rows[1]["labels"] == [-100, -100, 22]
+
+
 def test_left_pad_and_mask_kinds():
     ids, mask = left_pad([[4, 5, 6], [7]], pad_id=0)
     assert ids.tolist() == [[4, 5, 6], [0, 0, 7]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
