@@ -214,7 +214,13 @@ def _sft_samples(
     cfg, tokenizer, template: Template, seq_length: int, split: str, tasks: Optional[list[str]], check: Check
 ) -> Built:
     """build_sft_data's samples, with info {'tasks', 'stats'}."""
-    records = split_records(cfg, "sft", split, check, system_prompt=cfg.system_prompt)
+    unread: list[Problem] = []  # records skipped as they were read (on_error: skip), before rendering
+
+    def check_reading(problems: list[Problem], what: str) -> None:
+        check(problems, what)
+        unread.extend(problems)
+
+    records = split_records(cfg, "sft", split, check_reading, system_prompt=cfg.system_prompt)
     names = list(tasks) if tasks is not None else []
     names += sorted({r.task for r in records} - set(names))
     index = {name: i for i, name in enumerate(names)}
@@ -248,7 +254,7 @@ def _sft_samples(
         samples.append({"input_ids": ids, "labels": labels, "task_id": index[record.task], "source": record.source})
         stats["tool_conversations"] += has_tools(record.value)
     check(problems, f"sft {split} data")
-    stats["skipped_bad"] = len(problems)
+    stats["skipped_bad"] = len(unread) + len(problems)
     stats["samples"] = len(samples)
     return Built(samples, {"tasks": names, "stats": stats})
 

@@ -200,6 +200,7 @@ def test_skipped_bad_records_replay_their_log_lines(tmp_path, tok, cache, caplog
         first = _sft(cfg, tok)
     lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name != "data_formats.token_cache"]
     assert any("skipping 2 bad record(s)" in m for _, m in lines)
+    assert first.stats["skipped_bad"] == 2 and first.stats["samples"] == 2  # both skipped as read, none rendered
     monkeypatch.setattr(datasets, "render", _fail)
     caplog.clear()
     with caplog.at_level(logging.INFO):
