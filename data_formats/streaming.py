@@ -53,8 +53,9 @@ def stream_problems(
 class PackedTextStream:
     """An endless source of packed PT rows over `entries` (files, folders, globs, datasets).
 
-    Bad records are dropped when `on_error` is 'skip' (the pre-training check has already counted
-    and logged them) and raise DataError when 'strict' (the corpus changed since the check).
+    Bad records are dropped quietly when `on_error` is 'skip' (the pre-training check has already
+    counted and logged them, once however many epochs re-read them) and raise DataError when 'strict'
+    (the corpus changed since the check).
     """
 
     def __init__(
@@ -93,7 +94,7 @@ class PackedTextStream:
         for item in self._items:
             self.records_read += 1
             if isinstance(item, Problem):
-                apply_policy([item], self.on_error, "pt train data (streamed)", keep=False)  # the check counted it
+                apply_policy([item], self.on_error, "pt train data (streamed)", keep=False, said=True)  # checked
                 continue
             self._documents_this_epoch += 1
             return self.tokenizer(item.value, add_special_tokens=False)["input_ids"]

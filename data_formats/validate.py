@@ -237,10 +237,13 @@ def skip_report(skipped: list[tuple[str, list[Problem]]]) -> tuple[list[str], di
     return lines, entry, fatal
 
 
-def apply_policy(problems: list[Problem], on_error: str, what: str = "data", keep: bool = True) -> None:
+def apply_policy(
+    problems: list[Problem], on_error: str, what: str = "data", keep: bool = True, said: bool = False
+) -> None:
     """strict: raise DataError listing every problem; skip: log one grouped summary (reason, count,
-    first lines) of the records left out and, with `keep`, keep it for the run's report (`take_skipped`).
-    A whole-file problem (`every_record_bad`) is kept too; the stage reports it as an error.
+    first lines) of the records left out (unless `said`: a check before already logged them) and, with
+    `keep`, keep it for the run's report (`take_skipped`). A whole-file problem (`every_record_bad`) is
+    kept too; the stage reports it as an error.
 
     Raises:
         DataError: `on_error` is 'strict' and there is at least one problem.
@@ -253,9 +256,10 @@ def apply_policy(problems: list[Problem], on_error: str, what: str = "data", kee
     if on_error == "strict":
         raise DataError(problems)
     records = [p for p in problems if not p.reason.startswith(EVERY_RECORD_BAD)]
-    log.warning("%s: skipping %d bad record(s) (data.on_error=skip):", what, len(records))
-    for line in summarize(records):
-        log.warning("skipped %s", line)
+    if not said:
+        log.warning("%s: skipping %d bad record(s) (data.on_error=skip):", what, len(records))
+        for line in summarize(records):
+            log.warning("skipped %s", line)
     if keep:
         _skipped.append((what, list(problems)))
 

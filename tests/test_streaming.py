@@ -2,6 +2,7 @@
 the stream, bad records reported before training, and a PT run that resumes bit for bit."""
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -89,7 +90,7 @@ def pt_args(model, data, out, *extra):
     ]
 
 
-def test_bad_records_are_reported_together_before_training(tiny_model_dir, corpus, tmp_path):
+def test_bad_records_are_reported_together_before_training(tiny_model_dir, corpus, tmp_path, caplog):
     (corpus / "c.jsonl").write_text(
         json.dumps({"text": "fine"}) + "\n{broken\n" + json.dumps({"txt": "no text field"}) + "\n"
     )
@@ -105,7 +106,10 @@ def test_bad_records_are_reported_together_before_training(tiny_model_dir, corpu
     prepared.validate()
     clean = shutil.copytree(corpus, tmp_path / "clean")
     (clean / "c.jsonl").write_text(json.dumps({"text": "fine"}) + "\n")
+    caplog.clear()
     rows = take(prepared.stream, 20)
+    assert prepared.stream.epoch >= 1  # the corpus read twice over, its two bad records said once, above
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert rows == take(
         PackedTextStream([str(clean)], prepared.tokenizer, SEQ), 20
     )  # exactly the two bad records dropped
