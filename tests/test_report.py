@@ -29,7 +29,7 @@ def fake_run(root: Path) -> Path:
     write_events(
         root / "sft/runs/sft-1", {"train/loss": [(1, 2.0), (2, 1.8)], "train/loss_task/atlas_qa": [(1, 2.1), (2, 1.9)]}
     )
-    time.sleep(0.01)  # the resumed run's events are written later; the later value wins for step 2
+    time.sleep(0.01)  # the resumed run's events are written later: from its step 2 on, its values are the curve
     write_events(
         root / "sft/runs/sft-2",
         {
@@ -63,13 +63,24 @@ def test_read_scalars_joins_resumed_runs(tmp_path):
     root = fake_run(tmp_path)
     curves = read_scalars(root / "sft")
     assert curves["train/loss"] == [(1, pytest.approx(2.0)), (2, pytest.approx(1.7)), (3, pytest.approx(1.5))]
-    assert [s for s, _ in curves["train/loss_task/atlas_qa"]] == [1, 2]
+    assert [s for s, _ in curves["train/loss_task/atlas_qa"]] == [1]  # the resumed life had none at step 2
     assert set(curves) == {
         "train/loss",
         "train/loss_task/atlas_qa",
         "train/loss_task/coin_math",
         "eval/loss_task/atlas_qa",
     }
+
+
+def test_a_resumed_life_replaces_every_later_point_of_the_earlier_ones(tmp_path):
+    # The first life logged to step 9 and was cut; the second resumed from step 6's checkpoint with
+    # train.max_steps 7: steps 8 and 9 were never trained by the run the stage's model comes from.
+    write_events(tmp_path / "runs/a", {"train/loss": [(s, 1.0) for s in range(1, 10)], "eval/loss": [(8, 1.0)]})
+    time.sleep(0.01)
+    write_events(tmp_path / "runs/b", {"train/loss": [(7, 2.0)]})
+    curves = read_scalars(tmp_path)
+    assert curves["train/loss"] == [(s, 1.0) for s in range(1, 7)] + [(7, 2.0)]
+    assert "eval/loss" not in curves  # its one point was of an abandoned step
 
 
 def test_report_writes_markdown_and_plots(tmp_path):

@@ -6,8 +6,8 @@ RUN_DIR is a pipeline output root (one folder per registered stage that ran: pt/
 dpo/, ...) or a single stage's output folder. Each stage's plot is the one its registry entry
 declares (stages/__init__.py `StageInfo.plot`), so a new stage brings its own panels. Events are read with tensorboard's
 EventAccumulator; a stage that was resumed has
-several event files, whose curves are joined by step (the later write wins for a repeated step,
-as it is the one the resumed run kept). A run that started fresh moved the earlier runs' events to
+several event folders, whose curves are joined by step (`read_scalars`: a resumed life replaces
+what the earlier ones logged from its first step on). A run that started fresh moved the earlier runs' events to
 `runs.old-<time>/` (pipeline.engine.resume), which the report does not read: a stage's curves are
 the run its summary.json and merged/ come from.
 """
@@ -39,19 +39,28 @@ def event_dirs(stage_folder: Path) -> list[Path]:
 
 
 def read_scalars(stage_folder: Path) -> dict[str, Curve]:
-    """Every scalar tag of a stage as a step-sorted curve, joined over all its event folders."""
+    """Every scalar tag of a stage as a step-sorted curve, joined over all its event folders: one per
+    life of the run, taken in the order they were written. A resumed life takes over from its first
+    logged step: every point an earlier life logged from that step on (its abandoned steps, also
+    those past a lowered `train.max_steps`) is left out, in every tag."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    points: dict[str, dict[int, tuple[float, float]]] = {}
+    lives = []
     for folder in event_dirs(stage_folder):
         acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
         acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            for event in acc.Scalars(tag):
-                seen = points.setdefault(tag, {}).get(event.step)
-                if seen is None or event.wall_time >= seen[0]:
-                    points[tag][event.step] = (event.wall_time, event.value)
-    return {tag: sorted((step, value) for step, (_, value) in steps.items()) for tag, steps in points.items()}
+        events = {tag: acc.Scalars(tag) for tag in acc.Tags().get("scalars", [])}
+        if any(events.values()):
+            lives.append((min(e.wall_time for found in events.values() for e in found), events))
+    points: dict[str, dict[int, float]] = {}
+    for _, events in sorted(lives, key=lambda life: life[0]):
+        start = min(e.step for found in events.values() for e in found)
+        for steps in points.values():
+            for step in [s for s in steps if s >= start]:
+                del steps[step]
+        for tag, found in events.items():
+            points.setdefault(tag, {}).update((e.step, e.value) for e in found)
+    return {tag: sorted(steps.items()) for tag, steps in points.items() if steps}
 
 
 def stage_of(folder: Path) -> str:
