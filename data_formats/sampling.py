@@ -49,7 +49,9 @@ def next_micro_batches(
     cursor; rank r takes its r-th slice. So one optimizer step covers the same samples for any
     split of the global batch into ranks x micro-batches x batch size, and a split changed
     mid-epoch goes on where the last one stopped. The epoch's rest, once shorter than a global
-    micro-batch, is not used (the stage logs how many through `epoch_tail`).
+    micro-batch, is not used (the stage logs how many through `epoch_tail`): as it depends on the
+    global micro-batch, two splits draw the same samples past an epoch's end only when the epoch
+    fills whole micro-batches of both.
 
     `order_of(epoch)`, when given, is the epoch's order instead of a permutation of range(n) (a
     weighted mix, `SourceMix.epoch_order`, whose epochs may differ in length). Its draws are a
