@@ -15,7 +15,17 @@ section's `max_record_bytes`) is refused by its byte length, with its FILE:LINE,
 decoded or parsed: a JSONL line is measured while it is read and never kept, a .txt file by its
 size, a Parquet or dataset row by its JSON text. A .json file is one JSON value, so it is read and
 decoded whole and an over-long element of its array is refused after decoding but before any
-rendering or tokenizing.
+rendering or tokenizing. A .json file whose first line is a whole JSON value (not an array) with
+more text on the lines after it is JSON Lines (as `datasets` and LLaMA-Factory read it), and is read
+as a .jsonl is.
+
+A JSON string may spell an unpaired UTF-16 surrogate (`"\\ud800"`), which decodes to a Python str
+that no tokenizer or UTF-8 writer accepts: such a record is refused here, naming the field.
+
+Parquet files and datasets are columnar: every row has every column, Arrow filling the keys a row
+lacks with null, in nested objects too (each message of a list gets every message key). So a null
+field of a row is read as a key the row does not have (`_without_nulls`), and the row reads as the
+JSON record it was made from; a null inside a list stays.
 """
 
 from __future__ import annotations
@@ -34,6 +44,9 @@ _TABLE_SUFFIXES = (".csv", ".tsv", ".arrow", ".feather", ".ndjson", ".jsonlines"
 """Other data files a folder may hold: Relay reads none of them, so a folder's are reported."""
 _COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".7z")
 _GLOB_CHARS = "*?["
+_NOT_DATA_NAMES = ("readme", "license", "licence", "copying", "notice")
+"""A folder's files of these names (the part before the first dot, in any case), whatever their
+suffix (README.txt, LICENSE.jsonl), are its documentation and licence, not data."""
 MAX_RECORD_BYTES = 8 * 1024 * 1024
 """Default bound on one record's size in bytes (8 MiB, the data section's `max_record_bytes`):
 far above any training sample (a 4k-token sample is ~16 KB), far below what a broken export
@@ -210,6 +223,40 @@ def _lines(path: Path, max_bytes: int) -> Iterator[tuple[int, Optional[bytes], i
             yield number, line, len(line)
 
 
+def _surrogate(value: Any, where: str = "") -> Optional[str]:
+    """Why a decoded JSON value cannot be text (a string or key holding an unpaired surrogate, naming
+    where it is: `messages[1].content`), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            code = ord(value[err.start])
+            return f"{where or 'the record'} holds an unpaired surrogate \\u{code:04x} (not valid Unicode)"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            reason = _surrogate(key, f"a key of {where or 'the record'}") or _surrogate(
+                item, f"{where}.{key}" if where else key
+            )
+            if reason:
+                return reason
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            reason = _surrogate(item, f"{where}[{i}]")
+            if reason:
+                return reason
+    return None
+
+
+def _record(path: Path, line: int, task: str, value: Any, raw: str) -> RawRecord:
+    """The raw record of a decoded JSON value, or its problem when a string of it is not valid
+    Unicode; only a `\\u` escape in the JSON text can make one, so text without one is not walked."""
+    reason = _surrogate(value) if "\\u" in raw else None
+    if reason is not None:
+        return RawRecord(str(path), line, task, error=reason)
+    return RawRecord(str(path), line, task, record=value, raw=raw)
+
+
 def _read_jsonl(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
     for number, data, size in _lines(path, max_bytes):
         if data is None:
@@ -222,9 +269,11 @@ def _read_jsonl(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
             yield RawRecord(str(path), number, task, error=error)
             continue
         try:
-            yield RawRecord(str(path), number, task, record=json.loads(text), raw=text)
+            value = json.loads(text)
         except json.JSONDecodeError as err:
             yield RawRecord(str(path), number, task, error=f"invalid JSON: {err.msg} (column {err.colno})")
+            continue
+        yield _record(path, number, task, value, text)
 
 
 def _decoded(path: Path, task: str):
@@ -267,12 +316,33 @@ def _after_array(path: Path, task: str, text: str, pos: int) -> Iterator[RawReco
         yield _syntax_error(path, task, text, after, "text after the array's closing ']'")
 
 
+def _is_json_lines(path: Path, max_bytes: int) -> bool:
+    """Whether a .json file is JSON Lines: its first line is one whole JSON value that is no array,
+    and more than space follows it. Reads only the file's start."""
+    with path.open("rb") as f:
+        first = f.readline(max_bytes + 2).removeprefix(_BOM)
+        try:
+            value = json.loads(first.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return False
+        if not first.endswith(b"\n") or isinstance(value, list):
+            return False
+        while chunk := f.read(_CHUNK):
+            if chunk.strip():
+                return True
+    return False
+
+
 def _read_json(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
     """A JSON file holding one array of records (or one record). Each array element is decoded on
     its own with raw_decode so that its line number is known; the array's own syntax (commas
     between elements, its closing bracket, nothing after it) is checked as json.loads checks it.
     The elements before a syntax error are yielded, then the error, and the rest of the file is
-    not read. A file of whitespace alone, or holding an empty array, is an empty file."""
+    not read. A file of whitespace alone, or holding an empty array, is an empty file. A file of
+    one value per line (`_is_json_lines`) is read as JSON Lines, each line's problem its own."""
+    if _is_json_lines(path, max_bytes):
+        yield from _read_jsonl(path, task, max_bytes)
+        return
     text = yield from _decoded(path, task)
     if text is None:
         return
@@ -287,9 +357,11 @@ def _read_json(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
             yield RawRecord(str(path), line, task, error=too_long(len(text.encode("utf-8")), max_bytes))
             return
         try:
-            yield RawRecord(str(path), line, task, record=json.loads(text), raw=text)
+            value = json.loads(text)
         except json.JSONDecodeError as err:
             yield RawRecord(str(path), err.lineno, task, error=f"invalid JSON: {err.msg} (column {err.colno})")
+            return
+        yield _record(path, line, task, value, text)
         return
     pos = _skip_space(text, pos + 1)
     if text.startswith("]", pos):
@@ -318,7 +390,7 @@ def _read_json(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
         if size > max_bytes:
             yield RawRecord(str(path), line, task, error=too_long(size, max_bytes))
         else:
-            yield RawRecord(str(path), line, task, record=value, raw=text[pos:end])
+            yield _record(path, line, task, value, text[pos:end])
         pos = _skip_space(text, end)
         if text.startswith(",", pos):
             pos = _skip_space(text, pos + 1)
@@ -343,14 +415,42 @@ def _read_txt(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
     yield RawRecord(str(path), 1, task, record={"text": text}, raw=text, plain_text=True)
 
 
+def _without_nulls(value: Any) -> Any:
+    """A columnar row as the JSON record it was made from: every null field of it, and of the
+    objects nested in it, left out (Arrow fills the keys a record lacks with null); a null element
+    of a list is kept."""
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
+
+
 def _read_rows(rows, name: str, task: str, max_bytes: int) -> Iterator[RawRecord]:
+    """The records of a Parquet file's or a dataset's rows (strings from Arrow are valid UTF-8,
+    so no surrogate check); a row's null fields are keys it lacks (`_without_nulls`)."""
     for number, row in enumerate(rows, start=1):
         raw = json.dumps(row, sort_keys=True, default=str)
         size = _utf8_size(raw, max_bytes)
         if size > max_bytes:
             yield RawRecord(name, number, task, error=too_long(size, max_bytes))
             continue
-        yield RawRecord(name, number, task, record=dict(row), raw=raw)
+        yield RawRecord(name, number, task, record=_without_nulls(dict(row)), raw=raw)
+
+
+def _read_parquet(path: Path, task: str, max_bytes: int) -> Iterator[RawRecord]:
+    """The rows of a Parquet file; one that cannot be read (corrupt, cut off, not Parquet) is one
+    problem at line 0."""
+    import datasets
+
+    try:
+        rows = datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except (ValueError, OSError, NotImplementedError, datasets.exceptions.DatasetGenerationError) as err:
+        # pyarrow's ArrowInvalid is a ValueError, its IO errors OSErrors, an unsupported codec or
+        # encoding a NotImplementedError; datasets wraps one raised while it reads the pages
+        yield RawRecord(str(path), 0, task, error=f"cannot read parquet: {err.__cause__ or err}")
+        return
+    yield from _read_rows(rows, str(path), task, max_bytes)
 
 
 def _data_suffix(path: Path) -> str:
@@ -365,8 +465,10 @@ def _data_suffix(path: Path) -> str:
 def looks_like_data(path: Path) -> bool:
     """Whether a file in a folder entry is read as data: a supported suffix, the same in another
     case, or another data table's (CSV, TSV, Arrow), compressed or not; `read_file` reports all
-    but the first. Other files (a README, a script, a task YAML, a hidden file such as `.DS_Store`)
-    are not data and are passed over."""
+    but the first. Other files (a script, a task YAML, a hidden file such as `.DS_Store`) are not
+    data and are passed over, and so is a README or a licence (`_NOT_DATA_NAMES`) of any suffix."""
+    if path.name.split(".")[0].lower() in _NOT_DATA_NAMES:
+        return False
     if path.suffix in SUFFIXES:
         return True
     return not path.name.startswith(".") and _data_suffix(path) in (*SUFFIXES, *_TABLE_SUFFIXES)
@@ -403,11 +505,7 @@ def read_file(path: Path, task: str, max_bytes: int = MAX_RECORD_BYTES) -> Itera
         yield RawRecord(str(path), 0, task, error="empty file")
         return
     if path.suffix == ".parquet":
-        import datasets
-
-        yield from _read_rows(
-            datasets.load_dataset("parquet", data_files=str(path), split="train"), str(path), task, max_bytes
-        )
+        yield from _read_parquet(path, task, max_bytes)
     elif path.suffix == ".json":
         yield from _read_json(path, task, max_bytes)
     elif path.suffix == ".txt":
