@@ -511,7 +511,7 @@ class Stage:
         )
         try:
             self.check_stop_request()
-            while self.step < t.max_steps:
+            while self.step < t.max_steps and not self.early.stopped:  # a resumed run may have stopped early
                 lr = self.scheduler.get_last_lr()[0]
                 try:
                     with self.fast_linears():

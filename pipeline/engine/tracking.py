@@ -141,6 +141,11 @@ class EarlyStopping:
             self.best, self.stalls = loss, 0
         else:
             self.stalls += 1
+        return self.stopped
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the evaluations so far ended training (a resumed run reads it from its checkpoint)."""
         return self.patience > 0 and self.stalls >= self.patience
 
     def state_dict(self) -> dict:
