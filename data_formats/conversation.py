@@ -14,7 +14,7 @@ placeholders ({{name}}, {{author}}) and LLaMA-Factory's dataset_info.json regist
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 ROLES = ("system", "user", "assistant", "tool")
 MEDIA_FIELDS = ("images", "audios", "videos")
@@ -134,14 +134,54 @@ def refuse_unsupported(record: dict) -> None:
         )
 
 
-def record_system(record: dict) -> list[Turn]:
-    """A top-level `system` string (LLaMA-Factory's system column) as the first turn."""
+def record_system(record: dict, turns: Sequence[Turn] = ()) -> list[Turn]:
+    """`turns` (a record's message list) after the record's top-level `system` string
+    (LLaMA-Factory's system column) as the first turn; null or blank: no system turn. When the list
+    opens with its own system turn, that turn is the conversation's (LLaMA-Factory's system tag
+    overrides the column), and a `system` field beside it must say the same.
+
+    Raises:
+        RecordError: a `system` that is not a string, or one that differs from the list's system turn.
+    """
     value = record.get("system")
     if value is None or (isinstance(value, str) and not value.strip()):
-        return []
+        return list(turns)
     if not isinstance(value, str):
         raise RecordError(f"field 'system' must be a string, got {json_type(value)}")
-    return [Turn("system", value)]
+    if turns and turns[0].role == "system":
+        if turns[0].content != value:
+            raise RecordError(
+                f"two system prompts: field 'system' ({_excerpt(value)}) and the list's system turn "
+                f"({_excerpt(turns[0].content)}) differ; keep one (LLaMA-Factory trains the list's and drops the field)"
+            )
+        return list(turns)
+    return [Turn("system", value), *turns]
+
+
+def _excerpt(text: str, width: int = 40) -> str:
+    return repr(text if len(text) <= width else text[: width - 3] + "...")
+
+
+def history_turns(record: dict) -> list[Turn]:
+    """A record's earlier rounds: `history`, a list of [instruction, response] string pairs
+    (LLaMA-Factory's alpaca history column, MedicalGPT's reward records).
+
+    Raises:
+        RecordError: a history that is not such a list.
+    """
+    history = record.get("history")
+    if history in (None, []):
+        return []
+    if not isinstance(history, list):
+        raise RecordError(f"field 'history' must be a list of [instruction, response] pairs, got {json_type(history)}")
+    turns = []
+    for i, pair in enumerate(history):
+        if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(x, str) and x.strip() for x in pair):
+            raise RecordError(
+                f"history[{i}]: must be an [instruction, response] pair of non-empty strings, got {pair!r}"
+            )
+        turns += [Turn("user", pair[0]), Turn("assistant", pair[1])]
+    return turns
 
 
 # After each role, the roles that may follow it (an assistant turn that calls tools: its results).
@@ -151,8 +191,9 @@ _NEXT = {"user": ("assistant",), "assistant": ("user",), "tool": ("tool", "assis
 def check_order(turns: list[Turn], last: str) -> None:
     """Check the role order: an optional system turn first, then user and assistant alternating,
     starting with user and ending with `last` ('assistant' or 'user'); an assistant turn that calls
-    tools is followed by their results (tool turns), which are followed by the assistant's turn.
-    A prompt (`last` 'user') may also end with tool results.
+    tools is followed by their results (tool turns), one per call in the calls' order
+    (`check_results`), which are followed by the assistant's turn. A prompt (`last` 'user') may
+    also end with tool results.
 
     Raises:
         RecordError: the first turn that breaks the order.
@@ -172,6 +213,8 @@ def check_order(turns: list[Turn], last: str) -> None:
         previous = body[i - 1]
         allowed = ("tool",) if previous.tool_calls else _NEXT[previous.role]
         if turn.role in allowed:
+            if previous.tool_calls:
+                check_results(body, i - 1, offset)
             continue
         if previous.tool_calls:
             raise RecordError(
@@ -187,6 +230,35 @@ def check_order(turns: list[Turn], last: str) -> None:
     ends = (last, "tool") if last == "user" else (last,)
     if body[-1].role not in ends:
         raise RecordError(f"last turn must be the {last}'s, got {body[-1].role}")
+
+
+def check_results(body: list[Turn], at: int, offset: int = 0) -> None:
+    """Check the results that follow the tool calls of turn `at` (`offset`: the turns before
+    `body`, for the turn numbers): one tool turn per call, the k-th answering the k-th call, as
+    OpenAI's tool messages answer an assistant's tool_calls and as Relay's layout and the native
+    templates show them (in order, without ids). Ids are optional; where the call has an `id` and
+    its result a `tool_call_id`, they must be equal.
+
+    Raises:
+        RecordError: more or fewer results than calls, or a result whose id names another call.
+    """
+    calls = body[at].tool_calls or []
+    results = []
+    for turn in body[at + 1 :]:
+        if turn.role != "tool":
+            break
+        results.append(turn)
+    if len(results) != len(calls):
+        raise RecordError(
+            f"turn {at + offset}: {len(calls)} tool call(s) answered by {len(results)} result(s): give one "
+            "tool/observation turn per call, in the calls' order"
+        )
+    for k, (call, result) in enumerate(zip(calls, results)):
+        if "id" in call and result.tool_call_id is not None and result.tool_call_id != call["id"]:
+            raise RecordError(
+                f"turn {at + offset + 1 + k}: tool_call_id {result.tool_call_id!r} does not match call {k + 1} of "
+                f"turn {at + offset} (id {call['id']!r}): results answer the calls one each, in the calls' order"
+            )
 
 
 def check_placeholders(turns: list[Turn]) -> None:

@@ -12,10 +12,12 @@ registry (data_formats.formats) like any record: so a registry entry yields exac
 at its file yields when the file already has the layout the entry describes. The rewriting:
 
     alpaca, columns `prompt` only     {"text"} (LLaMA-Factory's pre-training description)
-    alpaca                            {"instruction", "input", "output"}; with a `system` or
-                                      `history` column, or a `kto_tag`, {"messages"} whose user
-                                      turns join instruction and input as Relay's alpaca does
-    alpaca, ranking                   {"prompt", "chosen", "rejected"} (TRL's preference type)
+    alpaca                            {"instruction", "input", "output", "system"?, "history"?,
+                                      "tools"?} (Relay's alpaca, whose reader takes LLaMA-Factory's
+                                      system and history columns), for every record of the entry
+    alpaca, ranking                   {"prompt", "chosen", "rejected"} (TRL's preference type), the
+                                      prompt the messages of the system, history and question
+    alpaca, a `kto_tag` column        {"messages"}: those turns and the answer
     sharegpt                          {"conversations": [{"from", "value"}], "system", "tools"},
                                       the entry's role tags mapped to ShareGPT's roles
     sharegpt, ranking                 the same plus {"chosen", "rejected"} messages
@@ -249,34 +251,37 @@ def _column(record: dict, spec: RegistryEntry, column: str, defaults: dict, requ
 
 
 def _alpaca(record: dict, spec: RegistryEntry) -> dict:
+    """One alpaca record in one layout for the whole entry (a file's format is detected from its
+    first record): Relay's alpaca, whose reader takes `system` and `history` as LLaMA-Factory's
+    AlpacaDatasetConverter does; a ranking entry's {"prompt": messages, "chosen", "rejected"} and a
+    KTO entry's {"messages", "label"} hold the same turns as messages."""
     get = lambda column, required=True: _column(record, spec, column, ALPACA_COLUMNS, required)  # noqa: E731
     if set(spec.columns) == {"prompt"}:
         return {"text": get("prompt")}
-    prompt, query = get("prompt"), get("query", False) or ""
+    single = {"instruction": get("prompt"), "input": get("query", False) or ""}
+    for column in ("system", "history"):
+        value = get(column, False)
+        if value is not None:
+            single[column] = value
+    tools = get("tools", False)
+    extra = {} if tools is None else {"tools": tools}
     if spec.ranking:
-        user = alpaca_turns({"instruction": prompt, "input": query}, False)[0].content
-        return {"prompt": user, "chosen": get("chosen"), "rejected": get("rejected")}
-    single = {"instruction": prompt, "input": query}
+        return {"prompt": _messages(single), "chosen": get("chosen"), "rejected": get("rejected"), **extra}
     response = get("response", "response" in spec.columns)  # a renamed column must be there
     if response is not None:
         single["output"] = response
-    system, history, tag = get("system", False), get("history", False), get("kto_tag", False)
-    tools = get("tools", False)
-    if system is None and not history and tag is None and tools is None:
-        return single
-    messages = [{"role": "system", "content": system}] if system is not None else []
-    if history not in (None, []):
-        if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 for h in history):
-            raise RecordError(f"the history column of {spec.entry} must be a list of [instruction, response] pairs")
-        for question, answer in history:
-            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-    messages += [{"role": t.role, "content": t.content} for t in alpaca_turns(single, False)]
-    out: dict = {"messages": messages}
-    if tools is not None:
-        out["tools"] = tools
+    if spec.columns.get("kto_tag") is None:
+        return {**single, **extra}
+    out: dict = {"messages": _messages(single), **extra}
+    tag = get("kto_tag", False)
     if tag is not None:
         out["label"] = tag
     return out
+
+
+def _messages(single: dict) -> list[dict]:
+    """An alpaca record's turns (system, history, question and, when it has one, its answer) as messages."""
+    return [{"role": t.role, "content": t.content} for t in alpaca_turns(single, False)]
 
 
 def _sharegpt(record: dict, spec: RegistryEntry) -> dict:

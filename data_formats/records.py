@@ -16,6 +16,7 @@ kind, which data_formats.unpaired trains.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Optional
 
@@ -98,26 +99,31 @@ def parse_prompt(
     """A PPO/GRPO prompt: a conversation ending with the user's turn (or tool results), or the
     question of a single-turn record. The record's other fields (a `question`/`answer` record's
     answer, ...) go into `meta`: GRPO passes them to reward functions as keyword arguments, as TRL
-    passes a dataset's extra columns.
+    passes a dataset's extra columns; a single-turn record's `tools` are its schemas, as a
+    conversation's are.
 
     Raises:
-        RecordError: the record does not fit `fmt`, or its role order is wrong.
+        RecordError: the record does not fit `fmt`, or its role order is wrong (among them a prompt
+            that ends with an assistant turn: the PPO/GRPO stages answer with a new assistant turn,
+            they do not continue one).
     """
     layout = conversation_layout(fmt)
     if layout is not None and not layout.single_turn:
         conv = parse_conversation(record, fmt, last="user", task=task, source=source, system_prompt=system_prompt)
         conv.meta = {k: v for k, v in record.items() if k not in layout.fields(record)}
         return conv
-    turns = parse_turns(record, fmt, require_response=False)
-    asks = [i for i, turn in enumerate(turns) if turn.role == "user"]
-    turns = turns[: asks[-1] + 1] if asks else turns[:1]  # up to its question (an Alpaca history, system before)
-    check_order(turns, "user")
+    parse_turns(record, fmt, require_response=False)  # says what the record lacks or holds wrong
     used = layout.fields(record)
+    # The prompt is read from the prompt's own fields alone (its answer, if any, is meta), so a
+    # prompt that itself ends with an assistant turn is refused as the same turns in `messages` are.
+    turns = parse_turns({k: v for k, v in record.items() if k in used}, fmt, require_response=False)
+    check_order(turns, "user")
     conv = Conversation(
         turns,
         task=task_of(record, task),
         source=source,
         meta={k: v for k, v in record.items() if k not in used},
+        tools=record_tools(record),
         standard=isinstance(record.get(used[0]), str),
     )
     if system_prompt is not None and conv.turns[0].role != "system":  # the record's own system turn wins
@@ -217,7 +223,8 @@ def margin_of(record: dict, margin_field: Optional[str]) -> float:
     """A preference record's margin (`data.margin_field`), 0 when none is configured.
 
     Raises:
-        RecordError: the field is missing or not a number.
+        RecordError: the field is missing, not a number, or not finite (Python's JSON reader takes
+            NaN and Infinity, which would make the loss nan).
     """
     if margin_field is None:
         return 0.0
@@ -226,4 +233,6 @@ def margin_of(record: dict, margin_field: Optional[str]) -> float:
     value = record[margin_field]
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RecordError(f"field '{margin_field}' must be a number, got {json_type(value)}")
+    if not math.isfinite(value):
+        raise RecordError(f"field '{margin_field}' must be a finite number, got {value!r}")
     return float(value)

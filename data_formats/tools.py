@@ -94,13 +94,21 @@ def parse_tools(value: Any) -> list[dict]:
 
 def _call(value: Any, where: str) -> dict:
     """One call {"name", "arguments": dict, "id"?} from {"name", "arguments"} or OpenAI's
-    {"type": "function", "id", "function": {"name", "arguments"}}."""
+    {"type": "function", "id", "function": {"name", "arguments"}}. Both `name` and `arguments` are
+    required, as in OpenAI's tool calls (a call without arguments gives `{}`) and as vLLM's hermes
+    parser reads them.
+
+    Raises:
+        ToolRecordError: not an object, or without its name or its arguments as a JSON object.
+    """
     if not isinstance(value, dict):
         raise ToolRecordError(f"{where}: a tool call must be an object, got {json_type(value)}")
     function = value.get("function", value)
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"].strip():
         raise ToolRecordError(f"{where}: a tool call needs a 'name'")
-    arguments = _json_value(function.get("arguments", {}), f"{where}: 'arguments'")
+    if "arguments" not in function:
+        raise ToolRecordError(f"{where}: a tool call needs its 'arguments' (a JSON object; {{}} when it takes none)")
+    arguments = _json_value(function["arguments"], f"{where}: 'arguments'")
     if not isinstance(arguments, dict):
         raise ToolRecordError(f"{where}: 'arguments' must be a JSON object, got {json_type(arguments)}")
     call = {"name": function["name"], "arguments": arguments}

@@ -167,7 +167,7 @@ def list_turns(record: dict, key: str, role_key: str, content_key: str) -> list[
     """
     if key not in record:
         raise RecordError(f"missing field '{key}'")
-    return record_system(record) + read_turns(record[key], key, role_key, content_key)
+    return record_system(record, read_turns(record[key], key, role_key, content_key))
 
 
 def detect_messages(record: dict) -> bool:

@@ -13,7 +13,7 @@ into Conversation.meta, the reward functions' keyword arguments.
 
 from __future__ import annotations
 
-from data_formats.conversation import RecordError, Turn, json_type, record_system, string_field
+from data_formats.conversation import RecordError, Turn, history_turns, json_type, record_system, string_field
 from data_formats.formats.trl import prompt_completion_turns
 
 PAIR_KEYS = (("prompt", "response"), ("question", "answer"), ("input", "output"))
@@ -37,27 +37,6 @@ def alpaca_turns(record: dict, require_response: bool = True) -> list[Turn]:
     turns = record_system(record) + history_turns(record) + [Turn("user", user)]
     if require_response or "output" in record:
         turns.append(Turn("assistant", string_field(record, "output")))
-    return turns
-
-
-def history_turns(record: dict) -> list[Turn]:
-    """An Alpaca record's earlier rounds: `history`, a list of [instruction, response] string pairs.
-
-    Raises:
-        RecordError: a history that is not such a list.
-    """
-    history = record.get("history")
-    if history in (None, []):
-        return []
-    if not isinstance(history, list):
-        raise RecordError(f"field 'history' must be a list of [instruction, response] pairs, got {json_type(history)}")
-    turns = []
-    for i, pair in enumerate(history):
-        if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(x, str) and x.strip() for x in pair):
-            raise RecordError(
-                f"history[{i}]: must be an [instruction, response] pair of non-empty strings, got {pair!r}"
-            )
-        turns += [Turn("user", pair[0]), Turn("assistant", pair[1])]
     return turns
 
 

@@ -105,9 +105,9 @@ def _prompt(record: dict) -> list[Turn]:
     if _whole_conversations(record):
         return []
     if isinstance(record.get("conversations"), list):
-        return record_system(record) + read_turns(record["conversations"], "conversations", "from", "value")
+        return record_system(record, read_turns(record["conversations"], "conversations", "from", "value"))
     if isinstance(record.get("messages"), list):
-        return record_system(record) + read_turns(record["messages"], "messages", "role", "content")
+        return record_system(record, read_turns(record["messages"], "messages", "role", "content"))
     prompt_value = record.get("prompt")
     if isinstance(prompt_value, list):
         return read_turns(prompt_value, "prompt", "role", "content")
