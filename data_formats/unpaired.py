@@ -198,12 +198,5 @@ def build_kto_data(
     if stats is not None:
         stats.update(built.info)
     log.info("kto %s data: %s", split, ", ".join(f"{k}={v}" for k, v in built.info.items()))
-    warn_drops(f"kto {split} data", built.info)
-    if built.info["truncated"]:
-        log.warning(
-            "kto %s data: %d sample(s) lost their oldest prompt tokens to fit seq_length %d",
-            split,
-            built.info["truncated"],
-            seq_length,
-        )
+    warn_drops(f"kto {split} data", built.info, cut=f"lost their oldest prompt tokens to fit seq_length {seq_length}")
     return built.samples

@@ -27,9 +27,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_formats.collate import Collator
+from data_formats.datasets import apply_split_policy
 from data_formats.pt_data import build_pt_data
 from data_formats.streaming import open_stream, stream_problems
-from data_formats.validate import apply_policy
 from pipeline.config import StageConfig, TextDataConfig
 from pipeline.engine.language_modeling import LanguageModelStage
 from pipeline.engine.stage_main import main
@@ -136,10 +136,10 @@ def stream_train(cfg: PTConfig, tokenizer):
     bad ones are reported together before training, as for an in-memory corpus.
 
     Raises:
-        DataError: bad records with on_error='strict'.
+        DataError: bad records with on_error='strict' (outside datasets.collect_refusals).
     """
     data = cfg.data
-    apply_policy(
+    apply_split_policy(
         stream_problems(
             data.train, fmt=data.format, text_field=data.text_field, max_record_bytes=data.max_record_bytes
         ),

@@ -6,7 +6,8 @@ what is its own (ARCHITECTURE.md lists exactly what).
 
 - validate: every config problem (the config's own, the stage's `problems`, missing data files,
   the parent model's manifest), then the tokenizer and `build_data`, whose problems are reported
-  together; nothing heavy has loaded yet.
+  together: the bad records of every split it reads (train, eval) in one list
+  (data_formats.datasets.collect_refusals); nothing heavy has loaded yet.
 - build: accelerator, seed, `build_model`, optimizer, `prepare`, scheduler, checkpointer, tracker.
 - resume: the newest complete checkpoint (or checkpoint.resume's path): trainable weights,
   optimizer, scheduler, RNG, data cursor, step, early stopping, history and the stage's own
@@ -42,7 +43,7 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from data_formats.datasets import overlong_drops, source_mix
+from data_formats.datasets import collect_refusals, overlong_drops, source_mix
 from data_formats.render import make_template, template_jinja
 from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
 from data_formats.sources import DataError
@@ -397,10 +398,13 @@ class Stage:
             raise ConfigError(problems)
         self.tokenizer = models.load_tokenizer(self.model_path, cfg.model.trust_remote_code, cfg.model.revision)
         take_skipped()
-        try:
-            problems = self.build_data()
-        except (DataError, ValueError) as err:
-            raise ConfigError([str(err)]) from err
+        with collect_refusals() as refused:  # every split is read: train's and eval's problems together
+            try:
+                problems = self.build_data()
+            except (DataError, ValueError) as err:
+                raise ConfigError(([str(DataError(refused))] if refused else []) + [str(err)]) from err
+        if refused:
+            raise ConfigError([str(DataError(refused))])
         problems = self.record_skipped(take_skipped()) + problems
         problems = problems or supervision_problems(self.train_samples, cfg.train.seq_length)
         if cfg.train.early_stopping_stall_num and cfg.data.has_eval and not self.eval_samples:

@@ -73,20 +73,26 @@ def early_stopping_problems(train, has_eval: bool, evaluates_loss: bool) -> list
 
 def overlong_reason(drops: dict) -> str:
     """'N dropped as longer than train.seq_length L (the longest M tokens); ...' per data entry
-    when several, with the settings that keep them; '' when nothing was dropped."""
+    when several, with the settings that keep them; '' when nothing was dropped. drops' `limits`
+    are the settings that bound an item's length, by key (a prompt's: data.max_prompt_length and
+    train.seq_length - generation.max_new_tokens), its `shorten` what data.truncation 'truncate'
+    does (data_formats.datasets.note_overlong)."""
     by_entry = {entry: counts for entry, counts in drops.get("by_entry", {}).items() if counts[0]}
     if not by_entry:
         return ""
-    limit = drops["seq_length"]
+    limits = drops["limits"]
+    key = min(limits, key=limits.get)
     parts = [
-        f"{count} dropped as longer than train.seq_length {limit} (the longest {longest} tokens)"
+        f"{count} dropped as longer than {key} {limits[key]} (the longest {longest} tokens)"
         for count, longest in by_entry.values()
     ]
     if len(by_entry) > 1:
         parts = [f"{entry}: {part}" for entry, part in zip(by_entry, parts)]
-    keep = f"train.seq_length: {max(longest for _, longest in by_entry.values())} keeps them"
+    longest = max(longest for _, longest in by_entry.values())
+    short = [k for k, limit in limits.items() if limit < longest]
+    keep = f"{' and '.join(short)}: {longest} " + ("keeps them" if len(short) == 1 else "keep them")
     if drops.get("truncation") == "drop":
-        keep += ", data.truncation: truncate shortens them to fit"
+        keep += ", " + drops.get("shorten", "data.truncation: truncate shortens them to fit")
     return "; ".join(parts) + f"; {keep}"
 
 

@@ -113,7 +113,11 @@ class PolicyStage(Stage):
         rollout batch."""
         cfg, tok = self.cfg, self.tokenizer
         template = self.data_template()
-        limit = min(cfg.data.max_prompt_length, cfg.train.seq_length - cfg.generation.max_new_tokens)
+        limits = {
+            "data.max_prompt_length": cfg.data.max_prompt_length,
+            "train.seq_length - generation.max_new_tokens": cfg.train.seq_length - cfg.generation.max_new_tokens,
+        }
+        limit = min(limits.values())
         tools_cfg = getattr(cfg, "tools", None)
         if tools_cfg is not None and tools_cfg.enabled:
             problem = layout_problem(tok, template)
@@ -124,9 +128,9 @@ class PolicyStage(Stage):
             self.chat_template = template_jinja(template, tok, tools=True)
         self.template = template
         schemas = [t.schema for t in self.tools.values()] or None
-        self.train_samples = build_prompt_data(cfg.data, tok, template, "train", limit, tools=schemas)
+        self.train_samples = build_prompt_data(cfg.data, tok, template, "train", limit, schemas, limits)
         if cfg.train.eval_steps > 0 and cfg.data.has_eval:
-            self.eval_samples = build_prompt_data(cfg.data, tok, template, "eval", limit, tools=schemas)
+            self.eval_samples = build_prompt_data(cfg.data, tok, template, "eval", limit, schemas, limits)
         # all skipped, dropped overlong, or too few
         return self.fill_problems(len(self.train_samples), "usable prompt(s)", "rollout batch")
 
