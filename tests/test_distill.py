@@ -2,13 +2,15 @@
 same student/teacher tensors and masks), the top-k teacher form, and the `distill` stage.
 
 Peers: trl 1.16.0, trl/trainer/distillation_trainer.py `_chunked_divergence_loss` (the stable
-DistillationTrainer's loss) and trl/experimental/gkd/gkd_trainer.py `GKDTrainer.generalized_jsd_loss`.
+DistillationTrainer's loss) and trl/experimental/gkd/gkd_trainer.py `GKDTrainer.generalized_jsd_loss`;
+verl/trainer/ppo/core_algos.py `kl_penalty_forward` (low_var_kl, reverse_kl_k3's clamps).
 Tolerance 1e-6 in fp32.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -128,6 +130,20 @@ def test_reverse_kl_reward_form(loss_type, estimator):
     assert torch.allclose(grad_h, h.grad, atol=1e-6, rtol=1e-6)
     assert torch.allclose(grad_w, w.grad, atol=1e-6, rtol=1e-6)
     assert dl.LOSSES[loss_type].on_policy_only
+
+
+def test_k3_has_verls_clamps():
+    """verl's low_var_kl (verl/trainer/ppo/core_algos.py `kl_penalty_forward`): r = log p_t - log p_s
+    clamped to [-20, 20], exp(r) - r - 1 clamped to [-10, 10]. Golden values by hand: r = 11.9 gives
+    e^11.9 - 12.9 = 1.47e5 -> 10; r = 24.99 -> 20 -> 10; r = -29.99 -> -20: e^-20 + 19 -> 10;
+    r = 1: e - 2; r = -0.2: e^-0.2 - 0.8. The loss's gradient is the clamped estimate times
+    grad log p_s (the reward is the clamped one)."""
+    student = torch.tensor([-12.0, -25.0, -0.01, -3.0, -0.5], dtype=torch.float64, requires_grad=True)
+    teacher = torch.tensor([-0.1, -0.01, -30.0, -2.0, -0.7], dtype=torch.float64)
+    want = torch.tensor([10.0, 10.0, 10.0, math.e - 2, math.exp(-0.2) - 0.8], dtype=torch.float64)
+    torch.testing.assert_close(dl.k3(student.detach(), teacher), want, rtol=1e-12, atol=1e-12)
+    dl.reward_form(dl.k3(student, teacher), student).sum().backward()
+    torch.testing.assert_close(student.grad, want, rtol=1e-12, atol=1e-12)
 
 
 def test_chunked_rows_never_builds_all_logits(monkeypatch):

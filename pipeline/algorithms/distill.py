@@ -13,7 +13,8 @@ divergences between the student's next-token distribution and a frozen teacher's
   k = V the tail is empty and the divergence is the full one. A teacher on a vLLM server gives the
   same top-k as its prompt log-probs (`served_topk`).
 - `reverse_kl_k1`, `reverse_kl_k3`: the reverse KL as a per-token reward on the student's own
-  samples (Thinking Machines' on-policy distillation, verl's k1 / low_var_kl k3 estimators):
+  samples (Thinking Machines' on-policy distillation, verl's k1 / low_var_kl k3 estimators, k3
+  with verl's clamps):
   the estimate k_t of log p_s(x_t) - log p_t(x_t) is a per-token advantage -k_t (no discount),
   and the loss is the policy gradient k_t * grad log p_s(x_t), whose value is the estimate itself.
   Only the sampled token's log-probs are read, so they need the student's own samples (lmbda 1).
@@ -110,10 +111,18 @@ def k1(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
     return student_logp - teacher_logp
 
 
+K3_LOG_RATIO_CLAMP = 20.0
+"""verl's bound on r before exp (verl/trainer/ppo/core_algos.py `kl_penalty_forward`, low_var_kl)."""
+K3_CLAMP = 10.0
+"""verl's bound on the k3 estimate (the same function)."""
+
+
 def k3(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
-    """verl's low_var_kl k3: exp(r) - 1 - r with r = log p_t - log p_s (>= 0, lower variance)."""
-    r = teacher_logp - student_logp
-    return r.exp() - 1 - r
+    """verl's low_var_kl k3 (verl/trainer/ppo/core_algos.py `kl_penalty_forward`): exp(r) - 1 - r
+    with r = log p_t - log p_s clamped to [-20, 20], the estimate clamped to [-10, 10] (>= 0, lower
+    variance; a token the teacher finds far likelier than the student does costs 10, not e^r)."""
+    r = (teacher_logp - student_logp).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    return (r.exp() - 1 - r).clamp(-K3_CLAMP, K3_CLAMP)
 
 
 def reward_form(estimate: torch.Tensor, student_logp: torch.Tensor) -> torch.Tensor:
