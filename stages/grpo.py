@@ -327,9 +327,8 @@ class GRPOStage(PolicyStage):
             )
         mismatch = self.mismatch(rollout, scored) if engine else {}
         update = algo.grpo_update(self.model, self.optimizer, rollout, advantages, scored, acc, cfg, self.step + 1)
-        group_std = total.view(-1, G).std(1)
+        group_std = adv.group_std(total, G)  # over the scored completions (an unscorable one is NaN)
         local = {
-            "grpo/reward": float(total.mean()),
             "grpo/reward_std": float(group_std.mean()),
             "grpo/frac_reward_zero_std": float((group_std == 0).float().mean()),
             "grpo/completion_length": float(rollout.response_mask.sum(1).float().mean()),
@@ -342,6 +341,7 @@ class GRPOStage(PolicyStage):
         figures = rank_mean(local, acc, totals=DYNAMIC_TOTALS)
         if self.judge is not None:  # every rank's requests for its own completions
             figures.update(self.judge.take_figures(total=lambda counts: rank_mean(counts, acc, totals=counts)))
+        figures["grpo/reward"] = float(every[:, 0].nanmean())  # every rank's scored completions
         figures.update(algo.source_means(every[:, 2:], list(parts)))
         figures.update(self.tool_figures(rollout))
         figures.update(
@@ -388,8 +388,8 @@ class GRPOStage(PolicyStage):
             batch = [self.eval_samples[i] for i in indices]
             total, parts, _ = self.rewards(batch, self.rollout(batch, 1), tag=self.step)
             return {
-                "n": len(batch),
-                "eval/reward": total.sum(),
+                "n": (~total.isnan()).sum(),  # the scored completions (unscorable: NaN, left out)
+                "eval/reward": total.nansum(),
                 **{f"eval/reward/{k}": v.nansum() for k, v in parts.items()},
                 **{f"scored/{k}": (~v.isnan()).sum() for k, v in parts.items()},
             }

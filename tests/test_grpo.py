@@ -434,6 +434,44 @@ def test_a_reward_sources_figures_are_over_the_completions_it_scored(tmp_path, t
     assert evals["eval/reward/sparse_share"] == pytest.approx(mean(held_out), rel=1e-6)
 
 
+def test_a_completion_no_source_scored_is_left_out(tmp_path, tiny_model_dir, prompts_file):
+    """sparse_share alone: a completion it has no opinion on is unscorable, as in TRL 1.16: its
+    summed reward is NaN, its advantage 0, its group's baseline is over the scored completions
+    (their advantages sum to 0), and grpo/reward and eval/reward are means over the scored ones
+    (a 0 in its place would count as a reward in the baseline and in the figures)."""
+    from distrun import GroupGenerator
+
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, prompts_file, max_steps=1, learning_rate=1e-2)
+    cfg.grpo.reward_funcs = ["test_grpo:sparse_share"]
+    cfg.generation.max_new_tokens, cfg.data.eval, cfg.train.eval_steps = 6, [str(prompts_file)], 1
+    SPARSE_CALLS.clear()
+    seen = {}
+    stage = run_stage(
+        grpo.GRPOStage,
+        cfg,
+        on_step=lambda stage, m: seen.__setitem__(stage.step, (m, stage.last_rollout)),
+        generator_factory=lambda policy: GroupGenerator(),  # completions of 1-6 tokens
+    )
+    figures, last = seen[1]
+    rewards, advantages = last["rewards"], last["advantages"]
+    unscorable = rewards.isnan()
+    assert unscorable.any() and not unscorable.all(), rewards
+    assert torch.isfinite(advantages).all() and (advantages[unscorable] == 0).all()
+    for group in range(len(rewards) // 4):
+        rows = slice(4 * group, 4 * group + 4)
+        assert float(advantages[rows][~unscorable[rows]].sum()) == pytest.approx(0.0, abs=1e-5)
+
+    def mean(values):
+        scored = [v for v in values if v is not None]
+        return sum(scored) / len(scored)
+
+    batches = 8 // cfg.train.batch_size
+    held_out = [v for call in SPARSE_CALLS[-batches:] for v in call]
+    assert figures["grpo/reward"] == pytest.approx(mean(SPARSE_CALLS[batches]), rel=1e-6)
+    assert None in held_out
+    assert stage.history.evals[-1]["eval/reward"] == pytest.approx(mean(held_out), rel=1e-6)
+
+
 @pytest.mark.parametrize("finetuning", ["lora", "full"])
 def test_first_step_on_policy_under_gradient_checkpointing(tmp_path, tiny_model_dir, prompts_file, finetuning):
     """Under gradient checkpointing no forward runs a group's shared prompt once (the update's

@@ -66,8 +66,10 @@ def trl_loss(
     grad_accum=1,
     num_items=None,
     max_completion_length=None,
+    is_ratio=None,
 ):
-    """TRL 1.16's `_compute_loss` on these tensors: (loss, d loss / d logp, metrics)."""
+    """TRL 1.16's `_compute_loss` on these tensors: (loss, d loss / d logp, metrics); `is_ratio`
+    given: with vLLM's importance-sampling correction on and that ratio (tests/test_objectives_peers.py)."""
     assert trl.__version__ == "1.16.0"
     leaf = logp.clone().requires_grad_(True)
     acc = SimpleNamespace(
@@ -88,8 +90,8 @@ def trl_loss(
         loss_type=o.loss_type,
         epsilon_low=o.epsilon,
         epsilon_high=o.high,
-        use_vllm=False,
-        vllm_importance_sampling_correction=False,
+        use_vllm=is_ratio is not None,
+        vllm_importance_sampling_correction=is_ratio is not None,
         aux_loss_enabled=False,
         _entropy_bonus_enabled=False,
         model=SimpleNamespace(training=True),
@@ -121,6 +123,8 @@ def trl_loss(
         "ref_per_token_logps": ref,
         "num_items_in_batch": torch.tensor(float(mask.sum() if num_items is None else num_items)),
     }
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
     loss = GRPOTrainer._compute_loss(stand_in, None, inputs)
     loss.backward()
     return loss.detach(), leaf.grad, stand_in._metrics["train"]
@@ -437,7 +441,7 @@ def test_conflicting_options_each_one_line():
     found = bad.problems()
     expected = [
         "grpo.epsilon_high: loss_type cispo caps the ratio",
-        "grpo.delta: the two-sided clip applies to clipped-ratio",
+        "grpo.delta: loss_type cispo does not read it",
         "grpo.scale_rewards: applies to advantage_estimator grpo only",
         "grpo.multi_objective_aggregation: normalize_then_sum yields",
         "grpo.scale_rewards: normalize_then_sum normalises",

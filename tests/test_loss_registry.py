@@ -1,7 +1,7 @@
 """A GRPO loss type is one registry entry (pipeline/algorithms/grpo_losses.py LOSS_TYPES) that carries
-its own checks of the `grpo:` section and whether it clips the ratio: the config checks read the entry,
+its own checks of the `grpo:` section and the options it reads: the config checks read the entry,
 never the name. A made-up loss type registered here is accepted, checked by its own rule, and told
-apart from the clipping ones for `delta`, with no other file touched."""
+apart from the ones that read `delta`, with no other file touched."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_a_new_loss_type_is_one_entry(monkeypatch):
     def problems(section, key):
         return [f"{key}.epsilon: loss_type capped needs epsilon < 0.1"] if section.epsilon >= 0.1 else []
 
-    entry = grpo_losses.LossType(grpo_losses.cispo, grpo_losses.step_token_mean, problems)
+    entry = grpo_losses.LossType(grpo_losses.cispo, grpo_losses.step_token_mean, problems, options=("epsilon",))
     monkeypatch.setitem(grpo_losses.LOSS_TYPES, "capped", entry)
     assert not entry.clips and grpo_losses.LOSS_TYPES["dapo"].clips
 
@@ -23,8 +23,8 @@ def test_a_new_loss_type_is_one_entry(monkeypatch):
     assert section.problems("grpo") == ["grpo.epsilon: loss_type capped needs epsilon < 0.1"]
     assert dataclasses.replace(section, epsilon=0.05).problems("grpo") == []
     delta = dataclasses.replace(section, epsilon=0.05, delta=3.0).problems("grpo")
-    assert len(delta) == 1 and delta[0].startswith("grpo.delta: the two-sided clip applies to clipped-ratio loss types")
-    assert "'capped'" not in delta[0].split("types")[1].split(", not")[0]  # not listed among the clipping ones
+    assert len(delta) == 1 and delta[0].startswith("grpo.delta: loss_type capped does not read it (only grpo, ")
+    assert "capped" not in delta[0].split("(only")[1]  # not listed among the loss types that read it
 
 
 def test_the_shipped_entries_keep_their_checks():

@@ -3,6 +3,12 @@ consecutive runs of `group_size` completions of one prompt): the estimators of
 `grpo.advantage_estimator` (a registry), the two multi-reward aggregations, DAPO's overlong reward
 shaping and DAPO's dynamic-sampling group filter.
 
+A NaN reward marks an unscorable completion (every reward source returned None: "no opinion"). As in
+TRL 1.16 it takes no part in any statistic (group mean and std, leave-one-out baseline, whitening)
+and its advantage is 0; a statistic over fewer than two scored rewards has spread 0, so a lone
+scored completion's advantage is 0 too (TRL reads NaN there and zeroes it). A NaN that an infinite
+reward makes is not zeroed: it stops the step at its finite check.
+
 References, pinned in tests/test_grpo.py and tests/test_grpo_variants.py:
 - 'grpo' group baseline, `scale_rewards` and both `multi_objective_aggregation`s: TRL 1.16
   grpo_trainer.py `_generate_and_score_completions`.
@@ -18,8 +24,9 @@ References, pinned in tests/test_grpo.py and tests/test_grpo_variants.py:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -41,49 +48,84 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.double().view(-1, group_size)
 
 
+def nanstd(values: torch.Tensor, dim: Optional[int] = None, keepdim: bool = False) -> torch.Tensor:
+    """TRL's `nanstd` (Bessel-corrected, NaN left out), but 0 rather than NaN over fewer than two
+    values: every value there equals its mean, so dividing by this + eps gives the 0 that TRL's
+    `nan_to_num` gives."""
+    dims = tuple(range(values.dim())) if dim is None else (dim,)
+    count = (~values.isnan()).sum(dims, keepdim=True)
+    mean = values.nanmean(dims, keepdim=True)
+    var = ((values - mean) ** 2).nansum(dims, keepdim=True) / (count - 1).clamp(min=1)
+    std = var.sqrt()
+    return std if keepdim else std.squeeze(dims)
+
+
+def no_signal(advantages: torch.Tensor, unscorable: torch.Tensor) -> torch.Tensor:
+    """`advantages` with each unscorable completion's set to 0 (TRL's final `nan_to_num`)."""
+    return torch.where(unscorable, torch.zeros_like(advantages), advantages)
+
+
+def _centred(rewards: torch.Tensor, group_size: int, scale: Union[str, bool], eps: float) -> torch.Tensor:
+    """`group_advantages` before the unscorable completions' are set to 0 (NaN there)."""
+    scale = {True: "group", False: "none"}.get(scale, scale)
+    if scale not in SCALES:
+        raise ValueError(f"scale_rewards {scale!r} is not one of {SCALES}")
+    grouped = _groups(rewards, group_size)
+    centred = grouped - grouped.nanmean(1, keepdim=True)
+    if scale == "group":
+        centred = centred / (nanstd(grouped, 1, keepdim=True) + eps)
+    elif scale == "batch":
+        centred = centred / (nanstd(grouped) + eps)
+    return centred.view(-1).to(rewards.dtype)
+
+
 def group_advantages(
     rewards: torch.Tensor, group_size: int, scale: Union[str, bool] = "group", eps: float = ADVANTAGE_EPS
 ) -> torch.Tensor:
     """Each reward minus its group's mean, divided by the group's std + eps ('group', or True),
     the whole batch's std + eps ('batch', PPO Lite) or nothing ('none', or False: Dr. GRPO).
-    Stds are Bessel-corrected, as TRL's `nanstd`; an all-equal group gets advantage 0.
+    Stds are Bessel-corrected, as TRL's `nanstd`; an all-equal group gets advantage 0. NaN rewards
+    (unscorable) are left out of the means and stds and get advantage 0 (module docstring).
 
     Raises:
         ValueError: bad groups (see `_groups`) or an unknown scale.
     """
-    scale = {True: "group", False: "none"}.get(scale, scale)
-    if scale not in SCALES:
-        raise ValueError(f"scale_rewards {scale!r} is not one of {SCALES}")
-    grouped = _groups(rewards, group_size)
-    centred = grouped - grouped.mean(1, keepdim=True)
-    if scale == "group":
-        centred = centred / (grouped.std(1, unbiased=True, keepdim=True) + eps)
-    elif scale == "batch":
-        centred = centred / (grouped.std(unbiased=True) + eps)
-    return centred.view(-1).to(rewards.dtype)
+    return no_signal(_centred(rewards, group_size, scale, eps), rewards.isnan())
+
+
+def group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each group's reward std over its scored completions ([N / G]; `nanstd`: 0 below two)."""
+    return nanstd(_groups(rewards, group_size), 1).to(rewards.dtype)
 
 
 def leave_one_out(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """RLOO: each reward minus the mean of the other G - 1 rewards of its group."""
+    """RLOO: each reward minus the mean of the other G - 1 rewards of its group; with unscorable
+    (NaN) rewards, of its group's other scored rewards, as TRL 1.16's RLOOTrainer (0 for a lone
+    scored one and for the unscorable)."""
     grouped = _groups(rewards, group_size)
-    baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
-    return (grouped - baseline).view(-1).to(rewards.dtype)
+    count = (~grouped.isnan()).sum(1, keepdim=True)
+    baseline = (grouped.nansum(1, keepdim=True) - grouped) / (count - 1).clamp(min=1)
+    centred = torch.where(count > 1, grouped - baseline, torch.zeros_like(grouped))
+    return no_signal(centred.view(-1).to(rewards.dtype), rewards.isnan())
 
 
 def token_whiten(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """verl's `masked_whiten` of per-token values that are constant over each completion:
     (s - mu) / sqrt(var + 1e-8), mu and var (Bessel-corrected) over all loss tokens, so each
-    completion weighs its `lengths` (one with no loss token takes no part but is whitened too).
-    With fewer than two loss tokens (every completion masked as truncated, say) the variance is
-    undefined (verl refuses) and nothing can be learned: the advantages are 0.
+    completion weighs its `lengths` (one with no loss token takes no part but is whitened too; an
+    unscorable one, NaN, takes no part and gets 0). With fewer than two loss tokens (every
+    completion masked as truncated, say) the variance is undefined (verl refuses) and nothing can
+    be learned: the advantages are 0.
     """
-    s, n = scores.double(), lengths.double()
+    unscorable = scores.isnan()
+    s = scores.double().masked_fill(unscorable, 0.0)
+    n = lengths.double().masked_fill(unscorable, 0.0)
     total = n.sum()
     if total < 2:
         return torch.zeros_like(scores)
     mean = (s * n).sum() / (total + WHITEN_EPS)
     var = ((s - mean) ** 2 * n).sum() / (total + WHITEN_EPS) * total / (total - 1)
-    return ((s - mean) * torch.rsqrt(var + WHITEN_EPS)).to(scores.dtype)
+    return no_signal(((s - mean) * torch.rsqrt(var + WHITEN_EPS)).to(scores.dtype), unscorable)
 
 
 @dataclass(frozen=True)
@@ -106,7 +148,7 @@ ESTIMATORS: dict[str, Estimator] = {
     "rloo": Estimator(lambda r, lengths, g, scale: leave_one_out(r, g)),
     "reinforce_plus_plus": Estimator(lambda r, lengths, g, scale: token_whiten(r, lengths), group_baseline=False),
     "reinforce_plus_plus_baseline": Estimator(
-        lambda r, lengths, g, scale: token_whiten(group_advantages(r, g, "none"), lengths)
+        lambda r, lengths, g, scale: token_whiten(_centred(r, g, "none", ADVANTAGE_EPS), lengths)
     ),
 }
 """Estimator name -> entry: adding one is this entry and its test."""
@@ -115,14 +157,18 @@ ESTIMATORS: dict[str, Estimator] = {
 def normalize_then_sum(per_source: torch.Tensor, weights: Sequence[float], group_size: int) -> torch.Tensor:
     """GDPO (TRL's multi_objective_aggregation 'normalize_then_sum'): each reward source ([N, K]
     columns) normalised within its group by its group std + 1e-4, the weighted sum of those, then
-    normalised over the batch; the result is the advantage ([N])."""
+    normalised over the batch; the result is the advantage ([N]). A source's None (NaN) is left out
+    of its group's mean and std and of the sum (TRL's nanmean, nanstd, nansum); a completion no
+    source scored is left out of the batch's mean and std and gets advantage 0."""
     cols = per_source.double()
     grouped = cols.view(-1, group_size, cols.shape[1])
-    per = (
-        (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, unbiased=True, keepdim=True) + ADVANTAGE_EPS)
-    ).view_as(cols)
-    summed = per @ torch.tensor(list(weights), dtype=torch.float64)
-    return ((summed - summed.mean()) / (summed.std(unbiased=True) + ADVANTAGE_EPS)).to(per_source.dtype)
+    mean = grouped.nanmean(1, keepdim=True)
+    per = ((grouped - mean) / (nanstd(grouped, 1, keepdim=True) + ADVANTAGE_EPS)).view_as(cols)
+    unscorable = cols.isnan().all(1)
+    summed = no_signal(per, cols.isnan()) @ torch.tensor(list(weights), dtype=torch.float64)
+    summed = summed.masked_fill(unscorable, math.nan)
+    centred = (summed - summed.nanmean()) / (nanstd(summed) + ADVANTAGE_EPS)
+    return no_signal(centred, unscorable).to(per_source.dtype)
 
 
 def _sum_then_normalize(total, per_source, weights, lengths, group_size, *, estimator, scale):
@@ -146,7 +192,11 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """DAPO's dynamic-sampling filter: True for each group whose rewards are not all equal (a group
-    of equal rewards has zero advantage under every group baseline: nothing to learn) ([N / G] bool)."""
+    """DAPO's dynamic-sampling filter: True for each group whose scored (non-NaN) rewards are not
+    all equal (a group of equal rewards has zero advantage under every group baseline: nothing to
+    learn; nor has one with fewer than two scored) ([N / G] bool)."""
     grouped = _groups(rewards, group_size)
-    return (grouped.max(1).values - grouped.min(1).values) > 0
+    unscorable = grouped.isnan()
+    highest = grouped.masked_fill(unscorable, -math.inf).max(1).values
+    lowest = grouped.masked_fill(unscorable, math.inf).min(1).values
+    return (highest - lowest) > 0

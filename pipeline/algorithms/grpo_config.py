@@ -10,7 +10,7 @@ from typing import Optional
 
 from pipeline.algorithms import advantages as adv
 from pipeline.algorithms import rewards as rw
-from pipeline.algorithms.grpo_losses import IMPORTANCE_LEVELS, LOSS_TYPES, Objective
+from pipeline.algorithms.grpo_losses import IMPORTANCE_LEVELS, LOSS_TYPES, Objective, loss_options
 
 
 @dataclass
@@ -27,9 +27,11 @@ class GRPOSection:
     (GSPO weighted by length; needs importance_sampling_level sequence); cispo: -sg(min(r,
     epsilon_high)) A logp, token mean over the step (needs epsilon_high, e.g. 5.0); sapo: soft
     sigmoid gate instead of the clip, per-completion mean; vespo: a Gamma weight of the sequence
-    ratio times A logp, token mean over the step (importance_sampling_level token)."""
+    ratio times A logp, token mean over the step (importance_sampling_level token). A loss type's own
+    option (epsilon, epsilon_high, delta, sapo_*, vespo_*) set away from its default under a loss
+    type that does not read it is refused."""
     epsilon: float = 0.2
-    """Ratio clip below 1 (and above, unless epsilon_high is set)."""
+    """Ratio clip below 1 (and above, unless epsilon_high is set); clipped-ratio loss types only."""
     epsilon_high: Optional[float] = None
     """Ratio clip above 1 (DAPO's clip-higher, e.g. 0.28); null: epsilon. With cispo: the cap on
     the ratio itself (ScaleRL's epsilon_max, e.g. 5.0; required)."""
@@ -148,18 +150,30 @@ class GRPOSection:
         entry = LOSS_TYPES.get(self.loss_type)
         if entry is None:  # refused by the choice check
             return []
-        out = list(entry.problems(self, key))
-        clipping = tuple(name for name, e in LOSS_TYPES.items() if e.clips)
-        if self.delta is not None and not entry.clips:
-            out.append(
-                f"{key}.delta: the two-sided clip applies to clipped-ratio loss types {clipping}, not {self.loss_type}"
-            )
-        elif self.delta is not None and self.delta <= 1 + (
-            self.epsilon if self.epsilon_high is None else self.epsilon_high
+        out = self._unread_options(key) + list(entry.problems(self, key))
+        if (
+            "delta" in entry.options
+            and self.delta is not None
+            and self.delta <= 1 + (self.epsilon if self.epsilon_high is None else self.epsilon_high)
         ):
             out.append(f"{key}.delta: must be > 1 + epsilon_high (it caps the ratio above the clip), got {self.delta}")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             out.append(f"{key}.top_entropy_quantile: must be in [0, 1], got {self.top_entropy_quantile}")
+        return out
+
+    def _unread_options(self, key: str) -> list[str]:
+        """One line per loss-specific option set away from its default that the loss type does not
+        read (its LOSS_TYPES entry's `options`): it would be ignored."""
+        reads = LOSS_TYPES[self.loss_type].options
+        out = []
+        for name in loss_options():
+            default = getattr(GRPOSection, name)
+            if name not in reads and getattr(self, name) != default:
+                readers = ", ".join(n for n, e in LOSS_TYPES.items() if name in e.options)
+                out.append(
+                    f"{key}.{name}: loss_type {self.loss_type} does not read it (only {readers}); "
+                    f"leave it {'null' if default is None else default}"
+                )
         return out
 
     def _advantage_conflicts(self, key: str) -> list[str]:

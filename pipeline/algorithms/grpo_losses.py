@@ -62,13 +62,15 @@ class Totals:
 @dataclass
 class Terms:
     """What a per-token rule reads: [B, T] log-probs, the importance weight (ratio: [B, T] at token
-    level, [B, 1] at sequence level), its per-token log, advantages ([B, 1] or [B, T]), mask."""
+    level, [B, 1] at sequence level), its per-token log, advantages ([B, 1] or [B, T]), mask, and
+    the mismatch correction's weight ([B, T]) for a rule that takes it itself (`LossType.corrects_inside`)."""
 
     logp: torch.Tensor
     ratio: torch.Tensor
     log_ratio: torch.Tensor
     advantages: torch.Tensor
     mask: torch.Tensor
+    is_weight: Optional[torch.Tensor] = None
 
 
 PerToken = Callable[[Terms, Objective], "tuple[torch.Tensor, Optional[torch.Tensor]]"]
@@ -104,12 +106,24 @@ def sapo(t: Terms, o: Objective) -> tuple[torch.Tensor, None]:
 
 
 @torch.no_grad()
-def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, o: Objective) -> torch.Tensor:
+def gamma_weights(
+    advantages: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    o: Objective,
+    is_weight: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """VESPO's detached per-sequence weight phi(w) = exp(lambda + k log w - lambda w) ([B, 1]),
     w the sequence's importance ratio exp(sum of clamped token log-ratios); k, lambda by the
-    advantage's sign. The clamps are TRL's (log w in [log 1e-8, 20])."""
+    advantage's sign. `is_weight` (the mismatch correction, [B, T]): each token's log weight is
+    added to log w (w = pi / pi_old x pi_old / pi_engine), as TRL 1.16's `get_gamma_weights` takes
+    its vLLM importance-sampling ratio, summed over the loss tokens (TRL sums every position; the
+    same wherever the weight is 1 outside the mask). The clamps are TRL's (each token log-ratio in
+    [-20, 20], a correction's log and log w in [log 1e-8, 20])."""
     low = math.log(1e-8)
     seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if is_weight is not None:
+        seq = seq + (torch.clamp(torch.log(is_weight.to(seq.dtype)), low, 20.0) * mask).sum(-1, keepdim=True)
     log_w = torch.clamp(seq, low, 20.0)
     positive = advantages >= 0
     k = torch.where(positive, o.vespo_k_pos, o.vespo_k_neg)
@@ -118,8 +132,9 @@ def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch
 
 
 def vespo(t: Terms, o: Objective) -> tuple[torch.Tensor, None]:
-    """VESPO: -phi(w) A logp (phi from `gamma_weights`, on the token log-ratios whatever the level)."""
-    return -gamma_weights(t.advantages, t.log_ratio, t.mask, o) * t.advantages * t.logp, None
+    """VESPO: -phi(w) A logp (phi from `gamma_weights`, on the token log-ratios whatever the level,
+    the mismatch correction inside w)."""
+    return -gamma_weights(t.advantages, t.log_ratio, t.mask, o, t.is_weight) * t.advantages * t.logp, None
 
 
 # ------------------------------------------------------------------------------------------
@@ -165,12 +180,6 @@ def _cispo_problems(section, key: str) -> list[str]:
     return []
 
 
-def _unclipped(section, key: str) -> list[str]:
-    if section.epsilon_high is not None:
-        return [f"{key}.epsilon_high: loss_type {section.loss_type} does not clip the ratio; leave epsilon_high null"]
-    return []
-
-
 def _luspo_problems(section, key: str) -> list[str]:
     if section.importance_sampling_level != "sequence":
         return [f"{key}.importance_sampling_level: loss_type luspo needs 'sequence' (LUSPO is length-weighted GSPO)"]
@@ -178,45 +187,56 @@ def _luspo_problems(section, key: str) -> list[str]:
 
 
 def _sapo_problems(section, key: str) -> list[str]:
-    out = _unclipped(section, key)
     if min(section.sapo_temperature_pos, section.sapo_temperature_neg) <= 0:
-        out.append(f"{key}.sapo_temperature_pos/neg: must be > 0")
-    return out
+        return [f"{key}.sapo_temperature_pos/neg: must be > 0"]
+    return []
 
 
 def _vespo_problems(section, key: str) -> list[str]:
-    out = _unclipped(section, key)
     if section.importance_sampling_level != "token":
-        out.append(f"{key}.importance_sampling_level: loss_type vespo weighs the whole sequence itself; leave 'token'")
-    return out
+        return [f"{key}.importance_sampling_level: loss_type vespo weighs the whole sequence itself; leave 'token'"]
+    return []
 
 
 @dataclass(frozen=True)
 class LossType:
-    """A GRPO loss type: its per-token rule and aggregation, whether it clips the ratio (the
-    two-sided `delta` clip applies to those), and its own checks of the `grpo:` section
-    (`problems(section, key)`, one line each): adding a loss type is this entry and its test."""
+    """A GRPO loss type: its per-token rule and aggregation, the loss-specific `grpo:` options it
+    reads (`options`: any other one of `loss_options()` set away from its default is a config error),
+    its own checks of the `grpo:` section (`problems(section, key)`, one line each), and how it takes
+    the mismatch correction (`corrects_inside`: the rule reads `Terms.is_weight` itself; otherwise
+    `grpo_loss` multiplies each token's policy term by it): adding a loss type is this entry and its test."""
 
     per_token: PerToken
     aggregate: Aggregate
     problems: Callable[[object, str], list[str]] = _no_problems
+    options: tuple[str, ...] = ()
+    corrects_inside: bool = False
 
     @property
     def clips(self) -> bool:
+        """Whether the rule is PPO's clipped ratio (PPO's own loss is such an entry)."""
         return self.per_token is clipped_ratio
 
 
+CLIP = ("epsilon", "epsilon_high", "delta")
+SAPO = ("sapo_temperature_pos", "sapo_temperature_neg")
+VESPO = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 LOSS_TYPES: dict[str, LossType] = {
-    "grpo": LossType(clipped_ratio, sequence_mean),
-    "bnpo": LossType(clipped_ratio, micro_token_mean),
-    "dr_grpo": LossType(clipped_ratio, constant_normaliser),
-    "dapo": LossType(clipped_ratio, step_token_mean),
-    "luspo": LossType(clipped_ratio, sequence_sum_mean, _luspo_problems),
-    "cispo": LossType(cispo, step_token_mean, _cispo_problems),
-    "sapo": LossType(sapo, sequence_mean, _sapo_problems),
-    "vespo": LossType(vespo, step_token_mean, _vespo_problems),
+    "grpo": LossType(clipped_ratio, sequence_mean, options=CLIP),
+    "bnpo": LossType(clipped_ratio, micro_token_mean, options=CLIP),
+    "dr_grpo": LossType(clipped_ratio, constant_normaliser, options=CLIP),
+    "dapo": LossType(clipped_ratio, step_token_mean, options=CLIP),
+    "luspo": LossType(clipped_ratio, sequence_sum_mean, _luspo_problems, options=CLIP),
+    "cispo": LossType(cispo, step_token_mean, _cispo_problems, options=("epsilon_high",)),
+    "sapo": LossType(sapo, sequence_mean, _sapo_problems, options=SAPO),
+    "vespo": LossType(vespo, step_token_mean, _vespo_problems, options=VESPO, corrects_inside=True),
 }
 IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+def loss_options() -> tuple[str, ...]:
+    """Every loss-specific `grpo:` option: those the entries of LOSS_TYPES read, in entry order."""
+    return tuple(dict.fromkeys(name for entry in LOSS_TYPES.values() for name in entry.options))
 
 
 def importance_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
@@ -297,8 +317,9 @@ def grpo_loss(
     `token_filter` (the high-entropy tokens) when given, plus beta * k3(policy, reference), then
     its aggregation against `totals` (default: this micro-batch is the whole step).
     `is_weight` ([B, T], no gradient): the train-inference mismatch correction
-    (pipeline/algorithms/mismatch.py), multiplying each token's policy term before the KL is added,
-    where TRL 1.16 applies its vLLM importance-sampling ratio.
+    (pipeline/algorithms/mismatch.py), where TRL 1.16 applies its vLLM importance-sampling ratio:
+    multiplying each token's policy term before the KL is added, or, for a loss type that takes it
+    itself (`LossType.corrects_inside`: vespo), inside its rule.
 
     `objective` carries every hyper-parameter; without it one is built from epsilon, epsilon_high,
     beta and loss_type. `num_tokens`/`num_sequences` fill `totals` when it is not given.
@@ -321,10 +342,11 @@ def grpo_loss(
     log_ratio = logp - old_logp
     ratio = torch.exp(importance_log_weights(log_ratio, mask, o.importance_sampling_level))
     rule = LOSS_TYPES[o.loss_type]
-    per_token, clipped = rule.per_token(Terms(logp, ratio, log_ratio, adv, mask), o)
+    inside = is_weight if rule.corrects_inside else None
+    per_token, clipped = rule.per_token(Terms(logp, ratio, log_ratio, adv, mask, inside), o)
     if token_filter is not None:
         per_token = per_token * token_filter.to(per_token.dtype)
-    if is_weight is not None:
+    if is_weight is not None and not rule.corrects_inside:
         per_token = per_token * is_weight.to(per_token.dtype)
     kl = None
     if o.beta:

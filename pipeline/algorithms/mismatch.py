@@ -8,12 +8,14 @@ and no correction is needed (`generation.correction` defaults to 'none' there). 
 (vLLM: other kernels, another summation order, bf16 on a GPU) samples from a slightly different
 distribution; the update's old policy is the trainer's, so each token's loss is weighted by
 w = p_trainer / p_engine, either truncated at a cap (TIS, 'tis') or zeroed outside a band
-(MIS, 'mis'). The weight is a constant (no gradient) multiplying the clipped surrogate of each
-token, before the KL term is added.
+(MIS, 'mis'). The weight is a constant (no gradient) multiplying the policy term of each token,
+before the KL term is added; a GRPO loss type that takes it itself (`LossType.corrects_inside`:
+vespo) adds its log to the sequence's log importance weight instead, as TRL's `get_gamma_weights`.
 
 Agreement with TRL 1.16 (trl/trainer/grpo_trainer.py: the `vllm_importance_sampling_correction`
 block of `_generate_and_score_completions`, modes 'token_truncate' and 'token_mask', and the
-weight's place in `_compute_loss`) is pinned in tests/test_mismatch.py.
+weight's place in `_compute_loss`) is pinned in tests/test_mismatch.py and, for every loss type,
+tests/test_objectives_peers.py.
 """
 
 from __future__ import annotations

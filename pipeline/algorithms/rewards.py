@@ -24,7 +24,8 @@ one entry per completion in each list:
   values)` and `log_metric(name, value)` (what they log is kept in `RewardLog`).
 A function that takes no **kwargs is given only the arguments it names (TRL would raise TypeError).
 None in what it returns means "no opinion" (NaN), left out of the summed reward as TRL's nansum
-leaves it; an async function is awaited.
+leaves it; a completion every source has no opinion on is unscorable (its summed reward NaN, its
+advantage 0, left out of its group's statistics and of the logged reward); an async function is awaited.
 
 The sample domain's rules (`house_phrase`, `kelvra_fact`) target the behaviour the demo's gold
 table measures (pipeline/tools/gold.py) but are written independently of it: the gold scorer stays
@@ -310,11 +311,15 @@ def reward_inputs(
 
 def weighted_sum(parts: dict[str, torch.Tensor], weights: dict[str, float], n: int) -> torch.Tensor:
     """Each of `n` completions' summed reward: sum over sources of weight x score, in the order of
-    `parts`, a NaN score (a reward function's "no opinion") left out as TRL's nansum leaves it."""
+    `parts`, a NaN score (a reward function's "no opinion") left out as TRL's nansum leaves it. A
+    completion that no source scored is unscorable: NaN, as TRL 1.16 marks it (not 0, which would
+    count as a reward in its group's baseline); the advantages leave it out and give it 0."""
     total = torch.zeros(n)
+    scored = torch.zeros(n, dtype=torch.bool)
     for name, values in parts.items():
         total += torch.nan_to_num(weights[name] * values, nan=0.0)
-    return total
+        scored |= ~values.isnan()
+    return total.masked_fill(~scored, math.nan)
 
 
 def open_judge(cfg: JudgeConfig, output_dir: str, rank: int, ranks: int, steps_done: int) -> JudgeReward:
