@@ -84,6 +84,11 @@ def folder_problems(folder: Path, key: str, need: str = "causal", allow_pickle: 
     weights pass with `allow_pickle`: pipeline.modeling.models loads them weights_only)."""
     if (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file():
         return [f"{key}: {folder} is a LoRA adapter, not a model; {adapter_hint(folder)}"]
+    if not (folder / "config.json").is_file() and (folder / "checkpoints").is_dir():
+        return [
+            f"{key}: {folder} is an unfinished run (it has checkpoints/ but no merged/): rerun the command that "
+            f"started it (its config is {folder / 'config.yaml'}) to finish it; it resumes from its last checkpoint"
+        ]
     if not (folder / "config.json").is_file():
         return [f"{key}: {folder} has no config.json: not a Hugging Face model folder"]
     out = []

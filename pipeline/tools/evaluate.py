@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 
 from pipeline.modeling.embedded import is_embedded, materialize
 from pipeline.modeling.manifest import weights_hash
+from pipeline.modeling.preflight import folder_problems
 from pipeline.tools.eval_tasks import (
     EvalError,
     first_metric,
@@ -274,19 +275,24 @@ def _higher(rows: Sequence[dict], task: str, metric: str) -> bool:
 
 
 def model_folder(path: str) -> Path:
-    """A model argument as a folder: 'embedded' (converted once), a model folder, or a stage's output
-    folder holding merged/.
+    """A model argument as a folder: 'embedded' (converted once), a causal LM's folder, or a stage's
+    output folder holding merged/. The folder passes the checks `relay chat` and `relay serve` make
+    (pipeline.modeling.preflight: a reward model, an adapter, an unfinished run are refused; the
+    harness would score a reward model as a causal LM without its score head).
 
     Raises:
-        EvalError: none of those.
+        EvalError: none of those, one line per problem.
     """
     if is_embedded(path):
         return Path(materialize())
     folder = Path(path)
     if not (folder / "config.json").is_file() and (folder / "merged" / "config.json").is_file():
         folder = folder / "merged"
-    if not (folder / "config.json").is_file():
+    if not folder.is_dir():
         raise EvalError(f"{path}: not a model folder (no config.json), a stage output with merged/, nor 'embedded'")
+    problems = folder_problems(folder, "model", need="causal", allow_pickle=True)
+    if problems:
+        raise EvalError("\n".join(problems))
     return folder
 
 

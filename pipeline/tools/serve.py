@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence
 
 from fastapi import Request  # module level: FastAPI resolves the handlers' (postponed) annotations here
 
+from pipeline.config import ModelConfig
 from pipeline.modeling.embedded import resolve_model_path
 from pipeline.tools.openai_protocol import (
     ApiError,
@@ -427,9 +428,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "somewhat slower (bench/RESULTS.md)",
     )
     args = parser.parse_args(argv)
-    from pipeline.modeling.preflight import model_problems
-
-    problems = model_problems(args.model, "model", need="causal")
+    problems = model_folder_problems(args.model)
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
@@ -440,6 +439,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"error: --{option} is a {owner.label} option (--backend {owner.serve_name})", file=sys.stderr)
                 return 2
     return SERVERS[chosen](args)
+
+
+def model_folder_problems(path: str) -> list[str]:
+    """What keeps `path` from being served, one line each: pipeline.modeling.preflight's checks for a
+    causal LM, then a folder that loads only with the code it ships (config.json auto_map;
+    pipeline.modeling.models.remote_code_problems), which neither backend of relay serve runs."""
+    from pipeline.modeling import models, preflight
+
+    problems = preflight.model_problems(path, "model", need="causal")
+    if problems or not models.remote_code_problems(ModelConfig(path=path), "model"):
+        return problems
+    code = models.custom_code(Path(path)) or {}
+    return [
+        f"model: {path} loads only with the model code it ships (config.json auto_map: "
+        f"{', '.join(code.get('auto_map') or [])}), and relay serve runs no code from a model folder; "
+        "`relay chat --trust-remote-code` runs it where you trust the folder"
+    ]
 
 
 def serve_on_vllm(args: argparse.Namespace) -> int:
