@@ -71,11 +71,13 @@ def custom_code(folder: str | Path) -> Optional[dict[str, Any]]:
     return {"model_type": model_type, "auto_map": sorted(data["auto_map"]), "known": model_type in CONFIG_MAPPING}
 
 
-def remote_code_problems(model_cfg: ModelConfig, key: str = "model") -> list[str]:
+def remote_code_problems(model_cfg: ModelConfig, key: str = "model", opt_in: Optional[str] = None) -> list[str]:
     """A folder that cannot load without running its own code (auto_map for a model_type
-    transformers does not know) while `{key}.trust_remote_code` is off: one line, else []."""
+    transformers does not know) while `{key}.trust_remote_code` is off: one line, else []. `opt_in`
+    is how the caller's user turns it on (a config's `{key}.trust_remote_code: true` by default)."""
     if is_embedded(model_cfg.path) or model_cfg.trust_remote_code:
         return []
+    opt_in = opt_in or f"set {key}.trust_remote_code: true"
     folder = Path(str(model_cfg.path))
     code = custom_code(folder)
     if not code:
@@ -83,18 +85,14 @@ def remote_code_problems(model_cfg: ModelConfig, key: str = "model") -> list[str
     if code["known"]:
         fit = stock_fit_problem(folder, code["model_type"])
         return (
-            [
-                f"{key}.path: {folder} ships its own code "
-                f"(auto_map) and {fit}; set {key}.trust_remote_code: "
-                "true if you trust the folder"
-            ]
+            [f"{key}.path: {folder} ships its own code (auto_map) and {fit}; {opt_in} if you trust the folder"]
             if fit
             else []
         )
     return [
         f"{key}.path: {folder} needs its own code: model_type {code['model_type']!r} is not a transformers model "
-        f"and config.json maps {', '.join(code['auto_map'])} to code in the folder (auto_map); set "
-        f"{key}.trust_remote_code: true if you trust the folder"
+        f"and config.json maps {', '.join(code['auto_map'])} to code in the folder (auto_map); {opt_in} "
+        "if you trust the folder"
     ]
 
 

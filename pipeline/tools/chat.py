@@ -109,7 +109,7 @@ def load_chat_tokenizer(path: str, *, trust_remote_code: bool = False, allow_pic
     """
     found = model_problems(path, "--model", need="causal", allow_pickle=allow_pickle)
     found = found or modeling.remote_code_problems(
-        ModelConfig(path=path, trust_remote_code=trust_remote_code), "--model"
+        ModelConfig(path=path, trust_remote_code=trust_remote_code), "--model", opt_in="pass --trust-remote-code"
     )
     if found:
         raise ChatError("; ".join(found))

@@ -136,6 +136,17 @@ def test_untrusted_custom_code_is_refused_before_loading(tiny_model_dir, tmp_pat
         models.load_model(ModelConfig(path=str(folder), finetuning="full", dtype="fp32"), None)
 
 
+def test_relay_chat_names_its_own_opt_in(tiny_model_dir, tmp_path):
+    """relay chat's flag is --trust-remote-code; it advised a config key it does not read."""
+    from pipeline.tools.chat import ChatError, load_chat_tokenizer
+
+    folder = with_custom_code(tiny_model_dir, tmp_path / "custom", "relay_tiny")
+    with pytest.raises(ChatError) as err:
+        load_chat_tokenizer(str(folder))
+    assert "pass --trust-remote-code if you trust the folder" in str(err.value)
+    assert "trust_remote_code: true" not in str(err.value)
+
+
 def test_ignored_custom_code_is_said_once(tiny_model_dir, tmp_path, caplog):
     """A known model_type with auto_map: the stock class loads, and the user is told so, once."""
     from stages.sft import SFTStage
