@@ -70,8 +70,7 @@ def test_include_and_cli_override_precedence(tmp_path):
 
 
 def test_loads_in_one_process_keep_nothing_of_each_other(tmp_path):
-    """The parser of a config class is built once per process (pipeline/config/loading.py `_parser`):
-    a load after one with a file, an override and a bad value reads only its own arguments."""
+    """A load after one with a file, an override and a bad value reads only its own arguments."""
     cfg_file = write(tmp_path / "run.yaml", "output_dir: out/x\ntrain:\n  max_steps: 7\n")
     first = load_config(ToyStage, ["--config", str(cfg_file), "--lora.alpha", "4"])
     with pytest.raises(ConfigError, match="train.learning_rate"):

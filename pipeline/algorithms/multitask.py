@@ -43,7 +43,7 @@ in `start_step` and needs W to be a multiple of the interval).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
 import torch
@@ -148,6 +148,14 @@ class MultitaskConfig:
                 f"{key}.task_weights: read only by weighted_loss_mode {readers}; "
                 f"{self.weighted_loss_mode} would ignore them"
             )
+        if entry is not None and not entry.adaptive:  # the coba_* options are read by the adaptive entries only
+            readers = ", ".join(name for name, mode in MODES.items() if mode.adaptive)
+            for option in fields(self):
+                if option.name.startswith("coba_") and getattr(self, option.name) != option.default:
+                    out.append(
+                        f"{key}.{option.name}: read only by weighted_loss_mode {readers}; "
+                        f"{self.weighted_loss_mode} would ignore it"
+                    )
         for name in ("coba_warmup_steps", "coba_history_length", "coba_update_interval", "coba_valid_batches"):
             if getattr(self, name) < 1:
                 out.append(f"{key}.{name}: must be >= 1, got {getattr(self, name)!r}")

@@ -1,11 +1,12 @@
-"""Loading a stage config: YAML (with ``!include``) -> unknown-key check -> draccus decode -> dotted
-CLI overrides -> every problem at once."""
+"""Loading a stage config: YAML (with ``!include``) + dotted CLI overrides -> unknown-key and type
+checks (every problem at once) -> draccus decode. A text key takes its value as written, on the
+command line and in the YAML; every other key reads its value as YAML."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
-import functools
 import sys
 import typing
 from pathlib import Path
@@ -13,7 +14,6 @@ from typing import Any, Optional, Sequence, TypeVar, Union
 
 import draccus
 import yaml
-from draccus.argparsing import ArgumentParser
 from draccus.parsers.yaml_loader import SafeLoaderWithInclusion
 
 from pipeline.config.help import HABITS, config_help, habit_hint
@@ -21,9 +21,12 @@ from pipeline.config.sections import ConfigError
 
 T = TypeVar("T")
 
+NULL_TEXT = ("null", "Null", "NULL", "~")
+"""YAML's words for null: given on the command line to an optional text key, they leave it unset."""
+
 
 # --------------------------------------------------------------------------------------------
-# Loading: YAML (+ !include) -> unknown-key check -> draccus decode -> CLI overrides
+# Loading: YAML (+ !include) + CLI overrides -> unknown-key and type checks -> draccus decode
 # --------------------------------------------------------------------------------------------
 
 
@@ -47,9 +50,11 @@ def _list_item_dataclass(tp: Any) -> Optional[type]:
 
 class LocatedMap(dict):
     """A YAML mapping that knows where each of its keys was written: `where[key]` is
-    `FILE:LINE` (the included file's own name for a key that came from an `!include`)."""
+    `FILE:LINE` (the included file's own name for a key that came from an `!include`), and
+    `text[key]` the text written for a key whose value is a scalar (`0123`, which YAML reads as 83)."""
 
     where: dict
+    text: dict
 
 
 def _at(data: Any, key: Any, origin: Optional[str]) -> str:
@@ -123,6 +128,38 @@ def _decodes(tp: Any, value: Any) -> bool:
         return False
 
 
+def takes_text(tp: Any) -> bool:
+    """Whether `tp` holds text and nothing else but null (str, Optional[str]): its value is the text
+    as written, never YAML's reading of it (a mapping for `Note: be brief`, 83 for `0123`, true for `yes`)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is Union else [tp]
+    return bool(args) and all(a is str for a in args)
+
+
+def _fits(tp: Any, value: Any) -> bool:
+    """Whether a key of type `tp` takes `value` (as YAML reads it): as draccus decodes it, except that
+    text is never made of a mapping or a list (draccus takes their Python repr as the text)."""
+    args, origin = typing.get_args(tp), typing.get_origin(tp)
+    if tp is type(None):
+        return value is None
+    if tp is str:
+        return not isinstance(value, (dict, list))
+    if origin is Union:
+        return any(_fits(a, value) for a in args)
+    if origin in (list, Sequence, typing.Sequence) and args and isinstance(value, list):
+        return all(_fits(args[0], v) for v in value)
+    if origin is dict and len(args) == 2 and isinstance(value, dict):
+        return all(_fits(args[0], k) and _fits(args[1], v) for k, v in value.items())
+    return _decodes(tp, value)
+
+
+def _wrong_type(key: str, tp: Any, value: Any, shown: Any) -> str:
+    """`key: expected T, got V` for `value` (shown as `shown`: the text typed on the command line)."""
+    if takes_text(tp) and isinstance(value, (dict, list)):
+        kind = "a mapping" if isinstance(value, dict) else "a list"
+        return f"{key}: expected a string, got {kind} ({shown!r}); quote the text to keep it as written"
+    return f"{key}: expected {type_name(tp)}, got {shown!r}"
+
+
 def wrong_types(cls: type, data: Any, prefix: str = "", origin: Optional[str] = None) -> list[str]:
     """Every value in `data` (a config mapping for `cls`) that its field's type cannot take, as
     `key: expected T, got V`: all of them (draccus's own decode stops at the first, in words of its
@@ -143,8 +180,32 @@ def wrong_types(cls: type, data: Any, prefix: str = "", origin: Optional[str] = 
         elif item is not None and isinstance(value, list):
             for i, entry in enumerate(value):
                 out.extend(wrong_types(item, entry, f"{path}[{i}].", origin) if isinstance(entry, dict) else [])
-        elif not _decodes(tp, value):
-            out.append(f"{_at(data, key, origin)}{path}: expected {type_name(tp)}, got {value!r}")
+        elif not _fits(tp, value):
+            out.append(_at(data, key, origin) + _wrong_type(path, tp, value, value))
+    return out
+
+
+def as_written(cls: type, data: Any) -> Any:
+    """`data` (a config mapping for `cls` from `read_yaml(located=True)`) as plain data in which each
+    text key (`takes_text`) holds the text written for it where YAML read a bool or a number
+    (`run_name: 0123` is '0123', not '83'; `system_prompt: yes` is 'yes', not 'True')."""
+    if not isinstance(data, dict):
+        return plain(data)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    written = getattr(data, "text", {})
+    out = {}
+    for key, value in data.items():
+        tp = hints[key] if key in names else None
+        sub, item = (_dataclass_of(tp), _list_item_dataclass(tp)) if tp is not None else (None, None)
+        if tp is not None and takes_text(tp) and isinstance(value, (bool, int, float)) and key in written:
+            out[key] = written[key]
+        elif sub is not None and isinstance(value, dict):
+            out[key] = as_written(sub, value)
+        elif item is not None and isinstance(value, list):
+            out[key] = [as_written(item, entry) for entry in value]
+        else:
+            out[key] = plain(value)
     return out
 
 
@@ -159,34 +220,67 @@ def _override_type(cls: type, dotted: str) -> Optional[Any]:
     return current
 
 
-def wrong_override_types(cls: type, rest: Sequence[str]) -> list[str]:
-    """Every `--key value` (or `--key=value`) on the command line whose value its field's type cannot
-    take, read as YAML as draccus reads it (or as the plain text), and every `--key` without a value."""
-    out = []
-    for i, arg in enumerate(rest):
-        if not arg.startswith("--") or arg in ("--help", "-h"):
+def read_overrides(cls: type, rest: Sequence[str]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """The command line's `--key value` (or `--key=value`) pairs, each value as its key takes it, and
+    every problem: a value its key's type cannot take, a `--key` without a value, a word that is no
+    option. A text key (`takes_text`) takes the value as typed (`null` leaves an optional one unset);
+    any other key reads it as YAML (`[a, b]`: a list), or as the plain text where its type takes
+    that and not YAML's reading. Unknown keys and sections are `_unknown_override`'s to report."""
+    pairs: list[tuple[str, Any]] = []
+    out: list[str] = []
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        i += 1
+        if not arg.startswith("--"):
+            out.append(f"{arg!r}: not an option; options are --section.key VALUE")
             continue
         key, eq, value = arg[2:].partition("=")
-        tp = _override_type(cls, key)
-        if tp is None or (_dataclass_of(tp) is not None and _list_item_dataclass(tp) is None):
-            continue  # not a field, or a section (`_unknown_override` says so)
+        known = _unknown_override(cls, key) is None
         if not eq:
-            if i + 1 >= len(rest) or rest[i + 1].startswith("--"):
-                out.append(f"--{key}: needs a value")
+            if i >= len(rest) or rest[i].startswith("--"):
+                out.extend([f"--{key}: needs a value"] if known else [])
                 continue
-            value = rest[i + 1]
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError:
+            value = rest[i]
+            i += 1
+        if not known:
+            continue
+        tp = _override_type(cls, key)
+        if tp is not None and takes_text(tp):
+            optional = type(None) in typing.get_args(tp)
+            pairs.append((key, None if optional and value in NULL_TEXT else value))
+            continue
+        try:  # as draccus reads a command-line value (YAML, with the empty text kept as it is)
+            parsed = yaml.load(value, SafeLoaderWithInclusion) if value else value
+        except (yaml.YAMLError, OSError):
             parsed = value
-        if not _decodes(tp, parsed) and not _decodes(tp, value):
-            listed = f" (a list on the command line: '[{value}]')" if _decodes(tp, [parsed]) else ""
-            out.append(f"--{key}: expected {type_name(tp)}, got {value!r}{listed}")
+        if tp is None or _fits(tp, parsed):
+            pairs.append((key, parsed))
+        elif _fits(tp, value):
+            pairs.append((key, value))
+        else:
+            listed = f" (a list on the command line: '[{value}]')" if _fits(tp, [parsed]) else ""
+            out.append(_wrong_type(f"--{key}", tp, parsed, value) + listed)
+    return pairs, out
+
+
+def with_overrides(data: dict, pairs: Sequence[tuple[str, Any]]) -> dict:
+    """`data` with each dotted `key: value` of `pairs` set in it, in order (a later one wins); a
+    section a key goes into is created, or replaces a value that is not a mapping (`eval: null`)."""
+    out = copy.deepcopy(data)
+    for key, value in pairs:
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[last] = value
     return out
 
 
 def _split_args(argv: Sequence[str]) -> tuple[Optional[str], list[str], list[str]]:
-    """(config path, dotted override keys, remaining args for draccus)."""
+    """(config path, dotted override keys, remaining args for `read_overrides`)."""
     config: Optional[str] = None
     rest: list[str] = []
     keys: list[str] = []
@@ -268,13 +362,15 @@ class ConfigLoader(SafeLoaderWithInclusion):
         """A mapping as `LocatedMap`: where each key was written. A key merged in from an
         `!include` (`<<: !include f.yaml`) has no mark of its own: it is placed at the mapping."""
         data = LocatedMap()
-        data.where = {}
+        data.where, data.text = {}, {}
         yield data
         data.update(self.construct_mapping(node))
-        for key_node, _ in node.value:
+        for key_node, value_node in node.value:
             mark = key_node.start_mark or node.start_mark
             if isinstance(key_node, yaml.ScalarNode) and mark is not None:
                 data.where[self.construct_object(key_node)] = f"{mark.name}:{mark.line + 1}"
+            if isinstance(value_node, yaml.ScalarNode) and value_node.tag.startswith("tag:yaml.org,2002:"):
+                data.text[self.construct_object(key_node)] = value_node.value
 
 
 ConfigLoader.add_constructor("tag:yaml.org,2002:map", ConfigLoader.construct_located_map)
@@ -356,15 +452,11 @@ def load_config(
     data = {} if config_path is None else read_yaml(config_path, located=True)
     problems += unknown_keys(cls, data, origin=config_path) + wrong_types(cls, data, origin=config_path)
     problems += [p for p in (_unknown_override(cls, k) for k in override_keys) if p]
-    problems += wrong_override_types(cls, rest)
-    if problems:
-        raise ConfigError(problems)
+    pairs, wrong = read_overrides(cls, rest)
+    if problems or wrong:
+        raise ConfigError(problems + wrong)
     try:
-        parser = _parser(cls)
-        parser.config_path = config_path if data else None  # an empty file sets nothing (draccus reads it as None)
-        cfg = parser.parse_args(rest)
-    except SystemExit:
-        raise
+        cfg = draccus.decode(cls, with_overrides(as_written(cls, data), pairs))
     except Exception as err:  # draccus raises several types for values it cannot decode
         raise ConfigError([decode_problem(err)]) from err
     if check and hasattr(cfg, "problems"):
@@ -380,14 +472,6 @@ def decode_problem(err: Exception) -> str:
     key_path = getattr(err, "key_path", None)
     message = str(getattr(err, "message", err)).splitlines()[0]
     return f"{'.'.join(key_path)}: {message}" if key_path else message
-
-
-@functools.lru_cache(maxsize=None)
-def _parser(cls: type) -> ArgumentParser:
-    """draccus's parser of `cls`, built once per process (building it reads every field's docstring:
-    most of a parse's time); `load_config` sets its config file before each parse, and a parse keeps
-    nothing else of the one before."""
-    return ArgumentParser(config_class=cls, exit_on_error=False)
 
 
 def to_dict(cfg: Any) -> dict:

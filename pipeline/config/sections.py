@@ -505,6 +505,15 @@ class PromptDataConfig(ChatDataConfig):
     """Prompts longer than this many tokens (or than train.seq_length - generation.max_new_tokens) are handled by
     `truncation`."""
 
+    def problems(self, key: str = "data") -> list[str]:
+        out = super().problems(key)
+        if self.padding_mode == "pack":
+            out.append(
+                f"{key}.padding_mode: the stages that sample from prompts pad each prompt to its own row "
+                "('padding'); packing is not supported"
+            )
+        return out
+
 
 # --------------------------------------------------------------------------------------------
 # The common stage config

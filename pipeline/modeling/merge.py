@@ -368,7 +368,7 @@ def export_full_model(
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.modeling.merge", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="relay merge", description=__doc__.split("\n")[0])
     parser.add_argument("--base", required=True, help="base model folder (or 'embedded')")
     parser.add_argument("--adapter", required=True, help="LoRA adapter folder (adapter_config.json)")
     parser.add_argument("--out", required=True, help="where the merged model goes")

@@ -333,7 +333,7 @@ def summary(manifest: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="relay bundle", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="relay bundle", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--out", help="folder to write the wheels and bundle.json into")
     parser.add_argument("--check", metavar="DIR", help="check an existing bundle instead of building one")
     parser.add_argument(

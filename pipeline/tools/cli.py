@@ -203,13 +203,16 @@ def pop_option(args: list[str], name: str) -> Optional[str]:
     return None
 
 
-TRAIN_USAGE = """usage: relay train CONFIG.yaml [--stage pt|sft|rm|ppo] [--nproc N] [--section.key VALUE ...]
+TRAIN_USAGE = f"""usage: relay train CONFIG.yaml [--stage {"|".join(registry.STAGES)}] [--nproc N]
+                   [--section.key VALUE ...]
 
 Runs the stage CONFIG is for (its usage line names the stage script, e.g. configs/sft.yaml opens
 with `stages/sft.py`; else a stage name in the file name; else --stage). CONFIG is YAML or JSON,
 given first or as --config / --config_path FILE. --nproc N > 1 launches N processes with torchrun
 on this machine (multi-node: run_scripts/run_pipeline.sh with NNODES).
-Overrides are dotted keys: --model.path DIR --train.max_steps 50 --lora.r 8.
+Overrides are dotted keys: --model.path DIR --train.max_steps 50 --lora.r 8. A text key takes VALUE
+as typed (--data.system_prompt "Note: be brief"; null leaves an optional one unset); other keys read
+it as YAML (--lora.target_modules "[q_proj, v_proj]").
 
 relay train CONFIG.yaml --help lists every key of that stage."""
 
@@ -371,7 +374,7 @@ def run_capabilities(args: list[str]) -> int:
     return 0
 
 
-VALIDATE_USAGE = """usage: relay validate CONFIG.yaml [--stage S] [--nproc N] [--section.key VALUE ...]
+VALIDATE_USAGE = f"""usage: relay validate CONFIG.yaml [--stage S] [--nproc N] [--section.key VALUE ...]
        relay validate [--kind KIND] [--format F] FILES...
 
 With a stage or pipeline config: every problem a run would hit before training (unknown keys, values,
@@ -381,7 +384,7 @@ CONFIG is a .yaml/.yml file, a .json file holding a config (a JSON object with o
 config's sections, as `relay train` runs it; other .json files are data), or --config /
 --config_path FILE. With data files:
 each record is checked and every bad one reported as FILE:LINE: reason. KIND is a data kind (pt, sft,
-rm, prompts, kto) or any stage name (pt, sft, rm, ppo, dpo, grpo, ...: the kind of data it reads)."""
+rm, prompts, kto) or any stage name ({", ".join(registry.STAGES)}: the kind of data it reads)."""
 
 
 def data_kind_args(args: list[str]) -> list[str]:

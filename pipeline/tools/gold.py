@@ -384,7 +384,9 @@ def gold_table(
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="relay gold", description="Gold table of one or more models on a gold file.")
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.tools.gold", description="Gold table of one or more models on a gold file."
+    )
     parser.add_argument("gold", help="gold JSONL (prompt, attribute, expected)")
     parser.add_argument("models", nargs="+", help="model folders or 'embedded'")
     parser.add_argument("--max-new-tokens", type=int, default=40)
