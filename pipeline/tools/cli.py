@@ -50,7 +50,7 @@ from pipeline.config.capabilities import config_refusals
 from pipeline.config.loading import read_yaml
 from pipeline.engine.tracking import quiet_console
 from pipeline.modeling.preflight import model_problems
-from pipeline.tools.chain import stage_config_problems, stage_data_problems
+from pipeline.tools.chain import plan_problems, stage_data_problems
 from pipeline.tools.chain_config import load_pipeline, planned_stages
 
 REPO = Path(__file__).resolve().parents[2]
@@ -413,9 +413,11 @@ def _data_kind(value: str, stages: dict) -> str:
 
 
 def validate_pipeline(config: str, args: list[str]) -> str:
-    """Every planned stage of a pipeline config checked (model folders, configs, data), read as
-    `relay pipeline` reads it: the config's own path from here, every path in it from the repository
-    root (run_scripts/run_pipeline.sh); returns the line saying what was checked.
+    """Every planned stage of a pipeline config checked (model folders, configs, data, and what
+    `--from` / `--only` needs of the stages before them: `chain.plan_problems`, which the driver's
+    plan asks too), read as `relay pipeline` reads it: the config's own path from here, every path
+    in it from the repository root (run_scripts/run_pipeline.sh); returns the line saying what was
+    checked.
 
     Raises:
         ConfigError: every problem.
@@ -424,7 +426,7 @@ def validate_pipeline(config: str, args: list[str]) -> str:
     with contextlib.chdir(REPO):
         cfg, selection = load_pipeline(resolved, args)
         planned = planned_stages(cfg, selection)
-        problems = model_problems(cfg.base_model, "base_model") + stage_config_problems(cfg, planned)
+        problems = model_problems(cfg.base_model, "base_model") + plan_problems(cfg, planned)
         if cfg.reward_model:
             problems += model_problems(cfg.reward_model, "reward_model", need="reward")
     if problems:

@@ -45,9 +45,9 @@ from pipeline.tools.chain import (
     merged_dir,
     parent_path,
     parent_stage,
+    plan_problems,
     resolve_base,
     stage_argv,
-    stage_config_problems,
     stage_dir,
     stage_reward_path,
     stage_status,
@@ -363,12 +363,27 @@ def format_summary(summary: dict) -> str:
 
 def log(cfg: PipelineConfig, message: str) -> None:
     """To stderr (stdout carries answers to the bash script) and to output_root/driver.log."""
-    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}"
     print(f"[driver] {message}", file=sys.stderr, flush=True)
+    record(cfg, message)
+
+
+def record(cfg: PipelineConfig, message: str) -> None:
+    """One entry of output_root/driver.log: the time, then the message (its later lines indented)."""
     root = Path(cfg.output_root)
     root.mkdir(parents=True, exist_ok=True)
+    text = message.replace("\n", "\n    ")
     with open(root / LOG_NAME, "a", encoding="utf-8") as fh:
-        fh.write(line + "\n")
+        fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+
+
+def refused(cfg: PipelineConfig, stage: Optional[str], reason: Exception) -> None:
+    """driver.log's record of a pipeline the driver stopped itself (a stale or unfinished stage, a
+    failed check, a config problem): which stage and why, as the console's error line says it. A
+    plan refused before output_root exists writes nothing: it leaves no folder behind."""
+    if not Path(cfg.output_root).is_dir():
+        return
+    where = f"{stage}: the pipeline stopped here" if stage else "pipeline: stopped before any stage ran"
+    record(cfg, f"{where}: {reason}")
 
 
 def cmd_prepare(cfg: PipelineConfig, stage: str) -> list[str]:
@@ -411,19 +426,6 @@ def cmd_finish(cfg: PipelineConfig, stage: str) -> Optional[str]:
     return None
 
 
-def check_earlier_stages(cfg: PipelineConfig, planned: Sequence[str]) -> None:
-    """With --from / --only, the finished stages before the first planned one must be fresh
-    (pipeline.md): the planned ones build on them, and the summary reports them. (One that has not
-    finished is refused where a planned stage needs it: `checks_before`.)
-
-    Raises:
-        DriverError: one of them is stale (stage_status's reason).
-    """
-    for stage in cfg.chain[: cfg.chain.index(planned[0])] if planned else []:
-        if entry(cfg, stage).enabled:
-            stage_status(cfg, stage)
-
-
 def stale_stages(cfg: PipelineConfig) -> list[str]:
     """Why each enabled stage with an output is stale (stage_status's reason), in chain order."""
     out = []
@@ -432,7 +434,7 @@ def stale_stages(cfg: PipelineConfig) -> list[str]:
             try:
                 stage_status(cfg, stage)
             except DriverError as err:
-                out.append(str(err).splitlines()[0])
+                out.append(str(err))
     return out
 
 
@@ -496,7 +498,7 @@ def run_command(args: list[str], answer) -> int:
         print(usage, file=sys.stderr)
         return 2
     command, config_path, rest = args[0], args[1], args[2:]
-    stage = None
+    stage, cfg = None, None
     exit_code = 0
     if command == "stopped" and len(rest) >= 2 and rest[1].lstrip("-").isdigit():
         exit_code, rest = int(rest[1]), [rest[0], *rest[2:]]
@@ -511,10 +513,9 @@ def run_command(args: list[str], answer) -> int:
         cfg, selection = load_pipeline(config_path, rest)
         if command == "stages":
             planned = planned_stages(cfg, selection)
-            problems = stage_config_problems(cfg, planned)
+            problems = plan_problems(cfg, planned)
             if problems:
                 raise ConfigError(problems, config_path)
-            check_earlier_stages(cfg, planned)
             print("\n".join(planned), file=answer)
         elif command == "prepare":
             print("\n".join(cmd_prepare(cfg, stage)), file=answer)
@@ -535,6 +536,8 @@ def run_command(args: list[str], answer) -> int:
             print(format_summary(summary), file=answer)
     except (ConfigError, DriverError, GoldError, EvalError) as err:
         print(f"error: {err}", file=sys.stderr)
+        if cfg is not None:  # the config loaded: its output_root has the driver.log to say it in
+            refused(cfg, "summary" if command == "summarize" else stage, err)
         return 1
     return 0
 
