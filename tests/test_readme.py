@@ -310,3 +310,35 @@ def test_the_checker_catches_what_it_is_for():
         ["bash", "run_scripts/test.sh", "-x"],
         ["relay", "report", "outputs/x"],
     ]
+
+
+def test_readme_stage_table_has_every_stage_and_names_its_own_sections():
+    """The README's "Each stage" table had no distill row, and its list of the sections a stage adds
+    left out distill's, `teacher`, `judge` and `reward_model`: each registered stage has a row, and
+    every section a stage's config adds beyond the shared ones is named."""
+    import dataclasses
+
+    import stages as registry
+    from pipeline.config.sections import StageConfig
+
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Each stage") : text.index("\n## ", text.index("## Each stage") + 1)]
+    scripts = set(re.findall(r"^\| [^|]+ \| `stages/(\w+)\.py` \|", section, re.M))
+    assert scripts == {registry.script(s).stem for s in registry.STAGES}
+    shared = {f.name for f in dataclasses.fields(StageConfig)} | {"data"}
+    own = {f.name for s in registry.STAGES for f in dataclasses.fields(registry.config_class(s))} - shared
+    adds = section[section.index("adds its own") : section.index("Each shipped YAML")]
+    assert own <= set(re.findall(r"`(\w+)`", adds)), sorted(own - set(re.findall(r"`(\w+)`", adds)))
+
+
+def test_readme_judge_note_names_each_stage_and_tools_once():
+    """The capability notes' `judge:` bullet listed test runs ("ppo with tools on (FSDP2); grpo with
+    tools on (ZeRO-2); ..."): it now gives one line per stage and tools setting with the engines."""
+    from pipeline.config.capabilities import ENGINES, JUDGE_TESTS
+
+    text = README.read_text(encoding="utf-8")
+    lines = re.findall(r"^  - (\w+), tools (on|off): (.+)$", text[text.index("- `judge:`") :], re.M)
+    named = [(stage, tools) for stage, tools, _ in lines]
+    assert len(named) == len(set(named)) and set(named) == {(s, t) for s, t, _ in JUDGE_TESTS}
+    for stage, tools, engines in lines:
+        assert engines.split(", ") == [e.label for n, e in ENGINES.items() if (stage, tools, n) in JUDGE_TESTS]

@@ -8,7 +8,7 @@ import itertools
 from pathlib import Path
 from typing import Optional
 
-from pipeline.config.capabilities import ENGINES, GRPO_OPTIONS, JUDGE_TESTS, cells, refusal
+from pipeline.config.capabilities import ENGINES, GRPO_OPTIONS, JUDGE_TESTS, TOOLS, cells, refusal
 
 BEGIN, END = "<!-- capabilities:begin -->", "<!-- capabilities:end -->"
 
@@ -55,14 +55,15 @@ def render() -> str:
         f"- `grpo.{option}`: {', '.join(names)}: each in every supported grpo row (golden tests against TRL and verl)."
         for option, names in GRPO_OPTIONS.items()
     ]
-    judged: dict[tuple[str, str], list[str]] = {}
-    for stage, tools, engine in JUDGE_TESTS:
-        judged.setdefault((stage, ENGINES[engine].label), []).append(tools)
     options.append(
-        "- `judge:` (an LLM judge reward, alone or beside the others): "
-        + "; ".join(f"{stage} with tools {' and '.join(tools)} ({label})" for (stage, label), tools in judged.items())
-        + "; refused elsewhere."
+        "- `judge:` (an LLM judge reward, alone or beside the others) runs where the rest of its config runs "
+        "(the table above) under these engines; under any other engine it is refused before any model loads:"
     )
+    stages = dict.fromkeys(stage for stage, _, _ in JUDGE_TESTS)
+    for stage, tools in itertools.product(stages, TOOLS):
+        engines = [e.label for name, e in ENGINES.items() if (stage, tools, name) in JUDGE_TESTS]
+        if engines:
+            options.append(f"  - {stage}, tools {tools}: {', '.join(engines)}")
     return "\n".join(
         [
             f"{tested} combinations are trained by the "
