@@ -175,9 +175,16 @@ def convert(source: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="relay embedded",
+        description="Print the embedded model's folder, converting it from the packaged GGUF on first use.",
+    )
+    parser.add_argument("--force", action="store_true", help="convert again even if the folder exists")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        print(materialize(force="--force" in argv))
+        print(materialize(force=args.force))
     except EmbeddedError as err:
         print(f"embedded: {err}", file=sys.stderr)
         return 1
