@@ -896,7 +896,7 @@ def test_vllm_generator_follows_a_full_fine_tuned_policy(vllm_untied, vllm_tiny,
 
 
 # ------------------------------------------------------------------------------------------
-# relay gold --backend vllm, relay chat --backend vllm (on the shared server: its start is tested above)
+# the gold table --backend vllm, relay chat --backend vllm (on the shared server: its start is tested above)
 # ------------------------------------------------------------------------------------------
 
 

@@ -533,7 +533,8 @@ def completion_ids(
 ) -> list[list[int]]:
     """The ids a server (`server.opts.name`) answers each prompt with, cut before the first of
     `eos_ids` (greedy at temperature 0); one request per prompt, `server.opts.max_num_seqs` at a
-    time, so vLLM batches them. For `relay gold` and `relay chat --backend vllm`.
+    time, so vLLM batches them. For the gold table (`python -m pipeline.tools.gold --backend vllm`)
+    and `relay chat --backend vllm`.
 
     Raises:
         VLLMError: the server refused a request (its message).
