@@ -15,17 +15,29 @@ What llama.cpp needs beyond the weights is the tokenizer exactly as the Hugging 
   (user-defined) for other added tokens; 1 for the rest; 5 for padding rows beyond the tokenizer.
 - add_bos/add_eos as the tokenizer really behaves, bos/eos/unk/pad ids, the end-of-turn id, the
   merges and the chat template.
+
+And the rotary embedding as llama.cpp's Llama graph applies it: q/k projection rows (weights and
+biases) in its interleaved layout, and the config's rope scaling in the keys and tensor llama.cpp's
+convert_hf_to_gguf.py writes for it (ROPE_SCALINGS); another rope_type is refused before anything
+is written.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 PROBE = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time"]
+POSITION_PROBE = "\n".join(f"Line {i}: {PROBE[i % len(PROBE)]} {i * 7}." for i in range(40))
+"""A prompt of a few hundred tokens: its next-token logits rest on attention across distant
+positions, where a rope written otherwise than the model applies it shows (the short PROBE
+prompts barely rotate)."""
+LOGIT_PROBES = (*PROBE, POSITION_PROBE)
+"""The prompts whose next-token logits the export check compares (gguf_logit_error)."""
 
 
 class ExportError(RuntimeError):
@@ -178,8 +190,10 @@ def added_specials(tokenizer) -> tuple[bool, bool]:
 
 
 def permute_rotary(weights, n_head: int):
-    """q/k projection rows from the Hugging Face rotary layout to llama.cpp's (what its
-    convert_hf_to_gguf.py does for Llama; transformers' GGUF loader undoes it)."""
+    """q/k projection rows, or their biases, from the Hugging Face rotary layout (each head's first
+    half of dimensions rotates with its second half) to llama.cpp's (adjacent pairs), as its
+    convert_hf_to_gguf.py permutes Llama's `q_proj`/`k_proj` weights and biases; transformers' GGUF
+    loader undoes it."""
     return (
         weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
         .swapaxes(1, 2)
@@ -204,12 +218,104 @@ def tensor_payload(tensor, kind: GgufType):
     return gguf.quants.quantize(tensor.astype(np.float32), qtype), qtype
 
 
+def llama3_rope_factors(params: dict, dim: int, base: float):
+    """llama.cpp's `rope_freqs` for Llama 3's rope scaling (pure): per rotary frequency, what its
+    base frequency is divided by (convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors, here with
+    `original_max_position_embeddings` read from the rope parameters, where transformers reads it).
+    transformers' llama3 rope keeps frequencies whose wavelength is under original / high_freq_factor,
+    divides those over original / low_freq_factor by `factor`, and blends the two in between."""
+    import numpy as np
+
+    factor, low, high = float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    original = float(params["original_max_position_embeddings"])
+    wavelength = 2 * math.pi * base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    with np.errstate(divide="ignore", invalid="ignore"):  # low == high leaves no band to blend
+        smooth = (original / wavelength - low) / (high - low)
+        blended = 1.0 / ((1 - smooth) / factor + smooth)
+    factors = np.where(wavelength > original / low, factor, np.where(wavelength < original / high, 1.0, blended))
+    return factors.astype(np.float32)
+
+
+def _no_scaling(writer, params: dict, dim: int, base: float) -> None:
+    """Plain rope: rope.freq_base and rope.dimension_count say it all."""
+
+
+def _linear_scaling(writer, params: dict, dim: int, base: float) -> None:
+    """Positions divided by `factor`: llama.cpp's rope.scaling.type linear and rope.scaling.factor."""
+    import gguf
+
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(float(params["factor"]))
+
+
+def _llama3_scaling(writer, params: dict, dim: int, base: float) -> None:
+    """Per-frequency factors: llama.cpp reads them from the `rope_freqs` tensor (no scaling keys)."""
+    import gguf
+
+    name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+    writer.add_tensor(name, llama3_rope_factors(params, dim, base))
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """One transformers rope_type as this exporter writes it for llama.cpp."""
+
+    keys: tuple[str, ...]
+    """The rope parameters it reads (config.json `rope_parameters`, or `rope_scaling` before transformers 5)."""
+    write: Callable[[Any, dict, int, float], None]
+    """(writer, rope parameters, rotary dimension, rope_theta): its metadata keys and tensors."""
+
+
+ROPE_SCALINGS = {
+    "default": RopeScaling((), _no_scaling),
+    "linear": RopeScaling(("factor",), _linear_scaling),
+    "llama3": RopeScaling(
+        ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), _llama3_scaling
+    ),
+}
+"""The rope types written, each as convert_hf_to_gguf.py writes it for llama.cpp's Llama graph. Others
+(yarn, dynamic, longrope) are refused rather than written as plain rope."""
+
+
+def rope_scaling(config: dict) -> tuple[RopeScaling, dict]:
+    """(the ROPE_SCALINGS entry, its parameters) for a config.json (pure).
+
+    Raises:
+        ExportError: a rope_type this exporter does not write, or a parameter it needs missing.
+    """
+    source = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    params = config.get(source) or {}
+    name = params.get("rope_type") or params.get("type") or "default"
+    entry = ROPE_SCALINGS.get(name)
+    if entry is None:
+        raise ExportError(
+            f"--gguf: config.json {source}.rope_type is {name!r}; this exporter writes {', '.join(ROPE_SCALINGS)} "
+            "rope (use llama.cpp's convert_hf_to_gguf.py on the exported folder)"
+        )
+    missing = [key for key in entry.keys if params.get(key) is None]
+    if missing:
+        raise ExportError(f"--gguf: config.json {source} has rope_type {name!r} but no {', '.join(missing)}")
+    return entry, params
+
+
+def rotary_settings(config: dict) -> tuple[float, int]:
+    """(rope_theta, rotary dimension per head) of a config.json (pure)."""
+    n_head = config["num_attention_heads"]
+    base = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return float(base), config.get("head_dim") or config["hidden_size"] // n_head
+
+
 def write_metadata(writer, config: dict, name: str, kind: GgufType) -> None:
-    """The model's hyper-parameters as llama.cpp's Llama loader reads them."""
+    """The model's hyper-parameters as llama.cpp's Llama loader reads them, its rope scaling included.
+
+    Raises:
+        ExportError: a rope scaling this exporter does not write (rope_scaling).
+    """
     import gguf
 
     n_head = config["num_attention_heads"]
-    rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    scaling, params = rope_scaling(config)
+    base, rotary_dim = rotary_settings(config)
     writer.add_name(name)
     writer.add_context_length(config.get("max_position_embeddings", 2048))
     writer.add_embedding_length(config["hidden_size"])
@@ -218,8 +324,9 @@ def write_metadata(writer, config: dict, name: str, kind: GgufType) -> None:
     writer.add_head_count(n_head)
     writer.add_head_count_kv(config.get("num_key_value_heads", n_head))
     writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
-    writer.add_rope_freq_base(float(rope))
-    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // n_head)
+    writer.add_rope_freq_base(base)
+    writer.add_rope_dimension_count(rotary_dim)
+    scaling.write(writer, params, rotary_dim, base)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType[kind.file_type])
 
@@ -268,7 +375,8 @@ def write_gguf(
     with `license_id` as general.license when known.
 
     Raises:
-        ExportError: another architecture, or a tokenizer llama.cpp could not reproduce.
+        ExportError: another architecture, a rope scaling this exporter does not write (both before
+            anything is written), or a tokenizer llama.cpp could not reproduce.
     """
     import gguf
     from safetensors import safe_open
@@ -279,6 +387,7 @@ def write_gguf(
             f"--gguf: {folder} is {config.get('architectures')}; this exporter writes LlamaForCausalLM "
             "(for others use llama.cpp's convert_hf_to_gguf.py on the exported folder)"
         )
+    rope_scaling(config)
     kind = GGUF_TYPES[dtype]
     n_head = config["num_attention_heads"]
     n_kv = config.get("num_key_value_heads", n_head)
@@ -294,9 +403,9 @@ def write_gguf(
                 if "rotary_emb" in key:
                     continue
                 tensor = fh.get_tensor(key).float().numpy()
-                if key.endswith("q_proj.weight"):
+                if key.endswith(("q_proj.weight", "q_proj.bias")):
                     tensor = permute_rotary(tensor, n_head)
-                elif key.endswith("k_proj.weight"):
+                elif key.endswith(("k_proj.weight", "k_proj.bias")):
                     tensor = permute_rotary(tensor, n_kv)
                 gguf_name = names.get_name(key, try_suffixes=(".weight", ".bias"))
                 if gguf_name is None:
@@ -393,22 +502,76 @@ def gguf_tokenizer_problem(folder: Path, gguf_file: Path, texts: Sequence[str] =
     return None
 
 
-def gguf_logit_error(folder: Path, gguf_file: Path, prompts: Sequence[str] = PROBE) -> float:
-    """The worst logit_error over `prompts` of the GGUF loaded back by transformers (which
-    dequantizes its tensors with the gguf package) against the model folder, both in fp32."""
+def llama_cpp_reading(gguf_file: Path) -> tuple[Any, dict]:
+    """What llama.cpp's Llama graph takes from a GGUF that transformers' GGUF loader leaves out:
+    (the rotary inverse frequencies, config overrides for the reloaded model).
+
+    The frequencies (a float32 tensor, computed as transformers computes the plain ones) are
+    rope.freq_base ** (-2i / rope.dimension_count), divided by rope.scaling.factor where the file has
+    one (llama.cpp scales positions by its inverse) and by the `rope_freqs` tensor's factors where it
+    has that. The overrides say which biases the layers have: llama.cpp adds every bias tensor the
+    file holds, while transformers builds a Llama without biases and drops them."""
+    import gguf
+    import torch
+
+    reader = gguf.GGUFReader(str(gguf_file))
+
+    def value(key: str):
+        found = reader.get_field(f"llama.{key}")
+        return None if found is None else found.contents()
+
+    dim, factor = int(value("rope.dimension_count")), value("rope.scaling.factor")
+    inv_freq = 1.0 / (float(value("rope.freq_base")) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if factor:
+        inv_freq = inv_freq / factor
+    freqs_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+    freqs = next((t for t in reader.tensors if t.name == freqs_name), None)
+    if freqs is not None:
+        inv_freq = inv_freq / torch.tensor(freqs.data, dtype=torch.float32)
+    biases = {t.name.split(".")[-2] for t in reader.tensors if t.name.startswith("blk.") and t.name.endswith(".bias")}
+    overrides = {
+        "attention_bias": any(name.startswith("attn_") for name in biases),
+        "mlp_bias": any(name.startswith("ffn_") for name in biases),
+    }
+    return inv_freq, overrides
+
+
+def gguf_logit_error(folder: Path, gguf_file: Path, prompts: Sequence[str] = LOGIT_PROBES) -> float:
+    """The worst logit_error over `prompts` (each cut to the model's max_position_embeddings) of the
+    GGUF loaded back by transformers (which dequantizes its tensors with the gguf package), given what
+    llama.cpp reads from the file that transformers does not (llama_cpp_reading: the rope, biases),
+    against the model folder, both in fp32."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    inv_freq, overrides = llama_cpp_reading(gguf_file)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     reloaded = AutoModelForCausalLM.from_pretrained(
-        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32, **overrides
     ).eval()
+    rotary = reloaded.model.rotary_emb
+    rotary.inv_freq, rotary.original_inv_freq = inv_freq, inv_freq.clone()
+    limit = reference.config.max_position_embeddings
     worst = 0.0
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+            ids = torch.tensor([tokenizer(prompt)["input_ids"][:limit]])
             worst = max(
                 worst, logit_error(reference(input_ids=ids).logits[0, -1], reloaded(input_ids=ids).logits[0, -1])
             )
     return worst
+
+
+def logit_problem(error: float, dtype: str) -> Optional[str]:
+    """One line for a gguf_logit_error beyond `dtype`'s tolerance (None within it): what was compared
+    and what the file then holds otherwise than the model."""
+    tolerance = GGUF_TYPES[dtype].tolerance
+    if error <= tolerance:
+        return None
+    return (
+        f"next-token logits differ from the model folder's on {len(LOGIT_PROBES)} probe prompts (one a few hundred "
+        "tokens long) when transformers reads the GGUF back, with the rope and biases llama.cpp reads from it: "
+        f"normalised squared error {error:.3g}, where {dtype}'s rounding explains {tolerance:.2g}; a tensor, its "
+        "layout or a hyper-parameter (rope, norm epsilon, heads) is written otherwise than the model uses it"
+    )
