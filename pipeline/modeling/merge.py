@@ -3,10 +3,17 @@
     python -m pipeline.modeling.merge --base DIR --adapter DIR --out DIR [--kind causal|reward] [--overwrite]
 
 The merged folder is what the next stage loads: safetensors weights, tokenizer, chat template,
-generation config and manifest.json. The merge checks its own output: the saved folder, reloaded
-with the plain Auto class, must load with no missing or unexpected keys and give the same logits
-as base+adapter (within 1e-3, fp32) on a probe batch. It is written into a staging folder beside
-`out` and renamed into place, so a crash never leaves a half-written model that looks complete.
+generation config and manifest.json. The merge is computed in fp32 and saved in the dtype the
+base's safetensors hold (a bf16 base gives a bf16 merged model, as full fine-tuning saves its own
+dtype). The merge checks its own output: merged must give base+adapter's logits within 1e-3 (fp32,
+on a probe batch), and the saved folder, reloaded with the plain Auto class, must load with no
+missing or unexpected keys and give those logits again (saved in fp32), or hold exactly the merged
+weights rounded to the saved dtype (bf16, fp16). It is written into a staging folder beside `out`
+and renamed into place, so a crash never leaves a half-written model that looks complete; an `out`
+that is, or holds, the base or the adapter is refused before anything is deleted.
+
+`relay merge` (main) also refuses an adapter whose own records name other base weights than
+`--base` holds (pipeline/modeling/adapter_checks.py).
 
 Custom code and pickles: the base and the merged folder load with the run's `trust_remote_code`
 (a model whose class lives in its folder, `auto_map`, is merged and checked as that class, and
@@ -17,13 +24,15 @@ QLoRA adapters: the base is always loaded in full precision (fp32) here, so merg
 adapter dequantises the base first. The merged weights are therefore W + BA with the *original*
 W, while training saw nf4(W) + BA; the two differ by the 4-bit quantisation error of W (small but
 not zero; tests/test_qlora.py measures it on a tiny model). Merging into the 4-bit weights
-instead would bake that rounding error into a full-precision model for no gain.
+instead would bake that rounding error into a full-precision model for no gain. The merge check
+compares with the full-precision base + adapter, so it does not measure that difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import shutil
 import sys
 import tempfile
@@ -33,6 +42,7 @@ from typing import Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from pipeline.modeling.adapter_checks import adapter_base_problem
 from pipeline.modeling.embedded import resolve_model_path
 from pipeline.modeling.manifest import write_manifest
 from pipeline.modeling.models import ensure_pad_token, warn_ignored_code
@@ -76,15 +86,25 @@ def _load_plain(path: str | Path, kind: str, trust_remote_code: bool = False, al
     return model.eval(), info
 
 
-def check_out_dir(out: str | Path, overwrite: bool) -> Path:
-    """Return `out` as a Path, refusing a non-empty folder unless `overwrite`.
+def check_out_dir(out: str | Path, overwrite: bool, keep: Optional[dict[str, str | Path]] = None) -> Path:
+    """Return `out` as a Path, refusing a non-empty folder unless `overwrite`, and a folder that is or
+    holds one of `keep` ({what: path} the writing reads, e.g. the base and the adapter), which
+    replacing `out` would delete.
 
     Raises:
         FileExistsError: `out` is a non-empty folder and overwrite is False, or a file.
+        ValueError: `out` is, or is a folder above, one of `keep`'s paths.
     """
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out}: exists and is not a folder")
+    where = out.resolve()
+    for what, path in (keep or {}).items():
+        if Path(path).exists() and (where == Path(path).resolve() or where in Path(path).resolve().parents):
+            raise ValueError(
+                f"{out}: is or holds the {what} {path}, which writing the merged model there would delete; "
+                "choose another output folder"
+            )
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out}: folder is not empty; pass overwrite=True (--overwrite) to replace it")
     return out
@@ -130,9 +150,28 @@ def _check_reload(
     return diff
 
 
+def stored_dtype(folder: str | Path) -> torch.dtype:
+    """The floating dtype most of a folder's safetensors weights are stored in (read from their
+    headers); fp32 when it has none (a hub id, pickled weights) or another dtype than fp32/bf16/fp16."""
+    from safetensors import safe_open
+
+    counts: dict[str, int] = {}
+    for file in sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []:
+        with safe_open(str(file), framework="pt") as fh:
+            for key in fh.keys():
+                piece = fh.get_slice(key)
+                counts[piece.get_dtype()] = counts.get(piece.get_dtype(), 0) + math.prod(piece.get_shape())
+    floating = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    found = {name: n for name, n in counts.items() if name in floating}
+    return floating[max(found, key=found.__getitem__)] if found else torch.float32
+
+
 @torch.no_grad()
-def _check_reload_weights(folder: Path, kind: str, model, trust_remote_code: bool = False) -> float:
-    """Reload `folder` in fp32; every tensor must equal `model`'s (upcast to fp32); return 0.0.
+def _check_reload_weights(
+    folder: Path, kind: str, model, trust_remote_code: bool = False, batch=None, expected=None
+) -> float:
+    """Reload `folder` in fp32; every tensor must equal `model`'s (upcast to fp32). Return the
+    reloaded outputs' max abs difference from `expected` on `batch` when given, else 0.0.
 
     Raises:
         MergeError: missing/unexpected keys, or any tensor that differs.
@@ -147,7 +186,7 @@ def _check_reload_weights(folder: Path, kind: str, model, trust_remote_code: boo
     changed = [k for k in original if not torch.equal(saved[k], original[k].float().cpu())]
     if changed:
         raise MergeError(f"{folder}: saved tensors differ from the model's: {changed[:8]}")
-    return 0.0
+    return 0.0 if batch is None else max_abs_diff(model_outputs(reloaded, batch), expected)
 
 
 def _check_task_type(adapter: str, kind: str) -> None:
@@ -258,22 +297,25 @@ def merge_adapter(
     folder's, else the base's.
 
     The base loads in fp32 (a QLoRA adapter's 4-bit base is thus dequantised first, see the module
-    docstring). `chat_template`, when given, becomes the merged tokenizer's template. With
-    `verify`, the written folder is reloaded and must match base+adapter within 1e-3. Pass the
-    run's `trust_remote_code` and `allow_pickle` (model section): the base and the reload honour them.
+    docstring) and the merge is computed there, then saved in the dtype of the base's weights
+    (stored_dtype). `chat_template`, when given, becomes the merged tokenizer's template. With
+    `verify`, the written folder is reloaded: saved in fp32 its logits must match base+adapter's
+    within 1e-3; saved in bf16/fp16 its weights must be the merged ones rounded to that dtype.
+    Pass the run's `trust_remote_code` and `allow_pickle` (model section): the base and the reload
+    honour them.
 
     Raises:
         FileExistsError: `out` is non-empty and overwrite is False.
-        ValueError: unknown kind.
+        ValueError: unknown kind, or `out` is or holds the base or the adapter.
         MergeError: the adapter was trained for the other kind, the merge does not reproduce
             base+adapter, embeddings came untied, the saved folder does not reload cleanly, or a
             reward head exists in neither base nor adapter.
     """
     from peft import PeftModel
 
-    out_path = check_out_dir(out, overwrite)
-    _check_task_type(adapter, kind)
     base = resolve_model_path(base)
+    out_path = check_out_dir(out, overwrite, keep={"base model": base, "adapter": adapter})
+    _check_task_type(adapter, kind)
     if tokenizer is None:
         tokenizer = _load_tokenizer_for_merge(base, adapter, trust_remote_code)
     model, info = _load_plain(base, kind, trust_remote_code, allow_pickle)
@@ -289,16 +331,23 @@ def merge_adapter(
     merge_diff = max_abs_diff(model_outputs(merged, batch), expected)
     if merge_diff > TOLERANCE:
         raise MergeError(f"merging {adapter} into {base}: outputs moved by {merge_diff:.3g} > {TOLERANCE}")
+    dtype = stored_dtype(base)
+    merged = merged.to(dtype)
     staging = _staging_dir(out_path)
     try:
         _write_folder(merged, tokenizer, staging, chat_template)
-        reload_diff = _check_reload(staging, kind, batch, expected, trust_remote_code) if verify else None
+        reload_diff = None
+        if verify and dtype == torch.float32:
+            reload_diff = _check_reload(staging, kind, batch, expected, trust_remote_code)
+        elif verify:
+            reload_diff = _check_reload_weights(staging, kind, merged, trust_remote_code, batch, expected)
         extras = {
             "model_kind": kind,
             "merge_check": {
                 "merge_max_abs_diff": merge_diff,
                 "reload_max_abs_diff": reload_diff,
                 "tolerance": TOLERANCE,
+                "dtype": str(dtype).removeprefix("torch."),
             },
         }
         write_manifest(
@@ -340,8 +389,8 @@ def export_full_model(
 
     Raises:
         FileExistsError: `out` is non-empty and overwrite is False.
-        ValueError: `model` is a PeftModel (merge its adapter with merge_adapter instead), or its
-            class is neither a causal LM nor a sequence classifier.
+        ValueError: `model` is a PeftModel (merge its adapter with merge_adapter instead), its
+            class is neither a causal LM nor a sequence classifier, or `out` is or holds `parent`.
         MergeError: the saved folder does not reload cleanly or reproduce `model`.
     """
     from peft import PeftModel
@@ -351,7 +400,7 @@ def export_full_model(
     kind = "reward" if type(model).__name__.endswith("ForSequenceClassification") else "causal"
     if kind == "causal" and not type(model).__name__.endswith("ForCausalLM"):
         raise ValueError(f"export_full_model: {type(model).__name__} is neither a causal LM nor a sequence classifier")
-    out_path = check_out_dir(out, overwrite)
+    out_path = check_out_dir(out, overwrite, keep={"parent model": parent})
     staging = _staging_dir(out_path)
     try:
         _write_folder(model, tokenizer, staging, chat_template)
@@ -386,6 +435,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
+    problem = adapter_base_problem(args.base, args.adapter)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
     try:
         out = merge_adapter(
             args.base,
