@@ -193,3 +193,20 @@ def test_what_the_tied_check_refuses_is_what_the_merge_cannot_do(tiny_model_dir,
     )
     out = merge_adapter(str(tiny_model_dir), adapter, str(tmp_path / "merged-saved"))
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_a_stage_refuses_lora_on_a_tied_module_before_any_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """It trained to the end, then the merge stopped in a MergeError traceback with no merged/."""
+    from test_pt_sft import sft_args, write_sft
+
+    from pipeline.config import ConfigError, load_config
+    from pipeline.modeling import models
+    from stages.sft import SFTConfig, SFTStage
+
+    train, valid = write_sft(tmp_path / "data", big=4, small=4)
+    argv = sft_args(tiny_model_dir, train, valid, tmp_path / "out", "--lora.target_modules", "[q_proj,lm_head]")
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(ConfigError) as err:
+        SFTStage(load_config(SFTConfig, argv)).validate()
+    assert [p for p in err.value.problems if p.startswith("lora.target_modules: lm_head shares its weight")]
+    SFTStage(load_config(SFTConfig, argv[:-1] + ["[q_proj]"])).validate()

@@ -94,6 +94,7 @@ from pipeline.engine.tracking import (
     event_files,
 )
 from pipeline.modeling import models
+from pipeline.modeling.adapter_checks import tied_lora_problems
 from pipeline.modeling.embedded import EmbeddedError, resolve_model_path
 from pipeline.modeling.onednn import onednn_linears
 
@@ -392,6 +393,8 @@ class Stage:
             self.model_path, "any" if self.model_kind == "reward" else "causal", cfg.model.allow_pickle
         )
         problems += models.remote_code_problems(cfg.model, "model")
+        if cfg.model.finetuning != "full" and not problems:  # the folder's config is readable
+            problems += tied_lora_problems(self.model_path, cfg.lora, self.model_kind, cfg.model.trust_remote_code)
         if not problems:
             problems += resume_problems(self)
         if problems:

@@ -43,11 +43,13 @@ from pipeline.modeling.manifest import file_sha256, read_manifest
 from pipeline.modeling.preflight import model_kind_of, model_problems
 from pipeline.tools.gguf_export import (
     GGUF_TYPES,
+    LOGIT_PROBES,
     PROBE,
     ExportError,
     gguf_logit_error,
     gguf_string,
     gguf_tokenizer_problem,
+    logit_problem,
     write_gguf,
 )
 
@@ -635,7 +637,7 @@ def write_release(
             licence = base_model(chain)[1]
             error = write_checked_gguf(target, gguf_type, name, None if licence == "unknown" else licence)
         print(
-            f"{shown / GGUF_NAME}: next-token logits match the model's on {len(PROBE)} probe prompts "
+            f"{shown / GGUF_NAME}: next-token logits match the model's on {len(LOGIT_PROBES)} probe prompts "
             f"(error {error:.2g}; {gguf_type} allows {GGUF_TYPES[gguf_type].tolerance:.2g}), and its tokenizer "
             "gives the model's ids",
             file=sys.stderr,
@@ -661,13 +663,7 @@ def write_checked_gguf(target: Path, gguf_type: str, name: str, license_id: Opti
     """
     path = write_gguf(target, target / GGUF_NAME, gguf_type, name, license_id)
     error = gguf_logit_error(target, path)
-    tolerance = GGUF_TYPES[gguf_type].tolerance
-    problem = (
-        f"next-token logits differ from the model's (normalised squared error {error:.3g}, {gguf_type} allows "
-        f"{tolerance:.2g}): its tensors are laid out wrongly"
-        if error > tolerance
-        else gguf_tokenizer_problem(target, path)
-    )
+    problem = logit_problem(error, gguf_type) or gguf_tokenizer_problem(target, path)
     if problem:
         path.unlink()
         raise ExportError(f"--gguf: the GGUF's {problem}; not written")
