@@ -1,9 +1,10 @@
-"""What `relay export` (pipeline/tools/release.py) refuses and what its model card claims, and the
-model-folder checks `relay export`, `relay serve` and `relay eval` share: --out over the source
-is refused before anything is deleted; the card reads the data paths as the training run read
-them and says when the files changed since; a reward model's card scores a conversation as Relay
-reads the reward; a model's own code files ship with it and `relay serve` says truly why it
-refuses them; the base model of a chain whose parent folder is gone; an unfinished run."""
+"""What `relay export` (pipeline/tools/release.py) refuses and what its model card
+(pipeline/tools/model_card.py) claims, and the model-folder checks `relay export`, `relay serve`
+and `relay eval` share: --out over the source is refused before anything is deleted; the card
+reads the data paths as the training run read them and says when the files changed since; a
+reward model's card scores a conversation as Relay reads the reward; a model's own code files ship
+with it and `relay serve` says truly why it refuses them; the base model of a chain whose parent
+folder is gone; an unfinished run."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import yaml
 from pipeline.engine.identity import data_digest
 from pipeline.modeling.manifest import write_manifest
 from pipeline.tools import evaluate, release, serve
+from pipeline.tools.model_card import FINETUNING_READS, default_name, hyper_parameters, manifest_chain, model_card
 
 # ------------------------------------------------------------------------------------------
 # --out over the source
@@ -281,10 +283,10 @@ def test_card_names_the_recorded_parent_when_its_folder_is_gone(tiny_model_dir, 
         merged, stage="sft", parent=str(parent), adapter=str(merged.parent / "adapter"), extra={"summary": {"steps": 1}}
     )
     shutil.rmtree(parent)
-    chain = release.manifest_chain(merged)
+    chain = manifest_chain(merged)
     assert len(chain) == 1
-    card = release.model_card(chain, release.default_name(chain, None))
-    assert release.default_name(chain, None) == "parent-sft"
+    card = model_card(chain, default_name(chain, None))
+    assert default_name(chain, None) == "parent-sft"
     assert "`merged`" not in card and f"no longer at {parent}" in card
     assert f"(stage `tiny-random`, weights sha256 `{manifest['parent_hash']}`)" in card
 
@@ -295,14 +297,14 @@ def test_lora_line_shows_quantisation_only_for_qlora(finetuning, shown):
         "model": {"finetuning": finetuning},
         "lora": {"r": 8, "alpha": 16, "quant_type": "nf4", "double_quant": True},
     }
-    lora = next(line for line in release.hyper_parameters(config) if line.startswith("lora:"))
+    lora = next(line for line in hyper_parameters(config) if line.startswith("lora:"))
     assert lora.startswith("lora: r=8, alpha=16") and ("quant_type=nf4" in lora) == shown
 
 
 def test_every_finetuning_mode_says_what_it_reads():
     from pipeline.config.sections import FINETUNING
 
-    assert set(release.FINETUNING_READS) == set(FINETUNING)
+    assert set(FINETUNING_READS) == set(FINETUNING)
 
 
 def test_an_unfinished_run_is_named_so_by_export_serve_and_eval(tmp_path):

@@ -1,7 +1,8 @@
-"""`relay export` (pipeline/tools/release.py): the model card follows the manifest chain and has
-the front matter the Hub reads; `sha256sum -c` checks the shipped files; they are world-readable;
-the GGUF reproduces the model's next-token logits when loaded back, and a wrongly laid-out one is
-caught. (What llama.cpp makes of the GGUF: tests/test_gguf.py.)"""
+"""`relay export` (pipeline/tools/release.py; the card: pipeline/tools/model_card.py): the model card
+follows the manifest chain and has the front matter the Hub reads; `sha256sum -c` checks the
+shipped files; they are world-readable; the GGUF reproduces the model's next-token logits when
+loaded back, and a wrongly laid-out one is caught. (What llama.cpp makes of the GGUF:
+tests/test_gguf.py.)"""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import subprocess
 import pytest
 import yaml
 
-from pipeline.modeling.manifest import write_manifest
+from pipeline.modeling.manifest import read_manifest, write_manifest
 from pipeline.tools import gguf_export, release
+from pipeline.tools.model_card import EMBEDDED_HUB_ID, default_name, model_card
 
 
 @pytest.fixture
@@ -73,15 +75,13 @@ def test_card_names_the_embedded_base_by_its_hub_id_and_licence(embedded_path):
             "config": {"train": {"learning_rate": 1e-4}},
             "_folder": "/x/merged",
         },
-        {**release.read_manifest(embedded_path), "_folder": str(embedded_path)},
+        {**read_manifest(embedded_path), "_folder": str(embedded_path)},
     ]
-    assert release.default_name(chain, None) == "SmolLM2-135M-Instruct-sft"
-    assert release.default_name(chain, "me/cat-model") == "me/cat-model"
-    card = release.model_card(chain, "SmolLM2-135M-Instruct-sft", ["model.gguf"], "q8_0")
+    assert default_name(chain, None) == "SmolLM2-135M-Instruct-sft"
+    assert default_name(chain, "me/cat-model") == "me/cat-model"
+    card = model_card(chain, "SmolLM2-135M-Instruct-sft", ["model.gguf"], "q8_0")
     meta = front_matter(card)
-    assert (
-        meta["base_model"] == release.EMBEDDED_HUB_ID and meta["license"] == "apache-2.0"
-    )  # the base GGUF's general.license
+    assert meta["base_model"] == EMBEDDED_HUB_ID and meta["license"] == "apache-2.0"  # the base GGUF's general.license
     assert meta["tags"] == ["relay", "sft", "gguf"] and ".venv" not in card and "site-packages" not in card
     assert "- train: learning_rate=0.0001" in card and "GGUF (q8_0)" in card and "llama-quantize" in card
 
