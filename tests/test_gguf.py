@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from pipeline.tools import gguf_export
+from pipeline.tools import gguf_check, gguf_export
 from pipeline.tools.gguf_export import ExportError
 
 # Strings where a wrong pre-tokenizer or token types show: digit runs, punctuation runs, unicode,
@@ -68,7 +68,7 @@ def test_pre_tokenizer_name_matches_llama_cpp_converter(embedded_json, reference
         ],
     }
     assert gguf_export.pre_tokenizer_name(smollm) == field(reference_gguf, "tokenizer.ggml.pre") == "smollm"
-    assert gguf_export.gguf_string(reference_gguf.data.filename, "general.license") == field(
+    assert gguf_check.gguf_string(reference_gguf.data.filename, "general.license") == field(
         reference_gguf, "general.license"
     )
     other = copy.deepcopy(embedded_json)
@@ -102,11 +102,11 @@ def test_logit_error_is_the_nmse_of_centred_logits():
 
     a = torch.tensor([1.0, 2.0, 3.0, 6.0], dtype=torch.float64)
     b = torch.tensor([1.0, 2.0, 3.0, 5.0], dtype=torch.float64)
-    assert gguf_export.logit_error(a, b) == pytest.approx(0.75 / 14, rel=1e-12)
-    assert gguf_export.logit_error(a, a + 5) == pytest.approx(0.0, abs=1e-15)
-    assert gguf_export.logit_error(a, 1.1 * a) == pytest.approx(0.01, rel=1e-12)
-    assert gguf_export.logit_error(a.log_softmax(-1), b.log_softmax(-1)) == pytest.approx(0.75 / 14, rel=1e-12)
-    assert gguf_export.logit_error(10 * a, 10 * b) == pytest.approx(0.75 / 14, rel=1e-12)
+    assert gguf_check.logit_error(a, b) == pytest.approx(0.75 / 14, rel=1e-12)
+    assert gguf_check.logit_error(a, a + 5) == pytest.approx(0.0, abs=1e-15)
+    assert gguf_check.logit_error(a, 1.1 * a) == pytest.approx(0.01, rel=1e-12)
+    assert gguf_check.logit_error(a.log_softmax(-1), b.log_softmax(-1)) == pytest.approx(0.75 / 14, rel=1e-12)
+    assert gguf_check.logit_error(10 * a, 10 * b) == pytest.approx(0.75 / 14, rel=1e-12)
 
 
 def test_each_type_tolerance_follows_its_rounding_error():
@@ -136,8 +136,8 @@ def test_gguf_metadata_as_the_gguf_package_reads_it(tiny_model_dir, tmp_path):
     )
     reader = gguf.GGUFReader(str(path))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    assert field(reader, "general.name") == gguf_export.gguf_string(path, "general.name") == "Tiny-SFT"
-    assert gguf_export.gguf_string(path, "tokenizer.chat_template") == tok.chat_template  # read past the vocabulary
+    assert field(reader, "general.name") == gguf_check.gguf_string(path, "general.name") == "Tiny-SFT"
+    assert gguf_check.gguf_string(path, "tokenizer.chat_template") == tok.chat_template  # read past the vocabulary
     assert field(reader, "general.license") == "apache-2.0"
     assert field(reader, "tokenizer.ggml.pre") == "gpt-2"
     assert (

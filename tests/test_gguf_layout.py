@@ -16,7 +16,7 @@ import torch
 from tinymodels import make_tiny_model
 from transformers import AutoModelForCausalLM
 
-from pipeline.tools import gguf_export
+from pipeline.tools import gguf_check, gguf_export
 from pipeline.tools.gguf_export import ExportError
 
 LINEAR = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
@@ -115,11 +115,11 @@ def test_the_check_passes_a_scaled_rope_and_catches_it_left_out(scaled, tmp_path
     beyond q8_0's tolerance, the widest (the three short prompts alone barely rotate)."""
     name, folder = scaled
     exact = gguf_export.write_gguf(folder, tmp_path / "exact.gguf", "f32")
-    assert gguf_export.gguf_logit_error(folder, exact) <= gguf_export.GGUF_TYPES["f32"].tolerance
+    assert gguf_check.gguf_logit_error(folder, exact) <= gguf_export.GGUF_TYPES["f32"].tolerance
     entry = gguf_export.ROPE_SCALINGS[name]
     monkeypatch.setitem(gguf_export.ROPE_SCALINGS, name, dataclasses.replace(entry, write=gguf_export._no_scaling))
     plain = gguf_export.write_gguf(folder, tmp_path / "plain.gguf", "q8_0")
-    error = gguf_export.gguf_logit_error(folder, plain)
+    error = gguf_check.gguf_logit_error(folder, plain)
     assert error > 10 * gguf_export.GGUF_TYPES["q8_0"].tolerance
     assert gguf_export.logit_problem(error, "q8_0").startswith("next-token logits differ from the model folder's")
 
@@ -172,12 +172,12 @@ def test_the_check_reads_a_biased_model_exactly(biased, tmp_path, monkeypatch):
     the file holds): the check tells it, so an f32 export's error is float noise (it was refused);
     biases left in the Hugging Face layout are caught at q8_0's tolerance."""
     path = gguf_export.write_gguf(biased, tmp_path / "model.gguf", "f32")
-    assert gguf_export.llama_cpp_reading(path)[1] == {"attention_bias": True, "mlp_bias": False}
-    assert gguf_export.gguf_logit_error(biased, path) <= gguf_export.GGUF_TYPES["f32"].tolerance
+    assert gguf_check.llama_cpp_reading(path)[1] == {"attention_bias": True, "mlp_bias": False}
+    assert gguf_check.gguf_logit_error(biased, path) <= gguf_export.GGUF_TYPES["f32"].tolerance
     rows = gguf_export.permute_rotary
     monkeypatch.setattr(gguf_export, "permute_rotary", lambda w, n_head: w if w.ndim == 1 else rows(w, n_head))
     unpermuted = gguf_export.write_gguf(biased, tmp_path / "unpermuted.gguf", "q8_0")
-    assert gguf_export.gguf_logit_error(biased, unpermuted) > 10 * gguf_export.GGUF_TYPES["q8_0"].tolerance
+    assert gguf_check.gguf_logit_error(biased, unpermuted) > 10 * gguf_export.GGUF_TYPES["q8_0"].tolerance
 
 
 # ------------------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ def llama_cpp_errors(llama_cpp, folder, path, lengths=(8, 64, 400)) -> list[floa
             ids = torch.randint(10, 2000, (n,), generator=generator).tolist()
             with torch.no_grad():
                 expected = model(input_ids=torch.tensor([ids])).logits[0, -1]
-            errors.append(gguf_export.logit_error(expected, torch.tensor(runner.logits(ids))))
+            errors.append(gguf_check.logit_error(expected, torch.tensor(runner.logits(ids))))
     finally:
         runner.close()
     return errors
