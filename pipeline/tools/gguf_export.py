@@ -35,12 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-# gguf_check's names that release.py and model_card.py import from this module (a redundant alias re-exports)
-from pipeline.tools.gguf_check import LOGIT_PROBES as LOGIT_PROBES
-from pipeline.tools.gguf_check import PROBE as PROBE
-from pipeline.tools.gguf_check import gguf_logit_error as gguf_logit_error
-from pipeline.tools.gguf_check import gguf_string as gguf_string
-from pipeline.tools.gguf_check import gguf_tokenizer_problem as gguf_tokenizer_problem
+from pipeline.tools.gguf_check import LOGIT_PROBES
 
 
 class ExportError(RuntimeError):

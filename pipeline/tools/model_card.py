@@ -19,7 +19,7 @@ from data_formats.sources import expand_entry
 from pipeline.engine.identity import data_digest
 from pipeline.modeling.embedded import gguf_path
 from pipeline.modeling.manifest import file_sha256, read_manifest
-from pipeline.tools.gguf_export import gguf_string
+from pipeline.tools.gguf_check import gguf_string
 
 GGUF_NAME = "model.gguf"
 CHECKSUMS = "SHA256SUMS"

@@ -10,7 +10,7 @@ hyper-parameters and data, the prompt format, how to load it). The model's own c
 (auto_map) are copied, never run. An --out that is the source, inside it or above it is refused
 before anything is written or deleted. `--gguf` writes a GGUF (pipeline.tools.gguf_export:
 llama.cpp's layout and tokenizer metadata) and checks it by loading it back with transformers and
-comparing next-token logits with the merged model on a probe batch (gguf_export.logit_error); an
+comparing next-token logits with the merged model on a probe batch (gguf_check.logit_error); an
 error beyond what the type's own precision explains fails the export. The folder is written beside
 --out under a temporary name and renamed at the end, so a failed export leaves --out as it was. Exported files are
 world-readable (0644, folders 0755) like any save_pretrained output.
@@ -35,16 +35,8 @@ from pipeline.engine.tracking import quiet_console
 from pipeline.modeling.embedded import resolve_model_path
 from pipeline.modeling.manifest import file_sha256
 from pipeline.modeling.preflight import model_kind_of, model_problems
-from pipeline.tools.gguf_export import (
-    GGUF_TYPES,
-    LOGIT_PROBES,
-    PROBE,
-    ExportError,
-    gguf_logit_error,
-    gguf_tokenizer_problem,
-    logit_problem,
-    write_gguf,
-)
+from pipeline.tools.gguf_check import LOGIT_PROBES, PROBE, gguf_logit_error, gguf_tokenizer_problem
+from pipeline.tools.gguf_export import GGUF_TYPES, ExportError, logit_problem, write_gguf
 from pipeline.tools.model_card import (
     CHECKSUMS,
     GGUF_NAME,
@@ -240,8 +232,8 @@ def write_release(
 
 def write_checked_gguf(target: Path, gguf_type: str, name: str, license_id: Optional[str] = None) -> float:
     """model.gguf in `target`, kept only if transformers reads back the model's next-token logits
-    within the type's tolerance (gguf_export.logit_error) and its tokenizer splitting text as the
-    folder's does (gguf_export.gguf_tokenizer_problem); returns the worst error.
+    within the type's tolerance (gguf_check.logit_error) and its tokenizer splitting text as the
+    folder's does (gguf_check.gguf_tokenizer_problem); returns the worst error.
 
     Raises:
         ExportError: the GGUF cannot be written, its logits err beyond the type's tolerance, or its
