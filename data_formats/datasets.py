@@ -12,11 +12,12 @@ depend on any RNG or on file order, and duplicate records land on the same side.
 Overlong samples follow cfg.truncation: 'drop' drops them; 'truncate' keeps the longest run of
 whole early turns that ends with an assistant turn and fits. Samples left with no supervised
 token are dropped. Every drop and every cut is counted, reported in the returned stats and warned
-about (`warn_drops`, one rule for every builder: SFT, preference pairs, KTO, prompts).
+about (data_formats.drops.warn_drops, one rule for every builder: SFT, preference pairs, KTO,
+prompts).
 
 Bad records follow cfg.on_error; 'strict' raises DataError at the split, save within
-`collect_refusals` (how a stage validates), where every split is read and their problems are
-reported together.
+`collect_refusals` (data_formats.drops; how a stage validates), where every split is read and their
+problems are reported together.
 
 Every builder goes through the token cache (data_formats.token_cache): a second build of the same
 data with the same tokenizer and settings reads the stored samples instead of reading, validating
@@ -26,22 +27,28 @@ and tokenising again, with the same log lines and stats ($RELAY_TOKEN_CACHE=off 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterator, Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
 
 from tqdm.auto import tqdm
 
 from data_formats.collate import IGNORE_INDEX
 from data_formats.conversation import Conversation
-from data_formats.render import Template, render, render_prompt, render_scored
+from data_formats.drops import (
+    apply_split_policy,
+    cached_or_refused,
+    count_overlong,
+    forget_overlong,
+    note_overlong,
+    warn_drops,
+)
+from data_formats.render import Template, render, render_scored
 from data_formats.sampling import SourceMix
-from data_formats.sources import DataError, Problem, entry_task_name, file_entries
-from data_formats.token_cache import Built, Check, build_cached, key_parts
+from data_formats.sources import Problem, entry_task_name, file_entries
+from data_formats.token_cache import Built, Check, key_parts
 from data_formats.tools import has_tools
-from data_formats.validate import Parsed, apply_policy, every_record_bad, read_and_parse
+from data_formats.validate import Parsed, every_record_bad, read_and_parse
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
@@ -61,55 +68,6 @@ class TaskSamples:
 
     def __len__(self) -> int:
         return len(self.samples)
-
-
-_refused: Optional[list[Problem]] = None
-"""While `collect_refusals` runs: the problems on_error 'strict' refused, of every split built."""
-
-
-@contextmanager
-def collect_refusals() -> Iterator[list[Problem]]:
-    """Within it, a split that on_error 'strict' refuses (bad records, or records the template cannot
-    render) does not stop the build: its problems join the yielded list (each once: a carved eval
-    split reads the training files again), the split is built from its good records (and never
-    stored in the token cache) and the next split is read. Stage.validate builds the data inside it,
-    so the train and eval splits' problems are reported together, as one DataError."""
-    global _refused
-    outer, _refused = _refused, []
-    try:
-        yield _refused
-    finally:
-        _refused = outer
-
-
-def _keep_refused(problems: list[Problem]) -> None:
-    assert _refused is not None
-    _refused.extend(p for p in dict.fromkeys(problems) if p not in _refused)
-
-
-def apply_split_policy(problems: list[Problem], on_error: str, what: str) -> None:
-    """on_error's policy for a split's `problems` (data_formats.validate.apply_policy); within
-    `collect_refusals` a 'strict' refusal is kept there instead of raised.
-
-    Raises:
-        DataError: bad records with on_error='strict' (outside `collect_refusals`).
-        ValueError: unknown on_error.
-    """
-    try:
-        apply_policy(problems, on_error, what)
-    except DataError as err:
-        if _refused is None:
-            raise
-        _keep_refused(err.problems)
-
-
-class _Refused(Exception):
-    """A split built within `collect_refusals` that on_error 'strict' refused: what was built from its
-    good records, raised out of the token cache so that it is not stored."""
-
-    def __init__(self, built: Built):
-        super().__init__("refused split")
-        self.built = built
 
 
 def in_eval_fraction(raw: str, fraction: float) -> bool:
@@ -182,92 +140,24 @@ def _fit(
     return None, "dropped_overlong", length
 
 
-_overlong: dict[str, dict] = {}
-"""The last build of each split: what it dropped as overlong, by data entry (`overlong_drops`)."""
-
-
-def note_overlong(
-    split: str,
-    limits: dict[str, int],
-    truncation: str,
-    by_entry: Optional[dict],
-    shorten: str = "data.truncation: truncate shortens them to fit",
-) -> None:
-    """Keep what a build of `split` dropped as overlong ({entry: [count, longest]}) for the problem
-    line of a split that cannot fill a batch (pipeline.engine.stage_checks.fill_problem): `limits`
-    are the settings that bound an item's length, by key (the least of them is the limit), `shorten`
-    what data.truncation 'truncate' does."""
-    _overlong[split] = {
-        "limits": dict(limits),
-        "truncation": truncation,
-        "by_entry": dict(by_entry or {}),
-        "shorten": shorten,
-    }
-
-
-def overlong_drops(split: str = "train") -> dict:
-    """What the last build of `split` dropped as overlong: {limits, truncation, by_entry: {entry:
-    [count, longest length]}, shorten} (`note_overlong`); empty when nothing was built."""
-    return _overlong.get(split, {})
-
-
-def _count_overlong(by_entry: dict, entry: str, length: int) -> None:
-    count, longest = by_entry.get(entry, [0, 0])
-    by_entry[entry] = [count + 1, max(longest, length)]
-
-
 def through_cache(builder: str, cfg, tokenizer, split: str, build: Callable[[Check], Built], **args) -> Built:
     """`build` through the token cache, keyed by the builder, split, config section, the files the
     split reads, the tokenizer and the builder's other arguments `args` (token_cache.key_parts).
     Within `collect_refusals` a split on_error 'strict' refuses is built from its good records, not
-    cached, and its problems kept there.
+    cached, and its problems kept there (drops.cached_or_refused).
 
     Raises:
         DataError: bad records with on_error='strict' (outside `collect_refusals`).
         ValueError: unknown split.
     """
     entries = split_entries(cfg, split)
-    _overlong.pop(split, None)  # a builder that drops overlong samples notes them after the build
-    refused: list[Problem] = []
-
-    def collecting(check: Check) -> Built:
-        def checked(problems: list[Problem], what: str) -> None:
-            try:
-                check(problems, what)
-            except DataError as err:
-                refused.extend(err.problems)
-
-        built = build(checked)
-        if refused:
-            raise _Refused(built)
-        return built
-
-    try:
-        return build_cached(
-            lambda: key_parts(builder, split, cfg, entries, tokenizer, **args),
-            cfg.on_error,
-            build if _refused is None else collecting,
-            f"{builder} {split} data",
-        )
-    except _Refused as stop:
-        _keep_refused(refused)
-        return stop.built
-
-
-DROPS = ("dropped_overlong", "dropped_no_target", "dropped_identical", "skipped_bad")
-"""The counts of a build's stats that are samples left out of training: each is warned about."""
-
-
-def warn_drops(what: str, stats: dict, unit: str = "sample", cut: str = "") -> None:
-    """One warning per kind of drop a build counted (DROPS), e.g. `sft train data: N sample(s)
-    dropped overlong`, and one for the items shortened to fit (stats' `truncated`, said as `cut`
-    says how): no sample leaves the training data, nor loses tokens, unsaid. `unit` names what is
-    counted (a pair for preference data, a prompt for prompts)."""
-    for key in DROPS:
-        if stats.get(key):
-            log.warning("%s: %d %s(s) %s", what, stats[key], unit, key.replace("_", " "))
-    if stats.get("truncated"):
-        log.warning("%s: %d %s(s) %s", what, stats["truncated"], unit, cut or "truncated")
+    forget_overlong(split)  # a builder that drops overlong samples notes them after the build
+    return cached_or_refused(
+        lambda: key_parts(builder, split, cfg, entries, tokenizer, **args),
+        cfg.on_error,
+        build,
+        f"{builder} {split} data",
+    )
 
 
 def _log_stats(what: str, stats: dict, seq_length: int) -> None:
@@ -341,7 +231,7 @@ def _sft_samples(
             continue
         if fitted is None:
             stats[outcome] += 1
-            _count_overlong(stats["overlong"], entry_of.get(record.file, record.file), length)
+            count_overlong(stats["overlong"], entry_of.get(record.file, record.file), length)
             continue
         stats["truncated"] += outcome == "truncated"
         ids, labels = fitted
@@ -487,7 +377,7 @@ def _preference_pairs(cfg, tokenizer, template: Template, seq_length: int, split
             fitted = fit_pair((cp, rp), (cr, rr), seq_length) if cfg.truncation == "truncate" else None
             if fitted is None:
                 counts["dropped_overlong"] += 1
-                _count_overlong(counts["overlong"], entry_of.get(record.file, record.file), max(len(c), len(r)))
+                count_overlong(counts["overlong"], entry_of.get(record.file, record.file), max(len(c), len(r)))
                 continue
             c, r, cut = fitted
             counts["truncated"] += 1
@@ -509,99 +399,3 @@ def _preference_pairs(cfg, tokenizer, template: Template, seq_length: int, split
         )
     check(problems, f"rm {split} data")
     return Built(out, counts)
-
-
-def build_prompt_data(
-    cfg,
-    tokenizer,
-    template: Template,
-    split: str,
-    max_length: Optional[int] = None,
-    tools: Optional[list[dict]] = None,
-    limits: Optional[dict[str, int]] = None,
-) -> list[dict]:
-    """PPO prompts dict(prompt_ids, text, source, standard, columns, conversation): the rendered history plus
-    the assistant opener, whether the record's prompt was a plain text (1: TRL's standard type), the
-    record's other fields as JSON text (the reward functions' keyword arguments) and the conversation itself as JSON
-    (its turns and tools: a tool rollout continues it).
-    `tools`: the schemas a tool rollout offers, given to every prompt that lists none of its own.
-    Prompts over `max_length` tokens (default cfg.max_prompt_length) are dropped (truncation='drop')
-    or lose their oldest user/assistant exchanges, keeping any system turn (truncation='truncate'); a
-    prompt still over it is dropped. Every drop and cut is warned about (`warn_drops`), and the drops
-    are noted for the line of a split that cannot fill a batch, with `limits`: the settings that
-    bound a prompt, by key (default {'data.max_prompt_length': max_length}).
-
-    Raises:
-        DataError: bad records (or prompts the template cannot render) with on_error='strict'
-            (outside `collect_refusals`).
-        ValueError: unknown split.
-    """
-    limit = cfg.max_prompt_length if max_length is None else max_length
-    extra = {"tools": tools} if tools else {}  # no tools: the cache key of before
-    built = through_cache(
-        "prompts",
-        cfg,
-        tokenizer,
-        split,
-        lambda check: _prompts(cfg, tokenizer, template, split, limit, check, tools),
-        template=template,
-        max_length=limit,
-        **extra,
-    )
-    counts = built.info
-    shorten = "data.truncation: truncate drops a multi-turn prompt's oldest exchanges"
-    note_overlong(split, limits or {"data.max_prompt_length": limit}, cfg.truncation, counts["overlong"], shorten)
-    log.info(
-        "prompt %s data: %d prompt(s), %d truncated, %d dropped overlong",
-        split,
-        len(built.samples),
-        counts["truncated"],
-        counts["dropped_overlong"],
-    )
-    cut = f"lost their oldest exchanges to fit {limit} tokens (any system turn kept)"
-    warn_drops(f"prompt {split} data", counts, "prompt", cut)
-    return built.samples
-
-
-def _prompts(
-    cfg, tokenizer, template: Template, split: str, limit: int, check: Check, tools: Optional[list[dict]] = None
-) -> Built:
-    """build_prompt_data's prompts, with info {'truncated', 'dropped_overlong', 'overlong' (by entry)}."""
-    records = split_records(cfg, "prompts", split, check, system_prompt=cfg.system_prompt)
-    out, dropped, truncated, by_entry = [], 0, 0, {}
-    entry_of = file_entries(split_entries(cfg, split))
-    problems: list[Problem] = []
-    for record in records:
-        conv = record.value if record.value.tools or not tools else replace(record.value, tools=list(tools))
-        try:
-            ids = render_prompt(conv, tokenizer, template)
-        except ValueError as err:  # the template cannot render this prompt
-            problems.append(Problem(record.file, record.line, str(err)))
-            continue
-        length = len(ids)
-        if len(ids) > limit and cfg.truncation == "truncate":
-            system = conv.turns[:1] if conv.turns[0].role == "system" else []
-            body = conv.turns[len(system) :]
-            while len(ids) > limit and len(body) > 1:
-                body = body[2:]
-                conv = replace(conv, turns=system + body)
-                ids = render_prompt(conv, tokenizer, template)
-            truncated += len(ids) <= limit
-        if len(ids) > limit:
-            dropped += 1
-            _count_overlong(by_entry, entry_of.get(record.file, record.file), length)
-            continue
-        out.append(
-            {
-                "prompt_ids": ids,
-                "text": tokenizer.decode(ids),
-                "source": record.source,
-                "standard": int(conv.standard),
-                "columns": json.dumps(conv.meta, ensure_ascii=False),
-                "conversation": json.dumps(
-                    {"turns": [asdict(t) for t in conv.turns], "tools": conv.tools}, ensure_ascii=False
-                ),
-            }
-        )
-    check(problems, f"prompt {split} data")
-    return Built(out, {"truncated": truncated, "dropped_overlong": dropped, "overlong": by_entry})

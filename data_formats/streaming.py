@@ -28,8 +28,9 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from data_formats.pt_data import DocumentPacker
+from data_formats.readers import MAX_RECORD_BYTES
 from data_formats.sampling import DRAW_BLOCK, seed_of
-from data_formats.sources import MAX_RECORD_BYTES, Problem
+from data_formats.sources import Problem
 from data_formats.validate import apply_policy, entry_records, every_record_bad, iter_parsed
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,8 @@ from typing import Optional, Sequence
 from tqdm.auto import tqdm
 
 from data_formats.collate import IGNORE_INDEX
-from data_formats.datasets import split_records, through_cache, warn_drops
+from data_formats.datasets import split_records, through_cache
+from data_formats.drops import warn_drops
 from data_formats.render import Template, render_scored
 from data_formats.sources import Problem
 from data_formats.token_cache import Built, Check

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 from data_formats import llamafactory_registry
 from data_formats.conversation import RecordError, task_of
 from data_formats.formats import KIND_NAMES, KINDS, NAMES, UNPAIRED, detect_format, format_problem, hint, kind_formats
+from data_formats.readers import MAX_RECORD_BYTES, RawRecord
 from data_formats.records import (
     margin_of,
     parse_conversation,
@@ -37,7 +38,7 @@ from data_formats.records import (
     parse_unpaired,
 )
 from data_formats.render import make_template, render, render_prompt
-from data_formats.sources import MAX_RECORD_BYTES, DataError, Problem, RawRecord, expand_entry, read_entry, summarize
+from data_formats.sources import DataError, Problem, expand_entry, read_entry, summarize
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_formats.collate import Collator
-from data_formats.datasets import apply_split_policy
+from data_formats.drops import apply_split_policy
 from data_formats.pt_data import build_pt_data
 from data_formats.streaming import open_stream, stream_problems
 from pipeline.config import StageConfig, TextDataConfig
@@ -136,7 +136,7 @@ def stream_train(cfg: PTConfig, tokenizer):
     bad ones are reported together before training, as for an in-memory corpus.
 
     Raises:
-        DataError: bad records with on_error='strict' (outside datasets.collect_refusals).
+        DataError: bad records with on_error='strict' (outside drops.collect_refusals).
     """
     data = cfg.data
     apply_split_policy(

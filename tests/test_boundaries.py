@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from data_formats.collate import PairCollator, left_pad
 from data_formats.conversation import Conversation, Turn
-from data_formats.datasets import build_preference_data, build_prompt_data
+from data_formats.datasets import build_preference_data
+from data_formats.prompt_data import build_prompt_data
 from data_formats.render import IGNORE_INDEX, make_template, render, render_scored
 from pipeline.config import PreferenceDataConfig, PromptDataConfig, load_config
 from pipeline.modeling.models import load_tokenizer

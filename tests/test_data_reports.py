@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from data_formats.datasets import build_prompt_data, build_sft_data, collect_refusals, overlong_drops
+from data_formats.datasets import build_sft_data
+from data_formats.drops import collect_refusals, overlong_drops
+from data_formats.prompt_data import build_prompt_data
 from data_formats.render import make_template
 from data_formats.sources import DataError
 from pipeline.config import ChatDataConfig, ConfigError, PromptDataConfig

@@ -161,7 +161,7 @@ FUNCTION_IMPORTS = {
     ("data_formats.show", "pipeline.config"),
     ("data_formats.show", "pipeline.modeling.embedded"),
     ("data_formats.show", "pipeline.modeling.models"),
-    ("data_formats.sources", "datasets"),
+    ("data_formats.readers", "datasets"),
     ("data_formats.token_cache", "tokenizers"),
     ("data_formats.token_cache", "transformers"),
 }

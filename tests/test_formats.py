@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 
 from data_formats.collate import Collator
 from data_formats.conversation import Turn
-from data_formats.datasets import build_preference_data, build_prompt_data, build_sft_data, in_eval_fraction
+from data_formats.datasets import build_preference_data, build_sft_data, in_eval_fraction
+from data_formats.prompt_data import build_prompt_data
 from data_formats.pt_data import build_pt_data
 from data_formats.render import IGNORE_INDEX, make_template, render
 from data_formats.validate import read_and_parse

@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-from data_formats.datasets import build_prompt_data
+from data_formats.prompt_data import build_prompt_data
 from data_formats.render import make_template
 from pipeline.algorithms import rewards as rw
 from pipeline.config import PromptDataConfig

@@ -246,7 +246,8 @@ def test_relay_sample_reports_prompts_with_too_few_usable_answers(
 
 def test_dpo_prompts_render_as_the_answers_were_sampled(tmp_path, tiny_model_dir, prompt_files):
     """With data.system_prompt, the DPO stage's prompt ids of every pair are the ids the sampler used."""
-    from data_formats.datasets import build_preference_data, build_prompt_data
+    from data_formats.datasets import build_preference_data
+    from data_formats.prompt_data import build_prompt_data
     from data_formats.render import make_template
     from pipeline.config import PreferenceDataConfig
     from pipeline.modeling.models import load_tokenizer

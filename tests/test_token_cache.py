@@ -15,8 +15,10 @@ import pytest
 from transformers import AutoTokenizer
 
 import data_formats.datasets as datasets
+import data_formats.prompt_data as prompt_data
 from data_formats import token_cache
-from data_formats.datasets import build_preference_data, build_prompt_data, build_sft_data
+from data_formats.datasets import build_preference_data, build_sft_data
+from data_formats.prompt_data import build_prompt_data
 from data_formats.pt_data import build_pt_data
 from data_formats.render import make_template
 from pipeline.config import ChatDataConfig, PreferenceDataConfig, PromptDataConfig, TextDataConfig
@@ -232,8 +234,13 @@ def test_sample_data_is_identical_with_and_without_the_cache(tok, cache, monkeyp
     monkeypatch.setenv(token_cache.ENV, str(cache))
     written = _sample_builds(tok)
     assert len(list(cache.glob("*.npz"))) == len(plain)
-    for name in ("read_and_parse", "render", "render_scored", "render_prompt"):
-        monkeypatch.setattr(datasets, name, _fail)
+    for module, name in (
+        (datasets, "read_and_parse"),
+        (datasets, "render"),
+        (datasets, "render_scored"),
+        (prompt_data, "render_prompt"),
+    ):
+        monkeypatch.setattr(module, name, _fail)
     read = _sample_builds(tok)
     for name in plain:
         assert written[name] == plain[name] and read[name] == plain[name], name

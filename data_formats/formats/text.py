@@ -1,4 +1,4 @@
-"""Documents for PT: {"text"} records (or a .txt file, data_formats.sources), any field named by
+"""Documents for PT: {"text"} records (or a .txt file, data_formats.readers), any field named by
 the data section's `text_field`."""
 
 from __future__ import annotations

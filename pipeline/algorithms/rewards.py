@@ -296,7 +296,7 @@ def text_of(value: Any) -> str:
 
 
 def record_columns(sample: dict) -> dict:
-    """A prompt sample's record fields (data_formats.datasets.build_prompt_data)."""
+    """A prompt sample's record fields (data_formats.prompt_data.build_prompt_data)."""
     return json.loads(sample.get("columns") or "{}")
 
 

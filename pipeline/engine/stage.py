@@ -7,7 +7,7 @@ what is its own (ARCHITECTURE.md lists exactly what).
 - validate: every config problem (the config's own, the stage's `problems`, missing data files,
   the parent model's manifest), then the tokenizer and `build_data`, whose problems are reported
   together: the bad records of every split it reads (train, eval) in one list
-  (data_formats.datasets.collect_refusals); nothing heavy has loaded yet.
+  (data_formats.drops.collect_refusals); nothing heavy has loaded yet.
 - build: accelerator, seed, `build_model`, optimizer, `prepare`, scheduler, checkpointer, tracker.
 - resume: the newest complete checkpoint (or checkpoint.resume's path): trainable weights,
   optimizer, scheduler, RNG, data cursor, step, early stopping, history and the stage's own
@@ -43,7 +43,8 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from data_formats.datasets import collect_refusals, overlong_drops, source_mix
+from data_formats.datasets import source_mix
+from data_formats.drops import collect_refusals, overlong_drops
 from data_formats.render import make_template, template_jinja
 from data_formats.sampling import DataCursor, epoch_tail, next_micro_batches
 from data_formats.sources import DataError

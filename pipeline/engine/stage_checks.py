@@ -25,7 +25,7 @@ def fill_problem(
 ) -> list[str]:
     """The one line when `count` training items cannot fill one batch of `size` on each of `world`
     ranks, with the reason when the build dropped records as overlong (`drops`,
-    data_formats.datasets.overlong_drops): a reason in a warning above the line is missed. With a
+    data_formats.drops.overlong_drops): a reason in a warning above the line is missed. With a
     weighted mix (`mix`), a weighted entry that yields nothing is such a line too, naming it, and so
     is an entry too small for data.mix_stop first_exhausted to fill one batch per epoch."""
     drops = drops or {}
@@ -76,7 +76,7 @@ def overlong_reason(drops: dict) -> str:
     when several, with the settings that keep them; '' when nothing was dropped. drops' `limits`
     are the settings that bound an item's length, by key (a prompt's: data.max_prompt_length and
     train.seq_length - generation.max_new_tokens), its `shorten` what data.truncation 'truncate'
-    does (data_formats.datasets.note_overlong)."""
+    does (data_formats.drops.note_overlong)."""
     by_entry = {entry: counts for entry, counts in drops.get("by_entry", {}).items() if counts[0]}
     if not by_entry:
         return ""

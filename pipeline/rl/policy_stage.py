@@ -12,7 +12,7 @@ from typing import Callable, ClassVar, Optional
 
 import torch
 
-from data_formats.datasets import build_prompt_data
+from data_formats.prompt_data import build_prompt_data
 from data_formats.render import template_jinja
 from pipeline.algorithms import rewards as rw
 from pipeline.algorithms.judge import JudgeReward

@@ -245,7 +245,7 @@ class _Row:
 
 
 def prompt_conversation(sample: dict) -> Conversation:
-    """The conversation a prompt sample was rendered from (data_formats.datasets.build_prompt_data)."""
+    """The conversation a prompt sample was rendered from (data_formats.prompt_data.build_prompt_data)."""
     data = json.loads(sample["conversation"])
     return Conversation([Turn(**t) for t in data["turns"]], tools=data.get("tools"))
 

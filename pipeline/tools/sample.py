@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from data_formats.datasets import build_prompt_data
+from data_formats.prompt_data import build_prompt_data
 from data_formats.render import make_template
 from data_formats.sources import DataError
 from data_formats.validate import data_problems

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_formats import sources, validate
+from data_formats import readers, sources, validate
 from data_formats.pt_data import DocumentPacker, build_pt_data, chunk_documents
 from data_formats.sources import DataError, Problem
 from pipeline.config import ConfigError, DataConfig, load_config
@@ -174,7 +174,7 @@ def test_bom_and_crlf_are_accepted_in_every_stage(stage, tmp_path, tiny_model_di
 def test_bom_crlf_txt_document_reads_as_lf(tmp_path):
     path = tmp_path / "doc.txt"
     path.write_bytes(b"\xef\xbb\xbfline one\r\nline two\r\n")
-    (raw,) = list(sources.read_file(path, "doc"))
+    (raw,) = list(readers.read_file(path, "doc"))
     assert raw.error is None and raw.record == {"text": "line one\nline two\n"}
 
 
@@ -221,20 +221,20 @@ def test_overlong_record_is_refused_unparsed_with_its_line(tmp_path, monkeypatch
 def test_overlong_record_in_json_txt_and_stream(tmp_path):
     limit = 1000
     array = write_json(tmp_path / "a.json", [{"text": "short"}, {"text": "z" * 5000}, {"text": "also short"}])
-    raws = list(sources.read_file(array, "a", max_bytes=limit))
+    raws = list(readers.read_file(array, "a", max_bytes=limit))
     assert [r.error is None for r in raws] == [True, False, True]
     assert raws[1].line == 5 and raws[1].error.startswith("record is 5,017 bytes, over the limit of 1,000")  # indent=1
     txt = tmp_path / "book.txt"
     txt.write_text("w" * 2000)
-    (raw,) = list(sources.read_file(txt, "book", max_bytes=limit))
-    assert (raw.line, raw.error) == (1, sources.too_long(2000, limit))
-    assert DataConfig().max_record_bytes == sources.MAX_RECORD_BYTES == 8 * 2**20  # one default, 8 MiB
+    (raw,) = list(readers.read_file(txt, "book", max_bytes=limit))
+    assert (raw.line, raw.error) == (1, readers.too_long(2000, limit))
+    assert DataConfig().max_record_bytes == readers.MAX_RECORD_BYTES == 8 * 2**20  # one default, 8 MiB
     from data_formats.streaming import stream_problems
 
     lines = tmp_path / "c.jsonl"
     write_jsonl(lines, [{"text": "fine"}, {"text": "q" * 3000}, {"text": "fine too"}], crlf=True)
     (problem,) = stream_problems([str(lines)], max_record_bytes=limit)
-    assert (problem.line, problem.reason) == (2, sources.too_long(len(json.dumps({"text": "q" * 3000})), limit))
+    assert (problem.line, problem.reason) == (2, readers.too_long(len(json.dumps({"text": "q" * 3000})), limit))
 
 
 # --- 4. PT packing in linear time ---------------------------------------------------------------
