@@ -126,7 +126,7 @@ def test_timeout_unparsable_and_server_error_get_the_fallback_counted(fresh, tmp
     assert judge.take_figures()["judge/failures"] == 3
     assert "3 of 4 requests failed" in caplog.text
     cached = [json.loads(line) for line in (tmp_path / "cache.jsonl").read_text().splitlines()]
-    assert [c["score"] for c in cached] == [0.8]  # failures are not cached: a later step asks again
+    assert [c["reply"] for c in cached] == [{"text": "8"}]  # failures are not cached: a later step asks again
 
     strict = JudgeReward(judge_cfg(fresh.url, on_failure=None))
     with pytest.raises(JudgeError, match=r"1 of 1 requests .* failed \(first: unparsable"):
@@ -200,7 +200,7 @@ def test_logprob_scores_weigh_the_labels_by_their_first_token_probabilities(fres
     assert JudgeReward(abc).score(["Q"], ["three"]) == [pytest.approx(0.35 / 0.6, abs=1e-12)]
     assert judge.score(["Q"], ["two"], tag=2) == [pytest.approx(0.75, abs=1e-12)] and len(fresh.bodies) == 2  # cached
     (cached,) = [json.loads(line) for line in (tmp_path / "cache.jsonl").read_text().splitlines()]
-    assert cached["reply"] == "P(no)=0.2 P(yes)=0.6"
+    assert [(t["token"], round(math.exp(t["logprob"]), 12)) for t in cached["reply"]["top_logprobs"]] == tops["two"]
     # the request fields are in the cache key: the same rubric scored from text, or with another K, asks again
     fresh.reply = lambda a: "YES"
     as_text = JudgeReward(judge_cfg(fresh.url, score_range=None, choices=YES_NO), tmp_path / "cache.jsonl")

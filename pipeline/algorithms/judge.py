@@ -11,10 +11,14 @@ call inside a reward function lacks is here:
   backoff; other 4xx and an unparsable reply are not: a retry would get the same answer);
 - `on_failure`: the score a completion gets when its request still fails, counted in
   `judge/failures` and logged; null stops the run instead. Never a silent 0;
-- a cache keyed on the full request (endpoint, model, messages, sampling): identical completions
-  in a group cost one request, and a resumed run reuses the replies its first life received. Each
-  cached reply is tagged with the optimizer step that asked for it, and a run resumed at step s
-  sees only the replies tagged <= s, exactly the cache an unbroken run held at that point, so the
+- a cache of the judge's replies keyed on the full request (endpoint, model, messages, sampling):
+  identical completions in a group cost one request, and a resumed run reuses the replies its first
+  life received. The cache keeps what the endpoint said (the reply text, or the first token's
+  top_logprobs), never a score: each reply is scored by the rules in force (`score_range`,
+  `choices`, `pattern`), so a rerun with other rules rescores the same replies without asking
+  again. A reply that gave a score when it came is kept; one that gave none is asked again later.
+  Each cached reply is tagged with the optimizer step that asked for it, and a run resumed at step
+  s sees only the replies tagged <= s, exactly the cache an unbroken run held at that point, so the
   cache never makes a resumed run differ from an unbroken one;
 - the API key is read from the environment variable `api_key_env` names at request time: neither
   the key nor the header is stored in the config, the cache, a log line or an error message.
@@ -58,6 +62,9 @@ log = logging.getLogger("relay.judge")
 
 RETRIED_STATUS = (408, 409, 429, 500, 502, 503, 504)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+CACHE_FORMAT = 2
+"""The `format` of a cache line: {"format", "tag", "key", "reply": `judge_reply`'s}. Lines of another
+format (an older Relay's kept scores, not replies) are ignored, their requests asked again."""
 
 
 class JudgeError(EarlyEnd):
@@ -107,23 +114,35 @@ def parse_logprobs(top_logprobs: Sequence[dict], cfg: JudgeConfig) -> tuple[Opti
     return sum(p * scores[name] for name, p in mass.items()) / total, summary
 
 
-def reply_score(payload: dict, cfg: JudgeConfig) -> tuple[Optional[float], str, Optional[str]]:
-    """(score, reply, why it failed) of a chat.completion object: its text parsed, or with
-    score_from logprobs its first token's top_logprobs (the reply is then their summary).
+def judge_reply(payload: dict, cfg: JudgeConfig) -> dict:
+    """What a score is read from in a chat.completion object, as the cache keeps it: {"text": the
+    reply}, or with score_from logprobs {"top_logprobs": the first token's [{"token", "logprob"}],
+    None when the reply has no logprobs}.
 
     Raises:
-        KeyError, IndexError, TypeError, AttributeError: not a chat.completion object.
+        KeyError, IndexError, TypeError, AttributeError, ValueError: not a chat.completion object.
     """
     choice = payload["choices"][0]
     if cfg.score_from != "logprobs":
-        reply = choice["message"].get("content") or ""
-        score = parse_score(reply, cfg)
-        return score, reply, None if score is not None else f"unparsable reply {reply[:60]!r}"
+        return {"text": choice["message"].get("content") or ""}
     content = (choice.get("logprobs") or {}).get("content")
     if not content:
-        return None, "", "the reply has no logprobs (does the endpoint support logprobs and top_logprobs?)"
-    score, summary = parse_logprobs(content[0].get("top_logprobs") or [], cfg)
-    return score, summary, None if score is not None else summary
+        return {"top_logprobs": None}
+    top = content[0].get("top_logprobs") or []
+    return {"top_logprobs": [{"token": str(e["token"]), "logprob": float(e["logprob"])} for e in top]}
+
+
+def reply_score(reply: dict, cfg: JudgeConfig) -> tuple[Optional[float], Optional[str]]:
+    """(score, why it gave none) of a reply as `judge_reply` keeps it, under `cfg`'s scoring rules:
+    its text parsed, or with score_from logprobs its first token's top_logprobs weighed (pure)."""
+    if cfg.score_from != "logprobs":
+        text = reply["text"]
+        score = parse_score(text, cfg)
+        return score, None if score is not None else f"unparsable reply {text[:60]!r}"
+    if reply["top_logprobs"] is None:
+        return None, "the reply has no logprobs (does the endpoint support logprobs and top_logprobs?)"
+    score, summary = parse_logprobs(reply["top_logprobs"], cfg)
+    return score, None if score is not None else summary
 
 
 def render_messages(cfg: JudgeConfig, question: str, answer: str, reference: Optional[str] = None) -> list[dict]:
@@ -140,14 +159,15 @@ def request_body(cfg: JudgeConfig, messages: list[dict]) -> dict:
 
 
 def request_key(cfg: JudgeConfig, body: dict) -> str:
-    """The cache key: a hash of the endpoint and the full request body (never the API key)."""
+    """The cache key: a hash of the endpoint and the full request body (never the API key). The
+    scoring rules are not in it: the cache keeps replies, scored when read (`reply_score`)."""
     return hashlib.sha256(json.dumps([cfg.base_url, body], sort_keys=True).encode()).hexdigest()
 
 
 @dataclass
 class Outcome:
-    score: Optional[float]
-    reply: Optional[str]
+    reply: Optional[dict]
+    """`judge_reply`'s; None when the request failed (`error` says why)."""
     error: Optional[str]
     seconds: float
     attempts: int
@@ -180,8 +200,8 @@ class JudgeReward:
         self.workers = max(1, cfg.max_concurrency // ranks)
         """Requests in flight at most from this process."""
         self.cache_file = Path(cache_file) if cache_file is not None and cfg.cache else None
-        self.cache: dict[str, tuple[int, float, str]] = {}
-        """key -> (step tag, score, reply)."""
+        self.cache: dict[str, tuple[int, dict]] = {}
+        """key -> (step tag, `judge_reply`'s reply)."""
         self.opened = False
         self.pending = JudgeStats()
         self.totals = JudgeStats()
@@ -194,29 +214,40 @@ class JudgeReward:
         self.opened = True
         if self.cache_file is None:
             return
-        kept = []
+        kept, other_format = [], 0
         if steps_done > 0 and self.cache_file.is_file():
             for line in self.cache_file.read_text(encoding="utf-8").splitlines():
                 try:
                     entry = json.loads(line)
                 except json.JSONDecodeError:  # a line cut short by a crash
                     continue
-                if entry.get("tag", math.inf) <= steps_done:
-                    self.cache[entry["key"]] = (entry["tag"], entry["score"], entry["reply"])
+                if entry.get("format") != CACHE_FORMAT:
+                    other_format += 1
+                elif entry.get("tag", math.inf) <= steps_done:
+                    self.cache[entry["key"]] = (entry["tag"], entry["reply"])
                     kept.append(line)
         self.cache_file.parent.mkdir(parents=True, exist_ok=True)
         self.cache_file.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        if other_format:
+            log.info(
+                "judge: %d entries of %s are not cache format %d (they hold no reply to rescore); "
+                "their requests are asked again",
+                other_format,
+                self.cache_file,
+                CACHE_FORMAT,
+            )
         if kept:
             log.info("judge: %d cached replies reused from %s", len(kept), self.cache_file)
 
-    def _remember(self, new: dict[str, tuple[int, float, str]]) -> None:
+    def _remember(self, new: dict[str, tuple[int, dict]]) -> None:
         if not self.cfg.cache or not new:
             return
         self.cache.update(new)
         if self.cache_file is not None:
             with open(self.cache_file, "a", encoding="utf-8") as fh:
-                for key, (tag, score, reply) in new.items():
-                    fh.write(json.dumps({"tag": tag, "key": key, "score": score, "reply": reply}) + "\n")
+                for key, (tag, reply) in new.items():
+                    line = {"format": CACHE_FORMAT, "tag": tag, "key": key, "reply": reply}
+                    fh.write(json.dumps(line) + "\n")
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -243,7 +274,7 @@ class JudgeReward:
                 request = urllib.request.Request(url, data=data, headers=headers, method="POST")
                 with urllib.request.urlopen(request, timeout=cfg.timeout) as response:
                     payload = json.loads(response.read().decode("utf-8"))
-                score, reply, why = reply_score(payload, cfg)
+                reply = judge_reply(payload, cfg)
             except urllib.error.HTTPError as err:
                 error = f"HTTP {err.code}"
                 if err.code in RETRIED_STATUS:
@@ -260,8 +291,8 @@ class JudgeReward:
             except (ValueError, KeyError, IndexError, TypeError, AttributeError):
                 error = "not an OpenAI chat.completion response"
                 break
-            return Outcome(score, reply, why, time.perf_counter() - started, attempt)
-        return Outcome(None, None, error, time.perf_counter() - started, attempt)
+            return Outcome(reply, None, time.perf_counter() - started, attempt)
+        return Outcome(None, error, time.perf_counter() - started, attempt)
 
     def score(
         self,
@@ -273,7 +304,8 @@ class JudgeReward:
         golds: Optional[Sequence[Optional[bool]]] = None,
     ) -> list[float]:
         """One score per answer. Identical requests (in this call or cached) cost one request; the
-        rest run `self.workers` (this rank's share of `max_concurrency`) at a time. `tag`: the
+        rest run `self.workers` (this rank's share of `max_concurrency`) at a time. Every reply, new
+        or cached, is scored by `self.cfg`'s rules (`reply_score`). `tag`: the
         optimizer step asking (see `open`); `golds`: whether each answer states the verified answer
         (None: unknown), for the agreement count.
 
@@ -296,25 +328,30 @@ class JudgeReward:
             attempts=sum(o.attempts for o in outcomes.values()),
             seconds=sum(o.seconds for o in outcomes.values()),
         )
-        failed = {k: o for k, o in outcomes.items() if o.score is None}
-        self._remember({k: (tag, o.score, o.reply) for k, o in outcomes.items() if o.score is not None})
+        judged: dict[str, tuple[Optional[float], Optional[str]]] = {}  # key -> (score, why none)
+        for k in keys:
+            outcome = outcomes.get(k)
+            if outcome is not None and outcome.reply is None:
+                judged[k] = (None, outcome.error)
+            elif k not in judged:
+                judged[k] = reply_score(outcome.reply if outcome is not None else self.cache[k][1], cfg)
+        failed = {k: why for k, (score, why) in judged.items() if score is None}
+        self._remember({k: (tag, o.reply) for k, o in outcomes.items() if k not in failed})
         if failed:
-            first = next(iter(failed.values())).error
+            first = next(iter(failed.values()))
             if cfg.on_failure is None:
                 raise JudgeError(
-                    f"judge: {len(failed)} of {len(todo)} requests to {cfg.base_url} failed (first: {first}); "
+                    f"judge: {len(failed)} of {len(judged)} requests to {cfg.base_url} failed (first: {first}); "
                     f"set judge.on_failure to a fallback score to train through failures"
                 )
             log.warning(
                 "judge: %d of %d requests failed (first: %s); they score judge.on_failure = %s",
                 len(failed),
-                len(todo),
+                len(judged),
                 first,
                 cfg.on_failure,
             )
-        scores = [
-            cfg.on_failure if k in failed else (outcomes[k].score if k in outcomes else self.cache[k][1]) for k in keys
-        ]
+        scores = [cfg.on_failure if k in failed else judged[k][0] for k in keys]
         stats.failures = sum(1 for k in keys if k in failed)
         for value, gold, k in zip(scores, golds or [], keys):
             if gold is not None and k not in failed:

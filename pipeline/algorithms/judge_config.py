@@ -71,7 +71,8 @@ class JudgeConfig:
     temperature: float = 0.0
     """The judge's sampling temperature (0: greedy, a reproducible judge)."""
     cache: bool = True
-    """Reuse replies to identical requests, in memory and in OUTPUT_DIR/judge_cache/ (a resumed run reuses them)."""
+    """Reuse replies to identical requests, in memory and in OUTPUT_DIR/judge_cache/ (a resumed run reuses them).
+    Replies are kept, not scores: each is scored by the current score_range, choices and pattern."""
     gold_column: Optional[str] = None
     """A prompt record field with the verified answer: judge/gold_agreement is the share of completions
     where the judge's pass (score >= pass_score) agrees with the answer stating it (the reward-hacking signal)."""
