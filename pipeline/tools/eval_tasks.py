@@ -1,7 +1,8 @@
 """lm-evaluation-harness task YAMLs read without the harness (it indexes every task it ships, seconds): the
 index of the include paths (`task_index`), what keeps a task from running offline (`task_problems`:
-unknown names, data it would download), a group's leaf tasks, a task's first metric, and the hash of
-everything the scores depend on (`tasks_hash`). `relay eval` (pipeline/tools/evaluate.py) runs them."""
+unknown names, data it would download), a group's leaf tasks, a task's headline columns (its first
+metric, once per filter when it has several), and the hash of everything the scores depend on
+(`tasks_hash`). `relay eval` (pipeline/tools/evaluate.py) runs them."""
 
 from __future__ import annotations
 
@@ -176,6 +177,36 @@ def first_metric(entry: Optional[TaskEntry]) -> Optional[str]:
     if metrics and isinstance(metrics[0], dict) and metrics[0].get("metric"):
         return str(metrics[0]["metric"])
     return FIRST_METRIC.get(entry.config.get("output_type", ""))
+
+
+def filter_names(entry: Optional[TaskEntry]) -> list[str]:
+    """The names of a task's filters, as the harness suffixes its metrics with them (`acc,none`):
+    its filter_list's, else the harness's one default, "none" (pure)."""
+    filters = (entry.config.get("filter_list") if entry is not None else None) or []
+    names = [str(f["name"]) for f in filters if isinstance(f, dict) and f.get("name") is not None]
+    return names or ["none"]
+
+
+def metric_key(metric: str, filter_name: str, filters: int) -> str:
+    """The key of a metric in Relay's scores: the metric alone when its task has one filter, else
+    the harness's own `metric,filter`, so that each filter's value stays its own (pure)."""
+    return metric if filters == 1 else f"{metric},{filter_name}"
+
+
+def metric_label(key: str) -> str:
+    """A score key as a table shows it: `exact_match,strict-match` -> `exact_match (strict-match)` (pure)."""
+    metric, comma, filter_name = key.partition(",")
+    return f"{metric} ({filter_name})" if comma else metric
+
+
+def headline_columns(entry: Optional[TaskEntry]) -> list[str]:
+    """A task's score keys in the retention table: its first metric (`first_metric`), once per filter
+    when it has several (`metric_key`); [] when no metric is known (pure)."""
+    metric = first_metric(entry)
+    if metric is None:
+        return []
+    names = filter_names(entry)
+    return [metric_key(metric, name, len(names)) for name in names]
 
 
 def tasks_hash(names: Sequence[str], include_paths: Sequence[str | Path]) -> str:

@@ -10,7 +10,9 @@ with a task manager over the include paths, which is what the plain command
 
 computes (tests/test_eval.py runs both). Several models print a retention table: one row per model,
 one column per task's first metric, the change against the first model (the base) beside each score,
-in bold where it is a loss. The pipeline scores every generator stage's merged model the same way
+in bold where it is a loss. A task with several filters (a strict and a flexible answer extraction)
+has a score per filter, each its own column named with its filter (`exact_match (strict-match)`);
+with one filter the column is the metric alone. The pipeline scores every generator stage's merged model the same way
 (`gold.benchmarks` in a pipeline config) and `relay report` shows that table.
 
 Tasks are the harness's own YAML task format. Relay ships `data/general/tasks/` (made here:
@@ -45,8 +47,10 @@ from pipeline.modeling.manifest import weights_hash
 from pipeline.modeling.preflight import folder_problems
 from pipeline.tools.eval_tasks import (
     EvalError,
-    first_metric,
+    headline_columns,
     leaf_tasks,
+    metric_key,
+    metric_label,
     task_index,
     task_problems,
     tasks_hash,
@@ -55,7 +59,7 @@ from pipeline.tools.eval_tasks import (
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_TASKS = REPO / "data" / "general" / "tasks"
 DEFAULT_TASKS = ("relay_general_mc", "relay_general_text")
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass
@@ -124,14 +128,20 @@ def harness_args(folder: str | Path, settings: BenchmarkConfig, device: str) -> 
 
 
 def scores_of(results: dict) -> dict[str, dict[str, float]]:
-    """{task: {metric: value}} from the harness's `results` (filter suffix and standard errors dropped; pure)."""
+    """{task: {metric: value}} from the harness's `results` (`metric,filter` keys), standard errors
+    dropped. A task's metrics are keyed by the metric alone when all its values come through one
+    filter, else by `metric,filter` (`metric_key`): no filter's value replaces another's (pure)."""
     out: dict[str, dict[str, float]] = {}
     for task, values in results.items():
+        kept = []
         for key, value in values.items():
-            metric, comma, _ = key.partition(",")
+            metric, comma, filter_name = key.partition(",")
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if comma and number and not metric.endswith("_stderr"):
-                out.setdefault(task, {})[metric] = float(value)
+                kept.append((metric, filter_name, float(value)))
+        filters = len({filter_name for _, filter_name, _ in kept})
+        for metric, filter_name, value in kept:
+            out.setdefault(task, {})[metric_key(metric, filter_name, filters)] = value
     return out
 
 
@@ -193,7 +203,7 @@ def evaluate_models(
         raise EvalError("\n".join(([missing] if missing else []) + problems))
     started = time.time()
     index = task_index(settings.include_path)
-    columns = [(task, first_metric(index.get(task))) for task in leaf_tasks(settings.tasks, index)]
+    columns = [(task, key) for task in leaf_tasks(settings.tasks, index) for key in headline_columns(index.get(task))]
     cache = json.loads(cache_file.read_text(encoding="utf-8")) if cache_file and cache_file.is_file() else {}
     manager, rows = None, []
     for name, path in models:
@@ -244,11 +254,14 @@ def _cell(value: Optional[float], base: Optional[float], higher_is_better: bool,
 
 
 def retention_table(table: dict) -> str:
-    """Markdown: one row per model, one column per task's headline metric (an arrow says which way is
-    better), each score with its change against the first row (the base); a loss is in bold."""
+    """Markdown: one row per model, one column per task's headline metric (per filter when the task has
+    several; an arrow says which way is better), each score with its change against the first row (the
+    base); a loss is in bold."""
     columns = [tuple(c) for c in table.get("columns", [])]
     rows = table.get("rows", [])
-    header = ["model"] + [f"{task} {metric} {'↑' if _higher(rows, task, metric) else '↓'}" for task, metric in columns]
+    header = ["model"] + [
+        f"{task} {metric_label(metric)} {'↑' if _higher(rows, task, metric) else '↓'}" for task, metric in columns
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     base = rows[0] if rows else {}
     for i, row in enumerate(rows):
@@ -261,7 +274,8 @@ def retention_table(table: dict) -> str:
     return "\n".join(lines)
 
 
-def _higher(rows: Sequence[dict], task: str, metric: str) -> bool:
+def _higher(rows: Sequence[dict], task: str, key: str) -> bool:
+    metric = key.partition(",")[0]  # the harness says which way is better per metric, not per filter
     for row in rows:
         flag = row.get("higher_is_better", {}).get(task, {}).get(metric)
         if flag is not None:
