@@ -15,8 +15,11 @@ top-k plus a tail bucket with `teacher.top_k`, or the reverse KL as a per-token 
 models' logits are formed a chunk of rows at a time (pipeline/engine/supervised_head.py).
 
 Resume is the engine's (adapters or full weights, optimizer, scheduler, RNG, the prompt cursor) plus
-the completion sampler's position (`state_dict`), so a restarted run trains as an unbroken one.
-merged/'s manifest names the teacher (path and weights hash).
+the completion sampler's position (`state_dict`), so a restarted run trains as an unbroken one. The
+run's identity covers the teacher's weights (`input_models`) and, with lmbda < 1, data.completions'
+files (`training_data`): a resume after either changed is refused unless checkpoint.resume_changed,
+and the pipeline calls a finished run stale. merged/'s manifest names the teacher (path and weights
+hash) and the data keys its `data_digest` covers.
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ from pipeline.engine.stage_main import main
 from pipeline.engine.supervised_head import chunked_rows, head_split, hidden_forward
 from pipeline.modeling.embedded import resolve_model_path
 from pipeline.modeling.handoff import fact_problems, folder_facts
-from pipeline.modeling.manifest import weights_hash
-from pipeline.modeling.models import load_model, train_without_dropout
+from pipeline.modeling.manifest import tokenizer_length, weights_hash
+from pipeline.modeling.models import load_model, remote_code_problems, train_without_dropout
+from pipeline.modeling.preflight import folder_problems, model_problems
 from pipeline.modeling.scoring import position_ids_from_mask
 from pipeline.modeling.vllm_server import ServerOptions, VLLMServer, prompt_topk, vllm_python
 from pipeline.rl.policy_stage import GeneratorFactory, PolicyStage, frozen
@@ -227,20 +231,37 @@ class DistillConfig(StageConfig):
         )
 
 
-def teacher_problems(teacher_path: str, student_path: str) -> list[str]:
-    """One line when the teacher is no folder or does not tokenise as the student (it scores the
-    student's ids), naming both folders."""
-    if not Path(teacher_path).is_dir():
-        return [f"teacher.path: {teacher_path!r} is not a model folder"]
-    found = [
-        p
-        for p in fact_problems("student", folder_facts(student_path), "teacher", folder_facts(teacher_path))
-        if not p.startswith("chat template")
-    ]
+def teacher_problems(teacher: TeacherConfig, teacher_path: str, student_path: str) -> list[str]:
+    """What keeps `teacher` (resolved to `teacher_path`) from scoring the student's ids, one line each:
+    the model-folder checks model.path gets (pipeline.modeling.preflight: no folder, a LoRA adapter,
+    a reward model, pickled weights without teacher.allow_pickle, no tokenizer; custom code without
+    teacher.trust_remote_code), then, for a sound folder, whether it tokenises as the student (a
+    student folder that is not sound has its own model.path line).
+
+    The loss compares the two next-token distributions row for row, so both heads must have the same
+    number of rows (config.json's vocab_size) as well as the same tokenizer: TRL 1.16's
+    DistillationTrainer and GKDTrainer refuse another vocab_size for the same reason. The padded
+    rows past the tokenizer's length are left in (not sliced off): the student samples from, and
+    learns, its whole distribution."""
+    found = model_problems(teacher_path, "teacher.path", need="causal", allow_pickle=teacher.allow_pickle)
     if found:
+        return found
+    if not Path(teacher_path).is_dir():
+        return [f"teacher.path: {teacher_path!r} is not a model folder (its tokenizer is compared with the student's)"]
+    found = remote_code_problems(dataclasses.replace(teacher, path=teacher_path), "teacher")
+    if found or not Path(student_path).is_dir() or folder_problems(Path(student_path), "model.path", "any", True):
+        return found
+    student, taught = folder_facts(student_path), folder_facts(teacher_path)
+    names = f"the student {student_path} and the teacher {teacher_path}"
+    if student["tokenizer_hash"] != taught["tokenizer_hash"]:
+        found = [p for p in fact_problems("student", student, "teacher", taught) if not p.startswith("chat template")]
+        return [f"teacher.path: {names} do not share a tokenizer ({'; '.join(found)})"]
+    if student["vocab_size"] != taught["vocab_size"]:
         return [
-            f"teacher.path: the student {student_path} and "
-            f"the teacher {teacher_path} do not share a tokenizer ({'; '.join(found)})"
+            f"teacher.path: {names} share a tokenizer ({tokenizer_length(student_path)} tokens) but not the number "
+            f"of embedding rows (config.json vocab_size: the student has {student['vocab_size']}, the teacher "
+            f"{taught['vocab_size']}; the rows past the tokenizer's are padding): the loss compares the two "
+            "next-token distributions row for row, so they need one vocab_size"
         ]
     return []
 
@@ -288,7 +309,8 @@ class DistillStage(PolicyStage):
         """Where the off-policy steps are in their seeded shuffle of data.completions (rides in checkpoints)."""
 
     def problems(self) -> list[str]:
-        found = super().problems() + (teacher_problems(self.teacher_path, self.model_path) if self.teacher_path else [])
+        found = super().problems()
+        found += teacher_problems(self.cfg.teacher, self.teacher_path, self.model_path) if self.teacher_path else []
         backend = TEACHER_BACKENDS.get(self.cfg.teacher.backend)
         if backend is not None and not backend.in_process and launched_world_size() > 1:
             found.append(
@@ -515,6 +537,15 @@ class DistillStage(PolicyStage):
 
     def load_state_dict(self, state: dict) -> None:
         self.completion_cursor = dict(state.get("completion_cursor", self.completion_cursor))
+
+    def training_data(self) -> tuple[str, ...]:
+        """The prompts, and data.completions where the off-policy steps train on them (lmbda < 1)."""
+        return super().training_data() + (("data.completions",) if self.cfg.distill.lmbda < 1.0 else ())
+
+    def input_models(self) -> dict[str, str]:
+        """The teacher: what the student learns is its distribution, so new weights at teacher.path
+        change the run as a changed setting does."""
+        return {"teacher.path": self.teacher_path} if self.teacher_path else {}
 
     def manifest_extras(self) -> dict:
         """The teacher the student learned from (the driver can tell when it changed)."""

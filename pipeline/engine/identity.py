@@ -6,8 +6,11 @@ Every checkpoint's marker records the identity of the run that wrote it (`run_id
   has no manifest; fine-tuning mode; the LoRA shape). A change here cannot be resumed at all:
   the saved weights belong to another model;
 - `config`: every resolved config key that shapes the training trajectory (learning rate and
-  schedule, seq length, seed, the global batch, data settings, stage options...) and a sha256 of
-  the training data files. A change is refused unless `checkpoint.resume_changed: true`, which
+  schedule, seq length, seed, the global batch, data settings, stage options...), a sha256 of
+  every data file the steps train on (`data.train_files`, over the entries of the stage's
+  `training_data` keys: data.train, and e.g. distill's data.completions), and the weights hash of
+  each other model the steps read (`<key>:weights`, the stage's `input_models`: distill's
+  teacher). A change is refused unless `checkpoint.resume_changed: true`, which
   applies the new values from the resumed step on and records that it did (the manifest's
   `resume_changes`);
 - `may_change`: keys that can change between runs without changing what the steps compute or
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from data_formats.sources import expand_entry
-from pipeline.modeling.manifest import read_manifest
+from pipeline.modeling.manifest import read_manifest, weights_hash
 
 MAY_CHANGE = (
     "output_dir",
@@ -66,6 +69,24 @@ def matches(key: str, patterns: Iterable[str]) -> bool:
     return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
 
 
+TRAINING_DATA = ("data.train",)
+"""The config keys whose files a stage trains on, unless it says otherwise (`Stage.training_data`)."""
+
+WEIGHTS = ":weights"
+"""Suffix of an identity key holding the weights of a model folder a stage reads beside its parent."""
+
+
+def training_entries(config: dict, keys: Iterable[str] = TRAINING_DATA) -> list[str]:
+    """The data entries the dotted `keys` of a nested config name, key after key."""
+    out: list[str] = []
+    for key in keys:
+        node: Any = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        out += list(node or [])
+    return out
+
+
 def data_digest(entries: Iterable[str]) -> str:
     """sha256 over the names and bytes of the files the data entries name (hub datasets by name)."""
     digest = hashlib.sha256()
@@ -91,9 +112,28 @@ def parent_identity(model_path: str) -> str:
     return str(folder.resolve()) if folder.exists() else str(model_path)
 
 
-def run_identity(stage: str, config: dict, *, model_path: str, world_size: int, may_change: Iterable[str] = ()) -> dict:
+def model_identity(path: str) -> str:
+    """A model folder a stage reads, as an identity records it: the hash of its weights as they are
+    on disk (not its manifest's record: a folder overwritten in place keeps its manifest), else its
+    resolved path (no safetensors)."""
+    found = weights_hash(path)
+    return f"weights {found}" if found else str(Path(path).resolve())
+
+
+def run_identity(
+    stage: str,
+    config: dict,
+    *,
+    model_path: str,
+    world_size: int,
+    may_change: Iterable[str] = (),
+    training_data: Iterable[str] = TRAINING_DATA,
+    models: Optional[dict[str, str]] = None,
+) -> dict:
     """The identity a checkpoint records (module docstring). `config` is the resolved config as
-    a dict (pipeline.config.to_dict); `may_change` adds a stage's own keys to MAY_CHANGE."""
+    a dict (pipeline.config.to_dict); `may_change` adds a stage's own keys to MAY_CHANGE;
+    `training_data` are the config keys whose files the steps train on; `models` {config key:
+    folder} the other models they read."""
     flat = flatten(config)
     loose = tuple(MAY_CHANGE) + tuple(may_change)
     fixed = {
@@ -105,7 +145,8 @@ def run_identity(stage: str, config: dict, *, model_path: str, world_size: int, 
     train = config.get("train", {})
     shaping = {k: v for k, v in flat.items() if not matches(k, FIXED) and not matches(k, loose)}
     shaping["train.global_batch"] = int(train.get("batch_size", 1)) * int(train.get("grad_accum", 1)) * world_size
-    shaping["data.train_files"] = data_digest(config.get("data", {}).get("train", []))
+    shaping["data.train_files"] = data_digest(training_entries(config, training_data))
+    shaping.update({f"{key}{WEIGHTS}": model_identity(path) for key, path in (models or {}).items()})
     return {
         "stage": stage,
         "fixed": fixed,
@@ -123,6 +164,9 @@ def changes(old: dict, new: dict) -> list[str]:
         if old.get(key) != new.get(key):
             if key == "data.train_files":
                 out.append("the training data files changed (their sha256 differs)")
+            elif key.endswith(WEIGHTS):
+                model = key[: -len(WEIGHTS)]
+                out.append(f"the model at {model} changed: {old.get(key, '(absent)')} -> {new.get(key, '(absent)')}")
             else:
                 out.append(f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}")
     return out

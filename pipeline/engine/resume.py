@@ -46,6 +46,8 @@ def resume_problems(stage) -> list[str]:
         model_path=stage.model_path,
         world_size=launched_world_size(),
         may_change=stage.resume_may_change,
+        training_data=stage.training_data(),
+        models=stage.input_models(),
     )
     resume = resume_setting(cfg.checkpoint)
     if resume not in (True, False) and not (Path(resume) / MARKER).is_file():

@@ -67,7 +67,7 @@ from pipeline.engine.checkpoint import Checkpointer, complete_checkpoints, rng_s
 from pipeline.engine.divergence import Diverged, largest_weight, loss_divergence, weight_divergence
 from pipeline.engine.export import export_trained
 from pipeline.engine.held_out import eval_shards, held_out
-from pipeline.engine.identity import data_digest
+from pipeline.engine.identity import TRAINING_DATA, data_digest, training_entries
 from pipeline.engine.interrupt import (
     STOP_ENV,
     Stopped,
@@ -291,6 +291,16 @@ class Stage:
         """Extra keys for merged/manifest.json."""
         return {}
 
+    def training_data(self) -> tuple[str, ...]:
+        """The config keys whose files the steps train on: the run's identity (resume) and the
+        manifest's `data_digest` (the pipeline's staleness) cover their files."""
+        return TRAINING_DATA
+
+    def input_models(self) -> dict[str, str]:
+        """{config key: folder} of the other models the steps learn from (distill's teacher): a
+        resumed run refuses their changed weights as it does a changed setting."""
+        return {}
+
     def export(self, summary: dict) -> Optional[Path]:
         """Save the trained weights and merged/ (rank 0 returns it). Releases model, optimizer
         and scheduler first, so the merge does not hold the training copies too."""
@@ -349,7 +359,9 @@ class Stage:
         # what the weights were trained on (the files as this run found them at its start): the
         # pipeline calls the output stale when they change
         trained_on = (self.identity or {}).get("config", {}).get("data.train_files")
-        extras["data_digest"] = trained_on or data_digest(self.cfg.data.train)
+        keys = self.training_data()
+        extras["data_digest"] = trained_on or data_digest(training_entries(to_dict(self.cfg), keys))
+        extras["data_digest_keys"] = list(keys)
         return extras
 
     def progress(self, figures: dict[str, float]) -> dict[str, str]:

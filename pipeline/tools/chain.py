@@ -29,7 +29,7 @@ import stages as registry
 from data_formats.sources import DataError, expand_entry
 from data_formats.validate import data_problems, read_and_parse
 from pipeline.config import ConfigError, load_config
-from pipeline.engine.identity import data_digest, output_changes
+from pipeline.engine.identity import TRAINING_DATA, data_digest, output_changes, training_entries
 from pipeline.modeling.handoff import link_problems, manifest_problems, pairing_problems
 from pipeline.modeling.manifest import read_manifest, weights_hash
 from pipeline.tools.chain_config import (
@@ -113,8 +113,9 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
     """'done' when the stage's merged output is complete and built on the current parent, else 'todo'.
 
     Raises:
-        DriverError: the output exists but is stale (built on another parent or with another
-            config than the pipeline config now gives it) or its weights no
+        DriverError: the output exists but is stale (built on another parent, with another
+            config than the pipeline config now gives it, or on other files under the data keys its
+            manifest's `data_digest_keys` names: data.train, distill's data.completions) or its weights no
             longer match its manifest; both values are in the message. Nothing is deleted: the
             user decides.
     """
@@ -140,9 +141,11 @@ def stage_status(cfg: PipelineConfig, stage: str) -> str:
             f"gives this stage ({'; '.join(changed)}); delete {stage_dir(cfg, stage)} to rebuild it"
         )
     recorded = manifest.get("data_digest")  # outputs written before it was recorded are not checked
-    if recorded and recorded != data_digest(stage_config(cfg, stage).get("data", {}).get("train", [])):
+    keys = manifest.get("data_digest_keys") or TRAINING_DATA  # the keys the stage trained on (Stage.training_data)
+    if recorded and recorded != data_digest(training_entries(stage_config(cfg, stage), keys)):
+        files = ", ".join(f"{key}'s" for key in keys)
         raise DriverError(
-            f"{folder} is stale: its training data (data.train's files) changed since it was trained; delete "
+            f"{folder} is stale: its training data ({files} files) changed since it was trained; delete "
             f"{stage_dir(cfg, stage)} to rebuild it"
         )
     parent = parent_path(cfg, stage)
