@@ -315,6 +315,29 @@ def test_learning_raises_reward_and_lr0_does_not(tmp_path, peaked_policy, tiny_r
     assert max(frozen) < 0.15 and sum(frozen[-3:]) / 3 < frozen[0] + 0.1, frozen
 
 
+def test_a_resume_after_the_reward_models_weights_changed_is_refused(
+    tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file, monkeypatch
+):
+    """The policy learns the RM's scores: new weights at the same reward_model.path between a stop
+    and its resume are a change of the run (they went unnoticed), as a changed setting is."""
+    from pipeline.modeling.manifest import weights_hash
+
+    reward = shutil.copytree(tiny_reward_dir, tmp_path / "rm")
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, reward, prompts_file, max_steps=2)
+    monkeypatch.setenv("RELAY_STOP_AFTER_STEP", "1")
+    run_stage(ppo.PPOStage, cfg)
+    monkeypatch.delenv("RELAY_STOP_AFTER_STEP")
+    before = weights_hash(reward)
+    other = make_tiny_model(tmp_path / "other", seed=9, num_labels=1)
+    shutil.copy(other / "model.safetensors", reward / "model.safetensors")
+    cfg.checkpoint.resume = True
+    with pytest.raises(ConfigError) as err:
+        ppo.PPOStage(cfg).validate()
+    assert f"the model at reward_model.path changed: weights {before} -> weights {weights_hash(reward)}" in str(
+        err.value
+    )
+
+
 def test_resume_reproduces_unbroken_run(tmp_path, tiny_model_dir, tiny_reward_dir, prompts_file, monkeypatch):
     """On the default backend (relay); the hf backend's resume is tests/test_grpo.py's (the same
     generators and RNG contract, in the cheaper stage)."""

@@ -237,6 +237,11 @@ class PolicyStage(Stage):
             parts.append(f"**prompt**: {prompts[i]}\n\n**{answer}**: {text}\n\n**reward**: {float(rewards[i]):.4f}")
         return "\n\n---\n\n".join(parts)
 
+    def input_models(self) -> dict[str, str]:
+        """The reward model: the policy learns its scores, so new weights at reward_model.path
+        change the run as a changed setting does (a resume refuses them)."""
+        return {"reward_model.path": self.reward_path} if self.reward_path else {}
+
     def reward_model_record(self) -> dict:
         """The reward model the policy was optimised against (the driver re-runs the stage when it changes)."""
         if self.reward_path is None:
