@@ -317,3 +317,31 @@ def test_an_unfinished_run_is_named_so_by_export_serve_and_eval(tmp_path):
     assert any(said in p for p in serve.model_folder_problems(str(run)))
     with pytest.raises(evaluate.EvalError, match=re.escape(said)):
         evaluate.model_folder(str(run))
+
+
+def test_a_distilled_models_card_lists_the_completions_it_trained_on_and_its_teacher(tmp_path):
+    """distill with lmbda < 1 trains on data.completions too: its manifest's data_digest covers them
+    (data_digest_keys); the card read the train files alone, so it said they had changed and left
+    the completions out. It names the teacher (and an RL stage's reward model) it learned from."""
+    from pipeline.tools.model_card import stage_data, stage_section
+
+    prompts, completions = tmp_path / "prompts.jsonl", tmp_path / "completions.jsonl"
+    prompts.write_text('{"prompt": "q"}\n')
+    completions.write_text('{"messages": []}\n')
+    manifest = {
+        "stage": "distill",
+        "config": {"data": {"train": [str(prompts)], "completions": [str(completions)]}},
+        "data_digest": data_digest([str(prompts), str(completions)]),
+        "data_digest_keys": ["data.train", "data.completions"],
+        "teacher": {"path": "/models/teacher", "weights_hash": "ab" * 32},
+    }
+    found = stage_data(manifest)
+    assert not found.stale and [f for f, _ in found.files] == [f"train: {prompts}", f"completions: {completions}"]
+    assert f"- teacher it learned from: `/models/teacher` (weights sha256 `{'ab' * 32}`)" in stage_section(
+        manifest, found
+    )
+    completions.write_text('{"messages": [{"role": "user", "content": "x"}]}\n')
+    assert stage_data(manifest).stale
+    older = {k: v for k, v in manifest.items() if k != "data_digest_keys"}  # written before the keys were recorded
+    older["data_digest"] = data_digest([str(prompts)])
+    assert not stage_data(older).stale and [f for f, _ in stage_data(older).files] == [f"train: {prompts}"]

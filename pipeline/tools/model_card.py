@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from data_formats.sources import expand_entry
-from pipeline.engine.identity import data_digest
+from pipeline.engine.identity import TRAINING_DATA, data_digest, training_entries
 from pipeline.modeling.embedded import gguf_path
 from pipeline.modeling.manifest import file_sha256, read_manifest
 from pipeline.tools.gguf_check import gguf_string
@@ -98,10 +98,24 @@ class StageData:
     """The paths were read from a folder: the one the run ran in, or one where they match what it trained on."""
 
 
-def _fingerprints(data: dict) -> tuple[list[tuple[str, str]], list[str]]:
+def data_keys(manifest: dict) -> list[str]:
+    """The `data` keys a stage's card lists: those it trained on (the manifest's `data_digest_keys`:
+    data.train, distill's data.completions), then its held-out data."""
+    trained = [k.split(".", 1)[1] for k in manifest.get("data_digest_keys") or TRAINING_DATA if k.startswith("data.")]
+    return list(dict.fromkeys([*trained, "eval"]))
+
+
+def trained_digest(manifest: dict) -> str:
+    """The digest (pipeline.engine.identity.data_digest) of the files the stage's training data keys
+    name now, read from the working folder: the manifest's `data_digest` when they are unchanged."""
+    keys = manifest.get("data_digest_keys") or TRAINING_DATA
+    return data_digest(training_entries(manifest.get("config") or {}, keys))
+
+
+def _fingerprints(data: dict, keys: Sequence[str]) -> tuple[list[tuple[str, str]], list[str]]:
     """((`key: file`, sha256 or what it is), hub dataset names) of data entries, read from the working folder."""
     out, datasets = [], []
-    for key in ("train", "eval"):
+    for key in keys:
         for entry in data.get(key) or []:
             try:
                 files, dataset = expand_entry(entry)
@@ -125,14 +139,15 @@ def stage_data(manifest: dict) -> StageData:
     the files changed after training (`stale`). Otherwise the entries are shown as the config wrote
     them, with no hashes and no Hub datasets."""
     data = (manifest.get("config") or {}).get("data") or {}
-    entries = [(key, entry) for key in ("train", "eval") for entry in data.get(key) or []]
+    keys = data_keys(manifest)
+    entries = [(key, entry) for key in keys for entry in data.get(key) or []]
     recorded, root = manifest.get("data_digest"), run_root(manifest)
     absolute = all(Path(entry).is_absolute() for _, entry in entries)
     if absolute:
         base, where = Path.cwd(), "absolute paths"
     elif root is not None and root.is_dir():
         base, where = root, "paths relative to the folder the stage ran in"
-    elif recorded and data_digest(data.get("train") or []) == recorded:
+    elif recorded and trained_digest(manifest) == recorded:
         base = Path.cwd()
         where = (
             "paths as written in the stage's config; the train files they name from where the export ran are the "
@@ -145,8 +160,8 @@ def stage_data(manifest: dict) -> StageData:
         )
         return StageData([(f"{key}: {entry}", "") for key, entry in entries], where)
     with contextlib.chdir(base):
-        files, datasets = _fingerprints(data)
-        stale = bool(recorded) and data_digest(data.get("train") or []) != recorded
+        files, datasets = _fingerprints(data, keys)
+        stale = bool(recorded) and trained_digest(manifest) != recorded
     if stale:
         where += (
             "; **the train files changed since the stage trained on them** (their digest is not its "
@@ -316,6 +331,10 @@ def model_card(
     return "\n".join(lines)
 
 
+LEARNED_FROM = (("teacher", "teacher it learned from"), ("reward_model", "reward model it was optimised against"))
+"""The manifest records of the other models a stage learned from (its `input_models`), as the card names them."""
+
+
 def stage_section(manifest: dict, found: StageData) -> list[str]:
     """The card's section on one stage: steps, figures, hyper-parameters and its data (`stage_data`)."""
     lines = [
@@ -325,6 +344,11 @@ def stage_section(manifest: dict, found: StageData) -> list[str]:
         f"- figures: {_figures(manifest.get('summary') or {})}",
     ]
     lines += [f"- {line}" for line in hyper_parameters(manifest.get("config") or {})]
+    for key, what in LEARNED_FROM:
+        record = manifest.get(key)
+        if isinstance(record, dict) and record.get("path"):
+            weights = f" (weights sha256 `{record['weights_hash']}`)" if record.get("weights_hash") else ""
+            lines.append(f"- {what}: `{record['path']}`{weights}")
     if found.files:
         hashes = "sha256 of each file, as `sha256sum` prints it; " if found.placed else ""
         lines.append(f"- data ({hashes}{found.where}):")
