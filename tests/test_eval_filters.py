@@ -6,6 +6,7 @@ order the YAML lists the filters in; a task with one filter keeps the metric's p
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,17 @@ def write_task(folder: Path, data: Path, filters: list[dict]) -> Path:
     }
     (folder / "two_filters.yaml").write_text(json.dumps(task), encoding="utf-8")  # JSON is YAML
     return folder
+
+
+@pytest.fixture(autouse=True)
+def environment_kept():
+    """The harness runs in this process, and importing it sets variables (HF_XET_HIGH_PERFORMANCE):
+    left set, every later child of this pytest worker would differ from its fork server's import-time
+    environment and run on a fresh interpreter (tests/forkserver.py)."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
 
 
 @pytest.fixture(scope="module")
