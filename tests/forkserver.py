@@ -51,12 +51,15 @@ request whose value differs from the server's runs the real interpreter."""
 HANDLED = (
     "TORCHELASTIC_",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
     "PYTHONPATH",
     "PYTHONUNBUFFERED",
     "PYTHONDONTWRITEBYTECODE",
 )
-"""Read only when a process group starts (torchrun sets them for its ranks), or applied by the child
-(PYTHON itself is the driver's interpreter, no interpreter setting)."""
+"""Read only when a process group starts (torchrun sets them for its ranks) or when called
+(torch.cuda.is_available reads PYTORCH_NVML_BASED_CUDA_CHECK each time; DeepSpeed's accelerator probe,
+run by a test's first tiny model, leaves it set), or applied by the child (PYTHON itself is the
+driver's interpreter, no interpreter setting)."""
 
 _clients: dict[str, str] = {}
 

@@ -61,6 +61,16 @@ def test_a_forked_child_sees_what_a_fresh_interpreter_sees(tmp_path):
     assert done.returncode == 0 and json.loads(done.stdout)[4] is False, done.stderr
 
 
+def test_a_variable_read_when_called_not_at_import_still_forks(tmp_path, monkeypatch):
+    """DeepSpeed's accelerator probe (a test's first tiny model) leaves PYTORCH_NVML_BASED_CUDA_CHECK
+    set in the pytest worker: read by torch.cuda.is_available when called, it sent every later child
+    of that worker to a fresh interpreter, and these tests failed there."""
+    run(["-c", "pass"], tmp_path)  # the servers started before the variable is set
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    done = run(["-c", INSIDE], tmp_path)
+    assert done.returncode == 0 and json.loads(done.stdout)[-1], server_log()
+
+
 def test_exit_codes_streams_and_hash_seeds_are_a_fresh_interpreters(tmp_path):
     assert run(["-c", "import sys; sys.exit(3)"], tmp_path).returncode == 3
     done = run(["-c", "raise ValueError('bad')"], tmp_path)
