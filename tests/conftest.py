@@ -82,6 +82,17 @@ def embedded_path():
 
 
 @pytest.fixture(scope="module")
+def llama_cpp():
+    """llama.cpp's reader of GGUF files (tests/llamacpp.py), or the test skips saying why it is missing."""
+    import llamacpp
+
+    reason = llamacpp.why_unavailable()
+    if reason:
+        pytest.skip(reason)
+    return llamacpp.LlamaCpp
+
+
+@pytest.fixture(scope="module")
 def module_folder(request, tmp_path_factory):
     """A folder for a module's shared runs, removed when the module ends with none of its tests
     failed: pyproject's retention policy removes a passing test's own `tmp_path` at once, but a

@@ -173,16 +173,6 @@ def test_an_unsupported_architecture_is_one_line(tiny_model_dir, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def llama_cpp():
-    import llamacpp
-
-    reason = llamacpp.why_unavailable()
-    if reason:
-        pytest.skip(reason)
-    return llamacpp.LlamaCpp
-
-
-@pytest.fixture(scope="module")
 def embedded_hf(embedded_path):
     """The embedded model's tokenizer and model, the 5 prompts' chat-templated ids and their greedy
     continuations by transformers (8 new tokens)."""

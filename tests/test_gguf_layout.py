@@ -185,16 +185,6 @@ def test_the_check_reads_a_biased_model_exactly(biased, tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def llama_cpp():
-    import llamacpp
-
-    reason = llamacpp.why_unavailable()
-    if reason:
-        pytest.skip(reason)
-    return llamacpp.LlamaCpp
-
-
 LLAMA_CPP_F32 = 1e-4
 """llama.cpp's f32 against transformers: its own kernels and its f16 KV cache leave errors around
 1e-6 here; a rope or bias laid out otherwise gives 0.05 and more (1 and more at 400 tokens)."""
