@@ -52,14 +52,16 @@ HANDLED = (
     "TORCHELASTIC_",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "KMP_DUPLICATE_LIB_OK",
     "PYTHONPATH",
     "PYTHONUNBUFFERED",
     "PYTHONDONTWRITEBYTECODE",
 )
 """Read only when a process group starts (torchrun sets them for its ranks) or when called
 (torch.cuda.is_available reads PYTORCH_NVML_BASED_CUDA_CHECK each time; DeepSpeed's accelerator probe,
-run by a test's first tiny model, leaves it set), or applied by the child (PYTHON itself is the
-driver's interpreter, no interpreter setting)."""
+run by a test's first tiny model, leaves it set), or only when a second OpenMP runtime loads
+(KMP_DUPLICATE_LIB_OK, which importing scikit-learn or an inductor compile sets in a test's process),
+or applied by the child (PYTHON itself is the driver's interpreter, no interpreter setting)."""
 
 _clients: dict[str, str] = {}
 

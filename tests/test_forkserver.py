@@ -61,12 +61,14 @@ def test_a_forked_child_sees_what_a_fresh_interpreter_sees(tmp_path):
     assert done.returncode == 0 and json.loads(done.stdout)[4] is False, done.stderr
 
 
-def test_a_variable_read_when_called_not_at_import_still_forks(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,value", [("PYTORCH_NVML_BASED_CUDA_CHECK", "1"), ("KMP_DUPLICATE_LIB_OK", "TRUE")])
+def test_a_variable_no_import_reads_still_forks(tmp_path, monkeypatch, name, value):
     """DeepSpeed's accelerator probe (a test's first tiny model) leaves PYTORCH_NVML_BASED_CUDA_CHECK
-    set in the pytest worker: read by torch.cuda.is_available when called, it sent every later child
-    of that worker to a fresh interpreter, and these tests failed there."""
+    set in the pytest worker, importing scikit-learn or an inductor compile KMP_DUPLICATE_LIB_OK: read
+    when called, or when a second OpenMP runtime loads, they sent every later child of that worker to
+    a fresh interpreter, and these tests failed there."""
     run(["-c", "pass"], tmp_path)  # the servers started before the variable is set
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    monkeypatch.setenv(name, value)
     done = run(["-c", INSIDE], tmp_path)
     assert done.returncode == 0 and json.loads(done.stdout)[-1], server_log()
 
