@@ -155,7 +155,7 @@ PARTS = [
     Part(
         "sft-vs-trl",
         "third",
-        130,
+        180,
         "SFT full/LoRA/QLoRA bf16 packed seq 2048 on the 0.5B shape, Relay vs TRL SFTTrainer on "
         "the same packs with equal first loss: tokens/s, MFU, peak GPU memory",
     ),
@@ -169,8 +169,8 @@ PARTS = [
     Part("grpo", "third", 60, "GRPO (LoRA, bf16, 0.5B shape): seconds per step, generation share"),
     Part(
         "decode-compiled",
-        "third",
-        60,
+        "fourth",
+        150,
         "transformers' generate with its static cache (compiled), warmed up on the shapes it "
         "is timed on, batch 1/8/32 x 128 tokens; the compile's seconds apart",
     ),

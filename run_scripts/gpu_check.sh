@@ -12,8 +12,8 @@
 # the bundle is complete; nothing runs.
 # GPU_CHECK_PARTS picks what runs: first (the default: install and versions, Relay's SFT profiled,
 # tests/test_gpu.py, tests/test_fsdp.py, decoding), second (the ZeRO, QLoRA, vLLM and two-GPU
-# tests), third (the TRL comparison, the 1.5B QLoRA merge, PPO, GRPO, compiled decoding), fourth
-# (GRPO sampling on vLLM with its default options, where vLLM is installed), or part
+# tests), third (the TRL comparison, the 1.5B QLoRA merge, PPO, GRPO), fourth (compiled decoding;
+# GRPO sampling on vLLM with its default options, where vLLM is installed), or part
 # names (e.g. GPU_CHECK_PARTS="fsdp-tests decode"); one window each. GPU_CHECK_S_<PART> (e.g.
 # GPU_CHECK_S_FSDP_TESTS=300) sets one part's budget in seconds, GPU_CHECK_TOTAL_S the whole run's
 # (default: the sum of its parts'). A part a budget cuts off is reported as cut off, its tests never
