@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -65,7 +66,7 @@ def offline_fetch(tmp_path, monkeypatch):
 def synthetic_bundle(tmp_path, offline_fetch):
     """A complete bundle of synthetic wheels for every need (one with a dependency); version 99.0
     passes every floor of pipeline/tools/compat.py."""
-    for name in bundle.NEEDS + bundle.DEV_NEEDS:
+    for name in bundle.NEEDS + bundle.EVAL_NEEDS + bundle.DEV_NEEDS:
         make_wheel(offline_fetch, name, "99.0", requires=("hjson>=3",) if name == "deepspeed" else ())
     make_wheel(offline_fetch, "hjson", "3.1.0")
     out = tmp_path / "bundle"
@@ -106,6 +107,21 @@ def test_check_reports_a_missing_need_a_changed_file_and_the_budget(synthetic_bu
     assert any(p.endswith("size or sha256 differs from bundle.json") and "trl-99.0" in p for p in problems)
     assert any("gguf-99.0-py3-none-any.whl: missing (gguf 99.0)" in p for p in problems)
     assert any("over the budget of 0.001 MiB" in p for p in problems)
+
+
+def test_a_bundle_without_the_eval_extra_says_so_and_is_complete_without_it(tmp_path, offline_fetch):
+    """`--without-eval` (a transfer with a size limit): the manifest records what it leaves out, and
+    only such a bundle passes its check without lm-eval."""
+    for name in bundle.NEEDS + bundle.DEV_NEEDS:
+        make_wheel(offline_fetch, name, "99.0", requires=("hjson>=3",) if name == "deepspeed" else ())
+    make_wheel(offline_fetch, "hjson", "3.1.0")
+    out = tmp_path / "bundle"
+    assert bundle.main(["--out", str(out), "--without-eval"]) == 0
+    manifest = json.loads((out / "bundle.json").read_text())
+    assert manifest["without"] == ["eval"] and "lm-eval" not in {w["name"] for w in manifest["wheels"]}
+    assert bundle.check(out) == []
+    (out / "bundle.json").write_text(json.dumps({**manifest, "without": []}))
+    assert any("lm-eval is needed but not in the bundle" in p for p in bundle.check(out))
 
 
 def test_the_command_line_caps_the_size_only_when_asked(synthetic_bundle, monkeypatch):

@@ -34,9 +34,11 @@ from typing import Optional, Sequence
 from pipeline.modeling.embedded import COMPLETE_MARKER, embedded_dir, materialize
 from pipeline.modeling.manifest import file_sha256
 
-NEEDS = ("bitsandbytes", "datasets", "trl", "draccus", "deepspeed", "gguf", "fastapi", "uvicorn", "lm-eval")
-"""What Relay imports that a CUDA PyTorch image lacks: pyproject.toml's dependencies and its `eval` extra
-(lm-eval: `relay eval` and the pipelines' gold.benchmarks, which install.sh installs too) minus IMAGE_HAS."""
+NEEDS = ("bitsandbytes", "datasets", "trl", "draccus", "deepspeed", "gguf", "fastapi", "uvicorn")
+"""What Relay imports that a CUDA PyTorch image lacks: pyproject.toml's dependencies minus IMAGE_HAS."""
+EVAL_NEEDS = ("lm-eval",)
+"""pyproject.toml's `eval` extra (`relay eval`, the pipelines' gold.benchmarks; install.sh installs it too):
+bundled unless `--without-eval` leaves it out (the manifest then says so, and `check` does not ask for it)."""
 DEV_NEEDS = ("pytest", "pytest-timeout")
 """What run_scripts/gpu_check.sh runs the tests with."""
 SDIST_ONLY = {
@@ -214,9 +216,14 @@ def fetch(requirement: str, name: str, out: Path, python_version: str) -> Path:
 
 
 def build(
-    out: Path, python_version: str = "3.12", needs: Sequence[str] = NEEDS + DEV_NEEDS, image_has: frozenset = IMAGE_HAS
+    out: Path,
+    python_version: str = "3.12",
+    needs: Sequence[str] = NEEDS + EVAL_NEEDS + DEV_NEEDS,
+    image_has: frozenset = IMAGE_HAS,
+    without: Sequence[str] = (),
 ) -> dict:
-    """Download (and build) the closure of `needs` minus `image_has` into `out`; write the manifest.
+    """Download (and build) the closure of `needs` minus `image_has` into `out`; write the manifest
+    (`without`: the extras left out, recorded for `check`).
 
     Raises:
         BundleError: a download or build failed, or the closure reaches a NEVER_BUNDLED package.
@@ -245,6 +252,7 @@ def build(
         "python_version": python_version,
         "platforms": list(PLATFORMS),
         "needs": list(needs),
+        "without": list(without),
         "wheels": [asdict(w) for w in sorted(wheels.values(), key=lambda w: w.name)],
         "provided_by_image": {k: sorted(set(v)) for k, v in sorted(provided.items())},
         "total_bytes": sum(w.size for w in wheels.values()),
@@ -285,13 +293,16 @@ def seed_cache(bundle: Path) -> Path:
     return target
 
 
-def check(folder: Path, budget_mib: Optional[float] = None, needs: Sequence[str] = NEEDS + DEV_NEEDS) -> list[str]:
+def check(folder: Path, budget_mib: Optional[float] = None, needs: Optional[Sequence[str]] = None) -> list[str]:
     """Every problem of the bundle in `folder` (empty: complete): a missing manifest, a need it
-    lacks, a file missing or changed (size, sha256), two versions of one package, over budget."""
+    lacks, a file missing or changed (size, sha256), two versions of one package, over budget.
+    `needs` defaults to NEEDS, DEV_NEEDS and, unless the bundle was built `--without-eval`, EVAL_NEEDS."""
     path = folder / MANIFEST
     if not path.is_file():
         return [f"{path}: no bundle manifest (build one: relay bundle --out {folder})"]
     manifest = json.loads(path.read_text())
+    if needs is None:
+        needs = NEEDS + DEV_NEEDS + (() if "eval" in manifest.get("without", []) else EVAL_NEEDS)
     problems = []
     names = [w["name"] for w in manifest["wheels"]]
     problems += [f"{path}: {n} is needed but not in the bundle" for n in map(canonical, needs) if n not in names]
@@ -349,6 +360,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--python-version", default="3.12", help="the node's CPython version (default 3.12)")
     parser.add_argument(
+        "--without-eval",
+        action="store_true",
+        help="leave out the eval extra (lm-eval: relay eval and gold.benchmarks), for a smaller transfer",
+    )
+    parser.add_argument(
         "--budget-mib",
         type=float,
         default=None,
@@ -363,7 +379,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("give exactly one of --out DIR, --check DIR or --seed-cache DIR")
     try:
         if args.out:
-            manifest = build(Path(args.out), args.python_version)
+            without = ["eval"] if args.without_eval else []
+            needs = NEEDS + DEV_NEEDS + (() if without else EVAL_NEEDS)
+            manifest = build(Path(args.out), args.python_version, needs, without=without)
             print(f"{args.out}: bundle for CPython {args.python_version} on manylinux x86_64\n{summary(manifest)}")
         folder = Path(args.out or args.check)
         problems = check(folder, args.budget_mib)
