@@ -74,25 +74,21 @@ def custom_code(folder: str | Path) -> Optional[dict[str, Any]]:
 def remote_code_problems(model_cfg: ModelConfig, key: str = "model", opt_in: Optional[str] = None) -> list[str]:
     """A folder that cannot load without running its own code (auto_map for a model_type
     transformers does not know) while `{key}.trust_remote_code` is off: one line, else []. `opt_in`
-    is how the caller's user turns it on (a config's `{key}.trust_remote_code: true` by default)."""
+    is the line's advice: how the caller's user runs that code (by default a config's
+    `{key}.trust_remote_code: true`)."""
     if is_embedded(model_cfg.path) or model_cfg.trust_remote_code:
         return []
-    opt_in = opt_in or f"set {key}.trust_remote_code: true"
+    opt_in = opt_in or f"set {key}.trust_remote_code: true if you trust the folder"
     folder = Path(str(model_cfg.path))
     code = custom_code(folder)
     if not code:
         return []
     if code["known"]:
         fit = stock_fit_problem(folder, code["model_type"])
-        return (
-            [f"{key}.path: {folder} ships its own code (auto_map) and {fit}; {opt_in} if you trust the folder"]
-            if fit
-            else []
-        )
+        return [f"{key}.path: {folder} ships its own code (auto_map) and {fit}; {opt_in}"] if fit else []
     return [
         f"{key}.path: {folder} needs its own code: model_type {code['model_type']!r} is not a transformers model "
-        f"and config.json maps {', '.join(code['auto_map'])} to code in the folder (auto_map); {opt_in} "
-        "if you trust the folder"
+        f"and config.json maps {', '.join(code['auto_map'])} to code in the folder (auto_map); {opt_in}"
     ]
 
 

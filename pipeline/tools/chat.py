@@ -108,9 +108,8 @@ def load_chat_tokenizer(path: str, *, trust_remote_code: bool = False, allow_pic
             weights or tokenizer) or its tokenizer has no chat template.
     """
     found = model_problems(path, "--model", need="causal", allow_pickle=allow_pickle)
-    found = found or modeling.remote_code_problems(
-        ModelConfig(path=path, trust_remote_code=trust_remote_code), "--model", opt_in="pass --trust-remote-code"
-    )
+    asked = ModelConfig(path=path, trust_remote_code=trust_remote_code)
+    found = found or modeling.remote_code_problems(asked, "--model", "pass --trust-remote-code if you trust the folder")
     if found:
         raise ChatError("; ".join(found))
     folder = resolve_model_path(path)

@@ -443,19 +443,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def model_folder_problems(path: str) -> list[str]:
     """What keeps `path` from being served, one line each: pipeline.modeling.preflight's checks for a
-    causal LM, then a folder that loads only with the code it ships (config.json auto_map;
-    pipeline.modeling.models.remote_code_problems), which neither backend of relay serve runs."""
+    causal LM, then a folder that loads only with the code it ships (remote_code_problems), which
+    neither backend of relay serve runs."""
     from pipeline.modeling import models, preflight
 
-    problems = preflight.model_problems(path, "model", need="causal")
-    if problems or not models.remote_code_problems(ModelConfig(path=path), "model"):
-        return problems
-    code = models.custom_code(Path(path)) or {}
-    return [
-        f"model: {path} loads only with the model code it ships (config.json auto_map: "
-        f"{', '.join(code.get('auto_map') or [])}), and relay serve runs no code from a model folder; "
-        "`relay chat --trust-remote-code` runs it where you trust the folder"
-    ]
+    advice = "relay serve runs no code from a model folder (`relay chat --trust-remote-code` runs it, trusted)"
+    return preflight.model_problems(path, "model", need="causal") or models.remote_code_problems(
+        ModelConfig(path=path), "model", opt_in=advice
+    )
 
 
 def serve_on_vllm(args: argparse.Namespace) -> int:
